@@ -1,0 +1,330 @@
+// The reactor loop, remote wake-ups, the root-task registry and shutdown. The rules are written
+// at the top of runtime.hpp; the memory-order comments below say which side each atomic orders.
+#include "coshard/async/runtime.hpp"
+
+#include <asio/executor_work_guard.hpp>
+#include <asio/io_context.hpp>
+#include <asio/post.hpp>
+#include <asio/thread_pool.hpp>
+
+#include <atomic>
+#include <cassert>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "coshard/async/detail/wait_list.hpp"
+#include "cpu_relax.hpp"
+
+namespace coshard::async {
+namespace {
+thread_local Runtime* t_current = nullptr;
+}
+
+namespace detail {
+
+class RuntimeImpl {
+ public:
+  explicit RuntimeImpl(RuntimeOptions opts) : options(opts) {}
+
+  RuntimeOptions options;
+  asio::io_context io{1};  // declared first: destroyed last, after every frame that uses it
+
+  // Reactor-thread-only state.
+  std::vector<std::coroutine_handle<>> local;
+  std::size_t local_head = 0;
+  std::vector<Poller*> pollers;
+
+  // Remote wake-ups. remote_pending and sleeping form a Dekker pair (both seq_cst): a producer
+  // stores remote_pending then loads sleeping; the reactor stores sleeping then loads
+  // remote_pending, so at least one of them sees the other and no wake-up is lost.
+  std::mutex remote_mutex;
+  std::vector<std::coroutine_handle<>> remote;
+  std::atomic<bool> remote_pending{false};
+  std::atomic<bool> sleeping{false};
+
+  std::atomic<bool> stopping{false};  // set once; seen by spawn (relaxed is enough: advisory)
+  std::atomic<bool> stop{false};      // release/acquire: tells the loop to exit
+
+  std::mutex registry_mutex;
+  RootPromise* roots = nullptr;
+  std::atomic<std::size_t> live{0};  // relaxed: a statistic
+
+  std::once_flag pool_once;
+  std::unique_ptr<asio::thread_pool> pool;
+
+  std::thread thread;
+};
+
+}  // namespace detail
+
+Runtime::Runtime(RuntimeOptions options) : impl_(std::make_unique<detail::RuntimeImpl>(options)) {
+  impl_->local.reserve(1024);
+  impl_->thread = std::thread([this] {
+    t_current = this;
+    auto& s = *impl_;
+    auto work = asio::make_work_guard(s.io);
+    const std::size_t budget = s.options.io_poll_interval == 0 ? 1 : s.options.io_poll_interval;
+    bool spinning = false;
+    std::chrono::steady_clock::time_point spin_start;
+
+    while (!s.stop.load(std::memory_order_acquire)) {
+      bool did_work = false;
+
+      if (s.remote_pending.load(std::memory_order_acquire)) {
+        std::lock_guard lock(s.remote_mutex);
+        s.remote_pending.store(false, std::memory_order_relaxed);
+        s.local.insert(s.local.end(), s.remote.begin(), s.remote.end());
+        s.remote.clear();
+      }
+
+      std::size_t resumed = 0;
+      while (s.local_head < s.local.size() && resumed < budget) {
+        std::coroutine_handle<> h = s.local[s.local_head++];
+        h.resume();
+        ++resumed;
+      }
+      if (s.local_head == s.local.size()) {
+        s.local.clear();
+        s.local_head = 0;
+      } else if (s.local_head > 4096 && s.local_head * 2 > s.local.size()) {
+        s.local.erase(s.local.begin(), s.local.begin() + static_cast<std::ptrdiff_t>(s.local_head));
+        s.local_head = 0;
+      }
+      did_work |= resumed > 0;
+      did_work |= s.io.poll() > 0;
+      bool poller_pending = false;
+      for (Poller* p : s.pollers) {
+        did_work |= p->poll();
+        poller_pending |= p->pending();
+      }
+
+      if (did_work || s.local_head < s.local.size()) {
+        spinning = false;
+        continue;
+      }
+
+      // Idle: spin on the remote flag a while (cheap hand-offs), then park.
+      const auto now = std::chrono::steady_clock::now();
+      if (!spinning) {
+        spinning = true;
+        spin_start = now;
+      }
+      if (now - spin_start < s.options.spin_before_park) {
+        for (int i = 0; i < 64 && !s.remote_pending.load(std::memory_order_relaxed); ++i) {
+          detail::cpu_relax();
+        }
+        continue;
+      }
+
+      s.sleeping.store(true, std::memory_order_seq_cst);
+      if (s.remote_pending.load(std::memory_order_seq_cst) ||
+          s.stop.load(std::memory_order_acquire)) {
+        s.sleeping.store(false, std::memory_order_relaxed);
+        continue;
+      }
+      if (poller_pending) {
+        s.io.run_one_for(std::chrono::microseconds(50));
+      } else {
+        s.io.run_one();
+      }
+      s.sleeping.store(false, std::memory_order_relaxed);
+      spinning = false;
+    }
+    t_current = nullptr;
+  });
+}
+
+Runtime::~Runtime() {
+  auto& s = *impl_;
+  assert(!on_reactor_thread() && "a Runtime cannot be destroyed from its own reactor thread");
+  s.stopping.store(true, std::memory_order_relaxed);
+  s.stop.store(true, std::memory_order_release);
+  asio::post(s.io, [] {});  // wakes a parked reactor
+  s.thread.join();
+
+  // Blocking jobs write into awaiters that live in task frames: finish them before the frames go.
+  if (s.pool) {
+    s.pool->stop();
+    s.pool->join();
+  }
+
+  // Destroy every unfinished task. A frame's destructors may wake others (a dropped permit
+  // releases a semaphore): those wake-ups land in queues that are never run again.
+  for (;;) {
+    detail::RootPromise* root = nullptr;
+    {
+      std::lock_guard lock(s.registry_mutex);
+      root = s.roots;
+      if (root == nullptr) break;
+      s.roots = root->next;
+      if (s.roots) s.roots->prev = nullptr;
+      root->registered = false;
+      root->next = root->prev = nullptr;
+      s.live.fetch_sub(1, std::memory_order_relaxed);
+    }
+    std::coroutine_handle<detail::RootPromise>::from_promise(*root).destroy();
+  }
+  s.local.clear();
+  std::lock_guard lock(s.remote_mutex);
+  s.remote.clear();
+}
+
+Runtime* Runtime::current() noexcept { return t_current; }
+
+void Runtime::schedule(std::coroutine_handle<> handle) {
+  auto& s = *impl_;
+  if (t_current == this) {
+    s.local.push_back(handle);
+    return;
+  }
+  {
+    std::lock_guard lock(s.remote_mutex);
+    s.remote.push_back(handle);
+    s.remote_pending.store(true, std::memory_order_seq_cst);
+  }
+  if (s.sleeping.load(std::memory_order_seq_cst)) {
+    asio::post(s.io, [] {});
+  }
+}
+
+void Runtime::add_poller(Poller* poller) {
+  assert(on_reactor_thread());
+  impl_->pollers.push_back(poller);
+}
+
+void Runtime::remove_poller(Poller* poller) {
+  assert(on_reactor_thread());
+  std::erase(impl_->pollers, poller);
+}
+
+asio::io_context& Runtime::io_context() noexcept { return impl_->io; }
+
+std::size_t Runtime::live_tasks() const noexcept {
+  return impl_->live.load(std::memory_order_relaxed);
+}
+
+const RuntimeOptions& Runtime::options() const noexcept { return impl_->options; }
+
+bool Runtime::stopping() const noexcept {
+  return impl_->stopping.load(std::memory_order_relaxed);
+}
+
+void Runtime::post_blocking(std::function<void()> job) {
+  auto& s = *impl_;
+  std::call_once(s.pool_once, [&] {
+    s.pool = std::make_unique<asio::thread_pool>(s.options.blocking_threads == 0 ? 1 : s.options.blocking_threads);
+  });
+  asio::post(*s.pool, std::move(job));
+}
+
+void Runtime::start_root(std::coroutine_handle<> root, detail::RootPromise& promise) {
+  auto& s = *impl_;
+  {
+    std::lock_guard lock(s.registry_mutex);
+    promise.next = s.roots;
+    promise.prev = nullptr;
+    if (s.roots) s.roots->prev = &promise;
+    s.roots = &promise;
+    promise.registered = true;
+    s.live.fetch_add(1, std::memory_order_relaxed);
+  }
+  schedule(root);
+}
+
+namespace detail {
+
+Runtime* current_runtime() noexcept { return t_current; }
+
+void wake(Waiter& waiter) {
+  if (waiter.runtime) {
+    waiter.runtime->schedule(waiter.handle);
+  } else {
+    waiter.handle.resume();
+  }
+}
+
+std::coroutine_handle<> JoinStateBase::finish(Runtime* self, bool resume_waiter) noexcept {
+  // acq_rel: publishes the result to the waiter; acquires waiter_ from set_waiter().
+  const int previous = state_.exchange(kDone, std::memory_order_acq_rel);
+  state_.notify_all();
+  if (previous == kWaiting && resume_waiter) {
+    if (waiter_runtime_ == nullptr || waiter_runtime_ == self) return waiter_;
+    waiter_runtime_->schedule(waiter_);
+  }
+  return std::noop_coroutine();
+}
+
+void JoinStateBase::wait_blocking() const noexcept {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(20);
+  while (std::chrono::steady_clock::now() < deadline) {
+    for (int i = 0; i < 64; ++i) {
+      if (state_.load(std::memory_order_acquire) == kDone) return;
+      cpu_relax();
+    }
+  }
+  for (int s = state_.load(std::memory_order_acquire); s != kDone;
+       s = state_.load(std::memory_order_acquire)) {
+    state_.wait(s, std::memory_order_acquire);
+  }
+}
+
+RootPromise::~RootPromise() {
+  if (finished_) return;
+  // Destroyed before finishing: runtime shutdown. Unregister (if still listed) and tell the
+  // JoinHandle, without resuming any waiter: the reactor is gone.
+  if (registered) {
+    auto& s = *runtime_->impl_;
+    std::lock_guard lock(s.registry_mutex);
+    if (prev) prev->next = next; else s.roots = next;
+    if (next) next->prev = prev;
+    registered = false;
+    s.live.fetch_sub(1, std::memory_order_relaxed);
+  }
+  join_->set_error(Error(ErrorCode::shutdown, "the task was destroyed by runtime shutdown before it finished"));
+  join_->finish(runtime_, false);
+}
+
+std::coroutine_handle<> RootPromise::FinalAwaiter::await_suspend(
+    std::coroutine_handle<RootPromise> self) const noexcept {
+  RootPromise& p = self.promise();
+  p.finished_ = true;
+  {
+    auto& s = *p.runtime_->impl_;
+    std::lock_guard lock(s.registry_mutex);
+    if (p.registered) {
+      if (p.prev) p.prev->next = p.next; else s.roots = p.next;
+      if (p.next) p.next->prev = p.prev;
+      p.registered = false;
+      s.live.fetch_sub(1, std::memory_order_relaxed);
+    }
+  }
+  std::coroutine_handle<> next = p.join_->finish(p.runtime_, true);
+  self.destroy();
+  return next;
+}
+
+}  // namespace detail
+
+}  // namespace coshard::async
+
+namespace coshard {
+std::string_view to_string(ErrorCode code) noexcept {
+  switch (code) {
+    case ErrorCode::invalid_argument: return "invalid_argument";
+    case ErrorCode::out_of_range: return "out_of_range";
+    case ErrorCode::out_of_memory: return "out_of_memory";
+    case ErrorCode::timeout: return "timeout";
+    case ErrorCode::closed: return "closed";
+    case ErrorCode::shutdown: return "shutdown";
+    case ErrorCode::strict_sync: return "strict_sync";
+    case ErrorCode::task_failed: return "task_failed";
+    case ErrorCode::device: return "device";
+    case ErrorCode::io: return "io";
+    case ErrorCode::unsupported: return "unsupported";
+    case ErrorCode::internal: return "internal";
+  }
+  return "unknown";
+}
+
+}  // namespace coshard

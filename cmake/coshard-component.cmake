@@ -1,0 +1,55 @@
+# coshard_component(NAME SOURCES ... CUDA_SOURCES ... DEPS ...)
+#
+# One static library target per top-level folder, `coshard_NAME` with the alias `coshard::NAME`,
+# public headers in NAME/include/coshard/NAME/ (installed), private code in NAME/src/. With no
+# sources yet the target is an INTERFACE library over its dependencies. With tests on, an object
+# library compiles every public header on its own (Seastar's check that headers stand alone).
+function(coshard_component name)
+  cmake_parse_arguments(C "" "" "SOURCES;CUDA_SOURCES;DEPS;PRIVATE_DEPS" ${ARGN})
+  set(target coshard_${name})
+  set(include_dir ${CMAKE_CURRENT_SOURCE_DIR}/include)
+
+  if(COSHARD_HAS_CUDA)
+    list(APPEND C_SOURCES ${C_CUDA_SOURCES})
+  endif()
+  if(C_SOURCES)
+    add_library(${target} STATIC ${C_SOURCES})
+    set(scope PUBLIC)
+    target_link_libraries(${target} PRIVATE ${C_PRIVATE_DEPS})
+    target_include_directories(${target} PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/src)
+    if(COSHARD_WERROR)
+      target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Werror>)
+    endif()
+    target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wpedantic>)
+  else()
+    add_library(${target} INTERFACE)
+    set(scope INTERFACE)
+  endif()
+  add_library(coshard::${name} ALIAS ${target})
+  set_target_properties(${target} PROPERTIES EXPORT_NAME ${name} OUTPUT_NAME coshard_${name})
+  target_link_libraries(${target} ${scope} ${C_DEPS})
+  if(EXISTS ${include_dir})
+    target_include_directories(${target} ${scope}
+      $<BUILD_INTERFACE:${include_dir}>
+      $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>)
+    install(DIRECTORY ${include_dir}/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+  endif()
+  install(TARGETS ${target} EXPORT coshardTargets
+    ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+    LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
+
+  if(COSHARD_BUILD_TESTS AND EXISTS ${include_dir})
+    file(GLOB_RECURSE headers RELATIVE ${include_dir} CONFIGURE_DEPENDS ${include_dir}/*.hpp)
+    set(check_sources "")
+    foreach(header IN LISTS headers)
+      string(MAKE_C_IDENTIFIER ${header} id)
+      set(check ${CMAKE_CURRENT_BINARY_DIR}/header_check/${id}.cpp)
+      file(CONFIGURE OUTPUT ${check} CONTENT "#include <${header}>\n")
+      list(APPEND check_sources ${check})
+    endforeach()
+    if(check_sources)
+      add_library(${target}_header_check OBJECT ${check_sources})
+      target_link_libraries(${target}_header_check PRIVATE ${target})
+    endif()
+  endif()
+endfunction()

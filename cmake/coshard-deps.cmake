@@ -1,0 +1,39 @@
+# Dependencies that coshard's public targets carry. Included by the build and, installed, by
+# coshardConfig.cmake, so a consumer gets the same imported targets with the same settings.
+#
+#   coshard::asio   Asio (header-only) with io_uring files, liburing, threads.
+#   coshard::result the backend of coshard::Result: std::expected, or tl::expected when the
+#                   `tl-expected` package is found (COSHARD_USE_TL_EXPECTED is then defined).
+include_guard(GLOBAL)
+include(CMakeFindDependencyMacro)
+
+find_package(Threads REQUIRED)
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(COSHARD_URING REQUIRED IMPORTED_TARGET GLOBAL liburing)
+
+find_path(COSHARD_ASIO_INCLUDE_DIR asio.hpp)
+if(NOT COSHARD_ASIO_INCLUDE_DIR)
+  message(FATAL_ERROR "coshard: asio.hpp not found: install Asio (Debian: libasio-dev, or run scripts/install-deps.sh)")
+endif()
+
+if(NOT TARGET coshard::asio)
+  add_library(coshard::asio INTERFACE IMPORTED GLOBAL)
+  target_include_directories(coshard::asio INTERFACE ${COSHARD_ASIO_INCLUDE_DIR})
+  # ASIO_HAS_IO_URING changes the io_context's services: every translation unit must agree.
+  target_compile_definitions(coshard::asio INTERFACE ASIO_NO_DEPRECATED ASIO_HAS_IO_URING)
+  target_link_libraries(coshard::asio INTERFACE PkgConfig::COSHARD_URING Threads::Threads)
+endif()
+
+if(NOT DEFINED COSHARD_USE_TL_EXPECTED)
+  find_package(tl-expected CONFIG QUIET)
+  set(COSHARD_USE_TL_EXPECTED ${tl-expected_FOUND})
+elseif(COSHARD_USE_TL_EXPECTED)
+  find_dependency(tl-expected CONFIG)
+endif()
+if(NOT TARGET coshard::result)
+  add_library(coshard::result INTERFACE IMPORTED GLOBAL)
+  if(COSHARD_USE_TL_EXPECTED)
+    target_compile_definitions(coshard::result INTERFACE COSHARD_USE_TL_EXPECTED)
+    target_link_libraries(coshard::result INTERFACE tl::expected)
+  endif()
+endif()

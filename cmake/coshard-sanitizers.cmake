@@ -1,0 +1,13 @@
+# COSHARD_SANITIZE: one sanitizer configuration per build folder.
+#   thread  -> ThreadSanitizer (the runtime, the streams, the collectives)
+#   address -> AddressSanitizer + UndefinedBehaviorSanitizer (everything else)
+if(COSHARD_SANITIZE STREQUAL "thread")
+  add_compile_options(-fsanitize=thread -fno-omit-frame-pointer -g)
+  add_link_options(-fsanitize=thread)
+elseif(COSHARD_SANITIZE STREQUAL "address")
+  add_compile_options(-fsanitize=address,undefined -fno-sanitize-recover=undefined
+                      -fno-omit-frame-pointer -g)
+  add_link_options(-fsanitize=address,undefined)
+elseif(NOT COSHARD_SANITIZE STREQUAL "")
+  message(FATAL_ERROR "COSHARD_SANITIZE=${COSHARD_SANITIZE}: expected '', 'thread' or 'address'")
+endif()

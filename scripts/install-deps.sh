@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs the Debian packages coshard builds against, only the ones that are missing, so it is
+# cheap to run before every build. CUDA and NCCL are not installed here: they are found through
+# the toolkit on the PATH when present (COSHARD_CUDA=AUTO).
+set -euo pipefail
+
+packages=(
+  build-essential cmake ninja-build pkg-config
+  libasio-dev liburing-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed'; then
+    missing+=("$p")
+  fi
+done
+
+if ((${#missing[@]} == 0)); then
+  exit 0
+fi
+
+echo "install-deps: installing ${missing[*]}"
+sudo_cmd=()
+if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi
+export DEBIAN_FRONTEND=noninteractive
+"${sudo_cmd[@]}" apt-get update -qq
+"${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
