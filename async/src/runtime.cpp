@@ -34,6 +34,7 @@ class RuntimeImpl {
   std::vector<std::coroutine_handle<>> local;
   std::size_t local_head = 0;
   std::vector<Poller*> pollers;
+  std::vector<std::pair<std::type_index, std::unique_ptr<Poller>>> owned_pollers;
 
   // Remote wake-ups. remote_pending and sleeping form a Dekker pair (both seq_cst): a producer
   // stores remote_pending then loads sleeping; the reactor stores sleeping then loads
@@ -196,6 +197,17 @@ void Runtime::add_poller(Poller* poller) {
 void Runtime::remove_poller(Poller* poller) {
   assert(on_reactor_thread());
   std::erase(impl_->pollers, poller);
+}
+
+Poller* Runtime::find_owned_poller(const std::type_info& type) const {
+  for (const auto& [t, p] : impl_->owned_pollers)
+    if (t == std::type_index(type)) return p.get();
+  return nullptr;
+}
+
+void Runtime::adopt_poller(const std::type_info& type, std::unique_ptr<Poller> poller) {
+  add_poller(poller.get());
+  impl_->owned_pollers.emplace_back(std::type_index(type), std::move(poller));
 }
 
 asio::io_context& Runtime::io_context() noexcept { return impl_->io; }

@@ -27,6 +27,8 @@
 #include <memory>
 #include <string>
 #include <type_traits>
+#include <typeindex>
+#include <typeinfo>
 #include <utility>
 
 #include "coshard/async/join_handle.hpp"
@@ -95,6 +97,17 @@ class Runtime {
   void add_poller(Poller* poller);     // reactor thread only
   void remove_poller(Poller* poller);  // reactor thread only
 
+  // The poller of type P owned by this runtime, made (and added) on first use; it lives until
+  // the runtime is destroyed, after every task frame. Reactor thread only.
+  template <class P>
+  P& owned_poller() {
+    if (Poller* p = find_owned_poller(typeid(P))) return static_cast<P&>(*p);
+    auto made = std::make_unique<P>();
+    P& ref = *made;
+    adopt_poller(typeid(P), std::move(made));
+    return ref;
+  }
+
   asio::io_context& io_context() noexcept;
   // Spawned tasks not yet finished.
   std::size_t live_tasks() const noexcept;
@@ -105,6 +118,8 @@ class Runtime {
   template <class F, class R>
   friend class detail::BlockingAwaiter;
   void post_blocking(std::function<void()> job);
+  Poller* find_owned_poller(const std::type_info& type) const;
+  void adopt_poller(const std::type_info& type, std::unique_ptr<Poller> poller);
   void start_root(std::coroutine_handle<> root, detail::RootPromise& promise);
   bool stopping() const noexcept;
 

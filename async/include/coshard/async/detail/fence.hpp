@@ -1,0 +1,36 @@
+// Fence: one recorded point in one stream — what an Event refers to. Backends implement it
+// (CPU: an atomic flag completed by the stream's worker; CUDA: a timing-disabled cudaEvent_t).
+#pragma once
+
+#include "coshard/async/detail/wait_list.hpp"
+#include "coshard/async/device.hpp"
+#include "coshard/async/result.hpp"
+
+namespace coshard::async::detail {
+
+class Fence {
+ public:
+  explicit Fence(Device device) : device_(device) {}
+  virtual ~Fence() = default;
+  Fence(const Fence&) = delete;
+  Fence& operator=(const Fence&) = delete;
+
+  Device device() const noexcept { return device_; }
+
+  // Non-blocking: has the device passed this point? (An errored stream counts as passed.)
+  virtual bool query() = 0;
+  // After query() is true: the stream's error, if it failed before reaching this point.
+  virtual Result<void> status() = 0;
+  // Blocks the calling thread until passed. Callers go through detail::blocking_wait().
+  virtual Result<void> wait_blocking() = 0;
+  // Registers a suspended coroutine to be woken once passed; false if already passed.
+  // Called on the waiter's reactor thread.
+  virtual bool add_waiter(Waiter& waiter) = 0;
+  // Unregisters a waiter that will not be resumed (its frame is being destroyed).
+  virtual void remove_waiter(Waiter& waiter) = 0;
+
+ private:
+  Device device_;
+};
+
+}  // namespace coshard::async::detail

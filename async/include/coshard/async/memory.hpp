@@ -1,0 +1,160 @@
+// Stream-ordered memory.
+//
+// CachingAllocator hands out Blocks for use on a Stream. Returning a Block (destruction or
+// reset()) records an event on its stream; the memory is handed out again only after that event
+// and every event given to record_use() have completed — so a block is never reused while a
+// stream may still touch it, and the host never waits for that.
+// - CPU: a cache of aligned host blocks (best fit within max_fit_ratio), swept on allocation.
+// - CUDA: cudaMallocAsync/cudaFreeAsync on the block's stream with a caching pool (release
+//   threshold = max); extra uses are ordered with cudaStreamWaitEvent before the free.
+// poison_on_reuse fills every block handed out again (CUDA: every block) with poison_byte in
+// stream order, so a premature reuse shows up as poison in the data of whoever used it last.
+//
+// PinnedBuffer: page-aligned host memory, registered with CUDA (cudaHostRegister) when a device
+// is present, else mlock'ed on a best-effort basis. Page-aligned + registered (rather than
+// cudaHostAlloc) so the same buffer can also be registered with io_uring for NVMe transfers.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "coshard/async/device.hpp"
+#include "coshard/async/event.hpp"
+#include "coshard/async/result.hpp"
+#include "coshard/async/stream.hpp"
+
+namespace coshard::async {
+
+struct AllocatorOptions {
+  bool poison_on_reuse = false;
+  std::uint8_t poison_byte = 0xCD;
+  // A cached block serves a request only if block size <= request * max_fit_ratio.
+  double max_fit_ratio = 2.0;
+};
+
+struct AllocatorStats {
+  std::size_t in_use_bytes = 0;
+  std::size_t peak_in_use_bytes = 0;
+  std::size_t cached_bytes = 0;   // returned, last use completed, ready to hand out
+  std::size_t pending_bytes = 0;  // returned, last use not yet known to be complete
+  std::uint64_t fresh_allocations = 0;
+  std::uint64_t reuses = 0;
+};
+
+class CachingAllocator;
+
+namespace detail {
+class DeviceMemoryBackend;
+}
+
+// Memory for use on one stream. Move-only; returns itself to its allocator when destroyed.
+// Both the allocator and the stream must outlive it.
+class Block {
+ public:
+  Block() = default;
+  Block(Block&& o) noexcept { *this = std::move(o); }
+  Block& operator=(Block&& o) noexcept;
+  Block(const Block&) = delete;
+  Block& operator=(const Block&) = delete;
+  ~Block() { reset(); }
+
+  void* data() const noexcept { return ptr_; }
+  std::size_t size() const noexcept { return size_; }
+  std::span<std::byte> bytes() const noexcept { return {static_cast<std::byte*>(ptr_), size_}; }
+  template <class T>
+  std::span<T> as() const noexcept {
+    return {static_cast<T*>(ptr_), size_ / sizeof(T)};
+  }
+  Stream* stream() const noexcept { return stream_; }
+  explicit operator bool() const noexcept { return ptr_ != nullptr; }
+
+  // Another stream used this block: reuse also waits for `event` (CUDA's record_stream).
+  void record_use(const Event& event) { uses_.push_back(event); }
+  // Returns the block now (its last use on its stream is recorded as an event).
+  void reset() noexcept;
+
+ private:
+  friend class CachingAllocator;
+  CachingAllocator* owner_ = nullptr;
+  void* ptr_ = nullptr;
+  std::size_t size_ = 0;
+  Stream* stream_ = nullptr;
+  std::vector<Event> uses_;
+};
+
+class CachingAllocator {
+ public:
+  static Result<std::unique_ptr<CachingAllocator>> create(Device device, AllocatorOptions options = {});
+  // Waits (counted, as teardown) for blocks still in use by a stream, then frees everything.
+  ~CachingAllocator();
+  CachingAllocator(const CachingAllocator&) = delete;
+  CachingAllocator& operator=(const CachingAllocator&) = delete;
+
+  Result<Block> allocate(std::size_t bytes, Stream& stream);
+  // Frees cached blocks whose last use has completed.
+  void trim();
+  AllocatorStats stats() const;
+  Device device() const noexcept { return device_; }
+
+ private:
+  struct Key {};  // only create() constructs
+
+ public:
+  CachingAllocator(Key, Device device, AllocatorOptions options, std::unique_ptr<detail::DeviceMemoryBackend> backend);
+
+ private:
+  friend class Block;
+  void release(Block& block) noexcept;
+  void sweep_locked();
+
+  struct Pending {
+    void* ptr;
+    std::size_t size;
+    std::vector<Event> uses;
+  };
+
+  Device device_;
+  AllocatorOptions options_;
+  std::unique_ptr<detail::DeviceMemoryBackend> backend_;  // null for the CPU cache
+  mutable std::mutex mutex_;
+  std::vector<std::pair<std::size_t, void*>> cached_;  // sorted by size
+  std::vector<Pending> pending_;
+  std::vector<std::pair<void*, std::size_t>> leaked_;    // could not learn when last used: never reused
+  AllocatorStats stats_;
+};
+
+class PinnedBuffer {
+ public:
+  static Result<PinnedBuffer> allocate(std::size_t bytes);
+
+  PinnedBuffer() = default;
+  PinnedBuffer(PinnedBuffer&& o) noexcept { *this = std::move(o); }
+  PinnedBuffer& operator=(PinnedBuffer&& o) noexcept;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  ~PinnedBuffer() { reset(); }
+
+  std::byte* data() const noexcept { return data_.get(); }
+  std::size_t size() const noexcept { return size_; }
+  std::span<std::byte> bytes() const noexcept { return {data_.get(), size_}; }
+  bool cuda_registered() const noexcept { return cuda_registered_; }
+  bool locked() const noexcept { return locked_; }
+  void reset() noexcept;
+
+ private:
+  struct FreeDeleter {
+    void operator()(std::byte* p) const noexcept;
+  };
+  std::unique_ptr<std::byte, FreeDeleter> data_;
+  std::size_t size_ = 0;
+  std::size_t mapped_ = 0;  // rounded up to whole pages
+  bool cuda_registered_ = false;
+  bool locked_ = false;
+};
+
+}  // namespace coshard::async

@@ -1,0 +1,227 @@
+// The CPU stream backend: one worker thread per stream, FIFO.
+//
+// Hand-off protocol: producers append to `queue_` under `mutex_`, then bump `wake_seq_` and,
+// only if the worker announced it is parking (`sleeping_`), notify the futex. The worker reads
+// wake_seq_ before draining; when it finds nothing it spins until wake_seq_ moves, then sets
+// sleeping_ and parks on wake_seq_ unless it moved. wake_seq_/sleeping_ form a Dekker pair
+// (seq_cst on both sides), so a notify is never missed and never paid while the worker spins.
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "coshard/async/runtime.hpp"
+#include "cpu_relax.hpp"
+#include "stream_impl.hpp"
+
+namespace coshard::async::detail {
+namespace {
+
+// Spin for `spin`, then park until `flag` differs from `seen`.
+template <class T>
+void spin_then_wait(const std::atomic<T>& flag, T seen, std::chrono::nanoseconds spin) {
+  const auto deadline = std::chrono::steady_clock::now() + spin;
+  do {
+    for (int i = 0; i < 64; ++i) {
+      if (flag.load(std::memory_order_acquire) != seen) return;
+      cpu_relax();
+    }
+  } while (std::chrono::steady_clock::now() < deadline);
+  while (flag.load(std::memory_order_acquire) == seen) flag.wait(seen, std::memory_order_acquire);
+}
+
+class CpuFence final : public Fence {
+ public:
+  CpuFence() : Fence(Device::cpu()) {}
+
+  bool query() override { return done_.load(std::memory_order_acquire) != 0; }
+
+  Result<void> status() override {
+    if (error_) return fail(*error_);
+    return {};
+  }
+
+  Result<void> wait_blocking() override {
+    spin_then_wait(done_, 0u, std::chrono::microseconds(20));
+    return status();
+  }
+
+  bool add_waiter(Waiter& waiter) override {
+    std::lock_guard lock(mutex_);
+    if (done_.load(std::memory_order_relaxed)) return false;
+    waiters_.push_back(waiter);
+    return true;
+  }
+
+  void remove_waiter(Waiter& waiter) override {
+    std::lock_guard lock(mutex_);
+    if (waiter.linked) waiters_.remove(waiter);
+  }
+
+  // Called by the worker that reaches this point.
+  void complete(std::shared_ptr<const Error> error) {
+    {
+      std::lock_guard lock(mutex_);
+      error_ = std::move(error);
+      done_.store(1, std::memory_order_release);  // publishes error_ with it
+      while (Waiter* w = waiters_.pop_front()) wake(*w);  // under the lock: see wait_list.hpp
+    }
+    done_.notify_all();
+  }
+
+ private:
+  std::atomic<std::uint32_t> done_{0};
+  std::mutex mutex_;
+  WaitList waiters_;
+  std::shared_ptr<const Error> error_;
+};
+
+class CpuStream final : public StreamImpl {
+ public:
+  explicit CpuStream(StreamOptions options) : StreamImpl(Device::cpu(), std::move(options)) {
+    worker_ = std::thread([this] { run(); });
+  }
+
+  ~CpuStream() override {
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    poke();
+    worker_.join();
+  }
+
+  Result<void> launch(std::move_only_function<void()> fn) override {
+    enqueue(Op{Op::Kind::run, std::move(fn), nullptr, nullptr});
+    return {};
+  }
+
+  Result<void> copy(void* dst, const void* src, std::size_t bytes) override {
+    if (bytes == 0) return {};
+    return launch([dst, src, bytes] { std::memcpy(dst, src, bytes); });
+  }
+
+  Result<void> fill(void* dst, std::uint8_t value, std::size_t bytes) override {
+    if (bytes == 0) return {};
+    return launch([dst, value, bytes] { std::memset(dst, value, bytes); });
+  }
+
+  Result<Event> record() override {
+    auto fence = std::make_shared<CpuFence>();
+    Event event(fence);
+    enqueue(Op{Op::Kind::record, {}, std::move(fence), nullptr});
+    return event;
+  }
+
+  Result<void> wait(const Event& event) override {
+    // Already passed without error: nothing to order. Otherwise the worker waits (and inherits
+    // the error of a failed stream).
+    if (!event.recorded() || (event.ready() && event.fence()->status())) return {};
+    enqueue(Op{Op::Kind::wait, {}, nullptr, event.fence()});
+    return {};
+  }
+
+  void* native_handle() const noexcept override { return nullptr; }
+
+ private:
+  struct Op {
+    enum class Kind : std::uint8_t { run, record, wait } kind;
+    std::move_only_function<void()> fn;
+    std::shared_ptr<CpuFence> signal;
+    std::shared_ptr<Fence> wait_on;
+  };
+
+  void enqueue(Op op) {
+    {
+      std::lock_guard lock(mutex_);
+      queue_.push_back(std::move(op));
+    }
+    poke();
+  }
+
+  void poke() {
+    wake_seq_.fetch_add(1, std::memory_order_seq_cst);
+    if (sleeping_.load(std::memory_order_seq_cst)) wake_seq_.notify_one();
+  }
+
+  void run() {
+    std::vector<Op> batch;
+    for (;;) {
+      const std::uint32_t seen = wake_seq_.load(std::memory_order_acquire);
+      bool stop = false;
+      {
+        std::lock_guard lock(mutex_);
+        batch.swap(queue_);
+        stop = stop_ && batch.empty();
+      }
+      if (stop) return;
+      if (batch.empty()) {
+        park(seen);
+        continue;
+      }
+      for (Op& op : batch) execute(op);
+      batch.clear();
+    }
+  }
+
+  void park(std::uint32_t seen) {
+    const auto deadline = std::chrono::steady_clock::now() + options().spin_before_park;
+    do {
+      for (int i = 0; i < 64; ++i) {
+        if (wake_seq_.load(std::memory_order_relaxed) != seen) return;
+        cpu_relax();
+      }
+    } while (std::chrono::steady_clock::now() < deadline);
+    sleeping_.store(true, std::memory_order_seq_cst);
+    if (wake_seq_.load(std::memory_order_seq_cst) == seen) wake_seq_.wait(seen, std::memory_order_acquire);
+    sleeping_.store(false, std::memory_order_relaxed);
+  }
+
+  void execute(Op& op) {
+    switch (op.kind) {
+      case Op::Kind::run:
+        if (error_) return;  // sticky: a failed stream runs nothing more
+        try {
+          op.fn();
+        } catch (...) {
+          error_ = std::make_shared<const Error>(
+              ErrorCode::device, ::coshard::detail::concat("CPU stream '", options().name, "': a launched closure threw: ",
+                                        describe_exception(std::current_exception())));
+        }
+        op.fn = nullptr;  // free captures now, in stream order
+        return;
+      case Op::Kind::record:
+        op.signal->complete(error_);
+        op.signal.reset();
+        return;
+      case Op::Kind::wait: {
+        // The worker is the device: its waits are not host syncs and are not counted.
+        Result<void> s = op.wait_on->wait_blocking();
+        if (!s && !error_) {
+          error_ = std::make_shared<const Error>(
+              ErrorCode::device, ::coshard::detail::concat("CPU stream '", options().name,
+                                        "' waited on an event of a failed stream: ", s.error().message()));
+        }
+        op.wait_on.reset();
+        return;
+      }
+    }
+  }
+
+  std::mutex mutex_;
+  std::vector<Op> queue_;
+  bool stop_ = false;
+  std::atomic<std::uint32_t> wake_seq_{0};
+  std::atomic<bool> sleeping_{false};
+  std::shared_ptr<const Error> error_;  // worker thread only
+  std::thread worker_;
+};
+
+}  // namespace
+
+std::unique_ptr<StreamImpl> make_cpu_stream(StreamOptions options) {
+  return std::make_unique<CpuStream>(std::move(options));
+}
+
+}  // namespace coshard::async::detail

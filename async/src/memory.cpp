@@ -1,0 +1,239 @@
+#include "coshard/async/memory.hpp"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "coshard/async/sync.hpp"
+#include "memory_backend.hpp"
+
+namespace coshard::async {
+namespace {
+
+constexpr std::size_t kHostAlignment = 256;
+
+std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
+
+std::size_t page_size() {
+  static const std::size_t size = [] {
+    const long s = ::sysconf(_SC_PAGESIZE);
+    return s > 0 ? static_cast<std::size_t>(s) : std::size_t{4096};
+  }();
+  return size;
+}
+
+bool all_ready(const std::vector<Event>& uses) {
+  return std::all_of(uses.begin(), uses.end(), [](const Event& e) { return e.ready(); });
+}
+
+}  // namespace
+
+// ---- Block ---------------------------------------------------------------------------------
+
+Block& Block::operator=(Block&& o) noexcept {
+  if (this != &o) {
+    reset();
+    owner_ = std::exchange(o.owner_, nullptr);
+    ptr_ = std::exchange(o.ptr_, nullptr);
+    size_ = std::exchange(o.size_, 0);
+    stream_ = std::exchange(o.stream_, nullptr);
+    uses_ = std::move(o.uses_);
+    o.uses_.clear();
+  }
+  return *this;
+}
+
+void Block::reset() noexcept {
+  if (owner_ && ptr_) owner_->release(*this);
+  owner_ = nullptr;
+  ptr_ = nullptr;
+  size_ = 0;
+  stream_ = nullptr;
+  uses_.clear();
+}
+
+// ---- CachingAllocator ------------------------------------------------------------------------
+
+Result<std::unique_ptr<CachingAllocator>> CachingAllocator::create(Device device, AllocatorOptions options) {
+  if (!(options.max_fit_ratio >= 1.0)) {
+    return fail(ErrorCode::invalid_argument, "AllocatorOptions::max_fit_ratio=", options.max_fit_ratio,
+                ": must be at least 1.0");
+  }
+  std::unique_ptr<detail::DeviceMemoryBackend> backend;
+  if (device.is_cuda()) {
+    auto b = detail::make_cuda_memory_backend(device);
+    if (!b) return fail(std::move(b).error());
+    backend = std::move(*b);
+  }
+  return std::make_unique<CachingAllocator>(Key{}, device, options, std::move(backend));
+}
+
+CachingAllocator::CachingAllocator(Key, Device device, AllocatorOptions options,
+                                   std::unique_ptr<detail::DeviceMemoryBackend> backend)
+    : device_(device), options_(options), backend_(std::move(backend)) {}
+
+CachingAllocator::~CachingAllocator() {
+  std::lock_guard lock(mutex_);
+  for (Pending& p : pending_) {
+    bool safe = true;
+    for (const Event& e : p.uses) safe = safe && e.synchronize().has_value();
+    if (safe) std::free(p.ptr);  // else: a stream may still use it; leaking beats corrupting
+  }
+  for (auto& [size, ptr] : cached_) std::free(ptr);
+}
+
+Result<Block> CachingAllocator::allocate(std::size_t bytes, Stream& stream) {
+  if (stream.device() != device_) {
+    return fail(ErrorCode::invalid_argument, "CachingAllocator(", device_.to_string(),
+                ")::allocate: stream '", stream.name(), "' is on ", stream.device().to_string());
+  }
+  Block block;
+  block.owner_ = this;
+  block.stream_ = &stream;
+
+  if (backend_) {
+    auto p = backend_->allocate(bytes, stream);
+    if (!p) return fail(std::move(p).error());
+    if (options_.poison_on_reuse && bytes > 0) {
+      if (auto f = backend_->fill(*p, options_.poison_byte, bytes, stream); !f) {
+        backend_->free(*p, stream, {});
+        return fail(std::move(f).error());
+      }
+    }
+    block.ptr_ = *p;
+    block.size_ = bytes;
+    std::lock_guard lock(mutex_);
+    stats_.fresh_allocations++;
+    stats_.in_use_bytes += bytes;
+    stats_.peak_in_use_bytes = std::max(stats_.peak_in_use_bytes, stats_.in_use_bytes);
+    return block;
+  }
+
+  const std::size_t size = round_up(std::max<std::size_t>(bytes, 1), kHostAlignment);
+  bool reused = false;
+  {
+    std::lock_guard lock(mutex_);
+    sweep_locked();
+    auto it = std::lower_bound(cached_.begin(), cached_.end(), std::pair<std::size_t, void*>(size, nullptr));
+    if (it != cached_.end() &&
+        static_cast<double>(it->first) <= static_cast<double>(size) * options_.max_fit_ratio) {
+      block.ptr_ = it->second;
+      block.size_ = it->first;
+      stats_.cached_bytes -= it->first;
+      cached_.erase(it);
+      stats_.reuses++;
+      reused = true;
+    }
+  }
+  if (!reused) {
+    void* p = std::aligned_alloc(kHostAlignment, size);
+    if (p == nullptr) {
+      return fail(ErrorCode::out_of_memory, "CachingAllocator(cpu)::allocate(", bytes, " bytes): out of host memory");
+    }
+    block.ptr_ = p;
+    block.size_ = size;
+  }
+  if (reused && options_.poison_on_reuse) std::memset(block.ptr_, options_.poison_byte, block.size_);
+  std::lock_guard lock(mutex_);
+  if (!reused) stats_.fresh_allocations++;
+  stats_.in_use_bytes += block.size_;
+  stats_.peak_in_use_bytes = std::max(stats_.peak_in_use_bytes, stats_.in_use_bytes);
+  return block;
+}
+
+void CachingAllocator::release(Block& block) noexcept {
+  auto last = block.stream_->record();
+  std::lock_guard lock(mutex_);
+  stats_.in_use_bytes -= block.size_;
+  if (backend_) {
+    if (last) block.uses_.push_back(std::move(*last));
+    backend_->free(block.ptr_, *block.stream_, block.uses_);
+    return;
+  }
+  if (!last) {
+    // Without an event we cannot know when the stream is done with it: never hand it out again.
+    leaked_.emplace_back(block.ptr_, block.size_);
+    return;
+  }
+  block.uses_.push_back(std::move(*last));
+  stats_.pending_bytes += block.size_;
+  pending_.push_back(Pending{block.ptr_, block.size_, std::move(block.uses_)});
+}
+
+void CachingAllocator::sweep_locked() {
+  // Moves every returned block whose uses have all completed into the cache.
+  auto ready = std::stable_partition(pending_.begin(), pending_.end(),
+                                     [](const Pending& p) { return !all_ready(p.uses); });
+  for (auto it = ready; it != pending_.end(); ++it) {
+    stats_.pending_bytes -= it->size;
+    stats_.cached_bytes += it->size;
+    auto pos = std::lower_bound(cached_.begin(), cached_.end(), std::pair<std::size_t, void*>(it->size, nullptr));
+    cached_.insert(pos, {it->size, it->ptr});
+  }
+  pending_.erase(ready, pending_.end());
+}
+
+void CachingAllocator::trim() {
+  std::lock_guard lock(mutex_);
+  sweep_locked();
+  for (auto& [size, ptr] : cached_) std::free(ptr);
+  cached_.clear();
+  stats_.cached_bytes = 0;
+}
+
+AllocatorStats CachingAllocator::stats() const {
+  std::lock_guard lock(mutex_);
+  return stats_;
+}
+
+// ---- PinnedBuffer ------------------------------------------------------------------------------
+
+void PinnedBuffer::FreeDeleter::operator()(std::byte* p) const noexcept { std::free(p); }
+
+Result<PinnedBuffer> PinnedBuffer::allocate(std::size_t bytes) {
+  PinnedBuffer buffer;
+  if (bytes == 0) return buffer;
+  const std::size_t mapped = round_up(bytes, page_size());
+  auto* p = static_cast<std::byte*>(std::aligned_alloc(page_size(), mapped));
+  if (p == nullptr) {
+    return fail(ErrorCode::out_of_memory, "PinnedBuffer::allocate(", bytes, " bytes): out of host memory");
+  }
+  buffer.data_.reset(p);
+  buffer.size_ = bytes;
+  buffer.mapped_ = mapped;
+  if (cuda_device_count() > 0) {
+    buffer.cuda_registered_ = detail::register_host_memory(p, mapped);
+  }
+  if (!buffer.cuda_registered_) {
+    // Best effort: RLIMIT_MEMLOCK may refuse; the memory still works, only unpinned.
+    buffer.locked_ = ::mlock(p, mapped) == 0;
+  }
+  return buffer;
+}
+
+PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& o) noexcept {
+  if (this != &o) {
+    reset();
+    data_ = std::move(o.data_);
+    size_ = std::exchange(o.size_, 0);
+    mapped_ = std::exchange(o.mapped_, 0);
+    cuda_registered_ = std::exchange(o.cuda_registered_, false);
+    locked_ = std::exchange(o.locked_, false);
+  }
+  return *this;
+}
+
+void PinnedBuffer::reset() noexcept {
+  if (data_) {
+    if (cuda_registered_) detail::unregister_host_memory(data_.get());
+    if (locked_) ::munlock(data_.get(), mapped_);
+  }
+  data_.reset();
+  size_ = mapped_ = 0;
+  cuda_registered_ = locked_ = false;
+}
+
+}  // namespace coshard::async

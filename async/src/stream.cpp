@@ -1,0 +1,59 @@
+#include "coshard/async/stream.hpp"
+
+#include "coshard/async/runtime.hpp"
+#include "coshard/async/sync.hpp"
+#include "stream_impl.hpp"
+
+namespace coshard::async {
+
+Result<Stream> Stream::create(Device device, StreamOptions options) {
+  if (options.name.empty()) options.name = device.to_string();
+  if (device.is_cpu()) return Stream(detail::make_cpu_stream(std::move(options)));
+  auto impl = detail::make_cuda_stream(device, std::move(options));
+  if (!impl) return fail(std::move(impl).error());
+  return Stream(std::move(*impl));
+}
+
+Stream::Stream(std::unique_ptr<detail::StreamImpl> impl) : impl_(std::move(impl)) {}
+Stream::Stream(Stream&&) noexcept = default;
+Stream& Stream::operator=(Stream&&) noexcept = default;
+Stream::~Stream() = default;
+
+Device Stream::device() const noexcept { return impl_->device(); }
+const std::string& Stream::name() const noexcept { return impl_->options().name; }
+Result<void> Stream::launch(std::move_only_function<void()> fn) { return impl_->launch(std::move(fn)); }
+Result<void> Stream::copy(void* dst, const void* src, std::size_t bytes) { return impl_->copy(dst, src, bytes); }
+Result<void> Stream::fill(void* dst, std::uint8_t value, std::size_t bytes) { return impl_->fill(dst, value, bytes); }
+Result<Event> Stream::record() { return impl_->record(); }
+void* Stream::native_handle() const noexcept { return impl_->native_handle(); }
+
+Result<void> Stream::record(Event& event) {
+  auto e = impl_->record();
+  if (!e) return fail(std::move(e).error());
+  event = std::move(*e);
+  return {};
+}
+
+Result<void> Stream::wait(const Event& event) { return impl_->wait(event); }
+
+Result<void> Stream::synchronize() {
+  return detail::blocking_wait("Stream::synchronize", [&]() -> Result<void> {
+    auto e = impl_->record();
+    if (!e) return fail(std::move(e).error());
+    return e->fence()->wait_blocking();
+  });
+}
+
+Result<void> Event::synchronize() const {
+  if (!fence_) return {};
+  return detail::blocking_wait("Event::synchronize", [&] { return fence_->wait_blocking(); });
+}
+
+bool Event::Awaiter::await_suspend(std::coroutine_handle<> awaiting) {
+  waiter_.handle = awaiting;
+  waiter_.runtime = Runtime::current();
+  suspended_ = fence_->add_waiter(waiter_);
+  return suspended_;
+}
+
+}  // namespace coshard::async

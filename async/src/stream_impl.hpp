@@ -1,0 +1,37 @@
+// The backend interface behind Stream (private).
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "coshard/async/event.hpp"
+#include "coshard/async/stream.hpp"
+
+namespace coshard::async::detail {
+
+class StreamImpl {
+ public:
+  StreamImpl(Device device, StreamOptions options) : device_(device), options_(std::move(options)) {}
+  virtual ~StreamImpl() = default;
+
+  Device device() const noexcept { return device_; }
+  const StreamOptions& options() const noexcept { return options_; }
+
+  virtual Result<void> launch(std::move_only_function<void()> fn) = 0;
+  virtual Result<void> copy(void* dst, const void* src, std::size_t bytes) = 0;
+  virtual Result<void> fill(void* dst, std::uint8_t value, std::size_t bytes) = 0;
+  virtual Result<Event> record() = 0;
+  virtual Result<void> wait(const Event& event) = 0;
+  virtual void* native_handle() const noexcept = 0;
+
+ private:
+  Device device_;
+  StreamOptions options_;
+};
+
+std::unique_ptr<StreamImpl> make_cpu_stream(StreamOptions options);
+// Defined by the CUDA backend, or by no_cuda.cpp (ErrorCode::unsupported) when it is not built.
+Result<std::unique_ptr<StreamImpl>> make_cuda_stream(Device device, StreamOptions options);
+
+}  // namespace coshard::async::detail
