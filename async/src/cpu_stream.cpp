@@ -1,10 +1,10 @@
 // The CPU stream backend: one worker thread per stream, FIFO.
 //
-// Hand-off protocol: producers append to `queue_` under `mutex_`, then bump `wake_seq_` and,
-// only if the worker announced it is parking (`sleeping_`), notify the futex. The worker reads
-// wake_seq_ before draining; when it finds nothing it spins until wake_seq_ moves, then sets
-// sleeping_ and parks on wake_seq_ unless it moved. wake_seq_/sleeping_ form a Dekker pair
-// (seq_cst on both sides), so a notify is never missed and never paid while the worker spins.
+// Hand-off protocol: producers append to `q_.ops` under `q_.lock`, then bump `q_.wake_seq` and,
+// only if the worker announced it is parking (`q_.sleeping`), notify the futex. The worker reads
+// wake_seq before draining; when it finds nothing it spins until wake_seq moves, then sets
+// sleeping and parks on wake_seq unless it moved. wake_seq/sleeping form a Dekker pair (seq_cst
+// on both sides), so a notify is never missed and never paid while the worker spins.
 #include <atomic>
 #include <cstring>
 #include <mutex>
@@ -12,7 +12,8 @@
 #include <vector>
 
 #include "coshard/async/runtime.hpp"
-#include "cpu_relax.hpp"
+#include "coshard/async/detail/cpu_relax.hpp"
+#include "coshard/async/detail/spin_lock.hpp"
 #include "stream_impl.hpp"
 
 namespace coshard::async::detail {
@@ -48,21 +49,21 @@ class CpuFence final : public Fence {
   }
 
   bool add_waiter(Waiter& waiter) override {
-    std::lock_guard lock(mutex_);
+    std::lock_guard lock(lock_);
     if (done_.load(std::memory_order_relaxed)) return false;
     waiters_.push_back(waiter);
     return true;
   }
 
   void remove_waiter(Waiter& waiter) override {
-    std::lock_guard lock(mutex_);
+    std::lock_guard lock(lock_);
     if (waiter.linked) waiters_.remove(waiter);
   }
 
   // Called by the worker that reaches this point.
   void complete(std::shared_ptr<const Error> error) {
     {
-      std::lock_guard lock(mutex_);
+      std::lock_guard lock(lock_);
       error_ = std::move(error);
       done_.store(1, std::memory_order_release);  // publishes error_ with it
       while (Waiter* w = waiters_.pop_front()) wake(*w);  // under the lock: see wait_list.hpp
@@ -71,8 +72,9 @@ class CpuFence final : public Fence {
   }
 
  private:
+  // One cache line: the worker completing it and the reactor awaiting it share just this.
   std::atomic<std::uint32_t> done_{0};
-  std::mutex mutex_;
+  SpinLock lock_;
   WaitList waiters_;
   std::shared_ptr<const Error> error_;
 };
@@ -85,8 +87,8 @@ class CpuStream final : public StreamImpl {
 
   ~CpuStream() override {
     {
-      std::lock_guard lock(mutex_);
-      stop_ = true;
+      std::lock_guard lock(q_.lock);
+      q_.stop = true;
     }
     poke();
     worker_.join();
@@ -134,26 +136,26 @@ class CpuStream final : public StreamImpl {
 
   void enqueue(Op op) {
     {
-      std::lock_guard lock(mutex_);
-      queue_.push_back(std::move(op));
+      std::lock_guard lock(q_.lock);
+      q_.ops.push_back(std::move(op));
     }
     poke();
   }
 
   void poke() {
-    wake_seq_.fetch_add(1, std::memory_order_seq_cst);
-    if (sleeping_.load(std::memory_order_seq_cst)) wake_seq_.notify_one();
+    q_.wake_seq.fetch_add(1, std::memory_order_seq_cst);
+    if (q_.sleeping.load(std::memory_order_seq_cst)) q_.wake_seq.notify_one();
   }
 
   void run() {
     std::vector<Op> batch;
     for (;;) {
-      const std::uint32_t seen = wake_seq_.load(std::memory_order_acquire);
+      const std::uint32_t seen = q_.wake_seq.load(std::memory_order_acquire);
       bool stop = false;
       {
-        std::lock_guard lock(mutex_);
-        batch.swap(queue_);
-        stop = stop_ && batch.empty();
+        std::lock_guard lock(q_.lock);
+        batch.swap(q_.ops);
+        stop = q_.stop && batch.empty();
       }
       if (stop) return;
       if (batch.empty()) {
@@ -169,13 +171,13 @@ class CpuStream final : public StreamImpl {
     const auto deadline = std::chrono::steady_clock::now() + options().spin_before_park;
     do {
       for (int i = 0; i < 64; ++i) {
-        if (wake_seq_.load(std::memory_order_relaxed) != seen) return;
+        if (q_.wake_seq.load(std::memory_order_relaxed) != seen) return;
         cpu_relax();
       }
     } while (std::chrono::steady_clock::now() < deadline);
-    sleeping_.store(true, std::memory_order_seq_cst);
-    if (wake_seq_.load(std::memory_order_seq_cst) == seen) wake_seq_.wait(seen, std::memory_order_acquire);
-    sleeping_.store(false, std::memory_order_relaxed);
+    q_.sleeping.store(true, std::memory_order_seq_cst);
+    if (q_.wake_seq.load(std::memory_order_seq_cst) == seen) q_.wake_seq.wait(seen, std::memory_order_acquire);
+    q_.sleeping.store(false, std::memory_order_relaxed);
   }
 
   void execute(Op& op) {
@@ -209,11 +211,14 @@ class CpuStream final : public StreamImpl {
     }
   }
 
-  std::mutex mutex_;
-  std::vector<Op> queue_;
-  bool stop_ = false;
-  std::atomic<std::uint32_t> wake_seq_{0};
-  std::atomic<bool> sleeping_{false};
+  // The submission queue, on one cache line shared by producers and the worker.
+  struct alignas(64) Queue {
+    SpinLock lock;
+    bool stop = false;
+    std::atomic<bool> sleeping{false};
+    std::atomic<std::uint32_t> wake_seq{0};
+    std::vector<Op> ops;
+  } q_;
   std::shared_ptr<const Error> error_;  // worker thread only
   std::thread worker_;
 };

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "coshard/async/runtime.hpp"
-#include "cpu_relax.hpp"
+#include "coshard/async/detail/cpu_relax.hpp"
 #include "memory_backend.hpp"
 #include "stream_impl.hpp"
 

@@ -20,6 +20,7 @@
 #include <optional>
 #include <utility>
 
+#include "coshard/async/detail/spin_lock.hpp"
 #include "coshard/async/detail/wait_list.hpp"
 #include "coshard/async/result.hpp"
 
@@ -98,7 +99,7 @@ class Semaphore {
  private:
   void grant_locked();  // serves the queue head while it fits; caller holds mutex_
 
-  mutable std::mutex mutex_;
+  mutable detail::SpinLock mutex_;  // critical sections are a few instructions
   const std::size_t capacity_;
   std::size_t available_;
   std::size_t waiting_ = 0;

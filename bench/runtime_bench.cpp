@@ -1,0 +1,140 @@
+// The runtime's hot paths beside their baselines, in one binary:
+//
+//   spawn + join            vs asio::post + run_one (same thread), std::async + future
+//   co_await a ready event  vs std::shared_future::get on a ready future
+//   CPU stream launch + record + co_await (a full cross-thread round trip)
+//                           vs asio::thread_pool post + std::future, std::async + future
+//   semaphore acquire/release (uncontended) vs std::counting_semaphore
+//
+// coshard's loops run inside the runtime (the benchmark's iteration loop executes on the
+// reactor thread, which is where coroutines live); real time is reported for all.
+#include <benchmark/benchmark.h>
+
+#include <asio/io_context.hpp>
+#include <asio/post.hpp>
+#include <asio/thread_pool.hpp>
+
+#include <future>
+#include <semaphore>
+
+#include "coshard/async/async.hpp"
+
+namespace {
+
+using namespace coshard::async;
+
+Task<int> noop_task() { co_return 1; }
+
+void run_in_runtime(benchmark::State& state, Task<void> (*body)(benchmark::State&, Runtime&)) {
+  Runtime rt;
+  auto r = rt.block_on(body(state, rt));
+  if (!r) state.SkipWithError(r.error().message().c_str());
+}
+
+// ---- spawn + join ------------------------------------------------------------------------------
+
+void BM_SpawnJoin(benchmark::State& state) {
+  run_in_runtime(state, [](benchmark::State& state, Runtime& rt) -> Task<void> {
+    for (auto _ : state) {
+      auto r = co_await rt.spawn(noop_task());
+      benchmark::DoNotOptimize(r);
+    }
+  });
+}
+BENCHMARK(BM_SpawnJoin)->UseRealTime();
+
+void BM_Baseline_AsioPostRunOne(benchmark::State& state) {
+  asio::io_context io{1};
+  int x = 0;
+  for (auto _ : state) {
+    asio::post(io, [&x] { ++x; });
+    io.run_one();
+  }
+  benchmark::DoNotOptimize(x);
+}
+BENCHMARK(BM_Baseline_AsioPostRunOne)->UseRealTime();
+
+void BM_Baseline_StdAsyncFuture(benchmark::State& state) {
+  for (auto _ : state) {
+    auto f = std::async(std::launch::async, [] { return 1; });
+    benchmark::DoNotOptimize(f.get());
+  }
+}
+BENCHMARK(BM_Baseline_StdAsyncFuture)->UseRealTime();
+
+// ---- co_await a ready event --------------------------------------------------------------------
+
+void BM_AwaitReadyEvent(benchmark::State& state) {
+  run_in_runtime(state, [](benchmark::State& state, Runtime&) -> Task<void> {
+    auto s = Stream::create(Device::cpu());
+    Event e = *s->record();
+    (void)co_await e;  // now passed
+    for (auto _ : state) {
+      auto r = co_await e;
+      benchmark::DoNotOptimize(r);
+    }
+  });
+}
+BENCHMARK(BM_AwaitReadyEvent)->UseRealTime();
+
+void BM_Baseline_ReadySharedFutureGet(benchmark::State& state) {
+  std::promise<int> p;
+  std::shared_future<int> f = p.get_future().share();
+  p.set_value(1);
+  for (auto _ : state) benchmark::DoNotOptimize(f.get());
+}
+BENCHMARK(BM_Baseline_ReadySharedFutureGet)->UseRealTime();
+
+// ---- CPU stream round trip ------------------------------------------------------------------------
+
+void BM_CpuStreamLaunchEventRoundTrip(benchmark::State& state) {
+  run_in_runtime(state, [](benchmark::State& state, Runtime&) -> Task<void> {
+    auto s = Stream::create(Device::cpu());
+    int x = 0;
+    for (auto _ : state) {
+      (void)s->launch([&x] { ++x; });
+      auto e = s->record();
+      auto r = co_await *e;
+      benchmark::DoNotOptimize(r);
+    }
+    benchmark::DoNotOptimize(x);
+  });
+}
+BENCHMARK(BM_CpuStreamLaunchEventRoundTrip)->UseRealTime();
+
+void BM_Baseline_ThreadPoolPostFuture(benchmark::State& state) {
+  asio::thread_pool pool(1);
+  for (auto _ : state) {
+    std::promise<int> p;
+    auto f = p.get_future();
+    asio::post(pool, [&p] { p.set_value(1); });
+    benchmark::DoNotOptimize(f.get());
+  }
+}
+BENCHMARK(BM_Baseline_ThreadPoolPostFuture)->UseRealTime();
+
+// ---- semaphore ------------------------------------------------------------------------------------
+
+void BM_SemaphoreAcquireRelease(benchmark::State& state) {
+  run_in_runtime(state, [](benchmark::State& state, Runtime&) -> Task<void> {
+    Semaphore sem(1 << 20);
+    for (auto _ : state) {
+      auto p = co_await sem.acquire(64);
+      benchmark::DoNotOptimize(p);
+    }
+  });
+}
+BENCHMARK(BM_SemaphoreAcquireRelease)->UseRealTime();
+
+void BM_Baseline_StdCountingSemaphore(benchmark::State& state) {
+  std::counting_semaphore<> sem(1 << 20);
+  for (auto _ : state) {
+    sem.acquire();
+    sem.release();
+  }
+}
+BENCHMARK(BM_Baseline_StdCountingSemaphore)->UseRealTime();
+
+}  // namespace
+
+BENCHMARK_MAIN();
