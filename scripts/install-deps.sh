@@ -8,6 +8,7 @@ packages=(
   build-essential cmake ninja-build pkg-config
   libasio-dev liburing-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  python3
 )
 
 missing=()

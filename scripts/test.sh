@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Quick start, command 2 (and CI: .ci/run runs exactly this): installs what is missing, builds,
+# and runs the whole test suite three ways:
+#   build/test  normal build (CUDA compiled when the toolkit is found; CUDA tests skip without a
+#               GPU), every test: unit, examples, header checks, install package
+#   build/tsan  ThreadSanitizer: the runtime, streams and collectives (labels async|collectives)
+#   build/asan  AddressSanitizer + UBSan: everything else (and the runtime again)
+# Sanitizer builds leave CUDA off: the sanitizers do not see into the CUDA driver.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bash scripts/install-deps.sh
+jobs=$(nproc)
+
+configure_build_test() {
+  local dir=$1 labels=$2
+  shift 2
+  cmake -S . -B "$dir" -G Ninja -DCOSHARD_BUILD_BENCH=OFF "$@" >/dev/null
+  cmake --build "$dir" -j "$jobs"
+  local label_args=()
+  [ -n "$labels" ] && label_args=(-L "$labels")
+  ctest --test-dir "$dir" --output-on-failure -j "$jobs" "${label_args[@]}"
+}
+
+echo "== build/test: all tests =="
+configure_build_test build/test "" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCOSHARD_WERROR=ON
+echo "== build/tsan: ThreadSanitizer (runtime, streams, collectives) =="
+TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
+  configure_build_test build/tsan "async|collectives" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DCOSHARD_SANITIZE=thread -DCOSHARD_CUDA=OFF
+echo "== build/asan: AddressSanitizer + UBSan (everything) =="
+ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" \
+  configure_build_test build/asan "" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DCOSHARD_SANITIZE=address -DCOSHARD_CUDA=OFF
+echo "== all test builds passed =="
