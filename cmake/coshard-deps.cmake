@@ -20,7 +20,12 @@ if(NOT TARGET coshard::asio)
   add_library(coshard::asio INTERFACE IMPORTED GLOBAL)
   target_include_directories(coshard::asio INTERFACE ${COSHARD_ASIO_INCLUDE_DIR})
   # ASIO_HAS_IO_URING changes the io_context's services: every translation unit must agree.
-  target_compile_definitions(coshard::asio INTERFACE ASIO_NO_DEPRECATED ASIO_HAS_IO_URING)
+  # ASIO_HAS_STD_ALIGNED_ALLOC: Asio 1.22 detects it from _GLIBCXX_HAVE_ALIGNED_ALLOC, which is
+  # only defined if a libstdc++ header came before Asio's; translation units that disagree
+  # allocate handler memory with operator new and free it with std::free (AddressSanitizer:
+  # alloc-dealloc-mismatch). glibc and C++17 always have aligned_alloc: pin it everywhere.
+  target_compile_definitions(coshard::asio INTERFACE ASIO_NO_DEPRECATED ASIO_HAS_IO_URING
+    ASIO_HAS_STD_ALIGNED_ALLOC=1)
   target_link_libraries(coshard::asio INTERFACE PkgConfig::COSHARD_URING Threads::Threads)
 endif()
 

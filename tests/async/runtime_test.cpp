@@ -6,7 +6,9 @@
 #include <thread>
 #include <vector>
 
+#include "coshard/async/channel.hpp"
 #include "coshard/async/semaphore.hpp"
+#include "coshard/async/stream.hpp"
 #include "coshard/async/time.hpp"
 #include "support/lifetime_counter.hpp"
 
@@ -159,6 +161,62 @@ TEST(Runtime, ShutdownWithPendingWorkNeitherHangsNorLeaks) {
   auto r = kept.state()->take();
   ASSERT_FALSE(r.has_value());
   EXPECT_EQ(r.error().code(), ErrorCode::shutdown);
+}
+
+TEST(Runtime, ShutdownUnlinksTasksWaitingOnEventsChannelsAndTimers) {
+  // Tasks wait on an event of a stuck stream, on a channel and on a timer when the runtime is
+  // destroyed. The stream is released only afterwards: its event then completes with no waiter
+  // left to wake (a stale one would be a use-after-free, which ASan reports).
+  LifetimeCounter::reset();
+  std::atomic<bool> release{false};
+  auto stream = Stream::create(Device::cpu(), {.name = "stuck"});
+  ASSERT_TRUE(stream.has_value());
+  // Whatever happens below, unstick the stream before it is destroyed (it drains its queue).
+  struct Unstick {
+    std::atomic<bool>& flag;
+    ~Unstick() { flag = true; }
+  } unstick{release};
+  ASSERT_TRUE(stream->launch([&release] {
+    while (!release.load()) std::this_thread::sleep_for(100us);
+  }));
+  Event stuck = *stream->record();
+  auto ch = make_channel<int>(1);
+  ASSERT_TRUE(ch.has_value());
+  auto [tx, rx] = std::move(*ch);
+  {
+    Runtime rt;
+    for (int i = 0; i < 10; ++i) {
+      rt.spawn([](Event e, LifetimeCounter) -> Task<void> { (void)co_await e; }(stuck, LifetimeCounter{})).detach();
+    }
+    rt.spawn([](Receiver<int>& rx, LifetimeCounter) -> Task<void> { (void)co_await rx.recv(); }(rx, LifetimeCounter{})).detach();
+    rt.spawn([](LifetimeCounter) -> Task<void> { co_await sleep_for(std::chrono::hours(1)); }(LifetimeCounter{})).detach();
+    auto settled = rt.block_on([](Runtime& rt) -> Task<bool> {
+      co_await sleep_for(5ms);  // let them all reach their waits
+      co_return rt.live_tasks() == 12 + 1;  // + this task
+    }(rt));
+    ASSERT_TRUE(settled.has_value() && *settled);
+  }
+  EXPECT_EQ(LifetimeCounter::alive(), 0);
+  release = true;
+  ASSERT_TRUE(stream->synchronize());
+  int v = 1;
+  EXPECT_TRUE(tx.try_send(v).has_value()) << "the channel outlives the runtime and still works";
+}
+
+TEST(Runtime, AJoinHandleAwaitedFromAnotherRuntimeResumesThere) {
+  Runtime producer;
+  Runtime consumer;
+  JoinHandle<int> handle = producer.spawn([]() -> Task<int> {
+    co_await sleep_for(2ms);
+    co_return 11;
+  }());
+  auto r = consumer.block_on([](JoinHandle<int>& h, Runtime* self) -> Task<Result<bool>> {
+    auto v = co_await h;
+    if (!v) co_return fail(v.error());
+    co_return *v == 11 && Runtime::current() == self;
+  }(handle, &consumer));
+  ASSERT_TRUE(r.has_value());
+  EXPECT_TRUE(*r);
 }
 
 }  // namespace
