@@ -11,6 +11,7 @@ cd "$(dirname "$0")/.."
 
 bash scripts/install-deps.sh
 jobs=$(nproc)
+passed=0 failed=0 skipped=0
 
 configure_build_test() {
   local dir=$1 labels=$2
@@ -19,7 +20,14 @@ configure_build_test() {
   cmake --build "$dir" -j "$jobs"
   local label_args=()
   [ -n "$labels" ] && label_args=(-L "$labels")
-  ctest --test-dir "$dir" --output-on-failure -j "$jobs" "${label_args[@]}"
+  ctest --test-dir "$dir" --output-on-failure -j "$jobs" "${label_args[@]}" | tee "$dir/ctest.log"
+  # Tally for the closing line ("N tests failed out of M"; skipped tests count as passed there).
+  local summary total bad skip
+  summary=$(grep -E '[0-9]+ tests failed out of [0-9]+' "$dir/ctest.log" | tail -n 1)
+  bad=$(sed -E 's/.* ([0-9]+) tests failed out of ([0-9]+).*/\1/' <<<"$summary")
+  total=$(sed -E 's/.* ([0-9]+) tests failed out of ([0-9]+).*/\2/' <<<"$summary")
+  skip=$(grep -c '\*\*\*Skipped' "$dir/ctest.log" || true)
+  passed=$((passed + total - bad - skip)) failed=$((failed + bad)) skipped=$((skipped + skip))
 }
 
 echo "== build/test: all tests =="
@@ -33,3 +41,4 @@ ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" UBSAN_OPTIONS="print_stacktrace=1
   configure_build_test build/asan "" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCOSHARD_SANITIZE=address -DCOSHARD_CUDA=OFF
 echo "== all test builds passed =="
+echo "coshard: $passed passed, $failed failed, $skipped skipped"

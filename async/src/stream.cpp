@@ -1,5 +1,7 @@
 #include "coshard/async/stream.hpp"
 
+#include <cassert>
+
 #include "coshard/async/runtime.hpp"
 #include "coshard/async/sync.hpp"
 #include "stream_impl.hpp"
@@ -52,6 +54,9 @@ Result<void> Event::synchronize() const {
 bool Event::Awaiter::await_suspend(std::coroutine_handle<> awaiting) {
   waiter_.handle = awaiting;
   waiter_.runtime = Runtime::current();
+  // Without a runtime the waker (a stream worker) would have to resume the coroutine inline,
+  // inside the fence's lock. Events are awaited from tasks run by a Runtime.
+  assert(waiter_.runtime != nullptr && "co_await on an Event outside a coshard Runtime");
   suspended_ = fence_->add_waiter(waiter_);
   return suspended_;
 }
