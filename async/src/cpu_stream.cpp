@@ -95,7 +95,12 @@ class CpuStream final : public StreamImpl {
   }
 
   Result<void> launch(std::move_only_function<void()> fn) override {
-    enqueue(Op{Op::Kind::run, std::move(fn), nullptr, nullptr});
+    enqueue(Op{Op::Kind::run, std::move(fn), {}, nullptr, nullptr});
+    return {};
+  }
+
+  Result<void> launch_fallible(std::move_only_function<Result<void>()> fn) override {
+    enqueue(Op{Op::Kind::run_fallible, {}, std::move(fn), nullptr, nullptr});
     return {};
   }
 
@@ -112,7 +117,7 @@ class CpuStream final : public StreamImpl {
   Result<Event> record() override {
     auto fence = std::make_shared<CpuFence>();
     Event event(fence);
-    enqueue(Op{Op::Kind::record, {}, std::move(fence), nullptr});
+    enqueue(Op{Op::Kind::record, {}, {}, std::move(fence), nullptr});
     return event;
   }
 
@@ -120,7 +125,7 @@ class CpuStream final : public StreamImpl {
     // Already passed without error: nothing to order. Otherwise the worker waits (and inherits
     // the error of a failed stream).
     if (!event.recorded() || (event.ready() && event.fence()->status())) return {};
-    enqueue(Op{Op::Kind::wait, {}, nullptr, event.fence()});
+    enqueue(Op{Op::Kind::wait, {}, {}, nullptr, event.fence()});
     return {};
   }
 
@@ -128,8 +133,9 @@ class CpuStream final : public StreamImpl {
 
  private:
   struct Op {
-    enum class Kind : std::uint8_t { run, record, wait } kind;
+    enum class Kind : std::uint8_t { run, run_fallible, record, wait } kind;
     std::move_only_function<void()> fn;
+    std::move_only_function<Result<void>()> fallible;
     std::shared_ptr<CpuFence> signal;
     std::shared_ptr<Fence> wait_on;
   };
@@ -193,6 +199,22 @@ class CpuStream final : public StreamImpl {
         }
         op.fn = nullptr;  // free captures now, in stream order
         return;
+      case Op::Kind::run_fallible: {
+        if (error_) return;
+        Result<void> r = [&]() -> Result<void> {
+          try {
+            return op.fallible();
+          } catch (...) {
+            return fail(ErrorCode::device, "a launched closure threw: ", describe_exception(std::current_exception()));
+          }
+        }();
+        if (!r) {
+          error_ = std::make_shared<const Error>(
+              std::move(r).error().with_context(::coshard::detail::concat("CPU stream '", options().name, "'")));
+        }
+        op.fallible = nullptr;
+        return;
+      }
       case Op::Kind::record:
         op.signal->complete(error_);
         op.signal.reset();

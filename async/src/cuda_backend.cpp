@@ -197,6 +197,11 @@ class CudaStream final : public StreamImpl {
     return {};
   }
 
+  Result<void> launch_fallible(std::move_only_function<Result<void>()>) override {
+    return fail(ErrorCode::unsupported, "stream '", options().name,
+                "' (CUDA): launch_fallible is CPU-only (a host function cannot fail a CUDA stream)");
+  }
+
   Result<void> copy(void* dst, const void* src, std::size_t bytes) override {
     if (bytes == 0) return {};
     if (auto e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_); e != cudaSuccess) {

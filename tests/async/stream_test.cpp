@@ -227,3 +227,25 @@ TEST(CudaStream, CopiesAreOrderedAcrossStreamsByEvents) {
 
 }  // namespace
 }  // namespace coshard::async
+
+namespace coshard::async {
+namespace {
+
+TEST(CpuStream, AFailedFallibleClosureKeepsItsErrorCodeOnLaterEvents) {
+  Runtime rt;
+  auto s = Stream::create(Device::cpu(), {.name = "fallible"});
+  ASSERT_TRUE(s.has_value());
+  bool ran_after = false;
+  ASSERT_TRUE(s->launch_fallible([]() -> Result<void> { return fail(ErrorCode::timeout, "peer 3 is gone"); }));
+  ASSERT_TRUE(s->launch([&] { ran_after = true; }));
+  Event e = *s->record();
+  auto r = rt.block_on([](Event e) -> Task<Result<void>> { co_return co_await e; }(e));
+  ASSERT_FALSE(r.has_value());  // block_on flattens Task<Result<void>> to Result<void>
+  EXPECT_EQ(r.error().code(), ErrorCode::timeout);
+  EXPECT_EQ(r.error().message(), "CPU stream 'fallible': peer 3 is gone");
+  ASSERT_FALSE(s->synchronize().has_value());
+  EXPECT_FALSE(ran_after);
+}
+
+}  // namespace
+}  // namespace coshard::async
