@@ -1,0 +1,116 @@
+// Communicator: enqueue-only collectives on a communication stream.
+//
+// Every collective is enqueued on stream() and returns the Event that marks its completion: the
+// host never waits. Order the inputs first (stream().wait(producer_event)) and the consumers
+// after (consumer_stream.wait(returned_event)), or co_await the event.
+//
+//   all_gather(send[count]           -> recv[size*count], rank-major: rank q's block at q*count)
+//   reduce_scatter(send[size*count]  -> recv[count], this rank's block of the reduction)
+//   all_reduce(send[count]           -> recv[count])
+//   broadcast(send[count] on root    -> recv[count] on every rank; non-roots may pass send=null)
+//   barrier()
+//
+// Several collectives can be issued as one Coalesced group: one launch (one NCCL group; one
+// rendezvous on the Local backend), so a fetch unit or bucket costs one launch, never one per
+// parameter. A single collective is a group of one.
+//
+// Rules, as for NCCL: every rank launches the same sequence of groups (same kinds, counts, types,
+// ops, roots); in-place use is allowed where NCCL allows it (all_gather with send at this
+// rank's block of recv, reduce_scatter with recv at this rank's block of send, all_reduce and
+// broadcast with send == recv). A collective that cannot complete (a peer gone, a mismatched
+// sequence) fails its event after the backend's timeout, and the communicator stays failed.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "coshard/async/event.hpp"
+#include "coshard/async/result.hpp"
+#include "coshard/async/stream.hpp"
+#include "coshard/collectives/dtype.hpp"
+
+namespace coshard::collectives {
+
+enum class CollectiveKind : std::uint8_t { all_gather, reduce_scatter, all_reduce, broadcast, barrier };
+std::string_view to_string(CollectiveKind kind) noexcept;
+
+struct CollectiveOp {
+  CollectiveKind kind = CollectiveKind::barrier;
+  const void* send = nullptr;
+  void* recv = nullptr;
+  std::size_t count = 0;  // elements per rank (see the table above)
+  DataType dtype = DataType::u8;
+  ReduceOp op = ReduceOp::sum;
+  int root = 0;
+
+  // The part every rank must agree on ("all_gather(count=1024, f32)").
+  std::string signature() const;
+  bool same_signature(const CollectiveOp& other) const noexcept {
+    return kind == other.kind && count == other.count && dtype == other.dtype &&
+           (kind != CollectiveKind::reduce_scatter && kind != CollectiveKind::all_reduce ? true : op == other.op) &&
+           (kind != CollectiveKind::broadcast || root == other.root);
+  }
+};
+
+// Collectives to launch together. Build it, then Communicator::launch(group).
+class Coalesced {
+ public:
+  Coalesced& all_gather(const void* send, void* recv, std::size_t count, DataType dtype);
+  Coalesced& reduce_scatter(const void* send, void* recv, std::size_t count, DataType dtype, ReduceOp op);
+  Coalesced& all_reduce(const void* send, void* recv, std::size_t count, DataType dtype, ReduceOp op);
+  Coalesced& broadcast(const void* send, void* recv, std::size_t count, DataType dtype, int root);
+  Coalesced& barrier();
+
+  std::span<const CollectiveOp> ops() const noexcept { return ops_; }
+  bool empty() const noexcept { return ops_.empty(); }
+
+ private:
+  std::vector<CollectiveOp> ops_;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const noexcept = 0;
+  virtual int size() const noexcept = 0;
+  virtual std::string_view backend() const noexcept = 0;
+  // The communication stream every collective of this communicator is enqueued on.
+  virtual async::Stream& stream() noexcept = 0;
+
+  // Enqueues the group as one launch; the event marks the completion of all of it.
+  virtual Result<async::Event> launch(const Coalesced& group) = 0;
+
+  // Collective over all ranks (each calls it, from its own thread): ranks with the same color
+  // form a new communicator, ranked by (key, old rank). A negative color takes no part and gets
+  // a null communicator. Blocks the calling thread until every rank called (counted, as setup).
+  virtual Result<std::unique_ptr<Communicator>> split(int color, int key) = 0;
+
+  // Groups launched so far (a coalesced group counts once).
+  virtual std::uint64_t launches() const noexcept = 0;
+
+  Result<async::Event> all_gather(const void* send, void* recv, std::size_t count, DataType dtype) {
+    return launch(Coalesced{}.all_gather(send, recv, count, dtype));
+  }
+  Result<async::Event> reduce_scatter(const void* send, void* recv, std::size_t count, DataType dtype, ReduceOp op) {
+    return launch(Coalesced{}.reduce_scatter(send, recv, count, dtype, op));
+  }
+  Result<async::Event> all_reduce(const void* send, void* recv, std::size_t count, DataType dtype, ReduceOp op) {
+    return launch(Coalesced{}.all_reduce(send, recv, count, dtype, op));
+  }
+  Result<async::Event> broadcast(const void* send, void* recv, std::size_t count, DataType dtype, int root) {
+    return launch(Coalesced{}.broadcast(send, recv, count, dtype, root));
+  }
+  Result<async::Event> barrier() { return launch(Coalesced{}.barrier()); }
+};
+
+// Checks one op against a communicator's rank and size: pointers, root, sizes that overflow.
+// Backends call it for every op before enqueueing; the message names the value and the rule.
+Result<void> validate(const CollectiveOp& op, int rank, int size);
+
+}  // namespace coshard::collectives

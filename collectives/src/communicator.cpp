@@ -1,0 +1,98 @@
+#include "coshard/collectives/communicator.hpp"
+
+#include <limits>
+
+namespace coshard::collectives {
+
+std::string_view to_string(DataType t) noexcept {
+  switch (t) {
+    case DataType::f32: return "f32";
+    case DataType::f64: return "f64";
+    case DataType::f16: return "f16";
+    case DataType::bf16: return "bf16";
+    case DataType::i32: return "i32";
+    case DataType::u8: return "u8";
+  }
+  return "unknown-dtype";
+}
+
+std::string_view to_string(ReduceOp op) noexcept {
+  switch (op) {
+    case ReduceOp::sum: return "sum";
+    case ReduceOp::avg: return "avg";
+    case ReduceOp::max: return "max";
+    case ReduceOp::min: return "min";
+  }
+  return "unknown-op";
+}
+
+std::string_view to_string(CollectiveKind kind) noexcept {
+  switch (kind) {
+    case CollectiveKind::all_gather: return "all_gather";
+    case CollectiveKind::reduce_scatter: return "reduce_scatter";
+    case CollectiveKind::all_reduce: return "all_reduce";
+    case CollectiveKind::broadcast: return "broadcast";
+    case CollectiveKind::barrier: return "barrier";
+  }
+  return "unknown-collective";
+}
+
+std::string CollectiveOp::signature() const {
+  std::string s(to_string(kind));
+  if (kind == CollectiveKind::barrier) return s + "()";
+  s += "(count=" + std::to_string(count) + ", " + std::string(to_string(dtype));
+  if (kind == CollectiveKind::reduce_scatter || kind == CollectiveKind::all_reduce) s += ", " + std::string(to_string(op));
+  if (kind == CollectiveKind::broadcast) s += ", root=" + std::to_string(root);
+  return s + ")";
+}
+
+Coalesced& Coalesced::all_gather(const void* send, void* recv, std::size_t count, DataType dtype) {
+  ops_.push_back({CollectiveKind::all_gather, send, recv, count, dtype, ReduceOp::sum, 0});
+  return *this;
+}
+Coalesced& Coalesced::reduce_scatter(const void* send, void* recv, std::size_t count, DataType dtype, ReduceOp op) {
+  ops_.push_back({CollectiveKind::reduce_scatter, send, recv, count, dtype, op, 0});
+  return *this;
+}
+Coalesced& Coalesced::all_reduce(const void* send, void* recv, std::size_t count, DataType dtype, ReduceOp op) {
+  ops_.push_back({CollectiveKind::all_reduce, send, recv, count, dtype, op, 0});
+  return *this;
+}
+Coalesced& Coalesced::broadcast(const void* send, void* recv, std::size_t count, DataType dtype, int root) {
+  ops_.push_back({CollectiveKind::broadcast, send, recv, count, dtype, ReduceOp::sum, root});
+  return *this;
+}
+Coalesced& Coalesced::barrier() {
+  ops_.push_back({CollectiveKind::barrier, nullptr, nullptr, 0, DataType::u8, ReduceOp::sum, 0});
+  return *this;
+}
+
+Result<void> validate(const CollectiveOp& op, int rank, int size) {
+  if (size_of(op.dtype) == 0) {
+    return fail(ErrorCode::invalid_argument, op.signature(), ": unknown data type ", static_cast<int>(op.dtype));
+  }
+  if (static_cast<int>(op.op) > static_cast<int>(ReduceOp::min)) {
+    return fail(ErrorCode::invalid_argument, op.signature(), ": unknown reduce op ", static_cast<int>(op.op));
+  }
+  if (op.kind == CollectiveKind::barrier || op.count == 0) return {};
+  const std::size_t limit = std::numeric_limits<std::size_t>::max() / size_of(op.dtype) / static_cast<std::size_t>(size);
+  if (op.count > limit) {
+    return fail(ErrorCode::invalid_argument, op.signature(), ": count overflows the address space at world size ", size);
+  }
+  if (op.kind == CollectiveKind::broadcast) {
+    if (op.root < 0 || op.root >= size) {
+      return fail(ErrorCode::invalid_argument, op.signature(), ": root=", op.root, " is not a rank in [0, ", size, ")");
+    }
+    if (op.recv == nullptr || (rank == op.root && op.send == nullptr)) {
+      return fail(ErrorCode::invalid_argument, op.signature(), " on rank ", rank,
+                  ": recv (and send on the root) must not be null");
+    }
+    return {};
+  }
+  if (op.send == nullptr || op.recv == nullptr) {
+    return fail(ErrorCode::invalid_argument, op.signature(), " on rank ", rank, ": send and recv must not be null");
+  }
+  return {};
+}
+
+}  // namespace coshard::collectives

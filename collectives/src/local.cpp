@@ -1,0 +1,345 @@
+// The Local backend (rules at the top of local.hpp).
+#include "coshard/collectives/local.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "coshard/async/detail/cpu_relax.hpp"
+#include "coshard/async/stream.hpp"
+#include "coshard/async/sync.hpp"
+#include "reduce.hpp"
+
+namespace coshard::collectives {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string rank_list(const std::vector<bool>& present) {
+  std::string s = "[";
+  for (std::size_t q = 0; q < present.size(); ++q) {
+    if (present[q]) continue;
+    if (s.size() > 1) s += ", ";
+    s += std::to_string(q);
+  }
+  return s + "]";
+}
+
+// A reusable barrier for `n` ranks with a deadline. Breaking it (timeout, mismatch) is final:
+// every current and later arrival fails with the reason.
+class Rendezvous {
+ public:
+  Rendezvous(int n, std::chrono::milliseconds timeout)
+      : n_(n), timeout_(timeout), present_(static_cast<std::size_t>(n), false) {}
+
+  Result<void> arrive_and_wait(int rank, Clock::time_point deadline, std::chrono::microseconds spin,
+                               const std::function<std::string()>& what) {
+    std::unique_lock lock(mutex_);
+    if (broken_) return fail(Error(code_, why_));
+    const std::uint64_t generation = generation_;
+    present_[static_cast<std::size_t>(rank)] = true;
+    if (++arrived_ == n_) {
+      arrived_ = 0;
+      std::fill(present_.begin(), present_.end(), false);
+      ++generation_;
+      published_.store(generation_, std::memory_order_release);  // for the spinners
+      lock.unlock();
+      cv_.notify_all();
+      return {};
+    }
+    lock.unlock();
+
+    // acquire: pairs with the release above, so the posts of every rank are visible.
+    const auto spin_end = Clock::now() + spin;
+    do {
+      for (int i = 0; i < 64; ++i) {
+        if (published_.load(std::memory_order_acquire) != generation) return {};
+        async::detail::cpu_relax();
+      }
+    } while (Clock::now() < spin_end);
+
+    lock.lock();
+    while (generation_ == generation && !broken_) {
+      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && generation_ == generation && !broken_) {
+        break_locked(ErrorCode::timeout, what() + ": rank " + std::to_string(rank) + " timed out after " +
+                                             std::to_string(timeout_.count()) + " ms waiting for ranks " +
+                                             rank_list(present_));
+      }
+    }
+    if (generation_ != generation) return {};
+    return fail(Error(code_, why_));
+  }
+
+  void break_with(ErrorCode code, std::string why) {
+    std::lock_guard lock(mutex_);
+    if (!broken_) break_locked(code, std::move(why));
+  }
+
+ private:
+  void break_locked(ErrorCode code, std::string why) {
+    broken_ = true;
+    code_ = code;
+    why_ = std::move(why);
+    cv_.notify_all();
+  }
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  const int n_;
+  const std::chrono::milliseconds timeout_;  // for messages; callers pass the deadline
+  int arrived_ = 0;
+  std::uint64_t generation_ = 0;
+  std::atomic<std::uint64_t> published_{0};
+  std::vector<bool> present_;
+  bool broken_ = false;
+  ErrorCode code_ = ErrorCode::timeout;
+  std::string why_;
+};
+
+class LocalGroup {
+ public:
+  LocalGroup(int size, LocalOptions options)
+      : size_(size),
+        options_(options),
+        rendezvous_(size, options.timeout),
+        posted_(static_cast<std::size_t>(size)),
+        posted_seq_(static_cast<std::size_t>(size), 0),
+        split_posts_(static_cast<std::size_t>(size)),
+        split_present_(static_cast<std::size_t>(size), false),
+        split_results_(static_cast<std::size_t>(size)) {}
+
+  int size() const noexcept { return size_; }
+  const LocalOptions& options() const noexcept { return options_; }
+
+  // Runs one launched group for `rank` (on its communication stream's worker).
+  Result<void> run(int rank, std::uint64_t seq, std::span<const CollectiveOp> ops) {
+    const auto deadline = Clock::now() + options_.timeout;
+    auto what = [&] {
+      std::string s = "collective group #" + std::to_string(seq) + " [";
+      for (std::size_t i = 0; i < ops.size(); ++i) s += (i ? ", " : "") + ops[i].signature();
+      return s + "] on Local group of " + std::to_string(size_);
+    };
+    const auto r = static_cast<std::size_t>(rank);
+    posted_[r] = ops;
+    posted_seq_[r] = seq;
+    if (auto a = rendezvous_.arrive_and_wait(rank, deadline, options_.spin, what); !a) return a;
+
+    // Every rank checks every rank against rank 0, so all reach the same verdict.
+    for (std::size_t q = 1; q < posted_.size(); ++q) {
+      bool same = posted_seq_[q] == posted_seq_[0] && posted_[q].size() == posted_[0].size();
+      for (std::size_t i = 0; same && i < posted_[0].size(); ++i) same = posted_[q][i].same_signature(posted_[0][i]);
+      if (!same) {
+        std::string why = "collective sequence mismatch: rank 0 launched group #" + std::to_string(posted_seq_[0]) + " " +
+                          describe(posted_[0]) + " but rank " + std::to_string(q) + " launched group #" +
+                          std::to_string(posted_seq_[q]) + " " + describe(posted_[q]);
+        rendezvous_.break_with(ErrorCode::invalid_argument, why);
+        return fail(ErrorCode::invalid_argument, why);
+      }
+    }
+
+    for (std::size_t i = 0; i < ops.size(); ++i) execute(rank, i);
+    return rendezvous_.arrive_and_wait(rank, deadline, options_.spin, what);
+  }
+
+  // Host-side collective: ranks of one color form a new group. Returns (group, new rank), or
+  // (null, -1) for a negative color.
+  Result<std::pair<std::shared_ptr<LocalGroup>, int>> split(int rank, int color, int key) {
+    std::unique_lock lock(split_mutex_);
+    const std::uint64_t generation = split_generation_;
+    const auto r = static_cast<std::size_t>(rank);
+    split_posts_[r] = {color, key};
+    split_present_[r] = true;
+    if (++split_arrived_ == size_) {
+      std::map<int, std::vector<std::pair<int, int>>> members;  // color -> (key, old rank)
+      for (int q = 0; q < size_; ++q) {
+        const auto [c, k] = split_posts_[static_cast<std::size_t>(q)];
+        if (c >= 0) members[c].emplace_back(k, q);
+      }
+      std::fill(split_results_.begin(), split_results_.end(), std::pair<std::shared_ptr<LocalGroup>, int>{nullptr, -1});
+      for (auto& [c, ranks] : members) {
+        std::sort(ranks.begin(), ranks.end());
+        auto group = std::make_shared<LocalGroup>(static_cast<int>(ranks.size()), options_);
+        for (std::size_t i = 0; i < ranks.size(); ++i) {
+          split_results_[static_cast<std::size_t>(ranks[i].second)] = {group, static_cast<int>(i)};
+        }
+      }
+      split_arrived_ = 0;
+      std::fill(split_present_.begin(), split_present_.end(), false);
+      ++split_generation_;
+      split_cv_.notify_all();
+      return split_results_[r];
+    }
+    const auto deadline = Clock::now() + options_.timeout;
+    while (split_generation_ == generation) {
+      if (split_cv_.wait_until(lock, deadline) == std::cv_status::timeout && split_generation_ == generation) {
+        std::string missing = rank_list(split_present_);
+        --split_arrived_;
+        split_present_[r] = false;
+        return fail(ErrorCode::timeout, "split(color=", color, ", key=", key, ") on rank ", rank,
+                    ": timed out waiting for ranks ", missing);
+      }
+    }
+    return split_results_[r];
+  }
+
+ private:
+  static std::string describe(std::span<const CollectiveOp> ops) {
+    std::string s = "[";
+    for (std::size_t i = 0; i < ops.size(); ++i) s += (i ? ", " : "") + ops[i].signature();
+    return s + "]";
+  }
+
+  const CollectiveOp& op_of(int rank, std::size_t index) const {
+    return posted_[static_cast<std::size_t>(rank)][index];
+  }
+
+  void execute(int rank, std::size_t index) {
+    const CollectiveOp& mine = op_of(rank, index);
+    const std::size_t es = size_of(mine.dtype);
+    const std::size_t block_bytes = mine.count * es;
+    if (block_bytes == 0) return;
+    auto* recv = static_cast<std::byte*>(mine.recv);
+    switch (mine.kind) {
+      case CollectiveKind::barrier:
+        return;
+      case CollectiveKind::broadcast: {
+        const void* src = op_of(mine.root, index).send;
+        if (src != recv) std::memcpy(recv, src, block_bytes);
+        return;
+      }
+      case CollectiveKind::all_gather:
+        for (int q = 0; q < size_; ++q) {
+          std::byte* dst = recv + static_cast<std::size_t>(q) * block_bytes;
+          const void* src = op_of(q, index).send;
+          if (src != dst) std::memcpy(dst, src, block_bytes);
+        }
+        return;
+      case CollectiveKind::reduce_scatter: {
+        const std::size_t offset = static_cast<std::size_t>(rank) * block_bytes;
+        reduce_range(mine, index, offset, mine.count, [&](std::size_t at, const std::byte* data, std::size_t bytes) {
+          std::memcpy(recv + at - offset, data, bytes);
+        });
+        return;
+      }
+      case CollectiveKind::all_reduce: {
+        const std::size_t begin = mine.count * static_cast<std::size_t>(rank) / static_cast<std::size_t>(size_);
+        const std::size_t end = mine.count * static_cast<std::size_t>(rank + 1) / static_cast<std::size_t>(size_);
+        reduce_range(mine, index, begin * es, end - begin, [&](std::size_t at, const std::byte* data, std::size_t bytes) {
+          for (int q = 0; q < size_; ++q) std::memcpy(static_cast<std::byte*>(op_of(q, index).recv) + at, data, bytes);
+        });
+        return;
+      }
+    }
+  }
+
+  // Reduces `count` elements starting at byte `offset` of every rank's send buffer, block by
+  // block into a scratch buffer (so outputs may alias inputs), handing each block to `emit`.
+  template <class Emit>
+  void reduce_range(const CollectiveOp& mine, std::size_t index, std::size_t offset, std::size_t count, Emit emit) {
+    const std::size_t es = size_of(mine.dtype);
+    constexpr std::size_t kBlockBytes = 64 * 1024;
+    const std::size_t block = std::max<std::size_t>(1, kBlockBytes / es);
+    thread_local std::vector<std::byte> scratch;
+    scratch.resize(block * es);
+    std::vector<const void*> inputs(static_cast<std::size_t>(size_));
+    for (std::size_t done = 0; done < count; done += block) {
+      const std::size_t n = std::min(block, count - done);
+      const std::size_t at = offset + done * es;
+      for (int q = 0; q < size_; ++q) {
+        inputs[static_cast<std::size_t>(q)] = static_cast<const std::byte*>(op_of(q, index).send) + at;
+      }
+      detail::reduce(mine.dtype, mine.op, scratch.data(), inputs, n, size_);
+      emit(at, scratch.data(), n * es);
+    }
+  }
+
+  const int size_;
+  const LocalOptions options_;
+  Rendezvous rendezvous_;
+  std::vector<std::span<const CollectiveOp>> posted_;
+  std::vector<std::uint64_t> posted_seq_;
+
+  std::mutex split_mutex_;
+  std::condition_variable split_cv_;
+  int split_arrived_ = 0;
+  std::uint64_t split_generation_ = 0;
+  std::vector<std::pair<int, int>> split_posts_;
+  std::vector<bool> split_present_;
+  std::vector<std::pair<std::shared_ptr<LocalGroup>, int>> split_results_;
+};
+
+class LocalCommunicator final : public Communicator {
+ public:
+  LocalCommunicator(std::shared_ptr<LocalGroup> group, int rank, async::Stream stream)
+      : group_(std::move(group)), rank_(rank), stream_(std::move(stream)) {}
+
+  int rank() const noexcept override { return rank_; }
+  int size() const noexcept override { return group_->size(); }
+  std::string_view backend() const noexcept override { return "local"; }
+  async::Stream& stream() noexcept override { return stream_; }
+  std::uint64_t launches() const noexcept override { return launches_.load(std::memory_order_relaxed); }
+
+  Result<async::Event> launch(const Coalesced& group) override {
+    for (const CollectiveOp& op : group.ops()) COSHARD_TRY(validate(op, rank_, size()));
+    if (group.empty()) return stream_.record();
+    std::vector<CollectiveOp> ops(group.ops().begin(), group.ops().end());
+    const std::uint64_t seq = next_seq_++;
+    COSHARD_TRY(stream_.launch_fallible([g = group_, r = rank_, seq, ops = std::move(ops)]() -> Result<void> {
+      return g->run(r, seq, ops);
+    }));
+    launches_.fetch_add(1, std::memory_order_relaxed);
+    return stream_.record();
+  }
+
+  Result<std::unique_ptr<Communicator>> split(int color, int key) override {
+    std::pair<std::shared_ptr<LocalGroup>, int> joined;
+    COSHARD_TRY(async::detail::blocking_wait("Communicator::split", [&]() -> Result<void> {
+      auto r = group_->split(rank_, color, key);
+      if (!r) return fail(std::move(r).error());
+      joined = std::move(*r);
+      return {};
+    }));
+    if (!joined.first) return std::unique_ptr<Communicator>();
+    auto stream = async::Stream::create(async::Device::cpu(),
+                                        {.name = "comm rank " + std::to_string(joined.second) + "/" +
+                                                 std::to_string(joined.first->size()) + " (split)"});
+    if (!stream) return fail(std::move(stream).error());
+    return std::unique_ptr<Communicator>(
+        std::make_unique<LocalCommunicator>(std::move(joined.first), joined.second, std::move(*stream)));
+  }
+
+ private:
+  std::shared_ptr<LocalGroup> group_;
+  int rank_;
+  async::Stream stream_;
+  std::uint64_t next_seq_ = 0;
+  std::atomic<std::uint64_t> launches_{0};
+};
+
+}  // namespace
+
+Result<std::vector<std::unique_ptr<Communicator>>> make_local_communicators(int world_size, LocalOptions options) {
+  if (world_size < 1) {
+    return fail(ErrorCode::invalid_argument, "make_local_communicators(world_size=", world_size, "): must be at least 1");
+  }
+  if (options.timeout.count() <= 0) {
+    return fail(ErrorCode::invalid_argument, "LocalOptions::timeout=", options.timeout.count(), " ms: must be positive");
+  }
+  auto group = std::make_shared<LocalGroup>(world_size, options);
+  std::vector<std::unique_ptr<Communicator>> comms;
+  comms.reserve(static_cast<std::size_t>(world_size));
+  for (int r = 0; r < world_size; ++r) {
+    auto stream = async::Stream::create(
+        async::Device::cpu(), {.name = "comm rank " + std::to_string(r) + "/" + std::to_string(world_size)});
+    if (!stream) return fail(std::move(stream).error());
+    comms.push_back(std::make_unique<LocalCommunicator>(group, r, std::move(*stream)));
+  }
+  return comms;
+}
+
+}  // namespace coshard::collectives

@@ -1,0 +1,411 @@
+#include "coshard/collectives/local.hpp"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <functional>
+#include <thread>
+#include <vector>
+
+#include "coshard/async/runtime.hpp"
+#include "coshard/async/sync.hpp"
+
+namespace coshard::collectives {
+namespace {
+
+using Comms = std::vector<std::unique_ptr<Communicator>>;
+using Bytes = std::vector<std::byte>;
+
+Comms make(int world, LocalOptions options = {}) {
+  auto comms = make_local_communicators(world, options);
+  EXPECT_TRUE(comms.has_value()) << (comms ? "" : comms.error().message());
+  return std::move(*comms);
+}
+
+// Runs fn(comm) for every rank on its own thread, as ranks of a real job would.
+void run_ranks(Comms& comms, const std::function<void(Communicator&)>& fn) {
+  std::vector<std::thread> threads;
+  for (auto& c : comms) threads.emplace_back([&fn, &c] { fn(*c); });
+  for (auto& t : threads) t.join();
+}
+
+// ---- a reference, written independently of the backend -----------------------------------------
+
+// Deterministic value of element j on rank r, as bytes of `dtype`.
+void put_value(DataType dtype, std::byte* at, int rank, std::size_t j) {
+  const long k = static_cast<long>((static_cast<unsigned long>(rank) * 7919u + j * 104729u) % 2001u) - 1000;
+  const double v = static_cast<double>(k) / 64.0;
+  switch (dtype) {
+    case DataType::f32: { float f = static_cast<float>(v); std::memcpy(at, &f, 4); break; }
+    case DataType::f64: std::memcpy(at, &v, 8); break;
+    case DataType::f16: { auto h = float_to_f16(static_cast<float>(v)); std::memcpy(at, &h, 2); break; }
+    case DataType::bf16: { auto h = float_to_bf16(static_cast<float>(v)); std::memcpy(at, &h, 2); break; }
+    case DataType::i32: { auto i = static_cast<std::int32_t>(k * 1000003); std::memcpy(at, &i, 4); break; }
+    case DataType::u8: { auto u = static_cast<std::uint8_t>(k); std::memcpy(at, &u, 1); break; }
+  }
+}
+
+Bytes values(DataType dtype, int rank, std::size_t begin, std::size_t count) {
+  Bytes b(count * size_of(dtype));
+  for (std::size_t j = 0; j < count; ++j) put_value(dtype, b.data() + j * size_of(dtype), rank, begin + j);
+  return b;
+}
+
+template <class Acc>
+Acc combine(ReduceOp op, Acc a, Acc b) {
+  switch (op) {
+    case ReduceOp::sum:
+    case ReduceOp::avg: return static_cast<Acc>(a + b);
+    case ReduceOp::max: return a < b ? b : a;
+    case ReduceOp::min: return b < a ? b : a;
+  }
+  return a;
+}
+
+// Element j of the reduction over ranks 0..world-1 of element (begin + j), in rank order.
+Bytes reduced(DataType dtype, ReduceOp op, int world, std::size_t begin, std::size_t count) {
+  std::vector<Bytes> in;
+  for (int q = 0; q < world; ++q) in.push_back(values(dtype, q, begin, count));
+  Bytes out(count * size_of(dtype));
+  auto fold = [&]<class T, class Acc>(auto load, auto store) {
+    for (std::size_t j = 0; j < count; ++j) {
+      T t;
+      std::memcpy(&t, in[0].data() + j * sizeof(T), sizeof(T));
+      Acc acc = load(t);
+      for (int q = 1; q < world; ++q) {
+        std::memcpy(&t, in[static_cast<std::size_t>(q)].data() + j * sizeof(T), sizeof(T));
+        acc = combine<Acc>(op, acc, load(t));
+      }
+      if (op == ReduceOp::avg) acc = static_cast<Acc>(acc / static_cast<Acc>(world));
+      T o = store(acc);
+      std::memcpy(out.data() + j * sizeof(T), &o, sizeof(T));
+    }
+  };
+  auto same = [](auto v) { return v; };
+  switch (dtype) {
+    case DataType::f32: fold.template operator()<float, float>(same, same); break;
+    case DataType::f64: fold.template operator()<double, double>(same, same); break;
+    case DataType::f16: fold.template operator()<std::uint16_t, float>(f16_to_float, float_to_f16); break;
+    case DataType::bf16: fold.template operator()<std::uint16_t, float>(bf16_to_float, float_to_bf16); break;
+    case DataType::i32:
+      fold.template operator()<std::int32_t, std::int64_t>([](std::int32_t v) { return std::int64_t{v}; },
+                                                          [](std::int64_t v) { return static_cast<std::int32_t>(static_cast<std::uint32_t>(v)); });
+      break;
+    case DataType::u8:
+      fold.template operator()<std::uint8_t, std::uint32_t>([](std::uint8_t v) { return std::uint32_t{v}; },
+                                                           [](std::uint32_t v) { return static_cast<std::uint8_t>(v); });
+      break;
+  }
+  return out;
+}
+
+constexpr DataType kTypes[] = {DataType::f32, DataType::f64, DataType::f16, DataType::bf16, DataType::i32, DataType::u8};
+constexpr ReduceOp kOps[] = {ReduceOp::sum, ReduceOp::avg, ReduceOp::max, ReduceOp::min};
+constexpr std::size_t kCounts[] = {0, 1, 7, 1003};
+
+class EveryCollective : public ::testing::TestWithParam<int> {};
+
+TEST_P(EveryCollective, MatchesADirectComputationForEveryTypeOpAndSize) {
+  const int world = GetParam();
+  Comms comms = make(world);
+  std::atomic<int> failures{0};
+  run_ranks(comms, [&](Communicator& c) {
+    const int r = c.rank();
+    auto check = [&](const Result<async::Event>& e, const Bytes& got, const Bytes& want, const std::string& what) {
+      if (!e || !e->synchronize()) {
+        failures++;
+        ADD_FAILURE() << what << " on rank " << r << ": " << (e ? "event failed" : e.error().message());
+      } else if (got != want) {
+        failures++;
+        ADD_FAILURE() << what << " on rank " << r << " of " << world << ": wrong result";
+      }
+    };
+    int case_index = 0;
+    for (DataType t : kTypes) {
+      const std::size_t es = size_of(t);
+      for (std::size_t n : kCounts) {
+        const std::string tag = std::string(to_string(t)) + " count=" + std::to_string(n);
+        {  // all_gather
+          Bytes send = values(t, r, 0, n), recv(world * n * es), want;
+          for (int q = 0; q < world; ++q) {
+            Bytes b = values(t, q, 0, n);
+            want.insert(want.end(), b.begin(), b.end());
+          }
+          check(c.all_gather(send.data(), recv.data(), n, t), recv, want, "all_gather " + tag);
+        }
+        {  // broadcast from a rotating root; non-roots pass no send buffer
+          const int root = case_index++ % world;
+          Bytes send = values(t, r, 0, n), recv(n * es);
+          check(c.broadcast(r == root ? send.data() : nullptr, recv.data(), n, t, root), recv, values(t, root, 0, n),
+                "broadcast root=" + std::to_string(root) + " " + tag);
+        }
+        for (ReduceOp op : kOps) {
+          const std::string otag = tag + " " + std::string(to_string(op));
+          {  // reduce_scatter: rank r's block of the reduction over world*n elements
+            Bytes send = values(t, r, 0, world * n), recv(n * es);
+            check(c.reduce_scatter(send.data(), recv.data(), n, t, op), recv, reduced(t, op, world, r * n, n),
+                  "reduce_scatter " + otag);
+          }
+          {  // all_reduce
+            Bytes send = values(t, r, 0, n), recv(n * es);
+            check(c.all_reduce(send.data(), recv.data(), n, t, op), recv, reduced(t, op, world, 0, n),
+                  "all_reduce " + otag);
+          }
+        }
+      }
+    }
+  });
+  EXPECT_EQ(failures.load(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes1To8, EveryCollective, ::testing::Range(1, 9));
+
+TEST(LocalCollectives, AllReduceIsBitIdenticalOnEveryRank) {
+  constexpr int kWorld = 5;
+  constexpr std::size_t kCount = 100'003;  // not divisible by the world size
+  Comms comms = make(kWorld);
+  std::vector<std::vector<float>> results(kWorld, std::vector<float>(kCount));
+  run_ranks(comms, [&](Communicator& c) {
+    std::vector<float> send(kCount);
+    for (std::size_t j = 0; j < kCount; ++j) send[j] = 1.0f / static_cast<float>(1 + (j * 31 + c.rank() * 17) % 97);
+    auto e = c.all_reduce(send.data(), results[static_cast<std::size_t>(c.rank())].data(), kCount, DataType::f32, ReduceOp::sum);
+    ASSERT_TRUE(e && e->synchronize());
+  });
+  for (int r = 1; r < kWorld; ++r) {
+    EXPECT_EQ(std::memcmp(results[0].data(), results[static_cast<std::size_t>(r)].data(), kCount * sizeof(float)), 0)
+        << "rank " << r << " differs from rank 0";
+  }
+}
+
+TEST(LocalCollectives, InPlaceUseGivesTheSameResults) {
+  constexpr int kWorld = 4;
+  constexpr std::size_t n = 1001;
+  Comms comms = make(kWorld);
+  std::atomic<int> bad{0};
+  run_ranks(comms, [&](Communicator& c) {
+    const int r = c.rank();
+    const DataType t = DataType::f32;
+    // all_gather with send at this rank's block of recv
+    Bytes ag(kWorld * n * 4);
+    Bytes mine = values(t, r, 0, n);
+    std::memcpy(ag.data() + r * n * 4, mine.data(), mine.size());
+    auto e1 = c.all_gather(ag.data() + r * n * 4, ag.data(), n, t);
+    Bytes want;
+    for (int q = 0; q < kWorld; ++q) {
+      Bytes b = values(t, q, 0, n);
+      want.insert(want.end(), b.begin(), b.end());
+    }
+    if (!e1 || !e1->synchronize() || ag != want) { bad++; ADD_FAILURE() << "in-place all_gather on rank " << r; }
+    // all_reduce with send == recv
+    Bytes ar = values(t, r, 0, n);
+    auto e2 = c.all_reduce(ar.data(), ar.data(), n, t, ReduceOp::sum);
+    if (!e2 || !e2->synchronize() || ar != reduced(t, ReduceOp::sum, kWorld, 0, n)) { bad++; ADD_FAILURE() << "in-place all_reduce on rank " << r; }
+    // reduce_scatter with recv at this rank's block of send (read it only after the event)
+    Bytes rs = values(t, r, 0, kWorld * n);
+    auto e3 = c.reduce_scatter(rs.data(), rs.data() + r * n * 4, n, t, ReduceOp::max);
+    if (!e3 || !e3->synchronize()) {
+      bad++;
+      ADD_FAILURE() << "in-place reduce_scatter failed on rank " << r;
+      return;
+    }
+    Bytes got(rs.begin() + static_cast<long>(r * n * 4), rs.begin() + static_cast<long>((r + 1) * n * 4));
+    if (got != reduced(t, ReduceOp::max, kWorld, r * n, n)) {
+      bad++;
+      ADD_FAILURE() << "in-place reduce_scatter on rank " << r;
+    }
+  });
+  EXPECT_EQ(bad.load(), 0);
+}
+
+TEST(LocalCollectives, ACoalescedGroupIsOneLaunchWithEveryResult) {
+  constexpr int kWorld = 3;
+  constexpr std::size_t n = 257;
+  Comms comms = make(kWorld);
+  std::atomic<int> bad{0};
+  run_ranks(comms, [&](Communicator& c) {
+    const int r = c.rank();
+    Bytes ag_send = values(DataType::bf16, r, 0, n), ag_recv(kWorld * n * 2);
+    Bytes rs_send = values(DataType::f32, r, 0, kWorld * n), rs_recv(n * 4);
+    Bytes ar = values(DataType::i32, r, 0, n);
+    const auto before = c.launches();
+    auto e = c.launch(Coalesced{}
+                          .all_gather(ag_send.data(), ag_recv.data(), n, DataType::bf16)
+                          .reduce_scatter(rs_send.data(), rs_recv.data(), n, DataType::f32, ReduceOp::avg)
+                          .all_reduce(ar.data(), ar.data(), n, DataType::i32, ReduceOp::sum)
+                          .barrier());
+    if (!e || !e->synchronize()) {
+      bad++;
+      return;
+    }
+    if (c.launches() != before + 1) bad++;
+    Bytes want_ag;
+    for (int q = 0; q < kWorld; ++q) {
+      Bytes b = values(DataType::bf16, q, 0, n);
+      want_ag.insert(want_ag.end(), b.begin(), b.end());
+    }
+    if (ag_recv != want_ag) bad++;
+    if (rs_recv != reduced(DataType::f32, ReduceOp::avg, kWorld, r * n, n)) bad++;
+    if (ar != reduced(DataType::i32, ReduceOp::sum, kWorld, 0, n)) bad++;
+  });
+  EXPECT_EQ(bad.load(), 0);
+}
+
+TEST(LocalCollectives, MismatchedSequencesFailEveryRankWithAClearError) {
+  Comms comms = make(2, LocalOptions{.timeout = std::chrono::seconds(10)});
+  std::vector<std::string> messages(2);
+  std::vector<ErrorCode> codes(2, ErrorCode::internal);
+  run_ranks(comms, [&](Communicator& c) {
+    std::vector<float> a(8), b(16);
+    const std::size_t n = c.rank() == 0 ? 4 : 5;  // rank 1 disagrees on the count
+    auto e = c.all_gather(a.data(), b.data(), n, DataType::f32);
+    ASSERT_TRUE(e.has_value());
+    auto s = e->synchronize();
+    ASSERT_FALSE(s.has_value());
+    codes[static_cast<std::size_t>(c.rank())] = s.error().code();
+    messages[static_cast<std::size_t>(c.rank())] = s.error().message();
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(codes[static_cast<std::size_t>(r)], ErrorCode::invalid_argument);
+    EXPECT_NE(messages[static_cast<std::size_t>(r)].find("all_gather(count=4, f32)"), std::string::npos) << messages[static_cast<std::size_t>(r)];
+    EXPECT_NE(messages[static_cast<std::size_t>(r)].find("all_gather(count=5, f32)"), std::string::npos);
+  }
+}
+
+TEST(LocalCollectives, AMissingPeerFailsTheOthersWithinTheTimeoutNamingIt) {
+  Comms comms = make(3, LocalOptions{.timeout = std::chrono::milliseconds(200)});
+  std::vector<float> data(64);
+  std::vector<std::string> messages(2);
+  std::vector<double> waited_ms(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {  // rank 2 never calls
+    ranks.emplace_back([&, r] {
+      Communicator& c = *comms[static_cast<std::size_t>(r)];
+      std::vector<float> out(64);
+      const auto t0 = std::chrono::steady_clock::now();
+      auto e = c.all_reduce(data.data(), out.data(), 64, DataType::f32, ReduceOp::sum);
+      ASSERT_TRUE(e.has_value());
+      auto s = e->synchronize();
+      waited_ms[static_cast<std::size_t>(r)] = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      ASSERT_FALSE(s.has_value());
+      EXPECT_EQ(s.error().code(), ErrorCode::timeout);
+      messages[static_cast<std::size_t>(r)] = s.error().message();
+      // The group is broken for good: the next collective fails at once.
+      auto again = c.barrier();
+      ASSERT_TRUE(again.has_value());
+      EXPECT_FALSE(again->synchronize().has_value());
+    });
+  }
+  for (auto& t : ranks) t.join();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(messages[static_cast<std::size_t>(r)].find("waiting for ranks [2]"), std::string::npos) << messages[static_cast<std::size_t>(r)];
+    EXPECT_GE(waited_ms[static_cast<std::size_t>(r)], 150.0);
+    EXPECT_LT(waited_ms[static_cast<std::size_t>(r)], 5000.0);
+  }
+}
+
+TEST(LocalCollectives, SplitFormsSubgroupsOrderedByKey) {
+  constexpr int kWorld = 6;
+  Comms comms = make(kWorld);
+  std::atomic<int> bad{0};
+  run_ranks(comms, [&](Communicator& c) {
+    const int color = c.rank() % 2;
+    auto sub = c.split(color, /*key=*/-c.rank());  // reversed order within each color
+    if (!sub || !*sub) {
+      bad++;
+      return;
+    }
+    Communicator& s = **sub;
+    if (s.size() != 3) bad++;
+    // Old ranks of color 0 are 0,2,4; keys -0,-2,-4 put 4 first.
+    const int expected_rank = (kWorld - 1 - c.rank()) / 2;
+    if (s.rank() != expected_rank) bad++;
+    std::int32_t mine = c.rank(), sum = 0;
+    auto e = s.all_reduce(&mine, &sum, 1, DataType::i32, ReduceOp::sum);
+    if (!e || !e->synchronize() || sum != (color == 0 ? 0 + 2 + 4 : 1 + 3 + 5)) bad++;
+  });
+  EXPECT_EQ(bad.load(), 0);
+  // A negative color takes no part.
+  Comms two = make(2);
+  run_ranks(two, [&](Communicator& c) {
+    auto sub = c.split(c.rank() == 0 ? -1 : 7, 0);
+    ASSERT_TRUE(sub.has_value());
+    if (c.rank() == 0) {
+      EXPECT_EQ(*sub, nullptr);
+    } else {
+      ASSERT_NE(*sub, nullptr);
+      EXPECT_EQ((*sub)->size(), 1);
+    }
+  });
+}
+
+TEST(LocalCollectives, BadArgumentsAreRejectedBeforeAnythingIsEnqueued) {
+  auto none = make_local_communicators(0);
+  ASSERT_FALSE(none.has_value());
+  EXPECT_NE(none.error().message().find("world_size=0"), std::string::npos);
+  Comms comms = make(2);
+  float x = 0;
+  auto root = comms[0]->broadcast(&x, &x, 1, DataType::f32, 2);
+  ASSERT_FALSE(root.has_value());
+  EXPECT_NE(root.error().message().find("root=2"), std::string::npos);
+  auto null = comms[0]->all_reduce(nullptr, &x, 1, DataType::f32, ReduceOp::sum);
+  ASSERT_FALSE(null.has_value());
+  EXPECT_EQ(null.error().code(), ErrorCode::invalid_argument);
+  EXPECT_EQ(comms[0]->launches(), 0u);
+}
+
+TEST(LocalCollectives, AwaitingCollectivesFromTasksNeverBlocksTheHost) {
+  constexpr int kWorld = 4;
+  Comms comms = make(kWorld);
+  async::Runtime rt;
+  const auto before = async::blocking_waits();
+  std::vector<async::JoinHandle<bool>> ranks;
+  std::vector<std::vector<float>> bufs(kWorld, std::vector<float>(4096, 1.0f));
+  for (int r = 0; r < kWorld; ++r) {
+    ranks.push_back(rt.spawn([](Communicator& c, std::vector<float>& buf) -> async::Task<bool> {
+      for (int i = 0; i < 20; ++i) {
+        auto e = c.all_reduce(buf.data(), buf.data(), buf.size(), DataType::f32, ReduceOp::avg);
+        if (!e) co_return false;
+        if (!(co_await *e)) co_return false;
+      }
+      co_return buf[0] == 1.0f;
+    }(*comms[static_cast<std::size_t>(r)], bufs[static_cast<std::size_t>(r)])));
+  }
+  for (auto& h : ranks) {
+    auto ok = rt.block_on([](async::JoinHandle<bool>& h) -> async::Task<Result<bool>> { co_return co_await h; }(h));
+    ASSERT_TRUE(ok.has_value());
+    EXPECT_TRUE(*ok);
+  }
+  EXPECT_EQ(async::blocking_waits(), before);
+}
+
+TEST(DataTypes, HalfAndBfloatConversionsRoundToNearestEven) {
+  EXPECT_EQ(float_to_bf16(1.0f), 0x3F80);
+  EXPECT_EQ(float_to_bf16(1.00390625f), 0x3F80);  // exactly half way: ties to even (down)
+  EXPECT_EQ(float_to_bf16(1.01171875f), 0x3F82);  // half way above an odd mantissa: up
+  EXPECT_EQ(bf16_to_float(0xC000), -2.0f);
+  EXPECT_EQ(float_to_f16(1.0f), 0x3C00);
+  EXPECT_EQ(float_to_f16(65504.0f), 0x7BFF);
+  EXPECT_EQ(float_to_f16(65520.0f), 0x7C00);      // rounds to infinity
+  EXPECT_EQ(float_to_f16(5.960464477539063e-08f), 0x0001);  // smallest subnormal
+  EXPECT_EQ(f16_to_float(0x0001), 5.960464477539063e-08f);
+  EXPECT_EQ(f16_to_float(0xFC00), -std::numeric_limits<float>::infinity());
+#if defined(__FLT16_MAX__) && defined(__GNUC__) && !defined(__clang__)
+  // Against the compiler's own _Float16: every half round-trips; sampled floats round alike.
+  for (std::uint32_t h = 0; h < 65536; ++h) {
+    const auto x = static_cast<std::uint16_t>(h);
+    const float ref = static_cast<float>(std::bit_cast<_Float16>(x));
+    if (ref != ref) continue;
+    ASSERT_EQ(std::bit_cast<std::uint32_t>(f16_to_float(x)), std::bit_cast<std::uint32_t>(ref)) << h;
+    ASSERT_EQ(float_to_f16(ref), x) << h;
+  }
+  for (std::uint32_t u = 0; u < 0xFFFF0000u; u += 65521u) {
+    const float f = std::bit_cast<float>(u);
+    if (f != f) continue;
+    ASSERT_EQ(float_to_f16(f), std::bit_cast<std::uint16_t>(static_cast<_Float16>(f))) << f;
+  }
+#endif
+}
+
+}  // namespace
+}  // namespace coshard::collectives
