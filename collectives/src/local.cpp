@@ -116,8 +116,12 @@ class LocalGroup {
   int size() const noexcept { return size_; }
   const LocalOptions& options() const noexcept { return options_; }
 
-  // Runs one launched group for `rank` (on its communication stream's worker).
-  Result<void> run(int rank, std::uint64_t seq, std::span<const CollectiveOp> ops) {
+  using Ops = std::shared_ptr<const std::vector<CollectiveOp>>;
+
+  // Runs one launched group for `rank` (on its communication stream's worker). The posted ops
+  // are shared: a rank that leaves early (mismatch, timeout) cannot free what others still read.
+  Result<void> run(int rank, std::uint64_t seq, const Ops& posted) {
+    const std::vector<CollectiveOp>& ops = *posted;
     const auto deadline = Clock::now() + options_.timeout;
     auto what = [&] {
       std::string s = "collective group #" + std::to_string(seq) + " [";
@@ -125,18 +129,20 @@ class LocalGroup {
       return s + "] on Local group of " + std::to_string(size_);
     };
     const auto r = static_cast<std::size_t>(rank);
-    posted_[r] = ops;
+    posted_[r] = posted;
     posted_seq_[r] = seq;
     if (auto a = rendezvous_.arrive_and_wait(rank, deadline, options_.spin, what); !a) return a;
 
     // Every rank checks every rank against rank 0, so all reach the same verdict.
     for (std::size_t q = 1; q < posted_.size(); ++q) {
-      bool same = posted_seq_[q] == posted_seq_[0] && posted_[q].size() == posted_[0].size();
-      for (std::size_t i = 0; same && i < posted_[0].size(); ++i) same = posted_[q][i].same_signature(posted_[0][i]);
+      const auto& first = *posted_[0];
+      const auto& other = *posted_[q];
+      bool same = posted_seq_[q] == posted_seq_[0] && other.size() == first.size();
+      for (std::size_t i = 0; same && i < first.size(); ++i) same = other[i].same_signature(first[i]);
       if (!same) {
         std::string why = "collective sequence mismatch: rank 0 launched group #" + std::to_string(posted_seq_[0]) + " " +
-                          describe(posted_[0]) + " but rank " + std::to_string(q) + " launched group #" +
-                          std::to_string(posted_seq_[q]) + " " + describe(posted_[q]);
+                          describe(first) + " but rank " + std::to_string(q) + " launched group #" +
+                          std::to_string(posted_seq_[q]) + " " + describe(other);
         rendezvous_.break_with(ErrorCode::invalid_argument, why);
         return fail(ErrorCode::invalid_argument, why);
       }
@@ -195,7 +201,7 @@ class LocalGroup {
   }
 
   const CollectiveOp& op_of(int rank, std::size_t index) const {
-    return posted_[static_cast<std::size_t>(rank)][index];
+    return (*posted_[static_cast<std::size_t>(rank)])[index];
   }
 
   void execute(int rank, std::size_t index) {
@@ -261,7 +267,8 @@ class LocalGroup {
   const int size_;
   const LocalOptions options_;
   Rendezvous rendezvous_;
-  std::vector<std::span<const CollectiveOp>> posted_;
+  // Written by each rank before the first rendezvous, read by all between the two.
+  std::vector<Ops> posted_;
   std::vector<std::uint64_t> posted_seq_;
 
   std::mutex split_mutex_;
@@ -287,7 +294,7 @@ class LocalCommunicator final : public Communicator {
   Result<async::Event> launch(const Coalesced& group) override {
     for (const CollectiveOp& op : group.ops()) COSHARD_TRY(validate(op, rank_, size()));
     if (group.empty()) return stream_.record();
-    std::vector<CollectiveOp> ops(group.ops().begin(), group.ops().end());
+    auto ops = std::make_shared<const std::vector<CollectiveOp>>(group.ops().begin(), group.ops().end());
     const std::uint64_t seq = next_seq_++;
     COSHARD_TRY(stream_.launch_fallible([g = group_, r = rank_, seq, ops = std::move(ops)]() -> Result<void> {
       return g->run(r, seq, ops);
