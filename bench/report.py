@@ -23,9 +23,33 @@ def median_ns(bench):
     return bench["real_time"] * scale
 
 
+def collectives(data):
+    """busbw of the Local collectives against per-stream memcpy bandwidth, for each (W, S)."""
+    rates = {}
+    for b in data["benchmarks"]:
+        if b.get("run_type") == "aggregate" and b.get("aggregate_name") != "median":
+            continue
+        parts = b.get("run_name", b["name"]).split("/")
+        nums = [int(p) for p in parts[1:] if p.isdigit()]
+        if len(nums) >= 2 and "bytes_per_second" in b:
+            rates[(parts[0], nums[0], nums[1])] = b["bytes_per_second"]
+    if not rates:
+        return False
+    print(f"\n{'W':>2} {'size':>10} {'memcpy GB/s':>12} {'all_gather busbw':>17} {'ratio':>6} {'reduce_scatter busbw':>21} {'ratio':>6}")
+    for (name, w, size) in sorted(k for k in rates if k[0] == "BM_MemcpyStreams"):
+        base = rates[(name, w, size)]
+        ag = rates.get(("BM_LocalAllGather", w, size), float("nan"))
+        rs = rates.get(("BM_LocalReduceScatter", w, size), float("nan"))
+        label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+        print(f"{w:>2} {label:>10} {base / 1e9:12.2f} {ag / 1e9:17.2f} {ag / base:6.2f} {rs / 1e9:21.2f} {rs / base:6.2f}")
+    return True
+
+
 def main(path):
     with open(path) as f:
         data = json.load(f)
+    if collectives(data):
+        return
     times = {}
     for b in data["benchmarks"]:
         name = b.get("run_name", b["name"]).split("/")[0]

@@ -197,11 +197,13 @@ void Runtime::schedule(std::coroutine_handle<> handle) {
     s.local.push_back(handle);
     return;
   }
-  {
-    std::lock_guard lock(s.remote.lock);
-    s.remote.queue.push_back(handle);
-    s.remote.pending.store(true, std::memory_order_seq_cst);
-  }
+  // Everything, the eventfd wake-up included, happens inside the critical section: the reactor
+  // drains under the same lock, so `handle` cannot run (and finish, and let its Runtime be
+  // destroyed) while this thread still touches the runtime. TSan caught the post racing with
+  // ~Runtime when it came after the unlock.
+  std::lock_guard lock(s.remote.lock);
+  s.remote.queue.push_back(handle);
+  s.remote.pending.store(true, std::memory_order_seq_cst);
   if (s.remote.sleeping.load(std::memory_order_seq_cst)) {
     asio::post(s.io, [] {});
   }
