@@ -227,26 +227,36 @@ class LocalGroup {
         return;
       case CollectiveKind::reduce_scatter: {
         const std::size_t offset = static_cast<std::size_t>(rank) * block_bytes;
-        reduce_range(mine, index, offset, mine.count, [&](std::size_t at, const std::byte* data, std::size_t bytes) {
-          std::memcpy(recv + at - offset, data, bytes);
-        });
+        reduce_range(
+            mine, index, offset, mine.count, [&](std::size_t at) { return recv + at - offset; },
+            [&](std::size_t at, const std::byte* data, std::size_t bytes) {
+              if (data != recv + at - offset) std::memcpy(recv + at - offset, data, bytes);
+            });
         return;
       }
       case CollectiveKind::all_reduce: {
         const std::size_t begin = mine.count * static_cast<std::size_t>(rank) / static_cast<std::size_t>(size_);
         const std::size_t end = mine.count * static_cast<std::size_t>(rank + 1) / static_cast<std::size_t>(size_);
-        reduce_range(mine, index, begin * es, end - begin, [&](std::size_t at, const std::byte* data, std::size_t bytes) {
-          for (int q = 0; q < size_; ++q) std::memcpy(static_cast<std::byte*>(op_of(q, index).recv) + at, data, bytes);
-        });
+        auto recv_of = [&](int q, std::size_t at) { return static_cast<std::byte*>(op_of(q, index).recv) + at; };
+        reduce_range(
+            mine, index, begin * es, end - begin, [&](std::size_t at) { return recv_of(rank, at); },
+            [&](std::size_t at, const std::byte* data, std::size_t bytes) {
+              for (int q = 0; q < size_; ++q) {
+                if (recv_of(q, at) != data) std::memcpy(recv_of(q, at), data, bytes);
+              }
+            });
         return;
       }
     }
   }
 
   // Reduces `count` elements starting at byte `offset` of every rank's send buffer, block by
-  // block into a scratch buffer (so outputs may alias inputs), handing each block to `emit`.
-  template <class Emit>
-  void reduce_range(const CollectiveOp& mine, std::size_t index, std::size_t offset, std::size_t count, Emit emit) {
+  // block, then hands each block to `emit(at, data, bytes)`. A block is reduced straight into
+  // `direct(at)` when that destination overlaps no input of the block (one pass less), else into
+  // a scratch buffer (so in-place use stays correct); `emit` skips the copy onto itself.
+  template <class Direct, class Emit>
+  void reduce_range(const CollectiveOp& mine, std::size_t index, std::size_t offset, std::size_t count, Direct direct,
+                    Emit emit) {
     const std::size_t es = size_of(mine.dtype);
     constexpr std::size_t kBlockBytes = 64 * 1024;
     const std::size_t block = std::max<std::size_t>(1, kBlockBytes / es);
@@ -256,11 +266,15 @@ class LocalGroup {
     for (std::size_t done = 0; done < count; done += block) {
       const std::size_t n = std::min(block, count - done);
       const std::size_t at = offset + done * es;
+      const std::size_t bytes = n * es;
+      std::byte* out = direct(at);
       for (int q = 0; q < size_; ++q) {
-        inputs[static_cast<std::size_t>(q)] = static_cast<const std::byte*>(op_of(q, index).send) + at;
+        const auto* in = static_cast<const std::byte*>(op_of(q, index).send) + at;
+        inputs[static_cast<std::size_t>(q)] = in;
+        if (out < in + bytes && in < out + bytes) out = scratch.data();
       }
-      detail::reduce(mine.dtype, mine.op, scratch.data(), inputs, n, size_);
-      emit(at, scratch.data(), n * es);
+      detail::reduce(mine.dtype, mine.op, out, inputs, n, size_);
+      emit(at, out, bytes);
     }
   }
 
