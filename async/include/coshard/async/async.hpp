@@ -6,6 +6,7 @@
 #include "coshard/async/event.hpp"
 #include "coshard/async/join_handle.hpp"
 #include "coshard/async/memory.hpp"
+#include "coshard/async/net.hpp"
 #include "coshard/async/result.hpp"
 #include "coshard/async/runtime.hpp"
 #include "coshard/async/semaphore.hpp"
