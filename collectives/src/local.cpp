@@ -75,6 +75,12 @@ class Rendezvous {
     return fail(Error(code_, why_));
   }
 
+  Result<void> status() {
+    std::lock_guard lock(mutex_);
+    if (broken_) return fail(Error(code_, why_));
+    return {};
+  }
+
   void break_with(ErrorCode code, std::string why) {
     std::lock_guard lock(mutex_);
     if (!broken_) break_locked(code, std::move(why));
@@ -115,6 +121,7 @@ class LocalGroup {
 
   int size() const noexcept { return size_; }
   const LocalOptions& options() const noexcept { return options_; }
+  Result<void> status() { return rendezvous_.status(); }
 
   using Ops = std::shared_ptr<const std::vector<CollectiveOp>>;
 
@@ -304,6 +311,7 @@ class LocalCommunicator final : public Communicator {
   std::string_view backend() const noexcept override { return "local"; }
   async::Stream& stream() noexcept override { return stream_; }
   std::uint64_t launches() const noexcept override { return launches_.load(std::memory_order_relaxed); }
+  Result<void> status() const override { return group_->status(); }
 
   Result<async::Event> launch(const Coalesced& group) override {
     for (const CollectiveOp& op : group.ops()) COSHARD_TRY(validate(op, rank_, size()));

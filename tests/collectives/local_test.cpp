@@ -290,7 +290,10 @@ TEST(LocalCollectives, AMissingPeerFailsTheOthersWithinTheTimeoutNamingIt) {
       ASSERT_FALSE(s.has_value());
       EXPECT_EQ(s.error().code(), ErrorCode::timeout);
       messages[static_cast<std::size_t>(r)] = s.error().message();
-      // The group is broken for good: the next collective fails at once.
+      // The group is broken for good: status() says why and the next collective fails at once.
+      auto st = c.status();
+      ASSERT_FALSE(st.has_value());
+      EXPECT_EQ(st.error().code(), ErrorCode::timeout);
       auto again = c.barrier();
       ASSERT_TRUE(again.has_value());
       EXPECT_FALSE(again->synchronize().has_value());

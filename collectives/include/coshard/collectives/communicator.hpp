@@ -94,6 +94,12 @@ class Communicator {
   // Groups launched so far (a coalesced group counts once).
   virtual std::uint64_t launches() const noexcept = 0;
 
+  // Whether the communicator still works: the error that broke it (a timed-out or mismatched
+  // collective, an aborted NCCL communicator), if any. On the Local backend the failed event
+  // carries the same error; an aborted NCCL communicator's events still complete (its kernels
+  // exit early), so check status() after awaiting where the data must be trusted.
+  virtual Result<void> status() const = 0;
+
   Result<async::Event> all_gather(const void* send, void* recv, std::size_t count, DataType dtype) {
     return launch(Coalesced{}.all_gather(send, recv, count, dtype));
   }

@@ -1,0 +1,40 @@
+// The NCCL backend: one rank per process (or per GPU), collectives as NCCL group launches on a
+// dedicated CUDA communication stream.
+//
+// Creation: rank 0 makes the NCCL unique id and publishes it in the rendezvous store; every rank
+// first meets the others at a store barrier (so a peer that is gone fails with the store's
+// timeout, naming it), then joins ncclCommInitRank on the runtime's blocking pool, leaving the
+// reactor (which may host the store) free.
+// Launch: ncclGroupStart, one NCCL call per op, ncclGroupEnd, then an event on the stream: no
+// host wait (the communicator is in blocking mode, which only means ncclGroupEnd returns once
+// the kernels are enqueued).
+// Watchdog: a thread per communicator polls ncclCommGetAsyncError and the oldest outstanding
+// launch; an NCCL error, or a launch older than `timeout`, aborts the communicator
+// (ncclCommAbort): its kernels exit, status() reports why, and later launches fail at once.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "coshard/async/device.hpp"
+#include "coshard/async/task.hpp"
+#include "coshard/collectives/communicator.hpp"
+#include "coshard/collectives/store.hpp"
+
+namespace coshard::collectives {
+
+struct NcclOptions {
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // per launch, by the watchdog
+  std::string key = "coshard/nccl";                            // store key prefix for this communicator
+};
+
+// True when this build has NCCL (COSHARD_CUDA and NCCL found).
+bool nccl_compiled() noexcept;
+
+// Rank `rank` of `world` on CUDA device `device`; every rank calls it with the same store
+// (rank 0's hosting it, or any reachable one). Awaited on a coshard Runtime.
+async::Task<Result<std::unique_ptr<Communicator>>> make_nccl_communicator(TcpStore& store, int rank, int world,
+                                                                          async::Device device, NcclOptions options = {});
+
+}  // namespace coshard::collectives

@@ -1,0 +1,271 @@
+// The NCCL backend (rules in nccl.hpp). Host code against the CUDA runtime and NCCL.
+#include "coshard/collectives/nccl.hpp"
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "coshard/async/runtime.hpp"
+#include "coshard/async/stream.hpp"
+#include "coshard/async/sync.hpp"
+
+namespace coshard::collectives {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+Unexpected nccl_error(ncclResult_t r, std::string_view what, ncclComm_t comm = nullptr) {
+  std::string detail = ncclGetErrorString(r);
+  if (comm != nullptr) {
+    if (const char* last = ncclGetLastError(comm); last != nullptr && *last) detail += std::string(": ") + last;
+  }
+  return fail(ErrorCode::device, what, ": ", detail);
+}
+
+Result<ncclDataType_t> nccl_type(DataType t) {
+  switch (t) {
+    case DataType::f32: return ncclFloat32;
+    case DataType::f64: return ncclFloat64;
+    case DataType::f16: return ncclFloat16;
+    case DataType::bf16: return ncclBfloat16;
+    case DataType::i32: return ncclInt32;
+    case DataType::u8: return ncclUint8;
+  }
+  return fail(ErrorCode::invalid_argument, "NCCL: unknown data type ", static_cast<int>(t));
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return ncclSum;
+    case ReduceOp::avg: return ncclAvg;
+    case ReduceOp::max: return ncclMax;
+    case ReduceOp::min: return ncclMin;
+  }
+  return ncclSum;
+}
+
+class NcclCommunicator final : public Communicator {
+ public:
+  NcclCommunicator(ncclComm_t comm, int rank, int size, async::Device device, async::Stream stream, void* barrier_word,
+                   NcclOptions options)
+      : comm_(comm),
+        rank_(rank),
+        size_(size),
+        device_(device),
+        stream_(std::move(stream)),
+        barrier_word_(barrier_word),
+        options_(std::move(options)) {
+    watchdog_ = std::thread([this] { watch(); });
+  }
+
+  ~NcclCommunicator() override {
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    watchdog_.join();
+    if (!aborted_.load()) {
+      (void)ncclCommDestroy(comm_);  // waits for its work to finish
+    }
+    (void)cudaFree(barrier_word_);
+  }
+
+  int rank() const noexcept override { return rank_; }
+  int size() const noexcept override { return size_; }
+  std::string_view backend() const noexcept override { return "nccl"; }
+  async::Stream& stream() noexcept override { return stream_; }
+  std::uint64_t launches() const noexcept override { return launches_.load(std::memory_order_relaxed); }
+
+  Result<void> status() const override {
+    std::lock_guard lock(mutex_);
+    if (!abort_reason_.empty()) return fail(ErrorCode::closed, abort_reason_);
+    return {};
+  }
+
+  Result<async::Event> launch(const Coalesced& group) override {
+    for (const CollectiveOp& op : group.ops()) COSHARD_TRY(validate(op, rank_, size_));
+    COSHARD_TRY(status());
+    if (auto e = cudaSetDevice(device_.index()); e != cudaSuccess) {
+      return fail(ErrorCode::device, "cudaSetDevice(", device_.index(), "): ", cudaGetErrorString(e));
+    }
+    auto* s = static_cast<cudaStream_t>(stream_.native_handle());
+    if (auto r = ncclGroupStart(); r != ncclSuccess) return nccl_error(r, "ncclGroupStart", comm_);
+    Result<void> issued = issue(group, s);
+    const ncclResult_t ended = ncclGroupEnd();  // always close the group
+    COSHARD_TRY(issued);
+    if (ended != ncclSuccess) return nccl_error(ended, "ncclGroupEnd", comm_);
+    COSHARD_TRY_ASSIGN(async::Event done, stream_.record());
+    launches_.fetch_add(1, std::memory_order_relaxed);
+    {
+      std::lock_guard lock(mutex_);
+      outstanding_.push_back({done, Clock::now() + options_.timeout, launches_.load()});
+    }
+    return done;
+  }
+
+  Result<std::unique_ptr<Communicator>> split(int color, int key) override {
+    COSHARD_TRY(status());
+    ncclComm_t child = nullptr;
+    COSHARD_TRY(async::detail::blocking_wait("Communicator::split", [&]() -> Result<void> {
+      if (auto r = ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child, nullptr); r != ncclSuccess) {
+        return nccl_error(r, "ncclCommSplit", comm_);
+      }
+      return {};
+    }));
+    if (child == nullptr) return std::unique_ptr<Communicator>();
+    return wrap(child, device_, options_);
+  }
+
+  // Wraps a fresh NCCL communicator: its rank and size, a stream, the barrier scratch word.
+  static Result<std::unique_ptr<Communicator>> wrap(ncclComm_t comm, async::Device device, NcclOptions options) {
+    int rank = 0, size = 0;
+    if (auto r = ncclCommUserRank(comm, &rank); r != ncclSuccess) return nccl_error(r, "ncclCommUserRank", comm);
+    if (auto r = ncclCommCount(comm, &size); r != ncclSuccess) return nccl_error(r, "ncclCommCount", comm);
+    auto stream = async::Stream::create(device, {.name = "nccl comm rank " + std::to_string(rank) + "/" + std::to_string(size)});
+    if (!stream) return fail(std::move(stream).error());
+    void* word = nullptr;
+    if (auto e = cudaMalloc(&word, sizeof(float)); e != cudaSuccess) {
+      return fail(ErrorCode::out_of_memory, "cudaMalloc(barrier word): ", cudaGetErrorString(e));
+    }
+    return std::unique_ptr<Communicator>(
+        std::make_unique<NcclCommunicator>(comm, rank, size, device, std::move(*stream), word, std::move(options)));
+  }
+
+ private:
+  Result<void> issue(const Coalesced& group, cudaStream_t s) {
+    for (const CollectiveOp& op : group.ops()) {
+      COSHARD_TRY_ASSIGN(const ncclDataType_t type, nccl_type(op.dtype));
+      ncclResult_t r = ncclSuccess;
+      switch (op.kind) {
+        case CollectiveKind::all_gather:
+          r = ncclAllGather(op.send, op.recv, op.count, type, comm_, s);
+          break;
+        case CollectiveKind::reduce_scatter:
+          r = ncclReduceScatter(op.send, op.recv, op.count, type, nccl_op(op.op), comm_, s);
+          break;
+        case CollectiveKind::all_reduce:
+          r = ncclAllReduce(op.send, op.recv, op.count, type, nccl_op(op.op), comm_, s);
+          break;
+        case CollectiveKind::broadcast:
+          r = ncclBroadcast(op.send, op.recv, op.count, type, op.root, comm_, s);
+          break;
+        case CollectiveKind::barrier:
+          r = ncclAllReduce(barrier_word_, barrier_word_, 1, ncclFloat32, ncclSum, comm_, s);
+          break;
+      }
+      if (r != ncclSuccess) return nccl_error(r, op.signature(), comm_);
+    }
+    return {};
+  }
+
+  void watch() {
+    std::unique_lock lock(mutex_);
+    while (!stop_) {
+      cv_.wait_for(lock, std::chrono::milliseconds(50));
+      if (stop_ || aborted_.load()) continue;
+      while (!outstanding_.empty() && outstanding_.front().done.ready()) outstanding_.pop_front();
+      std::string reason;
+      ncclResult_t async_error = ncclSuccess;
+      if (ncclCommGetAsyncError(comm_, &async_error) == ncclSuccess && async_error != ncclSuccess &&
+          async_error != ncclInProgress) {
+        reason = std::string("NCCL reported an asynchronous error: ") + ncclGetErrorString(async_error);
+      } else if (!outstanding_.empty() && Clock::now() > outstanding_.front().deadline) {
+        reason = "collective launch #" + std::to_string(outstanding_.front().number) + " did not complete within " +
+                 std::to_string(options_.timeout.count()) + " ms (a peer gone?)";
+      }
+      if (!reason.empty()) {
+        abort_reason_ = "NCCL communicator rank " + std::to_string(rank_) + "/" + std::to_string(size_) +
+                        " aborted: " + reason;
+        aborted_.store(true);
+        lock.unlock();
+        (void)ncclCommAbort(comm_);  // makes its kernels exit; the communicator is gone
+        lock.lock();
+        outstanding_.clear();
+      }
+    }
+  }
+
+  struct Outstanding {
+    async::Event done;
+    Clock::time_point deadline;
+    std::uint64_t number;
+  };
+
+  ncclComm_t comm_;
+  const int rank_;
+  const int size_;
+  const async::Device device_;
+  async::Stream stream_;
+  void* barrier_word_;
+  const NcclOptions options_;
+  std::atomic<std::uint64_t> launches_{0};
+
+  mutable std::mutex mutex_;  // guards everything below
+  std::condition_variable cv_;
+  std::deque<Outstanding> outstanding_;
+  std::string abort_reason_;
+  std::atomic<bool> aborted_{false};
+  bool stop_ = false;
+  std::thread watchdog_;
+};
+
+}  // namespace
+
+bool nccl_compiled() noexcept { return true; }
+
+async::Task<Result<std::unique_ptr<Communicator>>> make_nccl_communicator(TcpStore& store, int rank, int world,
+                                                                          async::Device device, NcclOptions options) {
+  if (world < 1 || rank < 0 || rank >= world) {
+    co_return fail(ErrorCode::invalid_argument, "make_nccl_communicator: rank=", rank, " world=", world,
+                   ": expected 0 <= rank < world");
+  }
+  if (!device.is_cuda() || device.index() >= async::cuda_device_count()) {
+    co_return fail(ErrorCode::device, "make_nccl_communicator: ", device.to_string(), " is not a visible CUDA device (",
+                   async::cuda_device_count(), " visible)");
+  }
+  async::Runtime* rt = async::Runtime::current();
+  if (rt == nullptr) co_return fail(ErrorCode::invalid_argument, "make_nccl_communicator: must be awaited on a Runtime");
+
+  // 1. The unique id, through the store.
+  ncclUniqueId id{};
+  const std::string id_key = options.key + "/unique_id";
+  if (rank == 0) {
+    if (auto r = ncclGetUniqueId(&id); r != ncclSuccess) co_return nccl_error(r, "ncclGetUniqueId");
+    const auto bytes = std::as_bytes(std::span(&id, 1));
+    COSHARD_CO_TRY(co_await store.set(id_key, bytes));
+  } else {
+    COSHARD_CO_TRY_ASSIGN(std::vector<std::byte> bytes, co_await store.get(id_key));
+    if (bytes.size() != sizeof(id)) {
+      co_return fail(ErrorCode::invalid_argument, "store key '", id_key, "' holds ", bytes.size(),
+                     " bytes; an NCCL unique id has ", sizeof(id));
+    }
+    std::memcpy(&id, bytes.data(), sizeof(id));
+  }
+  // 2. Everyone is here (or the store's timeout names who is not).
+  const std::string arrived = options.key + "/arrived/" + std::to_string(rank);
+  const std::vector<std::byte> none;
+  COSHARD_CO_TRY(co_await store.set(arrived, none));
+  for (int q = 0; q < world; ++q) {
+    COSHARD_CO_TRY(co_await store.get(options.key + "/arrived/" + std::to_string(q)));
+  }
+  // 3. The collective init, off the reactor.
+  auto comm = co_await rt->spawn_blocking([&]() -> Result<ncclComm_t> {
+    if (auto e = cudaSetDevice(device.index()); e != cudaSuccess) {
+      return fail(ErrorCode::device, "cudaSetDevice(", device.index(), "): ", cudaGetErrorString(e));
+    }
+    ncclComm_t c = nullptr;
+    if (auto r = ncclCommInitRank(&c, world, id, rank); r != ncclSuccess) return nccl_error(r, "ncclCommInitRank");
+    return c;
+  });
+  if (!comm) co_return fail(std::move(comm).error());
+  co_return NcclCommunicator::wrap(*comm, device, std::move(options));
+}
+
+}  // namespace coshard::collectives

@@ -1,0 +1,14 @@
+// The answer of a build without NCCL.
+#include "coshard/collectives/nccl.hpp"
+
+namespace coshard::collectives {
+
+bool nccl_compiled() noexcept { return false; }
+
+async::Task<Result<std::unique_ptr<Communicator>>> make_nccl_communicator(TcpStore&, int, int, async::Device device,
+                                                                          NcclOptions) {
+  co_return fail(ErrorCode::unsupported, "make_nccl_communicator(", device.to_string(),
+                 "): this build has no NCCL backend (configure with the CUDA toolkit and NCCL present)");
+}
+
+}  // namespace coshard::collectives
