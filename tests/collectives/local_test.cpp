@@ -52,6 +52,16 @@ Bytes values(DataType dtype, int rank, std::size_t begin, std::size_t count) {
   return b;
 }
 
+// What all_gather of `values(t, q, 0, n)` from every rank q gives: the blocks in rank order.
+Bytes gathered(DataType t, int world, std::size_t n) {
+  Bytes out;
+  for (int q = 0; q < world; ++q) {
+    Bytes b = values(t, q, 0, n);
+    out.insert(out.end(), b.begin(), b.end());
+  }
+  return out;
+}
+
 template <class Acc>
 Acc combine(ReduceOp op, Acc a, Acc b) {
   switch (op) {
@@ -127,12 +137,8 @@ TEST_P(EveryCollective, MatchesADirectComputationForEveryTypeOpAndSize) {
       for (std::size_t n : kCounts) {
         const std::string tag = std::string(to_string(t)) + " count=" + std::to_string(n);
         {  // all_gather
-          Bytes send = values(t, r, 0, n), recv(world * n * es), want;
-          for (int q = 0; q < world; ++q) {
-            Bytes b = values(t, q, 0, n);
-            want.insert(want.end(), b.begin(), b.end());
-          }
-          check(c.all_gather(send.data(), recv.data(), n, t), recv, want, "all_gather " + tag);
+          Bytes send = values(t, r, 0, n), recv(world * n * es);
+          check(c.all_gather(send.data(), recv.data(), n, t), recv, gathered(t, world, n), "all_gather " + tag);
         }
         {  // broadcast from a rotating root; non-roots pass no send buffer
           const int root = case_index++ % world;
@@ -191,12 +197,7 @@ TEST(LocalCollectives, InPlaceUseGivesTheSameResults) {
     Bytes mine = values(t, r, 0, n);
     std::memcpy(ag.data() + r * n * 4, mine.data(), mine.size());
     auto e1 = c.all_gather(ag.data() + r * n * 4, ag.data(), n, t);
-    Bytes want;
-    for (int q = 0; q < kWorld; ++q) {
-      Bytes b = values(t, q, 0, n);
-      want.insert(want.end(), b.begin(), b.end());
-    }
-    if (!e1 || !e1->synchronize() || ag != want) { bad++; ADD_FAILURE() << "in-place all_gather on rank " << r; }
+    if (!e1 || !e1->synchronize() || ag != gathered(t, kWorld, n)) { bad++; ADD_FAILURE() << "in-place all_gather on rank " << r; }
     // all_reduce with send == recv
     Bytes ar = values(t, r, 0, n);
     auto e2 = c.all_reduce(ar.data(), ar.data(), n, t, ReduceOp::sum);
@@ -239,12 +240,7 @@ TEST(LocalCollectives, ACoalescedGroupIsOneLaunchWithEveryResult) {
       return;
     }
     if (c.launches() != before + 1) bad++;
-    Bytes want_ag;
-    for (int q = 0; q < kWorld; ++q) {
-      Bytes b = values(DataType::bf16, q, 0, n);
-      want_ag.insert(want_ag.end(), b.begin(), b.end());
-    }
-    if (ag_recv != want_ag) bad++;
+    if (ag_recv != gathered(DataType::bf16, kWorld, n)) bad++;
     if (rs_recv != reduced(DataType::f32, ReduceOp::avg, kWorld, r * n, n)) bad++;
     if (ar != reduced(DataType::i32, ReduceOp::sum, kWorld, 0, n)) bad++;
   });
