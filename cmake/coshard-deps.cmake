@@ -8,6 +8,8 @@ include_guard(GLOBAL)
 include(CMakeFindDependencyMacro)
 
 find_package(Threads REQUIRED)
+# JSON (safetensors headers, configs); linked privately, but a static library's consumers link it too.
+find_package(nlohmann_json 3 REQUIRED)
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(COSHARD_URING REQUIRED IMPORTED_TARGET GLOBAL liburing)
 

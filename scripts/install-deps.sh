@@ -6,7 +6,7 @@ set -euo pipefail
 
 packages=(
   build-essential cmake ninja-build pkg-config
-  libasio-dev liburing-dev
+  libasio-dev liburing-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3
 )

@@ -1,0 +1,74 @@
+// safetensors: the weight file format of PyTorch and Hugging Face, read and written.
+//
+// Layout: u64 little-endian header length N, N bytes of JSON header, then the raw data. The
+// header maps each tensor name to {"dtype", "shape", "data_offsets": [begin, end]} (offsets
+// relative to the data section) and may hold "__metadata__": {string: string}.
+//
+// Reading trusts nothing: a header length past the end of the file, a header that is not a JSON
+// object, an unknown dtype, a shape whose byte count disagrees with its offsets, offsets past
+// the end, overlapping offsets, or holes in the data (the format requires full coverage) are each
+// refused with an error naming the file, the tensor and the values. Nothing is partially loaded.
+// Writing goes to a temporary file in the same folder, is fsynced, then renamed over the target:
+// a crash never leaves a half-written file under the real name.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "coshard/async/result.hpp"
+
+namespace coshard::modules {
+
+enum class SafeDType : std::uint8_t { f64, f32, f16, bf16, i64, i32, i16, i8, u8, boolean };
+
+std::string_view to_string(SafeDType t) noexcept;  // the file's spelling: "F32", "BF16", ...
+std::size_t size_of(SafeDType t) noexcept;
+std::optional<SafeDType> parse_safe_dtype(std::string_view name) noexcept;
+
+struct SafeTensorInfo {
+  std::string name;
+  SafeDType dtype = SafeDType::f32;
+  std::vector<std::int64_t> shape;
+  std::size_t begin = 0;  // byte offsets in the data section
+  std::size_t end = 0;
+};
+
+class SafetensorsFile {
+ public:
+  // Loads and validates a whole file.
+  static Result<SafetensorsFile> load(const std::filesystem::path& path);
+  // Validates bytes already in memory (`source` names them in errors).
+  static Result<SafetensorsFile> parse(std::vector<std::byte> bytes, std::string source);
+
+  // In file order of their data.
+  const std::vector<SafeTensorInfo>& tensors() const noexcept { return tensors_; }
+  const SafeTensorInfo* find(std::string_view name) const noexcept;
+  std::span<const std::byte> data(const SafeTensorInfo& tensor) const noexcept;
+  const std::map<std::string, std::string>& metadata() const noexcept { return metadata_; }
+
+ private:
+  std::vector<std::byte> bytes_;
+  std::size_t data_start_ = 0;
+  std::vector<SafeTensorInfo> tensors_;
+  std::map<std::string, std::string> metadata_;
+};
+
+struct SafeTensorView {
+  std::string name;
+  SafeDType dtype = SafeDType::f32;
+  std::vector<std::int64_t> shape;
+  std::span<const std::byte> data;  // size must equal product(shape) * size_of(dtype)
+};
+
+// Writes the tensors (in the given order) atomically: temporary file, fsync, rename.
+Result<void> save_safetensors(const std::filesystem::path& path, std::span<const SafeTensorView> tensors,
+                              const std::map<std::string, std::string>& metadata = {});
+
+}  // namespace coshard::modules
