@@ -75,7 +75,7 @@ TEST(Safetensors, RoundTripsThroughDiskBitExact) {
     EXPECT_EQ(t->shape, v.shape);
     auto d = file->data(*t);
     ASSERT_EQ(d.size(), v.data.size());
-    EXPECT_EQ(std::memcmp(d.data(), v.data.data(), d.size()), 0) << v.name;
+    if (!d.empty()) EXPECT_EQ(std::memcmp(d.data(), v.data.data(), d.size()), 0) << v.name;  // memcmp(null, ...) is UB
   }
   // The header is padded so the data section starts 8-byte aligned.
   std::ifstream in(path, std::ios::binary);
