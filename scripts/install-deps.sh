@@ -8,6 +8,7 @@ packages=(
   build-essential cmake ninja-build pkg-config
   libasio-dev liburing-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  clang-19 libclang-rt-19-dev
   python3
 )
 

@@ -5,6 +5,8 @@
 #               GPU), every test: unit, examples, header checks, install package
 #   build/tsan  ThreadSanitizer: the runtime, streams and collectives (labels async|collectives)
 #   build/asan  AddressSanitizer + UBSan: everything else (and the runtime again)
+#   build/fuzz  libFuzzer (clang 19) on every parser of outside input, 30 s each from the seed
+#               corpus in tests/fuzz/corpus (new inputs stay in the build folder)
 # Sanitizer builds leave CUDA off: the sanitizers do not see into the CUDA driver.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,5 +42,8 @@ echo "== build/asan: AddressSanitizer + UBSan (everything) =="
 ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" \
   configure_build_test build/asan "" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCOSHARD_SANITIZE=address -DCOSHARD_CUDA=OFF
+echo "== build/fuzz: libFuzzer + ASan + UBSan on the parsers (clang 19) =="
+CC=clang-19 CXX=clang++-19 configure_build_test build/fuzz "fuzz" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DCOSHARD_SANITIZE=fuzz -DCOSHARD_CUDA=OFF -DCOSHARD_FUZZ_SECONDS=30
 echo "== all test builds passed =="
 echo "coshard: $passed passed, $failed failed, $skipped skipped"
