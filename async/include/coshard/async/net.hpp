@@ -21,6 +21,7 @@
 #include <span>
 #include <system_error>
 
+#include "coshard/async/detail/asio_op.hpp"
 #include "coshard/async/result.hpp"
 #include "coshard/async/task.hpp"
 
@@ -63,27 +64,6 @@ class Deadline {
 
 namespace detail {
 
-// One Asio operation whose handler takes (error_code, size_t).
-template <class Initiate>
-class TransferAwaiter {
- public:
-  explicit TransferAwaiter(Initiate initiate) : initiate_(std::move(initiate)) {}
-  bool await_ready() const noexcept { return false; }
-  void await_suspend(std::coroutine_handle<> awaiting) {
-    initiate_([this, awaiting](const std::error_code& ec, std::size_t n) {
-      ec_ = ec;
-      n_ = n;
-      awaiting.resume();
-    });
-  }
-  std::pair<std::error_code, std::size_t> await_resume() const noexcept { return {ec_, n_}; }
-
- private:
-  Initiate initiate_;
-  std::error_code ec_;
-  std::size_t n_ = 0;
-};
-
 Unexpected net_error(const char* what, const std::error_code& ec, bool deadline_expired);
 
 }  // namespace detail
@@ -91,7 +71,7 @@ Unexpected net_error(const char* what, const std::error_code& ec, bool deadline_
 inline Task<Result<void>> read_exact(tcp::socket& socket, std::span<std::byte> buffer, const Deadline* deadline = nullptr) {
   std::size_t done = 0;
   while (done < buffer.size()) {
-    auto [ec, n] = co_await detail::TransferAwaiter([&](auto handler) {
+    auto [ec, n] = co_await async::detail::TransferAwaiter([&](auto handler) {
       socket.async_read_some(asio::buffer(buffer.data() + done, buffer.size() - done), std::move(handler));
     });
     if (ec) co_return detail::net_error("read", ec, deadline && deadline->expired());
@@ -103,7 +83,7 @@ inline Task<Result<void>> read_exact(tcp::socket& socket, std::span<std::byte> b
 inline Task<Result<void>> write_all(tcp::socket& socket, std::span<const std::byte> buffer, const Deadline* deadline = nullptr) {
   std::size_t done = 0;
   while (done < buffer.size()) {
-    auto [ec, n] = co_await detail::TransferAwaiter([&](auto handler) {
+    auto [ec, n] = co_await async::detail::TransferAwaiter([&](auto handler) {
       socket.async_write_some(asio::buffer(buffer.data() + done, buffer.size() - done), std::move(handler));
     });
     if (ec) co_return detail::net_error("write", ec, deadline && deadline->expired());
@@ -113,7 +93,7 @@ inline Task<Result<void>> write_all(tcp::socket& socket, std::span<const std::by
 }
 
 inline Task<Result<void>> connect(tcp::socket& socket, const tcp::endpoint& endpoint, const Deadline* deadline = nullptr) {
-  auto [ec, n] = co_await detail::TransferAwaiter([&](auto handler) {
+  auto [ec, n] = co_await async::detail::TransferAwaiter([&](auto handler) {
     socket.async_connect(endpoint, [h = std::move(handler)](const std::error_code& e) mutable { h(e, 0); });
   });
   (void)n;
@@ -123,7 +103,7 @@ inline Task<Result<void>> connect(tcp::socket& socket, const tcp::endpoint& endp
 
 inline Task<Result<tcp::socket>> accept(tcp::acceptor& acceptor) {
   tcp::socket peer(acceptor.get_executor());
-  auto [ec, n] = co_await detail::TransferAwaiter([&](auto handler) {
+  auto [ec, n] = co_await async::detail::TransferAwaiter([&](auto handler) {
     acceptor.async_accept(peer, [h = std::move(handler)](const std::error_code& e) mutable { h(e, 0); });
   });
   (void)n;

@@ -1,0 +1,62 @@
+// NvmeStore: files on a fast disk, read and written with O_DIRECT through io_uring.
+//
+//   auto store = NvmeStore::open({.directory = "/mnt/nvme/coshard"}).value();
+//   co_await store->write("opt/shard-3", 0, bytes);      // Result<void>
+//   co_await store->read("opt/shard-3", 0, out);         // Result<void>
+//
+// Rules:
+// - Offsets are multiples of 4 KiB (O_DIRECT). Sizes and buffers may be anything: aligned
+//   transfers go straight to the disk; an unaligned buffer or a size that is not a multiple of
+//   4 KiB goes through an aligned bounce buffer (a write then pads the file to the next 4 KiB).
+// - A transfer is cut into `block_bytes` pieces with at most `queue_depth` in flight, each one a
+//   loop over Asio's async_*_some_at (the composed async_*_at would cut it to 64 KiB pieces);
+//   short transfers continue where they stopped, EINTR/EAGAIN are retried.
+// - Failures come back as Result errors naming the file, offset and size: a missing directory
+//   (at open), a file that is missing or shorter than asked (truncated behind our back), a full
+//   disk or a file-size limit. Data written before the failure stays readable.
+// - Calls run on the Runtime they are awaited on; a file is opened once and kept.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "coshard/async/result.hpp"
+#include "coshard/async/task.hpp"
+
+namespace coshard::offload {
+
+struct NvmeStoreOptions {
+  std::filesystem::path directory;
+  std::size_t block_bytes = std::size_t{1} << 20;  // a multiple of 4 KiB
+  std::size_t queue_depth = 16;                     // blocks in flight per transfer
+  bool direct = true;                               // O_DIRECT (off: page cache, e.g. tmpfs)
+};
+
+class NvmeStore {
+ public:
+  static constexpr std::size_t kAlignment = 4096;
+
+  static Result<std::unique_ptr<NvmeStore>> open(NvmeStoreOptions options);
+  ~NvmeStore();
+  NvmeStore(const NvmeStore&) = delete;
+  NvmeStore& operator=(const NvmeStore&) = delete;
+
+  async::Task<Result<void>> write(std::string name, std::uint64_t offset, std::span<const std::byte> data);
+  async::Task<Result<void>> read(std::string name, std::uint64_t offset, std::span<std::byte> out);
+
+  const NvmeStoreOptions& options() const noexcept;
+  std::uint64_t bytes_written() const noexcept;
+  std::uint64_t bytes_read() const noexcept;
+
+  struct Impl;
+  explicit NvmeStore(std::unique_ptr<Impl> impl);
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace coshard::offload

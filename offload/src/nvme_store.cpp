@@ -1,0 +1,177 @@
+// NvmeStore (rules in nvme_store.hpp).
+#include "coshard/offload/nvme_store.hpp"
+
+#include <asio/error.hpp>
+#include <asio/random_access_file.hpp>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <map>
+#include <vector>
+
+#include "coshard/async/detail/asio_op.hpp"
+#include "coshard/async/memory.hpp"
+#include "coshard/async/runtime.hpp"
+#include "coshard/async/when_all.hpp"
+
+namespace coshard::offload {
+namespace {
+
+using async::Task;
+namespace fs = std::filesystem;
+
+std::uint64_t round_up(std::uint64_t n, std::uint64_t to) { return (n + to - 1) / to * to; }
+
+bool aligned(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % NvmeStore::kAlignment == 0; }
+
+}  // namespace
+
+struct NvmeStore::Impl {
+  NvmeStoreOptions options;
+  async::Runtime* runtime = nullptr;  // the one whose io_context the files belong to
+  std::map<std::string, std::unique_ptr<asio::random_access_file>> files;
+  std::atomic<std::uint64_t> written{0};
+  std::atomic<std::uint64_t> read{0};
+
+  Result<asio::random_access_file*> file(const std::string& name, bool create) {
+    async::Runtime* rt = async::Runtime::current();
+    if (rt == nullptr) return fail(ErrorCode::invalid_argument, "NvmeStore: must be awaited on a coshard Runtime");
+    if (runtime == nullptr) runtime = rt;
+    if (runtime != rt) return fail(ErrorCode::invalid_argument, "NvmeStore: used from two runtimes; a store belongs to one");
+    if (name.empty() || name.front() == '/' || name.find("..") != std::string::npos) {
+      return fail(ErrorCode::invalid_argument, "NvmeStore: file name '", name, "' must be relative, without '..'");
+    }
+    if (auto it = files.find(name); it != files.end()) return it->second.get();
+    const fs::path path = options.directory / name;
+    if (create) {
+      std::error_code ec;
+      fs::create_directories(path.parent_path(), ec);
+      if (ec) return fail(ErrorCode::io, "NvmeStore: cannot create folder '", path.parent_path().string(), "': ", ec.message());
+    } else if (!fs::exists(path)) {
+      return fail(ErrorCode::io, "NvmeStore: file '", path.string(), "' does not exist");
+    }
+    int flags = O_RDWR | (create ? O_CREAT : 0) | (options.direct ? O_DIRECT : 0);
+    auto f = std::make_unique<asio::random_access_file>(rt->io_context());
+    std::error_code ec;
+    f->open(path.string(), static_cast<asio::file_base::flags>(flags), ec);
+    if (ec) {
+      return fail(ErrorCode::io, "NvmeStore: cannot open '", path.string(), "': ", ec.message(),
+                  options.direct ? " (if the filesystem refuses O_DIRECT, e.g. tmpfs, set direct = false)" : "");
+    }
+    auto* raw = f.get();
+    files.emplace(name, std::move(f));
+    return raw;
+  }
+
+  // One block: a loop over *_some_at until `len` bytes moved (or, reading, until at least
+  // `required` bytes arrived and the file ended).
+  Task<Result<void>> block(bool writing, asio::random_access_file& f, const std::string& name, std::uint64_t offset,
+                           std::byte* p, std::size_t len, std::size_t required) {
+    std::size_t done = 0;
+    while (done < len) {
+      auto [ec, n] = co_await async::detail::TransferAwaiter([&](auto handler) {
+        if (writing) {
+          f.async_write_some_at(offset + done, asio::buffer(p + done, len - done), std::move(handler));
+        } else {
+          f.async_read_some_at(offset + done, asio::buffer(p + done, len - done), std::move(handler));
+        }
+      });
+      if (ec == asio::error::interrupted || ec == asio::error::try_again) continue;
+      if (!writing && (ec == asio::error::eof || (!ec && n == 0))) {
+        if (done >= required) co_return Result<void>{};
+        co_return fail(ErrorCode::io, "NvmeStore: read of ", len, " bytes at offset ", offset, " of '",
+                       (options.directory / name).string(), "' found only ", done, " (file truncated?)");
+      }
+      if (ec) {
+        co_return fail(ErrorCode::io, "NvmeStore: ", writing ? "write" : "read", " of ", len, " bytes at offset ", offset,
+                       " of '", (options.directory / name).string(), "' failed after ", done, " bytes: ", ec.message());
+      }
+      if (writing && n == 0) {
+        co_return fail(ErrorCode::io, "NvmeStore: write at offset ", offset + done, " of '", (options.directory / name).string(),
+                       "' made no progress (disk full?)");
+      }
+      done += n;
+    }
+    co_return Result<void>{};
+  }
+
+  // Moves [p, p+len) at `offset` in windows of queue_depth blocks. `required`: bytes a read
+  // must find (the rest of the last block may lie past the end of the file).
+  Task<Result<void>> transfer(bool writing, const std::string& name, std::uint64_t offset, std::byte* p, std::size_t len,
+                              std::size_t required) {
+    auto f = file(name, writing);
+    if (!f) co_return fail(std::move(f).error());
+    const std::size_t blocks = (len + options.block_bytes - 1) / options.block_bytes;
+    for (std::size_t first = 0; first < blocks; first += options.queue_depth) {
+      std::vector<Task<Result<void>>> window;
+      for (std::size_t b = first; b < std::min(blocks, first + options.queue_depth); ++b) {
+        const std::size_t at = b * options.block_bytes;
+        const std::size_t n = std::min(options.block_bytes, len - at);
+        const std::size_t need = required > at ? std::min(n, required - at) : 0;
+        window.push_back(block(writing, **f, name, offset + at, p + at, n, need));
+      }
+      for (auto& r : co_await async::when_all(std::move(window))) COSHARD_CO_TRY(r);
+    }
+    (writing ? written : read).fetch_add(required, std::memory_order_relaxed);
+    co_return Result<void>{};
+  }
+};
+
+Result<std::unique_ptr<NvmeStore>> NvmeStore::open(NvmeStoreOptions options) {
+  if (options.block_bytes == 0 || options.block_bytes % kAlignment != 0) {
+    return fail(ErrorCode::invalid_argument, "NvmeStoreOptions::block_bytes=", options.block_bytes, ": must be a positive multiple of ",
+                kAlignment);
+  }
+  if (options.queue_depth == 0) return fail(ErrorCode::invalid_argument, "NvmeStoreOptions::queue_depth=0: must be at least 1");
+  std::error_code ec;
+  if (!fs::is_directory(options.directory, ec)) {
+    return fail(ErrorCode::io, "NvmeStore: directory '", options.directory.string(), "' does not exist");
+  }
+  if (::access(options.directory.c_str(), W_OK) != 0) {
+    return fail(ErrorCode::io, "NvmeStore: directory '", options.directory.string(), "' is not writable: ", std::strerror(errno));
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->options = std::move(options);
+  return std::make_unique<NvmeStore>(std::move(impl));
+}
+
+NvmeStore::NvmeStore(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+NvmeStore::~NvmeStore() = default;
+
+const NvmeStoreOptions& NvmeStore::options() const noexcept { return impl_->options; }
+std::uint64_t NvmeStore::bytes_written() const noexcept { return impl_->written.load(std::memory_order_relaxed); }
+std::uint64_t NvmeStore::bytes_read() const noexcept { return impl_->read.load(std::memory_order_relaxed); }
+
+Task<Result<void>> NvmeStore::write(std::string name, std::uint64_t offset, std::span<const std::byte> data) {
+  if (offset % kAlignment != 0) {
+    co_return fail(ErrorCode::invalid_argument, "NvmeStore::write('", name, "'): offset ", offset, " is not a multiple of ", kAlignment);
+  }
+  if (data.empty()) co_return Result<void>{};
+  if (aligned(data.data()) && data.size() % kAlignment == 0) {
+    co_return co_await impl_->transfer(true, name, offset, const_cast<std::byte*>(data.data()), data.size(), data.size());
+  }
+  // Bounce: copy into aligned memory, zero the padding up to the next 4 KiB.
+  COSHARD_CO_TRY_ASSIGN(async::PinnedBuffer bounce, async::PinnedBuffer::allocate(round_up(data.size(), kAlignment)));
+  std::memcpy(bounce.data(), data.data(), data.size());
+  std::memset(bounce.data() + data.size(), 0, bounce.size() - data.size());
+  co_return co_await impl_->transfer(true, name, offset, bounce.data(), bounce.size(), bounce.size());
+}
+
+Task<Result<void>> NvmeStore::read(std::string name, std::uint64_t offset, std::span<std::byte> out) {
+  if (offset % kAlignment != 0) {
+    co_return fail(ErrorCode::invalid_argument, "NvmeStore::read('", name, "'): offset ", offset, " is not a multiple of ", kAlignment);
+  }
+  if (out.empty()) co_return Result<void>{};
+  if (aligned(out.data()) && out.size() % kAlignment == 0) {
+    co_return co_await impl_->transfer(false, name, offset, out.data(), out.size(), out.size());
+  }
+  COSHARD_CO_TRY_ASSIGN(async::PinnedBuffer bounce, async::PinnedBuffer::allocate(round_up(out.size(), kAlignment)));
+  COSHARD_CO_TRY(co_await impl_->transfer(false, name, offset, bounce.data(), bounce.size(), out.size()));
+  std::memcpy(out.data(), bounce.data(), out.size());
+  co_return Result<void>{};
+}
+
+}  // namespace coshard::offload
