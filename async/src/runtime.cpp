@@ -301,18 +301,22 @@ void JoinStateBase::wait_blocking() const noexcept {
   }
 }
 
+void RootPromise::unregister() noexcept {
+  auto& s = *runtime_->impl_;
+  std::lock_guard lock(s.registry_mutex);
+  if (!registered) return;
+  if (prev) prev->next = next; else s.roots = next;
+  if (next) next->prev = prev;
+  prev = next = nullptr;
+  registered = false;
+  s.live.fetch_sub(1, std::memory_order_relaxed);
+}
+
 RootPromise::~RootPromise() {
   if (finished_) return;
   // Destroyed before finishing: runtime shutdown. Unregister (if still listed) and tell the
   // JoinHandle, without resuming any waiter: the reactor is gone.
-  if (registered) {
-    auto& s = *runtime_->impl_;
-    std::lock_guard lock(s.registry_mutex);
-    if (prev) prev->next = next; else s.roots = next;
-    if (next) next->prev = prev;
-    registered = false;
-    s.live.fetch_sub(1, std::memory_order_relaxed);
-  }
+  unregister();
   join_->set_error(Error(ErrorCode::shutdown, "the task was destroyed by runtime shutdown before it finished"));
   join_->finish(runtime_, false);
 }
@@ -321,16 +325,7 @@ std::coroutine_handle<> RootPromise::FinalAwaiter::await_suspend(
     std::coroutine_handle<RootPromise> self) const noexcept {
   RootPromise& p = self.promise();
   p.finished_ = true;
-  {
-    auto& s = *p.runtime_->impl_;
-    std::lock_guard lock(s.registry_mutex);
-    if (p.registered) {
-      if (p.prev) p.prev->next = p.next; else s.roots = p.next;
-      if (p.next) p.next->prev = p.prev;
-      p.registered = false;
-      s.live.fetch_sub(1, std::memory_order_relaxed);
-    }
-  }
+  p.unregister();
   std::coroutine_handle<> next = p.join_->finish(p.runtime_, true);
   self.destroy();
   return next;

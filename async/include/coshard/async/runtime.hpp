@@ -162,6 +162,8 @@ class RootPromise {
 
  private:
   friend class coshard::async::Runtime;
+  // Leaves the runtime's registry (if still listed); takes the registry lock.
+  void unregister() noexcept;
   Runtime* runtime_;
   std::shared_ptr<JoinStateBase> join_;
   bool finished_ = false;
