@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <vector>
 
 #include "coshard/async/detail/asio_op.hpp"
@@ -98,23 +99,31 @@ struct NvmeStore::Impl {
     co_return Result<void>{};
   }
 
-  // Moves [p, p+len) at `offset` in windows of queue_depth blocks. `required`: bytes a read
-  // must find (the rest of the last block may lie past the end of the file).
+  // Moves [p, p+len) at `offset`: queue_depth workers each take the next block until none is
+  // left, so queue_depth blocks stay in flight (a sliding window; fixed windows each waited for
+  // their slowest block). `required`: bytes a read must find (the rest of the last block may
+  // lie past the end of the file).
   Task<Result<void>> transfer(bool writing, const std::string& name, std::uint64_t offset, std::byte* p, std::size_t len,
                               std::size_t required) {
     auto f = file(name, writing);
     if (!f) co_return fail(std::move(f).error());
     const std::size_t blocks = (len + options.block_bytes - 1) / options.block_bytes;
-    for (std::size_t first = 0; first < blocks; first += options.queue_depth) {
-      std::vector<Task<Result<void>>> window;
-      for (std::size_t b = first; b < std::min(blocks, first + options.queue_depth); ++b) {
+    std::size_t next = 0;          // the reactor runs every worker: no atomics needed
+    std::optional<Error> failure;  // the first error; the others stop taking blocks
+    auto worker = [&]() -> Task<void> {
+      while (!failure && next < blocks) {
+        const std::size_t b = next++;
         const std::size_t at = b * options.block_bytes;
         const std::size_t n = std::min(options.block_bytes, len - at);
         const std::size_t need = required > at ? std::min(n, required - at) : 0;
-        window.push_back(block(writing, **f, name, offset + at, p + at, n, need));
+        auto r = co_await block(writing, **f, name, offset + at, p + at, n, need);
+        if (!r && !failure) failure = std::move(r).error();
       }
-      for (auto& r : co_await async::when_all(std::move(window))) COSHARD_CO_TRY(r);
-    }
+    };
+    std::vector<Task<void>> workers;
+    for (std::size_t w = 0; w < std::min(options.queue_depth, blocks); ++w) workers.push_back(worker());
+    co_await async::when_all(std::move(workers));
+    if (failure) co_return fail(std::move(*failure));
     (writing ? written : read).fetch_add(required, std::memory_order_relaxed);
     co_return Result<void>{};
   }

@@ -8,8 +8,8 @@
 // - Offsets are multiples of 4 KiB (O_DIRECT). Sizes and buffers may be anything: aligned
 //   transfers go straight to the disk; an unaligned buffer or a size that is not a multiple of
 //   4 KiB goes through an aligned bounce buffer (a write then pads the file to the next 4 KiB).
-// - A transfer is cut into `block_bytes` pieces with at most `queue_depth` in flight, each one a
-//   loop over Asio's async_*_some_at (the composed async_*_at would cut it to 64 KiB pieces);
+// - A transfer is cut into `block_bytes` pieces with `queue_depth` in flight (a sliding window),
+//   each one a loop over Asio's async_*_some_at (the composed async_*_at would cut it to 64 KiB pieces);
 //   short transfers continue where they stopped, EINTR/EAGAIN are retried.
 // - Failures come back as Result errors naming the file, offset and size: a missing directory
 //   (at open), a file that is missing or shorter than asked (truncated behind our back), a full
