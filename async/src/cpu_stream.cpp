@@ -22,13 +22,7 @@ namespace {
 // Spin for `spin`, then park until `flag` differs from `seen`.
 template <class T>
 void spin_then_wait(const std::atomic<T>& flag, T seen, std::chrono::nanoseconds spin) {
-  const auto deadline = std::chrono::steady_clock::now() + spin;
-  do {
-    for (int i = 0; i < 64; ++i) {
-      if (flag.load(std::memory_order_acquire) != seen) return;
-      cpu_relax();
-    }
-  } while (std::chrono::steady_clock::now() < deadline);
+  if (spin_until([&] { return flag.load(std::memory_order_acquire) != seen; }, spin)) return;
   while (flag.load(std::memory_order_acquire) == seen) flag.wait(seen, std::memory_order_acquire);
 }
 
@@ -174,13 +168,7 @@ class CpuStream final : public StreamImpl {
   }
 
   void park(std::uint32_t seen) {
-    const auto deadline = std::chrono::steady_clock::now() + options().spin_before_park;
-    do {
-      for (int i = 0; i < 64; ++i) {
-        if (q_.wake_seq.load(std::memory_order_relaxed) != seen) return;
-        cpu_relax();
-      }
-    } while (std::chrono::steady_clock::now() < deadline);
+    if (spin_until([&] { return q_.wake_seq.load(std::memory_order_relaxed) != seen; }, options().spin_before_park)) return;
     q_.sleeping.store(true, std::memory_order_seq_cst);
     if (q_.wake_seq.load(std::memory_order_seq_cst) == seen) q_.wake_seq.wait(seen, std::memory_order_acquire);
     q_.sleeping.store(false, std::memory_order_relaxed);

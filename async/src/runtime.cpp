@@ -288,13 +288,7 @@ std::coroutine_handle<> JoinStateBase::finish(Runtime* self, bool resume_waiter)
 }
 
 void JoinStateBase::wait_blocking() const noexcept {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(20);
-  while (std::chrono::steady_clock::now() < deadline) {
-    for (int i = 0; i < 64; ++i) {
-      if (state_.load(std::memory_order_acquire) == kDone) return;
-      cpu_relax();
-    }
-  }
+  if (spin_until([this] { return state_.load(std::memory_order_acquire) == kDone; }, std::chrono::microseconds(20))) return;
   for (int s = state_.load(std::memory_order_acquire); s != kDone;
        s = state_.load(std::memory_order_acquire)) {
     state_.wait(s, std::memory_order_acquire);

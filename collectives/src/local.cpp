@@ -55,13 +55,7 @@ class Rendezvous {
     lock.unlock();
 
     // acquire: pairs with the release above, so the posts of every rank are visible.
-    const auto spin_end = Clock::now() + spin;
-    do {
-      for (int i = 0; i < 64; ++i) {
-        if (published_.load(std::memory_order_acquire) != generation) return {};
-        async::detail::cpu_relax();
-      }
-    } while (Clock::now() < spin_end);
+    if (async::detail::spin_until([&] { return published_.load(std::memory_order_acquire) != generation; }, spin)) return {};
 
     lock.lock();
     while (generation_ == generation && !broken_) {
@@ -130,11 +124,7 @@ class LocalGroup {
   Result<void> run(int rank, std::uint64_t seq, const Ops& posted) {
     const std::vector<CollectiveOp>& ops = *posted;
     const auto deadline = Clock::now() + options_.timeout;
-    auto what = [&] {
-      std::string s = "collective group #" + std::to_string(seq) + " [";
-      for (std::size_t i = 0; i < ops.size(); ++i) s += (i ? ", " : "") + ops[i].signature();
-      return s + "] on Local group of " + std::to_string(size_);
-    };
+    auto what = [&] { return "collective group #" + std::to_string(seq) + " " + describe(ops) + " on Local group of " + std::to_string(size_); };
     const auto r = static_cast<std::size_t>(rank);
     posted_[r] = posted;
     posted_seq_[r] = seq;

@@ -180,12 +180,15 @@ struct TcpStore::Impl {
   Task<Result<Response>> call(Request request, std::chrono::milliseconds limit) {
     auto permit = co_await one_call.acquire();
     if (!permit) co_return fail(permit.error());
-    const std::string what = "store " + std::string(request.op == Op::set ? "set" : request.op == Op::get ? "get" : "add") +
-                             "('" + request.key + "') at " + options.host + ":" + std::to_string(options.port);
-    if (!broken.empty()) co_return fail(ErrorCode::closed, what, ": ", broken);
+    // Built only when an error needs it (DESIGN: nothing formatted on the success path).
+    auto what = [&] {
+      return "store " + std::string(request.op == Op::set ? "set" : request.op == Op::get ? "get" : "add") + "('" +
+             request.key + "') at " + options.host + ":" + std::to_string(options.port);
+    };
+    if (!broken.empty()) co_return fail(ErrorCode::closed, what(), ": ", broken);
     auto frame = encode(request);
     if (frame.size() - 4 > options.max_frame_bytes) {
-      co_return fail(ErrorCode::out_of_range, what, ": message of ", frame.size() - 4, " bytes exceeds the limit of ",
+      co_return fail(ErrorCode::out_of_range, what(), ": message of ", frame.size() - 4, " bytes exceeds the limit of ",
                      options.max_frame_bytes);
     }
     async::net::Deadline deadline(socket, limit);
@@ -195,10 +198,10 @@ struct TcpStore::Impl {
       broken = result.error().message();
       std::error_code ignored;
       socket.close(ignored);
-      co_return fail(Error(result.error().code(), what + ": " + result.error().message()));
+      co_return fail(Error(result.error().code(), what() + ": " + result.error().message()));
     }
-    if (result->status == Status::timeout) co_return fail(ErrorCode::timeout, what, ": ", result->message);
-    if (result->status == Status::error) co_return fail(ErrorCode::invalid_argument, what, ": the server refused it: ", result->message);
+    if (result->status == Status::timeout) co_return fail(ErrorCode::timeout, what(), ": ", result->message);
+    if (result->status == Status::error) co_return fail(ErrorCode::invalid_argument, what(), ": the server refused it: ", result->message);
     co_return std::move(*result);
   }
 
