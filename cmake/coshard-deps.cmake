@@ -12,6 +12,13 @@ find_package(Threads REQUIRED)
 find_package(nlohmann_json 3 REQUIRED)
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(COSHARD_URING REQUIRED IMPORTED_TARGET GLOBAL liburing)
+# OpenBLAS (the CPU matrix products of coshard::modules); linked privately, but a static
+# library's consumers link it too.
+pkg_check_modules(COSHARD_OPENBLAS REQUIRED IMPORTED_TARGET GLOBAL openblas)
+if(NOT TARGET coshard::openblas)
+  add_library(coshard::openblas INTERFACE IMPORTED GLOBAL)
+  target_link_libraries(coshard::openblas INTERFACE PkgConfig::COSHARD_OPENBLAS)
+endif()
 
 find_path(COSHARD_ASIO_INCLUDE_DIR asio.hpp)
 if(NOT COSHARD_ASIO_INCLUDE_DIR)

@@ -1,0 +1,36 @@
+// A GPT-style decoder built from the layers:
+//   embed -> layers x [attn: Residual(ln, qkv, core, proj), mlp: Residual(ln, fc, gelu, proj)]
+//         -> ln_f -> head (logits over the vocabulary)
+// Parameter names follow the module paths: "embed.wte", "h0.attn.qkv.weight", "ln_f.bias", ...
+// Initialisation follows GPT-2: N(0, 0.02) weights, zero biases, unit LayerNorm gains, and the
+// residual projections scaled by 1/sqrt(2 * layers).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "coshard/modules/layers.hpp"
+
+namespace coshard::modules {
+
+struct GptConfig {
+  std::int64_t vocab = 256;
+  std::int64_t max_seq = 64;
+  std::int64_t dim = 64;
+  std::int64_t layers = 2;
+  std::int64_t heads = 4;
+  std::int64_t mlp_ratio = 4;
+
+  Result<void> validate() const;
+  std::int64_t parameter_count() const noexcept;
+};
+
+Result<std::unique_ptr<Sequential>> make_gpt(const GptConfig& config);
+
+// One micro-batch of the unsharded reference: forward through `model` and `loss`, then backward
+// seeded with `seed` (a one-element tensor: 1, or the loss scale), adding into the bound
+// parameter gradients. Returns the loss (one element on the device).
+async::Task<Result<Tensor>> forward_backward(Context& ctx, Module& model, CrossEntropyLoss& loss, Tensor tokens,
+                                             Tensor targets, Tensor seed);
+
+}  // namespace coshard::modules

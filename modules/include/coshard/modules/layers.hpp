@@ -1,0 +1,112 @@
+// The layers of a GPT-style decoder. Activations are [..., C] tensors (rows = product of the
+// leading dimensions); every layer checks what it is given and names the mismatch.
+#pragma once
+
+#include <cstdint>
+
+#include "coshard/modules/module.hpp"
+
+namespace coshard::modules {
+
+// Token and position embeddings: tokens i32 [B, T] -> [B, T, dim] (wte[token] + wpe[position]).
+class Embedding final : public Module {
+ public:
+  Embedding(std::int64_t vocab, std::int64_t max_positions, std::int64_t dim, Init init = Init::normal(0.02));
+  std::string_view type_name() const override { return "Embedding"; }
+  async::Task<Result<Tensor>> forward(Context& ctx, Tensor tokens) override;
+  // Returns an empty tensor: token ids have no gradient.
+  async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
+  void clear_saved() override { tokens_ = {}; }
+
+  Parameter& token_weight() const noexcept { return *parameters()[0]; }     // "wte" [vocab, dim]
+  Parameter& position_weight() const noexcept { return *parameters()[1]; }  // "wpe" [max_positions, dim]
+
+ private:
+  std::int64_t vocab_, max_positions_, dim_;
+  Tensor tokens_;
+};
+
+// y = x W^T (+ b), W [out, in] as in PyTorch.
+class Linear final : public Module {
+ public:
+  Linear(std::int64_t in_features, std::int64_t out_features, bool bias = true, Init weight_init = Init::normal(0.02));
+  std::string_view type_name() const override { return "Linear"; }
+  async::Task<Result<Tensor>> forward(Context& ctx, Tensor input) override;
+  async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
+  void clear_saved() override { input_ = {}; }
+
+  std::int64_t in_features() const noexcept { return in_; }
+  std::int64_t out_features() const noexcept { return out_; }
+  Parameter& weight() const noexcept { return *parameters()[0]; }
+  Parameter* bias() const noexcept { return parameters().size() > 1 ? parameters()[1].get() : nullptr; }
+
+ private:
+  std::int64_t in_, out_;
+  Tensor input_;
+};
+
+class LayerNorm final : public Module {
+ public:
+  explicit LayerNorm(std::int64_t dim, float eps = 1e-5f);
+  std::string_view type_name() const override { return "LayerNorm"; }
+  async::Task<Result<Tensor>> forward(Context& ctx, Tensor input) override;
+  async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
+  void clear_saved() override {
+    input_ = {};
+    mean_ = {};
+    rstd_ = {};
+  }
+
+ private:
+  std::int64_t dim_;
+  float eps_;
+  Tensor input_, mean_, rstd_;
+};
+
+// GELU, tanh approximation (GPT-2).
+class Gelu final : public Module {
+ public:
+  std::string_view type_name() const override { return "Gelu"; }
+  async::Task<Result<Tensor>> forward(Context& ctx, Tensor input) override;
+  async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
+  void clear_saved() override { input_ = {}; }
+
+ private:
+  Tensor input_;
+};
+
+// Causal multi-head self-attention core: qkv [B, T, 3*dim] (queries | keys | values) ->
+// [B, T, dim]. The projections around it are Linear modules (see make_gpt), so each is its own
+// fetch unit and the core has no parameters.
+class CausalSelfAttention final : public Module {
+ public:
+  CausalSelfAttention(std::int64_t dim, std::int64_t heads);
+  std::string_view type_name() const override { return "CausalSelfAttention"; }
+  async::Task<Result<Tensor>> forward(Context& ctx, Tensor qkv) override;
+  async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
+  void clear_saved() override {
+    qkv_ = {};
+    probs_ = {};
+  }
+
+ private:
+  std::int64_t dim_, heads_;
+  Tensor qkv_, probs_;
+};
+
+// Mean softmax cross-entropy of logits [B, T, V] (or [N, V]) against targets i32 [B, T] (or [N]).
+// Set the targets, run forward (-> the loss, one element, f32; f64 for f64 logits), then
+// backward with a seed of the loss's dtype and shape (1, or the loss scale) -> dlogits.
+class CrossEntropyLoss final : public Module {
+ public:
+  std::string_view type_name() const override { return "CrossEntropyLoss"; }
+  void set_targets(Tensor targets) { targets_ = std::move(targets); }
+  async::Task<Result<Tensor>> forward(Context& ctx, Tensor logits) override;
+  async::Task<Result<Tensor>> backward(Context& ctx, Tensor seed) override;
+  void clear_saved() override { logits_ = {}; }
+
+ private:
+  Tensor targets_, logits_;
+};
+
+}  // namespace coshard::modules

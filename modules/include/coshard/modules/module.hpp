@@ -1,0 +1,205 @@
+// Parameters, modules, and the Context they run in.
+//
+// A Module has named parameters and named children. Leaf modules implement explicit `forward`
+// and `backward` (no autograd): both enqueue work on the Context's stream and return at once;
+// forward keeps what backward needs (saved activations are Tensors, so their memory returns to
+// the pool, stream-ordered, when backward drops them). Containers (Sequential, Residual) run
+// their children through `Context::forward` / `Context::backward`, which call the Context's
+// ModuleHooks around every module: that is where the ZeRO engine awaits a fetch unit before a
+// module runs and releases it after. Both passes are coroutines so that a hook can wait (for a
+// budget, a gather) without blocking the host.
+//
+// Parameters do not own memory: a ParameterStore (stage 0) or the engine (sharded stages) binds
+// each parameter's value and gradient to views into flat buffers. Gradients accumulate (+=), so
+// several micro-batches add up until the owner zeroes them.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "coshard/async/memory.hpp"
+#include "coshard/async/result.hpp"
+#include "coshard/async/stream.hpp"
+#include "coshard/async/task.hpp"
+#include "coshard/modules/tensor.hpp"
+
+namespace coshard::modules {
+
+// How a parameter starts. Values depend only on (seed, the parameter's full name), never on
+// layout, sharding or world size, so every ZeRO stage starts from the same weights.
+struct Init {
+  enum class Kind : std::uint8_t { zeros, ones, normal, uniform };
+  Kind kind = Kind::zeros;
+  double a = 0;  // normal: std; uniform: low
+  double b = 0;  // uniform: high
+  static Init zeros() { return {Kind::zeros, 0, 0}; }
+  static Init ones() { return {Kind::ones, 0, 0}; }
+  static Init normal(double stddev) { return {Kind::normal, stddev, 0}; }
+  static Init uniform(double low, double high) { return {Kind::uniform, low, high}; }
+};
+
+// Fills `out` with the initial values of the parameter `full_name` (host memory, any length).
+void initial_values(const Init& init, std::string_view full_name, std::uint64_t seed, std::span<double> out);
+
+class Parameter {
+ public:
+  Parameter(std::string name, Shape shape, Init init) : name_(std::move(name)), shape_(shape), init_(init) {}
+
+  const std::string& name() const noexcept { return name_; }  // local to its module
+  const Shape& shape() const noexcept { return shape_; }
+  std::int64_t numel() const noexcept { return shape_.numel(); }
+  const Init& init() const noexcept { return init_; }
+
+  const Tensor& value() const noexcept { return value_; }
+  const Tensor& grad() const noexcept { return grad_; }
+  bool bound() const noexcept { return static_cast<bool>(value_); }
+  // Points the parameter at memory owned elsewhere (shape must match; grad may be empty when
+  // only inference runs).
+  Result<void> bind(Tensor value, Tensor grad);
+  void unbind() noexcept {
+    value_ = {};
+    grad_ = {};
+  }
+
+ private:
+  std::string name_;
+  Shape shape_;
+  Init init_;
+  Tensor value_;
+  Tensor grad_;
+};
+
+class Module;
+class Context;
+
+// Called around every module a container runs. The engine implements these; the default does
+// nothing. `before_*` may suspend (waiting for a budget or a gather); `after_*` must not block.
+class ModuleHooks {
+ public:
+  virtual ~ModuleHooks() = default;
+  virtual async::Task<Result<void>> before_forward(Context& ctx, Module& module) = 0;
+  virtual Result<void> after_forward(Context& ctx, Module& module) = 0;
+  virtual async::Task<Result<void>> before_backward(Context& ctx, Module& module) = 0;
+  virtual Result<void> after_backward(Context& ctx, Module& module) = 0;
+};
+
+namespace detail {
+class Kernels;
+}
+
+// Where modules run: a stream, the allocator activations come from, and the kernels for the
+// stream's device. Cheap to pass by reference; not thread-safe (one per compute stream).
+class Context {
+ public:
+  // Fails when the stream's device has no kernels in this build (CUDA without COSHARD_CUDA), or
+  // the allocator serves another device.
+  static Result<Context> create(async::Stream& stream, async::CachingAllocator& allocator);
+
+  async::Stream& stream() const noexcept { return *stream_; }
+  async::CachingAllocator& allocator() const noexcept { return *allocator_; }
+  async::Device device() const noexcept { return stream_->device(); }
+  const detail::Kernels& kernels() const noexcept { return *kernels_; }
+
+  void set_hooks(ModuleHooks* hooks) noexcept { hooks_ = hooks; }
+  ModuleHooks* hooks() const noexcept { return hooks_; }
+
+  // A new tensor from the allocator, for use on this stream. Contents undefined.
+  Result<Tensor> empty(Shape shape, DataType dtype);
+  Result<Tensor> zeros(Shape shape, DataType dtype);
+  // A new tensor holding a copy of `host` (exactly shape.numel() * size_of(dtype) bytes). The
+  // copy runs in stream order from a staging copy, so `host` may go at once.
+  Result<Tensor> upload(std::span<const std::byte> host, Shape shape, DataType dtype);
+  // The tensor's elements as doubles (f32/f64/bf16/f16/i32), once the stream has produced them:
+  // copies into pinned memory and awaits the copy's event (the host does not block).
+  async::Task<Result<std::vector<double>>> read(Tensor tensor);
+
+  // Runs `module` with the hooks around it. Containers call these for their children.
+  async::Task<Result<Tensor>> forward(Module& module, Tensor input);
+  async::Task<Result<Tensor>> backward(Module& module, Tensor grad_output);
+
+ private:
+  Context(async::Stream& stream, async::CachingAllocator& allocator, const detail::Kernels& kernels)
+      : stream_(&stream), allocator_(&allocator), kernels_(&kernels) {}
+  async::Stream* stream_;
+  async::CachingAllocator* allocator_;
+  const detail::Kernels* kernels_;
+  ModuleHooks* hooks_ = nullptr;
+};
+
+class Module {
+ public:
+  struct Child {
+    std::string name;
+    std::unique_ptr<Module> module;
+  };
+
+  Module() = default;
+  Module(const Module&) = delete;
+  Module& operator=(const Module&) = delete;
+  virtual ~Module() = default;
+
+  virtual std::string_view type_name() const = 0;
+  // Enqueue the pass on ctx.stream(); keep what backward needs. Leaf modules must not suspend
+  // except through ctx.forward/backward of children.
+  virtual async::Task<Result<Tensor>> forward(Context& ctx, Tensor input) = 0;
+  // Returns the gradient of the input (empty for inputs without one, such as token ids) and
+  // adds the gradients of this module's parameters into their bound grad tensors.
+  virtual async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) = 0;
+  // Drops activations saved for backward (after backward, or when a pass is abandoned).
+  virtual void clear_saved() {}
+
+  std::span<const std::unique_ptr<Parameter>> parameters() const noexcept { return parameters_; }
+  std::span<const Child> children() const noexcept { return children_; }
+
+  // Depth first, parents before children; names are dotted paths ("blocks.0.attn.qkv.weight").
+  void for_each_parameter(const std::function<void(const std::string& full_name, Parameter&)>& fn,
+                          const std::string& prefix = "");
+  void for_each_module(const std::function<void(const std::string& path, Module&)>& fn,
+                       const std::string& prefix = "");
+  std::int64_t parameter_count();  // recursive
+  // Drops saved activations of this module and everything under it.
+  void clear_saved_recursive();
+
+ protected:
+  Parameter& register_parameter(std::string name, Shape shape, Init init);
+  template <class M>
+  M& register_child(std::string name, std::unique_ptr<M> module) {
+    M& ref = *module;
+    children_.push_back(Child{std::move(name), std::move(module)});
+    return ref;
+  }
+
+ private:
+  std::vector<std::unique_ptr<Parameter>> parameters_;
+  std::vector<Child> children_;
+};
+
+// Runs its children in order (backward in reverse).
+class Sequential final : public Module {
+ public:
+  Sequential() = default;
+  template <class M>
+  M& add(std::string name, std::unique_ptr<M> module) {
+    return register_child(std::move(name), std::move(module));
+  }
+  std::string_view type_name() const override { return "Sequential"; }
+  async::Task<Result<Tensor>> forward(Context& ctx, Tensor input) override;
+  async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
+};
+
+// y = x + inner(x).
+class Residual final : public Module {
+ public:
+  explicit Residual(std::unique_ptr<Module> inner);
+  std::string_view type_name() const override { return "Residual"; }
+  Module& inner() const noexcept { return *children().front().module; }
+  async::Task<Result<Tensor>> forward(Context& ctx, Tensor input) override;
+  async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
+};
+
+}  // namespace coshard::modules

@@ -1,0 +1,101 @@
+// Optimizers over flat parameter spans: AdamW and SGD with momentum, fp32 master weights,
+// global-norm gradient clipping and loss scaling (static, or dynamic for fp16: an overflow skips
+// the step and halves the scale; 2000 good steps double it).
+//
+// Everything that decides a step — the gradient norm, whether a gradient overflowed, the loss
+// scale, Adam's step count — lives in a small state block on the device and is read and written
+// only by kernels in stream order, so a step never waits for the device. The host reads the
+// figures afterwards, when it wants them (read_stats awaits an event).
+//
+// Groups: add one flat span per shard (stage 0: the whole ParameterStore; ZeRO: the local
+// shards). Parameters in f32 are their own master weights; bf16/f16 parameters get an fp32
+// master copy, and every step writes the updated weights back in the parameter dtype.
+//
+// A step is `step(ctx, lr)`, or in two halves for sharded training: `compute_grad_stats(ctx)`,
+// then sum `grad_stats()` (two f32: sum of squares, overflow flag) across ranks, then
+// `apply(ctx, lr)`.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "coshard/modules/module.hpp"
+
+namespace coshard::modules {
+
+struct AdamWOptions {
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.01f;  // decoupled (AdamW)
+};
+
+struct SgdOptions {
+  float momentum = 0.0f;
+  float weight_decay = 0.0f;  // L2, added to the gradient
+  bool nesterov = false;
+};
+
+enum class LossScaling : std::uint8_t { none, fixed, dynamic };
+
+struct StepControlOptions {
+  float max_grad_norm = 0.0f;  // 0: no clipping
+  LossScaling loss_scaling = LossScaling::none;
+  float initial_loss_scale = 65536.0f;  // fixed/dynamic
+  float growth_factor = 2.0f;
+  float backoff_factor = 0.5f;
+  std::int32_t growth_interval = 2000;
+};
+
+struct OptimizerStats {
+  std::int32_t steps = 0;          // steps applied
+  std::int32_t skipped_steps = 0;  // steps skipped for inf/NaN gradients
+  float loss_scale = 1.0f;         // the scale for the next backward
+  float grad_norm = 0.0f;          // unscaled global norm of the last step, before clipping
+  bool last_skipped = false;
+};
+
+class Optimizer {
+ public:
+  static Result<std::unique_ptr<Optimizer>> adamw(AdamWOptions options, StepControlOptions control = {});
+  static Result<std::unique_ptr<Optimizer>> sgd(SgdOptions options, StepControlOptions control = {});
+  virtual ~Optimizer();
+
+  // Adds a flat span of parameters and their gradients (same shape, on ctx's device). The master
+  // copy and state are allocated here; the tensors must stay valid while the optimizer is used.
+  Result<void> add_group(Context& ctx, Tensor params, Tensor grads);
+
+  // The loss scale as a one-element f32 tensor on the device, to seed backward with.
+  Tensor loss_scale() const noexcept;
+
+  Result<void> compute_grad_stats(Context& ctx);
+  // f32[2]: sum of squared gradients, overflow flag. Sum it across ranks before apply().
+  Tensor grad_stats() const noexcept;
+  Result<void> apply(Context& ctx, float lr);
+  Result<void> step(Context& ctx, float lr);
+
+  // The step figures after everything enqueued so far (awaits an event; never blocks).
+  async::Task<Result<OptimizerStats>> read_stats(Context& ctx);
+
+  struct Group {
+    Tensor params;
+    Tensor grads;
+    Tensor master;  // fp32; aliases params when they are f32
+    Tensor state1;  // Adam m / SGD momentum
+    Tensor state2;  // Adam v
+  };
+  const std::vector<Group>& groups() const noexcept { return groups_; }
+
+ protected:
+  struct Impl;
+  explicit Optimizer(std::unique_ptr<Impl> impl);
+
+ private:
+  Result<void> ensure_state(Context& ctx);
+  std::unique_ptr<Impl> impl_;
+  std::vector<Group> groups_;
+  Tensor state_;  // the device step state (32 bytes)
+};
+
+}  // namespace coshard::modules

@@ -1,0 +1,533 @@
+// CPU kernels: matrix products through OpenBLAS (cblas_sgemm / cblas_dgemm), everything else
+// as plain loops the compiler vectorises. Each kernel is one closure on the CPU stream, so it
+// runs in stream order on the stream's worker; the enqueueing thread never waits.
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numbers>
+#include <vector>
+
+#include "kernels.hpp"
+
+namespace coshard::modules::detail {
+namespace {
+
+using async::Stream;
+
+template <class T>
+struct Gemm;
+template <>
+struct Gemm<float> {
+  static void run(const GemmArgs& g, std::int64_t i) {
+    cblas_sgemm(CblasRowMajor, g.trans_a ? CblasTrans : CblasNoTrans, g.trans_b ? CblasTrans : CblasNoTrans,
+                static_cast<blasint>(g.m), static_cast<blasint>(g.n), static_cast<blasint>(g.k), g.alpha,
+                static_cast<const float*>(g.a) + i * g.stride_a, static_cast<blasint>(g.lda),
+                static_cast<const float*>(g.b) + i * g.stride_b, static_cast<blasint>(g.ldb), g.beta,
+                static_cast<float*>(g.c) + i * g.stride_c, static_cast<blasint>(g.ldc));
+  }
+};
+template <>
+struct Gemm<double> {
+  static void run(const GemmArgs& g, std::int64_t i) {
+    cblas_dgemm(CblasRowMajor, g.trans_a ? CblasTrans : CblasNoTrans, g.trans_b ? CblasTrans : CblasNoTrans,
+                static_cast<blasint>(g.m), static_cast<blasint>(g.n), static_cast<blasint>(g.k), g.alpha,
+                static_cast<const double*>(g.a) + i * g.stride_a, static_cast<blasint>(g.lda),
+                static_cast<const double*>(g.b) + i * g.stride_b, static_cast<blasint>(g.ldb), g.beta,
+                static_cast<double*>(g.c) + i * g.stride_c, static_cast<blasint>(g.ldc));
+  }
+};
+
+template <class T>
+void gemm_one(const GemmArgs& g, const T* a, const T* b, T* c) {
+  GemmArgs one = g;
+  one.a = a;
+  one.b = b;
+  one.c = c;
+  one.batch = 1;
+  Gemm<T>::run(one, 0);
+}
+
+template <class T>
+void layernorm_fwd(const T* x, const T* w, const T* b, T* out, T* mean, T* rstd, std::int64_t N, std::int64_t C,
+                   float eps) {
+  for (std::int64_t i = 0; i < N; ++i) {
+    const T* xi = x + i * C;
+    double m = 0;
+    for (std::int64_t j = 0; j < C; ++j) m += xi[j];
+    m /= static_cast<double>(C);
+    double var = 0;
+    for (std::int64_t j = 0; j < C; ++j) {
+      const double d = xi[j] - m;
+      var += d * d;
+    }
+    var /= static_cast<double>(C);
+    const double r = 1.0 / std::sqrt(var + eps);
+    T* oi = out + i * C;
+    for (std::int64_t j = 0; j < C; ++j) oi[j] = static_cast<T>((xi[j] - m) * r) * w[j] + b[j];
+    mean[i] = static_cast<T>(m);
+    rstd[i] = static_cast<T>(r);
+  }
+}
+
+template <class T>
+void layernorm_bwd(const T* dout, const T* x, const T* w, const T* mean, const T* rstd, T* dx, T* dw, T* db,
+                   std::int64_t N, std::int64_t C) {
+  for (std::int64_t i = 0; i < N; ++i) {
+    const T* xi = x + i * C;
+    const T* gi = dout + i * C;
+    const double m = mean[i];
+    const double r = rstd[i];
+    double mean_dxhat = 0, mean_dxhat_xhat = 0;
+    for (std::int64_t j = 0; j < C; ++j) {
+      const double xhat = (xi[j] - m) * r;
+      const double dxhat = static_cast<double>(gi[j]) * w[j];
+      mean_dxhat += dxhat;
+      mean_dxhat_xhat += dxhat * xhat;
+      db[j] += gi[j];
+      dw[j] += static_cast<T>(gi[j] * xhat);
+    }
+    mean_dxhat /= static_cast<double>(C);
+    mean_dxhat_xhat /= static_cast<double>(C);
+    T* dxi = dx + i * C;
+    for (std::int64_t j = 0; j < C; ++j) {
+      const double xhat = (xi[j] - m) * r;
+      const double dxhat = static_cast<double>(gi[j]) * w[j];
+      dxi[j] = static_cast<T>(r * (dxhat - mean_dxhat - xhat * mean_dxhat_xhat));
+    }
+  }
+}
+
+// GPT-2's tanh approximation of GELU.
+constexpr double kGeluScale = 0.7978845608028654;  // sqrt(2 / pi)
+constexpr double kGeluCube = 0.044715;
+
+template <class T>
+void gelu_fwd(const T* x, T* out, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    const T v = x[i];
+    const T u = static_cast<T>(kGeluScale) * (v + static_cast<T>(kGeluCube) * v * v * v);
+    out[i] = T(0.5) * v * (T(1) + std::tanh(u));
+  }
+}
+
+template <class T>
+void gelu_bwd(const T* x, const T* dout, T* dx, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    const T v = x[i];
+    const T u = static_cast<T>(kGeluScale) * (v + static_cast<T>(kGeluCube) * v * v * v);
+    const T th = std::tanh(u);
+    const T du = static_cast<T>(kGeluScale) * (T(1) + T(3) * static_cast<T>(kGeluCube) * v * v);
+    dx[i] = dout[i] * (T(0.5) * (T(1) + th) + T(0.5) * v * (T(1) - th * th) * du);
+  }
+}
+
+template <class T>
+void attention_fwd(const T* qkv, T* out, T* probs, std::int64_t B, std::int64_t T_, std::int64_t H,
+                   std::int64_t hd) {
+  const std::int64_t C = H * hd;
+  const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd)));
+  for (std::int64_t b = 0; b < B; ++b) {
+    for (std::int64_t h = 0; h < H; ++h) {
+      const T* q = qkv + b * T_ * 3 * C + h * hd;
+      const T* k = q + C;
+      const T* v = q + 2 * C;
+      T* p = probs + (b * H + h) * T_ * T_;
+      // S = scale * Q K^T (full square; the masked half is overwritten below).
+      GemmArgs g{.trans_a = false, .trans_b = true, .m = T_, .n = T_, .k = hd, .lda = 3 * C, .ldb = 3 * C,
+                 .ldc = T_, .alpha = static_cast<float>(scale), .beta = 0.0f};
+      gemm_one<T>(g, q, k, p);
+      for (std::int64_t i = 0; i < T_; ++i) {
+        T* row = p + i * T_;
+        T mx = row[0];
+        for (std::int64_t j = 1; j <= i; ++j) mx = std::max(mx, row[j]);
+        T sum = 0;
+        for (std::int64_t j = 0; j <= i; ++j) {
+          row[j] = std::exp(row[j] - mx);
+          sum += row[j];
+        }
+        const T inv = T(1) / sum;
+        for (std::int64_t j = 0; j <= i; ++j) row[j] *= inv;
+        for (std::int64_t j = i + 1; j < T_; ++j) row[j] = 0;
+      }
+      // O = P V, written into the head's columns of out.
+      GemmArgs o{.m = T_, .n = hd, .k = T_, .lda = T_, .ldb = 3 * C, .ldc = C};
+      gemm_one<T>(o, p, v, out + b * T_ * C + h * hd);
+    }
+  }
+}
+
+template <class T>
+void attention_bwd(const T* dout, const T* qkv, const T* probs, T* dqkv, std::int64_t B, std::int64_t T_,
+                   std::int64_t H, std::int64_t hd) {
+  const std::int64_t C = H * hd;
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
+  std::vector<T> dp(static_cast<std::size_t>(T_ * T_));
+  for (std::int64_t b = 0; b < B; ++b) {
+    for (std::int64_t h = 0; h < H; ++h) {
+      const std::int64_t head = b * T_ * 3 * C + h * hd;
+      const T* q = qkv + head;
+      const T* k = q + C;
+      const T* v = q + 2 * C;
+      T* dq = dqkv + head;
+      T* dk = dq + C;
+      T* dv = dq + 2 * C;
+      const T* p = probs + (b * H + h) * T_ * T_;
+      const T* dO = dout + b * T_ * C + h * hd;
+      // dP = dO V^T; dV = P^T dO.
+      GemmArgs g1{.trans_b = true, .m = T_, .n = T_, .k = hd, .lda = C, .ldb = 3 * C, .ldc = T_};
+      gemm_one<T>(g1, dO, v, dp.data());
+      GemmArgs g2{.trans_a = true, .m = T_, .n = hd, .k = T_, .lda = T_, .ldb = C, .ldc = 3 * C};
+      gemm_one<T>(g2, p, dO, dv);
+      // dS = P * (dP - rowsum(P * dP)), zero above the diagonal (P is zero there).
+      for (std::int64_t i = 0; i < T_; ++i) {
+        const T* pr = p + i * T_;
+        T* dr = dp.data() + i * T_;
+        T dot = 0;
+        for (std::int64_t j = 0; j <= i; ++j) dot += pr[j] * dr[j];
+        for (std::int64_t j = 0; j <= i; ++j) dr[j] = pr[j] * (dr[j] - dot);
+        for (std::int64_t j = i + 1; j < T_; ++j) dr[j] = 0;
+      }
+      // dQ = scale dS K; dK = scale dS^T Q.
+      GemmArgs g3{.m = T_, .n = hd, .k = T_, .lda = T_, .ldb = 3 * C, .ldc = 3 * C, .alpha = scale};
+      gemm_one<T>(g3, dp.data(), k, dq);
+      GemmArgs g4{.trans_a = true, .m = T_, .n = hd, .k = T_, .lda = T_, .ldb = 3 * C, .ldc = 3 * C, .alpha = scale};
+      gemm_one<T>(g4, dp.data(), q, dk);
+    }
+  }
+}
+
+Result<void> check_ids(const std::int32_t* ids, std::int64_t n, std::int64_t limit, const char* what) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (ids[i] < 0 || ids[i] >= limit)
+      return fail(ErrorCode::out_of_range, what, "[", i, "]=", ids[i], ": expected an id in [0, ", limit, ")");
+  }
+  return {};
+}
+
+template <class T>
+void cross_entropy_fwd(const T* logits, const std::int32_t* targets, T* loss, std::int64_t N, std::int64_t V) {
+  double total = 0;
+  for (std::int64_t i = 0; i < N; ++i) {
+    const T* row = logits + i * V;
+    double mx = row[0];
+    for (std::int64_t j = 1; j < V; ++j) mx = std::max(mx, static_cast<double>(row[j]));
+    double sum = 0;
+    for (std::int64_t j = 0; j < V; ++j) sum += std::exp(row[j] - mx);
+    total += std::log(sum) + mx - row[targets[i]];
+  }
+  loss[0] = static_cast<T>(total / static_cast<double>(N));
+}
+
+template <class T>
+void cross_entropy_bwd(const T* logits, const std::int32_t* targets, const T* seed, T* dlogits, std::int64_t N,
+                       std::int64_t V) {
+  const T g = seed[0] / static_cast<T>(N);
+  for (std::int64_t i = 0; i < N; ++i) {
+    const T* row = logits + i * V;
+    T* drow = dlogits + i * V;
+    T mx = row[0];
+    for (std::int64_t j = 1; j < V; ++j) mx = std::max(mx, row[j]);
+    T sum = 0;
+    for (std::int64_t j = 0; j < V; ++j) {
+      drow[j] = std::exp(row[j] - mx);
+      sum += drow[j];
+    }
+    const T scale = g / sum;
+    for (std::int64_t j = 0; j < V; ++j) drow[j] *= scale;
+    drow[targets[i]] -= g;
+  }
+}
+
+// f32/f64 element access for the optimizer and casts.
+inline double load(DataType dt, const void* p, std::int64_t i) {
+  return dt == DataType::f64 ? static_cast<const double*>(p)[i] : static_cast<const float*>(p)[i];
+}
+inline void store(DataType dt, void* p, std::int64_t i, double v) {
+  if (dt == DataType::f64)
+    static_cast<double*>(p)[i] = v;
+  else
+    static_cast<float*>(p)[i] = static_cast<float>(v);
+}
+
+// The clip-and-unscale factor for this step's gradients (the step kernels skip when 0 means inf).
+inline float grad_factor(const StepState& st, float max_grad_norm) {
+  const float inv_scale = 1.0f / st.loss_scale;
+  float factor = inv_scale;
+  if (max_grad_norm > 0) {
+    const float norm = std::sqrt(st.grad_sumsq) * inv_scale;
+    if (norm > max_grad_norm) factor *= max_grad_norm / (norm + 1e-6f);
+  }
+  return factor;
+}
+
+class CpuKernels final : public Kernels {
+ public:
+  bool supports(DataType dt) const noexcept override { return dt == DataType::f32 || dt == DataType::f64; }
+
+  Result<void> gemm(Stream& s, DataType dt, const GemmArgs& g) const override {
+    return dispatch(s, dt, [g]<class T>(T*) {
+      for (std::int64_t i = 0; i < g.batch; ++i) Gemm<T>::run(g, i);
+    });
+  }
+
+  Result<void> embedding_forward(Stream& s, DataType dt, const std::int32_t* tokens, const void* wte, const void* wpe,
+                                 void* out, std::int64_t B, std::int64_t T_, std::int64_t C,
+                                 std::int64_t vocab) const override {
+    COSHARD_TRY(check_dtype(dt));
+    return s.launch_fallible([=]() -> Result<void> {
+      COSHARD_TRY(check_ids(tokens, B * T_, vocab, "tokens"));
+      with_type(dt, [&]<class T>(T*) {
+        for (std::int64_t b = 0; b < B; ++b)
+          for (std::int64_t t = 0; t < T_; ++t) {
+            const T* e = static_cast<const T*>(wte) + tokens[b * T_ + t] * C;
+            const T* p = static_cast<const T*>(wpe) + t * C;
+            T* o = static_cast<T*>(out) + (b * T_ + t) * C;
+            for (std::int64_t c = 0; c < C; ++c) o[c] = e[c] + p[c];
+          }
+      });
+      return {};
+    });
+  }
+
+  Result<void> embedding_backward(Stream& s, DataType dt, const std::int32_t* tokens, const void* dout, void* dwte,
+                                  void* dwpe, std::int64_t B, std::int64_t T_, std::int64_t C) const override {
+    return dispatch(s, dt, [=]<class T>(T*) {
+      for (std::int64_t b = 0; b < B; ++b)
+        for (std::int64_t t = 0; t < T_; ++t) {
+          const T* g = static_cast<const T*>(dout) + (b * T_ + t) * C;
+          T* e = static_cast<T*>(dwte) + tokens[b * T_ + t] * C;
+          T* p = static_cast<T*>(dwpe) + t * C;
+          for (std::int64_t c = 0; c < C; ++c) {
+            e[c] += g[c];
+            p[c] += g[c];
+          }
+        }
+    });
+  }
+
+  Result<void> layernorm_forward(Stream& s, DataType dt, const void* x, const void* w, const void* b, void* out,
+                                 void* mean, void* rstd, std::int64_t N, std::int64_t C, float eps) const override {
+    return dispatch(s, dt, [=]<class T>(T*) {
+      layernorm_fwd<T>(static_cast<const T*>(x), static_cast<const T*>(w), static_cast<const T*>(b),
+                       static_cast<T*>(out), static_cast<T*>(mean), static_cast<T*>(rstd), N, C, eps);
+    });
+  }
+
+  Result<void> layernorm_backward(Stream& s, DataType dt, const void* dout, const void* x, const void* w,
+                                  const void* mean, const void* rstd, void* dx, void* dw, void* db, std::int64_t N,
+                                  std::int64_t C) const override {
+    return dispatch(s, dt, [=]<class T>(T*) {
+      layernorm_bwd<T>(static_cast<const T*>(dout), static_cast<const T*>(x), static_cast<const T*>(w),
+                       static_cast<const T*>(mean), static_cast<const T*>(rstd), static_cast<T*>(dx),
+                       static_cast<T*>(dw), static_cast<T*>(db), N, C);
+    });
+  }
+
+  Result<void> gelu_forward(Stream& s, DataType dt, const void* x, void* out, std::int64_t n) const override {
+    return dispatch(s, dt, [=]<class T>(T*) { gelu_fwd<T>(static_cast<const T*>(x), static_cast<T*>(out), n); });
+  }
+
+  Result<void> gelu_backward(Stream& s, DataType dt, const void* x, const void* dout, void* dx,
+                             std::int64_t n) const override {
+    return dispatch(s, dt, [=]<class T>(T*) {
+      gelu_bwd<T>(static_cast<const T*>(x), static_cast<const T*>(dout), static_cast<T*>(dx), n);
+    });
+  }
+
+  Result<void> add(Stream& s, DataType dt, const void* a, const void* b, void* out, std::int64_t n) const override {
+    return dispatch(s, dt, [=]<class T>(T*) {
+      const T* pa = static_cast<const T*>(a);
+      const T* pb = static_cast<const T*>(b);
+      T* po = static_cast<T*>(out);
+      for (std::int64_t i = 0; i < n; ++i) po[i] = pa[i] + pb[i];
+    });
+  }
+
+  Result<void> bias_add(Stream& s, DataType dt, void* out, const void* bias, std::int64_t N,
+                        std::int64_t C) const override {
+    return dispatch(s, dt, [=]<class T>(T*) {
+      const T* pb = static_cast<const T*>(bias);
+      for (std::int64_t i = 0; i < N; ++i) {
+        T* row = static_cast<T*>(out) + i * C;
+        for (std::int64_t j = 0; j < C; ++j) row[j] += pb[j];
+      }
+    });
+  }
+
+  Result<void> bias_grad(Stream& s, DataType dt, const void* dout, void* dbias, std::int64_t N,
+                         std::int64_t C) const override {
+    return dispatch(s, dt, [=]<class T>(T*) {
+      T* db = static_cast<T*>(dbias);
+      for (std::int64_t i = 0; i < N; ++i) {
+        const T* row = static_cast<const T*>(dout) + i * C;
+        for (std::int64_t j = 0; j < C; ++j) db[j] += row[j];
+      }
+    });
+  }
+
+  Result<void> attention_forward(Stream& s, DataType dt, const void* qkv, void* out, void* probs, std::int64_t B,
+                                 std::int64_t T_, std::int64_t H, std::int64_t hd) const override {
+    return dispatch(s, dt, [=]<class T>(T*) {
+      attention_fwd<T>(static_cast<const T*>(qkv), static_cast<T*>(out), static_cast<T*>(probs), B, T_, H, hd);
+    });
+  }
+
+  Result<void> attention_backward(Stream& s, DataType dt, const void* dout, const void* qkv, const void* probs,
+                                  void* dqkv, std::int64_t B, std::int64_t T_, std::int64_t H,
+                                  std::int64_t hd) const override {
+    return dispatch(s, dt, [=]<class T>(T*) {
+      attention_bwd<T>(static_cast<const T*>(dout), static_cast<const T*>(qkv), static_cast<const T*>(probs),
+                       static_cast<T*>(dqkv), B, T_, H, hd);
+    });
+  }
+
+  Result<void> cross_entropy_forward(Stream& s, DataType dt, const void* logits, const std::int32_t* targets,
+                                     void* loss, std::int64_t N, std::int64_t V) const override {
+    COSHARD_TRY(check_dtype(dt));
+    return s.launch_fallible([=]() -> Result<void> {
+      COSHARD_TRY(check_ids(targets, N, V, "targets"));
+      with_type(dt, [&]<class T>(T*) {
+        cross_entropy_fwd<T>(static_cast<const T*>(logits), targets, static_cast<T*>(loss), N, V);
+      });
+      return {};
+    });
+  }
+
+  Result<void> cross_entropy_backward(Stream& s, DataType dt, const void* logits, const std::int32_t* targets,
+                                      const void* seed, void* dlogits, std::int64_t N,
+                                      std::int64_t V) const override {
+    return dispatch(s, dt, [=]<class T>(T*) {
+      cross_entropy_bwd<T>(static_cast<const T*>(logits), targets, static_cast<const T*>(seed),
+                           static_cast<T*>(dlogits), N, V);
+    });
+  }
+
+  Result<void> cast(Stream& s, DataType from, const void* src, DataType to, void* dst,
+                    std::int64_t n) const override {
+    COSHARD_TRY(check_dtype(from));
+    COSHARD_TRY(check_dtype(to));
+    return s.launch([=] {
+      for (std::int64_t i = 0; i < n; ++i) store(to, dst, i, load(from, src, i));
+    });
+  }
+
+  Result<void> step_begin(Stream& s, StepState* state) const override {
+    return s.launch([state] {
+      state->grad_sumsq = 0;
+      state->found_inf = 0;
+    });
+  }
+
+  Result<void> grad_stats(Stream& s, DataType gdt, const void* grad, std::int64_t n,
+                          StepState* state) const override {
+    COSHARD_TRY(check_dtype(gdt));
+    return s.launch([=] {
+      double sumsq = 0;
+      for (std::int64_t i = 0; i < n; ++i) {
+        const double g = load(gdt, grad, i);
+        sumsq += g * g;
+      }
+      if (!std::isfinite(sumsq)) state->found_inf = 1;
+      state->grad_sumsq += static_cast<float>(sumsq);
+    });
+  }
+
+  Result<void> adamw(Stream& s, float* master, DataType gdt, const void* grad, float* m, float* v, DataType pdt,
+                     void* param_out, std::int64_t n, const AdamArgs& a, const StepState* state) const override {
+    COSHARD_TRY(check_dtype(gdt));
+    if (param_out) COSHARD_TRY(check_dtype(pdt));
+    return s.launch([=] {
+      if (state->found_inf > 0) return;
+      const float factor = grad_factor(*state, a.max_grad_norm);
+      const int t = state->step + 1;
+      const float bc1 = 1.0f - std::pow(a.beta1, static_cast<float>(t));
+      const float bc2 = 1.0f - std::pow(a.beta2, static_cast<float>(t));
+      const float decay = 1.0f - a.lr * a.weight_decay;
+      for (std::int64_t i = 0; i < n; ++i) {
+        const float g = static_cast<float>(load(gdt, grad, i)) * factor;
+        m[i] = a.beta1 * m[i] + (1.0f - a.beta1) * g;
+        v[i] = a.beta2 * v[i] + (1.0f - a.beta2) * g * g;
+        const float update = (m[i] / bc1) / (std::sqrt(v[i] / bc2) + a.eps);
+        master[i] = master[i] * decay - a.lr * update;
+        if (param_out) store(pdt, param_out, i, master[i]);
+      }
+    });
+  }
+
+  Result<void> sgd(Stream& s, float* master, DataType gdt, const void* grad, float* buf, DataType pdt,
+                   void* param_out, std::int64_t n, const SgdArgs& a, const StepState* state) const override {
+    COSHARD_TRY(check_dtype(gdt));
+    if (param_out) COSHARD_TRY(check_dtype(pdt));
+    return s.launch([=] {
+      if (state->found_inf > 0) return;
+      const float factor = grad_factor(*state, a.max_grad_norm);
+      const bool first = state->step == 0;
+      for (std::int64_t i = 0; i < n; ++i) {
+        float g = static_cast<float>(load(gdt, grad, i)) * factor + a.weight_decay * master[i];
+        if (a.momentum != 0.0f) {
+          buf[i] = first ? g : a.momentum * buf[i] + g;
+          g = a.nesterov ? g + a.momentum * buf[i] : buf[i];
+        }
+        master[i] -= a.lr * g;
+        if (param_out) store(pdt, param_out, i, master[i]);
+      }
+    });
+  }
+
+  Result<void> step_end(Stream& s, StepState* state, const LossScaleArgs& a) const override {
+    return s.launch([=] {
+      StepState& st = *state;
+      st.last_grad_norm = std::sqrt(st.grad_sumsq) / st.loss_scale;
+      st.last_skipped = st.found_inf > 0 ? 1 : 0;
+      if (st.found_inf > 0) {
+        ++st.skipped_steps;
+        st.good_steps = 0;
+        if (a.dynamic) st.loss_scale = std::max(a.min_scale, st.loss_scale * a.backoff_factor);
+        return;
+      }
+      ++st.step;
+      if (a.dynamic && ++st.good_steps >= a.growth_interval) {
+        st.loss_scale = std::min(a.max_scale, st.loss_scale * a.growth_factor);
+        st.good_steps = 0;
+      }
+    });
+  }
+
+ private:
+  Result<void> check_dtype(DataType dt) const {
+    if (!supports(dt))
+      return fail(ErrorCode::unsupported, "dtype ", collectives::to_string(dt),
+                  ": the CPU kernels serve f32 and f64 (bf16/f16 compute needs the CUDA backend)");
+    return {};
+  }
+  template <class Fn>
+  static void with_type(DataType dt, Fn&& fn) {
+    if (dt == DataType::f64)
+      fn.template operator()<double>(nullptr);
+    else
+      fn.template operator()<float>(nullptr);
+  }
+  template <class Fn>
+  Result<void> dispatch(Stream& s, DataType dt, Fn fn) const {
+    COSHARD_TRY(check_dtype(dt));
+    return s.launch([dt, fn = std::move(fn)]() mutable { with_type(dt, fn); });
+  }
+};
+
+}  // namespace
+
+const Kernels& cpu_kernels() noexcept {
+  static const CpuKernels kernels;
+  return kernels;
+}
+
+Result<void> check_supported(const Kernels& k, DataType dt, async::Device device, std::string_view what) {
+  if (!k.supports(dt))
+    return fail(ErrorCode::unsupported, what, ": dtype ", collectives::to_string(dt), " is not served by the ",
+                device.is_cpu() ? "CPU kernels (f32, f64)" : "CUDA kernels (f32, bf16, f16)");
+  return {};
+}
+
+}  // namespace coshard::modules::detail

@@ -1,0 +1,72 @@
+#include "coshard/modules/gpt.hpp"
+
+#include <cmath>
+
+namespace coshard::modules {
+
+Result<void> GptConfig::validate() const {
+  auto positive = [](const char* name, std::int64_t v) -> Result<void> {
+    if (v <= 0) return fail(ErrorCode::invalid_argument, "GptConfig.", name, "=", v, ": expected > 0");
+    return {};
+  };
+  COSHARD_TRY(positive("vocab", vocab));
+  COSHARD_TRY(positive("max_seq", max_seq));
+  COSHARD_TRY(positive("dim", dim));
+  COSHARD_TRY(positive("layers", layers));
+  COSHARD_TRY(positive("heads", heads));
+  COSHARD_TRY(positive("mlp_ratio", mlp_ratio));
+  if (dim % heads != 0)
+    return fail(ErrorCode::invalid_argument, "GptConfig.dim=", dim, ": expected a multiple of heads=", heads);
+  if (vocab > std::int64_t{1} << 31)
+    return fail(ErrorCode::invalid_argument, "GptConfig.vocab=", vocab, ": token ids are i32");
+  return {};
+}
+
+std::int64_t GptConfig::parameter_count() const noexcept {
+  const std::int64_t hidden = mlp_ratio * dim;
+  const std::int64_t block = 2 * (2 * dim)                 // two LayerNorms
+                             + dim * 3 * dim + 3 * dim      // qkv
+                             + dim * dim + dim              // attention projection
+                             + dim * hidden + hidden        // fc
+                             + hidden * dim + dim;          // mlp projection
+  return vocab * dim + max_seq * dim + layers * block + 2 * dim + dim * vocab + vocab;
+}
+
+Result<std::unique_ptr<Sequential>> make_gpt(const GptConfig& c) {
+  COSHARD_TRY(c.validate());
+  const Init weight = Init::normal(0.02);
+  const Init residual_weight = Init::normal(0.02 / std::sqrt(2.0 * static_cast<double>(c.layers)));
+  auto model = std::make_unique<Sequential>();
+  model->add("embed", std::make_unique<Embedding>(c.vocab, c.max_seq, c.dim, weight));
+  for (std::int64_t l = 0; l < c.layers; ++l) {
+    auto attn = std::make_unique<Sequential>();
+    attn->add("ln", std::make_unique<LayerNorm>(c.dim));
+    attn->add("qkv", std::make_unique<Linear>(c.dim, 3 * c.dim, true, weight));
+    attn->add("core", std::make_unique<CausalSelfAttention>(c.dim, c.heads));
+    attn->add("proj", std::make_unique<Linear>(c.dim, c.dim, true, residual_weight));
+    auto mlp = std::make_unique<Sequential>();
+    mlp->add("ln", std::make_unique<LayerNorm>(c.dim));
+    mlp->add("fc", std::make_unique<Linear>(c.dim, c.mlp_ratio * c.dim, true, weight));
+    mlp->add("gelu", std::make_unique<Gelu>());
+    mlp->add("proj", std::make_unique<Linear>(c.mlp_ratio * c.dim, c.dim, true, residual_weight));
+    auto block = std::make_unique<Sequential>();
+    block->add("attn", std::make_unique<Residual>(std::move(attn)));
+    block->add("mlp", std::make_unique<Residual>(std::move(mlp)));
+    model->add("h" + std::to_string(l), std::move(block));
+  }
+  model->add("ln_f", std::make_unique<LayerNorm>(c.dim));
+  model->add("head", std::make_unique<Linear>(c.dim, c.vocab, true, weight));
+  return model;
+}
+
+async::Task<Result<Tensor>> forward_backward(Context& ctx, Module& model, CrossEntropyLoss& loss, Tensor tokens,
+                                             Tensor targets, Tensor seed) {
+  COSHARD_CO_TRY_ASSIGN(Tensor logits, co_await ctx.forward(model, std::move(tokens)));
+  loss.set_targets(std::move(targets));
+  COSHARD_CO_TRY_ASSIGN(Tensor value, co_await ctx.forward(loss, std::move(logits)));
+  COSHARD_CO_TRY_ASSIGN(Tensor dlogits, co_await ctx.backward(loss, std::move(seed)));
+  COSHARD_CO_TRY(co_await ctx.backward(model, std::move(dlogits)));
+  co_return value;
+}
+
+}  // namespace coshard::modules

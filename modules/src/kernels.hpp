@@ -1,0 +1,156 @@
+// The kernels behind the layers and optimizers, one implementation per device kind.
+//
+// Every function enqueues on `stream` and returns: pointers are device pointers (host memory
+// for the CPU backend), valid until the stream passes this point. Matrices are row-major.
+// Parameter gradients accumulate (+=); activation gradients are overwritten. The CPU backend
+// serves f32 and f64 (f64 for gradient checks); CUDA serves f32, bf16 and f16 with f32
+// accumulation. "Stats" (LayerNorm mean/rstd, the loss) are f64 for f64 models, else f32.
+#pragma once
+
+#include <cstdint>
+
+#include "coshard/async/result.hpp"
+#include "coshard/async/stream.hpp"
+#include "coshard/modules/tensor.hpp"
+
+namespace coshard::modules::detail {
+
+inline DataType stat_dtype(DataType dt) noexcept { return dt == DataType::f64 ? DataType::f64 : DataType::f32; }
+
+// C = alpha * op(A) * op(B) + beta * C, op(X) = X or X^T; `batch` products at fixed strides.
+struct GemmArgs {
+  bool trans_a = false;
+  bool trans_b = false;
+  std::int64_t m = 0, n = 0, k = 0;
+  const void* a = nullptr;
+  std::int64_t lda = 0;
+  const void* b = nullptr;
+  std::int64_t ldb = 0;
+  void* c = nullptr;
+  std::int64_t ldc = 0;
+  float alpha = 1.0f;
+  float beta = 0.0f;
+  std::int64_t batch = 1;
+  std::int64_t stride_a = 0, stride_b = 0, stride_c = 0;  // elements
+};
+
+// The optimizer's step control, in device memory, read and written only by kernels so that the
+// host never waits for it: global-norm clipping, overflow skip and dynamic loss scaling.
+struct StepState {
+  float grad_sumsq = 0;  // sum of squares of the (still loss-scaled) gradients this step
+  float found_inf = 0;   // > 0: a gradient was inf/NaN; the step is skipped
+  float loss_scale = 1;
+  float last_grad_norm = 0;  // unscaled, before clipping
+  std::int32_t step = 0;     // optimizer steps taken (skipped ones excluded)
+  std::int32_t good_steps = 0;
+  std::int32_t skipped_steps = 0;
+  std::int32_t last_skipped = 0;  // 1 when the last step was skipped
+};
+static_assert(sizeof(StepState) == 32);
+
+struct AdamArgs {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;
+  float max_grad_norm = 0.0f;  // 0: no clipping
+};
+
+struct SgdArgs {
+  float lr = 1e-2f;
+  float momentum = 0.0f;
+  float weight_decay = 0.0f;
+  bool nesterov = false;
+  float max_grad_norm = 0.0f;
+};
+
+struct LossScaleArgs {
+  bool dynamic = false;
+  float growth_factor = 2.0f;
+  float backoff_factor = 0.5f;
+  std::int32_t growth_interval = 2000;
+  float min_scale = 1.0f;
+  float max_scale = 16777216.0f;  // 2^24
+};
+
+class Kernels {
+ public:
+  virtual ~Kernels() = default;
+  virtual bool supports(DataType dt) const noexcept = 0;
+
+  virtual Result<void> gemm(async::Stream& s, DataType dt, const GemmArgs& g) const = 0;
+
+  // out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:]; tokens outside [0, vocab) fail the stream.
+  virtual Result<void> embedding_forward(async::Stream& s, DataType dt, const std::int32_t* tokens, const void* wte,
+                                         const void* wpe, void* out, std::int64_t B, std::int64_t T,
+                                         std::int64_t C, std::int64_t vocab) const = 0;
+  virtual Result<void> embedding_backward(async::Stream& s, DataType dt, const std::int32_t* tokens,
+                                          const void* dout, void* dwte, void* dwpe, std::int64_t B, std::int64_t T,
+                                          std::int64_t C) const = 0;
+
+  virtual Result<void> layernorm_forward(async::Stream& s, DataType dt, const void* x, const void* w, const void* b,
+                                         void* out, void* mean, void* rstd, std::int64_t N, std::int64_t C,
+                                         float eps) const = 0;
+  virtual Result<void> layernorm_backward(async::Stream& s, DataType dt, const void* dout, const void* x,
+                                          const void* w, const void* mean, const void* rstd, void* dx, void* dw,
+                                          void* db, std::int64_t N, std::int64_t C) const = 0;
+
+  virtual Result<void> gelu_forward(async::Stream& s, DataType dt, const void* x, void* out, std::int64_t n) const = 0;
+  virtual Result<void> gelu_backward(async::Stream& s, DataType dt, const void* x, const void* dout, void* dx,
+                                     std::int64_t n) const = 0;
+
+  // out = a + b (out may alias a or b).
+  virtual Result<void> add(async::Stream& s, DataType dt, const void* a, const void* b, void* out,
+                           std::int64_t n) const = 0;
+  // out[i,:] += bias; dbias += column sums of dout.
+  virtual Result<void> bias_add(async::Stream& s, DataType dt, void* out, const void* bias, std::int64_t N,
+                                std::int64_t C) const = 0;
+  virtual Result<void> bias_grad(async::Stream& s, DataType dt, const void* dout, void* dbias, std::int64_t N,
+                                 std::int64_t C) const = 0;
+
+  // Causal attention over qkv [B,T,3C] (q | k | v, heads of hd = C/H columns each):
+  // out [B,T,C], probs [B,H,T,T] kept for backward.
+  virtual Result<void> attention_forward(async::Stream& s, DataType dt, const void* qkv, void* out, void* probs,
+                                         std::int64_t B, std::int64_t T, std::int64_t H,
+                                         std::int64_t hd) const = 0;
+  virtual Result<void> attention_backward(async::Stream& s, DataType dt, const void* dout, const void* qkv,
+                                          const void* probs, void* dqkv, std::int64_t B, std::int64_t T,
+                                          std::int64_t H, std::int64_t hd) const = 0;
+
+  // loss (stat dtype, one element) = mean over rows of -log softmax(logits)[target]; targets
+  // outside [0, V) fail the stream.
+  virtual Result<void> cross_entropy_forward(async::Stream& s, DataType dt, const void* logits,
+                                             const std::int32_t* targets, void* loss, std::int64_t N,
+                                             std::int64_t V) const = 0;
+  // dlogits = (softmax - onehot) * seed[0] / N, seed in the stat dtype.
+  virtual Result<void> cross_entropy_backward(async::Stream& s, DataType dt, const void* logits,
+                                              const std::int32_t* targets, const void* seed, void* dlogits,
+                                              std::int64_t N, std::int64_t V) const = 0;
+
+  // dst = src converted (any two of f32/f64/bf16/f16 the backend serves).
+  virtual Result<void> cast(async::Stream& s, DataType from, const void* src, DataType to, void* dst,
+                            std::int64_t n) const = 0;
+
+  // Optimizer kernels: fp32 master weights and state; grads in `gdt`; `param_out` (in `pdt`) gets
+  // the updated weights cast down, or is null when the parameters are the master weights.
+  virtual Result<void> step_begin(async::Stream& s, StepState* state) const = 0;
+  virtual Result<void> grad_stats(async::Stream& s, DataType gdt, const void* grad, std::int64_t n,
+                                  StepState* state) const = 0;
+  virtual Result<void> adamw(async::Stream& s, float* master, DataType gdt, const void* grad, float* m, float* v,
+                             DataType pdt, void* param_out, std::int64_t n, const AdamArgs& args,
+                             const StepState* state) const = 0;
+  virtual Result<void> sgd(async::Stream& s, float* master, DataType gdt, const void* grad, float* momentum_buf,
+                           DataType pdt, void* param_out, std::int64_t n, const SgdArgs& args,
+                           const StepState* state) const = 0;
+  virtual Result<void> step_end(async::Stream& s, StepState* state, const LossScaleArgs& args) const = 0;
+};
+
+const Kernels& cpu_kernels() noexcept;
+// Null when this build has no CUDA backend.
+const Kernels* cuda_kernels() noexcept;
+
+// "f32 is not served by the cuda kernels" style check used by every layer.
+Result<void> check_supported(const Kernels& k, DataType dt, async::Device device, std::string_view what);
+
+}  // namespace coshard::modules::detail

@@ -1,0 +1,278 @@
+#include "coshard/modules/layers.hpp"
+
+#include <cmath>
+
+#include "kernels.hpp"
+
+namespace coshard::modules {
+namespace {
+
+using detail::check_supported;
+using detail::GemmArgs;
+
+// The input must be a floating tensor on the context's device, with `last` columns (0: any).
+Result<void> check_activation(const Context& ctx, const Tensor& x, std::int64_t last, std::string_view who) {
+  if (!x) return fail(ErrorCode::invalid_argument, who, ": input is empty");
+  if (!(x.device() == ctx.device()))
+    return fail(ErrorCode::invalid_argument, who, ": input ", x.describe(), " is not on the context's device ",
+                ctx.device().to_string());
+  if (x.shape().rank() < 1) return fail(ErrorCode::invalid_argument, who, ": input ", x.describe(), " has rank 0");
+  if (last > 0 && x.shape().back() != last)
+    return fail(ErrorCode::invalid_argument, who, ": input ", x.describe(), ", expected last dimension ", last);
+  return check_supported(ctx.kernels(), x.dtype(), ctx.device(), who);
+}
+
+Result<void> check_param(const Parameter& p, DataType dtype, std::string_view who) {
+  if (!p.bound())
+    return fail(ErrorCode::invalid_argument, who, ": parameter ", p.name(),
+                " is not bound to memory (create a ParameterStore or an engine for the model first)");
+  if (p.value().dtype() != dtype)
+    return fail(ErrorCode::invalid_argument, who, ": parameter ", p.name(), " is ",
+                collectives::to_string(p.value().dtype()), " but the input is ", collectives::to_string(dtype));
+  return {};
+}
+
+// A parameter's gradient takes part only when bound (an unbound gradient is a frozen parameter).
+bool trains(const Parameter& p) noexcept { return static_cast<bool>(p.grad()); }
+
+Result<void> check_grad(const Tensor& saved, const Tensor& grad, std::string_view who) {
+  if (!saved) return fail(ErrorCode::invalid_argument, who, ": backward without a forward (nothing saved)");
+  if (!grad || !(grad.shape() == saved.shape()) || grad.dtype() != saved.dtype())
+    return fail(ErrorCode::invalid_argument, who, ": grad_output ", grad ? grad.describe() : std::string("empty"),
+                ", expected ", saved.describe());
+  return {};
+}
+
+}  // namespace
+
+// ---- Embedding ----
+
+Embedding::Embedding(std::int64_t vocab, std::int64_t max_positions, std::int64_t dim, Init init)
+    : vocab_(vocab), max_positions_(max_positions), dim_(dim) {
+  register_parameter("wte", Shape{vocab, dim}, init);
+  register_parameter("wpe", Shape{max_positions, dim}, init);
+}
+
+async::Task<Result<Tensor>> Embedding::forward(Context& ctx, Tensor tokens) {
+  if (!tokens || tokens.dtype() != DataType::i32 || tokens.shape().rank() != 2 || !(tokens.device() == ctx.device()))
+    co_return fail(ErrorCode::invalid_argument, "Embedding: tokens ", tokens ? tokens.describe() : "empty",
+                   ", expected i32[B, T] on ", ctx.device().to_string());
+  const std::int64_t B = tokens.shape()[0], T = tokens.shape()[1];
+  if (T > max_positions_)
+    co_return fail(ErrorCode::invalid_argument, "Embedding: sequence length ", T, " exceeds max_positions ",
+                   max_positions_);
+  const DataType dt = token_weight().bound() ? token_weight().value().dtype() : DataType::f32;
+  COSHARD_CO_TRY(check_param(token_weight(), dt, "Embedding"));
+  COSHARD_CO_TRY(check_param(position_weight(), dt, "Embedding"));
+  COSHARD_CO_TRY(check_supported(ctx.kernels(), dt, ctx.device(), "Embedding"));
+  COSHARD_CO_TRY_ASSIGN(Tensor out, ctx.empty(Shape{B, T, dim_}, dt));
+  COSHARD_CO_TRY(ctx.kernels().embedding_forward(ctx.stream(), dt, tokens.data_as<std::int32_t>(),
+                                                 token_weight().value().data(), position_weight().value().data(),
+                                                 out.data(), B, T, dim_, vocab_));
+  tokens_ = std::move(tokens);
+  co_return out;
+}
+
+async::Task<Result<Tensor>> Embedding::backward(Context& ctx, Tensor grad_output) {
+  if (!tokens_) co_return fail(ErrorCode::invalid_argument, "Embedding: backward without a forward");
+  const std::int64_t B = tokens_.shape()[0], T = tokens_.shape()[1];
+  const DataType dt = token_weight().value().dtype();
+  if (!grad_output || !(grad_output.shape() == Shape{B, T, dim_}) || grad_output.dtype() != dt)
+    co_return fail(ErrorCode::invalid_argument, "Embedding: grad_output ",
+                   grad_output ? grad_output.describe() : "empty", ", expected ", collectives::to_string(dt), "[",
+                   B, ", ", T, ", ", dim_, "]");
+  if (trains(token_weight()) && trains(position_weight())) {
+    COSHARD_CO_TRY(ctx.kernels().embedding_backward(ctx.stream(), dt, tokens_.data_as<std::int32_t>(),
+                                                    grad_output.data(), token_weight().grad().data(),
+                                                    position_weight().grad().data(), B, T, dim_));
+  }
+  tokens_ = {};
+  co_return Tensor{};
+}
+
+// ---- Linear ----
+
+Linear::Linear(std::int64_t in_features, std::int64_t out_features, bool bias, Init weight_init)
+    : in_(in_features), out_(out_features) {
+  register_parameter("weight", Shape{out_features, in_features}, weight_init);
+  if (bias) register_parameter("bias", Shape{out_features}, Init::zeros());
+}
+
+async::Task<Result<Tensor>> Linear::forward(Context& ctx, Tensor input) {
+  COSHARD_CO_TRY(check_activation(ctx, input, in_, "Linear"));
+  const DataType dt = input.dtype();
+  COSHARD_CO_TRY(check_param(weight(), dt, "Linear"));
+  if (bias()) COSHARD_CO_TRY(check_param(*bias(), dt, "Linear"));
+  const std::int64_t rows = input.shape().rows();
+  COSHARD_CO_TRY_ASSIGN(Tensor out, ctx.empty(input.shape().with_back(out_), dt));
+  GemmArgs g{.trans_b = true, .m = rows, .n = out_, .k = in_, .a = input.data(), .lda = in_,
+             .b = weight().value().data(), .ldb = in_, .c = out.data(), .ldc = out_};
+  COSHARD_CO_TRY(ctx.kernels().gemm(ctx.stream(), dt, g));
+  if (bias()) COSHARD_CO_TRY(ctx.kernels().bias_add(ctx.stream(), dt, out.data(), bias()->value().data(), rows, out_));
+  input_ = std::move(input);
+  co_return out;
+}
+
+async::Task<Result<Tensor>> Linear::backward(Context& ctx, Tensor grad_output) {
+  if (!input_) co_return fail(ErrorCode::invalid_argument, "Linear: backward without a forward");
+  const DataType dt = input_.dtype();
+  const Shape expected = input_.shape().with_back(out_);
+  if (!grad_output || !(grad_output.shape() == expected) || grad_output.dtype() != dt)
+    co_return fail(ErrorCode::invalid_argument, "Linear: grad_output ",
+                   grad_output ? grad_output.describe() : "empty", ", expected ", collectives::to_string(dt),
+                   expected.to_string());
+  const std::int64_t rows = input_.shape().rows();
+  auto& k = ctx.kernels();
+  COSHARD_CO_TRY_ASSIGN(Tensor dx, ctx.empty(input_.shape(), dt));
+  // dx = dy W
+  GemmArgs gx{.m = rows, .n = in_, .k = out_, .a = grad_output.data(), .lda = out_, .b = weight().value().data(),
+              .ldb = in_, .c = dx.data(), .ldc = in_};
+  COSHARD_CO_TRY(k.gemm(ctx.stream(), dt, gx));
+  // dW += dy^T x
+  if (trains(weight())) {
+    GemmArgs gw{.trans_a = true, .m = out_, .n = in_, .k = rows, .a = grad_output.data(), .lda = out_,
+                .b = input_.data(), .ldb = in_, .c = weight().grad().data(), .ldc = in_, .beta = 1.0f};
+    COSHARD_CO_TRY(k.gemm(ctx.stream(), dt, gw));
+  }
+  if (bias() && trains(*bias()))
+    COSHARD_CO_TRY(k.bias_grad(ctx.stream(), dt, grad_output.data(), bias()->grad().data(), rows, out_));
+  input_ = {};
+  co_return dx;
+}
+
+// ---- LayerNorm ----
+
+LayerNorm::LayerNorm(std::int64_t dim, float eps) : dim_(dim), eps_(eps) {
+  register_parameter("weight", Shape{dim}, Init::ones());
+  register_parameter("bias", Shape{dim}, Init::zeros());
+}
+
+async::Task<Result<Tensor>> LayerNorm::forward(Context& ctx, Tensor input) {
+  COSHARD_CO_TRY(check_activation(ctx, input, dim_, "LayerNorm"));
+  const DataType dt = input.dtype();
+  COSHARD_CO_TRY(check_param(*parameters()[0], dt, "LayerNorm"));
+  COSHARD_CO_TRY(check_param(*parameters()[1], dt, "LayerNorm"));
+  const std::int64_t rows = input.shape().rows();
+  COSHARD_CO_TRY_ASSIGN(Tensor out, ctx.empty(input.shape(), dt));
+  COSHARD_CO_TRY_ASSIGN(Tensor mean, ctx.empty(Shape{rows}, detail::stat_dtype(dt)));
+  COSHARD_CO_TRY_ASSIGN(Tensor rstd, ctx.empty(Shape{rows}, detail::stat_dtype(dt)));
+  COSHARD_CO_TRY(ctx.kernels().layernorm_forward(ctx.stream(), dt, input.data(), parameters()[0]->value().data(),
+                                                 parameters()[1]->value().data(), out.data(), mean.data(),
+                                                 rstd.data(), rows, dim_, eps_));
+  input_ = std::move(input);
+  mean_ = std::move(mean);
+  rstd_ = std::move(rstd);
+  co_return out;
+}
+
+async::Task<Result<Tensor>> LayerNorm::backward(Context& ctx, Tensor grad_output) {
+  COSHARD_CO_TRY(check_grad(input_, grad_output, "LayerNorm"));
+  const DataType dt = input_.dtype();
+  const std::int64_t rows = input_.shape().rows();
+  Parameter& w = *parameters()[0];
+  Parameter& b = *parameters()[1];
+  // A frozen LayerNorm still needs somewhere to put its parameter gradients.
+  Tensor dw = w.grad(), db = b.grad();
+  if (!trains(w) || !trains(b)) {
+    COSHARD_CO_TRY_ASSIGN(dw, ctx.zeros(Shape{dim_}, dt));
+    COSHARD_CO_TRY_ASSIGN(db, ctx.zeros(Shape{dim_}, dt));
+  }
+  COSHARD_CO_TRY_ASSIGN(Tensor dx, ctx.empty(input_.shape(), dt));
+  COSHARD_CO_TRY(ctx.kernels().layernorm_backward(ctx.stream(), dt, grad_output.data(), input_.data(),
+                                                  w.value().data(), mean_.data(), rstd_.data(), dx.data(),
+                                                  dw.data(), db.data(), rows, dim_));
+  clear_saved();
+  co_return dx;
+}
+
+// ---- Gelu ----
+
+async::Task<Result<Tensor>> Gelu::forward(Context& ctx, Tensor input) {
+  COSHARD_CO_TRY(check_activation(ctx, input, 0, "Gelu"));
+  COSHARD_CO_TRY_ASSIGN(Tensor out, ctx.empty(input.shape(), input.dtype()));
+  COSHARD_CO_TRY(ctx.kernels().gelu_forward(ctx.stream(), input.dtype(), input.data(), out.data(), input.numel()));
+  input_ = std::move(input);
+  co_return out;
+}
+
+async::Task<Result<Tensor>> Gelu::backward(Context& ctx, Tensor grad_output) {
+  COSHARD_CO_TRY(check_grad(input_, grad_output, "Gelu"));
+  COSHARD_CO_TRY_ASSIGN(Tensor dx, ctx.empty(input_.shape(), input_.dtype()));
+  COSHARD_CO_TRY(ctx.kernels().gelu_backward(ctx.stream(), input_.dtype(), input_.data(), grad_output.data(),
+                                             dx.data(), dx.numel()));
+  input_ = {};
+  co_return dx;
+}
+
+// ---- CausalSelfAttention ----
+
+CausalSelfAttention::CausalSelfAttention(std::int64_t dim, std::int64_t heads) : dim_(dim), heads_(heads) {}
+
+async::Task<Result<Tensor>> CausalSelfAttention::forward(Context& ctx, Tensor qkv) {
+  if (heads_ <= 0 || dim_ % heads_ != 0)
+    co_return fail(ErrorCode::invalid_argument, "CausalSelfAttention: dim ", dim_, " is not a multiple of heads ",
+                   heads_);
+  COSHARD_CO_TRY(check_activation(ctx, qkv, 3 * dim_, "CausalSelfAttention"));
+  if (qkv.shape().rank() != 3)
+    co_return fail(ErrorCode::invalid_argument, "CausalSelfAttention: qkv ", qkv.describe(), ", expected [B, T, ",
+                   3 * dim_, "]");
+  const DataType dt = qkv.dtype();
+  const std::int64_t B = qkv.shape()[0], T = qkv.shape()[1];
+  COSHARD_CO_TRY_ASSIGN(Tensor out, ctx.empty(Shape{B, T, dim_}, dt));
+  COSHARD_CO_TRY_ASSIGN(Tensor probs, ctx.empty(Shape{B, heads_, T, T}, dt));
+  COSHARD_CO_TRY(ctx.kernels().attention_forward(ctx.stream(), dt, qkv.data(), out.data(), probs.data(), B, T,
+                                                 heads_, dim_ / heads_));
+  qkv_ = std::move(qkv);
+  probs_ = std::move(probs);
+  co_return out;
+}
+
+async::Task<Result<Tensor>> CausalSelfAttention::backward(Context& ctx, Tensor grad_output) {
+  if (!qkv_) co_return fail(ErrorCode::invalid_argument, "CausalSelfAttention: backward without a forward");
+  const DataType dt = qkv_.dtype();
+  const std::int64_t B = qkv_.shape()[0], T = qkv_.shape()[1];
+  if (!grad_output || !(grad_output.shape() == Shape{B, T, dim_}) || grad_output.dtype() != dt)
+    co_return fail(ErrorCode::invalid_argument, "CausalSelfAttention: grad_output ",
+                   grad_output ? grad_output.describe() : "empty", ", expected [", B, ", ", T, ", ", dim_, "]");
+  COSHARD_CO_TRY_ASSIGN(Tensor dqkv, ctx.empty(qkv_.shape(), dt));
+  COSHARD_CO_TRY(ctx.kernels().attention_backward(ctx.stream(), dt, grad_output.data(), qkv_.data(), probs_.data(),
+                                                  dqkv.data(), B, T, heads_, dim_ / heads_));
+  clear_saved();
+  co_return dqkv;
+}
+
+// ---- CrossEntropyLoss ----
+
+async::Task<Result<Tensor>> CrossEntropyLoss::forward(Context& ctx, Tensor logits) {
+  COSHARD_CO_TRY(check_activation(ctx, logits, 0, "CrossEntropyLoss"));
+  const std::int64_t N = logits.shape().rows(), V = logits.shape().back();
+  if (!targets_ || targets_.dtype() != DataType::i32 || targets_.numel() != N ||
+      !(targets_.device() == ctx.device()))
+    co_return fail(ErrorCode::invalid_argument, "CrossEntropyLoss: targets ",
+                   targets_ ? targets_.describe() : "not set", ", expected i32 with ", N, " elements (one per row of ",
+                   logits.describe(), ") on ", ctx.device().to_string());
+  const DataType dt = logits.dtype();
+  COSHARD_CO_TRY_ASSIGN(Tensor loss, ctx.empty(Shape{1}, detail::stat_dtype(dt)));
+  COSHARD_CO_TRY(ctx.kernels().cross_entropy_forward(ctx.stream(), dt, logits.data(),
+                                                     targets_.data_as<std::int32_t>(), loss.data(), N, V));
+  logits_ = std::move(logits);
+  co_return loss;
+}
+
+async::Task<Result<Tensor>> CrossEntropyLoss::backward(Context& ctx, Tensor seed) {
+  if (!logits_) co_return fail(ErrorCode::invalid_argument, "CrossEntropyLoss: backward without a forward");
+  const DataType dt = logits_.dtype();
+  if (!seed || seed.numel() != 1 || seed.dtype() != detail::stat_dtype(dt) || !(seed.device() == ctx.device()))
+    co_return fail(ErrorCode::invalid_argument, "CrossEntropyLoss: seed ", seed ? seed.describe() : "empty",
+                   ", expected one ", collectives::to_string(detail::stat_dtype(dt)), " on ",
+                   ctx.device().to_string());
+  const std::int64_t N = logits_.shape().rows(), V = logits_.shape().back();
+  COSHARD_CO_TRY_ASSIGN(Tensor dlogits, ctx.empty(logits_.shape(), dt));
+  COSHARD_CO_TRY(ctx.kernels().cross_entropy_backward(ctx.stream(), dt, logits_.data(),
+                                                      targets_.data_as<std::int32_t>(), seed.data(), dlogits.data(),
+                                                      N, V));
+  logits_ = {};
+  co_return dlogits;
+}
+
+}  // namespace coshard::modules

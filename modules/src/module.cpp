@@ -1,0 +1,247 @@
+#include "coshard/modules/module.hpp"
+
+#include <cmath>
+#include <numbers>
+
+#include "kernels.hpp"
+
+namespace coshard::modules {
+
+std::string Shape::to_string() const {
+  std::string s = "[";
+  for (int i = 0; i < rank_; ++i) {
+    if (i) s += ", ";
+    s += std::to_string(dims_[static_cast<std::size_t>(i)]);
+  }
+  return s + "]";
+}
+
+std::string Tensor::describe() const {
+  return std::string(collectives::to_string(dtype_)) + shape_.to_string() + " on " + device_.to_string();
+}
+
+std::vector<std::byte> encode_values(std::span<const double> values, DataType dtype) {
+  std::vector<std::byte> out(values.size() * size_of(dtype));
+  std::byte* p = out.data();
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    const double v = values[i];
+    switch (dtype) {
+      case DataType::f32: reinterpret_cast<float*>(p)[i] = static_cast<float>(v); break;
+      case DataType::f64: reinterpret_cast<double*>(p)[i] = v; break;
+      case DataType::bf16: reinterpret_cast<std::uint16_t*>(p)[i] = collectives::float_to_bf16(static_cast<float>(v)); break;
+      case DataType::f16: reinterpret_cast<std::uint16_t*>(p)[i] = collectives::float_to_f16(static_cast<float>(v)); break;
+      case DataType::i32: reinterpret_cast<std::int32_t*>(p)[i] = static_cast<std::int32_t>(v); break;
+      case DataType::u8: p[i] = static_cast<std::byte>(static_cast<std::uint8_t>(v)); break;
+    }
+  }
+  return out;
+}
+
+std::vector<double> decode_values(std::span<const std::byte> bytes, DataType dtype) {
+  std::vector<double> out(bytes.size() / size_of(dtype));
+  const std::byte* p = bytes.data();
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    switch (dtype) {
+      case DataType::f32: out[i] = reinterpret_cast<const float*>(p)[i]; break;
+      case DataType::f64: out[i] = reinterpret_cast<const double*>(p)[i]; break;
+      case DataType::bf16: out[i] = collectives::bf16_to_float(reinterpret_cast<const std::uint16_t*>(p)[i]); break;
+      case DataType::f16: out[i] = collectives::f16_to_float(reinterpret_cast<const std::uint16_t*>(p)[i]); break;
+      case DataType::i32: out[i] = reinterpret_cast<const std::int32_t*>(p)[i]; break;
+      case DataType::u8: out[i] = static_cast<double>(static_cast<std::uint8_t>(p[i])); break;
+    }
+  }
+  return out;
+}
+
+namespace {
+
+// splitmix64: tiny, fast, and the same on every platform (std::normal_distribution is not).
+struct SplitMix64 {
+  std::uint64_t state;
+  std::uint64_t next() noexcept {
+    std::uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  double uniform01() noexcept { return static_cast<double>(next() >> 11) * 0x1.0p-53; }  // [0, 1)
+};
+
+std::uint64_t fnv1a(std::string_view s) noexcept {
+  std::uint64_t h = 0xCBF29CE484222325ull;
+  for (char c : s) h = (h ^ static_cast<unsigned char>(c)) * 0x100000001B3ull;
+  return h;
+}
+
+}  // namespace
+
+void initial_values(const Init& init, std::string_view full_name, std::uint64_t seed, std::span<double> out) {
+  SplitMix64 rng{fnv1a(full_name) ^ (seed * 0x9E3779B97F4A7C15ull)};
+  switch (init.kind) {
+    case Init::Kind::zeros:
+      for (auto& v : out) v = 0;
+      break;
+    case Init::Kind::ones:
+      for (auto& v : out) v = 1;
+      break;
+    case Init::Kind::uniform:
+      for (auto& v : out) v = init.a + (init.b - init.a) * rng.uniform01();
+      break;
+    case Init::Kind::normal:
+      // Box-Muller, both outputs used.
+      for (std::size_t i = 0; i < out.size(); i += 2) {
+        const double u1 = 1.0 - rng.uniform01();  // (0, 1]
+        const double u2 = rng.uniform01();
+        const double r = std::sqrt(-2.0 * std::log(u1)) * init.a;
+        out[i] = r * std::cos(2 * std::numbers::pi * u2);
+        if (i + 1 < out.size()) out[i + 1] = r * std::sin(2 * std::numbers::pi * u2);
+      }
+      break;
+  }
+}
+
+Result<void> Parameter::bind(Tensor value, Tensor grad) {
+  if (!(value.shape() == shape_))
+    return fail(ErrorCode::invalid_argument, "parameter ", name_, ": value shape ", value.shape().to_string(),
+                ", expected ", shape_.to_string());
+  if (grad && !(grad.shape() == shape_))
+    return fail(ErrorCode::invalid_argument, "parameter ", name_, ": grad shape ", grad.shape().to_string(),
+                ", expected ", shape_.to_string());
+  value_ = std::move(value);
+  grad_ = std::move(grad);
+  return {};
+}
+
+Result<Context> Context::create(async::Stream& stream, async::CachingAllocator& allocator) {
+  if (!(allocator.device() == stream.device()))
+    return fail(ErrorCode::invalid_argument, "Context: allocator serves ", allocator.device().to_string(),
+                ", stream ", stream.name(), " runs on ", stream.device().to_string());
+  if (stream.device().is_cpu()) return Context(stream, allocator, detail::cpu_kernels());
+  const detail::Kernels* k = detail::cuda_kernels();
+  if (!k)
+    return fail(ErrorCode::unsupported, "Context: stream ", stream.name(), " is on ", stream.device().to_string(),
+                " but this build has no CUDA kernels (configure with COSHARD_CUDA=ON)");
+  return Context(stream, allocator, *k);
+}
+
+Result<Tensor> Context::empty(Shape shape, DataType dtype) {
+  const std::size_t bytes = static_cast<std::size_t>(shape.numel()) * size_of(dtype);
+  COSHARD_TRY_ASSIGN(auto block, allocator_->allocate(bytes == 0 ? 1 : bytes, *stream_));
+  auto owner = std::make_shared<async::Block>(std::move(block));
+  void* data = owner->data();
+  return Tensor(std::move(owner), data, shape, dtype, device());
+}
+
+Result<Tensor> Context::zeros(Shape shape, DataType dtype) {
+  COSHARD_TRY_ASSIGN(auto t, empty(shape, dtype));
+  COSHARD_TRY(stream_->fill(t.data(), 0, t.bytes()));
+  return t;
+}
+
+Result<Tensor> Context::upload(std::span<const std::byte> host, Shape shape, DataType dtype) {
+  const std::size_t bytes = static_cast<std::size_t>(shape.numel()) * size_of(dtype);
+  if (host.size() != bytes)
+    return fail(ErrorCode::invalid_argument, "upload: ", host.size(), " bytes given for ",
+                collectives::to_string(dtype), shape.to_string(), " (", bytes, " bytes)");
+  COSHARD_TRY_ASSIGN(Tensor t, empty(shape, dtype));
+  if (bytes == 0) return t;
+  auto staging = std::make_shared<std::vector<std::byte>>(host.begin(), host.end());
+  COSHARD_TRY(stream_->copy(t.data(), staging->data(), bytes));
+  // The staging copy goes once the stream has passed the copy.
+  COSHARD_TRY(stream_->launch([staging = std::move(staging)] {}));
+  return t;
+}
+
+async::Task<Result<std::vector<double>>> Context::read(Tensor tensor) {
+  COSHARD_CO_TRY_ASSIGN(auto pinned, async::PinnedBuffer::allocate(tensor.bytes() == 0 ? 1 : tensor.bytes()));
+  COSHARD_CO_TRY(stream_->copy(pinned.data(), tensor.data(), tensor.bytes()));
+  COSHARD_CO_TRY_ASSIGN(auto done, stream_->record());
+  COSHARD_CO_TRY(co_await done);
+  co_return decode_values(pinned.bytes().first(tensor.bytes()), tensor.dtype());
+}
+
+async::Task<Result<Tensor>> Context::forward(Module& module, Tensor input) {
+  if (hooks_) COSHARD_CO_TRY(co_await hooks_->before_forward(*this, module));
+  auto out = co_await module.forward(*this, std::move(input));
+  if (!out) co_return out;
+  if (hooks_) COSHARD_CO_TRY(hooks_->after_forward(*this, module));
+  co_return out;
+}
+
+async::Task<Result<Tensor>> Context::backward(Module& module, Tensor grad_output) {
+  if (hooks_) COSHARD_CO_TRY(co_await hooks_->before_backward(*this, module));
+  auto out = co_await module.backward(*this, std::move(grad_output));
+  if (!out) co_return out;
+  if (hooks_) COSHARD_CO_TRY(hooks_->after_backward(*this, module));
+  co_return out;
+}
+
+Parameter& Module::register_parameter(std::string name, Shape shape, Init init) {
+  parameters_.push_back(std::make_unique<Parameter>(std::move(name), shape, init));
+  return *parameters_.back();
+}
+
+void Module::for_each_parameter(const std::function<void(const std::string&, Parameter&)>& fn,
+                                const std::string& prefix) {
+  for (auto& p : parameters_) fn(prefix + p->name(), *p);
+  // An unnamed child (a Residual's inner module) adds nothing to the path.
+  for (auto& c : children_) c.module->for_each_parameter(fn, c.name.empty() ? prefix : prefix + c.name + ".");
+}
+
+void Module::for_each_module(const std::function<void(const std::string&, Module&)>& fn, const std::string& prefix) {
+  fn(prefix, *this);
+  for (auto& c : children_) {
+    const std::string path = c.name.empty() ? prefix : prefix.empty() ? c.name : prefix + "." + c.name;
+    c.module->for_each_module(fn, path);
+  }
+}
+
+std::int64_t Module::parameter_count() {
+  std::int64_t n = 0;
+  for_each_parameter([&](const std::string&, Parameter& p) { n += p.numel(); });
+  return n;
+}
+
+void Module::clear_saved_recursive() {
+  clear_saved();
+  for (auto& c : children_) c.module->clear_saved_recursive();
+}
+
+async::Task<Result<Tensor>> Sequential::forward(Context& ctx, Tensor input) {
+  Tensor x = std::move(input);
+  for (const auto& child : children()) {
+    COSHARD_CO_TRY_ASSIGN(x, co_await ctx.forward(*child.module, std::move(x)));
+  }
+  co_return x;
+}
+
+async::Task<Result<Tensor>> Sequential::backward(Context& ctx, Tensor grad_output) {
+  Tensor g = std::move(grad_output);
+  const auto kids = children();
+  for (auto it = kids.rbegin(); it != kids.rend(); ++it) {
+    COSHARD_CO_TRY_ASSIGN(g, co_await ctx.backward(*it->module, std::move(g)));
+  }
+  co_return g;
+}
+
+Residual::Residual(std::unique_ptr<Module> inner) { register_child("", std::move(inner)); }
+
+async::Task<Result<Tensor>> Residual::forward(Context& ctx, Tensor input) {
+  COSHARD_CO_TRY_ASSIGN(Tensor y, co_await ctx.forward(inner(), input));
+  if (!(y.shape() == input.shape()) || y.dtype() != input.dtype())
+    co_return fail(ErrorCode::invalid_argument, "Residual: inner ", inner().type_name(), " returned ", y.describe(),
+                   ", expected the input's ", input.describe());
+  COSHARD_CO_TRY_ASSIGN(Tensor out, ctx.empty(input.shape(), input.dtype()));
+  COSHARD_CO_TRY(ctx.kernels().add(ctx.stream(), input.dtype(), input.data(), y.data(), out.data(), out.numel()));
+  co_return out;
+}
+
+async::Task<Result<Tensor>> Residual::backward(Context& ctx, Tensor grad_output) {
+  COSHARD_CO_TRY_ASSIGN(Tensor g_inner, co_await ctx.backward(inner(), grad_output));
+  COSHARD_CO_TRY_ASSIGN(Tensor dx, ctx.empty(grad_output.shape(), grad_output.dtype()));
+  COSHARD_CO_TRY(ctx.kernels().add(ctx.stream(), dx.dtype(), grad_output.data(), g_inner.data(), dx.data(),
+                                   dx.numel()));
+  co_return dx;
+}
+
+}  // namespace coshard::modules

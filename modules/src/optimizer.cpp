@@ -1,0 +1,179 @@
+#include "coshard/modules/optimizer.hpp"
+
+#include <cstring>
+
+#include "kernels.hpp"
+
+namespace coshard::modules {
+
+using detail::StepState;
+
+struct Optimizer::Impl {
+  bool adam = true;
+  detail::AdamArgs adam_args;
+  detail::SgdArgs sgd_args;
+  StepControlOptions control;
+  detail::LossScaleArgs scale_args() const {
+    return {.dynamic = control.loss_scaling == LossScaling::dynamic,
+            .growth_factor = control.growth_factor,
+            .backoff_factor = control.backoff_factor,
+            .growth_interval = control.growth_interval};
+  }
+};
+
+namespace {
+
+Result<void> check_control(const StepControlOptions& c) {
+  if (!(c.max_grad_norm >= 0))
+    return fail(ErrorCode::invalid_argument, "max_grad_norm=", c.max_grad_norm, ": expected >= 0 (0: no clipping)");
+  if (c.loss_scaling != LossScaling::none && !(c.initial_loss_scale > 0))
+    return fail(ErrorCode::invalid_argument, "initial_loss_scale=", c.initial_loss_scale, ": expected > 0");
+  if (c.loss_scaling == LossScaling::dynamic) {
+    if (!(c.growth_factor > 1))
+      return fail(ErrorCode::invalid_argument, "growth_factor=", c.growth_factor, ": expected > 1");
+    if (!(c.backoff_factor > 0 && c.backoff_factor < 1))
+      return fail(ErrorCode::invalid_argument, "backoff_factor=", c.backoff_factor, ": expected in (0, 1)");
+    if (c.growth_interval < 1)
+      return fail(ErrorCode::invalid_argument, "growth_interval=", c.growth_interval, ": expected >= 1");
+  }
+  return {};
+}
+
+}  // namespace
+
+Optimizer::Optimizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Optimizer::~Optimizer() = default;
+
+Result<std::unique_ptr<Optimizer>> Optimizer::adamw(AdamWOptions o, StepControlOptions control) {
+  if (!(o.beta1 >= 0 && o.beta1 < 1)) return fail(ErrorCode::invalid_argument, "beta1=", o.beta1, ": expected in [0, 1)");
+  if (!(o.beta2 >= 0 && o.beta2 < 1)) return fail(ErrorCode::invalid_argument, "beta2=", o.beta2, ": expected in [0, 1)");
+  if (!(o.eps > 0)) return fail(ErrorCode::invalid_argument, "eps=", o.eps, ": expected > 0");
+  if (!(o.weight_decay >= 0))
+    return fail(ErrorCode::invalid_argument, "weight_decay=", o.weight_decay, ": expected >= 0");
+  COSHARD_TRY(check_control(control));
+  auto impl = std::make_unique<Impl>();
+  impl->adam = true;
+  impl->adam_args = {.beta1 = o.beta1, .beta2 = o.beta2, .eps = o.eps, .weight_decay = o.weight_decay,
+                     .max_grad_norm = control.max_grad_norm};
+  impl->control = control;
+  return std::unique_ptr<Optimizer>(new Optimizer(std::move(impl)));
+}
+
+Result<std::unique_ptr<Optimizer>> Optimizer::sgd(SgdOptions o, StepControlOptions control) {
+  if (!(o.momentum >= 0 && o.momentum < 1))
+    return fail(ErrorCode::invalid_argument, "momentum=", o.momentum, ": expected in [0, 1)");
+  if (!(o.weight_decay >= 0))
+    return fail(ErrorCode::invalid_argument, "weight_decay=", o.weight_decay, ": expected >= 0");
+  if (o.nesterov && o.momentum == 0)
+    return fail(ErrorCode::invalid_argument, "nesterov=true needs momentum > 0 (momentum=0)");
+  COSHARD_TRY(check_control(control));
+  auto impl = std::make_unique<Impl>();
+  impl->adam = false;
+  impl->sgd_args = {.momentum = o.momentum, .weight_decay = o.weight_decay, .nesterov = o.nesterov,
+                    .max_grad_norm = control.max_grad_norm};
+  impl->control = control;
+  return std::unique_ptr<Optimizer>(new Optimizer(std::move(impl)));
+}
+
+Result<void> Optimizer::ensure_state(Context& ctx) {
+  if (state_) return {};
+  StepState initial;
+  initial.loss_scale = impl_->control.loss_scaling == LossScaling::none ? 1.0f : impl_->control.initial_loss_scale;
+  std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(&initial), sizeof initial);
+  COSHARD_TRY_ASSIGN(state_, ctx.upload(bytes, Shape{8}, DataType::f32));
+  return {};
+}
+
+Result<void> Optimizer::add_group(Context& ctx, Tensor params, Tensor grads) {
+  if (!params || !grads || !(params.shape() == grads.shape()))
+    return fail(ErrorCode::invalid_argument, "Optimizer: params ", params ? params.describe() : "empty",
+                " and grads ", grads ? grads.describe() : "empty", " must have one shape");
+  if (!(params.device() == ctx.device()) || !(grads.device() == ctx.device()))
+    return fail(ErrorCode::invalid_argument, "Optimizer: params ", params.describe(), " and grads ", grads.describe(),
+                " must be on the context's device ", ctx.device().to_string());
+  const auto& k = ctx.kernels();
+  const DataType pdt = params.dtype();
+  if (pdt != DataType::f32 && pdt != DataType::bf16 && pdt != DataType::f16)
+    return fail(ErrorCode::unsupported, "Optimizer: parameters are ", collectives::to_string(pdt),
+                "; the optimizers keep fp32 master weights for f32, bf16 or f16 parameters");
+  COSHARD_TRY(detail::check_supported(k, pdt, ctx.device(), "Optimizer"));
+  COSHARD_TRY(detail::check_supported(k, grads.dtype(), ctx.device(), "Optimizer"));
+  COSHARD_TRY(ensure_state(ctx));
+  Group g{params, grads, {}, {}, {}};
+  const Shape flat{params.numel()};
+  if (pdt == DataType::f32) {
+    g.master = params.view(flat);
+  } else {
+    COSHARD_TRY_ASSIGN(g.master, ctx.empty(flat, DataType::f32));
+    COSHARD_TRY(k.cast(ctx.stream(), pdt, params.data(), DataType::f32, g.master.data(), params.numel()));
+  }
+  if (impl_->adam || impl_->sgd_args.momentum != 0) {
+    COSHARD_TRY_ASSIGN(g.state1, ctx.zeros(flat, DataType::f32));
+  }
+  if (impl_->adam) {
+    COSHARD_TRY_ASSIGN(g.state2, ctx.zeros(flat, DataType::f32));
+  }
+  groups_.push_back(std::move(g));
+  return {};
+}
+
+Tensor Optimizer::loss_scale() const noexcept { return state_ ? state_.slice(2, Shape{1}) : Tensor{}; }
+Tensor Optimizer::grad_stats() const noexcept { return state_ ? state_.slice(0, Shape{2}) : Tensor{}; }
+
+Result<void> Optimizer::compute_grad_stats(Context& ctx) {
+  if (groups_.empty()) return fail(ErrorCode::invalid_argument, "Optimizer: no parameter groups (call add_group)");
+  auto* st = state_.data_as<StepState>();
+  COSHARD_TRY(ctx.kernels().step_begin(ctx.stream(), st));
+  for (const auto& g : groups_)
+    COSHARD_TRY(ctx.kernels().grad_stats(ctx.stream(), g.grads.dtype(), g.grads.data(), g.grads.numel(), st));
+  return {};
+}
+
+Result<void> Optimizer::apply(Context& ctx, float lr) {
+  if (groups_.empty()) return fail(ErrorCode::invalid_argument, "Optimizer: no parameter groups (call add_group)");
+  if (!(lr >= 0)) return fail(ErrorCode::invalid_argument, "lr=", lr, ": expected >= 0");
+  const auto& k = ctx.kernels();
+  auto* st = state_.data_as<StepState>();
+  for (const auto& g : groups_) {
+    const bool cast_back = g.params.dtype() != DataType::f32;
+    void* out = cast_back ? g.params.data() : nullptr;
+    if (impl_->adam) {
+      detail::AdamArgs a = impl_->adam_args;
+      a.lr = lr;
+      COSHARD_TRY(k.adamw(ctx.stream(), g.master.data_as<float>(), g.grads.dtype(), g.grads.data(),
+                          g.state1.data_as<float>(), g.state2.data_as<float>(), g.params.dtype(), out,
+                          g.params.numel(), a, st));
+    } else {
+      detail::SgdArgs a = impl_->sgd_args;
+      a.lr = lr;
+      COSHARD_TRY(k.sgd(ctx.stream(), g.master.data_as<float>(), g.grads.dtype(), g.grads.data(),
+                        g.state1 ? g.state1.data_as<float>() : nullptr, g.params.dtype(), out, g.params.numel(), a,
+                        st));
+    }
+  }
+  return k.step_end(ctx.stream(), st, impl_->scale_args());
+}
+
+Result<void> Optimizer::step(Context& ctx, float lr) {
+  COSHARD_TRY(compute_grad_stats(ctx));
+  return apply(ctx, lr);
+}
+
+async::Task<Result<OptimizerStats>> Optimizer::read_stats(Context& ctx) {
+  if (!state_) co_return OptimizerStats{};
+  COSHARD_CO_TRY_ASSIGN(auto pinned, async::PinnedBuffer::allocate(sizeof(StepState)));
+  COSHARD_CO_TRY(ctx.stream().copy(pinned.data(), state_.data(), sizeof(StepState)));
+  COSHARD_CO_TRY_ASSIGN(auto done, ctx.stream().record());
+  COSHARD_CO_TRY(co_await done);
+  StepState st;
+  std::memcpy(&st, pinned.data(), sizeof st);
+  OptimizerStats stats;
+  stats.steps = st.step;
+  stats.skipped_steps = st.skipped_steps;
+  stats.loss_scale = st.loss_scale;
+  stats.grad_norm = st.last_grad_norm;
+  stats.last_skipped = st.last_skipped != 0;
+  co_return stats;
+}
+
+}  // namespace coshard::modules

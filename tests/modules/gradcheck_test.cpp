@@ -1,0 +1,200 @@
+// Every layer's analytic backward against central finite differences, in f64 on the CPU.
+//
+// For a module f, the scalar L = sum(r * f(x)) with a fixed random r has dL/dy = r, so running
+// backward with grad_output = r gives dL/dx and dL/dparams; each is compared, element by
+// element, with (L(v + h) - L(v - h)) / 2h. Relative error: |a - n| / max(|a| + |n|, floor),
+// floor = 1e-3 * the largest |analytic| of the check (at least 1e-8): a central difference
+// carries ~1e-16 * |L| / h of rounding noise whatever the gradient, so for the few elements
+// whose gradient is 1e-6 of the largest, a bare relative error measures that noise, not the
+// backward.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "coshard/modules/gpt.hpp"
+#include "coshard/modules/layers.hpp"
+#include "coshard/modules/parameter_store.hpp"
+#include "module_fixture.hpp"
+
+namespace coshard::modules {
+namespace {
+
+constexpr double kStep = 1e-5;
+constexpr double kTolerance = 1e-6;
+
+std::vector<double> random_values(std::size_t n, std::uint64_t seed, double scale = 1.0) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> d(-scale, scale);
+  std::vector<double> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+double relative_error_floor(double a, double n, double floor) {
+  return std::abs(a - n) / std::max(std::abs(a) + std::abs(n), floor);
+}
+
+class GradCheck : public testing::ModuleFixture {
+ protected:
+  // L(x) = sum(r * module(x)); the stream is drained before reading.
+  async::Task<Result<double>> objective(Module& m, Tensor x, const std::vector<double>& r) {
+    COSHARD_CO_TRY_ASSIGN(Tensor y, co_await ctx_->forward(m, x));
+    COSHARD_CO_TRY(co_await drained());
+    m.clear_saved_recursive();
+    if (static_cast<std::size_t>(y.numel()) != r.size())
+      co_return fail(ErrorCode::internal, "output ", y.describe(), " vs r of ", r.size());
+    double sum = 0;
+    auto ys = y.span<double>();
+    for (std::size_t i = 0; i < r.size(); ++i) sum += r[i] * ys[i];
+    co_return sum;
+  }
+
+  // Checks dL/dx (when x is floating) and dL/dp for every parameter of `m`.
+  async::Task<Result<void>> check(Module& m, Tensor x, std::uint64_t seed) {
+    COSHARD_CO_TRY_ASSIGN(auto store, ParameterStore::create(*ctx_, m, DataType::f64));
+    COSHARD_CO_TRY(co_await drained());
+    // Random parameters (not the layer defaults: unit gains and zero biases would hide errors).
+    auto pv = random_values(static_cast<std::size_t>(store.numel()), seed + 1, 0.5);
+    std::copy(pv.begin(), pv.end(), store.values().span<double>().begin());
+
+    // Analytic: one forward, backward with r.
+    COSHARD_CO_TRY_ASSIGN(Tensor y0, co_await ctx_->forward(m, x));
+    const auto r = random_values(static_cast<std::size_t>(y0.numel()), seed + 2);
+    Tensor seed_grad = host_tensor(r, y0.shape(), DataType::f64);
+    COSHARD_CO_TRY_ASSIGN(Tensor dx, co_await ctx_->backward(m, seed_grad));
+    COSHARD_CO_TRY(co_await drained());
+    const std::vector<double> analytic_params(store.grads().span<double>().begin(), store.grads().span<double>().end());
+    std::vector<double> analytic_x;
+    if (dx) analytic_x.assign(dx.span<double>().begin(), dx.span<double>().end());
+
+    auto numeric = [&](std::span<double> values, std::size_t i) -> async::Task<Result<double>> {
+      const double saved = values[i];
+      values[i] = saved + kStep;
+      COSHARD_CO_TRY_ASSIGN(double up, co_await objective(m, x, r));
+      values[i] = saved - kStep;
+      COSHARD_CO_TRY_ASSIGN(double down, co_await objective(m, x, r));
+      values[i] = saved;
+      co_return (up - down) / (2 * kStep);
+    };
+
+    double largest = 0;
+    for (double a : analytic_params) largest = std::max(largest, std::abs(a));
+    for (double a : analytic_x) largest = std::max(largest, std::abs(a));
+    const double floor = std::max(1e-3 * largest, 1e-8);
+    auto relative_error = [floor](double a, double n) { return relative_error_floor(a, n, floor); };
+    double worst = 0;
+    for (const auto& e : store.entries()) {
+      auto values = e.parameter->value().span<double>();
+      for (std::size_t i = 0; i < values.size(); ++i) {
+        COSHARD_CO_TRY_ASSIGN(double n, co_await numeric(values, i));
+        const double a = analytic_params[static_cast<std::size_t>(e.offset) + i];
+        worst = std::max(worst, relative_error(a, n));
+        EXPECT_LT(relative_error(a, n), kTolerance) << e.name << "[" << i << "]: analytic " << a << ", numeric " << n;
+      }
+    }
+    if (x.dtype() == DataType::f64) {
+      EXPECT_EQ(analytic_x.size(), static_cast<std::size_t>(x.numel()));
+      auto xs = x.span<double>();
+      for (std::size_t i = 0; i < xs.size() && i < analytic_x.size(); ++i) {
+        COSHARD_CO_TRY_ASSIGN(double n, co_await numeric(xs, i));
+        worst = std::max(worst, relative_error(analytic_x[i], n));
+        EXPECT_LT(relative_error(analytic_x[i], n), kTolerance)
+            << "input[" << i << "]: analytic " << analytic_x[i] << ", numeric " << n;
+      }
+    } else {
+      EXPECT_FALSE(dx) << "integer inputs have no gradient";
+    }
+    RecordProperty("worst_relative_error", std::to_string(worst));
+    co_return Result<void>{};
+  }
+
+  void run_check(Module& m, Tensor x, std::uint64_t seed = 7) {
+    auto r = rt_.block_on(check(m, std::move(x), seed));
+    ASSERT_TRUE(r) << r.error().message();
+  }
+
+  Tensor random_input(Shape shape, std::uint64_t seed) {
+    return host_tensor(random_values(static_cast<std::size_t>(shape.numel()), seed), shape, DataType::f64);
+  }
+};
+
+TEST_F(GradCheck, Linear) {
+  Linear m(5, 3);
+  run_check(m, random_input(Shape{2, 4, 5}, 11));
+}
+
+TEST_F(GradCheck, LinearWithoutBias) {
+  Linear m(4, 6, false);
+  run_check(m, random_input(Shape{3, 4}, 12));
+}
+
+TEST_F(GradCheck, LayerNorm) {
+  LayerNorm m(6);
+  run_check(m, random_input(Shape{2, 3, 6}, 13));
+}
+
+TEST_F(GradCheck, Gelu) {
+  Gelu m;
+  run_check(m, random_input(Shape{4, 5}, 14));
+}
+
+TEST_F(GradCheck, CausalSelfAttention) {
+  CausalSelfAttention m(8, 2);
+  run_check(m, random_input(Shape{2, 5, 24}, 15));
+}
+
+TEST_F(GradCheck, Embedding) {
+  Embedding m(7, 6, 4);
+  run_check(m, tokens({0, 3, 6, 3, 1, 2, 2, 5}, Shape{2, 4}));
+}
+
+TEST_F(GradCheck, ResidualAroundSequential) {
+  auto inner = std::make_unique<Sequential>();
+  inner->add("ln", std::make_unique<LayerNorm>(4));
+  inner->add("fc", std::make_unique<Linear>(4, 4));
+  inner->add("gelu", std::make_unique<Gelu>());
+  Residual m(std::move(inner));
+  run_check(m, random_input(Shape{3, 4}, 16));
+}
+
+// The loss as a module: L = r * CE(logits, targets) with a scalar r (the backward seed).
+TEST_F(GradCheck, CrossEntropyLoss) {
+  CrossEntropyLoss m;
+  m.set_targets(tokens({2, 0, 4, 1, 1, 3}, Shape{2, 3}));
+  run_check(m, random_input(Shape{2, 3, 5}, 17));
+}
+
+// Everything together: a GPT with the loss on top, checked on its parameters.
+class LossOfModel final : public Module {
+ public:
+  LossOfModel(std::unique_ptr<Module> model, Tensor targets) {
+    model_ = &register_child("model", std::move(model));
+    loss_.set_targets(std::move(targets));
+  }
+  std::string_view type_name() const override { return "LossOfModel"; }
+  async::Task<Result<Tensor>> forward(Context& ctx, Tensor x) override {
+    COSHARD_CO_TRY_ASSIGN(Tensor logits, co_await ctx.forward(*model_, std::move(x)));
+    co_return co_await ctx.forward(loss_, std::move(logits));
+  }
+  async::Task<Result<Tensor>> backward(Context& ctx, Tensor seed) override {
+    COSHARD_CO_TRY_ASSIGN(Tensor dlogits, co_await ctx.backward(loss_, std::move(seed)));
+    co_return co_await ctx.backward(*model_, std::move(dlogits));
+  }
+  void clear_saved() override { loss_.clear_saved(); }
+
+ private:
+  Module* model_;
+  CrossEntropyLoss loss_;
+};
+
+TEST_F(GradCheck, TinyGptEndToEnd) {
+  GptConfig c{.vocab = 11, .max_seq = 5, .dim = 8, .layers = 2, .heads = 2, .mlp_ratio = 2};
+  auto gpt = make_gpt(c);
+  ASSERT_TRUE(gpt) << gpt.error().message();
+  LossOfModel m(std::move(*gpt), tokens({1, 2, 3, 4, 5, 6, 7, 8}, Shape{2, 4}));
+  run_check(m, tokens({0, 1, 2, 3, 10, 9, 8, 7}, Shape{2, 4}));
+}
+
+}  // namespace
+}  // namespace coshard::modules

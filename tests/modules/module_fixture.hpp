@@ -1,0 +1,54 @@
+// A runtime, a CPU stream, an allocator and a Context, for tests of modules on the CPU backend.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <vector>
+
+#include "coshard/async/runtime.hpp"
+#include "coshard/modules/module.hpp"
+
+namespace coshard::modules::testing {
+
+class ModuleFixture : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto stream = async::Stream::create(async::Device::cpu(), {.name = "compute"});
+    ASSERT_TRUE(stream) << stream.error().message();
+    stream_ = std::make_unique<async::Stream>(std::move(*stream));
+    auto alloc = async::CachingAllocator::create(async::Device::cpu());
+    ASSERT_TRUE(alloc) << alloc.error().message();
+    allocator_ = std::move(*alloc);
+    auto ctx = Context::create(*stream_, *allocator_);
+    ASSERT_TRUE(ctx) << ctx.error().message();
+    ctx_ = std::make_unique<Context>(std::move(*ctx));
+  }
+  void TearDown() override {
+    if (stream_) (void)stream_->synchronize();
+  }
+
+  // Waits (without blocking the reactor) until the stream has run everything enqueued so far.
+  async::Task<Result<void>> drained() {
+    COSHARD_CO_TRY_ASSIGN(auto ev, stream_->record());
+    co_return co_await ev;
+  }
+
+  Tensor host_tensor(const std::vector<double>& values, Shape shape, DataType dtype) {
+    auto bytes = encode_values(values, dtype);
+    auto t = ctx_->upload(bytes, shape, dtype);
+    EXPECT_TRUE(t) << t.error().message();
+    return t ? *t : Tensor{};
+  }
+  Tensor tokens(const std::vector<int>& ids, Shape shape) {
+    std::vector<double> v(ids.begin(), ids.end());
+    return host_tensor(v, shape, DataType::i32);
+  }
+
+  async::Runtime rt_;
+  std::unique_ptr<async::Stream> stream_;
+  std::unique_ptr<async::CachingAllocator> allocator_;
+  std::unique_ptr<Context> ctx_;
+};
+
+}  // namespace coshard::modules::testing
