@@ -24,6 +24,10 @@ if(NOT COSHARD_CUDA STREQUAL "OFF")
       set(CMAKE_CUDA_COMPILER ${CUDAToolkit_NVCC_EXECUTABLE})
     endif()
     enable_language(CUDA)
+    # CMake 3.25 knows no C++20 dialect for nvcc (and would otherwise ask for C++23, the CXX
+    # standard): teach it the flag. nvcc 13 has nothing newer than C++20.
+    set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
+    set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
     set(CMAKE_CUDA_STANDARD 20)
     set(CMAKE_CUDA_STANDARD_REQUIRED ON)
     set(COSHARD_HAS_CUDA ON)

@@ -159,11 +159,10 @@ void attention_fwd(const T* qkv, T* out, T* probs, std::int64_t B, std::int64_t 
 }
 
 template <class T>
-void attention_bwd(const T* dout, const T* qkv, const T* probs, T* dqkv, std::int64_t B, std::int64_t T_,
-                   std::int64_t H, std::int64_t hd) {
+void attention_bwd(const T* dout, const T* qkv, const T* probs, T* dqkv, T* scratch, std::int64_t B,
+                   std::int64_t T_, std::int64_t H, std::int64_t hd) {
   const std::int64_t C = H * hd;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
-  std::vector<T> dp(static_cast<std::size_t>(T_ * T_));
   for (std::int64_t b = 0; b < B; ++b) {
     for (std::int64_t h = 0; h < H; ++h) {
       const std::int64_t head = b * T_ * 3 * C + h * hd;
@@ -175,15 +174,16 @@ void attention_bwd(const T* dout, const T* qkv, const T* probs, T* dqkv, std::in
       T* dv = dq + 2 * C;
       const T* p = probs + (b * H + h) * T_ * T_;
       const T* dO = dout + b * T_ * C + h * hd;
+      T* dp = scratch + (b * H + h) * T_ * T_;
       // dP = dO V^T; dV = P^T dO.
       GemmArgs g1{.trans_b = true, .m = T_, .n = T_, .k = hd, .lda = C, .ldb = 3 * C, .ldc = T_};
-      gemm_one<T>(g1, dO, v, dp.data());
+      gemm_one<T>(g1, dO, v, dp);
       GemmArgs g2{.trans_a = true, .m = T_, .n = hd, .k = T_, .lda = T_, .ldb = C, .ldc = 3 * C};
       gemm_one<T>(g2, p, dO, dv);
       // dS = P * (dP - rowsum(P * dP)), zero above the diagonal (P is zero there).
       for (std::int64_t i = 0; i < T_; ++i) {
         const T* pr = p + i * T_;
-        T* dr = dp.data() + i * T_;
+        T* dr = dp + i * T_;
         T dot = 0;
         for (std::int64_t j = 0; j <= i; ++j) dot += pr[j] * dr[j];
         for (std::int64_t j = 0; j <= i; ++j) dr[j] = pr[j] * (dr[j] - dot);
@@ -191,9 +191,9 @@ void attention_bwd(const T* dout, const T* qkv, const T* probs, T* dqkv, std::in
       }
       // dQ = scale dS K; dK = scale dS^T Q.
       GemmArgs g3{.m = T_, .n = hd, .k = T_, .lda = T_, .ldb = 3 * C, .ldc = 3 * C, .alpha = scale};
-      gemm_one<T>(g3, dp.data(), k, dq);
+      gemm_one<T>(g3, dp, k, dq);
       GemmArgs g4{.trans_a = true, .m = T_, .n = hd, .k = T_, .lda = T_, .ldb = 3 * C, .ldc = 3 * C, .alpha = scale};
-      gemm_one<T>(g4, dp.data(), q, dk);
+      gemm_one<T>(g4, dp, q, dk);
     }
   }
 }
@@ -375,16 +375,16 @@ class CpuKernels final : public Kernels {
   }
 
   Result<void> attention_backward(Stream& s, DataType dt, const void* dout, const void* qkv, const void* probs,
-                                  void* dqkv, std::int64_t B, std::int64_t T_, std::int64_t H,
+                                  void* dqkv, void* scratch, std::int64_t B, std::int64_t T_, std::int64_t H,
                                   std::int64_t hd) const override {
     return dispatch(s, dt, [=]<class T>(T*) {
       attention_bwd<T>(static_cast<const T*>(dout), static_cast<const T*>(qkv), static_cast<const T*>(probs),
-                       static_cast<T*>(dqkv), B, T_, H, hd);
+                       static_cast<T*>(dqkv), static_cast<T*>(scratch), B, T_, H, hd);
     });
   }
 
   Result<void> cross_entropy_forward(Stream& s, DataType dt, const void* logits, const std::int32_t* targets,
-                                     void* loss, std::int64_t N, std::int64_t V) const override {
+                                     void* loss, void* /*scratch*/, std::int64_t N, std::int64_t V) const override {
     COSHARD_TRY(check_dtype(dt));
     return s.launch_fallible([=]() -> Result<void> {
       COSHARD_TRY(check_ids(targets, N, V, "targets"));

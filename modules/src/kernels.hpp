@@ -12,6 +12,7 @@
 #include "coshard/async/result.hpp"
 #include "coshard/async/stream.hpp"
 #include "coshard/modules/tensor.hpp"
+#include "kernel_args.hpp"
 
 namespace coshard::modules::detail {
 
@@ -32,46 +33,6 @@ struct GemmArgs {
   float beta = 0.0f;
   std::int64_t batch = 1;
   std::int64_t stride_a = 0, stride_b = 0, stride_c = 0;  // elements
-};
-
-// The optimizer's step control, in device memory, read and written only by kernels so that the
-// host never waits for it: global-norm clipping, overflow skip and dynamic loss scaling.
-struct StepState {
-  float grad_sumsq = 0;  // sum of squares of the (still loss-scaled) gradients this step
-  float found_inf = 0;   // > 0: a gradient was inf/NaN; the step is skipped
-  float loss_scale = 1;
-  float last_grad_norm = 0;  // unscaled, before clipping
-  std::int32_t step = 0;     // optimizer steps taken (skipped ones excluded)
-  std::int32_t good_steps = 0;
-  std::int32_t skipped_steps = 0;
-  std::int32_t last_skipped = 0;  // 1 when the last step was skipped
-};
-static_assert(sizeof(StepState) == 32);
-
-struct AdamArgs {
-  float lr = 1e-3f;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 0.0f;
-  float max_grad_norm = 0.0f;  // 0: no clipping
-};
-
-struct SgdArgs {
-  float lr = 1e-2f;
-  float momentum = 0.0f;
-  float weight_decay = 0.0f;
-  bool nesterov = false;
-  float max_grad_norm = 0.0f;
-};
-
-struct LossScaleArgs {
-  bool dynamic = false;
-  float growth_factor = 2.0f;
-  float backoff_factor = 0.5f;
-  std::int32_t growth_interval = 2000;
-  float min_scale = 1.0f;
-  float max_scale = 16777216.0f;  // 2^24
 };
 
 class Kernels {
@@ -110,19 +71,20 @@ class Kernels {
                                  std::int64_t C) const = 0;
 
   // Causal attention over qkv [B,T,3C] (q | k | v, heads of hd = C/H columns each):
-  // out [B,T,C], probs [B,H,T,T] kept for backward.
+  // out [B,T,C], probs [B,H,T,T] kept for backward. Backward needs `scratch` of B*H*T*T elements.
   virtual Result<void> attention_forward(async::Stream& s, DataType dt, const void* qkv, void* out, void* probs,
                                          std::int64_t B, std::int64_t T, std::int64_t H,
                                          std::int64_t hd) const = 0;
   virtual Result<void> attention_backward(async::Stream& s, DataType dt, const void* dout, const void* qkv,
-                                          const void* probs, void* dqkv, std::int64_t B, std::int64_t T,
-                                          std::int64_t H, std::int64_t hd) const = 0;
+                                          const void* probs, void* dqkv, void* scratch, std::int64_t B,
+                                          std::int64_t T, std::int64_t H, std::int64_t hd) const = 0;
 
-  // loss (stat dtype, one element) = mean over rows of -log softmax(logits)[target]; targets
-  // outside [0, V) fail the stream.
+  // loss (stat dtype, one element) = mean over rows of -log softmax(logits)[target], summed in
+  // a fixed order; `scratch` holds N stat-dtype elements. Targets outside [0, V) fail a CPU
+  // stream, and give a NaN loss on CUDA.
   virtual Result<void> cross_entropy_forward(async::Stream& s, DataType dt, const void* logits,
-                                             const std::int32_t* targets, void* loss, std::int64_t N,
-                                             std::int64_t V) const = 0;
+                                             const std::int32_t* targets, void* loss, void* scratch,
+                                             std::int64_t N, std::int64_t V) const = 0;
   // dlogits = (softmax - onehot) * seed[0] / N, seed in the stat dtype.
   virtual Result<void> cross_entropy_backward(async::Stream& s, DataType dt, const void* logits,
                                               const std::int32_t* targets, const void* seed, void* dlogits,

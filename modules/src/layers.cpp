@@ -235,8 +235,9 @@ async::Task<Result<Tensor>> CausalSelfAttention::backward(Context& ctx, Tensor g
     co_return fail(ErrorCode::invalid_argument, "CausalSelfAttention: grad_output ",
                    grad_output ? grad_output.describe() : "empty", ", expected [", B, ", ", T, ", ", dim_, "]");
   COSHARD_CO_TRY_ASSIGN(Tensor dqkv, ctx.empty(qkv_.shape(), dt));
+  COSHARD_CO_TRY_ASSIGN(Tensor scratch, ctx.empty(probs_.shape(), dt));
   COSHARD_CO_TRY(ctx.kernels().attention_backward(ctx.stream(), dt, grad_output.data(), qkv_.data(), probs_.data(),
-                                                  dqkv.data(), B, T, heads_, dim_ / heads_));
+                                                  dqkv.data(), scratch.data(), B, T, heads_, dim_ / heads_));
   clear_saved();
   co_return dqkv;
 }
@@ -253,8 +254,10 @@ async::Task<Result<Tensor>> CrossEntropyLoss::forward(Context& ctx, Tensor logit
                    logits.describe(), ") on ", ctx.device().to_string());
   const DataType dt = logits.dtype();
   COSHARD_CO_TRY_ASSIGN(Tensor loss, ctx.empty(Shape{1}, detail::stat_dtype(dt)));
+  COSHARD_CO_TRY_ASSIGN(Tensor scratch, ctx.empty(Shape{N}, detail::stat_dtype(dt)));
   COSHARD_CO_TRY(ctx.kernels().cross_entropy_forward(ctx.stream(), dt, logits.data(),
-                                                     targets_.data_as<std::int32_t>(), loss.data(), N, V));
+                                                     targets_.data_as<std::int32_t>(), loss.data(), scratch.data(),
+                                                     N, V));
   logits_ = std::move(logits);
   co_return loss;
 }

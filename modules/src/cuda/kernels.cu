@@ -1,0 +1,531 @@
+// CUDA kernels for the layers and optimizers (the matrix products are cuBLAS, in
+// cuda_kernels.cpp). f32, bf16 and f16 storage; all arithmetic in f32. Reductions that feed
+// parameter gradients (bias, LayerNorm gains, position embeddings) run one thread per column
+// over the rows in order, so they are deterministic; token-embedding gradients and the
+// gradient norm use atomics and are not bit-reproducible run to run.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "kernels.cuh"
+
+namespace coshard::modules::cuda {
+namespace {
+
+constexpr int kF32 = 0, kF16 = 2, kBF16 = 3;
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ float load(const float* p, std::int64_t i) { return p[i]; }
+__device__ __forceinline__ float load(const __half* p, std::int64_t i) { return __half2float(p[i]); }
+__device__ __forceinline__ float load(const __nv_bfloat16* p, std::int64_t i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ void store(float* p, std::int64_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void store(__half* p, std::int64_t i, float v) { p[i] = __float2half_rn(v); }
+__device__ __forceinline__ void store(__nv_bfloat16* p, std::int64_t i, float v) { p[i] = __float2bfloat16_rn(v); }
+
+__device__ __forceinline__ float load_any(int dt, const void* p, std::int64_t i) {
+  switch (dt) {
+    case kF16: return load(static_cast<const __half*>(p), i);
+    case kBF16: return load(static_cast<const __nv_bfloat16*>(p), i);
+    default: return load(static_cast<const float*>(p), i);
+  }
+}
+__device__ __forceinline__ void store_any(int dt, void* p, std::int64_t i, float v) {
+  switch (dt) {
+    case kF16: store(static_cast<__half*>(p), i, v); break;
+    case kBF16: store(static_cast<__nv_bfloat16*>(p), i, v); break;
+    default: store(static_cast<float*>(p), i, v); break;
+  }
+}
+
+unsigned grid_for(std::int64_t n, int threads = kThreads) {
+  const std::int64_t blocks = (n + threads - 1) / threads;
+  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > 65535 ? 65535 : blocks));
+}
+
+cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+// Block-wide sum / max over kThreads threads (result valid in every thread).
+__device__ float block_sum(float v) {
+  __shared__ float shared[32];
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  float total = 0;
+  const int warps = (blockDim.x + 31) / 32;
+  for (int w = 0; w < warps; ++w) total += shared[w];
+  return total;
+}
+__device__ float block_max(float v) {
+  __shared__ float shared[32];
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  float m = -INFINITY;
+  const int warps = (blockDim.x + 31) / 32;
+  for (int w = 0; w < warps; ++w) m = fmaxf(m, shared[w]);
+  return m;
+}
+
+#define COSHARD_GRID_STRIDE(i, n) \
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < (n); \
+       i += static_cast<std::int64_t>(blockDim.x) * gridDim.x)
+
+// Runs `launch.template operator()<T>()` with T the storage type of dt.
+template <class Launch>
+int with_type(int dt, Launch&& launch) {
+  switch (dt) {
+    case kF32: launch.template operator()<float>(); break;
+    case kF16: launch.template operator()<__half>(); break;
+    case kBF16: launch.template operator()<__nv_bfloat16>(); break;
+    default: return static_cast<int>(cudaErrorInvalidValue);
+  }
+  return static_cast<int>(cudaGetLastError());
+}
+
+// ---- embeddings ----
+
+template <class T>
+__global__ void embedding_forward_kernel(const std::int32_t* tokens, const T* wte, const T* wpe, T* out,
+                                         std::int64_t BT, std::int64_t T_, std::int64_t C, std::int64_t vocab) {
+  COSHARD_GRID_STRIDE(i, BT * C) {
+    const std::int64_t row = i / C, c = i % C;
+    const std::int32_t tok = tokens[row];
+    const float e = (tok >= 0 && tok < vocab) ? load(wte, tok * C + c) : NAN;
+    store(out, i, e + load(wpe, (row % T_) * C + c));
+  }
+}
+
+template <class T>
+__global__ void embedding_token_grad_kernel(const std::int32_t* tokens, const T* dout, T* dwte, std::int64_t BT,
+                                            std::int64_t C) {
+  COSHARD_GRID_STRIDE(i, BT * C) {
+    const std::int64_t row = i / C, c = i % C;
+    atomicAdd(dwte + tokens[row] * C + c, dout[i]);
+  }
+}
+
+// One thread per (position, column), summing over the batch in order.
+template <class T>
+__global__ void embedding_position_grad_kernel(const T* dout, T* dwpe, std::int64_t B, std::int64_t T_,
+                                               std::int64_t C) {
+  COSHARD_GRID_STRIDE(i, T_ * C) {
+    float sum = 0;
+    for (std::int64_t b = 0; b < B; ++b) sum += load(dout, b * T_ * C + i);
+    store(dwpe, i, load(dwpe, i) + sum);
+  }
+}
+
+// ---- LayerNorm: one block per row ----
+
+template <class T>
+__global__ void layernorm_forward_kernel(const T* x, const T* w, const T* b, T* out, float* mean, float* rstd,
+                                         std::int64_t C, float eps) {
+  const std::int64_t row = blockIdx.x;
+  const T* xr = x + row * C;
+  float s = 0;
+  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) s += load(xr, j);
+  const float m = block_sum(s) / static_cast<float>(C);
+  float v = 0;
+  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
+    const float d = load(xr, j) - m;
+    v += d * d;
+  }
+  const float r = rsqrtf(block_sum(v) / static_cast<float>(C) + eps);
+  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x)
+    store(out + row * C, j, (load(xr, j) - m) * r * load(w, j) + load(b, j));
+  if (threadIdx.x == 0) {
+    mean[row] = m;
+    rstd[row] = r;
+  }
+}
+
+template <class T>
+__global__ void layernorm_backward_dx_kernel(const T* dout, const T* x, const T* w, const float* mean,
+                                             const float* rstd, T* dx, std::int64_t C) {
+  const std::int64_t row = blockIdx.x;
+  const float m = mean[row], r = rstd[row];
+  float a = 0, bsum = 0;
+  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
+    const float xhat = (load(x, row * C + j) - m) * r;
+    const float dxhat = load(dout, row * C + j) * load(w, j);
+    a += dxhat;
+    bsum += dxhat * xhat;
+  }
+  const float mean_dxhat = block_sum(a) / static_cast<float>(C);
+  const float mean_dxhat_xhat = block_sum(bsum) / static_cast<float>(C);
+  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
+    const float xhat = (load(x, row * C + j) - m) * r;
+    const float dxhat = load(dout, row * C + j) * load(w, j);
+    store(dx, row * C + j, r * (dxhat - mean_dxhat - xhat * mean_dxhat_xhat));
+  }
+}
+
+template <class T>
+__global__ void layernorm_backward_params_kernel(const T* dout, const T* x, const float* mean, const float* rstd,
+                                                 T* dw, T* db, std::int64_t N, std::int64_t C) {
+  COSHARD_GRID_STRIDE(j, C) {
+    float sw = 0, sb = 0;
+    for (std::int64_t i = 0; i < N; ++i) {
+      const float g = load(dout, i * C + j);
+      sw += g * (load(x, i * C + j) - mean[i]) * rstd[i];
+      sb += g;
+    }
+    store(dw, j, load(dw, j) + sw);
+    store(db, j, load(db, j) + sb);
+  }
+}
+
+// ---- elementwise ----
+
+constexpr float kGeluScale = 0.7978845608028654f;
+constexpr float kGeluCube = 0.044715f;
+
+template <class T>
+__global__ void gelu_forward_kernel(const T* x, T* out, std::int64_t n) {
+  COSHARD_GRID_STRIDE(i, n) {
+    const float v = load(x, i);
+    store(out, i, 0.5f * v * (1.0f + tanhf(kGeluScale * (v + kGeluCube * v * v * v))));
+  }
+}
+
+template <class T>
+__global__ void gelu_backward_kernel(const T* x, const T* dout, T* dx, std::int64_t n) {
+  COSHARD_GRID_STRIDE(i, n) {
+    const float v = load(x, i);
+    const float th = tanhf(kGeluScale * (v + kGeluCube * v * v * v));
+    const float du = kGeluScale * (1.0f + 3.0f * kGeluCube * v * v);
+    store(dx, i, load(dout, i) * (0.5f * (1.0f + th) + 0.5f * v * (1.0f - th * th) * du));
+  }
+}
+
+template <class T>
+__global__ void add_kernel(const T* a, const T* b, T* out, std::int64_t n) {
+  COSHARD_GRID_STRIDE(i, n) { store(out, i, load(a, i) + load(b, i)); }
+}
+
+template <class T>
+__global__ void bias_add_kernel(T* out, const T* bias, std::int64_t N, std::int64_t C) {
+  COSHARD_GRID_STRIDE(i, N * C) { store(out, i, load(out, i) + load(bias, i % C)); }
+}
+
+template <class T>
+__global__ void bias_grad_kernel(const T* dout, T* db, std::int64_t N, std::int64_t C) {
+  COSHARD_GRID_STRIDE(j, C) {
+    float s = 0;
+    for (std::int64_t i = 0; i < N; ++i) s += load(dout, i * C + j);
+    store(db, j, load(db, j) + s);
+  }
+}
+
+// ---- attention softmax: one block per row ----
+
+template <class T>
+__global__ void causal_softmax_kernel(T* scores, std::int64_t T_, float scale) {
+  const std::int64_t row = blockIdx.x;  // over matrices * T
+  const std::int64_t i = row % T_;
+  T* r = scores + row * T_;
+  float mx = -INFINITY;
+  for (std::int64_t j = threadIdx.x; j <= i; j += blockDim.x) mx = fmaxf(mx, load(r, j) * scale);
+  mx = block_max(mx);
+  float sum = 0;
+  for (std::int64_t j = threadIdx.x; j <= i; j += blockDim.x) sum += __expf(load(r, j) * scale - mx);
+  const float inv = 1.0f / block_sum(sum);
+  for (std::int64_t j = threadIdx.x; j < T_; j += blockDim.x)
+    store(r, j, j <= i ? __expf(load(r, j) * scale - mx) * inv : 0.0f);
+}
+
+template <class T>
+__global__ void causal_softmax_backward_kernel(const T* probs, T* dprobs, std::int64_t T_) {
+  const std::int64_t row = blockIdx.x;
+  const std::int64_t i = row % T_;
+  const T* p = probs + row * T_;
+  T* d = dprobs + row * T_;
+  float dot = 0;
+  for (std::int64_t j = threadIdx.x; j <= i; j += blockDim.x) dot += load(p, j) * load(d, j);
+  dot = block_sum(dot);
+  for (std::int64_t j = threadIdx.x; j < T_; j += blockDim.x)
+    store(d, j, j <= i ? load(p, j) * (load(d, j) - dot) : 0.0f);
+}
+
+// ---- cross-entropy: one block per row ----
+
+template <class T>
+__global__ void cross_entropy_rows_kernel(const T* logits, const std::int32_t* targets, float* row_losses,
+                                          std::int64_t V) {
+  const std::int64_t row = blockIdx.x;
+  const T* r = logits + row * V;
+  float mx = -INFINITY;
+  for (std::int64_t j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, load(r, j));
+  mx = block_max(mx);
+  float sum = 0;
+  for (std::int64_t j = threadIdx.x; j < V; j += blockDim.x) sum += expf(load(r, j) - mx);
+  sum = block_sum(sum);
+  if (threadIdx.x == 0) {
+    const std::int32_t t = targets[row];
+    row_losses[row] = (t >= 0 && t < V) ? logf(sum) + mx - load(r, t) : NAN;
+  }
+}
+
+// One block, fixed order: each thread sums a strided slice, then a fixed tree.
+__global__ void mean_kernel(const float* values, float* out, std::int64_t n) {
+  float s = 0;
+  for (std::int64_t i = threadIdx.x; i < n; i += blockDim.x) s += values[i];
+  s = block_sum(s);
+  if (threadIdx.x == 0) out[0] = s / static_cast<float>(n);
+}
+
+template <class T>
+__global__ void cross_entropy_backward_kernel(const T* logits, const std::int32_t* targets, const float* seed,
+                                              T* dlogits, std::int64_t N, std::int64_t V) {
+  const std::int64_t row = blockIdx.x;
+  const T* r = logits + row * V;
+  float mx = -INFINITY;
+  for (std::int64_t j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, load(r, j));
+  mx = block_max(mx);
+  float sum = 0;
+  for (std::int64_t j = threadIdx.x; j < V; j += blockDim.x) sum += expf(load(r, j) - mx);
+  sum = block_sum(sum);
+  const float g = seed[0] / static_cast<float>(N);
+  const std::int32_t t = targets[row];
+  for (std::int64_t j = threadIdx.x; j < V; j += blockDim.x) {
+    const float p = expf(load(r, j) - mx) / sum;
+    store(dlogits + row * V, j, (p - (j == t ? 1.0f : 0.0f)) * g);
+  }
+}
+
+__global__ void cast_kernel(int from, const void* src, int to, void* dst, std::int64_t n) {
+  COSHARD_GRID_STRIDE(i, n) { store_any(to, dst, i, load_any(from, src, i)); }
+}
+
+// ---- optimizer ----
+
+__global__ void step_begin_kernel(detail::StepState* st) {
+  st->grad_sumsq = 0;
+  st->found_inf = 0;
+}
+
+__global__ void grad_stats_kernel(int gdt, const void* grad, std::int64_t n, detail::StepState* st) {
+  float s = 0;
+  COSHARD_GRID_STRIDE(i, n) {
+    const float g = load_any(gdt, grad, i);
+    s += g * g;
+  }
+  s = block_sum(s);
+  if (threadIdx.x == 0) {
+    if (!isfinite(s)) st->found_inf = 1.0f;
+    atomicAdd(&st->grad_sumsq, s);
+  }
+}
+
+__device__ float grad_factor(const detail::StepState& st, float max_grad_norm) {
+  const float inv_scale = 1.0f / st.loss_scale;
+  float factor = inv_scale;
+  if (max_grad_norm > 0) {
+    const float norm = sqrtf(st.grad_sumsq) * inv_scale;
+    if (norm > max_grad_norm) factor *= max_grad_norm / (norm + 1e-6f);
+  }
+  return factor;
+}
+
+__global__ void adamw_kernel(float* master, int gdt, const void* grad, float* m, float* v, int pdt, void* param_out,
+                             std::int64_t n, detail::AdamArgs a, const detail::StepState* st) {
+  if (st->found_inf > 0) return;
+  const float factor = grad_factor(*st, a.max_grad_norm);
+  const float t = static_cast<float>(st->step + 1);
+  const float bc1 = 1.0f - powf(a.beta1, t);
+  const float bc2 = 1.0f - powf(a.beta2, t);
+  const float decay = 1.0f - a.lr * a.weight_decay;
+  COSHARD_GRID_STRIDE(i, n) {
+    const float g = load_any(gdt, grad, i) * factor;
+    const float mi = a.beta1 * m[i] + (1.0f - a.beta1) * g;
+    const float vi = a.beta2 * v[i] + (1.0f - a.beta2) * g * g;
+    m[i] = mi;
+    v[i] = vi;
+    const float w = master[i] * decay - a.lr * (mi / bc1) / (sqrtf(vi / bc2) + a.eps);
+    master[i] = w;
+    if (param_out) store_any(pdt, param_out, i, w);
+  }
+}
+
+__global__ void sgd_kernel(float* master, int gdt, const void* grad, float* buf, int pdt, void* param_out,
+                           std::int64_t n, detail::SgdArgs a, const detail::StepState* st) {
+  if (st->found_inf > 0) return;
+  const float factor = grad_factor(*st, a.max_grad_norm);
+  const bool first = st->step == 0;
+  COSHARD_GRID_STRIDE(i, n) {
+    float g = load_any(gdt, grad, i) * factor + a.weight_decay * master[i];
+    if (a.momentum != 0.0f) {
+      const float b = first ? g : a.momentum * buf[i] + g;
+      buf[i] = b;
+      g = a.nesterov ? g + a.momentum * b : b;
+    }
+    const float w = master[i] - a.lr * g;
+    master[i] = w;
+    if (param_out) store_any(pdt, param_out, i, w);
+  }
+}
+
+__global__ void step_end_kernel(detail::StepState* st, detail::LossScaleArgs a) {
+  st->last_grad_norm = sqrtf(st->grad_sumsq) / st->loss_scale;
+  st->last_skipped = st->found_inf > 0 ? 1 : 0;
+  if (st->found_inf > 0) {
+    ++st->skipped_steps;
+    st->good_steps = 0;
+    if (a.dynamic) st->loss_scale = fmaxf(a.min_scale, st->loss_scale * a.backoff_factor);
+    return;
+  }
+  ++st->step;
+  if (a.dynamic && ++st->good_steps >= a.growth_interval) {
+    st->loss_scale = fminf(a.max_scale, st->loss_scale * a.growth_factor);
+    st->good_steps = 0;
+  }
+}
+
+}  // namespace
+
+int embedding_forward(void* s, int dt, const std::int32_t* tokens, const void* wte, const void* wpe, void* out,
+                      std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t vocab) {
+  return with_type(dt, [&]<class E>() {
+    embedding_forward_kernel<E><<<grid_for(B * T * C), kThreads, 0, as_stream(s)>>>(
+        tokens, static_cast<const E*>(wte), static_cast<const E*>(wpe), static_cast<E*>(out), B * T, T, C, vocab);
+  });
+}
+
+int embedding_backward(void* s, int dt, const std::int32_t* tokens, const void* dout, void* dwte, void* dwpe,
+                       std::int64_t B, std::int64_t T, std::int64_t C) {
+  return with_type(dt, [&]<class E>() {
+    embedding_token_grad_kernel<E><<<grid_for(B * T * C), kThreads, 0, as_stream(s)>>>(
+        tokens, static_cast<const E*>(dout), static_cast<E*>(dwte), B * T, C);
+    embedding_position_grad_kernel<E><<<grid_for(T * C), kThreads, 0, as_stream(s)>>>(
+        static_cast<const E*>(dout), static_cast<E*>(dwpe), B, T, C);
+  });
+}
+
+int layernorm_forward(void* s, int dt, const void* x, const void* w, const void* b, void* out, float* mean,
+                      float* rstd, std::int64_t N, std::int64_t C, float eps) {
+  return with_type(dt, [&]<class E>() {
+    layernorm_forward_kernel<E><<<static_cast<unsigned>(N), kThreads, 0, as_stream(s)>>>(
+        static_cast<const E*>(x), static_cast<const E*>(w), static_cast<const E*>(b), static_cast<E*>(out), mean,
+        rstd, C, eps);
+  });
+}
+
+int layernorm_backward(void* s, int dt, const void* dout, const void* x, const void* w, const float* mean,
+                       const float* rstd, void* dx, void* dw, void* db, std::int64_t N, std::int64_t C) {
+  return with_type(dt, [&]<class E>() {
+    layernorm_backward_dx_kernel<E><<<static_cast<unsigned>(N), kThreads, 0, as_stream(s)>>>(
+        static_cast<const E*>(dout), static_cast<const E*>(x), static_cast<const E*>(w), mean, rstd,
+        static_cast<E*>(dx), C);
+    layernorm_backward_params_kernel<E><<<grid_for(C), kThreads, 0, as_stream(s)>>>(
+        static_cast<const E*>(dout), static_cast<const E*>(x), mean, rstd, static_cast<E*>(dw),
+        static_cast<E*>(db), N, C);
+  });
+}
+
+int gelu_forward(void* s, int dt, const void* x, void* out, std::int64_t n) {
+  return with_type(dt, [&]<class E>() {
+    gelu_forward_kernel<E><<<grid_for(n), kThreads, 0, as_stream(s)>>>(static_cast<const E*>(x),
+                                                                        static_cast<E*>(out), n);
+  });
+}
+
+int gelu_backward(void* s, int dt, const void* x, const void* dout, void* dx, std::int64_t n) {
+  return with_type(dt, [&]<class E>() {
+    gelu_backward_kernel<E><<<grid_for(n), kThreads, 0, as_stream(s)>>>(
+        static_cast<const E*>(x), static_cast<const E*>(dout), static_cast<E*>(dx), n);
+  });
+}
+
+int add(void* s, int dt, const void* a, const void* b, void* out, std::int64_t n) {
+  return with_type(dt, [&]<class E>() {
+    add_kernel<E><<<grid_for(n), kThreads, 0, as_stream(s)>>>(static_cast<const E*>(a), static_cast<const E*>(b),
+                                                              static_cast<E*>(out), n);
+  });
+}
+
+int bias_add(void* s, int dt, void* out, const void* bias, std::int64_t N, std::int64_t C) {
+  return with_type(dt, [&]<class E>() {
+    bias_add_kernel<E><<<grid_for(N * C), kThreads, 0, as_stream(s)>>>(static_cast<E*>(out),
+                                                                       static_cast<const E*>(bias), N, C);
+  });
+}
+
+int bias_grad(void* s, int dt, const void* dout, void* dbias, std::int64_t N, std::int64_t C) {
+  return with_type(dt, [&]<class E>() {
+    bias_grad_kernel<E><<<grid_for(C), kThreads, 0, as_stream(s)>>>(static_cast<const E*>(dout),
+                                                                    static_cast<E*>(dbias), N, C);
+  });
+}
+
+int causal_softmax(void* s, int dt, void* scores, std::int64_t matrices, std::int64_t T, float scale) {
+  return with_type(dt, [&]<class E>() {
+    causal_softmax_kernel<E><<<static_cast<unsigned>(matrices * T), kThreads, 0, as_stream(s)>>>(
+        static_cast<E*>(scores), T, scale);
+  });
+}
+
+int causal_softmax_backward(void* s, int dt, const void* probs, void* dprobs, std::int64_t matrices,
+                            std::int64_t T) {
+  return with_type(dt, [&]<class E>() {
+    causal_softmax_backward_kernel<E><<<static_cast<unsigned>(matrices * T), kThreads, 0, as_stream(s)>>>(
+        static_cast<const E*>(probs), static_cast<E*>(dprobs), T);
+  });
+}
+
+int cross_entropy_forward(void* s, int dt, const void* logits, const std::int32_t* targets, float* loss,
+                          float* row_losses, std::int64_t N, std::int64_t V) {
+  return with_type(dt, [&]<class E>() {
+    cross_entropy_rows_kernel<E><<<static_cast<unsigned>(N), kThreads, 0, as_stream(s)>>>(
+        static_cast<const E*>(logits), targets, row_losses, V);
+    mean_kernel<<<1, 1024, 0, as_stream(s)>>>(row_losses, loss, N);
+  });
+}
+
+int cross_entropy_backward(void* s, int dt, const void* logits, const std::int32_t* targets, const float* seed,
+                           void* dlogits, std::int64_t N, std::int64_t V) {
+  return with_type(dt, [&]<class E>() {
+    cross_entropy_backward_kernel<E><<<static_cast<unsigned>(N), kThreads, 0, as_stream(s)>>>(
+        static_cast<const E*>(logits), targets, seed, static_cast<E*>(dlogits), N, V);
+  });
+}
+
+int cast(void* s, int from, const void* src, int to, void* dst, std::int64_t n) {
+  cast_kernel<<<grid_for(n), kThreads, 0, as_stream(s)>>>(from, src, to, dst, n);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int step_begin(void* s, detail::StepState* state) {
+  step_begin_kernel<<<1, 1, 0, as_stream(s)>>>(state);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int grad_stats(void* s, int gdt, const void* grad, std::int64_t n, detail::StepState* state) {
+  grad_stats_kernel<<<grid_for(n), kThreads, 0, as_stream(s)>>>(gdt, grad, n, state);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int adamw(void* s, float* master, int gdt, const void* grad, float* m, float* v, int pdt, void* param_out,
+          std::int64_t n, detail::AdamArgs args, const detail::StepState* state) {
+  adamw_kernel<<<grid_for(n), kThreads, 0, as_stream(s)>>>(master, gdt, grad, m, v, pdt, param_out, n, args, state);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int sgd(void* s, float* master, int gdt, const void* grad, float* momentum_buf, int pdt, void* param_out,
+        std::int64_t n, detail::SgdArgs args, const detail::StepState* state) {
+  sgd_kernel<<<grid_for(n), kThreads, 0, as_stream(s)>>>(master, gdt, grad, momentum_buf, pdt, param_out, n, args,
+                                                          state);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int step_end(void* s, detail::StepState* state, detail::LossScaleArgs args) {
+  step_end_kernel<<<1, 1, 0, as_stream(s)>>>(state, args);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace coshard::modules::cuda

@@ -1,0 +1,49 @@
+// The CUDA kernels' launchers, callable from C++23 host code. nvcc compiles C++20 at most, so
+// this header (and kernels.cu) include nothing of coshard's but the plain kernel_args.hpp.
+// Each launcher enqueues on `stream` (a cudaStream_t) and returns the cudaError_t of the launch
+// as an int. `dt` is collectives::DataType's value: 0 f32, 1 f64, 2 f16, 3 bf16 (f64 is refused).
+// Element math is f32 for every dtype (bf16/f16 load to f32 and round on store).
+#pragma once
+
+#include <cstdint>
+
+#include "../kernel_args.hpp"
+
+namespace coshard::modules::cuda {
+
+int embedding_forward(void* stream, int dt, const std::int32_t* tokens, const void* wte, const void* wpe, void* out,
+                      std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t vocab);
+int embedding_backward(void* stream, int dt, const std::int32_t* tokens, const void* dout, void* dwte, void* dwpe,
+                       std::int64_t B, std::int64_t T, std::int64_t C);
+// mean/rstd are f32.
+int layernorm_forward(void* stream, int dt, const void* x, const void* w, const void* b, void* out, float* mean,
+                      float* rstd, std::int64_t N, std::int64_t C, float eps);
+int layernorm_backward(void* stream, int dt, const void* dout, const void* x, const void* w, const float* mean,
+                       const float* rstd, void* dx, void* dw, void* db, std::int64_t N, std::int64_t C);
+int gelu_forward(void* stream, int dt, const void* x, void* out, std::int64_t n);
+int gelu_backward(void* stream, int dt, const void* x, const void* dout, void* dx, std::int64_t n);
+int add(void* stream, int dt, const void* a, const void* b, void* out, std::int64_t n);
+int bias_add(void* stream, int dt, void* out, const void* bias, std::int64_t N, std::int64_t C);
+int bias_grad(void* stream, int dt, const void* dout, void* dbias, std::int64_t N, std::int64_t C);
+// In place over rows of length T: row i of each [T, T] matrix keeps columns 0..i, softmaxed
+// after scaling by `scale`; the rest become 0.
+int causal_softmax(void* stream, int dt, void* scores, std::int64_t matrices, std::int64_t T, float scale);
+// In place: dP <- P * (dP - rowsum(P * dP)) (zero above the diagonal).
+int causal_softmax_backward(void* stream, int dt, const void* probs, void* dprobs, std::int64_t matrices,
+                            std::int64_t T);
+// loss (f32) = mean of per-row losses, summed in a fixed order through row_losses[N] (f32).
+int cross_entropy_forward(void* stream, int dt, const void* logits, const std::int32_t* targets, float* loss,
+                          float* row_losses, std::int64_t N, std::int64_t V);
+int cross_entropy_backward(void* stream, int dt, const void* logits, const std::int32_t* targets, const float* seed,
+                           void* dlogits, std::int64_t N, std::int64_t V);
+int cast(void* stream, int from, const void* src, int to, void* dst, std::int64_t n);
+
+int step_begin(void* stream, detail::StepState* state);
+int grad_stats(void* stream, int gdt, const void* grad, std::int64_t n, detail::StepState* state);
+int adamw(void* stream, float* master, int gdt, const void* grad, float* m, float* v, int pdt, void* param_out,
+          std::int64_t n, detail::AdamArgs args, const detail::StepState* state);
+int sgd(void* stream, float* master, int gdt, const void* grad, float* momentum_buf, int pdt, void* param_out,
+        std::int64_t n, detail::SgdArgs args, const detail::StepState* state);
+int step_end(void* stream, detail::StepState* state, detail::LossScaleArgs args);
+
+}  // namespace coshard::modules::cuda

@@ -1,0 +1,290 @@
+// CUDA kernels: matrix products through cuBLAS (cublasGemmStridedBatchedEx, f32 compute for
+// every storage type), the rest through the launchers in cuda/kernels.cu. Attention is cuBLAS
+// products per batch row (heads batched) around the causal softmax kernels.
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <map>
+#include <mutex>
+
+#include "cuda/kernels.cuh"
+#include "kernels.hpp"
+
+namespace coshard::modules::detail {
+namespace {
+
+using async::Stream;
+
+Result<void> check_launch(int code, std::string_view what, const Stream& s) {
+  const auto e = static_cast<cudaError_t>(code);
+  if (e == cudaSuccess) return {};
+  return fail(ErrorCode::device, what, " on stream '", s.name(), "': ", cudaGetErrorName(e), " (",
+              cudaGetErrorString(e), ")");
+}
+
+cudaDataType_t blas_type(DataType dt) {
+  switch (dt) {
+    case DataType::bf16: return CUDA_R_16BF;
+    case DataType::f16: return CUDA_R_16F;
+    default: return CUDA_R_32F;
+  }
+}
+
+// One cuBLAS handle per device, created on first use; the mutex serialises cublasSetStream and
+// the call that follows (a handle is not safe to share between threads without it).
+class BlasHandles {
+ public:
+  ~BlasHandles() {
+    for (auto& [device, handle] : handles_) cublasDestroy(handle);
+  }
+  template <class Fn>
+  Result<void> with(int device, Fn&& fn) {
+    std::lock_guard lock(mutex_);
+    auto it = handles_.find(device);
+    if (it == handles_.end()) {
+      int previous = 0;
+      cudaGetDevice(&previous);
+      cudaSetDevice(device);
+      cublasHandle_t h = nullptr;
+      const cublasStatus_t st = cublasCreate(&h);
+      cudaSetDevice(previous);
+      if (st != CUBLAS_STATUS_SUCCESS)
+        return fail(ErrorCode::device, "cublasCreate on cuda:", device, ": ", cublasGetStatusName(st));
+      it = handles_.emplace(device, h).first;
+    }
+    return fn(it->second);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<int, cublasHandle_t> handles_;
+};
+
+BlasHandles& blas() {
+  static BlasHandles handles;
+  return handles;
+}
+
+class CudaKernels final : public Kernels {
+ public:
+  bool supports(DataType dt) const noexcept override {
+    return dt == DataType::f32 || dt == DataType::bf16 || dt == DataType::f16;
+  }
+
+  Result<void> gemm(Stream& s, DataType dt, const GemmArgs& g) const override {
+    COSHARD_TRY(check(dt));
+    return blas().with(s.device().index(), [&](cublasHandle_t h) -> Result<void> {
+      cublasSetStream(h, static_cast<cudaStream_t>(s.native_handle()));
+      // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands.
+      const cudaDataType_t t = blas_type(dt);
+      const cublasStatus_t st = cublasGemmStridedBatchedEx(
+          h, g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(g.n),
+          static_cast<int>(g.m), static_cast<int>(g.k), &g.alpha, g.b, t, static_cast<int>(g.ldb), g.stride_b, g.a,
+          t, static_cast<int>(g.lda), g.stride_a, &g.beta, g.c, t, static_cast<int>(g.ldc), g.stride_c,
+          static_cast<int>(g.batch), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+      if (st != CUBLAS_STATUS_SUCCESS)
+        return fail(ErrorCode::device, "cublasGemmStridedBatchedEx(m=", g.m, ", n=", g.n, ", k=", g.k,
+                    ", batch=", g.batch, ") on stream '", s.name(), "': ", cublasGetStatusName(st));
+      return {};
+    });
+  }
+
+  Result<void> embedding_forward(Stream& s, DataType dt, const std::int32_t* tokens, const void* wte, const void* wpe,
+                                 void* out, std::int64_t B, std::int64_t T, std::int64_t C,
+                                 std::int64_t vocab) const override {
+    COSHARD_TRY(check(dt));
+    return check_launch(cuda::embedding_forward(s.native_handle(), code(dt), tokens, wte, wpe, out, B, T, C, vocab),
+                        "embedding_forward", s);
+  }
+  Result<void> embedding_backward(Stream& s, DataType dt, const std::int32_t* tokens, const void* dout, void* dwte,
+                                  void* dwpe, std::int64_t B, std::int64_t T, std::int64_t C) const override {
+    COSHARD_TRY(check(dt));
+    return check_launch(cuda::embedding_backward(s.native_handle(), code(dt), tokens, dout, dwte, dwpe, B, T, C),
+                        "embedding_backward", s);
+  }
+  Result<void> layernorm_forward(Stream& s, DataType dt, const void* x, const void* w, const void* b, void* out,
+                                 void* mean, void* rstd, std::int64_t N, std::int64_t C, float eps) const override {
+    COSHARD_TRY(check(dt));
+    return check_launch(cuda::layernorm_forward(s.native_handle(), code(dt), x, w, b, out, static_cast<float*>(mean),
+                                                static_cast<float*>(rstd), N, C, eps),
+                        "layernorm_forward", s);
+  }
+  Result<void> layernorm_backward(Stream& s, DataType dt, const void* dout, const void* x, const void* w,
+                                  const void* mean, const void* rstd, void* dx, void* dw, void* db, std::int64_t N,
+                                  std::int64_t C) const override {
+    COSHARD_TRY(check(dt));
+    return check_launch(cuda::layernorm_backward(s.native_handle(), code(dt), dout, x, w,
+                                                 static_cast<const float*>(mean), static_cast<const float*>(rstd), dx,
+                                                 dw, db, N, C),
+                        "layernorm_backward", s);
+  }
+  Result<void> gelu_forward(Stream& s, DataType dt, const void* x, void* out, std::int64_t n) const override {
+    COSHARD_TRY(check(dt));
+    return check_launch(cuda::gelu_forward(s.native_handle(), code(dt), x, out, n), "gelu_forward", s);
+  }
+  Result<void> gelu_backward(Stream& s, DataType dt, const void* x, const void* dout, void* dx,
+                             std::int64_t n) const override {
+    COSHARD_TRY(check(dt));
+    return check_launch(cuda::gelu_backward(s.native_handle(), code(dt), x, dout, dx, n), "gelu_backward", s);
+  }
+  Result<void> add(Stream& s, DataType dt, const void* a, const void* b, void* out, std::int64_t n) const override {
+    COSHARD_TRY(check(dt));
+    return check_launch(cuda::add(s.native_handle(), code(dt), a, b, out, n), "add", s);
+  }
+  Result<void> bias_add(Stream& s, DataType dt, void* out, const void* bias, std::int64_t N,
+                        std::int64_t C) const override {
+    COSHARD_TRY(check(dt));
+    return check_launch(cuda::bias_add(s.native_handle(), code(dt), out, bias, N, C), "bias_add", s);
+  }
+  Result<void> bias_grad(Stream& s, DataType dt, const void* dout, void* dbias, std::int64_t N,
+                         std::int64_t C) const override {
+    COSHARD_TRY(check(dt));
+    return check_launch(cuda::bias_grad(s.native_handle(), code(dt), dout, dbias, N, C), "bias_grad", s);
+  }
+
+  Result<void> attention_forward(Stream& s, DataType dt, const void* qkv, void* out, void* probs, std::int64_t B,
+                                 std::int64_t T, std::int64_t H, std::int64_t hd) const override {
+    COSHARD_TRY(check(dt));
+    const std::int64_t C = H * hd;
+    const std::size_t es = size_of(dt);
+    auto at = [es](const void* p, std::int64_t elements) {
+      return static_cast<const void*>(static_cast<const std::byte*>(p) + elements * static_cast<std::int64_t>(es));
+    };
+    auto at_mut = [es](void* p, std::int64_t elements) {
+      return static_cast<void*>(static_cast<std::byte*>(p) + elements * static_cast<std::int64_t>(es));
+    };
+    for (std::int64_t b = 0; b < B; ++b) {
+      const void* q = at(qkv, b * T * 3 * C);
+      // Raw scores S = Q K^T per head; the softmax applies the 1/sqrt(hd) scale.
+      GemmArgs scores{.trans_b = true, .m = T, .n = T, .k = hd, .a = q, .lda = 3 * C, .b = at(q, C), .ldb = 3 * C,
+                      .c = at_mut(probs, b * H * T * T), .ldc = T, .batch = H, .stride_a = hd, .stride_b = hd,
+                      .stride_c = T * T};
+      COSHARD_TRY(gemm(s, dt, scores));
+    }
+    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    COSHARD_TRY(check_launch(cuda::causal_softmax(s.native_handle(), code(dt), probs, B * H, T, scale),
+                             "causal_softmax", s));
+    for (std::int64_t b = 0; b < B; ++b) {
+      const void* v = at(qkv, b * T * 3 * C + 2 * C);
+      GemmArgs o{.m = T, .n = hd, .k = T, .a = at(probs, b * H * T * T), .lda = T, .b = v, .ldb = 3 * C,
+                 .c = at_mut(out, b * T * C), .ldc = C, .batch = H, .stride_a = T * T, .stride_b = hd,
+                 .stride_c = hd};
+      COSHARD_TRY(gemm(s, dt, o));
+    }
+    return {};
+  }
+
+  Result<void> attention_backward(Stream& s, DataType dt, const void* dout, const void* qkv, const void* probs,
+                                  void* dqkv, void* scratch, std::int64_t B, std::int64_t T, std::int64_t H,
+                                  std::int64_t hd) const override {
+    COSHARD_TRY(check(dt));
+    const std::int64_t C = H * hd;
+    const std::size_t es = size_of(dt);
+    auto at = [es](const void* p, std::int64_t elements) {
+      return static_cast<const void*>(static_cast<const std::byte*>(p) + elements * static_cast<std::int64_t>(es));
+    };
+    auto at_mut = [es](void* p, std::int64_t elements) {
+      return static_cast<void*>(static_cast<std::byte*>(p) + elements * static_cast<std::int64_t>(es));
+    };
+    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    for (std::int64_t b = 0; b < B; ++b) {
+      const std::int64_t head = b * T * 3 * C;
+      const void* dO = at(dout, b * T * C);
+      const void* p = at(probs, b * H * T * T);
+      void* dp = at_mut(scratch, b * H * T * T);
+      GemmArgs g1{.trans_b = true, .m = T, .n = T, .k = hd, .a = dO, .lda = C, .b = at(qkv, head + 2 * C),
+                  .ldb = 3 * C, .c = dp, .ldc = T, .batch = H, .stride_a = hd, .stride_b = hd, .stride_c = T * T};
+      COSHARD_TRY(gemm(s, dt, g1));
+      GemmArgs g2{.trans_a = true, .m = T, .n = hd, .k = T, .a = p, .lda = T, .b = dO, .ldb = C,
+                  .c = at_mut(dqkv, head + 2 * C), .ldc = 3 * C, .batch = H, .stride_a = T * T, .stride_b = hd,
+                  .stride_c = hd};
+      COSHARD_TRY(gemm(s, dt, g2));
+    }
+    COSHARD_TRY(check_launch(cuda::causal_softmax_backward(s.native_handle(), code(dt), probs, scratch, B * H, T),
+                             "causal_softmax_backward", s));
+    for (std::int64_t b = 0; b < B; ++b) {
+      const std::int64_t head = b * T * 3 * C;
+      const void* dp = at(scratch, b * H * T * T);
+      GemmArgs g3{.m = T, .n = hd, .k = T, .a = dp, .lda = T, .b = at(qkv, head + C), .ldb = 3 * C,
+                  .c = at_mut(dqkv, head), .ldc = 3 * C, .alpha = scale, .batch = H, .stride_a = T * T,
+                  .stride_b = hd, .stride_c = hd};
+      COSHARD_TRY(gemm(s, dt, g3));
+      GemmArgs g4{.trans_a = true, .m = T, .n = hd, .k = T, .a = dp, .lda = T, .b = at(qkv, head), .ldb = 3 * C,
+                  .c = at_mut(dqkv, head + C), .ldc = 3 * C, .alpha = scale, .batch = H, .stride_a = T * T,
+                  .stride_b = hd, .stride_c = hd};
+      COSHARD_TRY(gemm(s, dt, g4));
+    }
+    return {};
+  }
+
+  Result<void> cross_entropy_forward(Stream& s, DataType dt, const void* logits, const std::int32_t* targets,
+                                     void* loss, void* scratch, std::int64_t N, std::int64_t V) const override {
+    COSHARD_TRY(check(dt));
+    return check_launch(cuda::cross_entropy_forward(s.native_handle(), code(dt), logits, targets,
+                                                    static_cast<float*>(loss), static_cast<float*>(scratch), N, V),
+                        "cross_entropy_forward", s);
+  }
+  Result<void> cross_entropy_backward(Stream& s, DataType dt, const void* logits, const std::int32_t* targets,
+                                      const void* seed, void* dlogits, std::int64_t N,
+                                      std::int64_t V) const override {
+    COSHARD_TRY(check(dt));
+    return check_launch(cuda::cross_entropy_backward(s.native_handle(), code(dt), logits, targets,
+                                                     static_cast<const float*>(seed), dlogits, N, V),
+                        "cross_entropy_backward", s);
+  }
+  Result<void> cast(Stream& s, DataType from, const void* src, DataType to, void* dst,
+                    std::int64_t n) const override {
+    COSHARD_TRY(check(from));
+    COSHARD_TRY(check(to));
+    return check_launch(cuda::cast(s.native_handle(), code(from), src, code(to), dst, n), "cast", s);
+  }
+
+  Result<void> step_begin(Stream& s, StepState* state) const override {
+    return check_launch(cuda::step_begin(s.native_handle(), state), "step_begin", s);
+  }
+  Result<void> grad_stats(Stream& s, DataType gdt, const void* grad, std::int64_t n,
+                          StepState* state) const override {
+    COSHARD_TRY(check(gdt));
+    return check_launch(cuda::grad_stats(s.native_handle(), code(gdt), grad, n, state), "grad_stats", s);
+  }
+  Result<void> adamw(Stream& s, float* master, DataType gdt, const void* grad, float* m, float* v, DataType pdt,
+                     void* param_out, std::int64_t n, const AdamArgs& args, const StepState* state) const override {
+    COSHARD_TRY(check(gdt));
+    COSHARD_TRY(check(pdt));
+    return check_launch(
+        cuda::adamw(s.native_handle(), master, code(gdt), grad, m, v, code(pdt), param_out, n, args, state), "adamw",
+        s);
+  }
+  Result<void> sgd(Stream& s, float* master, DataType gdt, const void* grad, float* buf, DataType pdt,
+                   void* param_out, std::int64_t n, const SgdArgs& args, const StepState* state) const override {
+    COSHARD_TRY(check(gdt));
+    COSHARD_TRY(check(pdt));
+    return check_launch(
+        cuda::sgd(s.native_handle(), master, code(gdt), grad, buf, code(pdt), param_out, n, args, state), "sgd", s);
+  }
+  Result<void> step_end(Stream& s, StepState* state, const LossScaleArgs& args) const override {
+    return check_launch(cuda::step_end(s.native_handle(), state, args), "step_end", s);
+  }
+
+ private:
+  static int code(DataType dt) noexcept { return static_cast<int>(dt); }
+  Result<void> check(DataType dt) const {
+    if (!supports(dt))
+      return fail(ErrorCode::unsupported, "dtype ", collectives::to_string(dt),
+                  ": the CUDA kernels serve f32, bf16 and f16 (f64 runs on the CPU backend)");
+    return {};
+  }
+};
+
+static_assert(static_cast<int>(DataType::f32) == 0 && static_cast<int>(DataType::f64) == 1 &&
+              static_cast<int>(DataType::f16) == 2 && static_cast<int>(DataType::bf16) == 3);
+
+}  // namespace
+
+const Kernels* cuda_kernels() noexcept {
+  static const CudaKernels kernels;
+  return &kernels;
+}
+
+}  // namespace coshard::modules::detail

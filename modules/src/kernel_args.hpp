@@ -1,0 +1,49 @@
+// Plain structs shared by the C++23 kernels interface and the CUDA kernels (nvcc compiles C++20
+// at most, so this header includes nothing of coshard's).
+#pragma once
+
+#include <cstdint>
+
+namespace coshard::modules::detail {
+
+// The optimizer's step control, in device memory, read and written only by kernels so that the
+// host never waits for it: global-norm clipping, overflow skip and dynamic loss scaling.
+struct StepState {
+  float grad_sumsq = 0;  // sum of squares of the (still loss-scaled) gradients this step
+  float found_inf = 0;   // > 0: a gradient was inf/NaN; the step is skipped
+  float loss_scale = 1;
+  float last_grad_norm = 0;  // unscaled, before clipping
+  std::int32_t step = 0;     // optimizer steps taken (skipped ones excluded)
+  std::int32_t good_steps = 0;
+  std::int32_t skipped_steps = 0;
+  std::int32_t last_skipped = 0;  // 1 when the last step was skipped
+};
+static_assert(sizeof(StepState) == 32);
+
+struct AdamArgs {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;
+  float max_grad_norm = 0.0f;  // 0: no clipping
+};
+
+struct SgdArgs {
+  float lr = 1e-2f;
+  float momentum = 0.0f;
+  float weight_decay = 0.0f;
+  bool nesterov = false;
+  float max_grad_norm = 0.0f;
+};
+
+struct LossScaleArgs {
+  bool dynamic = false;
+  float growth_factor = 2.0f;
+  float backoff_factor = 0.5f;
+  std::int32_t growth_interval = 2000;
+  float min_scale = 1.0f;
+  float max_scale = 16777216.0f;  // 2^24
+};
+
+}  // namespace coshard::modules::detail

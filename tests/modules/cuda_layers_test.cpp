@@ -1,0 +1,216 @@
+// The CUDA kernels against the CPU kernels: every layer's output, input gradient and parameter
+// gradients from the same inputs and weights, in f32, bf16 and f16, within the dtype's tolerance
+// (normwise: ||cuda - cpu|| / ||cpu||). Then a few bf16/f16 training steps of a tiny GPT.
+// Skips where there is no GPU (these machines compile the CUDA backend but have none).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <random>
+
+#include "coshard/async/runtime.hpp"
+#include "coshard/modules/gpt.hpp"
+#include "coshard/modules/optimizer.hpp"
+#include "coshard/modules/parameter_store.hpp"
+
+namespace coshard::modules {
+namespace {
+
+std::vector<double> random_values(std::size_t n, std::uint64_t seed, double scale = 1.0) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> d(-scale, scale);
+  std::vector<double> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+double normwise_error(const std::vector<double>& got, const std::vector<double>& want) {
+  double diff = 0, ref = 0;
+  for (std::size_t i = 0; i < want.size() && i < got.size(); ++i) {
+    diff += (got[i] - want[i]) * (got[i] - want[i]);
+    ref += want[i] * want[i];
+  }
+  if (got.size() != want.size()) return INFINITY;
+  return std::sqrt(diff) / std::max(std::sqrt(ref), 1e-30);
+}
+
+double tolerance(DataType dt) {
+  switch (dt) {
+    case DataType::bf16: return 3e-2;
+    case DataType::f16: return 5e-3;
+    default: return 1e-4;
+  }
+}
+
+struct Backend {
+  std::unique_ptr<async::Stream> stream;
+  std::unique_ptr<async::CachingAllocator> allocator;
+  std::unique_ptr<Context> ctx;
+  static Backend make(async::Device where) {
+    Backend d;
+    d.stream = std::make_unique<async::Stream>(std::move(*async::Stream::create(where, {.name = where.to_string()})));
+    d.allocator = std::move(*async::CachingAllocator::create(where));
+    d.ctx = std::make_unique<Context>(std::move(*Context::create(*d.stream, *d.allocator)));
+    return d;
+  }
+};
+
+struct LayerCase {
+  std::string name;
+  std::function<std::unique_ptr<Module>(Context&)> make;  // may set targets on the context's device
+  Shape input;
+  bool token_input = false;
+  std::int64_t vocab = 0;
+};
+
+struct LayerRun {
+  std::vector<double> out, dx, dparams;
+};
+
+async::Task<Result<Tensor>> upload(Context& ctx, const std::vector<double>& v, Shape shape, DataType dt) {
+  auto bytes = encode_values(v, dt);
+  co_return ctx.upload(bytes, shape, dt);
+}
+
+async::Task<Result<LayerRun>> run_layer(Context& ctx, const LayerCase& c, DataType dt) {
+  auto module = c.make(ctx);
+  COSHARD_CO_TRY_ASSIGN(auto store, ParameterStore::create(ctx, *module, dt));
+  const auto params = random_values(static_cast<std::size_t>(store.numel()), 1, 0.5);
+  COSHARD_CO_TRY_ASSIGN(Tensor p, co_await upload(ctx, params, store.values().shape(), dt));
+  COSHARD_CO_TRY(ctx.stream().copy(store.values().data(), p.data(), p.bytes()));
+  std::vector<double> x = random_values(static_cast<std::size_t>(c.input.numel()), 2);
+  if (c.token_input)
+    for (auto& v : x) v = std::floor((v + 1) / 2 * static_cast<double>(c.vocab - 1) + 0.5);
+  COSHARD_CO_TRY_ASSIGN(Tensor input, co_await upload(ctx, x, c.input, c.token_input ? DataType::i32 : dt));
+  COSHARD_CO_TRY_ASSIGN(Tensor y, co_await ctx.forward(*module, input));
+  const auto r = random_values(static_cast<std::size_t>(y.numel()), 3);
+  COSHARD_CO_TRY_ASSIGN(Tensor seed, co_await upload(ctx, r, y.shape(), y.dtype()));
+  COSHARD_CO_TRY_ASSIGN(Tensor dx, co_await ctx.backward(*module, seed));
+  LayerRun run;
+  COSHARD_CO_TRY_ASSIGN(run.out, co_await ctx.read(y));
+  if (dx) {
+    COSHARD_CO_TRY_ASSIGN(run.dx, co_await ctx.read(dx));
+  }
+  COSHARD_CO_TRY_ASSIGN(run.dparams, co_await ctx.read(store.grads()));
+  co_return run;
+}
+
+class CudaLayers : public ::testing::TestWithParam<DataType> {
+ protected:
+  void SetUp() override {
+    if (!async::cuda_compiled() || async::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+    cpu_ = Backend::make(async::Device::cpu());
+    gpu_ = Backend::make(async::Device::cuda(0));
+  }
+  async::Runtime rt_;
+  Backend cpu_, gpu_;
+};
+
+std::vector<LayerCase> cases() {
+  auto targets = [](Context& ctx) {
+    std::vector<double> t{1, 0, 4, 3, 2, 2, 0, 1, 3, 4, 4, 0};
+    auto bytes = encode_values(t, DataType::i32);
+    return *ctx.upload(bytes, Shape{2, 6}, DataType::i32);
+  };
+  return {
+      {"Linear", [](Context&) { return std::make_unique<Linear>(48, 40); }, Shape{3, 7, 48}},
+      {"LayerNorm", [](Context&) { return std::make_unique<LayerNorm>(96); }, Shape{5, 96}},
+      {"Gelu", [](Context&) { return std::make_unique<Gelu>(); }, Shape{4, 50}},
+      {"CausalSelfAttention", [](Context&) { return std::make_unique<CausalSelfAttention>(32, 4); },
+       Shape{2, 9, 96}},
+      {"Embedding", [](Context&) { return std::make_unique<Embedding>(20, 8, 16); }, Shape{3, 8}, true, 20},
+      {"CrossEntropyLoss",
+       [targets](Context& ctx) {
+         auto m = std::make_unique<CrossEntropyLoss>();
+         m->set_targets(targets(ctx));
+         return m;
+       },
+       Shape{2, 6, 5}},
+  };
+}
+
+TEST_P(CudaLayers, MatchTheCpuKernels) {
+  const DataType dt = GetParam();
+  for (const auto& c : cases()) {
+    SCOPED_TRACE(c.name);
+    auto want = rt_.block_on(run_layer(*cpu_.ctx, c, DataType::f32));
+    ASSERT_TRUE(want) << want.error().message();
+    auto got = rt_.block_on(run_layer(*gpu_.ctx, c, dt));
+    ASSERT_TRUE(got) << got.error().message();
+    EXPECT_LT(normwise_error(got->out, want->out), tolerance(dt)) << "output";
+    EXPECT_LT(normwise_error(got->dx, want->dx), tolerance(dt)) << "input gradient";
+    if (!want->dparams.empty()) EXPECT_LT(normwise_error(got->dparams, want->dparams), tolerance(dt)) << "parameters";
+  }
+}
+
+// The same comparison on the CPU alone (f32 against f64), so the harness itself runs everywhere.
+TEST(CudaLayersHarness, CpuF32AgainstCpuF64) {
+  async::Runtime rt;
+  auto cpu = Backend::make(async::Device::cpu());
+  for (const auto& c : cases()) {
+    SCOPED_TRACE(c.name);
+    auto want = rt.block_on(run_layer(*cpu.ctx, c, DataType::f64));
+    ASSERT_TRUE(want) << want.error().message();
+    auto got = rt.block_on(run_layer(*cpu.ctx, c, DataType::f32));
+    ASSERT_TRUE(got) << got.error().message();
+    EXPECT_LT(normwise_error(got->out, want->out), 1e-5) << "output";
+    EXPECT_LT(normwise_error(got->dx, want->dx), 1e-5) << "input gradient";
+    if (!want->dparams.empty()) EXPECT_LT(normwise_error(got->dparams, want->dparams), 1e-5) << "parameters";
+    EXPECT_FALSE(want->out.empty());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, CudaLayers, ::testing::Values(DataType::f32, DataType::bf16, DataType::f16),
+                         [](const auto& info) { return std::string(collectives::to_string(info.param)); });
+
+// Mixed precision training: bf16 (no scaling) and f16 (dynamic loss scaling) parameters with
+// fp32 master weights; the loss must fall on a fixed batch.
+class CudaTraining : public CudaLayers {};
+
+async::Task<Result<std::pair<double, double>>> train_tiny_gpt(Context& ctx, DataType dt) {
+  GptConfig config;
+  config.vocab = 64;
+  config.max_seq = 16;
+  COSHARD_CO_TRY_ASSIGN(auto model, make_gpt(config));
+  COSHARD_CO_TRY_ASSIGN(auto store, ParameterStore::create(ctx, *model, dt));
+  COSHARD_CO_TRY(co_await store.initialize(ctx, 1));
+  StepControlOptions control;
+  control.max_grad_norm = 1.0f;
+  if (dt == DataType::f16) control.loss_scaling = LossScaling::dynamic;
+  AdamWOptions adam;
+  adam.weight_decay = 0.0f;
+  COSHARD_CO_TRY_ASSIGN(auto opt, Optimizer::adamw(adam, control));
+  COSHARD_CO_TRY(opt->add_group(ctx, store.values(), store.grads()));
+  std::vector<double> tok(4 * 16), tgt(4 * 16);
+  for (std::size_t i = 0; i < tok.size(); ++i) {
+    tok[i] = static_cast<double>((i * 7) % 64);
+    tgt[i] = static_cast<double>((i * 7 + 3) % 64);
+  }
+  const Shape batch{4, 16};
+  COSHARD_CO_TRY_ASSIGN(Tensor tokens, co_await upload(ctx, tok, batch, DataType::i32));
+  COSHARD_CO_TRY_ASSIGN(Tensor targets, co_await upload(ctx, tgt, batch, DataType::i32));
+  CrossEntropyLoss loss;
+  double first = 0, last = 0;
+  for (int step = 0; step < 60; ++step) {
+    COSHARD_CO_TRY(store.zero_grad(ctx));
+    COSHARD_CO_TRY_ASSIGN(Tensor value, co_await forward_backward(ctx, *model, loss, tokens, targets, opt->loss_scale()));
+    COSHARD_CO_TRY(opt->step(ctx, 3e-3f));
+    COSHARD_CO_TRY_ASSIGN(auto host, co_await ctx.read(value));
+    (step == 0 ? first : last) = host[0];
+  }
+  std::pair<double, double> out(first, last);
+  co_return out;
+}
+
+TEST_P(CudaTraining, TinyGptLossFalls) {
+  auto r = rt_.block_on(train_tiny_gpt(*gpu_.ctx, GetParam()));
+  ASSERT_TRUE(r) << r.error().message();
+  EXPECT_NEAR(r->first, std::log(64.0), 0.5);
+  EXPECT_LT(r->second, 0.5 * r->first);
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, CudaTraining, ::testing::Values(DataType::f32, DataType::bf16, DataType::f16),
+                         [](const auto& info) { return std::string(collectives::to_string(info.param)); });
+
+}  // namespace
+}  // namespace coshard::modules
