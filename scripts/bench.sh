@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs a benchmark of a build folder with JSON output and prints coshard-vs-baseline ratios.
-#   scripts/bench.sh [BUILD_DIR] [runtime|collectives] [extra Google Benchmark flags...]
+#   scripts/bench.sh [BUILD_DIR] [runtime|collectives|nvme|modules] [extra Google Benchmark flags...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build/release}
