@@ -28,6 +28,35 @@ TEST(Runtime, BlockOnRunsTheTaskOnTheReactorThread) {
   EXPECT_EQ(Runtime::current(), nullptr);
 }
 
+// A coroutine's by-value parameters live in its frame until the frame goes. block_on must not
+// hand back the result before then: the caller may destroy what they refer to at once.
+struct SlowToDestroy {
+  std::atomic<bool>* destroyed;
+  explicit SlowToDestroy(std::atomic<bool>* d) : destroyed(d) {}
+  SlowToDestroy(SlowToDestroy&& o) noexcept : destroyed(std::exchange(o.destroyed, nullptr)) {}
+  ~SlowToDestroy() {
+    if (!destroyed) return;
+    std::this_thread::sleep_for(20ms);
+    destroyed->store(true);
+  }
+};
+
+Task<int> takes_by_value(SlowToDestroy guard) {
+  (void)guard;
+  co_return 7;
+}
+
+TEST(Runtime, BlockOnReturnsOnlyAfterTheTasksParametersAreDestroyed) {
+  Runtime rt;
+  for (int i = 0; i < 3; ++i) {
+    std::atomic<bool> destroyed{false};
+    auto r = rt.block_on(takes_by_value(SlowToDestroy(&destroyed)));
+    ASSERT_TRUE(r);
+    EXPECT_EQ(*r, 7);
+    EXPECT_TRUE(destroyed.load()) << "block_on returned while the task's frame still held its parameters";
+  }
+}
+
 TEST(Runtime, HundredThousandSpawnedTasksAreAllJoined) {
   Runtime rt;
   constexpr int kTasks = 100'000;

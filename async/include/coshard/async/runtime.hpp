@@ -25,6 +25,7 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <typeindex>
@@ -189,19 +190,25 @@ template <class T>
 RootPromise::RootTask run_root(Runtime& runtime, Task<T> task,
                                std::shared_ptr<JoinState<T>> join) {
   (void)runtime;
+  std::optional<join_result_t<T>> result;
   try {
     if constexpr (std::is_void_v<T>) {
       co_await std::move(task);
-      join->set_result(Result<void>{});
+      result.emplace(Result<void>{});
     } else if constexpr (is_result_v<T>) {
-      join->set_result(co_await std::move(task));
+      result.emplace(co_await std::move(task));
     } else {
-      join->set_result(Result<T>(co_await std::move(task)));
+      result.emplace(Result<T>(co_await std::move(task)));
     }
   } catch (...) {
-    join->set_result(fail(ErrorCode::task_failed,
-                          "task ended with an exception: ", describe_exception(std::current_exception())));
+    result.emplace(fail(ErrorCode::task_failed,
+                        "task ended with an exception: ", describe_exception(std::current_exception())));
   }
+  // The finished frame still holds the task's parameters (a coroutine's by-value arguments live
+  // until its frame goes): destroy it before the result is published, or a block_on caller on
+  // another thread could tear down what they refer to (a stream, an allocator) first.
+  { Task<T> finished = std::move(task); }
+  join->set_result(std::move(*result));
 }
 
 template <class F, class R>
