@@ -2,6 +2,7 @@
 #include <coshard/coshard.hpp>
 
 #include <cstdio>
+#include <vector>
 
 int main() {
   using namespace coshard::async;
@@ -20,6 +21,32 @@ int main() {
   }(*stream, value));
   if (!r || *r != 42) {
     std::fprintf(stderr, "consumer: unexpected result\n");
+    return 1;
+  }
+  // The modules link too (OpenBLAS comes through the installed config): one GPT forward.
+  namespace m = coshard::modules;
+  auto allocator = CachingAllocator::create(Device::cpu());
+  if (!allocator) return 1;
+  auto logits = rt.block_on([](Stream& s, CachingAllocator& a) -> Task<coshard::Result<std::size_t>> {
+    COSHARD_CO_TRY_ASSIGN(auto ctx, m::Context::create(s, a));
+    m::GptConfig config;
+    config.vocab = 32;
+    config.max_seq = 8;
+    config.dim = 16;
+    config.layers = 1;
+    config.heads = 2;
+    COSHARD_CO_TRY_ASSIGN(auto model, m::make_gpt(config));
+    COSHARD_CO_TRY_ASSIGN(auto store, m::ParameterStore::create(ctx, *model, m::DataType::f32));
+    COSHARD_CO_TRY(co_await store.initialize(ctx, 1));
+    const std::vector<double> ids{1, 2, 3, 4};
+    const auto bytes = m::encode_values(ids, m::DataType::i32);
+    COSHARD_CO_TRY_ASSIGN(m::Tensor tokens, ctx.upload(bytes, m::Shape{1, 4}, m::DataType::i32));
+    COSHARD_CO_TRY_ASSIGN(m::Tensor out, co_await ctx.forward(*model, tokens));
+    COSHARD_CO_TRY_ASSIGN(auto values, co_await ctx.read(out));
+    co_return values.size();
+  }(*stream, **allocator));
+  if (!logits || *logits != 4 * 32) {
+    std::fprintf(stderr, "consumer: GPT forward failed: %s\n", logits ? "wrong size" : logits.error().message().c_str());
     return 1;
   }
   std::puts("consumer: ok");
