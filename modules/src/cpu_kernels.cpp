@@ -18,28 +18,21 @@ namespace {
 
 using async::Stream;
 
+// The i-th product of a batch through cblas_sgemm or cblas_dgemm.
 template <class T>
-struct Gemm;
-template <>
-struct Gemm<float> {
-  static void run(const GemmArgs& g, std::int64_t i) {
-    cblas_sgemm(CblasRowMajor, g.trans_a ? CblasTrans : CblasNoTrans, g.trans_b ? CblasTrans : CblasNoTrans,
-                static_cast<blasint>(g.m), static_cast<blasint>(g.n), static_cast<blasint>(g.k), g.alpha,
-                static_cast<const float*>(g.a) + i * g.stride_a, static_cast<blasint>(g.lda),
-                static_cast<const float*>(g.b) + i * g.stride_b, static_cast<blasint>(g.ldb), g.beta,
-                static_cast<float*>(g.c) + i * g.stride_c, static_cast<blasint>(g.ldc));
-  }
-};
-template <>
-struct Gemm<double> {
-  static void run(const GemmArgs& g, std::int64_t i) {
-    cblas_dgemm(CblasRowMajor, g.trans_a ? CblasTrans : CblasNoTrans, g.trans_b ? CblasTrans : CblasNoTrans,
-                static_cast<blasint>(g.m), static_cast<blasint>(g.n), static_cast<blasint>(g.k), g.alpha,
-                static_cast<const double*>(g.a) + i * g.stride_a, static_cast<blasint>(g.lda),
-                static_cast<const double*>(g.b) + i * g.stride_b, static_cast<blasint>(g.ldb), g.beta,
-                static_cast<double*>(g.c) + i * g.stride_c, static_cast<blasint>(g.ldc));
-  }
-};
+void gemm_at(const GemmArgs& g, std::int64_t i) {
+  const auto ta = g.trans_a ? CblasTrans : CblasNoTrans;
+  const auto tb = g.trans_b ? CblasTrans : CblasNoTrans;
+  const T* a = static_cast<const T*>(g.a) + i * g.stride_a;
+  const T* b = static_cast<const T*>(g.b) + i * g.stride_b;
+  T* c = static_cast<T*>(g.c) + i * g.stride_c;
+  const auto m = static_cast<blasint>(g.m), n = static_cast<blasint>(g.n), k = static_cast<blasint>(g.k);
+  const auto lda = static_cast<blasint>(g.lda), ldb = static_cast<blasint>(g.ldb), ldc = static_cast<blasint>(g.ldc);
+  if constexpr (std::is_same_v<T, float>)
+    cblas_sgemm(CblasRowMajor, ta, tb, m, n, k, g.alpha, a, lda, b, ldb, g.beta, c, ldc);
+  else
+    cblas_dgemm(CblasRowMajor, ta, tb, m, n, k, g.alpha, a, lda, b, ldb, g.beta, c, ldc);
+}
 
 template <class T>
 void gemm_one(const GemmArgs& g, const T* a, const T* b, T* c) {
@@ -48,7 +41,7 @@ void gemm_one(const GemmArgs& g, const T* a, const T* b, T* c) {
   one.b = b;
   one.c = c;
   one.batch = 1;
-  Gemm<T>::run(one, 0);
+  gemm_at<T>(one, 0);
 }
 
 template <class T>
@@ -296,7 +289,7 @@ class CpuKernels final : public Kernels {
 
   Result<void> gemm(Stream& s, DataType dt, const GemmArgs& g) const override {
     return dispatch(s, dt, [g]<class T>(T*) {
-      for (std::int64_t i = 0; i < g.batch; ++i) Gemm<T>::run(g, i);
+      for (std::int64_t i = 0; i < g.batch; ++i) gemm_at<T>(g, i);
     });
   }
 

@@ -66,6 +66,17 @@ BlasHandles& blas() {
   return handles;
 }
 
+// p + elements, for pointers to elements of a runtime size.
+struct ElementOffset {
+  std::size_t element_size;
+  const void* operator()(const void* p, std::int64_t elements) const {
+    return static_cast<const std::byte*>(p) + elements * static_cast<std::int64_t>(element_size);
+  }
+  void* operator()(void* p, std::int64_t elements) const {
+    return static_cast<std::byte*>(p) + elements * static_cast<std::int64_t>(element_size);
+  }
+};
+
 class CudaKernels final : public Kernels {
  public:
   bool supports(DataType dt) const noexcept override {
@@ -147,13 +158,8 @@ class CudaKernels final : public Kernels {
                                  std::int64_t T, std::int64_t H, std::int64_t hd) const override {
     COSHARD_TRY(check(dt));
     const std::int64_t C = H * hd;
-    const std::size_t es = size_of(dt);
-    auto at = [es](const void* p, std::int64_t elements) {
-      return static_cast<const void*>(static_cast<const std::byte*>(p) + elements * static_cast<std::int64_t>(es));
-    };
-    auto at_mut = [es](void* p, std::int64_t elements) {
-      return static_cast<void*>(static_cast<std::byte*>(p) + elements * static_cast<std::int64_t>(es));
-    };
+    const ElementOffset at{size_of(dt)};
+    const ElementOffset& at_mut = at;
     for (std::int64_t b = 0; b < B; ++b) {
       const void* q = at(qkv, b * T * 3 * C);
       // Raw scores S = Q K^T per head; the softmax applies the 1/sqrt(hd) scale.
@@ -180,13 +186,8 @@ class CudaKernels final : public Kernels {
                                   std::int64_t hd) const override {
     COSHARD_TRY(check(dt));
     const std::int64_t C = H * hd;
-    const std::size_t es = size_of(dt);
-    auto at = [es](const void* p, std::int64_t elements) {
-      return static_cast<const void*>(static_cast<const std::byte*>(p) + elements * static_cast<std::int64_t>(es));
-    };
-    auto at_mut = [es](void* p, std::int64_t elements) {
-      return static_cast<void*>(static_cast<std::byte*>(p) + elements * static_cast<std::int64_t>(es));
-    };
+    const ElementOffset at{size_of(dt)};
+    const ElementOffset& at_mut = at;
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
     for (std::int64_t b = 0; b < B; ++b) {
       const std::int64_t head = b * T * 3 * C;

@@ -12,17 +12,12 @@
 #include "coshard/modules/gpt.hpp"
 #include "coshard/modules/optimizer.hpp"
 #include "coshard/modules/parameter_store.hpp"
+#include "module_fixture.hpp"
 
 namespace coshard::modules {
 namespace {
 
-std::vector<double> random_values(std::size_t n, std::uint64_t seed, double scale = 1.0) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> d(-scale, scale);
-  std::vector<double> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
+using testing::random_values;
 
 double normwise_error(const std::vector<double>& got, const std::vector<double>& want) {
   double diff = 0, ref = 0;

@@ -23,13 +23,7 @@ namespace {
 constexpr double kStep = 1e-5;
 constexpr double kTolerance = 1e-6;
 
-std::vector<double> random_values(std::size_t n, std::uint64_t seed, double scale = 1.0) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> d(-scale, scale);
-  std::vector<double> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
+using testing::random_values;
 
 double relative_error_floor(double a, double n, double floor) {
   return std::abs(a - n) / std::max(std::abs(a) + std::abs(n), floor);

@@ -4,12 +4,22 @@
 #include <gtest/gtest.h>
 
 #include <memory>
+#include <random>
 #include <vector>
 
 #include "coshard/async/runtime.hpp"
 #include "coshard/modules/module.hpp"
 
 namespace coshard::modules::testing {
+
+// Uniform values in [-scale, scale], the same for a given seed.
+inline std::vector<double> random_values(std::size_t n, std::uint64_t seed, double scale = 1.0) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> d(-scale, scale);
+  std::vector<double> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
 
 class ModuleFixture : public ::testing::Test {
  protected:

@@ -255,17 +255,25 @@ __global__ void causal_softmax_backward_kernel(const T* probs, T* dprobs, std::i
 
 // ---- cross-entropy: one block per row ----
 
+// The row's max, and the sum of exp(x - max), over the block.
+template <class T>
+__device__ void row_max_and_exp_sum(const T* r, std::int64_t V, float& mx, float& sum) {
+  float m = -INFINITY;
+  for (std::int64_t j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, load(r, j));
+  m = block_max(m);
+  float s = 0;
+  for (std::int64_t j = threadIdx.x; j < V; j += blockDim.x) s += expf(load(r, j) - m);
+  mx = m;
+  sum = block_sum(s);
+}
+
 template <class T>
 __global__ void cross_entropy_rows_kernel(const T* logits, const std::int32_t* targets, float* row_losses,
                                           std::int64_t V) {
   const std::int64_t row = blockIdx.x;
   const T* r = logits + row * V;
-  float mx = -INFINITY;
-  for (std::int64_t j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, load(r, j));
-  mx = block_max(mx);
-  float sum = 0;
-  for (std::int64_t j = threadIdx.x; j < V; j += blockDim.x) sum += expf(load(r, j) - mx);
-  sum = block_sum(sum);
+  float mx, sum;
+  row_max_and_exp_sum(r, V, mx, sum);
   if (threadIdx.x == 0) {
     const std::int32_t t = targets[row];
     row_losses[row] = (t >= 0 && t < V) ? logf(sum) + mx - load(r, t) : NAN;
@@ -285,12 +293,8 @@ __global__ void cross_entropy_backward_kernel(const T* logits, const std::int32_
                                               T* dlogits, std::int64_t N, std::int64_t V) {
   const std::int64_t row = blockIdx.x;
   const T* r = logits + row * V;
-  float mx = -INFINITY;
-  for (std::int64_t j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, load(r, j));
-  mx = block_max(mx);
-  float sum = 0;
-  for (std::int64_t j = threadIdx.x; j < V; j += blockDim.x) sum += expf(load(r, j) - mx);
-  sum = block_sum(sum);
+  float mx, sum;
+  row_max_and_exp_sum(r, V, mx, sum);
   const float g = seed[0] / static_cast<float>(N);
   const std::int32_t t = targets[row];
   for (std::int64_t j = threadIdx.x; j < V; j += blockDim.x) {
