@@ -366,6 +366,13 @@ class CpuKernels final : public Kernels {
     });
   }
 
+  Result<void> scale(Stream& s, DataType dt, void* x, float factor, std::int64_t n) const override {
+    return dispatch(s, dt, [=]<class T>(T*) {
+      T* p = static_cast<T*>(x);
+      for (std::int64_t i = 0; i < n; ++i) p[i] *= static_cast<T>(factor);
+    });
+  }
+
   Result<void> bias_add(Stream& s, DataType dt, void* out, const void* bias, std::int64_t N,
                         std::int64_t C) const override {
     return dispatch(s, dt, [=]<class T>(T*) {

@@ -143,6 +143,10 @@ class CudaKernels final : public Kernels {
     COSHARD_TRY(check(dt));
     return check_launch(cuda::add(s.native_handle(), code(dt), a, b, out, n), "add", s);
   }
+  Result<void> scale(Stream& s, DataType dt, void* x, float factor, std::int64_t n) const override {
+    COSHARD_TRY(check(dt));
+    return check_launch(cuda::scale(s.native_handle(), code(dt), x, factor, n), "scale", s);
+  }
   Result<void> bias_add(Stream& s, DataType dt, void* out, const void* bias, std::int64_t N,
                         std::int64_t C) const override {
     COSHARD_TRY(check(dt));

@@ -64,6 +64,8 @@ class Kernels {
   // out = a + b (out may alias a or b).
   virtual Result<void> add(async::Stream& s, DataType dt, const void* a, const void* b, void* out,
                            std::int64_t n) const = 0;
+  // x *= factor.
+  virtual Result<void> scale(async::Stream& s, DataType dt, void* x, float factor, std::int64_t n) const = 0;
   // out[i,:] += bias; dbias += column sums of dout.
   virtual Result<void> bias_add(async::Stream& s, DataType dt, void* out, const void* bias, std::int64_t N,
                                 std::int64_t C) const = 0;

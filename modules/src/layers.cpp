@@ -278,4 +278,14 @@ async::Task<Result<Tensor>> CrossEntropyLoss::backward(Context& ctx, Tensor seed
   co_return dlogits;
 }
 
+async::Task<Result<Tensor>> forward_backward(Context& ctx, Module& model, CrossEntropyLoss& loss, Tensor tokens,
+                                             Tensor targets, Tensor seed) {
+  COSHARD_CO_TRY_ASSIGN(Tensor logits, co_await ctx.forward(model, std::move(tokens)));
+  loss.set_targets(std::move(targets));
+  COSHARD_CO_TRY_ASSIGN(Tensor value, co_await ctx.forward(loss, std::move(logits)));
+  COSHARD_CO_TRY_ASSIGN(Tensor dlogits, co_await ctx.backward(loss, std::move(seed)));
+  COSHARD_CO_TRY(co_await ctx.backward(model, std::move(dlogits)));
+  co_return value;
+}
+
 }  // namespace coshard::modules

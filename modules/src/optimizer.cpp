@@ -117,6 +117,14 @@ Result<void> Optimizer::add_group(Context& ctx, Tensor params, Tensor grads) {
   return {};
 }
 
+Result<void> Optimizer::reset_masters(Context& ctx) {
+  for (const auto& g : groups_)
+    if (g.params.dtype() != DataType::f32)
+      COSHARD_TRY(ctx.kernels().cast(ctx.stream(), g.params.dtype(), g.params.data(), DataType::f32, g.master.data(),
+                                     g.params.numel()));
+  return {};
+}
+
 Tensor Optimizer::loss_scale() const noexcept { return state_ ? state_.slice(2, Shape{1}) : Tensor{}; }
 Tensor Optimizer::grad_stats() const noexcept { return state_ ? state_.slice(0, Shape{2}) : Tensor{}; }
 

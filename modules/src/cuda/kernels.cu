@@ -210,6 +210,11 @@ __global__ void add_kernel(const T* a, const T* b, T* out, std::int64_t n) {
 }
 
 template <class T>
+__global__ void scale_kernel(T* x, float factor, std::int64_t n) {
+  COSHARD_GRID_STRIDE(i, n) { store(x, i, load(x, i) * factor); }
+}
+
+template <class T>
 __global__ void bias_add_kernel(T* out, const T* bias, std::int64_t N, std::int64_t C) {
   COSHARD_GRID_STRIDE(i, N * C) { store(out, i, load(out, i) + load(bias, i % C)); }
 }
@@ -450,6 +455,12 @@ int add(void* s, int dt, const void* a, const void* b, void* out, std::int64_t n
   return with_type(dt, [&]<class E>() {
     add_kernel<E><<<grid_for(n), kThreads, 0, as_stream(s)>>>(static_cast<const E*>(a), static_cast<const E*>(b),
                                                               static_cast<E*>(out), n);
+  });
+}
+
+int scale(void* s, int dt, void* x, float factor, std::int64_t n) {
+  return with_type(dt, [&]<class E>() {
+    scale_kernel<E><<<grid_for(n), kThreads, 0, as_stream(s)>>>(static_cast<E*>(x), factor, n);
   });
 }
 

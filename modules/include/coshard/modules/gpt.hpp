@@ -27,10 +27,4 @@ struct GptConfig {
 
 Result<std::unique_ptr<Sequential>> make_gpt(const GptConfig& config);
 
-// One micro-batch of the unsharded reference: forward through `model` and `loss`, then backward
-// seeded with `seed` (a one-element tensor: 1, or the loss scale), adding into the bound
-// parameter gradients. Returns the loss (one element on the device).
-async::Task<Result<Tensor>> forward_backward(Context& ctx, Module& model, CrossEntropyLoss& loss, Tensor tokens,
-                                             Tensor targets, Tensor seed);
-
 }  // namespace coshard::modules

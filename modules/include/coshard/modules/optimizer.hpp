@@ -66,6 +66,10 @@ class Optimizer {
   // copy and state are allocated here; the tensors must stay valid while the optimizer is used.
   Result<void> add_group(Context& ctx, Tensor params, Tensor grads);
 
+  // Copies the parameters into their fp32 masters again (after the parameters were overwritten:
+  // initialisation, a checkpoint load). Nothing to do for f32 parameters.
+  Result<void> reset_masters(Context& ctx);
+
   // The loss scale as a one-element f32 tensor on the device, to seed backward with.
   Tensor loss_scale() const noexcept;
 

@@ -1,0 +1,124 @@
+// The ZeRO engine: a model's parameters split into fetch units and sharded across ranks, with
+// every fetch, prefetch and release an awaitable step of the training loop.
+//
+// Fetch units: the direct parameters of one module form a unit; consecutive leaf units smaller
+// than module_granularity_bytes are coalesced into one (thousands of tiny modules must not cost
+// thousands of collectives). A unit's parameters are flattened into one buffer, padded to a
+// multiple of the world size and split evenly in rank-major order, so an all-gather writes every
+// parameter in place: the parameter views are pointer arithmetic on the gathered buffer, never a
+// copy. Every rank owns the same number of elements.
+//
+// Stages: 1 shards the optimizer state (full parameters and gradients on every rank; one
+// coalesced reduce-scatter of all gradients after the last micro-batch, one all-gather of the
+// updated shards after the step); 2 also shards gradients (each unit's gradient is
+// reduce-scattered, averaged, into the rank's shard as soon as its backward is done, and the full
+// gradient buffer goes behind that collective's event); 3 also shards parameters (a unit is
+// gathered when a module of it is about to run, and released after its last use).
+//
+// Stage 3 in detail: `before_forward` awaits the unit's fetch: nothing if it is gathered; if its
+// gather is in flight the compute stream waits on its event (the host does not); otherwise it
+// takes the unit's bytes from the max_live_bytes budget (an async semaphore: waits, never
+// over-admits), allocates, and issues one collective on the communication stream. Before that
+// wait, units further along the recorded trace are gathered ahead, up to prefetch_bucket_bytes
+// and only with budget to spare. A unit is released after its last module: an event is recorded
+// on the compute stream, and its memory and budget come back only when that event completes.
+// The first step records the order of fetches; a step that departs from it fetches on demand
+// and its order becomes the trace. Traces are kept per phase ("train", "eval").
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "coshard/async/semaphore.hpp"
+#include "coshard/collectives/communicator.hpp"
+#include "coshard/modules/layers.hpp"
+#include "coshard/modules/optimizer.hpp"
+
+namespace coshard::modules {
+
+enum class FetchMode : std::uint8_t {
+  all_gather,  // each rank sends its shard (default)
+  all_reduce,  // zero the buffer, place the local shard, sum (favoured by some interconnects)
+};
+
+struct EngineOptions {
+  int zero_stage = 3;                      // 1, 2 or 3 (stage 0 is ParameterStore)
+  DataType dtype = DataType::f32;          // parameters and gradients (the optimizer keeps fp32 masters)
+  std::size_t module_granularity_bytes = 0;
+  std::size_t max_live_bytes = std::numeric_limits<std::size_t>::max();  // gathered parameter bytes
+  std::size_t prefetch_bucket_bytes = 0;   // 0: fetch on demand only
+  std::size_t max_reuse_distance = 0;      // keep a unit needed again within this many fetches
+  std::size_t persistence_threshold_bytes = 0;  // smaller units stay gathered for the whole step
+  FetchMode fetch_mode = FetchMode::all_gather;
+};
+
+struct FetchUnitInfo {
+  std::string name;                     // the first module's path
+  std::vector<std::string> parameters;  // full names, in buffer order
+  std::int64_t numel = 0;               // parameters' elements
+  std::int64_t padded = 0;              // numel rounded up to a multiple of the world size
+  std::int64_t shard = 0;               // padded / world size
+  std::size_t padded_bytes = 0;
+  bool persistent = false;
+};
+
+struct Batch {
+  Tensor tokens;   // i32 [B, T] on the compute device
+  Tensor targets;  // i32 [B, T]
+};
+
+struct EngineStepStats {
+  double loss = 0;                    // mean over micro-batches and ranks
+  std::uint64_t fetches = 0;          // stage 3: units awaited by a module
+  std::uint64_t prefetch_hits = 0;    // of those, already gathered or in flight
+  std::uint64_t gathers = 0;          // collectives issued to gather units
+  std::uint64_t collective_launches = 0;
+  std::size_t peak_live_bytes = 0;    // most gathered bytes held at once (stage 3)
+  bool trace_changed = false;         // the order departed from the recorded trace
+  OptimizerStats optimizer;
+  double hit_rate() const noexcept {
+    return fetches == 0 ? 1.0 : static_cast<double>(prefetch_hits) / static_cast<double>(fetches);
+  }
+};
+
+class Engine final : public ModuleHooks {
+ public:
+  // Builds the units of `model` and this rank's shards on ctx's device. The context, the
+  // communicator, the model and the optimizer must outlive the engine; the engine installs
+  // itself as the context's hooks.
+  static Result<std::unique_ptr<Engine>> create(Context& ctx, collectives::Communicator& comm, Module& model,
+                                                Optimizer& optimizer, EngineOptions options);
+  ~Engine() override;
+
+  // The same initial weights as ParameterStore::initialize with this seed, at any world size.
+  async::Task<Result<void>> initialize(std::uint64_t seed);
+  // Forward and backward of every micro-batch (gradients averaged over them and over ranks),
+  // then one optimizer step on this rank's shards.
+  async::Task<Result<EngineStepStats>> step(CrossEntropyLoss& loss, std::span<const Batch> micro_batches, float lr);
+  // Forward only, under the "eval" trace; returns the mean loss over ranks.
+  async::Task<Result<double>> evaluate(CrossEntropyLoss& loss, const Batch& batch);
+
+  std::vector<FetchUnitInfo> units() const;
+  const EngineOptions& options() const noexcept;
+  // Units with their gather in flight right now (for tests of prefetch).
+  std::size_t units_in_flight() const noexcept;
+
+  // ModuleHooks
+  async::Task<Result<void>> before_forward(Context& ctx, Module& module) override;
+  Result<void> after_forward(Context& ctx, Module& module) override;
+  async::Task<Result<void>> before_backward(Context& ctx, Module& module) override;
+  Result<void> after_backward(Context& ctx, Module& module) override;
+
+  struct State;
+
+ private:
+  explicit Engine(std::unique_ptr<State> state);
+  std::unique_ptr<State> s_;
+};
+
+}  // namespace coshard::modules

@@ -1,0 +1,597 @@
+#include "coshard/modules/engine.hpp"
+
+#include <algorithm>
+#include <unordered_map>
+
+#include "coshard/async/runtime.hpp"
+#include "kernels.hpp"
+
+namespace coshard::modules {
+
+namespace {
+
+using collectives::Coalesced;
+using collectives::ReduceOp;
+
+enum class Gather : std::uint8_t { released, in_flight, ready };
+
+// The max_live_bytes budget, shared with the tasks that hand bytes back once a release event
+// has completed (they may outlive a step; never the engine's runtime).
+struct Budget {
+  explicit Budget(std::size_t capacity) : semaphore(capacity) {}
+  async::Semaphore semaphore;
+  std::size_t live_bytes = 0;  // touched on the reactor thread only
+  std::size_t peak_bytes = 0;
+};
+
+struct Unit {
+  FetchUnitInfo info;
+  std::vector<Module*> modules;  // forward order
+  struct Param {
+    Parameter* parameter;
+    std::int64_t offset;  // elements into the unit's buffer
+  };
+  std::vector<Param> params;
+
+  // Persistent storage. Stage 3: `shard` is its own buffer. Stages 1-2: `full` holds the whole
+  // unit and `shard` is this rank's block of it (in-place all-gather after the step).
+  async::Block shard_block, full_block, grad_shard_block;
+  Tensor shard, full, grad_shard;
+  // Gradients of the whole unit: persistent at stage 1 (grad_shard is a view into it), one
+  // buffer per backward pass at stages 2-3.
+  async::Block grad_full_block;
+  Tensor grad_full;
+  int grads_this_step = 0;  // backward passes reduced into grad_shard this step
+
+  // Stage 3 gather state.
+  Gather gather = Gather::released;
+  async::Block gathered_block;
+  Tensor gathered;
+  async::Event gathered_event;
+  std::optional<async::Semaphore::Permit> permit;
+  bool prefetched = false;  // gathered ahead of use, not yet fetched
+};
+
+async::Task<void> hand_back_after(async::Event done, std::shared_ptr<Budget> budget, async::Semaphore::Permit permit,
+                                  std::size_t bytes) {
+  (void)co_await done;  // an error here is the stream's, reported where the stream is awaited
+  budget->live_bytes -= bytes;
+  permit.release();
+}
+
+}  // namespace
+
+struct Engine::State {
+  Context* ctx = nullptr;
+  collectives::Communicator* comm = nullptr;
+  Module* model = nullptr;
+  Optimizer* optimizer = nullptr;
+  EngineOptions o;
+  int rank = 0, world = 1;
+  std::size_t element_size = 4;
+  std::vector<std::unique_ptr<Unit>> units;
+  std::unordered_map<const Module*, std::size_t> unit_of;
+  std::unordered_map<const Parameter*, std::string> names;
+  std::size_t largest_unit_bytes = 0;
+  std::shared_ptr<Budget> budget;
+
+  // Traces of fetch order, per phase.
+  std::string phase = "train";
+  std::map<std::string, std::vector<std::size_t>> traces;
+  std::vector<std::size_t> recording;
+  const std::vector<std::size_t>* trace = nullptr;  // null: none yet, or departed from this step
+  std::size_t trace_pos = 0;
+  std::size_t prefetched_bytes = 0;
+  EngineStepStats stats;
+
+  bool stage3() const noexcept { return o.zero_stage == 3; }
+  Unit* unit_for(const Module& m) {
+    auto it = unit_of.find(&m);
+    return it == unit_of.end() ? nullptr : units[it->second].get();
+  }
+  std::size_t index_of(const Unit& u) const { return unit_of.at(u.modules.front()); }
+
+  Result<void> bind_values(Unit& u, const Tensor& buffer) {
+    for (auto& p : u.params) {
+      Tensor grad = u.grad_full ? u.grad_full.slice(p.offset, p.parameter->shape()) : Tensor{};
+      COSHARD_TRY(p.parameter->bind(buffer.slice(p.offset, p.parameter->shape()), std::move(grad)));
+    }
+    return {};
+  }
+  const Tensor& values_of(const Unit& u) const { return stage3() ? u.gathered : u.full; }
+
+  // ---- stage 3: gather and release ----
+
+  Result<void> issue_gather(Unit& u, async::Semaphore::Permit permit) {
+    auto& cs = comm->stream();
+    COSHARD_TRY_ASSIGN(u.gathered_block, ctx->allocator().allocate(u.info.padded_bytes, cs));
+    u.gathered = Tensor(u.gathered_block.data(), Shape{u.info.padded}, o.dtype, ctx->device());
+    const auto shard = static_cast<std::size_t>(u.info.shard);
+    Result<async::Event> done = async::Event{};
+    if (o.fetch_mode == FetchMode::all_gather) {
+      done = comm->all_gather(u.shard.data(), u.gathered.data(), shard, o.dtype);
+    } else {
+      COSHARD_TRY(cs.fill(u.gathered.data(), 0, u.info.padded_bytes));
+      void* mine = u.gathered.slice(static_cast<std::int64_t>(rank) * u.info.shard, Shape{u.info.shard}).data();
+      COSHARD_TRY(cs.copy(mine, u.shard.data(), shard * element_size));
+      done = comm->all_reduce(u.gathered.data(), u.gathered.data(), static_cast<std::size_t>(u.info.padded), o.dtype,
+                              ReduceOp::sum);
+    }
+    if (!done) return fail(std::move(done).error().with_context("gathering unit " + u.info.name));
+    u.gathered_event = std::move(*done);
+    u.gather = Gather::in_flight;
+    u.permit = std::move(permit);
+    budget->live_bytes += u.info.padded_bytes;
+    budget->peak_bytes = std::max(budget->peak_bytes, budget->live_bytes);
+    stats.peak_live_bytes = std::max(stats.peak_live_bytes, budget->live_bytes);
+    ++stats.gathers;
+    return {};
+  }
+
+  // The buffer and its budget come back once the compute stream has passed its last use.
+  Result<void> release(Unit& u) {
+    if (u.gather == Gather::released) return {};
+    COSHARD_TRY_ASSIGN(auto last_use, ctx->stream().record());
+    // A unit released unused (a stale prefetch) was never waited on by the compute stream.
+    if (u.gather == Gather::in_flight) u.gathered_block.record_use(u.gathered_event);
+    u.gathered_block.record_use(last_use);
+    u.gathered_block.reset();
+    u.gathered = {};
+    for (auto& p : u.params) p.parameter->unbind();
+    if (u.prefetched) {
+      prefetched_bytes -= u.info.padded_bytes;
+      u.prefetched = false;
+    }
+    u.gather = Gather::released;
+    auto permit = std::move(*u.permit);
+    u.permit.reset();
+    async::Runtime* rt = async::Runtime::current();
+    if (!rt) return fail(ErrorCode::internal, "Engine: release of unit ", u.info.name, " outside a runtime");
+    rt->spawn(hand_back_after(std::move(last_use), budget, std::move(permit), u.info.padded_bytes)).detach();
+    return {};
+  }
+
+  // Gathers units further along the trace, in order, while the bucket and the budget allow.
+  // Stops at the first that does not fit, so prefetched units are always the next ones in
+  // line and an on-demand fetch never waits for budget held by a unit used after it.
+  Result<void> prefetch_ahead() {
+    if (!trace || o.prefetch_bucket_bytes == 0) return {};
+    for (std::size_t i = trace_pos; i < trace->size(); ++i) {
+      Unit& v = *units[(*trace)[i]];
+      if (v.gather != Gather::released) continue;
+      if (prefetched_bytes + v.info.padded_bytes > o.prefetch_bucket_bytes) break;
+      auto permit = budget->semaphore.try_acquire(v.info.padded_bytes);
+      if (!permit) break;
+      COSHARD_TRY(issue_gather(v, std::move(*permit)));
+      v.prefetched = true;
+      prefetched_bytes += v.info.padded_bytes;
+    }
+    return {};
+  }
+
+  // The order departed from the trace: fetch on demand from here on, and give back what was
+  // gathered ahead for the old order (it may never be used this step).
+  Result<void> abandon_trace() {
+    trace = nullptr;
+    stats.trace_changed = true;
+    for (auto& u : units)
+      if (u->prefetched) COSHARD_TRY(release(*u));
+    return {};
+  }
+
+  async::Task<Result<void>> fetch(Unit& u) {
+    const std::size_t index = index_of(u);
+    ++stats.fetches;
+    recording.push_back(index);
+    if (trace) {
+      if (trace_pos < trace->size() && (*trace)[trace_pos] == index)
+        ++trace_pos;
+      else
+        COSHARD_CO_TRY(abandon_trace());
+    }
+    if (u.gather != Gather::released) ++stats.prefetch_hits;
+    if (u.prefetched) {
+      prefetched_bytes -= u.info.padded_bytes;
+      u.prefetched = false;
+    }
+    if (u.gather == Gather::released) {
+      COSHARD_CO_TRY_ASSIGN(auto permit, co_await budget->semaphore.acquire(u.info.padded_bytes));
+      COSHARD_CO_TRY(issue_gather(u, std::move(permit)));
+    }
+    COSHARD_CO_TRY(prefetch_ahead());  // issued before this unit's wait
+    if (u.gather == Gather::in_flight) {
+      COSHARD_CO_TRY(ctx->stream().wait(u.gathered_event));
+      u.gather = Gather::ready;
+    }
+    co_return bind_values(u, u.gathered);
+  }
+
+  // Keep a unit gathered after its use when it is small, or needed again soon (and the budget
+  // keeps room for the largest unit, so keeping never starves an on-demand fetch).
+  bool keep_after_use(const Unit& u) const {
+    if (u.info.persistent) return true;
+    if (o.max_reuse_distance == 0 || !trace) return false;
+    const std::size_t index = unit_of.at(u.modules.front());
+    const std::size_t end = std::min(trace->size(), trace_pos + o.max_reuse_distance);
+    bool soon = false;
+    for (std::size_t i = trace_pos; i < end && !soon; ++i) soon = (*trace)[i] == index;
+    return soon && budget->semaphore.available() >= largest_unit_bytes;
+  }
+
+  // ---- gradients ----
+
+  Result<void> begin_backward(Unit& u) {
+    if (o.zero_stage == 1) return {};
+    COSHARD_TRY_ASSIGN(u.grad_full_block, ctx->allocator().allocate(u.info.padded_bytes, ctx->stream()));
+    u.grad_full = Tensor(u.grad_full_block.data(), Shape{u.info.padded}, o.dtype, ctx->device());
+    COSHARD_TRY(ctx->stream().fill(u.grad_full.data(), 0, u.info.padded_bytes));
+    return bind_values(u, values_of(u));
+  }
+
+  // Stages 2-3: reduce-scatter (average) the unit's gradient into this rank's block, in place,
+  // then add it into the shard, all on the communication stream; the full buffer goes behind it.
+  Result<void> reduce_gradients(Unit& u) {
+    if (o.zero_stage == 1) return {};
+    auto& cs = comm->stream();
+    COSHARD_TRY_ASSIGN(auto produced, ctx->stream().record());
+    COSHARD_TRY(cs.wait(produced));
+    Tensor mine = u.grad_full.slice(static_cast<std::int64_t>(rank) * u.info.shard, Shape{u.info.shard});
+    auto rs = comm->reduce_scatter(u.grad_full.data(), mine.data(), static_cast<std::size_t>(u.info.shard), o.dtype,
+                                   ReduceOp::avg);
+    if (!rs) return fail(std::move(rs).error().with_context("reducing the gradients of unit " + u.info.name));
+    if (u.grads_this_step == 0)
+      COSHARD_TRY(cs.copy(u.grad_shard.data(), mine.data(), mine.bytes()));
+    else
+      COSHARD_TRY(ctx->kernels().add(cs, o.dtype, u.grad_shard.data(), mine.data(), u.grad_shard.data(), u.info.shard));
+    ++u.grads_this_step;
+    COSHARD_TRY_ASSIGN(auto reduced, cs.record());
+    u.grad_full_block.record_use(reduced);
+    u.grad_full_block.reset();
+    u.grad_full = {};
+    return bind_values(u, values_of(u));
+  }
+
+  // ---- a pass ----
+
+  void begin_pass(std::string_view name) {
+    phase = std::string(name);
+    auto it = traces.find(phase);
+    trace = it == traces.end() ? nullptr : &it->second;
+    trace_pos = 0;
+    recording.clear();
+    prefetched_bytes = 0;
+    stats = {};
+  }
+
+  Result<void> end_pass() {
+    if (stage3())
+      for (auto& u : units) COSHARD_TRY(release(*u));
+    const auto it = traces.find(phase);
+    if (it == traces.end() || it->second != recording) {
+      if (it != traces.end()) stats.trace_changed = true;
+      traces[phase] = recording;
+    }
+    trace = nullptr;
+    return {};
+  }
+
+  // Orders `to` after everything enqueued on `from` so far.
+  static Result<void> order(async::Stream& from, async::Stream& to) {
+    COSHARD_TRY_ASSIGN(auto ev, from.record());
+    return to.wait(ev);
+  }
+};
+
+Engine::Engine(std::unique_ptr<State> state) : s_(std::move(state)) {}
+
+Engine::~Engine() {
+  if (!s_) return;
+  if (s_->ctx->hooks() == this) s_->ctx->set_hooks(nullptr);
+  for (auto& u : s_->units) {
+    if (u->gather != Gather::released) {
+      // Give the memory back behind the streams' last uses; the budget goes with the engine.
+      if (auto ev = s_->ctx->stream().record()) u->gathered_block.record_use(*ev);
+      if (u->gather == Gather::in_flight) u->gathered_block.record_use(u->gathered_event);
+      u->gathered_block.reset();
+      if (u->permit) u->permit->forget();
+    }
+    if (auto ev = s_->comm->stream().record()) {
+      u->shard_block.record_use(*ev);
+      u->full_block.record_use(*ev);
+      u->grad_shard_block.record_use(*ev);
+      u->grad_full_block.record_use(*ev);
+    }
+    for (auto& p : u->params) p.parameter->unbind();
+  }
+}
+
+const EngineOptions& Engine::options() const noexcept { return s_->o; }
+
+std::size_t Engine::units_in_flight() const noexcept {
+  std::size_t n = 0;
+  for (const auto& u : s_->units) n += u->gather == Gather::in_flight ? 1 : 0;
+  return n;
+}
+
+std::vector<FetchUnitInfo> Engine::units() const {
+  std::vector<FetchUnitInfo> out;
+  for (const auto& u : s_->units) out.push_back(u->info);
+  return out;
+}
+
+Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Communicator& comm, Module& model,
+                                               Optimizer& optimizer, EngineOptions o) {
+  if (o.zero_stage < 1 || o.zero_stage > 3)
+    return fail(ErrorCode::invalid_argument, "zero_stage=", o.zero_stage,
+                ": expected 1, 2 or 3 (stage 0 is the unsharded ParameterStore)");
+  if (o.dtype != DataType::f32 && o.dtype != DataType::bf16 && o.dtype != DataType::f16)
+    return fail(ErrorCode::invalid_argument, "Engine dtype ", collectives::to_string(o.dtype),
+                ": expected f32, bf16 or f16");
+  COSHARD_TRY(detail::check_supported(ctx.kernels(), o.dtype, ctx.device(), "Engine"));
+  if (!(comm.stream().device() == ctx.device()))
+    return fail(ErrorCode::invalid_argument, "Engine: the communicator's stream runs on ",
+                comm.stream().device().to_string(), ", the compute stream on ", ctx.device().to_string());
+
+  auto s = std::make_unique<State>();
+  s->ctx = &ctx;
+  s->comm = &comm;
+  s->model = &model;
+  s->optimizer = &optimizer;
+  s->o = o;
+  s->rank = comm.rank();
+  s->world = comm.size();
+  s->element_size = size_of(o.dtype);
+  model.for_each_parameter([&](const std::string& name, Parameter& p) { s->names.emplace(&p, name); });
+
+  // Units: modules with direct parameters, in execution (pre-order) order; small leaves merge.
+  struct Candidate {
+    std::string path;
+    Module* module;
+    std::size_t bytes;
+    bool leaf;
+  };
+  std::vector<Candidate> candidates;
+  model.for_each_module([&](const std::string& path, Module& m) {
+    if (m.parameters().empty()) return;
+    std::int64_t n = 0;
+    for (const auto& p : m.parameters()) n += p->numel();
+    candidates.push_back({path.empty() ? m.type_name().data() : path, &m,
+                          static_cast<std::size_t>(n) * s->element_size, m.children().empty()});
+  });
+  if (candidates.empty()) return fail(ErrorCode::invalid_argument, "Engine: the model has no parameters");
+  std::vector<std::vector<Candidate>> groups;
+  std::size_t group_bytes = 0;
+  for (const auto& c : candidates) {
+    const bool small = c.leaf && c.bytes < o.module_granularity_bytes;
+    const bool open = !groups.empty() && groups.back().back().leaf &&
+                      groups.back().back().bytes < o.module_granularity_bytes && group_bytes < o.module_granularity_bytes;
+    if (small && open) {
+      groups.back().push_back(c);
+      group_bytes += c.bytes;
+    } else {
+      groups.push_back({c});
+      group_bytes = c.bytes;
+    }
+  }
+
+  const auto W = static_cast<std::int64_t>(s->world);
+  for (const auto& g : groups) {
+    auto u = std::make_unique<Unit>();
+    u->info.name = g.front().path;
+    std::int64_t offset = 0;
+    for (const auto& c : g) {
+      u->modules.push_back(c.module);
+      for (const auto& p : c.module->parameters()) {
+        u->params.push_back({p.get(), offset});
+        u->info.parameters.push_back(s->names.at(p.get()));
+        offset += p->numel();
+      }
+    }
+    u->info.numel = offset;
+    u->info.padded = (offset + W - 1) / W * W;
+    u->info.shard = u->info.padded / W;
+    u->info.padded_bytes = static_cast<std::size_t>(u->info.padded) * s->element_size;
+    u->info.persistent = s->stage3() && u->info.padded_bytes < o.persistence_threshold_bytes;
+    s->largest_unit_bytes = std::max(s->largest_unit_bytes, u->info.padded_bytes);
+    for (Module* m : u->modules) s->unit_of.emplace(m, s->units.size());
+    s->units.push_back(std::move(u));
+  }
+  if (s->stage3() && o.max_live_bytes < s->largest_unit_bytes)
+    return fail(ErrorCode::invalid_argument, "max_live_bytes=", o.max_live_bytes,
+                ": must be at least the largest fetch unit (", s->largest_unit_bytes, " bytes, unit ",
+                [&] {
+                  for (const auto& u : s->units)
+                    if (u->info.padded_bytes == s->largest_unit_bytes) return u->info.name;
+                  return std::string();
+                }(),
+                ")");
+  s->budget = std::make_shared<Budget>(o.max_live_bytes);
+
+  // Storage.
+  auto& stream = ctx.stream();
+  auto& alloc = ctx.allocator();
+  for (auto& up : s->units) {
+    Unit& u = *up;
+    const auto shard_bytes = static_cast<std::size_t>(u.info.shard) * s->element_size;
+    const Shape shard_shape{u.info.shard};
+    const std::int64_t mine = static_cast<std::int64_t>(s->rank) * u.info.shard;
+    if (s->stage3()) {
+      COSHARD_TRY_ASSIGN(u.shard_block, alloc.allocate(shard_bytes, stream));
+      u.shard = Tensor(u.shard_block.data(), shard_shape, o.dtype, ctx.device());
+    } else {
+      COSHARD_TRY_ASSIGN(u.full_block, alloc.allocate(u.info.padded_bytes, stream));
+      u.full = Tensor(u.full_block.data(), Shape{u.info.padded}, o.dtype, ctx.device());
+      COSHARD_TRY(stream.fill(u.full.data(), 0, u.info.padded_bytes));
+      u.shard = u.full.slice(mine, shard_shape);
+    }
+    if (o.zero_stage == 1) {
+      COSHARD_TRY_ASSIGN(u.grad_full_block, alloc.allocate(u.info.padded_bytes, stream));
+      u.grad_full = Tensor(u.grad_full_block.data(), Shape{u.info.padded}, o.dtype, ctx.device());
+      COSHARD_TRY(stream.fill(u.grad_full.data(), 0, u.info.padded_bytes));
+      u.grad_shard = u.grad_full.slice(mine, shard_shape);
+    } else {
+      COSHARD_TRY_ASSIGN(u.grad_shard_block, alloc.allocate(shard_bytes, stream));
+      u.grad_shard = Tensor(u.grad_shard_block.data(), shard_shape, o.dtype, ctx.device());
+      COSHARD_TRY(stream.fill(u.grad_shard.data(), 0, shard_bytes));
+    }
+    if (!s->stage3()) COSHARD_TRY(s->bind_values(u, u.full));
+    COSHARD_TRY(optimizer.add_group(ctx, u.shard, u.grad_shard));
+  }
+  auto engine = std::unique_ptr<Engine>(new Engine(std::move(s)));
+  ctx.set_hooks(engine.get());
+  return engine;
+}
+
+async::Task<Result<void>> Engine::initialize(std::uint64_t seed) {
+  State& s = *s_;
+  for (auto& up : s.units) {
+    Unit& u = *up;
+    std::vector<double> values(static_cast<std::size_t>(u.info.padded), 0.0);
+    for (const auto& p : u.params) {
+      auto part = std::span<double>(values).subspan(static_cast<std::size_t>(p.offset),
+                                                   static_cast<std::size_t>(p.parameter->numel()));
+      initial_values(p.parameter->init(), s.names.at(p.parameter), seed, part);
+    }
+    // Stages 1-2 hold the whole unit; stage 3 only this rank's block.
+    const Tensor& dst = s.stage3() ? u.shard : u.full;
+    const auto first = s.stage3() ? static_cast<std::size_t>(s.rank * u.info.shard) : 0;
+    const auto bytes = encode_values(std::span<const double>(values).subspan(first, static_cast<std::size_t>(dst.numel())),
+                                     s.o.dtype);
+    COSHARD_CO_TRY_ASSIGN(Tensor staged, s.ctx->upload(bytes, dst.shape(), s.o.dtype));
+    COSHARD_CO_TRY(s.ctx->stream().copy(dst.data(), staged.data(), dst.bytes()));
+  }
+  // The optimizer's fp32 masters (bf16/f16) were cast from the parameters at add_group: redo.
+  COSHARD_CO_TRY(s.optimizer->reset_masters(*s.ctx));
+  co_return Result<void>{};
+}
+
+async::Task<Result<void>> Engine::before_forward(Context&, Module& module) {
+  State& s = *s_;
+  Unit* u = s.unit_for(module);
+  if (!u || !s.stage3() || &module != u->modules.front()) co_return Result<void>{};
+  co_return co_await s.fetch(*u);
+}
+
+Result<void> Engine::after_forward(Context&, Module& module) {
+  State& s = *s_;
+  Unit* u = s.unit_for(module);
+  if (!u || !s.stage3() || &module != u->modules.back()) return {};
+  if (s.keep_after_use(*u)) return {};
+  return s.release(*u);
+}
+
+async::Task<Result<void>> Engine::before_backward(Context&, Module& module) {
+  State& s = *s_;
+  Unit* u = s.unit_for(module);
+  if (!u || &module != u->modules.back()) co_return Result<void>{};
+  if (s.stage3()) COSHARD_CO_TRY(co_await s.fetch(*u));
+  co_return s.begin_backward(*u);
+}
+
+Result<void> Engine::after_backward(Context&, Module& module) {
+  State& s = *s_;
+  Unit* u = s.unit_for(module);
+  if (!u || &module != u->modules.front()) return {};
+  COSHARD_TRY(s.reduce_gradients(*u));
+  if (!s.stage3() || s.keep_after_use(*u)) return {};
+  return s.release(*u);
+}
+
+async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::span<const Batch> micro_batches,
+                                                  float lr) {
+  State& s = *s_;
+  if (micro_batches.empty()) co_return fail(ErrorCode::invalid_argument, "Engine::step: no micro-batches");
+  Context& ctx = *s.ctx;
+  auto& compute = ctx.stream();
+  auto& cs = s.comm->stream();
+  const auto& k = ctx.kernels();
+  const std::uint64_t launches_before = s.comm->launches();
+  s.begin_pass("train");
+
+  // The communication stream goes after the last step's optimizer (it reads the shards).
+  COSHARD_CO_TRY(State::order(compute, cs));
+  for (auto& u : s.units) {
+    u->grads_this_step = 0;
+    if (s.o.zero_stage == 1) COSHARD_CO_TRY(compute.fill(u->grad_full.data(), 0, u->info.padded_bytes));
+  }
+  COSHARD_CO_TRY_ASSIGN(Tensor loss_sum, ctx.zeros(Shape{1}, DataType::f32));
+  for (const auto& mb : micro_batches) {
+    auto value = co_await forward_backward(ctx, *s.model, loss, mb.tokens, mb.targets, s.optimizer->loss_scale());
+    if (!value) {
+      (void)s.end_pass();
+      co_return fail(std::move(value).error());
+    }
+    COSHARD_CO_TRY(k.add(compute, DataType::f32, loss_sum.data(), value->data(), loss_sum.data(), 1));
+  }
+
+  // Gradients: stage 1 reduces everything now, in one launch; stages 2-3 did it per unit.
+  COSHARD_CO_TRY(State::order(compute, cs));
+  if (s.o.zero_stage == 1) {
+    Coalesced group;
+    for (auto& u : s.units)
+      group.reduce_scatter(u->grad_full.data(), u->grad_shard.data(), static_cast<std::size_t>(u->info.shard),
+                           s.o.dtype, ReduceOp::avg);
+    COSHARD_CO_TRY(s.comm->launch(group));
+  } else {
+    for (auto& u : s.units)  // units without a backward this step (unused parameters)
+      if (u->grads_this_step == 0) COSHARD_CO_TRY(cs.fill(u->grad_shard.data(), 0, u->grad_shard.bytes()));
+  }
+  const auto K = static_cast<float>(micro_batches.size());
+  if (micro_batches.size() > 1)
+    for (auto& u : s.units) COSHARD_CO_TRY(k.scale(cs, s.o.dtype, u->grad_shard.data(), 1.0f / K, u->info.shard));
+  COSHARD_CO_TRY(State::order(cs, compute));
+
+  // The optimizer: local shards only; the norm and overflow flag are summed over ranks first.
+  COSHARD_CO_TRY(s.optimizer->compute_grad_stats(ctx));
+  COSHARD_CO_TRY(State::order(compute, cs));
+  const Tensor grad_stats = s.optimizer->grad_stats();
+  COSHARD_CO_TRY(s.comm->all_reduce(grad_stats.data(), grad_stats.data(), 2, DataType::f32, ReduceOp::sum));
+  COSHARD_CO_TRY(State::order(cs, compute));
+  COSHARD_CO_TRY(s.optimizer->apply(ctx, lr));
+
+  // The loss, averaged over micro-batches and ranks.
+  if (micro_batches.size() > 1) COSHARD_CO_TRY(k.scale(compute, DataType::f32, loss_sum.data(), 1.0f / K, 1));
+  COSHARD_CO_TRY(State::order(compute, cs));
+  COSHARD_CO_TRY(s.comm->all_reduce(loss_sum.data(), loss_sum.data(), 1, DataType::f32, ReduceOp::avg));
+
+  // Stages 1-2: every rank gets the updated parameters, in one launch.
+  if (!s.stage3()) {
+    Coalesced group;
+    for (auto& u : s.units)
+      group.all_gather(u->shard.data(), u->full.data(), static_cast<std::size_t>(u->info.shard), s.o.dtype);
+    COSHARD_CO_TRY(s.comm->launch(group));
+  }
+  COSHARD_CO_TRY(State::order(cs, compute));
+  COSHARD_CO_TRY(s.end_pass());
+
+  EngineStepStats stats = s.stats;
+  stats.collective_launches = s.comm->launches() - launches_before;
+  COSHARD_CO_TRY_ASSIGN(auto host_loss, co_await ctx.read(loss_sum));
+  stats.loss = host_loss[0];
+  COSHARD_CO_TRY_ASSIGN(stats.optimizer, co_await s.optimizer->read_stats(ctx));
+  co_return stats;
+}
+
+async::Task<Result<double>> Engine::evaluate(CrossEntropyLoss& loss, const Batch& batch) {
+  State& s = *s_;
+  Context& ctx = *s.ctx;
+  s.begin_pass("eval");
+  COSHARD_CO_TRY(State::order(ctx.stream(), s.comm->stream()));
+  auto logits = co_await ctx.forward(*s.model, batch.tokens);
+  if (!logits) {
+    (void)s.end_pass();
+    co_return fail(std::move(logits).error());
+  }
+  loss.set_targets(batch.targets);
+  COSHARD_CO_TRY_ASSIGN(Tensor value, co_await ctx.forward(loss, std::move(*logits)));
+  s.model->clear_saved_recursive();
+  loss.clear_saved();
+  COSHARD_CO_TRY(State::order(ctx.stream(), s.comm->stream()));
+  COSHARD_CO_TRY(s.comm->all_reduce(value.data(), value.data(), 1, DataType::f32, ReduceOp::avg));
+  COSHARD_CO_TRY(State::order(s.comm->stream(), ctx.stream()));
+  COSHARD_CO_TRY(s.end_pass());
+  COSHARD_CO_TRY_ASSIGN(auto host, co_await ctx.read(value));
+  co_return host[0];
+}
+
+}  // namespace coshard::modules

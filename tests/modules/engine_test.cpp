@@ -1,0 +1,381 @@
+// The ZeRO engine on the Local backend (ranks are threads, CPU streams, fp32): every stage
+// against the unsharded reference on the same global batch, the max_live_bytes budget, no
+// hidden syncs, one collective per unit per pass, and prefetch along the recorded trace.
+#include <gtest/gtest.h>
+
+#include <barrier>
+#include <cmath>
+#include <random>
+#include <thread>
+
+#include "coshard/async/runtime.hpp"
+#include "coshard/async/sync.hpp"
+#include "coshard/collectives/local.hpp"
+#include "coshard/modules/engine.hpp"
+#include "coshard/modules/gpt.hpp"
+#include "coshard/modules/parameter_store.hpp"
+
+namespace coshard::modules {
+namespace {
+
+constexpr GptConfig kConfig{.vocab = 32, .max_seq = 8, .dim = 32, .layers = 2, .heads = 2, .mlp_ratio = 2};
+constexpr std::int64_t kGlobalBatch = 12;  // divisible by 1, 2, 3 and 4 ranks
+constexpr std::int64_t kSeq = 8;
+constexpr std::uint64_t kSeed = 7;
+
+struct GlobalBatch {
+  std::vector<double> tokens, targets;  // [kGlobalBatch, kSeq]
+};
+
+GlobalBatch make_batch(int step) {
+  std::mt19937 rng(static_cast<unsigned>(1000 + step));
+  GlobalBatch b;
+  for (std::int64_t i = 0; i < kGlobalBatch * kSeq; ++i) {
+    b.tokens.push_back(static_cast<double>(rng() % kConfig.vocab));
+    b.targets.push_back(static_cast<double>(rng() % kConfig.vocab));
+  }
+  return b;
+}
+
+// Rows [begin, end) of the global batch, uploaded.
+Result<Batch> slice(Context& ctx, const GlobalBatch& g, std::int64_t begin, std::int64_t end) {
+  auto part = [&](const std::vector<double>& v) {
+    std::vector<double> rows(v.begin() + begin * kSeq, v.begin() + end * kSeq);
+    auto bytes = encode_values(rows, DataType::i32);
+    return ctx.upload(bytes, Shape{end - begin, kSeq}, DataType::i32);
+  };
+  COSHARD_TRY_ASSIGN(Tensor tokens, part(g.tokens));
+  COSHARD_TRY_ASSIGN(Tensor targets, part(g.targets));
+  return Batch{tokens, targets};
+}
+
+AdamWOptions adam() {
+  AdamWOptions o;
+  o.weight_decay = 0.01f;
+  return o;
+}
+
+struct Rank {
+  Rank() {
+    stream = std::make_unique<async::Stream>(std::move(*async::Stream::create(async::Device::cpu(), {.name = "compute"})));
+    allocator = std::move(*async::CachingAllocator::create(async::Device::cpu()));
+    ctx = std::make_unique<Context>(std::move(*Context::create(*stream, *allocator)));
+  }
+  ~Rank() { (void)stream->synchronize(); }
+  async::Runtime rt;
+  std::unique_ptr<async::Stream> stream;
+  std::unique_ptr<async::CachingAllocator> allocator;
+  std::unique_ptr<Context> ctx;
+};
+
+// Stage 0: the whole global batch on one ParameterStore.
+std::vector<double> reference_losses(int steps, StepControlOptions control) {
+  Rank r;
+  auto body = [&]() -> async::Task<Result<std::vector<double>>> {
+    COSHARD_CO_TRY_ASSIGN(auto model, make_gpt(kConfig));
+    COSHARD_CO_TRY_ASSIGN(auto store, ParameterStore::create(*r.ctx, *model, DataType::f32));
+    COSHARD_CO_TRY(co_await store.initialize(*r.ctx, kSeed));
+    COSHARD_CO_TRY_ASSIGN(auto opt, Optimizer::adamw(adam(), control));
+    COSHARD_CO_TRY(opt->add_group(*r.ctx, store.values(), store.grads()));
+    CrossEntropyLoss loss;
+    std::vector<double> losses;
+    for (int step = 0; step < steps; ++step) {
+      COSHARD_CO_TRY_ASSIGN(Batch b, slice(*r.ctx, make_batch(step), 0, kGlobalBatch));
+      COSHARD_CO_TRY(store.zero_grad(*r.ctx));
+      COSHARD_CO_TRY_ASSIGN(Tensor value, co_await forward_backward(*r.ctx, *model, loss, b.tokens, b.targets,
+                                                                    opt->loss_scale()));
+      COSHARD_CO_TRY(opt->step(*r.ctx, 1e-2f));
+      COSHARD_CO_TRY_ASSIGN(auto host, co_await r.ctx->read(value));
+      losses.push_back(host[0]);
+    }
+    co_return losses;
+  };
+  auto out = r.rt.block_on(body());
+  EXPECT_TRUE(out) << out.error().message();
+  return out ? *out : std::vector<double>{};
+}
+
+struct ZeroRun {
+  std::vector<std::vector<EngineStepStats>> stats;  // [rank][step]
+  std::vector<FetchUnitInfo> units;
+  std::uint64_t strict_blocking_waits = 0;
+  std::string error;
+};
+
+struct ZeroSetup {
+  int world = 1;
+  EngineOptions options;
+  StepControlOptions control;
+  int steps = 20;
+  int micro_batches = 1;
+  bool strict_after_first = false;
+};
+
+ZeroRun run_zero(const ZeroSetup& setup) {
+  auto comms = collectives::make_local_communicators(setup.world);
+  if (!comms) return {.error = comms.error().message()};
+  ZeroRun run;
+  run.stats.resize(static_cast<std::size_t>(setup.world));
+  std::vector<std::string> errors(static_cast<std::size_t>(setup.world));
+  std::barrier sync(setup.world);
+  std::atomic<std::uint64_t> waits_before{0};
+  auto rank_main = [&](int rank) {
+    Rank r;
+    auto& comm = *(*comms)[static_cast<std::size_t>(rank)];
+    auto body = [&]() -> async::Task<Result<void>> {
+      COSHARD_CO_TRY_ASSIGN(auto model, make_gpt(kConfig));
+      COSHARD_CO_TRY_ASSIGN(auto opt, Optimizer::adamw(adam(), setup.control));
+      COSHARD_CO_TRY_ASSIGN(auto engine, Engine::create(*r.ctx, comm, *model, *opt, setup.options));
+      COSHARD_CO_TRY(co_await engine->initialize(kSeed));
+      if (rank == 0) run.units = engine->units();
+      CrossEntropyLoss loss;
+      const std::int64_t per_rank = kGlobalBatch / setup.world;
+      const std::int64_t per_micro = per_rank / setup.micro_batches;
+      for (int step = 0; step < setup.steps; ++step) {
+        const auto global = make_batch(step);
+        std::vector<Batch> mbs;
+        for (int m = 0; m < setup.micro_batches; ++m) {
+          const std::int64_t begin = rank * per_rank + m * per_micro;
+          COSHARD_CO_TRY_ASSIGN(Batch b, slice(*r.ctx, global, begin, begin + per_micro));
+          mbs.push_back(b);
+        }
+        if (setup.strict_after_first && step == 1) {
+          sync.arrive_and_wait();
+          if (rank == 0) {
+            waits_before = async::blocking_waits();
+            async::set_strict_sync(true);
+          }
+          sync.arrive_and_wait();
+        }
+        COSHARD_CO_TRY_ASSIGN(auto stats, co_await engine->step(loss, mbs, 1e-2f));
+        run.stats[static_cast<std::size_t>(rank)].push_back(stats);
+      }
+      if (setup.strict_after_first) {
+        sync.arrive_and_wait();
+        if (rank == 0) {
+          async::set_strict_sync(false);
+          run.strict_blocking_waits = async::blocking_waits() - waits_before;
+        }
+        sync.arrive_and_wait();
+      }
+      co_return Result<void>{};
+    };
+    auto result = r.rt.block_on(body());
+    if (!result) errors[static_cast<std::size_t>(rank)] = result.error().message();
+  };
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < setup.world; ++rank) threads.emplace_back(rank_main, rank);
+  for (auto& t : threads) t.join();
+  async::set_strict_sync(false);
+  for (const auto& e : errors)
+    if (!e.empty()) run.error = e;
+  return run;
+}
+
+std::vector<double> losses_of(const ZeroRun& run, int rank = 0) {
+  std::vector<double> out;
+  for (const auto& s : run.stats[static_cast<std::size_t>(rank)]) out.push_back(s.loss);
+  return out;
+}
+
+struct StageCase {
+  int stage;
+  FetchMode mode;
+};
+
+class ZeroStages : public ::testing::TestWithParam<StageCase> {};
+
+TEST_P(ZeroStages, MatchStageZeroOnTheSameGlobalBatch) {
+  const auto [stage, mode] = GetParam();
+  const auto reference = reference_losses(20, {});
+  ASSERT_EQ(reference.size(), 20u);
+  for (int world = 1; world <= 4; ++world) {
+    SCOPED_TRACE("world size " + std::to_string(world));
+    ZeroSetup setup;
+    setup.world = world;
+    setup.options.zero_stage = stage;
+    setup.options.fetch_mode = mode;
+    const auto run = run_zero(setup);
+    ASSERT_TRUE(run.error.empty()) << run.error;
+    const auto losses = losses_of(run);
+    ASSERT_EQ(losses.size(), reference.size());
+    for (std::size_t i = 0; i < losses.size(); ++i) {
+      if (world == 1)
+        EXPECT_EQ(losses[i], reference[i]) << "step " << i << ": world size 1 must be bit-identical to stage 0";
+      else
+        EXPECT_LE(std::abs(losses[i] - reference[i]), 1e-4 * std::abs(reference[i])) << "step " << i;
+    }
+    // Every rank reports the same (averaged) loss.
+    for (int r = 1; r < world; ++r) EXPECT_EQ(losses_of(run, r), losses);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Stages, ZeroStages,
+                         ::testing::Values(StageCase{1, FetchMode::all_gather}, StageCase{2, FetchMode::all_gather},
+                                           StageCase{3, FetchMode::all_gather}, StageCase{3, FetchMode::all_reduce}),
+                         [](const auto& info) {
+                           return "Stage" + std::to_string(info.param.stage) +
+                                  (info.param.mode == FetchMode::all_gather ? "AllGather" : "AllReduce");
+                         });
+
+TEST(Engine, UnitsArePaddedToTheWorldSizeAndShardedEvenly) {
+  ZeroSetup setup;
+  setup.world = 3;
+  setup.steps = 1;
+  const auto run = run_zero(setup);
+  ASSERT_TRUE(run.error.empty()) << run.error;
+  ASSERT_FALSE(run.units.empty());
+  std::int64_t total = 0;
+  for (const auto& u : run.units) {
+    EXPECT_EQ(u.padded % 3, 0) << u.name;
+    EXPECT_GE(u.padded, u.numel);
+    EXPECT_LT(u.padded - u.numel, 3);
+    EXPECT_EQ(u.shard * 3, u.padded);
+    total += u.numel;
+  }
+  EXPECT_EQ(total, kConfig.parameter_count());
+  EXPECT_EQ(run.units.front().parameters, (std::vector<std::string>{"embed.wte", "embed.wpe"}));
+}
+
+TEST(Engine, SmallLeafModulesAreCoalescedIntoOneUnit) {
+  ZeroSetup setup;
+  setup.world = 2;
+  setup.steps = 2;
+  setup.options.module_granularity_bytes = 64 * 1024;  // larger than any module of this model
+  const auto run = run_zero(setup);
+  ASSERT_TRUE(run.error.empty()) << run.error;
+  // Fewer units than modules with parameters (2 + 2 layers x 6 + 2), and fewer collectives.
+  EXPECT_LT(run.units.size(), 16u);
+  const auto reference = reference_losses(2, {});
+  EXPECT_LE(std::abs(losses_of(run)[1] - reference[1]), 1e-4 * reference[1]);
+}
+
+TEST(Engine, ABudgetJustAboveTheLargestUnitCompletesAndIsNeverExceeded) {
+  ZeroSetup probe;
+  probe.world = 2;
+  probe.steps = 1;
+  const auto units = run_zero(probe).units;
+  std::size_t largest = 0;
+  for (const auto& u : units) largest = std::max(largest, u.padded_bytes);
+  ZeroSetup setup;
+  setup.world = 2;
+  setup.steps = 4;
+  setup.options.max_live_bytes = largest + 64;
+  setup.options.prefetch_bucket_bytes = 1 << 20;  // wants more than the budget holds
+  setup.options.max_reuse_distance = 4;
+  const auto run = run_zero(setup);
+  ASSERT_TRUE(run.error.empty()) << run.error;
+  for (const auto& rank : run.stats)
+    for (const auto& s : rank) {
+      EXPECT_LE(s.peak_live_bytes, setup.options.max_live_bytes);
+      EXPECT_GT(s.peak_live_bytes, 0u);
+    }
+  const auto reference = reference_losses(4, {});
+  EXPECT_LE(std::abs(losses_of(run)[3] - reference[3]), 1e-4 * reference[3]);
+}
+
+TEST(Engine, SteadyStepsHaveNoHiddenSyncsAndOneCollectivePerUnitPerPass) {
+  ZeroSetup setup;
+  setup.world = 2;
+  setup.steps = 4;
+  setup.strict_after_first = true;
+  const auto run = run_zero(setup);
+  ASSERT_TRUE(run.error.empty()) << run.error;
+  EXPECT_EQ(run.strict_blocking_waits, 0u);
+  const auto U = run.units.size();
+  for (std::size_t step = 1; step < 4; ++step) {
+    const auto& s = run.stats[0][step];
+    // forward gathers + backward gathers + gradient reduce-scatters, plus the gradient-norm and
+    // loss all-reduces of the step.
+    EXPECT_EQ(s.gathers, 2 * U) << "step " << step;
+    EXPECT_EQ(s.collective_launches, 3 * U + 2) << "step " << step;
+    EXPECT_FALSE(s.trace_changed);
+  }
+}
+
+TEST(Engine, PrefetchGathersAheadAlongTheTrace) {
+  ZeroSetup on_demand;
+  on_demand.world = 2;
+  on_demand.steps = 3;
+  const auto cold = run_zero(on_demand);
+  ZeroSetup ahead = on_demand;
+  ahead.options.prefetch_bucket_bytes = 256 * 1024;
+  const auto warm = run_zero(ahead);
+  ASSERT_TRUE(cold.error.empty() && warm.error.empty()) << cold.error << warm.error;
+  // Step 1 records the trace (no hits); later steps find units in flight or gathered.
+  EXPECT_EQ(warm.stats[0][0].prefetch_hits, 0u);
+  EXPECT_GT(warm.stats[0][2].hit_rate(), 0.9);
+  EXPECT_EQ(cold.stats[0][2].prefetch_hits, 0u);
+  // Prefetch changes when, not what: the same collectives and the same losses.
+  EXPECT_EQ(warm.stats[0][2].gathers, cold.stats[0][2].gathers);
+  EXPECT_EQ(losses_of(warm), losses_of(cold));
+}
+
+TEST(Engine, PersistentUnitsStayGatheredForTheStep) {
+  ZeroSetup setup;
+  setup.world = 2;
+  setup.steps = 2;
+  setup.options.persistence_threshold_bytes = 4096;  // LayerNorms and small biases
+  const auto run = run_zero(setup);
+  ASSERT_TRUE(run.error.empty()) << run.error;
+  std::size_t persistent = 0;
+  for (const auto& u : run.units) persistent += u.persistent ? 1 : 0;
+  ASSERT_GT(persistent, 0u);
+  // A persistent unit is gathered once per step, not once per pass.
+  EXPECT_EQ(run.stats[0][1].gathers, 2 * run.units.size() - persistent);
+}
+
+TEST(Engine, GradientAccumulationOverMicroBatchesMatchesOneBatch) {
+  ZeroSetup one;
+  one.world = 2;
+  one.steps = 3;
+  ZeroSetup three = one;
+  three.micro_batches = 3;
+  for (int stage = 1; stage <= 3; ++stage) {
+    one.options.zero_stage = three.options.zero_stage = stage;
+    const auto a = run_zero(one);
+    const auto b = run_zero(three);
+    ASSERT_TRUE(a.error.empty() && b.error.empty()) << a.error << b.error;
+    const auto la = losses_of(a), lb = losses_of(b);
+    for (std::size_t i = 0; i < la.size(); ++i)
+      EXPECT_LE(std::abs(la[i] - lb[i]), 1e-4 * la[i]) << "stage " << stage << " step " << i;
+  }
+}
+
+TEST(Engine, ClippingUsesTheGlobalNormAcrossRanks) {
+  StepControlOptions control;
+  control.max_grad_norm = 0.5f;
+  const auto reference = reference_losses(5, control);
+  ZeroSetup setup;
+  setup.world = 2;
+  setup.steps = 5;
+  setup.control = control;
+  const auto run = run_zero(setup);
+  ASSERT_TRUE(run.error.empty()) << run.error;
+  const auto losses = losses_of(run);
+  for (std::size_t i = 0; i < losses.size(); ++i) EXPECT_LE(std::abs(losses[i] - reference[i]), 1e-4 * reference[i]);
+}
+
+TEST(Engine, RejectsBadOptionsWithClearErrors) {
+  Rank r;
+  auto comms = collectives::make_local_communicators(1);
+  ASSERT_TRUE(comms);
+  auto model = make_gpt(kConfig);
+  auto opt = Optimizer::adamw({});
+  ASSERT_TRUE(model && opt);
+  EngineOptions o;
+  o.zero_stage = 4;
+  auto e = Engine::create(*r.ctx, *(*comms)[0], **model, **opt, o);
+  ASSERT_FALSE(e);
+  EXPECT_NE(e.error().message().find("zero_stage=4"), std::string::npos) << e.error().message();
+  o.zero_stage = 3;
+  o.max_live_bytes = 100;
+  e = Engine::create(*r.ctx, *(*comms)[0], **model, **opt, o);
+  ASSERT_FALSE(e);
+  EXPECT_NE(e.error().message().find("max_live_bytes=100: must be at least the largest fetch unit"),
+            std::string::npos)
+      << e.error().message();
+}
+
+}  // namespace
+}  // namespace coshard::modules
