@@ -78,9 +78,15 @@ CachingAllocator::CachingAllocator(Key, Device device, AllocatorOptions options,
 CachingAllocator::~CachingAllocator() {
   std::lock_guard lock(mutex_);
   for (Pending& p : pending_) {
-    bool safe = true;
-    for (const Event& e : p.uses) safe = safe && e.synchronize().has_value();
-    if (safe) std::free(p.ptr);  // else: a stream may still use it; leaking beats corrupting
+    // Once an event has completed its stream is past that point, even when the event carries
+    // the error of a failed stream (a failed CPU stream skips its later work but still passes
+    // its events in order), so the block is free to go either way.
+    bool passed = true;
+    for (const Event& e : p.uses) {
+      (void)e.synchronize();
+      passed = passed && e.ready();  // not passed: strict mode refused to wait
+    }
+    if (passed) std::free(p.ptr);  // else: a stream may still use it; leaking beats corrupting
   }
   for (auto& [size, ptr] : cached_) std::free(ptr);
 }

@@ -1,0 +1,220 @@
+// The ZeRO engine's two promises, measured inside one run each:
+//
+//   BM_PrefetchOverlap      stage 3 at world size 2 (Local backend, CPU streams) with a fixed
+//                           delay injected before every collective on the communication stream
+//                           (a slow link). Three runs in one process: compute alone (no delay),
+//                           the delay with on-demand fetches, the delay with prefetch. The delay
+//                           is chosen so the communication of a step (launches x delay) matches
+//                           its compute. Reports step / max(compute, communication): 1.0 is
+//                           perfect overlap, 2.0 none (target <= 1.15).
+//   BM_HostOverheadPerUnit  1,000 tiny Linear modules, stage 3 at world size 1: the host time
+//                           to enqueue a forward pass with the engine's fetch + release around
+//                           every module, minus the same pass over unsharded parameters, per
+//                           unit (target < 5 us; DeepSpeed spends hundreds of us per module).
+#include <benchmark/benchmark.h>
+
+#include <barrier>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+
+#include "coshard/async/runtime.hpp"
+#include "coshard/collectives/local.hpp"
+#include "coshard/modules/engine.hpp"
+#include "coshard/modules/gpt.hpp"
+#include "coshard/modules/parameter_store.hpp"
+
+namespace {
+
+using namespace coshard;
+using namespace coshard::modules;
+using Clock = std::chrono::steady_clock;
+
+// A communicator whose stream sleeps `delay` before each launched group: a link with latency.
+class DelayedCommunicator final : public collectives::Communicator {
+ public:
+  DelayedCommunicator(collectives::Communicator& inner, std::chrono::microseconds delay)
+      : inner_(inner), delay_(delay) {}
+  int rank() const noexcept override { return inner_.rank(); }
+  int size() const noexcept override { return inner_.size(); }
+  std::string_view backend() const noexcept override { return inner_.backend(); }
+  async::Stream& stream() noexcept override { return inner_.stream(); }
+  Result<async::Event> launch(const collectives::Coalesced& group) override {
+    if (delay_.count() > 0) {
+      const auto d = delay_;
+      COSHARD_TRY(inner_.stream().launch([d] { std::this_thread::sleep_for(d); }));
+    }
+    return inner_.launch(group);
+  }
+  Result<std::unique_ptr<collectives::Communicator>> split(int color, int key) override {
+    return inner_.split(color, key);
+  }
+  std::uint64_t launches() const noexcept override { return inner_.launches(); }
+  Result<void> status() const override { return inner_.status(); }
+
+ private:
+  collectives::Communicator& inner_;
+  std::chrono::microseconds delay_;
+};
+
+struct RankSetup {
+  RankSetup() {
+    stream = std::make_unique<async::Stream>(std::move(*async::Stream::create(async::Device::cpu(), {.name = "compute"})));
+    allocator = std::move(*async::CachingAllocator::create(async::Device::cpu()));
+    ctx = std::make_unique<Context>(std::move(*Context::create(*stream, *allocator)));
+  }
+  ~RankSetup() { (void)stream->synchronize(); }
+  async::Runtime rt;
+  std::unique_ptr<async::Stream> stream;
+  std::unique_ptr<async::CachingAllocator> allocator;
+  std::unique_ptr<Context> ctx;
+};
+
+constexpr GptConfig kOverlapModel{.vocab = 512, .max_seq = 64, .dim = 128, .layers = 4, .heads = 4, .mlp_ratio = 4};
+
+struct OverlapResult {
+  double step_seconds = 0;
+  std::uint64_t launches_per_step = 0;
+  std::string error;
+};
+
+// Mean step time of steps 3..N on rank 0 (steps 1-2 record the trace and warm the pools).
+OverlapResult run_overlap(std::chrono::microseconds delay, std::size_t prefetch_bytes, int steps) {
+  constexpr int kWorld = 2;
+  auto comms = collectives::make_local_communicators(kWorld);
+  if (!comms) return {.error = comms.error().message()};
+  OverlapResult out;
+  std::barrier sync(kWorld);
+  std::vector<std::string> errors(kWorld);
+  auto rank_main = [&](int rank) {
+    RankSetup r;
+    DelayedCommunicator comm(*(*comms)[static_cast<std::size_t>(rank)], delay);
+    auto body = [&]() -> async::Task<Result<void>> {
+      COSHARD_CO_TRY_ASSIGN(auto model, make_gpt(kOverlapModel));
+      COSHARD_CO_TRY_ASSIGN(auto opt, Optimizer::adamw({}));
+      EngineOptions o;
+      o.zero_stage = 3;
+      o.prefetch_bucket_bytes = prefetch_bytes;
+      COSHARD_CO_TRY_ASSIGN(auto engine, Engine::create(*r.ctx, comm, *model, *opt, o));
+      COSHARD_CO_TRY(co_await engine->initialize(1));
+      std::vector<double> ids(4 * 64);
+      for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<double>((i * 31 + 7) % 512);
+      auto bytes = encode_values(ids, DataType::i32);
+      COSHARD_CO_TRY_ASSIGN(Tensor tokens, r.ctx->upload(bytes, Shape{4, 64}, DataType::i32));
+      std::vector<Batch> batch{Batch{tokens, tokens}};
+      CrossEntropyLoss loss;
+      Clock::time_point start;
+      for (int step = 0; step < steps; ++step) {
+        if (step == 2) start = Clock::now();
+        COSHARD_CO_TRY_ASSIGN(auto stats, co_await engine->step(loss, batch, 1e-4f));
+        if (rank == 0) out.launches_per_step = stats.collective_launches;
+        if (rank == 0 && std::getenv("ENGINE_BENCH_VERBOSE"))
+          std::fprintf(stderr, "step %d: hit rate %.2f, gathers %lu, trace changed %d\n", step, stats.hit_rate(),
+                       static_cast<unsigned long>(stats.gathers), stats.trace_changed ? 1 : 0);
+      }
+      if (rank == 0) out.step_seconds = std::chrono::duration<double>(Clock::now() - start).count() / (steps - 2);
+      co_return Result<void>{};
+    };
+    auto result = r.rt.block_on(body());
+    if (!result) errors[static_cast<std::size_t>(rank)] = result.error().message();
+  };
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < kWorld; ++rank) threads.emplace_back(rank_main, rank);
+  for (auto& t : threads) t.join();
+  for (const auto& e : errors)
+    if (!e.empty()) out.error = e;
+  return out;
+}
+
+void BM_PrefetchOverlap(benchmark::State& state) {
+  constexpr int kSteps = 8;
+  for (auto _ : state) {
+    const auto compute = run_overlap(std::chrono::microseconds(0), 0, kSteps);
+    if (!compute.error.empty()) return state.SkipWithError(compute.error.c_str());
+    // Communication of a step = compute of a step.
+    auto delay = std::chrono::microseconds(
+        static_cast<std::int64_t>(compute.step_seconds * 1e6 / static_cast<double>(compute.launches_per_step)));
+    if (const char* d = std::getenv("ENGINE_BENCH_DELAY_US")) delay = std::chrono::microseconds(std::atoi(d));
+    const double comm_seconds = static_cast<double>(delay.count()) * 1e-6 * static_cast<double>(compute.launches_per_step);
+    const auto on_demand = run_overlap(delay, 0, kSteps);
+    std::size_t bucket = std::size_t{8} << 20;
+    if (const char* b = std::getenv("ENGINE_BENCH_BUCKET")) bucket = static_cast<std::size_t>(std::atoll(b));
+    const auto prefetch = run_overlap(delay, bucket, kSteps);
+    if (!on_demand.error.empty() || !prefetch.error.empty())
+      return state.SkipWithError((on_demand.error + prefetch.error).c_str());
+    const double limit = std::max(compute.step_seconds, comm_seconds);
+    state.counters["compute_ms"] = compute.step_seconds * 1e3;
+    state.counters["comm_ms"] = comm_seconds * 1e3;
+    state.counters["delay_us"] = static_cast<double>(delay.count());
+    state.counters["launches"] = static_cast<double>(compute.launches_per_step);
+    state.counters["on_demand_ms"] = on_demand.step_seconds * 1e3;
+    state.counters["prefetch_ms"] = prefetch.step_seconds * 1e3;
+    state.counters["on_demand_ratio"] = on_demand.step_seconds / limit;
+    state.counters["prefetch_ratio"] = prefetch.step_seconds / limit;
+    state.SetIterationTime(prefetch.step_seconds);
+  }
+}
+BENCHMARK(BM_PrefetchOverlap)->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
+
+// 1,000 Linear(8, 8) modules in a row.
+std::unique_ptr<Sequential> tiny_modules(int n) {
+  auto model = std::make_unique<Sequential>();
+  for (int i = 0; i < n; ++i) model->add("m" + std::to_string(i), std::make_unique<Linear>(8, 8));
+  return model;
+}
+
+void BM_HostOverheadPerUnit(benchmark::State& state) {
+  constexpr int kModules = 1000;
+  RankSetup r;
+  auto comms = collectives::make_local_communicators(1);
+  if (!comms) return state.SkipWithError(comms.error().message().c_str());
+  auto sharded = tiny_modules(kModules);
+  auto plain = tiny_modules(kModules);
+  auto opt = Optimizer::adamw({});
+  auto plain_opt = Optimizer::adamw({});
+  auto store = ParameterStore::create(*r.ctx, *plain, DataType::f32);
+  if (!opt || !plain_opt || !store) return state.SkipWithError("setup failed");
+  EngineOptions o;
+  o.zero_stage = 3;
+  auto engine = Engine::create(*r.ctx, *(*comms)[0], *sharded, **opt, o);
+  if (!engine) return state.SkipWithError(engine.error().message().c_str());
+  std::vector<double> xs(16 * 8, 0.5);
+  auto bytes = encode_values(xs, DataType::f32);
+  auto x = r.ctx->upload(bytes, Shape{16, 8}, DataType::f32);
+  if (!x) return state.SkipWithError("upload failed");
+
+  // Host time to enqueue one forward pass (the device may still be running it), then drain.
+  auto pass = [&](Module& model, bool hooks) -> async::Task<Result<double>> {
+    r.ctx->set_hooks(hooks ? engine->get() : nullptr);
+    const auto start = Clock::now();
+    COSHARD_CO_TRY_ASSIGN(Tensor y, co_await r.ctx->forward(model, *x));
+    const double host = std::chrono::duration<double>(Clock::now() - start).count();
+    model.clear_saved_recursive();
+    COSHARD_CO_TRY_ASSIGN(auto done, r.stream->record());
+    COSHARD_CO_TRY(co_await done);
+    (void)y;
+    co_return host;
+  };
+  double engine_seconds = 0, plain_seconds = 0;
+  std::int64_t passes = 0;
+  for (auto _ : state) {
+    auto with_engine = r.rt.block_on(pass(*sharded, true));
+    auto without = r.rt.block_on(pass(*plain, false));
+    if (!with_engine || !without) return state.SkipWithError("forward failed");
+    engine_seconds += *with_engine;
+    plain_seconds += *without;
+    ++passes;
+    state.SetIterationTime(*with_engine);
+  }
+  r.ctx->set_hooks(engine->get());
+  const double per_unit = 1e6 / (static_cast<double>(passes) * kModules);
+  state.counters["engine_us_per_module"] = engine_seconds * per_unit;
+  state.counters["plain_us_per_module"] = plain_seconds * per_unit;
+  state.counters["fetch_release_us_per_unit"] = (engine_seconds - plain_seconds) * per_unit;
+}
+BENCHMARK(BM_HostOverheadPerUnit)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(2.0);
+
+}  // namespace
+
+BENCHMARK_MAIN();
