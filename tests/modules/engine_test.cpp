@@ -99,10 +99,12 @@ struct ZeroRun {
   std::vector<std::vector<EngineStepStats>> stats;  // [rank][step]
   std::vector<FetchUnitInfo> units;
   std::uint64_t strict_blocking_waits = 0;
+  std::vector<std::vector<double>> eval_losses;  // [rank][step]
   std::string error;
 };
 
 struct ZeroSetup {
+  bool evaluate_between_steps = false;
   int world = 1;
   EngineOptions options;
   StepControlOptions control;
@@ -116,6 +118,7 @@ ZeroRun run_zero(const ZeroSetup& setup) {
   if (!comms) return {.error = comms.error().message()};
   ZeroRun run;
   run.stats.resize(static_cast<std::size_t>(setup.world));
+  run.eval_losses.resize(static_cast<std::size_t>(setup.world));
   std::vector<std::string> errors(static_cast<std::size_t>(setup.world));
   std::barrier sync(setup.world);
   std::atomic<std::uint64_t> waits_before{0};
@@ -149,6 +152,13 @@ ZeroRun run_zero(const ZeroSetup& setup) {
         }
         COSHARD_CO_TRY_ASSIGN(auto stats, co_await engine->step(loss, mbs, 1e-2f));
         run.stats[static_cast<std::size_t>(rank)].push_back(stats);
+        if (setup.evaluate_between_steps) {
+          COSHARD_CO_TRY_ASSIGN(Batch held_out, slice(*r.ctx, make_batch(10'000 + step), rank * per_rank,
+                                                      (rank + 1) * per_rank));
+          COSHARD_CO_TRY_ASSIGN(double eval_loss, co_await engine->evaluate(loss, held_out));
+          if (!(eval_loss > 0)) co_return fail(ErrorCode::internal, "evaluation loss ", eval_loss);
+          run.eval_losses[static_cast<std::size_t>(rank)].push_back(eval_loss);
+        }
       }
       if (setup.strict_after_first) {
         sync.arrive_and_wait();
@@ -309,6 +319,26 @@ TEST(Engine, PrefetchGathersAheadAlongTheTrace) {
   // Prefetch changes when, not what: the same collectives and the same losses.
   EXPECT_EQ(warm.stats[0][2].gathers, cold.stats[0][2].gathers);
   EXPECT_EQ(losses_of(warm), losses_of(cold));
+}
+
+TEST(Engine, TrainAndEvalKeepTheirOwnTracesSoAlternatingDoesNotThrash) {
+  ZeroSetup setup;
+  setup.world = 2;
+  setup.steps = 4;
+  setup.options.prefetch_bucket_bytes = 256 * 1024;
+  setup.evaluate_between_steps = true;
+  const auto run = run_zero(setup);
+  ASSERT_TRUE(run.error.empty()) << run.error;
+  ASSERT_EQ(run.eval_losses[0].size(), 4u);
+  EXPECT_EQ(run.eval_losses[0], run.eval_losses[1]);  // averaged over ranks
+  for (std::size_t step = 1; step < 4; ++step) {
+    EXPECT_FALSE(run.stats[0][step].trace_changed) << "step " << step;
+    EXPECT_GT(run.stats[0][step].hit_rate(), 0.9) << "step " << step;
+  }
+  // Evaluation changes nothing: the training losses match a run without it.
+  ZeroSetup plain = setup;
+  plain.evaluate_between_steps = false;
+  EXPECT_EQ(losses_of(run_zero(plain)), losses_of(run));
 }
 
 TEST(Engine, PersistentUnitsStayGatheredForTheStep) {
