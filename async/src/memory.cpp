@@ -25,6 +25,9 @@ std::size_t page_size() {
   return size;
 }
 
+// Pending blocks beyond this many are swept on every allocation.
+constexpr std::size_t kSweepThreshold = 64;
+
 bool all_ready(const std::vector<Event>& uses) {
   return std::all_of(uses.begin(), uses.end(), [](const Event& e) { return e.ready(); });
 }
@@ -122,17 +125,25 @@ Result<Block> CachingAllocator::allocate(std::size_t bytes, Stream& stream) {
   bool reused = false;
   {
     std::lock_guard lock(mutex_);
-    sweep_locked();
-    auto it = std::lower_bound(cached_.begin(), cached_.end(), std::pair<std::size_t, void*>(size, nullptr));
-    if (it != cached_.end() &&
-        static_cast<double>(it->first) <= static_cast<double>(size) * options_.max_fit_ratio) {
+    auto take_cached = [&] {
+      auto it = cached_.lower_bound(size);
+      if (it == cached_.end() || static_cast<double>(it->first) > static_cast<double>(size) * options_.max_fit_ratio)
+        return false;
       block.ptr_ = it->second;
       block.size_ = it->first;
       stats_.cached_bytes -= it->first;
       cached_.erase(it);
-      stats_.reuses++;
-      reused = true;
+      return true;
+    };
+    // Sweeping queries every pending block's events: do it only when the cache has no fit, or
+    // when enough blocks wait that their memory should come back (amortised O(1) per call).
+    if (pending_.size() >= kSweepThreshold) sweep_locked();
+    reused = take_cached();
+    if (!reused && !pending_.empty()) {
+      sweep_locked();
+      reused = take_cached();
     }
+    if (reused) stats_.reuses++;
   }
   if (!reused) {
     void* p = std::aligned_alloc(kHostAlignment, size);
@@ -176,8 +187,7 @@ void CachingAllocator::sweep_locked() {
   for (auto it = ready; it != pending_.end(); ++it) {
     stats_.pending_bytes -= it->size;
     stats_.cached_bytes += it->size;
-    auto pos = std::lower_bound(cached_.begin(), cached_.end(), std::pair<std::size_t, void*>(it->size, nullptr));
-    cached_.insert(pos, {it->size, it->ptr});
+    cached_.emplace(it->size, it->ptr);
   }
   pending_.erase(ready, pending_.end());
 }

@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -122,7 +123,7 @@ class CachingAllocator {
   AllocatorOptions options_;
   std::unique_ptr<detail::DeviceMemoryBackend> backend_;  // null for the CPU cache
   mutable std::mutex mutex_;
-  std::vector<std::pair<std::size_t, void*>> cached_;  // sorted by size
+  std::multimap<std::size_t, void*> cached_;  // by size
   std::vector<Pending> pending_;
   std::vector<std::pair<void*, std::size_t>> leaked_;    // could not learn when last used: never reused
   AllocatorStats stats_;
