@@ -13,6 +13,7 @@
 //                           every module, minus the same pass over unsharded parameters, per
 //                           unit (target < 5 us; DeepSpeed spends hundreds of us per module).
 #include <benchmark/benchmark.h>
+#include <cblas.h>
 
 #include <time.h>
 
@@ -155,6 +156,10 @@ OverlapResult run_overlap(std::chrono::microseconds delay, std::size_t prefetch_
 
 void BM_PrefetchOverlap(benchmark::State& state) {
   constexpr int kSteps = 8;
+  // Two ranks share this machine's cores: one BLAS thread each, as one GPU per rank would be
+  // (two threads per rank oversubscribe 2 cores and make the compute time itself noisy).
+  const int blas_threads = openblas_get_num_threads();
+  openblas_set_num_threads(1);
   for (auto _ : state) {
     const auto compute = run_overlap(std::chrono::microseconds(0), 0, kSteps);
     if (!compute.error.empty()) return state.SkipWithError(compute.error.c_str());
@@ -185,6 +190,7 @@ void BM_PrefetchOverlap(benchmark::State& state) {
     state.counters["prefetch_ratio"] = prefetch.step_seconds / limit;
     state.SetIterationTime(prefetch.step_seconds);
   }
+  openblas_set_num_threads(blas_threads);
 }
 BENCHMARK(BM_PrefetchOverlap)->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
 
