@@ -49,8 +49,15 @@ Block& Block::operator=(Block&& o) noexcept {
   return *this;
 }
 
-void Block::reset() noexcept {
-  if (owner_ && ptr_) owner_->release(*this);
+void Block::reset() noexcept { reset_after(Event{}); }
+
+void Block::reset_after(Event last_use) noexcept {
+  if (owner_ && ptr_) {
+    if (last_use.recorded())
+      owner_->release(*this, std::move(last_use));
+    else
+      owner_->release(*this);
+  }
   owner_ = nullptr;
   ptr_ = nullptr;
   size_ = 0;
@@ -161,8 +168,8 @@ Result<Block> CachingAllocator::allocate(std::size_t bytes, Stream& stream) {
   return block;
 }
 
-void CachingAllocator::release(Block& block) noexcept {
-  auto last = block.stream_->record();
+void CachingAllocator::release(Block& block, std::optional<Event> last_use) noexcept {
+  auto last = last_use ? Result<Event>(std::move(*last_use)) : block.stream_->record();
   std::lock_guard lock(mutex_);
   stats_.in_use_bytes -= block.size_;
   if (backend_) {

@@ -1,6 +1,7 @@
 #include "coshard/modules/engine.hpp"
 
 #include <algorithm>
+#include <deque>
 #include <unordered_map>
 
 #include "coshard/async/runtime.hpp"
@@ -22,6 +23,15 @@ struct Budget {
   async::Semaphore semaphore;
   std::size_t live_bytes = 0;  // touched on the reactor thread only
   std::size_t peak_bytes = 0;
+  // Releases whose last use has not been seen to complete, oldest first (compute-stream events
+  // complete in order), and whether a task is draining them.
+  struct Return {
+    async::Event done;
+    async::Semaphore::Permit permit;
+    std::size_t bytes;
+  };
+  std::deque<Return> returns;
+  bool draining = false;
 };
 
 struct Unit {
@@ -32,6 +42,7 @@ struct Unit {
     std::int64_t offset;  // elements into the unit's buffer
   };
   std::vector<Param> params;
+  std::size_t index = 0;  // in the engine's unit list
 
   // Persistent storage. Stage 3: `shard` is its own buffer. Stages 1-2: `full` holds the whole
   // unit and `shard` is this rank's block of it (in-place all-gather after the step).
@@ -52,11 +63,21 @@ struct Unit {
   bool prefetched = false;  // gathered ahead of use, not yet fetched
 };
 
-async::Task<void> hand_back_after(async::Event done, std::shared_ptr<Budget> budget, async::Semaphore::Permit permit,
-                                  std::size_t bytes) {
-  (void)co_await done;  // an error here is the stream's, reported where the stream is awaited
-  budget->live_bytes -= bytes;
-  permit.release();
+// Hands bytes back to the budget as their release events complete: one task per burst of
+// releases (not one per release), awaiting the oldest event and then taking every completed one.
+async::Task<void> drain_returns(std::shared_ptr<Budget> budget) {
+  while (!budget->returns.empty()) {
+    auto& front = budget->returns.front();
+    if (!front.done.ready()) {
+      async::Event done = front.done;
+      (void)co_await done;  // an error here is the stream's, reported where the stream is awaited
+      continue;
+    }
+    budget->live_bytes -= front.bytes;
+    front.permit.release();
+    budget->returns.pop_front();
+  }
+  budget->draining = false;
 }
 
 }  // namespace
@@ -89,7 +110,7 @@ struct Engine::State {
     auto it = unit_of.find(&m);
     return it == unit_of.end() ? nullptr : units[it->second].get();
   }
-  std::size_t index_of(const Unit& u) const { return unit_of.at(u.modules.front()); }
+  static std::size_t index_of(const Unit& u) { return u.index; }
 
   Result<void> bind_values(Unit& u, const Tensor& buffer) {
     for (auto& p : u.params) {
@@ -104,7 +125,9 @@ struct Engine::State {
 
   Result<void> issue_gather(Unit& u, async::Semaphore::Permit permit) {
     auto& cs = comm->stream();
-    COSHARD_TRY_ASSIGN(u.gathered_block, ctx->allocator().allocate(u.info.padded_bytes, cs));
+    // Allocated for the compute stream (its last user); the gather's own use is recorded below,
+    // so returning the block needs no record on the communication stream.
+    COSHARD_TRY_ASSIGN(u.gathered_block, ctx->allocator().allocate(u.info.padded_bytes, ctx->stream()));
     u.gathered = Tensor(u.gathered_block.data(), Shape{u.info.padded}, o.dtype, ctx->device());
     const auto shard = static_cast<std::size_t>(u.info.shard);
     Result<async::Event> done = async::Event{};
@@ -119,6 +142,7 @@ struct Engine::State {
     }
     if (!done) return fail(std::move(done).error().with_context("gathering unit " + u.info.name));
     u.gathered_event = std::move(*done);
+    u.gathered_block.record_use(u.gathered_event);
     u.gather = Gather::in_flight;
     u.permit = std::move(permit);
     budget->live_bytes += u.info.padded_bytes;
@@ -132,10 +156,9 @@ struct Engine::State {
   Result<void> release(Unit& u) {
     if (u.gather == Gather::released) return {};
     COSHARD_TRY_ASSIGN(auto last_use, ctx->stream().record());
-    // A unit released unused (a stale prefetch) was never waited on by the compute stream.
-    if (u.gather == Gather::in_flight) u.gathered_block.record_use(u.gathered_event);
-    u.gathered_block.record_use(last_use);
-    u.gathered_block.reset();
+    // The block's uses: the gather (recorded at issue, so a stale prefetch's memory still waits
+    // for it) and the compute stream up to `last_use`.
+    u.gathered_block.reset_after(last_use);
     u.gathered = {};
     for (auto& p : u.params) p.parameter->unbind();
     if (u.prefetched) {
@@ -145,9 +168,13 @@ struct Engine::State {
     u.gather = Gather::released;
     auto permit = std::move(*u.permit);
     u.permit.reset();
-    async::Runtime* rt = async::Runtime::current();
-    if (!rt) return fail(ErrorCode::internal, "Engine: release of unit ", u.info.name, " outside a runtime");
-    rt->spawn(hand_back_after(std::move(last_use), budget, std::move(permit), u.info.padded_bytes)).detach();
+    budget->returns.push_back({std::move(last_use), std::move(permit), u.info.padded_bytes});
+    if (!budget->draining) {
+      async::Runtime* rt = async::Runtime::current();
+      if (!rt) return fail(ErrorCode::internal, "Engine: release of unit ", u.info.name, " outside a runtime");
+      budget->draining = true;
+      rt->spawn(drain_returns(budget)).detach();
+    }
     return {};
   }
 
@@ -211,7 +238,7 @@ struct Engine::State {
   bool keep_after_use(const Unit& u) const {
     if (u.info.persistent) return true;
     if (o.max_reuse_distance == 0 || !trace) return false;
-    const std::size_t index = unit_of.at(u.modules.front());
+    const std::size_t index = u.index;
     const std::size_t end = std::min(trace->size(), trace_pos + o.max_reuse_distance);
     bool soon = false;
     for (std::size_t i = trace_pos; i < end && !soon; ++i) soon = (*trace)[i] == index;
@@ -291,7 +318,6 @@ Engine::~Engine() {
     if (u->gather != Gather::released) {
       // Give the memory back behind the streams' last uses; the budget goes with the engine.
       if (auto ev = s_->ctx->stream().record()) u->gathered_block.record_use(*ev);
-      if (u->gather == Gather::in_flight) u->gathered_block.record_use(u->gathered_event);
       u->gathered_block.reset();
       if (u->permit) u->permit->forget();
     }
@@ -393,7 +419,8 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     u->info.padded_bytes = static_cast<std::size_t>(u->info.padded) * s->element_size;
     u->info.persistent = s->stage3() && u->info.padded_bytes < o.persistence_threshold_bytes;
     s->largest_unit_bytes = std::max(s->largest_unit_bytes, u->info.padded_bytes);
-    for (Module* m : u->modules) s->unit_of.emplace(m, s->units.size());
+    u->index = s->units.size();
+    for (Module* m : u->modules) s->unit_of.emplace(m, u->index);
     s->units.push_back(std::move(u));
   }
   if (s->stage3() && o.max_live_bytes < s->largest_unit_bytes)

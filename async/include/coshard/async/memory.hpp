@@ -20,6 +20,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <utility>
 #include <vector>
@@ -78,6 +79,9 @@ class Block {
   void record_use(const Event& event) { uses_.push_back(event); }
   // Returns the block now (its last use on its stream is recorded as an event).
   void reset() noexcept;
+  // Returns the block with `last_use`, an event the caller recorded on the block's own stream
+  // after its last use there, instead of recording another (saves an enqueue on hot paths).
+  void reset_after(Event last_use) noexcept;
 
  private:
   friend class CachingAllocator;
@@ -110,7 +114,7 @@ class CachingAllocator {
 
  private:
   friend class Block;
-  void release(Block& block) noexcept;
+  void release(Block& block, std::optional<Event> last_use = std::nullopt) noexcept;
   void sweep_locked();
 
   struct Pending {
