@@ -22,7 +22,6 @@ struct Budget {
   explicit Budget(std::size_t capacity) : semaphore(capacity) {}
   async::Semaphore semaphore;
   std::size_t live_bytes = 0;  // touched on the reactor thread only
-  std::size_t peak_bytes = 0;
   // Releases whose last use has not been seen to complete, oldest first (compute-stream events
   // complete in order), and whether a task is draining them.
   struct Return {
@@ -110,7 +109,12 @@ struct Engine::State {
     auto it = unit_of.find(&m);
     return it == unit_of.end() ? nullptr : units[it->second].get();
   }
-  static std::size_t index_of(const Unit& u) { return u.index; }
+  // A prefetched unit is no longer ahead of use (fetched now, or released unused).
+  void settle_prefetch(Unit& u) {
+    if (!u.prefetched) return;
+    prefetched_bytes -= u.info.padded_bytes;
+    u.prefetched = false;
+  }
 
   Result<void> bind_values(Unit& u, const Tensor& buffer) {
     for (auto& p : u.params) {
@@ -146,7 +150,6 @@ struct Engine::State {
     u.gather = Gather::in_flight;
     u.permit = std::move(permit);
     budget->live_bytes += u.info.padded_bytes;
-    budget->peak_bytes = std::max(budget->peak_bytes, budget->live_bytes);
     stats.peak_live_bytes = std::max(stats.peak_live_bytes, budget->live_bytes);
     ++stats.gathers;
     return {};
@@ -161,10 +164,7 @@ struct Engine::State {
     u.gathered_block.reset_after(last_use);
     u.gathered = {};
     for (auto& p : u.params) p.parameter->unbind();
-    if (u.prefetched) {
-      prefetched_bytes -= u.info.padded_bytes;
-      u.prefetched = false;
-    }
+    settle_prefetch(u);
     u.gather = Gather::released;
     auto permit = std::move(*u.permit);
     u.permit.reset();
@@ -207,20 +207,16 @@ struct Engine::State {
   }
 
   async::Task<Result<void>> fetch(Unit& u) {
-    const std::size_t index = index_of(u);
     ++stats.fetches;
-    recording.push_back(index);
+    recording.push_back(u.index);
     if (trace) {
-      if (trace_pos < trace->size() && (*trace)[trace_pos] == index)
+      if (trace_pos < trace->size() && (*trace)[trace_pos] == u.index)
         ++trace_pos;
       else
         COSHARD_CO_TRY(abandon_trace());
     }
     if (u.gather != Gather::released) ++stats.prefetch_hits;
-    if (u.prefetched) {
-      prefetched_bytes -= u.info.padded_bytes;
-      u.prefetched = false;
-    }
+    settle_prefetch(u);
     if (u.gather == Gather::released) {
       COSHARD_CO_TRY_ASSIGN(auto permit, co_await budget->semaphore.acquire(u.info.padded_bytes));
       COSHARD_CO_TRY(issue_gather(u, std::move(permit)));
@@ -238,10 +234,9 @@ struct Engine::State {
   bool keep_after_use(const Unit& u) const {
     if (u.info.persistent) return true;
     if (o.max_reuse_distance == 0 || !trace) return false;
-    const std::size_t index = u.index;
     const std::size_t end = std::min(trace->size(), trace_pos + o.max_reuse_distance);
     bool soon = false;
-    for (std::size_t i = trace_pos; i < end && !soon; ++i) soon = (*trace)[i] == index;
+    for (std::size_t i = trace_pos; i < end && !soon; ++i) soon = (*trace)[i] == u.index;
     return soon && budget->semaphore.available() >= largest_unit_bytes;
   }
 
@@ -316,8 +311,8 @@ Engine::~Engine() {
   if (s_->ctx->hooks() == this) s_->ctx->set_hooks(nullptr);
   for (auto& u : s_->units) {
     if (u->gather != Gather::released) {
-      // Give the memory back behind the streams' last uses; the budget goes with the engine.
-      if (auto ev = s_->ctx->stream().record()) u->gathered_block.record_use(*ev);
+      // The block goes back behind the gather and the compute stream's point (reset records
+      // it); the budget goes with the engine.
       u->gathered_block.reset();
       if (u->permit) u->permit->forget();
     }
@@ -484,8 +479,7 @@ async::Task<Result<void>> Engine::initialize(std::uint64_t seed) {
     const auto first = s.stage3() ? static_cast<std::size_t>(s.rank * u.info.shard) : 0;
     const auto bytes = encode_values(std::span<const double>(values).subspan(first, static_cast<std::size_t>(dst.numel())),
                                      s.o.dtype);
-    COSHARD_CO_TRY_ASSIGN(Tensor staged, s.ctx->upload(bytes, dst.shape(), s.o.dtype));
-    COSHARD_CO_TRY(s.ctx->stream().copy(dst.data(), staged.data(), dst.bytes()));
+    COSHARD_CO_TRY(s.ctx->copy_from_host(dst, bytes));
   }
   // The optimizer's fp32 masters (bf16/f16) were cast from the parameters at add_group: redo.
   COSHARD_CO_TRY(s.optimizer->reset_masters(*s.ctx));

@@ -35,12 +35,18 @@ Result<void> check_param(const Parameter& p, DataType dtype, std::string_view wh
 // A parameter's gradient takes part only when bound (an unbound gradient is a frozen parameter).
 bool trains(const Parameter& p) noexcept { return static_cast<bool>(p.grad()); }
 
+// The gradient given to backward must have the output's shape and dtype.
+Result<void> check_grad(const Tensor& grad, Shape expected, DataType dtype, std::string_view who) {
+  if (!grad || !(grad.shape() == expected) || grad.dtype() != dtype)
+    return fail(ErrorCode::invalid_argument, who, ": grad_output ", grad ? grad.describe() : std::string("empty"),
+                ", expected ", collectives::to_string(dtype), expected.to_string());
+  return {};
+}
+
+// For layers whose output has the saved input's shape and dtype.
 Result<void> check_grad(const Tensor& saved, const Tensor& grad, std::string_view who) {
   if (!saved) return fail(ErrorCode::invalid_argument, who, ": backward without a forward (nothing saved)");
-  if (!grad || !(grad.shape() == saved.shape()) || grad.dtype() != saved.dtype())
-    return fail(ErrorCode::invalid_argument, who, ": grad_output ", grad ? grad.describe() : std::string("empty"),
-                ", expected ", saved.describe());
-  return {};
+  return check_grad(grad, saved.shape(), saved.dtype(), who);
 }
 
 }  // namespace
@@ -77,10 +83,7 @@ async::Task<Result<Tensor>> Embedding::backward(Context& ctx, Tensor grad_output
   if (!tokens_) co_return fail(ErrorCode::invalid_argument, "Embedding: backward without a forward");
   const std::int64_t B = tokens_.shape()[0], T = tokens_.shape()[1];
   const DataType dt = token_weight().value().dtype();
-  if (!grad_output || !(grad_output.shape() == Shape{B, T, dim_}) || grad_output.dtype() != dt)
-    co_return fail(ErrorCode::invalid_argument, "Embedding: grad_output ",
-                   grad_output ? grad_output.describe() : "empty", ", expected ", collectives::to_string(dt), "[",
-                   B, ", ", T, ", ", dim_, "]");
+  COSHARD_CO_TRY(check_grad(grad_output, Shape{B, T, dim_}, dt, "Embedding"));
   if (trains(token_weight()) && trains(position_weight())) {
     COSHARD_CO_TRY(ctx.kernels().embedding_backward(ctx.stream(), dt, tokens_.data_as<std::int32_t>(),
                                                     grad_output.data(), token_weight().grad().data(),
@@ -116,11 +119,7 @@ async::Task<Result<Tensor>> Linear::forward(Context& ctx, Tensor input) {
 async::Task<Result<Tensor>> Linear::backward(Context& ctx, Tensor grad_output) {
   if (!input_) co_return fail(ErrorCode::invalid_argument, "Linear: backward without a forward");
   const DataType dt = input_.dtype();
-  const Shape expected = input_.shape().with_back(out_);
-  if (!grad_output || !(grad_output.shape() == expected) || grad_output.dtype() != dt)
-    co_return fail(ErrorCode::invalid_argument, "Linear: grad_output ",
-                   grad_output ? grad_output.describe() : "empty", ", expected ", collectives::to_string(dt),
-                   expected.to_string());
+  COSHARD_CO_TRY(check_grad(grad_output, input_.shape().with_back(out_), dt, "Linear"));
   const std::int64_t rows = input_.shape().rows();
   auto& k = ctx.kernels();
   COSHARD_CO_TRY_ASSIGN(Tensor dx, ctx.empty(input_.shape(), dt));
@@ -231,9 +230,7 @@ async::Task<Result<Tensor>> CausalSelfAttention::backward(Context& ctx, Tensor g
   if (!qkv_) co_return fail(ErrorCode::invalid_argument, "CausalSelfAttention: backward without a forward");
   const DataType dt = qkv_.dtype();
   const std::int64_t B = qkv_.shape()[0], T = qkv_.shape()[1];
-  if (!grad_output || !(grad_output.shape() == Shape{B, T, dim_}) || grad_output.dtype() != dt)
-    co_return fail(ErrorCode::invalid_argument, "CausalSelfAttention: grad_output ",
-                   grad_output ? grad_output.describe() : "empty", ", expected [", B, ", ", T, ", ", dim_, "]");
+  COSHARD_CO_TRY(check_grad(grad_output, Shape{B, T, dim_}, dt, "CausalSelfAttention"));
   COSHARD_CO_TRY_ASSIGN(Tensor dqkv, ctx.empty(qkv_.shape(), dt));
   COSHARD_CO_TRY_ASSIGN(Tensor scratch, ctx.empty(probs_.shape(), dt));
   COSHARD_CO_TRY(ctx.kernels().attention_backward(ctx.stream(), dt, grad_output.data(), qkv_.data(), probs_.data(),

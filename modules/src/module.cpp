@@ -144,20 +144,34 @@ Result<Tensor> Context::upload(std::span<const std::byte> host, Shape shape, Dat
     return fail(ErrorCode::invalid_argument, "upload: ", host.size(), " bytes given for ",
                 collectives::to_string(dtype), shape.to_string(), " (", bytes, " bytes)");
   COSHARD_TRY_ASSIGN(Tensor t, empty(shape, dtype));
-  if (bytes == 0) return t;
-  auto staging = std::make_shared<std::vector<std::byte>>(host.begin(), host.end());
-  COSHARD_TRY(stream_->copy(t.data(), staging->data(), bytes));
-  // The staging copy goes once the stream has passed the copy.
-  COSHARD_TRY(stream_->launch([staging = std::move(staging)] {}));
+  COSHARD_TRY(copy_from_host(t, host));
   return t;
 }
 
-async::Task<Result<std::vector<double>>> Context::read(Tensor tensor) {
+Result<void> Context::copy_from_host(const Tensor& dst, std::span<const std::byte> host) {
+  if (host.size() != dst.bytes())
+    return fail(ErrorCode::invalid_argument, "copy_from_host: ", host.size(), " bytes given for ", dst.describe(),
+                " (", dst.bytes(), " bytes)");
+  if (host.empty()) return {};
+  auto staging = std::make_shared<std::vector<std::byte>>(host.begin(), host.end());
+  COSHARD_TRY(stream_->copy(dst.data(), staging->data(), host.size()));
+  // The staging copy goes once the stream has passed the copy.
+  return stream_->launch([staging = std::move(staging)] {});
+}
+
+async::Task<Result<std::vector<std::byte>>> Context::read_bytes(Tensor tensor) {
   COSHARD_CO_TRY_ASSIGN(auto pinned, async::PinnedBuffer::allocate(tensor.bytes() == 0 ? 1 : tensor.bytes()));
   COSHARD_CO_TRY(stream_->copy(pinned.data(), tensor.data(), tensor.bytes()));
   COSHARD_CO_TRY_ASSIGN(auto done, stream_->record());
   COSHARD_CO_TRY(co_await done);
-  co_return decode_values(pinned.bytes().first(tensor.bytes()), tensor.dtype());
+  const auto bytes = pinned.bytes().first(tensor.bytes());
+  co_return std::vector<std::byte>(bytes.begin(), bytes.end());
+}
+
+async::Task<Result<std::vector<double>>> Context::read(Tensor tensor) {
+  const DataType dtype = tensor.dtype();
+  COSHARD_CO_TRY_ASSIGN(auto bytes, co_await read_bytes(std::move(tensor)));
+  co_return decode_values(bytes, dtype);
 }
 
 async::Task<Result<Tensor>> Context::forward(Module& module, Tensor input) {

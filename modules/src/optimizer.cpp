@@ -169,12 +169,9 @@ Result<void> Optimizer::step(Context& ctx, float lr) {
 
 async::Task<Result<OptimizerStats>> Optimizer::read_stats(Context& ctx) {
   if (!state_) co_return OptimizerStats{};
-  COSHARD_CO_TRY_ASSIGN(auto pinned, async::PinnedBuffer::allocate(sizeof(StepState)));
-  COSHARD_CO_TRY(ctx.stream().copy(pinned.data(), state_.data(), sizeof(StepState)));
-  COSHARD_CO_TRY_ASSIGN(auto done, ctx.stream().record());
-  COSHARD_CO_TRY(co_await done);
+  COSHARD_CO_TRY_ASSIGN(auto bytes, co_await ctx.read_bytes(state_));
   StepState st;
-  std::memcpy(&st, pinned.data(), sizeof st);
+  std::memcpy(&st, bytes.data(), sizeof st);
   OptimizerStats stats;
   stats.steps = st.step;
   stats.skipped_steps = st.skipped_steps;

@@ -72,10 +72,7 @@ async::Task<Result<void>> ParameterStore::initialize(Context& ctx, std::uint64_t
                                               static_cast<std::size_t>(e.parameter->numel()));
     initial_values(e.parameter->init(), e.name, seed, part);
   }
-  const auto bytes = encode_values(all, dtype());
-  COSHARD_CO_TRY_ASSIGN(Tensor staged, ctx.upload(bytes, values_.shape(), dtype()));
-  COSHARD_CO_TRY(ctx.stream().copy(values_.data(), staged.data(), values_.bytes()));
-  co_return Result<void>{};
+  co_return ctx.copy_from_host(values_, encode_values(all, dtype()));
 }
 
 Result<void> ParameterStore::zero_grad(Context& ctx) { return ctx.stream().fill(grads_.data(), 0, grads_.bytes()); }
@@ -127,10 +124,7 @@ async::Task<Result<void>> ParameterStore::load(Context& ctx, const std::filesyst
                        " is not a parameter of this model (strict loading)");
     }
   }
-  const auto bytes = encode_values(all, dtype());
-  COSHARD_CO_TRY_ASSIGN(Tensor staged, ctx.upload(bytes, values_.shape(), dtype()));
-  COSHARD_CO_TRY(ctx.stream().copy(values_.data(), staged.data(), values_.bytes()));
-  co_return Result<void>{};
+  co_return ctx.copy_from_host(values_, encode_values(all, dtype()));
 }
 
 }  // namespace coshard::modules

@@ -71,8 +71,7 @@ async::Task<Result<LayerRun>> run_layer(Context& ctx, const LayerCase& c, DataTy
   auto module = c.make(ctx);
   COSHARD_CO_TRY_ASSIGN(auto store, ParameterStore::create(ctx, *module, dt));
   const auto params = random_values(static_cast<std::size_t>(store.numel()), 1, 0.5);
-  COSHARD_CO_TRY_ASSIGN(Tensor p, co_await upload(ctx, params, store.values().shape(), dt));
-  COSHARD_CO_TRY(ctx.stream().copy(store.values().data(), p.data(), p.bytes()));
+  COSHARD_CO_TRY(ctx.copy_from_host(store.values(), encode_values(params, dt)));
   std::vector<double> x = random_values(static_cast<std::size_t>(c.input.numel()), 2);
   if (c.token_input)
     for (auto& v : x) v = std::floor((v + 1) / 2 * static_cast<double>(c.vocab - 1) + 0.5);

@@ -123,9 +123,7 @@ class Optimizers : public testing::ModuleFixture {
     Tensor g = host_tensor(grads[0], shape, DataType::f32);
     COSHARD_CO_TRY(opt->add_group(*ctx_, params, g));
     for (std::size_t s = 0; s < grads.size(); ++s) {
-      auto bytes = encode_values(grads[s], DataType::f32);
-      COSHARD_CO_TRY_ASSIGN(Tensor staged, ctx_->upload(bytes, shape, DataType::f32));
-      COSHARD_CO_TRY(stream_->copy(g.data(), staged.data(), g.bytes()));
+      COSHARD_CO_TRY(ctx_->copy_from_host(g, encode_values(grads[s], DataType::f32)));
       COSHARD_CO_TRY(opt->step(*ctx_, lrs[s]));
     }
     COSHARD_CO_TRY_ASSIGN(auto out, co_await ctx_->read(params));

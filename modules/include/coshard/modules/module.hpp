@@ -114,8 +114,13 @@ class Context {
   // A new tensor holding a copy of `host` (exactly shape.numel() * size_of(dtype) bytes). The
   // copy runs in stream order from a staging copy, so `host` may go at once.
   Result<Tensor> upload(std::span<const std::byte> host, Shape shape, DataType dtype);
-  // The tensor's elements as doubles (f32/f64/bf16/f16/i32), once the stream has produced them:
-  // copies into pinned memory and awaits the copy's event (the host does not block).
+  // Copies `host` (exactly dst.bytes()) into an existing tensor, in stream order, from a staging
+  // copy (so `host` may go at once).
+  Result<void> copy_from_host(const Tensor& dst, std::span<const std::byte> host);
+  // The tensor's bytes, once the stream has produced them: copies into pinned memory and awaits
+  // the copy's event (the host does not block).
+  async::Task<Result<std::vector<std::byte>>> read_bytes(Tensor tensor);
+  // The same, as doubles (f32/f64/bf16/f16/i32).
   async::Task<Result<std::vector<double>>> read(Tensor tensor);
 
   // Runs `module` with the hooks around it. Containers call these for their children.
