@@ -10,6 +10,9 @@ include(CMakeFindDependencyMacro)
 find_package(Threads REQUIRED)
 # JSON (safetensors headers, configs); linked privately, but a static library's consumers link it too.
 find_package(nlohmann_json 3 REQUIRED)
+# zlib (CRC-32 of checkpoint files in coshard::trainer); linked privately, but a static library's
+# consumers link it too.
+find_package(ZLIB REQUIRED)
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(COSHARD_URING REQUIRED IMPORTED_TARGET GLOBAL liburing)
 # OpenBLAS (the CPU matrix products of coshard::modules); linked privately, but a static

@@ -93,6 +93,7 @@ struct Engine::State {
   std::unordered_map<const Module*, std::size_t> unit_of;
   std::unordered_map<const Parameter*, std::string> names;
   std::size_t largest_unit_bytes = 0;
+  std::size_t first_group = 0;  // the optimizer's group of unit i is first_group + i
   std::shared_ptr<Budget> budget;
 
   // Traces of fetch order, per phase.
@@ -152,6 +153,7 @@ struct Engine::State {
     budget->live_bytes += u.info.padded_bytes;
     stats.peak_live_bytes = std::max(stats.peak_live_bytes, budget->live_bytes);
     ++stats.gathers;
+    stats.gathered_bytes += u.info.padded_bytes;
     return {};
   }
 
@@ -233,10 +235,17 @@ struct Engine::State {
   // keeps room for the largest unit, so keeping never starves an on-demand fetch).
   bool keep_after_use(const Unit& u) const {
     if (u.info.persistent) return true;
-    if (o.max_reuse_distance == 0 || !trace) return false;
-    const std::size_t end = std::min(trace->size(), trace_pos + o.max_reuse_distance);
+    if ((o.max_reuse_distance == 0 && o.max_reuse_distance_elements == 0) || !trace) return false;
     bool soon = false;
-    for (std::size_t i = trace_pos; i < end && !soon; ++i) soon = (*trace)[i] == u.index;
+    std::size_t elements = 0;
+    for (std::size_t i = trace_pos; i < trace->size() && !soon; ++i) {
+      const Unit& next = *units[(*trace)[i]];
+      const bool by_count = i - trace_pos < o.max_reuse_distance;
+      const bool by_elements = elements < o.max_reuse_distance_elements;
+      if (!by_count && !by_elements) break;
+      soon = next.index == u.index;
+      elements += static_cast<std::size_t>(next.info.numel);
+    }
     return soon && budget->semaphore.available() >= largest_unit_bytes;
   }
 
@@ -260,6 +269,7 @@ struct Engine::State {
     Tensor mine = u.grad_full.slice(static_cast<std::int64_t>(rank) * u.info.shard, Shape{u.info.shard});
     auto rs = comm->reduce_scatter(u.grad_full.data(), mine.data(), static_cast<std::size_t>(u.info.shard), o.dtype,
                                    ReduceOp::avg);
+    stats.reduce_scattered_bytes += u.info.padded_bytes;
     if (!rs) return fail(std::move(rs).error().with_context("reducing the gradients of unit " + u.info.name));
     if (u.grads_this_step == 0)
       COSHARD_TRY(cs.copy(u.grad_shard.data(), mine.data(), mine.bytes()));
@@ -334,6 +344,95 @@ std::size_t Engine::units_in_flight() const noexcept {
   return n;
 }
 
+int Engine::rank() const noexcept { return s_->rank; }
+int Engine::world_size() const noexcept { return s_->world; }
+
+std::vector<UnitShard> Engine::shards() const {
+  std::vector<UnitShard> out;
+  const auto& groups = s_->optimizer->groups();
+  for (const auto& u : s_->units) {
+    const auto& g = groups[s_->first_group + u->index];
+    out.push_back({u->info, u->shard, g.master, g.state1, g.state2});
+  }
+  return out;
+}
+
+async::Task<Result<void>> Engine::shards_written() {
+  State& s = *s_;
+  if (s.stage3()) co_return Result<void>{};
+  auto& compute = s.ctx->stream();
+  auto& cs = s.comm->stream();
+  COSHARD_CO_TRY(State::order(compute, cs));
+  Coalesced group;
+  for (auto& u : s.units)
+    group.all_gather(u->shard.data(), u->full.data(), static_cast<std::size_t>(u->info.shard), s.o.dtype);
+  COSHARD_CO_TRY(s.comm->launch(group));
+  COSHARD_CO_TRY(State::order(cs, compute));
+  co_return Result<void>{};
+}
+
+async::Task<Result<std::vector<GatheredParameter>>> Engine::gather_parameters() {
+  State& s = *s_;
+  Context& ctx = *s.ctx;
+  auto& compute = ctx.stream();
+  auto& cs = s.comm->stream();
+  std::vector<GatheredParameter> out;
+  COSHARD_CO_TRY(State::order(compute, cs));
+  for (auto& up : s.units) {
+    Unit& u = *up;
+    Tensor whole = u.full;
+    if (s.stage3()) {
+      // One unit at a time: a consolidated export must not need the whole model on one rank's device.
+      COSHARD_CO_TRY_ASSIGN(whole, ctx.empty(Shape{u.info.padded}, s.o.dtype));
+      auto done = s.comm->all_gather(u.shard.data(), whole.data(), static_cast<std::size_t>(u.info.shard), s.o.dtype);
+      if (!done) co_return fail(std::move(done).error().with_context("gathering unit " + u.info.name + " for export"));
+      COSHARD_CO_TRY(compute.wait(*done));
+    }
+    COSHARD_CO_TRY_ASSIGN(auto bytes, co_await ctx.read_bytes(whole));
+    for (const auto& p : u.params) {
+      const auto begin = static_cast<std::size_t>(p.offset) * s.element_size;
+      const auto n = static_cast<std::size_t>(p.parameter->numel()) * s.element_size;
+      out.push_back({s.names.at(p.parameter), p.parameter->shape(),
+                     std::vector<std::byte>(bytes.begin() + static_cast<std::ptrdiff_t>(begin),
+                                            bytes.begin() + static_cast<std::ptrdiff_t>(begin + n))});
+    }
+  }
+  co_return out;
+}
+
+async::Task<Result<void>> Engine::load_parameters(const std::vector<GatheredParameter>& values) {
+  State& s = *s_;
+  std::unordered_map<std::string_view, const GatheredParameter*> by_name;
+  for (const auto& v : values) {
+    if (!by_name.emplace(v.name, &v).second)
+      co_return fail(ErrorCode::invalid_argument, "load_parameters: '", v.name, "' given twice");
+    const auto it = std::find_if(s.names.begin(), s.names.end(), [&](const auto& kv) { return kv.second == v.name; });
+    if (it == s.names.end())
+      co_return fail(ErrorCode::invalid_argument, "load_parameters: '", v.name, "' is not a parameter of the model");
+    if (!(it->first->shape() == v.shape) || v.bytes.size() != static_cast<std::size_t>(v.shape.numel()) * s.element_size)
+      co_return fail(ErrorCode::invalid_argument, "load_parameters: '", v.name, "' has shape ", v.shape.to_string(),
+                     " and ", v.bytes.size(), " bytes; the model expects ", it->first->shape().to_string(), " in ",
+                     collectives::to_string(s.o.dtype));
+  }
+  for (const auto& [param, name] : s.names)
+    if (!by_name.contains(name))
+      co_return fail(ErrorCode::invalid_argument, "load_parameters: no value for parameter '", name, "'");
+  // Everything checked: now each rank writes its block of every unit.
+  for (auto& up : s.units) {
+    Unit& u = *up;
+    std::vector<std::byte> unit_bytes(u.info.padded_bytes, std::byte{0});
+    for (const auto& p : u.params) {
+      const auto& v = *by_name.at(s.names.at(p.parameter));
+      std::copy(v.bytes.begin(), v.bytes.end(), unit_bytes.begin() + static_cast<std::ptrdiff_t>(p.offset) * static_cast<std::ptrdiff_t>(s.element_size));
+    }
+    const auto shard_bytes = static_cast<std::size_t>(u.info.shard) * s.element_size;
+    const auto first = static_cast<std::size_t>(s.rank) * shard_bytes;
+    COSHARD_CO_TRY(s.ctx->copy_from_host(u.shard, std::span<const std::byte>(unit_bytes).subspan(first, shard_bytes)));
+  }
+  COSHARD_CO_TRY(s.optimizer->reset_masters(*s.ctx));
+  co_return co_await shards_written();
+}
+
 std::vector<FetchUnitInfo> Engine::units() const {
   std::vector<FetchUnitInfo> out;
   for (const auto& u : s_->units) out.push_back(u->info);
@@ -362,6 +461,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   s->rank = comm.rank();
   s->world = comm.size();
   s->element_size = size_of(o.dtype);
+  s->first_group = optimizer.groups().size();
   model.for_each_parameter([&](const std::string& name, Parameter& p) { s->names.emplace(&p, name); });
 
   // Units: modules with direct parameters, in execution (pre-order) order; small leaves merge.
@@ -549,9 +649,11 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
   COSHARD_CO_TRY(State::order(compute, cs));
   if (s.o.zero_stage == 1) {
     Coalesced group;
-    for (auto& u : s.units)
+    for (auto& u : s.units) {
       group.reduce_scatter(u->grad_full.data(), u->grad_shard.data(), static_cast<std::size_t>(u->info.shard),
                            s.o.dtype, ReduceOp::avg);
+      s.stats.reduce_scattered_bytes += u->info.padded_bytes;
+    }
     COSHARD_CO_TRY(s.comm->launch(group));
   } else {
     for (auto& u : s.units)  // units without a backward this step (unused parameters)
@@ -578,8 +680,10 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
   // Stages 1-2: every rank gets the updated parameters, in one launch.
   if (!s.stage3()) {
     Coalesced group;
-    for (auto& u : s.units)
+    for (auto& u : s.units) {
       group.all_gather(u->shard.data(), u->full.data(), static_cast<std::size_t>(u->info.shard), s.o.dtype);
+      s.stats.gathered_bytes += u->info.padded_bytes;
+    }
     COSHARD_CO_TRY(s.comm->launch(group));
   }
   COSHARD_CO_TRY(State::order(cs, compute));

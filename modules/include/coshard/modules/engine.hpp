@@ -53,6 +53,9 @@ struct EngineOptions {
   std::size_t max_live_bytes = std::numeric_limits<std::size_t>::max();  // gathered parameter bytes
   std::size_t prefetch_bucket_bytes = 0;   // 0: fetch on demand only
   std::size_t max_reuse_distance = 0;      // keep a unit needed again within this many fetches
+  // The same in DeepSpeed's measure: keep a unit needed again before this many parameter
+  // elements are fetched (stage3_max_reuse_distance). Either rule keeps a unit.
+  std::size_t max_reuse_distance_elements = 0;
   std::size_t persistence_threshold_bytes = 0;  // smaller units stay gathered for the whole step
   FetchMode fetch_mode = FetchMode::all_gather;
 };
@@ -67,6 +70,23 @@ struct FetchUnitInfo {
   bool persistent = false;
 };
 
+// This rank's share of one unit, as views of the engine's live tensors (valid while the engine
+// lives): what a sharded checkpoint saves and loads.
+struct UnitShard {
+  FetchUnitInfo info;
+  Tensor params;  // this rank's block of the unit, elements [rank * shard, (rank + 1) * shard)
+  Tensor master;  // its fp32 master (the same memory as params when the dtype is f32)
+  Tensor state1;  // Adam's first moment / SGD's momentum (empty when the optimizer keeps none)
+  Tensor state2;  // Adam's second moment (empty for SGD)
+};
+
+// One parameter's whole value, unpadded, in the engine dtype (host bytes).
+struct GatheredParameter {
+  std::string name;
+  Shape shape;
+  std::vector<std::byte> bytes;
+};
+
 struct Batch {
   Tensor tokens;   // i32 [B, T] on the compute device
   Tensor targets;  // i32 [B, T]
@@ -78,6 +98,8 @@ struct EngineStepStats {
   std::uint64_t prefetch_hits = 0;    // of those, already gathered or in flight
   std::uint64_t gathers = 0;          // collectives issued to gather units
   std::uint64_t collective_launches = 0;
+  std::uint64_t gathered_bytes = 0;         // parameter bytes received by all-gathers (padded units)
+  std::uint64_t reduce_scattered_bytes = 0; // gradient bytes put into reduce-scatters
   std::size_t peak_live_bytes = 0;    // most gathered bytes held at once (stage 3)
   bool trace_changed = false;         // the order departed from the recorded trace
   OptimizerStats optimizer;
@@ -104,6 +126,20 @@ class Engine final : public ModuleHooks {
   async::Task<Result<double>> evaluate(CrossEntropyLoss& loss, const Batch& batch);
 
   std::vector<FetchUnitInfo> units() const;
+  int rank() const noexcept;
+  int world_size() const noexcept;
+
+  // Checkpoints. `shards()` gives this rank's blocks of every unit with their optimizer state.
+  // After writing new values into them (in stream order on the context's stream), call
+  // `shards_written()`: stages 1-2 then gather every rank's updated block into the full copies.
+  std::vector<UnitShard> shards() const;
+  async::Task<Result<void>> shards_written();
+  // Every parameter's whole value, unpadded, on every rank: one all-gather per unit (stage 3;
+  // stages 1-2 hold the full values already). For exporting a consolidated model.
+  async::Task<Result<std::vector<GatheredParameter>>> gather_parameters();
+  // Sets every parameter from whole values by name (each rank keeps its block); a missing,
+  // extra or reshaped name is refused before anything changes. The fp32 masters follow.
+  async::Task<Result<void>> load_parameters(const std::vector<GatheredParameter>& values);
   const EngineOptions& options() const noexcept;
   // Units with their gather in flight right now (for tests of prefetch).
   std::size_t units_in_flight() const noexcept;

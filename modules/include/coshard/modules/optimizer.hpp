@@ -90,6 +90,9 @@ class Optimizer {
     Tensor state2;  // Adam v
   };
   const std::vector<Group>& groups() const noexcept { return groups_; }
+  // The device step state (f32[8]: norm scratch, loss scale, step counts, growth tracker), for
+  // checkpoints: every rank holds the same bytes. Empty before the first add_group.
+  Tensor step_state() const noexcept { return state_; }
 
  protected:
   struct Impl;

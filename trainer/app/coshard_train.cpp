@@ -1,0 +1,311 @@
+// coshard-train: trains the GPT-style model of coshard::modules with the ZeRO engine.
+//
+//   coshard-train                                  synthetic task, 2 Local ranks, ZeRO-3, CPU
+//   coshard-train --data book.txt --steps 2000     a text file as bytes
+//   coshard-train --checkpoint-dir ck --checkpoint-every 50 ... ; later: the same with --resume
+//
+// Ranks: --world-size N runs N ranks as threads of this process (the Local backend, CPU), or,
+// with the torchrun variables set (WORLD_SIZE, RANK, ...), this process is one rank of many.
+// --batch is the global batch per step, split evenly over the ranks; the data of a step depends
+// only on (--seed, step), so runs at different world sizes and stages see the same data.
+#include <CLI/CLI.hpp>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <mutex>
+#include <thread>
+
+#include "coshard/async/runtime.hpp"
+#include "coshard/collectives/env.hpp"
+#include "coshard/collectives/local.hpp"
+#include "coshard/modules/gpt.hpp"
+#include "coshard/trainer/trainer.hpp"
+#include "progress.hpp"
+
+namespace {
+
+using namespace coshard;
+using trainer::HostBatch;
+using trainer::TrainerConfig;
+
+struct Options {
+  std::string device = "cpu";
+  int world_size = 2;
+  std::int64_t steps = 400;
+  std::int64_t batch = 16;
+  std::int64_t seq = 64;
+  std::int64_t layers = 4;
+  std::int64_t dim = 128;
+  std::int64_t heads = 4;
+  std::int64_t vocab = 256;  // synthetic task only; a --data file is bytes (256)
+  std::string data, config, init, metrics, checkpoint_dir, export_path;
+  std::int64_t checkpoint_every = 0;
+  bool resume = false;
+  bool quiet = false;
+  TrainerConfig train;
+};
+
+// Rank 0 prints and writes; every rank reports its failure.
+struct Shared {
+  std::mutex mutex;
+  std::vector<std::string> errors;
+  void error(int rank, const std::string& message) {
+    std::lock_guard lock(mutex);
+    errors.push_back("rank " + std::to_string(rank) + ": " + message);
+  }
+};
+
+async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& comm, const trainer::TokenSource& data,
+                                   Shared& shared) {
+  const int rank = comm.rank(), world = comm.size();
+  const bool lead = rank == 0;
+  modules::GptConfig g;
+  g.vocab = data.vocab();
+  g.max_seq = o.seq;
+  g.dim = o.dim;
+  g.layers = o.layers;
+  g.heads = o.heads;
+  COSHARD_CO_TRY_ASSIGN(auto model, modules::make_gpt(g));
+  trainer::TrainerBuilder builder(o.train);
+  builder.communicator(comm);
+  COSHARD_CO_TRY_ASSIGN(auto t, co_await builder.build(*model));
+  if (!o.init.empty()) COSHARD_CO_TRY(co_await t.load_safetensors(o.init));
+  if (o.resume) {
+    auto loaded = co_await t.load_checkpoint(o.checkpoint_dir);
+    if (!loaded) co_return fail(std::move(loaded).error().with_context("--resume"));
+  }
+  const std::int64_t first = t.steps_done();
+  if (lead && !o.quiet) {
+    std::printf("coshard-train: %lld-parameter GPT (%lld layers, dim %lld, %lld heads), %s\n",
+                static_cast<long long>(g.parameter_count()), static_cast<long long>(g.layers),
+                static_cast<long long>(g.dim), static_cast<long long>(g.heads), data.describe().c_str());
+    std::printf("  ZeRO-%d, %d rank(s) on %s, global batch %lld x %lld tokens, %zu fetch units%s\n",
+                o.train.zero_stage, world, o.device.c_str(), static_cast<long long>(o.batch),
+                static_cast<long long>(o.seq), t.engine().units().size(),
+                first > 0 ? (", resumed at step " + std::to_string(first)).c_str() : "");
+    std::fflush(stdout);
+  }
+  std::ofstream metrics;
+  if (lead && !o.metrics.empty()) {
+    metrics.open(o.metrics, first > 0 ? std::ios::app : std::ios::trunc);
+    if (!metrics) co_return fail(ErrorCode::io, "--metrics ", o.metrics, ": cannot open for writing");
+  }
+  trainer::Progress progress(first, o.steps, stdout);
+  for (std::int64_t step = first; step < o.steps; ++step) {
+    const HostBatch global = data.batch(static_cast<std::uint64_t>(step), o.batch, o.seq);
+    COSHARD_CO_TRY_ASSIGN(auto stats, co_await t.step(global.rank_rows(rank, world)));
+    if (lead) {
+      if (!o.quiet) progress.update(stats);
+      if (metrics.is_open()) {
+        metrics << trainer::to_json_line(stats) << '\n';
+        metrics.flush();
+        if (!metrics) co_return fail(ErrorCode::io, "--metrics ", o.metrics, ": write failed");
+      }
+    }
+    if (o.checkpoint_every > 0 && stats.step % o.checkpoint_every == 0)
+      COSHARD_CO_TRY(co_await t.save_checkpoint(o.checkpoint_dir));
+  }
+  COSHARD_CO_TRY(co_await t.finish_checkpoint());
+  if (lead && !o.quiet) progress.finish();
+  if (!o.export_path.empty()) {
+    COSHARD_CO_TRY(co_await t.export_safetensors(o.export_path));
+    if (lead && !o.quiet) std::printf("exported %s\n", o.export_path.c_str());
+  }
+  (void)shared;
+  co_return Result<void>{};
+}
+
+int run(const Options& o) {
+  std::unique_ptr<trainer::TokenSource> data;
+  if (o.data.empty()) {
+    data = std::make_unique<trainer::SyntheticTask>(o.vocab, o.train.seed);
+  } else {
+    auto corpus = trainer::ByteCorpus::open(o.data, o.train.seed);
+    if (!corpus) {
+      std::fprintf(stderr, "coshard-train: %s\n", corpus.error().message().c_str());
+      return 2;
+    }
+    if (auto ok = (*corpus)->check(o.seq); !ok) {
+      std::fprintf(stderr, "coshard-train: %s\n", ok.error().message().c_str());
+      return 2;
+    }
+    data = std::move(*corpus);
+  }
+
+  Shared shared;
+  const bool torchrun = std::getenv("WORLD_SIZE") != nullptr;
+  if (torchrun || o.device == "cuda") {
+    // One process per rank: NCCL on a GPU, or Local for a single CPU rank.
+    async::Runtime rt;
+    collectives::FromEnvOptions env;
+    env.force_cpu = o.device == "cpu";
+    auto comm = collectives::communicator_from_env(rt, env);
+    if (!comm) {
+      std::fprintf(stderr, "coshard-train: %s\n", comm.error().message().c_str());
+      return 2;
+    }
+    if (!(*comm)->stream().device().is_cuda() && o.device == "cuda") {
+      std::fprintf(stderr, "coshard-train: --device cuda: no CUDA device or no NCCL in this build\n");
+      return 2;
+    }
+    auto done = rt.block_on(run_rank(o, **comm, *data, shared));
+    if (!done) shared.error((*comm)->rank(), done.error().message());
+  } else {
+    auto comms = collectives::make_local_communicators(o.world_size);
+    if (!comms) {
+      std::fprintf(stderr, "coshard-train: %s\n", comms.error().message().c_str());
+      return 2;
+    }
+    std::vector<std::thread> threads;
+    for (int r = 0; r < o.world_size; ++r) {
+      threads.emplace_back([&, r] {
+        async::Runtime rt;
+        auto done = rt.block_on(run_rank(o, *(*comms)[static_cast<std::size_t>(r)], *data, shared));
+        if (!done) shared.error(r, done.error().message());
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+  if (!shared.errors.empty()) {
+    std::fflush(stdout);
+    for (const auto& e : shared.errors) std::fprintf(stderr, "coshard-train: %s\n", e.c_str());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  CLI::App app{"coshard-train: trains a GPT-style model with ZeRO stages 1-3 (coshard)"};
+  app.option_defaults()->always_capture_default();
+  auto size_option = [&](const std::string& name, std::size_t& target, const std::string& help) {
+    return app.add_option_function<std::string>(
+        name,
+        [&target, name](const std::string& text) {
+          auto v = trainer::parse_size(text);
+          if (!v) throw CLI::ValidationError(name, v.error().message());
+          target = *v;
+        },
+        help);
+  };
+  auto offload_option = [&](const std::string& name, trainer::OffloadOptions& target, const std::string& help) {
+    return app.add_option_function<std::string>(
+        name,
+        [&target, name](const std::string& text) {
+          auto v = trainer::parse_offload(text);
+          if (!v) throw CLI::ValidationError(name, v.error().message());
+          target = *v;
+        },
+        help);
+  };
+  TrainerConfig cli;  // the command line's ZeRO and optimizer values, applied over --config
+  std::string fetch_mode = "all_gather";
+  std::string dtype = "f32";
+  app.add_option("--device", o.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--world-size", o.world_size, "ranks as threads of this process (Local backend, CPU)")
+      ->check(CLI::Range(1, 64));
+  app.add_option("--steps", o.steps, "optimizer steps in total (a resumed run continues to this)")
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 40));
+  app.add_option("--batch", o.batch, "global batch (sequences per step, split evenly over the ranks)")
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 30));
+  app.add_option("--seq", o.seq, "tokens per sequence")->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20));
+  app.add_option("--layers", o.layers, "transformer blocks")->check(CLI::Range(std::int64_t{1}, std::int64_t{4096}));
+  app.add_option("--dim", o.dim, "model width")->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20));
+  app.add_option("--heads", o.heads, "attention heads")->check(CLI::Range(std::int64_t{1}, std::int64_t{4096}));
+  app.add_option("--vocab", o.vocab, "vocabulary of the synthetic task")->check(CLI::Range(std::int64_t{2}, std::int64_t{1} << 20));
+  app.add_option("--data", o.data, "a text file, trained on as bytes (default: the synthetic task)");
+  auto* lr = app.add_option("--lr", cli.lr, "learning rate (AdamW)");
+  auto* warmup = app.add_option("--warmup", cli.warmup_steps, "linear warm-up steps");
+  auto* seed = app.add_option("--seed", cli.seed, "seed of the initial weights and of the data");
+  auto* stage = app.add_option("--zero-stage", cli.zero_stage, "1, 2 or 3");
+  auto* fetch = app.add_option("--fetch-mode", fetch_mode, "stage-3 fetch collective")
+                    ->check(CLI::IsMember({"all_gather", "all_reduce"}));
+  auto* prefetch = size_option("--prefetch-bucket", cli.prefetch_bucket_bytes, "bytes gathered ahead of use (64MiB)");
+  auto* live = size_option("--max-live", cli.max_live_bytes, "budget of gathered parameter bytes (1GiB)");
+  auto* reuse = app.add_option("--max-reuse-distance", cli.max_reuse_distance, "keep a unit needed again within N fetches");
+  auto* persist = size_option("--persistence-threshold", cli.persistence_threshold_bytes, "smaller units stay gathered");
+  auto* granularity = size_option("--module-granularity", cli.module_granularity_bytes, "coalesce smaller leaf modules");
+  auto* accum = app.add_option("--grad-accum", cli.gradient_accumulation_steps, "micro-batches per step on each rank");
+  auto* clip = app.add_option("--clip", cli.max_grad_norm, "global gradient-norm clipping (0: off)");
+  auto* wd = app.add_option("--weight-decay", cli.weight_decay, "AdamW weight decay");
+  auto* precision = app.add_option("--dtype", dtype, "compute dtype (f32; bf16/f16 need --device cuda)")
+                        ->check(CLI::IsMember({"f32", "bf16", "f16"}));
+  auto* off_opt = offload_option("--offload-optimizer", cli.offload_optimizer, "none, cpu or nvme:PATH");
+  auto* off_par = offload_option("--offload-params", cli.offload_params, "none, cpu or nvme:PATH");
+  app.add_option("--config", o.config, "a DeepSpeed JSON config (its zero_optimization, fp16/bf16, optimizer, ...)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--init", o.init, "initial weights from a safetensors file")->check(CLI::ExistingFile);
+  app.add_option("--metrics", o.metrics, "one JSON object per step (rank 0)");
+  app.add_option("--checkpoint-dir", o.checkpoint_dir, "folder of sharded checkpoints");
+  app.add_option("--checkpoint-every", o.checkpoint_every, "save every N steps (0: never)")
+      ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40));
+  app.add_flag("--resume", o.resume, "continue from the latest checkpoint in --checkpoint-dir");
+  app.add_option("--export", o.export_path, "write the consolidated model as safetensors at the end");
+  app.add_flag("--quiet", o.quiet, "no progress output");
+  CLI11_PARSE(app, argc, argv);
+
+  // --config first, then every option given on the command line over it.
+  TrainerConfig c;
+  if (!o.config.empty()) {
+    std::vector<std::string> notes;
+    auto from = TrainerConfig::from_json_file(o.config, c, &notes);
+    if (!from) {
+      std::fprintf(stderr, "coshard-train: %s\n", from.error().message().c_str());
+      return 2;
+    }
+    c = *from;
+    if (!o.quiet)
+      for (const auto& n : notes) std::printf("config note: %s\n", n.c_str());
+  }
+  if (lr->count()) c.lr = cli.lr;
+  if (warmup->count()) c.warmup_steps = cli.warmup_steps;
+  if (seed->count()) c.seed = cli.seed;
+  if (stage->count()) c.zero_stage = cli.zero_stage;
+  if (fetch->count())
+    c.fetch_mode = fetch_mode == "all_reduce" ? modules::FetchMode::all_reduce : modules::FetchMode::all_gather;
+  if (prefetch->count()) c.prefetch_bucket_bytes = cli.prefetch_bucket_bytes;
+  if (live->count()) c.max_live_bytes = cli.max_live_bytes;
+  if (reuse->count()) c.max_reuse_distance = cli.max_reuse_distance;
+  if (persist->count()) c.persistence_threshold_bytes = cli.persistence_threshold_bytes;
+  if (granularity->count()) c.module_granularity_bytes = cli.module_granularity_bytes;
+  if (accum->count()) c.gradient_accumulation_steps = cli.gradient_accumulation_steps;
+  if (clip->count()) c.max_grad_norm = cli.max_grad_norm;
+  if (wd->count()) c.weight_decay = cli.weight_decay;
+  if (precision->count()) {
+    c.dtype = dtype == "bf16" ? modules::DataType::bf16 : dtype == "f16" ? modules::DataType::f16 : modules::DataType::f32;
+    c.reduce_dtype = c.dtype;
+    if (c.dtype == modules::DataType::f16 && c.loss_scaling == modules::LossScaling::none)
+      c.loss_scaling = modules::LossScaling::dynamic;
+  }
+  if (off_opt->count()) c.offload_optimizer = cli.offload_optimizer;
+  if (off_par->count()) c.offload_params = cli.offload_params;
+  if (auto ok = c.validate(); !ok) {
+    std::fprintf(stderr, "coshard-train: %s\n", ok.error().message().c_str());
+    return 2;
+  }
+  o.train = c;
+
+  // Cross-option checks, each naming the values.
+  const int world = std::getenv("WORLD_SIZE") ? std::atoi(std::getenv("WORLD_SIZE")) : o.world_size;
+  auto usage = [](const std::string& m) {
+    std::fprintf(stderr, "coshard-train: %s\n", m.c_str());
+    return 2;
+  };
+  if (world < 1) return usage("WORLD_SIZE must be at least 1");
+  const std::int64_t per_rank_unit = static_cast<std::int64_t>(world) * c.gradient_accumulation_steps;
+  if (o.batch % per_rank_unit != 0)
+    return usage("--batch " + std::to_string(o.batch) + " does not split evenly over " + std::to_string(world) +
+                 " rank(s) x " + std::to_string(c.gradient_accumulation_steps) + " micro-batch(es)");
+  if (o.dim % o.heads != 0)
+    return usage("--dim " + std::to_string(o.dim) + " is not a multiple of --heads " + std::to_string(o.heads));
+  if ((o.resume || o.checkpoint_every > 0) && o.checkpoint_dir.empty())
+    return usage("--resume and --checkpoint-every need --checkpoint-dir");
+  if (o.device == "cuda" && !std::getenv("WORLD_SIZE") && o.world_size > 1)
+    return usage("--device cuda --world-size " + std::to_string(o.world_size) +
+                 ": ranks as threads run on the CPU only; run one process per GPU under torchrun instead");
+  return run(o);
+}

@@ -1,0 +1,35 @@
+#include "progress.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+
+namespace coshard::trainer {
+
+Progress::Progress(std::int64_t first_step, std::int64_t last_step, std::FILE* out)
+    : first_(first_step), last_(last_step), every_(std::max<std::int64_t>(1, (last_step - first_step) / 20)),
+      out_(out), tty_(::isatty(::fileno(out)) != 0) {}
+
+void Progress::update(const StepStats& s) {
+  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  const auto done = s.step - first_;
+  const double eta = done > 0 ? elapsed / static_cast<double>(done) * static_cast<double>(last_ - s.step) : 0;
+  if (tty_) {
+    std::fprintf(out_, "\r\033[Kstep %lld/%lld  loss %.4f  %.0f tok/s  %.1f ms/step  ETA %.0fs",
+                 static_cast<long long>(s.step), static_cast<long long>(last_), s.loss, s.tokens_per_s, s.step_ms, eta);
+    open_line_ = true;
+  } else if (s.step == first_ + 1 || s.step == last_ || (s.step - first_) % every_ == 0) {
+    std::fprintf(out_, "step %lld/%lld  loss %.4f  %.0f tok/s  %.1f ms/step  hit rate %.2f  ETA %.0fs\n",
+                 static_cast<long long>(s.step), static_cast<long long>(last_), s.loss, s.tokens_per_s, s.step_ms,
+                 s.prefetch_hit_rate, eta);
+  }
+  std::fflush(out_);
+}
+
+void Progress::finish() {
+  if (open_line_) std::fputc('\n', out_);
+  open_line_ = false;
+  std::fflush(out_);
+}
+
+}  // namespace coshard::trainer

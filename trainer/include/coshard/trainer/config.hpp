@@ -1,0 +1,92 @@
+// TrainerConfig: every knob of a training run as plain data, validated in one place, and read
+// from a DeepSpeed JSON config so DeepSpeed users can bring theirs.
+//
+// Sizes are bytes here. DeepSpeed counts most of its ZeRO sizes in parameter elements
+// (stage3_prefetch_bucket_size, stage3_max_live_parameters, ...): from_json converts them with
+// the element size of the compute dtype the same config selects (fp16/bf16 sections; fp32
+// otherwise), and keeps stage3_max_reuse_distance in elements (the engine supports both).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "coshard/modules/engine.hpp"
+
+namespace coshard::trainer {
+
+enum class OffloadDevice : std::uint8_t { none, cpu, nvme };
+std::string_view to_string(OffloadDevice d) noexcept;
+
+struct OffloadOptions {
+  OffloadDevice device = OffloadDevice::none;
+  std::filesystem::path nvme_path;        // nvme only
+  bool pin_memory = true;
+  int buffer_count = 4;
+  std::size_t buffer_bytes = 100'000'000;
+};
+
+enum class OptimizerKind : std::uint8_t { adamw, sgd };
+std::string_view to_string(OptimizerKind k) noexcept;
+
+struct TrainerConfig {
+  // ZeRO (see EngineOptions for their meaning).
+  int zero_stage = 3;
+  modules::FetchMode fetch_mode = modules::FetchMode::all_gather;
+  std::size_t prefetch_bucket_bytes = 64ull << 20;
+  std::size_t max_live_bytes = 1ull << 30;
+  std::size_t max_reuse_distance = 0;           // fetch units
+  std::size_t max_reuse_distance_elements = 0;  // DeepSpeed's measure
+  std::size_t persistence_threshold_bytes = 0;
+  std::size_t module_granularity_bytes = 0;
+
+  // Precision: parameters, activations and gradients in `dtype` (fp32 masters in the optimizer);
+  // gradients are reduced in `reduce_dtype`, which must be `dtype` for now.
+  modules::DataType dtype = modules::DataType::f32;
+  modules::DataType reduce_dtype = modules::DataType::f32;
+  modules::LossScaling loss_scaling = modules::LossScaling::none;  // dynamic is the usual for f16
+  float initial_loss_scale = 65536.0f;
+
+  // The step.
+  int gradient_accumulation_steps = 1;  // micro-batches per step on each rank
+  float max_grad_norm = 1.0f;           // 0: no clipping
+  OptimizerKind optimizer = OptimizerKind::adamw;
+  float lr = 3e-3f;
+  std::int64_t warmup_steps = 0;        // linear warm-up from 0 to lr
+  float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;
+  float weight_decay = 0.0f;
+  float momentum = 0.9f;                // sgd
+  bool nesterov = false;                // sgd
+  std::uint64_t seed = 1;               // initial weights
+
+  OffloadOptions offload_optimizer;
+  OffloadOptions offload_params;
+
+  // Every value and combination checked; the error names the first bad one and what is allowed.
+  Result<void> validate() const;
+  // The engine's view of these settings.
+  modules::EngineOptions engine_options() const;
+  // The learning rate of step `step` (0-based) under the warm-up.
+  float lr_at(std::int64_t step) const noexcept;
+
+  // A DeepSpeed config: the whole file ({"zero_optimization": {...}, "fp16": ..., "bf16": ...,
+  // "optimizer": ..., "gradient_clipping": ..., "gradient_accumulation_steps": ...}) or just its
+  // zero_optimization object. Starts from `base` (the command line's values, say). Unknown and
+  // unsupported keys are all listed in one error; keys accepted without effect (overlap_comm:
+  // always on, ...) are listed in `notes`.
+  static Result<TrainerConfig> from_json(std::string_view json, const TrainerConfig& base,
+                                         std::vector<std::string>* notes = nullptr);
+  static Result<TrainerConfig> from_json_file(const std::filesystem::path& path, const TrainerConfig& base,
+                                              std::vector<std::string>* notes = nullptr);
+};
+
+// "64MiB", "1.5GB", "4096", "1e8": bytes. Binary (KiB, MiB, GiB, TiB) and decimal (KB, MB, GB,
+// TB) suffixes, case-insensitive, optional "B". The error names the text.
+Result<std::size_t> parse_size(std::string_view text);
+// "none", "cpu", "nvme:/path" (or "nvme" with a path given elsewhere).
+Result<OffloadOptions> parse_offload(std::string_view text);
+
+}  // namespace coshard::trainer

@@ -1,0 +1,158 @@
+// The Trainer: one rank's training loop over the ZeRO engine, configured through TrainerBuilder.
+//
+//   auto trainer = TrainerBuilder{}.communicator(comm).zero_stage(3).max_live_bytes(1ull << 30)
+//                      .build(model);                       // Result<Trainer>
+//   auto stats = co_await trainer->step(batch.rank_rows(rank, world));
+//
+// Each rank (a thread with the Local backend, a process with NCCL) builds its own Trainer over
+// the same model definition; the trainer owns its compute stream, allocator, optimizer and
+// engine, on the communicator's device. The model must outlive the trainer.
+//
+// Checkpoints are sharded: each rank writes its parameter and optimizer shards, rank 0 a
+// manifest with sizes and CRC-32s. A save stages the shards in host memory (awaiting device
+// events, never blocking) and returns; the files are written on the blocking pool behind
+// training. At the start of the second step after the save (or at the next save, load or
+// `finish_checkpoint`), the ranks confirm their files and rank 0 publishes the checkpoint by
+// renaming its folder into place and pointing `latest` at it: a crash at any moment leaves the
+// previous checkpoint whole and `latest` pointing at it. A checkpoint loads at any world size.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "coshard/collectives/communicator.hpp"
+#include "coshard/modules/engine.hpp"
+#include "coshard/trainer/config.hpp"
+#include "coshard/trainer/data.hpp"
+
+namespace coshard::trainer {
+
+struct StepStats {
+  std::int64_t step = 0;               // 1-based: the number of optimizer steps taken, this one included
+  double loss = 0;                     // mean over the whole global batch (all micro-batches, all ranks)
+  double step_ms = 0;                  // host wall time from the call to the loss being known
+  std::int64_t tokens = 0;             // tokens in the global batch
+  double tokens_per_s = 0;
+  float lr = 0;
+  std::uint64_t gathered_bytes = 0;    // this rank's all-gather traffic for parameters
+  std::uint64_t reduce_scattered_bytes = 0;
+  std::uint64_t peak_gathered_bytes = 0;
+  std::uint64_t blocking_waits = 0;    // the runtime's counter, cumulative, process-wide
+  std::uint64_t swap_bytes = 0;        // offload traffic (0 until offloading exists)
+  double prefetch_hit_rate = 1;
+  std::uint64_t collective_launches = 0;
+  float grad_norm = 0;
+  float loss_scale = 1;
+  bool skipped = false;                // the optimizer skipped this step (inf/NaN gradients)
+  bool trace_changed = false;
+};
+
+// One JSON object (one line, no newline) with the keys of StepStats.
+std::string to_json_line(const StepStats& s);
+
+class Trainer {
+ public:
+  Trainer(Trainer&&) noexcept;
+  Trainer& operator=(Trainer&&) noexcept;
+  ~Trainer();
+
+  // One optimizer step on this rank's rows of the global batch (split into
+  // gradient_accumulation_steps micro-batches). Every rank calls it with its own rows.
+  async::Task<Result<StepStats>> step(const HostBatch& rows);
+  // The mean loss over ranks of a forward pass (no update).
+  async::Task<Result<double>> evaluate(const HostBatch& rows);
+
+  // Sharded checkpoints under `dir` (every rank the same dir, at the same step). See the top.
+  async::Task<Result<void>> save_checkpoint(const std::filesystem::path& dir);
+  // Finishes a pending save: waits for the files, publishes, and returns once it is visible.
+  async::Task<Result<void>> finish_checkpoint();
+  // Loads `dir/latest` (or `dir` itself when it is one checkpoint folder). Every check (manifest,
+  // sizes, CRCs, units, dtype, optimizer) passes on every rank before any state changes.
+  async::Task<Result<void>> load_checkpoint(const std::filesystem::path& dir);
+  // The whole model, consolidated by all-gather, written by rank 0 as safetensors (parameter
+  // names as in the model). Every rank calls it.
+  async::Task<Result<void>> export_safetensors(const std::filesystem::path& path);
+  // Initial weights from a safetensors file with every parameter (any float dtype; converted).
+  async::Task<Result<void>> load_safetensors(const std::filesystem::path& path);
+
+  std::int64_t steps_done() const noexcept;
+  const TrainerConfig& config() const noexcept;
+  int rank() const noexcept;
+  int world_size() const noexcept;
+  modules::Engine& engine() noexcept;
+  modules::Context& context() noexcept;
+
+  struct Impl;
+
+ private:
+  friend class TrainerBuilder;
+  explicit Trainer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+class TrainerBuilder {
+ public:
+  TrainerBuilder() = default;
+  explicit TrainerBuilder(TrainerConfig config) : c_(std::move(config)) {}
+
+  TrainerBuilder& communicator(collectives::Communicator& comm) { comm_ = &comm; return *this; }
+  TrainerBuilder& config(TrainerConfig c) { c_ = std::move(c); return *this; }
+  TrainerBuilder& zero_stage(int v) { c_.zero_stage = v; return *this; }
+  TrainerBuilder& fetch_mode(modules::FetchMode v) { c_.fetch_mode = v; return *this; }
+  TrainerBuilder& prefetch_bucket_bytes(std::size_t v) { c_.prefetch_bucket_bytes = v; return *this; }
+  TrainerBuilder& max_live_bytes(std::size_t v) { c_.max_live_bytes = v; return *this; }
+  TrainerBuilder& max_reuse_distance(std::size_t units) { c_.max_reuse_distance = units; return *this; }
+  TrainerBuilder& persistence_threshold_bytes(std::size_t v) { c_.persistence_threshold_bytes = v; return *this; }
+  TrainerBuilder& module_granularity_bytes(std::size_t v) { c_.module_granularity_bytes = v; return *this; }
+  TrainerBuilder& mixed_precision(modules::DataType compute) {
+    c_.dtype = compute;
+    c_.reduce_dtype = compute;
+    if (compute == modules::DataType::f16 && c_.loss_scaling == modules::LossScaling::none)
+      c_.loss_scaling = modules::LossScaling::dynamic;
+    return *this;
+  }
+  TrainerBuilder& reduce_dtype(modules::DataType v) { c_.reduce_dtype = v; return *this; }
+  TrainerBuilder& loss_scaling(modules::LossScaling v, float initial = 65536.0f) {
+    c_.loss_scaling = v;
+    c_.initial_loss_scale = initial;
+    return *this;
+  }
+  TrainerBuilder& gradient_accumulation_steps(int v) { c_.gradient_accumulation_steps = v; return *this; }
+  TrainerBuilder& max_grad_norm(float v) { c_.max_grad_norm = v; return *this; }
+  TrainerBuilder& adamw(float lr, float weight_decay = 0.0f, float beta1 = 0.9f, float beta2 = 0.95f) {
+    c_.optimizer = OptimizerKind::adamw;
+    c_.lr = lr;
+    c_.weight_decay = weight_decay;
+    c_.beta1 = beta1;
+    c_.beta2 = beta2;
+    return *this;
+  }
+  TrainerBuilder& sgd(float lr, float momentum = 0.9f, bool nesterov = false) {
+    c_.optimizer = OptimizerKind::sgd;
+    c_.lr = lr;
+    c_.momentum = momentum;
+    c_.nesterov = nesterov;
+    return *this;
+  }
+  TrainerBuilder& warmup_steps(std::int64_t v) { c_.warmup_steps = v; return *this; }
+  TrainerBuilder& seed(std::uint64_t v) { c_.seed = v; return *this; }
+  TrainerBuilder& offload_optimizer(OffloadOptions v) { c_.offload_optimizer = std::move(v); return *this; }
+  TrainerBuilder& offload_params(OffloadOptions v) { c_.offload_params = std::move(v); return *this; }
+
+  const TrainerConfig& config() const noexcept { return c_; }
+
+  // Validates everything, creates this rank's stream, allocator, optimizer and engine on the
+  // communicator's device, and initialises the weights from `seed`. Runs on a Runtime (the
+  // initial upload awaits the device). `model` must outlive the Trainer.
+  async::Task<Result<Trainer>> build(modules::Module& model) const;
+
+ private:
+  TrainerConfig c_;
+  collectives::Communicator* comm_ = nullptr;
+};
+
+}  // namespace coshard::trainer

@@ -1,0 +1,565 @@
+// Sharded checkpoints, export and import (see trainer.hpp for the protocol).
+//
+// On disk, under the checkpoint folder DIR:
+//   DIR/step-00000042/manifest.json            format, step, world size, stage, dtype, optimizer,
+//                                              units (names, parameters, numel), files (bytes, CRC-32),
+//                                              the optimizer's step state
+//   DIR/step-00000042/rank-00001.safetensors   rank 1's blocks: u<i>.param (dtype), u<i>.master (f32,
+//                                              when dtype is not f32), u<i>.state1, u<i>.state2 (f32)
+//   DIR/latest                                 "step-00000042"
+// A save writes into DIR/step-00000042.partial/ and rank 0 renames it into place once every rank's
+// file is confirmed; `latest` is replaced by rename after that. Rank i's file holds elements
+// [i * shard, (i + 1) * shard) of each padded unit, so a load at another world size reads, for each
+// unit, the elements of its new block from whichever old files hold them.
+#include <fcntl.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <set>
+
+#include "coshard/async/runtime.hpp"
+#include "coshard/modules/safetensors.hpp"
+#include "trainer_impl.hpp"
+
+namespace coshard::trainer {
+
+using modules::DataType;
+using modules::SafeDType;
+using modules::Shape;
+using modules::Tensor;
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+constexpr std::string_view kFormat = "coshard-checkpoint";
+constexpr int kVersion = 1;
+
+std::string step_name(std::int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step-%08lld", static_cast<long long>(step));
+  return buf;
+}
+
+std::string rank_file(int rank) {
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "rank-%05d.safetensors", rank);
+  return buf;
+}
+
+Result<SafeDType> safe_dtype(DataType t) {
+  switch (t) {
+    case DataType::f32: return SafeDType::f32;
+    case DataType::f64: return SafeDType::f64;
+    case DataType::bf16: return SafeDType::bf16;
+    case DataType::f16: return SafeDType::f16;
+    case DataType::i32: return SafeDType::i32;
+    default: return fail(ErrorCode::unsupported, "checkpoint: dtype ", collectives::to_string(t), " has no safetensors name");
+  }
+}
+
+std::optional<DataType> data_type(SafeDType t) {
+  switch (t) {
+    case SafeDType::f32: return DataType::f32;
+    case SafeDType::f64: return DataType::f64;
+    case SafeDType::bf16: return DataType::bf16;
+    case SafeDType::f16: return DataType::f16;
+    default: return std::nullopt;
+  }
+}
+
+std::uint32_t crc32_of(std::span<const std::byte> bytes) {
+  uLong crc = crc32(0L, Z_NULL, 0);
+  const auto* p = reinterpret_cast<const Bytef*>(bytes.data());
+  std::size_t left = bytes.size();
+  while (left > 0) {  // zlib takes uInt lengths
+    const auto n = static_cast<uInt>(std::min<std::size_t>(left, 1u << 30));
+    crc = crc32(crc, p, n);
+    p += n;
+    left -= n;
+  }
+  return static_cast<std::uint32_t>(crc);
+}
+
+Result<std::vector<std::byte>> read_file(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return fail(ErrorCode::io, path.string(), ": cannot open (", std::strerror(errno), ")");
+  in.seekg(0, std::ios::end);
+  const auto size = static_cast<std::size_t>(in.tellg());
+  in.seekg(0);
+  std::vector<std::byte> bytes(size);
+  if (size > 0 && !in.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(size)))
+    return fail(ErrorCode::io, path.string(), ": read failed after ", in.gcount(), " of ", size, " bytes");
+  return bytes;
+}
+
+Result<void> fsync_path(const fs::path& path, int flags) {
+  const int fd = ::open(path.c_str(), flags | O_CLOEXEC);
+  if (fd < 0) return fail(ErrorCode::io, path.string(), ": open for fsync failed (", std::strerror(errno), ")");
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) return fail(ErrorCode::io, path.string(), ": fsync failed (", std::strerror(err), ")");
+  return {};
+}
+
+// A small file replaced atomically: temporary, fsync, rename, fsync the folder.
+Result<void> write_file_atomic(const fs::path& path, std::string_view text) {
+  const fs::path tmp = path.string() + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) return fail(ErrorCode::io, tmp.string(), ": cannot create (", std::strerror(errno), ")");
+    out.write(text.data(), static_cast<std::streamsize>(text.size()));
+    out.close();
+    if (!out) return fail(ErrorCode::io, tmp.string(), ": write failed (", std::strerror(errno), ")");
+  }
+  COSHARD_TRY(fsync_path(tmp, O_RDONLY));
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  if (ec) return fail(ErrorCode::io, "renaming ", tmp.string(), " to ", path.string(), ": ", ec.message());
+  return fsync_path(path.parent_path().empty() ? fs::path(".") : path.parent_path(), O_RDONLY | O_DIRECTORY);
+}
+
+// What a rank stages: the bytes of each tensor of its file, in order.
+struct Staged {
+  std::string name;
+  SafeDType dtype;
+  std::int64_t numel;
+  std::vector<std::byte> bytes;
+};
+
+Result<ShardFile> write_rank_file(const fs::path& folder, int rank, const std::vector<Staged>& tensors) {
+  std::error_code ec;
+  fs::create_directories(folder, ec);
+  if (ec) return fail(ErrorCode::io, "checkpoint folder ", folder.string(), ": ", ec.message());
+  std::vector<modules::SafeTensorView> views;
+  for (const auto& t : tensors) views.push_back({t.name, t.dtype, {t.numel}, t.bytes});
+  const fs::path path = folder / rank_file(rank);
+  COSHARD_TRY(modules::save_safetensors(path, views, {{"format", std::string(kFormat)}, {"rank", std::to_string(rank)}}));
+  // The CRC is of the bytes on disk, read back: it covers the writer too.
+  COSHARD_TRY_ASSIGN(auto bytes, read_file(path));
+  return ShardFile{rank_file(rank), bytes.size(), crc32_of(bytes)};
+}
+
+std::string hex(std::span<const std::byte> bytes) {
+  static constexpr char digits[] = "0123456789abcdef";
+  std::string out;
+  for (auto b : bytes) {
+    out.push_back(digits[static_cast<unsigned>(b) >> 4]);
+    out.push_back(digits[static_cast<unsigned>(b) & 15]);
+  }
+  return out;
+}
+
+std::optional<std::vector<std::byte>> unhex(std::string_view s) {
+  if (s.size() % 2) return std::nullopt;
+  std::vector<std::byte> out;
+  for (std::size_t i = 0; i < s.size(); i += 2) {
+    auto v = [](char c) -> int {
+      if (c >= '0' && c <= '9') return c - '0';
+      if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+      return -1;
+    };
+    const int hi = v(s[i]), lo = v(s[i + 1]);
+    if (hi < 0 || lo < 0) return std::nullopt;
+    out.push_back(static_cast<std::byte>(hi * 16 + lo));
+  }
+  return out;
+}
+
+}  // namespace
+
+// ---- save ----
+
+async::Task<Result<void>> Trainer::save_checkpoint(const fs::path& dir) {
+  Impl& s = *impl_;
+  COSHARD_CO_TRY(co_await finish_checkpoint());
+  async::Runtime* rt = async::Runtime::current();
+  if (!rt) co_return fail(ErrorCode::internal, "save_checkpoint: not on a runtime");
+  const int rank = s.comm->rank();
+  COSHARD_CO_TRY_ASSIGN(const SafeDType param_dtype, safe_dtype(s.config.dtype));
+
+  // Stage this rank's blocks in host memory (each read awaits its copy's event).
+  std::vector<Staged> staged;
+  json units = json::array();
+  const auto shards = s.engine->shards();
+  for (std::size_t i = 0; i < shards.size(); ++i) {
+    const auto& sh = shards[i];
+    const std::string u = "u" + std::to_string(i) + ".";
+    COSHARD_CO_TRY_ASSIGN(auto p, co_await s.ctx->read_bytes(sh.params));
+    staged.push_back({u + "param", param_dtype, sh.params.numel(), std::move(p)});
+    if (sh.master.data() != sh.params.data()) {
+      COSHARD_CO_TRY_ASSIGN(auto m, co_await s.ctx->read_bytes(sh.master));
+      staged.push_back({u + "master", SafeDType::f32, sh.master.numel(), std::move(m)});
+    }
+    if (sh.state1) {
+      COSHARD_CO_TRY_ASSIGN(auto a, co_await s.ctx->read_bytes(sh.state1));
+      staged.push_back({u + "state1", SafeDType::f32, sh.state1.numel(), std::move(a)});
+    }
+    if (sh.state2) {
+      COSHARD_CO_TRY_ASSIGN(auto b, co_await s.ctx->read_bytes(sh.state2));
+      staged.push_back({u + "state2", SafeDType::f32, sh.state2.numel(), std::move(b)});
+    }
+    units.push_back({{"name", sh.info.name}, {"parameters", sh.info.parameters}, {"numel", sh.info.numel},
+                     {"padded", sh.info.padded}, {"shard", sh.info.shard}});
+  }
+  PendingSave pending;
+  pending.dir = dir;
+  pending.step = s.steps;
+  pending.name = step_name(s.steps);
+  if (rank == 0) {
+    COSHARD_CO_TRY_ASSIGN(auto state, co_await s.ctx->read_bytes(s.optimizer->step_state()));
+    json m;
+    m["format"] = kFormat;
+    m["version"] = kVersion;
+    m["step"] = s.steps;
+    m["world_size"] = s.comm->size();
+    m["zero_stage"] = s.config.zero_stage;
+    m["dtype"] = std::string(collectives::to_string(s.config.dtype));
+    m["optimizer"] = std::string(to_string(s.config.optimizer));
+    m["optimizer_state"] = hex(state);
+    m["seed"] = s.config.seed;
+    m["units"] = std::move(units);
+    pending.manifest = m.dump(1);
+  }
+  // The files are written behind training, on the blocking pool; the staged bytes move there.
+  const fs::path folder = dir / (pending.name + ".partial");
+  pending.write = rt->spawn(rt->spawn_blocking([folder, rank, staged = std::move(staged)]() {
+    return write_rank_file(folder, rank, staged);
+  }));
+  s.pending = std::move(pending);
+  co_return Result<void>{};
+}
+
+async::Task<Result<void>> Trainer::finish_checkpoint() {
+  if (!impl_->pending) co_return Result<void>{};
+  co_return co_await impl_->publish();
+}
+
+async::Task<Result<void>> Trainer::Impl::publish() {
+  PendingSave p = std::move(*pending);
+  pending.reset();
+  auto written = co_await p.write;
+  const int rank = comm->rank(), world = comm->size();
+  // Every rank learns every rank's outcome: [ok, bytes, crc].
+  std::vector<std::int64_t> mine{written ? 1 : 0, written ? static_cast<std::int64_t>(written->bytes) : 0,
+                                 written ? static_cast<std::int64_t>(written->crc32) : 0};
+  COSHARD_CO_TRY_ASSIGN(auto all, co_await exchange(mine));
+  if (!written) co_return fail(std::move(written).error().with_context("checkpoint " + p.name));
+  for (int r = 0; r < world; ++r)
+    if (all[static_cast<std::size_t>(3 * r)] != 1)
+      co_return fail(ErrorCode::io, "checkpoint ", p.name, ": rank ", r,
+                     " could not write its shard file; the checkpoint is not published");
+
+  std::int64_t published = 1;
+  std::string error;
+  if (rank == 0) {
+    auto manifest = json::parse(p.manifest);
+    json files = json::array();
+    for (int r = 0; r < world; ++r)
+      files.push_back({{"rank", r}, {"name", rank_file(r)}, {"bytes", all[static_cast<std::size_t>(3 * r + 1)]},
+                       {"crc32", all[static_cast<std::size_t>(3 * r + 2)]}});
+    manifest["files"] = std::move(files);
+    const std::string text = manifest.dump(1);
+    async::Runtime* rt = async::Runtime::current();
+    auto done = co_await rt->spawn_blocking([dir = p.dir, name = p.name, text]() -> Result<void> {
+      const fs::path partial = dir / (name + ".partial"), final_dir = dir / name;
+      COSHARD_TRY(write_file_atomic(partial / "manifest.json", text));
+      std::error_code ec;
+      if (fs::exists(final_dir, ec)) {  // a checkpoint of this step already (a resumed run saving again)
+        const fs::path old = dir / (name + ".replaced");
+        fs::remove_all(old, ec);
+        fs::rename(final_dir, old, ec);
+        if (ec) return fail(ErrorCode::io, "moving the older ", final_dir.string(), " aside: ", ec.message());
+      }
+      fs::rename(partial, final_dir, ec);
+      if (ec) return fail(ErrorCode::io, "publishing ", partial.string(), " as ", final_dir.string(), ": ", ec.message());
+      COSHARD_TRY(fsync_path(dir, O_RDONLY | O_DIRECTORY));
+      COSHARD_TRY(write_file_atomic(dir / "latest", name + "\n"));
+      fs::remove_all(dir / (name + ".replaced"), ec);
+      return {};
+    });
+    if (!done) {
+      published = 0;
+      error = done.error().message();
+    }
+  }
+  // Everyone returns once rank 0 has published (or failed to).
+  std::vector<std::int64_t> outcome{published};  // named: GCC 12 mishandles braced temporaries in co_await
+  COSHARD_CO_TRY_ASSIGN(auto status, co_await exchange(std::move(outcome)));
+  if (status[0] != 1)
+    co_return fail(ErrorCode::io, "checkpoint ", p.name, ": rank 0 could not publish it",
+                   error.empty() ? std::string() : ": " + error);
+  co_return Result<void>{};
+}
+
+// ---- load ----
+
+namespace {
+
+struct Manifest {
+  fs::path folder;
+  std::int64_t step = 0;
+  int world = 0;
+  std::string dtype, optimizer;
+  std::vector<std::byte> optimizer_state;
+  struct Unit {
+    std::string name;
+    std::vector<std::string> parameters;
+    std::int64_t numel = 0, shard = 0;
+  };
+  std::vector<Unit> units;
+  struct File {
+    std::string name;
+    std::uint64_t bytes = 0;
+    std::uint32_t crc32 = 0;
+  };
+  std::vector<File> files;
+};
+
+Result<fs::path> resolve_checkpoint(const fs::path& dir) {
+  std::error_code ec;
+  if (fs::exists(dir / "manifest.json", ec)) return dir;
+  const fs::path latest = dir / "latest";
+  if (!fs::exists(latest, ec))
+    return fail(ErrorCode::io, "checkpoint ", dir.string(), ": neither a manifest.json nor a 'latest' file there");
+  COSHARD_TRY_ASSIGN(auto bytes, read_file(latest));
+  std::string name(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+  if (name.empty() || name.find('/') != std::string::npos || name.starts_with("."))
+    return fail(ErrorCode::invalid_argument, "checkpoint ", latest.string(), ": '", name,
+                "' is not a checkpoint folder name");
+  return dir / name;
+}
+
+Result<Manifest> read_manifest(const fs::path& folder) {
+  const fs::path path = folder / "manifest.json";
+  COSHARD_TRY_ASSIGN(auto bytes, read_file(path));
+  const json m = json::parse(reinterpret_cast<const char*>(bytes.data()),
+                             reinterpret_cast<const char*>(bytes.data()) + bytes.size(), nullptr, false);
+  auto bad = [&](std::string_view what) {
+    return fail(ErrorCode::invalid_argument, "checkpoint manifest ", path.string(), ": ", what);
+  };
+  if (m.is_discarded() || !m.is_object()) return bad("not a JSON object");
+  try {
+    if (m.value("format", "") != kFormat) return bad("'format' is not \"coshard-checkpoint\"");
+    if (m.value("version", 0) != kVersion)
+      return bad("version " + m.value("version", json(0)).dump() + " (expected " + std::to_string(kVersion) + ")");
+    Manifest out;
+    out.folder = folder;
+    out.step = m.at("step").get<std::int64_t>();
+    out.world = m.at("world_size").get<int>();
+    out.dtype = m.at("dtype").get<std::string>();
+    out.optimizer = m.at("optimizer").get<std::string>();
+    auto state = unhex(m.at("optimizer_state").get<std::string>());
+    if (!state || state->size() != 32) return bad("optimizer_state is not 32 bytes of hex");
+    out.optimizer_state = std::move(*state);
+    if (out.step < 0 || out.world < 1) return bad("step or world_size out of range");
+    for (const auto& u : m.at("units")) {
+      Manifest::Unit unit{u.at("name").get<std::string>(), u.at("parameters").get<std::vector<std::string>>(),
+                          u.at("numel").get<std::int64_t>(), u.at("shard").get<std::int64_t>()};
+      if (unit.numel < 0 || unit.shard < 0 || unit.shard * out.world < unit.numel)
+        return bad("unit " + unit.name + ": shard " + std::to_string(unit.shard) + " x world " +
+                   std::to_string(out.world) + " does not cover numel " + std::to_string(unit.numel));
+      out.units.push_back(std::move(unit));
+    }
+    const auto& files = m.at("files");
+    if (!files.is_array() || files.size() != static_cast<std::size_t>(out.world))
+      return bad("'files' lists " + std::to_string(files.size()) + " files for world_size " + std::to_string(out.world));
+    for (int r = 0; r < out.world; ++r) {
+      const auto& f = files.at(static_cast<std::size_t>(r));
+      if (f.at("rank").get<int>() != r) return bad("files out of rank order");
+      const auto name = f.at("name").get<std::string>();
+      if (name != rank_file(r)) return bad("file of rank " + std::to_string(r) + " is named '" + name + "'");
+      out.files.push_back({name, f.at("bytes").get<std::uint64_t>(), f.at("crc32").get<std::uint32_t>()});
+    }
+    return out;
+  } catch (const json::exception& e) {
+    return bad(std::string("missing or mistyped field (") + e.what() + ")");
+  }
+}
+
+// Everything one rank needs from a checkpoint, read and checked, in host memory.
+struct Loaded {
+  std::int64_t step = 0;
+  std::vector<std::byte> optimizer_state;
+  // Per unit, the new block's bytes: params (dtype), master, state1, state2 (f32; empty if none).
+  struct Block {
+    std::vector<std::byte> params, master, state1, state2;
+  };
+  std::vector<Block> blocks;
+};
+
+Result<Loaded> read_checkpoint(const fs::path& dir, const std::vector<modules::UnitShard>& shards, int rank,
+                               DataType dtype, std::string_view optimizer) {
+  COSHARD_TRY_ASSIGN(const fs::path folder, resolve_checkpoint(dir));
+  COSHARD_TRY_ASSIGN(const Manifest m, read_manifest(folder));
+  const std::string where = "checkpoint " + folder.string();
+  if (m.dtype != collectives::to_string(dtype))
+    return fail(ErrorCode::invalid_argument, where, ": saved in ", m.dtype, ", this run trains in ",
+                collectives::to_string(dtype));
+  if (m.optimizer != optimizer)
+    return fail(ErrorCode::invalid_argument, where, ": optimizer ", m.optimizer, ", this run uses ", optimizer);
+  if (m.units.size() != shards.size())
+    return fail(ErrorCode::invalid_argument, where, ": ", m.units.size(), " fetch units, this model has ",
+                shards.size(), " (another model, or another module_granularity_bytes?)");
+  for (std::size_t i = 0; i < shards.size(); ++i) {
+    const auto& a = m.units[i];
+    const auto& b = shards[i].info;
+    if (a.parameters != b.parameters || a.numel != b.numel)
+      return fail(ErrorCode::invalid_argument, where, ": unit ", i, " holds ", a.name, " (", a.numel,
+                  " elements), this model's unit ", i, " is ", b.name, " (", b.numel, " elements)");
+  }
+
+  const std::size_t elem = collectives::size_of(dtype);
+  std::map<int, modules::SafetensorsFile> files;  // old rank -> its file, read and checked
+  auto file_of = [&](int old_rank) -> Result<const modules::SafetensorsFile*> {
+    if (auto it = files.find(old_rank); it != files.end()) return &it->second;
+    const auto& rec = m.files[static_cast<std::size_t>(old_rank)];
+    const fs::path path = folder / rec.name;
+    COSHARD_TRY_ASSIGN(auto bytes, read_file(path));
+    if (bytes.size() != rec.bytes)
+      return fail(ErrorCode::io, path.string(), ": ", bytes.size(), " bytes, the manifest says ", rec.bytes,
+                  " (truncated or replaced)");
+    if (const auto crc = crc32_of(bytes); crc != rec.crc32)
+      return fail(ErrorCode::io, path.string(), ": CRC-32 ", crc, ", the manifest says ", rec.crc32, " (corrupt)");
+    COSHARD_TRY_ASSIGN(auto file, modules::SafetensorsFile::parse(std::move(bytes), path.string()));
+    return &files.emplace(old_rank, std::move(file)).first->second;
+  };
+
+  Loaded out;
+  out.step = m.step;
+  out.optimizer_state = m.optimizer_state;
+  for (std::size_t i = 0; i < shards.size(); ++i) {
+    const auto& sh = shards[i];
+    const auto& mu = m.units[i];
+    Loaded::Block block;
+    const std::int64_t lo = rank * sh.info.shard, hi = lo + sh.info.shard;  // this rank's new block
+    // One kind of tensor: copy [lo, min(hi, numel)) from the old files; padding stays zero.
+    auto gather = [&](std::string_view kind, std::size_t size, DataType expect,
+                      std::vector<std::byte>& dst) -> Result<void> {
+      dst.assign(static_cast<std::size_t>(sh.info.shard) * size, std::byte{0});
+      const std::string name = "u" + std::to_string(i) + "." + std::string(kind);
+      for (std::int64_t at = lo; at < std::min(hi, mu.numel);) {
+        const int old_rank = static_cast<int>(at / mu.shard);
+        const std::int64_t old_lo = old_rank * mu.shard;
+        const std::int64_t upto = std::min({hi, mu.numel, old_lo + mu.shard});
+        COSHARD_TRY_ASSIGN(const auto* file, file_of(old_rank));
+        const auto* t = file->find(name);
+        if (!t || data_type(t->dtype) != expect || t->shape.size() != 1 || t->shape[0] != mu.shard)
+          return fail(ErrorCode::invalid_argument, where, ": ", m.files[static_cast<std::size_t>(old_rank)].name,
+                      " lacks ", name, " as ", collectives::to_string(expect), "[", mu.shard, "]");
+        const auto data = file->data(*t);
+        std::memcpy(dst.data() + static_cast<std::size_t>(at - lo) * size,
+                    data.data() + static_cast<std::size_t>(at - old_lo) * size, static_cast<std::size_t>(upto - at) * size);
+        at = upto;
+      }
+      return {};
+    };
+    COSHARD_TRY(gather("param", elem, dtype, block.params));
+    if (sh.master.data() != sh.params.data()) COSHARD_TRY(gather("master", 4, DataType::f32, block.master));
+    if (sh.state1) COSHARD_TRY(gather("state1", 4, DataType::f32, block.state1));
+    if (sh.state2) COSHARD_TRY(gather("state2", 4, DataType::f32, block.state2));
+    out.blocks.push_back(std::move(block));
+  }
+  return out;
+}
+
+}  // namespace
+
+async::Task<Result<void>> Trainer::load_checkpoint(const fs::path& dir) {
+  Impl& s = *impl_;
+  COSHARD_CO_TRY(co_await finish_checkpoint());
+  async::Runtime* rt = async::Runtime::current();
+  if (!rt) co_return fail(ErrorCode::internal, "load_checkpoint: not on a runtime");
+  const auto shards = s.engine->shards();
+  const int rank = s.comm->rank();
+  const DataType dtype = s.config.dtype;
+  const std::string optimizer(to_string(s.config.optimizer));
+  auto loaded = co_await rt->spawn_blocking(
+      [&dir, &shards, rank, dtype, &optimizer]() { return read_checkpoint(dir, shards, rank, dtype, optimizer); });
+  // No state changes unless every rank read and checked its part.
+  std::vector<std::int64_t> outcome{loaded ? 1 : 0};  // named: GCC 12 mishandles braced temporaries in co_await
+  COSHARD_CO_TRY_ASSIGN(auto oks, co_await s.exchange(std::move(outcome)));
+  if (!loaded) co_return fail(std::move(loaded).error());
+  for (int r = 0; r < s.comm->size(); ++r)
+    if (oks[static_cast<std::size_t>(r)] != 1)
+      co_return fail(ErrorCode::invalid_argument, "checkpoint ", dir.string(), ": rank ", r,
+                     " refused it (its error says why); nothing was loaded");
+
+  for (std::size_t i = 0; i < shards.size(); ++i) {
+    const auto& sh = shards[i];
+    const auto& b = loaded->blocks[i];
+    COSHARD_CO_TRY(s.ctx->copy_from_host(sh.params, b.params));
+    if (!b.master.empty()) COSHARD_CO_TRY(s.ctx->copy_from_host(sh.master, b.master));
+    if (!b.state1.empty()) COSHARD_CO_TRY(s.ctx->copy_from_host(sh.state1, b.state1));
+    if (!b.state2.empty()) COSHARD_CO_TRY(s.ctx->copy_from_host(sh.state2, b.state2));
+  }
+  COSHARD_CO_TRY(s.ctx->copy_from_host(s.optimizer->step_state(), loaded->optimizer_state));
+  COSHARD_CO_TRY(co_await s.engine->shards_written());
+  s.steps = loaded->step;
+  co_return Result<void>{};
+}
+
+// ---- export and import ----
+
+async::Task<Result<void>> Trainer::export_safetensors(const fs::path& path) {
+  Impl& s = *impl_;
+  COSHARD_CO_TRY_ASSIGN(auto params, co_await s.engine->gather_parameters());
+  std::int64_t ok = 1;
+  std::string error;
+  if (s.comm->rank() == 0) {
+    COSHARD_CO_TRY_ASSIGN(const SafeDType dt, safe_dtype(s.config.dtype));
+    auto done = co_await async::Runtime::current()->spawn_blocking([&]() -> Result<void> {
+      std::vector<modules::SafeTensorView> views;
+      for (const auto& p : params) {
+        const auto dims = p.shape.dims();
+        views.push_back({p.name, dt, std::vector<std::int64_t>(dims.begin(), dims.end()), p.bytes});
+      }
+      return modules::save_safetensors(path, views, {{"format", "pt"}, {"producer", "coshard"}});
+    });
+    if (!done) {
+      ok = 0;
+      error = done.error().message();
+    }
+  }
+  std::vector<std::int64_t> outcome{ok};  // named: GCC 12 mishandles braced temporaries in co_await
+  COSHARD_CO_TRY_ASSIGN(auto status, co_await s.exchange(std::move(outcome)));
+  if (status[0] != 1)
+    co_return fail(ErrorCode::io, "export to ", path.string(), " failed on rank 0", error.empty() ? "" : ": ", error);
+  co_return Result<void>{};
+}
+
+async::Task<Result<void>> Trainer::load_safetensors(const fs::path& path) {
+  Impl& s = *impl_;
+  const DataType dtype = s.config.dtype;
+  auto values = co_await async::Runtime::current()->spawn_blocking(
+      [&path, dtype]() -> Result<std::vector<modules::GatheredParameter>> {
+        COSHARD_TRY_ASSIGN(auto file, modules::SafetensorsFile::load(path));
+        std::vector<modules::GatheredParameter> out;
+        for (const auto& t : file.tensors()) {
+          const auto from = data_type(t.dtype);
+          if (!from)
+            return fail(ErrorCode::invalid_argument, path.string(), ": tensor ", t.name, " is ", modules::to_string(t.dtype),
+                        "; expected a float dtype (F64, F32, BF16, F16)");
+          if (t.shape.size() > 4)
+            return fail(ErrorCode::invalid_argument, path.string(), ": tensor ", t.name, " has ", t.shape.size(),
+                        " dimensions (at most 4)");
+          const modules::Shape shape = modules::Shape::from(t.shape);
+          const auto values = modules::decode_values(file.data(t), *from);
+          out.push_back({t.name, shape, modules::encode_values(values, dtype)});
+        }
+        return out;
+      });
+  if (!values) co_return fail(std::move(values).error());
+  COSHARD_CO_TRY(co_await s.engine->load_parameters(*values));
+  co_return Result<void>{};
+}
+
+}  // namespace coshard::trainer

@@ -1,0 +1,426 @@
+#include "coshard/trainer/config.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cctype>
+#include <charconv>
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+namespace coshard::trainer {
+
+using modules::DataType;
+using json = nlohmann::json;
+
+std::string_view to_string(OffloadDevice d) noexcept {
+  switch (d) {
+    case OffloadDevice::none: return "none";
+    case OffloadDevice::cpu: return "cpu";
+    case OffloadDevice::nvme: return "nvme";
+  }
+  return "?";
+}
+
+std::string_view to_string(OptimizerKind k) noexcept { return k == OptimizerKind::adamw ? "adamw" : "sgd"; }
+
+namespace {
+
+std::string lower(std::string_view s) {
+  std::string out(s);
+  std::transform(out.begin(), out.end(), out.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return out;
+}
+
+Result<void> check_offload(const OffloadOptions& o, std::string_view what) {
+  if (o.device == OffloadDevice::none) return {};
+  if (o.device == OffloadDevice::nvme && o.nvme_path.empty())
+    return fail(ErrorCode::invalid_argument, what, "=nvme: needs a path (nvme:/path/to/folder)");
+  if (o.buffer_count < 1)
+    return fail(ErrorCode::invalid_argument, what, ".buffer_count=", o.buffer_count, ": expected >= 1");
+  if (o.buffer_bytes < 4096)
+    return fail(ErrorCode::invalid_argument, what, ".buffer_bytes=", o.buffer_bytes, ": expected >= 4096");
+  // The swapper and the training integration are issue #5's; refusing is better than ignoring.
+  return fail(ErrorCode::unsupported, what, "=", to_string(o.device),
+              ": offloading is not available in this build yet (expected none)");
+}
+
+}  // namespace
+
+Result<void> TrainerConfig::validate() const {
+  if (zero_stage < 1 || zero_stage > 3)
+    return fail(ErrorCode::invalid_argument, "zero_stage=", zero_stage, ": expected 1, 2 or 3");
+  if (dtype != DataType::f32 && dtype != DataType::bf16 && dtype != DataType::f16)
+    return fail(ErrorCode::invalid_argument, "dtype=", collectives::to_string(dtype), ": expected f32, bf16 or f16");
+  if (reduce_dtype != dtype)
+    return fail(ErrorCode::unsupported, "reduce_dtype=", collectives::to_string(reduce_dtype),
+                ": gradients are reduced in the compute dtype (expected ", collectives::to_string(dtype), ")");
+  if (loss_scaling != modules::LossScaling::none && !(initial_loss_scale > 0))
+    return fail(ErrorCode::invalid_argument, "initial_loss_scale=", initial_loss_scale, ": expected > 0");
+  if (zero_stage == 3 && max_live_bytes == 0)
+    return fail(ErrorCode::invalid_argument, "max_live_bytes=0: expected at least the largest fetch unit");
+  if (gradient_accumulation_steps < 1)
+    return fail(ErrorCode::invalid_argument, "gradient_accumulation_steps=", gradient_accumulation_steps,
+                ": expected >= 1");
+  if (!(max_grad_norm >= 0))
+    return fail(ErrorCode::invalid_argument, "max_grad_norm=", max_grad_norm, ": expected >= 0 (0: no clipping)");
+  if (!(lr > 0) || !std::isfinite(lr)) return fail(ErrorCode::invalid_argument, "lr=", lr, ": expected > 0");
+  if (warmup_steps < 0) return fail(ErrorCode::invalid_argument, "warmup_steps=", warmup_steps, ": expected >= 0");
+  if (!(beta1 >= 0 && beta1 < 1)) return fail(ErrorCode::invalid_argument, "beta1=", beta1, ": expected in [0, 1)");
+  if (!(beta2 >= 0 && beta2 < 1)) return fail(ErrorCode::invalid_argument, "beta2=", beta2, ": expected in [0, 1)");
+  if (!(eps > 0)) return fail(ErrorCode::invalid_argument, "eps=", eps, ": expected > 0");
+  if (!(weight_decay >= 0))
+    return fail(ErrorCode::invalid_argument, "weight_decay=", weight_decay, ": expected >= 0");
+  if (optimizer == OptimizerKind::sgd && !(momentum >= 0 && momentum < 1))
+    return fail(ErrorCode::invalid_argument, "momentum=", momentum, ": expected in [0, 1)");
+  COSHARD_TRY(check_offload(offload_optimizer, "offload_optimizer"));
+  COSHARD_TRY(check_offload(offload_params, "offload_params"));
+  return {};
+}
+
+modules::EngineOptions TrainerConfig::engine_options() const {
+  modules::EngineOptions o;
+  o.zero_stage = zero_stage;
+  o.dtype = dtype;
+  o.module_granularity_bytes = module_granularity_bytes;
+  o.max_live_bytes = max_live_bytes;
+  o.prefetch_bucket_bytes = prefetch_bucket_bytes;
+  o.max_reuse_distance = max_reuse_distance;
+  o.max_reuse_distance_elements = max_reuse_distance_elements;
+  o.persistence_threshold_bytes = persistence_threshold_bytes;
+  o.fetch_mode = fetch_mode;
+  return o;
+}
+
+float TrainerConfig::lr_at(std::int64_t step) const noexcept {
+  if (warmup_steps <= 0 || step >= warmup_steps) return lr;
+  return lr * static_cast<float>(step + 1) / static_cast<float>(warmup_steps);
+}
+
+Result<std::size_t> parse_size(std::string_view text) {
+  const std::string t = lower(text);
+  std::size_t i = 0;
+  while (i < t.size() && (std::isdigit(static_cast<unsigned char>(t[i])) || t[i] == '.' || t[i] == 'e' ||
+                          (i > 0 && t[i - 1] == 'e' && (t[i] == '+' || t[i] == '-'))))
+    ++i;
+  double value = 0;
+  const auto [end, ec] = std::from_chars(t.data(), t.data() + i, value);
+  if (i == 0 || ec != std::errc{} || end != t.data() + i || !(value >= 0))
+    return fail(ErrorCode::invalid_argument, "size '", text, "': expected a number with an optional unit (64MiB, 1GB, 4096)");
+  std::string unit = t.substr(i);
+  while (!unit.empty() && unit.front() == ' ') unit.erase(0, 1);
+  static constexpr std::pair<std::string_view, double> kUnits[] = {
+      {"", 1},          {"b", 1},           {"k", 1024},        {"kib", 1024},      {"kb", 1e3},
+      {"m", 1 << 20},   {"mib", 1 << 20},   {"mb", 1e6},        {"g", 1ull << 30},  {"gib", 1ull << 30},
+      {"gb", 1e9},      {"t", 1ull << 40},  {"tib", 1ull << 40}, {"tb", 1e12}};
+  for (const auto& [name, scale] : kUnits) {
+    if (unit != name) continue;
+    const double bytes = value * scale;
+    if (bytes > 1.8e19)
+      return fail(ErrorCode::out_of_range, "size '", text, "': more than 2^64 bytes");
+    if (bytes != std::floor(bytes))
+      return fail(ErrorCode::invalid_argument, "size '", text, "': not a whole number of bytes");
+    return static_cast<std::size_t>(bytes);
+  }
+  return fail(ErrorCode::invalid_argument, "size '", text, "': unknown unit '", unit,
+              "' (expected B, KiB, MiB, GiB, TiB, KB, MB, GB or TB)");
+}
+
+Result<OffloadOptions> parse_offload(std::string_view text) {
+  OffloadOptions o;
+  if (text == "none") return o;
+  if (text == "cpu") {
+    o.device = OffloadDevice::cpu;
+    return o;
+  }
+  if (text == "nvme" || text.starts_with("nvme:")) {
+    o.device = OffloadDevice::nvme;
+    if (text.size() > 5) o.nvme_path = std::string(text.substr(5));
+    return o;
+  }
+  return fail(ErrorCode::invalid_argument, "offload '", text, "': expected none, cpu or nvme:PATH");
+}
+
+// ---- DeepSpeed JSON ----
+
+namespace {
+
+struct Reader {
+  std::vector<std::string> unknown, bad, notes;
+
+  // Numbers may be written as JSON numbers or (as DeepSpeed allows) strings like "5e7".
+  std::optional<double> number(const json& v, const std::string& key) {
+    if (v.is_number()) return v.get<double>();
+    if (v.is_string()) {
+      const auto s = v.get<std::string>();
+      double d = 0;
+      const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), d);
+      if (ec == std::errc{} && end == s.data() + s.size()) return d;
+      bad.push_back(key + "=\"" + s + "\" (expected a number" + (s == "auto" ? "; 'auto' is not supported" : "") + ")");
+      return std::nullopt;
+    }
+    bad.push_back(key + "=" + v.dump() + " (expected a number)");
+    return std::nullopt;
+  }
+  std::optional<std::size_t> count(const json& v, const std::string& key) {
+    auto d = number(v, key);
+    if (!d) return std::nullopt;
+    if (*d < 0 || *d != std::floor(*d) || *d > 1.8e19) {
+      bad.push_back(key + "=" + v.dump() + " (expected a whole number >= 0)");
+      return std::nullopt;
+    }
+    return static_cast<std::size_t>(*d);
+  }
+  std::optional<bool> boolean(const json& v, const std::string& key) {
+    if (v.is_boolean()) return v.get<bool>();
+    bad.push_back(key + "=" + v.dump() + " (expected true or false)");
+    return std::nullopt;
+  }
+  std::optional<std::string> string(const json& v, const std::string& key) {
+    if (v.is_string()) return v.get<std::string>();
+    bad.push_back(key + "=" + v.dump() + " (expected a string)");
+    return std::nullopt;
+  }
+  bool object(const json& v, const std::string& key) {
+    if (v.is_object()) return true;
+    bad.push_back(key + "=" + v.dump() + " (expected an object)");
+    return false;
+  }
+};
+
+void read_offload(Reader& r, const json& section, const std::string& prefix, OffloadOptions& out) {
+  if (!r.object(section, prefix)) return;
+  for (const auto& [key, v] : section.items()) {
+    const std::string name = prefix + "." + key;
+    if (key == "device") {
+      if (auto s = r.string(v, name)) {
+        const auto d = lower(*s);
+        if (d == "none") out.device = OffloadDevice::none;
+        else if (d == "cpu") out.device = OffloadDevice::cpu;
+        else if (d == "nvme") out.device = OffloadDevice::nvme;
+        else r.bad.push_back(name + "=\"" + *s + "\" (expected none, cpu or nvme)");
+      }
+    } else if (key == "nvme_path") {
+      if (auto s = r.string(v, name)) out.nvme_path = *s;
+    } else if (key == "pin_memory") {
+      if (auto b = r.boolean(v, name)) out.pin_memory = *b;
+    } else if (key == "buffer_count") {
+      if (auto n = r.count(v, name)) {
+        if (*n < 1 || *n > 1024) r.bad.push_back(name + "=" + std::to_string(*n) + " (expected 1..1024)");
+        else out.buffer_count = static_cast<int>(*n);
+      }
+    } else if (key == "buffer_size") {
+      // DeepSpeed counts buffer_size in elements of the (fp32) state the buffers carry.
+      if (auto n = r.count(v, name)) out.buffer_bytes = *n * sizeof(float);
+    } else if (key == "ratio" || key == "fast_init" || key == "pipeline_read" || key == "pipeline_write" ||
+               key == "max_in_cpu") {
+      r.notes.push_back(name + ": accepted, no effect in coshard");
+    } else {
+      r.unknown.push_back(name);
+    }
+  }
+}
+
+}  // namespace
+
+Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const TrainerConfig& base,
+                                               std::vector<std::string>* notes) {
+  json doc = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false, /*ignore_comments=*/true);
+  if (doc.is_discarded()) return fail(ErrorCode::invalid_argument, "config: not valid JSON");
+  if (!doc.is_object()) return fail(ErrorCode::invalid_argument, "config: expected a JSON object, got ", doc.type_name());
+
+  TrainerConfig c = base;
+  Reader r;
+  // A bare zero_optimization section, or a whole DeepSpeed config.
+  const bool whole = !doc.contains("stage") && !doc.contains("stage3_prefetch_bucket_size");
+  json zero = whole ? (doc.contains("zero_optimization") ? doc["zero_optimization"] : json::object()) : doc;
+
+  // The compute dtype first: it converts DeepSpeed's element counts into bytes.
+  if (whole) {
+    for (const char* section : {"fp16", "bf16"}) {
+      if (!doc.contains(section)) continue;
+      const json& s = doc[section];
+      if (!r.object(s, section)) continue;
+      bool enabled = false;
+      for (const auto& [key, v] : s.items()) {
+        const std::string name = std::string(section) + "." + key;
+        if (key == "enabled") {
+          if (auto b = r.boolean(v, name)) enabled = *b;
+        } else if (std::string_view(section) == "fp16" && key == "initial_scale_power") {
+          if (auto n = r.count(v, name)) {
+            if (*n > 62) r.bad.push_back(name + "=" + std::to_string(*n) + " (expected 0..62)");
+            else c.initial_loss_scale = std::ldexp(1.0f, static_cast<int>(*n));
+          }
+        } else if (std::string_view(section) == "fp16" && key == "loss_scale") {
+          if (auto d = r.number(v, name)) {
+            if (*d == 0) c.loss_scaling = modules::LossScaling::dynamic;
+            else if (*d > 0) {
+              c.loss_scaling = modules::LossScaling::fixed;
+              c.initial_loss_scale = static_cast<float>(*d);
+            } else r.bad.push_back(name + " (expected 0 for dynamic, or > 0)");
+          }
+        } else if (std::string_view(section) == "fp16" &&
+                   (key == "loss_scale_window" || key == "hysteresis" || key == "min_loss_scale" ||
+                    key == "consecutive_hysteresis" || key == "auto_cast")) {
+          r.notes.push_back(name + ": accepted, no effect in coshard (dynamic scaling uses growth_interval)");
+        } else {
+          r.unknown.push_back(name);
+        }
+      }
+      if (enabled) {
+        c.dtype = std::string_view(section) == "fp16" ? DataType::f16 : DataType::bf16;
+        c.reduce_dtype = c.dtype;
+        if (c.dtype == DataType::f16 && c.loss_scaling == modules::LossScaling::none)
+          c.loss_scaling = modules::LossScaling::dynamic;
+      }
+    }
+  }
+  const std::size_t element = collectives::size_of(c.dtype);
+  auto bytes_of = [&](std::size_t elements) { return elements * element; };
+
+  if (whole) {
+    for (const auto& [key, v] : doc.items()) {
+      if (key == "zero_optimization" || key == "fp16" || key == "bf16") continue;
+      if (key == "gradient_accumulation_steps") {
+        if (auto n = r.count(v, key)) {
+          if (*n < 1 || *n > 1'000'000) r.bad.push_back(key + "=" + std::to_string(*n) + " (expected 1..1000000)");
+          else c.gradient_accumulation_steps = static_cast<int>(*n);
+        }
+      } else if (key == "gradient_clipping") {
+        if (auto d = r.number(v, key)) c.max_grad_norm = static_cast<float>(*d);
+      } else if (key == "optimizer") {
+        if (!r.object(v, key)) continue;
+        for (const auto& [okey, ov] : v.items()) {
+          const std::string name = "optimizer." + okey;
+          if (okey == "type") {
+            if (auto s = r.string(ov, name)) {
+              const auto t = lower(*s);
+              if (t == "adamw" || t == "adam") c.optimizer = OptimizerKind::adamw;
+              else if (t == "sgd") c.optimizer = OptimizerKind::sgd;
+              else r.bad.push_back(name + "=\"" + *s + "\" (expected AdamW, Adam or SGD)");
+            }
+          } else if (okey == "params") {
+            if (!r.object(ov, name)) continue;
+            for (const auto& [pkey, pv] : ov.items()) {
+              const std::string pname = name + "." + pkey;
+              if (pkey == "lr") {
+                if (auto d = r.number(pv, pname)) c.lr = static_cast<float>(*d);
+              } else if (pkey == "eps") {
+                if (auto d = r.number(pv, pname)) c.eps = static_cast<float>(*d);
+              } else if (pkey == "weight_decay") {
+                if (auto d = r.number(pv, pname)) c.weight_decay = static_cast<float>(*d);
+              } else if (pkey == "momentum") {
+                if (auto d = r.number(pv, pname)) c.momentum = static_cast<float>(*d);
+              } else if (pkey == "nesterov") {
+                if (auto b = r.boolean(pv, pname)) c.nesterov = *b;
+              } else if (pkey == "betas") {
+                if (!pv.is_array() || pv.size() != 2) {
+                  r.bad.push_back(pname + "=" + pv.dump() + " (expected [beta1, beta2])");
+                } else {
+                  auto b1 = r.number(pv[0], pname + "[0]");
+                  auto b2 = r.number(pv[1], pname + "[1]");
+                  if (b1 && b2) {
+                    c.beta1 = static_cast<float>(*b1);
+                    c.beta2 = static_cast<float>(*b2);
+                  }
+                }
+              } else {
+                r.unknown.push_back(pname);
+              }
+            }
+          } else {
+            r.unknown.push_back(name);
+          }
+        }
+      } else if (key == "train_batch_size" || key == "train_micro_batch_size_per_gpu" || key == "steps_per_print" ||
+                 key == "wall_clock_breakdown" || key == "prescale_gradients" || key == "gradient_predivide_factor") {
+        r.notes.push_back(key + ": accepted, no effect in coshard (batch sizes come from the trainer's options)");
+      } else {
+        r.unknown.push_back(key);
+      }
+    }
+  }
+
+  if (!zero.is_object()) {
+    r.bad.push_back("zero_optimization=" + zero.dump() + " (expected an object)");
+  } else {
+    const std::string z = whole ? "zero_optimization." : "";
+    for (const auto& [key, v] : zero.items()) {
+      const std::string name = z + key;
+      if (key == "stage") {
+        if (auto n = r.count(v, name)) {
+          if (*n < 1 || *n > 3) r.bad.push_back(name + "=" + std::to_string(*n) + " (expected 1, 2 or 3)");
+          else c.zero_stage = static_cast<int>(*n);
+        }
+      } else if (key == "stage3_prefetch_bucket_size") {
+        if (auto n = r.count(v, name)) c.prefetch_bucket_bytes = bytes_of(*n);
+      } else if (key == "stage3_max_live_parameters") {
+        if (auto n = r.count(v, name)) c.max_live_bytes = bytes_of(*n);
+      } else if (key == "stage3_max_reuse_distance") {
+        if (auto n = r.count(v, name)) c.max_reuse_distance_elements = *n;
+      } else if (key == "stage3_param_persistence_threshold") {
+        if (auto n = r.count(v, name)) c.persistence_threshold_bytes = bytes_of(*n);
+      } else if (key == "zero_module_granularity_threshold") {
+        if (auto n = r.count(v, name)) c.module_granularity_bytes = bytes_of(*n);
+      } else if (key == "stage3_use_all_reduce_for_fetch_params") {
+        if (auto b = r.boolean(v, name)) c.fetch_mode = *b ? modules::FetchMode::all_reduce : modules::FetchMode::all_gather;
+      } else if (key == "offload_optimizer") {
+        read_offload(r, v, name, c.offload_optimizer);
+      } else if (key == "offload_param") {
+        read_offload(r, v, name, c.offload_params);
+      } else if (key == "reduce_bucket_size" || key == "allgather_bucket_size") {
+        if (r.count(v, name))
+          r.notes.push_back(name + ": accepted, no effect (gradients are reduce-scattered per fetch unit, parameters "
+                                   "gathered per unit; a unit is one bucket)");
+      } else if (key == "overlap_comm" || key == "contiguous_gradients" || key == "reduce_scatter" ||
+                 key == "allgather_partitions") {
+        if (auto b = r.boolean(v, name)) {
+          if (!*b)
+            r.bad.push_back(name + "=false (coshard always " +
+                            std::string(key == "overlap_comm" ? "overlaps communication with compute"
+                                        : key == "contiguous_gradients" ? "keeps gradients contiguous per unit"
+                                        : key == "reduce_scatter" ? "reduce-scatters gradients"
+                                                                 : "all-gathers partitions") +
+                            "; expected true)");
+        }
+      } else if (key == "sub_group_size" || key == "stage3_gather_16bit_weights_on_model_save" ||
+                 key == "round_robin_gradients" || key == "memory_efficient_linear") {
+        r.notes.push_back(name + ": accepted, no effect in coshard");
+      } else {
+        r.unknown.push_back(name);
+      }
+    }
+  }
+
+  if (!r.unknown.empty() || !r.bad.empty()) {
+    std::string msg = "config:";
+    if (!r.unknown.empty()) {
+      msg += " unknown or unsupported keys [";
+      for (std::size_t i = 0; i < r.unknown.size(); ++i) msg += (i ? ", " : "") + r.unknown[i];
+      msg += "]";
+    }
+    if (!r.bad.empty()) {
+      msg += r.unknown.empty() ? " bad values [" : "; bad values [";
+      for (std::size_t i = 0; i < r.bad.size(); ++i) msg += (i ? "; " : "") + r.bad[i];
+      msg += "]";
+    }
+    return fail(ErrorCode::invalid_argument, msg);
+  }
+  if (auto ok = c.validate(); !ok) return fail(std::move(ok).error().with_context("config"));
+  if (notes) *notes = std::move(r.notes);
+  return c;
+}
+
+Result<TrainerConfig> TrainerConfig::from_json_file(const std::filesystem::path& path, const TrainerConfig& base,
+                                                    std::vector<std::string>* notes) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return fail(ErrorCode::io, "config ", path.string(), ": cannot open");
+  std::ostringstream text;
+  text << in.rdbuf();
+  auto c = from_json(text.str(), base, notes);
+  if (!c) return fail(std::move(c).error().with_context("config file " + path.string()));
+  return c;
+}
+
+}  // namespace coshard::trainer

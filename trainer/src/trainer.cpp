@@ -1,0 +1,185 @@
+#include "coshard/trainer/trainer.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+
+#include "coshard/async/runtime.hpp"
+#include "coshard/async/sync.hpp"
+#include "trainer_impl.hpp"
+
+namespace coshard::trainer {
+
+using modules::DataType;
+using modules::Shape;
+using modules::Tensor;
+
+std::string to_json_line(const StepStats& s) {
+  nlohmann::ordered_json j;
+  j["step"] = s.step;
+  j["loss"] = s.loss;
+  j["tokens_per_s"] = s.tokens_per_s;
+  j["step_ms"] = s.step_ms;
+  j["tokens"] = s.tokens;
+  j["lr"] = s.lr;
+  j["gathered_bytes"] = s.gathered_bytes;
+  j["reduce_scattered_bytes"] = s.reduce_scattered_bytes;
+  j["peak_gathered_bytes"] = s.peak_gathered_bytes;
+  j["blocking_waits"] = s.blocking_waits;
+  j["swap_bytes"] = s.swap_bytes;
+  j["prefetch_hit_rate"] = s.prefetch_hit_rate;
+  // Needs timed device events, which the streams do not record yet: null, never a made-up 0.
+  j["exposed_comm_ms"] = nullptr;
+  j["collective_launches"] = s.collective_launches;
+  j["grad_norm"] = s.grad_norm;
+  j["loss_scale"] = s.loss_scale;
+  j["skipped"] = s.skipped;
+  j["trace_changed"] = s.trace_changed;
+  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+Trainer::Impl::~Impl() {
+  pending.reset();  // a write in flight runs on; it owns its data
+  engine.reset();
+  optimizer.reset();
+  if (stream) (void)stream->synchronize();  // teardown: the blocks below go back to a quiet stream
+}
+
+async::Task<Result<std::vector<std::int64_t>>> Trainer::Impl::exchange(std::vector<std::int64_t> mine) {
+  const auto n = static_cast<std::int64_t>(mine.size());
+  const int world = comm->size();
+  std::span<const std::byte> bytes = std::as_bytes(std::span<const std::int64_t>(mine));
+  // As i32 pairs: the collectives' integer type.
+  COSHARD_CO_TRY_ASSIGN(Tensor src, ctx->upload(bytes, Shape{2 * n}, DataType::i32));
+  COSHARD_CO_TRY_ASSIGN(Tensor all, ctx->empty(Shape{2 * n * world}, DataType::i32));
+  auto& compute = ctx->stream();
+  COSHARD_CO_TRY_ASSIGN(auto uploaded, compute.record());
+  COSHARD_CO_TRY(comm->stream().wait(uploaded));
+  auto done = comm->all_gather(src.data(), all.data(), static_cast<std::size_t>(2 * n), DataType::i32);
+  if (!done) co_return fail(std::move(done).error().with_context("exchanging checkpoint status between ranks"));
+  COSHARD_CO_TRY(compute.wait(*done));
+  COSHARD_CO_TRY_ASSIGN(auto out_bytes, co_await ctx->read_bytes(all));
+  std::vector<std::int64_t> out(static_cast<std::size_t>(n * world));
+  std::memcpy(out.data(), out_bytes.data(), out.size() * sizeof(std::int64_t));
+  co_return out;
+}
+
+Trainer::Trainer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Trainer::Trainer(Trainer&&) noexcept = default;
+Trainer& Trainer::operator=(Trainer&&) noexcept = default;
+Trainer::~Trainer() = default;
+
+std::int64_t Trainer::steps_done() const noexcept { return impl_->steps; }
+const TrainerConfig& Trainer::config() const noexcept { return impl_->config; }
+int Trainer::rank() const noexcept { return impl_->comm->rank(); }
+int Trainer::world_size() const noexcept { return impl_->comm->size(); }
+modules::Engine& Trainer::engine() noexcept { return *impl_->engine; }
+modules::Context& Trainer::context() noexcept { return *impl_->ctx; }
+
+namespace {
+
+Result<std::vector<modules::Batch>> upload_micro_batches(modules::Context& ctx, const HostBatch& rows, int k) {
+  if (rows.rows <= 0 || rows.seq <= 0)
+    return fail(ErrorCode::invalid_argument, "Trainer: a batch of ", rows.rows, " rows of ", rows.seq,
+                " tokens: expected at least one row and one token");
+  if (rows.tokens.size() != static_cast<std::size_t>(rows.rows * rows.seq) || rows.targets.size() != rows.tokens.size())
+    return fail(ErrorCode::invalid_argument, "Trainer: batch of ", rows.rows, "x", rows.seq, " has ", rows.tokens.size(),
+                " tokens and ", rows.targets.size(), " targets; expected ", rows.rows * rows.seq, " each");
+  if (rows.rows % k != 0)
+    return fail(ErrorCode::invalid_argument, "Trainer: ", rows.rows,
+                " rows on this rank do not split into gradient_accumulation_steps=", k, " equal micro-batches");
+  std::vector<modules::Batch> out;
+  const std::int64_t per = rows.rows / k;
+  for (int m = 0; m < k; ++m) {
+    const auto first = static_cast<std::size_t>(m * per * rows.seq), count = static_cast<std::size_t>(per * rows.seq);
+    auto part = [&](const std::vector<std::int32_t>& v) {
+      return ctx.upload(std::as_bytes(std::span<const std::int32_t>(v).subspan(first, count)), Shape{per, rows.seq},
+                        DataType::i32);
+    };
+    COSHARD_TRY_ASSIGN(Tensor tokens, part(rows.tokens));
+    COSHARD_TRY_ASSIGN(Tensor targets, part(rows.targets));
+    out.push_back({tokens, targets});
+  }
+  return out;
+}
+
+}  // namespace
+
+async::Task<Result<StepStats>> Trainer::step(const HostBatch& rows) {
+  Impl& s = *impl_;
+  const auto start = std::chrono::steady_clock::now();
+  if (s.pending && --s.pending->steps_left <= 0) COSHARD_CO_TRY(co_await s.publish());
+  COSHARD_CO_TRY_ASSIGN(auto micro, upload_micro_batches(*s.ctx, rows, s.config.gradient_accumulation_steps));
+  const float lr = s.config.lr_at(s.steps);
+  COSHARD_CO_TRY_ASSIGN(auto e, co_await s.engine->step(s.loss, micro, lr));
+  ++s.steps;
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  StepStats out;
+  out.step = s.steps;
+  out.loss = e.loss;
+  out.step_ms = seconds * 1e3;
+  out.tokens = rows.rows * rows.seq * s.comm->size();
+  out.tokens_per_s = seconds > 0 ? static_cast<double>(out.tokens) / seconds : 0;
+  out.lr = lr;
+  out.gathered_bytes = e.gathered_bytes;
+  out.reduce_scattered_bytes = e.reduce_scattered_bytes;
+  out.peak_gathered_bytes = e.peak_live_bytes;
+  out.blocking_waits = async::blocking_waits();
+  out.swap_bytes = 0;
+  out.prefetch_hit_rate = e.hit_rate();
+  out.collective_launches = e.collective_launches;
+  out.grad_norm = e.optimizer.grad_norm;
+  out.loss_scale = e.optimizer.loss_scale;
+  out.skipped = e.optimizer.last_skipped;
+  out.trace_changed = e.trace_changed;
+  co_return out;
+}
+
+async::Task<Result<double>> Trainer::evaluate(const HostBatch& rows) {
+  Impl& s = *impl_;
+  COSHARD_CO_TRY_ASSIGN(auto micro, upload_micro_batches(*s.ctx, rows, 1));
+  co_return co_await s.engine->evaluate(s.loss, micro.front());
+}
+
+async::Task<Result<Trainer>> TrainerBuilder::build(modules::Module& model) const {
+  if (!comm_)
+    co_return fail(ErrorCode::invalid_argument, "TrainerBuilder: no communicator (call .communicator(comm))");
+  COSHARD_CO_TRY(c_.validate());
+  auto impl = std::make_unique<Trainer::Impl>();
+  impl->config = c_;
+  impl->comm = comm_;
+  impl->model = &model;
+  const async::Device device = comm_->stream().device();
+  async::StreamOptions stream_options;
+  stream_options.name = "compute" + std::to_string(comm_->rank());
+  COSHARD_CO_TRY_ASSIGN(auto stream, async::Stream::create(device, stream_options));
+  impl->stream = std::make_unique<async::Stream>(std::move(stream));
+  COSHARD_CO_TRY_ASSIGN(impl->allocator, async::CachingAllocator::create(device));
+  COSHARD_CO_TRY_ASSIGN(auto ctx, modules::Context::create(*impl->stream, *impl->allocator));
+  impl->ctx = std::make_unique<modules::Context>(std::move(ctx));
+
+  modules::StepControlOptions control;
+  control.max_grad_norm = c_.max_grad_norm;
+  control.loss_scaling = c_.loss_scaling;
+  control.initial_loss_scale = c_.initial_loss_scale;
+  if (c_.optimizer == OptimizerKind::adamw) {
+    modules::AdamWOptions a;
+    a.beta1 = c_.beta1;
+    a.beta2 = c_.beta2;
+    a.eps = c_.eps;
+    a.weight_decay = c_.weight_decay;
+    COSHARD_CO_TRY_ASSIGN(impl->optimizer, modules::Optimizer::adamw(a, control));
+  } else {
+    modules::SgdOptions o;
+    o.momentum = c_.momentum;
+    o.nesterov = c_.nesterov;
+    o.weight_decay = c_.weight_decay;
+    COSHARD_CO_TRY_ASSIGN(impl->optimizer, modules::Optimizer::sgd(o, control));
+  }
+  COSHARD_CO_TRY_ASSIGN(impl->engine, modules::Engine::create(*impl->ctx, *comm_, model, *impl->optimizer,
+                                                              c_.engine_options()));
+  COSHARD_CO_TRY(co_await impl->engine->initialize(c_.seed));
+  co_return Trainer(std::move(impl));
+}
+
+}  // namespace coshard::trainer

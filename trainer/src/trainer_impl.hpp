@@ -1,0 +1,52 @@
+// Trainer::Impl, shared by the loop (trainer.cpp) and the checkpoints (checkpoint.cpp).
+#pragma once
+
+#include <memory>
+#include <optional>
+
+#include "coshard/async/join_handle.hpp"
+#include "coshard/async/memory.hpp"
+#include "coshard/async/stream.hpp"
+#include "coshard/trainer/trainer.hpp"
+
+namespace coshard::trainer {
+
+// One rank's file of a checkpoint, as written.
+struct ShardFile {
+  std::string name;  // inside the checkpoint folder
+  std::uint64_t bytes = 0;
+  std::uint32_t crc32 = 0;
+};
+
+struct PendingSave {
+  std::filesystem::path dir;           // the checkpoints' parent folder
+  std::string name;                    // "step-00000042"
+  std::int64_t step = 0;
+  std::string manifest;                // rank 0: the manifest, less the file records
+  async::JoinHandle<Result<ShardFile>> write;  // the rank file, on the blocking pool
+  int steps_left = 2;                  // published at the start of the second step after the save
+};
+
+struct Trainer::Impl {
+  TrainerConfig config;
+  collectives::Communicator* comm = nullptr;
+  modules::Module* model = nullptr;
+  std::unique_ptr<async::Stream> stream;
+  std::unique_ptr<async::CachingAllocator> allocator;
+  std::unique_ptr<modules::Context> ctx;
+  std::unique_ptr<modules::Optimizer> optimizer;
+  std::unique_ptr<modules::Engine> engine;
+  modules::CrossEntropyLoss loss;
+  std::int64_t steps = 0;
+  std::optional<PendingSave> pending;
+
+  ~Impl();
+
+  // Each rank's `mine` (same length everywhere), rank-major: for the ranks to agree on a
+  // checkpoint. One small all-gather, awaited.
+  async::Task<Result<std::vector<std::int64_t>>> exchange(std::vector<std::int64_t> mine);
+  // Publishes the pending save (every rank calls it at the same point).
+  async::Task<Result<void>> publish();
+};
+
+}  // namespace coshard::trainer
