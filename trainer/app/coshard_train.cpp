@@ -108,6 +108,9 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
       COSHARD_CO_TRY(co_await t.save_checkpoint(o.checkpoint_dir));
   }
   COSHARD_CO_TRY(co_await t.finish_checkpoint());
+  // No rank tears down (a counted stream synchronize) before rank 0 has reported its last step.
+  COSHARD_CO_TRY_ASSIGN(auto all_done, comm.barrier());
+  COSHARD_CO_TRY(co_await all_done);
   if (lead && !o.quiet) progress.finish();
   if (!o.export_path.empty()) {
     COSHARD_CO_TRY(co_await t.export_safetensors(o.export_path));

@@ -230,9 +230,8 @@ async::Task<Result<void>> Trainer::save_checkpoint(const fs::path& dir) {
   }
   // The files are written behind training, on the blocking pool; the staged bytes move there.
   const fs::path folder = dir / (pending.name + ".partial");
-  pending.write = rt->spawn(rt->spawn_blocking([folder, rank, staged = std::move(staged)]() {
-    return write_rank_file(folder, rank, staged);
-  }));
+  auto write = [folder, rank, staged = std::move(staged)]() { return write_rank_file(folder, rank, staged); };
+  pending.write = rt->spawn(rt->spawn_blocking(std::move(write)));
   s.pending = std::move(pending);
   co_return Result<void>{};
 }
@@ -268,7 +267,8 @@ async::Task<Result<void>> Trainer::Impl::publish() {
     manifest["files"] = std::move(files);
     const std::string text = manifest.dump(1);
     async::Runtime* rt = async::Runtime::current();
-    auto done = co_await rt->spawn_blocking([dir = p.dir, name = p.name, text]() -> Result<void> {
+    // Named, not a temporary in the co_await (GCC 12 destroys such temporaries twice).
+    auto publish_files = [dir = p.dir, name = p.name, text]() -> Result<void> {
       const fs::path partial = dir / (name + ".partial"), final_dir = dir / name;
       COSHARD_TRY(write_file_atomic(partial / "manifest.json", text));
       std::error_code ec;
@@ -284,7 +284,8 @@ async::Task<Result<void>> Trainer::Impl::publish() {
       COSHARD_TRY(write_file_atomic(dir / "latest", name + "\n"));
       fs::remove_all(dir / (name + ".replaced"), ec);
       return {};
-    });
+    };
+    auto done = co_await rt->spawn_blocking(std::move(publish_files));
     if (!done) {
       published = 0;
       error = done.error().message();
@@ -482,8 +483,8 @@ async::Task<Result<void>> Trainer::load_checkpoint(const fs::path& dir) {
   const int rank = s.comm->rank();
   const DataType dtype = s.config.dtype;
   const std::string optimizer(to_string(s.config.optimizer));
-  auto loaded = co_await rt->spawn_blocking(
-      [&dir, &shards, rank, dtype, &optimizer]() { return read_checkpoint(dir, shards, rank, dtype, optimizer); });
+  auto read = [&dir, &shards, rank, dtype, &optimizer]() { return read_checkpoint(dir, shards, rank, dtype, optimizer); };
+  auto loaded = co_await rt->spawn_blocking(std::move(read));
   // No state changes unless every rank read and checked its part.
   std::vector<std::int64_t> outcome{loaded ? 1 : 0};  // named: GCC 12 mishandles braced temporaries in co_await
   COSHARD_CO_TRY_ASSIGN(auto oks, co_await s.exchange(std::move(outcome)));
@@ -516,14 +517,15 @@ async::Task<Result<void>> Trainer::export_safetensors(const fs::path& path) {
   std::string error;
   if (s.comm->rank() == 0) {
     COSHARD_CO_TRY_ASSIGN(const SafeDType dt, safe_dtype(s.config.dtype));
-    auto done = co_await async::Runtime::current()->spawn_blocking([&]() -> Result<void> {
+    auto write = [&]() -> Result<void> {
       std::vector<modules::SafeTensorView> views;
       for (const auto& p : params) {
         const auto dims = p.shape.dims();
         views.push_back({p.name, dt, std::vector<std::int64_t>(dims.begin(), dims.end()), p.bytes});
       }
       return modules::save_safetensors(path, views, {{"format", "pt"}, {"producer", "coshard"}});
-    });
+    };
+    auto done = co_await async::Runtime::current()->spawn_blocking(std::move(write));
     if (!done) {
       ok = 0;
       error = done.error().message();
@@ -539,8 +541,7 @@ async::Task<Result<void>> Trainer::export_safetensors(const fs::path& path) {
 async::Task<Result<void>> Trainer::load_safetensors(const fs::path& path) {
   Impl& s = *impl_;
   const DataType dtype = s.config.dtype;
-  auto values = co_await async::Runtime::current()->spawn_blocking(
-      [&path, dtype]() -> Result<std::vector<modules::GatheredParameter>> {
+  auto read = [&path, dtype]() -> Result<std::vector<modules::GatheredParameter>> {
         COSHARD_TRY_ASSIGN(auto file, modules::SafetensorsFile::load(path));
         std::vector<modules::GatheredParameter> out;
         for (const auto& t : file.tensors()) {
@@ -556,7 +557,8 @@ async::Task<Result<void>> Trainer::load_safetensors(const fs::path& path) {
           out.push_back({t.name, shape, modules::encode_values(values, dtype)});
         }
         return out;
-      });
+  };
+  auto values = co_await async::Runtime::current()->spawn_blocking(std::move(read));
   if (!values) co_return fail(std::move(values).error());
   COSHARD_CO_TRY(co_await s.engine->load_parameters(*values));
   co_return Result<void>{};

@@ -1,0 +1,172 @@
+// coshard-train as a user runs it: the metrics file, bad command lines, a DeepSpeed config, and
+// SIGKILL in the middle of checkpointing followed by --resume.
+#include <gtest/gtest.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <thread>
+
+extern char** environ;
+
+namespace {
+
+namespace fs = std::filesystem;
+
+const std::vector<std::string> kTiny = {"--layers", "1", "--dim", "16", "--heads", "2", "--seq", "8",
+                                        "--batch", "4", "--vocab", "32", "--lr", "0.01"};
+
+fs::path scratch(const std::string& name) {
+  const fs::path p = fs::current_path() / "binary_test_scratch" / name;
+  fs::remove_all(p);
+  fs::create_directories(p);
+  return p;
+}
+
+pid_t start(std::vector<std::string> args, const fs::path& output) {
+  args.insert(args.begin(), COSHARD_TRAIN_BIN);
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 1, output.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  pid_t pid = -1;
+  const int rc = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  return rc == 0 ? pid : -1;
+}
+
+struct Exit {
+  int code = -1;
+  std::string output;
+};
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+Exit run(std::vector<std::string> args, const fs::path& dir) {
+  const fs::path out = dir / "output.txt";
+  const pid_t pid = start(std::move(args), out);
+  if (pid < 0) return {};
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out)};
+}
+
+std::vector<std::string> with(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+TEST(CoshardTrain, MetricsHaveEveryKeyAndTheLossFalls) {
+  const fs::path dir = scratch("metrics");
+  const auto r = run(with(kTiny, {"--steps", "30", "--world-size", "2", "--metrics", (dir / "m.jsonl").string()}), dir);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("step 30/30"), std::string::npos) << r.output;
+  std::ifstream in(dir / "m.jsonl");
+  std::string line;
+  std::vector<nlohmann::json> rows;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line, nullptr, false);
+    ASSERT_FALSE(j.is_discarded()) << line;
+    rows.push_back(j);
+  }
+  ASSERT_EQ(rows.size(), 30u);
+  for (const char* key : {"step", "loss", "tokens_per_s", "step_ms", "gathered_bytes", "reduce_scattered_bytes",
+                          "peak_gathered_bytes", "blocking_waits", "swap_bytes", "prefetch_hit_rate", "exposed_comm_ms"})
+    EXPECT_TRUE(rows[0].contains(key)) << key;
+  EXPECT_EQ(rows[29]["step"], 30);
+  EXPECT_GT(rows[5]["gathered_bytes"].get<double>(), 0);
+  EXPECT_GT(rows[5]["prefetch_hit_rate"].get<double>(), 0.5);  // the trace from step 1 is used
+  EXPECT_EQ(rows[29]["blocking_waits"], 0);
+  EXPECT_LT(rows[29]["loss"].get<double>(), 0.8 * rows[0]["loss"].get<double>());
+}
+
+TEST(CoshardTrain, BadCommandLinesAreNamed) {
+  const fs::path dir = scratch("bad");
+  struct Case {
+    std::vector<std::string> args;
+    std::string expect;
+  };
+  const std::vector<Case> cases = {
+      {{"--batch", "5", "--world-size", "2"}, "--batch 5 does not split evenly over 2 rank(s)"},
+      {{"--max-live", "12parsecs"}, "unknown unit 'parsecs'"},
+      {{"--zero-stage", "7"}, "zero_stage=7"},
+      {{"--offload-optimizer", "cpu"}, "offload_optimizer=cpu"},
+      {{"--checkpoint-every", "5"}, "need --checkpoint-dir"},
+      {{"--dim", "30", "--heads", "4"}, "--dim 30 is not a multiple of --heads 4"},
+      {{"--data", (dir / "absent.txt").string()}, "absent.txt"},
+      {{"--max-live", "1KiB", "--steps", "1"}, "max_live_bytes=1024: must be at least the largest fetch unit"},
+  };
+  for (const auto& k : cases) {
+    const auto r = run(k.args, dir);
+    EXPECT_NE(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find(k.expect), std::string::npos) << r.output;
+  }
+}
+
+TEST(CoshardTrain, TakesADeepSpeedConfig) {
+  const fs::path dir = scratch("config");
+  std::ofstream(dir / "ds.json") << R"({"gradient_accumulation_steps": 2,
+    "zero_optimization": {"stage": 2, "overlap_comm": true, "reduce_bucket_size": 5e8}})";
+  auto r = run(with(kTiny, {"--steps", "3", "--config", (dir / "ds.json").string()}), dir);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("ZeRO-2"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("config note: zero_optimization.reduce_bucket_size"), std::string::npos) << r.output;
+  std::ofstream(dir / "bad.json") << R"({"zero_optimization": {"stage": 3, "stage3_warp_drive": true}})";
+  r = run(with(kTiny, {"--config", (dir / "bad.json").string()}), dir);
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.output.find("stage3_warp_drive"), std::string::npos) << r.output;
+}
+
+std::int64_t latest_step(const fs::path& ck) {
+  std::ifstream in(ck / "latest");
+  std::string name;
+  in >> name;
+  return name.size() > 5 ? std::stoll(name.substr(5)) : -1;
+}
+
+// SIGKILL at random moments of a run that checkpoints every step; each time, --resume loads the
+// last published checkpoint and trains on from it.
+TEST(CoshardTrain, SurvivesSigkillDuringCheckpoints) {
+  const fs::path dir = scratch("kill");
+  const fs::path ck = dir / "ck";
+  const auto base = with(kTiny, {"--world-size", "2", "--checkpoint-dir", ck.string(), "--checkpoint-every", "1",
+                                 "--quiet"});
+  // A first checkpoint to resume from.
+  auto first = run(with(base, {"--steps", "2"}), dir);
+  ASSERT_EQ(first.code, 0) << first.output;
+  ASSERT_EQ(latest_step(ck), 2);
+
+  std::mt19937 rng(12345);
+  int killed_mid_run = 0;
+  for (int round = 0; round < 6; ++round) {
+    const pid_t pid = start(with(base, {"--steps", "100000", "--resume"}), dir / "killed.txt");
+    ASSERT_GT(pid, 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(150 + rng() % 400));
+    ::kill(pid, SIGKILL);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    killed_mid_run += WIFSIGNALED(status) ? 1 : 0;
+    const std::int64_t at = latest_step(ck);
+    ASSERT_GE(at, 2) << "round " << round;
+    // The checkpoint `latest` names loads, and training goes on from it.
+    auto resumed = run(with(base, {"--steps", std::to_string(at + 1), "--resume"}), dir);
+    ASSERT_EQ(resumed.code, 0) << "round " << round << ", latest step " << at << ": " << resumed.output;
+    EXPECT_EQ(latest_step(ck), at + 1);
+  }
+  EXPECT_EQ(killed_mid_run, 6);
+}
+
+}  // namespace

@@ -1,0 +1,193 @@
+// TrainerConfig: validation, sizes with units, and the DeepSpeed JSON mapping.
+#include <gtest/gtest.h>
+
+#include "coshard/trainer/config.hpp"
+
+namespace coshard::trainer {
+namespace {
+
+using modules::DataType;
+
+TEST(ParseSize, UnitsAndErrors) {
+  EXPECT_EQ(*parse_size("4096"), 4096u);
+  EXPECT_EQ(*parse_size("64MiB"), 64ull << 20);
+  EXPECT_EQ(*parse_size("64mib"), 64ull << 20);
+  EXPECT_EQ(*parse_size("1.5GB"), 1'500'000'000u);
+  EXPECT_EQ(*parse_size("2K"), 2048u);
+  EXPECT_EQ(*parse_size("1e8"), 100'000'000u);
+  EXPECT_EQ(*parse_size("3 GiB"), 3ull << 30);
+  for (const char* bad : {"", "MiB", "-1", "12x", "1.5", "0x10", "1e30"}) {
+    auto r = parse_size(bad);
+    ASSERT_FALSE(r) << bad;
+    EXPECT_NE(r.error().message().find(std::string("'") + bad + "'"), std::string::npos) << r.error().message();
+  }
+}
+
+TEST(ParseOffload, Forms) {
+  EXPECT_EQ(parse_offload("none")->device, OffloadDevice::none);
+  EXPECT_EQ(parse_offload("cpu")->device, OffloadDevice::cpu);
+  auto n = parse_offload("nvme:/mnt/fast");
+  ASSERT_TRUE(n);
+  EXPECT_EQ(n->device, OffloadDevice::nvme);
+  EXPECT_EQ(n->nvme_path, "/mnt/fast");
+  EXPECT_FALSE(parse_offload("gpu"));
+}
+
+TEST(TrainerConfig, DefaultsAreValid) { EXPECT_TRUE(TrainerConfig{}.validate()); }
+
+TEST(TrainerConfig, EachBadValueIsNamed) {
+  struct Case {
+    void (*edit)(TrainerConfig&);
+    const char* expect;
+  };
+  const Case cases[] = {
+      {[](TrainerConfig& c) { c.zero_stage = 4; }, "zero_stage=4"},
+      {[](TrainerConfig& c) { c.zero_stage = 0; }, "zero_stage=0"},
+      {[](TrainerConfig& c) { c.max_live_bytes = 0; }, "max_live_bytes=0"},
+      {[](TrainerConfig& c) { c.gradient_accumulation_steps = 0; }, "gradient_accumulation_steps=0"},
+      {[](TrainerConfig& c) { c.max_grad_norm = -1; }, "max_grad_norm=-1"},
+      {[](TrainerConfig& c) { c.lr = 0; }, "lr=0"},
+      {[](TrainerConfig& c) { c.beta2 = 1; }, "beta2=1"},
+      {[](TrainerConfig& c) { c.warmup_steps = -3; }, "warmup_steps=-3"},
+      {[](TrainerConfig& c) { c.dtype = DataType::i32; }, "dtype=i32"},
+      {[](TrainerConfig& c) { c.reduce_dtype = DataType::bf16; }, "reduce_dtype=bf16"},
+      {[](TrainerConfig& c) { c.offload_optimizer.device = OffloadDevice::cpu; }, "offload_optimizer=cpu"},
+      {[](TrainerConfig& c) { c.offload_params.device = OffloadDevice::nvme; }, "offload_params=nvme: needs a path"},
+  };
+  for (const auto& k : cases) {
+    TrainerConfig c;
+    k.edit(c);
+    auto r = c.validate();
+    ASSERT_FALSE(r) << k.expect;
+    EXPECT_NE(r.error().message().find(k.expect), std::string::npos) << r.error().message();
+  }
+}
+
+TEST(TrainerConfig, WarmupIsLinear) {
+  TrainerConfig c;
+  c.lr = 1.0f;
+  c.warmup_steps = 4;
+  EXPECT_FLOAT_EQ(c.lr_at(0), 0.25f);
+  EXPECT_FLOAT_EQ(c.lr_at(3), 1.0f);
+  EXPECT_FLOAT_EQ(c.lr_at(100), 1.0f);
+}
+
+TEST(DeepSpeedJson, WholeConfigMapsEveryZeroKey) {
+  const char* text = R"({
+    "train_batch_size": 32,
+    "gradient_accumulation_steps": 2,
+    "gradient_clipping": 0.5,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.1}},
+    "zero_optimization": {
+      "stage": 3,
+      "stage3_prefetch_bucket_size": 5e7,
+      "stage3_max_live_parameters": 1e9,
+      "stage3_max_reuse_distance": "1e9",
+      "stage3_param_persistence_threshold": 100000,
+      "stage3_use_all_reduce_for_fetch_params": true,
+      "zero_module_granularity_threshold": 1000,
+      "reduce_bucket_size": 5e8,
+      "overlap_comm": true,
+      "contiguous_gradients": true,
+      "offload_optimizer": {"device": "none", "pin_memory": true, "buffer_count": 8},
+      "offload_param": {"device": "none"}
+    }
+  })";
+  std::vector<std::string> notes;
+  auto c = TrainerConfig::from_json(text, TrainerConfig{}, &notes);
+  ASSERT_TRUE(c) << c.error().message();
+  EXPECT_EQ(c->zero_stage, 3);
+  EXPECT_EQ(c->prefetch_bucket_bytes, 50'000'000u * 4);  // elements of f32
+  EXPECT_EQ(c->max_live_bytes, 1'000'000'000ull * 4);
+  EXPECT_EQ(c->max_reuse_distance_elements, 1'000'000'000u);
+  EXPECT_EQ(c->persistence_threshold_bytes, 400'000u);
+  EXPECT_EQ(c->module_granularity_bytes, 4000u);
+  EXPECT_EQ(c->fetch_mode, modules::FetchMode::all_reduce);
+  EXPECT_EQ(c->gradient_accumulation_steps, 2);
+  EXPECT_FLOAT_EQ(c->max_grad_norm, 0.5f);
+  EXPECT_EQ(c->optimizer, OptimizerKind::adamw);
+  EXPECT_FLOAT_EQ(c->lr, 1e-4f);
+  EXPECT_FLOAT_EQ(c->beta1, 0.8f);
+  EXPECT_FLOAT_EQ(c->beta2, 0.9f);
+  EXPECT_FLOAT_EQ(c->weight_decay, 0.1f);
+  EXPECT_EQ(c->offload_optimizer.buffer_count, 8);
+  // Accepted without effect, and said so.
+  auto noted = [&](std::string_view key) {
+    return std::any_of(notes.begin(), notes.end(), [&](const std::string& n) { return n.starts_with(key); });
+  };
+  EXPECT_TRUE(noted("zero_optimization.reduce_bucket_size"));
+  EXPECT_TRUE(noted("train_batch_size"));
+}
+
+TEST(DeepSpeedJson, Bf16SizesAreTwoBytesAnElement) {
+  auto c = TrainerConfig::from_json(
+      R"({"bf16": {"enabled": true}, "zero_optimization": {"stage": 2, "stage3_prefetch_bucket_size": 1000}})",
+      TrainerConfig{});
+  ASSERT_TRUE(c) << c.error().message();
+  EXPECT_EQ(c->dtype, DataType::bf16);
+  EXPECT_EQ(c->reduce_dtype, DataType::bf16);
+  EXPECT_EQ(c->zero_stage, 2);
+  EXPECT_EQ(c->prefetch_bucket_bytes, 2000u);
+}
+
+TEST(DeepSpeedJson, Fp16TurnsOnDynamicLossScaling) {
+  auto c = TrainerConfig::from_json(R"({"fp16": {"enabled": true, "initial_scale_power": 12}})", TrainerConfig{});
+  ASSERT_TRUE(c) << c.error().message();
+  EXPECT_EQ(c->dtype, DataType::f16);
+  EXPECT_EQ(c->loss_scaling, modules::LossScaling::dynamic);
+  EXPECT_FLOAT_EQ(c->initial_loss_scale, 4096.0f);
+}
+
+TEST(DeepSpeedJson, BareZeroSectionAndBaseValuesKept) {
+  TrainerConfig base;
+  base.lr = 0.25f;
+  auto c = TrainerConfig::from_json(R"({"stage": 1, "stage3_max_live_parameters": 10})", base);
+  ASSERT_TRUE(c) << c.error().message();
+  EXPECT_EQ(c->zero_stage, 1);
+  EXPECT_EQ(c->max_live_bytes, 40u);
+  EXPECT_FLOAT_EQ(c->lr, 0.25f);
+}
+
+TEST(DeepSpeedJson, EveryUnknownKeyIsListed) {
+  auto c = TrainerConfig::from_json(
+      R"({"zero_optimization": {"stage": 3, "stage3_magic": 1, "offload_param": {"device": "none", "nvme_speed": 9}},
+          "activation_checkpointing": {}})",
+      TrainerConfig{});
+  ASSERT_FALSE(c);
+  const auto& m = c.error().message();
+  EXPECT_NE(m.find("zero_optimization.stage3_magic"), std::string::npos) << m;
+  EXPECT_NE(m.find("zero_optimization.offload_param.nvme_speed"), std::string::npos) << m;
+  EXPECT_NE(m.find("activation_checkpointing"), std::string::npos) << m;
+}
+
+TEST(DeepSpeedJson, BadValuesAreNamed) {
+  struct Case {
+    const char* json;
+    const char* expect;
+  };
+  const Case cases[] = {
+      {R"({"stage": 4})", "stage=4"},
+      {R"({"stage": 3, "stage3_prefetch_bucket_size": "auto"})", "'auto' is not supported"},
+      {R"({"stage": 3, "overlap_comm": false})", "overlap_comm=false"},
+      {R"({"stage": 3, "stage3_max_live_parameters": -5})", "stage3_max_live_parameters=-5"},
+      {R"({"stage": 3, "offload_optimizer": {"device": "cpu"}})", "offload_optimizer=cpu"},
+      {R"({"stage": 3, "offload_optimizer": {"device": "tape"}})", "offload_optimizer.device=\"tape\""},
+      {R"({"optimizer": {"type": "Lamb"}})", "optimizer.type=\"Lamb\""},
+      {R"([1, 2])", "expected a JSON object"},
+      {R"({"stage": )", "not valid JSON"},
+  };
+  for (const auto& k : cases) {
+    auto c = TrainerConfig::from_json(k.json, TrainerConfig{});
+    ASSERT_FALSE(c) << k.json;
+    EXPECT_NE(c.error().message().find(k.expect), std::string::npos) << k.json << " -> " << c.error().message();
+  }
+}
+
+TEST(DeepSpeedJson, MissingFileIsNamed) {
+  auto c = TrainerConfig::from_json_file("/nonexistent/ds.json", TrainerConfig{});
+  ASSERT_FALSE(c);
+  EXPECT_NE(c.error().message().find("/nonexistent/ds.json"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace coshard::trainer

@@ -1,0 +1,466 @@
+// The Trainer on the Local backend (ranks are threads, CPU): the builder's checks, resume
+// exactness, loading at another world size, refusal of corrupt or mismatched checkpoints with
+// nothing changed, crash leftovers, and export/import.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#include "coshard/async/runtime.hpp"
+#include "coshard/collectives/local.hpp"
+#include "coshard/modules/gpt.hpp"
+#include "coshard/modules/safetensors.hpp"
+#include "coshard/trainer/trainer.hpp"
+
+namespace coshard::trainer {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr modules::GptConfig kModel{.vocab = 32, .max_seq = 8, .dim = 16, .layers = 2, .heads = 2, .mlp_ratio = 2};
+constexpr std::int64_t kBatch = 12;  // divisible by 1, 2, 3 and 4 ranks
+constexpr std::int64_t kSeq = 8;
+
+TrainerConfig small_config(int stage = 3) {
+  TrainerConfig c;
+  c.zero_stage = stage;
+  c.lr = 1e-2f;
+  c.weight_decay = 0.01f;
+  c.prefetch_bucket_bytes = 1 << 20;
+  c.max_live_bytes = 64 << 20;
+  c.seed = 5;
+  return c;
+}
+
+const SyntheticTask& task() {
+  static const SyntheticTask t(kModel.vocab, 11);
+  return t;
+}
+
+// A fresh folder under the build tree (not /tmp: some CI /tmp are tmpfs and shared).
+fs::path scratch(const std::string& name) {
+  const fs::path p = fs::current_path() / "trainer_test_scratch" / name;
+  fs::remove_all(p);
+  fs::create_directories(p);
+  return p;
+}
+
+using RankBody = std::function<async::Task<Result<void>>(int rank, collectives::Communicator& comm)>;
+
+// Runs `body` on `world` ranks (threads, each with its runtime); returns their errors.
+std::vector<std::string> on_ranks(int world, const RankBody& body) {
+  auto comms = collectives::make_local_communicators(world);
+  if (!comms) return {comms.error().message()};
+  std::mutex mutex;
+  std::vector<std::string> errors;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      async::Runtime rt;
+      auto done = rt.block_on(body(r, *(*comms)[static_cast<std::size_t>(r)]));
+      if (!done) {
+        std::lock_guard lock(mutex);
+        errors.push_back("rank " + std::to_string(r) + ": " + done.error().message());
+      }
+    });
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
+struct TrainRun {
+  std::vector<double> losses;                       // rank 0's, per step
+  std::vector<modules::GatheredParameter> params;   // rank 0's view after the run
+  std::int64_t steps_done = 0;
+};
+
+struct Plan {
+  int world = 2;
+  TrainerConfig config = small_config();
+  std::string load_from;     // checkpoint folder to load first
+  int steps = 3;
+  std::string save_to;       // save after the steps (and publish)
+  bool finish = true;
+};
+
+Result<TrainRun> train(const Plan& p) {
+  TrainRun run;
+  std::mutex mutex;
+  auto errors = on_ranks(p.world, [&](int rank, collectives::Communicator& comm) -> async::Task<Result<void>> {
+    COSHARD_CO_TRY_ASSIGN(auto model, modules::make_gpt(kModel));
+    TrainerBuilder builder(p.config);
+    builder.communicator(comm);
+    COSHARD_CO_TRY_ASSIGN(Trainer t, co_await builder.build(*model));
+    if (!p.load_from.empty()) COSHARD_CO_TRY(co_await t.load_checkpoint(p.load_from));
+    std::vector<double> losses;
+    for (int i = 0; i < p.steps; ++i) {
+      const auto global = task().batch(static_cast<std::uint64_t>(t.steps_done()), kBatch, kSeq);
+      COSHARD_CO_TRY_ASSIGN(auto stats, co_await t.step(global.rank_rows(rank, comm.size())));
+      losses.push_back(stats.loss);
+    }
+    if (!p.save_to.empty()) COSHARD_CO_TRY(co_await t.save_checkpoint(p.save_to));
+    if (p.finish) COSHARD_CO_TRY(co_await t.finish_checkpoint());
+    COSHARD_CO_TRY_ASSIGN(auto params, co_await t.engine().gather_parameters());
+    if (rank == 0) {
+      std::lock_guard lock(mutex);
+      run.losses = losses;
+      run.params = std::move(params);
+      run.steps_done = t.steps_done();
+    }
+    co_return Result<void>{};
+  });
+  if (!errors.empty()) return fail(ErrorCode::internal, errors.front());
+  return run;
+}
+
+void expect_same_parameters(const std::vector<modules::GatheredParameter>& a,
+                            const std::vector<modules::GatheredParameter>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].name, b[i].name);
+    EXPECT_TRUE(a[i].bytes == b[i].bytes) << a[i].name;
+  }
+}
+
+TEST(TrainerBuilder, RefusesBadSettingsWithTheirNames) {
+  auto errors = on_ranks(1, [](int, collectives::Communicator& comm) -> async::Task<Result<void>> {
+    COSHARD_CO_TRY_ASSIGN(auto model, modules::make_gpt(kModel));
+    {
+      TrainerBuilder none;
+      auto t = co_await none.build(*model);
+      EXPECT_FALSE(t);
+      if (!t) EXPECT_NE(t.error().message().find("no communicator"), std::string::npos) << t.error().message();
+    }
+    struct Case {
+      std::function<void(TrainerBuilder&)> edit;
+      std::string expect;
+    };
+    const std::vector<Case> cases = {
+        {[](TrainerBuilder& b) { b.zero_stage(5); }, "zero_stage=5"},
+        {[](TrainerBuilder& b) { b.max_live_bytes(100); }, "max_live_bytes=100: must be at least the largest fetch unit"},
+        {[](TrainerBuilder& b) { b.gradient_accumulation_steps(0); }, "gradient_accumulation_steps=0"},
+        {[](TrainerBuilder& b) { b.adamw(-1.0f); }, "lr=-1"},
+        {[](TrainerBuilder& b) { b.sgd(0.1f, 1.5f); }, "momentum=1.5"},
+        {[](TrainerBuilder& b) { b.offload_optimizer(OffloadOptions{.device = OffloadDevice::cpu}); },
+         "offload_optimizer=cpu"},
+        // CPU kernels are f32/f64: bf16 compute needs a GPU.
+        {[](TrainerBuilder& b) { b.mixed_precision(modules::DataType::bf16); }, "bf16"},
+    };
+    for (const auto& k : cases) {
+      TrainerBuilder b(small_config());
+      b.communicator(comm);
+      k.edit(b);
+      auto t = co_await b.build(*model);
+      EXPECT_FALSE(t) << k.expect;
+      if (!t) EXPECT_NE(t.error().message().find(k.expect), std::string::npos) << t.error().message();
+    }
+    co_return Result<void>{};
+  });
+  EXPECT_TRUE(errors.empty()) << errors.front();
+}
+
+TEST(Trainer, LossFallsAndStatsAreFilled) {
+  Plan p;
+  p.steps = 12;
+  auto run = train(p);
+  ASSERT_TRUE(run) << run.error().message();
+  EXPECT_LT(run->losses.back(), 0.8 * run->losses.front());
+  EXPECT_EQ(run->steps_done, 12);
+}
+
+TEST(Trainer, StepRefusesRowsThatDoNotSplitIntoMicroBatches) {
+  auto errors = on_ranks(1, [](int, collectives::Communicator& comm) -> async::Task<Result<void>> {
+    COSHARD_CO_TRY_ASSIGN(auto model, modules::make_gpt(kModel));
+    auto config = small_config();
+    config.gradient_accumulation_steps = 5;
+    TrainerBuilder b(config);
+    b.communicator(comm);
+    COSHARD_CO_TRY_ASSIGN(Trainer t, co_await b.build(*model));
+    auto stats = co_await t.step(task().batch(0, kBatch, kSeq));
+    EXPECT_FALSE(stats);
+    if (!stats) EXPECT_NE(stats.error().message().find("gradient_accumulation_steps=5"), std::string::npos);
+    EXPECT_EQ(t.steps_done(), 0);
+    co_return Result<void>{};
+  });
+  EXPECT_TRUE(errors.empty()) << errors.front();
+}
+
+class ResumeTest : public ::testing::TestWithParam<int> {};
+
+// N steps, save, a new process's worth of objects loads it, M more steps: the same losses, bit
+// for bit, as N + M uninterrupted.
+TEST_P(ResumeTest, ResumeIsExact) {
+  const int stage = GetParam();
+  const fs::path dir = scratch("resume" + std::to_string(stage));
+  Plan whole;
+  whole.config = small_config(stage);
+  whole.steps = 6;
+  auto all = train(whole);
+  ASSERT_TRUE(all) << all.error().message();
+
+  Plan first = whole;
+  first.steps = 3;
+  first.save_to = dir;
+  auto a = train(first);
+  ASSERT_TRUE(a) << a.error().message();
+  ASSERT_TRUE(fs::exists(dir / "latest"));
+  ASSERT_TRUE(fs::exists(dir / "step-00000003" / "manifest.json"));
+
+  Plan second = whole;
+  second.steps = 3;
+  second.load_from = dir;
+  auto b = train(second);
+  ASSERT_TRUE(b) << b.error().message();
+  EXPECT_EQ(b->steps_done, 6);
+  std::vector<double> joined = a->losses;
+  joined.insert(joined.end(), b->losses.begin(), b->losses.end());
+  EXPECT_EQ(joined, all->losses);
+  expect_same_parameters(b->params, all->params);
+}
+
+INSTANTIATE_TEST_SUITE_P(Stages, ResumeTest, ::testing::Values(1, 2, 3));
+
+// Saved at world size 2, loaded at 1, 3 and 4: the same parameters bit for bit, and training goes
+// on as the world-size-2 run does (within the tolerance of a different reduction order).
+TEST(Trainer, LoadsAtAnotherWorldSize) {
+  const fs::path dir = scratch("reshard");
+  Plan save;
+  save.world = 2;
+  save.steps = 3;
+  save.save_to = dir;
+  auto saved = train(save);
+  ASSERT_TRUE(saved) << saved.error().message();
+  Plan cont;
+  cont.world = 2;
+  cont.steps = 3;
+  cont.load_from = dir;
+  auto reference = train(cont);
+  ASSERT_TRUE(reference) << reference.error().message();
+
+  for (int world : {1, 3, 4}) {
+    Plan load;
+    load.world = world;
+    load.steps = 0;
+    load.load_from = dir;
+    auto loaded = train(load);
+    ASSERT_TRUE(loaded) << world << ": " << loaded.error().message();
+    expect_same_parameters(loaded->params, saved->params);
+
+    Plan more = cont;
+    more.world = world;
+    auto run = train(more);
+    ASSERT_TRUE(run) << run.error().message();
+    ASSERT_EQ(run->losses.size(), reference->losses.size());
+    for (std::size_t i = 0; i < run->losses.size(); ++i)
+      EXPECT_NEAR(run->losses[i], reference->losses[i], 1e-4 * std::abs(reference->losses[i]))
+          << "world " << world << " step " << i;
+  }
+}
+
+// The previous checkpoint stays the one `latest` names until the next is confirmed by all ranks.
+TEST(Trainer, LatestMovesOnlyWhenPublished) {
+  const fs::path dir = scratch("publish");
+  Plan p;
+  p.steps = 2;
+  p.save_to = dir;
+  ASSERT_TRUE(train(p));
+  auto read_latest = [&] {
+    std::ifstream in(dir / "latest");
+    std::string s;
+    in >> s;
+    return s;
+  };
+  EXPECT_EQ(read_latest(), "step-00000002");
+  Plan unpublished;
+  unpublished.load_from = dir;
+  unpublished.steps = 1;
+  unpublished.save_to = dir;
+  unpublished.finish = false;  // the trainers go away with the save pending
+  ASSERT_TRUE(train(unpublished));
+  EXPECT_EQ(read_latest(), "step-00000002");
+  EXPECT_FALSE(fs::exists(dir / "step-00000003"));
+  Plan resumed;
+  resumed.load_from = dir;
+  resumed.steps = 0;
+  auto r = train(resumed);
+  ASSERT_TRUE(r) << r.error().message();
+  EXPECT_EQ(r->steps_done, 2);
+}
+
+// What a crash mid-save leaves behind (a half-written partial folder, a stray temporary file)
+// does not disturb loading the last good checkpoint.
+TEST(Trainer, CrashLeftoversAreIgnored) {
+  const fs::path dir = scratch("leftovers");
+  Plan p;
+  p.steps = 2;
+  p.save_to = dir;
+  auto saved = train(p);
+  ASSERT_TRUE(saved);
+  fs::create_directories(dir / "step-00000003.partial");
+  std::ofstream(dir / "step-00000003.partial" / "rank-00000.safetensors") << "half a file";
+  std::ofstream(dir / "latest.tmp") << "step-00000003";
+  Plan load;
+  load.load_from = dir;
+  load.steps = 0;
+  auto loaded = train(load);
+  ASSERT_TRUE(loaded) << loaded.error().message();
+  EXPECT_EQ(loaded->steps_done, 2);
+  expect_same_parameters(loaded->params, saved->params);
+}
+
+// Each kind of damage is refused with its reason, on every rank, and the trainer's state is
+// what it was.
+TEST(Trainer, RefusesDamagedOrMismatchedCheckpointsUnchanged) {
+  const fs::path good = scratch("damage_good");
+  Plan p;
+  p.steps = 2;
+  p.save_to = good;
+  ASSERT_TRUE(train(p));
+  Plan fresh;
+  fresh.steps = 0;
+  auto untouched = train(fresh);
+  ASSERT_TRUE(untouched);
+
+  struct Case {
+    std::string name;
+    std::function<void(const fs::path& ck)> damage;
+    std::string expect;
+    TrainerConfig config = small_config();
+  };
+  const std::string rank1 = "step-00000002/rank-00001.safetensors";
+  std::vector<Case> cases = {
+      {"flipped byte",
+       [&](const fs::path& ck) {
+         std::fstream f(ck / rank1, std::ios::in | std::ios::out | std::ios::binary);
+         f.seekp(200);
+         f.put('\x7f');
+       },
+       "CRC-32"},
+      {"truncated", [&](const fs::path& ck) { fs::resize_file(ck / rank1, 100); }, "truncated or replaced"},
+      {"missing file", [&](const fs::path& ck) { fs::remove(ck / rank1); }, "cannot open"},
+      {"bad manifest",
+       [&](const fs::path& ck) { std::ofstream(ck / "step-00000002" / "manifest.json") << "{\"format\": 1"; },
+       "not a JSON object"},
+      {"latest names nothing", [&](const fs::path& ck) { std::ofstream(ck / "latest") << "../etc"; },
+       "not a checkpoint folder name"},
+      {"other optimizer", [](const fs::path&) {}, "optimizer adamw, this run uses sgd",
+       [] {
+         auto c = small_config();
+         c.optimizer = OptimizerKind::sgd;
+         return c;
+       }()},
+      {"other model layout", [](const fs::path&) {}, "fetch units",
+       [] {
+         auto c = small_config();
+         c.module_granularity_bytes = 1 << 20;
+         return c;
+       }()},
+  };
+  for (const auto& k : cases) {
+    const fs::path ck = scratch("damage_case");
+    fs::copy(good, ck, fs::copy_options::recursive);
+    k.damage(ck);
+    Plan load;
+    load.config = k.config;
+    load.load_from = ck;
+    load.steps = 0;
+    std::string first_error;
+    std::vector<modules::GatheredParameter> after;
+    auto errors = on_ranks(2, [&](int rank, collectives::Communicator& comm) -> async::Task<Result<void>> {
+      COSHARD_CO_TRY_ASSIGN(auto model, modules::make_gpt(kModel));
+      TrainerBuilder builder(k.config);
+      builder.communicator(comm);
+      COSHARD_CO_TRY_ASSIGN(Trainer t, co_await builder.build(*model));
+      auto loaded = co_await t.load_checkpoint(ck);
+      EXPECT_FALSE(loaded) << k.name;
+      EXPECT_EQ(t.steps_done(), 0);
+      COSHARD_CO_TRY_ASSIGN(auto params, co_await t.engine().gather_parameters());
+      if (rank == 0) after = std::move(params);
+      if (!loaded) co_return fail(std::move(loaded).error());
+      co_return Result<void>{};
+    });
+    ASSERT_EQ(errors.size(), 2u) << k.name;
+    bool named = false;
+    for (const auto& e : errors) named = named || e.find(k.expect) != std::string::npos;
+    EXPECT_TRUE(named) << k.name << ": " << errors[0] << " | " << errors[1];
+    if (k.config.optimizer == OptimizerKind::adamw && k.config.module_granularity_bytes == 0)
+      expect_same_parameters(after, untouched->params);
+  }
+}
+
+TEST(Trainer, ExportThenInitGivesTheSameModel) {
+  const fs::path dir = scratch("export");
+  const fs::path file = dir / "model.safetensors";
+  TrainRun exported;
+  auto errors = on_ranks(3, [&](int rank, collectives::Communicator& comm) -> async::Task<Result<void>> {
+    COSHARD_CO_TRY_ASSIGN(auto model, modules::make_gpt(kModel));
+    TrainerBuilder builder(small_config());
+    builder.communicator(comm);
+    COSHARD_CO_TRY_ASSIGN(Trainer t, co_await builder.build(*model));
+    for (int i = 0; i < 2; ++i)
+      COSHARD_CO_TRY(co_await t.step(task().batch(static_cast<std::uint64_t>(i), kBatch, kSeq).rank_rows(rank, 3)));
+    COSHARD_CO_TRY(co_await t.export_safetensors(file));
+    COSHARD_CO_TRY_ASSIGN(auto params, co_await t.engine().gather_parameters());
+    if (rank == 0) exported.params = std::move(params);
+    co_return Result<void>{};
+  });
+  ASSERT_TRUE(errors.empty()) << errors.front();
+  ASSERT_TRUE(fs::exists(file));
+  auto file_check = modules::SafetensorsFile::load(file);
+  ASSERT_TRUE(file_check);
+  EXPECT_NE(file_check->find("h0.attn.qkv.weight"), nullptr);
+
+  errors = on_ranks(2, [&](int rank, collectives::Communicator& comm) -> async::Task<Result<void>> {
+    COSHARD_CO_TRY_ASSIGN(auto model, modules::make_gpt(kModel));
+    auto config = small_config();
+    config.seed = 99;  // other initial weights, replaced by the file
+    TrainerBuilder builder(config);
+    builder.communicator(comm);
+    COSHARD_CO_TRY_ASSIGN(Trainer t, co_await builder.build(*model));
+    COSHARD_CO_TRY(co_await t.load_safetensors(file));
+    COSHARD_CO_TRY_ASSIGN(auto params, co_await t.engine().gather_parameters());
+    if (rank == 0) expect_same_parameters(params, exported.params);
+    co_return Result<void>{};
+  });
+  EXPECT_TRUE(errors.empty()) << errors.front();
+}
+
+TEST(HostBatch, TheGlobalBatchDoesNotDependOnTheWorldSize) {
+  const auto g = task().batch(7, kBatch, kSeq);
+  const auto again = task().batch(7, kBatch, kSeq);
+  EXPECT_EQ(g.tokens, again.tokens);
+  for (int world : {1, 2, 3, 4}) {
+    std::vector<std::int32_t> joined;
+    for (int r = 0; r < world; ++r) {
+      const auto part = g.rank_rows(r, world);
+      joined.insert(joined.end(), part.tokens.begin(), part.tokens.end());
+    }
+    EXPECT_EQ(joined, g.tokens);
+  }
+  // Targets are the next tokens.
+  for (std::int64_t t = 0; t + 1 < kSeq; ++t) EXPECT_EQ(g.targets[static_cast<std::size_t>(t)], g.tokens[static_cast<std::size_t>(t + 1)]);
+}
+
+TEST(ByteCorpus, ReadsWindowsAndRefusesShortFiles) {
+  const fs::path dir = scratch("bytes");
+  std::ofstream(dir / "text.txt") << "hello, world";
+  auto c = ByteCorpus::open(dir / "text.txt", 1);
+  ASSERT_TRUE(c);
+  EXPECT_TRUE((*c)->check(8));
+  auto refused = (*c)->check(12);
+  ASSERT_FALSE(refused);
+  EXPECT_NE(refused.error().message().find("needs at least 13"), std::string::npos) << refused.error().message();
+  const auto b = (*c)->batch(0, 4, 8);
+  const std::string text = "hello, world";
+  for (std::int64_t r = 0; r < 4; ++r) {
+    std::string row;
+    for (std::int64_t t = 0; t < 8; ++t) row.push_back(static_cast<char>(b.tokens[static_cast<std::size_t>(r * 8 + t)]));
+    EXPECT_NE(text.find(row), std::string::npos) << row;
+  }
+  EXPECT_FALSE(ByteCorpus::open(dir / "missing.txt", 1));
+}
+
+}  // namespace
+}  // namespace coshard::trainer
