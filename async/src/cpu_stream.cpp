@@ -28,7 +28,14 @@ void spin_then_wait(const std::atomic<T>& flag, T seen, std::chrono::nanoseconds
 
 class CpuFence final : public Fence {
  public:
-  CpuFence() : Fence(Device::cpu()) {}
+  explicit CpuFence(bool timed = false) : Fence(Device::cpu()), timed_(timed) {}
+
+  bool timed() const noexcept override { return timed_; }
+  double elapsed_ms_since(Fence& start) override {
+    // Both passed (checked by Event): their times were written before done_ was released.
+    const auto& s = static_cast<CpuFence&>(start);
+    return std::chrono::duration<double, std::milli>(at_ - s.at_).count();
+  }
 
   bool query() override { return done_.load(std::memory_order_acquire) != 0; }
 
@@ -56,6 +63,7 @@ class CpuFence final : public Fence {
 
   // Called by the worker that reaches this point.
   void complete(std::shared_ptr<const Error> error) {
+    if (timed_) at_ = std::chrono::steady_clock::now();
     {
       std::lock_guard lock(lock_);
       error_ = std::move(error);
@@ -71,6 +79,8 @@ class CpuFence final : public Fence {
   SpinLock lock_;
   WaitList waiters_;
   std::shared_ptr<const Error> error_;
+  bool timed_;
+  std::chrono::steady_clock::time_point at_{};
 };
 
 class CpuStream final : public StreamImpl {
@@ -108,8 +118,10 @@ class CpuStream final : public StreamImpl {
     return launch([dst, value, bytes] { std::memset(dst, value, bytes); });
   }
 
-  Result<Event> record() override {
-    auto fence = std::make_shared<CpuFence>();
+  Result<Event> record() override { return record_fence(false); }
+  Result<Event> record_timed() override { return record_fence(true); }
+  Result<Event> record_fence(bool timed) {
+    auto fence = std::make_shared<CpuFence>(timed);
     Event event(fence);
     enqueue(Op{Op::Kind::record, {}, {}, std::move(fence), nullptr});
     return event;

@@ -45,6 +45,7 @@ Unexpected cuda_error(cudaError_t e, std::string_view what) {
 
 class EventPool {
  public:
+  explicit EventPool(bool timed = false) : timed_(timed) {}
   Result<cudaEvent_t> get(int device) {
     {
       std::lock_guard lock(mutex_);
@@ -56,7 +57,7 @@ class EventPool {
     }
     if (auto e = cudaSetDevice(device); e != cudaSuccess) return cuda_error(e, "cudaSetDevice");
     cudaEvent_t event = nullptr;
-    if (auto e = cudaEventCreateWithFlags(&event, cudaEventDisableTiming); e != cudaSuccess) {
+    if (auto e = cudaEventCreateWithFlags(&event, timed_ ? cudaEventDefault : cudaEventDisableTiming); e != cudaSuccess) {
       return cuda_error(e, "cudaEventCreateWithFlags");
     }
     return event;
@@ -67,14 +68,23 @@ class EventPool {
   }
 
  private:
+  bool timed_;
   std::mutex mutex_;
   std::vector<cudaEvent_t> free_;
 };
 
-EventPool& event_pool(int device) {
-  // One pool per device, made once; events are returned to it for the life of the process.
-  static std::deque<EventPool> pools(static_cast<std::size_t>(std::max(cuda_device_count(), 1)));
-  return pools.at(static_cast<std::size_t>(device));
+// Two pools per device (timing disabled, the common case; and timing enabled, for
+// record_timed), made once; events are returned to them for the life of the process.
+EventPool& event_pool(int device, bool timed = false) {
+  static std::deque<EventPool> pools = [] {
+    std::deque<EventPool> p;
+    for (int i = 0; i < std::max(cuda_device_count(), 1); ++i) {
+      p.emplace_back(false);
+      p.emplace_back(true);
+    }
+    return p;
+  }();
+  return pools.at(static_cast<std::size_t>(2 * device + (timed ? 1 : 0)));
 }
 
 class CudaFence;
@@ -105,8 +115,16 @@ class CudaEventPoller final : public Poller {
 
 class CudaFence final : public Fence {
  public:
-  CudaFence(Device device, cudaEvent_t event) : Fence(device), event_(event) {}
-  ~CudaFence() override { event_pool(device().index()).put(event_); }
+  CudaFence(Device device, cudaEvent_t event, bool timed = false) : Fence(device), event_(event), timed_(timed) {}
+  ~CudaFence() override { event_pool(device().index(), timed_).put(event_); }
+
+  bool timed() const noexcept override { return timed_; }
+  double elapsed_ms_since(Fence& start) override {
+    float ms = 0;
+    // Both timed and passed (checked by Event): cudaEventElapsedTime does not wait.
+    if (cudaEventElapsedTime(&ms, static_cast<CudaFence&>(start).event_, event_) != cudaSuccess) return 0;
+    return ms;
+  }
 
   cudaEvent_t event() const noexcept { return event_; }
 
@@ -152,6 +170,7 @@ class CudaFence final : public Fence {
   }
 
   cudaEvent_t event_;
+  bool timed_;
   std::atomic<bool> passed_{false};
   std::atomic<int> error_{cudaSuccess};
 };
@@ -218,14 +237,17 @@ class CudaStream final : public StreamImpl {
     return {};
   }
 
-  Result<Event> record() override {
-    auto event = event_pool(device().index()).get(device().index());
+  Result<Event> record() override { return record_event(false); }
+  Result<Event> record_timed() override { return record_event(true); }
+  Result<Event> record_event(bool timed) {
+    auto& pool = event_pool(device().index(), timed);
+    auto event = pool.get(device().index());
     if (!event) return fail(std::move(event).error());
     if (auto e = cudaEventRecord(*event, stream_); e != cudaSuccess) {
-      event_pool(device().index()).put(*event);
+      pool.put(*event);
       return cuda_error(e, "cudaEventRecord on stream '" + options().name + "'");
     }
-    return Event(std::make_shared<CudaFence>(device(), *event));
+    return Event(std::make_shared<CudaFence>(device(), *event, timed));
   }
 
   Result<void> wait(const Event& event) override {

@@ -30,6 +30,7 @@ Result<void> Stream::launch_fallible(std::move_only_function<Result<void>()> fn)
 Result<void> Stream::copy(void* dst, const void* src, std::size_t bytes) { return impl_->copy(dst, src, bytes); }
 Result<void> Stream::fill(void* dst, std::uint8_t value, std::size_t bytes) { return impl_->fill(dst, value, bytes); }
 Result<Event> Stream::record() { return impl_->record(); }
+Result<Event> Stream::record_timed() { return impl_->record_timed(); }
 void* Stream::native_handle() const noexcept { return impl_->native_handle(); }
 
 Result<void> Stream::record(Event& event) {
@@ -52,6 +53,19 @@ Result<void> Stream::synchronize() {
 Result<void> Event::synchronize() const {
   if (!fence_) return {};
   return detail::blocking_wait("Event::synchronize", [&] { return fence_->wait_blocking(); });
+}
+
+Result<double> Event::elapsed_ms_since(const Event& start) const {
+  if (!timed() || !start.timed())
+    return fail(ErrorCode::invalid_argument, "Event::elapsed_ms_since: ", !timed() ? "this event" : "the start event",
+                " is not timed (record it with Stream::record_timed)");
+  if (!(device() == start.device()))
+    return fail(ErrorCode::invalid_argument, "Event::elapsed_ms_since: events on ", start.device().to_string(), " and ",
+                device().to_string(), " have no common clock");
+  if (!start.fence_->query() || !fence_->query())
+    return fail(ErrorCode::invalid_argument, "Event::elapsed_ms_since: ", !start.fence_->query() ? "the start" : "this",
+                " event has not passed yet (timings are read after the fact, never waited for)");
+  return fence_->elapsed_ms_since(*start.fence_);
 }
 
 bool Event::Awaiter::await_suspend(std::coroutine_handle<> awaiting) {

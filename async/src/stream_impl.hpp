@@ -23,6 +23,7 @@ class StreamImpl {
   virtual Result<void> copy(void* dst, const void* src, std::size_t bytes) = 0;
   virtual Result<void> fill(void* dst, std::uint8_t value, std::size_t bytes) = 0;
   virtual Result<Event> record() = 0;
+  virtual Result<Event> record_timed() = 0;
   virtual Result<void> wait(const Event& event) = 0;
   virtual void* native_handle() const noexcept = 0;
 

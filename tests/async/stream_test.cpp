@@ -34,6 +34,58 @@ TEST(CpuStream, RunsClosuresInFifoOrder) {
   for (int i = 0; i < 10'000; ++i) ASSERT_EQ(seen[static_cast<std::size_t>(i)], i);
 }
 
+// Timed events measure what the stream did between them, compare across CPU streams, and are
+// read after the fact: an event not yet passed is an error, never a wait.
+TEST(CpuStream, TimedEventsMeasureTheWorkBetweenThem) {
+  Stream s = make_stream(Device::cpu(), "timed");
+  Stream other = make_stream(Device::cpu(), "other");
+  auto start = s.record_timed();
+  ASSERT_TRUE(start);
+  ASSERT_TRUE(s.launch([] { std::this_thread::sleep_for(20ms); }));
+  auto end = s.record_timed();
+  ASSERT_TRUE(end);
+  auto plain = s.record();
+  ASSERT_TRUE(plain);
+  ASSERT_TRUE(s.synchronize());
+  EXPECT_TRUE(start->timed());
+  EXPECT_FALSE(plain->timed());
+  auto ms = end->elapsed_ms_since(*start);
+  ASSERT_TRUE(ms) << ms.error().message();
+  EXPECT_GE(*ms, 19.0);
+  EXPECT_LT(*ms, 5000.0);
+  auto back = start->elapsed_ms_since(*end);
+  ASSERT_TRUE(back);
+  EXPECT_DOUBLE_EQ(*back, -*ms);
+
+  auto not_timed = plain->elapsed_ms_since(*start);
+  ASSERT_FALSE(not_timed);
+  EXPECT_NE(not_timed.error().message().find("not timed"), std::string::npos);
+
+  // Another CPU stream shares the clock.
+  auto later = other.record_timed();
+  ASSERT_TRUE(later);
+  ASSERT_TRUE(other.synchronize());
+  auto across = later->elapsed_ms_since(*end);
+  ASSERT_TRUE(across) << across.error().message();
+  EXPECT_GE(*across, 0.0);
+
+  // Not passed yet: refused at once.
+  std::atomic<bool> go{false};
+  ASSERT_TRUE(s.launch([&go] {
+    while (!go.load()) std::this_thread::sleep_for(1ms);
+  }));
+  auto pending = s.record_timed();
+  ASSERT_TRUE(pending);
+  const auto waits_before = blocking_waits();
+  auto early = pending->elapsed_ms_since(*start);
+  EXPECT_EQ(blocking_waits(), waits_before);
+  ASSERT_FALSE(early);
+  EXPECT_NE(early.error().message().find("has not passed yet"), std::string::npos);
+  go = true;
+  ASSERT_TRUE(s.synchronize());
+  EXPECT_TRUE(pending->elapsed_ms_since(*start));
+}
+
 TEST(CpuStream, EventsOrderWorkAcrossStreamsWithoutTheHost) {
   Stream producer = make_stream(Device::cpu(), "producer");
   Stream consumer = make_stream(Device::cpu(), "consumer");
@@ -198,6 +250,28 @@ TEST(CudaStream, HostFunctionsRunInFifoOrder) {
   ASSERT_TRUE(s.synchronize());
   ASSERT_EQ(seen.size(), 1000u);
   for (int i = 0; i < 1000; ++i) ASSERT_EQ(seen[static_cast<std::size_t>(i)], i);
+}
+
+TEST(CudaStream, TimedEventsMeasureACopy) {
+  COSHARD_REQUIRE_GPU();
+  Stream s = make_stream(Device::cuda(0), "timed");
+  auto alloc = CachingAllocator::create(Device::cuda(0));
+  ASSERT_TRUE(alloc.has_value()) << alloc.error().message();
+  constexpr std::size_t kBytes = 256 << 20;
+  auto block = (*alloc)->allocate(2 * kBytes, s);
+  ASSERT_TRUE(block.has_value()) << block.error().message();
+  auto* base = static_cast<std::byte*>(block->data());
+  auto start = s.record_timed();
+  ASSERT_TRUE(start);
+  ASSERT_TRUE(s.copy(base + kBytes, base, kBytes));
+  auto end = s.record_timed();
+  ASSERT_TRUE(end);
+  ASSERT_TRUE(s.synchronize());
+  auto ms = end->elapsed_ms_since(*start);
+  ASSERT_TRUE(ms) << ms.error().message();
+  EXPECT_GT(*ms, 0.0);
+  EXPECT_LT(*ms, 1000.0);  // 256 MiB device-to-device: well under a second on any GPU
+  EXPECT_FALSE(s.record()->elapsed_ms_since(*start));  // not timed
 }
 
 TEST(CudaStream, CopiesAreOrderedAcrossStreamsByEvents) {

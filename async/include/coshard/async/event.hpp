@@ -31,6 +31,12 @@ class Event {
   // Host-blocking wait; counted, and refused in strict mode.
   Result<void> synchronize() const;
 
+  // Timing, for events from Stream::record_timed: milliseconds from `start` to this event, read
+  // once both have passed (never waited for: an event not yet passed is an error). CPU events
+  // compare across every CPU stream; CUDA events across the streams of one device.
+  bool timed() const noexcept { return fence_ && fence_->timed(); }
+  Result<double> elapsed_ms_since(const Event& start) const;
+
   class [[nodiscard]] Awaiter {
    public:
     explicit Awaiter(std::shared_ptr<detail::Fence> fence) : fence_(std::move(fence)) {}

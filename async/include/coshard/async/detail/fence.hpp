@@ -28,6 +28,10 @@ class Fence {
   virtual bool add_waiter(Waiter& waiter) = 0;
   // Unregisters a waiter that will not be resumed (its frame is being destroyed).
   virtual void remove_waiter(Waiter& waiter) = 0;
+  // Fences of Stream::record_timed carry the time the device passed them. `start` is a timed
+  // fence of the same backend and device; both have passed (Event checks all of that).
+  virtual bool timed() const noexcept { return false; }
+  virtual double elapsed_ms_since(Fence& start) = 0;
 
  private:
   Device device_;
