@@ -11,6 +11,13 @@ namespace coshard::modules {
 
 namespace {
 
+// Names of the step's phases in the timeline (spans keep pointers to their names).
+const std::string kAllUnits = "all units";
+const std::string kGradients = "gradients";
+const std::string kGradStats = "gradient norm";
+const std::string kOptimizer = "optimizer";
+const std::string kParameters = "parameters";
+
 using collectives::Coalesced;
 using collectives::ReduceOp;
 
@@ -60,6 +67,7 @@ struct Unit {
   async::Event gathered_event;
   std::optional<async::Semaphore::Permit> permit;
   bool prefetched = false;  // gathered ahead of use, not yet fetched
+  async::Event compute_start;  // timeline: where this unit's current pass began on the compute stream
 };
 
 // Hands bytes back to the budget as their release events complete: one task per burst of
@@ -105,6 +113,59 @@ struct Engine::State {
   std::size_t prefetched_bytes = 0;
   EngineStepStats stats;
 
+  // Timing (options.timing / record_timeline): the step's waits of compute on communication and
+  // its timeline, as event pairs read once the step is over.
+  struct Span {
+    bool compute;
+    const char* category;
+    const std::string* name;  // a unit's name, or a static phase name
+    async::Event start, end;
+  };
+  std::vector<Span> spans;
+  std::vector<std::pair<async::Event, async::Event>> waits;
+  async::Event epoch;
+
+  bool timing() const noexcept { return o.timing || o.record_timeline; }
+  Result<async::Event> mark(async::Stream& stream) const { return timing() ? stream.record_timed() : stream.record(); }
+  void span(bool compute, const char* category, const std::string& name, async::Event start, async::Event end) {
+    if (o.record_timeline) spans.push_back({compute, category, &name, std::move(start), std::move(end)});
+  }
+  // The compute stream waits for `event` of the communication stream; with timing, the time it
+  // stands there is measured (a timed event on each side of the wait).
+  Result<void> compute_waits(const async::Event& event, const std::string& what) {
+    auto& compute = ctx->stream();
+    if (!timing()) return compute.wait(event);
+    COSHARD_TRY_ASSIGN(auto before, compute.record_timed());
+    COSHARD_TRY(compute.wait(event));
+    COSHARD_TRY_ASSIGN(auto after, compute.record_timed());
+    span(true, "wait", what, before, after);
+    waits.emplace_back(std::move(before), std::move(after));
+    return {};
+  }
+  Result<void> compute_waits_for_comm(const std::string& what) {
+    COSHARD_TRY_ASSIGN(auto ev, comm->stream().record());
+    return compute_waits(ev, what);
+  }
+  // After the step's last event has passed: the waits' total and the timeline.
+  void collect_timing() {
+    if (!timing()) return;
+    double exposed = 0;
+    bool complete = true;
+    for (const auto& [before, after] : waits) {
+      auto ms = after.elapsed_ms_since(before);
+      if (ms) exposed += *ms;
+      else complete = false;
+    }
+    waits.clear();
+    if (complete) stats.exposed_comm_ms = exposed;
+    for (const auto& sp : spans) {
+      auto a = sp.start.elapsed_ms_since(epoch);
+      auto b = sp.end.elapsed_ms_since(epoch);
+      if (a && b) stats.timeline.push_back({sp.compute ? "compute" : "comm", sp.category, *sp.name, *a, *b});
+    }
+    spans.clear();
+  }
+
   bool stage3() const noexcept { return o.zero_stage == 3; }
   Unit* unit_for(const Module& m) {
     auto it = unit_of.find(&m);
@@ -128,8 +189,12 @@ struct Engine::State {
 
   // ---- stage 3: gather and release ----
 
-  Result<void> issue_gather(Unit& u, async::Semaphore::Permit permit) {
+  Result<void> issue_gather(Unit& u, async::Semaphore::Permit permit, bool ahead) {
     auto& cs = comm->stream();
+    async::Event started;
+    if (o.record_timeline) {
+      COSHARD_TRY_ASSIGN(started, cs.record_timed());
+    }
     // Allocated for the compute stream (its last user); the gather's own use is recorded below,
     // so returning the block needs no record on the communication stream.
     COSHARD_TRY_ASSIGN(u.gathered_block, ctx->allocator().allocate(u.info.padded_bytes, ctx->stream()));
@@ -147,6 +212,10 @@ struct Engine::State {
     }
     if (!done) return fail(std::move(done).error().with_context("gathering unit " + u.info.name));
     u.gathered_event = std::move(*done);
+    if (o.record_timeline) {
+      COSHARD_TRY_ASSIGN(auto finished, cs.record_timed());
+      span(false, ahead ? "prefetch" : "fetch", u.info.name, std::move(started), std::move(finished));
+    }
     u.gathered_block.record_use(u.gathered_event);
     u.gather = Gather::in_flight;
     u.permit = std::move(permit);
@@ -160,7 +229,8 @@ struct Engine::State {
   // The buffer and its budget come back once the compute stream has passed its last use.
   Result<void> release(Unit& u) {
     if (u.gather == Gather::released) return {};
-    COSHARD_TRY_ASSIGN(auto last_use, ctx->stream().record());
+    COSHARD_TRY_ASSIGN(auto last_use, o.record_timeline ? ctx->stream().record_timed() : ctx->stream().record());
+    span(true, "release", u.info.name, last_use, last_use);
     // The block's uses: the gather (recorded at issue, so a stale prefetch's memory still waits
     // for it) and the compute stream up to `last_use`.
     u.gathered_block.reset_after(last_use);
@@ -191,7 +261,7 @@ struct Engine::State {
       if (prefetched_bytes + v.info.padded_bytes > o.prefetch_bucket_bytes) break;
       auto permit = budget->semaphore.try_acquire(v.info.padded_bytes);
       if (!permit) break;
-      COSHARD_TRY(issue_gather(v, std::move(*permit)));
+      COSHARD_TRY(issue_gather(v, std::move(*permit), true));
       v.prefetched = true;
       prefetched_bytes += v.info.padded_bytes;
     }
@@ -221,11 +291,11 @@ struct Engine::State {
     settle_prefetch(u);
     if (u.gather == Gather::released) {
       COSHARD_CO_TRY_ASSIGN(auto permit, co_await budget->semaphore.acquire(u.info.padded_bytes));
-      COSHARD_CO_TRY(issue_gather(u, std::move(permit)));
+      COSHARD_CO_TRY(issue_gather(u, std::move(permit), false));
     }
     COSHARD_CO_TRY(prefetch_ahead());  // issued before this unit's wait
     if (u.gather == Gather::in_flight) {
-      COSHARD_CO_TRY(ctx->stream().wait(u.gathered_event));
+      COSHARD_CO_TRY(compute_waits(u.gathered_event, u.info.name));
       u.gather = Gather::ready;
     }
     co_return bind_values(u, u.gathered);
@@ -266,6 +336,10 @@ struct Engine::State {
     auto& cs = comm->stream();
     COSHARD_TRY_ASSIGN(auto produced, ctx->stream().record());
     COSHARD_TRY(cs.wait(produced));
+    async::Event started;
+    if (o.record_timeline) {
+      COSHARD_TRY_ASSIGN(started, cs.record_timed());
+    }
     Tensor mine = u.grad_full.slice(static_cast<std::int64_t>(rank) * u.info.shard, Shape{u.info.shard});
     auto rs = comm->reduce_scatter(u.grad_full.data(), mine.data(), static_cast<std::size_t>(u.info.shard), o.dtype,
                                    ReduceOp::avg);
@@ -276,7 +350,8 @@ struct Engine::State {
     else
       COSHARD_TRY(ctx->kernels().add(cs, o.dtype, u.grad_shard.data(), mine.data(), u.grad_shard.data(), u.info.shard));
     ++u.grads_this_step;
-    COSHARD_TRY_ASSIGN(auto reduced, cs.record());
+    COSHARD_TRY_ASSIGN(auto reduced, o.record_timeline ? cs.record_timed() : cs.record());
+    span(false, "reduce_scatter", u.info.name, std::move(started), reduced);
     u.grad_full_block.record_use(reduced);
     u.grad_full_block.reset();
     u.grad_full = {};
@@ -293,6 +368,8 @@ struct Engine::State {
     recording.clear();
     prefetched_bytes = 0;
     stats = {};
+    spans.clear();
+    waits.clear();
   }
 
   Result<void> end_pass() {
@@ -315,6 +392,14 @@ struct Engine::State {
 };
 
 Engine::Engine(std::unique_ptr<State> state) : s_(std::move(state)) {}
+
+Result<void> Engine::set_timeline_epoch(async::Event epoch) {
+  if (!epoch.timed() || !(epoch.device() == s_->ctx->device()))
+    return fail(ErrorCode::invalid_argument, "set_timeline_epoch: expected a timed event (Stream::record_timed) on ",
+                s_->ctx->device().to_string());
+  s_->epoch = std::move(epoch);
+  return {};
+}
 
 Engine::~Engine() {
   if (!s_) return;
@@ -559,6 +644,9 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     if (!s->stage3()) COSHARD_TRY(s->bind_values(u, u.full));
     COSHARD_TRY(optimizer.add_group(ctx, u.shard, u.grad_shard));
   }
+  if (s->timing()) {
+    COSHARD_TRY_ASSIGN(s->epoch, stream.record_timed());
+  }
   auto engine = std::unique_ptr<Engine>(new Engine(std::move(s)));
   ctx.set_hooks(engine.get());
   return engine;
@@ -589,15 +677,23 @@ async::Task<Result<void>> Engine::initialize(std::uint64_t seed) {
 async::Task<Result<void>> Engine::before_forward(Context&, Module& module) {
   State& s = *s_;
   Unit* u = s.unit_for(module);
-  if (!u || !s.stage3() || &module != u->modules.front()) co_return Result<void>{};
-  co_return co_await s.fetch(*u);
+  if (!u || &module != u->modules.front()) co_return Result<void>{};
+  if (s.stage3()) COSHARD_CO_TRY(co_await s.fetch(*u));
+  if (s.o.record_timeline) {
+    COSHARD_CO_TRY_ASSIGN(u->compute_start, s.ctx->stream().record_timed());
+  }
+  co_return Result<void>{};
 }
 
 Result<void> Engine::after_forward(Context&, Module& module) {
   State& s = *s_;
   Unit* u = s.unit_for(module);
-  if (!u || !s.stage3() || &module != u->modules.back()) return {};
-  if (s.keep_after_use(*u)) return {};
+  if (!u || &module != u->modules.back()) return {};
+  if (s.o.record_timeline) {
+    COSHARD_TRY_ASSIGN(auto end, s.ctx->stream().record_timed());
+    s.span(true, "forward", u->info.name, std::move(u->compute_start), std::move(end));
+  }
+  if (!s.stage3() || s.keep_after_use(*u)) return {};
   return s.release(*u);
 }
 
@@ -606,13 +702,21 @@ async::Task<Result<void>> Engine::before_backward(Context&, Module& module) {
   Unit* u = s.unit_for(module);
   if (!u || &module != u->modules.back()) co_return Result<void>{};
   if (s.stage3()) COSHARD_CO_TRY(co_await s.fetch(*u));
-  co_return s.begin_backward(*u);
+  COSHARD_CO_TRY(s.begin_backward(*u));
+  if (s.o.record_timeline) {
+    COSHARD_CO_TRY_ASSIGN(u->compute_start, s.ctx->stream().record_timed());
+  }
+  co_return Result<void>{};
 }
 
 Result<void> Engine::after_backward(Context&, Module& module) {
   State& s = *s_;
   Unit* u = s.unit_for(module);
   if (!u || &module != u->modules.front()) return {};
+  if (s.o.record_timeline) {
+    COSHARD_TRY_ASSIGN(auto end, s.ctx->stream().record_timed());
+    s.span(true, "backward", u->info.name, std::move(u->compute_start), std::move(end));
+  }
   COSHARD_TRY(s.reduce_gradients(*u));
   if (!s.stage3() || s.keep_after_use(*u)) return {};
   return s.release(*u);
@@ -648,6 +752,7 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
   // Gradients: stage 1 reduces everything now, in one launch; stages 2-3 did it per unit.
   COSHARD_CO_TRY(State::order(compute, cs));
   if (s.o.zero_stage == 1) {
+    COSHARD_CO_TRY_ASSIGN(auto started, s.mark(cs));
     Coalesced group;
     for (auto& u : s.units) {
       group.reduce_scatter(u->grad_full.data(), u->grad_shard.data(), static_cast<std::size_t>(u->info.shard),
@@ -655,6 +760,8 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
       s.stats.reduce_scattered_bytes += u->info.padded_bytes;
     }
     COSHARD_CO_TRY(s.comm->launch(group));
+    COSHARD_CO_TRY_ASSIGN(auto finished, s.mark(cs));
+    s.span(false, "reduce_scatter", kAllUnits, std::move(started), std::move(finished));
   } else {
     for (auto& u : s.units)  // units without a backward this step (unused parameters)
       if (u->grads_this_step == 0) COSHARD_CO_TRY(cs.fill(u->grad_shard.data(), 0, u->grad_shard.bytes()));
@@ -662,15 +769,18 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
   const auto K = static_cast<float>(micro_batches.size());
   if (micro_batches.size() > 1)
     for (auto& u : s.units) COSHARD_CO_TRY(k.scale(cs, s.o.dtype, u->grad_shard.data(), 1.0f / K, u->info.shard));
-  COSHARD_CO_TRY(State::order(cs, compute));
+  COSHARD_CO_TRY(s.compute_waits_for_comm(kGradients));
 
   // The optimizer: local shards only; the norm and overflow flag are summed over ranks first.
+  COSHARD_CO_TRY_ASSIGN(auto optimizer_started, s.mark(compute));
   COSHARD_CO_TRY(s.optimizer->compute_grad_stats(ctx));
   COSHARD_CO_TRY(State::order(compute, cs));
   const Tensor grad_stats = s.optimizer->grad_stats();
   COSHARD_CO_TRY(s.comm->all_reduce(grad_stats.data(), grad_stats.data(), 2, DataType::f32, ReduceOp::sum));
-  COSHARD_CO_TRY(State::order(cs, compute));
+  COSHARD_CO_TRY(s.compute_waits_for_comm(kGradStats));
   COSHARD_CO_TRY(s.optimizer->apply(ctx, lr));
+  COSHARD_CO_TRY_ASSIGN(auto optimizer_finished, s.mark(compute));
+  s.span(true, "optimizer", kOptimizer, std::move(optimizer_started), std::move(optimizer_finished));
 
   // The loss, averaged over micro-batches and ranks.
   if (micro_batches.size() > 1) COSHARD_CO_TRY(k.scale(compute, DataType::f32, loss_sum.data(), 1.0f / K, 1));
@@ -679,21 +789,29 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
 
   // Stages 1-2: every rank gets the updated parameters, in one launch.
   if (!s.stage3()) {
+    COSHARD_CO_TRY_ASSIGN(auto started, s.mark(cs));
     Coalesced group;
     for (auto& u : s.units) {
       group.all_gather(u->shard.data(), u->full.data(), static_cast<std::size_t>(u->info.shard), s.o.dtype);
       s.stats.gathered_bytes += u->info.padded_bytes;
     }
     COSHARD_CO_TRY(s.comm->launch(group));
+    COSHARD_CO_TRY_ASSIGN(auto finished, s.mark(cs));
+    s.span(false, "all_gather", kParameters, std::move(started), std::move(finished));
   }
-  COSHARD_CO_TRY(State::order(cs, compute));
+  COSHARD_CO_TRY(s.compute_waits_for_comm(kParameters));
   COSHARD_CO_TRY(s.end_pass());
 
-  EngineStepStats stats = s.stats;
-  stats.collective_launches = s.comm->launches() - launches_before;
+  const std::uint64_t launches = s.comm->launches() - launches_before;
   COSHARD_CO_TRY_ASSIGN(auto host_loss, co_await ctx.read(loss_sum));
+  COSHARD_CO_TRY_ASSIGN(auto optimizer_stats, co_await s.optimizer->read_stats(ctx));
+  // Every event of the step has passed now (the reads came after all of it): read the timings.
+  s.collect_timing();
+  EngineStepStats stats = std::move(s.stats);
+  s.stats = {};
+  stats.collective_launches = launches;
   stats.loss = host_loss[0];
-  COSHARD_CO_TRY_ASSIGN(stats.optimizer, co_await s.optimizer->read_stats(ctx));
+  stats.optimizer = optimizer_stats;
   co_return stats;
 }
 

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <barrier>
+#include <functional>
+#include <set>
 #include <cmath>
 #include <random>
 #include <thread>
@@ -111,6 +113,7 @@ struct ZeroSetup {
   int steps = 20;
   int micro_batches = 1;
   bool strict_after_first = false;
+  std::function<void(int rank, int step)> before_step;  // host-side, on the rank's thread
 };
 
 ZeroRun run_zero(const ZeroSetup& setup) {
@@ -150,6 +153,7 @@ ZeroRun run_zero(const ZeroSetup& setup) {
           }
           sync.arrive_and_wait();
         }
+        if (setup.before_step) setup.before_step(rank, step);
         COSHARD_CO_TRY_ASSIGN(auto stats, co_await engine->step(loss, mbs, 1e-2f));
         run.stats[static_cast<std::size_t>(rank)].push_back(stats);
         if (setup.evaluate_between_steps) {
@@ -405,6 +409,83 @@ TEST(Engine, RejectsBadOptionsWithClearErrors) {
   EXPECT_NE(e.error().message().find("max_live_bytes=100: must be at least the largest fetch unit"),
             std::string::npos)
       << e.error().message();
+}
+
+
+// With timing on, a step reports how long the compute stream stood waiting on communication,
+// from device timestamps. Rank 1 arrives 60 ms late to each step, so rank 0's first gather cannot
+// complete before it: rank 0's compute stream waits at least that long, and its steps say so.
+TEST(Engine, ExposedCommunicationIsMeasuredFromDeviceTimestamps) {
+  ZeroSetup setup;
+  setup.world = 2;
+  setup.steps = 3;
+  setup.options.timing = true;
+  setup.before_step = [](int rank, int) {
+    if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(60));
+  };
+  const auto run = run_zero(setup);
+  ASSERT_TRUE(run.error.empty()) << run.error;
+  for (const auto& stats : run.stats[0]) {
+    ASSERT_TRUE(stats.exposed_comm_ms.has_value());
+    EXPECT_GE(*stats.exposed_comm_ms, 50.0);
+    EXPECT_LT(*stats.exposed_comm_ms, 10'000.0);
+  }
+  for (const auto& stats : run.stats[1]) {
+    ASSERT_TRUE(stats.exposed_comm_ms.has_value());
+    EXPECT_GE(*stats.exposed_comm_ms, 0.0);
+  }
+  // Without timing the figure is absent, never a made-up zero.
+  ZeroSetup plain;
+  plain.world = 2;
+  plain.steps = 1;
+  const auto untimed = run_zero(plain);
+  ASSERT_TRUE(untimed.error.empty()) << untimed.error;
+  EXPECT_FALSE(untimed.stats[0][0].exposed_comm_ms.has_value());
+  EXPECT_TRUE(untimed.stats[0][0].timeline.empty());
+}
+
+// The timeline of a stage-3 step: every unit computes forward and backward on the compute
+// track; gathers (fetched, then prefetched along the trace) and reduce-scatters on the comm
+// track; releases; spans well-formed and within the step.
+TEST(Engine, TimelineHasEveryPhaseOnItsTrack) {
+  ZeroSetup setup;
+  setup.world = 2;
+  setup.steps = 3;
+  setup.options.record_timeline = true;
+  setup.options.prefetch_bucket_bytes = 1 << 20;
+  const auto run = run_zero(setup);
+  ASSERT_TRUE(run.error.empty()) << run.error;
+  const std::size_t units = run.units.size();
+  for (int step = 0; step < 3; ++step) {
+    const auto& spans = run.stats[0][static_cast<std::size_t>(step)].timeline;
+    ASSERT_FALSE(spans.empty());
+    std::map<std::string, std::size_t> count;
+    std::set<std::string> tracks;
+    double first = 1e300, last = -1e300;
+    for (const auto& sp : spans) {
+      EXPECT_LE(sp.start_ms, sp.end_ms) << sp.category << " " << sp.name;
+      EXPECT_GE(sp.start_ms, 0.0) << sp.category;
+      ++count[sp.category];
+      tracks.insert(sp.track);
+      first = std::min(first, sp.start_ms);
+      last = std::max(last, sp.end_ms);
+      if (sp.category == "forward" || sp.category == "backward" || sp.category == "wait" || sp.category == "release" ||
+          sp.category == "optimizer")
+        EXPECT_EQ(sp.track, "compute") << sp.category;
+      else
+        EXPECT_EQ(sp.track, "comm") << sp.category;
+    }
+    EXPECT_EQ(tracks.size(), 2u);
+    EXPECT_EQ(count["forward"], units);
+    EXPECT_EQ(count["backward"], units);
+    EXPECT_EQ(count["reduce_scatter"], units);
+    EXPECT_EQ(count["fetch"] + count["prefetch"], 2 * units);  // one gather per unit per pass
+    EXPECT_EQ(count["release"], 2 * units);
+    EXPECT_EQ(count["optimizer"], 1u);
+    if (step == 0) EXPECT_EQ(count["prefetch"], 0u);  // no trace yet
+    else EXPECT_GT(count["prefetch"], units);          // most gathers ahead of use
+    EXPECT_LT(last - first, 60'000.0);
+  }
 }
 
 }  // namespace

@@ -11,7 +11,9 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <map>
 #include <random>
+#include <set>
 #include <thread>
 
 extern char** environ;
@@ -21,7 +23,7 @@ namespace {
 namespace fs = std::filesystem;
 
 const std::vector<std::string> kTiny = {"--layers", "1", "--dim", "16", "--heads", "2", "--seq", "8",
-                                        "--batch", "4", "--vocab", "32", "--lr", "0.01"};
+                                        "--batch", "12", "--vocab", "32", "--lr", "0.01"};
 
 fs::path scratch(const std::string& name) {
   const fs::path p = fs::current_path() / "binary_test_scratch" / name;
@@ -91,6 +93,49 @@ TEST(CoshardTrain, MetricsHaveEveryKeyAndTheLossFalls) {
   EXPECT_GT(rows[5]["prefetch_hit_rate"].get<double>(), 0.5);  // the trace from step 1 is used
   EXPECT_EQ(rows[29]["blocking_waits"], 0);
   EXPECT_LT(rows[29]["loss"].get<double>(), 0.8 * rows[0]["loss"].get<double>());
+}
+
+// --trace: valid Chrome-trace JSON with spans on both streams of every rank, from device
+// timestamps, and exposed communication in the metrics.
+TEST(CoshardTrain, TraceHasSpansOnEveryStreamOfEveryRank) {
+  const fs::path dir = scratch("trace");
+  const auto r = run(with(kTiny, {"--steps", "4", "--world-size", "3", "--trace", (dir / "t.json").string(),
+                                  "--metrics", (dir / "m.jsonl").string()}),
+                     dir);
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto doc = nlohmann::json::parse(slurp(dir / "t.json"), nullptr, false);
+  ASSERT_FALSE(doc.is_discarded());
+  ASSERT_TRUE(doc.contains("traceEvents"));
+  std::map<std::pair<int, int>, std::set<std::string>> categories;  // (rank, thread) -> span kinds
+  std::set<std::string> thread_names;
+  for (const auto& ev : doc["traceEvents"]) {
+    const auto ph = ev["ph"].get<std::string>();
+    if (ph == "M") {
+      if (ev["name"] == "thread_name") thread_names.insert(ev["args"]["name"].get<std::string>());
+      continue;
+    }
+    ASSERT_TRUE(ph == "X" || ph == "i") << ev.dump();
+    EXPECT_GE(ev["ts"].get<double>(), 0.0);
+    if (ph == "X") EXPECT_GE(ev["dur"].get<double>(), 0.0);
+    categories[{ev["pid"].get<int>(), ev["tid"].get<int>()}].insert(ev["cat"].get<std::string>());
+  }
+  EXPECT_EQ(thread_names, (std::set<std::string>{"compute stream", "comm stream"}));
+  for (int rank = 0; rank < 3; ++rank) {
+    const auto& compute = categories[{rank, 1}];
+    const auto& comm = categories[{rank, 2}];
+    for (const char* c : {"forward", "backward", "wait", "release", "optimizer"})
+      EXPECT_TRUE(compute.contains(c)) << "rank " << rank << " compute lacks " << c;
+    for (const char* c : {"fetch", "prefetch", "reduce_scatter"})
+      EXPECT_TRUE(comm.contains(c)) << "rank " << rank << " comm lacks " << c;
+  }
+  std::ifstream in(dir / "m.jsonl");
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto j = nlohmann::json::parse(line);
+    ASSERT_TRUE(j["exposed_comm_ms"].is_number()) << line;
+    EXPECT_GE(j["exposed_comm_ms"].get<double>(), 0.0);
+    EXPECT_LE(j["exposed_comm_ms"].get<double>(), j["step_ms"].get<double>() * 1.5) << line;
+  }
 }
 
 TEST(CoshardTrain, BadCommandLinesAreNamed) {

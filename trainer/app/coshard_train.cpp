@@ -21,6 +21,7 @@
 #include "coshard/collectives/env.hpp"
 #include "coshard/collectives/local.hpp"
 #include "coshard/modules/gpt.hpp"
+#include "coshard/trainer/trace.hpp"
 #include "coshard/trainer/trainer.hpp"
 #include "progress.hpp"
 
@@ -40,7 +41,7 @@ struct Options {
   std::int64_t dim = 128;
   std::int64_t heads = 4;
   std::int64_t vocab = 256;  // synthetic task only; a --data file is bytes (256)
-  std::string data, config, init, metrics, checkpoint_dir, export_path;
+  std::string data, config, init, metrics, trace, checkpoint_dir, export_path;
   std::int64_t checkpoint_every = 0;
   bool resume = false;
   bool quiet = false;
@@ -51,6 +52,8 @@ struct Options {
 struct Shared {
   std::mutex mutex;
   std::vector<std::string> errors;
+  trainer::TraceWriter trace;
+  async::Event epoch;  // ranks as threads share one clock: their timelines line up
   void error(int rank, const std::string& message) {
     std::lock_guard lock(mutex);
     errors.push_back("rank " + std::to_string(rank) + ": " + message);
@@ -71,6 +74,7 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
   trainer::TrainerBuilder builder(o.train);
   builder.communicator(comm);
   COSHARD_CO_TRY_ASSIGN(auto t, co_await builder.build(*model));
+  if (shared.epoch.recorded()) COSHARD_CO_TRY(t.set_timeline_epoch(shared.epoch));
   if (!o.init.empty()) COSHARD_CO_TRY(co_await t.load_safetensors(o.init));
   if (o.resume) {
     auto loaded = co_await t.load_checkpoint(o.checkpoint_dir);
@@ -96,6 +100,7 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
   for (std::int64_t step = first; step < o.steps; ++step) {
     const HostBatch global = data.batch(static_cast<std::uint64_t>(step), o.batch, o.seq);
     COSHARD_CO_TRY_ASSIGN(auto stats, co_await t.step(global.rank_rows(rank, world)));
+    if (!o.trace.empty()) shared.trace.add(rank, stats.step, stats.timeline);
     if (lead) {
       if (!o.quiet) progress.update(stats);
       if (metrics.is_open()) {
@@ -112,11 +117,15 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
   COSHARD_CO_TRY_ASSIGN(auto all_done, comm.barrier());
   COSHARD_CO_TRY(co_await all_done);
   if (lead && !o.quiet) progress.finish();
+  if (lead && !o.trace.empty()) {
+    // Local ranks: every rank added its spans before the barrier. Processes: this rank's own.
+    COSHARD_CO_TRY(shared.trace.write(o.trace));
+    if (!o.quiet) std::printf("trace: %zu spans in %s\n", shared.trace.size(), o.trace.c_str());
+  }
   if (!o.export_path.empty()) {
     COSHARD_CO_TRY(co_await t.export_safetensors(o.export_path));
     if (lead && !o.quiet) std::printf("exported %s\n", o.export_path.c_str());
   }
-  (void)shared;
   co_return Result<void>{};
 }
 
@@ -160,6 +169,12 @@ int run(const Options& o) {
     if (!comms) {
       std::fprintf(stderr, "coshard-train: %s\n", comms.error().message().c_str());
       return 2;
+    }
+    // One epoch for every rank's timeline (CPU streams share steady_clock). Never waited for:
+    // it passes at once, long before any timing is read.
+    auto clock = async::Stream::create(async::Device::cpu(), {.name = "clock"});
+    if (clock) {
+      if (auto epoch = clock->record_timed()) shared.epoch = *epoch;
     }
     std::vector<std::thread> threads;
     for (int r = 0; r < o.world_size; ++r) {
@@ -243,6 +258,9 @@ int main(int argc, char** argv) {
       ->check(CLI::ExistingFile);
   app.add_option("--init", o.init, "initial weights from a safetensors file")->check(CLI::ExistingFile);
   app.add_option("--metrics", o.metrics, "one JSON object per step (rank 0)");
+  app.add_option("--trace", o.trace, "a Chrome-trace/Perfetto JSON timeline of every step, from device timestamps");
+  bool no_timing = false;
+  app.add_flag("--no-timing", no_timing, "no device-timestamp timing (exposed_comm_ms becomes null)");
   app.add_option("--checkpoint-dir", o.checkpoint_dir, "folder of sharded checkpoints");
   app.add_option("--checkpoint-every", o.checkpoint_every, "save every N steps (0: never)")
       ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40));
@@ -286,6 +304,8 @@ int main(int argc, char** argv) {
   }
   if (off_opt->count()) c.offload_optimizer = cli.offload_optimizer;
   if (off_par->count()) c.offload_params = cli.offload_params;
+  c.timing = !no_timing;
+  c.record_timeline = !o.trace.empty();
   if (auto ok = c.validate(); !ok) {
     std::fprintf(stderr, "coshard-train: %s\n", ok.error().message().c_str());
     return 2;

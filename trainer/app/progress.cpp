@@ -19,9 +19,10 @@ void Progress::update(const StepStats& s) {
                  static_cast<long long>(s.step), static_cast<long long>(last_), s.loss, s.tokens_per_s, s.step_ms, eta);
     open_line_ = true;
   } else if (s.step == first_ + 1 || s.step == last_ || (s.step - first_) % every_ == 0) {
-    std::fprintf(out_, "step %lld/%lld  loss %.4f  %.0f tok/s  %.1f ms/step  hit rate %.2f  ETA %.0fs\n",
+    std::fprintf(out_, "step %lld/%lld  loss %.4f  %.0f tok/s  %.1f ms/step  hit rate %.2f  comm wait %s ms  ETA %.0fs\n",
                  static_cast<long long>(s.step), static_cast<long long>(last_), s.loss, s.tokens_per_s, s.step_ms,
-                 s.prefetch_hit_rate, eta);
+                 s.prefetch_hit_rate, s.exposed_comm_ms ? std::to_string(*s.exposed_comm_ms).substr(0, 5).c_str() : "-",
+                 eta);
   }
   std::fflush(out_);
 }

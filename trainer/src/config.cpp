@@ -90,6 +90,8 @@ modules::EngineOptions TrainerConfig::engine_options() const {
   o.max_reuse_distance_elements = max_reuse_distance_elements;
   o.persistence_threshold_bytes = persistence_threshold_bytes;
   o.fetch_mode = fetch_mode;
+  o.timing = timing;
+  o.record_timeline = record_timeline;
   return o;
 }
 

@@ -28,8 +28,8 @@ std::string to_json_line(const StepStats& s) {
   j["blocking_waits"] = s.blocking_waits;
   j["swap_bytes"] = s.swap_bytes;
   j["prefetch_hit_rate"] = s.prefetch_hit_rate;
-  // Needs timed device events, which the streams do not record yet: null, never a made-up 0.
-  j["exposed_comm_ms"] = nullptr;
+  if (s.exposed_comm_ms) j["exposed_comm_ms"] = *s.exposed_comm_ms;
+  else j["exposed_comm_ms"] = nullptr;  // timing off: unknown, never a made-up 0
   j["collective_launches"] = s.collective_launches;
   j["grad_norm"] = s.grad_norm;
   j["loss_scale"] = s.loss_scale;
@@ -69,6 +69,7 @@ Trainer::Trainer(Trainer&&) noexcept = default;
 Trainer& Trainer::operator=(Trainer&&) noexcept = default;
 Trainer::~Trainer() = default;
 
+Result<void> Trainer::set_timeline_epoch(async::Event epoch) { return impl_->engine->set_timeline_epoch(std::move(epoch)); }
 std::int64_t Trainer::steps_done() const noexcept { return impl_->steps; }
 const TrainerConfig& Trainer::config() const noexcept { return impl_->config; }
 int Trainer::rank() const noexcept { return impl_->comm->rank(); }
@@ -132,6 +133,8 @@ async::Task<Result<StepStats>> Trainer::step(const HostBatch& rows) {
   out.loss_scale = e.optimizer.loss_scale;
   out.skipped = e.optimizer.last_skipped;
   out.trace_changed = e.trace_changed;
+  out.exposed_comm_ms = e.exposed_comm_ms;
+  out.timeline = std::move(e.timeline);
   co_return out;
 }
 

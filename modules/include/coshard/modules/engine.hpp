@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <limits>
 #include <map>
+#include <optional>
 #include <memory>
 #include <span>
 #include <string>
@@ -58,6 +59,22 @@ struct EngineOptions {
   std::size_t max_reuse_distance_elements = 0;
   std::size_t persistence_threshold_bytes = 0;  // smaller units stay gathered for the whole step
   FetchMode fetch_mode = FetchMode::all_gather;
+  // Timed events around every wait of the compute stream on communication, so each step reports
+  // exposed_comm_ms (read after the step from device timestamps, never by a synchronize). A few
+  // more events a unit: off by default, on in the Trainer.
+  bool timing = false;
+  // Also a timeline of the step: compute spans per unit and pass, gathers (fetch or prefetch)
+  // and reduce-scatters on the communication stream, waits, releases. Implies timing.
+  bool record_timeline = false;
+};
+
+// One span of a step's timeline, in milliseconds from the engine's timeline epoch.
+struct TimelineSpan {
+  std::string track;     // "compute" or "comm"
+  std::string category;  // forward, backward, wait, release, fetch, prefetch, reduce_scatter, ...
+  std::string name;      // the unit, or the step phase
+  double start_ms = 0;
+  double end_ms = 0;     // == start_ms for instants (release)
 };
 
 struct FetchUnitInfo {
@@ -102,6 +119,10 @@ struct EngineStepStats {
   std::uint64_t reduce_scattered_bytes = 0; // gradient bytes put into reduce-scatters
   std::size_t peak_live_bytes = 0;    // most gathered bytes held at once (stage 3)
   bool trace_changed = false;         // the order departed from the recorded trace
+  // Time the compute stream stood waiting on communication (gathers, and the reductions and
+  // gathers at the end of the step), from device timestamps. Empty unless options.timing.
+  std::optional<double> exposed_comm_ms;
+  std::vector<TimelineSpan> timeline;  // options.record_timeline
   OptimizerStats optimizer;
   double hit_rate() const noexcept {
     return fetches == 0 ? 1.0 : static_cast<double>(prefetch_hits) / static_cast<double>(fetches);
@@ -143,6 +164,10 @@ class Engine final : public ModuleHooks {
   const EngineOptions& options() const noexcept;
   // Units with their gather in flight right now (for tests of prefetch).
   std::size_t units_in_flight() const noexcept;
+  // Timeline spans are measured from this timed event (by default one recorded on the compute
+  // stream when the engine was made). Ranks that share a clock (CPU streams) can share one, so
+  // their timelines line up.
+  Result<void> set_timeline_epoch(async::Event epoch);
 
   // ModuleHooks
   async::Task<Result<void>> before_forward(Context& ctx, Module& module) override;

@@ -62,6 +62,11 @@ struct TrainerConfig {
   bool nesterov = false;                // sgd
   std::uint64_t seed = 1;               // initial weights
 
+  // Device-timestamp timing: exposed_comm_ms each step (a few timed events per unit).
+  bool timing = true;
+  // Also a timeline of every step (StepStats::timeline), for --trace.
+  bool record_timeline = false;
+
   OffloadOptions offload_optimizer;
   OffloadOptions offload_params;
 

@@ -44,6 +44,9 @@ struct StepStats {
   std::uint64_t blocking_waits = 0;    // the runtime's counter, cumulative, process-wide
   std::uint64_t swap_bytes = 0;        // offload traffic (0 until offloading exists)
   double prefetch_hit_rate = 1;
+  // Time the compute stream waited on communication, from device timestamps (config.timing).
+  std::optional<double> exposed_comm_ms;
+  std::vector<modules::TimelineSpan> timeline;  // config.record_timeline
   std::uint64_t collective_launches = 0;
   float grad_norm = 0;
   float loss_scale = 1;
@@ -51,7 +54,7 @@ struct StepStats {
   bool trace_changed = false;
 };
 
-// One JSON object (one line, no newline) with the keys of StepStats.
+// One JSON object (one line, no newline) with the keys of StepStats (not the timeline).
 std::string to_json_line(const StepStats& s);
 
 class Trainer {
@@ -78,6 +81,10 @@ class Trainer {
   async::Task<Result<void>> export_safetensors(const std::filesystem::path& path);
   // Initial weights from a safetensors file with every parameter (any float dtype; converted).
   async::Task<Result<void>> load_safetensors(const std::filesystem::path& path);
+
+  // Timeline spans count from this timed event (Stream::record_timed on the trainer's device);
+  // ranks that share a clock (CPU) can share one so their timelines line up.
+  Result<void> set_timeline_epoch(async::Event epoch);
 
   std::int64_t steps_done() const noexcept;
   const TrainerConfig& config() const noexcept;
@@ -140,6 +147,8 @@ class TrainerBuilder {
   }
   TrainerBuilder& warmup_steps(std::int64_t v) { c_.warmup_steps = v; return *this; }
   TrainerBuilder& seed(std::uint64_t v) { c_.seed = v; return *this; }
+  TrainerBuilder& timing(bool on) { c_.timing = on; return *this; }
+  TrainerBuilder& record_timeline(bool on) { c_.record_timeline = on; return *this; }
   TrainerBuilder& offload_optimizer(OffloadOptions v) { c_.offload_optimizer = std::move(v); return *this; }
   TrainerBuilder& offload_params(OffloadOptions v) { c_.offload_params = std::move(v); return *this; }
 
