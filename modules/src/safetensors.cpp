@@ -217,29 +217,41 @@ Result<SafetensorsFile> SafetensorsFile::parse(std::vector<std::byte> bytes, std
   return file;
 }
 
-Result<void> save_safetensors(const std::filesystem::path& path, std::span<const SafeTensorView> tensors,
-                              const std::map<std::string, std::string>& metadata) {
+Result<std::vector<std::byte>> safetensors_prefix(std::span<const SafeTensorLayout> tensors,
+                                                  const std::map<std::string, std::string>& metadata,
+                                                  std::string_view source) {
   json header = json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::size_t offset = 0;
   for (const auto& t : tensors) {
     if (t.name.empty() || t.name == "__metadata__") {
-      return fail(ErrorCode::invalid_argument, "save_safetensors('", path.string(), "'): invalid tensor name '", t.name, "'");
+      return fail(ErrorCode::invalid_argument, "save_safetensors('", source, "'): invalid tensor name '", t.name, "'");
     }
     if (header.contains(t.name)) {
-      return fail(ErrorCode::invalid_argument, "save_safetensors('", path.string(), "'): tensor '", t.name, "' appears twice");
+      return fail(ErrorCode::invalid_argument, "save_safetensors('", source, "'): tensor '", t.name, "' appears twice");
     }
-    auto need = byte_count(path.string(), t.name, t.shape, size_of(t.dtype));
+    auto need = byte_count(std::string(source), t.name, t.shape, size_of(t.dtype));
     if (!need) return fail(std::move(need).error());
-    if (*need != t.data.size()) {
-      return fail(ErrorCode::invalid_argument, "save_safetensors('", path.string(), "'): tensor '", t.name, "' has ",
-                  t.data.size(), " bytes of data but its shape needs ", *need);
+    if (*need != t.bytes) {
+      return fail(ErrorCode::invalid_argument, "save_safetensors('", source, "'): tensor '", t.name, "' has ",
+                  t.bytes, " bytes of data but its shape needs ", *need);
     }
-    header[t.name] = {{"dtype", to_string(t.dtype)}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.data.size()}}};
-    offset += t.data.size();
+    header[t.name] = {{"dtype", to_string(t.dtype)}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.bytes}}};
+    offset += t.bytes;
   }
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // pad so the data starts 8-byte aligned
+  std::vector<std::byte> out(8 + text.size());
+  for (int i = 0; i < 8; ++i) out[static_cast<std::size_t>(i)] = static_cast<std::byte>(static_cast<std::uint64_t>(text.size()) >> (8 * i));
+  std::memcpy(out.data() + 8, text.data(), text.size());
+  return out;
+}
+
+Result<void> save_safetensors(const std::filesystem::path& path, std::span<const SafeTensorView> tensors,
+                              const std::map<std::string, std::string>& metadata) {
+  std::vector<SafeTensorLayout> layout;
+  for (const auto& t : tensors) layout.push_back({t.name, t.dtype, t.shape, t.data.size()});
+  COSHARD_TRY_ASSIGN(const auto prefix, safetensors_prefix(layout, metadata, path.string()));
 
   const std::filesystem::path tmp = path.string() + ".tmp." + std::to_string(::getpid());
   UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
@@ -259,10 +271,7 @@ Result<void> save_safetensors(const std::filesystem::path& path, std::span<const
     ::unlink(tmp.c_str());
     return fail(std::move(e));
   };
-  std::byte len[8];
-  for (int i = 0; i < 8; ++i) len[i] = static_cast<std::byte>(static_cast<std::uint64_t>(text.size()) >> (8 * i));
-  if (auto r = write_all(len, 8); !r) return cleanup(r.error());
-  if (auto r = write_all(text.data(), text.size()); !r) return cleanup(r.error());
+  if (auto r = write_all(prefix.data(), prefix.size()); !r) return cleanup(r.error());
   for (const auto& t : tensors) {
     if (auto r = write_all(t.data.data(), t.data.size()); !r) return cleanup(r.error());
   }

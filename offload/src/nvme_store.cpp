@@ -183,4 +183,19 @@ Task<Result<void>> NvmeStore::read(std::string name, std::uint64_t offset, std::
   co_return Result<void>{};
 }
 
+Task<Result<void>> NvmeStore::seal(std::string name, std::uint64_t size) {
+  COSHARD_CO_TRY_ASSIGN(asio::random_access_file * f, impl_->file(name, false));
+  const int fd = f->native_handle();
+  const std::string path = (impl_->options.directory / name).string();
+  auto flush = [fd, size, path]() -> Result<void> {
+    if (::ftruncate(fd, static_cast<off_t>(size)) != 0)
+      return fail(ErrorCode::io, "NvmeStore: cannot set '", path, "' to ", size, " bytes: ", std::strerror(errno));
+    if (::fsync(fd) != 0) return fail(ErrorCode::io, "NvmeStore: cannot fsync '", path, "': ", std::strerror(errno));
+    return {};
+  };
+  auto flushed = co_await impl_->runtime->spawn_blocking(std::move(flush));
+  impl_->files.erase(name);  // closes it
+  co_return flushed;
+}
+
 }  // namespace coshard::offload

@@ -42,6 +42,29 @@ std::unique_ptr<NvmeStore> open_store(const fs::path& dir, std::size_t block = 6
   return std::move(*s);
 }
 
+// seal: the padding of an unaligned last write is cut, the file is flushed and closed, and it
+// reads back (opened again) bit-exact at its true size. A missing file is named.
+TEST(NvmeStore, SealCutsThePaddingAndCloses) {
+  const fs::path dir = fresh_dir("seal");
+  async::Runtime rt;
+  auto store = open_store(dir);
+  const auto data = random_bytes(5000, 9);
+  auto r = rt.block_on([](NvmeStore& store, const std::vector<std::byte>& data) -> Task<Result<void>> {
+    COSHARD_CO_TRY(co_await store.write("sealed", 0, data));
+    COSHARD_CO_TRY(co_await store.seal("sealed", data.size()));
+    std::vector<std::byte> back(data.size());
+    COSHARD_CO_TRY(co_await store.read("sealed", 0, back));
+    if (back != data) co_return fail(ErrorCode::internal, "sealed file differs");
+    auto missing = co_await store.seal("absent", 10);
+    if (missing || missing.error().message().find("absent") == std::string::npos)
+      co_return fail(ErrorCode::internal, "sealing a missing file: ", missing ? "accepted" : missing.error().message());
+    co_return Result<void>{};
+  }(*store, data));
+  ASSERT_TRUE(r) << r.error().message();
+  EXPECT_EQ(fs::file_size(dir / "sealed"), 5000u);
+  fs::remove_all(dir);
+}
+
 TEST(NvmeStore, RoundTripsOddSizesBitExactThroughODirect) {
   const fs::path dir = fresh_dir("roundtrip");
   async::Runtime rt;

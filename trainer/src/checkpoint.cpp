@@ -126,25 +126,37 @@ Result<void> write_file_atomic(const fs::path& path, std::string_view text) {
   return fsync_path(path.parent_path().empty() ? fs::path(".") : path.parent_path(), O_RDONLY | O_DIRECTORY);
 }
 
-// What a rank stages: the bytes of each tensor of its file, in order.
-struct Staged {
-  std::string name;
-  SafeDType dtype;
-  std::int64_t numel;
-  std::vector<std::byte> bytes;
-};
+// O_DIRECT where the filesystem takes it (tmpfs does not): probed once per folder.
+bool supports_direct_io(const fs::path& dir) {
+  const fs::path probe = dir / ".coshard-direct-probe";
+  const int fd = ::open(probe.c_str(), O_CREAT | O_WRONLY | O_DIRECT | O_CLOEXEC, 0644);
+  if (fd < 0) return false;
+  ::close(fd);
+  ::unlink(probe.c_str());
+  return true;
+}
 
-Result<ShardFile> write_rank_file(const fs::path& folder, int rank, const std::vector<Staged>& tensors) {
-  std::error_code ec;
-  fs::create_directories(folder, ec);
-  if (ec) return fail(ErrorCode::io, "checkpoint folder ", folder.string(), ": ", ec.message());
-  std::vector<modules::SafeTensorView> views;
-  for (const auto& t : tensors) views.push_back({t.name, t.dtype, {t.numel}, t.bytes});
-  const fs::path path = folder / rank_file(rank);
-  COSHARD_TRY(modules::save_safetensors(path, views, {{"format", std::string(kFormat)}, {"rank", std::to_string(rank)}}));
-  // The CRC is of the bytes on disk, read back: it covers the writer too.
-  COSHARD_TRY_ASSIGN(auto bytes, read_file(path));
-  return ShardFile{rank_file(rank), bytes.size(), crc32_of(bytes)};
+// Writes one rank's staged file behind training: CRC-32 of the bytes, the io_uring write to a
+// temporary name, seal (exact size, fsync, close), rename into place.
+async::Task<Result<ShardFile>> write_rank_file(std::shared_ptr<offload::NvmeStore> store, std::string folder,
+                                               int rank, async::PinnedBuffer staged, std::size_t bytes) {
+  async::Runtime* rt = async::Runtime::current();
+  const std::span<const std::byte> content(staged.data(), bytes);
+  auto checksum = [content] { return crc32_of(content); };
+  COSHARD_CO_TRY_ASSIGN(const std::uint32_t crc, co_await rt->spawn_blocking(std::move(checksum)));
+  const std::string tmp = folder + "/" + rank_file(rank) + ".tmp";
+  // The whole page-aligned buffer goes straight to the disk; seal cuts the padding.
+  COSHARD_CO_TRY(co_await store->write(tmp, 0, staged.bytes()));
+  COSHARD_CO_TRY(co_await store->seal(tmp, bytes));
+  const fs::path dir = store->options().directory / folder;
+  auto rename = [dir, rank]() -> Result<void> {
+    std::error_code ec;
+    fs::rename(dir / (rank_file(rank) + ".tmp"), dir / rank_file(rank), ec);
+    if (ec) return fail(ErrorCode::io, "checkpoint: renaming ", (dir / rank_file(rank)).string(), ".tmp into place: ", ec.message());
+    return fsync_path(dir, O_RDONLY | O_DIRECTORY);
+  };
+  COSHARD_CO_TRY(co_await rt->spawn_blocking(std::move(rename)));
+  co_return ShardFile{rank_file(rank), bytes, crc};
 }
 
 std::string hex(std::span<const std::byte> bytes) {
@@ -185,30 +197,46 @@ async::Task<Result<void>> Trainer::save_checkpoint(const fs::path& dir) {
   const int rank = s.comm->rank();
   COSHARD_CO_TRY_ASSIGN(const SafeDType param_dtype, safe_dtype(s.config.dtype));
 
-  // Stage this rank's blocks in host memory (each read awaits its copy's event).
-  std::vector<Staged> staged;
+  // This rank's file: a safetensors layout of its blocks, assembled in one pinned, page-aligned
+  // buffer by copies on the compute stream (the host awaits their event, never blocks).
+  struct Part {
+    std::string name;
+    SafeDType dtype;
+    Tensor source;
+  };
+  std::vector<Part> parts;
   json units = json::array();
   const auto shards = s.engine->shards();
   for (std::size_t i = 0; i < shards.size(); ++i) {
     const auto& sh = shards[i];
     const std::string u = "u" + std::to_string(i) + ".";
-    COSHARD_CO_TRY_ASSIGN(auto p, co_await s.ctx->read_bytes(sh.params));
-    staged.push_back({u + "param", param_dtype, sh.params.numel(), std::move(p)});
-    if (sh.master.data() != sh.params.data()) {
-      COSHARD_CO_TRY_ASSIGN(auto m, co_await s.ctx->read_bytes(sh.master));
-      staged.push_back({u + "master", SafeDType::f32, sh.master.numel(), std::move(m)});
-    }
-    if (sh.state1) {
-      COSHARD_CO_TRY_ASSIGN(auto a, co_await s.ctx->read_bytes(sh.state1));
-      staged.push_back({u + "state1", SafeDType::f32, sh.state1.numel(), std::move(a)});
-    }
-    if (sh.state2) {
-      COSHARD_CO_TRY_ASSIGN(auto b, co_await s.ctx->read_bytes(sh.state2));
-      staged.push_back({u + "state2", SafeDType::f32, sh.state2.numel(), std::move(b)});
-    }
+    parts.push_back({u + "param", param_dtype, sh.params});
+    if (sh.master.data() != sh.params.data()) parts.push_back({u + "master", SafeDType::f32, sh.master});
+    if (sh.state1) parts.push_back({u + "state1", SafeDType::f32, sh.state1});
+    if (sh.state2) parts.push_back({u + "state2", SafeDType::f32, sh.state2});
     units.push_back({{"name", sh.info.name}, {"parameters", sh.info.parameters}, {"numel", sh.info.numel},
                      {"padded", sh.info.padded}, {"shard", sh.info.shard}});
   }
+  std::vector<modules::SafeTensorLayout> layout;
+  for (const auto& p : parts) layout.push_back({p.name, p.dtype, {p.source.numel()}, p.source.bytes()});
+  const std::map<std::string, std::string> file_metadata{{"format", std::string(kFormat)}, {"rank", std::to_string(rank)}};
+  COSHARD_CO_TRY_ASSIGN(auto prefix, modules::safetensors_prefix(layout, file_metadata, rank_file(rank)));
+  std::size_t total = prefix.size();
+  for (const auto& p : parts) total += p.source.bytes();
+  const std::size_t padded = (total + offload::NvmeStore::kAlignment - 1) / offload::NvmeStore::kAlignment *
+                             offload::NvmeStore::kAlignment;
+  COSHARD_CO_TRY_ASSIGN(auto staged, async::PinnedBuffer::allocate(padded));
+  std::memcpy(staged.data(), prefix.data(), prefix.size());
+  std::memset(staged.data() + total, 0, padded - total);
+  std::size_t at = prefix.size();
+  auto& compute = s.ctx->stream();
+  for (const auto& p : parts) {
+    COSHARD_CO_TRY(compute.copy(staged.data() + at, p.source.data(), p.source.bytes()));
+    at += p.source.bytes();
+  }
+  COSHARD_CO_TRY_ASSIGN(auto copied, compute.record());
+  COSHARD_CO_TRY(co_await copied);
+
   PendingSave pending;
   pending.dir = dir;
   pending.step = s.steps;
@@ -228,10 +256,19 @@ async::Task<Result<void>> Trainer::save_checkpoint(const fs::path& dir) {
     m["units"] = std::move(units);
     pending.manifest = m.dump(1);
   }
-  // The files are written behind training, on the blocking pool; the staged bytes move there.
-  const fs::path folder = dir / (pending.name + ".partial");
-  auto write = [folder, rank, staged = std::move(staged)]() { return write_rank_file(folder, rank, staged); };
-  pending.write = rt->spawn(rt->spawn_blocking(std::move(write)));
+  // The file is written behind training (io_uring on this runtime); the staged buffer moves there.
+  if (!s.store || s.store_dir != dir) {
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (ec) co_return fail(ErrorCode::io, "checkpoint folder ", dir.string(), ": ", ec.message());
+    offload::NvmeStoreOptions store_options;
+    store_options.directory = dir;
+    store_options.direct = supports_direct_io(dir);
+    COSHARD_CO_TRY_ASSIGN(auto store, offload::NvmeStore::open(store_options));
+    s.store = std::move(store);
+    s.store_dir = dir;
+  }
+  pending.write = rt->spawn(write_rank_file(s.store, pending.name + ".partial", rank, std::move(staged), total));
   s.pending = std::move(pending);
   co_return Result<void>{};
 }

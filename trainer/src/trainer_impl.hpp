@@ -7,6 +7,7 @@
 #include "coshard/async/join_handle.hpp"
 #include "coshard/async/memory.hpp"
 #include "coshard/async/stream.hpp"
+#include "coshard/offload/nvme_store.hpp"
 #include "coshard/trainer/trainer.hpp"
 
 namespace coshard::trainer {
@@ -39,6 +40,9 @@ struct Trainer::Impl {
   modules::CrossEntropyLoss loss;
   std::int64_t steps = 0;
   std::optional<PendingSave> pending;
+  // Checkpoint files go through the offload store (io_uring; O_DIRECT where the filesystem allows).
+  std::shared_ptr<offload::NvmeStore> store;
+  std::filesystem::path store_dir;
 
   ~Impl();
 

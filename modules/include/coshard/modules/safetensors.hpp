@@ -67,6 +67,20 @@ struct SafeTensorView {
   std::span<const std::byte> data;  // size must equal product(shape) * size_of(dtype)
 };
 
+// The bytes before the data of a file holding `tensors` in this order: the u64 header length
+// and the JSON header, padded so the data starts 8-byte aligned. The data follows, tensor after
+// tensor (for writers that assemble the file themselves, e.g. into one pinned buffer).
+// `source` names the file in errors. Checks names and byte counts as save_safetensors does.
+struct SafeTensorLayout {
+  std::string name;
+  SafeDType dtype = SafeDType::f32;
+  std::vector<std::int64_t> shape;
+  std::size_t bytes = 0;  // must equal product(shape) * size_of(dtype)
+};
+Result<std::vector<std::byte>> safetensors_prefix(std::span<const SafeTensorLayout> tensors,
+                                                  const std::map<std::string, std::string>& metadata,
+                                                  std::string_view source);
+
 // Writes the tensors (in the given order) atomically: temporary file, fsync, rename.
 Result<void> save_safetensors(const std::filesystem::path& path, std::span<const SafeTensorView> tensors,
                               const std::map<std::string, std::string>& metadata = {});

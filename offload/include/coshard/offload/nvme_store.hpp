@@ -47,6 +47,10 @@ class NvmeStore {
 
   async::Task<Result<void>> write(std::string name, std::uint64_t offset, std::span<const std::byte> data);
   async::Task<Result<void>> read(std::string name, std::uint64_t offset, std::span<std::byte> out);
+  // Makes the file exactly `size` bytes (dropping the padding of an unaligned last write),
+  // flushes it to the disk (ftruncate and fsync, on the blocking pool) and closes it: complete and
+  // durable, ready to be renamed into place. A later read or write opens it again.
+  async::Task<Result<void>> seal(std::string name, std::uint64_t size);
 
   const NvmeStoreOptions& options() const noexcept;
   std::uint64_t bytes_written() const noexcept;
