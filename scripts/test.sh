@@ -3,7 +3,7 @@
 # and runs the whole test suite three ways:
 #   build/test  normal build (CUDA compiled when the toolkit is found; CUDA tests skip without a
 #               GPU), every test: unit, examples, header checks, install package
-#   build/tsan  ThreadSanitizer: the runtime, streams, collectives and the ZeRO engine (labels async|collectives|engine)
+#   build/tsan  ThreadSanitizer: the runtime, streams, collectives, the ZeRO engine and the trainer (labels async|collectives|engine|trainer)
 #   build/asan  AddressSanitizer + UBSan: everything else (and the runtime again)
 #   build/fuzz  libFuzzer (clang 19) on every parser of outside input, 30 s each from the seed
 #               corpus in tests/fuzz/corpus (new inputs stay in the build folder)
@@ -34,9 +34,9 @@ configure_build_test() {
 
 echo "== build/test: all tests =="
 configure_build_test build/test "" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCOSHARD_WERROR=ON
-echo "== build/tsan: ThreadSanitizer (runtime, streams, collectives, ZeRO engine) =="
+echo "== build/tsan: ThreadSanitizer (runtime, streams, collectives, ZeRO engine, trainer) =="
 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
-  configure_build_test build/tsan "async|collectives|engine" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  configure_build_test build/tsan "async|collectives|engine|trainer" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCOSHARD_SANITIZE=thread -DCOSHARD_CUDA=OFF
 echo "== build/asan: AddressSanitizer + UBSan (everything) =="
 ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" \

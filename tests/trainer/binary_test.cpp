@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -175,6 +176,29 @@ TEST(CoshardTrain, TakesADeepSpeedConfig) {
   EXPECT_NE(r.output.find("stage3_warp_drive"), std::string::npos) << r.output;
 }
 
+// Like run(), with the file-size limit set in the child (a full disk, as the process sees it).
+Exit run_with_file_limit(std::vector<std::string> args, const fs::path& dir, rlim_t max_file_bytes) {
+  const fs::path out = dir / "output.txt";
+  args.insert(args.begin(), COSHARD_TRAIN_BIN);
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    const int fd = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(fd, 1);
+    ::dup2(fd, 2);
+    ::signal(SIGXFSZ, SIG_IGN);  // a write past the limit fails with EFBIG instead of killing
+    rlimit limit{max_file_bytes, max_file_bytes};
+    ::setrlimit(RLIMIT_FSIZE, &limit);
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out)};
+}
+
 std::int64_t latest_step(const fs::path& ck) {
   std::ifstream in(ck / "latest");
   std::string name;
@@ -212,6 +236,27 @@ TEST(CoshardTrain, SurvivesSigkillDuringCheckpoints) {
     EXPECT_EQ(latest_step(ck), at + 1);
   }
   EXPECT_EQ(killed_mid_run, 6);
+}
+
+// A save that hits a full disk fails the run with an error naming the file, and the previous
+// checkpoint stays the one `latest` names, and loads.
+TEST(CoshardTrain, FullDiskDuringSaveKeepsThePreviousCheckpoint) {
+  const fs::path dir = scratch("full");
+  const fs::path ck = dir / "ck";
+  const auto base = with(kTiny, {"--world-size", "2", "--checkpoint-dir", ck.string(), "--checkpoint-every", "2"});
+  auto first = run(with(base, {"--steps", "2"}), dir);
+  ASSERT_EQ(first.code, 0) << first.output;
+  ASSERT_EQ(latest_step(ck), 2);
+  const auto rank_file_bytes = fs::file_size(ck / "step-00000002" / "rank-00000.safetensors");
+  // Room for small files (the manifest, output), not for a rank file.
+  auto full = run_with_file_limit(with(base, {"--steps", "4", "--resume"}), dir, rank_file_bytes / 2 / 4096 * 4096);
+  EXPECT_NE(full.code, 0) << full.output;
+  EXPECT_NE(full.output.find("rank-0000"), std::string::npos) << full.output;
+  EXPECT_NE(full.output.find("File too large"), std::string::npos) << full.output;
+  EXPECT_EQ(latest_step(ck), 2);
+  auto resumed = run(with(base, {"--steps", "4", "--resume"}), dir);
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  EXPECT_EQ(latest_step(ck), 4);
 }
 
 }  // namespace
