@@ -97,11 +97,13 @@ struct OverlapResult {
   double step_seconds = 0;
   double comm_seconds = 0;  // measured stream-busy time of rank 0's communication per step
   std::uint64_t launches_per_step = 0;
+  double exposed_comm_seconds = 0;  // the engine's own figure (device timestamps), per step
+  std::size_t peak_live_bytes = 0;
   std::string error;
 };
 
 // Mean step time of steps 3..N on rank 0 (steps 1-2 record the trace and warm the pools).
-OverlapResult run_overlap(std::chrono::microseconds delay, std::size_t prefetch_bytes, int steps) {
+OverlapResult run_overlap(std::chrono::microseconds delay, std::size_t prefetch_bytes, int steps, bool adaptive = false) {
   constexpr int kWorld = 2;
   auto comms = collectives::make_local_communicators(kWorld);
   if (!comms) return {.error = comms.error().message()};
@@ -117,6 +119,8 @@ OverlapResult run_overlap(std::chrono::microseconds delay, std::size_t prefetch_
       EngineOptions o;
       o.zero_stage = 3;
       o.prefetch_bucket_bytes = prefetch_bytes;
+      o.adaptive_prefetch = adaptive;
+      o.timing = true;  // every run pays the same timing events; exposed communication is reported
       COSHARD_CO_TRY_ASSIGN(auto engine, Engine::create(*r.ctx, comm, *model, *opt, o));
       COSHARD_CO_TRY(co_await engine->initialize(1));
       std::vector<double> ids(4 * 64);
@@ -133,6 +137,10 @@ OverlapResult run_overlap(std::chrono::microseconds delay, std::size_t prefetch_
         }
         COSHARD_CO_TRY_ASSIGN(auto stats, co_await engine->step(loss, batch, 1e-4f));
         if (rank == 0) out.launches_per_step = stats.collective_launches;
+        if (rank == 0 && step >= 2) {
+          out.exposed_comm_seconds += stats.exposed_comm_ms.value_or(0) * 1e-3 / (steps - 2);
+          out.peak_live_bytes = std::max(out.peak_live_bytes, stats.peak_live_bytes);
+        }
         if (rank == 0 && std::getenv("ENGINE_BENCH_VERBOSE"))
           std::fprintf(stderr, "step %d: hit rate %.2f, gathers %lu, trace changed %d\n", step, stats.hit_rate(),
                        static_cast<unsigned long>(stats.gathers), stats.trace_changed ? 1 : 0);
@@ -171,8 +179,9 @@ void BM_PrefetchOverlap(benchmark::State& state) {
     std::size_t bucket = std::size_t{8} << 20;
     if (const char* b = std::getenv("ENGINE_BENCH_BUCKET")) bucket = static_cast<std::size_t>(std::atoll(b));
     const auto prefetch = run_overlap(delay, bucket, kSteps);
-    if (!on_demand.error.empty() || !prefetch.error.empty())
-      return state.SkipWithError((on_demand.error + prefetch.error).c_str());
+    const auto adaptive = run_overlap(delay, 0, kSteps, true);
+    if (!on_demand.error.empty() || !prefetch.error.empty() || !adaptive.error.empty())
+      return state.SkipWithError((on_demand.error + prefetch.error + adaptive.error).c_str());
     // Communication per step as measured on the on-demand run (its stream does the same work).
     const double comm_seconds = on_demand.comm_seconds;
     const double limit = std::max(compute.step_seconds, comm_seconds);
@@ -188,6 +197,13 @@ void BM_PrefetchOverlap(benchmark::State& state) {
     state.counters["prefetch_ms"] = prefetch.step_seconds * 1e3;
     state.counters["on_demand_ratio"] = on_demand.step_seconds / limit;
     state.counters["prefetch_ratio"] = prefetch.step_seconds / limit;
+    state.counters["adaptive_ms"] = adaptive.step_seconds * 1e3;
+    state.counters["adaptive_ratio"] = adaptive.step_seconds / limit;
+    state.counters["adaptive_peak_MiB"] = static_cast<double>(adaptive.peak_live_bytes) / (1 << 20);
+    state.counters["prefetch_peak_MiB"] = static_cast<double>(prefetch.peak_live_bytes) / (1 << 20);
+    state.counters["exposed_on_demand_ms"] = on_demand.exposed_comm_seconds * 1e3;
+    state.counters["exposed_prefetch_ms"] = prefetch.exposed_comm_seconds * 1e3;
+    state.counters["exposed_adaptive_ms"] = adaptive.exposed_comm_seconds * 1e3;
     state.SetIterationTime(prefetch.step_seconds);
   }
   openblas_set_num_threads(blas_threads);

@@ -68,6 +68,7 @@ struct Unit {
   std::optional<async::Semaphore::Permit> permit;
   bool prefetched = false;  // gathered ahead of use, not yet fetched
   async::Event compute_start;  // timeline: where this unit's current pass began on the compute stream
+  std::size_t fetch_pos = 0;   // stage 3: the position of its latest fetch in the pass's order
 };
 
 // Hands bytes back to the budget as their release events complete: one task per burst of
@@ -111,6 +112,9 @@ struct Engine::State {
   const std::vector<std::size_t>* trace = nullptr;  // null: none yet, or departed from this step
   std::size_t trace_pos = 0;
   std::size_t prefetched_bytes = 0;
+  // Bytes of units gathered or in flight as the host has issued them (released ones excluded at
+  // once): the same on every rank, unlike the device-paced budget semaphore.
+  std::size_t logical_live = 0;
   EngineStepStats stats;
 
   // Timing (options.timing / record_timeline): the step's waits of compute on communication and
@@ -120,15 +124,45 @@ struct Engine::State {
     const char* category;
     const std::string* name;  // a unit's name, or a static phase name
     async::Event start, end;
+    std::size_t pos;   // compute spans of stage 3: the fetch's position in the pass's order
+    std::size_t unit;  // gathers: the unit
   };
+  static constexpr std::size_t kNone = std::numeric_limits<std::size_t>::max();
   std::vector<Span> spans;
   std::vector<std::pair<async::Event, async::Event>> waits;
   async::Event epoch;
 
-  bool timing() const noexcept { return o.timing || o.record_timeline; }
+  // Adaptive prefetch: measured milliseconds (device timestamps, a moving average over steps) of
+  // each unit's gather, and of the compute at each position of each phase's fetch order.
+  std::vector<double> gather_ms;                          // per unit; < 0: not measured yet
+  std::map<std::string, std::vector<double>> compute_ms;  // per phase, per trace position
+  static void learn(double& average, double sample) { average = average < 0 ? sample : 0.5 * average + 0.5 * sample; }
+
+  // The ranks average their measurements (one small all-reduce at the end of a pass), so every
+  // rank makes the same prefetch decisions and issues its collectives in the same order.
+  async::Task<Result<void>> agree_on_measurements() {
+    if (!o.adaptive_prefetch) co_return Result<void>{};
+    auto& positions = compute_ms[phase];
+    std::vector<double> mine(gather_ms);
+    mine.insert(mine.end(), positions.begin(), positions.end());
+    auto bytes = encode_values(mine, DataType::f32);
+    COSHARD_CO_TRY_ASSIGN(Tensor t, ctx->upload(bytes, Shape{static_cast<std::int64_t>(mine.size())}, DataType::f32));
+    COSHARD_CO_TRY(order(ctx->stream(), comm->stream()));
+    COSHARD_CO_TRY(comm->all_reduce(t.data(), t.data(), mine.size(), DataType::f32, ReduceOp::avg));
+    COSHARD_CO_TRY(order(comm->stream(), ctx->stream()));
+    COSHARD_CO_TRY_ASSIGN(auto agreed, co_await ctx->read(t));
+    std::copy(agreed.begin(), agreed.begin() + static_cast<std::ptrdiff_t>(gather_ms.size()), gather_ms.begin());
+    std::copy(agreed.begin() + static_cast<std::ptrdiff_t>(gather_ms.size()), agreed.end(), positions.begin());
+    co_return Result<void>{};
+  }
+
+  bool timing() const noexcept { return o.timing || spans_on(); }
+  // Spans are kept for the timeline, and for adaptive prefetch (its measurements).
+  bool spans_on() const noexcept { return o.record_timeline || o.adaptive_prefetch; }
   Result<async::Event> mark(async::Stream& stream) const { return timing() ? stream.record_timed() : stream.record(); }
-  void span(bool compute, const char* category, const std::string& name, async::Event start, async::Event end) {
-    if (o.record_timeline) spans.push_back({compute, category, &name, std::move(start), std::move(end)});
+  void span(bool compute, const char* category, const std::string& name, async::Event start, async::Event end,
+            std::size_t pos = kNone, std::size_t unit = kNone) {
+    if (spans_on()) spans.push_back({compute, category, &name, std::move(start), std::move(end), pos, unit});
   }
   // The compute stream waits for `event` of the communication stream; with timing, the time it
   // stands there is measured (a timed event on each side of the wait).
@@ -158,7 +192,16 @@ struct Engine::State {
     }
     waits.clear();
     if (complete) stats.exposed_comm_ms = exposed;
+    auto& compute_of_pass = compute_ms[phase];
+    compute_of_pass.resize(recording.size(), -1.0);
     for (const auto& sp : spans) {
+      if (o.adaptive_prefetch) {
+        if (auto d = sp.end.elapsed_ms_since(sp.start)) {
+          if (sp.pos != kNone && sp.pos < compute_of_pass.size()) learn(compute_of_pass[sp.pos], *d);
+          if (sp.unit != kNone) learn(gather_ms[sp.unit], *d);
+        }
+      }
+      if (!o.record_timeline) continue;
       auto a = sp.start.elapsed_ms_since(epoch);
       auto b = sp.end.elapsed_ms_since(epoch);
       if (a && b) stats.timeline.push_back({sp.compute ? "compute" : "comm", sp.category, *sp.name, *a, *b});
@@ -192,7 +235,7 @@ struct Engine::State {
   Result<void> issue_gather(Unit& u, async::Semaphore::Permit permit, bool ahead) {
     auto& cs = comm->stream();
     async::Event started;
-    if (o.record_timeline) {
+    if (spans_on()) {
       COSHARD_TRY_ASSIGN(started, cs.record_timed());
     }
     // Allocated for the compute stream (its last user); the gather's own use is recorded below,
@@ -212,14 +255,15 @@ struct Engine::State {
     }
     if (!done) return fail(std::move(done).error().with_context("gathering unit " + u.info.name));
     u.gathered_event = std::move(*done);
-    if (o.record_timeline) {
+    if (spans_on()) {
       COSHARD_TRY_ASSIGN(auto finished, cs.record_timed());
-      span(false, ahead ? "prefetch" : "fetch", u.info.name, std::move(started), std::move(finished));
+      span(false, ahead ? "prefetch" : "fetch", u.info.name, std::move(started), std::move(finished), kNone, u.index);
     }
     u.gathered_block.record_use(u.gathered_event);
     u.gather = Gather::in_flight;
     u.permit = std::move(permit);
     budget->live_bytes += u.info.padded_bytes;
+    logical_live += u.info.padded_bytes;
     stats.peak_live_bytes = std::max(stats.peak_live_bytes, budget->live_bytes);
     ++stats.gathers;
     stats.gathered_bytes += u.info.padded_bytes;
@@ -229,7 +273,7 @@ struct Engine::State {
   // The buffer and its budget come back once the compute stream has passed its last use.
   Result<void> release(Unit& u) {
     if (u.gather == Gather::released) return {};
-    COSHARD_TRY_ASSIGN(auto last_use, o.record_timeline ? ctx->stream().record_timed() : ctx->stream().record());
+    COSHARD_TRY_ASSIGN(auto last_use, spans_on() ? ctx->stream().record_timed() : ctx->stream().record());
     span(true, "release", u.info.name, last_use, last_use);
     // The block's uses: the gather (recorded at issue, so a stale prefetch's memory still waits
     // for it) and the compute stream up to `last_use`.
@@ -238,6 +282,7 @@ struct Engine::State {
     for (auto& p : u.params) p.parameter->unbind();
     settle_prefetch(u);
     u.gather = Gather::released;
+    logical_live -= u.info.padded_bytes;
     auto permit = std::move(*u.permit);
     u.permit.reset();
     budget->returns.push_back({std::move(last_use), std::move(permit), u.info.padded_bytes});
@@ -253,19 +298,40 @@ struct Engine::State {
   // Gathers units further along the trace, in order, while the bucket and the budget allow.
   // Stops at the first that does not fit, so prefetched units are always the next ones in
   // line and an on-demand fetch never waits for budget held by a unit used after it.
-  Result<void> prefetch_ahead() {
-    if (!trace || o.prefetch_bucket_bytes == 0) return {};
+  //
+  // Every decision here depends only on what every rank sees alike (the trace, the host-side
+  // count of gathered bytes, and measurements the ranks have averaged), never on how far a
+  // device has got: the ranks must issue their collectives in one order. The physical budget is
+  // then awaited (the bytes come back once released units' last uses have passed on the device).
+  async::Task<Result<void>> prefetch_ahead() {
+    if (!trace || (o.prefetch_bucket_bytes == 0 && !o.adaptive_prefetch)) co_return Result<void>{};
+    const std::size_t cap = o.prefetch_bucket_bytes == 0 ? std::numeric_limits<std::size_t>::max() : o.prefetch_bucket_bytes;
+    // Adaptive: gather a unit now when waiting for the next fetch would make it late, i.e. when
+    // the communication queued up to it (its gather and those before it in the trace) would
+    // outlast the compute between the next fetch and its use. Measured one step behind; before
+    // there are measurements, the bucket alone decides.
+    const auto measured = compute_ms.find(phase);
+    const bool adaptive = o.adaptive_prefetch && measured != compute_ms.end() &&
+                          measured->second.size() >= trace->size() && !gather_ms.empty();
+    double queued_ms = 0, compute_before_ms = 0;
     for (std::size_t i = trace_pos; i < trace->size(); ++i) {
       Unit& v = *units[(*trace)[i]];
+      if (adaptive) {
+        constexpr double kMargin = 1.5;  // measurements move from step to step
+        queued_ms += std::max(0.0, gather_ms[v.index]);
+        if (i > trace_pos) compute_before_ms += std::max(0.0, measured->second[i - 1]);
+        if (queued_ms * kMargin < compute_before_ms) break;
+      }
       if (v.gather != Gather::released) continue;
-      if (prefetched_bytes + v.info.padded_bytes > o.prefetch_bucket_bytes) break;
-      auto permit = budget->semaphore.try_acquire(v.info.padded_bytes);
-      if (!permit) break;
-      COSHARD_TRY(issue_gather(v, std::move(*permit), true));
+      if (prefetched_bytes + v.info.padded_bytes > cap) break;
+      if (logical_live + v.info.padded_bytes > o.max_live_bytes) break;
+      COSHARD_CO_TRY_ASSIGN(auto permit, co_await budget->semaphore.acquire(v.info.padded_bytes));
+      COSHARD_CO_TRY(issue_gather(v, std::move(permit), true));
       v.prefetched = true;
       prefetched_bytes += v.info.padded_bytes;
+      stats.peak_prefetched_bytes = std::max(stats.peak_prefetched_bytes, prefetched_bytes);
     }
-    return {};
+    co_return Result<void>{};
   }
 
   // The order departed from the trace: fetch on demand from here on, and give back what was
@@ -280,6 +346,7 @@ struct Engine::State {
 
   async::Task<Result<void>> fetch(Unit& u) {
     ++stats.fetches;
+    u.fetch_pos = recording.size();
     recording.push_back(u.index);
     if (trace) {
       if (trace_pos < trace->size() && (*trace)[trace_pos] == u.index)
@@ -293,7 +360,7 @@ struct Engine::State {
       COSHARD_CO_TRY_ASSIGN(auto permit, co_await budget->semaphore.acquire(u.info.padded_bytes));
       COSHARD_CO_TRY(issue_gather(u, std::move(permit), false));
     }
-    COSHARD_CO_TRY(prefetch_ahead());  // issued before this unit's wait
+    COSHARD_CO_TRY(co_await prefetch_ahead());  // issued before this unit's wait
     if (u.gather == Gather::in_flight) {
       COSHARD_CO_TRY(compute_waits(u.gathered_event, u.info.name));
       u.gather = Gather::ready;
@@ -316,7 +383,7 @@ struct Engine::State {
       soon = next.index == u.index;
       elements += static_cast<std::size_t>(next.info.numel);
     }
-    return soon && budget->semaphore.available() >= largest_unit_bytes;
+    return soon && o.max_live_bytes - logical_live >= largest_unit_bytes;
   }
 
   // ---- gradients ----
@@ -337,7 +404,7 @@ struct Engine::State {
     COSHARD_TRY_ASSIGN(auto produced, ctx->stream().record());
     COSHARD_TRY(cs.wait(produced));
     async::Event started;
-    if (o.record_timeline) {
+    if (spans_on()) {
       COSHARD_TRY_ASSIGN(started, cs.record_timed());
     }
     Tensor mine = u.grad_full.slice(static_cast<std::int64_t>(rank) * u.info.shard, Shape{u.info.shard});
@@ -350,7 +417,7 @@ struct Engine::State {
     else
       COSHARD_TRY(ctx->kernels().add(cs, o.dtype, u.grad_shard.data(), mine.data(), u.grad_shard.data(), u.info.shard));
     ++u.grads_this_step;
-    COSHARD_TRY_ASSIGN(auto reduced, o.record_timeline ? cs.record_timed() : cs.record());
+    COSHARD_TRY_ASSIGN(auto reduced, spans_on() ? cs.record_timed() : cs.record());
     span(false, "reduce_scatter", u.info.name, std::move(started), reduced);
     u.grad_full_block.record_use(reduced);
     u.grad_full_block.reset();
@@ -647,6 +714,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   if (s->timing()) {
     COSHARD_TRY_ASSIGN(s->epoch, stream.record_timed());
   }
+  s->gather_ms.assign(s->units.size(), -1.0);
   auto engine = std::unique_ptr<Engine>(new Engine(std::move(s)));
   ctx.set_hooks(engine.get());
   return engine;
@@ -679,7 +747,7 @@ async::Task<Result<void>> Engine::before_forward(Context&, Module& module) {
   Unit* u = s.unit_for(module);
   if (!u || &module != u->modules.front()) co_return Result<void>{};
   if (s.stage3()) COSHARD_CO_TRY(co_await s.fetch(*u));
-  if (s.o.record_timeline) {
+  if (s.spans_on()) {
     COSHARD_CO_TRY_ASSIGN(u->compute_start, s.ctx->stream().record_timed());
   }
   co_return Result<void>{};
@@ -689,9 +757,9 @@ Result<void> Engine::after_forward(Context&, Module& module) {
   State& s = *s_;
   Unit* u = s.unit_for(module);
   if (!u || &module != u->modules.back()) return {};
-  if (s.o.record_timeline) {
+  if (s.spans_on()) {
     COSHARD_TRY_ASSIGN(auto end, s.ctx->stream().record_timed());
-    s.span(true, "forward", u->info.name, std::move(u->compute_start), std::move(end));
+    s.span(true, "forward", u->info.name, std::move(u->compute_start), std::move(end), u->fetch_pos);
   }
   if (!s.stage3() || s.keep_after_use(*u)) return {};
   return s.release(*u);
@@ -703,7 +771,7 @@ async::Task<Result<void>> Engine::before_backward(Context&, Module& module) {
   if (!u || &module != u->modules.back()) co_return Result<void>{};
   if (s.stage3()) COSHARD_CO_TRY(co_await s.fetch(*u));
   COSHARD_CO_TRY(s.begin_backward(*u));
-  if (s.o.record_timeline) {
+  if (s.spans_on()) {
     COSHARD_CO_TRY_ASSIGN(u->compute_start, s.ctx->stream().record_timed());
   }
   co_return Result<void>{};
@@ -713,9 +781,9 @@ Result<void> Engine::after_backward(Context&, Module& module) {
   State& s = *s_;
   Unit* u = s.unit_for(module);
   if (!u || &module != u->modules.front()) return {};
-  if (s.o.record_timeline) {
+  if (s.spans_on()) {
     COSHARD_TRY_ASSIGN(auto end, s.ctx->stream().record_timed());
-    s.span(true, "backward", u->info.name, std::move(u->compute_start), std::move(end));
+    s.span(true, "backward", u->info.name, std::move(u->compute_start), std::move(end), u->fetch_pos);
   }
   COSHARD_TRY(s.reduce_gradients(*u));
   if (!s.stage3() || s.keep_after_use(*u)) return {};
@@ -807,6 +875,7 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
   COSHARD_CO_TRY_ASSIGN(auto optimizer_stats, co_await s.optimizer->read_stats(ctx));
   // Every event of the step has passed now (the reads came after all of it): read the timings.
   s.collect_timing();
+    COSHARD_CO_TRY(co_await s.agree_on_measurements());
   EngineStepStats stats = std::move(s.stats);
   s.stats = {};
   stats.collective_launches = launches;
@@ -834,6 +903,9 @@ async::Task<Result<double>> Engine::evaluate(CrossEntropyLoss& loss, const Batch
   COSHARD_CO_TRY(State::order(s.comm->stream(), ctx.stream()));
   COSHARD_CO_TRY(s.end_pass());
   COSHARD_CO_TRY_ASSIGN(auto host, co_await ctx.read(value));
+  s.collect_timing();  // the eval trace's measurements, for adaptive prefetch
+  s.stats = {};
+  COSHARD_CO_TRY(co_await s.agree_on_measurements());
   co_return host[0];
 }
 

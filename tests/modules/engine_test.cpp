@@ -16,6 +16,7 @@
 #include "coshard/modules/engine.hpp"
 #include "coshard/modules/gpt.hpp"
 #include "coshard/modules/parameter_store.hpp"
+#include "modules/delayed_communicator.hpp"
 
 namespace coshard::modules {
 namespace {
@@ -114,6 +115,8 @@ struct ZeroSetup {
   int micro_batches = 1;
   bool strict_after_first = false;
   std::function<void(int rank, int step)> before_step;  // host-side, on the rank's thread
+  std::chrono::microseconds comm_delay{0};             // a slow link: sleep before each launch
+  GptConfig model = kConfig;
 };
 
 ZeroRun run_zero(const ZeroSetup& setup) {
@@ -127,9 +130,9 @@ ZeroRun run_zero(const ZeroSetup& setup) {
   std::atomic<std::uint64_t> waits_before{0};
   auto rank_main = [&](int rank) {
     Rank r;
-    auto& comm = *(*comms)[static_cast<std::size_t>(rank)];
+    testing::DelayedCommunicator comm(*(*comms)[static_cast<std::size_t>(rank)], setup.comm_delay);
     auto body = [&]() -> async::Task<Result<void>> {
-      COSHARD_CO_TRY_ASSIGN(auto model, make_gpt(kConfig));
+      COSHARD_CO_TRY_ASSIGN(auto model, make_gpt(setup.model));
       COSHARD_CO_TRY_ASSIGN(auto opt, Optimizer::adamw(adam(), setup.control));
       COSHARD_CO_TRY_ASSIGN(auto engine, Engine::create(*r.ctx, comm, *model, *opt, setup.options));
       COSHARD_CO_TRY(co_await engine->initialize(kSeed));
@@ -486,6 +489,44 @@ TEST(Engine, TimelineHasEveryPhaseOnItsTrack) {
     else EXPECT_GT(count["prefetch"], units);          // most gathers ahead of use
     EXPECT_LT(last - first, 60'000.0);
   }
+}
+
+// Adaptive prefetch: from its own measurements (device timestamps, one step behind) it gathers
+// deeper when the link is slow than when compute dominates, keeps the hit rate high, and changes
+// nothing in the math.
+TEST(Engine, AdaptivePrefetchFollowsTheMeasuredLink) {
+  auto run_with = [](std::chrono::microseconds delay, bool adaptive) {
+    ZeroSetup setup;
+    setup.world = 2;
+    setup.steps = 4;
+    setup.model = GptConfig{.vocab = 32, .max_seq = 8, .dim = 128, .layers = 2, .heads = 4, .mlp_ratio = 4};
+    setup.comm_delay = delay;
+    setup.options.adaptive_prefetch = adaptive;
+    return run_zero(setup);
+  };
+  const auto fast = run_with(std::chrono::microseconds(0), true);
+  const auto slow = run_with(std::chrono::microseconds(15'000), true);
+  const auto on_demand = run_with(std::chrono::microseconds(0), false);
+  ASSERT_TRUE(fast.error.empty()) << fast.error;
+  ASSERT_TRUE(slow.error.empty()) << slow.error;
+  ASSERT_TRUE(on_demand.error.empty()) << on_demand.error;
+  std::size_t largest = 0;
+  for (const auto& u : fast.units) largest = std::max(largest, u.padded_bytes);
+  std::size_t fast_depth = 0, slow_depth = 0;
+  for (int step = 2; step < 4; ++step) {  // step 1 measures; step 2 on decides from measurements
+    const auto& f = fast.stats[0][static_cast<std::size_t>(step)];
+    const auto& s = slow.stats[0][static_cast<std::size_t>(step)];
+    EXPECT_GT(f.hit_rate(), 0.9) << "step " << step;
+    EXPECT_GT(s.hit_rate(), 0.9) << "step " << step;
+    ASSERT_TRUE(s.exposed_comm_ms.has_value());
+    fast_depth = std::max(fast_depth, f.peak_prefetched_bytes);
+    slow_depth = std::max(slow_depth, s.peak_prefetched_bytes);
+  }
+  // A slow link: many units gathered ahead at once; compute-bound: a few ahead of use.
+  EXPECT_GE(slow_depth, 2 * fast_depth) << "fast " << fast_depth << " B, slow " << slow_depth << " B";
+  EXPECT_GE(slow_depth, 3 * largest) << "largest unit " << largest << " B";
+  EXPECT_EQ(losses_of(fast), losses_of(on_demand));
+  EXPECT_EQ(losses_of(slow), losses_of(on_demand));
 }
 
 }  // namespace

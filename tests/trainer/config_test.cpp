@@ -119,6 +119,14 @@ TEST(DeepSpeedJson, WholeConfigMapsEveryZeroKey) {
   EXPECT_TRUE(noted("train_batch_size"));
 }
 
+TEST(DeepSpeedJson, AutoPrefetchIsAdaptive) {
+  auto c = TrainerConfig::from_json(R"({"stage": 3, "stage3_prefetch_bucket_size": "auto"})", TrainerConfig{});
+  ASSERT_TRUE(c) << c.error().message();
+  EXPECT_TRUE(c->adaptive_prefetch);
+  EXPECT_EQ(c->prefetch_bucket_bytes, 0u);
+  EXPECT_TRUE(c->engine_options().adaptive_prefetch);
+}
+
 TEST(DeepSpeedJson, Bf16SizesAreTwoBytesAnElement) {
   auto c = TrainerConfig::from_json(
       R"({"bf16": {"enabled": true}, "zero_optimization": {"stage": 2, "stage3_prefetch_bucket_size": 1000}})",
@@ -167,7 +175,7 @@ TEST(DeepSpeedJson, BadValuesAreNamed) {
   };
   const Case cases[] = {
       {R"({"stage": 4})", "stage=4"},
-      {R"({"stage": 3, "stage3_prefetch_bucket_size": "auto"})", "'auto' is not supported"},
+      {R"({"stage": 3, "stage3_max_live_parameters": "auto"})", "'auto' is not supported"},
       {R"({"stage": 3, "overlap_comm": false})", "overlap_comm=false"},
       {R"({"stage": 3, "stage3_max_live_parameters": -5})", "stage3_max_live_parameters=-5"},
       {R"({"stage": 3, "offload_optimizer": {"device": "cpu"}})", "offload_optimizer=cpu"},

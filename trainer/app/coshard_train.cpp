@@ -242,7 +242,20 @@ int main(int argc, char** argv) {
   auto* stage = app.add_option("--zero-stage", cli.zero_stage, "1, 2 or 3");
   auto* fetch = app.add_option("--fetch-mode", fetch_mode, "stage-3 fetch collective")
                     ->check(CLI::IsMember({"all_gather", "all_reduce"}));
-  auto* prefetch = size_option("--prefetch-bucket", cli.prefetch_bucket_bytes, "bytes gathered ahead of use (64MiB)");
+  auto* prefetch = app.add_option_function<std::string>(
+      "--prefetch-bucket",
+      [&cli](const std::string& text) {
+        if (text == "auto") {
+          cli.adaptive_prefetch = true;
+          cli.prefetch_bucket_bytes = 0;
+          return;
+        }
+        auto v = trainer::parse_size(text);
+        if (!v) throw CLI::ValidationError("--prefetch-bucket", v.error().message());
+        cli.prefetch_bucket_bytes = *v;
+        cli.adaptive_prefetch = false;
+      },
+      "bytes gathered ahead of use (64MiB), or auto: measured from gather and compute times");
   auto* live = size_option("--max-live", cli.max_live_bytes, "budget of gathered parameter bytes (1GiB)");
   auto* reuse = app.add_option("--max-reuse-distance", cli.max_reuse_distance, "keep a unit needed again within N fetches");
   auto* persist = size_option("--persistence-threshold", cli.persistence_threshold_bytes, "smaller units stay gathered");
@@ -288,7 +301,10 @@ int main(int argc, char** argv) {
   if (stage->count()) c.zero_stage = cli.zero_stage;
   if (fetch->count())
     c.fetch_mode = fetch_mode == "all_reduce" ? modules::FetchMode::all_reduce : modules::FetchMode::all_gather;
-  if (prefetch->count()) c.prefetch_bucket_bytes = cli.prefetch_bucket_bytes;
+  if (prefetch->count()) {
+    c.prefetch_bucket_bytes = cli.prefetch_bucket_bytes;
+    c.adaptive_prefetch = cli.adaptive_prefetch;
+  }
   if (live->count()) c.max_live_bytes = cli.max_live_bytes;
   if (reuse->count()) c.max_reuse_distance = cli.max_reuse_distance;
   if (persist->count()) c.persistence_threshold_bytes = cli.persistence_threshold_bytes;

@@ -90,6 +90,7 @@ modules::EngineOptions TrainerConfig::engine_options() const {
   o.max_reuse_distance_elements = max_reuse_distance_elements;
   o.persistence_threshold_bytes = persistence_threshold_bytes;
   o.fetch_mode = fetch_mode;
+  o.adaptive_prefetch = adaptive_prefetch;
   o.timing = timing;
   o.record_timeline = record_timeline;
   return o;
@@ -356,7 +357,13 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
           else c.zero_stage = static_cast<int>(*n);
         }
       } else if (key == "stage3_prefetch_bucket_size") {
-        if (auto n = r.count(v, name)) c.prefetch_bucket_bytes = bytes_of(*n);
+        if (v.is_string() && v.get<std::string>() == "auto") {
+          c.adaptive_prefetch = true;  // measured, not hand-set
+          c.prefetch_bucket_bytes = 0;
+        } else if (auto n = r.count(v, name)) {
+          c.prefetch_bucket_bytes = bytes_of(*n);
+          c.adaptive_prefetch = false;
+        }
       } else if (key == "stage3_max_live_parameters") {
         if (auto n = r.count(v, name)) c.max_live_bytes = bytes_of(*n);
       } else if (key == "stage3_max_reuse_distance") {

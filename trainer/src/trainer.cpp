@@ -25,6 +25,7 @@ std::string to_json_line(const StepStats& s) {
   j["gathered_bytes"] = s.gathered_bytes;
   j["reduce_scattered_bytes"] = s.reduce_scattered_bytes;
   j["peak_gathered_bytes"] = s.peak_gathered_bytes;
+  j["peak_prefetched_bytes"] = s.peak_prefetched_bytes;
   j["blocking_waits"] = s.blocking_waits;
   j["swap_bytes"] = s.swap_bytes;
   j["prefetch_hit_rate"] = s.prefetch_hit_rate;
@@ -125,6 +126,7 @@ async::Task<Result<StepStats>> Trainer::step(const HostBatch& rows) {
   out.gathered_bytes = e.gathered_bytes;
   out.reduce_scattered_bytes = e.reduce_scattered_bytes;
   out.peak_gathered_bytes = e.peak_live_bytes;
+  out.peak_prefetched_bytes = e.peak_prefetched_bytes;
   out.blocking_waits = async::blocking_waits();
   out.swap_bytes = 0;
   out.prefetch_hit_rate = e.hit_rate();

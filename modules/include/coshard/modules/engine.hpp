@@ -52,7 +52,11 @@ struct EngineOptions {
   DataType dtype = DataType::f32;          // parameters and gradients (the optimizer keeps fp32 masters)
   std::size_t module_granularity_bytes = 0;
   std::size_t max_live_bytes = std::numeric_limits<std::size_t>::max();  // gathered parameter bytes
-  std::size_t prefetch_bucket_bytes = 0;   // 0: fetch on demand only
+  std::size_t prefetch_bucket_bytes = 0;   // 0: fetch on demand only (unless adaptive)
+  // Adaptive prefetch (DeepSpeed's "auto"): how far ahead to gather follows the measured gather
+  // time of each unit and compute time at each position of the trace (device timestamps, read one
+  // step behind) and the free budget. prefetch_bucket_bytes, when set, caps it. Implies timing.
+  bool adaptive_prefetch = false;
   std::size_t max_reuse_distance = 0;      // keep a unit needed again within this many fetches
   // The same in DeepSpeed's measure: keep a unit needed again before this many parameter
   // elements are fetched (stage3_max_reuse_distance). Either rule keeps a unit.
@@ -118,6 +122,7 @@ struct EngineStepStats {
   std::uint64_t gathered_bytes = 0;         // parameter bytes received by all-gathers (padded units)
   std::uint64_t reduce_scattered_bytes = 0; // gradient bytes put into reduce-scatters
   std::size_t peak_live_bytes = 0;    // most gathered bytes held at once (stage 3)
+  std::size_t peak_prefetched_bytes = 0;  // most bytes gathered ahead of use at once (the prefetch depth)
   bool trace_changed = false;         // the order departed from the recorded trace
   // Time the compute stream stood waiting on communication (gathers, and the reductions and
   // gathers at the end of the step), from device timestamps. Empty unless options.timing.

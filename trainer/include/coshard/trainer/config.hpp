@@ -37,6 +37,9 @@ struct TrainerConfig {
   int zero_stage = 3;
   modules::FetchMode fetch_mode = modules::FetchMode::all_gather;
   std::size_t prefetch_bucket_bytes = 64ull << 20;
+  // Prefetch depth from measured gather and compute times (DeepSpeed's "auto"); the bucket
+  // above then caps it (0: no cap but the budget).
+  bool adaptive_prefetch = false;
   std::size_t max_live_bytes = 1ull << 30;
   std::size_t max_reuse_distance = 0;           // fetch units
   std::size_t max_reuse_distance_elements = 0;  // DeepSpeed's measure

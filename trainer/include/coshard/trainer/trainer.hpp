@@ -41,6 +41,7 @@ struct StepStats {
   std::uint64_t gathered_bytes = 0;    // this rank's all-gather traffic for parameters
   std::uint64_t reduce_scattered_bytes = 0;
   std::uint64_t peak_gathered_bytes = 0;
+  std::uint64_t peak_prefetched_bytes = 0;  // the prefetch depth: most bytes gathered ahead of use
   std::uint64_t blocking_waits = 0;    // the runtime's counter, cumulative, process-wide
   std::uint64_t swap_bytes = 0;        // offload traffic (0 until offloading exists)
   double prefetch_hit_rate = 1;
