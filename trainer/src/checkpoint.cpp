@@ -25,6 +25,7 @@
 
 #include "coshard/async/runtime.hpp"
 #include "coshard/modules/safetensors.hpp"
+#include "coshard/trainer/checkpoint_manifest.hpp"
 #include "trainer_impl.hpp"
 
 namespace coshard::trainer {
@@ -38,8 +39,8 @@ using json = nlohmann::json;
 
 namespace {
 
-constexpr std::string_view kFormat = "coshard-checkpoint";
-constexpr int kVersion = 1;
+constexpr std::string_view kFormat = CheckpointManifest::kFormat;
+constexpr int kVersion = CheckpointManifest::kVersion;
 
 std::string step_name(std::int64_t step) {
   char buf[32];
@@ -47,11 +48,7 @@ std::string step_name(std::int64_t step) {
   return buf;
 }
 
-std::string rank_file(int rank) {
-  char buf[40];
-  std::snprintf(buf, sizeof buf, "rank-%05d.safetensors", rank);
-  return buf;
-}
+std::string rank_file(int rank) { return checkpoint_rank_file(rank); }
 
 Result<SafeDType> safe_dtype(DataType t) {
   switch (t) {
@@ -165,22 +162,6 @@ std::string hex(std::span<const std::byte> bytes) {
   for (auto b : bytes) {
     out.push_back(digits[static_cast<unsigned>(b) >> 4]);
     out.push_back(digits[static_cast<unsigned>(b) & 15]);
-  }
-  return out;
-}
-
-std::optional<std::vector<std::byte>> unhex(std::string_view s) {
-  if (s.size() % 2) return std::nullopt;
-  std::vector<std::byte> out;
-  for (std::size_t i = 0; i < s.size(); i += 2) {
-    auto v = [](char c) -> int {
-      if (c >= '0' && c <= '9') return c - '0';
-      if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-      return -1;
-    };
-    const int hi = v(s[i]), lo = v(s[i + 1]);
-    if (hi < 0 || lo < 0) return std::nullopt;
-    out.push_back(static_cast<std::byte>(hi * 16 + lo));
   }
   return out;
 }
@@ -341,25 +322,7 @@ async::Task<Result<void>> Trainer::Impl::publish() {
 
 namespace {
 
-struct Manifest {
-  fs::path folder;
-  std::int64_t step = 0;
-  int world = 0;
-  std::string dtype, optimizer;
-  std::vector<std::byte> optimizer_state;
-  struct Unit {
-    std::string name;
-    std::vector<std::string> parameters;
-    std::int64_t numel = 0, shard = 0;
-  };
-  std::vector<Unit> units;
-  struct File {
-    std::string name;
-    std::uint64_t bytes = 0;
-    std::uint32_t crc32 = 0;
-  };
-  std::vector<File> files;
-};
+using Manifest = CheckpointManifest;
 
 Result<fs::path> resolve_checkpoint(const fs::path& dir) {
   std::error_code ec;
@@ -379,48 +342,8 @@ Result<fs::path> resolve_checkpoint(const fs::path& dir) {
 Result<Manifest> read_manifest(const fs::path& folder) {
   const fs::path path = folder / "manifest.json";
   COSHARD_TRY_ASSIGN(auto bytes, read_file(path));
-  const json m = json::parse(reinterpret_cast<const char*>(bytes.data()),
-                             reinterpret_cast<const char*>(bytes.data()) + bytes.size(), nullptr, false);
-  auto bad = [&](std::string_view what) {
-    return fail(ErrorCode::invalid_argument, "checkpoint manifest ", path.string(), ": ", what);
-  };
-  if (m.is_discarded() || !m.is_object()) return bad("not a JSON object");
-  try {
-    if (m.value("format", "") != kFormat) return bad("'format' is not \"coshard-checkpoint\"");
-    if (m.value("version", 0) != kVersion)
-      return bad("version " + m.value("version", json(0)).dump() + " (expected " + std::to_string(kVersion) + ")");
-    Manifest out;
-    out.folder = folder;
-    out.step = m.at("step").get<std::int64_t>();
-    out.world = m.at("world_size").get<int>();
-    out.dtype = m.at("dtype").get<std::string>();
-    out.optimizer = m.at("optimizer").get<std::string>();
-    auto state = unhex(m.at("optimizer_state").get<std::string>());
-    if (!state || state->size() != 32) return bad("optimizer_state is not 32 bytes of hex");
-    out.optimizer_state = std::move(*state);
-    if (out.step < 0 || out.world < 1) return bad("step or world_size out of range");
-    for (const auto& u : m.at("units")) {
-      Manifest::Unit unit{u.at("name").get<std::string>(), u.at("parameters").get<std::vector<std::string>>(),
-                          u.at("numel").get<std::int64_t>(), u.at("shard").get<std::int64_t>()};
-      if (unit.numel < 0 || unit.shard < 0 || unit.shard * out.world < unit.numel)
-        return bad("unit " + unit.name + ": shard " + std::to_string(unit.shard) + " x world " +
-                   std::to_string(out.world) + " does not cover numel " + std::to_string(unit.numel));
-      out.units.push_back(std::move(unit));
-    }
-    const auto& files = m.at("files");
-    if (!files.is_array() || files.size() != static_cast<std::size_t>(out.world))
-      return bad("'files' lists " + std::to_string(files.size()) + " files for world_size " + std::to_string(out.world));
-    for (int r = 0; r < out.world; ++r) {
-      const auto& f = files.at(static_cast<std::size_t>(r));
-      if (f.at("rank").get<int>() != r) return bad("files out of rank order");
-      const auto name = f.at("name").get<std::string>();
-      if (name != rank_file(r)) return bad("file of rank " + std::to_string(r) + " is named '" + name + "'");
-      out.files.push_back({name, f.at("bytes").get<std::uint64_t>(), f.at("crc32").get<std::uint32_t>()});
-    }
-    return out;
-  } catch (const json::exception& e) {
-    return bad(std::string("missing or mistyped field (") + e.what() + ")");
-  }
+  return parse_checkpoint_manifest(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()),
+                                   path.string());
 }
 
 // Everything one rank needs from a checkpoint, read and checked, in host memory.

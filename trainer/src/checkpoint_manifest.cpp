@@ -1,0 +1,154 @@
+#include "coshard/trainer/checkpoint_manifest.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+
+namespace coshard::trainer {
+
+using json = nlohmann::json;
+
+std::string checkpoint_rank_file(int rank) {
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "rank-%05d.safetensors", rank);
+  return buf;
+}
+
+namespace {
+
+// Typed, range-checked field access: the text may say anything.
+struct Fields {
+  std::string_view source;
+  std::string error;
+
+  const json* at(const json& obj, const char* key) {
+    if (!error.empty()) return nullptr;
+    if (!obj.is_object() || !obj.contains(key)) {
+      error = std::string("missing field '") + key + "'";
+      return nullptr;
+    }
+    return &obj[key];
+  }
+  std::optional<std::int64_t> integer(const json& obj, const char* key, std::int64_t lo, std::int64_t hi) {
+    const json* v = at(obj, key);
+    if (!v) return std::nullopt;
+    if (!v->is_number_integer()) {
+      error = std::string("field '") + key + "' is " + v->dump() + ", expected an integer";
+      return std::nullopt;
+    }
+    // Unsigned values above INT64_MAX read as negative through get<int64_t>: refuse those too.
+    if (v->is_number_unsigned() && v->get<std::uint64_t>() > static_cast<std::uint64_t>(hi)) {
+      error = std::string("field '") + key + "' is " + v->dump() + ", expected " + std::to_string(lo) + ".." + std::to_string(hi);
+      return std::nullopt;
+    }
+    const auto x = v->get<std::int64_t>();
+    if (x < lo || x > hi) {
+      error = std::string("field '") + key + "' is " + std::to_string(x) + ", expected " + std::to_string(lo) + ".." +
+              std::to_string(hi);
+      return std::nullopt;
+    }
+    return x;
+  }
+  std::optional<std::string> string(const json& obj, const char* key) {
+    const json* v = at(obj, key);
+    if (!v) return std::nullopt;
+    if (!v->is_string()) {
+      error = std::string("field '") + key + "' is " + v->dump() + ", expected a string";
+      return std::nullopt;
+    }
+    return v->get<std::string>();
+  }
+};
+
+std::optional<std::vector<std::byte>> unhex(std::string_view s) {
+  if (s.size() % 2) return std::nullopt;
+  std::vector<std::byte> out;
+  auto v = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+  };
+  for (std::size_t i = 0; i < s.size(); i += 2) {
+    const int hi = v(s[i]), lo = v(s[i + 1]);
+    if (hi < 0 || lo < 0) return std::nullopt;
+    out.push_back(static_cast<std::byte>(hi * 16 + lo));
+  }
+  return out;
+}
+
+}  // namespace
+
+Result<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, std::string_view source) {
+  auto bad = [&](std::string_view what) {
+    return fail(ErrorCode::invalid_argument, "checkpoint manifest ", source, ": ", what);
+  };
+  const json m = json::parse(text.begin(), text.end(), nullptr, false);
+  if (m.is_discarded() || !m.is_object()) return bad("not a JSON object");
+  Fields f{source, {}};
+  const auto format = f.string(m, "format");
+  if (!format) return bad(f.error);
+  if (*format != CheckpointManifest::kFormat) return bad("'format' is not \"coshard-checkpoint\"");
+  const auto version = f.integer(m, "version", 0, 1 << 30);
+  if (!version) return bad(f.error);
+  if (*version != CheckpointManifest::kVersion)
+    return bad("version " + std::to_string(*version) + " (expected " + std::to_string(CheckpointManifest::kVersion) + ")");
+
+  CheckpointManifest out;
+  const auto step = f.integer(m, "step", 0, std::int64_t{1} << 62);
+  const auto world = f.integer(m, "world_size", 1, 1 << 24);
+  const auto stage = f.integer(m, "zero_stage", 1, 3);
+  const auto dtype = f.string(m, "dtype");
+  const auto optimizer = f.string(m, "optimizer");
+  const auto state = f.string(m, "optimizer_state");
+  if (!f.error.empty()) return bad(f.error);
+  out.step = *step;
+  out.world = static_cast<int>(*world);
+  out.zero_stage = static_cast<int>(*stage);
+  out.dtype = *dtype;
+  out.optimizer = *optimizer;
+  auto state_bytes = unhex(*state);
+  if (!state_bytes || state_bytes->size() != 32) return bad("optimizer_state is not 32 bytes of hex");
+  out.optimizer_state = std::move(*state_bytes);
+
+  const json* units = f.at(m, "units");
+  if (!units || !units->is_array()) return bad(f.error.empty() ? "'units' is not an array" : f.error);
+  for (const auto& u : *units) {
+    CheckpointManifest::Unit unit;
+    const auto name = f.string(u, "name");
+    const auto numel = f.integer(u, "numel", 0, std::int64_t{1} << 50);
+    const auto shard = f.integer(u, "shard", 0, std::int64_t{1} << 50);
+    const json* params = f.at(u, "parameters");
+    if (!f.error.empty()) return bad(f.error);
+    if (!params->is_array()) return bad("unit " + *name + ": 'parameters' is not an array");
+    for (const auto& p : *params) {
+      if (!p.is_string()) return bad("unit " + *name + ": a parameter name is " + p.dump());
+      unit.parameters.push_back(p.get<std::string>());
+    }
+    unit.name = *name;
+    unit.numel = *numel;
+    unit.shard = *shard;
+    if (unit.shard * out.world < unit.numel)
+      return bad("unit " + unit.name + ": shard " + std::to_string(unit.shard) + " x world " + std::to_string(out.world) +
+                 " does not cover numel " + std::to_string(unit.numel));
+    out.units.push_back(std::move(unit));
+  }
+
+  const json* files = f.at(m, "files");
+  if (!files || !files->is_array()) return bad(f.error.empty() ? "'files' is not an array" : f.error);
+  if (files->size() != static_cast<std::size_t>(out.world))
+    return bad("'files' lists " + std::to_string(files->size()) + " files for world_size " + std::to_string(out.world));
+  for (int r = 0; r < out.world; ++r) {
+    const auto& file = (*files)[static_cast<std::size_t>(r)];
+    const auto rank = f.integer(file, "rank", 0, 1 << 24);
+    const auto name = f.string(file, "name");
+    const auto bytes = f.integer(file, "bytes", 0, std::int64_t{1} << 60);
+    const auto crc = f.integer(file, "crc32", 0, 0xffffffffll);
+    if (!f.error.empty()) return bad(f.error);
+    if (*rank != r) return bad("files out of rank order");
+    if (*name != checkpoint_rank_file(r)) return bad("file of rank " + std::to_string(r) + " is named '" + *name + "'");
+    out.files.push_back({*name, static_cast<std::uint64_t>(*bytes), static_cast<std::uint32_t>(*crc)});
+  }
+  return out;
+}
+
+}  // namespace coshard::trainer
