@@ -3,6 +3,7 @@
 // nothing changed, crash leftovers, and export/import.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -168,6 +169,34 @@ TEST(Trainer, LossFallsAndStatsAreFilled) {
   ASSERT_TRUE(run) << run.error().message();
   EXPECT_LT(run->losses.back(), 0.8 * run->losses.front());
   EXPECT_EQ(run->steps_done, 12);
+}
+
+// fp32 without loss scaling: gradients that overflow skip the step (weights unchanged), and the
+// step's figures say so; training goes on.
+TEST(Trainer, NonFiniteGradientsSkipTheStepAndSaySo) {
+  auto errors = on_ranks(2, [](int rank, collectives::Communicator& comm) -> async::Task<Result<void>> {
+    COSHARD_CO_TRY_ASSIGN(auto model, modules::make_gpt(kModel));
+    auto config = small_config();
+    config.optimizer = OptimizerKind::sgd;
+    config.momentum = 0;
+    config.max_grad_norm = 0;
+    config.lr = 1e30f;  // the first step throws the weights far enough to overflow the next backward
+    TrainerBuilder b(config);
+    b.communicator(comm);
+    COSHARD_CO_TRY_ASSIGN(Trainer t, co_await b.build(*model));
+    int skipped = 0;
+    for (int i = 0; i < 4; ++i) {
+      COSHARD_CO_TRY_ASSIGN(auto stats, co_await t.step(task().batch(static_cast<std::uint64_t>(i), kBatch, kSeq).rank_rows(rank, 2)));
+      if (stats.skipped) {
+        ++skipped;
+        EXPECT_FALSE(std::isfinite(stats.grad_norm)) << stats.grad_norm;
+      }
+    }
+    EXPECT_GE(skipped, 1);
+    EXPECT_EQ(t.steps_done(), 4);
+    co_return Result<void>{};
+  });
+  EXPECT_TRUE(errors.empty()) << errors.front();
 }
 
 TEST(Trainer, StepRefusesRowsThatDoNotSplitIntoMicroBatches) {

@@ -11,6 +11,11 @@ Progress::Progress(std::int64_t first_step, std::int64_t last_step, std::FILE* o
       out_(out), tty_(::isatty(::fileno(out)) != 0) {}
 
 void Progress::update(const StepStats& s) {
+  if (s.skipped) {  // always said, on a terminal or not
+    std::fprintf(out_, "%sstep %lld skipped: non-finite gradients (norm %g, loss scale %g)\n", tty_ && open_line_ ? "\n" : "",
+                 static_cast<long long>(s.step), static_cast<double>(s.grad_norm), static_cast<double>(s.loss_scale));
+    open_line_ = false;
+  }
   const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
   const auto done = s.step - first_;
   const double eta = done > 0 ? elapsed / static_cast<double>(done) * static_cast<double>(last_ - s.step) : 0;
