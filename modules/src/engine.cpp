@@ -303,8 +303,12 @@ struct Engine::State {
   // count of gathered bytes, and measurements the ranks have averaged), never on how far a
   // device has got: the ranks must issue their collectives in one order. The physical budget is
   // then awaited (the bytes come back once released units' last uses have passed on the device).
-  async::Task<Result<void>> prefetch_ahead() {
-    if (!trace || (o.prefetch_bucket_bytes == 0 && !o.adaptive_prefetch)) co_return Result<void>{};
+  //
+  // Returns 0 when done, or the bytes of the next unit to gather when the budget must be awaited
+  // first: the caller awaits them into `prefetch_permit` and calls again (a plain function, so
+  // the common path costs no coroutine frame).
+  Result<std::size_t> prefetch_ahead() {
+    if (!trace || (o.prefetch_bucket_bytes == 0 && !o.adaptive_prefetch)) return std::size_t{0};
     const std::size_t cap = o.prefetch_bucket_bytes == 0 ? std::numeric_limits<std::size_t>::max() : o.prefetch_bucket_bytes;
     // Adaptive: gather a unit now when waiting for the next fetch would make it late, i.e. when
     // the communication queued up to it (its gather and those before it in the trace) would
@@ -325,14 +329,22 @@ struct Engine::State {
       if (v.gather != Gather::released) continue;
       if (prefetched_bytes + v.info.padded_bytes > cap) break;
       if (logical_live + v.info.padded_bytes > o.max_live_bytes) break;
-      COSHARD_CO_TRY_ASSIGN(auto permit, co_await budget->semaphore.acquire(v.info.padded_bytes));
-      COSHARD_CO_TRY(issue_gather(v, std::move(permit), true));
+      std::optional<async::Semaphore::Permit> permit;
+      if (prefetch_permit && prefetch_permit->count() == v.info.padded_bytes) {
+        permit = std::move(prefetch_permit);
+        prefetch_permit.reset();
+      } else {
+        permit = budget->semaphore.try_acquire(v.info.padded_bytes);
+      }
+      if (!permit) return v.info.padded_bytes;  // free once released units' last uses pass
+      COSHARD_TRY(issue_gather(v, std::move(*permit), true));
       v.prefetched = true;
       prefetched_bytes += v.info.padded_bytes;
       stats.peak_prefetched_bytes = std::max(stats.peak_prefetched_bytes, prefetched_bytes);
     }
-    co_return Result<void>{};
+    return std::size_t{0};
   }
+  std::optional<async::Semaphore::Permit> prefetch_permit;
 
   // The order departed from the trace: fetch on demand from here on, and give back what was
   // gathered ahead for the old order (it may never be used this step).
@@ -360,7 +372,14 @@ struct Engine::State {
       COSHARD_CO_TRY_ASSIGN(auto permit, co_await budget->semaphore.acquire(u.info.padded_bytes));
       COSHARD_CO_TRY(issue_gather(u, std::move(permit), false));
     }
-    COSHARD_CO_TRY(co_await prefetch_ahead());  // issued before this unit's wait
+    // Issued before this unit's wait.
+    for (;;) {
+      COSHARD_CO_TRY_ASSIGN(const std::size_t need, prefetch_ahead());
+      if (need == 0) break;
+      COSHARD_CO_TRY_ASSIGN(auto permit, co_await budget->semaphore.acquire(need));
+      prefetch_permit = std::move(permit);
+    }
+    prefetch_permit.reset();  // not used after all (the trace moved on): back to the budget
     if (u.gather == Gather::in_flight) {
       COSHARD_CO_TRY(compute_waits(u.gathered_event, u.info.name));
       u.gather = Gather::ready;
