@@ -137,6 +137,11 @@ struct Engine::State {
   std::vector<double> gather_ms;                          // per unit; < 0: not measured yet
   std::map<std::string, std::vector<double>> compute_ms;  // per phase, per trace position
   static void learn(double& average, double sample) { average = average < 0 ? sample : 0.5 * average + 0.5 * sample; }
+  // A gather's span also holds time spent waiting for peers and for a busy host: the estimate
+  // follows the fastest recent sample, rising by at most a quarter a step when the link slows.
+  static void learn_gather(double& estimate, double sample) {
+    estimate = estimate < 0 ? sample : std::min(sample, 1.25 * estimate);
+  }
 
   // The ranks average their measurements (one small all-reduce at the end of a pass), so every
   // rank makes the same prefetch decisions and issues its collectives in the same order.
@@ -198,7 +203,7 @@ struct Engine::State {
       if (o.adaptive_prefetch) {
         if (auto d = sp.end.elapsed_ms_since(sp.start)) {
           if (sp.pos != kNone && sp.pos < compute_of_pass.size()) learn(compute_of_pass[sp.pos], *d);
-          if (sp.unit != kNone) learn(gather_ms[sp.unit], *d);
+          if (sp.unit != kNone) learn_gather(gather_ms[sp.unit], *d);
         }
       }
       if (!o.record_timeline) continue;

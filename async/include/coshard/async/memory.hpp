@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -116,6 +117,9 @@ class CachingAllocator {
   friend class Block;
   void release(Block& block, std::optional<Event> last_use = std::nullopt) noexcept;
   void sweep_locked();
+  // Moves the ready blocks at the front of pending_ (the oldest returns) into the cache, up to the
+  // first that is not ready: O(blocks moved + 1).
+  void sweep_front_locked();
 
   struct Pending {
     void* ptr;
@@ -128,7 +132,8 @@ class CachingAllocator {
   std::unique_ptr<detail::DeviceMemoryBackend> backend_;  // null for the CPU cache
   mutable std::mutex mutex_;
   std::multimap<std::size_t, void*> cached_;  // by size
-  std::vector<Pending> pending_;
+  std::deque<Pending> pending_;               // in the order returned
+  std::size_t next_full_sweep_ = 64;          // a full sweep when this many wait (doubles: amortised O(1))
   std::vector<std::pair<void*, std::size_t>> leaked_;    // could not learn when last used: never reused
   AllocatorStats stats_;
 };
