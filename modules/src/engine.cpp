@@ -5,6 +5,7 @@
 #include <unordered_map>
 
 #include "coshard/async/runtime.hpp"
+#include "coshard/offload/pinned_pool.hpp"
 #include "kernels.hpp"
 
 namespace coshard::modules {
@@ -60,6 +61,10 @@ struct Unit {
   Tensor grad_full;
   int grads_this_step = 0;  // backward passes reduced into grad_shard this step
 
+  // Optimizer offload: this rank's fp32 master and gradient shard in pinned host memory.
+  offload::PinnedBlock host_master_block, host_grad_block;
+  Tensor host_master, host_grad;
+
   // Stage 3 gather state.
   Gather gather = Gather::released;
   async::Block gathered_block;
@@ -104,6 +109,32 @@ struct Engine::State {
   std::size_t largest_unit_bytes = 0;
   std::size_t first_group = 0;  // the optimizer's group of unit i is first_group + i
   std::shared_ptr<Budget> budget;
+
+  // Optimizer offload: a CPU stream and context the optimizer steps on, the pinned pool of its
+  // shards, and device copies of the two small things the device needs from it.
+  std::unique_ptr<async::Stream> host_stream;
+  std::unique_ptr<async::CachingAllocator> host_allocator;
+  std::unique_ptr<Context> host_ctx;
+  std::shared_ptr<offload::PinnedPool> pinned;
+  Tensor device_loss_scale;  // f32[1]: the seed of backward
+  Tensor device_grad_stats;  // f32[2]: summed across ranks on the communication stream
+  bool offloaded() const noexcept { return o.offload_optimizer != OptimizerOffload::none; }
+  Context& optimizer_ctx() const noexcept { return offloaded() ? *host_ctx : *ctx; }
+  Tensor backward_seed() const { return offloaded() ? device_loss_scale : optimizer->loss_scale(); }
+  // `later` runs after `event` of another stream: device-side when it can wait on it (a CPU
+  // stream can wait on anything; a CUDA stream only on CUDA events), else the host awaits it.
+  static async::Task<Result<void>> after(async::Stream& later, async::Event event) {
+    if (later.device().is_cpu() || event.device().is_cuda()) co_return later.wait(event);
+    co_return co_await event;
+  }
+  // The fp32 masters follow the shards (after initialisation or a load).
+  async::Task<Result<void>> masters_from_shards() {
+    if (!offloaded()) co_return optimizer->reset_masters(*ctx);
+    for (auto& u : units) COSHARD_CO_TRY(ctx->stream().copy(u->host_master.data(), u->shard.data(), u->shard.bytes()));
+    COSHARD_CO_TRY_ASSIGN(auto copied, ctx->stream().record());
+    COSHARD_CO_TRY(co_await after(*host_stream, copied));
+    co_return Result<void>{};
+  }
 
   // Traces of fetch order, per phase.
   std::string phase = "train";
@@ -494,6 +525,12 @@ Result<void> Engine::set_timeline_epoch(async::Event epoch) {
 
 Engine::~Engine() {
   if (!s_) return;
+  if (s_->host_stream) {
+    // Teardown: the host stream goes quiet, then the optimizer lets go of the groups made on the
+    // engine's host context (their memory belongs to it) before that context goes.
+    (void)s_->host_stream->synchronize();
+    s_->optimizer->drop_groups_from(s_->first_group);
+  }
   if (s_->ctx->hooks() == this) s_->ctx->set_hooks(nullptr);
   for (auto& u : s_->units) {
     if (u->gather != Gather::released) {
@@ -605,7 +642,7 @@ async::Task<Result<void>> Engine::load_parameters(const std::vector<GatheredPara
     const auto first = static_cast<std::size_t>(s.rank) * shard_bytes;
     COSHARD_CO_TRY(s.ctx->copy_from_host(u.shard, std::span<const std::byte>(unit_bytes).subspan(first, shard_bytes)));
   }
-  COSHARD_CO_TRY(s.optimizer->reset_masters(*s.ctx));
+  COSHARD_CO_TRY(co_await s.masters_from_shards());
   co_return co_await shards_written();
 }
 
@@ -705,6 +742,32 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
                 ")");
   s->budget = std::make_shared<Budget>(o.max_live_bytes);
 
+  // Optimizer offload: its stream, context and pinned memory (checked against the budget now).
+  if (s->offloaded()) {
+    if (o.dtype != DataType::f32)
+      return fail(ErrorCode::unsupported, "offload_optimizer=cpu with dtype ", collectives::to_string(o.dtype),
+                  ": only f32 parameters for now (the CPU kernels step f32 shards)");
+    std::vector<std::size_t> sizes;
+    std::size_t needed = 0;
+    for (const auto& u : s->units) {
+      const auto shard_bytes = static_cast<std::size_t>(u->info.shard) * s->element_size;
+      sizes.insert(sizes.end(), {shard_bytes, shard_bytes});
+      needed += 2 * offload::page_rounded(shard_bytes);
+    }
+    offload::PinnedPoolOptions pool_options;
+    pool_options.host_memory_budget = o.host_memory_budget == 0 ? needed : o.host_memory_budget;
+    COSHARD_TRY_ASSIGN(s->pinned, offload::PinnedPool::create(pool_options));
+    if (auto fits = s->pinned->reserve(sizes); !fits)
+      return fail(std::move(fits).error().with_context("offload_optimizer=cpu (fp32 master and gradient shards)"));
+    async::StreamOptions host_options;
+    host_options.name = "optimizer" + std::to_string(s->rank);
+    COSHARD_TRY_ASSIGN(auto host_stream, async::Stream::create(async::Device::cpu(), host_options));
+    s->host_stream = std::make_unique<async::Stream>(std::move(host_stream));
+    COSHARD_TRY_ASSIGN(s->host_allocator, async::CachingAllocator::create(async::Device::cpu()));
+    COSHARD_TRY_ASSIGN(auto host_ctx, Context::create(*s->host_stream, *s->host_allocator));
+    s->host_ctx = std::make_unique<Context>(std::move(host_ctx));
+  }
+
   // Storage.
   auto& stream = ctx.stream();
   auto& alloc = ctx.allocator();
@@ -733,7 +796,19 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
       COSHARD_TRY(stream.fill(u.grad_shard.data(), 0, shard_bytes));
     }
     if (!s->stage3()) COSHARD_TRY(s->bind_values(u, u.full));
-    COSHARD_TRY(optimizer.add_group(ctx, u.shard, u.grad_shard));
+    if (s->offloaded()) {
+      COSHARD_TRY_ASSIGN(u.host_master_block, s->pinned->acquire(shard_bytes));
+      COSHARD_TRY_ASSIGN(u.host_grad_block, s->pinned->acquire(shard_bytes));
+      u.host_master = Tensor(u.host_master_block.data(), shard_shape, DataType::f32, async::Device::cpu());
+      u.host_grad = Tensor(u.host_grad_block.data(), shard_shape, DataType::f32, async::Device::cpu());
+      COSHARD_TRY(optimizer.add_group(*s->host_ctx, u.host_master, u.host_grad));
+    } else {
+      COSHARD_TRY(optimizer.add_group(ctx, u.shard, u.grad_shard));
+    }
+  }
+  if (s->offloaded()) {
+    COSHARD_TRY_ASSIGN(s->device_loss_scale, ctx.zeros(Shape{1}, DataType::f32));
+    COSHARD_TRY_ASSIGN(s->device_grad_stats, ctx.zeros(Shape{2}, DataType::f32));
   }
   if (s->timing()) {
     COSHARD_TRY_ASSIGN(s->epoch, stream.record_timed());
@@ -761,8 +836,8 @@ async::Task<Result<void>> Engine::initialize(std::uint64_t seed) {
                                      s.o.dtype);
     COSHARD_CO_TRY(s.ctx->copy_from_host(dst, bytes));
   }
-  // The optimizer's fp32 masters (bf16/f16) were cast from the parameters at add_group: redo.
-  COSHARD_CO_TRY(s.optimizer->reset_masters(*s.ctx));
+  // The optimizer's fp32 masters (bf16/f16, or offloaded) follow the new parameters.
+  COSHARD_CO_TRY(co_await s.masters_from_shards());
   co_return Result<void>{};
 }
 
@@ -831,9 +906,17 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
     u->grads_this_step = 0;
     if (s.o.zero_stage == 1) COSHARD_CO_TRY(compute.fill(u->grad_full.data(), 0, u->info.padded_bytes));
   }
+  if (s.offloaded()) {
+    // Backward is seeded with the loss scale the host optimizer holds (it may have changed at the
+    // last step, or with a checkpoint load).
+    COSHARD_CO_TRY_ASSIGN(auto host_done, s.host_stream->record());
+    COSHARD_CO_TRY(co_await State::after(compute, host_done));
+    const Tensor scale = s.optimizer->loss_scale();
+    COSHARD_CO_TRY(compute.copy(s.device_loss_scale.data(), scale.data(), scale.bytes()));
+  }
   COSHARD_CO_TRY_ASSIGN(Tensor loss_sum, ctx.zeros(Shape{1}, DataType::f32));
   for (const auto& mb : micro_batches) {
-    auto value = co_await forward_backward(ctx, *s.model, loss, mb.tokens, mb.targets, s.optimizer->loss_scale());
+    auto value = co_await forward_backward(ctx, *s.model, loss, mb.tokens, mb.targets, s.backward_seed());
     if (!value) {
       (void)s.end_pass();
       co_return fail(std::move(value).error());
@@ -865,12 +948,43 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
 
   // The optimizer: local shards only; the norm and overflow flag are summed over ranks first.
   COSHARD_CO_TRY_ASSIGN(auto optimizer_started, s.mark(compute));
-  COSHARD_CO_TRY(s.optimizer->compute_grad_stats(ctx));
-  COSHARD_CO_TRY(State::order(compute, cs));
-  const Tensor grad_stats = s.optimizer->grad_stats();
-  COSHARD_CO_TRY(s.comm->all_reduce(grad_stats.data(), grad_stats.data(), 2, DataType::f32, ReduceOp::sum));
-  COSHARD_CO_TRY(s.compute_waits_for_comm(kGradStats));
-  COSHARD_CO_TRY(s.optimizer->apply(ctx, lr));
+  if (!s.offloaded()) {
+    COSHARD_CO_TRY(s.optimizer->compute_grad_stats(ctx));
+    COSHARD_CO_TRY(State::order(compute, cs));
+    const Tensor grad_stats = s.optimizer->grad_stats();
+    COSHARD_CO_TRY(s.comm->all_reduce(grad_stats.data(), grad_stats.data(), 2, DataType::f32, ReduceOp::sum));
+    COSHARD_CO_TRY(s.compute_waits_for_comm(kGradStats));
+    COSHARD_CO_TRY(s.optimizer->apply(ctx, lr));
+  } else {
+    // Offloaded: gradient shards out to pinned memory, the step on the CPU stream (the same
+    // kernels and order as on a CPU device), the updated shards back.
+    auto& host = *s.host_stream;
+    for (auto& u : s.units) {
+      COSHARD_CO_TRY(compute.copy(u->host_grad.data(), u->grad_shard.data(), u->grad_shard.bytes()));
+      s.stats.swap_bytes += u->grad_shard.bytes();
+    }
+    COSHARD_CO_TRY_ASSIGN(auto grads_out, compute.record());
+    COSHARD_CO_TRY(host.wait(grads_out));
+    COSHARD_CO_TRY(s.optimizer->compute_grad_stats(*s.host_ctx));
+    COSHARD_CO_TRY_ASSIGN(auto stats_ready, host.record());
+    COSHARD_CO_TRY(co_await State::after(compute, stats_ready));
+    const Tensor host_stats = s.optimizer->grad_stats();
+    COSHARD_CO_TRY(compute.copy(s.device_grad_stats.data(), host_stats.data(), host_stats.bytes()));
+    COSHARD_CO_TRY(State::order(compute, cs));
+    COSHARD_CO_TRY(s.comm->all_reduce(s.device_grad_stats.data(), s.device_grad_stats.data(), 2, DataType::f32,
+                                      ReduceOp::sum));
+    COSHARD_CO_TRY(s.compute_waits_for_comm(kGradStats));
+    COSHARD_CO_TRY(compute.copy(host_stats.data(), s.device_grad_stats.data(), host_stats.bytes()));
+    COSHARD_CO_TRY_ASSIGN(auto stats_back, compute.record());
+    COSHARD_CO_TRY(host.wait(stats_back));
+    COSHARD_CO_TRY(s.optimizer->apply(*s.host_ctx, lr));
+    COSHARD_CO_TRY_ASSIGN(auto stepped, host.record());
+    COSHARD_CO_TRY(co_await State::after(compute, stepped));
+    for (auto& u : s.units) {
+      COSHARD_CO_TRY(compute.copy(u->shard.data(), u->host_master.data(), u->shard.bytes()));
+      s.stats.swap_bytes += u->shard.bytes();
+    }
+  }
   COSHARD_CO_TRY_ASSIGN(auto optimizer_finished, s.mark(compute));
   s.span(true, "optimizer", kOptimizer, std::move(optimizer_started), std::move(optimizer_finished));
 
@@ -896,7 +1010,7 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
 
   const std::uint64_t launches = s.comm->launches() - launches_before;
   COSHARD_CO_TRY_ASSIGN(auto host_loss, co_await ctx.read(loss_sum));
-  COSHARD_CO_TRY_ASSIGN(auto optimizer_stats, co_await s.optimizer->read_stats(ctx));
+  COSHARD_CO_TRY_ASSIGN(auto optimizer_stats, co_await s.optimizer->read_stats(s.optimizer_ctx()));
   // Every event of the step has passed now (the reads came after all of it): read the timings.
   s.collect_timing();
     COSHARD_CO_TRY(co_await s.agree_on_measurements());

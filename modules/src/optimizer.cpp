@@ -117,6 +117,11 @@ Result<void> Optimizer::add_group(Context& ctx, Tensor params, Tensor grads) {
   return {};
 }
 
+void Optimizer::drop_groups_from(std::size_t first) noexcept {
+  if (first < groups_.size()) groups_.resize(first);
+  if (groups_.empty()) state_ = {};
+}
+
 Result<void> Optimizer::reset_masters(Context& ctx) {
   for (const auto& g : groups_)
     if (g.params.dtype() != DataType::f32)

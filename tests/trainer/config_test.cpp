@@ -51,7 +51,18 @@ TEST(TrainerConfig, EachBadValueIsNamed) {
       {[](TrainerConfig& c) { c.warmup_steps = -3; }, "warmup_steps=-3"},
       {[](TrainerConfig& c) { c.dtype = DataType::i32; }, "dtype=i32"},
       {[](TrainerConfig& c) { c.reduce_dtype = DataType::bf16; }, "reduce_dtype=bf16"},
-      {[](TrainerConfig& c) { c.offload_optimizer.device = OffloadDevice::cpu; }, "offload_optimizer=cpu"},
+      {[](TrainerConfig& c) {
+         c.offload_optimizer.device = OffloadDevice::nvme;
+         c.offload_optimizer.nvme_path = "/x";
+       },
+       "offload_optimizer=nvme: not available yet"},
+      {[](TrainerConfig& c) { c.offload_params.device = OffloadDevice::cpu; }, "offload_params=cpu: not available yet"},
+      {[](TrainerConfig& c) {
+         c.offload_optimizer.device = OffloadDevice::cpu;
+         c.dtype = DataType::bf16;
+         c.reduce_dtype = DataType::bf16;
+       },
+       "offload_optimizer=cpu with dtype=bf16"},
       {[](TrainerConfig& c) { c.offload_params.device = OffloadDevice::nvme; }, "offload_params=nvme: needs a path"},
   };
   for (const auto& k : cases) {
@@ -127,6 +138,14 @@ TEST(DeepSpeedJson, AutoPrefetchIsAdaptive) {
   EXPECT_TRUE(c->engine_options().adaptive_prefetch);
 }
 
+TEST(DeepSpeedJson, CpuOptimizerOffloadIsTaken) {
+  auto c = TrainerConfig::from_json(R"({"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": true}})",
+                                    TrainerConfig{});
+  ASSERT_TRUE(c) << c.error().message();
+  EXPECT_EQ(c->offload_optimizer.device, OffloadDevice::cpu);
+  EXPECT_EQ(c->engine_options().offload_optimizer, modules::OptimizerOffload::cpu);
+}
+
 TEST(DeepSpeedJson, Bf16SizesAreTwoBytesAnElement) {
   auto c = TrainerConfig::from_json(
       R"({"bf16": {"enabled": true}, "zero_optimization": {"stage": 2, "stage3_prefetch_bucket_size": 1000}})",
@@ -178,7 +197,7 @@ TEST(DeepSpeedJson, BadValuesAreNamed) {
       {R"({"stage": 3, "stage3_max_live_parameters": "auto"})", "'auto' is not supported"},
       {R"({"stage": 3, "overlap_comm": false})", "overlap_comm=false"},
       {R"({"stage": 3, "stage3_max_live_parameters": -5})", "stage3_max_live_parameters=-5"},
-      {R"({"stage": 3, "offload_optimizer": {"device": "cpu"}})", "offload_optimizer=cpu"},
+      {R"({"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}})", "offload_optimizer=nvme"},
       {R"({"stage": 3, "offload_optimizer": {"device": "tape"}})", "offload_optimizer.device=\"tape\""},
       {R"({"optimizer": {"type": "Lamb"}})", "optimizer.type=\"Lamb\""},
       {R"([1, 2])", "expected a JSON object"},

@@ -144,8 +144,8 @@ TEST(TrainerBuilder, RefusesBadSettingsWithTheirNames) {
         {[](TrainerBuilder& b) { b.gradient_accumulation_steps(0); }, "gradient_accumulation_steps=0"},
         {[](TrainerBuilder& b) { b.adamw(-1.0f); }, "lr=-1"},
         {[](TrainerBuilder& b) { b.sgd(0.1f, 1.5f); }, "momentum=1.5"},
-        {[](TrainerBuilder& b) { b.offload_optimizer(OffloadOptions{.device = OffloadDevice::cpu}); },
-         "offload_optimizer=cpu"},
+        {[](TrainerBuilder& b) { b.offload_params(OffloadOptions{.device = OffloadDevice::cpu}); },
+         "offload_params=cpu"},
         // CPU kernels are f32/f64: bf16 compute needs a GPU.
         {[](TrainerBuilder& b) { b.mixed_precision(modules::DataType::bf16); }, "bf16"},
     };
@@ -289,6 +289,38 @@ TEST(Trainer, LoadsAtAnotherWorldSize) {
 }
 
 // The previous checkpoint stays the one `latest` names until the next is confirmed by all ranks.
+// The optimizer offloaded to pinned host memory trains exactly as on the device, and its
+// checkpoints resume exactly (the masters and moments come from host memory and go back there).
+TEST(Trainer, CpuOffloadTrainsAndResumesLikeTheDevice) {
+  const fs::path dir = scratch("offload");
+  Plan device;
+  device.steps = 6;
+  auto reference = train(device);
+  ASSERT_TRUE(reference) << reference.error().message();
+  Plan first;
+  first.config.offload_optimizer.device = OffloadDevice::cpu;
+  first.steps = 3;
+  first.save_to = dir;
+  auto a = train(first);
+  ASSERT_TRUE(a) << a.error().message();
+  Plan second = first;
+  second.save_to.clear();
+  second.load_from = dir;
+  auto b = train(second);
+  ASSERT_TRUE(b) << b.error().message();
+  std::vector<double> joined = a->losses;
+  joined.insert(joined.end(), b->losses.begin(), b->losses.end());
+  EXPECT_EQ(joined, reference->losses);
+  expect_same_parameters(b->params, reference->params);
+  // And the device run can continue from the offloaded run's checkpoint.
+  Plan across;
+  across.load_from = dir;
+  across.steps = 3;
+  auto c = train(across);
+  ASSERT_TRUE(c) << c.error().message();
+  EXPECT_EQ(c->losses, b->losses);
+}
+
 TEST(Trainer, LatestMovesOnlyWhenPublished) {
   const fs::path dir = scratch("publish");
   Plan p;

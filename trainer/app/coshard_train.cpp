@@ -265,8 +265,10 @@ int main(int argc, char** argv) {
   auto* wd = app.add_option("--weight-decay", cli.weight_decay, "AdamW weight decay");
   auto* precision = app.add_option("--dtype", dtype, "compute dtype (f32; bf16/f16 need --device cuda)")
                         ->check(CLI::IsMember({"f32", "bf16", "f16"}));
-  auto* off_opt = offload_option("--offload-optimizer", cli.offload_optimizer, "none, cpu or nvme:PATH");
-  auto* off_par = offload_option("--offload-params", cli.offload_params, "none, cpu or nvme:PATH");
+  auto* off_opt = offload_option("--offload-optimizer", cli.offload_optimizer, "none or cpu (nvme:PATH: not yet)");
+  auto* off_par = offload_option("--offload-params", cli.offload_params, "none (cpu and nvme: not yet)");
+  auto* host_budget = size_option("--host-memory-budget", cli.host_memory_budget,
+                                  "pinned host memory the offload may use (default: exactly what it needs)");
   app.add_option("--config", o.config, "a DeepSpeed JSON config (its zero_optimization, fp16/bf16, optimizer, ...)")
       ->check(CLI::ExistingFile);
   app.add_option("--init", o.init, "initial weights from a safetensors file")->check(CLI::ExistingFile);
@@ -320,6 +322,7 @@ int main(int argc, char** argv) {
   }
   if (off_opt->count()) c.offload_optimizer = cli.offload_optimizer;
   if (off_par->count()) c.offload_params = cli.offload_params;
+  if (host_budget->count()) c.host_memory_budget = cli.host_memory_budget;
   c.timing = !no_timing;
   c.record_timeline = !o.trace.empty();
   if (auto ok = c.validate(); !ok) {

@@ -128,7 +128,7 @@ async::Task<Result<StepStats>> Trainer::step(const HostBatch& rows) {
   out.peak_gathered_bytes = e.peak_live_bytes;
   out.peak_prefetched_bytes = e.peak_prefetched_bytes;
   out.blocking_waits = async::blocking_waits();
-  out.swap_bytes = 0;
+  out.swap_bytes = e.swap_bytes;
   out.prefetch_hit_rate = e.hit_rate();
   out.collective_launches = e.collective_launches;
   out.grad_norm = e.optimizer.grad_norm;

@@ -47,6 +47,11 @@ enum class FetchMode : std::uint8_t {
   all_reduce,  // zero the buffer, place the local shard, sum (favoured by some interconnects)
 };
 
+enum class OptimizerOffload : std::uint8_t {
+  none,  // fp32 masters and moments on the compute device
+  cpu,   // in pinned host memory; the optimizer steps on a CPU stream (ZeRO-Offload)
+};
+
 struct EngineOptions {
   int zero_stage = 3;                      // 1, 2 or 3 (stage 0 is ParameterStore)
   DataType dtype = DataType::f32;          // parameters and gradients (the optimizer keeps fp32 masters)
@@ -70,6 +75,13 @@ struct EngineOptions {
   // Also a timeline of the step: compute spans per unit and pass, gathers (fetch or prefetch)
   // and reduce-scatters on the communication stream, waits, releases. Implies timing.
   bool record_timeline = false;
+  // Optimizer offload: the fp32 masters and the optimizer's moments of this rank's shards live in
+  // pinned host memory and the optimizer steps there (CPU kernels, a stream of its own); each step
+  // copies the reduced gradient shards out and the updated shards back. The Optimizer given to
+  // create() gets host groups. f32 parameters only for now.
+  OptimizerOffload offload_optimizer = OptimizerOffload::none;
+  // Pinned host memory the offload may use; 0: exactly what it needs. Too small: create() fails.
+  std::size_t host_memory_budget = 0;
 };
 
 // One span of a step's timeline, in milliseconds from the engine's timeline epoch.
@@ -121,6 +133,7 @@ struct EngineStepStats {
   std::uint64_t collective_launches = 0;
   std::uint64_t gathered_bytes = 0;         // parameter bytes received by all-gathers (padded units)
   std::uint64_t reduce_scattered_bytes = 0; // gradient bytes put into reduce-scatters
+  std::uint64_t swap_bytes = 0;             // optimizer offload: gradient shards out + parameter shards back
   std::size_t peak_live_bytes = 0;    // most gathered bytes held at once (stage 3)
   std::size_t peak_prefetched_bytes = 0;  // most bytes gathered ahead of use at once (the prefetch depth)
   bool trace_changed = false;         // the order departed from the recorded trace

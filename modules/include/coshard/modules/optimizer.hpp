@@ -90,6 +90,9 @@ class Optimizer {
     Tensor state2;  // Adam v
   };
   const std::vector<Group>& groups() const noexcept { return groups_; }
+  // Forgets groups [first, end) (their owner is going away; the ZeRO engine's destructor calls
+  // it for groups it made on its own offload context). With none left, the step state goes too.
+  void drop_groups_from(std::size_t first) noexcept;
   // The device step state (f32[8]: norm scratch, loss scale, step counts, growth tracker), for
   // checkpoints: every rank holds the same bytes. Empty before the first add_group.
   Tensor step_state() const noexcept { return state_; }

@@ -43,7 +43,7 @@ struct StepStats {
   std::uint64_t peak_gathered_bytes = 0;
   std::uint64_t peak_prefetched_bytes = 0;  // the prefetch depth: most bytes gathered ahead of use
   std::uint64_t blocking_waits = 0;    // the runtime's counter, cumulative, process-wide
-  std::uint64_t swap_bytes = 0;        // offload traffic (0 until offloading exists)
+  std::uint64_t swap_bytes = 0;        // optimizer offload: gradient shards out, parameter shards back
   double prefetch_hit_rate = 1;
   // Time the compute stream waited on communication, from device timestamps (config.timing).
   std::optional<double> exposed_comm_ms;
