@@ -6,6 +6,7 @@
 
 #include "coshard/async/runtime.hpp"
 #include "coshard/offload/pinned_pool.hpp"
+#include "coshard/offload/swapper.hpp"
 #include "kernels.hpp"
 
 namespace coshard::modules {
@@ -116,6 +117,11 @@ struct Engine::State {
   std::unique_ptr<async::CachingAllocator> host_allocator;
   std::unique_ptr<Context> host_ctx;
   std::shared_ptr<offload::PinnedPool> pinned;
+  // nvme: each unit's master and state, one sub-group file each, streamed by the swapper.
+  std::unique_ptr<offload::NvmeStore> store;
+  std::unique_ptr<offload::Swapper> swapper;
+  std::vector<offload::SubGroup> subgroups;
+  bool swapped() const noexcept { return o.offload_optimizer == OptimizerOffload::nvme; }
   Tensor device_loss_scale;  // f32[1]: the seed of backward
   Tensor device_grad_stats;  // f32[2]: summed across ranks on the communication stream
   bool offloaded() const noexcept { return o.offload_optimizer != OptimizerOffload::none; }
@@ -130,6 +136,16 @@ struct Engine::State {
   // The fp32 masters follow the shards (after initialisation or a load).
   async::Task<Result<void>> masters_from_shards() {
     if (!offloaded()) co_return optimizer->reset_masters(*ctx);
+    if (swapped()) {
+      // Every sub-group written anew: the master from the shard, the state zero.
+      auto fill = [this](std::size_t k, std::span<std::byte> bytes) -> async::Task<Result<void>> {
+        const Unit& u = *units[k];
+        COSHARD_CO_TRY(ctx->stream().copy(bytes.data(), u.shard.data(), u.shard.bytes()));
+        COSHARD_CO_TRY_ASSIGN(auto copied, ctx->stream().record());
+        co_return co_await copied;
+      };
+      co_return co_await swapper->initialize(subgroups, fill);
+    }
     for (auto& u : units) COSHARD_CO_TRY(ctx->stream().copy(u->host_master.data(), u->shard.data(), u->shard.bytes()));
     COSHARD_CO_TRY_ASSIGN(auto copied, ctx->stream().record());
     COSHARD_CO_TRY(co_await after(*host_stream, copied));
@@ -745,20 +761,32 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   // Optimizer offload: its stream, context and pinned memory (checked against the budget now).
   if (s->offloaded()) {
     if (o.dtype != DataType::f32)
-      return fail(ErrorCode::unsupported, "offload_optimizer=cpu with dtype ", collectives::to_string(o.dtype),
+      return fail(ErrorCode::unsupported, "offload_optimizer with dtype ", collectives::to_string(o.dtype),
                   ": only f32 parameters for now (the CPU kernels step f32 shards)");
     std::vector<std::size_t> sizes;
-    std::size_t needed = 0;
+    std::size_t needed = 0, largest_group = 0;
+    const std::size_t per_element = 4 * (1 + optimizer.state_tensors());  // master and state, f32
     for (const auto& u : s->units) {
       const auto shard_bytes = static_cast<std::size_t>(u->info.shard) * s->element_size;
-      sizes.insert(sizes.end(), {shard_bytes, shard_bytes});
-      needed += 2 * offload::page_rounded(shard_bytes);
+      if (s->swapped()) {  // a resident gradient shard; master and state stream through buffers
+        sizes.push_back(shard_bytes);
+        largest_group = std::max(largest_group, static_cast<std::size_t>(u->info.shard) * per_element);
+      } else {
+        sizes.insert(sizes.end(), {shard_bytes, shard_bytes});
+      }
     }
+    if (s->swapped()) {
+      if (o.nvme_path.empty())
+        return fail(ErrorCode::invalid_argument, "offload_optimizer=nvme: needs a folder (nvme_path)");
+      for (int b = 0; b < o.swap_buffer_count; ++b) sizes.push_back(largest_group);
+    }
+    for (std::size_t b : sizes) needed += offload::page_rounded(b);
     offload::PinnedPoolOptions pool_options;
     pool_options.host_memory_budget = o.host_memory_budget == 0 ? needed : o.host_memory_budget;
     COSHARD_TRY_ASSIGN(s->pinned, offload::PinnedPool::create(pool_options));
     if (auto fits = s->pinned->reserve(sizes); !fits)
-      return fail(std::move(fits).error().with_context("offload_optimizer=cpu (fp32 master and gradient shards)"));
+      return fail(std::move(fits).error().with_context(s->swapped() ? "offload_optimizer=nvme (gradient shards and swap buffers)"
+                                                                     : "offload_optimizer=cpu (fp32 master and gradient shards)"));
     async::StreamOptions host_options;
     host_options.name = "optimizer" + std::to_string(s->rank);
     COSHARD_TRY_ASSIGN(auto host_stream, async::Stream::create(async::Device::cpu(), host_options));
@@ -766,6 +794,21 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     COSHARD_TRY_ASSIGN(s->host_allocator, async::CachingAllocator::create(async::Device::cpu()));
     COSHARD_TRY_ASSIGN(auto host_ctx, Context::create(*s->host_stream, *s->host_allocator));
     s->host_ctx = std::make_unique<Context>(std::move(host_ctx));
+    if (s->swapped()) {
+      std::error_code ec;
+      std::filesystem::create_directories(o.nvme_path, ec);
+      if (ec) return fail(ErrorCode::io, "offload_optimizer=nvme: folder ", o.nvme_path.string(), ": ", ec.message());
+      offload::NvmeStoreOptions store_options;
+      store_options.directory = o.nvme_path;
+      store_options.direct = offload::NvmeStore::supports_direct_io(o.nvme_path);
+      COSHARD_TRY_ASSIGN(s->store, offload::NvmeStore::open(store_options));
+      offload::SwapperOptions swap_options;
+      swap_options.buffer_count = o.swap_buffer_count;
+      COSHARD_TRY_ASSIGN(s->swapper, offload::Swapper::create(*s->store, s->pinned, swap_options));
+      const std::string folder = "rank" + std::to_string(s->rank) + "-of-" + std::to_string(s->world) + "/unit";
+      for (const auto& u : s->units)
+        s->subgroups.push_back({folder + std::to_string(u->index), static_cast<std::size_t>(u->info.shard) * per_element});
+    }
   }
 
   // Storage.
@@ -796,7 +839,11 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
       COSHARD_TRY(stream.fill(u.grad_shard.data(), 0, shard_bytes));
     }
     if (!s->stage3()) COSHARD_TRY(s->bind_values(u, u.full));
-    if (s->offloaded()) {
+    if (s->swapped()) {
+      COSHARD_TRY_ASSIGN(u.host_grad_block, s->pinned->acquire(shard_bytes));
+      u.host_grad = Tensor(u.host_grad_block.data(), shard_shape, DataType::f32, async::Device::cpu());
+      COSHARD_TRY(optimizer.add_swapped_group(*s->host_ctx, u.host_grad));
+    } else if (s->offloaded()) {
       COSHARD_TRY_ASSIGN(u.host_master_block, s->pinned->acquire(shard_bytes));
       COSHARD_TRY_ASSIGN(u.host_grad_block, s->pinned->acquire(shard_bytes));
       u.host_master = Tensor(u.host_master_block.data(), shard_shape, DataType::f32, async::Device::cpu());
@@ -977,12 +1024,41 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
     COSHARD_CO_TRY(compute.copy(host_stats.data(), s.device_grad_stats.data(), host_stats.bytes()));
     COSHARD_CO_TRY_ASSIGN(auto stats_back, compute.record());
     COSHARD_CO_TRY(host.wait(stats_back));
-    COSHARD_CO_TRY(s.optimizer->apply(*s.host_ctx, lr));
-    COSHARD_CO_TRY_ASSIGN(auto stepped, host.record());
-    COSHARD_CO_TRY(co_await State::after(compute, stepped));
-    for (auto& u : s.units) {
-      COSHARD_CO_TRY(compute.copy(u->shard.data(), u->host_master.data(), u->shard.bytes()));
-      s.stats.swap_bytes += u->shard.bytes();
+    if (!s.swapped()) {
+      COSHARD_CO_TRY(s.optimizer->apply(*s.host_ctx, lr));
+      COSHARD_CO_TRY_ASSIGN(auto stepped, host.record());
+      COSHARD_CO_TRY(co_await State::after(compute, stepped));
+      for (auto& u : s.units) {
+        COSHARD_CO_TRY(compute.copy(u->shard.data(), u->host_master.data(), u->shard.bytes()));
+        s.stats.swap_bytes += u->shard.bytes();
+      }
+    } else {
+      // Each unit's master and state come in from NVMe (read ahead), are stepped on the host,
+      // the new shard goes to the device, and the sub-group goes back (written behind).
+      const std::size_t states = s.optimizer->state_tensors();
+      const auto read_before = s.swapper->stats().bytes_read, written_before = s.swapper->stats().bytes_written;
+      auto step_unit = [&](std::size_t k, std::span<std::byte> bytes) -> async::Task<Result<void>> {
+        Unit& u = *s.units[k];
+        const Shape shape{u.info.shard};
+        auto* base = bytes.data();
+        const auto len = static_cast<std::size_t>(u.info.shard) * sizeof(float);
+        Tensor master(base, shape, DataType::f32, async::Device::cpu());
+        Tensor state1 = states >= 1 ? Tensor(base + len, shape, DataType::f32, async::Device::cpu()) : Tensor{};
+        Tensor state2 = states >= 2 ? Tensor(base + 2 * len, shape, DataType::f32, async::Device::cpu()) : Tensor{};
+        COSHARD_CO_TRY(s.optimizer->apply_group(*s.host_ctx, s.first_group + k, lr, master, state1, state2));
+        COSHARD_CO_TRY_ASSIGN(auto stepped, host.record());
+        COSHARD_CO_TRY(co_await State::after(compute, stepped));
+        COSHARD_CO_TRY(compute.copy(u.shard.data(), master.data(), u.shard.bytes()));
+        s.stats.swap_bytes += u.shard.bytes();
+        // The buffer goes back to the swapper (written, then reused) only after this copy.
+        COSHARD_CO_TRY_ASSIGN(auto copied, compute.record());
+        co_return co_await copied;
+      };
+      COSHARD_CO_TRY(co_await s.swapper->for_each(s.subgroups, step_unit, true));
+      COSHARD_CO_TRY(s.optimizer->finish_step(*s.host_ctx));
+      COSHARD_CO_TRY_ASSIGN(auto finished, host.record());
+      COSHARD_CO_TRY(co_await State::after(compute, finished));
+      s.stats.swap_bytes += (s.swapper->stats().bytes_read - read_before) + (s.swapper->stats().bytes_written - written_before);
     }
   }
   COSHARD_CO_TRY_ASSIGN(auto optimizer_finished, s.mark(compute));

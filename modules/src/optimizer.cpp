@@ -122,9 +122,51 @@ void Optimizer::drop_groups_from(std::size_t first) noexcept {
   if (groups_.empty()) state_ = {};
 }
 
+Result<void> Optimizer::add_swapped_group(Context& ctx, Tensor grads) {
+  if (!grads || grads.dtype() != DataType::f32 || !(grads.device() == ctx.device()))
+    return fail(ErrorCode::invalid_argument, "Optimizer::add_swapped_group: grads ", grads ? grads.describe() : "empty",
+                ": expected f32 on ", ctx.device().to_string());
+  COSHARD_TRY(ensure_state(ctx));
+  groups_.push_back(Group{{}, grads, {}, {}, {}});
+  return {};
+}
+
+std::size_t Optimizer::state_tensors() const noexcept {
+  if (impl_->adam) return 2;
+  return impl_->sgd_args.momentum != 0 ? 1 : 0;
+}
+
+Result<void> Optimizer::apply_group(Context& ctx, std::size_t i, float lr, Tensor master, Tensor state1, Tensor state2) {
+  if (i >= groups_.size()) return fail(ErrorCode::out_of_range, "Optimizer::apply_group(", i, "): ", groups_.size(), " groups");
+  if (!(lr >= 0)) return fail(ErrorCode::invalid_argument, "lr=", lr, ": expected >= 0");
+  const Group& g = groups_[i];
+  const std::int64_t n = g.grads.numel();
+  auto fits = [&](const Tensor& t) { return t && t.dtype() == DataType::f32 && t.numel() == n; };
+  if (!fits(master) || (state_tensors() >= 1 && !fits(state1)) || (state_tensors() >= 2 && !fits(state2)))
+    return fail(ErrorCode::invalid_argument, "Optimizer::apply_group(", i, "): master and ", state_tensors(),
+                " state tensors of f32[", n, "] expected");
+  const auto& k = ctx.kernels();
+  auto* st = state_.data_as<StepState>();
+  if (impl_->adam) {
+    detail::AdamArgs a = impl_->adam_args;
+    a.lr = lr;
+    return k.adamw(ctx.stream(), master.data_as<float>(), g.grads.dtype(), g.grads.data(), state1.data_as<float>(),
+                   state2.data_as<float>(), DataType::f32, nullptr, n, a, st);
+  }
+  detail::SgdArgs a = impl_->sgd_args;
+  a.lr = lr;
+  return k.sgd(ctx.stream(), master.data_as<float>(), g.grads.dtype(), g.grads.data(),
+               state1 ? state1.data_as<float>() : nullptr, DataType::f32, nullptr, n, a, st);
+}
+
+Result<void> Optimizer::finish_step(Context& ctx) {
+  if (!state_) return fail(ErrorCode::invalid_argument, "Optimizer: no parameter groups (call add_group)");
+  return ctx.kernels().step_end(ctx.stream(), state_.data_as<StepState>(), impl_->scale_args());
+}
+
 Result<void> Optimizer::reset_masters(Context& ctx) {
   for (const auto& g : groups_)
-    if (g.params.dtype() != DataType::f32)
+    if (g.params && g.params.dtype() != DataType::f32)
       COSHARD_TRY(ctx.kernels().cast(ctx.stream(), g.params.dtype(), g.params.data(), DataType::f32, g.master.data(),
                                      g.params.numel()));
   return {};
@@ -147,6 +189,9 @@ Result<void> Optimizer::apply(Context& ctx, float lr) {
   if (!(lr >= 0)) return fail(ErrorCode::invalid_argument, "lr=", lr, ": expected >= 0");
   const auto& k = ctx.kernels();
   auto* st = state_.data_as<StepState>();
+  for (const auto& g : groups_)
+    if (!g.params)
+      return fail(ErrorCode::invalid_argument, "Optimizer::apply: swapped groups are stepped with apply_group and finish_step");
   for (const auto& g : groups_) {
     const bool cast_back = g.params.dtype() != DataType::f32;
     void* out = cast_back ? g.params.data() : nullptr;

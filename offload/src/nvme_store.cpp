@@ -147,6 +147,15 @@ Result<std::unique_ptr<NvmeStore>> NvmeStore::open(NvmeStoreOptions options) {
   return std::make_unique<NvmeStore>(std::move(impl));
 }
 
+bool NvmeStore::supports_direct_io(const std::filesystem::path& directory) {
+  const fs::path probe = directory / (".coshard-direct-probe-" + std::to_string(::getpid()));
+  const int fd = ::open(probe.c_str(), O_CREAT | O_WRONLY | O_DIRECT | O_CLOEXEC, 0644);
+  if (fd < 0) return false;
+  ::close(fd);
+  ::unlink(probe.c_str());
+  return true;
+}
+
 NvmeStore::NvmeStore(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 NvmeStore::~NvmeStore() = default;
 

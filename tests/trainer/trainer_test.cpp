@@ -321,6 +321,29 @@ TEST(Trainer, CpuOffloadTrainsAndResumesLikeTheDevice) {
   EXPECT_EQ(c->losses, b->losses);
 }
 
+// Optimizer state on NVMe (swapped through pinned buffers each step) trains exactly as on the
+// device; checkpoints of it are refused clearly (not yet staged).
+TEST(Trainer, NvmeOffloadTrainsLikeTheDevice) {
+  const fs::path dir = scratch("nvme_offload");
+  Plan device;
+  device.steps = 4;
+  auto reference = train(device);
+  ASSERT_TRUE(reference) << reference.error().message();
+  Plan swapped;
+  swapped.steps = 4;
+  swapped.config.offload_optimizer.device = OffloadDevice::nvme;
+  swapped.config.offload_optimizer.nvme_path = dir / "state";
+  swapped.config.offload_optimizer.buffer_count = 2;
+  auto run = train(swapped);
+  ASSERT_TRUE(run) << run.error().message();
+  EXPECT_EQ(run->losses, reference->losses);
+  swapped.save_to = dir / "ck";
+  auto refused = train(swapped);
+  ASSERT_FALSE(refused);
+  EXPECT_NE(refused.error().message().find("offload_optimizer=nvme: not available yet"), std::string::npos)
+      << refused.error().message();
+}
+
 TEST(Trainer, LatestMovesOnlyWhenPublished) {
   const fs::path dir = scratch("publish");
   Plan p;

@@ -41,11 +41,10 @@ Result<void> check_offload(const OffloadOptions& o, std::string_view what) {
     return fail(ErrorCode::invalid_argument, what, ".buffer_count=", o.buffer_count, ": expected >= 1");
   if (o.buffer_bytes < 4096)
     return fail(ErrorCode::invalid_argument, what, ".buffer_bytes=", o.buffer_bytes, ": expected >= 4096");
-  // Optimizer state in pinned host memory exists; NVMe and parameter offload do not yet:
-  // refusing is better than ignoring.
-  if (o.device == OffloadDevice::cpu && what == std::string_view("offload_optimizer")) return {};
-  return fail(ErrorCode::unsupported, what, "=", to_string(o.device), ": not available yet (expected ",
-              what == std::string_view("offload_optimizer") ? "none or cpu" : "none", ")");
+  // Optimizer state offload exists (cpu, nvme); parameter offload does not yet: refusing is
+  // better than ignoring.
+  if (what == std::string_view("offload_optimizer")) return {};
+  return fail(ErrorCode::unsupported, what, "=", to_string(o.device), ": not available yet (expected none)");
 }
 
 }  // namespace
@@ -60,9 +59,9 @@ Result<void> TrainerConfig::validate() const {
                 ": gradients are reduced in the compute dtype (expected ", collectives::to_string(dtype), ")");
   if (loss_scaling != modules::LossScaling::none && !(initial_loss_scale > 0))
     return fail(ErrorCode::invalid_argument, "initial_loss_scale=", initial_loss_scale, ": expected > 0");
-  if (offload_optimizer.device == OffloadDevice::cpu && dtype != DataType::f32)
-    return fail(ErrorCode::unsupported, "offload_optimizer=cpu with dtype=", collectives::to_string(dtype),
-                ": only f32 for now");
+  if (offload_optimizer.device != OffloadDevice::none && dtype != DataType::f32)
+    return fail(ErrorCode::unsupported, "offload_optimizer=", to_string(offload_optimizer.device),
+                " with dtype=", collectives::to_string(dtype), ": only f32 for now");
   if (zero_stage == 3 && max_live_bytes == 0)
     return fail(ErrorCode::invalid_argument, "max_live_bytes=0: expected at least the largest fetch unit");
   if (gradient_accumulation_steps < 1)
@@ -96,8 +95,11 @@ modules::EngineOptions TrainerConfig::engine_options() const {
   o.persistence_threshold_bytes = persistence_threshold_bytes;
   o.fetch_mode = fetch_mode;
   o.adaptive_prefetch = adaptive_prefetch;
-  o.offload_optimizer = offload_optimizer.device == OffloadDevice::cpu ? modules::OptimizerOffload::cpu
-                                                                       : modules::OptimizerOffload::none;
+  o.offload_optimizer = offload_optimizer.device == OffloadDevice::cpu    ? modules::OptimizerOffload::cpu
+                        : offload_optimizer.device == OffloadDevice::nvme ? modules::OptimizerOffload::nvme
+                                                                          : modules::OptimizerOffload::none;
+  o.nvme_path = offload_optimizer.nvme_path;
+  o.swap_buffer_count = offload_optimizer.buffer_count;
   o.host_memory_budget = host_memory_budget;
   o.timing = timing;
   o.record_timeline = record_timeline;

@@ -27,6 +27,7 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <limits>
 #include <map>
 #include <optional>
@@ -50,6 +51,7 @@ enum class FetchMode : std::uint8_t {
 enum class OptimizerOffload : std::uint8_t {
   none,  // fp32 masters and moments on the compute device
   cpu,   // in pinned host memory; the optimizer steps on a CPU stream (ZeRO-Offload)
+  nvme,  // on NVMe, streamed through pinned buffers by the swapper for each step (ZeRO-Infinity)
 };
 
 struct EngineOptions {
@@ -82,6 +84,10 @@ struct EngineOptions {
   OptimizerOffload offload_optimizer = OptimizerOffload::none;
   // Pinned host memory the offload may use; 0: exactly what it needs. Too small: create() fails.
   std::size_t host_memory_budget = 0;
+  // nvme: the folder of the swapped optimizer state (each rank its own files) and the pinned
+  // buffers it streams through (>= 2: one in use, reads ahead, writes behind).
+  std::filesystem::path nvme_path;
+  int swap_buffer_count = 4;
 };
 
 // One span of a step's timeline, in milliseconds from the engine's timeline epoch.

@@ -66,6 +66,19 @@ class Optimizer {
   // copy and state are allocated here; the tensors must stay valid while the optimizer is used.
   Result<void> add_group(Context& ctx, Tensor params, Tensor grads);
 
+  // A group whose fp32 master and state live elsewhere (swapped in from NVMe for each step): only
+  // its gradients are bound here (f32); apply_group supplies the rest. Such groups are stepped
+  // with apply_group + finish_step, not apply.
+  Result<void> add_swapped_group(Context& ctx, Tensor grads);
+  // The fp32 state tensors a group needs beside its master: 2 for AdamW, 1 for SGD with
+  // momentum, 0 without.
+  std::size_t state_tensors() const noexcept;
+  // One group's update with its master and state given (f32, the group's length; state2/state1
+  // may be empty when state_tensors() says so). After compute_grad_stats and the cross-rank sum.
+  Result<void> apply_group(Context& ctx, std::size_t group, float lr, Tensor master, Tensor state1, Tensor state2);
+  // Ends a step made of apply_group calls: the step count, the overflow skip, the loss scale.
+  Result<void> finish_step(Context& ctx);
+
   // Copies the parameters into their fp32 masters again (after the parameters were overwritten:
   // initialisation, a checkpoint load). Nothing to do for f32 parameters.
   Result<void> reset_masters(Context& ctx);

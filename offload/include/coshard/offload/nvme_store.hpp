@@ -41,6 +41,9 @@ class NvmeStore {
   static constexpr std::size_t kAlignment = 4096;
 
   static Result<std::unique_ptr<NvmeStore>> open(NvmeStoreOptions options);
+  // Whether files in `directory` can be opened with O_DIRECT (tmpfs cannot): probed with a
+  // temporary file, for choosing NvmeStoreOptions::direct.
+  static bool supports_direct_io(const std::filesystem::path& directory);
   ~NvmeStore();
   NvmeStore(const NvmeStore&) = delete;
   NvmeStore& operator=(const NvmeStore&) = delete;

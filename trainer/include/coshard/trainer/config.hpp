@@ -70,7 +70,7 @@ struct TrainerConfig {
   // Also a timeline of every step (StepStats::timeline), for --trace.
   bool record_timeline = false;
 
-  OffloadOptions offload_optimizer;  // none or cpu (nvme: not yet)
+  OffloadOptions offload_optimizer;  // none, cpu or nvme (path, buffer_count)
   OffloadOptions offload_params;     // none (cpu, nvme: not yet)
   std::size_t host_memory_budget = 0;  // pinned bytes the offload may use; 0: exactly what it needs
 
