@@ -21,6 +21,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <thread>
 
 #include "coshard/async/runtime.hpp"
@@ -28,6 +29,7 @@
 #include "coshard/modules/engine.hpp"
 #include "coshard/modules/gpt.hpp"
 #include "coshard/modules/parameter_store.hpp"
+#include "coshard/offload/swapper.hpp"
 
 namespace {
 
@@ -216,6 +218,108 @@ std::unique_ptr<Sequential> tiny_modules(int n) {
   for (int i = 0; i < n; ++i) model->add("m" + std::to_string(i), std::make_unique<Linear>(8, 8));
   return model;
 }
+
+// The optimizer step offloaded: its time (the timeline's optimizer span, device timestamps) on
+// the device, with the state in pinned memory (cpu), and streamed from NVMe (nvme), against the
+// NVMe I/O alone (the same sub-groups read and written by the swapper with nothing to do).
+// Reports nvme / max(io, cpu) and nvme / (io + cpu): 1 would be perfect overlap of I/O and the
+// CPU step; the sum is no overlap at all.
+void BM_OptimizerOffload(benchmark::State& state) {
+  constexpr GptConfig kModel{.vocab = 2048, .max_seq = 32, .dim = 256, .layers = 4, .heads = 4, .mlp_ratio = 4};
+  constexpr int kSteps = 4;
+  const auto folder = std::filesystem::current_path() / "optimizer_offload_bench";
+  auto optimizer_ms = [&](OptimizerOffload offload) -> Result<double> {
+    RankSetup r;
+    auto comms = collectives::make_local_communicators(1);
+    if (!comms) return fail(std::move(comms).error());
+    auto body = [&]() -> async::Task<Result<double>> {
+      COSHARD_CO_TRY_ASSIGN(auto model, make_gpt(kModel));
+      COSHARD_CO_TRY_ASSIGN(auto opt, Optimizer::adamw({}));
+      EngineOptions o;
+      o.zero_stage = 3;
+      o.record_timeline = true;
+      o.offload_optimizer = offload;
+      o.nvme_path = folder;
+      if (const char* b = std::getenv("ENGINE_BENCH_SWAP_BUFFERS")) o.swap_buffer_count = std::atoi(b);
+      COSHARD_CO_TRY_ASSIGN(auto engine, Engine::create(*r.ctx, *(*comms)[0], *model, *opt, o));
+      COSHARD_CO_TRY(co_await engine->initialize(1));
+      std::vector<double> ids(2 * 32);
+      for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<double>((i * 31 + 7) % 2048);
+      auto bytes = encode_values(ids, DataType::i32);
+      COSHARD_CO_TRY_ASSIGN(Tensor tokens, r.ctx->upload(bytes, Shape{2, 32}, DataType::i32));
+      std::vector<Batch> batch{Batch{tokens, tokens}};
+      CrossEntropyLoss loss;
+      double total = 0;
+      for (int step = 0; step < kSteps; ++step) {
+        COSHARD_CO_TRY_ASSIGN(auto stats, co_await engine->step(loss, batch, 1e-4f));
+        for (const auto& span : stats.timeline)
+          if (span.category == "optimizer" && step >= 1) total += span.end_ms - span.start_ms;
+      }
+      co_return total / (kSteps - 1);
+    };
+    return r.rt.block_on(body());
+  };
+  // The swapper alone over the same sub-groups (master and two moments of every unit's shard).
+  auto io_ms = [&]() -> Result<double> {
+    RankSetup r;
+    auto model = make_gpt(kModel);
+    if (!model) return fail(std::move(model).error());
+    std::vector<offload::SubGroup> groups;
+    std::size_t largest = 0;
+    (*model)->for_each_module([&](const std::string& path, Module& m) {
+      std::int64_t n = 0;
+      for (const auto& p : m.parameters()) n += p->numel();
+      if (n == 0) return;
+      groups.push_back({"io/" + (path.empty() ? std::string("root") : path), static_cast<std::size_t>(n) * 12});
+      largest = std::max(largest, static_cast<std::size_t>(n) * 12);
+    });
+    std::filesystem::create_directories(folder);
+    offload::NvmeStoreOptions so;
+    so.directory = folder;
+    so.direct = offload::NvmeStore::supports_direct_io(folder);
+    auto store = offload::NvmeStore::open(so);
+    if (!store) return fail(std::move(store).error());
+    auto pool = offload::PinnedPool::create({.host_memory_budget = 8 * offload::page_rounded(largest)});
+    if (!pool) return fail(std::move(pool).error());
+    offload::SwapperOptions swap_options;
+    if (const char* b = std::getenv("ENGINE_BENCH_SWAP_BUFFERS")) swap_options.buffer_count = std::atoi(b);
+    auto swapper = offload::Swapper::create(**store, *pool, swap_options);
+    if (!swapper) return fail(std::move(swapper).error());
+    auto body = [&]() -> async::Task<Result<double>> {
+      auto nothing = [](std::size_t, std::span<std::byte>) -> async::Task<Result<void>> { co_return Result<void>{}; };
+      COSHARD_CO_TRY(co_await (*swapper)->initialize(groups, nothing));
+      double total = 0;
+      for (int pass = 0; pass < kSteps - 1; ++pass) {
+        const auto start = Clock::now();
+        COSHARD_CO_TRY(co_await (*swapper)->for_each(groups, nothing, true));
+        total += std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+      }
+      co_return total / (kSteps - 1);
+    };
+    return r.rt.block_on(body());
+  };
+  for (auto _ : state) {
+    auto device = optimizer_ms(OptimizerOffload::none);
+    auto cpu = optimizer_ms(OptimizerOffload::cpu);
+    auto nvme = optimizer_ms(OptimizerOffload::nvme);
+    auto io = io_ms();
+    if (!device || !cpu || !nvme || !io) {
+      std::string e = !device ? device.error().message() : !cpu ? cpu.error().message()
+                      : !nvme ? nvme.error().message() : io.error().message();
+      return state.SkipWithError(e.c_str());
+    }
+    state.counters["params_M"] = static_cast<double>(kModel.parameter_count()) / 1e6;
+    state.counters["device_opt_ms"] = *device;
+    state.counters["cpu_opt_ms"] = *cpu;
+    state.counters["nvme_opt_ms"] = *nvme;
+    state.counters["io_ms"] = *io;
+    state.counters["nvme_vs_max"] = *nvme / std::max(*io, *cpu);
+    state.counters["nvme_vs_sum"] = *nvme / (*io + *cpu);
+    state.SetIterationTime(*nvme * 1e-3);
+  }
+  std::filesystem::remove_all(folder);
+}
+BENCHMARK(BM_OptimizerOffload)->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
 
 void BM_HostOverheadPerUnit(benchmark::State& state) {
   constexpr int kModules = 1000;
