@@ -522,9 +522,18 @@ TEST(Engine, AdaptivePrefetchFollowsTheMeasuredLink) {
   // The depth once the measurements have settled (the first step's include warm-up).
   const std::size_t fast_depth = fast.stats[0][4].peak_prefetched_bytes;
   const std::size_t slow_depth = slow.stats[0][4].peak_prefetched_bytes;
-  // A slow link: many units gathered ahead at once; compute-bound: a few ahead of use.
-  EXPECT_GE(slow_depth, 2 * fast_depth) << "fast " << fast_depth << " B, slow " << slow_depth << " B";
-  EXPECT_GE(slow_depth, 3 * largest) << "largest unit " << largest << " B";
+  // A slow link: many units gathered ahead at once; compute-bound: a few ahead of use. Under a
+  // sanitizer the instrumented collectives are slower than the (uninstrumented) BLAS compute, so
+  // the "fast" link is slow too: there only the correctness half of this test applies.
+#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+  constexpr bool kTimingMeaningful = false;
+#else
+  constexpr bool kTimingMeaningful = true;
+#endif
+  if (kTimingMeaningful) {
+    EXPECT_GE(slow_depth, 2 * fast_depth) << "fast " << fast_depth << " B, slow " << slow_depth << " B";
+    EXPECT_GE(slow_depth, 3 * largest) << "largest unit " << largest << " B";
+  }
   EXPECT_EQ(losses_of(fast), losses_of(on_demand));
   EXPECT_EQ(losses_of(slow), losses_of(on_demand));
 }
