@@ -467,6 +467,13 @@ struct Engine::State {
     return bind_values(u, values_of(u));
   }
 
+  // The reduced block `mine` (compute dtype) into an fp32 tensor, on the communication stream.
+  Result<void> shard_from(const Unit& u, const Tensor& mine, const Tensor& out) {
+    auto& cs = comm->stream();
+    if (o.dtype == DataType::f32) return cs.copy(out.data(), mine.data(), mine.bytes());
+    return ctx->kernels().cast(cs, o.dtype, mine.data(), DataType::f32, out.data(), u.info.shard);
+  }
+
   // Stages 2-3: reduce-scatter (average) the unit's gradient into this rank's block, in place,
   // then add it into the shard, all on the communication stream; the full buffer goes behind it.
   Result<void> reduce_gradients(Unit& u) {
@@ -483,12 +490,21 @@ struct Engine::State {
                                    ReduceOp::avg);
     stats.reduce_scattered_bytes += u.info.padded_bytes;
     if (!rs) return fail(std::move(rs).error().with_context("reducing the gradients of unit " + u.info.name));
-    if (u.grads_this_step == 0)
-      COSHARD_TRY(cs.copy(u.grad_shard.data(), mine.data(), mine.bytes()));
-    else
-      COSHARD_TRY(ctx->kernels().add(cs, o.dtype, u.grad_shard.data(), mine.data(), u.grad_shard.data(), u.info.shard));
+    // Into the fp32 shard (bf16/f16 compute reduces in its own dtype, accumulates in fp32).
+    async::Block scratch;
+    if (u.grads_this_step == 0) {
+      COSHARD_TRY(shard_from(u, mine, u.grad_shard));
+    } else if (o.dtype == DataType::f32) {
+      COSHARD_TRY(ctx->kernels().add(cs, DataType::f32, u.grad_shard.data(), mine.data(), u.grad_shard.data(), u.info.shard));
+    } else {
+      COSHARD_TRY_ASSIGN(scratch, ctx->allocator().allocate(u.grad_shard.bytes(), cs));
+      Tensor widened(scratch.data(), Shape{u.info.shard}, DataType::f32, ctx->device());
+      COSHARD_TRY(shard_from(u, mine, widened));
+      COSHARD_TRY(ctx->kernels().add(cs, DataType::f32, u.grad_shard.data(), widened.data(), u.grad_shard.data(), u.info.shard));
+    }
     ++u.grads_this_step;
     COSHARD_TRY_ASSIGN(auto reduced, spans_on() ? cs.record_timed() : cs.record());
+    if (scratch) scratch.reset_after(reduced);
     span(false, "reduce_scatter", u.info.name, std::move(started), reduced);
     u.grad_full_block.record_use(reduced);
     u.grad_full_block.reset();
@@ -828,15 +844,19 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
       COSHARD_TRY(stream.fill(u.full.data(), 0, u.info.padded_bytes));
       u.shard = u.full.slice(mine, shard_shape);
     }
+    // Gradient shards are fp32 whatever the compute dtype (the optimizer reads them as they are).
+    const auto grad_shard_bytes = static_cast<std::size_t>(u.info.shard) * sizeof(float);
     if (o.zero_stage == 1) {
       COSHARD_TRY_ASSIGN(u.grad_full_block, alloc.allocate(u.info.padded_bytes, stream));
       u.grad_full = Tensor(u.grad_full_block.data(), Shape{u.info.padded}, o.dtype, ctx.device());
       COSHARD_TRY(stream.fill(u.grad_full.data(), 0, u.info.padded_bytes));
-      u.grad_shard = u.grad_full.slice(mine, shard_shape);
+    }
+    if (o.zero_stage == 1 && o.dtype == DataType::f32) {
+      u.grad_shard = u.grad_full.slice(mine, shard_shape);  // reduced in place: no copy
     } else {
-      COSHARD_TRY_ASSIGN(u.grad_shard_block, alloc.allocate(shard_bytes, stream));
-      u.grad_shard = Tensor(u.grad_shard_block.data(), shard_shape, o.dtype, ctx.device());
-      COSHARD_TRY(stream.fill(u.grad_shard.data(), 0, shard_bytes));
+      COSHARD_TRY_ASSIGN(u.grad_shard_block, alloc.allocate(grad_shard_bytes, stream));
+      u.grad_shard = Tensor(u.grad_shard_block.data(), shard_shape, DataType::f32, ctx.device());
+      COSHARD_TRY(stream.fill(u.grad_shard.data(), 0, grad_shard_bytes));
     }
     if (!s->stage3()) COSHARD_TRY(s->bind_values(u, u.full));
     if (s->swapped()) {
@@ -977,11 +997,17 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
     COSHARD_CO_TRY_ASSIGN(auto started, s.mark(cs));
     Coalesced group;
     for (auto& u : s.units) {
-      group.reduce_scatter(u->grad_full.data(), u->grad_shard.data(), static_cast<std::size_t>(u->info.shard),
-                           s.o.dtype, ReduceOp::avg);
+      Tensor mine = u->grad_full.slice(static_cast<std::int64_t>(s.rank) * u->info.shard, Shape{u->info.shard});
+      group.reduce_scatter(u->grad_full.data(), mine.data(), static_cast<std::size_t>(u->info.shard), s.o.dtype,
+                           ReduceOp::avg);
       s.stats.reduce_scattered_bytes += u->info.padded_bytes;
     }
     COSHARD_CO_TRY(s.comm->launch(group));
+    if (s.o.dtype != DataType::f32)  // bf16/f16: the reduced blocks into the fp32 shards
+      for (auto& u : s.units)
+        COSHARD_CO_TRY(s.shard_from(*u, u->grad_full.slice(static_cast<std::int64_t>(s.rank) * u->info.shard,
+                                                           Shape{u->info.shard}),
+                                    u->grad_shard));
     COSHARD_CO_TRY_ASSIGN(auto finished, s.mark(cs));
     s.span(false, "reduce_scatter", kAllUnits, std::move(started), std::move(finished));
   } else {
@@ -990,7 +1016,7 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
   }
   const auto K = static_cast<float>(micro_batches.size());
   if (micro_batches.size() > 1)
-    for (auto& u : s.units) COSHARD_CO_TRY(k.scale(cs, s.o.dtype, u->grad_shard.data(), 1.0f / K, u->info.shard));
+    for (auto& u : s.units) COSHARD_CO_TRY(k.scale(cs, DataType::f32, u->grad_shard.data(), 1.0f / K, u->info.shard));
   COSHARD_CO_TRY(s.compute_waits_for_comm(kGradients));
 
   // The optimizer: local shards only; the norm and overflow flag are summed over ranks first.

@@ -56,7 +56,7 @@ enum class OptimizerOffload : std::uint8_t {
 
 struct EngineOptions {
   int zero_stage = 3;                      // 1, 2 or 3 (stage 0 is ParameterStore)
-  DataType dtype = DataType::f32;          // parameters and gradients (the optimizer keeps fp32 masters)
+  DataType dtype = DataType::f32;          // parameters, activations, gradients before reduction (shards of gradients and masters are fp32)
   std::size_t module_granularity_bytes = 0;
   std::size_t max_live_bytes = std::numeric_limits<std::size_t>::max();  // gathered parameter bytes
   std::size_t prefetch_bucket_bytes = 0;   // 0: fetch on demand only (unless adaptive)
