@@ -26,6 +26,7 @@
 #include "coshard/async/runtime.hpp"
 #include "coshard/modules/safetensors.hpp"
 #include "coshard/trainer/checkpoint_manifest.hpp"
+#include "files.hpp"
 #include "trainer_impl.hpp"
 
 namespace coshard::trainer {
@@ -84,44 +85,9 @@ std::uint32_t crc32_of(std::span<const std::byte> bytes) {
   return static_cast<std::uint32_t>(crc);
 }
 
-Result<std::vector<std::byte>> read_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return fail(ErrorCode::io, path.string(), ": cannot open (", std::strerror(errno), ")");
-  in.seekg(0, std::ios::end);
-  const auto size = static_cast<std::size_t>(in.tellg());
-  in.seekg(0);
-  std::vector<std::byte> bytes(size);
-  if (size > 0 && !in.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(size)))
-    return fail(ErrorCode::io, path.string(), ": read failed after ", in.gcount(), " of ", size, " bytes");
-  return bytes;
-}
-
-Result<void> fsync_path(const fs::path& path, int flags) {
-  const int fd = ::open(path.c_str(), flags | O_CLOEXEC);
-  if (fd < 0) return fail(ErrorCode::io, path.string(), ": open for fsync failed (", std::strerror(errno), ")");
-  const int rc = ::fsync(fd);
-  const int err = errno;
-  ::close(fd);
-  if (rc != 0) return fail(ErrorCode::io, path.string(), ": fsync failed (", std::strerror(err), ")");
-  return {};
-}
-
-// A small file replaced atomically: temporary, fsync, rename, fsync the folder.
-Result<void> write_file_atomic(const fs::path& path, std::string_view text) {
-  const fs::path tmp = path.string() + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) return fail(ErrorCode::io, tmp.string(), ": cannot create (", std::strerror(errno), ")");
-    out.write(text.data(), static_cast<std::streamsize>(text.size()));
-    out.close();
-    if (!out) return fail(ErrorCode::io, tmp.string(), ": write failed (", std::strerror(errno), ")");
-  }
-  COSHARD_TRY(fsync_path(tmp, O_RDONLY));
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) return fail(ErrorCode::io, "renaming ", tmp.string(), " to ", path.string(), ": ", ec.message());
-  return fsync_path(path.parent_path().empty() ? fs::path(".") : path.parent_path(), O_RDONLY | O_DIRECTORY);
-}
+using detail::fsync_path;
+using detail::read_file;
+using detail::write_file_atomic;
 
 // Writes one rank's staged file behind training: CRC-32 of the bytes, the io_uring write to a
 // temporary name, seal (exact size, fsync, close), rename into place.

@@ -1,12 +1,10 @@
 #include "coshard/trainer/trace.hpp"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <nlohmann/json.hpp>
 
-#include <cstring>
 #include <set>
+
+#include "files.hpp"
 
 namespace coshard::trainer {
 
@@ -58,28 +56,8 @@ std::string TraceWriter::json() const {
 }
 
 Result<void> TraceWriter::write(const std::filesystem::path& path) const {
-  const std::string text = json();
-  const std::filesystem::path tmp = path.string() + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return fail(ErrorCode::io, "trace ", tmp.string(), ": cannot create (", std::strerror(errno), ")");
-  std::size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const int err = errno;
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      return fail(ErrorCode::io, "trace ", tmp.string(), ": write failed after ", done, " of ", text.size(),
-                  " bytes (", std::strerror(err), ")");
-    }
-    done += static_cast<std::size_t>(n);
-  }
-  const bool synced = ::fsync(fd) == 0;
-  ::close(fd);
-  if (!synced) return fail(ErrorCode::io, "trace ", tmp.string(), ": fsync failed");
-  if (std::rename(tmp.c_str(), path.c_str()) != 0)
-    return fail(ErrorCode::io, "trace: renaming ", tmp.string(), " to ", path.string(), " failed (", std::strerror(errno), ")");
+  auto written = detail::write_file_atomic(path, json());
+  if (!written) return fail(std::move(written).error().with_context("trace"));
   return {};
 }
 

@@ -1,0 +1,59 @@
+#include "files.hpp"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+
+namespace coshard::trainer::detail {
+
+namespace fs = std::filesystem;
+
+Result<std::vector<std::byte>> read_file(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return fail(ErrorCode::io, path.string(), ": cannot open (", std::strerror(errno), ")");
+  in.seekg(0, std::ios::end);
+  const auto size = static_cast<std::size_t>(in.tellg());
+  in.seekg(0);
+  std::vector<std::byte> bytes(size);
+  if (size > 0 && !in.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(size)))
+    return fail(ErrorCode::io, path.string(), ": read failed after ", in.gcount(), " of ", size, " bytes");
+  return bytes;
+}
+
+Result<void> fsync_path(const fs::path& path, int flags) {
+  const int fd = ::open(path.c_str(), flags | O_CLOEXEC);
+  if (fd < 0) return fail(ErrorCode::io, path.string(), ": open for fsync failed (", std::strerror(errno), ")");
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) return fail(ErrorCode::io, path.string(), ": fsync failed (", std::strerror(err), ")");
+  return {};
+}
+
+Result<void> write_file_atomic(const fs::path& path, std::string_view text) {
+  const fs::path tmp = path.string() + ".tmp";
+  auto cleanup = [&](Error e) -> Result<void> {
+    std::error_code ignored;
+    fs::remove(tmp, ignored);
+    return fail(std::move(e));
+  };
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) return fail(ErrorCode::io, tmp.string(), ": cannot create (", std::strerror(errno), ")");
+    out.write(text.data(), static_cast<std::streamsize>(text.size()));
+    out.close();
+    if (!out)
+      return cleanup(Error(ErrorCode::io, tmp.string() + ": write of " + std::to_string(text.size()) +
+                                              " bytes failed (" + std::strerror(errno) + ")"));
+  }
+  if (auto synced = fsync_path(tmp, O_RDONLY); !synced) return cleanup(synced.error());
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  if (ec) return cleanup(Error(ErrorCode::io, "renaming " + tmp.string() + " to " + path.string() + ": " + ec.message()));
+  return fsync_path(path.parent_path().empty() ? fs::path(".") : path.parent_path(), O_RDONLY | O_DIRECTORY);
+}
+
+}  // namespace coshard::trainer::detail
