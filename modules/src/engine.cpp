@@ -512,6 +512,22 @@ struct Engine::State {
     return bind_values(u, values_of(u));
   }
 
+  // Stages 1-2: every rank's shard into every rank's full copy, in one launch on the
+  // communication stream (after what is enqueued there).
+  Result<void> gather_full_copies() {
+    auto& cs = comm->stream();
+    COSHARD_TRY_ASSIGN(auto started, mark(cs));
+    Coalesced group;
+    for (auto& u : units) {
+      group.all_gather(u->shard.data(), u->full.data(), static_cast<std::size_t>(u->info.shard), o.dtype);
+      stats.gathered_bytes += u->info.padded_bytes;
+    }
+    COSHARD_TRY(comm->launch(group));
+    COSHARD_TRY_ASSIGN(auto finished, mark(cs));
+    span(false, "all_gather", kParameters, std::move(started), std::move(finished));
+    return {};
+  }
+
   // ---- a pass ----
 
   void begin_pass(std::string_view name) {
@@ -608,10 +624,7 @@ async::Task<Result<void>> Engine::shards_written() {
   auto& compute = s.ctx->stream();
   auto& cs = s.comm->stream();
   COSHARD_CO_TRY(State::order(compute, cs));
-  Coalesced group;
-  for (auto& u : s.units)
-    group.all_gather(u->shard.data(), u->full.data(), static_cast<std::size_t>(u->info.shard), s.o.dtype);
-  COSHARD_CO_TRY(s.comm->launch(group));
+  COSHARD_CO_TRY(s.gather_full_copies());
   COSHARD_CO_TRY(State::order(cs, compute));
   co_return Result<void>{};
 }
@@ -647,16 +660,18 @@ async::Task<Result<std::vector<GatheredParameter>>> Engine::gather_parameters() 
 
 async::Task<Result<void>> Engine::load_parameters(const std::vector<GatheredParameter>& values) {
   State& s = *s_;
+  std::unordered_map<std::string_view, const Parameter*> parameter_named;
+  for (const auto& [param, name] : s.names) parameter_named.emplace(name, param);
   std::unordered_map<std::string_view, const GatheredParameter*> by_name;
   for (const auto& v : values) {
     if (!by_name.emplace(v.name, &v).second)
       co_return fail(ErrorCode::invalid_argument, "load_parameters: '", v.name, "' given twice");
-    const auto it = std::find_if(s.names.begin(), s.names.end(), [&](const auto& kv) { return kv.second == v.name; });
-    if (it == s.names.end())
+    const auto it = parameter_named.find(v.name);
+    if (it == parameter_named.end())
       co_return fail(ErrorCode::invalid_argument, "load_parameters: '", v.name, "' is not a parameter of the model");
-    if (!(it->first->shape() == v.shape) || v.bytes.size() != static_cast<std::size_t>(v.shape.numel()) * s.element_size)
+    if (!(it->second->shape() == v.shape) || v.bytes.size() != static_cast<std::size_t>(v.shape.numel()) * s.element_size)
       co_return fail(ErrorCode::invalid_argument, "load_parameters: '", v.name, "' has shape ", v.shape.to_string(),
-                     " and ", v.bytes.size(), " bytes; the model expects ", it->first->shape().to_string(), " in ",
+                     " and ", v.bytes.size(), " bytes; the model expects ", it->second->shape().to_string(), " in ",
                      collectives::to_string(s.o.dtype));
   }
   for (const auto& [param, name] : s.names)
@@ -1096,17 +1111,7 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
   COSHARD_CO_TRY(s.comm->all_reduce(loss_sum.data(), loss_sum.data(), 1, DataType::f32, ReduceOp::avg));
 
   // Stages 1-2: every rank gets the updated parameters, in one launch.
-  if (!s.stage3()) {
-    COSHARD_CO_TRY_ASSIGN(auto started, s.mark(cs));
-    Coalesced group;
-    for (auto& u : s.units) {
-      group.all_gather(u->shard.data(), u->full.data(), static_cast<std::size_t>(u->info.shard), s.o.dtype);
-      s.stats.gathered_bytes += u->info.padded_bytes;
-    }
-    COSHARD_CO_TRY(s.comm->launch(group));
-    COSHARD_CO_TRY_ASSIGN(auto finished, s.mark(cs));
-    s.span(false, "all_gather", kParameters, std::move(started), std::move(finished));
-  }
+  if (!s.stage3()) COSHARD_CO_TRY(s.gather_full_copies());
   COSHARD_CO_TRY(s.compute_waits_for_comm(kParameters));
   COSHARD_CO_TRY(s.end_pass());
 
