@@ -199,22 +199,21 @@ void CachingAllocator::sweep_locked() {
   // Moves every returned block whose uses have all completed into the cache.
   auto ready = std::stable_partition(pending_.begin(), pending_.end(),
                                      [](const Pending& p) { return !all_ready(p.uses); });
-  for (auto it = ready; it != pending_.end(); ++it) {
-    stats_.pending_bytes -= it->size;
-    stats_.cached_bytes += it->size;
-    cached_.emplace(it->size, it->ptr);
-  }
+  for (auto it = ready; it != pending_.end(); ++it) cache_locked(*it);
   pending_.erase(ready, pending_.end());
 }
 
 void CachingAllocator::sweep_front_locked() {
   while (!pending_.empty() && all_ready(pending_.front().uses)) {
-    auto& p = pending_.front();
-    stats_.pending_bytes -= p.size;
-    stats_.cached_bytes += p.size;
-    cached_.emplace(p.size, p.ptr);
+    cache_locked(pending_.front());
     pending_.pop_front();
   }
+}
+
+void CachingAllocator::cache_locked(const Pending& p) {
+  stats_.pending_bytes -= p.size;
+  stats_.cached_bytes += p.size;
+  cached_.emplace(p.size, p.ptr);
 }
 
 void CachingAllocator::trim() {

@@ -126,6 +126,7 @@ class CachingAllocator {
     std::size_t size;
     std::vector<Event> uses;
   };
+  void cache_locked(const Pending& p);  // a pending block whose uses have passed, into the cache
 
   Device device_;
   AllocatorOptions options_;
