@@ -5,31 +5,6 @@
 #include "coshard/modules/safetensors.hpp"
 
 namespace coshard::modules {
-namespace {
-
-std::optional<SafeDType> to_safe(DataType dt) {
-  switch (dt) {
-    case DataType::f32: return SafeDType::f32;
-    case DataType::f64: return SafeDType::f64;
-    case DataType::bf16: return SafeDType::bf16;
-    case DataType::f16: return SafeDType::f16;
-    case DataType::i32: return SafeDType::i32;
-    case DataType::u8: return SafeDType::u8;
-  }
-  return std::nullopt;
-}
-
-std::optional<DataType> from_safe(SafeDType dt) {
-  switch (dt) {
-    case SafeDType::f32: return DataType::f32;
-    case SafeDType::f64: return DataType::f64;
-    case SafeDType::bf16: return DataType::bf16;
-    case SafeDType::f16: return DataType::f16;
-    default: return std::nullopt;
-  }
-}
-
-}  // namespace
 
 Result<ParameterStore> ParameterStore::create(Context& ctx, Module& model, DataType dtype) {
   if (dtype != DataType::f32 && dtype != DataType::f64 && dtype != DataType::bf16 && dtype != DataType::f16)
@@ -79,7 +54,7 @@ Result<void> ParameterStore::zero_grad(Context& ctx) { return ctx.stream().fill(
 
 async::Task<Result<void>> ParameterStore::save(Context& ctx, const std::filesystem::path& path,
                                                std::map<std::string, std::string> metadata) {
-  const auto safe = to_safe(dtype());
+  const auto safe = safe_dtype_of(dtype());
   COSHARD_CO_TRY_ASSIGN(auto host, co_await ctx.read(values_));
   const auto bytes = encode_values(host, dtype());
   std::vector<SafeTensorView> views;
@@ -109,7 +84,7 @@ async::Task<Result<void>> ParameterStore::load(Context& ctx, const std::filesyst
       co_return fail(ErrorCode::invalid_argument, path.string(), ": tensor ", e.name, " has shape ",
                      Shape::from(t->shape).to_string(), ", the model expects ", e.parameter->shape().to_string());
     }
-    const auto dt = from_safe(t->dtype);
+    const auto dt = float_dtype_of(t->dtype);
     if (!dt)
       co_return fail(ErrorCode::invalid_argument, path.string(), ": tensor ", e.name, " is ", to_string(t->dtype),
                      ", expected F32, F64, BF16 or F16");

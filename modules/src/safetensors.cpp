@@ -217,6 +217,30 @@ Result<SafetensorsFile> SafetensorsFile::parse(std::vector<std::byte> bytes, std
   return file;
 }
 
+std::optional<SafeDType> safe_dtype_of(collectives::DataType dt) noexcept {
+  using collectives::DataType;
+  switch (dt) {
+    case DataType::f32: return SafeDType::f32;
+    case DataType::f64: return SafeDType::f64;
+    case DataType::bf16: return SafeDType::bf16;
+    case DataType::f16: return SafeDType::f16;
+    case DataType::i32: return SafeDType::i32;
+    case DataType::u8: return SafeDType::u8;
+  }
+  return std::nullopt;
+}
+
+std::optional<collectives::DataType> float_dtype_of(SafeDType dt) noexcept {
+  using collectives::DataType;
+  switch (dt) {
+    case SafeDType::f32: return DataType::f32;
+    case SafeDType::f64: return DataType::f64;
+    case SafeDType::bf16: return DataType::bf16;
+    case SafeDType::f16: return DataType::f16;
+    default: return std::nullopt;
+  }
+}
+
 Result<std::vector<std::byte>> safetensors_prefix(std::span<const SafeTensorLayout> tensors,
                                                   const std::map<std::string, std::string>& metadata,
                                                   std::string_view source) {

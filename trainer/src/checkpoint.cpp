@@ -52,25 +52,11 @@ std::string step_name(std::int64_t step) {
 std::string rank_file(int rank) { return checkpoint_rank_file(rank); }
 
 Result<SafeDType> safe_dtype(DataType t) {
-  switch (t) {
-    case DataType::f32: return SafeDType::f32;
-    case DataType::f64: return SafeDType::f64;
-    case DataType::bf16: return SafeDType::bf16;
-    case DataType::f16: return SafeDType::f16;
-    case DataType::i32: return SafeDType::i32;
-    default: return fail(ErrorCode::unsupported, "checkpoint: dtype ", collectives::to_string(t), " has no safetensors name");
-  }
+  if (auto safe = modules::safe_dtype_of(t)) return *safe;
+  return fail(ErrorCode::unsupported, "checkpoint: dtype ", collectives::to_string(t), " has no safetensors name");
 }
 
-std::optional<DataType> data_type(SafeDType t) {
-  switch (t) {
-    case SafeDType::f32: return DataType::f32;
-    case SafeDType::f64: return DataType::f64;
-    case SafeDType::bf16: return DataType::bf16;
-    case SafeDType::f16: return DataType::f16;
-    default: return std::nullopt;
-  }
-}
+using modules::float_dtype_of;
 
 std::uint32_t crc32_of(std::span<const std::byte> bytes) {
   uLong crc = crc32(0L, Z_NULL, 0);
@@ -379,7 +365,7 @@ Result<Loaded> read_checkpoint(const fs::path& dir, const std::vector<modules::U
         const std::int64_t upto = std::min({hi, mu.numel, old_lo + mu.shard});
         COSHARD_TRY_ASSIGN(const auto* file, file_of(old_rank));
         const auto* t = file->find(name);
-        if (!t || data_type(t->dtype) != expect || t->shape.size() != 1 || t->shape[0] != mu.shard)
+        if (!t || float_dtype_of(t->dtype) != expect || t->shape.size() != 1 || t->shape[0] != mu.shard)
           return fail(ErrorCode::invalid_argument, where, ": ", m.files[static_cast<std::size_t>(old_rank)].name,
                       " lacks ", name, " as ", collectives::to_string(expect), "[", mu.shard, "]");
         const auto data = file->data(*t);
@@ -472,7 +458,7 @@ async::Task<Result<void>> Trainer::load_safetensors(const fs::path& path) {
         COSHARD_TRY_ASSIGN(auto file, modules::SafetensorsFile::load(path));
         std::vector<modules::GatheredParameter> out;
         for (const auto& t : file.tensors()) {
-          const auto from = data_type(t.dtype);
+          const auto from = float_dtype_of(t.dtype);
           if (!from)
             return fail(ErrorCode::invalid_argument, path.string(), ": tensor ", t.name, " is ", modules::to_string(t.dtype),
                         "; expected a float dtype (F64, F32, BF16, F16)");

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "coshard/async/result.hpp"
+#include "coshard/collectives/dtype.hpp"
 
 namespace coshard::modules {
 
@@ -31,6 +32,10 @@ enum class SafeDType : std::uint8_t { f64, f32, f16, bf16, i64, i32, i16, i8, u8
 std::string_view to_string(SafeDType t) noexcept;  // the file's spelling: "F32", "BF16", ...
 std::size_t size_of(SafeDType t) noexcept;
 std::optional<SafeDType> parse_safe_dtype(std::string_view name) noexcept;
+// The file's dtype of a tensor dtype (f32, f64, bf16, f16, i32, u8).
+std::optional<SafeDType> safe_dtype_of(collectives::DataType dt) noexcept;
+// The tensor dtype of a float file dtype (F64, F32, BF16, F16); nothing for the others.
+std::optional<collectives::DataType> float_dtype_of(SafeDType dt) noexcept;
 
 struct SafeTensorInfo {
   std::string name;
