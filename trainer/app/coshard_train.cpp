@@ -314,12 +314,10 @@ int main(int argc, char** argv) {
   if (accum->count()) c.gradient_accumulation_steps = cli.gradient_accumulation_steps;
   if (clip->count()) c.max_grad_norm = cli.max_grad_norm;
   if (wd->count()) c.weight_decay = cli.weight_decay;
-  if (precision->count()) {
-    c.dtype = dtype == "bf16" ? modules::DataType::bf16 : dtype == "f16" ? modules::DataType::f16 : modules::DataType::f32;
-    c.reduce_dtype = c.dtype;
-    if (c.dtype == modules::DataType::f16 && c.loss_scaling == modules::LossScaling::none)
-      c.loss_scaling = modules::LossScaling::dynamic;
-  }
+  if (precision->count())
+    c.set_compute_dtype(dtype == "bf16"  ? modules::DataType::bf16
+                        : dtype == "f16" ? modules::DataType::f16
+                                         : modules::DataType::f32);
   if (off_opt->count()) c.offload_optimizer = cli.offload_optimizer;
   if (off_par->count()) c.offload_params = cli.offload_params;
   if (host_budget->count()) c.host_memory_budget = cli.host_memory_budget;

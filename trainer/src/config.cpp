@@ -106,6 +106,12 @@ modules::EngineOptions TrainerConfig::engine_options() const {
   return o;
 }
 
+void TrainerConfig::set_compute_dtype(DataType compute) noexcept {
+  dtype = compute;
+  reduce_dtype = compute;
+  if (compute == DataType::f16 && loss_scaling == modules::LossScaling::none) loss_scaling = modules::LossScaling::dynamic;
+}
+
 float TrainerConfig::lr_at(std::int64_t step) const noexcept {
   if (warmup_steps <= 0 || step >= warmup_steps) return lr;
   return lr * static_cast<float>(step + 1) / static_cast<float>(warmup_steps);
@@ -281,12 +287,7 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
           r.unknown.push_back(name);
         }
       }
-      if (enabled) {
-        c.dtype = std::string_view(section) == "fp16" ? DataType::f16 : DataType::bf16;
-        c.reduce_dtype = c.dtype;
-        if (c.dtype == DataType::f16 && c.loss_scaling == modules::LossScaling::none)
-          c.loss_scaling = modules::LossScaling::dynamic;
-      }
+      if (enabled) c.set_compute_dtype(std::string_view(section) == "fp16" ? DataType::f16 : DataType::bf16);
     }
   }
   const std::size_t element = collectives::size_of(c.dtype);

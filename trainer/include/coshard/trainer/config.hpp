@@ -74,6 +74,9 @@ struct TrainerConfig {
   OffloadOptions offload_params;     // none (cpu, nvme: not yet)
   std::size_t host_memory_budget = 0;  // pinned bytes the offload may use; 0: exactly what it needs
 
+  // Compute (and reduce) in `compute`; f16 turns on dynamic loss scaling unless scaling is set.
+  void set_compute_dtype(modules::DataType compute) noexcept;
+
   // Every value and combination checked; the error names the first bad one and what is allowed.
   Result<void> validate() const;
   // The engine's view of these settings.

@@ -116,13 +116,7 @@ class TrainerBuilder {
   TrainerBuilder& max_reuse_distance(std::size_t units) { c_.max_reuse_distance = units; return *this; }
   TrainerBuilder& persistence_threshold_bytes(std::size_t v) { c_.persistence_threshold_bytes = v; return *this; }
   TrainerBuilder& module_granularity_bytes(std::size_t v) { c_.module_granularity_bytes = v; return *this; }
-  TrainerBuilder& mixed_precision(modules::DataType compute) {
-    c_.dtype = compute;
-    c_.reduce_dtype = compute;
-    if (compute == modules::DataType::f16 && c_.loss_scaling == modules::LossScaling::none)
-      c_.loss_scaling = modules::LossScaling::dynamic;
-    return *this;
-  }
+  TrainerBuilder& mixed_precision(modules::DataType compute) { c_.set_compute_dtype(compute); return *this; }
   TrainerBuilder& reduce_dtype(modules::DataType v) { c_.reduce_dtype = v; return *this; }
   TrainerBuilder& loss_scaling(modules::LossScaling v, float initial = 65536.0f) {
     c_.loss_scaling = v;
