@@ -152,6 +152,27 @@ struct Engine::State {
     co_return Result<void>{};
   }
 
+  // Stages 1-2: every rank's block of every unit into the full copies, after the blocks changed
+  // outside a step (a load).
+  async::Task<Result<void>> full_copies_from_shards() {
+    auto& compute = ctx->stream();
+    auto& cs = comm->stream();
+    COSHARD_CO_TRY(order(compute, cs));
+    COSHARD_CO_TRY(gather_full_copies());
+    COSHARD_CO_TRY(order(cs, compute));
+    co_return Result<void>{};
+  }
+  // nvme: unit k's shard with its master and state as views of the swap buffer holding them.
+  UnitShard swapped_shard(std::size_t k, std::span<std::byte> bytes) const {
+    const Unit& u = *units[k];
+    const Shape shape{u.info.shard};
+    const std::size_t states = optimizer->state_tensors();
+    const auto len = static_cast<std::size_t>(u.info.shard) * sizeof(float);
+    auto* base = bytes.data();
+    auto view = [&](std::size_t i) { return Tensor(base + i * len, shape, DataType::f32, async::Device::cpu()); };
+    return {u.info, u.shard, view(0), states >= 1 ? view(1) : Tensor{}, states >= 2 ? view(2) : Tensor{}};
+  }
+
   // Traces of fetch order, per phase.
   std::string phase = "train";
   std::map<std::string, std::vector<std::size_t>> traces;
@@ -608,27 +629,30 @@ std::size_t Engine::units_in_flight() const noexcept {
 int Engine::rank() const noexcept { return s_->rank; }
 int Engine::world_size() const noexcept { return s_->world; }
 
-std::vector<UnitShard> Engine::shards() const {
-  std::vector<UnitShard> out;
-  const auto& groups = s_->optimizer->groups();
-  for (const auto& u : s_->units) {
-    const auto& g = groups[s_->first_group + u->index];
-    out.push_back({u->info, u->shard, g.master, g.state1, g.state2});
-  }
-  return out;
+ShardLayout Engine::shard_layout() const noexcept {
+  const State& s = *s_;
+  return {s.o.dtype != DataType::f32 || s.offloaded(), static_cast<int>(s.optimizer->state_tensors())};
 }
 
-async::Task<Result<void>> Engine::shards_written() {
+async::Task<Result<void>> Engine::visit_shards(ShardVisitor use, bool written) {
   State& s = *s_;
-  if (s.stage3()) co_return Result<void>{};
-  auto& compute = s.ctx->stream();
-  auto& cs = s.comm->stream();
-  COSHARD_CO_TRY(State::order(compute, cs));
-  COSHARD_CO_TRY(s.gather_full_copies());
-  COSHARD_CO_TRY(State::order(cs, compute));
-  co_return Result<void>{};
+  if (s.swapped()) {
+    auto visit_group = [&s, &use](std::size_t k, std::span<std::byte> bytes) -> async::Task<Result<void>> {
+      const UnitShard shard = s.swapped_shard(k, bytes);
+      co_return co_await use(shard);
+    };
+    COSHARD_CO_TRY(co_await s.swapper->for_each(s.subgroups, visit_group, written));
+  } else {
+    const auto& groups = s.optimizer->groups();
+    for (const auto& u : s.units) {
+      const auto& g = groups[s.first_group + u->index];
+      const UnitShard shard{u->info, u->shard, g.master, g.state1, g.state2};
+      COSHARD_CO_TRY(co_await use(shard));
+    }
+  }
+  if (!written || s.stage3()) co_return Result<void>{};
+  co_return co_await s.full_copies_from_shards();
 }
-
 async::Task<Result<std::vector<GatheredParameter>>> Engine::gather_parameters() {
   State& s = *s_;
   Context& ctx = *s.ctx;
@@ -690,7 +714,8 @@ async::Task<Result<void>> Engine::load_parameters(const std::vector<GatheredPara
     COSHARD_CO_TRY(s.ctx->copy_from_host(u.shard, std::span<const std::byte>(unit_bytes).subspan(first, shard_bytes)));
   }
   COSHARD_CO_TRY(co_await s.masters_from_shards());
-  co_return co_await shards_written();
+  if (s.stage3()) co_return Result<void>{};
+  co_return co_await s.full_copies_from_shards();
 }
 
 std::vector<FetchUnitInfo> Engine::units() const {
@@ -1076,17 +1101,12 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
     } else {
       // Each unit's master and state come in from NVMe (read ahead), are stepped on the host,
       // the new shard goes to the device, and the sub-group goes back (written behind).
-      const std::size_t states = s.optimizer->state_tensors();
       const auto read_before = s.swapper->stats().bytes_read, written_before = s.swapper->stats().bytes_written;
       auto step_unit = [&](std::size_t k, std::span<std::byte> bytes) -> async::Task<Result<void>> {
         Unit& u = *s.units[k];
-        const Shape shape{u.info.shard};
-        auto* base = bytes.data();
-        const auto len = static_cast<std::size_t>(u.info.shard) * sizeof(float);
-        Tensor master(base, shape, DataType::f32, async::Device::cpu());
-        Tensor state1 = states >= 1 ? Tensor(base + len, shape, DataType::f32, async::Device::cpu()) : Tensor{};
-        Tensor state2 = states >= 2 ? Tensor(base + 2 * len, shape, DataType::f32, async::Device::cpu()) : Tensor{};
-        COSHARD_CO_TRY(s.optimizer->apply_group(*s.host_ctx, s.first_group + k, lr, master, state1, state2));
+        const UnitShard shard = s.swapped_shard(k, bytes);
+        const Tensor& master = shard.master;
+        COSHARD_CO_TRY(s.optimizer->apply_group(*s.host_ctx, s.first_group + k, lr, master, shard.state1, shard.state2));
         COSHARD_CO_TRY_ASSIGN(auto stepped, host.record());
         COSHARD_CO_TRY(co_await State::after(compute, stepped));
         COSHARD_CO_TRY(compute.copy(u.shard.data(), master.data(), u.shard.bytes()));

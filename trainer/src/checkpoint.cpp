@@ -51,6 +51,16 @@ std::string step_name(std::int64_t step) {
 
 std::string rank_file(int rank) { return checkpoint_rank_file(rank); }
 
+// "u<unit>.<kind>": a block's tensor name in a rank file (appended, not `"u" + ...`: GCC 12 warns
+// falsely about overlapping memcpy for that).
+std::string tensor_name(std::size_t unit, std::string_view kind) {
+  std::string name = "u";
+  name += std::to_string(unit);
+  name += '.';
+  name += kind;
+  return name;
+}
+
 Result<SafeDType> safe_dtype(DataType t) {
   if (auto safe = modules::safe_dtype_of(t)) return *safe;
   return fail(ErrorCode::unsupported, "checkpoint: dtype ", collectives::to_string(t), " has no safetensors name");
@@ -112,18 +122,8 @@ std::string hex(std::span<const std::byte> bytes) {
 
 // ---- save ----
 
-namespace {
-Result<void> check_checkpointable(const TrainerConfig& c) {
-  if (c.offload_optimizer.device == OffloadDevice::nvme)
-    return fail(ErrorCode::unsupported,
-                "checkpoints with offload_optimizer=nvme: not available yet (the swapped state is not staged)");
-  return {};
-}
-}  // namespace
-
 async::Task<Result<void>> Trainer::save_checkpoint(const fs::path& dir) {
   Impl& s = *impl_;
-  COSHARD_CO_TRY(check_checkpointable(s.config));
   COSHARD_CO_TRY(co_await finish_checkpoint());
   async::Runtime* rt = async::Runtime::current();
   if (!rt) co_return fail(ErrorCode::internal, "save_checkpoint: not on a runtime");
@@ -131,44 +131,47 @@ async::Task<Result<void>> Trainer::save_checkpoint(const fs::path& dir) {
   COSHARD_CO_TRY_ASSIGN(const SafeDType param_dtype, safe_dtype(s.config.dtype));
 
   // This rank's file: a safetensors layout of its blocks, assembled in one pinned, page-aligned
-  // buffer by copies on the compute stream (the host awaits their event, never blocks).
-  struct Part {
-    std::string name;
-    SafeDType dtype;
-    Tensor source;
-  };
-  std::vector<Part> parts;
-  json units = json::array();
-  const auto shards = s.engine->shards();
-  for (std::size_t i = 0; i < shards.size(); ++i) {
-    const auto& sh = shards[i];
-    const std::string u = "u" + std::to_string(i) + ".";
-    parts.push_back({u + "param", param_dtype, sh.params});
-    if (sh.master.data() != sh.params.data()) parts.push_back({u + "master", SafeDType::f32, sh.master});
-    if (sh.state1) parts.push_back({u + "state1", SafeDType::f32, sh.state1});
-    if (sh.state2) parts.push_back({u + "state2", SafeDType::f32, sh.state2});
-    units.push_back({{"name", sh.info.name}, {"parameters", sh.info.parameters}, {"numel", sh.info.numel},
-                     {"padded", sh.info.padded}, {"shard", sh.info.shard}});
-  }
+  // buffer by copies on the compute stream as the engine visits each unit's shard (with nvme
+  // offload, as the swapper reads its state in); the host awaits their events, never blocks.
+  const modules::ShardLayout kinds = s.engine->shard_layout();
+  const auto units_info = s.engine->units();
   std::vector<modules::SafeTensorLayout> layout;
-  for (const auto& p : parts) layout.push_back({p.name, p.dtype, {p.source.numel()}, p.source.bytes()});
+  json units = json::array();
+  for (std::size_t i = 0; i < units_info.size(); ++i) {
+    const auto& info = units_info[i];
+    const auto n = static_cast<std::size_t>(info.shard);
+    layout.push_back({tensor_name(i, "param"), param_dtype, {info.shard}, n * collectives::size_of(s.config.dtype)});
+    if (kinds.master) layout.push_back({tensor_name(i, "master"), SafeDType::f32, {info.shard}, n * 4});
+    if (kinds.states >= 1) layout.push_back({tensor_name(i, "state1"), SafeDType::f32, {info.shard}, n * 4});
+    if (kinds.states >= 2) layout.push_back({tensor_name(i, "state2"), SafeDType::f32, {info.shard}, n * 4});
+    units.push_back({{"name", info.name}, {"parameters", info.parameters}, {"numel", info.numel},
+                     {"padded", info.padded}, {"shard", info.shard}});
+  }
   const std::map<std::string, std::string> file_metadata{{"format", std::string(kFormat)}, {"rank", std::to_string(rank)}};
   COSHARD_CO_TRY_ASSIGN(auto prefix, modules::safetensors_prefix(layout, file_metadata, rank_file(rank)));
   std::size_t total = prefix.size();
-  for (const auto& p : parts) total += p.source.bytes();
+  for (const auto& p : layout) total += p.bytes;
   const std::size_t padded = (total + offload::NvmeStore::kAlignment - 1) / offload::NvmeStore::kAlignment *
                              offload::NvmeStore::kAlignment;
   COSHARD_CO_TRY_ASSIGN(auto staged, async::PinnedBuffer::allocate(padded));
   std::memcpy(staged.data(), prefix.data(), prefix.size());
   std::memset(staged.data() + total, 0, padded - total);
-  std::size_t at = prefix.size();
   auto& compute = s.ctx->stream();
-  for (const auto& p : parts) {
-    COSHARD_CO_TRY(compute.copy(staged.data() + at, p.source.data(), p.source.bytes()));
-    at += p.source.bytes();
-  }
-  COSHARD_CO_TRY_ASSIGN(auto copied, compute.record());
-  COSHARD_CO_TRY(co_await copied);
+  std::size_t at = prefix.size();
+  auto stage_unit = [&](const modules::UnitShard& sh) -> async::Task<Result<void>> {
+    const Tensor* sources[] = {&sh.params, &sh.master, &sh.state1, &sh.state2};
+    const bool kept[] = {true, kinds.master, kinds.states >= 1, kinds.states >= 2};
+    for (int k = 0; k < 4; ++k) {
+      if (!kept[k]) continue;
+      COSHARD_CO_TRY(compute.copy(staged.data() + at, sources[k]->data(), sources[k]->bytes()));
+      at += sources[k]->bytes();
+    }
+    COSHARD_CO_TRY_ASSIGN(auto copied, compute.record());
+    co_return co_await copied;
+  };
+  COSHARD_CO_TRY(co_await s.engine->visit_shards(stage_unit, false));
+  if (at != total)
+    co_return fail(ErrorCode::internal, "checkpoint: staged ", at, " bytes of a ", total, "-byte layout");
 
   PendingSave pending;
   pending.dir = dir;
@@ -309,8 +312,8 @@ struct Loaded {
   std::vector<Block> blocks;
 };
 
-Result<Loaded> read_checkpoint(const fs::path& dir, const std::vector<modules::UnitShard>& shards, int rank,
-                               DataType dtype, std::string_view optimizer) {
+Result<Loaded> read_checkpoint(const fs::path& dir, const std::vector<modules::FetchUnitInfo>& shards,
+                               modules::ShardLayout kinds, int rank, DataType dtype, std::string_view optimizer) {
   COSHARD_TRY_ASSIGN(const fs::path folder, resolve_checkpoint(dir));
   COSHARD_TRY_ASSIGN(const Manifest m, read_manifest(folder));
   const std::string where = "checkpoint " + folder.string();
@@ -324,7 +327,7 @@ Result<Loaded> read_checkpoint(const fs::path& dir, const std::vector<modules::U
                 shards.size(), " (another model, or another module_granularity_bytes?)");
   for (std::size_t i = 0; i < shards.size(); ++i) {
     const auto& a = m.units[i];
-    const auto& b = shards[i].info;
+    const auto& b = shards[i];
     if (a.parameters != b.parameters || a.numel != b.numel)
       return fail(ErrorCode::invalid_argument, where, ": unit ", i, " holds ", a.name, " (", a.numel,
                   " elements), this model's unit ", i, " is ", b.name, " (", b.numel, " elements)");
@@ -350,15 +353,15 @@ Result<Loaded> read_checkpoint(const fs::path& dir, const std::vector<modules::U
   out.step = m.step;
   out.optimizer_state = m.optimizer_state;
   for (std::size_t i = 0; i < shards.size(); ++i) {
-    const auto& sh = shards[i];
+    const auto& info = shards[i];
     const auto& mu = m.units[i];
     Loaded::Block block;
-    const std::int64_t lo = rank * sh.info.shard, hi = lo + sh.info.shard;  // this rank's new block
+    const std::int64_t lo = rank * info.shard, hi = lo + info.shard;  // this rank's new block
     // One kind of tensor: copy [lo, min(hi, numel)) from the old files; padding stays zero.
     auto gather = [&](std::string_view kind, std::size_t size, DataType expect,
                       std::vector<std::byte>& dst) -> Result<void> {
-      dst.assign(static_cast<std::size_t>(sh.info.shard) * size, std::byte{0});
-      const std::string name = "u" + std::to_string(i) + "." + std::string(kind);
+      dst.assign(static_cast<std::size_t>(info.shard) * size, std::byte{0});
+      const std::string name = tensor_name(i, kind);
       for (std::int64_t at = lo; at < std::min(hi, mu.numel);) {
         const int old_rank = static_cast<int>(at / mu.shard);
         const std::int64_t old_lo = old_rank * mu.shard;
@@ -376,9 +379,21 @@ Result<Loaded> read_checkpoint(const fs::path& dir, const std::vector<modules::U
       return {};
     };
     COSHARD_TRY(gather("param", elem, dtype, block.params));
-    if (sh.master.data() != sh.params.data()) COSHARD_TRY(gather("master", 4, DataType::f32, block.master));
-    if (sh.state1) COSHARD_TRY(gather("state1", 4, DataType::f32, block.state1));
-    if (sh.state2) COSHARD_TRY(gather("state2", 4, DataType::f32, block.state2));
+    if (kinds.master) {
+      // An f32 run's master is its parameters: a checkpoint of a run that kept none (the
+      // optimizer on the device) gives them.
+      bool absent = false;
+      if (dtype == DataType::f32 && lo < mu.numel) {
+        COSHARD_TRY_ASSIGN(const auto* first, file_of(static_cast<int>(lo / mu.shard)));
+        absent = first->find(tensor_name(i, "master")) == nullptr;
+      }
+      if (absent)
+        block.master = block.params;
+      else
+        COSHARD_TRY(gather("master", 4, DataType::f32, block.master));
+    }
+    if (kinds.states >= 1) COSHARD_TRY(gather("state1", 4, DataType::f32, block.state1));
+    if (kinds.states >= 2) COSHARD_TRY(gather("state2", 4, DataType::f32, block.state2));
     out.blocks.push_back(std::move(block));
   }
   return out;
@@ -388,15 +403,17 @@ Result<Loaded> read_checkpoint(const fs::path& dir, const std::vector<modules::U
 
 async::Task<Result<void>> Trainer::load_checkpoint(const fs::path& dir) {
   Impl& s = *impl_;
-  COSHARD_CO_TRY(check_checkpointable(s.config));
   COSHARD_CO_TRY(co_await finish_checkpoint());
   async::Runtime* rt = async::Runtime::current();
   if (!rt) co_return fail(ErrorCode::internal, "load_checkpoint: not on a runtime");
-  const auto shards = s.engine->shards();
+  const auto shards = s.engine->units();
+  const modules::ShardLayout kinds = s.engine->shard_layout();
   const int rank = s.comm->rank();
   const DataType dtype = s.config.dtype;
   const std::string optimizer(to_string(s.config.optimizer));
-  auto read = [&dir, &shards, rank, dtype, &optimizer]() { return read_checkpoint(dir, shards, rank, dtype, optimizer); };
+  auto read = [&dir, &shards, kinds, rank, dtype, &optimizer]() {
+    return read_checkpoint(dir, shards, kinds, rank, dtype, optimizer);
+  };
   auto loaded = co_await rt->spawn_blocking(std::move(read));
   // No state changes unless every rank read and checked its part.
   std::vector<std::int64_t> outcome{loaded ? 1 : 0};  // named: GCC 12 mishandles braced temporaries in co_await
@@ -407,16 +424,20 @@ async::Task<Result<void>> Trainer::load_checkpoint(const fs::path& dir) {
       co_return fail(ErrorCode::invalid_argument, "checkpoint ", dir.string(), ": rank ", r,
                      " refused it (its error says why); nothing was loaded");
 
-  for (std::size_t i = 0; i < shards.size(); ++i) {
-    const auto& sh = shards[i];
-    const auto& b = loaded->blocks[i];
+  // Every rank checked its part: each unit's block goes in as the engine visits it (with nvme
+  // offload, into the swap buffer that is then written back to the store).
+  std::size_t next = 0;
+  auto load_unit = [&](const modules::UnitShard& sh) -> async::Task<Result<void>> {
+    const auto& b = loaded->blocks[next++];
     COSHARD_CO_TRY(s.ctx->copy_from_host(sh.params, b.params));
     if (!b.master.empty()) COSHARD_CO_TRY(s.ctx->copy_from_host(sh.master, b.master));
     if (!b.state1.empty()) COSHARD_CO_TRY(s.ctx->copy_from_host(sh.state1, b.state1));
     if (!b.state2.empty()) COSHARD_CO_TRY(s.ctx->copy_from_host(sh.state2, b.state2));
-  }
+    COSHARD_CO_TRY_ASSIGN(auto copied, s.ctx->stream().record());
+    co_return co_await copied;
+  };
+  COSHARD_CO_TRY(co_await s.engine->visit_shards(load_unit, true));
   COSHARD_CO_TRY(s.ctx->copy_from_host(s.optimizer->step_state(), loaded->optimizer_state));
-  COSHARD_CO_TRY(co_await s.engine->shards_written());
   s.steps = loaded->step;
   co_return Result<void>{};
 }

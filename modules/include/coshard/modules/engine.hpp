@@ -28,6 +28,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <map>
 #include <optional>
@@ -109,14 +110,20 @@ struct FetchUnitInfo {
   bool persistent = false;
 };
 
-// This rank's share of one unit, as views of the engine's live tensors (valid while the engine
-// lives): what a sharded checkpoint saves and loads.
+// This rank's share of one unit, as views of the engine's state (valid while a visit_shards
+// visitor runs): what a sharded checkpoint saves and loads.
 struct UnitShard {
   FetchUnitInfo info;
   Tensor params;  // this rank's block of the unit, elements [rank * shard, (rank + 1) * shard)
-  Tensor master;  // its fp32 master (the same memory as params when the dtype is f32)
+  Tensor master;  // its fp32 master (the same memory as params when the dtype is f32 on the device)
   Tensor state1;  // Adam's first moment / SGD's momentum (empty when the optimizer keeps none)
   Tensor state2;  // Adam's second moment (empty for SGD)
+};
+
+// Which tensors every UnitShard of an engine holds (known before any visit).
+struct ShardLayout {
+  bool master = false;  // a master apart from params (bf16/f16, or offloaded optimizer)
+  int states = 0;       // 0, 1 (state1) or 2 (state1 and state2)
 };
 
 // One parameter's whole value, unpadded, in the engine dtype (host bytes).
@@ -174,11 +181,16 @@ class Engine final : public ModuleHooks {
   int rank() const noexcept;
   int world_size() const noexcept;
 
-  // Checkpoints. `shards()` gives this rank's blocks of every unit with their optimizer state.
-  // After writing new values into them (in stream order on the context's stream), call
-  // `shards_written()`: stages 1-2 then gather every rank's updated block into the full copies.
-  std::vector<UnitShard> shards() const;
-  async::Task<Result<void>> shards_written();
+  // Checkpoints. `visit_shards` awaits `use` on this rank's block of every unit in order, with its
+  // optimizer state: views of device memory, of pinned memory (optimizer offload), or, with nvme
+  // offload, of a swap buffer read from the store just before (the next ones read ahead). `use`
+  // must finish with the views (await its copies) before it returns. With `written`, `use` wrote
+  // new values: the swapped state goes back to the store behind the visit and, at the end,
+  // stages 1-2 gather every rank's updated block into the full copies. The first error ends the
+  // visit; everything in flight finishes first.
+  using ShardVisitor = std::function<async::Task<Result<void>>(const UnitShard&)>;
+  async::Task<Result<void>> visit_shards(ShardVisitor use, bool written);
+  ShardLayout shard_layout() const noexcept;
   // Every parameter's whole value, unpadded, on every rank: one all-gather per unit (stage 3;
   // stages 1-2 hold the full values already). For exporting a consolidated model.
   async::Task<Result<std::vector<GatheredParameter>>> gather_parameters();
