@@ -1,9 +1,10 @@
 // Soak: many steps of a small GPT at world size 4 (ranks as threads), ZeRO-3, optimizer state on
-// NVMe, a checkpoint-free steady state. Samples resident memory, open file descriptors and the
+// NVMe, a sharded checkpoint every `checkpoint` steps (written behind training, published two
+// steps later; 0: none). Samples resident memory, open file descriptors and the
 // runtimes' live tasks every `sample` steps, and reports the slope of each over the second half
 // of the run (the first half warms caches and pools). Flat means: nothing grows with steps.
 //
-//   build/release/bench/soak_bench [steps=10000] [sample=250] [nvme folder=./soak_nvme]
+//   build/release/bench/soak_bench [steps=10000] [sample=250] [folder=./soak_nvme] [checkpoint=500]
 #include <dirent.h>
 #include <unistd.h>
 
@@ -62,6 +63,8 @@ int main(int argc, char** argv) {
   const std::int64_t steps = argc > 1 ? std::atoll(argv[1]) : 10'000;
   const std::int64_t every = argc > 2 ? std::atoll(argv[2]) : 250;
   const std::filesystem::path folder = argc > 3 ? argv[3] : "soak_nvme";
+  const std::int64_t checkpoint_every = argc > 4 ? std::atoll(argv[4]) : 500;
+  std::atomic<int> checkpoints{0};
   constexpr int kWorld = 4;
   std::filesystem::remove_all(folder);
 
@@ -92,7 +95,7 @@ int main(int argc, char** argv) {
         c.adaptive_prefetch = true;
         c.prefetch_bucket_bytes = 0;
         c.offload_optimizer.device = trainer::OffloadDevice::nvme;
-        c.offload_optimizer.nvme_path = folder;
+        c.offload_optimizer.nvme_path = folder / "state";
         c.offload_optimizer.buffer_count = 3;
         trainer::TrainerBuilder builder(c);
         builder.communicator(*(*comms)[static_cast<std::size_t>(r)]);
@@ -100,6 +103,10 @@ int main(int argc, char** argv) {
         for (std::int64_t step = 0; step < steps; ++step) {
           const auto global = data.batch(static_cast<std::uint64_t>(step), 8, 16);
           COSHARD_CO_TRY_ASSIGN(auto stats, co_await t.step(global.rank_rows(r, kWorld)));
+          if (checkpoint_every > 0 && (step + 1) % checkpoint_every == 0) {
+            COSHARD_CO_TRY(co_await t.save_checkpoint(folder / "checkpoints"));
+            if (r == 0) ++checkpoints;
+          }
           if (r == 0 && (step + 1) % every == 0) {
             std::lock_guard lock(mutex);
             at.push_back(static_cast<double>(step + 1));
@@ -111,6 +118,7 @@ int main(int argc, char** argv) {
             std::fflush(stdout);
           }
         }
+        COSHARD_CO_TRY(co_await t.finish_checkpoint());
         co_return Result<void>{};
       };
       auto done = rt.block_on(body());
@@ -121,6 +129,13 @@ int main(int argc, char** argv) {
     });
   }
   for (auto& t : threads) t.join();
+  std::string latest;
+  if (std::FILE* f = std::fopen((folder / "checkpoints" / "latest").c_str(), "r")) {
+    char name[64] = {};
+    if (std::fgets(name, sizeof name, f)) latest = name;
+    std::fclose(f);
+    while (!latest.empty() && latest.back() == '\n') latest.pop_back();
+  }
   std::filesystem::remove_all(folder);
   if (!errors.empty()) {
     std::fprintf(stderr, "soak: %s\n", errors.front().c_str());
@@ -132,8 +147,9 @@ int main(int argc, char** argv) {
   auto tail = [&](const std::vector<double>& v) {
     return std::vector<double>(v.begin() + static_cast<std::ptrdiff_t>(half), v.end());
   };
-  std::printf("soak: %lld steps at world size %d in %.0f s (%.2f ms/step)\n", static_cast<long long>(steps), kWorld,
-              seconds, seconds * 1e3 / static_cast<double>(steps));
+  std::printf("soak: %lld steps at world size %d in %.0f s (%.2f ms/step), %d checkpoints, latest %s\n",
+              static_cast<long long>(steps), kWorld, seconds, seconds * 1e3 / static_cast<double>(steps),
+              checkpoints.load(), latest.empty() ? "(none)" : latest.c_str());
   if (x.size() >= 2) {
     std::printf("second half slopes per 1000 steps: rss %+.1f KiB, fds %+.2f, live tasks %+.2f\n",
                 1000 * slope(x, tail(rss)), 1000 * slope(x, tail(fds)), 1000 * slope(x, tail(tasks)));

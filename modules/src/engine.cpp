@@ -65,6 +65,10 @@ struct Unit {
   // Optimizer offload: this rank's fp32 master and gradient shard in pinned host memory.
   offload::PinnedBlock host_master_block, host_grad_block;
   Tensor host_master, host_grad;
+  // Parameter offload: cpu with the optimizer on nvme, the pinned shard the step refreshes;
+  // nvme, the shard read from the swap file for the next gather.
+  offload::PinnedBlock host_param_block;
+  offload::PinnedBlock read_block;
 
   // Stage 3 gather state.
   Gather gather = Gather::released;
@@ -118,13 +122,23 @@ struct Engine::State {
   std::unique_ptr<Context> host_ctx;
   std::shared_ptr<offload::PinnedPool> pinned;
   // nvme: each unit's master and state, one sub-group file each, streamed by the swapper.
-  std::unique_ptr<offload::NvmeStore> store;
+  std::shared_ptr<offload::NvmeStore> store;
   std::unique_ptr<offload::Swapper> swapper;
   std::vector<offload::SubGroup> subgroups;
   bool swapped() const noexcept { return o.offload_optimizer == OptimizerOffload::nvme; }
   Tensor device_loss_scale;  // f32[1]: the seed of backward
   Tensor device_grad_stats;  // f32[2]: summed across ranks on the communication stream
   bool offloaded() const noexcept { return o.offload_optimizer != OptimizerOffload::none; }
+  bool params_offloaded() const noexcept { return o.offload_params != OffloadTarget::none; }
+  bool params_on_nvme() const noexcept { return o.offload_params == OffloadTarget::nvme; }
+  // nvme parameters: shard reads in flight (started ahead along the trace), each holding one of
+  // param_buffer_count slots until the gather that uses its buffer has passed.
+  std::unordered_map<std::size_t, async::JoinHandle<Result<offload::PinnedBlock>>> param_reads;
+  std::unique_ptr<async::Semaphore> param_slots;
+  std::unordered_map<std::size_t, async::Semaphore::Permit> slot_of;  // unit -> its slot, read to gather
+  // nvme parameters: values for the swap files that initialize/load_parameters computed on the
+  // host (there is no shard to copy them from), taken by masters_from_shards.
+  std::vector<std::vector<std::byte>> pending_shards;
   Context& optimizer_ctx() const noexcept { return offloaded() ? *host_ctx : *ctx; }
   Tensor backward_seed() const { return offloaded() ? device_loss_scale : optimizer->loss_scale(); }
   // `later` runs after `event` of another stream: device-side when it can wait on it (a CPU
@@ -140,13 +154,22 @@ struct Engine::State {
       // Every sub-group written anew: the master from the shard, the state zero.
       auto fill = [this](std::size_t k, std::span<std::byte> bytes) -> async::Task<Result<void>> {
         const Unit& u = *units[k];
+        if (params_on_nvme()) {  // the values were computed on the host
+          const auto& values = pending_shards.at(k);
+          std::copy(values.begin(), values.end(), bytes.begin());
+          co_return Result<void>{};
+        }
         COSHARD_CO_TRY(ctx->stream().copy(bytes.data(), u.shard.data(), u.shard.bytes()));
         COSHARD_CO_TRY_ASSIGN(auto copied, ctx->stream().record());
         co_return co_await copied;
       };
-      co_return co_await swapper->initialize(subgroups, fill);
+      auto written = co_await swapper->initialize(subgroups, fill);
+      pending_shards.clear();
+      co_return written;
     }
-    for (auto& u : units) COSHARD_CO_TRY(ctx->stream().copy(u->host_master.data(), u->shard.data(), u->shard.bytes()));
+    for (auto& u : units)  // (with cpu parameter offload the shard is the master already)
+      if (u->shard.data() != u->host_master.data())
+        COSHARD_CO_TRY(ctx->stream().copy(u->host_master.data(), u->shard.data(), u->shard.bytes()));
     COSHARD_CO_TRY_ASSIGN(auto copied, ctx->stream().record());
     COSHARD_CO_TRY(co_await after(*host_stream, copied));
     co_return Result<void>{};
@@ -170,7 +193,8 @@ struct Engine::State {
     const auto len = static_cast<std::size_t>(u.info.shard) * sizeof(float);
     auto* base = bytes.data();
     auto view = [&](std::size_t i) { return Tensor(base + i * len, shape, DataType::f32, async::Device::cpu()); };
-    return {u.info, u.shard, view(0), states >= 1 ? view(1) : Tensor{}, states >= 2 ? view(2) : Tensor{}};
+    return {u.info, params_on_nvme() ? view(0) : u.shard, view(0), states >= 1 ? view(1) : Tensor{},
+            states >= 2 ? view(2) : Tensor{}};
   }
 
   // Traces of fetch order, per phase.
@@ -305,6 +329,125 @@ struct Engine::State {
 
   // ---- stage 3: gather and release ----
 
+  // Unit u's shards of every rank into `whole` on the communication stream. This rank's shard
+  // comes from the device, or with parameter offload from host memory (pinned, or the buffer its
+  // nvme read filled): copied into its place in `whole`, then gathered in place (NCCL reads
+  // device memory only).
+  Result<async::Event> gather_unit(Unit& u, const Tensor& whole) {
+    auto& cs = comm->stream();
+    const auto shard = static_cast<std::size_t>(u.info.shard);
+    const void* source = u.shard.data();
+    if (params_on_nvme()) {
+      if (!u.read_block)
+        return fail(ErrorCode::internal, "Engine: unit ", u.info.name, " gathered before its shard was read");
+      source = u.read_block.data();
+    }
+    void* mine = whole.slice(static_cast<std::int64_t>(rank) * u.info.shard, Shape{u.info.shard}).data();
+    Result<async::Event> done = async::Event{};
+    if (o.fetch_mode == FetchMode::all_gather && !params_offloaded()) {
+      done = comm->all_gather(source, whole.data(), shard, o.dtype);
+    } else if (o.fetch_mode == FetchMode::all_gather) {
+      COSHARD_TRY(cs.copy(mine, source, shard * element_size));
+      done = comm->all_gather(mine, whole.data(), shard, o.dtype);
+    } else {
+      COSHARD_TRY(cs.fill(whole.data(), 0, u.info.padded_bytes));
+      COSHARD_TRY(cs.copy(mine, source, shard * element_size));
+      done = comm->all_reduce(whole.data(), whole.data(), static_cast<std::size_t>(u.info.padded), o.dtype,
+                              ReduceOp::sum);
+    }
+    if (done && params_on_nvme()) {
+      // The read buffer and its slot come back once the copy out of it has passed.
+      u.read_block.release_after(*done);
+      auto slot = slot_of.find(u.index);
+      if (slot != slot_of.end()) {
+        COSHARD_TRY(return_slot_after(*done, std::move(slot->second)));
+        slot_of.erase(slot);
+      }
+    }
+    return done;
+  }
+
+  // ---- nvme parameters: reads ahead along the trace ----
+
+  static async::Task<Result<offload::PinnedBlock>> read_shard(std::shared_ptr<offload::NvmeStore> store,
+                                                              std::shared_ptr<offload::PinnedPool> pool,
+                                                              std::string file, std::size_t bytes) {
+    COSHARD_CO_TRY_ASSIGN(auto block, pool->acquire(bytes));
+    // The whole page-rounded buffer: the swap file is padded to whole pages past the master.
+    COSHARD_CO_TRY(co_await store->read(std::move(file), 0, block.pages()));
+    co_return block;
+  }
+  static async::Task<void> release_slot_after(async::Event last_use, async::Semaphore::Permit slot) {
+    (void)co_await last_use;  // an error here is the stream's, reported where the stream is awaited
+    slot.release();
+  }
+  Result<void> return_slot_after(async::Event last_use, async::Semaphore::Permit slot) {
+    async::Runtime* rt = async::Runtime::current();
+    if (!rt) return fail(ErrorCode::internal, "Engine: a parameter read outside a runtime");
+    rt->spawn(release_slot_after(std::move(last_use), std::move(slot))).detach();
+    return {};
+  }
+  Result<void> start_read(Unit& u, async::Semaphore::Permit slot) {
+    async::Runtime* rt = async::Runtime::current();
+    if (!rt) return fail(ErrorCode::internal, "Engine: a parameter read outside a runtime");
+    const auto bytes = static_cast<std::size_t>(u.info.shard) * element_size;
+    param_reads.emplace(u.index, rt->spawn(read_shard(store, pinned, subgroups[u.index].name, bytes)));
+    slot_of.emplace(u.index, std::move(slot));
+    return {};
+  }
+  // Unit u's shard in u.read_block: the read started ahead, or one now.
+  async::Task<Result<void>> ensure_read(Unit& u) {
+    if (u.read_block) co_return Result<void>{};
+    if (!param_reads.contains(u.index)) {
+      auto slot = param_slots->try_acquire(1);
+      if (!slot) {
+        // Every slot is taken: by reads for units further along (the order departed from the
+        // trace), which are dropped, or by gathers in flight, which give theirs back as they pass.
+        COSHARD_CO_TRY(co_await drain_reads());
+        slot = param_slots->try_acquire(1);
+      }
+      if (!slot) {
+        COSHARD_CO_TRY_ASSIGN(auto freed, co_await param_slots->acquire(1));
+        slot = std::move(freed);
+      }
+      COSHARD_CO_TRY(start_read(u, std::move(*slot)));
+    }
+    auto handle = std::move(param_reads.at(u.index));
+    param_reads.erase(u.index);
+    auto block = co_await handle;
+    if (!block) {
+      slot_of.erase(u.index);
+      co_return fail(std::move(block).error().with_context("reading the parameters of unit " + u.info.name));
+    }
+    u.read_block = std::move(*block);
+    co_return Result<void>{};
+  }
+  // Starts reads for the units next in the trace that are neither gathered nor read, while slots
+  // are free (never waits: a read that must happen now is ensure_read's).
+  Result<void> read_ahead() {
+    if (!params_on_nvme() || !trace) return {};
+    for (std::size_t i = trace_pos; i < trace->size(); ++i) {
+      Unit& v = *units[(*trace)[i]];
+      if (v.gather != Gather::released || v.read_block || param_reads.contains(v.index)) continue;
+      auto slot = param_slots->try_acquire(1);
+      if (!slot) break;
+      COSHARD_TRY(start_read(v, std::move(*slot)));
+    }
+    return {};
+  }
+  // Before the optimizer rewrites the swap files: every read finished, unused buffers back.
+  async::Task<Result<void>> drain_reads() {
+    Result<void> first{};
+    for (auto& [index, handle] : param_reads) {
+      auto block = co_await handle;
+      if (!block && first) first = fail(std::move(block).error());
+    }
+    param_reads.clear();
+    slot_of.clear();
+    for (auto& u : units) u->read_block.reset();
+    co_return first;
+  }
+
   Result<void> issue_gather(Unit& u, async::Semaphore::Permit permit, bool ahead) {
     auto& cs = comm->stream();
     async::Event started;
@@ -315,17 +458,7 @@ struct Engine::State {
     // so returning the block needs no record on the communication stream.
     COSHARD_TRY_ASSIGN(u.gathered_block, ctx->allocator().allocate(u.info.padded_bytes, ctx->stream()));
     u.gathered = Tensor(u.gathered_block.data(), Shape{u.info.padded}, o.dtype, ctx->device());
-    const auto shard = static_cast<std::size_t>(u.info.shard);
-    Result<async::Event> done = async::Event{};
-    if (o.fetch_mode == FetchMode::all_gather) {
-      done = comm->all_gather(u.shard.data(), u.gathered.data(), shard, o.dtype);
-    } else {
-      COSHARD_TRY(cs.fill(u.gathered.data(), 0, u.info.padded_bytes));
-      void* mine = u.gathered.slice(static_cast<std::int64_t>(rank) * u.info.shard, Shape{u.info.shard}).data();
-      COSHARD_TRY(cs.copy(mine, u.shard.data(), shard * element_size));
-      done = comm->all_reduce(u.gathered.data(), u.gathered.data(), static_cast<std::size_t>(u.info.padded), o.dtype,
-                              ReduceOp::sum);
-    }
+    auto done = gather_unit(u, u.gathered);
     if (!done) return fail(std::move(done).error().with_context("gathering unit " + u.info.name));
     u.gathered_event = std::move(*done);
     if (spans_on()) {
@@ -377,11 +510,17 @@ struct Engine::State {
   // device has got: the ranks must issue their collectives in one order. The physical budget is
   // then awaited (the bytes come back once released units' last uses have passed on the device).
   //
-  // Returns 0 when done, or the bytes of the next unit to gather when the budget must be awaited
-  // first: the caller awaits them into `prefetch_permit` and calls again (a plain function, so
-  // the common path costs no coroutine frame).
-  Result<std::size_t> prefetch_ahead() {
-    if (!trace || (o.prefetch_bucket_bytes == 0 && !o.adaptive_prefetch)) return std::size_t{0};
+  // Returns {} when done, or what must be awaited before the next unit can be gathered: budget
+  // (its bytes: the caller awaits them into `prefetch_permit`) or, with nvme parameters, the
+  // unit's read (ensure_read). The caller then calls again (a plain function, so the common path
+  // costs no coroutine frame).
+  struct Awaiting {
+    std::size_t bytes = 0;
+    Unit* read = nullptr;
+    bool done() const noexcept { return bytes == 0 && read == nullptr; }
+  };
+  Result<Awaiting> prefetch_ahead() {
+    if (!trace || (o.prefetch_bucket_bytes == 0 && !o.adaptive_prefetch)) return Awaiting{};
     const std::size_t cap = o.prefetch_bucket_bytes == 0 ? std::numeric_limits<std::size_t>::max() : o.prefetch_bucket_bytes;
     // Adaptive: gather a unit now when waiting for the next fetch would make it late, i.e. when
     // the communication queued up to it (its gather and those before it in the trace) would
@@ -402,6 +541,7 @@ struct Engine::State {
       if (v.gather != Gather::released) continue;
       if (prefetched_bytes + v.info.padded_bytes > cap) break;
       if (logical_live + v.info.padded_bytes > o.max_live_bytes) break;
+      if (params_on_nvme() && !v.read_block) return Awaiting{0, &v};
       std::optional<async::Semaphore::Permit> permit;
       if (prefetch_permit && prefetch_permit->count() == v.info.padded_bytes) {
         permit = std::move(prefetch_permit);
@@ -409,13 +549,13 @@ struct Engine::State {
       } else {
         permit = budget->semaphore.try_acquire(v.info.padded_bytes);
       }
-      if (!permit) return v.info.padded_bytes;  // free once released units' last uses pass
+      if (!permit) return Awaiting{v.info.padded_bytes, nullptr};  // free once released units' last uses pass
       COSHARD_TRY(issue_gather(v, std::move(*permit), true));
       v.prefetched = true;
       prefetched_bytes += v.info.padded_bytes;
       stats.peak_prefetched_bytes = std::max(stats.peak_prefetched_bytes, prefetched_bytes);
     }
-    return std::size_t{0};
+    return Awaiting{};
   }
   std::optional<async::Semaphore::Permit> prefetch_permit;
 
@@ -442,17 +582,23 @@ struct Engine::State {
     if (u.gather != Gather::released) ++stats.prefetch_hits;
     settle_prefetch(u);
     if (u.gather == Gather::released) {
+      if (params_on_nvme()) COSHARD_CO_TRY(co_await ensure_read(u));
       COSHARD_CO_TRY_ASSIGN(auto permit, co_await budget->semaphore.acquire(u.info.padded_bytes));
       COSHARD_CO_TRY(issue_gather(u, std::move(permit), false));
     }
     // Issued before this unit's wait.
     for (;;) {
-      COSHARD_CO_TRY_ASSIGN(const std::size_t need, prefetch_ahead());
-      if (need == 0) break;
-      COSHARD_CO_TRY_ASSIGN(auto permit, co_await budget->semaphore.acquire(need));
+      COSHARD_CO_TRY_ASSIGN(const Awaiting need, prefetch_ahead());
+      if (need.done()) break;
+      if (need.read) {
+        COSHARD_CO_TRY(co_await ensure_read(*need.read));
+        continue;
+      }
+      COSHARD_CO_TRY_ASSIGN(auto permit, co_await budget->semaphore.acquire(need.bytes));
       prefetch_permit = std::move(permit);
     }
     prefetch_permit.reset();  // not used after all (the trace moved on): back to the budget
+    COSHARD_CO_TRY(read_ahead());
     if (u.gather == Gather::in_flight) {
       COSHARD_CO_TRY(compute_waits(u.gathered_event, u.info.name));
       u.gather = Gather::ready;
@@ -666,7 +812,8 @@ async::Task<Result<std::vector<GatheredParameter>>> Engine::gather_parameters() 
     if (s.stage3()) {
       // One unit at a time: a consolidated export must not need the whole model on one rank's device.
       COSHARD_CO_TRY_ASSIGN(whole, ctx.empty(Shape{u.info.padded}, s.o.dtype));
-      auto done = s.comm->all_gather(u.shard.data(), whole.data(), static_cast<std::size_t>(u.info.shard), s.o.dtype);
+      if (s.params_on_nvme()) COSHARD_CO_TRY(co_await s.ensure_read(u));
+      auto done = s.gather_unit(u, whole);
       if (!done) co_return fail(std::move(done).error().with_context("gathering unit " + u.info.name + " for export"));
       COSHARD_CO_TRY(compute.wait(*done));
     }
@@ -702,6 +849,7 @@ async::Task<Result<void>> Engine::load_parameters(const std::vector<GatheredPara
     if (!by_name.contains(name))
       co_return fail(ErrorCode::invalid_argument, "load_parameters: no value for parameter '", name, "'");
   // Everything checked: now each rank writes its block of every unit.
+  s.pending_shards.clear();
   for (auto& up : s.units) {
     Unit& u = *up;
     std::vector<std::byte> unit_bytes(u.info.padded_bytes, std::byte{0});
@@ -711,11 +859,24 @@ async::Task<Result<void>> Engine::load_parameters(const std::vector<GatheredPara
     }
     const auto shard_bytes = static_cast<std::size_t>(u.info.shard) * s.element_size;
     const auto first = static_cast<std::size_t>(s.rank) * shard_bytes;
-    COSHARD_CO_TRY(s.ctx->copy_from_host(u.shard, std::span<const std::byte>(unit_bytes).subspan(first, shard_bytes)));
+    const auto mine = std::span<const std::byte>(unit_bytes).subspan(first, shard_bytes);
+    if (s.params_on_nvme())
+      s.pending_shards.emplace_back(mine.begin(), mine.end());  // straight into the swap files
+    else
+      COSHARD_CO_TRY(s.ctx->copy_from_host(u.shard, mine));
   }
   COSHARD_CO_TRY(co_await s.masters_from_shards());
   if (s.stage3()) co_return Result<void>{};
   co_return co_await s.full_copies_from_shards();
+}
+
+std::string_view to_string(OffloadTarget t) noexcept {
+  switch (t) {
+    case OffloadTarget::none: return "none";
+    case OffloadTarget::cpu: return "cpu";
+    case OffloadTarget::nvme: return "nvme";
+  }
+  return "?";
 }
 
 std::vector<FetchUnitInfo> Engine::units() const {
@@ -814,16 +975,34 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
                 ")");
   s->budget = std::make_shared<Budget>(o.max_live_bytes);
 
+  if (s->params_offloaded()) {
+    const auto where = to_string(o.offload_params);
+    if (!s->stage3())
+      return fail(ErrorCode::invalid_argument, "offload_params=", where, " with zero_stage=", o.zero_stage,
+                  ": parameters are sharded, and so offloaded, at stage 3 only");
+    if (!s->offloaded())
+      return fail(ErrorCode::invalid_argument, "offload_params=", where,
+                  " with offload_optimizer=none: the optimizer steps the shards where they live (offload it too)");
+    if (s->params_on_nvme() && !s->swapped())
+      return fail(ErrorCode::invalid_argument, "offload_params=nvme with offload_optimizer=", to_string(o.offload_optimizer),
+                  ": the shards on NVMe are the masters in the optimizer's swap files (expected offload_optimizer=nvme; "
+                  "with cpu, the masters hold the parameters in host memory already: use offload_params=cpu)");
+    if (o.param_buffer_count < 1)
+      return fail(ErrorCode::invalid_argument, "param_buffer_count=", o.param_buffer_count, ": expected >= 1");
+  }
+
   // Optimizer offload: its stream, context and pinned memory (checked against the budget now).
   if (s->offloaded()) {
     if (o.dtype != DataType::f32)
       return fail(ErrorCode::unsupported, "offload_optimizer with dtype ", collectives::to_string(o.dtype),
                   ": only f32 parameters for now (the CPU kernels step f32 shards)");
     std::vector<std::size_t> sizes;
-    std::size_t needed = 0, largest_group = 0;
+    std::size_t needed = 0, largest_group = 0, largest_shard = 0;
     const std::size_t per_element = 4 * (1 + optimizer.state_tensors());  // master and state, f32
     for (const auto& u : s->units) {
       const auto shard_bytes = static_cast<std::size_t>(u->info.shard) * s->element_size;
+      largest_shard = std::max(largest_shard, shard_bytes);
+      if (o.offload_params == OffloadTarget::cpu && s->swapped()) sizes.push_back(shard_bytes);  // the pinned shard
       if (s->swapped()) {  // a resident gradient shard; master and state stream through buffers
         sizes.push_back(shard_bytes);
         largest_group = std::max(largest_group, static_cast<std::size_t>(u->info.shard) * per_element);
@@ -836,13 +1015,18 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
         return fail(ErrorCode::invalid_argument, "offload_optimizer=nvme: needs a folder (nvme_path)");
       for (int b = 0; b < o.swap_buffer_count; ++b) sizes.push_back(largest_group);
     }
+    if (s->params_on_nvme()) {  // the read-ahead buffers (between steps; the swap buffers are apart)
+      for (int b = 0; b < o.param_buffer_count; ++b) sizes.push_back(largest_shard);
+      s->param_slots = std::make_unique<async::Semaphore>(static_cast<std::size_t>(o.param_buffer_count));
+    }
     for (std::size_t b : sizes) needed += offload::page_rounded(b);
     offload::PinnedPoolOptions pool_options;
     pool_options.host_memory_budget = o.host_memory_budget == 0 ? needed : o.host_memory_budget;
     COSHARD_TRY_ASSIGN(s->pinned, offload::PinnedPool::create(pool_options));
     if (auto fits = s->pinned->reserve(sizes); !fits)
-      return fail(std::move(fits).error().with_context(s->swapped() ? "offload_optimizer=nvme (gradient shards and swap buffers)"
-                                                                     : "offload_optimizer=cpu (fp32 master and gradient shards)"));
+      return fail(std::move(fits).error().with_context(
+          std::string(s->swapped() ? "offload_optimizer=nvme (gradient shards and swap buffers" : "offload_optimizer=cpu (fp32 master and gradient shards") +
+          (s->params_on_nvme() ? ", parameter read buffers)" : o.offload_params == OffloadTarget::cpu && s->swapped() ? ", pinned parameter shards)" : ")")));
     async::StreamOptions host_options;
     host_options.name = "optimizer" + std::to_string(s->rank);
     COSHARD_TRY_ASSIGN(auto host_stream, async::Stream::create(async::Device::cpu(), host_options));
@@ -875,7 +1059,14 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     const auto shard_bytes = static_cast<std::size_t>(u.info.shard) * s->element_size;
     const Shape shard_shape{u.info.shard};
     const std::int64_t mine = static_cast<std::int64_t>(s->rank) * u.info.shard;
-    if (s->stage3()) {
+    if (s->params_offloaded()) {
+      // Nothing on the device: the shard is the pinned master (set below), a pinned copy, or in
+      // the swap file.
+      if (o.offload_params == OffloadTarget::cpu && s->swapped()) {
+        COSHARD_TRY_ASSIGN(u.host_param_block, s->pinned->acquire(shard_bytes));
+        u.shard = Tensor(u.host_param_block.data(), shard_shape, o.dtype, async::Device::cpu());
+      }
+    } else if (s->stage3()) {
       COSHARD_TRY_ASSIGN(u.shard_block, alloc.allocate(shard_bytes, stream));
       u.shard = Tensor(u.shard_block.data(), shard_shape, o.dtype, ctx.device());
     } else {
@@ -908,6 +1099,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
       COSHARD_TRY_ASSIGN(u.host_grad_block, s->pinned->acquire(shard_bytes));
       u.host_master = Tensor(u.host_master_block.data(), shard_shape, DataType::f32, async::Device::cpu());
       u.host_grad = Tensor(u.host_grad_block.data(), shard_shape, DataType::f32, async::Device::cpu());
+      if (s->params_offloaded()) u.shard = u.host_master;  // f32: the master is the parameter
       COSHARD_TRY(optimizer.add_group(*s->host_ctx, u.host_master, u.host_grad));
     } else {
       COSHARD_TRY(optimizer.add_group(ctx, u.shard, u.grad_shard));
@@ -928,6 +1120,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
 
 async::Task<Result<void>> Engine::initialize(std::uint64_t seed) {
   State& s = *s_;
+  s.pending_shards.clear();
   for (auto& up : s.units) {
     Unit& u = *up;
     std::vector<double> values(static_cast<std::size_t>(u.info.padded), 0.0);
@@ -937,11 +1130,14 @@ async::Task<Result<void>> Engine::initialize(std::uint64_t seed) {
       initial_values(p.parameter->init(), s.names.at(p.parameter), seed, part);
     }
     // Stages 1-2 hold the whole unit; stage 3 only this rank's block.
-    const Tensor& dst = s.stage3() ? u.shard : u.full;
     const auto first = s.stage3() ? static_cast<std::size_t>(s.rank * u.info.shard) : 0;
-    const auto bytes = encode_values(std::span<const double>(values).subspan(first, static_cast<std::size_t>(dst.numel())),
-                                     s.o.dtype);
-    COSHARD_CO_TRY(s.ctx->copy_from_host(dst, bytes));
+    const auto count = static_cast<std::size_t>(s.stage3() ? u.info.shard : u.info.padded);
+    auto bytes = encode_values(std::span<const double>(values).subspan(first, count), s.o.dtype);
+    if (s.params_on_nvme()) {
+      s.pending_shards.push_back(std::move(bytes));  // straight into the swap files
+      continue;
+    }
+    COSHARD_CO_TRY(s.ctx->copy_from_host(s.stage3() ? u.shard : u.full, bytes));
   }
   // The optimizer's fp32 masters (bf16/f16, or offloaded) follow the new parameters.
   COSHARD_CO_TRY(co_await s.masters_from_shards());
@@ -1031,6 +1227,9 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
     COSHARD_CO_TRY(k.add(compute, DataType::f32, loss_sum.data(), value->data(), loss_sum.data(), 1));
   }
 
+  // nvme parameters: no read may be left over when the optimizer rewrites the swap files.
+  if (s.params_on_nvme()) COSHARD_CO_TRY(co_await s.drain_reads());
+
   // Gradients: stage 1 reduces everything now, in one launch; stages 2-3 did it per unit.
   COSHARD_CO_TRY(State::order(compute, cs));
   if (s.o.zero_stage == 1) {
@@ -1095,6 +1294,7 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
       COSHARD_CO_TRY_ASSIGN(auto stepped, host.record());
       COSHARD_CO_TRY(co_await State::after(compute, stepped));
       for (auto& u : s.units) {
+        if (u->shard.data() == u->host_master.data()) continue;  // parameters offloaded: the master is the shard
         COSHARD_CO_TRY(compute.copy(u->shard.data(), u->host_master.data(), u->shard.bytes()));
         s.stats.swap_bytes += u->shard.bytes();
       }
@@ -1108,9 +1308,11 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
         const Tensor& master = shard.master;
         COSHARD_CO_TRY(s.optimizer->apply_group(*s.host_ctx, s.first_group + k, lr, master, shard.state1, shard.state2));
         COSHARD_CO_TRY_ASSIGN(auto stepped, host.record());
+        // nvme parameters: the stepped master in the swap file is the shard (nothing to copy).
+        if (s.params_on_nvme()) co_return co_await stepped;
         COSHARD_CO_TRY(co_await State::after(compute, stepped));
         COSHARD_CO_TRY(compute.copy(u.shard.data(), master.data(), u.shard.bytes()));
-        s.stats.swap_bytes += u.shard.bytes();
+        if (!s.params_offloaded()) s.stats.swap_bytes += u.shard.bytes();
         // The buffer goes back to the swapper (written, then reused) only after this copy.
         COSHARD_CO_TRY_ASSIGN(auto copied, compute.record());
         co_return co_await copied;
@@ -1167,6 +1369,7 @@ async::Task<Result<double>> Engine::evaluate(CrossEntropyLoss& loss, const Batch
   COSHARD_CO_TRY(s.comm->all_reduce(value.data(), value.data(), 1, DataType::f32, ReduceOp::avg));
   COSHARD_CO_TRY(State::order(s.comm->stream(), ctx.stream()));
   COSHARD_CO_TRY(s.end_pass());
+  if (s.params_on_nvme()) COSHARD_CO_TRY(co_await s.drain_reads());
   COSHARD_CO_TRY_ASSIGN(auto host, co_await ctx.read(value));
   s.collect_timing();  // the eval trace's measurements, for adaptive prefetch
   s.stats = {};

@@ -105,6 +105,7 @@ struct ZeroRun {
   std::vector<FetchUnitInfo> units;
   std::uint64_t strict_blocking_waits = 0;
   std::vector<std::vector<double>> eval_losses;  // [rank][step]
+  std::size_t device_bytes = 0;  // rank 0's device memory in use once the engine is built and initialised
   std::string error;
 };
 
@@ -138,7 +139,10 @@ ZeroRun run_zero(const ZeroSetup& setup) {
       COSHARD_CO_TRY_ASSIGN(auto opt, Optimizer::adamw(adam(), setup.control));
       COSHARD_CO_TRY_ASSIGN(auto engine, Engine::create(*r.ctx, comm, *model, *opt, setup.options));
       COSHARD_CO_TRY(co_await engine->initialize(kSeed));
-      if (rank == 0) run.units = engine->units();
+      if (rank == 0) {
+        run.units = engine->units();
+        run.device_bytes = r.allocator->stats().in_use_bytes;
+      }
       CrossEntropyLoss loss;
       const std::int64_t per_rank = kGlobalBatch / setup.world;
       const std::int64_t per_micro = per_rank / setup.micro_batches;
@@ -414,6 +418,23 @@ TEST(Engine, RejectsBadOptionsWithClearErrors) {
   EXPECT_NE(e.error().message().find("max_live_bytes=100: must be at least the largest fetch unit"),
             std::string::npos)
       << e.error().message();
+  struct Case {
+    int stage;
+    OffloadTarget optimizer, params;
+    std::string expect;
+  };
+  for (const Case& c : {Case{2, OffloadTarget::cpu, OffloadTarget::cpu, "offload_params=cpu with zero_stage=2"},
+                        Case{3, OffloadTarget::none, OffloadTarget::cpu, "offload_params=cpu with offload_optimizer=none"},
+                        Case{3, OffloadTarget::cpu, OffloadTarget::nvme, "offload_params=nvme with offload_optimizer=cpu"}}) {
+    EngineOptions bad;
+    bad.zero_stage = c.stage;
+    bad.offload_optimizer = c.optimizer;
+    bad.offload_params = c.params;
+    bad.nvme_path = "unused";
+    e = Engine::create(*r.ctx, *(*comms)[0], **model, **opt, bad);
+    ASSERT_FALSE(e) << c.expect;
+    EXPECT_NE(e.error().message().find(c.expect), std::string::npos) << e.error().message();
+  }
 }
 
 
@@ -601,6 +622,55 @@ TEST(Engine, NvmeOptimizerOffloadGivesTheSameLosses) {
     }
   }
   EXPECT_TRUE(std::filesystem::exists(folder / "rank0-of-2" / "unit0"));
+  std::filesystem::remove_all(folder);
+}
+
+// Parameter offload (stage 3): the shards leave the device, into pinned memory (the masters, or a
+// copy the nvme optimizer refreshes) or onto NVMe (the masters in the swap files, read ahead
+// along the trace). The same kernels in the same order: training and evaluation losses are bit
+// for bit those of the same optimizer offload with the shards on the device, the device holds
+// less by at least every shard, and steady steps add no hidden host sync.
+TEST(Engine, ParameterOffloadGivesTheSameLossesAndFreesTheDeviceShards) {
+  const auto folder = std::filesystem::current_path() / ("engine_params_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(folder);
+  StepControlOptions clip;
+  clip.max_grad_norm = 0.5f;
+  struct Case {
+    OffloadTarget optimizer, params;
+  };
+  for (const Case c : {Case{OffloadTarget::cpu, OffloadTarget::cpu}, Case{OffloadTarget::nvme, OffloadTarget::cpu},
+                       Case{OffloadTarget::nvme, OffloadTarget::nvme}}) {
+    for (int world : {1, 2}) {
+      SCOPED_TRACE(std::string("optimizer ") + std::string(to_string(c.optimizer)) + ", params " +
+                   std::string(to_string(c.params)) + ", world " + std::to_string(world));
+      ZeroSetup setup;
+      setup.world = world;
+      setup.steps = 5;
+      setup.control = clip;
+      setup.evaluate_between_steps = true;
+      setup.options.zero_stage = 3;
+      setup.options.prefetch_bucket_bytes = 16 << 10;
+      setup.options.offload_optimizer = c.optimizer;
+      setup.options.nvme_path = folder;
+      setup.options.swap_buffer_count = 3;
+      setup.options.param_buffer_count = 3;
+      const auto resident = run_zero(setup);
+      setup.options.offload_params = c.params;
+      setup.strict_after_first = true;
+      const auto offloaded = run_zero(setup);
+      ASSERT_TRUE(resident.error.empty()) << resident.error;
+      ASSERT_TRUE(offloaded.error.empty()) << offloaded.error;
+      EXPECT_EQ(losses_of(offloaded), losses_of(resident));
+      EXPECT_EQ(offloaded.eval_losses[0], resident.eval_losses[0]);
+      EXPECT_EQ(offloaded.strict_blocking_waits, 0u);
+      std::size_t shard_bytes = 0;
+      for (const auto& u : offloaded.units) shard_bytes += static_cast<std::size_t>(u.shard) * 4;
+      EXPECT_GE(resident.device_bytes, offloaded.device_bytes + shard_bytes)
+          << resident.device_bytes << " bytes on the device with the shards there, " << offloaded.device_bytes
+          << " without; the shards are " << shard_bytes;
+      EXPECT_GT(offloaded.stats[0].back().prefetch_hits, 0u);
+    }
+  }
   std::filesystem::remove_all(folder);
 }
 

@@ -35,6 +35,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "coshard/async/semaphore.hpp"
@@ -49,11 +50,14 @@ enum class FetchMode : std::uint8_t {
   all_reduce,  // zero the buffer, place the local shard, sum (favoured by some interconnects)
 };
 
-enum class OptimizerOffload : std::uint8_t {
-  none,  // fp32 masters and moments on the compute device
+// Where optimizer state or parameters live when offloaded from the compute device.
+enum class OffloadTarget : std::uint8_t {
+  none,  // on the compute device
   cpu,   // in pinned host memory; the optimizer steps on a CPU stream (ZeRO-Offload)
-  nvme,  // on NVMe, streamed through pinned buffers by the swapper for each step (ZeRO-Infinity)
+  nvme,  // on NVMe, streamed through pinned buffers (ZeRO-Infinity)
 };
+using OptimizerOffload = OffloadTarget;
+std::string_view to_string(OffloadTarget t) noexcept;
 
 struct EngineOptions {
   int zero_stage = 3;                      // 1, 2 or 3 (stage 0 is ParameterStore)
@@ -89,6 +93,14 @@ struct EngineOptions {
   // buffers it streams through (>= 2: one in use, reads ahead, writes behind).
   std::filesystem::path nvme_path;
   int swap_buffer_count = 4;
+  // Parameter offload (ZeRO-Infinity; stage 3, f32, with the optimizer offloaded): this rank's
+  // parameter shards leave the device. cpu: a shard is its fp32 master in pinned memory (with the
+  // optimizer on nvme, a pinned copy each step refreshes); nvme (needs the optimizer on nvme): a
+  // shard is the master at the head of its unit's swap file. A gather copies the shard into its
+  // place in the gathered buffer and gathers in place; nvme reads run ahead along the trace, at
+  // most param_buffer_count at once (pinned buffers of the largest shard, under the budget).
+  OffloadTarget offload_params = OffloadTarget::none;
+  int param_buffer_count = 4;
 };
 
 // One span of a step's timeline, in milliseconds from the engine's timeline epoch.
