@@ -149,7 +149,7 @@ TEST(CoshardTrain, BadCommandLinesAreNamed) {
       {{"--batch", "5", "--world-size", "2"}, "--batch 5 does not split evenly over 2 rank(s)"},
       {{"--max-live", "12parsecs"}, "unknown unit 'parsecs'"},
       {{"--zero-stage", "7"}, "zero_stage=7"},
-      {{"--offload-params", "cpu"}, "offload_params=cpu: not available yet"},
+      {{"--offload-params", "cpu"}, "offload_params=cpu with offload_optimizer=none"},
       {{"--checkpoint-every", "5"}, "need --checkpoint-dir"},
       {{"--dim", "30", "--heads", "4"}, "--dim 30 is not a multiple of --heads 4"},
       {{"--data", (dir / "absent.txt").string()}, "absent.txt"},

@@ -52,14 +52,30 @@ TEST(TrainerConfig, EachBadValueIsNamed) {
       {[](TrainerConfig& c) { c.dtype = DataType::i32; }, "dtype=i32"},
       {[](TrainerConfig& c) { c.reduce_dtype = DataType::bf16; }, "reduce_dtype=bf16"},
       {[](TrainerConfig& c) { c.offload_optimizer.device = OffloadDevice::nvme; }, "offload_optimizer=nvme: needs a path"},
-      {[](TrainerConfig& c) { c.offload_params.device = OffloadDevice::cpu; }, "offload_params=cpu: not available yet"},
+      {[](TrainerConfig& c) { c.offload_params.device = OffloadDevice::cpu; },
+       "offload_params=cpu with offload_optimizer=none"},
+      {[](TrainerConfig& c) {
+         c.zero_stage = 2;
+         c.offload_optimizer.device = OffloadDevice::cpu;
+         c.offload_params.device = OffloadDevice::cpu;
+       },
+       "offload_params=cpu with zero_stage=2"},
+      {[](TrainerConfig& c) {
+         c.offload_optimizer.device = OffloadDevice::cpu;
+         c.offload_params.device = OffloadDevice::nvme;
+       },
+       "offload_params=nvme with offload_optimizer=cpu"},
+      {[](TrainerConfig& c) {
+         c.offload_optimizer = {.device = OffloadDevice::nvme, .nvme_path = "/a"};
+         c.offload_params = {.device = OffloadDevice::nvme, .nvme_path = "/b"};
+       },
+       "offload_params.nvme_path=/b"},
       {[](TrainerConfig& c) {
          c.offload_optimizer.device = OffloadDevice::cpu;
          c.dtype = DataType::bf16;
          c.reduce_dtype = DataType::bf16;
        },
        "offload_optimizer=cpu with dtype=bf16"},
-      {[](TrainerConfig& c) { c.offload_params.device = OffloadDevice::nvme; }, "offload_params=nvme: needs a path"},
   };
   for (const auto& k : cases) {
     TrainerConfig c;
@@ -140,6 +156,20 @@ TEST(DeepSpeedJson, CpuOptimizerOffloadIsTaken) {
   ASSERT_TRUE(c) << c.error().message();
   EXPECT_EQ(c->offload_optimizer.device, OffloadDevice::cpu);
   EXPECT_EQ(c->engine_options().offload_optimizer, modules::OptimizerOffload::cpu);
+}
+
+// ZeRO-Infinity's usual section: parameters and optimizer state on NVMe, in one folder.
+TEST(DeepSpeedJson, NvmeParameterOffloadIsTaken) {
+  auto c = TrainerConfig::from_json(R"({"stage": 3,
+      "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 4},
+      "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 5}})",
+                                    TrainerConfig{});
+  ASSERT_TRUE(c) << c.error().message();
+  ASSERT_TRUE(c->validate()) << c->validate().error().message();
+  const auto o = c->engine_options();
+  EXPECT_EQ(o.offload_params, modules::OffloadTarget::nvme);
+  EXPECT_EQ(o.param_buffer_count, 5);
+  EXPECT_EQ(o.nvme_path, "/local_nvme");
 }
 
 TEST(DeepSpeedJson, Bf16SizesAreTwoBytesAnElement) {

@@ -378,6 +378,41 @@ TEST(Trainer, NvmeOffloadTrainsAndResumesLikeTheDevice) {
   for (std::size_t i = 0; i < b->losses.size(); ++i) EXPECT_NEAR(e->losses[i], b->losses[i], 1e-4 * b->losses[i]);
 }
 
+// Parameters offloaded with the optimizer (ZeRO-Infinity): in pinned memory, or on NVMe in the
+// optimizer's swap files. Training matches the device bit for bit, and checkpoints resume
+// exactly and load into a run that keeps its shards on the device.
+TEST(Trainer, ParameterOffloadTrainsAndResumesLikeTheDevice) {
+  const fs::path dir = scratch("param_offload");
+  Plan device;
+  device.steps = 6;
+  auto reference = train(device);
+  ASSERT_TRUE(reference) << reference.error().message();
+  for (const OffloadDevice where : {OffloadDevice::cpu, OffloadDevice::nvme}) {
+    SCOPED_TRACE(std::string(to_string(where)));
+    Plan first;
+    first.steps = 3;
+    first.config.offload_optimizer = {.device = where, .nvme_path = dir / "state", .buffer_count = 3};
+    first.config.offload_params = {.device = where, .buffer_count = 2};
+    first.save_to = dir / ("ck_" + std::string(to_string(where)));
+    auto a = train(first);
+    ASSERT_TRUE(a) << a.error().message();
+    Plan second = first;
+    second.save_to.clear();
+    second.load_from = first.save_to;
+    auto b = train(second);
+    ASSERT_TRUE(b) << b.error().message();
+    std::vector<double> joined = a->losses;
+    joined.insert(joined.end(), b->losses.begin(), b->losses.end());
+    EXPECT_EQ(joined, reference->losses);
+    expect_same_parameters(b->params, reference->params);
+    Plan onto_device;
+    onto_device.load_from = first.save_to;
+    auto c = train(onto_device);
+    ASSERT_TRUE(c) << c.error().message();
+    EXPECT_EQ(c->losses, b->losses);
+  }
+}
+
 // An I/O fault while optimizer state streams through the swapper in training: the step fails
 // with the store's error (file and offset), nothing hangs, and the checkpoint saved before stays
 // loadable and resumes exactly. Two faults: a full disk during the write-back (a file-size limit

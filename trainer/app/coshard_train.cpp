@@ -266,7 +266,7 @@ int main(int argc, char** argv) {
   auto* precision = app.add_option("--dtype", dtype, "compute dtype (f32; bf16/f16 need --device cuda)")
                         ->check(CLI::IsMember({"f32", "bf16", "f16"}));
   auto* off_opt = offload_option("--offload-optimizer", cli.offload_optimizer, "none, cpu or nvme:PATH");
-  auto* off_par = offload_option("--offload-params", cli.offload_params, "none (cpu and nvme: not yet)");
+  auto* off_par = offload_option("--offload-params", cli.offload_params, "none, cpu or nvme (stage 3, with --offload-optimizer; nvme: its folder)");
   auto* host_budget = size_option("--host-memory-budget", cli.host_memory_budget,
                                   "pinned host memory the offload may use (default: exactly what it needs)");
   app.add_option("--config", o.config, "a DeepSpeed JSON config (its zero_optimization, fp16/bf16, optimizer, ...)")

@@ -35,16 +35,23 @@ std::string lower(std::string_view s) {
 
 Result<void> check_offload(const OffloadOptions& o, std::string_view what) {
   if (o.device == OffloadDevice::none) return {};
-  if (o.device == OffloadDevice::nvme && o.nvme_path.empty())
+  // (offload_params=nvme keeps its shards in the optimizer's swap files: its own path is optional)
+  if (o.device == OffloadDevice::nvme && o.nvme_path.empty() && what == std::string_view("offload_optimizer"))
     return fail(ErrorCode::invalid_argument, what, "=nvme: needs a path (nvme:/path/to/folder)");
   if (o.buffer_count < 1)
     return fail(ErrorCode::invalid_argument, what, ".buffer_count=", o.buffer_count, ": expected >= 1");
   if (o.buffer_bytes < 4096)
     return fail(ErrorCode::invalid_argument, what, ".buffer_bytes=", o.buffer_bytes, ": expected >= 4096");
-  // Optimizer state offload exists (cpu, nvme); parameter offload does not yet: refusing is
-  // better than ignoring.
-  if (what == std::string_view("offload_optimizer")) return {};
-  return fail(ErrorCode::unsupported, what, "=", to_string(o.device), ": not available yet (expected none)");
+  return {};
+}
+
+modules::OffloadTarget target_of(OffloadDevice d) noexcept {
+  switch (d) {
+    case OffloadDevice::none: return modules::OffloadTarget::none;
+    case OffloadDevice::cpu: return modules::OffloadTarget::cpu;
+    case OffloadDevice::nvme: return modules::OffloadTarget::nvme;
+  }
+  return modules::OffloadTarget::none;
 }
 
 }  // namespace
@@ -80,6 +87,25 @@ Result<void> TrainerConfig::validate() const {
     return fail(ErrorCode::invalid_argument, "momentum=", momentum, ": expected in [0, 1)");
   COSHARD_TRY(check_offload(offload_optimizer, "offload_optimizer"));
   COSHARD_TRY(check_offload(offload_params, "offload_params"));
+  if (offload_params.device != OffloadDevice::none) {
+    const auto params = to_string(offload_params.device);
+    if (zero_stage != 3)
+      return fail(ErrorCode::invalid_argument, "offload_params=", params, " with zero_stage=", zero_stage,
+                  ": parameters are sharded, and so offloaded, at stage 3 only");
+    if (offload_optimizer.device == OffloadDevice::none)
+      return fail(ErrorCode::invalid_argument, "offload_params=", params,
+                  " with offload_optimizer=none: the optimizer steps the shards where they live (offload it too)");
+    if (offload_params.device == OffloadDevice::nvme && offload_optimizer.device != OffloadDevice::nvme)
+      return fail(ErrorCode::invalid_argument, "offload_params=nvme with offload_optimizer=",
+                  to_string(offload_optimizer.device),
+                  ": the shards on NVMe are the masters in the optimizer's swap files (expected offload_optimizer=nvme; "
+                  "with cpu, the masters hold the parameters in host memory already: use offload_params=cpu)");
+    if (offload_params.device == OffloadDevice::nvme && !offload_params.nvme_path.empty() &&
+        offload_params.nvme_path != offload_optimizer.nvme_path)
+      return fail(ErrorCode::invalid_argument, "offload_params.nvme_path=", offload_params.nvme_path.string(),
+                  ": the parameter shards live in the optimizer's swap files, in offload_optimizer.nvme_path=",
+                  offload_optimizer.nvme_path.string(), " (give the same folder, or none)");
+  }
   return {};
 }
 
@@ -95,11 +121,11 @@ modules::EngineOptions TrainerConfig::engine_options() const {
   o.persistence_threshold_bytes = persistence_threshold_bytes;
   o.fetch_mode = fetch_mode;
   o.adaptive_prefetch = adaptive_prefetch;
-  o.offload_optimizer = offload_optimizer.device == OffloadDevice::cpu    ? modules::OptimizerOffload::cpu
-                        : offload_optimizer.device == OffloadDevice::nvme ? modules::OptimizerOffload::nvme
-                                                                          : modules::OptimizerOffload::none;
+  o.offload_optimizer = target_of(offload_optimizer.device);
   o.nvme_path = offload_optimizer.nvme_path;
   o.swap_buffer_count = offload_optimizer.buffer_count;
+  o.offload_params = target_of(offload_params.device);
+  o.param_buffer_count = offload_params.buffer_count;
   o.host_memory_budget = host_memory_budget;
   o.timing = timing;
   o.record_timeline = record_timeline;

@@ -71,7 +71,7 @@ struct TrainerConfig {
   bool record_timeline = false;
 
   OffloadOptions offload_optimizer;  // none, cpu or nvme (path, buffer_count)
-  OffloadOptions offload_params;     // none (cpu, nvme: not yet)
+  OffloadOptions offload_params;     // none, cpu or nvme (stage 3, with offload_optimizer; nvme: in its swap files)
   std::size_t host_memory_budget = 0;  // pinned bytes the offload may use; 0: exactly what it needs
 
   // Compute (and reduce) in `compute`; f16 turns on dynamic loss scaling unless scaling is set.
