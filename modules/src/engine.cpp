@@ -61,6 +61,7 @@ struct Unit {
   async::Block grad_full_block;
   Tensor grad_full;
   int grads_this_step = 0;  // backward passes reduced into grad_shard this step
+  bool grads_out = false;   // optimizer offload: copied to host_grad during backward this step
 
   // Optimizer offload: this rank's fp32 master and gradient shard in pinned host memory.
   offload::PinnedBlock host_master_block, host_grad_block;
@@ -139,6 +140,10 @@ struct Engine::State {
   // nvme parameters: values for the swap files that initialize/load_parameters computed on the
   // host (there is no shard to copy them from), taken by masters_from_shards.
   std::vector<std::vector<std::byte>> pending_shards;
+  // Optimizer offload at stages 2-3 with one micro-batch: each gradient shard goes out to pinned
+  // memory on the communication stream right after its reduction, overlapped with the rest of
+  // backward (with more micro-batches the shards are scaled after the last one first).
+  bool grads_out_in_backward = false;
   Context& optimizer_ctx() const noexcept { return offloaded() ? *host_ctx : *ctx; }
   Tensor backward_seed() const { return offloaded() ? device_loss_scale : optimizer->loss_scale(); }
   // `later` runs after `event` of another stream: device-side when it can wait on it (a CPU
@@ -420,6 +425,7 @@ struct Engine::State {
       co_return fail(std::move(block).error().with_context("reading the parameters of unit " + u.info.name));
     }
     u.read_block = std::move(*block);
+    stats.swap_bytes += u.read_block.size();
     co_return Result<void>{};
   }
   // Starts reads for the units next in the trace that are neither gathered nor read, while slots
@@ -671,6 +677,11 @@ struct Engine::State {
     }
     ++u.grads_this_step;
     COSHARD_TRY_ASSIGN(auto reduced, spans_on() ? cs.record_timed() : cs.record());
+    if (grads_out_in_backward) {  // (a unit with two backward passes is copied again: the last copy wins)
+      COSHARD_TRY(cs.copy(u.host_grad.data(), u.grad_shard.data(), u.grad_shard.bytes()));
+      stats.swap_bytes += u.grad_shard.bytes();
+      u.grads_out = true;
+    }
     if (scratch) scratch.reset_after(reduced);
     span(false, "reduce_scatter", u.info.name, std::move(started), reduced);
     u.grad_full_block.record_use(reduced);
@@ -1205,8 +1216,10 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
 
   // The communication stream goes after the last step's optimizer (it reads the shards).
   COSHARD_CO_TRY(State::order(compute, cs));
+  s.grads_out_in_backward = s.offloaded() && s.o.zero_stage >= 2 && micro_batches.size() == 1;
   for (auto& u : s.units) {
     u->grads_this_step = 0;
+    u->grads_out = false;
     if (s.o.zero_stage == 1) COSHARD_CO_TRY(compute.fill(u->grad_full.data(), 0, u->info.padded_bytes));
   }
   if (s.offloaded()) {
@@ -1272,6 +1285,7 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
     // kernels and order as on a CPU device), the updated shards back.
     auto& host = *s.host_stream;
     for (auto& u : s.units) {
+      if (u->grads_out) continue;  // out during backward (the compute stream has waited for it)
       COSHARD_CO_TRY(compute.copy(u->host_grad.data(), u->grad_shard.data(), u->grad_shard.bytes()));
       s.stats.swap_bytes += u->grad_shard.bytes();
     }

@@ -158,7 +158,7 @@ struct EngineStepStats {
   std::uint64_t collective_launches = 0;
   std::uint64_t gathered_bytes = 0;         // parameter bytes received by all-gathers (padded units)
   std::uint64_t reduce_scattered_bytes = 0; // gradient bytes put into reduce-scatters
-  std::uint64_t swap_bytes = 0;             // optimizer offload: gradient shards out + parameter shards back
+  std::uint64_t swap_bytes = 0;             // offload: gradient shards out, parameter shards back, state and parameter shards read and written
   std::size_t peak_live_bytes = 0;    // most gathered bytes held at once (stage 3)
   std::size_t peak_prefetched_bytes = 0;  // most bytes gathered ahead of use at once (the prefetch depth)
   bool trace_changed = false;         // the order departed from the recorded trace
