@@ -12,6 +12,7 @@
 #include <fstream>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "coshard/async/runtime.hpp"
@@ -127,6 +128,40 @@ void expect_same_parameters(const std::vector<modules::GatheredParameter>& a,
     EXPECT_EQ(a[i].name, b[i].name);
     EXPECT_TRUE(a[i].bytes == b[i].bytes) << a[i].name;
   }
+}
+
+// `first` (saving to first.save_to at its end), then a run of its config that loads that
+// checkpoint and trains as many steps: together they are `reference` bit for bit, and a run
+// with everything on the device that loads the same checkpoint goes on exactly as the resumed
+// one. Gives the resumed run.
+std::optional<TrainRun> expect_resumes_like(const TrainRun& reference, const Plan& first) {
+  auto a = train(first);
+  if (!a) {
+    ADD_FAILURE() << a.error().message();
+    return std::nullopt;
+  }
+  Plan second = first;
+  second.save_to.clear();
+  second.load_from = first.save_to;
+  auto b = train(second);
+  if (!b) {
+    ADD_FAILURE() << b.error().message();
+    return std::nullopt;
+  }
+  std::vector<double> joined = a->losses;
+  joined.insert(joined.end(), b->losses.begin(), b->losses.end());
+  EXPECT_EQ(joined, reference.losses);
+  expect_same_parameters(b->params, reference.params);
+  Plan onto_device;
+  onto_device.load_from = first.save_to;
+  onto_device.steps = first.steps;
+  auto c = train(onto_device);
+  if (!c) {
+    ADD_FAILURE() << c.error().message();
+    return std::nullopt;
+  }
+  EXPECT_EQ(c->losses, b->losses);
+  return std::move(*b);
 }
 
 TEST(TrainerBuilder, RefusesBadSettingsWithTheirNames) {
@@ -305,24 +340,7 @@ TEST(Trainer, CpuOffloadTrainsAndResumesLikeTheDevice) {
   first.config.offload_optimizer.device = OffloadDevice::cpu;
   first.steps = 3;
   first.save_to = dir;
-  auto a = train(first);
-  ASSERT_TRUE(a) << a.error().message();
-  Plan second = first;
-  second.save_to.clear();
-  second.load_from = dir;
-  auto b = train(second);
-  ASSERT_TRUE(b) << b.error().message();
-  std::vector<double> joined = a->losses;
-  joined.insert(joined.end(), b->losses.begin(), b->losses.end());
-  EXPECT_EQ(joined, reference->losses);
-  expect_same_parameters(b->params, reference->params);
-  // And the device run can continue from the offloaded run's checkpoint.
-  Plan across;
-  across.load_from = dir;
-  across.steps = 3;
-  auto c = train(across);
-  ASSERT_TRUE(c) << c.error().message();
-  EXPECT_EQ(c->losses, b->losses);
+  expect_resumes_like(*reference, first);
 }
 
 // Optimizer state on NVMe (swapped through pinned buffers each step) trains exactly as on the
@@ -342,23 +360,11 @@ TEST(Trainer, NvmeOffloadTrainsAndResumesLikeTheDevice) {
   first.config.offload_optimizer.nvme_path = dir / "state";
   first.config.offload_optimizer.buffer_count = 2;
   first.save_to = dir / "ck";
-  auto a = train(first);
-  ASSERT_TRUE(a) << a.error().message();
+  const auto b = expect_resumes_like(*reference, first);
+  ASSERT_TRUE(b);
   Plan second = first;
   second.save_to.clear();
   second.load_from = dir / "ck";
-  auto b = train(second);
-  ASSERT_TRUE(b) << b.error().message();
-  std::vector<double> joined = a->losses;
-  joined.insert(joined.end(), b->losses.begin(), b->losses.end());
-  EXPECT_EQ(joined, reference->losses);
-  expect_same_parameters(b->params, reference->params);
-
-  Plan onto_device;  // the device optimizer from the NVMe run's checkpoint
-  onto_device.load_from = dir / "ck";
-  auto c = train(onto_device);
-  ASSERT_TRUE(c) << c.error().message();
-  EXPECT_EQ(c->losses, b->losses);
 
   Plan device_half;  // an NVMe run from the device run's checkpoint
   device_half.save_to = dir / "device_ck";
@@ -394,22 +400,7 @@ TEST(Trainer, ParameterOffloadTrainsAndResumesLikeTheDevice) {
     first.config.offload_optimizer = {.device = where, .nvme_path = dir / "state", .buffer_count = 3};
     first.config.offload_params = {.device = where, .buffer_count = 2};
     first.save_to = dir / ("ck_" + std::string(to_string(where)));
-    auto a = train(first);
-    ASSERT_TRUE(a) << a.error().message();
-    Plan second = first;
-    second.save_to.clear();
-    second.load_from = first.save_to;
-    auto b = train(second);
-    ASSERT_TRUE(b) << b.error().message();
-    std::vector<double> joined = a->losses;
-    joined.insert(joined.end(), b->losses.begin(), b->losses.end());
-    EXPECT_EQ(joined, reference->losses);
-    expect_same_parameters(b->params, reference->params);
-    Plan onto_device;
-    onto_device.load_from = first.save_to;
-    auto c = train(onto_device);
-    ASSERT_TRUE(c) << c.error().message();
-    EXPECT_EQ(c->losses, b->losses);
+    expect_resumes_like(*reference, first);
   }
 }
 
