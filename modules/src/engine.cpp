@@ -135,7 +135,7 @@ struct Engine::State {
   // nvme parameters: shard reads in flight (started ahead along the trace), each holding one of
   // param_buffer_count slots until the gather that uses its buffer has passed.
   std::unordered_map<std::size_t, async::JoinHandle<Result<offload::PinnedBlock>>> param_reads;
-  std::unique_ptr<async::Semaphore> param_slots;
+  std::shared_ptr<async::Semaphore> param_slots;  // shared: a slot may come back after the engine is gone
   std::unordered_map<std::size_t, async::Semaphore::Permit> slot_of;  // unit -> its slot, read to gather
   // nvme parameters: values for the swap files that initialize/load_parameters computed on the
   // host (there is no shard to copy them from), taken by masters_from_shards.
@@ -382,14 +382,16 @@ struct Engine::State {
     COSHARD_CO_TRY(co_await store->read(std::move(file), 0, block.pages()));
     co_return block;
   }
-  static async::Task<void> release_slot_after(async::Event last_use, async::Semaphore::Permit slot) {
+  static async::Task<void> release_slot_after(async::Event last_use, async::Semaphore::Permit slot,
+                                              std::shared_ptr<async::Semaphore> slots) {
     (void)co_await last_use;  // an error here is the stream's, reported where the stream is awaited
-    slot.release();
+    slot.release();  // into `slots`, kept alive until now
+    slots.reset();
   }
   Result<void> return_slot_after(async::Event last_use, async::Semaphore::Permit slot) {
     async::Runtime* rt = async::Runtime::current();
     if (!rt) return fail(ErrorCode::internal, "Engine: a parameter read outside a runtime");
-    rt->spawn(release_slot_after(std::move(last_use), std::move(slot))).detach();
+    rt->spawn(release_slot_after(std::move(last_use), std::move(slot), param_slots)).detach();
     return {};
   }
   Result<void> start_read(Unit& u, async::Semaphore::Permit slot) {
@@ -1028,7 +1030,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     }
     if (s->params_on_nvme()) {  // the read-ahead buffers (between steps; the swap buffers are apart)
       for (int b = 0; b < o.param_buffer_count; ++b) sizes.push_back(largest_shard);
-      s->param_slots = std::make_unique<async::Semaphore>(static_cast<std::size_t>(o.param_buffer_count));
+      s->param_slots = std::make_shared<async::Semaphore>(static_cast<std::size_t>(o.param_buffer_count));
     }
     for (std::size_t b : sizes) needed += offload::page_rounded(b);
     offload::PinnedPoolOptions pool_options;
