@@ -25,13 +25,15 @@ using collectives::ReduceOp;
 
 enum class Gather : std::uint8_t { released, in_flight, ready };
 
-// The max_live_bytes budget, shared with the tasks that hand bytes back once a release event
-// has completed (they may outlive a step; never the engine's runtime).
+// A budget handed back in stream order: the max_live_bytes budget (released units' bytes come
+// back once the compute stream has passed their last use) and the nvme parameter read slots
+// (each comes back once the gather that copied out of its buffer has passed). Shared with the
+// tasks that drain it (they may outlive a step, and the engine; never the engine's runtime).
 struct Budget {
   explicit Budget(std::size_t capacity) : semaphore(capacity) {}
   async::Semaphore semaphore;
   std::size_t live_bytes = 0;  // touched on the reactor thread only
-  // Releases whose last use has not been seen to complete, oldest first (compute-stream events
+  // Returns whose last use has not been seen to complete, oldest first (the events of one stream
   // complete in order), and whether a task is draining them.
   struct Return {
     async::Event done;
@@ -66,10 +68,13 @@ struct Unit {
   // Optimizer offload: this rank's fp32 master and gradient shard in pinned host memory.
   offload::PinnedBlock host_master_block, host_grad_block;
   Tensor host_master, host_grad;
-  // Parameter offload: cpu with the optimizer on nvme, the pinned shard the step refreshes;
-  // nvme, the shard read from the swap file for the next gather.
+  // Parameter offload, cpu with the optimizer on nvme: the pinned shard the step refreshes.
   offload::PinnedBlock host_param_block;
+  // nvme parameters: the read of the shard from its swap file (started ahead along the trace),
+  // its buffer once read, and the read slot both hold until the gather that copies out of it.
+  async::JoinHandle<Result<offload::PinnedBlock>> read;
   offload::PinnedBlock read_block;
+  async::Semaphore::Permit read_slot;
 
   // Stage 3 gather state.
   Gather gather = Gather::released;
@@ -97,6 +102,19 @@ async::Task<void> drain_returns(std::shared_ptr<Budget> budget) {
     budget->returns.pop_front();
   }
   budget->draining = false;
+}
+
+// `permit` (and `bytes` of live_bytes) go back to `budget` once `last_use` has passed: one drain
+// task per burst of returns, not one per return.
+Result<void> return_after(const std::shared_ptr<Budget>& budget, async::Event last_use, async::Semaphore::Permit permit,
+                          std::size_t bytes) {
+  budget->returns.push_back({std::move(last_use), std::move(permit), bytes});
+  if (budget->draining) return {};
+  async::Runtime* rt = async::Runtime::current();
+  if (!rt) return fail(ErrorCode::internal, "Engine: a budget returned outside a runtime");
+  budget->draining = true;
+  rt->spawn(drain_returns(budget)).detach();
+  return {};
 }
 
 }  // namespace
@@ -132,11 +150,8 @@ struct Engine::State {
   bool offloaded() const noexcept { return o.offload_optimizer != OptimizerOffload::none; }
   bool params_offloaded() const noexcept { return o.offload_params != OffloadTarget::none; }
   bool params_on_nvme() const noexcept { return o.offload_params == OffloadTarget::nvme; }
-  // nvme parameters: shard reads in flight (started ahead along the trace), each holding one of
-  // param_buffer_count slots until the gather that uses its buffer has passed.
-  std::unordered_map<std::size_t, async::JoinHandle<Result<offload::PinnedBlock>>> param_reads;
-  std::shared_ptr<async::Semaphore> param_slots;  // shared: a slot may come back after the engine is gone
-  std::unordered_map<std::size_t, async::Semaphore::Permit> slot_of;  // unit -> its slot, read to gather
+  // nvme parameters: param_buffer_count slots, one per shard read from its start to its gather.
+  std::shared_ptr<Budget> read_slots;
   // nvme parameters: values for the swap files that initialize/load_parameters computed on the
   // host (there is no shard to copy them from), taken by masters_from_shards.
   std::vector<std::vector<std::byte>> pending_shards;
@@ -181,8 +196,9 @@ struct Engine::State {
   }
 
   // Stages 1-2: every rank's block of every unit into the full copies, after the blocks changed
-  // outside a step (a load).
+  // outside a step (a load). Stage 3 keeps no full copies.
   async::Task<Result<void>> full_copies_from_shards() {
+    if (stage3()) co_return Result<void>{};
     auto& compute = ctx->stream();
     auto& cs = comm->stream();
     COSHARD_CO_TRY(order(compute, cs));
@@ -363,11 +379,7 @@ struct Engine::State {
     if (done && params_on_nvme()) {
       // The read buffer and its slot come back once the copy out of it has passed.
       u.read_block.release_after(*done);
-      auto slot = slot_of.find(u.index);
-      if (slot != slot_of.end()) {
-        COSHARD_TRY(return_slot_after(*done, std::move(slot->second)));
-        slot_of.erase(slot);
-      }
+      COSHARD_TRY(return_after(read_slots, *done, std::move(u.read_slot), 0));
     }
     return done;
   }
@@ -382,48 +394,35 @@ struct Engine::State {
     COSHARD_CO_TRY(co_await store->read(std::move(file), 0, block.pages()));
     co_return block;
   }
-  static async::Task<void> release_slot_after(async::Event last_use, async::Semaphore::Permit slot,
-                                              std::shared_ptr<async::Semaphore> slots) {
-    (void)co_await last_use;  // an error here is the stream's, reported where the stream is awaited
-    slot.release();  // into `slots`, kept alive until now
-    slots.reset();
-  }
-  Result<void> return_slot_after(async::Event last_use, async::Semaphore::Permit slot) {
-    async::Runtime* rt = async::Runtime::current();
-    if (!rt) return fail(ErrorCode::internal, "Engine: a parameter read outside a runtime");
-    rt->spawn(release_slot_after(std::move(last_use), std::move(slot), param_slots)).detach();
-    return {};
-  }
   Result<void> start_read(Unit& u, async::Semaphore::Permit slot) {
     async::Runtime* rt = async::Runtime::current();
     if (!rt) return fail(ErrorCode::internal, "Engine: a parameter read outside a runtime");
     const auto bytes = static_cast<std::size_t>(u.info.shard) * element_size;
-    param_reads.emplace(u.index, rt->spawn(read_shard(store, pinned, subgroups[u.index].name, bytes)));
-    slot_of.emplace(u.index, std::move(slot));
+    u.read = rt->spawn(read_shard(store, pinned, subgroups[u.index].name, bytes));
+    u.read_slot = std::move(slot);
     return {};
   }
   // Unit u's shard in u.read_block: the read started ahead, or one now.
   async::Task<Result<void>> ensure_read(Unit& u) {
     if (u.read_block) co_return Result<void>{};
-    if (!param_reads.contains(u.index)) {
-      auto slot = param_slots->try_acquire(1);
+    if (!u.read.valid()) {
+      auto slot = read_slots->semaphore.try_acquire(1);
       if (!slot) {
         // Every slot is taken: by reads for units further along (the order departed from the
         // trace), which are dropped, or by gathers in flight, which give theirs back as they pass.
         COSHARD_CO_TRY(co_await drain_reads());
-        slot = param_slots->try_acquire(1);
+        slot = read_slots->semaphore.try_acquire(1);
       }
       if (!slot) {
-        COSHARD_CO_TRY_ASSIGN(auto freed, co_await param_slots->acquire(1));
+        COSHARD_CO_TRY_ASSIGN(auto freed, co_await read_slots->semaphore.acquire(1));
         slot = std::move(freed);
       }
       COSHARD_CO_TRY(start_read(u, std::move(*slot)));
     }
-    auto handle = std::move(param_reads.at(u.index));
-    param_reads.erase(u.index);
+    auto handle = std::move(u.read);
     auto block = co_await handle;
     if (!block) {
-      slot_of.erase(u.index);
+      u.read_slot.release();
       co_return fail(std::move(block).error().with_context("reading the parameters of unit " + u.info.name));
     }
     u.read_block = std::move(*block);
@@ -436,8 +435,8 @@ struct Engine::State {
     if (!params_on_nvme() || !trace) return {};
     for (std::size_t i = trace_pos; i < trace->size(); ++i) {
       Unit& v = *units[(*trace)[i]];
-      if (v.gather != Gather::released || v.read_block || param_reads.contains(v.index)) continue;
-      auto slot = param_slots->try_acquire(1);
+      if (v.gather != Gather::released || v.read_block || v.read.valid()) continue;
+      auto slot = read_slots->semaphore.try_acquire(1);
       if (!slot) break;
       COSHARD_TRY(start_read(v, std::move(*slot)));
     }
@@ -446,13 +445,15 @@ struct Engine::State {
   // Before the optimizer rewrites the swap files: every read finished, unused buffers back.
   async::Task<Result<void>> drain_reads() {
     Result<void> first{};
-    for (auto& [index, handle] : param_reads) {
-      auto block = co_await handle;
-      if (!block && first) first = fail(std::move(block).error());
+    for (auto& u : units) {
+      if (u->read.valid()) {
+        auto handle = std::move(u->read);
+        auto block = co_await handle;
+        if (!block && first) first = fail(std::move(block).error());
+      }
+      u->read_block.reset();
+      u->read_slot.release();
     }
-    param_reads.clear();
-    slot_of.clear();
-    for (auto& u : units) u->read_block.reset();
     co_return first;
   }
 
@@ -499,14 +500,7 @@ struct Engine::State {
     logical_live -= u.info.padded_bytes;
     auto permit = std::move(*u.permit);
     u.permit.reset();
-    budget->returns.push_back({std::move(last_use), std::move(permit), u.info.padded_bytes});
-    if (!budget->draining) {
-      async::Runtime* rt = async::Runtime::current();
-      if (!rt) return fail(ErrorCode::internal, "Engine: release of unit ", u.info.name, " outside a runtime");
-      budget->draining = true;
-      rt->spawn(drain_returns(budget)).detach();
-    }
-    return {};
+    return return_after(budget, std::move(last_use), std::move(permit), u.info.padded_bytes);
   }
 
   // Gathers units further along the trace, in order, while the bucket and the budget allow.
@@ -774,6 +768,7 @@ Engine::~Engine() {
       u->grad_full_block.record_use(*ev);
     }
     for (auto& p : u->params) p.parameter->unbind();
+    u->read_slot.forget();  // nvme parameters: the read slots go with the engine too
   }
 }
 
@@ -809,7 +804,7 @@ async::Task<Result<void>> Engine::visit_shards(ShardVisitor use, bool written) {
       COSHARD_CO_TRY(co_await use(shard));
     }
   }
-  if (!written || s.stage3()) co_return Result<void>{};
+  if (!written) co_return Result<void>{};
   co_return co_await s.full_copies_from_shards();
 }
 async::Task<Result<std::vector<GatheredParameter>>> Engine::gather_parameters() {
@@ -879,7 +874,6 @@ async::Task<Result<void>> Engine::load_parameters(const std::vector<GatheredPara
       COSHARD_CO_TRY(s.ctx->copy_from_host(u.shard, mine));
   }
   COSHARD_CO_TRY(co_await s.masters_from_shards());
-  if (s.stage3()) co_return Result<void>{};
   co_return co_await s.full_copies_from_shards();
 }
 
@@ -1030,7 +1024,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     }
     if (s->params_on_nvme()) {  // the read-ahead buffers (between steps; the swap buffers are apart)
       for (int b = 0; b < o.param_buffer_count; ++b) sizes.push_back(largest_shard);
-      s->param_slots = std::make_shared<async::Semaphore>(static_cast<std::size_t>(o.param_buffer_count));
+      s->read_slots = std::make_shared<Budget>(static_cast<std::size_t>(o.param_buffer_count));
     }
     for (std::size_t b : sizes) needed += offload::page_rounded(b);
     offload::PinnedPoolOptions pool_options;
