@@ -877,6 +877,24 @@ async::Task<Result<void>> Engine::load_parameters(const std::vector<GatheredPara
   co_return co_await s.full_copies_from_shards();
 }
 
+Result<void> check_offload_placement(const EngineOptions& o) {
+  if (o.offload_params == OffloadTarget::none) return {};
+  const auto where = to_string(o.offload_params);
+  if (o.zero_stage != 3)
+    return fail(ErrorCode::invalid_argument, "offload_params=", where, " with zero_stage=", o.zero_stage,
+                ": parameters are sharded, and so offloaded, at stage 3 only");
+  if (o.offload_optimizer == OffloadTarget::none)
+    return fail(ErrorCode::invalid_argument, "offload_params=", where,
+                " with offload_optimizer=none: the optimizer steps the shards where they live (offload it too)");
+  if (o.offload_params == OffloadTarget::nvme && o.offload_optimizer != OffloadTarget::nvme)
+    return fail(ErrorCode::invalid_argument, "offload_params=nvme with offload_optimizer=", to_string(o.offload_optimizer),
+                ": the shards on NVMe are the masters in the optimizer's swap files (expected offload_optimizer=nvme; "
+                "with cpu, the masters hold the parameters in host memory already: use offload_params=cpu)");
+  if (o.param_buffer_count < 1)
+    return fail(ErrorCode::invalid_argument, "param_buffer_count=", o.param_buffer_count, ": expected >= 1");
+  return {};
+}
+
 std::string_view to_string(OffloadTarget t) noexcept {
   switch (t) {
     case OffloadTarget::none: return "none";
@@ -982,21 +1000,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
                 ")");
   s->budget = std::make_shared<Budget>(o.max_live_bytes);
 
-  if (s->params_offloaded()) {
-    const auto where = to_string(o.offload_params);
-    if (!s->stage3())
-      return fail(ErrorCode::invalid_argument, "offload_params=", where, " with zero_stage=", o.zero_stage,
-                  ": parameters are sharded, and so offloaded, at stage 3 only");
-    if (!s->offloaded())
-      return fail(ErrorCode::invalid_argument, "offload_params=", where,
-                  " with offload_optimizer=none: the optimizer steps the shards where they live (offload it too)");
-    if (s->params_on_nvme() && !s->swapped())
-      return fail(ErrorCode::invalid_argument, "offload_params=nvme with offload_optimizer=", to_string(o.offload_optimizer),
-                  ": the shards on NVMe are the masters in the optimizer's swap files (expected offload_optimizer=nvme; "
-                  "with cpu, the masters hold the parameters in host memory already: use offload_params=cpu)");
-    if (o.param_buffer_count < 1)
-      return fail(ErrorCode::invalid_argument, "param_buffer_count=", o.param_buffer_count, ": expected >= 1");
-  }
+  COSHARD_TRY(check_offload_placement(o));
 
   // Optimizer offload: its stream, context and pinned memory (checked against the budget now).
   if (s->offloaded()) {

@@ -61,6 +61,30 @@ std::string tensor_name(std::size_t unit, std::string_view kind) {
   return name;
 }
 
+// The tensors of a unit's block in a rank file, in file order: its params, then its master and
+// the optimizer's states when the engine keeps them (ShardLayout).
+enum class BlockKind : std::uint8_t { param, master, state1, state2 };
+std::vector<BlockKind> block_kinds(modules::ShardLayout kept) {
+  std::vector<BlockKind> kinds{BlockKind::param};
+  if (kept.master) kinds.push_back(BlockKind::master);
+  if (kept.states >= 1) kinds.push_back(BlockKind::state1);
+  if (kept.states >= 2) kinds.push_back(BlockKind::state2);
+  return kinds;
+}
+std::string_view name_of(BlockKind k) {
+  static constexpr std::string_view names[] = {"param", "master", "state1", "state2"};
+  return names[static_cast<int>(k)];
+}
+const Tensor& tensor_of(const modules::UnitShard& sh, BlockKind k) {
+  switch (k) {
+    case BlockKind::param: return sh.params;
+    case BlockKind::master: return sh.master;
+    case BlockKind::state1: return sh.state1;
+    case BlockKind::state2: return sh.state2;
+  }
+  return sh.params;
+}
+
 Result<SafeDType> safe_dtype(DataType t) {
   if (auto safe = modules::safe_dtype_of(t)) return *safe;
   return fail(ErrorCode::unsupported, "checkpoint: dtype ", collectives::to_string(t), " has no safetensors name");
@@ -133,17 +157,18 @@ async::Task<Result<void>> Trainer::save_checkpoint(const fs::path& dir) {
   // This rank's file: a safetensors layout of its blocks, assembled in one pinned, page-aligned
   // buffer by copies on the compute stream as the engine visits each unit's shard (with nvme
   // offload, as the swapper reads its state in); the host awaits their events, never blocks.
-  const modules::ShardLayout kinds = s.engine->shard_layout();
+  const auto kinds = block_kinds(s.engine->shard_layout());
   const auto units_info = s.engine->units();
   std::vector<modules::SafeTensorLayout> layout;
   json units = json::array();
   for (std::size_t i = 0; i < units_info.size(); ++i) {
     const auto& info = units_info[i];
     const auto n = static_cast<std::size_t>(info.shard);
-    layout.push_back({tensor_name(i, "param"), param_dtype, {info.shard}, n * collectives::size_of(s.config.dtype)});
-    if (kinds.master) layout.push_back({tensor_name(i, "master"), SafeDType::f32, {info.shard}, n * 4});
-    if (kinds.states >= 1) layout.push_back({tensor_name(i, "state1"), SafeDType::f32, {info.shard}, n * 4});
-    if (kinds.states >= 2) layout.push_back({tensor_name(i, "state2"), SafeDType::f32, {info.shard}, n * 4});
+    for (const BlockKind k : kinds) {  // params in the compute dtype, the rest f32
+      const bool param = k == BlockKind::param;
+      layout.push_back({tensor_name(i, name_of(k)), param ? param_dtype : SafeDType::f32, {info.shard},
+                        n * (param ? collectives::size_of(s.config.dtype) : sizeof(float))});
+    }
     units.push_back({{"name", info.name}, {"parameters", info.parameters}, {"numel", info.numel},
                      {"padded", info.padded}, {"shard", info.shard}});
   }
@@ -159,12 +184,10 @@ async::Task<Result<void>> Trainer::save_checkpoint(const fs::path& dir) {
   auto& compute = s.ctx->stream();
   std::size_t at = prefix.size();
   auto stage_unit = [&](const modules::UnitShard& sh) -> async::Task<Result<void>> {
-    const Tensor* sources[] = {&sh.params, &sh.master, &sh.state1, &sh.state2};
-    const bool kept[] = {true, kinds.master, kinds.states >= 1, kinds.states >= 2};
-    for (int k = 0; k < 4; ++k) {
-      if (!kept[k]) continue;
-      COSHARD_CO_TRY(compute.copy(staged.data() + at, sources[k]->data(), sources[k]->bytes()));
-      at += sources[k]->bytes();
+    for (const BlockKind k : kinds) {
+      const Tensor& source = tensor_of(sh, k);
+      COSHARD_CO_TRY(compute.copy(staged.data() + at, source.data(), source.bytes()));
+      at += source.bytes();
     }
     COSHARD_CO_TRY_ASSIGN(auto copied, compute.record());
     co_return co_await copied;

@@ -33,10 +33,9 @@ std::string lower(std::string_view s) {
   return out;
 }
 
-Result<void> check_offload(const OffloadOptions& o, std::string_view what) {
+Result<void> check_offload(const OffloadOptions& o, std::string_view what, bool needs_path) {
   if (o.device == OffloadDevice::none) return {};
-  // (offload_params=nvme keeps its shards in the optimizer's swap files: its own path is optional)
-  if (o.device == OffloadDevice::nvme && o.nvme_path.empty() && what == std::string_view("offload_optimizer"))
+  if (o.device == OffloadDevice::nvme && o.nvme_path.empty() && needs_path)
     return fail(ErrorCode::invalid_argument, what, "=nvme: needs a path (nvme:/path/to/folder)");
   if (o.buffer_count < 1)
     return fail(ErrorCode::invalid_argument, what, ".buffer_count=", o.buffer_count, ": expected >= 1");
@@ -85,27 +84,15 @@ Result<void> TrainerConfig::validate() const {
     return fail(ErrorCode::invalid_argument, "weight_decay=", weight_decay, ": expected >= 0");
   if (optimizer == OptimizerKind::sgd && !(momentum >= 0 && momentum < 1))
     return fail(ErrorCode::invalid_argument, "momentum=", momentum, ": expected in [0, 1)");
-  COSHARD_TRY(check_offload(offload_optimizer, "offload_optimizer"));
-  COSHARD_TRY(check_offload(offload_params, "offload_params"));
-  if (offload_params.device != OffloadDevice::none) {
-    const auto params = to_string(offload_params.device);
-    if (zero_stage != 3)
-      return fail(ErrorCode::invalid_argument, "offload_params=", params, " with zero_stage=", zero_stage,
-                  ": parameters are sharded, and so offloaded, at stage 3 only");
-    if (offload_optimizer.device == OffloadDevice::none)
-      return fail(ErrorCode::invalid_argument, "offload_params=", params,
-                  " with offload_optimizer=none: the optimizer steps the shards where they live (offload it too)");
-    if (offload_params.device == OffloadDevice::nvme && offload_optimizer.device != OffloadDevice::nvme)
-      return fail(ErrorCode::invalid_argument, "offload_params=nvme with offload_optimizer=",
-                  to_string(offload_optimizer.device),
-                  ": the shards on NVMe are the masters in the optimizer's swap files (expected offload_optimizer=nvme; "
-                  "with cpu, the masters hold the parameters in host memory already: use offload_params=cpu)");
-    if (offload_params.device == OffloadDevice::nvme && !offload_params.nvme_path.empty() &&
-        offload_params.nvme_path != offload_optimizer.nvme_path)
-      return fail(ErrorCode::invalid_argument, "offload_params.nvme_path=", offload_params.nvme_path.string(),
-                  ": the parameter shards live in the optimizer's swap files, in offload_optimizer.nvme_path=",
-                  offload_optimizer.nvme_path.string(), " (give the same folder, or none)");
-  }
+  COSHARD_TRY(check_offload(offload_optimizer, "offload_optimizer", true));
+  // (offload_params=nvme keeps its shards in the optimizer's swap files: its own path is optional)
+  COSHARD_TRY(check_offload(offload_params, "offload_params", false));
+  COSHARD_TRY(modules::check_offload_placement(engine_options()));
+  if (offload_params.device == OffloadDevice::nvme && !offload_params.nvme_path.empty() &&
+      offload_params.nvme_path != offload_optimizer.nvme_path)
+    return fail(ErrorCode::invalid_argument, "offload_params.nvme_path=", offload_params.nvme_path.string(),
+                ": the parameter shards live in the optimizer's swap files, in offload_optimizer.nvme_path=",
+                offload_optimizer.nvme_path.string(), " (give the same folder, or none)");
   return {};
 }
 

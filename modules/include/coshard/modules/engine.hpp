@@ -103,6 +103,10 @@ struct EngineOptions {
   int param_buffer_count = 4;
 };
 
+// Where parameters may be offloaded given the rest (Engine::create checks it; a configuration
+// layer can check it before building): the first rule broken, named.
+Result<void> check_offload_placement(const EngineOptions& o);
+
 // One span of a step's timeline, in milliseconds from the engine's timeline epoch.
 struct TimelineSpan {
   std::string track;     // "compute" or "comm"
