@@ -46,10 +46,47 @@ def collectives(data):
     return True
 
 
+def gpu_collectives(data):
+    """The Local backend on one GPU against a device-to-device memcpy of the same size."""
+    rates, busbw = {}, {}
+    for b in data["benchmarks"]:
+        if b.get("run_type") == "aggregate" and b.get("aggregate_name") != "median":
+            continue
+        parts = b.get("run_name", b["name"]).split("/")
+        nums = tuple(int(p) for p in parts[1:] if p.isdigit())
+        if "bytes_per_second" in b and parts[0].startswith(("BM_LocalGpu", "BM_GpuMemcpy", "BM_Nccl")):
+            rates[(parts[0],) + nums] = b["bytes_per_second"]
+            if "busbw" in b:
+                busbw[(parts[0],) + nums] = b["busbw"]
+    if not rates:
+        return False
+    copy = {k[1]: v for k, v in rates.items() if k[0] == "BM_GpuMemcpy"}
+    print(f"\n{'W':>2} {'size':>10} {'memcpy GB/s':>12} {'all_gather GB/s':>16} {'ratio':>6} {'reduce_scatter GB/s':>20} {'ratio':>6}")
+    for (name, w, size) in sorted(k for k in rates if k[0] == "BM_LocalGpuAllGather"):
+        base = copy.get(size, float("nan"))
+        ag = rates[(name, w, size)]
+        rs = rates.get(("BM_LocalGpuReduceScatter", w, size), float("nan"))
+        label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+        print(f"{w:>2} {label:>10} {base / 1e9:12.1f} {ag / 1e9:16.1f} {ag / base:6.2f} {rs / 1e9:20.1f} {rs / base:6.2f}")
+    nccl = sorted(k for k in rates if k[0].startswith("BM_Nccl"))
+    if nccl:
+        times = {}
+        for b in data["benchmarks"]:
+            parts = b.get("run_name", b["name"]).split("/")
+            if parts[0].startswith("BM_Nccl") and b.get("run_type") != "aggregate":
+                times[(parts[0], int(parts[1]))] = median_ns(b) / 1e3
+        print(f"\n{'NCCL world size 1':<20} {'size':>10} {'us':>9} {'GB/s':>8}")
+        for (name, size) in nccl:
+            label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+            print(f"{name:<20} {label:>10} {times.get((name, size), float('nan')):9.1f} {rates[(name, size)] / 1e9:8.1f}")
+    return True
+
+
 def main(path):
     with open(path) as f:
         data = json.load(f)
-    if collectives(data):
+    shown = gpu_collectives(data)
+    if collectives(data) or shown:
         return
     times = {}
     for b in data["benchmarks"]:

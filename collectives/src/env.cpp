@@ -48,7 +48,9 @@ async::Task<Result<std::unique_ptr<Communicator>>> communicator_from_env(FromEnv
   if (!options.force_cpu && gpus > 0 && nccl_compiled()) {
     StoreOptions store_options;
     store_options.host = env.master_addr;
-    store_options.port = env.master_port;
+    // A world of one has no peer to find the store: a free port, so that single-GPU jobs on one
+    // machine never contend for MASTER_PORT.
+    store_options.port = env.world_size == 1 ? 0 : env.master_port;
     store_options.host_server = env.rank == 0;
     store_options.timeout = options.store_timeout;
     COSHARD_CO_TRY_ASSIGN(auto store, co_await TcpStore::connect(store_options));

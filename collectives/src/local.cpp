@@ -13,6 +13,7 @@
 #include "coshard/async/detail/cpu_relax.hpp"
 #include "coshard/async/stream.hpp"
 #include "coshard/async/sync.hpp"
+#include "local_device.hpp"
 #include "reduce.hpp"
 
 namespace coshard::collectives {
@@ -37,13 +38,22 @@ class Rendezvous {
   Rendezvous(int n, std::chrono::milliseconds timeout)
       : n_(n), timeout_(timeout), present_(static_cast<std::size_t>(n), false) {}
 
+  // `complete`, when given, runs on the last rank to arrive before the others are let go (under
+  // the lock, so it sees every rank's posts); its failure breaks the rendezvous.
   Result<void> arrive_and_wait(int rank, Clock::time_point deadline, std::chrono::microseconds spin,
-                               const std::function<std::string()>& what) {
+                               const std::function<std::string()>& what,
+                               const std::function<Result<void>()>& complete = {}) {
     std::unique_lock lock(mutex_);
     if (broken_) return fail(Error(code_, why_));
     const std::uint64_t generation = generation_;
     present_[static_cast<std::size_t>(rank)] = true;
     if (++arrived_ == n_) {
+      if (complete) {
+        if (auto done = complete(); !done) {
+          break_locked(done.error().code(), done.error().message());
+          return done;
+        }
+      }
       arrived_ = 0;
       std::fill(present_.begin(), present_.end(), false);
       ++generation_;
@@ -109,6 +119,7 @@ class LocalGroup {
         rendezvous_(size, options.timeout),
         posted_(static_cast<std::size_t>(size)),
         posted_seq_(static_cast<std::size_t>(size), 0),
+        ready_(static_cast<std::size_t>(size)),
         split_posts_(static_cast<std::size_t>(size)),
         split_present_(static_cast<std::size_t>(size), false),
         split_results_(static_cast<std::size_t>(size)) {}
@@ -131,22 +142,62 @@ class LocalGroup {
     if (auto a = rendezvous_.arrive_and_wait(rank, deadline, options_.spin, what); !a) return a;
 
     // Every rank checks every rank against rank 0, so all reach the same verdict.
-    for (std::size_t q = 1; q < posted_.size(); ++q) {
-      const auto& first = *posted_[0];
-      const auto& other = *posted_[q];
-      bool same = posted_seq_[q] == posted_seq_[0] && other.size() == first.size();
-      for (std::size_t i = 0; same && i < first.size(); ++i) same = other[i].same_signature(first[i]);
-      if (!same) {
-        std::string why = "collective sequence mismatch: rank 0 launched group #" + std::to_string(posted_seq_[0]) + " " +
-                          describe(first) + " but rank " + std::to_string(q) + " launched group #" +
-                          std::to_string(posted_seq_[q]) + " " + describe(other);
-        rendezvous_.break_with(ErrorCode::invalid_argument, why);
-        return fail(ErrorCode::invalid_argument, why);
-      }
+    if (auto same = same_sequence(); !same) {
+      rendezvous_.break_with(same.error().code(), same.error().message());
+      return same;
     }
 
     for (std::size_t i = 0; i < ops.size(); ++i) execute(rank, i);
     return rendezvous_.arrive_and_wait(rank, deadline, options_.spin, what);
+  }
+
+  // The same group on ranks that share a GPU, from the launching thread of `rank`. The host
+  // threads meet (the device is never waited for): the last to arrive checks the sequence and
+  // enqueues one kernel per collective, for every rank, on its own stream after every rank's
+  // `ready` point; the others order their streams after that work. Each rank's later work thus
+  // follows every read and write of its buffers, and every device-side wait is on work already
+  // enqueued, which CUDA can always schedule (a device-side wait for work a peer enqueues later
+  // can deadlock when streams share a hardware queue).
+  Result<async::Event> run_on_device(int rank, std::uint64_t seq, const Ops& posted, async::Stream& stream) {
+    const std::vector<CollectiveOp>& ops = *posted;
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      const CollectiveOp& op = ops[i];
+      const std::size_t es = size_of(op.dtype);
+      const std::size_t send_bytes = op.kind == CollectiveKind::reduce_scatter ? op.count * es * size_ : op.count * es;
+      const std::size_t recv_bytes = op.kind == CollectiveKind::all_gather ? op.count * es * size_ : op.count * es;
+      const bool sends = op.kind != CollectiveKind::barrier && (op.kind != CollectiveKind::broadcast || op.root == rank);
+      if (sends) COSHARD_TRY(detail::check_device_buffer(stream.device(), op.send, send_bytes, "send", rank, op));
+      if (op.kind != CollectiveKind::barrier) {
+        COSHARD_TRY(detail::check_device_buffer(stream.device(), op.recv, recv_bytes, "recv", rank, op));
+      }
+    }
+    const auto r = static_cast<std::size_t>(rank);
+    COSHARD_TRY_ASSIGN(ready_[r], stream.record());
+    posted_[r] = posted;
+    posted_seq_[r] = seq;
+    const auto deadline = Clock::now() + options_.timeout;
+    auto what = [&] {
+      return "collective group #" + std::to_string(seq) + " " + describe(ops) + " on Local group of " +
+             std::to_string(size_) + " (" + stream.device().to_string() + ")";
+    };
+    bool enqueued_here = false;
+    COSHARD_TRY(rendezvous_.arrive_and_wait(rank, deadline, options_.spin, what, [&]() -> Result<void> {
+      COSHARD_TRY(same_sequence());
+      for (std::size_t q = 0; q < ready_.size(); ++q) {
+        if (q != r) COSHARD_TRY(stream.wait(ready_[q]));
+      }
+      std::vector<const CollectiveOp*> per_rank(static_cast<std::size_t>(size_));
+      for (std::size_t i = 0; i < ops.size(); ++i) {
+        for (int q = 0; q < size_; ++q) per_rank[static_cast<std::size_t>(q)] = &op_of(q, i);
+        COSHARD_TRY(detail::enqueue_on_device(stream, per_rank));
+      }
+      COSHARD_TRY_ASSIGN(device_done_, stream.record());
+      enqueued_here = true;
+      return {};
+    }));
+    if (enqueued_here) return device_done_;
+    COSHARD_TRY(stream.wait(device_done_));
+    return stream.record();
   }
 
   // Host-side collective: ranks of one color form a new group. Returns (group, new rank), or
@@ -191,6 +242,22 @@ class LocalGroup {
   }
 
  private:
+  // Whether every rank posted the same group as rank 0 (all ranks that check reach one verdict).
+  Result<void> same_sequence() const {
+    for (std::size_t q = 1; q < posted_.size(); ++q) {
+      const auto& first = *posted_[0];
+      const auto& other = *posted_[q];
+      bool same = posted_seq_[q] == posted_seq_[0] && other.size() == first.size();
+      for (std::size_t i = 0; same && i < first.size(); ++i) same = other[i].same_signature(first[i]);
+      if (!same) {
+        return fail(ErrorCode::invalid_argument, "collective sequence mismatch: rank 0 launched group #",
+                    posted_seq_[0], " ", describe(first), " but rank ", q, " launched group #", posted_seq_[q], " ",
+                    describe(other));
+      }
+    }
+    return {};
+  }
+
   static std::string describe(std::span<const CollectiveOp> ops) {
     std::string s = "[";
     for (std::size_t i = 0; i < ops.size(); ++i) s += (i ? ", " : "") + ops[i].signature();
@@ -281,6 +348,10 @@ class LocalGroup {
   // Written by each rank before the first rendezvous, read by all between the two.
   std::vector<Ops> posted_;
   std::vector<std::uint64_t> posted_seq_;
+  // On a GPU: each rank's stream position when it launched, and the work of the last group (set
+  // by the last rank to arrive, read by the others before any of them can arrive again).
+  std::vector<async::Event> ready_;
+  async::Event device_done_;
 
   std::mutex split_mutex_;
   std::condition_variable split_cv_;
@@ -308,6 +379,11 @@ class LocalCommunicator final : public Communicator {
     if (group.empty()) return stream_.record();
     auto ops = std::make_shared<const std::vector<CollectiveOp>>(group.ops().begin(), group.ops().end());
     const std::uint64_t seq = next_seq_++;
+    if (stream_.device().is_cuda()) {
+      COSHARD_TRY_ASSIGN(async::Event done, group_->run_on_device(rank_, seq, ops, stream_));
+      launches_.fetch_add(1, std::memory_order_relaxed);
+      return done;
+    }
     COSHARD_TRY(stream_.launch_fallible([g = group_, r = rank_, seq, ops = std::move(ops)]() -> Result<void> {
       return g->run(r, seq, ops);
     }));
@@ -324,7 +400,7 @@ class LocalCommunicator final : public Communicator {
       return {};
     }));
     if (!joined.first) return std::unique_ptr<Communicator>();
-    auto stream = async::Stream::create(async::Device::cpu(),
+    auto stream = async::Stream::create(stream_.device(),
                                         {.name = "comm rank " + std::to_string(joined.second) + "/" +
                                                  std::to_string(joined.first->size()) + " (split)"});
     if (!stream) return fail(std::move(stream).error());
@@ -349,12 +425,13 @@ Result<std::vector<std::unique_ptr<Communicator>>> make_local_communicators(int 
   if (options.timeout.count() <= 0) {
     return fail(ErrorCode::invalid_argument, "LocalOptions::timeout=", options.timeout.count(), " ms: must be positive");
   }
+  if (!options.device.is_cpu()) COSHARD_TRY(detail::check_local_device(options.device, world_size));
   auto group = std::make_shared<LocalGroup>(world_size, options);
   std::vector<std::unique_ptr<Communicator>> comms;
   comms.reserve(static_cast<std::size_t>(world_size));
   for (int r = 0; r < world_size; ++r) {
     auto stream = async::Stream::create(
-        async::Device::cpu(), {.name = "comm rank " + std::to_string(r) + "/" + std::to_string(world_size)});
+        options.device, {.name = "comm rank " + std::to_string(r) + "/" + std::to_string(world_size)});
     if (!stream) return fail(std::move(stream).error());
     comms.push_back(std::make_unique<LocalCommunicator>(group, r, std::move(*stream)));
   }

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <map>
+#include <memory>
 #include <mutex>
 
 #include "cuda/kernels.cuh"
@@ -31,34 +32,54 @@ cudaDataType_t blas_type(DataType dt) {
   }
 }
 
-// One cuBLAS handle per device, created on first use; the mutex serialises cublasSetStream and
-// the call that follows (a handle is not safe to share between threads without it).
+// One cuBLAS handle per stream, created on the stream's first GEMM with the stream set once. A
+// handle's workspace serves whatever stream it was last set to, so two streams sharing a handle
+// (ranks that share a GPU, each with its compute stream) let their GEMMs overwrite each other's
+// workspace while both run: seen on an H100 as wrong losses at world size 2. Each entry's mutex
+// keeps one stream's calls from two threads apart. Entries live as long as the process (a
+// stream's address may come back for a new stream of the same device: the handle is set again).
 class BlasHandles {
  public:
   ~BlasHandles() {
-    for (auto& [device, handle] : handles_) cublasDestroy(handle);
+    for (auto& [key, entry] : handles_) cublasDestroy(entry->handle);
   }
   template <class Fn>
-  Result<void> with(int device, Fn&& fn) {
-    std::lock_guard lock(mutex_);
-    auto it = handles_.find(device);
-    if (it == handles_.end()) {
-      int previous = 0;
-      cudaGetDevice(&previous);
-      cudaSetDevice(device);
-      cublasHandle_t h = nullptr;
-      const cublasStatus_t st = cublasCreate(&h);
-      cudaSetDevice(previous);
-      if (st != CUBLAS_STATUS_SUCCESS)
-        return fail(ErrorCode::device, "cublasCreate on cuda:", device, ": ", cublasGetStatusName(st));
-      it = handles_.emplace(device, h).first;
+  Result<void> with(int device, void* stream, Fn&& fn) {
+    Entry* entry = nullptr;
+    {
+      std::lock_guard lock(mutex_);
+      auto& slot = handles_[{device, stream}];
+      if (!slot) {
+        int previous = 0;
+        cudaGetDevice(&previous);
+        cudaSetDevice(device);
+        cublasHandle_t h = nullptr;
+        const cublasStatus_t st = cublasCreate(&h);
+        cudaSetDevice(previous);
+        if (st != CUBLAS_STATUS_SUCCESS) {
+          handles_.erase({device, stream});
+          return fail(ErrorCode::device, "cublasCreate on cuda:", device, ": ", cublasGetStatusName(st));
+        }
+        slot = std::make_unique<Entry>();
+        slot->handle = h;
+      }
+      entry = slot.get();
     }
-    return fn(it->second);
+    std::lock_guard lock(entry->mutex);
+    if (const cublasStatus_t st = cublasSetStream(entry->handle, static_cast<cudaStream_t>(stream));
+        st != CUBLAS_STATUS_SUCCESS) {
+      return fail(ErrorCode::device, "cublasSetStream on cuda:", device, ": ", cublasGetStatusName(st));
+    }
+    return fn(entry->handle);
   }
 
  private:
+  struct Entry {
+    cublasHandle_t handle = nullptr;
+    std::mutex mutex;
+  };
   std::mutex mutex_;
-  std::map<int, cublasHandle_t> handles_;
+  std::map<std::pair<int, void*>, std::unique_ptr<Entry>> handles_;
 };
 
 BlasHandles& blas() {
@@ -85,8 +106,7 @@ class CudaKernels final : public Kernels {
 
   Result<void> gemm(Stream& s, DataType dt, const GemmArgs& g) const override {
     COSHARD_TRY(check(dt));
-    return blas().with(s.device().index(), [&](cublasHandle_t h) -> Result<void> {
-      cublasSetStream(h, static_cast<cudaStream_t>(s.native_handle()));
+    return blas().with(s.device().index(), s.native_handle(), [&](cublasHandle_t h) -> Result<void> {
       // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands.
       const cudaDataType_t t = blas_type(dt);
       const cublasStatus_t st = cublasGemmStridedBatchedEx(

@@ -10,12 +10,14 @@
 
 #include "coshard/async/runtime.hpp"
 #include "coshard/async/sync.hpp"
+#include "reference.hpp"
 
 namespace coshard::collectives {
 namespace {
 
+using namespace reference;
+
 using Comms = std::vector<std::unique_ptr<Communicator>>;
-using Bytes = std::vector<std::byte>;
 
 Comms make(int world, LocalOptions options = {}) {
   auto comms = make_local_communicators(world, options);
@@ -29,90 +31,6 @@ void run_ranks(Comms& comms, const std::function<void(Communicator&)>& fn) {
   for (auto& c : comms) threads.emplace_back([&fn, &c] { fn(*c); });
   for (auto& t : threads) t.join();
 }
-
-// ---- a reference, written independently of the backend -----------------------------------------
-
-// Deterministic value of element j on rank r, as bytes of `dtype`.
-void put_value(DataType dtype, std::byte* at, int rank, std::size_t j) {
-  const long k = static_cast<long>((static_cast<unsigned long>(rank) * 7919u + j * 104729u) % 2001u) - 1000;
-  const double v = static_cast<double>(k) / 64.0;
-  switch (dtype) {
-    case DataType::f32: { float f = static_cast<float>(v); std::memcpy(at, &f, 4); break; }
-    case DataType::f64: std::memcpy(at, &v, 8); break;
-    case DataType::f16: { auto h = float_to_f16(static_cast<float>(v)); std::memcpy(at, &h, 2); break; }
-    case DataType::bf16: { auto h = float_to_bf16(static_cast<float>(v)); std::memcpy(at, &h, 2); break; }
-    case DataType::i32: { auto i = static_cast<std::int32_t>(k * 1000003); std::memcpy(at, &i, 4); break; }
-    case DataType::u8: { auto u = static_cast<std::uint8_t>(k); std::memcpy(at, &u, 1); break; }
-  }
-}
-
-Bytes values(DataType dtype, int rank, std::size_t begin, std::size_t count) {
-  Bytes b(count * size_of(dtype));
-  for (std::size_t j = 0; j < count; ++j) put_value(dtype, b.data() + j * size_of(dtype), rank, begin + j);
-  return b;
-}
-
-// What all_gather of `values(t, q, 0, n)` from every rank q gives: the blocks in rank order.
-Bytes gathered(DataType t, int world, std::size_t n) {
-  Bytes out;
-  for (int q = 0; q < world; ++q) {
-    Bytes b = values(t, q, 0, n);
-    out.insert(out.end(), b.begin(), b.end());
-  }
-  return out;
-}
-
-template <class Acc>
-Acc combine(ReduceOp op, Acc a, Acc b) {
-  switch (op) {
-    case ReduceOp::sum:
-    case ReduceOp::avg: return static_cast<Acc>(a + b);
-    case ReduceOp::max: return a < b ? b : a;
-    case ReduceOp::min: return b < a ? b : a;
-  }
-  return a;
-}
-
-// Element j of the reduction over ranks 0..world-1 of element (begin + j), in rank order.
-Bytes reduced(DataType dtype, ReduceOp op, int world, std::size_t begin, std::size_t count) {
-  std::vector<Bytes> in;
-  for (int q = 0; q < world; ++q) in.push_back(values(dtype, q, begin, count));
-  Bytes out(count * size_of(dtype));
-  auto fold = [&]<class T, class Acc>(auto load, auto store) {
-    for (std::size_t j = 0; j < count; ++j) {
-      T t;
-      std::memcpy(&t, in[0].data() + j * sizeof(T), sizeof(T));
-      Acc acc = load(t);
-      for (int q = 1; q < world; ++q) {
-        std::memcpy(&t, in[static_cast<std::size_t>(q)].data() + j * sizeof(T), sizeof(T));
-        acc = combine<Acc>(op, acc, load(t));
-      }
-      if (op == ReduceOp::avg) acc = static_cast<Acc>(acc / static_cast<Acc>(world));
-      T o = store(acc);
-      std::memcpy(out.data() + j * sizeof(T), &o, sizeof(T));
-    }
-  };
-  auto same = [](auto v) { return v; };
-  switch (dtype) {
-    case DataType::f32: fold.template operator()<float, float>(same, same); break;
-    case DataType::f64: fold.template operator()<double, double>(same, same); break;
-    case DataType::f16: fold.template operator()<std::uint16_t, float>(f16_to_float, float_to_f16); break;
-    case DataType::bf16: fold.template operator()<std::uint16_t, float>(bf16_to_float, float_to_bf16); break;
-    case DataType::i32:
-      fold.template operator()<std::int32_t, std::int64_t>([](std::int32_t v) { return std::int64_t{v}; },
-                                                          [](std::int64_t v) { return static_cast<std::int32_t>(static_cast<std::uint32_t>(v)); });
-      break;
-    case DataType::u8:
-      fold.template operator()<std::uint8_t, std::uint32_t>([](std::uint8_t v) { return std::uint32_t{v}; },
-                                                           [](std::uint32_t v) { return static_cast<std::uint8_t>(v); });
-      break;
-  }
-  return out;
-}
-
-constexpr DataType kTypes[] = {DataType::f32, DataType::f64, DataType::f16, DataType::bf16, DataType::i32, DataType::u8};
-constexpr ReduceOp kOps[] = {ReduceOp::sum, ReduceOp::avg, ReduceOp::max, ReduceOp::min};
-constexpr std::size_t kCounts[] = {0, 1, 7, 1003};
 
 class EveryCollective : public ::testing::TestWithParam<int> {};
 

@@ -4,8 +4,9 @@
 //   coshard-train --data book.txt --steps 2000     a text file as bytes
 //   coshard-train --checkpoint-dir ck --checkpoint-every 50 ... ; later: the same with --resume
 //
-// Ranks: --world-size N runs N ranks as threads of this process (the Local backend, CPU), or,
-// with the torchrun variables set (WORLD_SIZE, RANK, ...), this process is one rank of many.
+// Ranks: --world-size N runs N ranks as threads of this process (the Local backend: on the CPU,
+// or with --device cuda sharing GPU 0), or, with the torchrun variables set (WORLD_SIZE, RANK,
+// ...), this process is one rank of many (NCCL on GPUs). --device cuda alone is one rank on NCCL.
 // --batch is the global batch per step, split evenly over the ranks; the data of a step depends
 // only on (--seed, step), so runs at different world sizes and stages see the same data.
 #include <CLI/CLI.hpp>
@@ -148,7 +149,7 @@ int run(const Options& o) {
 
   Shared shared;
   const bool torchrun = std::getenv("WORLD_SIZE") != nullptr;
-  if (torchrun || o.device == "cuda") {
+  if (torchrun || (o.device == "cuda" && o.world_size == 1)) {
     // One process per rank: NCCL on a GPU, or Local for a single CPU rank.
     async::Runtime rt;
     collectives::FromEnvOptions env;
@@ -165,14 +166,16 @@ int run(const Options& o) {
     auto done = rt.block_on(run_rank(o, **comm, *data, shared));
     if (!done) shared.error((*comm)->rank(), done.error().message());
   } else {
-    auto comms = collectives::make_local_communicators(o.world_size);
+    // Ranks as threads: on the CPU, or sharing GPU 0 (the Local backend on device memory).
+    const async::Device device = o.device == "cuda" ? async::Device::cuda(0) : async::Device::cpu();
+    auto comms = collectives::make_local_communicators(o.world_size, {.device = device});
     if (!comms) {
       std::fprintf(stderr, "coshard-train: %s\n", comms.error().message().c_str());
       return 2;
     }
-    // One epoch for every rank's timeline (CPU streams share steady_clock). Never waited for:
-    // it passes at once, long before any timing is read.
-    auto clock = async::Stream::create(async::Device::cpu(), {.name = "clock"});
+    // One epoch for every rank's timeline (CPU streams share steady_clock; the streams of one
+    // GPU share its clock). Never waited for: it passes at once, long before any timing is read.
+    auto clock = async::Stream::create(device, {.name = "clock"});
     if (clock) {
       if (auto epoch = clock->record_timed()) shared.epoch = *epoch;
     }
@@ -224,7 +227,7 @@ int main(int argc, char** argv) {
   std::string fetch_mode = "all_gather";
   std::string dtype = "f32";
   app.add_option("--device", o.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
-  app.add_option("--world-size", o.world_size, "ranks as threads of this process (Local backend, CPU)")
+  app.add_option("--world-size", o.world_size, "ranks as threads of this process (Local backend; with --device cuda they share GPU 0)")
       ->check(CLI::Range(1, 64));
   app.add_option("--steps", o.steps, "optimizer steps in total (a resumed run continues to this)")
       ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 40));
@@ -344,8 +347,5 @@ int main(int argc, char** argv) {
     return usage("--dim " + std::to_string(o.dim) + " is not a multiple of --heads " + std::to_string(o.heads));
   if ((o.resume || o.checkpoint_every > 0) && o.checkpoint_dir.empty())
     return usage("--resume and --checkpoint-every need --checkpoint-dir");
-  if (o.device == "cuda" && !std::getenv("WORLD_SIZE") && o.world_size > 1)
-    return usage("--device cuda --world-size " + std::to_string(o.world_size) +
-                 ": ranks as threads run on the CPU only; run one process per GPU under torchrun instead");
   return run(o);
 }

@@ -2,7 +2,8 @@
 // RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT.
 //
 // - A CUDA device and NCCL present: NCCL on device LOCAL_RANK (mod the visible count), the
-//   unique id exchanged through a TcpStore that rank 0 hosts at MASTER_ADDR:MASTER_PORT.
+//   unique id exchanged through a TcpStore that rank 0 hosts at MASTER_ADDR:MASTER_PORT (at
+//   WORLD_SIZE=1, on a free port: there is no peer to find it).
 // - Otherwise WORLD_SIZE=1 (or unset): the Local backend with one rank, on CPU.
 // - Otherwise: an error. Ranks in separate processes need NCCL; on CPU, run the ranks as threads
 //   of one process (make_local_communicators).
@@ -39,7 +40,12 @@ struct FromEnvOptions {
 };
 
 // Awaited on a Runtime.
-async::Task<Result<std::unique_ptr<Communicator>>> communicator_from_env(FromEnvOptions options = {});
+async::Task<Result<std::unique_ptr<Communicator>>> communicator_from_env(FromEnvOptions options);
+// With the default options (a plain function: see make_nccl_communicator on GCC 12).
+inline async::Task<Result<std::unique_ptr<Communicator>>> communicator_from_env() {
+  const FromEnvOptions defaults;
+  return communicator_from_env(defaults);
+}
 // From plain code: runs communicator_from_env on `rt` and waits.
 Result<std::unique_ptr<Communicator>> communicator_from_env(async::Runtime& rt, FromEnvOptions options = {});
 

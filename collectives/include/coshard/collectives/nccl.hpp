@@ -35,6 +35,14 @@ bool nccl_compiled() noexcept;
 // Rank `rank` of `world` on CUDA device `device`; every rank calls it with the same store
 // (rank 0's hosting it, or any reachable one). Awaited on a coshard Runtime.
 async::Task<Result<std::unique_ptr<Communicator>>> make_nccl_communicator(TcpStore& store, int rank, int world,
-                                                                          async::Device device, NcclOptions options = {});
+                                                                          async::Device device, NcclOptions options);
+// The same with the default options. Not a default argument: GCC 12 miscompiles a coroutine
+// whose class-type parameter comes from one (its copy in the frame kept pointers into the
+// argument, and destroying it freed memory it did not own).
+inline async::Task<Result<std::unique_ptr<Communicator>>> make_nccl_communicator(TcpStore& store, int rank, int world,
+                                                                                 async::Device device) {
+  const NcclOptions defaults;
+  return make_nccl_communicator(store, rank, world, device, defaults);
+}
 
 }  // namespace coshard::collectives

@@ -40,7 +40,13 @@ class ParameterStore {
   async::Task<Result<void>> initialize(Context& ctx, std::uint64_t seed);
   Result<void> zero_grad(Context& ctx);
   async::Task<Result<void>> save(Context& ctx, const std::filesystem::path& path,
-                                 std::map<std::string, std::string> metadata = {});
+                                 std::map<std::string, std::string> metadata);
+  // No metadata. (Not a default argument: GCC 12 miscompiles a coroutine whose class-type
+  // parameter comes from one.)
+  async::Task<Result<void>> save(Context& ctx, const std::filesystem::path& path) {
+    const std::map<std::string, std::string> none;
+    return save(ctx, path, none);
+  }
   async::Task<Result<void>> load(Context& ctx, const std::filesystem::path& path);
 
   const Tensor& values() const noexcept { return values_; }

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# On a lent GPU machine (after scripts/device_bundle.sh here): the whole test suite with the
+# device present, the CUDA trainer, and the GPU benchmarks. Logs go to $OUT (or ./device-out).
+#   scripts/device_check.sh [tests|train|bench]...   (default: all three)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-$PWD/device-out}
+mkdir -p "$out"
+source scripts/device_env.sh
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$out/gpu.txt"
+steps=${*:-tests train bench}
+for step in $steps; do
+  case $step in
+    tests)
+      (cd build/test && ctest -j12 --timeout 240 --output-on-failure >"$out/ctest.log" 2>&1; echo "ctest rc $?")
+      grep -E "tests passed|Failed|\*\*\*|Not Run" "$out/ctest.log" | head -40
+      build/test/tests/modules/modules_cuda_test >"$out/cuda_test.log" 2>&1; echo "modules_cuda_test rc $?" ;;
+    train)
+      for world in 2 4; do
+        timeout 180 build/release/trainer/coshard-train --device cuda --world-size "$world" --steps 300 \
+          --metrics "$out/train_w$world.jsonl" >"$out/train_w$world.log" 2>&1
+        echo "train world $world rc $?"; tail -2 "$out/train_w$world.log"
+      done
+      for dtype in f32 bf16; do
+        timeout 180 build/release/trainer/coshard-train --device cuda --world-size 1 --steps 300 --dtype "$dtype" \
+          --metrics "$out/train_$dtype.jsonl" >"$out/train_$dtype.log" 2>&1
+        echo "train $dtype rc $?"; tail -4 "$out/train_$dtype.log"
+      done ;;
+    bench)
+      for which in Gpu Nccl; do  # apart, so that one failing leaves the other's numbers
+        timeout 240 build/release/bench/collectives_bench --benchmark_filter="$which" \
+          --benchmark_out="$out/bench_$which.json" --benchmark_out_format=json >"$out/bench_$which.log" 2>&1
+        echo "$which bench rc $?"; python3 bench/report.py "$out/bench_$which.json"
+      done ;;
+  esac
+done

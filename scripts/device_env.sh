@@ -1,0 +1,13 @@
+# Sourced on a lent GPU machine, in the repository root, after scripts/device_bundle.sh made
+# .device/bundle.tar.gz here: unpacks the builds in place, makes the absolute paths the tests
+# were built with valid, and finds the CUDA and NCCL libraries the image has.
+#   source scripts/device_env.sh
+tar -xzf .device/bundle.tar.gz -C .
+if [ "$(pwd -P)" != /work/main ] && [ ! -e /work/main ]; then mkdir -p /work && ln -s "$(pwd -P)" /work/main; fi
+libdirs=$(pwd -P)/.device/lib
+for name in libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libnccl.so.2; do
+  found=$(find /usr/local /usr/lib /opt -name "$name" 2>/dev/null | head -1)
+  if [ -n "$found" ]; then libdirs=$libdirs:$(dirname "$found"); else echo "device_env: $name not found" >&2; fi
+done
+export LD_LIBRARY_PATH=$libdirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+echo "device_env: LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
