@@ -272,7 +272,8 @@ class CudaStream final : public StreamImpl {
 
 class CudaMemoryBackend final : public DeviceMemoryBackend {
  public:
-  explicit CudaMemoryBackend(Device device) : device_(device) {}
+  CudaMemoryBackend(Device device, cudaStream_t free_stream) : device_(device), free_stream_(free_stream) {}
+  ~CudaMemoryBackend() override { (void)cudaStreamDestroy(free_stream_); }
 
   Result<void*> allocate(std::size_t bytes, Stream& stream) override {
     void* p = nullptr;
@@ -285,11 +286,9 @@ class CudaMemoryBackend final : public DeviceMemoryBackend {
     return p;
   }
 
-  void free(void* ptr, Stream& stream, std::span<const Event> uses) noexcept override {
-    if (ptr == nullptr) return;
-    auto* s = static_cast<cudaStream_t>(stream.native_handle());
-    for (const Event& use : uses) (void)stream.wait(use);
-    (void)cudaFreeAsync(ptr, s);
+  // Idle memory back to the pool, on a stream of its own: no stream's work waits behind it.
+  void free(void* ptr) noexcept override {
+    if (ptr != nullptr) (void)cudaFreeAsync(ptr, free_stream_);
   }
 
   Result<void> fill(void* ptr, std::uint8_t value, std::size_t bytes, Stream& stream) override {
@@ -298,6 +297,7 @@ class CudaMemoryBackend final : public DeviceMemoryBackend {
 
  private:
   Device device_;
+  cudaStream_t free_stream_;
 };
 
 }  // namespace
@@ -331,7 +331,14 @@ Result<std::unique_ptr<DeviceMemoryBackend>> make_cuda_memory_backend(Device dev
   if (auto e = cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold); e != cudaSuccess) {
     return cuda_error(e, "cudaMemPoolSetAttribute(ReleaseThreshold)");
   }
-  return std::unique_ptr<DeviceMemoryBackend>(std::make_unique<CudaMemoryBackend>(device));
+  int previous = 0;
+  (void)cudaGetDevice(&previous);
+  if (auto e = cudaSetDevice(device.index()); e != cudaSuccess) return cuda_error(e, "cudaSetDevice");
+  cudaStream_t free_stream = nullptr;
+  const cudaError_t created = cudaStreamCreateWithFlags(&free_stream, cudaStreamNonBlocking);
+  (void)cudaSetDevice(previous);
+  if (created != cudaSuccess) return cuda_error(created, "cudaStreamCreateWithFlags (allocator's free stream)");
+  return std::unique_ptr<DeviceMemoryBackend>(std::make_unique<CudaMemoryBackend>(device, free_stream));
 }
 
 bool register_host_memory(void* ptr, std::size_t bytes) noexcept {

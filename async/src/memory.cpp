@@ -96,9 +96,16 @@ CachingAllocator::~CachingAllocator() {
       (void)e.synchronize();
       passed = passed && e.ready();  // not passed: strict mode refused to wait
     }
-    if (passed) std::free(p.ptr);  // else: a stream may still use it; leaking beats corrupting
+    if (passed) free_idle(p.ptr);  // else: a stream may still use it; leaking beats corrupting
   }
-  for (auto& [size, ptr] : cached_) std::free(ptr);
+  for (auto& [size, ptr] : cached_) free_idle(ptr);
+}
+
+void CachingAllocator::free_idle(void* ptr) noexcept {
+  if (backend_)
+    backend_->free(ptr);
+  else
+    std::free(ptr);
 }
 
 Result<Block> CachingAllocator::allocate(std::size_t bytes, Stream& stream) {
@@ -109,24 +116,6 @@ Result<Block> CachingAllocator::allocate(std::size_t bytes, Stream& stream) {
   Block block;
   block.owner_ = this;
   block.stream_ = &stream;
-
-  if (backend_) {
-    auto p = backend_->allocate(bytes, stream);
-    if (!p) return fail(std::move(p).error());
-    if (options_.poison_on_reuse && bytes > 0) {
-      if (auto f = backend_->fill(*p, options_.poison_byte, bytes, stream); !f) {
-        backend_->free(*p, stream, {});
-        return fail(std::move(f).error());
-      }
-    }
-    block.ptr_ = *p;
-    block.size_ = bytes;
-    std::lock_guard lock(mutex_);
-    stats_.fresh_allocations++;
-    stats_.in_use_bytes += bytes;
-    stats_.peak_in_use_bytes = std::max(stats_.peak_in_use_bytes, stats_.in_use_bytes);
-    return block;
-  }
 
   const std::size_t size = round_up(std::max<std::size_t>(bytes, 1), kHostAlignment);
   bool reused = false;
@@ -161,14 +150,30 @@ Result<Block> CachingAllocator::allocate(std::size_t bytes, Stream& stream) {
     if (reused) stats_.reuses++;
   }
   if (!reused) {
-    void* p = std::aligned_alloc(kHostAlignment, size);
-    if (p == nullptr) {
-      return fail(ErrorCode::out_of_memory, "CachingAllocator(cpu)::allocate(", bytes, " bytes): out of host memory");
+    if (backend_) {
+      auto p = backend_->allocate(size, stream);
+      if (!p) return fail(std::move(p).error());
+      block.ptr_ = *p;
+    } else {
+      block.ptr_ = std::aligned_alloc(kHostAlignment, size);
+      if (block.ptr_ == nullptr) {
+        return fail(ErrorCode::out_of_memory, "CachingAllocator(cpu)::allocate(", bytes, " bytes): out of host memory");
+      }
     }
-    block.ptr_ = p;
     block.size_ = size;
   }
-  if (reused && options_.poison_on_reuse) std::memset(block.ptr_, options_.poison_byte, block.size_);
+  if (options_.poison_on_reuse && (reused || backend_)) {
+    if (!backend_) {
+      std::memset(block.ptr_, options_.poison_byte, block.size_);
+    } else if (auto f = backend_->fill(block.ptr_, options_.poison_byte, block.size_, stream); !f) {
+      std::lock_guard lock(mutex_);
+      stats_.cached_bytes += block.size_;
+      cached_.emplace(block.size_, block.ptr_);
+      block.owner_ = nullptr;
+      block.ptr_ = nullptr;
+      return fail(std::move(f).error());
+    }
+  }
   std::lock_guard lock(mutex_);
   if (!reused) stats_.fresh_allocations++;
   stats_.in_use_bytes += block.size_;
@@ -180,11 +185,6 @@ void CachingAllocator::release(Block& block, std::optional<Event> last_use) noex
   auto last = last_use ? Result<Event>(std::move(*last_use)) : block.stream_->record();
   std::lock_guard lock(mutex_);
   stats_.in_use_bytes -= block.size_;
-  if (backend_) {
-    if (last) block.uses_.push_back(std::move(*last));
-    backend_->free(block.ptr_, *block.stream_, block.uses_);
-    return;
-  }
   if (!last) {
     // Without an event we cannot know when the stream is done with it: never hand it out again.
     leaked_.emplace_back(block.ptr_, block.size_);
@@ -219,7 +219,7 @@ void CachingAllocator::cache_locked(const Pending& p) {
 void CachingAllocator::trim() {
   std::lock_guard lock(mutex_);
   sweep_locked();
-  for (auto& [size, ptr] : cached_) std::free(ptr);
+  for (auto& [size, ptr] : cached_) free_idle(ptr);
   cached_.clear();
   stats_.cached_bytes = 0;
 }

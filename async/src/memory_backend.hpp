@@ -1,5 +1,5 @@
-// Device memory backends behind CachingAllocator (private). The CPU cache lives in memory.cpp;
-// a backend here is one whose allocator is itself stream-ordered (cudaMallocAsync).
+// Device memory behind CachingAllocator (private): raw allocations for its cache (in memory.cpp),
+// which decides reuse by events for every device.
 #pragma once
 
 #include <span>
@@ -13,9 +13,10 @@ namespace coshard::async::detail {
 class DeviceMemoryBackend {
  public:
   virtual ~DeviceMemoryBackend() = default;
+  // Fresh memory, usable in `stream` order.
   virtual Result<void*> allocate(std::size_t bytes, Stream& stream) = 0;
-  // Frees in `stream` order after every event in `uses`.
-  virtual void free(void* ptr, Stream& stream, std::span<const Event> uses) noexcept = 0;
+  // Memory no stream uses any more (every use has passed).
+  virtual void free(void* ptr) noexcept = 0;
   virtual Result<void> fill(void* ptr, std::uint8_t value, std::size_t bytes, Stream& stream) = 0;
 };
 

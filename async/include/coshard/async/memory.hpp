@@ -4,11 +4,16 @@
 // reset()) records an event on its stream; the memory is handed out again only after that event
 // and every event given to record_use() have completed — so a block is never reused while a
 // stream may still touch it, and the host never waits for that.
-// - CPU: a cache of aligned host blocks (best fit within max_fit_ratio), swept on allocation.
-// - CUDA: cudaMallocAsync/cudaFreeAsync on the block's stream with a caching pool (release
-//   threshold = max); extra uses are ordered with cudaStreamWaitEvent before the free.
-// poison_on_reuse fills every block handed out again (CUDA: every block) with poison_byte in
-// stream order, so a premature reuse shows up as poison in the data of whoever used it last.
+// Both devices keep one cache of blocks (best fit within max_fit_ratio), swept on allocation:
+// - CPU: aligned host memory.
+// - CUDA: fresh memory from cudaMallocAsync on the asking stream (a pool with release threshold
+//   = max); cached memory goes back to the pool (cudaFreeAsync on the allocator's own stream)
+//   only at trim() or destruction, once idle. Reuse waits for the events, not for stream order:
+//   a block allocated for one stream is also written by others (a gather on the communication
+//   stream fills the compute stream's buffer), and memory freed in compute-stream order would
+//   be handed to such a writer while the compute stream still reads it.
+// poison_on_reuse fills every block handed out again with poison_byte in stream order, so a
+// premature reuse shows up as poison in the data of whoever used it last.
 //
 // PinnedBuffer: page-aligned host memory, registered with CUDA (cudaHostRegister) when a device
 // is present, else mlock'ed on a best-effort basis. Page-aligned + registered (rather than
@@ -127,10 +132,11 @@ class CachingAllocator {
     std::vector<Event> uses;
   };
   void cache_locked(const Pending& p);  // a pending block whose uses have passed, into the cache
+  void free_idle(void* ptr) noexcept;   // memory no stream uses, back to the host or the device pool
 
   Device device_;
   AllocatorOptions options_;
-  std::unique_ptr<detail::DeviceMemoryBackend> backend_;  // null for the CPU cache
+  std::unique_ptr<detail::DeviceMemoryBackend> backend_;  // device memory; null on the CPU
   mutable std::mutex mutex_;
   std::multimap<std::size_t, void*> cached_;  // by size
   std::deque<Pending> pending_;               // in the order returned
