@@ -34,8 +34,9 @@ cudaDataType_t blas_type(DataType dt) {
 
 // One cuBLAS handle per stream, created on the stream's first GEMM with the stream set once. A
 // handle's workspace serves whatever stream it was last set to, so two streams sharing a handle
-// (ranks that share a GPU, each with its compute stream) let their GEMMs overwrite each other's
-// workspace while both run: seen on an H100 as wrong losses at world size 2. Each entry's mutex
+// (ranks that share a GPU, each with its compute stream) would let their GEMMs overwrite each
+// other's workspace while both run (cuBLAS documents a handle's workspace as shared by the
+// streams it is set to). Each entry's mutex
 // keeps one stream's calls from two threads apart. Entries live as long as the process (a
 // stream's address may come back for a new stream of the same device: the handle is set again).
 class BlasHandles {

@@ -181,5 +181,34 @@ TEST(CachingAllocator, CudaBlocksArePoisonedInStreamOrderAndFreedAfterUses) {
   EXPECT_TRUE(std::all_of(host.begin(), host.end(), [](std::uint8_t v) { return v == 0x3C; }));
 }
 
+// The gather pattern on a GPU: a block allocated for the compute stream is filled by another
+// stream. Returned while its stream still runs, its memory must not serve the next allocation
+// (reuse in stream order would hand it to a writer on another stream while the compute stream
+// still reads it); once its last use has passed, it is reused.
+TEST(CachingAllocator, CudaMemoryStillInUseIsNotHandedOutAgain) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  auto alloc = make_allocator(Device::cuda(0));
+  Stream compute = make_stream(Device::cuda(0), "compute");
+  std::atomic<bool> go{false};
+  ASSERT_TRUE(compute.launch([&go] {  // the stream stays busy until the test lets it go
+    while (!go.load()) std::this_thread::sleep_for(100us);
+  }));
+  constexpr std::size_t kBytes = 1 << 20;
+  auto a = alloc->allocate(kBytes, compute);
+  ASSERT_TRUE(a.has_value()) << a.error().message();
+  void* const first = a->data();
+  a->reset();  // its last use (the stream's current end) has not passed
+  auto b = alloc->allocate(kBytes, compute);
+  ASSERT_TRUE(b.has_value()) << b.error().message();
+  EXPECT_NE(b->data(), first) << "memory still in use on its stream was handed out again";
+  go = true;
+  ASSERT_TRUE(compute.synchronize());
+  const auto reuses = alloc->stats().reuses;
+  auto c = alloc->allocate(kBytes, compute);
+  ASSERT_TRUE(c.has_value()) << c.error().message();
+  EXPECT_EQ(c->data(), first);
+  EXPECT_EQ(alloc->stats().reuses, reuses + 1);
+}
+
 }  // namespace
 }  // namespace coshard::async
