@@ -147,6 +147,9 @@ struct Engine::State {
   bool swapped() const noexcept { return o.offload_optimizer == OptimizerOffload::nvme; }
   Tensor device_loss_scale;  // f32[1]: the seed of backward
   Tensor device_grad_stats;  // f32[2]: summed across ranks on the communication stream
+  // f32[2] in pinned memory: the summed stats come back through it. A copy from the device into
+  // pageable memory returns only once done: a hidden host wait for the whole step so far.
+  offload::PinnedBlock grad_stats_back;
   bool offloaded() const noexcept { return o.offload_optimizer != OptimizerOffload::none; }
   bool params_offloaded() const noexcept { return o.offload_params != OffloadTarget::none; }
   bool params_on_nvme() const noexcept { return o.offload_params == OffloadTarget::nvme; }
@@ -1030,6 +1033,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
       for (int b = 0; b < o.param_buffer_count; ++b) sizes.push_back(largest_shard);
       s->read_slots = std::make_shared<Budget>(static_cast<std::size_t>(o.param_buffer_count));
     }
+    sizes.push_back(2 * sizeof(float));  // grad_stats_back
     for (std::size_t b : sizes) needed += offload::page_rounded(b);
     offload::PinnedPoolOptions pool_options;
     pool_options.host_memory_budget = o.host_memory_budget == 0 ? needed : o.host_memory_budget;
@@ -1119,6 +1123,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   if (s->offloaded()) {
     COSHARD_TRY_ASSIGN(s->device_loss_scale, ctx.zeros(Shape{1}, DataType::f32));
     COSHARD_TRY_ASSIGN(s->device_grad_stats, ctx.zeros(Shape{2}, DataType::f32));
+    COSHARD_TRY_ASSIGN(s->grad_stats_back, s->pinned->acquire(2 * sizeof(float)));
   }
   if (s->timing()) {
     COSHARD_TRY_ASSIGN(s->epoch, stream.record_timed());
@@ -1300,9 +1305,10 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
     COSHARD_CO_TRY(s.comm->all_reduce(s.device_grad_stats.data(), s.device_grad_stats.data(), 2, DataType::f32,
                                       ReduceOp::sum));
     COSHARD_CO_TRY(s.compute_waits_for_comm(kGradStats));
-    COSHARD_CO_TRY(compute.copy(host_stats.data(), s.device_grad_stats.data(), host_stats.bytes()));
+    COSHARD_CO_TRY(compute.copy(s.grad_stats_back.data(), s.device_grad_stats.data(), host_stats.bytes()));
     COSHARD_CO_TRY_ASSIGN(auto stats_back, compute.record());
     COSHARD_CO_TRY(host.wait(stats_back));
+    COSHARD_CO_TRY(host.copy(host_stats.data(), s.grad_stats_back.data(), host_stats.bytes()));
     if (!s.swapped()) {
       COSHARD_CO_TRY(s.optimizer->apply(*s.host_ctx, lr));
       COSHARD_CO_TRY_ASSIGN(auto stepped, host.record());
