@@ -118,8 +118,11 @@ async::Task<Result<ShardFile>> write_rank_file(std::shared_ptr<offload::NvmeStor
   auto checksum = [content] { return crc32_of(content); };
   COSHARD_CO_TRY_ASSIGN(const std::uint32_t crc, co_await rt->spawn_blocking(std::move(checksum)));
   const std::string tmp = folder + "/" + rank_file(rank) + ".tmp";
-  // The whole page-aligned buffer goes straight to the disk; seal cuts the padding.
-  COSHARD_CO_TRY(co_await store->write(tmp, 0, staged.bytes()));
+  // The file rounded up to whole pages goes straight to the disk; seal cuts the padding. (The
+  // buffer may be larger: it is kept from save to save.)
+  const std::size_t padded =
+      (bytes + offload::NvmeStore::kAlignment - 1) / offload::NvmeStore::kAlignment * offload::NvmeStore::kAlignment;
+  COSHARD_CO_TRY(co_await store->write(tmp, 0, staged.bytes().first(padded)));
   COSHARD_CO_TRY(co_await store->seal(tmp, bytes));
   const fs::path dir = store->options().directory / folder;
   auto rename = [dir, rank]() -> Result<void> {
@@ -129,7 +132,7 @@ async::Task<Result<ShardFile>> write_rank_file(std::shared_ptr<offload::NvmeStor
     return fsync_path(dir, O_RDONLY | O_DIRECTORY);
   };
   COSHARD_CO_TRY(co_await rt->spawn_blocking(std::move(rename)));
-  co_return ShardFile{rank_file(rank), bytes, crc};
+  co_return ShardFile{rank_file(rank), bytes, crc, std::move(staged)};
 }
 
 std::string hex(std::span<const std::byte> bytes) {
@@ -178,7 +181,12 @@ async::Task<Result<void>> Trainer::save_checkpoint(const fs::path& dir) {
   for (const auto& p : layout) total += p.bytes;
   const std::size_t padded = (total + offload::NvmeStore::kAlignment - 1) / offload::NvmeStore::kAlignment *
                              offload::NvmeStore::kAlignment;
-  COSHARD_CO_TRY_ASSIGN(auto staged, async::PinnedBuffer::allocate(padded));
+  // The last save's buffer when it is large enough (its write has finished: finish_checkpoint).
+  async::PinnedBuffer staged = std::move(s.staging);
+  if (staged.size() < padded) {
+    staged.reset();
+    COSHARD_CO_TRY_ASSIGN(staged, async::PinnedBuffer::allocate(padded));
+  }
   std::memcpy(staged.data(), prefix.data(), prefix.size());
   std::memset(staged.data() + total, 0, padded - total);
   auto& compute = s.ctx->stream();
@@ -241,6 +249,7 @@ async::Task<Result<void>> Trainer::Impl::publish() {
   PendingSave p = std::move(*pending);
   pending.reset();
   auto written = co_await p.write;
+  if (written) staging = std::move(written->staging);
   const int rank = comm->rank(), world = comm->size();
   // Every rank learns every rank's outcome: [ok, bytes, crc].
   std::vector<std::int64_t> mine{written ? 1 : 0, written ? static_cast<std::int64_t>(written->bytes) : 0,
