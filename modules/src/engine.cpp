@@ -64,6 +64,8 @@ struct Unit {
   Tensor grad_full;
   int grads_this_step = 0;  // backward passes reduced into grad_shard this step
   bool grads_out = false;   // optimizer offload: copied to host_grad during backward this step
+  int forward_uses = 0;     // forward passes this step (as many backward passes will come)
+  bool stepped_early = false;  // step_in_backward: stepped on the host during backward
 
   // Optimizer offload: this rank's fp32 master and gradient shard in pinned host memory.
   offload::PinnedBlock host_master_block, host_grad_block;
@@ -162,6 +164,10 @@ struct Engine::State {
   // memory on the communication stream right after its reduction, overlapped with the rest of
   // backward (with more micro-batches the shards are scaled after the last one first).
   bool grads_out_in_backward = false;
+  // step_in_backward this step (one micro-batch): each unit is stepped on the host once its last
+  // gradient shard is out, at `step_lr`.
+  bool stepping_in_backward = false;
+  float step_lr = 0.0f;
   Context& optimizer_ctx() const noexcept { return offloaded() ? *host_ctx : *ctx; }
   Tensor backward_seed() const { return offloaded() ? device_loss_scale : optimizer->loss_scale(); }
   // `later` runs after `event` of another stream: device-side when it can wait on it (a CPU
@@ -680,6 +686,7 @@ struct Engine::State {
       COSHARD_TRY(cs.copy(u.host_grad.data(), u.grad_shard.data(), u.grad_shard.bytes()));
       stats.swap_bytes += u.grad_shard.bytes();
       u.grads_out = true;
+      if (stepping_in_backward && u.grads_this_step == u.forward_uses) COSHARD_TRY(step_on_host(u));
     }
     if (scratch) scratch.reset_after(reduced);
     span(false, "reduce_scatter", u.info.name, std::move(started), reduced);
@@ -687,6 +694,34 @@ struct Engine::State {
     u.grad_full_block.reset();
     u.grad_full = {};
     return bind_values(u, values_of(u));
+  }
+
+  // After a step_in_backward step (the host stream has passed it): the summed overflow flag says
+  // whether any rank saw a non-finite gradient. Units stepped during backward cannot be skipped
+  // any more, so the step fails, on every rank alike (the flag is summed over ranks).
+  Result<void> no_step_in_backward_saw_non_finite() const {
+    const Tensor stats = optimizer->grad_stats();  // host memory: [sum of squares, overflow flag]
+    const float overflow = stats.data_as<float>()[1];
+    if (overflow == 0.0f) return {};
+    std::size_t stepped = 0;
+    for (const auto& u : units) stepped += u->stepped_early ? 1 : 0;
+    return fail(ErrorCode::unsupported, "Engine::step: a non-finite gradient with step_in_backward: ", stepped,
+                " of ", units.size(), " units on this rank were stepped during backward and cannot be skipped, so ",
+                "the parameters are no longer trustworthy. Restore the last checkpoint; without step_in_backward, ",
+                "such a step is skipped");
+  }
+
+  // step_in_backward: the unit's last gradient shard of the step is on its way to pinned memory;
+  // the host stream steps it once the copy has passed (its share of the norm and overflow flag
+  // first, so that they are complete for the step's report).
+  Result<void> step_on_host(Unit& u) {
+    COSHARD_TRY_ASSIGN(auto out, comm->stream().record());
+    COSHARD_TRY(host_stream->wait(out));
+    COSHARD_TRY(optimizer->add_grad_stats(*host_ctx, first_group + u.index));
+    COSHARD_TRY(optimizer->apply_one(*host_ctx, first_group + u.index, step_lr));
+    u.stepped_early = true;
+    ++stats.stepped_in_backward;
+    return {};
   }
 
   // Stages 1-2: every rank's shard into every rank's full copy, in one launch on the
@@ -1004,6 +1039,21 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   s->budget = std::make_shared<Budget>(o.max_live_bytes);
 
   COSHARD_TRY(check_offload_placement(o));
+  if (o.step_in_backward) {
+    const StepControlOptions& control = optimizer.control();
+    if (o.offload_optimizer != OffloadTarget::cpu)
+      return fail(ErrorCode::invalid_argument, "step_in_backward with offload_optimizer=", to_string(o.offload_optimizer),
+                  ": steps the shards on the CPU as their gradients come (expected offload_optimizer=cpu)");
+    if (o.zero_stage < 2)
+      return fail(ErrorCode::invalid_argument, "step_in_backward with zero_stage=1: the gradients are reduced after ",
+                  "backward there (expected zero_stage 2 or 3)");
+    if (control.max_grad_norm != 0.0f)
+      return fail(ErrorCode::invalid_argument, "step_in_backward with max_grad_norm=", control.max_grad_norm,
+                  ": clipping needs the global norm, known only after backward (expected 0: no clipping)");
+    if (control.loss_scaling != LossScaling::none)
+      return fail(ErrorCode::invalid_argument, "step_in_backward with loss scaling: an overflow must be able to ",
+                  "skip the whole step (expected LossScaling::none)");
+  }
 
   // Optimizer offload: its stream, context and pinned memory (checked against the budget now).
   if (s->offloaded()) {
@@ -1164,6 +1214,7 @@ async::Task<Result<void>> Engine::before_forward(Context&, Module& module) {
   State& s = *s_;
   Unit* u = s.unit_for(module);
   if (!u || &module != u->modules.front()) co_return Result<void>{};
+  ++u->forward_uses;
   if (s.stage3()) COSHARD_CO_TRY(co_await s.fetch(*u));
   if (s.spans_on()) {
     COSHARD_CO_TRY_ASSIGN(u->compute_start, s.ctx->stream().record_timed());
@@ -1222,9 +1273,17 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
   // The communication stream goes after the last step's optimizer (it reads the shards).
   COSHARD_CO_TRY(State::order(compute, cs));
   s.grads_out_in_backward = s.offloaded() && s.o.zero_stage >= 2 && micro_batches.size() == 1;
+  s.stepping_in_backward = s.o.step_in_backward && s.grads_out_in_backward;
+  s.step_lr = lr;
+  if (s.stepping_in_backward) {
+    if (!(lr >= 0)) co_return fail(ErrorCode::invalid_argument, "lr=", lr, ": expected >= 0");
+    COSHARD_CO_TRY(s.optimizer->begin_grad_stats(*s.host_ctx));
+  }
   for (auto& u : s.units) {
     u->grads_this_step = 0;
     u->grads_out = false;
+    u->forward_uses = 0;
+    u->stepped_early = false;
     if (s.o.zero_stage == 1) COSHARD_CO_TRY(compute.fill(u->grad_full.data(), 0, u->info.padded_bytes));
   }
   if (s.offloaded()) {
@@ -1296,7 +1355,12 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
     }
     COSHARD_CO_TRY_ASSIGN(auto grads_out, compute.record());
     COSHARD_CO_TRY(host.wait(grads_out));
-    COSHARD_CO_TRY(s.optimizer->compute_grad_stats(*s.host_ctx));
+    if (s.stepping_in_backward) {  // the units not stepped yet add their share
+      for (auto& u : s.units)
+        if (!u->stepped_early) COSHARD_CO_TRY(s.optimizer->add_grad_stats(*s.host_ctx, s.first_group + u->index));
+    } else {
+      COSHARD_CO_TRY(s.optimizer->compute_grad_stats(*s.host_ctx));
+    }
     COSHARD_CO_TRY_ASSIGN(auto stats_ready, host.record());
     COSHARD_CO_TRY(co_await State::after(compute, stats_ready));
     const Tensor host_stats = s.optimizer->grad_stats();
@@ -1310,9 +1374,16 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
     COSHARD_CO_TRY(host.wait(stats_back));
     COSHARD_CO_TRY(host.copy(host_stats.data(), s.grad_stats_back.data(), host_stats.bytes()));
     if (!s.swapped()) {
-      COSHARD_CO_TRY(s.optimizer->apply(*s.host_ctx, lr));
+      if (s.stepping_in_backward) {
+        for (auto& u : s.units)
+          if (!u->stepped_early) COSHARD_CO_TRY(s.optimizer->apply_one(*s.host_ctx, s.first_group + u->index, lr));
+        COSHARD_CO_TRY(s.optimizer->finish_step(*s.host_ctx));
+      } else {
+        COSHARD_CO_TRY(s.optimizer->apply(*s.host_ctx, lr));
+      }
       COSHARD_CO_TRY_ASSIGN(auto stepped, host.record());
       COSHARD_CO_TRY(co_await State::after(compute, stepped));
+      if (s.stepping_in_backward) COSHARD_CO_TRY(s.no_step_in_backward_saw_non_finite());
       for (auto& u : s.units) {
         if (u->shard.data() == u->host_master.data()) continue;  // parameters offloaded: the master is the shard
         COSHARD_CO_TRY(compute.copy(u->shard.data(), u->host_master.data(), u->shard.bytes()));

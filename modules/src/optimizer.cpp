@@ -176,40 +176,55 @@ Tensor Optimizer::loss_scale() const noexcept { return state_ ? state_.slice(2, 
 Tensor Optimizer::grad_stats() const noexcept { return state_ ? state_.slice(0, Shape{2}) : Tensor{}; }
 
 Result<void> Optimizer::compute_grad_stats(Context& ctx) {
-  if (groups_.empty()) return fail(ErrorCode::invalid_argument, "Optimizer: no parameter groups (call add_group)");
-  auto* st = state_.data_as<StepState>();
-  COSHARD_TRY(ctx.kernels().step_begin(ctx.stream(), st));
-  for (const auto& g : groups_)
-    COSHARD_TRY(ctx.kernels().grad_stats(ctx.stream(), g.grads.dtype(), g.grads.data(), g.grads.numel(), st));
+  COSHARD_TRY(begin_grad_stats(ctx));
+  for (std::size_t i = 0; i < groups_.size(); ++i) COSHARD_TRY(add_grad_stats(ctx, i));
   return {};
 }
+
+Result<void> Optimizer::begin_grad_stats(Context& ctx) {
+  if (groups_.empty()) return fail(ErrorCode::invalid_argument, "Optimizer: no parameter groups (call add_group)");
+  return ctx.kernels().step_begin(ctx.stream(), state_.data_as<StepState>());
+}
+
+Result<void> Optimizer::add_grad_stats(Context& ctx, std::size_t i) {
+  if (i >= groups_.size()) return fail(ErrorCode::out_of_range, "Optimizer::add_grad_stats(", i, "): ", groups_.size(), " groups");
+  const Group& g = groups_[i];
+  return ctx.kernels().grad_stats(ctx.stream(), g.grads.dtype(), g.grads.data(), g.grads.numel(),
+                                  state_.data_as<StepState>());
+}
+
+Result<void> Optimizer::apply_one(Context& ctx, std::size_t i, float lr) {
+  if (i >= groups_.size()) return fail(ErrorCode::out_of_range, "Optimizer::apply_one(", i, "): ", groups_.size(), " groups");
+  if (!(lr >= 0)) return fail(ErrorCode::invalid_argument, "lr=", lr, ": expected >= 0");
+  const Group& g = groups_[i];
+  if (!g.params)
+    return fail(ErrorCode::invalid_argument, "Optimizer::apply: swapped groups are stepped with apply_group and finish_step");
+  const auto& k = ctx.kernels();
+  auto* st = state_.data_as<StepState>();
+  const bool cast_back = g.params.dtype() != DataType::f32;
+  void* out = cast_back ? g.params.data() : nullptr;
+  if (impl_->adam) {
+    detail::AdamArgs a = impl_->adam_args;
+    a.lr = lr;
+    return k.adamw(ctx.stream(), g.master.data_as<float>(), g.grads.dtype(), g.grads.data(), g.state1.data_as<float>(),
+                   g.state2.data_as<float>(), g.params.dtype(), out, g.params.numel(), a, st);
+  }
+  detail::SgdArgs a = impl_->sgd_args;
+  a.lr = lr;
+  return k.sgd(ctx.stream(), g.master.data_as<float>(), g.grads.dtype(), g.grads.data(),
+               g.state1 ? g.state1.data_as<float>() : nullptr, g.params.dtype(), out, g.params.numel(), a, st);
+}
+
+const StepControlOptions& Optimizer::control() const noexcept { return impl_->control; }
 
 Result<void> Optimizer::apply(Context& ctx, float lr) {
   if (groups_.empty()) return fail(ErrorCode::invalid_argument, "Optimizer: no parameter groups (call add_group)");
   if (!(lr >= 0)) return fail(ErrorCode::invalid_argument, "lr=", lr, ": expected >= 0");
-  const auto& k = ctx.kernels();
-  auto* st = state_.data_as<StepState>();
   for (const auto& g : groups_)
     if (!g.params)
       return fail(ErrorCode::invalid_argument, "Optimizer::apply: swapped groups are stepped with apply_group and finish_step");
-  for (const auto& g : groups_) {
-    const bool cast_back = g.params.dtype() != DataType::f32;
-    void* out = cast_back ? g.params.data() : nullptr;
-    if (impl_->adam) {
-      detail::AdamArgs a = impl_->adam_args;
-      a.lr = lr;
-      COSHARD_TRY(k.adamw(ctx.stream(), g.master.data_as<float>(), g.grads.dtype(), g.grads.data(),
-                          g.state1.data_as<float>(), g.state2.data_as<float>(), g.params.dtype(), out,
-                          g.params.numel(), a, st));
-    } else {
-      detail::SgdArgs a = impl_->sgd_args;
-      a.lr = lr;
-      COSHARD_TRY(k.sgd(ctx.stream(), g.master.data_as<float>(), g.grads.dtype(), g.grads.data(),
-                        g.state1 ? g.state1.data_as<float>() : nullptr, g.params.dtype(), out, g.params.numel(), a,
-                        st));
-    }
-  }
-  return k.step_end(ctx.stream(), st, impl_->scale_args());
+  for (std::size_t i = 0; i < groups_.size(); ++i) COSHARD_TRY(apply_one(ctx, i, lr));
+  return finish_step(ctx);
 }
 
 Result<void> Optimizer::step(Context& ctx, float lr) {

@@ -435,6 +435,30 @@ TEST(Engine, RejectsBadOptionsWithClearErrors) {
     ASSERT_FALSE(e) << c.expect;
     EXPECT_NE(e.error().message().find(c.expect), std::string::npos) << e.error().message();
   }
+  // step_in_backward: only where each update can go ahead alone.
+  struct EarlyCase {
+    int stage;
+    OffloadTarget optimizer;
+    StepControlOptions control;
+    std::string expect;
+  };
+  for (const EarlyCase& c :
+       {EarlyCase{3, OffloadTarget::none, {}, "step_in_backward with offload_optimizer=none"},
+        EarlyCase{3, OffloadTarget::nvme, {}, "step_in_backward with offload_optimizer=nvme"},
+        EarlyCase{1, OffloadTarget::cpu, {}, "step_in_backward with zero_stage=1"},
+        EarlyCase{3, OffloadTarget::cpu, {.max_grad_norm = 1.0f}, "step_in_backward with max_grad_norm=1"},
+        EarlyCase{3, OffloadTarget::cpu, {.loss_scaling = LossScaling::fixed}, "step_in_backward with loss scaling"}}) {
+    auto controlled = Optimizer::adamw({}, c.control);
+    ASSERT_TRUE(controlled);
+    EngineOptions bad;
+    bad.zero_stage = c.stage;
+    bad.offload_optimizer = c.optimizer;
+    bad.nvme_path = "unused";
+    bad.step_in_backward = true;
+    e = Engine::create(*r.ctx, *(*comms)[0], **model, **controlled, bad);
+    ASSERT_FALSE(e) << c.expect;
+    EXPECT_NE(e.error().message().find(c.expect), std::string::npos) << e.error().message();
+  }
 }
 
 
@@ -589,6 +613,60 @@ TEST(Engine, CpuOptimizerOffloadGivesTheSameLosses) {
       EXPECT_EQ(stats.optimizer.steps, 6);
     }
   }
+}
+
+// The offloaded CPU step during backward: each unit stepped on the host as soon as its gradient
+// shard is out gives the bits of stepping after backward (without clipping each update depends
+// on its own unit alone), at stages 2 and 3, world sizes 1 and 2, with the parameters on the
+// device or in pinned memory, with evaluation between steps; steady steps stay free of blocking
+// waits, and every unit was stepped during backward.
+TEST(Engine, StepInBackwardGivesTheBitsOfSteppingAfterIt) {
+  struct Case {
+    int stage, world;
+    OffloadTarget params;
+  };
+  for (const Case& c : {Case{2, 1, OffloadTarget::none}, Case{2, 2, OffloadTarget::none}, Case{3, 1, OffloadTarget::none},
+                        Case{3, 2, OffloadTarget::none}, Case{3, 2, OffloadTarget::cpu}}) {
+    SCOPED_TRACE("stage " + std::to_string(c.stage) + ", world " + std::to_string(c.world) + ", params " +
+                 std::string(to_string(c.params)));
+    ZeroSetup setup;
+    setup.world = c.world;
+    setup.steps = 6;
+    setup.evaluate_between_steps = true;
+    setup.options.zero_stage = c.stage;
+    setup.options.offload_optimizer = OptimizerOffload::cpu;
+    setup.options.offload_params = c.params;
+    const auto after = run_zero(setup);
+    setup.options.step_in_backward = true;
+    setup.strict_after_first = true;
+    const auto during = run_zero(setup);
+    ASSERT_TRUE(after.error.empty()) << after.error;
+    ASSERT_TRUE(during.error.empty()) << during.error;
+    EXPECT_EQ(losses_of(during), losses_of(after));
+    EXPECT_EQ(during.eval_losses, after.eval_losses);
+    EXPECT_EQ(during.strict_blocking_waits, 0u);
+    for (int rank = 0; rank < c.world; ++rank) {
+      for (std::size_t step = 0; step < during.stats[0].size(); ++step) {
+        const auto& d = during.stats[static_cast<std::size_t>(rank)][step];
+        const auto& a = after.stats[static_cast<std::size_t>(rank)][step];
+        EXPECT_EQ(d.stepped_in_backward, during.units.size());
+        EXPECT_EQ(a.stepped_in_backward, 0u);
+        // The reported norm sums the units in backward order instead of unit order: the same up
+        // to rounding (without clipping it decides nothing).
+        EXPECT_NEAR(d.optimizer.grad_norm, a.optimizer.grad_norm, 1e-5f * a.optimizer.grad_norm);
+        EXPECT_EQ(d.optimizer.steps, a.optimizer.steps);
+      }
+    }
+  }
+  // Two micro-batches: the shards are out only after the last, so the step runs after backward.
+  ZeroSetup accumulate;
+  accumulate.steps = 2;
+  accumulate.micro_batches = 2;
+  accumulate.options.offload_optimizer = OptimizerOffload::cpu;
+  accumulate.options.step_in_backward = true;
+  const auto run = run_zero(accumulate);
+  ASSERT_TRUE(run.error.empty()) << run.error;
+  EXPECT_EQ(run.stats[0].back().stepped_in_backward, 0u);
 }
 
 // Optimizer state on NVMe, streamed through pinned buffers by the swapper each step: the same

@@ -101,6 +101,14 @@ struct EngineOptions {
   // most param_buffer_count at once (pinned buffers of the largest shard, under the budget).
   OffloadTarget offload_params = OffloadTarget::none;
   int param_buffer_count = 4;
+  // With offload_optimizer=cpu at stages 2-3: each unit's shard is stepped on the CPU stream as
+  // soon as its last gradient shard of the step is out, while backward goes on, instead of after
+  // the whole backward. The updated shards go back to the device after backward, as before. It
+  // needs gradient clipping off and no loss scaling (each update then depends on its own unit's
+  // gradients alone), and gives the same bits. A step with more than one micro-batch steps after
+  // backward. A non-finite gradient cannot skip units already stepped: such a step fails on
+  // every rank, naming it, instead of being skipped (restore a checkpoint).
+  bool step_in_backward = false;
 };
 
 // Where parameters may be offloaded given the rest (Engine::create checks it; a configuration
@@ -163,6 +171,7 @@ struct EngineStepStats {
   std::uint64_t gathered_bytes = 0;         // parameter bytes received by all-gathers (padded units)
   std::uint64_t reduce_scattered_bytes = 0; // gradient bytes put into reduce-scatters
   std::uint64_t swap_bytes = 0;             // offload: gradient shards out, parameter shards back, state and parameter shards read and written
+  std::uint64_t stepped_in_backward = 0;    // step_in_backward: units stepped on the host during backward
   std::size_t peak_live_bytes = 0;    // most gathered bytes held at once (stage 3)
   std::size_t peak_prefetched_bytes = 0;  // most bytes gathered ahead of use at once (the prefetch depth)
   bool trace_changed = false;         // the order departed from the recorded trace

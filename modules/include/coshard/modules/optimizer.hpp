@@ -87,6 +87,13 @@ class Optimizer {
   Tensor loss_scale() const noexcept;
 
   Result<void> compute_grad_stats(Context& ctx);
+  // compute_grad_stats in pieces, for a step that updates groups as their gradients come (the
+  // ZeRO engine's step_in_backward): begin, then each group's share, in any order.
+  Result<void> begin_grad_stats(Context& ctx);
+  Result<void> add_grad_stats(Context& ctx, std::size_t group);
+  // One bound group's update (apply() is every group's, then finish_step).
+  Result<void> apply_one(Context& ctx, std::size_t group, float lr);
+  const StepControlOptions& control() const noexcept;
   // f32[2]: sum of squared gradients, overflow flag. Sum it across ranks before apply().
   Tensor grad_stats() const noexcept;
   Result<void> apply(Context& ctx, float lr);
