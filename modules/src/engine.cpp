@@ -696,13 +696,10 @@ struct Engine::State {
     return bind_values(u, values_of(u));
   }
 
-  // After a step_in_backward step (the host stream has passed it): the summed overflow flag says
-  // whether any rank saw a non-finite gradient. Units stepped during backward cannot be skipped
-  // any more, so the step fails, on every rank alike (the flag is summed over ranks).
-  Result<void> no_step_in_backward_saw_non_finite() const {
-    const Tensor stats = optimizer->grad_stats();  // host memory: [sum of squares, overflow flag]
-    const float overflow = stats.data_as<float>()[1];
-    if (overflow == 0.0f) return {};
+  // After a step_in_backward step whose optimizer report says it was skipped (the overflow flag
+  // is summed over ranks, so every rank reads the same): the units stepped during backward
+  // cannot be skipped any more, so the step fails, on every rank alike.
+  Result<void> step_in_backward_saw_non_finite() const {
     std::size_t stepped = 0;
     for (const auto& u : units) stepped += u->stepped_early ? 1 : 0;
     return fail(ErrorCode::unsupported, "Engine::step: a non-finite gradient with step_in_backward: ", stepped,
@@ -1383,7 +1380,6 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
       }
       COSHARD_CO_TRY_ASSIGN(auto stepped, host.record());
       COSHARD_CO_TRY(co_await State::after(compute, stepped));
-      if (s.stepping_in_backward) COSHARD_CO_TRY(s.no_step_in_backward_saw_non_finite());
       for (auto& u : s.units) {
         if (u->shard.data() == u->host_master.data()) continue;  // parameters offloaded: the master is the shard
         COSHARD_CO_TRY(compute.copy(u->shard.data(), u->host_master.data(), u->shard.bytes()));
@@ -1431,6 +1427,10 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
   const std::uint64_t launches = s.comm->launches() - launches_before;
   COSHARD_CO_TRY_ASSIGN(auto host_loss, co_await ctx.read(loss_sum));
   COSHARD_CO_TRY_ASSIGN(auto optimizer_stats, co_await s.optimizer->read_stats(s.optimizer_ctx()));
+  if (s.stepping_in_backward && optimizer_stats.last_skipped) {
+    auto refused = s.step_in_backward_saw_non_finite();
+    co_return fail(std::move(refused).error());
+  }
   // Every event of the step has passed now (the reads came after all of it): read the timings.
   s.collect_timing();
     COSHARD_CO_TRY(co_await s.agree_on_measurements());

@@ -107,6 +107,7 @@ struct ZeroRun {
   std::vector<std::vector<double>> eval_losses;  // [rank][step]
   std::size_t device_bytes = 0;  // rank 0's device memory in use once the engine is built and initialised
   std::string error;
+  std::vector<std::string> errors;  // [rank]
 };
 
 struct ZeroSetup {
@@ -116,6 +117,7 @@ struct ZeroSetup {
   StepControlOptions control;
   int steps = 20;
   int micro_batches = 1;
+  float lr = 1e-2f;
   bool strict_after_first = false;
   std::function<void(int rank, int step)> before_step;  // host-side, on the rank's thread
   std::chrono::microseconds comm_delay{0};             // a slow link: sleep before each launch
@@ -163,7 +165,7 @@ ZeroRun run_zero(const ZeroSetup& setup) {
           sync.arrive_and_wait();
         }
         if (setup.before_step) setup.before_step(rank, step);
-        COSHARD_CO_TRY_ASSIGN(auto stats, co_await engine->step(loss, mbs, 1e-2f));
+        COSHARD_CO_TRY_ASSIGN(auto stats, co_await engine->step(loss, mbs, setup.lr));
         run.stats[static_cast<std::size_t>(rank)].push_back(stats);
         if (setup.evaluate_between_steps) {
           COSHARD_CO_TRY_ASSIGN(Batch held_out, slice(*r.ctx, make_batch(10'000 + step), rank * per_rank,
@@ -192,6 +194,7 @@ ZeroRun run_zero(const ZeroSetup& setup) {
   async::set_strict_sync(false);
   for (const auto& e : errors)
     if (!e.empty()) run.error = e;
+  run.errors = errors;
   return run;
 }
 
@@ -667,6 +670,27 @@ TEST(Engine, StepInBackwardGivesTheBitsOfSteppingAfterIt) {
   const auto run = run_zero(accumulate);
   ASSERT_TRUE(run.error.empty()) << run.error;
   EXPECT_EQ(run.stats[0].back().stepped_in_backward, 0u);
+}
+
+// A non-finite gradient: stepping after backward skips the step; with step_in_backward the units
+// already stepped cannot be skipped, so the step fails on every rank, saying so. (A huge learning
+// rate makes the parameters overflow at the first step, so the second step's gradients are not
+// finite.)
+TEST(Engine, StepInBackwardFailsEveryRankOnANonFiniteGradient) {
+  ZeroSetup setup;
+  setup.world = 2;
+  setup.steps = 3;
+  setup.lr = 1e38f;
+  setup.options.offload_optimizer = OptimizerOffload::cpu;
+  const auto after = run_zero(setup);
+  ASSERT_TRUE(after.error.empty()) << after.error;
+  bool skipped = false;
+  for (const auto& st : after.stats[0]) skipped = skipped || st.optimizer.last_skipped;
+  EXPECT_TRUE(skipped) << "the learning rate did not make a gradient overflow";
+  setup.options.step_in_backward = true;
+  const auto during = run_zero(setup);
+  for (const auto& e : during.errors)
+    EXPECT_NE(e.find("a non-finite gradient with step_in_backward"), std::string::npos) << "[" << e << "]";
 }
 
 // Optimizer state on NVMe, streamed through pinned buffers by the swapper each step: the same
