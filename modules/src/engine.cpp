@@ -930,6 +930,23 @@ Result<void> check_offload_placement(const EngineOptions& o) {
   return {};
 }
 
+Result<void> check_step_in_backward(const EngineOptions& o, const StepControlOptions& control) {
+  if (!o.step_in_backward) return {};
+  if (o.offload_optimizer != OffloadTarget::cpu)
+    return fail(ErrorCode::invalid_argument, "step_in_backward with offload_optimizer=", to_string(o.offload_optimizer),
+                ": steps the shards on the CPU as their gradients come (expected offload_optimizer=cpu)");
+  if (o.zero_stage < 2)
+    return fail(ErrorCode::invalid_argument, "step_in_backward with zero_stage=", o.zero_stage,
+                ": the gradients are reduced after backward there (expected zero_stage 2 or 3)");
+  if (control.max_grad_norm != 0.0f)
+    return fail(ErrorCode::invalid_argument, "step_in_backward with max_grad_norm=", control.max_grad_norm,
+                ": clipping needs the global norm, known only after backward (expected 0: no clipping)");
+  if (control.loss_scaling != LossScaling::none)
+    return fail(ErrorCode::invalid_argument, "step_in_backward with loss scaling: an overflow must be able to ",
+                "skip the whole step (expected none)");
+  return {};
+}
+
 std::string_view to_string(OffloadTarget t) noexcept {
   switch (t) {
     case OffloadTarget::none: return "none";
@@ -1036,21 +1053,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   s->budget = std::make_shared<Budget>(o.max_live_bytes);
 
   COSHARD_TRY(check_offload_placement(o));
-  if (o.step_in_backward) {
-    const StepControlOptions& control = optimizer.control();
-    if (o.offload_optimizer != OffloadTarget::cpu)
-      return fail(ErrorCode::invalid_argument, "step_in_backward with offload_optimizer=", to_string(o.offload_optimizer),
-                  ": steps the shards on the CPU as their gradients come (expected offload_optimizer=cpu)");
-    if (o.zero_stage < 2)
-      return fail(ErrorCode::invalid_argument, "step_in_backward with zero_stage=1: the gradients are reduced after ",
-                  "backward there (expected zero_stage 2 or 3)");
-    if (control.max_grad_norm != 0.0f)
-      return fail(ErrorCode::invalid_argument, "step_in_backward with max_grad_norm=", control.max_grad_norm,
-                  ": clipping needs the global norm, known only after backward (expected 0: no clipping)");
-    if (control.loss_scaling != LossScaling::none)
-      return fail(ErrorCode::invalid_argument, "step_in_backward with loss scaling: an overflow must be able to ",
-                  "skip the whole step (expected LossScaling::none)");
-  }
+  COSHARD_TRY(check_step_in_backward(o, optimizer.control()));
 
   // Optimizer offload: its stream, context and pinned memory (checked against the budget now).
   if (s->offloaded()) {

@@ -96,6 +96,27 @@ TEST(CoshardTrain, MetricsHaveEveryKeyAndTheLossFalls) {
   EXPECT_LT(rows[29]["loss"].get<double>(), 0.8 * rows[0]["loss"].get<double>());
 }
 
+// --step-in-backward steps each unit on the CPU during backward: the losses of stepping after
+// backward, bit for bit (no clipping).
+TEST(CoshardTrain, StepInBackwardTrainsLikeSteppingAfterBackward) {
+  const fs::path dir = scratch("step_in_backward");
+  std::vector<std::vector<double>> losses;
+  for (const bool early : {false, true}) {
+    const fs::path metrics = dir / (early ? "early.jsonl" : "after.jsonl");
+    auto args = with(kTiny, {"--steps", "6", "--world-size", "2", "--offload-optimizer", "cpu", "--clip", "0",
+                             "--metrics", metrics.string()});
+    if (early) args.push_back("--step-in-backward");
+    const auto r = run(args, dir);
+    ASSERT_EQ(r.code, 0) << r.output;
+    std::ifstream in(metrics);
+    std::string line;
+    losses.emplace_back();
+    while (std::getline(in, line)) losses.back().push_back(nlohmann::json::parse(line)["loss"].get<double>());
+  }
+  ASSERT_EQ(losses[0].size(), 6u);
+  EXPECT_EQ(losses[1], losses[0]);
+}
+
 // --trace: valid Chrome-trace JSON with spans on both streams of every rank, from device
 // timestamps, and exposed communication in the metrics.
 TEST(CoshardTrain, TraceHasSpansOnEveryStreamOfEveryRank) {
@@ -150,6 +171,8 @@ TEST(CoshardTrain, BadCommandLinesAreNamed) {
       {{"--max-live", "12parsecs"}, "unknown unit 'parsecs'"},
       {{"--zero-stage", "7"}, "zero_stage=7"},
       {{"--offload-params", "cpu"}, "offload_params=cpu with offload_optimizer=none"},
+      {{"--offload-optimizer", "cpu", "--step-in-backward"}, "step_in_backward with max_grad_norm=1"},
+      {{"--step-in-backward", "--clip", "0"}, "step_in_backward with offload_optimizer=none"},
       {{"--checkpoint-every", "5"}, "need --checkpoint-dir"},
       {{"--dim", "30", "--heads", "4"}, "--dim 30 is not a multiple of --heads 4"},
       {{"--data", (dir / "absent.txt").string()}, "absent.txt"},

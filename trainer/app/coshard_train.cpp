@@ -279,6 +279,9 @@ int main(int argc, char** argv) {
   app.add_option("--trace", o.trace, "a Chrome-trace/Perfetto JSON timeline of every step, from device timestamps");
   bool no_timing = false;
   app.add_flag("--no-timing", no_timing, "no device-timestamp timing (exposed_comm_ms becomes null)");
+  bool step_in_backward = false;
+  app.add_flag("--step-in-backward", step_in_backward,
+               "with --offload-optimizer cpu: step each unit on the CPU while backward goes on (needs --clip 0)");
   app.add_option("--checkpoint-dir", o.checkpoint_dir, "folder of sharded checkpoints");
   app.add_option("--checkpoint-every", o.checkpoint_every, "save every N steps (0: never)")
       ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40));
@@ -325,6 +328,7 @@ int main(int argc, char** argv) {
   if (off_par->count()) c.offload_params = cli.offload_params;
   if (host_budget->count()) c.host_memory_budget = cli.host_memory_budget;
   c.timing = !no_timing;
+  if (step_in_backward) c.step_in_backward = true;
   c.record_timeline = !o.trace.empty();
   if (auto ok = c.validate(); !ok) {
     std::fprintf(stderr, "coshard-train: %s\n", ok.error().message().c_str());

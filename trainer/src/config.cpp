@@ -88,12 +88,21 @@ Result<void> TrainerConfig::validate() const {
   // (offload_params=nvme keeps its shards in the optimizer's swap files: its own path is optional)
   COSHARD_TRY(check_offload(offload_params, "offload_params", false));
   COSHARD_TRY(modules::check_offload_placement(engine_options()));
+  COSHARD_TRY(modules::check_step_in_backward(engine_options(), step_control()));
   if (offload_params.device == OffloadDevice::nvme && !offload_params.nvme_path.empty() &&
       offload_params.nvme_path != offload_optimizer.nvme_path)
     return fail(ErrorCode::invalid_argument, "offload_params.nvme_path=", offload_params.nvme_path.string(),
                 ": the parameter shards live in the optimizer's swap files, in offload_optimizer.nvme_path=",
                 offload_optimizer.nvme_path.string(), " (give the same folder, or none)");
   return {};
+}
+
+modules::StepControlOptions TrainerConfig::step_control() const {
+  modules::StepControlOptions control;
+  control.max_grad_norm = max_grad_norm;
+  control.loss_scaling = loss_scaling;
+  control.initial_loss_scale = initial_loss_scale;
+  return control;
 }
 
 modules::EngineOptions TrainerConfig::engine_options() const {
@@ -114,6 +123,7 @@ modules::EngineOptions TrainerConfig::engine_options() const {
   o.offload_params = target_of(offload_params.device);
   o.param_buffer_count = offload_params.buffer_count;
   o.host_memory_budget = host_memory_budget;
+  o.step_in_backward = step_in_backward;
   o.timing = timing;
   o.record_timeline = record_timeline;
   return o;

@@ -163,10 +163,7 @@ async::Task<Result<Trainer>> TrainerBuilder::build(modules::Module& model) const
   COSHARD_CO_TRY_ASSIGN(auto ctx, modules::Context::create(*impl->stream, *impl->allocator));
   impl->ctx = std::make_unique<modules::Context>(std::move(ctx));
 
-  modules::StepControlOptions control;
-  control.max_grad_norm = c_.max_grad_norm;
-  control.loss_scaling = c_.loss_scaling;
-  control.initial_loss_scale = c_.initial_loss_scale;
+  const modules::StepControlOptions control = c_.step_control();
   if (c_.optimizer == OptimizerKind::adamw) {
     modules::AdamWOptions a;
     a.beta1 = c_.beta1;

@@ -114,6 +114,9 @@ struct EngineOptions {
 // Where parameters may be offloaded given the rest (Engine::create checks it; a configuration
 // layer can check it before building): the first rule broken, named.
 Result<void> check_offload_placement(const EngineOptions& o);
+// Whether step_in_backward can go with the rest (the optimizer's clipping and loss scaling among
+// them): the first rule broken, named. Engine::create checks it; so can a configuration layer.
+Result<void> check_step_in_backward(const EngineOptions& o, const StepControlOptions& control);
 
 // One span of a step's timeline, in milliseconds from the engine's timeline epoch.
 struct TimelineSpan {

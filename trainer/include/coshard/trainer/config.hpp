@@ -73,6 +73,9 @@ struct TrainerConfig {
   OffloadOptions offload_optimizer;  // none, cpu or nvme (path, buffer_count)
   OffloadOptions offload_params;     // none, cpu or nvme (stage 3, with offload_optimizer; nvme: in its swap files)
   std::size_t host_memory_budget = 0;  // pinned bytes the offload may use; 0: exactly what it needs
+  // offload_optimizer=cpu: step each unit on the CPU while backward goes on (EngineOptions::
+  // step_in_backward; needs max_grad_norm=0 and no loss scaling).
+  bool step_in_backward = false;
 
   // Compute (and reduce) in `compute`; f16 turns on dynamic loss scaling unless scaling is set.
   void set_compute_dtype(modules::DataType compute) noexcept;
@@ -81,6 +84,8 @@ struct TrainerConfig {
   Result<void> validate() const;
   // The engine's view of these settings.
   modules::EngineOptions engine_options() const;
+  // The optimizer's clipping and loss scaling, as the trainer builds it.
+  modules::StepControlOptions step_control() const;
   // The learning rate of step `step` (0-based) under the warm-up.
   float lr_at(std::int64_t step) const noexcept;
 

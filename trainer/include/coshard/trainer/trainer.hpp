@@ -146,6 +146,7 @@ class TrainerBuilder {
   TrainerBuilder& record_timeline(bool on) { c_.record_timeline = on; return *this; }
   TrainerBuilder& offload_optimizer(OffloadOptions v) { c_.offload_optimizer = std::move(v); return *this; }
   TrainerBuilder& offload_params(OffloadOptions v) { c_.offload_params = std::move(v); return *this; }
+  TrainerBuilder& step_in_backward(bool on) { c_.step_in_backward = on; return *this; }
 
   const TrainerConfig& config() const noexcept { return c_; }
 
