@@ -228,7 +228,7 @@ struct OffloadRun {
   std::size_t device_bytes = 0;
 };
 Result<OffloadRun> offload_run(const std::filesystem::path& folder, OffloadTarget optimizer, OffloadTarget params,
-                               int steps) {
+                               int steps, bool step_in_backward = false) {
   RankSetup r;
   auto comms = collectives::make_local_communicators(1);
   if (!comms) return fail(std::move(comms).error());
@@ -242,6 +242,7 @@ Result<OffloadRun> offload_run(const std::filesystem::path& folder, OffloadTarge
     o.offload_optimizer = optimizer;
     o.offload_params = params;
     o.nvme_path = folder;
+    o.step_in_backward = step_in_backward;
     if (const char* b = std::getenv("ENGINE_BENCH_SWAP_BUFFERS")) o.swap_buffer_count = std::atoi(b);
     COSHARD_CO_TRY_ASSIGN(auto engine, Engine::create(*r.ctx, *(*comms)[0], *model, *opt, o));
     COSHARD_CO_TRY(co_await engine->initialize(1));
@@ -366,6 +367,30 @@ void BM_ParameterOffload(benchmark::State& state) {
   std::filesystem::remove_all(folder);
 }
 BENCHMARK(BM_ParameterOffload)->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
+
+// The offloaded CPU step during backward (step_in_backward) against after it: the whole step,
+// optimizer on the CPU, parameters on the device, runs alternated (after, during, after, during)
+// so that drift falls on both. Below 1: the CPU step hid behind backward.
+void BM_StepInBackward(benchmark::State& state) {
+  constexpr int kSteps = 6;
+  const auto folder = std::filesystem::current_path() / "step_in_backward_bench";
+  for (auto _ : state) {
+    double after = 0, during = 0;
+    for (int round = 0; round < 2; ++round) {
+      for (const bool early : {false, true}) {
+        auto run = offload_run(folder, OffloadTarget::cpu, OffloadTarget::none, kSteps, early);
+        if (!run) return state.SkipWithError(run.error().message().c_str());
+        (early ? during : after) += run->step_ms / 2;
+      }
+    }
+    state.counters["after_step_ms"] = after;
+    state.counters["during_step_ms"] = during;
+    state.counters["ratio"] = during / after;
+    state.SetIterationTime(during * 1e-3);
+  }
+  std::filesystem::remove_all(folder);
+}
+BENCHMARK(BM_StepInBackward)->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
 
 void BM_HostOverheadPerUnit(benchmark::State& state) {
   constexpr int kModules = 1000;
