@@ -14,15 +14,6 @@ namespace coshard::trainer {
 using modules::DataType;
 using json = nlohmann::json;
 
-std::string_view to_string(OffloadDevice d) noexcept {
-  switch (d) {
-    case OffloadDevice::none: return "none";
-    case OffloadDevice::cpu: return "cpu";
-    case OffloadDevice::nvme: return "nvme";
-  }
-  return "?";
-}
-
 std::string_view to_string(OptimizerKind k) noexcept { return k == OptimizerKind::adamw ? "adamw" : "sgd"; }
 
 namespace {
@@ -42,15 +33,6 @@ Result<void> check_offload(const OffloadOptions& o, std::string_view what, bool 
   if (o.buffer_bytes < 4096)
     return fail(ErrorCode::invalid_argument, what, ".buffer_bytes=", o.buffer_bytes, ": expected >= 4096");
   return {};
-}
-
-modules::OffloadTarget target_of(OffloadDevice d) noexcept {
-  switch (d) {
-    case OffloadDevice::none: return modules::OffloadTarget::none;
-    case OffloadDevice::cpu: return modules::OffloadTarget::cpu;
-    case OffloadDevice::nvme: return modules::OffloadTarget::nvme;
-  }
-  return modules::OffloadTarget::none;
 }
 
 }  // namespace
@@ -117,10 +99,10 @@ modules::EngineOptions TrainerConfig::engine_options() const {
   o.persistence_threshold_bytes = persistence_threshold_bytes;
   o.fetch_mode = fetch_mode;
   o.adaptive_prefetch = adaptive_prefetch;
-  o.offload_optimizer = target_of(offload_optimizer.device);
+  o.offload_optimizer = offload_optimizer.device;
   o.nvme_path = offload_optimizer.nvme_path;
   o.swap_buffer_count = offload_optimizer.buffer_count;
-  o.offload_params = target_of(offload_params.device);
+  o.offload_params = offload_params.device;
   o.param_buffer_count = offload_params.buffer_count;
   o.host_memory_budget = host_memory_budget;
   o.step_in_backward = step_in_backward;

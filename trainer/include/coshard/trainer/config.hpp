@@ -18,8 +18,9 @@
 
 namespace coshard::trainer {
 
-enum class OffloadDevice : std::uint8_t { none, cpu, nvme };
-std::string_view to_string(OffloadDevice d) noexcept;
+// Where offloaded state lives: the engine's own enum (none, cpu, nvme), with its to_string.
+using OffloadDevice = modules::OffloadTarget;
+using modules::to_string;
 
 struct OffloadOptions {
   OffloadDevice device = OffloadDevice::none;
