@@ -369,28 +369,35 @@ void BM_ParameterOffload(benchmark::State& state) {
 BENCHMARK(BM_ParameterOffload)->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
 
 // The offloaded CPU step during backward (step_in_backward) against after it: the whole step,
-// optimizer on the CPU, parameters on the device, runs alternated (after, during, after, during)
-// so that drift falls on both. Below 1: the CPU step hid behind backward.
+// optimizer on the CPU (arg 0) or on NVMe (arg 1: the swapper's reads and writes go beside
+// forward and backward too), parameters on the device, runs alternated (after, during, after,
+// during) so that drift falls on both. Below 1: the step hid behind backward.
 void BM_StepInBackward(benchmark::State& state) {
   constexpr int kSteps = 6;
+  const auto where = state.range(0) == 0 ? OffloadTarget::cpu : OffloadTarget::nvme;
+  state.SetLabel(std::string(to_string(where)));
   const auto folder = std::filesystem::current_path() / "step_in_backward_bench";
   for (auto _ : state) {
-    double after = 0, during = 0;
+    double after = 0, during = 0, after_tail = 0, during_tail = 0;
     for (int round = 0; round < 2; ++round) {
       for (const bool early : {false, true}) {
-        auto run = offload_run(folder, OffloadTarget::cpu, OffloadTarget::none, kSteps, early);
+        auto run = offload_run(folder, where, OffloadTarget::none, kSteps, early);
         if (!run) return state.SkipWithError(run.error().message().c_str());
         (early ? during : after) += run->step_ms / 2;
+        (early ? during_tail : after_tail) += run->optimizer_ms / 2;
       }
     }
     state.counters["after_step_ms"] = after;
     state.counters["during_step_ms"] = during;
+    // The optimizer phase after backward (timeline): what is left of the step once backward ends.
+    state.counters["after_opt_ms"] = after_tail;
+    state.counters["during_opt_ms"] = during_tail;
     state.counters["ratio"] = during / after;
     state.SetIterationTime(during * 1e-3);
   }
   std::filesystem::remove_all(folder);
 }
-BENCHMARK(BM_StepInBackward)->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_StepInBackward)->Arg(0)->Arg(1)->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
 
 void BM_HostOverheadPerUnit(benchmark::State& state) {
   constexpr int kModules = 1000;

@@ -4,6 +4,8 @@
 #include <deque>
 #include <unordered_map>
 
+#include "coshard/async/channel.hpp"
+#include "coshard/async/join_handle.hpp"
 #include "coshard/async/runtime.hpp"
 #include "coshard/offload/pinned_pool.hpp"
 #include "coshard/offload/swapper.hpp"
@@ -168,6 +170,13 @@ struct Engine::State {
   // gradient shard is out, at `step_lr`.
   bool stepping_in_backward = false;
   float step_lr = 0.0f;
+  // step_in_backward with the optimizer on nvme: a pass of the swapper runs beside forward and
+  // backward (swap_step), reading each unit's sub-group ahead and stepping it once the unit is
+  // handed over through grads_ready (its gradient shard out, its share of the statistics added).
+  // It goes in the order the units came last step (backward_order), reverse unit order at first.
+  std::optional<async::Sender<std::size_t>> grads_ready;
+  async::JoinHandle<Result<void>> swap_step;
+  std::vector<std::size_t> backward_order, handed_order;
   Context& optimizer_ctx() const noexcept { return offloaded() ? *host_ctx : *ctx; }
   Tensor backward_seed() const { return offloaded() ? device_loss_scale : optimizer->loss_scale(); }
   // `later` runs after `event` of another stream: device-side when it can wait on it (a CPU
@@ -715,10 +724,75 @@ struct Engine::State {
     COSHARD_TRY_ASSIGN(auto out, comm->stream().record());
     COSHARD_TRY(host_stream->wait(out));
     COSHARD_TRY(optimizer->add_grad_stats(*host_ctx, first_group + u.index));
-    COSHARD_TRY(optimizer->apply_one(*host_ctx, first_group + u.index, step_lr));
+    if (swapped()) {
+      COSHARD_TRY(hand_to_swap_step(u));
+    } else {
+      COSHARD_TRY(optimizer->apply_one(*host_ctx, first_group + u.index, step_lr));
+    }
     u.stepped_early = true;
     ++stats.stepped_in_backward;
     return {};
+  }
+  // nvme: the unit goes to the swapper's pass, which steps it when its sub-group is in. A pass
+  // that failed (an I/O error) is gone: backward goes on regardless, so that the step fails
+  // where stepping after backward would, with every rank's collectives launched alike, when the
+  // pass is awaited (with its error).
+  Result<void> hand_to_swap_step(const Unit& u) {
+    std::size_t index = u.index;
+    if (!grads_ready) return fail(ErrorCode::internal, "Engine: unit ", u.info.name, " handed to no swapped step");
+    auto sent = grads_ready->try_send(index);
+    if (!sent && sent.error().code() != ErrorCode::closed)
+      return fail(std::move(sent).error().with_context("stepping unit " + u.info.name + " in backward"));
+    handed_order.push_back(index);
+    return {};
+  }
+
+  // nvme: unit k's sub-group (master and state, in `bytes`) stepped on the host stream, and the
+  // new shard copied to the device on `to` (the buffer goes back to the swapper, to be written
+  // and reused, only after that copy). nvme parameters: the master in the file is the shard.
+  async::Task<Result<void>> step_swapped_unit(std::size_t k, std::span<std::byte> bytes, float lr, async::Stream& to) {
+    Unit& u = *units[k];
+    const UnitShard shard = swapped_shard(k, bytes);
+    const Tensor& master = shard.master;
+    COSHARD_CO_TRY(optimizer->apply_group(*host_ctx, first_group + k, lr, master, shard.state1, shard.state2));
+    COSHARD_CO_TRY_ASSIGN(auto stepped, host_stream->record());
+    if (params_on_nvme()) co_return co_await stepped;
+    COSHARD_CO_TRY(co_await after(to, stepped));
+    COSHARD_CO_TRY(to.copy(u.shard.data(), master.data(), u.shard.bytes()));
+    if (!params_offloaded()) stats.swap_bytes += u.shard.bytes();
+    COSHARD_CO_TRY_ASSIGN(auto copied, to.record());
+    co_return co_await copied;
+  }
+
+  // step_in_backward with the optimizer on nvme: one pass of the swapper over every sub-group,
+  // beside forward and backward. Each is read ahead (from the start of the step) and stepped
+  // once its unit arrives through `ready`; its new shard goes to the device on the communication
+  // stream, which has passed the unit's last backward (its reduction came after it). The
+  // channel closing before a unit arrives (backward failed) ends the pass with an error.
+  async::Task<Result<void>> swapped_step_in_backward(async::Receiver<std::size_t> ready, float lr) {
+    std::vector<std::size_t> order = backward_order;
+    if (order.size() != units.size()) {  // no step yet: backward goes roughly in reverse
+      order.clear();
+      for (std::size_t k = units.size(); k-- > 0;) order.push_back(k);
+    }
+    std::vector<offload::SubGroup> groups;
+    for (std::size_t k : order) groups.push_back(subgroups[k]);
+    std::vector<bool> arrived(units.size(), false);
+    const auto read_before = swapper->stats().bytes_read, written_before = swapper->stats().bytes_written;
+    auto step_when_ready = [&](std::size_t i, std::span<std::byte> bytes) -> async::Task<Result<void>> {
+      const std::size_t k = order[i];
+      while (!arrived[k]) {
+        auto next = co_await ready.recv();
+        if (!next)
+          co_return fail(ErrorCode::closed, "step_in_backward: the step ended before unit ", units[k]->info.name,
+                         " was stepped");
+        arrived.at(*next) = true;
+      }
+      co_return co_await step_swapped_unit(k, bytes, lr, comm->stream());
+    };
+    auto passed = co_await swapper->for_each(groups, step_when_ready, true);
+    stats.swap_bytes += (swapper->stats().bytes_read - read_before) + (swapper->stats().bytes_written - written_before);
+    co_return passed;
   }
 
   // Stages 1-2: every rank's shard into every rank's full copy, in one launch on the
@@ -932,9 +1006,9 @@ Result<void> check_offload_placement(const EngineOptions& o) {
 
 Result<void> check_step_in_backward(const EngineOptions& o, const StepControlOptions& control) {
   if (!o.step_in_backward) return {};
-  if (o.offload_optimizer != OffloadTarget::cpu)
+  if (o.offload_optimizer == OffloadTarget::none)
     return fail(ErrorCode::invalid_argument, "step_in_backward with offload_optimizer=", to_string(o.offload_optimizer),
-                ": steps the shards on the CPU as their gradients come (expected offload_optimizer=cpu)");
+                ": steps the shards on the CPU as their gradients come (expected offload_optimizer=cpu or nvme)");
   if (o.zero_stage < 2)
     return fail(ErrorCode::invalid_argument, "step_in_backward with zero_stage=", o.zero_stage,
                 ": the gradients are reduced after backward there (expected zero_stage 2 or 3)");
@@ -1262,6 +1336,21 @@ Result<void> Engine::after_backward(Context&, Module& module) {
 async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::span<const Batch> micro_batches,
                                                   float lr) {
   State& s = *s_;
+  auto stepped = co_await run_step(loss, micro_batches, lr);
+  if (s.swap_step.valid()) {
+    // The step failed before the swapper's pass was awaited: with the channel closed, the pass
+    // stops at the first unit not handed over, and its transfers finish before the state goes.
+    s.grads_ready.reset();
+    auto handle = std::move(s.swap_step);
+    (void)co_await handle;  // (its error, if any, follows from the step's)
+  }
+  s.grads_ready.reset();
+  co_return stepped;
+}
+
+async::Task<Result<EngineStepStats>> Engine::run_step(CrossEntropyLoss& loss, std::span<const Batch> micro_batches,
+                                                      float lr) {
+  State& s = *s_;
   if (micro_batches.empty()) co_return fail(ErrorCode::invalid_argument, "Engine::step: no micro-batches");
   Context& ctx = *s.ctx;
   auto& compute = ctx.stream();
@@ -1278,6 +1367,7 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
   if (s.stepping_in_backward) {
     if (!(lr >= 0)) co_return fail(ErrorCode::invalid_argument, "lr=", lr, ": expected >= 0");
     COSHARD_CO_TRY(s.optimizer->begin_grad_stats(*s.host_ctx));
+    s.handed_order.clear();
   }
   for (auto& u : s.units) {
     u->grads_this_step = 0;
@@ -1293,6 +1383,13 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
     COSHARD_CO_TRY(co_await State::after(compute, host_done));
     const Tensor scale = s.optimizer->loss_scale();
     COSHARD_CO_TRY(compute.copy(s.device_loss_scale.data(), scale.data(), scale.bytes()));
+  }
+  if (s.stepping_in_backward && s.swapped()) {  // the swapper's pass starts reading now
+    async::Runtime* rt = async::Runtime::current();
+    if (!rt) co_return fail(ErrorCode::invalid_argument, "Engine::step: must be awaited on a coshard Runtime");
+    COSHARD_CO_TRY_ASSIGN(auto channel, async::make_channel<std::size_t>(s.units.size() + 1));
+    s.grads_ready.emplace(std::move(channel.first));
+    s.swap_step = rt->spawn(s.swapped_step_in_backward(std::move(channel.second), lr));
   }
   COSHARD_CO_TRY_ASSIGN(Tensor loss_sum, ctx.zeros(Shape{1}, DataType::f32));
   for (const auto& mb : micro_batches) {
@@ -1356,8 +1453,12 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
     COSHARD_CO_TRY_ASSIGN(auto grads_out, compute.record());
     COSHARD_CO_TRY(host.wait(grads_out));
     if (s.stepping_in_backward) {  // the units not stepped yet add their share
-      for (auto& u : s.units)
-        if (!u->stepped_early) COSHARD_CO_TRY(s.optimizer->add_grad_stats(*s.host_ctx, s.first_group + u->index));
+      for (auto& u : s.units) {
+        if (u->stepped_early) continue;
+        COSHARD_CO_TRY(s.optimizer->add_grad_stats(*s.host_ctx, s.first_group + u->index));
+        if (s.swapped()) COSHARD_CO_TRY(s.hand_to_swap_step(*u));  // stepped by the swapper's pass
+      }
+      s.grads_ready.reset();  // every unit is handed over
     } else {
       COSHARD_CO_TRY(s.optimizer->compute_grad_stats(*s.host_ctx));
     }
@@ -1388,24 +1489,22 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
         COSHARD_CO_TRY(compute.copy(u->shard.data(), u->host_master.data(), u->shard.bytes()));
         s.stats.swap_bytes += u->shard.bytes();
       }
+    } else if (s.stepping_in_backward) {
+      // The swapper's pass has every unit now; its last copies to the device are on the
+      // communication stream, which the compute stream waits for below.
+      auto handle = std::move(s.swap_step);
+      COSHARD_CO_TRY(co_await handle);
+      s.backward_order = s.handed_order;
+      COSHARD_CO_TRY(s.optimizer->finish_step(*s.host_ctx));
+      COSHARD_CO_TRY_ASSIGN(auto finished, host.record());
+      COSHARD_CO_TRY(co_await State::after(compute, finished));
+      COSHARD_CO_TRY(State::order(cs, compute));
     } else {
       // Each unit's master and state come in from NVMe (read ahead), are stepped on the host,
       // the new shard goes to the device, and the sub-group goes back (written behind).
       const auto read_before = s.swapper->stats().bytes_read, written_before = s.swapper->stats().bytes_written;
       auto step_unit = [&](std::size_t k, std::span<std::byte> bytes) -> async::Task<Result<void>> {
-        Unit& u = *s.units[k];
-        const UnitShard shard = s.swapped_shard(k, bytes);
-        const Tensor& master = shard.master;
-        COSHARD_CO_TRY(s.optimizer->apply_group(*s.host_ctx, s.first_group + k, lr, master, shard.state1, shard.state2));
-        COSHARD_CO_TRY_ASSIGN(auto stepped, host.record());
-        // nvme parameters: the stepped master in the swap file is the shard (nothing to copy).
-        if (s.params_on_nvme()) co_return co_await stepped;
-        COSHARD_CO_TRY(co_await State::after(compute, stepped));
-        COSHARD_CO_TRY(compute.copy(u.shard.data(), master.data(), u.shard.bytes()));
-        if (!s.params_offloaded()) s.stats.swap_bytes += u.shard.bytes();
-        // The buffer goes back to the swapper (written, then reused) only after this copy.
-        COSHARD_CO_TRY_ASSIGN(auto copied, compute.record());
-        co_return co_await copied;
+        return s.step_swapped_unit(k, bytes, lr, compute);
       };
       COSHARD_CO_TRY(co_await s.swapper->for_each(s.subgroups, step_unit, true));
       COSHARD_CO_TRY(s.optimizer->finish_step(*s.host_ctx));

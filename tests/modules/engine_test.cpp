@@ -447,7 +447,7 @@ TEST(Engine, RejectsBadOptionsWithClearErrors) {
   };
   for (const EarlyCase& c :
        {EarlyCase{3, OffloadTarget::none, {}, "step_in_backward with offload_optimizer=none"},
-        EarlyCase{3, OffloadTarget::nvme, {}, "step_in_backward with offload_optimizer=nvme"},
+        EarlyCase{1, OffloadTarget::nvme, {}, "step_in_backward with zero_stage=1"},
         EarlyCase{1, OffloadTarget::cpu, {}, "step_in_backward with zero_stage=1"},
         EarlyCase{3, OffloadTarget::cpu, {.max_grad_norm = 1.0f}, "step_in_backward with max_grad_norm=1"},
         EarlyCase{3, OffloadTarget::cpu, {.loss_scaling = LossScaling::fixed}, "step_in_backward with loss scaling"}}) {
@@ -624,21 +624,29 @@ TEST(Engine, CpuOptimizerOffloadGivesTheSameLosses) {
 // device or in pinned memory, with evaluation between steps; steady steps stay free of blocking
 // waits, and every unit was stepped during backward.
 TEST(Engine, StepInBackwardGivesTheBitsOfSteppingAfterIt) {
+  const auto folder = std::filesystem::current_path() / ("engine_sib_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(folder);
   struct Case {
     int stage, world;
-    OffloadTarget params;
+    OffloadTarget optimizer, params;
   };
-  for (const Case& c : {Case{2, 1, OffloadTarget::none}, Case{2, 2, OffloadTarget::none}, Case{3, 1, OffloadTarget::none},
-                        Case{3, 2, OffloadTarget::none}, Case{3, 2, OffloadTarget::cpu}}) {
-    SCOPED_TRACE("stage " + std::to_string(c.stage) + ", world " + std::to_string(c.world) + ", params " +
-                 std::string(to_string(c.params)));
+  constexpr auto none = OffloadTarget::none, cpu = OffloadTarget::cpu, nvme = OffloadTarget::nvme;
+  // nvme: the swapper's pass runs beside forward and backward (two swap buffers: one stepping,
+  // one reading ahead, so reads wait for backward to hand units over).
+  for (const Case& c : {Case{2, 1, cpu, none}, Case{2, 2, cpu, none}, Case{3, 1, cpu, none}, Case{3, 2, cpu, none},
+                        Case{3, 2, cpu, cpu}, Case{2, 2, nvme, none}, Case{3, 1, nvme, none}, Case{3, 2, nvme, none},
+                        Case{3, 2, nvme, cpu}, Case{3, 2, nvme, nvme}}) {
+    SCOPED_TRACE("stage " + std::to_string(c.stage) + ", world " + std::to_string(c.world) + ", optimizer " +
+                 std::string(to_string(c.optimizer)) + ", params " + std::string(to_string(c.params)));
     ZeroSetup setup;
     setup.world = c.world;
     setup.steps = 6;
     setup.evaluate_between_steps = true;
     setup.options.zero_stage = c.stage;
-    setup.options.offload_optimizer = OptimizerOffload::cpu;
+    setup.options.offload_optimizer = c.optimizer;
     setup.options.offload_params = c.params;
+    setup.options.nvme_path = folder;
+    setup.options.swap_buffer_count = 2;
     const auto after = run_zero(setup);
     setup.options.step_in_backward = true;
     setup.strict_after_first = true;
@@ -658,9 +666,11 @@ TEST(Engine, StepInBackwardGivesTheBitsOfSteppingAfterIt) {
         // to rounding (without clipping it decides nothing).
         EXPECT_NEAR(d.optimizer.grad_norm, a.optimizer.grad_norm, 1e-5f * a.optimizer.grad_norm);
         EXPECT_EQ(d.optimizer.steps, a.optimizer.steps);
+        EXPECT_EQ(d.swap_bytes, a.swap_bytes) << "the same transfers, at other times";
       }
     }
   }
+  std::filesystem::remove_all(folder);
   // Two micro-batches: the shards are out only after the last, so the step runs after backward.
   ZeroSetup accumulate;
   accumulate.steps = 2;
@@ -691,6 +701,36 @@ TEST(Engine, StepInBackwardFailsEveryRankOnANonFiniteGradient) {
   const auto during = run_zero(setup);
   for (const auto& e : during.errors)
     EXPECT_NE(e.find("a non-finite gradient with step_in_backward"), std::string::npos) << "[" << e << "]";
+}
+
+// step_in_backward with the optimizer on NVMe, swap files truncated behind the store's back
+// between steps: the swapper's pass beside forward and backward fails its read-ahead, backward
+// goes on (the ranks launch the same collectives), and the step fails on every rank with the
+// store's error naming the file and offset; nothing hangs.
+TEST(Engine, StepInBackwardOnNvmeFailsEveryRankOnAnIoFaultNamingTheFile) {
+  const auto folder = std::filesystem::current_path() / ("engine_sib_fault_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(folder);
+  ZeroSetup setup;
+  setup.world = 2;
+  setup.steps = 3;
+  setup.options.zero_stage = 3;
+  setup.options.offload_optimizer = OptimizerOffload::nvme;
+  setup.options.nvme_path = folder;
+  setup.options.step_in_backward = true;
+  setup.before_step = [&](int rank, int step) {
+    if (step != 2) return;  // each rank cuts its own files, its last step's writes done
+    for (const auto& f : std::filesystem::directory_iterator(folder / ("rank" + std::to_string(rank) + "-of-2")))
+      std::filesystem::resize_file(f.path(), 100);
+  };
+  const auto run = run_zero(setup);
+  ASSERT_EQ(run.errors.size(), 2u);
+  for (const auto& e : run.errors) {
+    EXPECT_NE(e.find("unit"), std::string::npos) << "[" << e << "]";
+    EXPECT_NE(e.find("offset"), std::string::npos) << "[" << e << "]";
+    std::printf("step error: %s\n", e.c_str());
+  }
+  for (const auto& stats : run.stats) EXPECT_EQ(stats.size(), 2u) << "the first two steps, and not the third";
+  std::filesystem::remove_all(folder);
 }
 
 // Optimizer state on NVMe, streamed through pinned buffers by the swapper each step: the same

@@ -97,24 +97,27 @@ TEST(CoshardTrain, MetricsHaveEveryKeyAndTheLossFalls) {
 }
 
 // --step-in-backward steps each unit on the CPU during backward: the losses of stepping after
-// backward, bit for bit (no clipping).
+// backward, bit for bit (no clipping), with the optimizer state in pinned memory or on NVMe.
 TEST(CoshardTrain, StepInBackwardTrainsLikeSteppingAfterBackward) {
   const fs::path dir = scratch("step_in_backward");
-  std::vector<std::vector<double>> losses;
-  for (const bool early : {false, true}) {
-    const fs::path metrics = dir / (early ? "early.jsonl" : "after.jsonl");
-    auto args = with(kTiny, {"--steps", "6", "--world-size", "2", "--offload-optimizer", "cpu", "--clip", "0",
-                             "--metrics", metrics.string()});
-    if (early) args.push_back("--step-in-backward");
-    const auto r = run(args, dir);
-    ASSERT_EQ(r.code, 0) << r.output;
-    std::ifstream in(metrics);
-    std::string line;
-    losses.emplace_back();
-    while (std::getline(in, line)) losses.back().push_back(nlohmann::json::parse(line)["loss"].get<double>());
+  for (const std::string& offload : {std::string("cpu"), "nvme:" + (dir / "state").string()}) {
+    SCOPED_TRACE(offload);
+    std::vector<std::vector<double>> losses;
+    for (const bool early : {false, true}) {
+      const fs::path metrics = dir / (early ? "early.jsonl" : "after.jsonl");
+      auto args = with(kTiny, {"--steps", "6", "--world-size", "2", "--offload-optimizer", offload, "--clip", "0",
+                               "--metrics", metrics.string()});
+      if (early) args.push_back("--step-in-backward");
+      const auto r = run(args, dir);
+      ASSERT_EQ(r.code, 0) << r.output;
+      std::ifstream in(metrics);
+      std::string line;
+      losses.emplace_back();
+      while (std::getline(in, line)) losses.back().push_back(nlohmann::json::parse(line)["loss"].get<double>());
+    }
+    ASSERT_EQ(losses[0].size(), 6u);
+    EXPECT_EQ(losses[1], losses[0]);
   }
-  ASSERT_EQ(losses[0].size(), 6u);
-  EXPECT_EQ(losses[1], losses[0]);
 }
 
 // --trace: valid Chrome-trace JSON with spans on both streams of every rank, from device

@@ -281,7 +281,7 @@ int main(int argc, char** argv) {
   app.add_flag("--no-timing", no_timing, "no device-timestamp timing (exposed_comm_ms becomes null)");
   bool step_in_backward = false;
   app.add_flag("--step-in-backward", step_in_backward,
-               "with --offload-optimizer cpu: step each unit on the CPU while backward goes on (needs --clip 0)");
+               "with --offload-optimizer cpu or nvme: step each unit on the CPU while backward goes on (needs --clip 0)");
   app.add_option("--checkpoint-dir", o.checkpoint_dir, "folder of sharded checkpoints");
   app.add_option("--checkpoint-every", o.checkpoint_every, "save every N steps (0: never)")
       ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40));

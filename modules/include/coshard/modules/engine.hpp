@@ -101,9 +101,12 @@ struct EngineOptions {
   // most param_buffer_count at once (pinned buffers of the largest shard, under the budget).
   OffloadTarget offload_params = OffloadTarget::none;
   int param_buffer_count = 4;
-  // With offload_optimizer=cpu at stages 2-3: each unit's shard is stepped on the CPU stream as
-  // soon as its last gradient shard of the step is out, while backward goes on, instead of after
-  // the whole backward. The updated shards go back to the device after backward, as before. It
+  // With offload_optimizer=cpu or nvme at stages 2-3: each unit's shard is stepped on the CPU
+  // stream as soon as its last gradient shard of the step is out, while backward goes on, instead
+  // of after the whole backward. cpu: the updated shards go back to the device after backward.
+  // nvme: one pass of the swapper runs beside forward and backward, reading each sub-group ahead
+  // in the order the units' gradients came last step and writing it back once stepped; the new
+  // shard goes to the device on the communication stream as soon as it is stepped. It
   // needs gradient clipping off and no loss scaling (each update then depends on its own unit's
   // gradients alone), and gives the same bits. A step with more than one micro-batch steps after
   // backward. A non-finite gradient cannot skip units already stepped: such a step fails on
@@ -243,6 +246,8 @@ class Engine final : public ModuleHooks {
 
  private:
   explicit Engine(std::unique_ptr<State> state);
+  // step() but for ending the swapper's pass of step_in_backward when the step fails.
+  async::Task<Result<EngineStepStats>> run_step(CrossEntropyLoss& loss, std::span<const Batch> micro_batches, float lr);
   std::unique_ptr<State> s_;
 };
 

@@ -74,7 +74,7 @@ struct TrainerConfig {
   OffloadOptions offload_optimizer;  // none, cpu or nvme (path, buffer_count)
   OffloadOptions offload_params;     // none, cpu or nvme (stage 3, with offload_optimizer; nvme: in its swap files)
   std::size_t host_memory_budget = 0;  // pinned bytes the offload may use; 0: exactly what it needs
-  // offload_optimizer=cpu: step each unit on the CPU while backward goes on (EngineOptions::
+  // offload_optimizer=cpu or nvme: step each unit on the CPU while backward goes on (EngineOptions::
   // step_in_backward; needs max_grad_norm=0 and no loss scaling).
   bool step_in_backward = false;
 
