@@ -25,7 +25,18 @@ for step in $steps; do
         timeout 180 build/release/trainer/coshard-train --device cuda --world-size 1 --steps 300 --dtype "$dtype" \
           --metrics "$out/train_$dtype.jsonl" >"$out/train_$dtype.log" 2>&1
         echo "train $dtype rc $?"; tail -4 "$out/train_$dtype.log"
-      done ;;
+      done
+      # The optimizer offloaded (pinned memory, NVMe) in bf16, stepped after and during backward.
+      for offload in cpu "nvme:$out/swap"; do
+        for extra in "" "--step-in-backward --clip 0"; do
+          name="offload_${offload%%:*}${extra:+_sib}"
+          # shellcheck disable=SC2086  # $extra is two options or none
+          timeout 180 build/release/trainer/coshard-train --device cuda --world-size 1 --steps 300 --dtype bf16 \
+            --offload-optimizer "$offload" $extra --metrics "$out/train_$name.jsonl" >"$out/train_$name.log" 2>&1
+          echo "train bf16 $name rc $?"; tail -2 "$out/train_$name.log"
+        done
+      done
+      rm -rf "$out/swap" ;;
     bench)
       for which in Gpu Nccl; do  # apart, so that one failing leaves the other's numbers
         timeout 240 build/release/bench/collectives_bench --benchmark_filter="$which" \

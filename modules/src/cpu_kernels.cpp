@@ -261,15 +261,24 @@ void cross_entropy_bwd(const T* logits, const std::int32_t* targets, const T* se
   }
 }
 
-// f32/f64 element access for the optimizer and casts.
+// f32/f64/bf16/f16 element access for the optimizer and casts. bf16/f16 round to nearest even,
+// as the CUDA conversions do, from the f32 value (a double is rounded to f32 first: the values
+// stored this way are f32 masters).
 inline double load(DataType dt, const void* p, std::int64_t i) {
-  return dt == DataType::f64 ? static_cast<const double*>(p)[i] : static_cast<const float*>(p)[i];
+  switch (dt) {
+    case DataType::f64: return static_cast<const double*>(p)[i];
+    case DataType::bf16: return collectives::bf16_to_float(static_cast<const std::uint16_t*>(p)[i]);
+    case DataType::f16: return collectives::f16_to_float(static_cast<const std::uint16_t*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
 }
 inline void store(DataType dt, void* p, std::int64_t i, double v) {
-  if (dt == DataType::f64)
-    static_cast<double*>(p)[i] = v;
-  else
-    static_cast<float*>(p)[i] = static_cast<float>(v);
+  switch (dt) {
+    case DataType::f64: static_cast<double*>(p)[i] = v; break;
+    case DataType::bf16: static_cast<std::uint16_t*>(p)[i] = collectives::float_to_bf16(static_cast<float>(v)); break;
+    case DataType::f16: static_cast<std::uint16_t*>(p)[i] = collectives::float_to_f16(static_cast<float>(v)); break;
+    default: static_cast<float*>(p)[i] = static_cast<float>(v);
+  }
 }
 
 // The clip-and-unscale factor for this step's gradients (the step kernels skip when 0 means inf).
@@ -286,6 +295,7 @@ inline float grad_factor(const StepState& st, float max_grad_norm) {
 class CpuKernels final : public Kernels {
  public:
   bool supports(DataType dt) const noexcept override { return dt == DataType::f32 || dt == DataType::f64; }
+  bool converts(DataType dt) const noexcept override { return supports(dt) || dt == DataType::bf16 || dt == DataType::f16; }
 
   Result<void> gemm(Stream& s, DataType dt, const GemmArgs& g) const override {
     return dispatch(s, dt, [g]<class T>(T*) {
@@ -434,8 +444,8 @@ class CpuKernels final : public Kernels {
 
   Result<void> cast(Stream& s, DataType from, const void* src, DataType to, void* dst,
                     std::int64_t n) const override {
-    COSHARD_TRY(check_dtype(from));
-    COSHARD_TRY(check_dtype(to));
+    COSHARD_TRY(check_storage(from));
+    COSHARD_TRY(check_storage(to));
     return s.launch([=] {
       for (std::int64_t i = 0; i < n; ++i) store(to, dst, i, load(from, src, i));
     });
@@ -474,7 +484,7 @@ class CpuKernels final : public Kernels {
   Result<void> adamw(Stream& s, float* master, DataType gdt, const void* grad, float* m, float* v, DataType pdt,
                      void* param_out, std::int64_t n, const AdamArgs& a, const StepState* state) const override {
     COSHARD_TRY(check_dtype(gdt));
-    if (param_out) COSHARD_TRY(check_dtype(pdt));
+    if (param_out) COSHARD_TRY(check_storage(pdt));
     return s.launch([=] {
       if (state->found_inf > 0) return;
       const float factor = grad_factor(*state, a.max_grad_norm);
@@ -499,15 +509,14 @@ class CpuKernels final : public Kernels {
         update(static_cast<const double*>(grad));
       else
         update(static_cast<const float*>(grad));
-      if (param_out)
-        for (std::int64_t i = 0; i < n; ++i) store(pdt, param_out, i, master[i]);
+      if (param_out) store_all(pdt, param_out, master, n);
     });
   }
 
   Result<void> sgd(Stream& s, float* master, DataType gdt, const void* grad, float* buf, DataType pdt,
                    void* param_out, std::int64_t n, const SgdArgs& a, const StepState* state) const override {
     COSHARD_TRY(check_dtype(gdt));
-    if (param_out) COSHARD_TRY(check_dtype(pdt));
+    if (param_out) COSHARD_TRY(check_storage(pdt));
     return s.launch([=] {
       if (state->found_inf > 0) return;
       const float factor = grad_factor(*state, a.max_grad_norm);
@@ -544,6 +553,29 @@ class CpuKernels final : public Kernels {
   }
 
  private:
+  Result<void> check_storage(DataType dt) const {
+    if (!converts(dt))
+      return fail(ErrorCode::unsupported, "dtype ", collectives::to_string(dt),
+                  ": the CPU kernels convert f32, f64, bf16 and f16 only");
+    return {};
+  }
+  // The updated masters into the parameters (one loop per type, so that it vectorises).
+  static void store_all(DataType pdt, void* out, const float* master, std::int64_t n) {
+    switch (pdt) {
+      case DataType::bf16: {
+        auto* o = static_cast<std::uint16_t*>(out);
+        for (std::int64_t i = 0; i < n; ++i) o[i] = collectives::float_to_bf16(master[i]);
+        break;
+      }
+      case DataType::f16: {
+        auto* o = static_cast<std::uint16_t*>(out);
+        for (std::int64_t i = 0; i < n; ++i) o[i] = collectives::float_to_f16(master[i]);
+        break;
+      }
+      default:
+        for (std::int64_t i = 0; i < n; ++i) store(pdt, out, i, master[i]);
+    }
+  }
   Result<void> check_dtype(DataType dt) const {
     if (!supports(dt))
       return fail(ErrorCode::unsupported, "dtype ", collectives::to_string(dt),
@@ -569,6 +601,13 @@ class CpuKernels final : public Kernels {
 const Kernels& cpu_kernels() noexcept {
   static const CpuKernels kernels;
   return kernels;
+}
+
+Result<void> check_converts(const Kernels& k, DataType dt, async::Device device, std::string_view what) {
+  if (!k.converts(dt))
+    return fail(ErrorCode::unsupported, what, ": dtype ", collectives::to_string(dt), " is not converted by the ",
+                device.is_cpu() ? "CPU kernels (f32, f64, bf16, f16)" : "CUDA kernels (f32, bf16, f16)");
+  return {};
 }
 
 Result<void> check_supported(const Kernels& k, DataType dt, async::Device device, std::string_view what) {

@@ -72,8 +72,12 @@ struct Unit {
   // Optimizer offload: this rank's fp32 master and gradient shard in pinned host memory.
   offload::PinnedBlock host_master_block, host_grad_block;
   Tensor host_master, host_grad;
-  // Parameter offload, cpu with the optimizer on nvme: the pinned shard the step refreshes.
+  // The pinned shard in the compute dtype the host step writes: with the optimizer on nvme and
+  // the parameters offloaded to cpu (it is the shard), or with the optimizer on cpu and a bf16/f16
+  // dtype (the optimizer group's parameters, cast down from its fp32 master; the shard too when
+  // the parameters are offloaded, else copied to it).
   offload::PinnedBlock host_param_block;
+  Tensor host_param;
   // nvme parameters: the read of the shard from its swap file (started ahead along the trace),
   // its buffer once read, and the read slot both hold until the gather that copies out of it.
   async::JoinHandle<Result<offload::PinnedBlock>> read;
@@ -157,6 +161,14 @@ struct Engine::State {
   bool offloaded() const noexcept { return o.offload_optimizer != OptimizerOffload::none; }
   bool params_offloaded() const noexcept { return o.offload_params != OffloadTarget::none; }
   bool params_on_nvme() const noexcept { return o.offload_params == OffloadTarget::nvme; }
+  // bf16/f16 parameters: the host step writes them from the fp32 masters (half the bytes to the
+  // device); with the optimizer on nvme and the shards on the device, through `staging`, one unit
+  // at a time (the swapper's passes hand out one sub-group at a time and await its use).
+  bool narrow() const noexcept { return o.dtype != DataType::f32; }
+  offload::PinnedBlock staging;
+  Tensor staging_for(const Unit& u) const {
+    return Tensor(staging.data(), Shape{u.info.shard}, o.dtype, async::Device::cpu());
+  }
   // nvme parameters: param_buffer_count slots, one per shard read from its start to its gather.
   std::shared_ptr<Budget> read_slots;
   // nvme parameters: values for the swap files that initialize/load_parameters computed on the
@@ -197,19 +209,43 @@ struct Engine::State {
           std::copy(values.begin(), values.end(), bytes.begin());
           co_return Result<void>{};
         }
-        COSHARD_CO_TRY(ctx->stream().copy(bytes.data(), u.shard.data(), u.shard.bytes()));
+        if (!narrow()) {
+          COSHARD_CO_TRY(ctx->stream().copy(bytes.data(), u.shard.data(), u.shard.bytes()));
+          COSHARD_CO_TRY_ASSIGN(auto copied, ctx->stream().record());
+          co_return co_await copied;
+        }
+        // bf16/f16: the shard (through the staging buffer when on the device) widened on the host.
+        Tensor source = u.shard;
+        if (!params_offloaded()) {
+          source = staging_for(u);
+          COSHARD_CO_TRY(ctx->stream().copy(source.data(), u.shard.data(), u.shard.bytes()));
+        }
         COSHARD_CO_TRY_ASSIGN(auto copied, ctx->stream().record());
-        co_return co_await copied;
+        COSHARD_CO_TRY(co_await after(*host_stream, copied));
+        COSHARD_CO_TRY(host_ctx->kernels().cast(*host_stream, o.dtype, source.data(), DataType::f32, bytes.data(),
+                                                u.info.shard));
+        COSHARD_CO_TRY_ASSIGN(auto widened, host_stream->record());
+        co_return co_await widened;
       };
       auto written = co_await swapper->initialize(subgroups, fill);
       pending_shards.clear();
       co_return written;
     }
-    for (auto& u : units)  // (with cpu parameter offload the shard is the master already)
-      if (u->shard.data() != u->host_master.data())
-        COSHARD_CO_TRY(ctx->stream().copy(u->host_master.data(), u->shard.data(), u->shard.bytes()));
+    // (with cpu parameter offload the shard is the master, or its pinned bf16/f16 copy, already)
+    const Tensor Unit::*host = narrow() ? &Unit::host_param : &Unit::host_master;
+    for (auto& u : units)
+      if (u->shard.data() != ((*u).*host).data())
+        COSHARD_CO_TRY(ctx->stream().copy(((*u).*host).data(), u->shard.data(), u->shard.bytes()));
     COSHARD_CO_TRY_ASSIGN(auto copied, ctx->stream().record());
     COSHARD_CO_TRY(co_await after(*host_stream, copied));
+    if (narrow()) {  // the fp32 masters from the bf16/f16 copies, on the host
+      const auto& groups = optimizer->groups();
+      for (const auto& u : units) {
+        const auto& g = groups[first_group + u->index];
+        COSHARD_CO_TRY(host_ctx->kernels().cast(*host_stream, o.dtype, u->host_param.data(), DataType::f32,
+                                                g.master.data(), u->info.shard));
+      }
+    }
     co_return Result<void>{};
   }
 
@@ -754,11 +790,15 @@ struct Engine::State {
     Unit& u = *units[k];
     const UnitShard shard = swapped_shard(k, bytes);
     const Tensor& master = shard.master;
-    COSHARD_CO_TRY(optimizer->apply_group(*host_ctx, first_group + k, lr, master, shard.state1, shard.state2));
+    // bf16/f16: cast down in the same pass, into the pinned shard itself (parameters offloaded to
+    // cpu: nothing left to copy) or into the staging buffer on its way to the device.
+    Tensor narrowed;
+    if (narrow()) narrowed = params_offloaded() ? u.shard : staging_for(u);
+    COSHARD_CO_TRY(optimizer->apply_group(*host_ctx, first_group + k, lr, master, shard.state1, shard.state2, narrowed));
     COSHARD_CO_TRY_ASSIGN(auto stepped, host_stream->record());
-    if (params_on_nvme()) co_return co_await stepped;
+    if (params_on_nvme() || (narrowed && narrowed.data() == u.shard.data())) co_return co_await stepped;
     COSHARD_CO_TRY(co_await after(to, stepped));
-    COSHARD_CO_TRY(to.copy(u.shard.data(), master.data(), u.shard.bytes()));
+    COSHARD_CO_TRY(to.copy(u.shard.data(), narrowed ? narrowed.data() : master.data(), u.shard.bytes()));
     if (!params_offloaded()) stats.swap_bytes += u.shard.bytes();
     COSHARD_CO_TRY_ASSIGN(auto copied, to.record());
     co_return co_await copied;
@@ -999,6 +1039,9 @@ Result<void> check_offload_placement(const EngineOptions& o) {
     return fail(ErrorCode::invalid_argument, "offload_params=nvme with offload_optimizer=", to_string(o.offload_optimizer),
                 ": the shards on NVMe are the masters in the optimizer's swap files (expected offload_optimizer=nvme; "
                 "with cpu, the masters hold the parameters in host memory already: use offload_params=cpu)");
+  if (o.offload_params == OffloadTarget::nvme && o.dtype != DataType::f32)
+    return fail(ErrorCode::invalid_argument, "offload_params=nvme with dtype ", collectives::to_string(o.dtype),
+                ": a shard is read from its swap file as the fp32 master (expected dtype f32, or offload_params=cpu)");
   if (o.param_buffer_count < 1)
     return fail(ErrorCode::invalid_argument, "param_buffer_count=", o.param_buffer_count, ": expected >= 1");
   return {};
@@ -1131,23 +1174,27 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
 
   // Optimizer offload: its stream, context and pinned memory (checked against the budget now).
   if (s->offloaded()) {
-    if (o.dtype != DataType::f32)
-      return fail(ErrorCode::unsupported, "offload_optimizer with dtype ", collectives::to_string(o.dtype),
-                  ": only f32 parameters for now (the CPU kernels step f32 shards)");
     std::vector<std::size_t> sizes;
     std::size_t needed = 0, largest_group = 0, largest_shard = 0;
     const std::size_t per_element = 4 * (1 + optimizer.state_tensors());  // master and state, f32
     for (const auto& u : s->units) {
       const auto shard_bytes = static_cast<std::size_t>(u->info.shard) * s->element_size;
+      const auto f32_bytes = static_cast<std::size_t>(u->info.shard) * sizeof(float);
       largest_shard = std::max(largest_shard, shard_bytes);
       if (o.offload_params == OffloadTarget::cpu && s->swapped()) sizes.push_back(shard_bytes);  // the pinned shard
       if (s->swapped()) {  // a resident gradient shard; master and state stream through buffers
-        sizes.push_back(shard_bytes);
+        sizes.push_back(f32_bytes);
         largest_group = std::max(largest_group, static_cast<std::size_t>(u->info.shard) * per_element);
+      } else if (s->narrow()) {
+        // The gradient shard and the bf16/f16 copy the step writes; the fp32 master never goes to
+        // the device, so the optimizer keeps it in ordinary host memory.
+        sizes.insert(sizes.end(), {f32_bytes, shard_bytes});
       } else {
-        sizes.insert(sizes.end(), {shard_bytes, shard_bytes});
+        sizes.insert(sizes.end(), {f32_bytes, f32_bytes});  // the master (the shard's copy) and the gradient
       }
     }
+    const bool staged = s->swapped() && s->narrow() && !s->params_offloaded();
+    if (staged) sizes.push_back(largest_shard);
     if (s->swapped()) {
       if (o.nvme_path.empty())
         return fail(ErrorCode::invalid_argument, "offload_optimizer=nvme: needs a folder (nvme_path)");
@@ -1229,20 +1276,33 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
       COSHARD_TRY(stream.fill(u.grad_shard.data(), 0, grad_shard_bytes));
     }
     if (!s->stage3()) COSHARD_TRY(s->bind_values(u, u.full));
-    if (s->swapped()) {
-      COSHARD_TRY_ASSIGN(u.host_grad_block, s->pinned->acquire(shard_bytes));
+    if (s->offloaded()) {
+      COSHARD_TRY_ASSIGN(u.host_grad_block, s->pinned->acquire(grad_shard_bytes));
       u.host_grad = Tensor(u.host_grad_block.data(), shard_shape, DataType::f32, async::Device::cpu());
+    }
+    if (s->swapped()) {
       COSHARD_TRY(optimizer.add_swapped_group(*s->host_ctx, u.host_grad));
+    } else if (s->offloaded() && s->narrow()) {
+      // bf16/f16: the group's parameters are a pinned copy in the compute dtype (the shard itself
+      // when the parameters are offloaded); the optimizer makes the fp32 master.
+      COSHARD_TRY_ASSIGN(u.host_param_block, s->pinned->acquire(shard_bytes));
+      u.host_param = Tensor(u.host_param_block.data(), shard_shape, o.dtype, async::Device::cpu());
+      if (s->params_offloaded()) u.shard = u.host_param;
+      COSHARD_TRY(optimizer.add_group(*s->host_ctx, u.host_param, u.host_grad));
     } else if (s->offloaded()) {
       COSHARD_TRY_ASSIGN(u.host_master_block, s->pinned->acquire(shard_bytes));
-      COSHARD_TRY_ASSIGN(u.host_grad_block, s->pinned->acquire(shard_bytes));
       u.host_master = Tensor(u.host_master_block.data(), shard_shape, DataType::f32, async::Device::cpu());
-      u.host_grad = Tensor(u.host_grad_block.data(), shard_shape, DataType::f32, async::Device::cpu());
       if (s->params_offloaded()) u.shard = u.host_master;  // f32: the master is the parameter
       COSHARD_TRY(optimizer.add_group(*s->host_ctx, u.host_master, u.host_grad));
     } else {
       COSHARD_TRY(optimizer.add_group(ctx, u.shard, u.grad_shard));
     }
+  }
+  if (s->swapped() && s->narrow() && !s->params_offloaded()) {
+    std::size_t largest_shard = 0;
+    for (const auto& u : s->units)
+      largest_shard = std::max(largest_shard, static_cast<std::size_t>(u->info.shard) * s->element_size);
+    COSHARD_TRY_ASSIGN(s->staging, s->pinned->acquire(largest_shard));
   }
   if (s->offloaded()) {
     COSHARD_TRY_ASSIGN(s->device_loss_scale, ctx.zeros(Shape{1}, DataType::f32));
@@ -1485,8 +1545,10 @@ async::Task<Result<EngineStepStats>> Engine::run_step(CrossEntropyLoss& loss, st
       COSHARD_CO_TRY_ASSIGN(auto stepped, host.record());
       COSHARD_CO_TRY(co_await State::after(compute, stepped));
       for (auto& u : s.units) {
-        if (u->shard.data() == u->host_master.data()) continue;  // parameters offloaded: the master is the shard
-        COSHARD_CO_TRY(compute.copy(u->shard.data(), u->host_master.data(), u->shard.bytes()));
+        // (bf16/f16: the optimizer wrote the pinned copy in the compute dtype)
+        const Tensor& stepped_shard = s.narrow() ? u->host_param : u->host_master;
+        if (u->shard.data() == stepped_shard.data()) continue;  // parameters offloaded: it is the shard
+        COSHARD_CO_TRY(compute.copy(u->shard.data(), stepped_shard.data(), u->shard.bytes()));
         s.stats.swap_bytes += u->shard.bytes();
       }
     } else if (s.stepping_in_backward) {

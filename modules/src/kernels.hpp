@@ -39,6 +39,9 @@ class Kernels {
  public:
   virtual ~Kernels() = default;
   virtual bool supports(DataType dt) const noexcept = 0;
+  // Storage types `cast` and the optimizers' `param_out` serve: a backend may convert more types
+  // than it computes in (the CPU steps bf16/f16 parameters of an offloaded optimizer).
+  virtual bool converts(DataType dt) const noexcept { return supports(dt); }
 
   virtual Result<void> gemm(async::Stream& s, DataType dt, const GemmArgs& g) const = 0;
 
@@ -116,5 +119,7 @@ const Kernels* cuda_kernels() noexcept;
 
 // "f32 is not served by the cuda kernels" style check used by every layer.
 Result<void> check_supported(const Kernels& k, DataType dt, async::Device device, std::string_view what);
+// The same for a storage type (Kernels::converts).
+Result<void> check_converts(const Kernels& k, DataType dt, async::Device device, std::string_view what);
 
 }  // namespace coshard::modules::detail

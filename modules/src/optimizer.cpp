@@ -96,7 +96,7 @@ Result<void> Optimizer::add_group(Context& ctx, Tensor params, Tensor grads) {
   if (pdt != DataType::f32 && pdt != DataType::bf16 && pdt != DataType::f16)
     return fail(ErrorCode::unsupported, "Optimizer: parameters are ", collectives::to_string(pdt),
                 "; the optimizers keep fp32 master weights for f32, bf16 or f16 parameters");
-  COSHARD_TRY(detail::check_supported(k, pdt, ctx.device(), "Optimizer"));
+  COSHARD_TRY(detail::check_converts(k, pdt, ctx.device(), "Optimizer"));  // (only cast to and from)
   COSHARD_TRY(detail::check_supported(k, grads.dtype(), ctx.device(), "Optimizer"));
   COSHARD_TRY(ensure_state(ctx));
   Group g{params, grads, {}, {}, {}};
@@ -136,7 +136,8 @@ std::size_t Optimizer::state_tensors() const noexcept {
   return impl_->sgd_args.momentum != 0 ? 1 : 0;
 }
 
-Result<void> Optimizer::apply_group(Context& ctx, std::size_t i, float lr, Tensor master, Tensor state1, Tensor state2) {
+Result<void> Optimizer::apply_group(Context& ctx, std::size_t i, float lr, Tensor master, Tensor state1, Tensor state2,
+                                    Tensor params_out) {
   if (i >= groups_.size()) return fail(ErrorCode::out_of_range, "Optimizer::apply_group(", i, "): ", groups_.size(), " groups");
   if (!(lr >= 0)) return fail(ErrorCode::invalid_argument, "lr=", lr, ": expected >= 0");
   const Group& g = groups_[i];
@@ -145,18 +146,23 @@ Result<void> Optimizer::apply_group(Context& ctx, std::size_t i, float lr, Tenso
   if (!fits(master) || (state_tensors() >= 1 && !fits(state1)) || (state_tensors() >= 2 && !fits(state2)))
     return fail(ErrorCode::invalid_argument, "Optimizer::apply_group(", i, "): master and ", state_tensors(),
                 " state tensors of f32[", n, "] expected");
+  if (params_out && (params_out.numel() != n || !(params_out.device() == ctx.device())))
+    return fail(ErrorCode::invalid_argument, "Optimizer::apply_group(", i, "): params_out ", params_out.describe(),
+                ": expected ", n, " elements on ", ctx.device().to_string());
   const auto& k = ctx.kernels();
   auto* st = state_.data_as<StepState>();
+  const DataType pdt = params_out ? params_out.dtype() : DataType::f32;
+  void* out = params_out ? params_out.data() : nullptr;
   if (impl_->adam) {
     detail::AdamArgs a = impl_->adam_args;
     a.lr = lr;
     return k.adamw(ctx.stream(), master.data_as<float>(), g.grads.dtype(), g.grads.data(), state1.data_as<float>(),
-                   state2.data_as<float>(), DataType::f32, nullptr, n, a, st);
+                   state2.data_as<float>(), pdt, out, n, a, st);
   }
   detail::SgdArgs a = impl_->sgd_args;
   a.lr = lr;
   return k.sgd(ctx.stream(), master.data_as<float>(), g.grads.dtype(), g.grads.data(),
-               state1 ? state1.data_as<float>() : nullptr, DataType::f32, nullptr, n, a, st);
+               state1 ? state1.data_as<float>() : nullptr, pdt, out, n, a, st);
 }
 
 Result<void> Optimizer::finish_step(Context& ctx) {

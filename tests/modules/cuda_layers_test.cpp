@@ -5,9 +5,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <filesystem>
 #include <functional>
 #include <random>
 #include <thread>
+
+#include <unistd.h>
 
 #include "coshard/async/runtime.hpp"
 #include "coshard/collectives/env.hpp"
@@ -217,7 +220,8 @@ class CudaZero : public CudaLayers {};
 
 // The loss of each of 60 steps on one fixed batch.
 async::Task<Result<std::vector<double>>> train_zero(Context& ctx, collectives::Communicator& comm, DataType dt,
-                                                   OptimizerOffload offload) {
+                                                   OptimizerOffload offload, OffloadTarget params,
+                                                   const std::filesystem::path& nvme_path) {
   GptConfig config;
   config.vocab = 64;
   config.max_seq = 16;
@@ -234,6 +238,8 @@ async::Task<Result<std::vector<double>>> train_zero(Context& ctx, collectives::C
   o.prefetch_bucket_bytes = 1 << 20;
   o.timing = true;
   o.offload_optimizer = offload;
+  o.offload_params = params;
+  o.nvme_path = nvme_path;
   COSHARD_CO_TRY_ASSIGN(auto engine, Engine::create(ctx, comm, *model, *opt, o));
   COSHARD_CO_TRY(co_await engine->initialize(1));
   std::vector<double> tok(4 * 16), tgt(4 * 16);
@@ -268,15 +274,28 @@ void expect_same_training(const std::vector<double>& got, const std::vector<doub
 TEST_P(CudaZero, Stage3LossFalls) {
   auto comm = collectives::communicator_from_env(rt_);
   ASSERT_TRUE(comm) << comm.error().message();
-  auto r = rt_.block_on(train_zero(*gpu_.ctx, **comm, GetParam(), OptimizerOffload::none));
+  const auto folder = std::filesystem::current_path() / ("cuda_zero_" + std::to_string(::getpid()));
+  const std::filesystem::path no_path;  // (an lvalue: see the GCC 12 coroutine trap in the README)
+  auto r = rt_.block_on(train_zero(*gpu_.ctx, **comm, GetParam(), OptimizerOffload::none, OffloadTarget::none, no_path));
   ASSERT_TRUE(r) << r.error().message();
   EXPECT_NEAR(r->front(), std::log(64.0), 0.5);
   EXPECT_LT(r->back(), 0.5 * r->front());
-  if (GetParam() == DataType::f32) {
-    auto offloaded = rt_.block_on(train_zero(*gpu_.ctx, **comm, DataType::f32, OptimizerOffload::cpu));
-    ASSERT_TRUE(offloaded) << offloaded.error().message();
-    expect_same_training(*offloaded, *r, "optimizer offloaded to the CPU");
+  // Offloaded in every dtype (bf16/f16: the host writes the parameters from its fp32 masters):
+  // the optimizer in pinned memory or on NVMe, the parameter shards on the device or pinned.
+  struct Case {
+    OptimizerOffload optimizer;
+    OffloadTarget params;
+    const char* what;
+  };
+  for (const Case& c : {Case{OptimizerOffload::cpu, OffloadTarget::none, "optimizer offloaded to the CPU"},
+                        Case{OptimizerOffload::nvme, OffloadTarget::none, "optimizer offloaded to NVMe"},
+                        Case{OptimizerOffload::cpu, OffloadTarget::cpu, "optimizer and parameters offloaded to the CPU"},
+                        Case{OptimizerOffload::nvme, OffloadTarget::cpu, "optimizer on NVMe, parameters on the CPU"}}) {
+    auto offloaded = rt_.block_on(train_zero(*gpu_.ctx, **comm, GetParam(), c.optimizer, c.params, folder));
+    ASSERT_TRUE(offloaded) << c.what << ": " << offloaded.error().message();
+    expect_same_training(*offloaded, *r, c.what);
   }
+  std::filesystem::remove_all(folder);
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, CudaZero, ::testing::Values(DataType::f32, DataType::bf16, DataType::f16),
@@ -294,6 +313,7 @@ namespace {
 // offloaded.
 TEST(CudaLocalRanks, TwoRanksSharingTheGpuTrainLikeOne) {
   if (!async::cuda_compiled() || async::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const std::filesystem::path no_path;  // (an lvalue: see the GCC 12 coroutine trap in the README)
   for (OptimizerOffload offload : {OptimizerOffload::none, OptimizerOffload::cpu}) {
     std::vector<std::vector<double>> losses;
     for (int world : {1, 2}) {
@@ -307,7 +327,8 @@ TEST(CudaLocalRanks, TwoRanksSharingTheGpuTrainLikeOne) {
           async::Runtime rt;
           Backend gpu = Backend::make(async::Device::cuda(0));
           results[static_cast<std::size_t>(r)] =
-              rt.block_on(train_zero(*gpu.ctx, *(*comms)[static_cast<std::size_t>(r)], DataType::f32, offload));
+              rt.block_on(train_zero(*gpu.ctx, *(*comms)[static_cast<std::size_t>(r)], DataType::f32, offload,
+                                     OffloadTarget::none, no_path));
         });
       }
       for (auto& t : threads) t.join();

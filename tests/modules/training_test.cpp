@@ -205,6 +205,62 @@ TEST_F(Optimizers, DynamicLossScalingSkipsOverflowsAndGrows) {
   EXPECT_NEAR(r->first[1], -2.0, 1e-6);
 }
 
+// bf16/f16 parameters stepped on the CPU (an offloaded optimizer's host step): the fp32 master
+// follows the f32 optimizer bit for bit, and the parameters are the master rounded to nearest
+// even, through add_group (cast at each step) and through apply_group's params_out (a swapped
+// group, as the NVMe optimizer steps it).
+TEST_F(Optimizers, Bf16AndF16ParametersStepFromFp32MastersOnTheCpu) {
+  constexpr std::size_t n = 1003;
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<double> value(-2.0, 2.0);
+  std::vector<std::vector<double>> grads(3, std::vector<double>(n));
+  for (auto& g : grads)
+    for (auto& x : g) x = value(rng);
+  const Shape shape{static_cast<std::int64_t>(n)};
+  for (const DataType dt : {DataType::bf16, DataType::f16}) {
+    SCOPED_TRACE(std::string(collectives::to_string(dt)));
+    std::vector<double> p0(n);
+    for (auto& x : p0) x = value(rng);
+    p0 = decode_values(encode_values(p0, dt), dt);  // representable in dt, so the f32 run starts alike
+    auto body = [&]() -> async::Task<Result<void>> {
+      AdamWOptions adam{.weight_decay = 0.01f};
+      StepControlOptions clip{.max_grad_norm = 1.0f};
+      COSHARD_CO_TRY_ASSIGN(auto reference, Optimizer::adamw(adam, clip));
+      COSHARD_CO_TRY_ASSIGN(auto narrow, Optimizer::adamw(adam, clip));
+      COSHARD_CO_TRY_ASSIGN(auto swapped, Optimizer::adamw(adam, clip));
+      Tensor p32 = host_tensor(p0, shape, DataType::f32), pn = host_tensor(p0, shape, dt);
+      Tensor g = host_tensor(grads[0], shape, DataType::f32);
+      Tensor master = host_tensor(p0, shape, DataType::f32), m = host_tensor(std::vector<double>(n), shape, DataType::f32),
+             v = host_tensor(std::vector<double>(n), shape, DataType::f32), out = host_tensor(std::vector<double>(n), shape, dt);
+      COSHARD_CO_TRY(reference->add_group(*ctx_, p32, g));
+      COSHARD_CO_TRY(narrow->add_group(*ctx_, pn, g));
+      COSHARD_CO_TRY(swapped->add_swapped_group(*ctx_, g));
+      for (std::size_t step = 0; step < grads.size(); ++step) {
+        COSHARD_CO_TRY(ctx_->copy_from_host(g, encode_values(grads[step], DataType::f32)));
+        COSHARD_CO_TRY(reference->step(*ctx_, 0.05f));
+        COSHARD_CO_TRY(narrow->step(*ctx_, 0.05f));
+        COSHARD_CO_TRY(swapped->compute_grad_stats(*ctx_));
+        COSHARD_CO_TRY(swapped->apply_group(*ctx_, 0, 0.05f, master, m, v, out));
+        COSHARD_CO_TRY(swapped->finish_step(*ctx_));
+      }
+      COSHARD_CO_TRY_ASSIGN(auto want, co_await ctx_->read(p32));
+      COSHARD_CO_TRY_ASSIGN(auto narrow_master, co_await ctx_->read(narrow->groups()[0].master));
+      COSHARD_CO_TRY_ASSIGN(auto narrow_params, co_await ctx_->read(pn));
+      COSHARD_CO_TRY_ASSIGN(auto swapped_master, co_await ctx_->read(master));
+      COSHARD_CO_TRY_ASSIGN(auto swapped_params, co_await ctx_->read(out));
+      const auto rounded = decode_values(encode_values(want, dt), dt);
+      EXPECT_EQ(narrow_master, want);
+      EXPECT_EQ(swapped_master, want);
+      EXPECT_EQ(narrow_params, rounded);
+      EXPECT_EQ(swapped_params, rounded);
+      EXPECT_NE(want, p0) << "the parameters moved";
+      co_return Result<void>{};
+    };
+    auto r = rt_.block_on(body());
+    ASSERT_TRUE(r) << r.error().message();
+  }
+}
+
 TEST_F(Optimizers, RejectsBadOptionsAndTensorsWithClearErrors) {
   auto bad = Optimizer::adamw({.beta1 = 1.0f});
   ASSERT_FALSE(bad);

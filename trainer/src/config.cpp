@@ -47,9 +47,6 @@ Result<void> TrainerConfig::validate() const {
                 ": gradients are reduced in the compute dtype (expected ", collectives::to_string(dtype), ")");
   if (loss_scaling != modules::LossScaling::none && !(initial_loss_scale > 0))
     return fail(ErrorCode::invalid_argument, "initial_loss_scale=", initial_loss_scale, ": expected > 0");
-  if (offload_optimizer.device != OffloadDevice::none && dtype != DataType::f32)
-    return fail(ErrorCode::unsupported, "offload_optimizer=", to_string(offload_optimizer.device),
-                " with dtype=", collectives::to_string(dtype), ": only f32 for now");
   if (zero_stage == 3 && max_live_bytes == 0)
     return fail(ErrorCode::invalid_argument, "max_live_bytes=0: expected at least the largest fetch unit");
   if (gradient_accumulation_steps < 1)

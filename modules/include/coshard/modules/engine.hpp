@@ -85,7 +85,9 @@ struct EngineOptions {
   // Optimizer offload: the fp32 masters and the optimizer's moments of this rank's shards live in
   // pinned host memory and the optimizer steps there (CPU kernels, a stream of its own); each step
   // copies the reduced gradient shards out and the updated shards back. The Optimizer given to
-  // create() gets host groups. f32 parameters only for now.
+  // create() gets host groups. bf16/f16 parameters: the host step writes them, cast down from the
+  // fp32 masters (which stay in ordinary host memory: they never cross), into pinned memory, and
+  // half the bytes go back to the device.
   OptimizerOffload offload_optimizer = OptimizerOffload::none;
   // Pinned host memory the offload may use; 0: exactly what it needs. Too small: create() fails.
   std::size_t host_memory_budget = 0;
@@ -93,10 +95,10 @@ struct EngineOptions {
   // buffers it streams through (>= 2: one in use, reads ahead, writes behind).
   std::filesystem::path nvme_path;
   int swap_buffer_count = 4;
-  // Parameter offload (ZeRO-Infinity; stage 3, f32, with the optimizer offloaded): this rank's
-  // parameter shards leave the device. cpu: a shard is its fp32 master in pinned memory (with the
-  // optimizer on nvme, a pinned copy each step refreshes); nvme (needs the optimizer on nvme): a
-  // shard is the master at the head of its unit's swap file. A gather copies the shard into its
+  // Parameter offload (ZeRO-Infinity; stage 3, with the optimizer offloaded): this rank's
+  // parameter shards leave the device. cpu: a shard is its fp32 master in pinned memory (bf16/f16,
+  // or with the optimizer on nvme: a pinned copy in the compute dtype each step refreshes); nvme
+  // (needs the optimizer on nvme, f32): a shard is the master at the head of its unit's swap file. A gather copies the shard into its
   // place in the gathered buffer and gathers in place; nvme reads run ahead along the trace, at
   // most param_buffer_count at once (pinned buffers of the largest shard, under the budget).
   OffloadTarget offload_params = OffloadTarget::none;

@@ -75,7 +75,10 @@ class Optimizer {
   std::size_t state_tensors() const noexcept;
   // One group's update with its master and state given (f32, the group's length; state2/state1
   // may be empty when state_tensors() says so). After compute_grad_stats and the cross-rank sum.
-  Result<void> apply_group(Context& ctx, std::size_t group, float lr, Tensor master, Tensor state1, Tensor state2);
+  // `params_out` (optional, the group's length, on ctx's device): the updated master cast into it
+  // (bf16/f16 parameters of an fp32 master), in the same pass.
+  Result<void> apply_group(Context& ctx, std::size_t group, float lr, Tensor master, Tensor state1, Tensor state2,
+                           Tensor params_out = {});
   // Ends a step made of apply_group calls: the step count, the overflow skip, the loss scale.
   Result<void> finish_step(Context& ctx);
 
