@@ -18,6 +18,71 @@ namespace {
 
 using async::Stream;
 
+bool is_half(DataType dt) noexcept { return dt == DataType::bf16 || dt == DataType::f16; }
+
+// The operands of one kernel in the type it computes in. f32 and f64 kernels work on the
+// tensors themselves; bf16 and f16 ones on f32 copies, whose outputs are rounded back once (to
+// nearest even) when the kernel is done, as the CUDA kernels round their f32 results. Stats
+// (LayerNorm mean/rstd, the loss and its seed) are f32 for bf16/f16 and need no copy.
+template <class T>
+class Operands {
+ public:
+  explicit Operands(DataType dt) noexcept : dt_(dt) {}
+  Operands(const Operands&) = delete;
+  Operands& operator=(const Operands&) = delete;
+  ~Operands() {
+    for (const Copy& c : copies_)
+      if (c.written)
+        for (std::size_t i = 0; i < c.values.size(); ++i) store_half(c.to, i, c.values[i]);
+  }
+
+  const T* in(const void* p, std::int64_t n) { return widen(const_cast<void*>(p), n, false); }
+  // Read and written (accumulated into, written in part, or wholly overwritten).
+  T* inout(void* p, std::int64_t n) { return widen(p, n, true); }
+  T* stat(void* p) const noexcept { return static_cast<T*>(p); }
+  const T* stat(const void* p) const noexcept { return static_cast<const T*>(p); }
+
+ private:
+  struct Copy {
+    void* to;
+    std::vector<float> values;
+    bool written;
+  };
+  bool half() const noexcept {
+    if constexpr (std::is_same_v<T, float>)
+      return is_half(dt_);
+    else
+      return false;
+  }
+  T* widen(void* p, std::int64_t n, bool written) {
+    if (!half()) return static_cast<T*>(p);
+    std::vector<float> values(static_cast<std::size_t>(std::max<std::int64_t>(n, 0)));
+    const auto* h = static_cast<const std::uint16_t*>(p);
+    if (dt_ == DataType::bf16)
+      for (std::size_t i = 0; i < values.size(); ++i) values[i] = collectives::bf16_to_float(h[i]);
+    else
+      for (std::size_t i = 0; i < values.size(); ++i) values[i] = collectives::f16_to_float(h[i]);
+    // (the copies' buffers keep their addresses when the list grows: a vector's move keeps them)
+    copies_.push_back({p, std::move(values), written});
+    return reinterpret_cast<T*>(copies_.back().values.data());
+  }
+  void store_half(void* p, std::size_t i, float v) const noexcept {
+    static_cast<std::uint16_t*>(p)[i] =
+        dt_ == DataType::bf16 ? collectives::float_to_bf16(v) : collectives::float_to_f16(v);
+  }
+
+  DataType dt_;
+  std::vector<Copy> copies_;
+};
+
+// Elements a row-major matrix of `rows` x `cols` at leading dimension `ld` spans, over `batch`
+// matrices `stride` apart.
+std::int64_t extent(std::int64_t rows, std::int64_t cols, std::int64_t ld, std::int64_t batch,
+                    std::int64_t stride) {
+  if (rows <= 0 || cols <= 0 || batch <= 0) return 0;
+  return (batch - 1) * stride + (rows - 1) * ld + cols;
+}
+
 // The i-th product of a batch through cblas_sgemm or cblas_dgemm.
 template <class T>
 void gemm_at(const GemmArgs& g, std::int64_t i) {
@@ -294,12 +359,19 @@ inline float grad_factor(const StepState& st, float max_grad_norm) {
 
 class CpuKernels final : public Kernels {
  public:
-  bool supports(DataType dt) const noexcept override { return dt == DataType::f32 || dt == DataType::f64; }
-  bool converts(DataType dt) const noexcept override { return supports(dt) || dt == DataType::bf16 || dt == DataType::f16; }
+  // bf16/f16 compute in f32 on copies (Operands): for tests and small runs without a GPU.
+  bool supports(DataType dt) const noexcept override {
+    return dt == DataType::f32 || dt == DataType::f64 || is_half(dt);
+  }
 
   Result<void> gemm(Stream& s, DataType dt, const GemmArgs& g) const override {
-    return dispatch(s, dt, [g]<class T>(T*) {
-      for (std::int64_t i = 0; i < g.batch; ++i) gemm_at<T>(g, i);
+    return dispatch(s, dt, [g]<class T>(Operands<T>& io) {
+      GemmArgs on = g;
+      const bool ta = g.trans_a, tb = g.trans_b;
+      on.a = io.in(g.a, extent(ta ? g.k : g.m, ta ? g.m : g.k, g.lda, g.batch, g.stride_a));
+      on.b = io.in(g.b, extent(tb ? g.n : g.k, tb ? g.k : g.n, g.ldb, g.batch, g.stride_b));
+      on.c = io.inout(g.c, extent(g.m, g.n, g.ldc, g.batch, g.stride_c));
+      for (std::int64_t i = 0; i < g.batch; ++i) gemm_at<T>(on, i);
     });
   }
 
@@ -309,12 +381,15 @@ class CpuKernels final : public Kernels {
     COSHARD_TRY(check_dtype(dt));
     return s.launch_fallible([=]() -> Result<void> {
       COSHARD_TRY(check_ids(tokens, B * T_, vocab, "tokens"));
-      with_type(dt, [&]<class T>(T*) {
+      with_type(dt, [&]<class T>(Operands<T>& io) {
+        const T* we = io.in(wte, vocab * C);
+        const T* wp = io.in(wpe, T_ * C);
+        T* po = io.inout(out, B * T_ * C);
         for (std::int64_t b = 0; b < B; ++b)
           for (std::int64_t t = 0; t < T_; ++t) {
-            const T* e = static_cast<const T*>(wte) + tokens[b * T_ + t] * C;
-            const T* p = static_cast<const T*>(wpe) + t * C;
-            T* o = static_cast<T*>(out) + (b * T_ + t) * C;
+            const T* e = we + tokens[b * T_ + t] * C;
+            const T* p = wp + t * C;
+            T* o = po + (b * T_ + t) * C;
             for (std::int64_t c = 0; c < C; ++c) o[c] = e[c] + p[c];
           }
       });
@@ -324,12 +399,18 @@ class CpuKernels final : public Kernels {
 
   Result<void> embedding_backward(Stream& s, DataType dt, const std::int32_t* tokens, const void* dout, void* dwte,
                                   void* dwpe, std::int64_t B, std::int64_t T_, std::int64_t C) const override {
-    return dispatch(s, dt, [=]<class T>(T*) {
+    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
+      // (the rows of dwte the tokens touch: up to the largest token, read in stream order)
+      std::int64_t rows = 0;
+      for (std::int64_t i = 0; i < B * T_; ++i) rows = std::max<std::int64_t>(rows, tokens[i] + 1);
+      const T* pg = io.in(dout, B * T_ * C);
+      T* pe = io.inout(dwte, rows * C);
+      T* pp = io.inout(dwpe, T_ * C);
       for (std::int64_t b = 0; b < B; ++b)
         for (std::int64_t t = 0; t < T_; ++t) {
-          const T* g = static_cast<const T*>(dout) + (b * T_ + t) * C;
-          T* e = static_cast<T*>(dwte) + tokens[b * T_ + t] * C;
-          T* p = static_cast<T*>(dwpe) + t * C;
+          const T* g = pg + (b * T_ + t) * C;
+          T* e = pe + tokens[b * T_ + t] * C;
+          T* p = pp + t * C;
           for (std::int64_t c = 0; c < C; ++c) {
             e[c] += g[c];
             p[c] += g[c];
@@ -340,55 +421,55 @@ class CpuKernels final : public Kernels {
 
   Result<void> layernorm_forward(Stream& s, DataType dt, const void* x, const void* w, const void* b, void* out,
                                  void* mean, void* rstd, std::int64_t N, std::int64_t C, float eps) const override {
-    return dispatch(s, dt, [=]<class T>(T*) {
-      layernorm_fwd<T>(static_cast<const T*>(x), static_cast<const T*>(w), static_cast<const T*>(b),
-                       static_cast<T*>(out), static_cast<T*>(mean), static_cast<T*>(rstd), N, C, eps);
+    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
+      layernorm_fwd<T>(io.in(x, N * C), io.in(w, C), io.in(b, C), io.inout(out, N * C), io.stat(mean),
+                       io.stat(rstd), N, C, eps);
     });
   }
 
   Result<void> layernorm_backward(Stream& s, DataType dt, const void* dout, const void* x, const void* w,
                                   const void* mean, const void* rstd, void* dx, void* dw, void* db, std::int64_t N,
                                   std::int64_t C) const override {
-    return dispatch(s, dt, [=]<class T>(T*) {
-      layernorm_bwd<T>(static_cast<const T*>(dout), static_cast<const T*>(x), static_cast<const T*>(w),
-                       static_cast<const T*>(mean), static_cast<const T*>(rstd), static_cast<T*>(dx),
-                       static_cast<T*>(dw), static_cast<T*>(db), N, C);
+    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
+      layernorm_bwd<T>(io.in(dout, N * C), io.in(x, N * C), io.in(w, C), io.stat(mean), io.stat(rstd),
+                       io.inout(dx, N * C), io.inout(dw, C), io.inout(db, C), N, C);
     });
   }
 
   Result<void> gelu_forward(Stream& s, DataType dt, const void* x, void* out, std::int64_t n) const override {
-    return dispatch(s, dt, [=]<class T>(T*) { gelu_fwd<T>(static_cast<const T*>(x), static_cast<T*>(out), n); });
+    return dispatch(s, dt, [=]<class T>(Operands<T>& io) { gelu_fwd<T>(io.in(x, n), io.inout(out, n), n); });
   }
 
   Result<void> gelu_backward(Stream& s, DataType dt, const void* x, const void* dout, void* dx,
                              std::int64_t n) const override {
-    return dispatch(s, dt, [=]<class T>(T*) {
-      gelu_bwd<T>(static_cast<const T*>(x), static_cast<const T*>(dout), static_cast<T*>(dx), n);
+    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
+      gelu_bwd<T>(io.in(x, n), io.in(dout, n), io.inout(dx, n), n);
     });
   }
 
   Result<void> add(Stream& s, DataType dt, const void* a, const void* b, void* out, std::int64_t n) const override {
-    return dispatch(s, dt, [=]<class T>(T*) {
-      const T* pa = static_cast<const T*>(a);
-      const T* pb = static_cast<const T*>(b);
-      T* po = static_cast<T*>(out);
+    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
+      const T* pa = io.in(a, n);
+      const T* pb = io.in(b, n);
+      T* po = io.inout(out, n);
       for (std::int64_t i = 0; i < n; ++i) po[i] = pa[i] + pb[i];
     });
   }
 
   Result<void> scale(Stream& s, DataType dt, void* x, float factor, std::int64_t n) const override {
-    return dispatch(s, dt, [=]<class T>(T*) {
-      T* p = static_cast<T*>(x);
+    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
+      T* p = io.inout(x, n);
       for (std::int64_t i = 0; i < n; ++i) p[i] *= static_cast<T>(factor);
     });
   }
 
   Result<void> bias_add(Stream& s, DataType dt, void* out, const void* bias, std::int64_t N,
                         std::int64_t C) const override {
-    return dispatch(s, dt, [=]<class T>(T*) {
-      const T* pb = static_cast<const T*>(bias);
+    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
+      const T* pb = io.in(bias, C);
+      T* po = io.inout(out, N * C);
       for (std::int64_t i = 0; i < N; ++i) {
-        T* row = static_cast<T*>(out) + i * C;
+        T* row = po + i * C;
         for (std::int64_t j = 0; j < C; ++j) row[j] += pb[j];
       }
     });
@@ -396,10 +477,11 @@ class CpuKernels final : public Kernels {
 
   Result<void> bias_grad(Stream& s, DataType dt, const void* dout, void* dbias, std::int64_t N,
                          std::int64_t C) const override {
-    return dispatch(s, dt, [=]<class T>(T*) {
-      T* db = static_cast<T*>(dbias);
+    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
+      const T* pg = io.in(dout, N * C);
+      T* db = io.inout(dbias, C);
       for (std::int64_t i = 0; i < N; ++i) {
-        const T* row = static_cast<const T*>(dout) + i * C;
+        const T* row = pg + i * C;
         for (std::int64_t j = 0; j < C; ++j) db[j] += row[j];
       }
     });
@@ -407,17 +489,20 @@ class CpuKernels final : public Kernels {
 
   Result<void> attention_forward(Stream& s, DataType dt, const void* qkv, void* out, void* probs, std::int64_t B,
                                  std::int64_t T_, std::int64_t H, std::int64_t hd) const override {
-    return dispatch(s, dt, [=]<class T>(T*) {
-      attention_fwd<T>(static_cast<const T*>(qkv), static_cast<T*>(out), static_cast<T*>(probs), B, T_, H, hd);
+    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
+      const std::int64_t C = H * hd;
+      attention_fwd<T>(io.in(qkv, B * T_ * 3 * C), io.inout(out, B * T_ * C), io.inout(probs, B * H * T_ * T_), B,
+                       T_, H, hd);
     });
   }
 
   Result<void> attention_backward(Stream& s, DataType dt, const void* dout, const void* qkv, const void* probs,
                                   void* dqkv, void* scratch, std::int64_t B, std::int64_t T_, std::int64_t H,
                                   std::int64_t hd) const override {
-    return dispatch(s, dt, [=]<class T>(T*) {
-      attention_bwd<T>(static_cast<const T*>(dout), static_cast<const T*>(qkv), static_cast<const T*>(probs),
-                       static_cast<T*>(dqkv), static_cast<T*>(scratch), B, T_, H, hd);
+    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
+      const std::int64_t C = H * hd;
+      attention_bwd<T>(io.in(dout, B * T_ * C), io.in(qkv, B * T_ * 3 * C), io.in(probs, B * H * T_ * T_),
+                       io.inout(dqkv, B * T_ * 3 * C), io.inout(scratch, B * H * T_ * T_), B, T_, H, hd);
     });
   }
 
@@ -426,8 +511,8 @@ class CpuKernels final : public Kernels {
     COSHARD_TRY(check_dtype(dt));
     return s.launch_fallible([=]() -> Result<void> {
       COSHARD_TRY(check_ids(targets, N, V, "targets"));
-      with_type(dt, [&]<class T>(T*) {
-        cross_entropy_fwd<T>(static_cast<const T*>(logits), targets, static_cast<T*>(loss), N, V);
+      with_type(dt, [&]<class T>(Operands<T>& io) {
+        cross_entropy_fwd<T>(io.in(logits, N * V), targets, io.stat(loss), N, V);
       });
       return {};
     });
@@ -436,16 +521,15 @@ class CpuKernels final : public Kernels {
   Result<void> cross_entropy_backward(Stream& s, DataType dt, const void* logits, const std::int32_t* targets,
                                       const void* seed, void* dlogits, std::int64_t N,
                                       std::int64_t V) const override {
-    return dispatch(s, dt, [=]<class T>(T*) {
-      cross_entropy_bwd<T>(static_cast<const T*>(logits), targets, static_cast<const T*>(seed),
-                           static_cast<T*>(dlogits), N, V);
+    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
+      cross_entropy_bwd<T>(io.in(logits, N * V), targets, io.stat(seed), io.inout(dlogits, N * V), N, V);
     });
   }
 
   Result<void> cast(Stream& s, DataType from, const void* src, DataType to, void* dst,
                     std::int64_t n) const override {
-    COSHARD_TRY(check_storage(from));
-    COSHARD_TRY(check_storage(to));
+    COSHARD_TRY(check_dtype(from));
+    COSHARD_TRY(check_dtype(to));
     return s.launch([=] {
       for (std::int64_t i = 0; i < n; ++i) store(to, dst, i, load(from, src, i));
     });
@@ -474,8 +558,8 @@ class CpuKernels final : public Kernels {
         }
         return total;
       };
-      const double sumsq = gdt == DataType::f64 ? sum_squares(static_cast<const double*>(grad))
-                                                : sum_squares(static_cast<const float*>(grad));
+      double sumsq = 0;
+      with_grad(gdt, grad, n, [&](const auto* g) { sumsq = sum_squares(g); });
       if (!std::isfinite(sumsq)) state->found_inf = 1;
       state->grad_sumsq += static_cast<float>(sumsq);
     });
@@ -484,7 +568,7 @@ class CpuKernels final : public Kernels {
   Result<void> adamw(Stream& s, float* master, DataType gdt, const void* grad, float* m, float* v, DataType pdt,
                      void* param_out, std::int64_t n, const AdamArgs& a, const StepState* state) const override {
     COSHARD_TRY(check_dtype(gdt));
-    if (param_out) COSHARD_TRY(check_storage(pdt));
+    if (param_out) COSHARD_TRY(check_dtype(pdt));
     return s.launch([=] {
       if (state->found_inf > 0) return;
       const float factor = grad_factor(*state, a.max_grad_norm);
@@ -505,10 +589,7 @@ class CpuKernels final : public Kernels {
           master[i] = master[i] * decay - lr * (mi * inv_bc1) / (std::sqrt(vi * inv_bc2) + eps);
         }
       };
-      if (gdt == DataType::f64)
-        update(static_cast<const double*>(grad));
-      else
-        update(static_cast<const float*>(grad));
+      with_grad(gdt, grad, n, update);
       if (param_out) store_all(pdt, param_out, master, n);
     });
   }
@@ -516,7 +597,7 @@ class CpuKernels final : public Kernels {
   Result<void> sgd(Stream& s, float* master, DataType gdt, const void* grad, float* buf, DataType pdt,
                    void* param_out, std::int64_t n, const SgdArgs& a, const StepState* state) const override {
     COSHARD_TRY(check_dtype(gdt));
-    if (param_out) COSHARD_TRY(check_storage(pdt));
+    if (param_out) COSHARD_TRY(check_dtype(pdt));
     return s.launch([=] {
       if (state->found_inf > 0) return;
       const float factor = grad_factor(*state, a.max_grad_norm);
@@ -553,12 +634,6 @@ class CpuKernels final : public Kernels {
   }
 
  private:
-  Result<void> check_storage(DataType dt) const {
-    if (!converts(dt))
-      return fail(ErrorCode::unsupported, "dtype ", collectives::to_string(dt),
-                  ": the CPU kernels convert f32, f64, bf16 and f16 only");
-    return {};
-  }
   // The updated masters into the parameters (one loop per type, so that it vectorises).
   static void store_all(DataType pdt, void* out, const float* master, std::int64_t n) {
     switch (pdt) {
@@ -579,15 +654,33 @@ class CpuKernels final : public Kernels {
   Result<void> check_dtype(DataType dt) const {
     if (!supports(dt))
       return fail(ErrorCode::unsupported, "dtype ", collectives::to_string(dt),
-                  ": the CPU kernels serve f32 and f64 (bf16/f16 compute needs the CUDA backend)");
+                  ": the CPU kernels serve f32, f64, bf16 and f16");
     return {};
   }
+  // `fn` on the gradients as f64 or f32 (bf16/f16 widened to an f32 copy first).
+  template <class Fn>
+  static void with_grad(DataType gdt, const void* grad, std::int64_t n, Fn&& fn) {
+    if (gdt == DataType::f64) {
+      fn(static_cast<const double*>(grad));
+    } else if (is_half(gdt)) {
+      std::vector<float> wide(static_cast<std::size_t>(n));
+      for (std::int64_t i = 0; i < n; ++i) wide[static_cast<std::size_t>(i)] = static_cast<float>(load(gdt, grad, i));
+      fn(static_cast<const float*>(wide.data()));
+    } else {
+      fn(static_cast<const float*>(grad));
+    }
+  }
+  // `fn` on the operands in the type the kernel computes in (f64, else f32); bf16/f16 outputs
+  // are rounded back when it returns.
   template <class Fn>
   static void with_type(DataType dt, Fn&& fn) {
-    if (dt == DataType::f64)
-      fn.template operator()<double>(nullptr);
-    else
-      fn.template operator()<float>(nullptr);
+    if (dt == DataType::f64) {
+      Operands<double> io(dt);
+      fn(io);
+    } else {
+      Operands<float> io(dt);
+      fn(io);
+    }
   }
   template <class Fn>
   Result<void> dispatch(Stream& s, DataType dt, Fn fn) const {
@@ -603,17 +696,10 @@ const Kernels& cpu_kernels() noexcept {
   return kernels;
 }
 
-Result<void> check_converts(const Kernels& k, DataType dt, async::Device device, std::string_view what) {
-  if (!k.converts(dt))
-    return fail(ErrorCode::unsupported, what, ": dtype ", collectives::to_string(dt), " is not converted by the ",
-                device.is_cpu() ? "CPU kernels (f32, f64, bf16, f16)" : "CUDA kernels (f32, bf16, f16)");
-  return {};
-}
-
 Result<void> check_supported(const Kernels& k, DataType dt, async::Device device, std::string_view what) {
   if (!k.supports(dt))
     return fail(ErrorCode::unsupported, what, ": dtype ", collectives::to_string(dt), " is not served by the ",
-                device.is_cpu() ? "CPU kernels (f32, f64)" : "CUDA kernels (f32, bf16, f16)");
+                device.is_cpu() ? "CPU kernels (f32, f64, bf16, f16)" : "CUDA kernels (f32, bf16, f16)");
   return {};
 }
 

@@ -3,8 +3,9 @@
 // Every function enqueues on `stream` and returns: pointers are device pointers (host memory
 // for the CPU backend), valid until the stream passes this point. Matrices are row-major.
 // Parameter gradients accumulate (+=); activation gradients are overwritten. The CPU backend
-// serves f32 and f64 (f64 for gradient checks); CUDA serves f32, bf16 and f16 with f32
-// accumulation. "Stats" (LayerNorm mean/rstd, the loss) are f64 for f64 models, else f32.
+// serves f32 and f64 (f64 for gradient checks), and bf16 and f16 computed in f32 on copies with
+// each output rounded once (for tests and runs without a GPU); CUDA serves f32, bf16 and f16
+// with f32 accumulation. "Stats" (LayerNorm mean/rstd, the loss) are f64 for f64 models, else f32.
 #pragma once
 
 #include <cstdint>
@@ -39,9 +40,6 @@ class Kernels {
  public:
   virtual ~Kernels() = default;
   virtual bool supports(DataType dt) const noexcept = 0;
-  // Storage types `cast` and the optimizers' `param_out` serve: a backend may convert more types
-  // than it computes in (the CPU steps bf16/f16 parameters of an offloaded optimizer).
-  virtual bool converts(DataType dt) const noexcept { return supports(dt); }
 
   virtual Result<void> gemm(async::Stream& s, DataType dt, const GemmArgs& g) const = 0;
 
@@ -119,7 +117,5 @@ const Kernels* cuda_kernels() noexcept;
 
 // "f32 is not served by the cuda kernels" style check used by every layer.
 Result<void> check_supported(const Kernels& k, DataType dt, async::Device device, std::string_view what);
-// The same for a storage type (Kernels::converts).
-Result<void> check_converts(const Kernels& k, DataType dt, async::Device device, std::string_view what);
 
 }  // namespace coshard::modules::detail

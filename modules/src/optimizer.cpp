@@ -96,7 +96,7 @@ Result<void> Optimizer::add_group(Context& ctx, Tensor params, Tensor grads) {
   if (pdt != DataType::f32 && pdt != DataType::bf16 && pdt != DataType::f16)
     return fail(ErrorCode::unsupported, "Optimizer: parameters are ", collectives::to_string(pdt),
                 "; the optimizers keep fp32 master weights for f32, bf16 or f16 parameters");
-  COSHARD_TRY(detail::check_converts(k, pdt, ctx.device(), "Optimizer"));  // (only cast to and from)
+  COSHARD_TRY(detail::check_supported(k, pdt, ctx.device(), "Optimizer"));
   COSHARD_TRY(detail::check_supported(k, grads.dtype(), ctx.device(), "Optimizer"));
   COSHARD_TRY(ensure_state(ctx));
   Group g{params, grads, {}, {}, {}};

@@ -72,6 +72,15 @@ std::vector<std::string> with(std::vector<std::string> a, const std::vector<std:
   return a;
 }
 
+// The "loss" of every line of a metrics file.
+std::vector<double> losses_in(const fs::path& metrics) {
+  std::ifstream in(metrics);
+  std::string line;
+  std::vector<double> losses;
+  while (std::getline(in, line)) losses.push_back(nlohmann::json::parse(line)["loss"].get<double>());
+  return losses;
+}
+
 TEST(CoshardTrain, MetricsHaveEveryKeyAndTheLossFalls) {
   const fs::path dir = scratch("metrics");
   const auto r = run(with(kTiny, {"--steps", "30", "--world-size", "2", "--metrics", (dir / "m.jsonl").string()}), dir);
@@ -110,13 +119,32 @@ TEST(CoshardTrain, StepInBackwardTrainsLikeSteppingAfterBackward) {
       if (early) args.push_back("--step-in-backward");
       const auto r = run(args, dir);
       ASSERT_EQ(r.code, 0) << r.output;
-      std::ifstream in(metrics);
-      std::string line;
-      losses.emplace_back();
-      while (std::getline(in, line)) losses.back().push_back(nlohmann::json::parse(line)["loss"].get<double>());
+      losses.push_back(losses_in(metrics));
     }
     ASSERT_EQ(losses[0].size(), 6u);
     EXPECT_EQ(losses[1], losses[0]);
+  }
+}
+
+// --dtype bf16 and f16 on the CPU (f32 compute on copies, outputs rounded): the optimizer on NVMe
+// and the parameters in pinned memory give the losses of keeping both on the device, bit for bit.
+TEST(CoshardTrain, HalfPrecisionOffloadedTrainsLikeResident) {
+  const fs::path dir = scratch("half_offload");
+  for (const std::string dtype : {"bf16", "f16"}) {
+    SCOPED_TRACE(dtype);
+    std::vector<std::vector<double>> losses;
+    for (const bool offload : {false, true}) {
+      const fs::path metrics = dir / (offload ? "offloaded.jsonl" : "resident.jsonl");
+      auto args = with(kTiny, {"--steps", "6", "--world-size", "2", "--dtype", dtype, "--metrics", metrics.string()});
+      if (offload)
+        args = with(args, {"--offload-optimizer", "nvme:" + (dir / "state").string(), "--offload-params", "cpu"});
+      const auto r = run(args, dir);
+      ASSERT_EQ(r.code, 0) << r.output;
+      losses.push_back(losses_in(metrics));
+    }
+    ASSERT_EQ(losses[0].size(), 6u);
+    EXPECT_EQ(losses[1], losses[0]);
+    EXPECT_LT(losses[0].back(), losses[0].front());
   }
 }
 

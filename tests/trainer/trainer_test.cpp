@@ -185,8 +185,7 @@ TEST(TrainerBuilder, RefusesBadSettingsWithTheirNames) {
         {[](TrainerBuilder& b) { b.sgd(0.1f, 1.5f); }, "momentum=1.5"},
         {[](TrainerBuilder& b) { b.offload_params(OffloadOptions{.device = OffloadDevice::cpu}); },
          "offload_params=cpu"},
-        // CPU kernels are f32/f64: bf16 compute needs a GPU.
-        {[](TrainerBuilder& b) { b.mixed_precision(modules::DataType::bf16); }, "bf16"},
+        {[](TrainerBuilder& b) { b.mixed_precision(modules::DataType::i32); }, "dtype=i32"},
     };
     for (const auto& k : cases) {
       TrainerBuilder b(small_config());

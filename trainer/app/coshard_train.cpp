@@ -266,7 +266,7 @@ int main(int argc, char** argv) {
   auto* accum = app.add_option("--grad-accum", cli.gradient_accumulation_steps, "micro-batches per step on each rank");
   auto* clip = app.add_option("--clip", cli.max_grad_norm, "global gradient-norm clipping (0: off)");
   auto* wd = app.add_option("--weight-decay", cli.weight_decay, "AdamW weight decay");
-  auto* precision = app.add_option("--dtype", dtype, "compute dtype (f32; bf16/f16 need --device cuda)")
+  auto* precision = app.add_option("--dtype", dtype, "compute dtype (bf16/f16 on the CPU compute in f32 on copies: slower than f32, for trying a setup)")
                         ->check(CLI::IsMember({"f32", "bf16", "f16"}));
   auto* off_opt = offload_option("--offload-optimizer", cli.offload_optimizer, "none, cpu or nvme:PATH");
   auto* off_par = offload_option("--offload-params", cli.offload_params, "none, cpu or nvme (stage 3, with --offload-optimizer; nvme: its folder)");
