@@ -36,6 +36,11 @@ for step in $steps; do
           echo "train bf16 $name rc $?"; tail -2 "$out/train_$name.log"
         done
       done
+      # ZeRO-Infinity in bf16: the optimizer and the parameters on NVMe (stage 3).
+      timeout 180 build/release/trainer/coshard-train --device cuda --world-size 1 --steps 300 --dtype bf16 \
+        --offload-optimizer "nvme:$out/swap" --offload-params nvme --metrics "$out/train_params_nvme.jsonl" \
+        >"$out/train_params_nvme.log" 2>&1
+      echo "train bf16 params_nvme rc $?"; tail -2 "$out/train_params_nvme.log"
       rm -rf "$out/swap" ;;
     bench)
       for which in Gpu Nccl; do  # apart, so that one failing leaves the other's numbers

@@ -10,6 +10,7 @@
 #include "coshard/offload/pinned_pool.hpp"
 #include "coshard/offload/swapper.hpp"
 #include "kernels.hpp"
+#include "narrow_in_place.hpp"
 
 namespace coshard::modules {
 
@@ -163,8 +164,11 @@ struct Engine::State {
   bool params_on_nvme() const noexcept { return o.offload_params == OffloadTarget::nvme; }
   // bf16/f16 parameters: the host step writes them from the fp32 masters (half the bytes to the
   // device); with the optimizer on nvme and the shards on the device, through `staging`, one unit
-  // at a time (the swapper's passes hand out one sub-group at a time and await its use).
+  // at a time (the swapper's passes hand out one sub-group at a time and await its use). With the
+  // parameters on nvme a shard is its master rounded as it is read, and `staging` holds a unit's
+  // rounded master while a checkpoint visits it.
   bool narrow() const noexcept { return o.dtype != DataType::f32; }
+  bool staged() const noexcept { return swapped() && narrow() && o.offload_params != OffloadTarget::cpu; }
   offload::PinnedBlock staging;
   Tensor staging_for(const Unit& u) const {
     return Tensor(staging.data(), Shape{u.info.shard}, o.dtype, async::Device::cpu());
@@ -204,10 +208,16 @@ struct Engine::State {
       // Every sub-group written anew: the master from the shard, the state zero.
       auto fill = [this](std::size_t k, std::span<std::byte> bytes) -> async::Task<Result<void>> {
         const Unit& u = *units[k];
-        if (params_on_nvme()) {  // the values were computed on the host
+        if (params_on_nvme()) {  // the values were computed on the host, in the compute dtype
           const auto& values = pending_shards.at(k);
-          std::copy(values.begin(), values.end(), bytes.begin());
-          co_return Result<void>{};
+          if (!narrow()) {
+            std::copy(values.begin(), values.end(), bytes.begin());
+            co_return Result<void>{};
+          }
+          COSHARD_CO_TRY(host_ctx->kernels().cast(*host_stream, o.dtype, values.data(), DataType::f32, bytes.data(),
+                                                  u.info.shard));
+          COSHARD_CO_TRY_ASSIGN(auto widened, host_stream->record());
+          co_return co_await widened;
         }
         if (!narrow()) {
           COSHARD_CO_TRY(ctx->stream().copy(bytes.data(), u.shard.data(), u.shard.bytes()));
@@ -451,7 +461,7 @@ struct Engine::State {
   Result<void> start_read(Unit& u, async::Semaphore::Permit slot) {
     async::Runtime* rt = async::Runtime::current();
     if (!rt) return fail(ErrorCode::internal, "Engine: a parameter read outside a runtime");
-    const auto bytes = static_cast<std::size_t>(u.info.shard) * element_size;
+    const auto bytes = static_cast<std::size_t>(u.info.shard) * sizeof(float);  // the fp32 master
     u.read = rt->spawn(read_shard(store, pinned, subgroups[u.index].name, bytes));
     u.read_slot = std::move(slot);
     return {};
@@ -481,6 +491,14 @@ struct Engine::State {
     }
     u.read_block = std::move(*block);
     stats.swap_bytes += u.read_block.size();
+    if (narrow()) {  // bf16/f16: the master rounded, in place, on the host stream (off the reactor)
+      const auto n = static_cast<std::size_t>(u.info.shard);
+      void* data = u.read_block.data();
+      const DataType dt = o.dtype;
+      COSHARD_CO_TRY(host_stream->launch([data, n, dt] { detail::narrow_in_place(data, n, dt); }));
+      COSHARD_CO_TRY_ASSIGN(auto narrowed, host_stream->record());
+      COSHARD_CO_TRY(co_await narrowed);
+    }
     co_return Result<void>{};
   }
   // Starts reads for the units next in the trace that are neither gathered nor read, while slots
@@ -793,7 +811,7 @@ struct Engine::State {
     // bf16/f16: cast down in the same pass, into the pinned shard itself (parameters offloaded to
     // cpu: nothing left to copy) or into the staging buffer on its way to the device.
     Tensor narrowed;
-    if (narrow()) narrowed = params_offloaded() ? u.shard : staging_for(u);
+    if (narrow() && !params_on_nvme()) narrowed = params_offloaded() ? u.shard : staging_for(u);
     COSHARD_CO_TRY(optimizer->apply_group(*host_ctx, first_group + k, lr, master, shard.state1, shard.state2, narrowed));
     COSHARD_CO_TRY_ASSIGN(auto stepped, host_stream->record());
     if (params_on_nvme() || (narrowed && narrowed.data() == u.shard.data())) co_return co_await stepped;
@@ -941,7 +959,16 @@ async::Task<Result<void>> Engine::visit_shards(ShardVisitor use, bool written) {
   State& s = *s_;
   if (s.swapped()) {
     auto visit_group = [&s, &use](std::size_t k, std::span<std::byte> bytes) -> async::Task<Result<void>> {
-      const UnitShard shard = s.swapped_shard(k, bytes);
+      UnitShard shard = s.swapped_shard(k, bytes);
+      if (s.params_on_nvme() && s.narrow()) {
+        // bf16/f16 on nvme: the parameters are the master rounded, made for the visit (what a load
+        // writes there is dropped: the master it loads decides them).
+        shard.params = s.staging_for(*s.units[k]);
+        COSHARD_CO_TRY(s.host_ctx->kernels().cast(*s.host_stream, DataType::f32, shard.master.data(), s.o.dtype,
+                                                  shard.params.data(), shard.info.shard));
+        COSHARD_CO_TRY_ASSIGN(auto rounded, s.host_stream->record());
+        COSHARD_CO_TRY(co_await rounded);
+      }
       co_return co_await use(shard);
     };
     COSHARD_CO_TRY(co_await s.swapper->for_each(s.subgroups, visit_group, written));
@@ -1039,9 +1066,6 @@ Result<void> check_offload_placement(const EngineOptions& o) {
     return fail(ErrorCode::invalid_argument, "offload_params=nvme with offload_optimizer=", to_string(o.offload_optimizer),
                 ": the shards on NVMe are the masters in the optimizer's swap files (expected offload_optimizer=nvme; "
                 "with cpu, the masters hold the parameters in host memory already: use offload_params=cpu)");
-  if (o.offload_params == OffloadTarget::nvme && o.dtype != DataType::f32)
-    return fail(ErrorCode::invalid_argument, "offload_params=nvme with dtype ", collectives::to_string(o.dtype),
-                ": a shard is read from its swap file as the fp32 master (expected dtype f32, or offload_params=cpu)");
   if (o.param_buffer_count < 1)
     return fail(ErrorCode::invalid_argument, "param_buffer_count=", o.param_buffer_count, ": expected >= 1");
   return {};
@@ -1175,12 +1199,13 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   // Optimizer offload: its stream, context and pinned memory (checked against the budget now).
   if (s->offloaded()) {
     std::vector<std::size_t> sizes;
-    std::size_t needed = 0, largest_group = 0, largest_shard = 0;
+    std::size_t needed = 0, largest_group = 0, largest_shard = 0, largest_master = 0;
     const std::size_t per_element = 4 * (1 + optimizer.state_tensors());  // master and state, f32
     for (const auto& u : s->units) {
       const auto shard_bytes = static_cast<std::size_t>(u->info.shard) * s->element_size;
       const auto f32_bytes = static_cast<std::size_t>(u->info.shard) * sizeof(float);
       largest_shard = std::max(largest_shard, shard_bytes);
+      largest_master = std::max(largest_master, f32_bytes);
       if (o.offload_params == OffloadTarget::cpu && s->swapped()) sizes.push_back(shard_bytes);  // the pinned shard
       if (s->swapped()) {  // a resident gradient shard; master and state stream through buffers
         sizes.push_back(f32_bytes);
@@ -1193,15 +1218,14 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
         sizes.insert(sizes.end(), {f32_bytes, f32_bytes});  // the master (the shard's copy) and the gradient
       }
     }
-    const bool staged = s->swapped() && s->narrow() && !s->params_offloaded();
-    if (staged) sizes.push_back(largest_shard);
+    if (s->staged()) sizes.push_back(largest_shard);
     if (s->swapped()) {
       if (o.nvme_path.empty())
         return fail(ErrorCode::invalid_argument, "offload_optimizer=nvme: needs a folder (nvme_path)");
       for (int b = 0; b < o.swap_buffer_count; ++b) sizes.push_back(largest_group);
     }
     if (s->params_on_nvme()) {  // the read-ahead buffers (between steps; the swap buffers are apart)
-      for (int b = 0; b < o.param_buffer_count; ++b) sizes.push_back(largest_shard);
+      for (int b = 0; b < o.param_buffer_count; ++b) sizes.push_back(largest_master);  // read as the fp32 master
       s->read_slots = std::make_shared<Budget>(static_cast<std::size_t>(o.param_buffer_count));
     }
     sizes.push_back(2 * sizeof(float));  // grad_stats_back
@@ -1298,7 +1322,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
       COSHARD_TRY(optimizer.add_group(ctx, u.shard, u.grad_shard));
     }
   }
-  if (s->swapped() && s->narrow() && !s->params_offloaded()) {
+  if (s->staged()) {
     std::size_t largest_shard = 0;
     for (const auto& u : s->units)
       largest_shard = std::max(largest_shard, static_cast<std::size_t>(u->info.shard) * s->element_size);

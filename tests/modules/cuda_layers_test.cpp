@@ -377,8 +377,9 @@ TEST(CpuHalfPrecision, TinyGptLossFalls) {
 }
 
 // The engine's bf16/f16 offload paths (the host step writing the compute-dtype parameters from
-// its fp32 masters into pinned memory, through the staging buffer for NVMe; the masters widened
-// from the shards at start) against the resident engine: the same kernels in the same order, so
+// its fp32 masters into pinned memory, through the staging buffer for NVMe; parameters on NVMe
+// rounded from the masters as they are read; the masters widened from the shards at start)
+// against the resident engine: the same kernels in the same order, so
 // the same losses bit for bit: with clipping and (f16) dynamic loss scaling, and stepping each
 // unit during backward against the resident engine stepping after it without them.
 TEST(CpuHalfPrecision, OffloadedZeroTrainsBitForBitLikeResident) {
@@ -406,7 +407,8 @@ TEST(CpuHalfPrecision, OffloadedZeroTrainsBitForBitLikeResident) {
            {Case{OptimizerOffload::cpu, OffloadTarget::none, "optimizer offloaded to the CPU"},
             Case{OptimizerOffload::nvme, OffloadTarget::none, "optimizer offloaded to NVMe"},
             Case{OptimizerOffload::cpu, OffloadTarget::cpu, "optimizer and parameters offloaded to the CPU"},
-            Case{OptimizerOffload::nvme, OffloadTarget::cpu, "optimizer on NVMe, parameters on the CPU"}}) {
+            Case{OptimizerOffload::nvme, OffloadTarget::cpu, "optimizer on NVMe, parameters on the CPU"},
+            Case{OptimizerOffload::nvme, OffloadTarget::nvme, "optimizer and parameters on NVMe"}}) {
         auto offloaded = rt.block_on(train_zero(*cpu.ctx, *(*comms)[0], dt, c.optimizer, c.params, folder,
                                                 in_backward ? Stepping::in_backward : Stepping::clipped, kSteps));
         ASSERT_TRUE(offloaded) << c.what << ": " << offloaded.error().message();

@@ -153,6 +153,7 @@ std::optional<TrainRun> expect_resumes_like(const TrainRun& reference, const Pla
   EXPECT_EQ(joined, reference.losses);
   expect_same_parameters(b->params, reference.params);
   Plan onto_device;
+  onto_device.config.set_compute_dtype(first.config.dtype);
   onto_device.load_from = first.save_to;
   onto_device.steps = first.steps;
   auto c = train(onto_device);
@@ -384,22 +385,27 @@ TEST(Trainer, NvmeOffloadTrainsAndResumesLikeTheDevice) {
 }
 
 // Parameters offloaded with the optimizer (ZeRO-Infinity): in pinned memory, or on NVMe in the
-// optimizer's swap files. Training matches the device bit for bit, and checkpoints resume
-// exactly and load into a run that keeps its shards on the device.
+// optimizer's swap files, in f32 and bf16 (on NVMe, the master rounded as it is read). Training
+// matches the device bit for bit, and checkpoints resume exactly and load into a run that keeps
+// its shards on the device.
 TEST(Trainer, ParameterOffloadTrainsAndResumesLikeTheDevice) {
   const fs::path dir = scratch("param_offload");
-  Plan device;
-  device.steps = 6;
-  auto reference = train(device);
-  ASSERT_TRUE(reference) << reference.error().message();
-  for (const OffloadDevice where : {OffloadDevice::cpu, OffloadDevice::nvme}) {
-    SCOPED_TRACE(std::string(to_string(where)));
-    Plan first;
-    first.steps = 3;
-    first.config.offload_optimizer = {.device = where, .nvme_path = dir / "state", .buffer_count = 3};
-    first.config.offload_params = {.device = where, .buffer_count = 2};
-    first.save_to = dir / ("ck_" + std::string(to_string(where)));
-    expect_resumes_like(*reference, first);
+  for (const modules::DataType dtype : {modules::DataType::f32, modules::DataType::bf16}) {
+    Plan device;
+    device.steps = 6;
+    device.config.set_compute_dtype(dtype);
+    auto reference = train(device);
+    ASSERT_TRUE(reference) << reference.error().message();
+    for (const OffloadDevice where : {OffloadDevice::cpu, OffloadDevice::nvme}) {
+      SCOPED_TRACE(std::string(collectives::to_string(dtype)) + ", " + std::string(to_string(where)));
+      Plan first;
+      first.steps = 3;
+      first.config.set_compute_dtype(dtype);
+      first.config.offload_optimizer = {.device = where, .nvme_path = dir / "state", .buffer_count = 3};
+      first.config.offload_params = {.device = where, .buffer_count = 2};
+      first.save_to = dir / ("ck_" + std::string(collectives::to_string(dtype)) + "_" + std::string(to_string(where)));
+      expect_resumes_like(*reference, first);
+    }
   }
 }
 

@@ -98,9 +98,10 @@ struct EngineOptions {
   // Parameter offload (ZeRO-Infinity; stage 3, with the optimizer offloaded): this rank's
   // parameter shards leave the device. cpu: a shard is its fp32 master in pinned memory (bf16/f16,
   // or with the optimizer on nvme: a pinned copy in the compute dtype each step refreshes); nvme
-  // (needs the optimizer on nvme, f32): a shard is the master at the head of its unit's swap file. A gather copies the shard into its
-  // place in the gathered buffer and gathers in place; nvme reads run ahead along the trace, at
-  // most param_buffer_count at once (pinned buffers of the largest shard, under the budget).
+  // (needs the optimizer on nvme): a shard is the master at the head of its unit's swap file,
+  // rounded to bf16/f16 on the host as its read lands. A gather copies the shard into its place
+  // in the gathered buffer and gathers in place; nvme reads run ahead along the trace, at most
+  // param_buffer_count at once (pinned buffers of the largest fp32 master, under the budget).
   OffloadTarget offload_params = OffloadTarget::none;
   int param_buffer_count = 4;
   // With offload_optimizer=cpu or nvme at stages 2-3: each unit's shard is stepped on the CPU
