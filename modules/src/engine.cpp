@@ -255,6 +255,10 @@ struct Engine::State {
         COSHARD_CO_TRY(host_ctx->kernels().cast(*host_stream, o.dtype, u->host_param.data(), DataType::f32,
                                                 g.master.data(), u->info.shard));
       }
+      // What the compute stream does next (a checkpoint's load writes the copies and the masters)
+      // comes after these reads and writes.
+      COSHARD_CO_TRY_ASSIGN(auto widened, host_stream->record());
+      COSHARD_CO_TRY(co_await after(ctx->stream(), widened));
     }
     co_return Result<void>{};
   }
