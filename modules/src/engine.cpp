@@ -201,6 +201,13 @@ struct Engine::State {
     if (later.device().is_cpu() || event.device().is_cuda()) co_return later.wait(event);
     co_return co_await event;
   }
+  // The compute stream after everything the host stream has so far (the optimizer's casts into
+  // its masters at build, a step's host work): before shards or masters are written outside a step.
+  async::Task<Result<void>> compute_after_host() {
+    if (!host_stream) co_return Result<void>{};
+    COSHARD_CO_TRY_ASSIGN(auto done, host_stream->record());
+    co_return co_await after(ctx->stream(), done);
+  }
   // The fp32 masters follow the shards (after initialisation or a load).
   async::Task<Result<void>> masters_from_shards() {
     if (!offloaded()) co_return optimizer->reset_masters(*ctx);
@@ -961,6 +968,7 @@ ShardLayout Engine::shard_layout() const noexcept {
 
 async::Task<Result<void>> Engine::visit_shards(ShardVisitor use, bool written) {
   State& s = *s_;
+  COSHARD_CO_TRY(co_await s.compute_after_host());
   if (s.swapped()) {
     auto visit_group = [&s, &use](std::size_t k, std::span<std::byte> bytes) -> async::Task<Result<void>> {
       UnitShard shard = s.swapped_shard(k, bytes);
@@ -1037,6 +1045,7 @@ async::Task<Result<void>> Engine::load_parameters(const std::vector<GatheredPara
     if (!by_name.contains(name))
       co_return fail(ErrorCode::invalid_argument, "load_parameters: no value for parameter '", name, "'");
   // Everything checked: now each rank writes its block of every unit.
+  COSHARD_CO_TRY(co_await s.compute_after_host());
   s.pending_shards.clear();
   for (auto& up : s.units) {
     Unit& u = *up;
@@ -1348,6 +1357,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
 
 async::Task<Result<void>> Engine::initialize(std::uint64_t seed) {
   State& s = *s_;
+  COSHARD_CO_TRY(co_await s.compute_after_host());
   s.pending_shards.clear();
   for (auto& up : s.units) {
     Unit& u = *up;
