@@ -11,6 +11,7 @@
 #include <numbers>
 #include <vector>
 
+#include "half_convert.hpp"
 #include "kernels.hpp"
 
 namespace coshard::modules::detail {
@@ -32,8 +33,7 @@ class Operands {
   Operands& operator=(const Operands&) = delete;
   ~Operands() {
     for (const Copy& c : copies_)
-      if (c.written)
-        for (std::size_t i = 0; i < c.values.size(); ++i) store_half(c.to, i, c.values[i]);
+      if (c.written) narrow_half(dt_, c.values.data(), static_cast<std::uint16_t*>(c.to), c.values.size());
   }
 
   const T* in(const void* p, std::int64_t n) { return widen(const_cast<void*>(p), n, false); }
@@ -57,18 +57,10 @@ class Operands {
   T* widen(void* p, std::int64_t n, bool written) {
     if (!half()) return static_cast<T*>(p);
     std::vector<float> values(static_cast<std::size_t>(std::max<std::int64_t>(n, 0)));
-    const auto* h = static_cast<const std::uint16_t*>(p);
-    if (dt_ == DataType::bf16)
-      for (std::size_t i = 0; i < values.size(); ++i) values[i] = collectives::bf16_to_float(h[i]);
-    else
-      for (std::size_t i = 0; i < values.size(); ++i) values[i] = collectives::f16_to_float(h[i]);
+    widen_half(dt_, static_cast<const std::uint16_t*>(p), values.data(), values.size());
     // (the copies' buffers keep their addresses when the list grows: a vector's move keeps them)
     copies_.push_back({p, std::move(values), written});
     return reinterpret_cast<T*>(copies_.back().values.data());
-  }
-  void store_half(void* p, std::size_t i, float v) const noexcept {
-    static_cast<std::uint16_t*>(p)[i] =
-        dt_ == DataType::bf16 ? collectives::float_to_bf16(v) : collectives::float_to_f16(v);
   }
 
   DataType dt_;
@@ -636,20 +628,10 @@ class CpuKernels final : public Kernels {
  private:
   // The updated masters into the parameters (one loop per type, so that it vectorises).
   static void store_all(DataType pdt, void* out, const float* master, std::int64_t n) {
-    switch (pdt) {
-      case DataType::bf16: {
-        auto* o = static_cast<std::uint16_t*>(out);
-        for (std::int64_t i = 0; i < n; ++i) o[i] = collectives::float_to_bf16(master[i]);
-        break;
-      }
-      case DataType::f16: {
-        auto* o = static_cast<std::uint16_t*>(out);
-        for (std::int64_t i = 0; i < n; ++i) o[i] = collectives::float_to_f16(master[i]);
-        break;
-      }
-      default:
-        for (std::int64_t i = 0; i < n; ++i) store(pdt, out, i, master[i]);
-    }
+    if (is_half(pdt))
+      narrow_half(pdt, master, static_cast<std::uint16_t*>(out), static_cast<std::size_t>(n));
+    else
+      for (std::int64_t i = 0; i < n; ++i) store(pdt, out, i, master[i]);
   }
   Result<void> check_dtype(DataType dt) const {
     if (!supports(dt))
@@ -663,9 +645,8 @@ class CpuKernels final : public Kernels {
     if (gdt == DataType::f64) {
       fn(static_cast<const double*>(grad));
     } else if (is_half(gdt)) {
-      std::vector<float> wide(static_cast<std::size_t>(n));
-      for (std::int64_t i = 0; i < n; ++i) wide[static_cast<std::size_t>(i)] = static_cast<float>(load(gdt, grad, i));
-      fn(static_cast<const float*>(wide.data()));
+      Operands<float> io(gdt);
+      fn(io.in(grad, n));
     } else {
       fn(static_cast<const float*>(grad));
     }

@@ -10,7 +10,7 @@
 #include "coshard/offload/pinned_pool.hpp"
 #include "coshard/offload/swapper.hpp"
 #include "kernels.hpp"
-#include "narrow_in_place.hpp"
+#include "half_convert.hpp"
 
 namespace coshard::modules {
 
@@ -208,6 +208,12 @@ struct Engine::State {
     COSHARD_CO_TRY_ASSIGN(auto done, host_stream->record());
     co_return co_await after(ctx->stream(), done);
   }
+  // `n` elements of `src` converted into `dst` on the host stream, awaited.
+  async::Task<Result<void>> cast_on_host(DataType from, const void* src, DataType to, void* dst, std::int64_t n) {
+    COSHARD_CO_TRY(host_ctx->kernels().cast(*host_stream, from, src, to, dst, n));
+    COSHARD_CO_TRY_ASSIGN(auto cast, host_stream->record());
+    co_return co_await cast;
+  }
   // The fp32 masters follow the shards (after initialisation or a load).
   async::Task<Result<void>> masters_from_shards() {
     if (!offloaded()) co_return optimizer->reset_masters(*ctx);
@@ -221,10 +227,7 @@ struct Engine::State {
             std::copy(values.begin(), values.end(), bytes.begin());
             co_return Result<void>{};
           }
-          COSHARD_CO_TRY(host_ctx->kernels().cast(*host_stream, o.dtype, values.data(), DataType::f32, bytes.data(),
-                                                  u.info.shard));
-          COSHARD_CO_TRY_ASSIGN(auto widened, host_stream->record());
-          co_return co_await widened;
+          co_return co_await cast_on_host(o.dtype, values.data(), DataType::f32, bytes.data(), u.info.shard);
         }
         if (!narrow()) {
           COSHARD_CO_TRY(ctx->stream().copy(bytes.data(), u.shard.data(), u.shard.bytes()));
@@ -239,10 +242,7 @@ struct Engine::State {
         }
         COSHARD_CO_TRY_ASSIGN(auto copied, ctx->stream().record());
         COSHARD_CO_TRY(co_await after(*host_stream, copied));
-        COSHARD_CO_TRY(host_ctx->kernels().cast(*host_stream, o.dtype, source.data(), DataType::f32, bytes.data(),
-                                                u.info.shard));
-        COSHARD_CO_TRY_ASSIGN(auto widened, host_stream->record());
-        co_return co_await widened;
+        co_return co_await cast_on_host(o.dtype, source.data(), DataType::f32, bytes.data(), u.info.shard);
       };
       auto written = co_await swapper->initialize(subgroups, fill);
       pending_shards.clear();
@@ -976,10 +976,8 @@ async::Task<Result<void>> Engine::visit_shards(ShardVisitor use, bool written) {
         // bf16/f16 on nvme: the parameters are the master rounded, made for the visit (what a load
         // writes there is dropped: the master it loads decides them).
         shard.params = s.staging_for(*s.units[k]);
-        COSHARD_CO_TRY(s.host_ctx->kernels().cast(*s.host_stream, DataType::f32, shard.master.data(), s.o.dtype,
-                                                  shard.params.data(), shard.info.shard));
-        COSHARD_CO_TRY_ASSIGN(auto rounded, s.host_stream->record());
-        COSHARD_CO_TRY(co_await rounded);
+        COSHARD_CO_TRY(co_await s.cast_on_host(DataType::f32, shard.master.data(), s.o.dtype, shard.params.data(),
+                                               shard.info.shard));
       }
       co_return co_await use(shard);
     };
@@ -1257,6 +1255,9 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     COSHARD_TRY_ASSIGN(s->host_allocator, async::CachingAllocator::create(async::Device::cpu()));
     COSHARD_TRY_ASSIGN(auto host_ctx, Context::create(*s->host_stream, *s->host_allocator));
     s->host_ctx = std::make_unique<Context>(std::move(host_ctx));
+    if (s->staged()) {
+      COSHARD_TRY_ASSIGN(s->staging, s->pinned->acquire(largest_shard));
+    }
     if (s->swapped()) {
       std::error_code ec;
       std::filesystem::create_directories(o.nvme_path, ec);
@@ -1334,12 +1335,6 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     } else {
       COSHARD_TRY(optimizer.add_group(ctx, u.shard, u.grad_shard));
     }
-  }
-  if (s->staged()) {
-    std::size_t largest_shard = 0;
-    for (const auto& u : s->units)
-      largest_shard = std::max(largest_shard, static_cast<std::size_t>(u->info.shard) * s->element_size);
-    COSHARD_TRY_ASSIGN(s->staging, s->pinned->acquire(largest_shard));
   }
   if (s->offloaded()) {
     COSHARD_TRY_ASSIGN(s->device_loss_scale, ctx.zeros(Shape{1}, DataType::f32));

@@ -727,7 +727,6 @@ TEST(Engine, StepInBackwardOnNvmeFailsEveryRankOnAnIoFaultNamingTheFile) {
   for (const auto& e : run.errors) {
     EXPECT_NE(e.find("unit"), std::string::npos) << "[" << e << "]";
     EXPECT_NE(e.find("offset"), std::string::npos) << "[" << e << "]";
-    std::printf("step error: %s\n", e.c_str());
   }
   for (const auto& stats : run.stats) EXPECT_EQ(stats.size(), 2u) << "the first two steps, and not the third";
   std::filesystem::remove_all(folder);
