@@ -373,6 +373,13 @@ struct Engine::State {
     COSHARD_TRY_ASSIGN(auto ev, comm->stream().record());
     return compute_waits(ev, what);
   }
+  // Spans are stamped by the streams when they pass their events, so a span can only be
+  // trusted to start after the epoch if both streams are ordered after it: under load a stream
+  // (or another rank's clock stream) may stamp the epoch later than the host recorded it.
+  Result<void> streams_after_epoch() {
+    COSHARD_TRY(ctx->stream().wait(epoch));
+    return comm->stream().wait(epoch);
+  }
   // After the step's last event has passed: the waits' total and the timeline.
   void collect_timing() {
     if (!timing()) return;
@@ -920,7 +927,7 @@ Result<void> Engine::set_timeline_epoch(async::Event epoch) {
     return fail(ErrorCode::invalid_argument, "set_timeline_epoch: expected a timed event (Stream::record_timed) on ",
                 s_->ctx->device().to_string());
   s_->epoch = std::move(epoch);
-  return {};
+  return s_->streams_after_epoch();
 }
 
 Engine::~Engine() {
@@ -1343,6 +1350,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   }
   if (s->timing()) {
     COSHARD_TRY_ASSIGN(s->epoch, stream.record_timed());
+    COSHARD_TRY(s->streams_after_epoch());
   }
   s->gather_ms.assign(s->units.size(), -1.0);
   auto engine = std::unique_ptr<Engine>(new Engine(std::move(s)));
