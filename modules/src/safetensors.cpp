@@ -11,6 +11,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "coshard/async/files.hpp"
+
 namespace coshard::modules {
 namespace {
 
@@ -95,20 +97,9 @@ std::span<const std::byte> SafetensorsFile::data(const SafeTensorInfo& t) const 
 }
 
 Result<SafetensorsFile> SafetensorsFile::load(const std::filesystem::path& path) {
-  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) return io_error("cannot open safetensors file", path, errno);
-  struct stat st {};
-  if (::fstat(fd.get(), &st) != 0) return io_error("cannot stat", path, errno);
-  std::vector<std::byte> bytes(static_cast<std::size_t>(st.st_size));
-  std::size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::read(fd.get(), bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return io_error("cannot read", path, errno);
-    if (n == 0) break;  // shrank under us: parse() reports the truncation
-    done += static_cast<std::size_t>(n);
-  }
-  bytes.resize(done);
+  // A regular file only (a device such as /dev/zero would read without end).
+  COSHARD_TRY_ASSIGN(auto bytes, async::read_regular_file(path, std::numeric_limits<std::size_t>::max(),
+                                                          "safetensors file"));
   return parse(std::move(bytes), path.string());
 }
 
@@ -276,6 +267,7 @@ Result<void> save_safetensors(const std::filesystem::path& path, std::span<const
   std::vector<SafeTensorLayout> layout;
   for (const auto& t : tensors) layout.push_back({t.name, t.dtype, t.shape, t.data.size()});
   COSHARD_TRY_ASSIGN(const auto prefix, safetensors_prefix(layout, metadata, path.string()));
+  COSHARD_TRY(async::check_replaceable(path, "save_safetensors"));
 
   const std::filesystem::path tmp = path.string() + ".tmp." + std::to_string(::getpid());
   UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));

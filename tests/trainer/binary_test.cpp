@@ -17,69 +17,12 @@
 #include <set>
 #include <thread>
 
-extern char** environ;
+#include "binary_harness.hpp"
 
 namespace {
 
 namespace fs = std::filesystem;
-
-const std::vector<std::string> kTiny = {"--layers", "1", "--dim", "16", "--heads", "2", "--seq", "8",
-                                        "--batch", "12", "--vocab", "32", "--lr", "0.01"};
-
-fs::path scratch(const std::string& name) {
-  const fs::path p = fs::current_path() / "binary_test_scratch" / name;
-  fs::remove_all(p);
-  fs::create_directories(p);
-  return p;
-}
-
-pid_t start(std::vector<std::string> args, const fs::path& output) {
-  args.insert(args.begin(), COSHARD_TRAIN_BIN);
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 1, output.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_adddup2(&actions, 1, 2);
-  pid_t pid = -1;
-  const int rc = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  return rc == 0 ? pid : -1;
-}
-
-struct Exit {
-  int code = -1;
-  std::string output;
-};
-
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-Exit run(std::vector<std::string> args, const fs::path& dir) {
-  const fs::path out = dir / "output.txt";
-  const pid_t pid = start(std::move(args), out);
-  if (pid < 0) return {};
-  int status = 0;
-  waitpid(pid, &status, 0);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out)};
-}
-
-std::vector<std::string> with(std::vector<std::string> a, const std::vector<std::string>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
-// The "loss" of every line of a metrics file.
-std::vector<double> losses_in(const fs::path& metrics) {
-  std::ifstream in(metrics);
-  std::string line;
-  std::vector<double> losses;
-  while (std::getline(in, line)) losses.push_back(nlohmann::json::parse(line)["loss"].get<double>());
-  return losses;
-}
+using namespace coshard::testing;
 
 TEST(CoshardTrain, MetricsHaveEveryKeyAndTheLossFalls) {
   const fs::path dir = scratch("metrics");
@@ -230,36 +173,6 @@ TEST(CoshardTrain, TakesADeepSpeedConfig) {
   r = run(with(kTiny, {"--config", (dir / "bad.json").string()}), dir);
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.output.find("stage3_warp_drive"), std::string::npos) << r.output;
-}
-
-// Like run(), with the file-size limit set in the child (a full disk, as the process sees it).
-Exit run_with_file_limit(std::vector<std::string> args, const fs::path& dir, rlim_t max_file_bytes) {
-  const fs::path out = dir / "output.txt";
-  args.insert(args.begin(), COSHARD_TRAIN_BIN);
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    const int fd = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    ::dup2(fd, 1);
-    ::dup2(fd, 2);
-    ::signal(SIGXFSZ, SIG_IGN);  // a write past the limit fails with EFBIG instead of killing
-    rlimit limit{max_file_bytes, max_file_bytes};
-    ::setrlimit(RLIMIT_FSIZE, &limit);
-    ::execv(argv[0], argv.data());
-    ::_exit(127);
-  }
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out)};
-}
-
-std::int64_t latest_step(const fs::path& ck) {
-  std::ifstream in(ck / "latest");
-  std::string name;
-  in >> name;
-  return name.size() > 5 ? std::stoll(name.substr(5)) : -1;
 }
 
 // SIGKILL at random moments of a run that checkpoints every step; each time, --resume loads the

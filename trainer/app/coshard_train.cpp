@@ -25,6 +25,7 @@
 #include "coshard/trainer/trace.hpp"
 #include "coshard/trainer/trainer.hpp"
 #include "progress.hpp"
+#include "run_checks.hpp"
 
 namespace {
 
@@ -45,6 +46,7 @@ struct Options {
   std::string data, config, init, metrics, trace, checkpoint_dir, export_path;
   std::int64_t checkpoint_every = 0;
   bool resume = false;
+  bool start_over = false;
   bool quiet = false;
   TrainerConfig train;
 };
@@ -74,6 +76,11 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
   COSHARD_CO_TRY_ASSIGN(auto model, modules::make_gpt(g));
   trainer::TrainerBuilder builder(o.train);
   builder.communicator(comm);
+  // What defines this run beyond the parameters' shapes: a resume with another shape of attention
+  // (--heads) or other data is refused.
+  builder.run_identity("model", "gpt layers " + std::to_string(o.layers) + " dim " + std::to_string(o.dim) + " heads " +
+                                    std::to_string(o.heads) + " seq " + std::to_string(o.seq));
+  builder.run_identity("data", data.identity());
   COSHARD_CO_TRY_ASSIGN(auto t, co_await builder.build(*model));
   if (shared.epoch.recorded()) COSHARD_CO_TRY(t.set_timeline_epoch(shared.epoch));
   if (!o.init.empty()) COSHARD_CO_TRY(co_await t.load_safetensors(o.init));
@@ -286,9 +293,22 @@ int main(int argc, char** argv) {
   app.add_option("--checkpoint-every", o.checkpoint_every, "save every N steps (0: never)")
       ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40));
   app.add_flag("--resume", o.resume, "continue from the latest checkpoint in --checkpoint-dir");
+  app.add_flag("--start-over", o.start_over,
+               "a fresh run in a --checkpoint-dir that holds checkpoints: remove them first (without it, refused)")
+      ->excludes("--resume");
   app.add_option("--export", o.export_path, "write the consolidated model as safetensors at the end");
   app.add_flag("--quiet", o.quiet, "no progress output");
-  CLI11_PARSE(app, argc, argv);
+  // Every command-line error exits 2 (CLI11's own codes vary with the kind of error); --help 0.
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    (void)app.exit(e);
+    return 2;
+  }
 
   // --config first, then every option given on the command line over it.
   TrainerConfig c;
@@ -337,12 +357,14 @@ int main(int argc, char** argv) {
   o.train = c;
 
   // Cross-option checks, each naming the values.
-  const int world = std::getenv("WORLD_SIZE") ? std::atoi(std::getenv("WORLD_SIZE")) : o.world_size;
   auto usage = [](const std::string& m) {
     std::fprintf(stderr, "coshard-train: %s\n", m.c_str());
     return 2;
   };
-  if (world < 1) return usage("WORLD_SIZE must be at least 1");
+  const auto env = collectives::read_torchrun_env();
+  if (!env) return usage(env.error().message());
+  const bool torchrun = std::getenv("WORLD_SIZE") != nullptr;
+  const int world = torchrun ? env->world_size : o.world_size;
   const std::int64_t per_rank_unit = static_cast<std::int64_t>(world) * c.gradient_accumulation_steps;
   if (o.batch % per_rank_unit != 0)
     return usage("--batch " + std::to_string(o.batch) + " does not split evenly over " + std::to_string(world) +
@@ -351,5 +373,26 @@ int main(int argc, char** argv) {
     return usage("--dim " + std::to_string(o.dim) + " is not a multiple of --heads " + std::to_string(o.heads));
   if ((o.resume || o.checkpoint_every > 0) && o.checkpoint_dir.empty())
     return usage("--resume and --checkpoint-every need --checkpoint-dir");
+  if (o.start_over && o.checkpoint_dir.empty()) return usage("--start-over needs --checkpoint-dir");
+
+  // Every path, before anything is built or trained.
+  train_app::RunPaths paths;
+  if (!o.data.empty()) paths.inputs.push_back({"--data", o.data});
+  if (!o.config.empty()) paths.inputs.push_back({"--config", o.config});
+  if (!o.init.empty()) paths.inputs.push_back({"--init", o.init});
+  if (!o.metrics.empty()) paths.output_files.push_back({"--metrics", o.metrics});
+  if (!o.trace.empty()) paths.output_files.push_back({"--trace", o.trace});
+  if (!o.export_path.empty()) paths.output_files.push_back({"--export", o.export_path});
+  if (!o.checkpoint_dir.empty()) paths.output_folders.push_back({"--checkpoint-dir", o.checkpoint_dir});
+  if (c.offload_optimizer.device == trainer::OffloadDevice::nvme)
+    paths.output_folders.push_back({"--offload-optimizer nvme", c.offload_optimizer.nvme_path});
+  if (c.offload_params.device == trainer::OffloadDevice::nvme && !c.offload_params.nvme_path.empty() &&
+      c.offload_params.nvme_path != c.offload_optimizer.nvme_path)
+    paths.output_folders.push_back({"--offload-params nvme", c.offload_params.nvme_path});
+  if (auto ok = train_app::check_run_paths(paths); !ok) return usage(ok.error().message());
+  if (!o.checkpoint_dir.empty()) {
+    if (auto ok = train_app::prepare_checkpoint_folder(o.checkpoint_dir, o.resume, o.start_over, env->rank == 0); !ok)
+      return usage(ok.error().message());
+  }
   return run(o);
 }

@@ -17,6 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -50,6 +51,12 @@ std::string step_name(std::int64_t step) {
 }
 
 std::string rank_file(int rank) { return checkpoint_rank_file(rank); }
+
+// "step-" and digits: the only names `latest` may point at.
+bool is_checkpoint_name(std::string_view name) {
+  if (!name.starts_with("step-") || name.size() == 5 || name.size() > 32) return false;
+  return std::all_of(name.begin() + 5, name.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+}
 
 // "u<unit>.<kind>": a block's tensor name in a rank file (appended, not `"u" + ...`: GCC 12 warns
 // falsely about overlapping memcpy for that).
@@ -220,6 +227,7 @@ async::Task<Result<void>> Trainer::save_checkpoint(const fs::path& dir) {
     m["optimizer"] = std::string(to_string(s.config.optimizer));
     m["optimizer_state"] = hex(state);
     m["seed"] = s.config.seed;
+    m["run"] = s.config.identity();
     m["units"] = std::move(units);
     pending.manifest = m.dump(1);
   }
@@ -317,12 +325,20 @@ Result<fs::path> resolve_checkpoint(const fs::path& dir) {
   const fs::path latest = dir / "latest";
   if (!fs::exists(latest, ec))
     return fail(ErrorCode::io, "checkpoint ", dir.string(), ": neither a manifest.json nor a 'latest' file there");
-  COSHARD_TRY_ASSIGN(auto bytes, read_file(latest));
-  std::string name(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  // `latest` holds one short line; anything else (a folder, a link to some other file) is named
+  // by what it is, never echoed.
+  auto bytes = read_file(latest, 4096);
+  if (!bytes) return fail(std::move(bytes).error().with_context("checkpoint " + dir.string() + ": 'latest'"));
+  std::string name(reinterpret_cast<const char*>(bytes->data()), bytes->size());
   while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
-  if (name.empty() || name.find('/') != std::string::npos || name.starts_with("."))
-    return fail(ErrorCode::invalid_argument, "checkpoint ", latest.string(), ": '", name,
-                "' is not a checkpoint folder name");
+  if (!is_checkpoint_name(name)) {
+    const bool printable = name.size() <= 64 && std::all_of(name.begin(), name.end(), [](char ch) {
+      return ch >= 0x20 && ch < 0x7f;
+    });
+    return fail(ErrorCode::invalid_argument, "checkpoint ", latest.string(), ": ",
+                printable ? "'" + name + "' is" : "holds " + std::to_string(bytes->size()) + " bytes,",
+                " not a checkpoint folder name (expected step-NNNNNNNN)");
+  }
   return dir / name;
 }
 
@@ -344,11 +360,32 @@ struct Loaded {
   std::vector<Block> blocks;
 };
 
+// Every field of the run's identity against the checkpoint's, all differences in one message.
+Result<void> check_identity(const Manifest& m, const std::map<std::string, std::string>& mine, const std::string& where) {
+  if (m.run.empty()) return {};  // saved before run identities were recorded
+  std::string diffs;
+  auto add = [&](const std::string& key, const std::string& saved, const std::string& now) {
+    diffs += (diffs.empty() ? "" : "; ") + key + ": saved " + saved + ", this run " + now;
+  };
+  for (const auto& [key, saved] : m.run) {
+    auto it = mine.find(key);
+    if (it == mine.end()) add(key, saved, "(not set)");
+    else if (it->second != saved) add(key, saved, it->second);
+  }
+  for (const auto& [key, now] : mine)
+    if (!m.run.contains(key)) add(key, "(not set)", now);
+  if (diffs.empty()) return {};
+  return fail(ErrorCode::invalid_argument, where, ": a different run (", diffs,
+              "); these define a run and cannot change on resume (docs/reliability.md lists what can)");
+}
+
 Result<Loaded> read_checkpoint(const fs::path& dir, const std::vector<modules::FetchUnitInfo>& shards,
-                               modules::ShardLayout kinds, int rank, DataType dtype, std::string_view optimizer) {
+                               modules::ShardLayout kinds, int rank, DataType dtype, std::string_view optimizer,
+                               const std::map<std::string, std::string>& identity) {
   COSHARD_TRY_ASSIGN(const fs::path folder, resolve_checkpoint(dir));
   COSHARD_TRY_ASSIGN(const Manifest m, read_manifest(folder));
   const std::string where = "checkpoint " + folder.string();
+  COSHARD_TRY(check_identity(m, identity, where));
   if (m.dtype != collectives::to_string(dtype))
     return fail(ErrorCode::invalid_argument, where, ": saved in ", m.dtype, ", this run trains in ",
                 collectives::to_string(dtype));
@@ -443,8 +480,9 @@ async::Task<Result<void>> Trainer::load_checkpoint(const fs::path& dir) {
   const int rank = s.comm->rank();
   const DataType dtype = s.config.dtype;
   const std::string optimizer(to_string(s.config.optimizer));
-  auto read = [&dir, &shards, kinds, rank, dtype, &optimizer]() {
-    return read_checkpoint(dir, shards, kinds, rank, dtype, optimizer);
+  const auto identity = s.config.identity();
+  auto read = [&dir, &shards, kinds, rank, dtype, &optimizer, &identity]() {
+    return read_checkpoint(dir, shards, kinds, rank, dtype, optimizer, identity);
   };
   auto loaded = co_await rt->spawn_blocking(std::move(read));
   // No state changes unless every rank read and checked its part.

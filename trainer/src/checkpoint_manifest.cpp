@@ -148,6 +148,15 @@ Result<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, std:
     if (*name != checkpoint_rank_file(r)) return bad("file of rank " + std::to_string(r) + " is named '" + *name + "'");
     out.files.push_back({*name, static_cast<std::uint64_t>(*bytes), static_cast<std::uint32_t>(*crc)});
   }
+  if (m.contains("run")) {
+    const json& run = m["run"];
+    if (!run.is_object() || run.size() > 256) return bad("'run' is not an object of at most 256 strings");
+    for (const auto& [key, value] : run.items()) {
+      if (!value.is_string() || key.size() > 256 || value.get<std::string>().size() > 4096)
+        return bad("'run' field '" + key.substr(0, 64) + "' is not a string of at most 4096 characters");
+      out.run.emplace(key, value.get<std::string>());
+    }
+  }
   return out;
 }
 

@@ -1,5 +1,7 @@
 #include "coshard/trainer/config.hpp"
 
+#include "coshard/async/files.hpp"
+
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -117,6 +119,12 @@ void TrainerConfig::set_compute_dtype(DataType compute) noexcept {
 float TrainerConfig::lr_at(std::int64_t step) const noexcept {
   if (warmup_steps <= 0 || step >= warmup_steps) return lr;
   return lr * static_cast<float>(step + 1) / static_cast<float>(warmup_steps);
+}
+
+std::map<std::string, std::string> TrainerConfig::identity() const {
+  auto out = run_identity;
+  out["seed"] = std::to_string(seed);
+  return out;
 }
 
 Result<std::size_t> parse_size(std::string_view text) {
@@ -259,6 +267,7 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
 
   // The compute dtype first: it converts DeepSpeed's element counts into bytes.
   if (whole) {
+    std::vector<std::string> enabled_sections;
     for (const char* section : {"fp16", "bf16"}) {
       if (!doc.contains(section)) continue;
       const json& s = doc[section];
@@ -289,8 +298,14 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
           r.unknown.push_back(name);
         }
       }
-      if (enabled) c.set_compute_dtype(std::string_view(section) == "fp16" ? DataType::f16 : DataType::bf16);
+      if (enabled) {
+        c.set_compute_dtype(std::string_view(section) == "fp16" ? DataType::f16 : DataType::bf16);
+        enabled_sections.push_back(section);
+      }
     }
+    // DeepSpeed refuses this too; picking one silently trains in a precision nobody asked for.
+    if (enabled_sections.size() > 1)
+      r.bad.push_back("fp16.enabled=true and bf16.enabled=true (expected at most one of them)");
   }
   const std::size_t element = collectives::size_of(c.dtype);
   auto bytes_of = [&](std::size_t elements) { return elements * element; };
@@ -436,11 +451,8 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
 
 Result<TrainerConfig> TrainerConfig::from_json_file(const std::filesystem::path& path, const TrainerConfig& base,
                                                     std::vector<std::string>* notes) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return fail(ErrorCode::io, "config ", path.string(), ": cannot open");
-  std::ostringstream text;
-  text << in.rdbuf();
-  auto c = from_json(text.str(), base, notes);
+  COSHARD_TRY_ASSIGN(auto bytes, async::read_regular_file(path, 64u << 20, "config"));
+  auto c = from_json(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()), base, notes);
   if (!c) return fail(std::move(c).error().with_context("config file " + path.string()));
   return c;
 }

@@ -1,6 +1,14 @@
 #include "coshard/trainer/data.hpp"
 
+#include "coshard/async/files.hpp"
+
+#include <unistd.h>
+#include <zlib.h>
+
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <fstream>
 #include <numeric>
 
@@ -57,6 +65,10 @@ std::string SyntheticTask::describe() const {
          std::to_string(static_cast<int>(noise_ * 100)) + "% noise)";
 }
 
+std::string SyntheticTask::identity() const {
+  return "synthetic vocab " + std::to_string(vocab_) + " noise " + std::to_string(noise_);
+}
+
 double SyntheticTask::floor_loss() const noexcept {
   // Cross-entropy of the mixture: p(next) = 1 - noise + noise / V, others noise / V.
   const double v = static_cast<double>(vocab_);
@@ -83,13 +95,17 @@ HostBatch SyntheticTask::batch(std::uint64_t step, std::int64_t rows, std::int64
 }
 
 Result<std::unique_ptr<ByteCorpus>> ByteCorpus::open(const std::filesystem::path& path, std::uint64_t seed) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return fail(ErrorCode::io, "data file ", path.string(), ": cannot open");
+  // A regular file no larger than this machine's memory (a device like /dev/zero, a folder or a
+  // fifo is refused by name, never read without end).
+  const auto pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  const std::size_t memory = pages > 0 && page > 0 ? static_cast<std::size_t>(pages) * static_cast<std::size_t>(page)
+                                                   : std::numeric_limits<std::size_t>::max();
+  COSHARD_TRY_ASSIGN(auto bytes, async::read_regular_file(path, memory, "data file"));
   auto c = std::unique_ptr<ByteCorpus>(new ByteCorpus());
   c->path_ = path;
   c->seed_ = seed;
-  c->bytes_.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  if (in.bad()) return fail(ErrorCode::io, "data file ", path.string(), ": read failed");
+  c->bytes_.resize(bytes.size());
+  std::memcpy(c->bytes_.data(), bytes.data(), bytes.size());
   return c;
 }
 
@@ -98,6 +114,18 @@ Result<void> ByteCorpus::check(std::int64_t seq) const {
     return fail(ErrorCode::invalid_argument, "data file ", path_.string(), ": ", bytes_.size(),
                 " bytes; a sequence length of ", seq, " needs at least ", seq + 1);
   return {};
+}
+
+std::string ByteCorpus::identity() const {
+  uLong crc = crc32(0L, Z_NULL, 0);
+  const unsigned char* p = bytes_.data();
+  for (std::size_t left = bytes_.size(); left > 0;) {
+    const auto n = static_cast<uInt>(std::min<std::size_t>(left, 1u << 30));
+    crc = crc32(crc, p, n);
+    p += n;
+    left -= n;
+  }
+  return "bytes " + std::to_string(bytes_.size()) + " crc32 " + std::to_string(crc);
 }
 
 std::string ByteCorpus::describe() const {

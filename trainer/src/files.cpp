@@ -1,5 +1,7 @@
 #include "files.hpp"
 
+#include "coshard/async/files.hpp"
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -11,16 +13,8 @@ namespace coshard::trainer::detail {
 
 namespace fs = std::filesystem;
 
-Result<std::vector<std::byte>> read_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return fail(ErrorCode::io, path.string(), ": cannot open (", std::strerror(errno), ")");
-  in.seekg(0, std::ios::end);
-  const auto size = static_cast<std::size_t>(in.tellg());
-  in.seekg(0);
-  std::vector<std::byte> bytes(size);
-  if (size > 0 && !in.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(size)))
-    return fail(ErrorCode::io, path.string(), ": read failed after ", in.gcount(), " of ", size, " bytes");
-  return bytes;
+Result<std::vector<std::byte>> read_file(const fs::path& path, std::size_t max_bytes) {
+  return async::read_regular_file(path, max_bytes, "file");
 }
 
 Result<void> fsync_path(const fs::path& path, int flags) {
@@ -34,6 +28,7 @@ Result<void> fsync_path(const fs::path& path, int flags) {
 }
 
 Result<void> write_file_atomic(const fs::path& path, std::string_view text) {
+  COSHARD_TRY(async::check_replaceable(path, "output"));
   const fs::path tmp = path.string() + ".tmp";
   auto cleanup = [&](Error e) -> Result<void> {
     std::error_code ignored;

@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <filesystem>
+#include <limits>
 #include <string_view>
 #include <vector>
 
@@ -10,11 +11,14 @@
 
 namespace coshard::trainer::detail {
 
-Result<std::vector<std::byte>> read_file(const std::filesystem::path& path);
+// A regular file read whole (at most `max_bytes`; the error names both sizes).
+Result<std::vector<std::byte>> read_file(const std::filesystem::path& path,
+                                         std::size_t max_bytes = std::numeric_limits<std::size_t>::max());
 // fsync of a file or (flags with O_DIRECTORY) a folder.
 Result<void> fsync_path(const std::filesystem::path& path, int flags);
 // Replaces `path` atomically: a temporary beside it, fsync, rename, fsync the folder. A failure
-// leaves no temporary behind and the old file untouched.
+// leaves no temporary behind and the old file untouched. Only a regular file is ever replaced
+// (a device, folder or fifo at `path` is refused by name).
 Result<void> write_file_atomic(const std::filesystem::path& path, std::string_view text);
 
 }  // namespace coshard::trainer::detail

@@ -4,6 +4,7 @@
 #include "coshard/async/channel.hpp"
 #include "coshard/async/device.hpp"
 #include "coshard/async/event.hpp"
+#include "coshard/async/files.hpp"
 #include "coshard/async/join_handle.hpp"
 #include "coshard/async/memory.hpp"
 #include "coshard/async/net.hpp"

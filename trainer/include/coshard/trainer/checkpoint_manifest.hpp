@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -33,6 +34,9 @@ struct CheckpointManifest {
     std::uint32_t crc32 = 0;
   };
   std::vector<File> files;  // one per rank, in rank order
+  // What defines the run and may not change on resume (TrainerConfig::run_identity and the
+  // trainer's own seed): compared key by key with the resuming run's. Absent in older manifests.
+  std::map<std::string, std::string> run;
 };
 
 // "rank-00003.safetensors"

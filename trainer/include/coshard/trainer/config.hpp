@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <map>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -77,6 +78,14 @@ struct TrainerConfig {
   // offload_optimizer=cpu or nvme: step each unit on the CPU while backward goes on (EngineOptions::
   // step_in_backward; needs max_grad_norm=0 and no loss scaling).
   bool step_in_backward = false;
+
+  // What defines this run beyond the model and these settings (the data, the model's shape where
+  // the parameters do not show it, ...), by name: saved in every checkpoint and compared on
+  // resume, each difference refused with both values named. The seed is always part of it.
+  // Values that may change on resume (lr, batch, world size, offload, ...) do not belong here.
+  std::map<std::string, std::string> run_identity;
+  // The run identity as checkpoints record it: run_identity plus the seed.
+  std::map<std::string, std::string> identity() const;
 
   // Compute (and reduce) in `compute`; f16 turns on dynamic loss scaling unless scaling is set.
   void set_compute_dtype(modules::DataType compute) noexcept;

@@ -33,6 +33,8 @@ class TokenSource {
   virtual ~TokenSource() = default;
   virtual std::int64_t vocab() const noexcept = 0;
   virtual std::string describe() const = 0;
+  // What the data is, independent of where it lies: recorded in checkpoints and compared on resume.
+  virtual std::string identity() const = 0;
   // The global batch of `step`: `rows` windows of `seq` tokens and their targets.
   virtual HostBatch batch(std::uint64_t step, std::int64_t rows, std::int64_t seq) const = 0;
 };
@@ -46,6 +48,7 @@ class SyntheticTask final : public TokenSource {
   SyntheticTask(std::int64_t vocab, std::uint64_t seed, double noise = 0.1);
   std::int64_t vocab() const noexcept override { return vocab_; }
   std::string describe() const override;
+  std::string identity() const override;
   HostBatch batch(std::uint64_t step, std::int64_t rows, std::int64_t seq) const override;
   double floor_loss() const noexcept;
 
@@ -66,6 +69,7 @@ class ByteCorpus final : public TokenSource {
   Result<void> check(std::int64_t seq) const;
   std::int64_t vocab() const noexcept override { return 256; }
   std::string describe() const override;
+  std::string identity() const override;  // size and CRC-32 of the bytes (a moved file is the same data)
   HostBatch batch(std::uint64_t step, std::int64_t rows, std::int64_t seq) const override;
 
  private:

@@ -147,6 +147,11 @@ class TrainerBuilder {
   TrainerBuilder& offload_optimizer(OffloadOptions v) { c_.offload_optimizer = std::move(v); return *this; }
   TrainerBuilder& offload_params(OffloadOptions v) { c_.offload_params = std::move(v); return *this; }
   TrainerBuilder& step_in_backward(bool on) { c_.step_in_backward = on; return *this; }
+  // One field of the run's identity (TrainerConfig::run_identity): compared on resume.
+  TrainerBuilder& run_identity(std::string key, std::string value) {
+    c_.run_identity[std::move(key)] = std::move(value);
+    return *this;
+  }
 
   const TrainerConfig& config() const noexcept { return c_; }
 

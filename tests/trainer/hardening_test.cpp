@@ -1,0 +1,167 @@
+// coshard-train against a hostile or careless user (docs/reliability.md): every refusal names the
+// value and what was expected, exits 2 for a bad command line, and leaves every file the user did
+// not name as an output as it was.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "binary_harness.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using namespace coshard::testing;
+
+const std::vector<std::string> kQuick = with(kTiny, {"--steps", "2", "--quiet"});
+
+::testing::AssertionResult refused(const Exit& r, int code, const std::string& expect) {
+  if (r.code != code)
+    return ::testing::AssertionFailure() << "exit " << r.code << ", expected " << code << ": " << r.output;
+  if (r.output.find(expect) == std::string::npos)
+    return ::testing::AssertionFailure() << "the output lacks '" << expect << "': " << r.output;
+  return ::testing::AssertionSuccess();
+}
+
+// Item 1: an output path that is a device (or a folder, or a fifo) is refused up front; nothing
+// replaces it. (A device node of our own under the scratch folder when we may make one; /dev/null
+// is only ever inspected.)
+TEST(Hardening, OutputsNeverReplaceADeviceOrAFolder) {
+  const fs::path dir = scratch("hard_device");
+  for (const char* flag : {"--export", "--trace", "--metrics"}) {
+    SCOPED_TRACE(flag);
+    EXPECT_TRUE(refused(run(with(kQuick, {flag, "/dev/null"}), dir), 2, std::string(flag) + " /dev/null: is a character device"));
+    EXPECT_TRUE(fs::is_character_file("/dev/null"));
+    fs::create_directories(dir / "folder");
+    EXPECT_TRUE(refused(run(with(kQuick, {flag, (dir / "folder").string()}), dir), 2, "is a folder"));
+    EXPECT_TRUE(fs::is_directory(dir / "folder"));
+  }
+  ASSERT_EQ(::mkfifo((dir / "fifo").c_str(), 0600), 0);
+  EXPECT_TRUE(refused(run(with(kQuick, {"--export", (dir / "fifo").string()}), dir), 2, "is a fifo"));
+  EXPECT_TRUE(fs::is_fifo(dir / "fifo"));
+}
+
+// Item 3: a fresh run in a folder of checkpoints is refused and changes nothing there; --resume
+// continues; --start-over removes only coshard's checkpoints (not the user's other files).
+TEST(Hardening, AFreshRunNeverOverwritesCheckpoints) {
+  const fs::path dir = scratch("hard_ck");
+  const fs::path ck = dir / "ck";
+  const auto base = with(kTiny, {"--quiet", "--checkpoint-dir", ck.string(), "--checkpoint-every", "1"});
+  ASSERT_EQ(run(with(base, {"--steps", "3"}), dir).code, 0);
+  ASSERT_EQ(latest_step(ck), 3);
+  std::ofstream(ck / "notes.txt") << "mine";
+  const auto before = slurp(ck / "step-00000003" / "rank-00000.safetensors");
+  EXPECT_TRUE(refused(run(with(base, {"--steps", "2"}), dir), 2, "holds 3 checkpoint(s) (newest step-00000003)"));
+  EXPECT_EQ(latest_step(ck), 3);
+  EXPECT_EQ(slurp(ck / "step-00000003" / "rank-00000.safetensors"), before);
+  EXPECT_TRUE(refused(run(with(base, {"--steps", "2", "--start-over", "--resume"}), dir), 2, "excludes"));
+  const auto over = run(with(base, {"--steps", "2", "--start-over"}), dir);
+  ASSERT_EQ(over.code, 0) << over.output;
+  EXPECT_EQ(latest_step(ck), 2);
+  EXPECT_FALSE(fs::exists(ck / "step-00000003"));
+  EXPECT_EQ(slurp(ck / "notes.txt"), "mine");
+}
+
+// Item 5: an output naming an input, or another output, or a file inside an output folder.
+TEST(Hardening, OutputsNeverAliasInputs) {
+  const fs::path dir = scratch("hard_alias");
+  const std::string corpus = (dir / "corpus.txt").string();
+  std::ofstream(corpus) << std::string(4096, 'a');
+  const auto text = slurp(corpus);
+  EXPECT_TRUE(refused(run(with(kQuick, {"--data", corpus, "--metrics", corpus}), dir), 2,
+                      "--metrics " + corpus + " is the same file as --data"));
+  fs::create_symlink(corpus, dir / "link.txt");
+  EXPECT_TRUE(refused(run(with(kQuick, {"--data", corpus, "--export", (dir / "link.txt").string()}), dir), 2,
+                      "is the same file as --data"));
+  EXPECT_TRUE(refused(run(with(kQuick, {"--metrics", (dir / "m").string(), "--trace", (dir / "./m").string()}), dir), 2,
+                      "name the same file"));
+  EXPECT_TRUE(refused(run(with(kQuick, {"--checkpoint-dir", (dir / "ck").string(), "--metrics", (dir / "ck/m").string()}), dir),
+                      2, "lies inside --checkpoint-dir"));
+  EXPECT_TRUE(refused(run(with(kQuick, {"--checkpoint-dir", (dir / "ck").string(), "--offload-optimizer",
+                                        "nvme:" + (dir / "ck").string()}),
+                          dir),
+                      2, "is the same folder as"));
+  EXPECT_EQ(slurp(corpus), text);
+}
+
+// Item 6: data must be a regular file; a folder or a device is refused by name, not read.
+TEST(Hardening, DataIsARegularFile) {
+  const fs::path dir = scratch("hard_data");
+  EXPECT_TRUE(refused(run(with(kQuick, {"--data", dir.string()}), dir), 2, "--data " + dir.string() + ": not a regular file"));
+  EXPECT_TRUE(refused(run(with(kQuick, {"--data", "/dev/zero"}), dir), 2, "--data /dev/zero: not a regular file"));
+  std::ofstream(dir / "small.txt") << "abc";
+  EXPECT_TRUE(refused(run(with(kQuick, {"--data", (dir / "small.txt").string()}), dir), 2,
+                      "3 bytes; a sequence length of 8 needs at least 9"));
+}
+
+// Item 8: a resume with anything that defines the run changed is refused, both values named;
+// what may change (lr, batch, world size, offload) resumes.
+TEST(Hardening, ResumeRefusesADifferentRun) {
+  const fs::path dir = scratch("hard_resume");
+  const fs::path ck = dir / "ck";
+  const auto base = std::vector<std::string>{"--layers", "1", "--dim", "16", "--seq", "8", "--vocab", "32",
+                                             "--quiet", "--checkpoint-dir", ck.string(), "--checkpoint-every", "1"};
+  ASSERT_EQ(run(with(base, {"--heads", "2", "--batch", "12", "--steps", "2"}), dir).code, 0);
+  const auto resume = with(base, {"--resume", "--steps", "3"});
+  EXPECT_TRUE(refused(run(with(resume, {"--heads", "4", "--batch", "12"}), dir), 1, "heads 2 seq 8, this run gpt layers 1 dim 16 heads 4"));
+  EXPECT_TRUE(refused(run(with(resume, {"--heads", "2", "--batch", "12", "--seed", "9"}), dir), 1, "seed: saved 1, this run 9"));
+  std::ofstream(dir / "corpus.txt") << std::string(1000, 'x');
+  EXPECT_TRUE(refused(run(with(resume, {"--heads", "2", "--batch", "12", "--data", (dir / "corpus.txt").string()}), dir), 1,
+                      "data: saved synthetic vocab 32"));
+  EXPECT_EQ(latest_step(ck), 2);
+  const auto ok = run(with(resume, {"--heads", "2", "--batch", "6", "--world-size", "1", "--lr", "0.001",
+                                    "--offload-optimizer", "cpu"}),
+                      dir);
+  ASSERT_EQ(ok.code, 0) << ok.output;
+  EXPECT_EQ(latest_step(ck), 3);
+}
+
+// Item 10: fp16 and bf16 both enabled in a DeepSpeed config.
+TEST(Hardening, Fp16AndBf16TogetherAreRefused) {
+  const fs::path dir = scratch("hard_precision");
+  std::ofstream(dir / "ds.json") << R"({"fp16": {"enabled": true}, "bf16": {"enabled": true}})";
+  EXPECT_TRUE(refused(run(with(kQuick, {"--config", (dir / "ds.json").string()}), dir), 2,
+                      "fp16.enabled=true and bf16.enabled=true (expected at most one of them)"));
+}
+
+// Item 11: every output path is checked before the first step, not at the first save or after
+// training (the trained model would be lost).
+TEST(Hardening, OutputPathsAreCheckedBeforeTraining) {
+  const fs::path dir = scratch("hard_early");
+  std::ofstream(dir / "file") << "x";
+  const std::string under_file = (dir / "file" / "sub").string();
+  for (const char* flag : {"--export", "--trace", "--metrics", "--checkpoint-dir"}) {
+    SCOPED_TRACE(flag);
+    const auto r = run(with(kTiny, {"--steps", "100000", flag, under_file}), dir);
+    EXPECT_EQ(r.code, 2) << r.output;
+    EXPECT_NE(r.output.find(std::string(flag) + " " + under_file), std::string::npos) << r.output;
+  }
+  EXPECT_TRUE(refused(run(with(kQuick, {"--export", (dir / "absent" / "model.safetensors").string()}), dir), 2,
+                      "cannot be used (No such file or directory)"));
+}
+
+// Item 12: clear messages and exit code 2 for every command-line error.
+TEST(Hardening, MessagesNameTheValueAndCommandLineErrorsExit2) {
+  const fs::path dir = scratch("hard_messages");
+  EXPECT_TRUE(refused(run(with(kQuick, {"--bogus"}), dir), 2, "--bogus"));
+  EXPECT_TRUE(refused(run(with(kTiny, {"--steps", "x"}), dir), 2, "--steps"));
+  EXPECT_TRUE(refused(run(with(kTiny, {"--dtype", "f8"}), dir), 2, "--dtype"));
+  EXPECT_EQ(run({"--help"}, dir).code, 0);
+  const fs::path ck = dir / "ck";
+  fs::create_directories(ck / "latest");
+  EXPECT_TRUE(refused(run(with(kQuick, {"--checkpoint-dir", ck.string(), "--resume"}), dir), 1,
+                      "latest: is a folder; expected a regular file"));
+  fs::remove_all(ck / "latest");
+  std::ofstream(dir / "secret") << "root:x:0:0:root:/root:/bin/bash\nline two\n";
+  fs::create_symlink(dir / "secret", ck / "latest");
+  const auto echoed = run(with(kQuick, {"--checkpoint-dir", ck.string(), "--resume"}), dir);
+  EXPECT_TRUE(refused(echoed, 1, "holds 41 bytes, not a checkpoint folder name"));
+  EXPECT_EQ(echoed.output.find("root:x"), std::string::npos) << echoed.output;
+  ::setenv("WORLD_SIZE", "abc", 1);
+  const auto bad_world = run(kQuick, dir);
+  ::unsetenv("WORLD_SIZE");
+  EXPECT_TRUE(refused(bad_world, 2, "WORLD_SIZE='abc'"));
+}
+
+}  // namespace

@@ -1,0 +1,106 @@
+#include "run_checks.hpp"
+
+#include <algorithm>
+#include <system_error>
+
+#include "coshard/async/files.hpp"
+
+namespace coshard::train_app {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+bool is_step_name(const std::string& name) {
+  return name.size() > 5 && name.starts_with("step-") &&
+         std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+}  // namespace
+
+CheckpointFolderContents checkpoint_folder_contents(const fs::path& dir) {
+  CheckpointFolderContents out;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return out;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name == "latest") {
+      out.latest = true;
+    } else if (is_step_name(name)) {
+      out.checkpoints.push_back(entry.path());
+    } else {
+      for (const char* suffix : {".partial", ".replaced"}) {
+        if (name.ends_with(suffix) && is_step_name(name.substr(0, name.size() - std::string_view(suffix).size())))
+          out.leftovers.push_back(entry.path());
+      }
+    }
+  }
+  std::sort(out.checkpoints.begin(), out.checkpoints.end());
+  return out;
+}
+
+Result<void> check_run_paths(const RunPaths& paths) {
+  for (const auto& in : paths.inputs) {
+    std::error_code ec;
+    const auto st = fs::status(in.path, ec);
+    if (ec || !fs::exists(st)) return fail(ErrorCode::io, in.role, " ", in.path.string(), ": no such file");
+    if (!fs::is_regular_file(st))
+      return fail(ErrorCode::invalid_argument, in.role, " ", in.path.string(), ": not a regular file");
+  }
+  // Aliases: an output over an input, two outputs on one path, an output file inside an output
+  // folder (where coshard writes files of its own), or two output folders nested.
+  for (const auto& out : paths.output_files) {
+    for (const auto& in : paths.inputs)
+      if (async::same_path(out.path, in.path))
+        return fail(ErrorCode::invalid_argument, out.role, " ", out.path.string(), " is the same file as ", in.role,
+                    " ", in.path.string(), ": an output may not overwrite an input");
+    for (const auto& other : paths.output_files)
+      if (&other < &out && async::same_path(out.path, other.path))
+        return fail(ErrorCode::invalid_argument, out.role, " and ", other.role, " name the same file ",
+                    out.path.string());
+    for (const auto& folder : paths.output_folders)
+      if (async::path_within(out.path, folder.path))
+        return fail(ErrorCode::invalid_argument, out.role, " ", out.path.string(), " lies inside ", folder.role, " ",
+                    folder.path.string(), ", where coshard writes files of its own");
+  }
+  for (const auto& folder : paths.output_folders) {
+    for (const auto& other : paths.output_folders)
+      if (&other != &folder && async::path_within(folder.path, other.path))
+        return fail(ErrorCode::invalid_argument, folder.role, " ", folder.path.string(),
+                    (async::same_path(folder.path, other.path) ? " is the same folder as " : " lies inside "),
+                    other.role, " ", other.path.string());
+    for (const auto& in : paths.inputs)
+      if (async::path_within(in.path, folder.path) && folder.role != "--checkpoint-dir")
+        return fail(ErrorCode::invalid_argument, in.role, " ", in.path.string(), " lies inside ", folder.role, " ",
+                    folder.path.string(), ", where coshard writes files of its own");
+  }
+  // Then what each path is (folders first: an output folder is created here).
+  for (const auto& out : paths.output_folders) COSHARD_TRY(async::check_output_folder(out.path, out.role));
+  for (const auto& out : paths.output_files) COSHARD_TRY(async::check_output_file(out.path, out.role));
+  return {};
+}
+
+Result<void> prepare_checkpoint_folder(const fs::path& dir, bool resume, bool start_over, bool remove) {
+  if (resume) return {};
+  const auto held = checkpoint_folder_contents(dir);
+  if (held.checkpoints.empty() && !held.latest) return {};
+  if (!start_over) {
+    const std::string newest = held.checkpoints.empty() ? "latest" : held.checkpoints.back().filename().string();
+    return fail(ErrorCode::invalid_argument, "--checkpoint-dir ", dir.string(), " holds ", held.checkpoints.size(),
+                " checkpoint(s) (newest ", newest,
+                "): --resume continues it; --start-over removes them and starts afresh");
+  }
+  if (!remove) return {};
+  std::error_code ec;
+  fs::remove(dir / "latest", ec);
+  if (ec) return fail(ErrorCode::io, "--start-over: removing ", (dir / "latest").string(), ": ", ec.message());
+  for (const auto& group : {held.checkpoints, held.leftovers}) {
+    for (const auto& p : group) {
+      fs::remove_all(p, ec);
+      if (ec) return fail(ErrorCode::io, "--start-over: removing ", p.string(), ": ", ec.message());
+    }
+  }
+  return {};
+}
+
+}  // namespace coshard::train_app
