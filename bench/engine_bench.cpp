@@ -65,6 +65,7 @@ class DelayedCommunicator final : public collectives::Communicator {
   }
   std::uint64_t launches() const noexcept override { return inner_.launches(); }
   Result<void> status() const override { return inner_.status(); }
+  void abort(const std::string& reason) override { inner_.abort(reason); }
 
   // Stream-busy seconds since the last reset (read after the stream has drained).
   double busy_seconds() const { return static_cast<double>(timing_->busy_ns.load()) * 1e-9; }

@@ -127,6 +127,10 @@ class LocalGroup {
   int size() const noexcept { return size_; }
   const LocalOptions& options() const noexcept { return options_; }
   Result<void> status() { return rendezvous_.status(); }
+  void abort(int rank, const std::string& reason) {
+    rendezvous_.break_with(ErrorCode::closed, "rank " + std::to_string(rank) + " of Local group of " +
+                                                  std::to_string(size_) + " failed: " + reason);
+  }
 
   using Ops = std::shared_ptr<const std::vector<CollectiveOp>>;
 
@@ -373,6 +377,7 @@ class LocalCommunicator final : public Communicator {
   async::Stream& stream() noexcept override { return stream_; }
   std::uint64_t launches() const noexcept override { return launches_.load(std::memory_order_relaxed); }
   Result<void> status() const override { return group_->status(); }
+  void abort(const std::string& reason) override { group_->abort(rank_, reason); }
 
   Result<async::Event> launch(const Coalesced& group) override {
     for (const CollectiveOp& op : group.ops()) COSHARD_TRY(validate(op, rank_, size()));

@@ -89,6 +89,18 @@ class NcclCommunicator final : public Communicator {
     return {};
   }
 
+  void abort(const std::string& reason) override {
+    {
+      std::lock_guard lock(mutex_);
+      if (aborted_.load()) return;
+      abort_reason_ = "NCCL communicator rank " + std::to_string(rank_) + "/" + std::to_string(size_) +
+                      " aborted: this rank failed: " + reason;
+      aborted_.store(true);
+      outstanding_.clear();
+    }
+    (void)ncclCommAbort(comm_);  // its kernels exit; the peers' watchdogs find this rank gone
+  }
+
   Result<async::Event> launch(const Coalesced& group) override {
     for (const CollectiveOp& op : group.ops()) COSHARD_TRY(validate(op, rank_, size_));
     COSHARD_TRY(status());

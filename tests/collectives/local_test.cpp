@@ -221,6 +221,41 @@ TEST(LocalCollectives, AMissingPeerFailsTheOthersWithinTheTimeoutNamingIt) {
   }
 }
 
+// A rank that fails and aborts frees the peers waiting in a collective at once (the timeout here
+// is an hour), each with an error naming the rank and its reason; later collectives fail too.
+TEST(LocalCollectives, AnAbortedRankFailsThePeersAtOnceNamingIt) {
+  Comms comms = make(3, LocalOptions{.timeout = std::chrono::hours(1)});
+  std::vector<float> data(64);
+  std::vector<std::string> messages(2);
+  std::atomic<int> waiting{0};
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      Communicator& c = *comms[static_cast<std::size_t>(r)];
+      std::vector<float> out(64);
+      auto e = c.all_reduce(data.data(), out.data(), 64, DataType::f32, ReduceOp::sum);
+      ASSERT_TRUE(e.has_value());
+      ++waiting;
+      auto s = e->synchronize();
+      ASSERT_FALSE(s.has_value());
+      EXPECT_EQ(s.error().code(), ErrorCode::closed);
+      messages[static_cast<std::size_t>(r)] = s.error().message();
+      auto again = c.barrier();
+      ASSERT_TRUE(again.has_value());
+      EXPECT_FALSE(again->synchronize().has_value());
+    });
+  }
+  while (waiting.load() < 2) std::this_thread::yield();
+  comms[2]->abort("its data file vanished");
+  comms[2]->abort("a second reason is not reported");
+  for (auto& t : ranks) t.join();
+  for (const auto& m : messages) {
+    EXPECT_NE(m.find("rank 2 of Local group of 3 failed: its data file vanished"), std::string::npos) << m;
+    EXPECT_EQ(m.find("second"), std::string::npos) << m;
+  }
+  EXPECT_FALSE(comms[2]->status().has_value());
+}
+
 TEST(LocalCollectives, SplitFormsSubgroupsOrderedByKey) {
   constexpr int kWorld = 6;
   Comms comms = make(kWorld);

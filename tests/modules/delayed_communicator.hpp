@@ -23,6 +23,7 @@ class DelayedCommunicator final : public collectives::Communicator {
   Result<std::unique_ptr<collectives::Communicator>> split(int color, int key) override { return inner_.split(color, key); }
   std::uint64_t launches() const noexcept override { return inner_.launches(); }
   Result<void> status() const override { return inner_.status(); }
+  void abort(const std::string& reason) override { inner_.abort(reason); }
 
  private:
   collectives::Communicator& inner_;

@@ -3,7 +3,10 @@
 // not name as an output as it was.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <cstring>
 #include <filesystem>
+#include <limits>
 #include <fstream>
 #include <string>
 
@@ -162,6 +165,57 @@ TEST(Hardening, MessagesNameTheValueAndCommandLineErrorsExit2) {
   const auto bad_world = run(kQuick, dir);
   ::unsetenv("WORLD_SIZE");
   EXPECT_TRUE(refused(bad_world, 2, "WORLD_SIZE='abc'"));
+}
+
+// Item 7: a failure on one rank (here rank 0's metrics write on a full disk) stops every other
+// rank at once, each naming the rank that failed and why, instead of waiting out the collective
+// timeout (60 s) for a rank that will never arrive.
+TEST(Hardening, AFailedRankStopsTheOthersAtOnce) {
+  const fs::path dir = scratch("hard_abort");
+  for (const int world : {2, 4}) {
+    SCOPED_TRACE(world);
+    const auto begin = std::chrono::steady_clock::now();
+    const auto r = run_with_file_limit(with(kTiny, {"--steps", "100000", "--quiet", "--world-size", std::to_string(world),
+                                                    "--metrics", (dir / "m.jsonl").string()}),
+                                       dir, 8192);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_NE(r.output.find("rank 0: --metrics"), std::string::npos) << r.output;
+    for (int rank = 1; rank < world; ++rank)
+      EXPECT_NE(r.output.find("rank " + std::to_string(rank) + ": "), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("rank 0 of Local group of " + std::to_string(world) + " failed: --metrics"), std::string::npos)
+        << r.output;
+    EXPECT_EQ(r.output.find("timed out"), std::string::npos) << r.output;
+    EXPECT_LT(seconds, 30.0) << "half the collective timeout";
+    std::printf("world %d: stopped %.2f s after the start\n", world, seconds);
+  }
+}
+
+// Item 9: non-finite initial weights are refused by name; a run whose every step is skipped
+// (a learning rate that blew up) stops after --max-skipped-steps in a row.
+TEST(Hardening, NonFiniteWeightsAndEndlessSkipsStopTheRun) {
+  const fs::path dir = scratch("hard_finite");
+  const fs::path model = dir / "model.safetensors";
+  ASSERT_EQ(run(with(kQuick, {"--export", model.string()}), dir).code, 0);
+  // The first element of the first tensor becomes NaN (f32 after the 8-byte length and header).
+  std::string bytes = slurp(model);
+  std::uint64_t header = 0;
+  for (int i = 0; i < 8; ++i) header |= static_cast<std::uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::memcpy(bytes.data() + 8 + header, &nan, sizeof nan);
+  std::ofstream(dir / "nan.safetensors", std::ios::binary) << bytes;
+  EXPECT_TRUE(refused(run(with(kQuick, {"--init", (dir / "nan.safetensors").string()}), dir), 1,
+                      "element 0 is nan; initial weights must be finite"));
+  const auto blown = run({"--layers", "1", "--dim", "16", "--heads", "2", "--seq", "8", "--batch", "12", "--steps", "100",
+                          "--quiet", "--lr", "1e30", "--max-skipped-steps", "3", "--metrics", (dir / "m.jsonl").string()},
+                         dir);
+  EXPECT_TRUE(refused(blown, 1, "3 steps in a row skipped for inf/NaN gradients"));
+  EXPECT_TRUE(refused(blown, 1, "max_skipped_steps=3"));
+  std::ifstream metrics(dir / "m.jsonl");
+  std::string line;
+  int steps = 0;
+  while (std::getline(metrics, line)) ++steps;
+  EXPECT_LT(steps, 10);
 }
 
 }  // namespace

@@ -171,7 +171,10 @@ int run(const Options& o) {
       return 2;
     }
     auto done = rt.block_on(run_rank(o, **comm, *data, shared));
-    if (!done) shared.error((*comm)->rank(), done.error().message());
+    if (!done) {
+      shared.error((*comm)->rank(), done.error().message());
+      (*comm)->abort(done.error().message());
+    }
   } else {
     // Ranks as threads: on the CPU, or sharing GPU 0 (the Local backend on device memory).
     const async::Device device = o.device == "cuda" ? async::Device::cuda(0) : async::Device::cpu();
@@ -190,8 +193,13 @@ int run(const Options& o) {
     for (int r = 0; r < o.world_size; ++r) {
       threads.emplace_back([&, r] {
         async::Runtime rt;
-        auto done = rt.block_on(run_rank(o, *(*comms)[static_cast<std::size_t>(r)], *data, shared));
-        if (!done) shared.error(r, done.error().message());
+        auto& comm = *(*comms)[static_cast<std::size_t>(r)];
+        auto done = rt.block_on(run_rank(o, comm, *data, shared));
+        // The others stop at once, naming this rank, instead of waiting out the collective timeout.
+        if (!done) {
+          shared.error(r, done.error().message());
+          comm.abort(done.error().message());
+        }
       });
     }
     for (auto& t : threads) t.join();
@@ -273,6 +281,9 @@ int main(int argc, char** argv) {
   auto* accum = app.add_option("--grad-accum", cli.gradient_accumulation_steps, "micro-batches per step on each rank");
   auto* clip = app.add_option("--clip", cli.max_grad_norm, "global gradient-norm clipping (0: off)");
   auto* wd = app.add_option("--weight-decay", cli.weight_decay, "AdamW weight decay");
+  auto* max_skipped = app.add_option("--max-skipped-steps", cli.max_skipped_steps,
+                                     "stop after this many steps in a row skipped for inf/NaN gradients (0: never)")
+                          ->check(CLI::Range(0, 1 << 30));
   auto* precision = app.add_option("--dtype", dtype, "compute dtype (bf16/f16 on the CPU compute in f32 on copies: slower than f32, for trying a setup)")
                         ->check(CLI::IsMember({"f32", "bf16", "f16"}));
   auto* off_opt = offload_option("--offload-optimizer", cli.offload_optimizer, "none, cpu or nvme:PATH");
@@ -340,6 +351,7 @@ int main(int argc, char** argv) {
   if (accum->count()) c.gradient_accumulation_steps = cli.gradient_accumulation_steps;
   if (clip->count()) c.max_grad_norm = cli.max_grad_norm;
   if (wd->count()) c.weight_decay = cli.weight_decay;
+  if (max_skipped->count()) c.max_skipped_steps = cli.max_skipped_steps;
   if (precision->count())
     c.set_compute_dtype(dtype == "bf16"  ? modules::DataType::bf16
                         : dtype == "f16" ? modules::DataType::f16

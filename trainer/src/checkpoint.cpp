@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -558,6 +559,11 @@ async::Task<Result<void>> Trainer::load_safetensors(const fs::path& path) {
                         " dimensions (at most 4)");
           const modules::Shape shape = modules::Shape::from(t.shape);
           const auto values = modules::decode_values(file.data(t), *from);
+          // Non-finite initial weights would only skip every step (inf/NaN gradients) and exit 0.
+          for (std::size_t i = 0; i < values.size(); ++i)
+            if (!std::isfinite(values[i]))
+              return fail(ErrorCode::invalid_argument, path.string(), ": tensor ", t.name, " element ", i, " is ",
+                          values[i], "; initial weights must be finite");
           out.push_back({t.name, shape, modules::encode_values(values, dtype)});
         }
         return out;

@@ -137,6 +137,13 @@ async::Task<Result<StepStats>> Trainer::step(const HostBatch& rows) {
   out.trace_changed = e.trace_changed;
   out.exposed_comm_ms = e.exposed_comm_ms;
   out.timeline = std::move(e.timeline);
+  // Every rank reaches the same verdict (the skip is decided from all-reduced statistics).
+  s.skipped_in_a_row = out.skipped ? s.skipped_in_a_row + 1 : 0;
+  if (s.config.max_skipped_steps > 0 && s.skipped_in_a_row >= s.config.max_skipped_steps)
+    co_return fail(ErrorCode::invalid_argument, "step ", out.step, ": ", s.skipped_in_a_row,
+                   " steps in a row skipped for inf/NaN gradients (loss ", out.loss, ", loss scale ", out.loss_scale,
+                   "); stopping (max_skipped_steps=", s.config.max_skipped_steps,
+                   "): a learning rate too high, or non-finite weights or data");
   co_return out;
 }
 

@@ -40,6 +40,7 @@ struct Trainer::Impl {
   std::unique_ptr<modules::Engine> engine;
   modules::CrossEntropyLoss loss;
   std::int64_t steps = 0;
+  int skipped_in_a_row = 0;  // steps skipped for inf/NaN gradients, up to this one
   std::optional<PendingSave> pending;
   // The pinned buffer a save assembles this rank's file in, kept between saves: pinning memory
   // afresh for every save cost a host-side page registration each time (cudaHostRegister with a

@@ -100,6 +100,13 @@ class Communicator {
   // exit early), so check status() after awaiting where the data must be trusted.
   virtual Result<void> status() const = 0;
 
+  // This rank has failed and stops: every rank's current and later collectives fail at once
+  // with an error naming this rank and `reason`, instead of waiting out the timeout for a
+  // rank that will never arrive. Local: the group breaks for every rank. NCCL: this rank's
+  // communicator is aborted (its peers' watchdogs see the missing rank at their timeout).
+  // Safe from any thread, idempotent; the first reason is the one reported.
+  virtual void abort(const std::string& reason) = 0;
+
   Result<async::Event> all_gather(const void* send, void* recv, std::size_t count, DataType dtype) {
     return launch(Coalesced{}.all_gather(send, recv, count, dtype));
   }

@@ -66,6 +66,10 @@ struct TrainerConfig {
   float momentum = 0.9f;                // sgd
   bool nesterov = false;                // sgd
   std::uint64_t seed = 1;               // initial weights
+  // Steps skipped in a row for inf/NaN gradients before the run stops with an error (a learning
+  // rate that blew up, non-finite data); 0: never stop. Dynamic f16 loss scaling skips a few
+  // steps in a row while it finds its scale (at most log2(initial scale) = 16 from 65536).
+  int max_skipped_steps = 32;
 
   // Device-timestamp timing: exposed_comm_ms each step (a few timed events per unit).
   bool timing = true;
