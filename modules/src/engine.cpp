@@ -7,6 +7,7 @@
 #include "coshard/async/channel.hpp"
 #include "coshard/async/join_handle.hpp"
 #include "coshard/async/runtime.hpp"
+#include "coshard/offload/swap_folder.hpp"
 #include "coshard/offload/pinned_pool.hpp"
 #include "coshard/offload/swapper.hpp"
 #include "kernels.hpp"
@@ -149,7 +150,9 @@ struct Engine::State {
   std::unique_ptr<async::CachingAllocator> host_allocator;
   std::unique_ptr<Context> host_ctx;
   std::shared_ptr<offload::PinnedPool> pinned;
-  // nvme: each unit's master and state, one sub-group file each, streamed by the swapper.
+  // nvme: each unit's master and state, one sub-group file each, streamed by the swapper. The
+  // rank's folder is claimed (locked against a second run) first and let go last.
+  offload::SwapFolder swap_folder;
   std::shared_ptr<offload::NvmeStore> store;
   std::unique_ptr<offload::Swapper> swapper;
   std::vector<offload::SubGroup> subgroups;
@@ -1266,9 +1269,11 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
       COSHARD_TRY_ASSIGN(s->staging, s->pinned->acquire(largest_shard));
     }
     if (s->swapped()) {
-      std::error_code ec;
-      std::filesystem::create_directories(o.nvme_path, ec);
-      if (ec) return fail(ErrorCode::io, "offload_optimizer=nvme: folder ", o.nvme_path.string(), ": ", ec.message());
+      const std::string rank_folder = "rank" + std::to_string(s->rank) + "-of-" + std::to_string(s->world);
+      auto claimed = offload::SwapFolder::claim(o.nvme_path / rank_folder, "coshard rank " + std::to_string(s->rank) +
+                                                                               " of " + std::to_string(s->world));
+      if (!claimed) return fail(std::move(claimed).error().with_context("offload_optimizer=nvme"));
+      s->swap_folder = std::move(*claimed);
       offload::NvmeStoreOptions store_options;
       store_options.directory = o.nvme_path;
       store_options.direct = offload::NvmeStore::supports_direct_io(o.nvme_path);
@@ -1276,7 +1281,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
       offload::SwapperOptions swap_options;
       swap_options.buffer_count = o.swap_buffer_count;
       COSHARD_TRY_ASSIGN(s->swapper, offload::Swapper::create(*s->store, s->pinned, swap_options));
-      const std::string folder = "rank" + std::to_string(s->rank) + "-of-" + std::to_string(s->world) + "/unit";
+      const std::string folder = rank_folder + "/unit";
       for (const auto& u : s->units)
         s->subgroups.push_back({folder + std::to_string(u->index), static_cast<std::size_t>(u->info.shard) * per_element});
     }

@@ -791,7 +791,14 @@ TEST(Engine, NvmeOptimizerOffloadGivesTheSameLosses) {
       setup.options.offload_optimizer = OptimizerOffload::nvme;
       setup.options.nvme_path = folder;
       setup.options.swap_buffer_count = 3;
+      bool saw_swap_file = false;
+      const std::filesystem::path rank0 = folder / ("rank0-of-" + std::to_string(world));
+      setup.before_step = [&](int rank, int step) {
+        if (rank == 0 && step == 1) saw_swap_file = std::filesystem::exists(rank0 / "unit0");
+      };
       const auto swapped = run_zero(setup);
+      EXPECT_TRUE(saw_swap_file) << "the state is in swap files during the run";
+      EXPECT_FALSE(std::filesystem::exists(rank0)) << "and they are gone after it";
       ASSERT_TRUE(device.error.empty()) << device.error;
       ASSERT_TRUE(swapped.error.empty()) << swapped.error;
       EXPECT_EQ(losses_of(swapped), losses_of(device));
@@ -801,7 +808,6 @@ TEST(Engine, NvmeOptimizerOffloadGivesTheSameLosses) {
       EXPECT_GE(swapped.stats[0].back().swap_bytes, 2 * shard_bytes + 2 * 3 * shard_bytes);
     }
   }
-  EXPECT_TRUE(std::filesystem::exists(folder / "rank0-of-2" / "unit0"));
   std::filesystem::remove_all(folder);
 }
 

@@ -9,6 +9,7 @@
 #include <limits>
 #include <fstream>
 #include <string>
+#include <thread>
 
 #include "binary_harness.hpp"
 
@@ -216,6 +217,31 @@ TEST(Hardening, NonFiniteWeightsAndEndlessSkipsStopTheRun) {
   int steps = 0;
   while (std::getline(metrics, line)) ++steps;
   EXPECT_LT(steps, 10);
+}
+
+// Item 2 (and 14's swap files): a second run on an NVMe folder in use is refused, naming the
+// holder; a clean exit leaves no swap files behind.
+TEST(Hardening, TwoRunsNeverShareAnOffloadFolder) {
+  const fs::path dir = scratch("hard_nvme");
+  const fs::path swap = dir / "swap";
+  const auto nvme = with(kTiny, {"--quiet", "--world-size", "2", "--offload-optimizer", "nvme:" + swap.string()});
+  const pid_t first = start(with(nvme, {"--steps", "1000000"}), dir / "first.txt");
+  ASSERT_GT(first, 0);
+  for (int i = 0; i < 3000 && !(fs::exists(swap / "rank0-of-2" / ".coshard-lock") &&
+                                fs::exists(swap / "rank1-of-2" / ".coshard-lock") && fs::exists(swap / "rank1-of-2" / "unit0"));
+       ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  const auto second = run(with(nvme, {"--steps", "2"}), dir);
+  ::kill(first, SIGKILL);
+  ::waitpid(first, nullptr, 0);
+  EXPECT_TRUE(refused(second, 1, "is in use by coshard rank"));
+  EXPECT_TRUE(refused(second, 1, "(pid " + std::to_string(first) + " on "));
+  // The killed run's lock died with it; a clean run then removes its swap files.
+  const auto clean = run(with(nvme, {"--steps", "2"}), dir);
+  ASSERT_EQ(clean.code, 0) << clean.output;
+  EXPECT_FALSE(fs::exists(swap / "rank0-of-2"));
+  EXPECT_FALSE(fs::exists(swap / "rank1-of-2"));
+  EXPECT_TRUE(fs::is_directory(swap));
 }
 
 }  // namespace
