@@ -36,10 +36,21 @@ bool all_ready(const std::vector<Event>& uses) {
 
 // ---- Block ---------------------------------------------------------------------------------
 
+namespace detail {
+// What a block needs of its allocator, outliving it: the allocator while it lives (cleared by
+// its destructor under the mutex), and the backend to free device memory with after.
+struct AllocatorLink {
+  std::mutex mutex;
+  CachingAllocator* allocator = nullptr;
+  std::shared_ptr<DeviceMemoryBackend> backend;
+};
+}  // namespace detail
+
 Block& Block::operator=(Block&& o) noexcept {
   if (this != &o) {
     reset();
-    owner_ = std::exchange(o.owner_, nullptr);
+    link_ = std::move(o.link_);
+    o.link_.reset();
     ptr_ = std::exchange(o.ptr_, nullptr);
     size_ = std::exchange(o.size_, 0);
     stream_ = std::exchange(o.stream_, nullptr);
@@ -52,13 +63,25 @@ Block& Block::operator=(Block&& o) noexcept {
 void Block::reset() noexcept { reset_after(Event{}); }
 
 void Block::reset_after(Event last_use) noexcept {
-  if (owner_ && ptr_) {
-    if (last_use.recorded())
-      owner_->release(*this, std::move(last_use));
-    else
-      owner_->release(*this);
+  if (link_ && ptr_) {
+    std::lock_guard lock(link_->mutex);  // the allocator cannot go while a block returns to it
+    if (link_->allocator) {
+      if (last_use.recorded())
+        link_->allocator->release(*this, std::move(last_use));
+      else
+        link_->allocator->release(*this);
+    } else {
+      // The allocator is gone (its stream may be too): free the memory once the uses this block
+      // knows of have passed. A teardown path, so the waits are counted like any other.
+      for (const Event& e : uses_) (void)e.synchronize();
+      if (last_use.recorded()) (void)last_use.synchronize();
+      if (link_->backend)
+        link_->backend->free(ptr_);
+      else
+        std::free(ptr_);
+    }
   }
-  owner_ = nullptr;
+  link_.reset();
   ptr_ = nullptr;
   size_ = 0;
   stream_ = nullptr;
@@ -82,10 +105,18 @@ Result<std::unique_ptr<CachingAllocator>> CachingAllocator::create(Device device
 }
 
 CachingAllocator::CachingAllocator(Key, Device device, AllocatorOptions options,
-                                   std::unique_ptr<detail::DeviceMemoryBackend> backend)
-    : device_(device), options_(options), backend_(std::move(backend)) {}
+                                   std::shared_ptr<detail::DeviceMemoryBackend> backend)
+    : device_(device), options_(options), backend_(std::move(backend)), link_(std::make_shared<detail::AllocatorLink>()) {
+  link_->allocator = this;
+  link_->backend = backend_;
+}
 
 CachingAllocator::~CachingAllocator() {
+  {
+    // Blocks still out are on their own from here (Block::reset_after frees them).
+    std::lock_guard unlink(link_->mutex);
+    link_->allocator = nullptr;
+  }
   std::lock_guard lock(mutex_);
   for (Pending& p : pending_) {
     // Once an event has completed its stream is past that point, even when the event carries
@@ -114,7 +145,7 @@ Result<Block> CachingAllocator::allocate(std::size_t bytes, Stream& stream) {
                 ")::allocate: stream '", stream.name(), "' is on ", stream.device().to_string());
   }
   Block block;
-  block.owner_ = this;
+  block.link_ = link_;
   block.stream_ = &stream;
 
   const std::size_t size = round_up(std::max<std::size_t>(bytes, 1), kHostAlignment);
@@ -169,7 +200,7 @@ Result<Block> CachingAllocator::allocate(std::size_t bytes, Stream& stream) {
       std::lock_guard lock(mutex_);
       stats_.cached_bytes += block.size_;
       cached_.emplace(block.size_, block.ptr_);
-      block.owner_ = nullptr;
+      block.link_.reset();
       block.ptr_ = nullptr;
       return fail(std::move(f).error());
     }

@@ -1,3 +1,6 @@
+#include <new>
+#include <system_error>
+
 #include "coshard/async/stream.hpp"
 
 #include <cassert>
@@ -10,7 +13,16 @@ namespace coshard::async {
 
 Result<Stream> Stream::create(Device device, StreamOptions options) {
   if (options.name.empty()) options.name = device.to_string();
-  if (device.is_cpu()) return Stream(detail::make_cpu_stream(std::move(options)));
+  if (device.is_cpu()) {
+    const std::string name = options.name;
+    try {
+      return Stream(detail::make_cpu_stream(std::move(options)));
+    } catch (const std::system_error& e) {  // its worker thread could not start (out of memory or threads)
+      return fail(ErrorCode::out_of_memory, "CPU stream '", name, "': cannot start its worker thread (", e.what(), ")");
+    } catch (const std::bad_alloc&) {
+      return fail(ErrorCode::out_of_memory, "CPU stream '", name, "': out of host memory");
+    }
+  }
   auto impl = detail::make_cuda_stream(device, std::move(options));
   if (!impl) return fail(std::move(impl).error());
   return Stream(std::move(*impl));

@@ -130,6 +130,14 @@ Result<void> return_after(const std::shared_ptr<Budget>& budget, async::Event la
 }  // namespace
 
 struct Engine::State {
+  // The optimizer's groups of this engine hold memory of the engine's host context when the
+  // optimizer is offloaded: they go first, with the host stream quiet, whether the engine ends
+  // or its creation fails halfway (out of memory, say), or ~Optimizer later returns blocks to an
+  // allocator that is gone (the segfault of a failed setup).
+  ~State() {
+    if (host_stream) (void)host_stream->synchronize();
+    if (optimizer) optimizer->drop_groups_from(first_group);
+  }
   Context* ctx = nullptr;
   collectives::Communicator* comm = nullptr;
   Module* model = nullptr;

@@ -56,7 +56,8 @@ Result<SwapFolder> SwapFolder::claim(const fs::path& dir, const std::string& own
       (void)::gethostname(host, sizeof host - 1);
       const std::time_t now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
       char when[64] = {};
-      std::strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S", std::localtime(&now));
+      std::tm utc{};
+      if (::gmtime_r(&now, &utc) != nullptr) std::strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S UTC", &utc);
       const std::string me = owner + " (pid " + std::to_string(::getpid()) + " on " + host + ", since " + when + ")\n";
       if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, me.data(), me.size(), 0) != static_cast<ssize_t>(me.size())) {
         // The lock holds without the description; a refusal then says less, nothing more.

@@ -71,6 +71,35 @@ TEST(CachingAllocator, NeverHandsOutABlockBeforeItsLastUseCompleted) {
   EXPECT_EQ(corrupted.load(), 0);
 }
 
+// A block that outlives its allocator and its stream (a tensor kept by a user's module after the
+// trainer is gone) stays readable and is freed when dropped: no use of the dead allocator or
+// stream (ASan and TSan check it), no leak.
+TEST(CachingAllocator, ABlockOutlivesItsAllocatorAndStream) {
+  Block kept;
+  Block used_elsewhere;
+  auto other = make_stream(Device::cpu(), "other");
+  {
+    auto stream = make_stream(Device::cpu(), "dies");
+    auto alloc = make_allocator(Device::cpu());
+    auto b = alloc->allocate(4096, stream);
+    ASSERT_TRUE(b);
+    std::memset(b->data(), 7, 4096);
+    kept = std::move(*b);
+    auto c = alloc->allocate(4096, stream);
+    ASSERT_TRUE(c);
+    ASSERT_TRUE(other.launch([p = c->data()] { std::memset(p, 1, 4096); }));
+    auto e = other.record();
+    ASSERT_TRUE(e);
+    c->record_use(*e);
+    used_elsewhere = std::move(*c);
+    ASSERT_TRUE(stream.synchronize());
+  }
+  EXPECT_EQ(static_cast<unsigned char*>(kept.data())[4095], 7);
+  kept.reset();
+  used_elsewhere.reset();  // waits for the use on `other`, then frees
+  EXPECT_FALSE(kept);
+}
+
 TEST(CachingAllocator, ReusesABlockOnceItsLastUseCompleted) {
   auto alloc = make_allocator(Device::cpu(), AllocatorOptions{.poison_on_reuse = true, .poison_byte = 0xAB});
   Stream s = make_stream(Device::cpu(), "s");

@@ -79,8 +79,9 @@ inline std::vector<double> losses_in(const fs::path& metrics) {
   return losses;
 }
 
-// Like run(), with the file-size limit set in the child (a full disk, as the process sees it).
-inline Exit run_with_file_limit(std::vector<std::string> args, const fs::path& dir, rlim_t max_file_bytes) {
+// Like run(), with a resource limit set in the child: RLIMIT_FSIZE (a full disk, as the process
+// sees it: writes past it fail with EFBIG) or RLIMIT_AS (too little memory).
+inline Exit run_with_limit(std::vector<std::string> args, const fs::path& dir, int resource, rlim_t value) {
   const fs::path out = dir / "output.txt";
   args.insert(args.begin(), COSHARD_TRAIN_BIN);
   std::vector<char*> argv;
@@ -92,14 +93,18 @@ inline Exit run_with_file_limit(std::vector<std::string> args, const fs::path& d
     ::dup2(fd, 1);
     ::dup2(fd, 2);
     ::signal(SIGXFSZ, SIG_IGN);  // a write past the limit fails with EFBIG instead of killing
-    rlimit limit{max_file_bytes, max_file_bytes};
-    ::setrlimit(RLIMIT_FSIZE, &limit);
+    rlimit limit{value, value};
+    ::setrlimit(resource, &limit);
     ::execv(argv[0], argv.data());
     ::_exit(127);
   }
   int status = 0;
   ::waitpid(pid, &status, 0);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(out)};
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : (WIFSIGNALED(status) ? 128 + WTERMSIG(status) : -1), slurp(out)};
+}
+
+inline Exit run_with_file_limit(std::vector<std::string> args, const fs::path& dir, rlim_t max_file_bytes) {
+  return run_with_limit(std::move(args), dir, RLIMIT_FSIZE, max_file_bytes);
 }
 
 inline std::int64_t latest_step(const fs::path& ck) {

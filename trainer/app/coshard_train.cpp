@@ -10,6 +10,7 @@
 // --batch is the global batch per step, split evenly over the ranks; the data of a step depends
 // only on (--seed, step), so runs at different world sizes and stages see the same data.
 #include <CLI/CLI.hpp>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdio>
@@ -190,17 +191,26 @@ int run(const Options& o) {
       if (auto epoch = clock->record_timed()) shared.epoch = *epoch;
     }
     std::vector<std::thread> threads;
+    // A rank that fails, even to start, aborts its communicator: the others stop at once,
+    // naming it, instead of waiting out the collective timeout for it.
+    auto rank_failed = [&](int r, const std::string& message) {
+      shared.error(r, message);
+      (*comms)[static_cast<std::size_t>(r)]->abort(message);
+    };
     for (int r = 0; r < o.world_size; ++r) {
-      threads.emplace_back([&, r] {
-        async::Runtime rt;
-        auto& comm = *(*comms)[static_cast<std::size_t>(r)];
-        auto done = rt.block_on(run_rank(o, comm, *data, shared));
-        // The others stop at once, naming this rank, instead of waiting out the collective timeout.
-        if (!done) {
-          shared.error(r, done.error().message());
-          comm.abort(done.error().message());
-        }
-      });
+      try {
+        threads.emplace_back([&, r] {
+          try {
+            async::Runtime rt;
+            auto done = rt.block_on(run_rank(o, *(*comms)[static_cast<std::size_t>(r)], *data, shared));
+            if (!done) rank_failed(r, done.error().message());
+          } catch (const std::exception& e) {  // the runtime's own thread could not start, say
+            rank_failed(r, std::string("cannot run: ") + e.what());
+          }
+        });
+      } catch (const std::exception& e) {
+        rank_failed(r, std::string("cannot start its thread: ") + e.what());
+      }
     }
     for (auto& t : threads) t.join();
   }
@@ -381,6 +391,17 @@ int main(int argc, char** argv) {
   if (o.batch % per_rank_unit != 0)
     return usage("--batch " + std::to_string(o.batch) + " does not split evenly over " + std::to_string(world) +
                  " rank(s) x " + std::to_string(c.gradient_accumulation_steps) + " micro-batch(es)");
+  {
+    // Each rank builds the step's global batch of token ids and targets on the host (i32 each):
+    // refused up front when that alone cannot fit (it was a std::bad_alloc inside a rank).
+    const auto pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+    const double memory = pages > 0 && page > 0 ? static_cast<double>(pages) * static_cast<double>(page) : 1e30;
+    const double batch_bytes = static_cast<double>(o.batch) * static_cast<double>(o.seq) * 8.0 * (world + 1);
+    if (batch_bytes > memory)
+      return usage("--batch " + std::to_string(o.batch) + " x --seq " + std::to_string(o.seq) + ": the host batches need " +
+                   std::to_string(static_cast<unsigned long long>(batch_bytes)) + " bytes a step, more than this machine's " +
+                   std::to_string(static_cast<unsigned long long>(memory)) + " bytes of memory");
+  }
   if (o.dim % o.heads != 0)
     return usage("--dim " + std::to_string(o.dim) + " is not a multiple of --heads " + std::to_string(o.heads));
   if ((o.resume || o.checkpoint_every > 0) && o.checkpoint_dir.empty())

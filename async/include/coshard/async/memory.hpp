@@ -58,10 +58,13 @@ class CachingAllocator;
 
 namespace detail {
 class DeviceMemoryBackend;
+struct AllocatorLink;
 }
 
-// Memory for use on one stream. Move-only; returns itself to its allocator when destroyed.
-// Both the allocator and the stream must outlive it.
+// Memory for use on one stream. Move-only; returns itself to its allocator when destroyed. Its
+// stream must outlive it while its allocator lives. A block may outlive its allocator (a tensor
+// a user's module keeps after the trainer is gone): it is then freed when dropped, once the uses
+// it knows of have passed.
 class Block {
  public:
   Block() = default;
@@ -91,7 +94,7 @@ class Block {
 
  private:
   friend class CachingAllocator;
-  CachingAllocator* owner_ = nullptr;
+  std::shared_ptr<detail::AllocatorLink> link_;  // to the allocator while it lives
   void* ptr_ = nullptr;
   std::size_t size_ = 0;
   Stream* stream_ = nullptr;
@@ -116,7 +119,7 @@ class CachingAllocator {
   struct Key {};  // only create() constructs
 
  public:
-  CachingAllocator(Key, Device device, AllocatorOptions options, std::unique_ptr<detail::DeviceMemoryBackend> backend);
+  CachingAllocator(Key, Device device, AllocatorOptions options, std::shared_ptr<detail::DeviceMemoryBackend> backend);
 
  private:
   friend class Block;
@@ -136,7 +139,8 @@ class CachingAllocator {
 
   Device device_;
   AllocatorOptions options_;
-  std::unique_ptr<detail::DeviceMemoryBackend> backend_;  // device memory; null on the CPU
+  std::shared_ptr<detail::DeviceMemoryBackend> backend_;  // device memory; null on the CPU
+  std::shared_ptr<detail::AllocatorLink> link_;           // shared with the blocks handed out
   mutable std::mutex mutex_;
   std::multimap<std::size_t, void*> cached_;  // by size
   std::deque<Pending> pending_;               // in the order returned

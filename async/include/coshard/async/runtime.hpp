@@ -25,6 +25,7 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <new>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -173,6 +174,8 @@ class RootPromise {
 inline std::string describe_exception(std::exception_ptr ex) {
   try {
     std::rethrow_exception(ex);
+  } catch (const std::bad_alloc&) {
+    return "out of host memory (std::bad_alloc: a host allocation failed)";
   } catch (const std::exception& e) {
     return e.what();
   } catch (...) {
