@@ -278,4 +278,75 @@ TEST(Hardening, OutOfMemoryAtSetupIsAnErrorNotACrash) {
 #endif
 }
 
+// Waits until the metrics file of a running coshard-train has `lines` lines (training is under
+// way, the signal handlers are in place); false if it does not within a minute.
+bool wait_for_metrics(const fs::path& metrics, int lines) {
+  for (int i = 0; i < 6000; ++i) {
+    std::ifstream in(metrics);
+    std::string line;
+    int n = 0;
+    while (std::getline(in, line)) ++n;
+    if (n >= lines) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
+}
+
+Exit finish(pid_t pid, const fs::path& output) {
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : (WIFSIGNALED(status) ? 128 + WTERMSIG(status) : -1), slurp(output)};
+}
+
+// Item 14: the first SIGTERM/SIGINT finishes the step, saves it, publishes, and exits 128+signal
+// with a line saying so; a resume continues from exactly there. Leftovers of failed saves are
+// cleaned, --keep-checkpoints rotates, and a second signal stops at once.
+TEST(Hardening, SignalsStopGracefullyOnceAndAtOnceTwice) {
+  const fs::path dir = scratch("hard_signals");
+  const fs::path ck = dir / "ck";
+  fs::create_directories(ck / "step-00000077.partial");
+  std::ofstream(ck / "step-00000077.partial" / "rank-00000.safetensors.tmp") << "half a save";
+  for (const int world : {1, 2}) {
+    SCOPED_TRACE(world);
+    const fs::path metrics = dir / ("m" + std::to_string(world) + ".jsonl");
+    const auto args = with(kTiny, {"--steps", "1000000", "--quiet", "--world-size", std::to_string(world), "--checkpoint-dir",
+                                   ck.string(), "--checkpoint-every", "5", "--keep-checkpoints", "2", "--start-over",
+                                   "--metrics", metrics.string()});
+    const pid_t pid = start(args, dir / "out.txt");
+    ASSERT_GT(pid, 0);
+    ASSERT_TRUE(wait_for_metrics(metrics, 12));
+    ::kill(pid, SIGTERM);
+    const auto r = finish(pid, dir / "out.txt");
+    EXPECT_EQ(r.code, 128 + SIGTERM) << r.output;
+    EXPECT_NE(r.output.find("stopped by SIGTERM after step"), std::string::npos) << r.output;
+    const auto steps = losses_in(metrics).size();
+    EXPECT_EQ(latest_step(ck), static_cast<std::int64_t>(steps)) << "the last step is saved";
+    std::size_t published = 0;
+    for (const auto& e : fs::directory_iterator(ck)) {
+      const auto name = e.path().filename().string();
+      EXPECT_FALSE(name.ends_with(".partial") || name.ends_with(".replaced")) << name;
+      published += name.starts_with("step-") ? 1 : 0;
+    }
+    EXPECT_EQ(published, 2u) << "--keep-checkpoints 2";
+    // It resumes from there.
+    const auto resumed = run(with(kTiny, {"--steps", std::to_string(steps + 1), "--quiet", "--world-size", std::to_string(world),
+                                          "--checkpoint-dir", ck.string(), "--resume"}),
+                             dir);
+    EXPECT_EQ(resumed.code, 0) << resumed.output;
+  }
+  // A second signal while the first is being honoured stops the process at once.
+  const fs::path metrics = dir / "twice.jsonl";
+  const pid_t pid = start({"--dim", "256", "--layers", "4", "--heads", "4", "--seq", "64", "--batch", "8", "--steps", "1000000",
+                           "--quiet", "--metrics", metrics.string()},
+                          dir / "twice.txt");
+  ASSERT_GT(pid, 0);
+  ASSERT_TRUE(wait_for_metrics(metrics, 1));
+  ::kill(pid, SIGINT);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ::kill(pid, SIGINT);
+  const auto twice = finish(pid, dir / "twice.txt");
+  EXPECT_EQ(twice.code, 128 + SIGINT) << twice.output;
+  EXPECT_EQ(twice.output.find("stopped by"), std::string::npos) << "killed by the second signal, not stopped gracefully";
+}
+
 }  // namespace

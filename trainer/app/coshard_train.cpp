@@ -10,9 +10,12 @@
 // --batch is the global batch per step, split evenly over the ranks; the data of a step depends
 // only on (--seed, step), so runs at different world sizes and stages see the same data.
 #include <CLI/CLI.hpp>
+#include <signal.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <csignal>
+#include <limits>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -46,6 +49,7 @@ struct Options {
   std::int64_t vocab = 256;  // synthetic task only; a --data file is bytes (256)
   std::string data, config, init, metrics, trace, checkpoint_dir, export_path;
   std::int64_t checkpoint_every = 0;
+  int keep_checkpoints = 0;
   bool resume = false;
   bool start_over = false;
   bool quiet = false;
@@ -53,7 +57,24 @@ struct Options {
 };
 
 // Rank 0 prints and writes; every rank reports its failure.
+// The first SIGINT/SIGTERM asks for a graceful stop (recorded here; lock-free, so safe in a
+// handler); a second one stops the process at once, the way the signal would have.
+std::atomic<int> g_stop_signal{0};
+static_assert(std::atomic<int>::is_always_lock_free);
+
+extern "C" void on_stop_signal(int sig) {
+  if (g_stop_signal.exchange(sig) != 0) {
+    std::signal(sig, SIG_DFL);
+    std::raise(sig);
+  }
+}
+
 struct Shared {
+  // Ranks as threads agree on the step to stop at through memory: the first rank to see the
+  // signal at the top of step k sets k + 1. No rank can be past the top of k + 1 then (step k's
+  // collectives need this rank), so every rank runs step k and stops before k + 1.
+  std::atomic<std::int64_t> stop_at{std::numeric_limits<std::int64_t>::max()};
+  std::atomic<std::int64_t> stopped_after{-1};
   std::mutex mutex;
   std::vector<std::string> errors;
   trainer::TraceWriter trace;
@@ -64,8 +85,23 @@ struct Shared {
   }
 };
 
+// Ranks as processes agree through one small all-reduce (max) of their flags per step.
+async::Task<Result<bool>> any_rank_stopping(trainer::Trainer& t, collectives::Communicator& comm, bool mine) {
+  auto& ctx = t.context();
+  const std::int32_t flag = mine ? 1 : 0;
+  COSHARD_CO_TRY_ASSIGN(auto tensor, ctx.upload(std::as_bytes(std::span<const std::int32_t>(&flag, 1)), modules::Shape{1},
+                                                modules::DataType::i32));
+  COSHARD_CO_TRY_ASSIGN(auto uploaded, ctx.stream().record());
+  COSHARD_CO_TRY(comm.stream().wait(uploaded));
+  COSHARD_CO_TRY_ASSIGN(auto reduced,
+                        comm.all_reduce(tensor.data(), tensor.data(), 1, modules::DataType::i32, collectives::ReduceOp::max));
+  COSHARD_CO_TRY(ctx.stream().wait(reduced));
+  COSHARD_CO_TRY_ASSIGN(auto values, co_await ctx.read(tensor));
+  co_return values.at(0) > 0;
+}
+
 async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& comm, const trainer::TokenSource& data,
-                                   Shared& shared) {
+                                   Shared& shared, bool threads) {
   const int rank = comm.rank(), world = comm.size();
   const bool lead = rank == 0;
   modules::GptConfig g;
@@ -106,7 +142,18 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
     if (!metrics) co_return fail(ErrorCode::io, "--metrics ", o.metrics, ": cannot open for writing");
   }
   trainer::Progress progress(first, o.steps, stdout);
+  std::int64_t saved_at = first;
   for (std::int64_t step = first; step < o.steps; ++step) {
+    if (threads) {
+      if (g_stop_signal.load() != 0) {
+        std::int64_t unset = std::numeric_limits<std::int64_t>::max();
+        shared.stop_at.compare_exchange_strong(unset, step + 1);
+      }
+      if (step >= shared.stop_at.load()) break;
+    } else {
+      COSHARD_CO_TRY_ASSIGN(const bool stopping, co_await any_rank_stopping(t, comm, g_stop_signal.load() != 0));
+      if (stopping) break;
+    }
     const HostBatch global = data.batch(static_cast<std::uint64_t>(step), o.batch, o.seq);
     COSHARD_CO_TRY_ASSIGN(auto stats, co_await t.step(global.rank_rows(rank, world)));
     if (!o.trace.empty()) shared.trace.add(rank, stats.step, stats.timeline);
@@ -118,10 +165,18 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
         if (!metrics) co_return fail(ErrorCode::io, "--metrics ", o.metrics, ": write failed");
       }
     }
-    if (o.checkpoint_every > 0 && stats.step % o.checkpoint_every == 0)
+    if (o.checkpoint_every > 0 && stats.step % o.checkpoint_every == 0) {
       COSHARD_CO_TRY(co_await t.save_checkpoint(o.checkpoint_dir));
+      saved_at = stats.step;
+    }
   }
+  const bool stopped = t.steps_done() < o.steps;
+  // Stopped by a signal: the steps since the last checkpoint are saved (when there is a folder
+  // for them), and the pending save is published before the exit.
+  if (stopped && !o.checkpoint_dir.empty() && t.steps_done() > saved_at)
+    COSHARD_CO_TRY(co_await t.save_checkpoint(o.checkpoint_dir));
   COSHARD_CO_TRY(co_await t.finish_checkpoint());
+  if (stopped) shared.stopped_after = t.steps_done();
   // No rank tears down (a counted stream synchronize) before rank 0 has reported its last step.
   COSHARD_CO_TRY_ASSIGN(auto all_done, comm.barrier());
   COSHARD_CO_TRY(co_await all_done);
@@ -131,7 +186,7 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
     COSHARD_CO_TRY(shared.trace.write(o.trace));
     if (!o.quiet) std::printf("trace: %zu spans in %s\n", shared.trace.size(), o.trace.c_str());
   }
-  if (!o.export_path.empty()) {
+  if (!o.export_path.empty() && !stopped) {
     COSHARD_CO_TRY(co_await t.export_safetensors(o.export_path));
     if (lead && !o.quiet) std::printf("exported %s\n", o.export_path.c_str());
   }
@@ -171,7 +226,7 @@ int run(const Options& o) {
       std::fprintf(stderr, "coshard-train: --device cuda: no CUDA device or no NCCL in this build\n");
       return 2;
     }
-    auto done = rt.block_on(run_rank(o, **comm, *data, shared));
+    auto done = rt.block_on(run_rank(o, **comm, *data, shared, false));
     if (!done) {
       shared.error((*comm)->rank(), done.error().message());
       (*comm)->abort(done.error().message());
@@ -202,7 +257,7 @@ int run(const Options& o) {
         threads.emplace_back([&, r] {
           try {
             async::Runtime rt;
-            auto done = rt.block_on(run_rank(o, *(*comms)[static_cast<std::size_t>(r)], *data, shared));
+            auto done = rt.block_on(run_rank(o, *(*comms)[static_cast<std::size_t>(r)], *data, shared, true));
             if (!done) rank_failed(r, done.error().message());
           } catch (const std::exception& e) {  // the runtime's own thread could not start, say
             rank_failed(r, std::string("cannot run: ") + e.what());
@@ -218,6 +273,14 @@ int run(const Options& o) {
     std::fflush(stdout);
     for (const auto& e : shared.errors) std::fprintf(stderr, "coshard-train: %s\n", e.c_str());
     return 1;
+  }
+  if (const int sig = g_stop_signal.load(); sig != 0 && shared.stopped_after >= 0) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "coshard-train: stopped by %s after step %lld%s%s\n", sig == SIGINT ? "SIGINT" : "SIGTERM",
+                 static_cast<long long>(shared.stopped_after.load()),
+                 o.checkpoint_dir.empty() ? " (no --checkpoint-dir: nothing saved)" : "; its checkpoint is published",
+                 o.export_path.empty() ? "" : "; --export skipped (training did not finish)");
+    return 128 + sig;
   }
   return 0;
 }
@@ -314,6 +377,8 @@ int main(int argc, char** argv) {
   app.add_option("--checkpoint-every", o.checkpoint_every, "save every N steps (0: never)")
       ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40));
   app.add_flag("--resume", o.resume, "continue from the latest checkpoint in --checkpoint-dir");
+  app.add_option("--keep-checkpoints", o.keep_checkpoints, "keep the newest N checkpoints, remove older ones (0: keep all)")
+      ->check(CLI::Range(0, 1 << 30));
   app.add_flag("--start-over", o.start_over,
                "a fresh run in a --checkpoint-dir that holds checkpoints: remove them first (without it, refused)")
       ->excludes("--resume");
@@ -370,6 +435,7 @@ int main(int argc, char** argv) {
   if (off_par->count()) c.offload_params = cli.offload_params;
   if (host_budget->count()) c.host_memory_budget = cli.host_memory_budget;
   c.timing = !no_timing;
+  c.keep_checkpoints = o.keep_checkpoints;
   if (step_in_backward) c.step_in_backward = true;
   c.record_timeline = !o.trace.empty();
   if (auto ok = c.validate(); !ok) {
@@ -426,6 +492,16 @@ int main(int argc, char** argv) {
   if (!o.checkpoint_dir.empty()) {
     if (auto ok = train_app::prepare_checkpoint_folder(o.checkpoint_dir, o.resume, o.start_over, env->rank == 0); !ok)
       return usage(ok.error().message());
+  }
+  // SIGINT/SIGTERM: the first finishes the step, saves, and exits; the second stops at once.
+  struct sigaction action{};
+  action.sa_handler = on_stop_signal;
+  action.sa_flags = SA_RESTART;  // system calls of the other threads go on
+  sigemptyset(&action.sa_mask);
+  for (const int sig : {SIGINT, SIGTERM}) {
+    struct sigaction before{};
+    sigaction(sig, nullptr, &before);
+    if (before.sa_handler != SIG_IGN) sigaction(sig, &action, nullptr);  // ignored on purpose (nohup): stays so
   }
   return run(o);
 }

@@ -81,8 +81,27 @@ Result<void> check_run_paths(const RunPaths& paths) {
 }
 
 Result<void> prepare_checkpoint_folder(const fs::path& dir, bool resume, bool start_over, bool remove) {
+  auto held = checkpoint_folder_contents(dir);
+  if (remove) {
+    // Leftovers of saves that did not finish (a crash, a full disk): a *.partial never was a
+    // checkpoint and goes; a *.replaced is an older copy moved aside while the same step was
+    // published again: it goes if that step's folder is there, else it is that folder.
+    for (const auto& p : held.leftovers) {
+      std::error_code ec;
+      const std::string name = p.filename().string();
+      if (name.ends_with(".replaced")) {
+        const fs::path original = dir / name.substr(0, name.size() - std::string_view(".replaced").size());
+        if (!fs::exists(original, ec)) {
+          fs::rename(p, original, ec);
+          if (!ec) continue;
+        }
+      }
+      fs::remove_all(p, ec);
+      if (ec) return fail(ErrorCode::io, "--checkpoint-dir: removing the leftover ", p.string(), ": ", ec.message());
+    }
+    held = checkpoint_folder_contents(dir);
+  }
   if (resume) return {};
-  const auto held = checkpoint_folder_contents(dir);
   if (held.checkpoints.empty() && !held.latest) return {};
   if (!start_over) {
     const std::string newest = held.checkpoints.empty() ? "latest" : held.checkpoints.back().filename().string();
@@ -94,11 +113,9 @@ Result<void> prepare_checkpoint_folder(const fs::path& dir, bool resume, bool st
   std::error_code ec;
   fs::remove(dir / "latest", ec);
   if (ec) return fail(ErrorCode::io, "--start-over: removing ", (dir / "latest").string(), ": ", ec.message());
-  for (const auto& group : {held.checkpoints, held.leftovers}) {
-    for (const auto& p : group) {
-      fs::remove_all(p, ec);
-      if (ec) return fail(ErrorCode::io, "--start-over: removing ", p.string(), ": ", ec.message());
-    }
+  for (const auto& p : held.checkpoints) {
+    fs::remove_all(p, ec);
+    if (ec) return fail(ErrorCode::io, "--start-over: removing ", p.string(), ": ", ec.message());
   }
   return {};
 }

@@ -29,8 +29,9 @@ Result<void> check_run_paths(const RunPaths& paths);
 
 // The checkpoint folder of a run: `resume` needs one to resume from (checked by the load); a
 // fresh run refuses a folder that holds checkpoints, unless `start_over`, which removes them
-// (only the checkpoint folders, their leftovers and `latest`: nothing else in the folder) when
-// `remove` (one process of many does it).
+// (only the checkpoint folders and `latest`: nothing else in the folder). Leftovers of saves
+// that did not finish go in either case. Removals happen only where `remove` (one process of
+// many does them).
 Result<void> prepare_checkpoint_folder(const std::filesystem::path& dir, bool resume, bool start_over, bool remove);
 
 // What a checkpoint folder holds of coshard's: published checkpoints, leftovers of unfinished

@@ -53,9 +53,14 @@ std::string step_name(std::int64_t step) {
 
 std::string rank_file(int rank) { return checkpoint_rank_file(rank); }
 
+// After a publish: the published checkpoints beyond the `keep` newest go, oldest first; never
+// `latest` (the newest by step, as names sort). Best effort: a folder that cannot be removed
+// stays and is tried again at the next publish.
+void remove_oldest_checkpoints(const fs::path& dir, const std::string& latest, std::size_t keep);
+
 // "step-" and digits: the only names `latest` may point at.
 bool is_checkpoint_name(std::string_view name) {
-  if (!name.starts_with("step-") || name.size() == 5 || name.size() > 32) return false;
+  if (!name.starts_with("step-") || name.size() == 5 || name.size() > 5 + 18) return false;  // fits an int64
   return std::all_of(name.begin() + 5, name.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
 }
 
@@ -282,7 +287,7 @@ async::Task<Result<void>> Trainer::Impl::publish() {
     const std::string text = manifest.dump(1);
     async::Runtime* rt = async::Runtime::current();
     // Named, not a temporary in the co_await (GCC 12 destroys such temporaries twice).
-    auto publish_files = [dir = p.dir, name = p.name, text]() -> Result<void> {
+    auto publish_files = [dir = p.dir, name = p.name, text, keep = config.keep_checkpoints]() -> Result<void> {
       const fs::path partial = dir / (name + ".partial"), final_dir = dir / name;
       COSHARD_TRY(write_file_atomic(partial / "manifest.json", text));
       std::error_code ec;
@@ -297,6 +302,7 @@ async::Task<Result<void>> Trainer::Impl::publish() {
       COSHARD_TRY(fsync_path(dir, O_RDONLY | O_DIRECTORY));
       COSHARD_TRY(write_file_atomic(dir / "latest", name + "\n"));
       fs::remove_all(dir / (name + ".replaced"), ec);
+      if (keep > 0) remove_oldest_checkpoints(dir, name, static_cast<std::size_t>(keep));
       return {};
     };
     auto done = co_await rt->spawn_blocking(std::move(publish_files));
@@ -319,6 +325,18 @@ async::Task<Result<void>> Trainer::Impl::publish() {
 namespace {
 
 using Manifest = CheckpointManifest;
+
+void remove_oldest_checkpoints(const fs::path& dir, const std::string& latest, std::size_t keep) {
+  std::vector<std::pair<std::int64_t, fs::path>> published;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string n = entry.path().filename().string();
+    if (is_checkpoint_name(n) && entry.is_directory(ec)) published.emplace_back(std::stoll(n.substr(5)), entry.path());
+  }
+  std::sort(published.begin(), published.end());
+  for (std::size_t i = 0; i + keep < published.size(); ++i)
+    if (published[i].second.filename() != latest) fs::remove_all(published[i].second, ec);
+}
 
 Result<fs::path> resolve_checkpoint(const fs::path& dir) {
   std::error_code ec;

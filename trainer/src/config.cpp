@@ -49,6 +49,8 @@ Result<void> TrainerConfig::validate() const {
                 ": gradients are reduced in the compute dtype (expected ", collectives::to_string(dtype), ")");
   if (loss_scaling != modules::LossScaling::none && !(initial_loss_scale > 0))
     return fail(ErrorCode::invalid_argument, "initial_loss_scale=", initial_loss_scale, ": expected > 0");
+  if (keep_checkpoints < 0)
+    return fail(ErrorCode::invalid_argument, "keep_checkpoints=", keep_checkpoints, ": expected >= 0 (0: keep all)");
   if (max_skipped_steps < 0)
     return fail(ErrorCode::invalid_argument, "max_skipped_steps=", max_skipped_steps, ": expected >= 0 (0: never stop)");
   if (zero_stage == 3 && max_live_bytes == 0)

@@ -70,6 +70,9 @@ struct TrainerConfig {
   // rate that blew up, non-finite data); 0: never stop. Dynamic f16 loss scaling skips a few
   // steps in a row while it finds its scale (at most log2(initial scale) = 16 from 65536).
   int max_skipped_steps = 32;
+  // Published checkpoints kept in the checkpoint folder: after each publish the oldest beyond
+  // this many are removed (never the one `latest` names); 0 keeps them all.
+  int keep_checkpoints = 0;
 
   // Device-timestamp timing: exposed_comm_ms each step (a few timed events per unit).
   bool timing = true;

@@ -143,6 +143,7 @@ class TrainerBuilder {
   TrainerBuilder& warmup_steps(std::int64_t v) { c_.warmup_steps = v; return *this; }
   TrainerBuilder& seed(std::uint64_t v) { c_.seed = v; return *this; }
   TrainerBuilder& max_skipped_steps(int v) { c_.max_skipped_steps = v; return *this; }
+  TrainerBuilder& keep_checkpoints(int v) { c_.keep_checkpoints = v; return *this; }
   TrainerBuilder& timing(bool on) { c_.timing = on; return *this; }
   TrainerBuilder& record_timeline(bool on) { c_.record_timeline = on; return *this; }
   TrainerBuilder& offload_optimizer(OffloadOptions v) { c_.offload_optimizer = std::move(v); return *this; }
