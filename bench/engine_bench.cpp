@@ -26,6 +26,7 @@
 
 #include "coshard/async/runtime.hpp"
 #include "coshard/collectives/local.hpp"
+#include "coshard/modules/cpu_threads.hpp"
 #include "coshard/modules/engine.hpp"
 #include "coshard/modules/gpt.hpp"
 #include "coshard/modules/parameter_store.hpp"
@@ -212,6 +213,35 @@ void BM_PrefetchOverlap(benchmark::State& state) {
   openblas_set_num_threads(blas_threads);
 }
 BENCHMARK(BM_PrefetchOverlap)->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
+
+// Ranks as threads with OpenBLAS's default threads (one per core, for every rank's products)
+// against coshard-train's default (the cores divided by the ranks), alternated in one run:
+// blas_ratio = step time with the default threads / step time with cores / ranks.
+void BM_BlasThreadsPerRank(benchmark::State& state) {
+  constexpr int kSteps = 8;
+  const int before = cpu_math_threads();
+  const int all_cores = default_cpu_math_threads(1), shared = default_cpu_math_threads(2);  // run_overlap: 2 ranks
+  for (auto _ : state) {
+    double oversubscribed = 0, divided = 0;
+    for (int round = 0; round < 3; ++round) {
+      set_cpu_math_threads(all_cores);
+      const auto a = run_overlap(std::chrono::microseconds(0), 0, kSteps);
+      set_cpu_math_threads(shared);
+      const auto b = run_overlap(std::chrono::microseconds(0), 0, kSteps);
+      if (!a.error.empty() || !b.error.empty()) return state.SkipWithError((a.error + b.error).c_str());
+      oversubscribed += a.step_seconds;
+      divided += b.step_seconds;
+    }
+    state.counters["default_threads"] = all_cores;
+    state.counters["per_rank_threads"] = shared;
+    state.counters["default_ms"] = oversubscribed / 3 * 1e3;
+    state.counters["per_rank_ms"] = divided / 3 * 1e3;
+    state.counters["blas_ratio"] = oversubscribed / divided;
+    state.SetIterationTime(divided / 3);
+  }
+  set_cpu_math_threads(before);
+}
+BENCHMARK(BM_BlasThreadsPerRank)->UseManualTime()->Iterations(1)->Unit(benchmark::kMillisecond);
 
 // 1,000 Linear(8, 8) modules in a row.
 std::unique_ptr<Sequential> tiny_modules(int n) {

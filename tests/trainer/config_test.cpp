@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include "coshard/trainer/config.hpp"
+#include "coshard/trainer/trainer.hpp"
 
 namespace coshard::trainer {
 namespace {
@@ -126,7 +127,7 @@ TEST(DeepSpeedJson, WholeConfigMapsEveryZeroKey) {
   EXPECT_FLOAT_EQ(c->lr, 1e-4f);
   EXPECT_FLOAT_EQ(c->beta1, 0.8f);
   EXPECT_FLOAT_EQ(c->beta2, 0.9f);
-  EXPECT_FLOAT_EQ(c->weight_decay, 0.1f);
+  EXPECT_FLOAT_EQ(c->weight_decay.value_or(-1), 0.1f);
   EXPECT_EQ(c->offload_optimizer.buffer_count, 8);
   // Accepted without effect, and said so.
   auto noted = [&](std::string_view key) {
@@ -144,10 +145,33 @@ TEST(DeepSpeedJson, AutoPrefetchIsAdaptive) {
   EXPECT_TRUE(c->engine_options().adaptive_prefetch);
 }
 
+// One set of optimizer defaults: the config's are the optimizers' own, and so are the builder's.
+TEST(TrainerConfigDefaults, AreTheOptimizersOwn) {
+  const TrainerConfig c;
+  const modules::AdamWOptions adam;
+  const modules::SgdOptions sgd;
+  EXPECT_EQ(c.beta1, adam.beta1);
+  EXPECT_EQ(c.beta2, adam.beta2);
+  EXPECT_EQ(c.eps, adam.eps);
+  EXPECT_FALSE(c.weight_decay.has_value());  // each optimizer's own
+  EXPECT_EQ(c.momentum, sgd.momentum);
+  EXPECT_EQ(c.nesterov, sgd.nesterov);
+  const auto built = TrainerBuilder{}.adamw(1e-3f).config();
+  EXPECT_EQ(built.weight_decay.value_or(-1), adam.weight_decay);
+  EXPECT_EQ(built.beta2, adam.beta2);
+  EXPECT_EQ(TrainerBuilder{}.sgd(1e-3f).config().momentum, sgd.momentum);
+}
+
 TEST(DeepSpeedJson, CpuOptimizerOffloadIsTaken) {
-  auto c = TrainerConfig::from_json(R"({"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": true}})",
-                                    TrainerConfig{});
+  std::vector<std::string> notes;
+  auto c = TrainerConfig::from_json(
+      R"({"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": false, "buffer_size": 1e8}})", TrainerConfig{},
+      &notes);
   ASSERT_TRUE(c) << c.error().message();
+  // Keys without effect are said so, not silently dropped.
+  ASSERT_EQ(notes.size(), 2u);
+  EXPECT_NE(notes[0].find("offload_optimizer.buffer_size: no effect"), std::string::npos) << notes[0];
+  EXPECT_NE(notes[1].find("offload_optimizer.pin_memory=false: no effect"), std::string::npos) << notes[1];
   EXPECT_EQ(c->offload_optimizer.device, OffloadDevice::cpu);
   EXPECT_EQ(c->engine_options().offload_optimizer, modules::OptimizerOffload::cpu);
 }

@@ -336,13 +336,15 @@ TEST(Hardening, SignalsStopGracefullyOnceAndAtOnceTwice) {
   }
   // A second signal while the first is being honoured stops the process at once.
   const fs::path metrics = dir / "twice.jsonl";
-  const pid_t pid = start({"--dim", "256", "--layers", "4", "--heads", "4", "--seq", "64", "--batch", "8", "--steps", "1000000",
-                           "--quiet", "--metrics", metrics.string()},
+  // Steps of a second or more: the first signal's graceful stop is still finishing its step when
+  // the second comes (a gap, so that the two are not merged into one pending signal).
+  const pid_t pid = start({"--dim", "384", "--layers", "4", "--heads", "4", "--seq", "128", "--batch", "16", "--steps",
+                           "1000000", "--quiet", "--metrics", metrics.string()},
                           dir / "twice.txt");
   ASSERT_GT(pid, 0);
   ASSERT_TRUE(wait_for_metrics(metrics, 1));
   ::kill(pid, SIGINT);
-  std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
   ::kill(pid, SIGINT);
   const auto twice = finish(pid, dir / "twice.txt");
   EXPECT_EQ(twice.code, 128 + SIGINT) << twice.output;

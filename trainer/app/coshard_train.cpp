@@ -25,6 +25,7 @@
 #include "coshard/async/runtime.hpp"
 #include "coshard/collectives/env.hpp"
 #include "coshard/collectives/local.hpp"
+#include "coshard/modules/cpu_threads.hpp"
 #include "coshard/modules/gpt.hpp"
 #include "coshard/trainer/trace.hpp"
 #include "coshard/trainer/trainer.hpp"
@@ -50,6 +51,7 @@ struct Options {
   std::string data, config, init, metrics, trace, checkpoint_dir, export_path;
   std::int64_t checkpoint_every = 0;
   int keep_checkpoints = 0;
+  int blas_threads = 0;  // 0: cores / ranks in this process
   bool resume = false;
   bool start_over = false;
   bool quiet = false;
@@ -212,6 +214,9 @@ int run(const Options& o) {
 
   Shared shared;
   const bool torchrun = std::getenv("WORLD_SIZE") != nullptr;
+  // Ranks as threads share the cores: each gets its share of BLAS threads, not all of them.
+  modules::set_cpu_math_threads(o.blas_threads > 0 ? o.blas_threads
+                                                   : modules::default_cpu_math_threads(torchrun ? 1 : o.world_size));
   if (torchrun || (o.device == "cuda" && o.world_size == 1)) {
     // One process per rank: NCCL on a GPU, or Local for a single CPU rank.
     async::Runtime rt;
@@ -353,7 +358,9 @@ int main(int argc, char** argv) {
   auto* granularity = size_option("--module-granularity", cli.module_granularity_bytes, "coalesce smaller leaf modules");
   auto* accum = app.add_option("--grad-accum", cli.gradient_accumulation_steps, "micro-batches per step on each rank");
   auto* clip = app.add_option("--clip", cli.max_grad_norm, "global gradient-norm clipping (0: off)");
-  auto* wd = app.add_option("--weight-decay", cli.weight_decay, "AdamW weight decay");
+  float weight_decay = modules::AdamWOptions{}.weight_decay;
+  auto* wd = app.add_option("--weight-decay", weight_decay,
+                            "weight decay (default: the optimizer's own, AdamW 0.01 decoupled, SGD 0)");
   auto* max_skipped = app.add_option("--max-skipped-steps", cli.max_skipped_steps,
                                      "stop after this many steps in a row skipped for inf/NaN gradients (0: never)")
                           ->check(CLI::Range(0, 1 << 30));
@@ -384,6 +391,9 @@ int main(int argc, char** argv) {
       ->excludes("--resume");
   app.add_option("--export", o.export_path, "write the consolidated model as safetensors at the end");
   app.add_flag("--quiet", o.quiet, "no progress output");
+  app.add_option("--blas-threads", o.blas_threads,
+                 "OpenBLAS threads for the CPU matrix products (0: the cores divided by the ranks in this process)")
+      ->check(CLI::Range(0, 4096));
   // Every command-line error exits 2 (CLI11's own codes vary with the kind of error); --help 0.
   try {
     app.parse(argc, argv);
@@ -425,7 +435,7 @@ int main(int argc, char** argv) {
   if (granularity->count()) c.module_granularity_bytes = cli.module_granularity_bytes;
   if (accum->count()) c.gradient_accumulation_steps = cli.gradient_accumulation_steps;
   if (clip->count()) c.max_grad_norm = cli.max_grad_norm;
-  if (wd->count()) c.weight_decay = cli.weight_decay;
+  if (wd->count()) c.weight_decay = weight_decay;
   if (max_skipped->count()) c.max_skipped_steps = cli.max_skipped_steps;
   if (precision->count())
     c.set_compute_dtype(dtype == "bf16"  ? modules::DataType::bf16

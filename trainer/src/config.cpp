@@ -32,8 +32,6 @@ Result<void> check_offload(const OffloadOptions& o, std::string_view what, bool 
     return fail(ErrorCode::invalid_argument, what, "=nvme: needs a path (nvme:/path/to/folder)");
   if (o.buffer_count < 1)
     return fail(ErrorCode::invalid_argument, what, ".buffer_count=", o.buffer_count, ": expected >= 1");
-  if (o.buffer_bytes < 4096)
-    return fail(ErrorCode::invalid_argument, what, ".buffer_bytes=", o.buffer_bytes, ": expected >= 4096");
   return {};
 }
 
@@ -65,8 +63,8 @@ Result<void> TrainerConfig::validate() const {
   if (!(beta1 >= 0 && beta1 < 1)) return fail(ErrorCode::invalid_argument, "beta1=", beta1, ": expected in [0, 1)");
   if (!(beta2 >= 0 && beta2 < 1)) return fail(ErrorCode::invalid_argument, "beta2=", beta2, ": expected in [0, 1)");
   if (!(eps > 0)) return fail(ErrorCode::invalid_argument, "eps=", eps, ": expected > 0");
-  if (!(weight_decay >= 0))
-    return fail(ErrorCode::invalid_argument, "weight_decay=", weight_decay, ": expected >= 0");
+  if (weight_decay && !(*weight_decay >= 0))
+    return fail(ErrorCode::invalid_argument, "weight_decay=", *weight_decay, ": expected >= 0");
   if (optimizer == OptimizerKind::sgd && !(momentum >= 0 && momentum < 1))
     return fail(ErrorCode::invalid_argument, "momentum=", momentum, ": expected in [0, 1)");
   COSHARD_TRY(check_offload(offload_optimizer, "offload_optimizer", true));
@@ -237,15 +235,17 @@ void read_offload(Reader& r, const json& section, const std::string& prefix, Off
     } else if (key == "nvme_path") {
       if (auto s = r.string(v, name)) out.nvme_path = *s;
     } else if (key == "pin_memory") {
-      if (auto b = r.boolean(v, name)) out.pin_memory = *b;
+      if (auto b = r.boolean(v, name))
+        r.notes.push_back(name + "=" + (*b ? "true" : "false") +
+                          ": no effect, offloaded memory is always pinned in coshard (its size is host_memory_budget)");
     } else if (key == "buffer_count") {
       if (auto n = r.count(v, name)) {
         if (*n < 1 || *n > 1024) r.bad.push_back(name + "=" + std::to_string(*n) + " (expected 1..1024)");
         else out.buffer_count = static_cast<int>(*n);
       }
     } else if (key == "buffer_size") {
-      // DeepSpeed counts buffer_size in elements of the (fp32) state the buffers carry.
-      if (auto n = r.count(v, name)) out.buffer_bytes = *n * sizeof(float);
+      if (r.count(v, name))
+        r.notes.push_back(name + ": no effect, a swap buffer is the size of the largest fetch unit's state in coshard");
     } else if (key == "ratio" || key == "fast_init" || key == "pipeline_read" || key == "pipeline_write" ||
                key == "max_in_cpu") {
       r.notes.push_back(name + ": accepted, no effect in coshard");

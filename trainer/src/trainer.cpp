@@ -176,13 +176,13 @@ async::Task<Result<Trainer>> TrainerBuilder::build(modules::Module& model) const
     a.beta1 = c_.beta1;
     a.beta2 = c_.beta2;
     a.eps = c_.eps;
-    a.weight_decay = c_.weight_decay;
+    a.weight_decay = c_.weight_decay.value_or(a.weight_decay);
     COSHARD_CO_TRY_ASSIGN(impl->optimizer, modules::Optimizer::adamw(a, control));
   } else {
     modules::SgdOptions o;
     o.momentum = c_.momentum;
     o.nesterov = c_.nesterov;
-    o.weight_decay = c_.weight_decay;
+    o.weight_decay = c_.weight_decay.value_or(o.weight_decay);
     COSHARD_CO_TRY_ASSIGN(impl->optimizer, modules::Optimizer::sgd(o, control));
   }
   COSHARD_CO_TRY_ASSIGN(impl->engine, modules::Engine::create(*impl->ctx, *comm_, model, *impl->optimizer,

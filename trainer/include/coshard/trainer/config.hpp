@@ -11,11 +11,13 @@
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "coshard/modules/engine.hpp"
+#include "coshard/modules/optimizer.hpp"
 
 namespace coshard::trainer {
 
@@ -26,9 +28,10 @@ using modules::to_string;
 struct OffloadOptions {
   OffloadDevice device = OffloadDevice::none;
   std::filesystem::path nvme_path;        // nvme only
-  bool pin_memory = true;
-  int buffer_count = 4;
-  std::size_t buffer_bytes = 100'000'000;
+  int buffer_count = 4;                   // swap buffers in flight (nvme)
+  // Not here, on purpose: offloaded memory is always pinned (every host<->device copy needs it,
+  // and the budget is host_memory_budget), and a swap buffer is always the size of the largest
+  // unit's state. DeepSpeed's pin_memory and buffer_size are read and reported as notes.
 };
 
 enum class OptimizerKind : std::uint8_t { adamw, sgd };
@@ -61,10 +64,13 @@ struct TrainerConfig {
   OptimizerKind optimizer = OptimizerKind::adamw;
   float lr = 3e-3f;
   std::int64_t warmup_steps = 0;        // linear warm-up from 0 to lr
-  float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;
-  float weight_decay = 0.0f;
-  float momentum = 0.9f;                // sgd
-  bool nesterov = false;                // sgd
+  // The optimizers' own defaults (modules::AdamWOptions, SgdOptions): one set everywhere, the
+  // builder and coshard-train --help included.
+  float beta1 = modules::AdamWOptions{}.beta1, beta2 = modules::AdamWOptions{}.beta2, eps = modules::AdamWOptions{}.eps;
+  // Unset: the optimizer's default (AdamW: 0.01, decoupled; SGD: 0, L2).
+  std::optional<float> weight_decay;
+  float momentum = modules::SgdOptions{}.momentum;  // sgd
+  bool nesterov = modules::SgdOptions{}.nesterov;   // sgd
   std::uint64_t seed = 1;               // initial weights
   // Steps skipped in a row for inf/NaN gradients before the run stops with an error (a learning
   // rate that blew up, non-finite data); 0: never stop. Dynamic f16 loss scaling skips a few

@@ -125,7 +125,8 @@ class TrainerBuilder {
   }
   TrainerBuilder& gradient_accumulation_steps(int v) { c_.gradient_accumulation_steps = v; return *this; }
   TrainerBuilder& max_grad_norm(float v) { c_.max_grad_norm = v; return *this; }
-  TrainerBuilder& adamw(float lr, float weight_decay = 0.0f, float beta1 = 0.9f, float beta2 = 0.95f) {
+  TrainerBuilder& adamw(float lr, float weight_decay = modules::AdamWOptions{}.weight_decay,
+                        float beta1 = modules::AdamWOptions{}.beta1, float beta2 = modules::AdamWOptions{}.beta2) {
     c_.optimizer = OptimizerKind::adamw;
     c_.lr = lr;
     c_.weight_decay = weight_decay;
@@ -133,7 +134,8 @@ class TrainerBuilder {
     c_.beta2 = beta2;
     return *this;
   }
-  TrainerBuilder& sgd(float lr, float momentum = 0.9f, bool nesterov = false) {
+  TrainerBuilder& sgd(float lr, float momentum = modules::SgdOptions{}.momentum,
+                      bool nesterov = modules::SgdOptions{}.nesterov) {
     c_.optimizer = OptimizerKind::sgd;
     c_.lr = lr;
     c_.momentum = momentum;
