@@ -134,7 +134,8 @@ TEST(DeepSpeedJson, WholeConfigMapsEveryZeroKey) {
     return std::any_of(notes.begin(), notes.end(), [&](const std::string& n) { return n.starts_with(key); });
   };
   EXPECT_TRUE(noted("zero_optimization.reduce_bucket_size"));
-  EXPECT_TRUE(noted("train_batch_size"));
+  EXPECT_TRUE(noted("zero_optimization.offload_optimizer.pin_memory=true: no effect"));
+  EXPECT_EQ(c->train_batch_size, 32);  // taken now: checked against the world by check_batch
 }
 
 TEST(DeepSpeedJson, AutoPrefetchIsAdaptive) {
@@ -258,6 +259,82 @@ TEST(DeepSpeedJson, MissingFileIsNamed) {
   auto c = TrainerConfig::from_json_file("/nonexistent/ds.json", TrainerConfig{});
   ASSERT_FALSE(c);
   EXPECT_NE(c.error().message().find("/nonexistent/ds.json"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace coshard::trainer
+
+namespace coshard::trainer {
+namespace {
+
+// Warm-up then cosine or linear decay to a minimum, and DeepSpeed's three schedulers onto it.
+TEST(LrSchedule, WarmsUpThenDecaysToTheMinimum) {
+  TrainerConfig c;
+  c.lr = 1.0f;
+  c.warmup_steps = 4;
+  c.warmup_min_lr = 0.2f;
+  c.decay = LrDecay::cosine;
+  c.decay_steps = 14;
+  c.min_lr = 0.1f;
+  ASSERT_TRUE(c.validate());
+  EXPECT_FLOAT_EQ(c.lr_at(0), 0.4f);   // 0.2 + 0.8 * 1/4
+  EXPECT_FLOAT_EQ(c.lr_at(3), 1.0f);
+  EXPECT_FLOAT_EQ(c.lr_at(4), 1.0f);   // the decay starts at the top
+  EXPECT_FLOAT_EQ(c.lr_at(9), 0.55f);  // halfway: the mean of lr and min_lr
+  EXPECT_FLOAT_EQ(c.lr_at(14), 0.1f);
+  EXPECT_FLOAT_EQ(c.lr_at(1000), 0.1f);
+  c.decay = LrDecay::linear;
+  EXPECT_FLOAT_EQ(c.lr_at(9), 0.55f);
+  EXPECT_FLOAT_EQ(c.lr_at(6), 0.82f);
+  c.decay_steps = 4;
+  EXPECT_FALSE(c.validate());
+}
+
+TEST(LrSchedule, DeepSpeedSchedulersMap) {
+  auto cosine = TrainerConfig::from_json(R"({"optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+      "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 100, "warmup_num_steps": 10,
+                    "warmup_min_ratio": 0.1, "cos_min_ratio": 0.01, "warmup_type": "linear"}}})",
+                                         TrainerConfig{});
+  ASSERT_TRUE(cosine) << cosine.error().message();
+  EXPECT_EQ(cosine->decay, LrDecay::cosine);
+  EXPECT_EQ(cosine->decay_steps, 100);
+  EXPECT_FLOAT_EQ(cosine->lr_at(0), 0.001f + 0.009f * 0.1f);
+  EXPECT_FLOAT_EQ(cosine->lr_at(100), 0.0001f);
+  auto decay = TrainerConfig::from_json(R"({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 50,
+      "warmup_min_lr": 0.0, "warmup_max_lr": 0.002, "warmup_num_steps": 5}}})",
+                                        TrainerConfig{});
+  ASSERT_TRUE(decay) << decay.error().message();
+  EXPECT_EQ(decay->warmup_shape, WarmupShape::log);  // DeepSpeed's default warmup_type
+  EXPECT_FLOAT_EQ(decay->lr, 0.002f);
+  EXPECT_FLOAT_EQ(decay->lr_at(4), 0.002f);
+  EXPECT_FLOAT_EQ(decay->lr_at(50), 0.0f);
+  auto bad = TrainerConfig::from_json(R"({"scheduler": {"type": "OneCycle", "params": {}}})", TrainerConfig{});
+  ASSERT_FALSE(bad);
+  EXPECT_NE(bad.error().message().find("scheduler.type=\"OneCycle\""), std::string::npos) << bad.error().message();
+  auto no_total = TrainerConfig::from_json(R"({"scheduler": {"type": "WarmupDecayLR"}})", TrainerConfig{});
+  ASSERT_FALSE(no_total);
+  EXPECT_NE(no_total.error().message().find("total_num_steps: required"), std::string::npos);
+}
+
+// train_batch_size = micro batch x accumulation x world, as DeepSpeed checks it.
+TEST(BatchSizes, AreCheckedAgainstEachOtherAndTheWorld) {
+  auto c = TrainerConfig::from_json(R"({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+                                        "gradient_accumulation_steps": 2})",
+                                    TrainerConfig{});
+  ASSERT_TRUE(c) << c.error().message();
+  EXPECT_EQ(c->check_batch(4, 0).value_or(-1), 32);
+  EXPECT_EQ(c->check_batch(4, 32).value_or(-1), 32);
+  auto wrong_world = c->check_batch(2, 0);
+  ASSERT_FALSE(wrong_world);
+  EXPECT_NE(wrong_world.error().message().find("world size 2: expected train_batch_size = micro batch x accumulation x world = 16"),
+            std::string::npos)
+      << wrong_world.error().message();
+  auto other = c->check_batch(4, 64);
+  ASSERT_FALSE(other);
+  EXPECT_NE(other.error().message().find("the config's global batch is 32, not 64"), std::string::npos);
+  TrainerConfig plain;
+  EXPECT_EQ(plain.check_batch(2, 16).value_or(-1), 16);
+  EXPECT_FALSE(plain.check_batch(3, 16));
 }
 
 }  // namespace

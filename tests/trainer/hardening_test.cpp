@@ -129,6 +129,29 @@ TEST(Hardening, Fp16AndBf16TogetherAreRefused) {
                       "fp16.enabled=true and bf16.enabled=true (expected at most one of them)"));
 }
 
+// The schedule and DeepSpeed's batch sizes through the binary: the lr of each step follows the
+// warm-up and the cosine decay; a config whose batch sizes disagree with the world is refused.
+TEST(Hardening, ScheduleAndBatchSizesFromTheCommandLineAndConfig) {
+  const fs::path dir = scratch("hard_schedule");
+  const auto r = run({"--layers", "1", "--dim", "16", "--heads", "2", "--seq", "8", "--batch", "4", "--steps", "10", "--quiet",
+                      "--lr", "0.01", "--warmup", "2", "--lr-decay", "cosine", "--min-lr", "0.001", "--metrics",
+                      (dir / "m.jsonl").string()},
+                     dir);
+  ASSERT_EQ(r.code, 0) << r.output;
+  std::ifstream in(dir / "m.jsonl");
+  std::string line;
+  std::vector<double> lrs;
+  while (std::getline(in, line)) lrs.push_back(nlohmann::json::parse(line)["lr"].get<double>());
+  ASSERT_EQ(lrs.size(), 10u);
+  EXPECT_NEAR(lrs[0], 0.005, 1e-7);
+  EXPECT_NEAR(lrs[1], 0.01, 1e-7);
+  EXPECT_NEAR(lrs[6], 0.0055, 1e-7);  // halfway through the decay (steps 2..10)
+  EXPECT_LT(lrs[9], lrs[8]);
+  std::ofstream(dir / "ds.json") << R"({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 4})";
+  EXPECT_TRUE(refused(run(with(kTiny, {"--world-size", "2", "--config", (dir / "ds.json").string()}), dir), 2,
+                      "expected train_batch_size = micro batch x accumulation x world = 8"));
+}
+
 // Item 11: every output path is checked before the first step, not at the first save or after
 // training (the trained model would be lost).
 TEST(Hardening, OutputPathsAreCheckedBeforeTraining) {

@@ -324,7 +324,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 64));
   app.add_option("--steps", o.steps, "optimizer steps in total (a resumed run continues to this)")
       ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 40));
-  app.add_option("--batch", o.batch, "global batch (sequences per step, split evenly over the ranks)")
+  auto* batch_option = app.add_option("--batch", o.batch, "global batch (sequences per step, split evenly over the ranks; default 16, or the config's train_batch_size)")
       ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 30));
   app.add_option("--seq", o.seq, "tokens per sequence")->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20));
   app.add_option("--layers", o.layers, "transformer blocks")->check(CLI::Range(std::int64_t{1}, std::int64_t{4096}));
@@ -333,7 +333,14 @@ int main(int argc, char** argv) {
   app.add_option("--vocab", o.vocab, "vocabulary of the synthetic task")->check(CLI::Range(std::int64_t{2}, std::int64_t{1} << 20));
   app.add_option("--data", o.data, "a text file, trained on as bytes (default: the synthetic task)");
   auto* lr = app.add_option("--lr", cli.lr, "learning rate (AdamW)");
-  auto* warmup = app.add_option("--warmup", cli.warmup_steps, "linear warm-up steps");
+  auto* warmup = app.add_option("--warmup", cli.warmup_steps, "linear warm-up steps (from --warmup-min-lr to --lr)");
+  auto* warmup_min = app.add_option("--warmup-min-lr", cli.warmup_min_lr, "the learning rate the warm-up starts from");
+  std::string lr_decay = "none";
+  auto* decay = app.add_option("--lr-decay", lr_decay, "after the warm-up: none, linear or cosine (to --min-lr at --decay-steps)")
+                    ->check(CLI::IsMember({"none", "linear", "cosine"}));
+  auto* decay_steps = app.add_option("--decay-steps", cli.decay_steps,
+                                     "the step the decay reaches --min-lr (default: --steps)");
+  auto* min_lr = app.add_option("--min-lr", cli.min_lr, "the learning rate the decay ends at");
   auto* seed = app.add_option("--seed", cli.seed, "seed of the initial weights and of the data");
   auto* stage = app.add_option("--zero-stage", cli.zero_stage, "1, 2 or 3");
   auto* fetch = app.add_option("--fetch-mode", fetch_mode, "stage-3 fetch collective")
@@ -420,7 +427,16 @@ int main(int argc, char** argv) {
       for (const auto& n : notes) std::printf("config note: %s\n", n.c_str());
   }
   if (lr->count()) c.lr = cli.lr;
-  if (warmup->count()) c.warmup_steps = cli.warmup_steps;
+  if (warmup->count()) {
+    c.warmup_steps = cli.warmup_steps;
+    c.warmup_shape = trainer::WarmupShape::linear;
+  }
+  if (warmup_min->count()) c.warmup_min_lr = cli.warmup_min_lr;
+  if (decay->count())
+    c.decay = lr_decay == "cosine" ? trainer::LrDecay::cosine : lr_decay == "linear" ? trainer::LrDecay::linear : trainer::LrDecay::none;
+  if (decay_steps->count()) c.decay_steps = cli.decay_steps;
+  else if (c.decay != trainer::LrDecay::none && c.decay_steps == 0) c.decay_steps = o.steps;
+  if (min_lr->count()) c.min_lr = cli.min_lr;
   if (seed->count()) c.seed = cli.seed;
   if (stage->count()) c.zero_stage = cli.zero_stage;
   if (fetch->count())
@@ -463,10 +479,11 @@ int main(int argc, char** argv) {
   if (!env) return usage(env.error().message());
   const bool torchrun = std::getenv("WORLD_SIZE") != nullptr;
   const int world = torchrun ? env->world_size : o.world_size;
-  const std::int64_t per_rank_unit = static_cast<std::int64_t>(world) * c.gradient_accumulation_steps;
-  if (o.batch % per_rank_unit != 0)
-    return usage("--batch " + std::to_string(o.batch) + " does not split evenly over " + std::to_string(world) +
-                 " rank(s) x " + std::to_string(c.gradient_accumulation_steps) + " micro-batch(es)");
+  // DeepSpeed's batch sizes, if the config gives any, against each other and --batch.
+  const bool config_batch = c.train_batch_size > 0 || c.train_micro_batch_size_per_gpu > 0;
+  const auto batch = c.check_batch(world, batch_option->count() || !config_batch ? o.batch : 0);
+  if (!batch) return usage(batch.error().message());
+  o.batch = *batch;
   {
     // Each rank builds the step's global batch of token ids and targets on the host (i32 each):
     // refused up front when that alone cannot fit (it was a std::bad_alloc inside a rank).

@@ -60,6 +60,18 @@ Result<void> TrainerConfig::validate() const {
     return fail(ErrorCode::invalid_argument, "max_grad_norm=", max_grad_norm, ": expected >= 0 (0: no clipping)");
   if (!(lr > 0) || !std::isfinite(lr)) return fail(ErrorCode::invalid_argument, "lr=", lr, ": expected > 0");
   if (warmup_steps < 0) return fail(ErrorCode::invalid_argument, "warmup_steps=", warmup_steps, ": expected >= 0");
+  if (!(warmup_min_lr >= 0 && warmup_min_lr <= lr))
+    return fail(ErrorCode::invalid_argument, "warmup_min_lr=", warmup_min_lr, ": expected in [0, lr=", lr, "]");
+  if (decay != LrDecay::none) {
+    if (decay_steps <= warmup_steps)
+      return fail(ErrorCode::invalid_argument, "decay_steps=", decay_steps, " with lr decay ", to_string(decay),
+                  ": expected more than warmup_steps=", warmup_steps, " (the step the decay reaches min_lr)");
+    if (!(min_lr >= 0 && min_lr <= lr))
+      return fail(ErrorCode::invalid_argument, "min_lr=", min_lr, ": expected in [0, lr=", lr, "]");
+  }
+  if (train_batch_size < 0 || train_micro_batch_size_per_gpu < 0)
+    return fail(ErrorCode::invalid_argument, "train_batch_size=", train_batch_size, ", train_micro_batch_size_per_gpu=",
+                train_micro_batch_size_per_gpu, ": expected >= 0 (0: not given)");
   if (!(beta1 >= 0 && beta1 < 1)) return fail(ErrorCode::invalid_argument, "beta1=", beta1, ": expected in [0, 1)");
   if (!(beta2 >= 0 && beta2 < 1)) return fail(ErrorCode::invalid_argument, "beta2=", beta2, ": expected in [0, 1)");
   if (!(eps > 0)) return fail(ErrorCode::invalid_argument, "eps=", eps, ": expected > 0");
@@ -118,9 +130,52 @@ void TrainerConfig::set_compute_dtype(DataType compute) noexcept {
   if (compute == DataType::f16 && loss_scaling == modules::LossScaling::none) loss_scaling = modules::LossScaling::dynamic;
 }
 
+std::string_view to_string(LrDecay d) noexcept {
+  switch (d) {
+    case LrDecay::none: return "none";
+    case LrDecay::linear: return "linear";
+    case LrDecay::cosine: return "cosine";
+  }
+  return "?";
+}
+
 float TrainerConfig::lr_at(std::int64_t step) const noexcept {
-  if (warmup_steps <= 0 || step >= warmup_steps) return lr;
-  return lr * static_cast<float>(step + 1) / static_cast<float>(warmup_steps);
+  if (step < warmup_steps) {
+    const double progress = warmup_shape == WarmupShape::log
+                                ? std::log(static_cast<double>(step + 1)) / std::log(static_cast<double>(std::max<std::int64_t>(warmup_steps, 2)))
+                                : static_cast<double>(step + 1) / static_cast<double>(warmup_steps);
+    return static_cast<float>(warmup_min_lr + (lr - warmup_min_lr) * progress);
+  }
+  if (decay == LrDecay::none) return lr;
+  const double span = static_cast<double>(std::max<std::int64_t>(1, decay_steps - warmup_steps));
+  const double progress = std::clamp(static_cast<double>(step - warmup_steps) / span, 0.0, 1.0);
+  const double factor = decay == LrDecay::linear ? 1.0 - progress : 0.5 * (1.0 + std::cos(3.14159265358979323846 * progress));
+  return static_cast<float>(min_lr + (lr - min_lr) * factor);
+}
+
+Result<std::int64_t> TrainerConfig::check_batch(int world, std::int64_t global_batch) const {
+  const std::int64_t per_step = static_cast<std::int64_t>(world) * gradient_accumulation_steps;
+  std::int64_t batch = global_batch;
+  auto named = [&] {
+    return "train_batch_size=" + std::to_string(train_batch_size) + ", train_micro_batch_size_per_gpu=" +
+           std::to_string(train_micro_batch_size_per_gpu) + ", gradient_accumulation_steps=" +
+           std::to_string(gradient_accumulation_steps) + ", world size " + std::to_string(world) +
+           (global_batch > 0 ? ", --batch " + std::to_string(global_batch) : std::string());
+  };
+  if (train_batch_size > 0 && train_micro_batch_size_per_gpu > 0 &&
+      train_batch_size != train_micro_batch_size_per_gpu * per_step)
+    return fail(ErrorCode::invalid_argument, named(), ": expected train_batch_size = micro batch x accumulation x world = ",
+                train_micro_batch_size_per_gpu * per_step);
+  const std::int64_t from_config =
+      train_batch_size > 0 ? train_batch_size : train_micro_batch_size_per_gpu > 0 ? train_micro_batch_size_per_gpu * per_step : 0;
+  if (from_config > 0 && batch > 0 && from_config != batch)
+    return fail(ErrorCode::invalid_argument, named(), ": the config's global batch is ", from_config, ", not ", batch);
+  if (batch <= 0) batch = from_config;
+  if (batch <= 0) return fail(ErrorCode::invalid_argument, named(), ": no batch size given");
+  if (batch % per_step != 0)
+    return fail(ErrorCode::invalid_argument, "--batch ", batch, " does not split evenly over ", world, " rank(s) x ",
+                gradient_accumulation_steps, " micro-batch(es)");
+  return batch;
 }
 
 std::map<std::string, std::string> TrainerConfig::identity() const {
@@ -255,6 +310,69 @@ void read_offload(Reader& r, const json& section, const std::string& prefix, Off
   }
 }
 
+// DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR, onto the schedule of lr_at:
+//   WarmupLR        warmup_min_lr -> warmup_max_lr (= lr) over warmup_num_steps, then constant
+//   WarmupDecayLR   the same, then linear to warmup_min_lr at total_num_steps
+//   WarmupCosineLR  warmup_min_ratio x lr -> lr over warmup_num_steps, then cosine to
+//                   cos_min_ratio x lr at total_num_steps (lr from the optimizer section)
+// warmup_type "log" (DeepSpeed's default) or "linear".
+void read_scheduler(Reader& r, const json& section, TrainerConfig& c) {
+  if (!r.object(section, "scheduler")) return;
+  std::string type;
+  if (section.contains("type")) {
+    if (auto s = r.string(section["type"], "scheduler.type")) type = *s;
+  } else {
+    r.bad.push_back("scheduler: no 'type' (expected WarmupLR, WarmupDecayLR or WarmupCosineLR)");
+  }
+  for (const auto& [key, v] : section.items())
+    if (key != "type" && key != "params") r.unknown.push_back("scheduler." + key);
+  if (type.empty()) return;
+  if (type != "WarmupLR" && type != "WarmupDecayLR" && type != "WarmupCosineLR") {
+    r.bad.push_back("scheduler.type=\"" + type + "\" (expected WarmupLR, WarmupDecayLR or WarmupCosineLR)");
+    return;
+  }
+  const bool cosine = type == "WarmupCosineLR";
+  std::optional<double> min_lr, max_lr, min_ratio, cos_ratio;
+  std::optional<std::size_t> warmup, total;
+  c.warmup_shape = WarmupShape::log;  // DeepSpeed's default warmup_type
+  const json params = section.contains("params") ? section["params"] : json::object();
+  if (!r.object(params, "scheduler.params")) return;
+  for (const auto& [key, v] : params.items()) {
+    const std::string name = "scheduler.params." + key;
+    if (key == "warmup_num_steps") warmup = r.count(v, name);
+    else if (key == "total_num_steps" && type != "WarmupLR") total = r.count(v, name);
+    else if (key == "warmup_min_lr" && !cosine) min_lr = r.number(v, name);
+    else if (key == "warmup_max_lr" && !cosine) max_lr = r.number(v, name);
+    else if (key == "warmup_min_ratio" && cosine) min_ratio = r.number(v, name);
+    else if (key == "cos_min_ratio" && cosine) cos_ratio = r.number(v, name);
+    else if (key == "last_batch_iteration") r.notes.push_back(name + ": no effect (a resumed run continues its schedule from its step)");
+    else if (key == "warmup_type") {
+      if (auto s = r.string(v, name)) {
+        if (*s == "linear") c.warmup_shape = WarmupShape::linear;
+        else if (*s == "log") c.warmup_shape = WarmupShape::log;
+        else r.bad.push_back(name + "=\"" + *s + "\" (expected log or linear)");
+      }
+    } else r.unknown.push_back(name);
+  }
+  c.warmup_steps = static_cast<std::int64_t>(warmup.value_or(1000));  // DeepSpeed's default
+  if (max_lr) c.lr = static_cast<float>(*max_lr);
+  if (cosine) {
+    c.warmup_min_lr = static_cast<float>(min_ratio.value_or(0.0) * c.lr);
+    c.min_lr = static_cast<float>(cos_ratio.value_or(0.0001) * c.lr);
+  } else {
+    c.warmup_min_lr = static_cast<float>(min_lr.value_or(0.0));
+    c.min_lr = c.warmup_min_lr;
+  }
+  if (type == "WarmupLR") {
+    c.decay = LrDecay::none;
+  } else if (!total) {
+    r.bad.push_back("scheduler.params.total_num_steps: required by " + type);
+  } else {
+    c.decay = cosine ? LrDecay::cosine : LrDecay::linear;
+    c.decay_steps = static_cast<std::int64_t>(*total);
+  }
+}
+
 }  // namespace
 
 Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const TrainerConfig& base,
@@ -368,9 +486,15 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
             r.unknown.push_back(name);
           }
         }
-      } else if (key == "train_batch_size" || key == "train_micro_batch_size_per_gpu" || key == "steps_per_print" ||
-                 key == "wall_clock_breakdown" || key == "prescale_gradients" || key == "gradient_predivide_factor") {
-        r.notes.push_back(key + ": accepted, no effect in coshard (batch sizes come from the trainer's options)");
+      } else if (key == "train_batch_size") {
+        if (auto n = r.count(v, key)) c.train_batch_size = static_cast<std::int64_t>(*n);
+      } else if (key == "train_micro_batch_size_per_gpu") {
+        if (auto n = r.count(v, key)) c.train_micro_batch_size_per_gpu = static_cast<std::int64_t>(*n);
+      } else if (key == "scheduler") {
+        read_scheduler(r, v, c);
+      } else if (key == "steps_per_print" || key == "wall_clock_breakdown" || key == "prescale_gradients" ||
+                 key == "gradient_predivide_factor") {
+        r.notes.push_back(key + ": accepted, no effect in coshard");
       } else {
         r.unknown.push_back(key);
       }

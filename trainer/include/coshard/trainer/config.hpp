@@ -35,6 +35,11 @@ struct OffloadOptions {
 };
 
 enum class OptimizerKind : std::uint8_t { adamw, sgd };
+
+// The learning rate after warm-up: constant, or decaying to min_lr by decay_steps.
+enum class LrDecay : std::uint8_t { none, linear, cosine };
+enum class WarmupShape : std::uint8_t { linear, log };  // log: DeepSpeed's default warm-up
+std::string_view to_string(LrDecay d) noexcept;
 std::string_view to_string(OptimizerKind k) noexcept;
 
 struct TrainerConfig {
@@ -63,7 +68,20 @@ struct TrainerConfig {
   float max_grad_norm = 1.0f;           // 0: no clipping
   OptimizerKind optimizer = OptimizerKind::adamw;
   float lr = 3e-3f;
-  std::int64_t warmup_steps = 0;        // linear warm-up from 0 to lr
+  // The schedule (lr_at): warm-up from warmup_min_lr to lr over warmup_steps (linearly, or as
+  // log(step + 1) / log(warmup_steps) like DeepSpeed's WarmupLR default), then lr, or a linear
+  // or cosine decay that reaches min_lr at step decay_steps (counted from the start, warm-up
+  // included) and stays there.
+  std::int64_t warmup_steps = 0;
+  float warmup_min_lr = 0.0f;
+  WarmupShape warmup_shape = WarmupShape::linear;
+  LrDecay decay = LrDecay::none;
+  std::int64_t decay_steps = 0;
+  float min_lr = 0.0f;
+  // DeepSpeed's batch sizes, when a config gives them (0: not given): checked against each
+  // other and the world size by check_batch.
+  std::int64_t train_batch_size = 0;
+  std::int64_t train_micro_batch_size_per_gpu = 0;
   // The optimizers' own defaults (modules::AdamWOptions, SgdOptions): one set everywhere, the
   // builder and coshard-train --help included.
   float beta1 = modules::AdamWOptions{}.beta1, beta2 = modules::AdamWOptions{}.beta2, eps = modules::AdamWOptions{}.eps;
@@ -109,8 +127,12 @@ struct TrainerConfig {
   modules::EngineOptions engine_options() const;
   // The optimizer's clipping and loss scaling, as the trainer builds it.
   modules::StepControlOptions step_control() const;
-  // The learning rate of step `step` (0-based) under the warm-up.
+  // The learning rate of step `step` (0-based) under the schedule.
   float lr_at(std::int64_t step) const noexcept;
+  // The global batch (sequences per optimizer step) for `world` ranks, as DeepSpeed checks it:
+  // train_batch_size = micro batch x gradient_accumulation_steps x world, each given value
+  // compared with the others and with `global_batch` (0: not given); the error names them all.
+  Result<std::int64_t> check_batch(int world, std::int64_t global_batch) const;
 
   // A DeepSpeed config: the whole file ({"zero_optimization": {...}, "fp16": ..., "bf16": ...,
   // "optimizer": ..., "gradient_clipping": ..., "gradient_accumulation_steps": ...}) or just its
