@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <limits>
 #include <cstdlib>
 #include <cstring>
 
@@ -258,6 +259,12 @@ void CachingAllocator::trim() {
 AllocatorStats CachingAllocator::stats() const {
   std::lock_guard lock(mutex_);
   return stats_;
+}
+
+std::size_t host_memory_bytes() noexcept {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<std::size_t>(pages) * static_cast<std::size_t>(page)
+                               : std::numeric_limits<std::size_t>::max();
 }
 
 // ---- PinnedBuffer ------------------------------------------------------------------------------

@@ -11,7 +11,6 @@
 // only on (--seed, step), so runs at different world sizes and stages see the same data.
 #include <CLI/CLI.hpp>
 #include <signal.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <csignal>
@@ -22,6 +21,7 @@
 #include <mutex>
 #include <thread>
 
+#include "coshard/async/memory.hpp"
 #include "coshard/async/runtime.hpp"
 #include "coshard/collectives/env.hpp"
 #include "coshard/collectives/local.hpp"
@@ -487,8 +487,7 @@ int main(int argc, char** argv) {
   {
     // Each rank builds the step's global batch of token ids and targets on the host (i32 each):
     // refused up front when that alone cannot fit (it was a std::bad_alloc inside a rank).
-    const auto pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-    const double memory = pages > 0 && page > 0 ? static_cast<double>(pages) * static_cast<double>(page) : 1e30;
+    const double memory = static_cast<double>(async::host_memory_bytes());
     const double batch_bytes = static_cast<double>(o.batch) * static_cast<double>(o.seq) * 8.0 * (world + 1);
     if (batch_bytes > memory)
       return usage("--batch " + std::to_string(o.batch) + " x --seq " + std::to_string(o.seq) + ": the host batches need " +

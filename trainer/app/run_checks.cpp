@@ -4,19 +4,11 @@
 #include <system_error>
 
 #include "coshard/async/files.hpp"
+#include "coshard/trainer/checkpoint_manifest.hpp"
 
 namespace coshard::train_app {
 
 namespace fs = std::filesystem;
-
-namespace {
-
-bool is_step_name(const std::string& name) {
-  return name.size() > 5 && name.starts_with("step-") &&
-         std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; });
-}
-
-}  // namespace
 
 CheckpointFolderContents checkpoint_folder_contents(const fs::path& dir) {
   CheckpointFolderContents out;
@@ -26,11 +18,11 @@ CheckpointFolderContents checkpoint_folder_contents(const fs::path& dir) {
     const std::string name = entry.path().filename().string();
     if (name == "latest") {
       out.latest = true;
-    } else if (is_step_name(name)) {
+    } else if (trainer::is_checkpoint_folder_name(name)) {
       out.checkpoints.push_back(entry.path());
     } else {
       for (const char* suffix : {".partial", ".replaced"}) {
-        if (name.ends_with(suffix) && is_step_name(name.substr(0, name.size() - std::string_view(suffix).size())))
+        if (name.ends_with(suffix) && trainer::is_checkpoint_folder_name(name.substr(0, name.size() - std::string_view(suffix).size())))
           out.leftovers.push_back(entry.path());
       }
     }

@@ -58,11 +58,6 @@ std::string rank_file(int rank) { return checkpoint_rank_file(rank); }
 // stays and is tried again at the next publish.
 void remove_oldest_checkpoints(const fs::path& dir, const std::string& latest, std::size_t keep);
 
-// "step-" and digits: the only names `latest` may point at.
-bool is_checkpoint_name(std::string_view name) {
-  if (!name.starts_with("step-") || name.size() == 5 || name.size() > 5 + 18) return false;  // fits an int64
-  return std::all_of(name.begin() + 5, name.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
-}
 
 // "u<unit>.<kind>": a block's tensor name in a rank file (appended, not `"u" + ...`: GCC 12 warns
 // falsely about overlapping memcpy for that).
@@ -105,18 +100,7 @@ Result<SafeDType> safe_dtype(DataType t) {
 
 using modules::float_dtype_of;
 
-std::uint32_t crc32_of(std::span<const std::byte> bytes) {
-  uLong crc = crc32(0L, Z_NULL, 0);
-  const auto* p = reinterpret_cast<const Bytef*>(bytes.data());
-  std::size_t left = bytes.size();
-  while (left > 0) {  // zlib takes uInt lengths
-    const auto n = static_cast<uInt>(std::min<std::size_t>(left, 1u << 30));
-    crc = crc32(crc, p, n);
-    p += n;
-    left -= n;
-  }
-  return static_cast<std::uint32_t>(crc);
-}
+using detail::crc32_of;
 
 using detail::fsync_path;
 using detail::read_file;
@@ -331,7 +315,7 @@ void remove_oldest_checkpoints(const fs::path& dir, const std::string& latest, s
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     const std::string n = entry.path().filename().string();
-    if (is_checkpoint_name(n) && entry.is_directory(ec)) published.emplace_back(std::stoll(n.substr(5)), entry.path());
+    if (is_checkpoint_folder_name(n) && entry.is_directory(ec)) published.emplace_back(std::stoll(n.substr(5)), entry.path());
   }
   std::sort(published.begin(), published.end());
   for (std::size_t i = 0; i + keep < published.size(); ++i)
@@ -350,7 +334,7 @@ Result<fs::path> resolve_checkpoint(const fs::path& dir) {
   if (!bytes) return fail(std::move(bytes).error().with_context("checkpoint " + dir.string() + ": 'latest'"));
   std::string name(reinterpret_cast<const char*>(bytes->data()), bytes->size());
   while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
-  if (!is_checkpoint_name(name)) {
+  if (!is_checkpoint_folder_name(name)) {
     const bool printable = name.size() <= 64 && std::all_of(name.begin(), name.end(), [](char ch) {
       return ch >= 0x20 && ch < 0x7f;
     });

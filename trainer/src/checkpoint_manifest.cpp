@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdio>
 
 namespace coshard::trainer {
@@ -12,6 +13,11 @@ std::string checkpoint_rank_file(int rank) {
   char buf[40];
   std::snprintf(buf, sizeof buf, "rank-%05d.safetensors", rank);
   return buf;
+}
+
+bool is_checkpoint_folder_name(std::string_view name) noexcept {
+  if (!name.starts_with("step-") || name.size() == 5 || name.size() > 5 + 18) return false;  // fits an int64
+  return std::all_of(name.begin() + 5, name.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
 }
 
 namespace {

@@ -1,9 +1,8 @@
 #include "coshard/trainer/data.hpp"
 
 #include "coshard/async/files.hpp"
-
-#include <unistd.h>
-#include <zlib.h>
+#include "coshard/async/memory.hpp"
+#include "files.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -97,15 +96,11 @@ HostBatch SyntheticTask::batch(std::uint64_t step, std::int64_t rows, std::int64
 Result<std::unique_ptr<ByteCorpus>> ByteCorpus::open(const std::filesystem::path& path, std::uint64_t seed) {
   // A regular file no larger than this machine's memory (a device like /dev/zero, a folder or a
   // fifo is refused by name, never read without end).
-  const auto pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-  const std::size_t memory = pages > 0 && page > 0 ? static_cast<std::size_t>(pages) * static_cast<std::size_t>(page)
-                                                   : std::numeric_limits<std::size_t>::max();
-  COSHARD_TRY_ASSIGN(auto bytes, async::read_regular_file(path, memory, "data file"));
+  COSHARD_TRY_ASSIGN(auto bytes, async::read_regular_file(path, async::host_memory_bytes(), "data file"));
   auto c = std::unique_ptr<ByteCorpus>(new ByteCorpus());
   c->path_ = path;
   c->seed_ = seed;
-  c->bytes_.resize(bytes.size());
-  std::memcpy(c->bytes_.data(), bytes.data(), bytes.size());
+  c->bytes_ = std::move(bytes);
   return c;
 }
 
@@ -117,15 +112,7 @@ Result<void> ByteCorpus::check(std::int64_t seq) const {
 }
 
 std::string ByteCorpus::identity() const {
-  uLong crc = crc32(0L, Z_NULL, 0);
-  const unsigned char* p = bytes_.data();
-  for (std::size_t left = bytes_.size(); left > 0;) {
-    const auto n = static_cast<uInt>(std::min<std::size_t>(left, 1u << 30));
-    crc = crc32(crc, p, n);
-    p += n;
-    left -= n;
-  }
-  return "bytes " + std::to_string(bytes_.size()) + " crc32 " + std::to_string(crc);
+  return "bytes " + std::to_string(bytes_.size()) + " crc32 " + std::to_string(detail::crc32_of(bytes_));
 }
 
 std::string ByteCorpus::describe() const {
@@ -140,8 +127,9 @@ HostBatch ByteCorpus::batch(std::uint64_t step, std::int64_t rows, std::int64_t 
   for (std::int64_t r = 0; r < rows; ++r) {
     const auto start = static_cast<std::size_t>(mix(seed_, step, static_cast<std::uint64_t>(r)) % windows);
     for (std::int64_t t = 0; t < seq; ++t) {
-      b.tokens[static_cast<std::size_t>(r * seq + t)] = bytes_[start + static_cast<std::size_t>(t)];
-      b.targets[static_cast<std::size_t>(r * seq + t)] = bytes_[start + static_cast<std::size_t>(t) + 1];
+      b.tokens[static_cast<std::size_t>(r * seq + t)] = std::to_integer<std::int32_t>(bytes_[start + static_cast<std::size_t>(t)]);
+      b.targets[static_cast<std::size_t>(r * seq + t)] =
+          std::to_integer<std::int32_t>(bytes_[start + static_cast<std::size_t>(t) + 1]);
     }
   }
   return b;

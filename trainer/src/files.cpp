@@ -3,8 +3,10 @@
 #include "coshard/async/files.hpp"
 
 #include <fcntl.h>
+#include <zlib.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -15,6 +17,19 @@ namespace fs = std::filesystem;
 
 Result<std::vector<std::byte>> read_file(const fs::path& path, std::size_t max_bytes) {
   return async::read_regular_file(path, max_bytes, "file");
+}
+
+std::uint32_t crc32_of(std::span<const std::byte> bytes) {
+  uLong crc = crc32(0L, Z_NULL, 0);
+  const auto* p = reinterpret_cast<const Bytef*>(bytes.data());
+  std::size_t left = bytes.size();
+  while (left > 0) {  // zlib takes uInt lengths
+    const auto n = static_cast<uInt>(std::min<std::size_t>(left, 1u << 30));
+    crc = crc32(crc, p, n);
+    p += n;
+    left -= n;
+  }
+  return static_cast<std::uint32_t>(crc);
 }
 
 Result<void> fsync_path(const fs::path& path, int flags) {

@@ -2,8 +2,10 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <filesystem>
 #include <limits>
+#include <span>
 #include <string_view>
 #include <vector>
 
@@ -14,6 +16,8 @@ namespace coshard::trainer::detail {
 // A regular file read whole (at most `max_bytes`; the error names both sizes).
 Result<std::vector<std::byte>> read_file(const std::filesystem::path& path,
                                          std::size_t max_bytes = std::numeric_limits<std::size_t>::max());
+// CRC-32 (zlib's) of any number of bytes.
+std::uint32_t crc32_of(std::span<const std::byte> bytes);
 // fsync of a file or (flags with O_DIRECTORY) a folder.
 Result<void> fsync_path(const std::filesystem::path& path, int flags);
 // Replaces `path` atomically: a temporary beside it, fsync, rename, fsync the folder. A failure

@@ -149,6 +149,9 @@ class CachingAllocator {
   AllocatorStats stats_;
 };
 
+// This machine's physical memory in bytes (SIZE_MAX where the system does not say).
+std::size_t host_memory_bytes() noexcept;
+
 class PinnedBuffer {
  public:
   static Result<PinnedBuffer> allocate(std::size_t bytes);

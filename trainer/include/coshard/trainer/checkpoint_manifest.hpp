@@ -41,6 +41,9 @@ struct CheckpointManifest {
 
 // "rank-00003.safetensors"
 std::string checkpoint_rank_file(int rank);
+// "step-" and up to 18 digits: the name of a published checkpoint folder, the only names
+// `latest` may point at.
+bool is_checkpoint_folder_name(std::string_view name) noexcept;
 // Parses and checks a manifest's text; `source` names it in errors.
 Result<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, std::string_view source);
 

@@ -75,7 +75,7 @@ class ByteCorpus final : public TokenSource {
  private:
   ByteCorpus() = default;
   std::filesystem::path path_;
-  std::vector<unsigned char> bytes_;
+  std::vector<std::byte> bytes_;
   std::uint64_t seed_ = 0;
 };
 
