@@ -36,6 +36,18 @@ int cuda_device_count() noexcept {
   return count;
 }
 
+Result<std::size_t> cuda_free_memory_bytes(Device device) {
+  if (!device.is_cuda() || device.index() >= cuda_device_count())
+    return fail(ErrorCode::invalid_argument, "free memory of ", device.to_string(), ": no such CUDA device (",
+                cuda_device_count(), " visible)");
+  if (auto e = cudaSetDevice(device.index()); e != cudaSuccess)
+    return fail(ErrorCode::device, "cudaSetDevice(", device.index(), "): ", cudaGetErrorString(e));
+  std::size_t free = 0, total = 0;
+  if (auto e = cudaMemGetInfo(&free, &total); e != cudaSuccess)
+    return fail(ErrorCode::device, "cudaMemGetInfo on ", device.to_string(), ": ", cudaGetErrorString(e));
+  return free;
+}
+
 namespace detail {
 namespace {
 

@@ -1,12 +1,17 @@
 #include "coshard/async/memory.hpp"
 
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <limits>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <string_view>
 
 #include "coshard/async/sync.hpp"
 #include "memory_backend.hpp"
@@ -265,6 +270,68 @@ std::size_t host_memory_bytes() noexcept {
   const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
   return pages > 0 && page > 0 ? static_cast<std::size_t>(pages) * static_cast<std::size_t>(page)
                                : std::numeric_limits<std::size_t>::max();
+}
+
+namespace {
+
+// The first number after `key` in a file of "key value" lines (/proc/meminfo, /proc/self/status),
+// times `unit`; nullopt when absent.
+std::optional<std::size_t> field_of(const char* path, std::string_view key, std::size_t unit) {
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.compare(0, key.size(), key) != 0) continue;
+    std::istringstream rest(line.substr(key.size()));
+    unsigned long long v = 0;
+    if (rest >> v) return static_cast<std::size_t>(v) * unit;
+  }
+  return std::nullopt;
+}
+
+// A cgroup v2 file holding one number, or "max" (nullopt).
+std::optional<std::size_t> cgroup_value(const std::string& file) {
+  std::ifstream in("/sys/fs/cgroup" + file);
+  std::string text;
+  if (!(in >> text) || text == "max") return std::nullopt;
+  try {
+    return static_cast<std::size_t>(std::stoull(text));
+  } catch (...) {
+    return std::nullopt;
+  }
+}
+
+// This process's cgroup (v2: the line "0::/path" of /proc/self/cgroup).
+std::string own_cgroup() {
+  std::ifstream in("/proc/self/cgroup");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("0::", 0) == 0) return line.substr(3) == "/" ? std::string() : line.substr(3);
+  return {};
+}
+
+}  // namespace
+
+std::size_t available_host_memory_bytes() noexcept {
+  try {
+    std::size_t bytes = field_of("/proc/meminfo", "MemAvailable:", 1024).value_or(host_memory_bytes());
+    const std::string group = own_cgroup();
+    if (auto max = cgroup_value(group + "/memory.max")) {
+      const std::size_t used = cgroup_value(group + "/memory.current").value_or(0);
+      bytes = std::min(bytes, *max > used ? *max - used : 0);
+    }
+    const std::size_t mapped = field_of("/proc/self/status", "VmSize:", 1024).value_or(0);
+    const std::size_t data = field_of("/proc/self/status", "VmData:", 1024).value_or(0);
+    for (const auto& [resource, used] : {std::pair{RLIMIT_AS, mapped}, std::pair{RLIMIT_DATA, data}}) {
+      rlimit limit{};
+      if (::getrlimit(resource, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
+        const auto cap = static_cast<std::size_t>(limit.rlim_cur);
+        bytes = std::min(bytes, cap > used ? cap - used : 0);
+      }
+    }
+    return bytes;
+  } catch (...) {  // reading the files ran out of memory itself
+    return 0;
+  }
 }
 
 // ---- PinnedBuffer ------------------------------------------------------------------------------

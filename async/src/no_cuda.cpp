@@ -7,6 +7,10 @@ namespace coshard::async {
 bool cuda_compiled() noexcept { return false; }
 int cuda_device_count() noexcept { return 0; }
 
+Result<std::size_t> cuda_free_memory_bytes(Device device) {
+  return fail(ErrorCode::unsupported, "free memory of ", device.to_string(), ": this build has no CUDA backend");
+}
+
 namespace detail {
 
 Result<std::unique_ptr<StreamImpl>> make_cuda_stream(Device device, StreamOptions) {

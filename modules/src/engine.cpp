@@ -7,9 +7,11 @@
 #include "coshard/async/channel.hpp"
 #include "coshard/async/join_handle.hpp"
 #include "coshard/async/runtime.hpp"
+#include "coshard/modules/memory_estimate.hpp"
 #include "coshard/offload/swap_folder.hpp"
 #include "coshard/offload/pinned_pool.hpp"
 #include "coshard/offload/swapper.hpp"
+#include "engine_plan.hpp"
 #include "kernels.hpp"
 #include "half_convert.hpp"
 
@@ -1155,109 +1157,44 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   s->world = comm.size();
   s->element_size = size_of(o.dtype);
   s->first_group = optimizer.groups().size();
-  model.for_each_parameter([&](const std::string& name, Parameter& p) { s->names.emplace(&p, name); });
-
   // Units: modules with direct parameters, in execution (pre-order) order; small leaves merge.
-  struct Candidate {
-    std::string path;
-    Module* module;
-    std::size_t bytes;
-    bool leaf;
-  };
-  std::vector<Candidate> candidates;
-  model.for_each_module([&](const std::string& path, Module& m) {
-    if (m.parameters().empty()) return;
-    std::int64_t n = 0;
-    for (const auto& p : m.parameters()) n += p->numel();
-    candidates.push_back({path.empty() ? m.type_name().data() : path, &m,
-                          static_cast<std::size_t>(n) * s->element_size, m.children().empty()});
-  });
-  if (candidates.empty()) return fail(ErrorCode::invalid_argument, "Engine: the model has no parameters");
-  std::vector<std::vector<Candidate>> groups;
-  std::size_t group_bytes = 0;
-  for (const auto& c : candidates) {
-    const bool small = c.leaf && c.bytes < o.module_granularity_bytes;
-    const bool open = !groups.empty() && groups.back().back().leaf &&
-                      groups.back().back().bytes < o.module_granularity_bytes && group_bytes < o.module_granularity_bytes;
-    if (small && open) {
-      groups.back().push_back(c);
-      group_bytes += c.bytes;
-    } else {
-      groups.push_back({c});
-      group_bytes = c.bytes;
-    }
-  }
-
-  const auto W = static_cast<std::int64_t>(s->world);
-  for (const auto& g : groups) {
+  COSHARD_TRY_ASSIGN(auto plan, detail::plan_fetch_units(model, s->world, o));
+  s->names = std::move(plan.names);
+  s->largest_unit_bytes = plan.largest_unit_bytes;
+  for (auto& planned : plan.units) {
     auto u = std::make_unique<Unit>();
-    u->info.name = g.front().path;
-    std::int64_t offset = 0;
-    for (const auto& c : g) {
-      u->modules.push_back(c.module);
-      for (const auto& p : c.module->parameters()) {
-        u->params.push_back({p.get(), offset});
-        u->info.parameters.push_back(s->names.at(p.get()));
-        offset += p->numel();
-      }
-    }
-    u->info.numel = offset;
-    u->info.padded = (offset + W - 1) / W * W;
-    u->info.shard = u->info.padded / W;
-    u->info.padded_bytes = static_cast<std::size_t>(u->info.padded) * s->element_size;
-    u->info.persistent = s->stage3() && u->info.padded_bytes < o.persistence_threshold_bytes;
-    s->largest_unit_bytes = std::max(s->largest_unit_bytes, u->info.padded_bytes);
+    u->info = std::move(planned.info);
+    u->modules = std::move(planned.modules);
+    for (const auto& p : planned.parameters) u->params.push_back({p.parameter, p.offset});
     u->index = s->units.size();
     for (Module* m : u->modules) s->unit_of.emplace(m, u->index);
     s->units.push_back(std::move(u));
   }
-  if (s->stage3() && o.max_live_bytes < s->largest_unit_bytes)
-    return fail(ErrorCode::invalid_argument, "max_live_bytes=", o.max_live_bytes,
-                ": must be at least the largest fetch unit (", s->largest_unit_bytes, " bytes, unit ",
-                [&] {
-                  for (const auto& u : s->units)
-                    if (u->info.padded_bytes == s->largest_unit_bytes) return u->info.name;
-                  return std::string();
-                }(),
-                ")");
   s->budget = std::make_shared<Budget>(o.max_live_bytes);
 
   COSHARD_TRY(check_offload_placement(o));
   COSHARD_TRY(check_step_in_backward(o, optimizer.control()));
+  // A plan this machine cannot hold is refused with the numbers before anything is allocated
+  // (activations come on top: a trainer checks those with the rest).
+  if (o.check_memory) {
+    COSHARD_TRY_ASSIGN(auto estimate, estimate_engine_memory(model, s->world, o, optimizer.state_tensors()));
+    COSHARD_TRY_ASSIGN(auto machine, machine_memory(ctx.device(), o.offload_optimizer == OffloadTarget::nvme ? o.nvme_path
+                                                                                                            : std::filesystem::path()));
+    COSHARD_TRY(check_fits(estimate, 1, machine));
+  }
 
   // Optimizer offload: its stream, context and pinned memory (checked against the budget now).
   if (s->offloaded()) {
-    std::vector<std::size_t> sizes;
-    std::size_t needed = 0, largest_group = 0, largest_shard = 0, largest_master = 0;
+    std::vector<FetchUnitInfo> infos;
+    for (const auto& u : s->units) infos.push_back(u->info);
+    const std::vector<std::size_t> sizes = detail::offload_pinned_sizes(infos, o, optimizer.state_tensors());
+    std::size_t needed = 0, largest_shard = 0;
     const std::size_t per_element = 4 * (1 + optimizer.state_tensors());  // master and state, f32
-    for (const auto& u : s->units) {
-      const auto shard_bytes = static_cast<std::size_t>(u->info.shard) * s->element_size;
-      const auto f32_bytes = static_cast<std::size_t>(u->info.shard) * sizeof(float);
-      largest_shard = std::max(largest_shard, shard_bytes);
-      largest_master = std::max(largest_master, f32_bytes);
-      if (o.offload_params == OffloadTarget::cpu && s->swapped()) sizes.push_back(shard_bytes);  // the pinned shard
-      if (s->swapped()) {  // a resident gradient shard; master and state stream through buffers
-        sizes.push_back(f32_bytes);
-        largest_group = std::max(largest_group, static_cast<std::size_t>(u->info.shard) * per_element);
-      } else if (s->narrow()) {
-        // The gradient shard and the bf16/f16 copy the step writes; the fp32 master never goes to
-        // the device, so the optimizer keeps it in ordinary host memory.
-        sizes.insert(sizes.end(), {f32_bytes, shard_bytes});
-      } else {
-        sizes.insert(sizes.end(), {f32_bytes, f32_bytes});  // the master (the shard's copy) and the gradient
-      }
-    }
-    if (s->staged()) sizes.push_back(largest_shard);
-    if (s->swapped()) {
-      if (o.nvme_path.empty())
-        return fail(ErrorCode::invalid_argument, "offload_optimizer=nvme: needs a folder (nvme_path)");
-      for (int b = 0; b < o.swap_buffer_count; ++b) sizes.push_back(largest_group);
-    }
-    if (s->params_on_nvme()) {  // the read-ahead buffers (between steps; the swap buffers are apart)
-      for (int b = 0; b < o.param_buffer_count; ++b) sizes.push_back(largest_master);  // read as the fp32 master
-      s->read_slots = std::make_shared<Budget>(static_cast<std::size_t>(o.param_buffer_count));
-    }
-    sizes.push_back(2 * sizeof(float));  // grad_stats_back
+    for (const auto& u : s->units)
+      largest_shard = std::max(largest_shard, static_cast<std::size_t>(u->info.shard) * s->element_size);
+    if (s->swapped() && o.nvme_path.empty())
+      return fail(ErrorCode::invalid_argument, "offload_optimizer=nvme: needs a folder (nvme_path)");
+    if (s->params_on_nvme()) s->read_slots = std::make_shared<Budget>(static_cast<std::size_t>(o.param_buffer_count));
     for (std::size_t b : sizes) needed += offload::page_rounded(b);
     offload::PinnedPoolOptions pool_options;
     pool_options.host_memory_budget = o.host_memory_budget == 0 ? needed : o.host_memory_budget;

@@ -1,5 +1,6 @@
 #include "coshard/modules/gpt.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 namespace coshard::modules {
@@ -30,6 +31,24 @@ std::int64_t GptConfig::parameter_count() const noexcept {
                              + dim * hidden + hidden        // fc
                              + hidden * dim + dim;          // mlp projection
   return vocab * dim + max_seq * dim + layers * block + 2 * dim + dim * vocab + vocab;
+}
+
+std::size_t gpt_activation_bytes(const GptConfig& c, std::int64_t rows, std::int64_t seq, DataType dtype) {
+  const auto e = static_cast<double>(size_of(dtype));
+  const double N = static_cast<double>(rows) * static_cast<double>(seq);  // tokens
+  const double D = static_cast<double>(c.dim), V = static_cast<double>(c.vocab);
+  const double hidden = static_cast<double>(c.mlp_ratio) * D;
+  const double probs = static_cast<double>(rows) * static_cast<double>(c.heads) * static_cast<double>(seq) *
+                       static_cast<double>(seq);
+  const double stats = 2 * N * 4;  // a LayerNorm's mean and rstd, f32 a row
+  // A block saves its input, ln's output, qkv's (3D), attention's output and probabilities, the
+  // residual's output, ln's output, fc's and gelu's (hidden each); the next block's input is its.
+  const double block = (6 * D + 2 * hidden) * N * e + probs * e + 2 * stats;
+  const double saved = static_cast<double>(c.layers) * block + (2 * D + V) * N * e + stats;  // ln_f, head's input, logits
+  // Backward's temporaries beside them: the logits' gradient with the head's input gradient, or
+  // attention's scratch and its qkv gradient, or the MLP's.
+  const double working = std::max({(V + D) * N * e, (2 * probs + 4 * D * N) * e, (2 * hidden + 2 * D) * N * e});
+  return static_cast<std::size_t>(saved + working);
 }
 
 Result<std::unique_ptr<Sequential>> make_gpt(const GptConfig& c) {

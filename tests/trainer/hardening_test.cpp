@@ -277,7 +277,9 @@ TEST(Hardening, OutOfMemoryAtSetupIsAnErrorNotACrash) {
   GTEST_SKIP() << "the sanitizers reserve more address space than the limit this test sets";
 #else
   const fs::path dir = scratch("hard_oom");
-  const std::vector<std::string> big = {"--dim", "1024", "--layers", "16", "--heads", "8", "--steps", "2", "--quiet"};
+  // Past the memory estimate (which would refuse these limits up front): the allocations fail.
+  const std::vector<std::string> big = {"--dim", "1024", "--layers", "16", "--heads", "8", "--steps", "2", "--quiet",
+                                        "--skip-memory-check"};
   const std::vector<std::vector<std::string>> modes = {
       {},
       {"--offload-optimizer", "cpu"},
@@ -375,3 +377,36 @@ TEST(Hardening, SignalsStopGracefullyOnceAndAtOnceTwice) {
 }
 
 }  // namespace
+
+// Item 13: --estimate prints what each rank will hold, item by item, against this machine; a run
+// that cannot fit is refused up front with the numbers (it grew to 12 GB before the system
+// stopped it), creating nothing.
+TEST(Hardening, MemoryEstimatePrintedAndARunThatCannotFitRefused) {
+  const fs::path dir = scratch("hard_estimate");
+  const auto plain = run({"--estimate"}, dir);  // the default run
+  EXPECT_EQ(plain.code, 0) << plain.output;
+  for (const char* line : {"per rank:", "parameter shards (f32)", "gathered parameters (max_live_bytes)",
+                           "optimizer state (2 tensors)", "activations (one micro-batch)", "this process (2 ranks): device",
+                           "machine: host", "\nfits\n"})
+    EXPECT_NE(plain.output.find(line), std::string::npos) << line << " in " << plain.output;
+
+  const fs::path swap = dir / "swap", ck = dir / "ck";
+  const auto nvme = run({"--estimate", "--dim", "256", "--dtype", "bf16", "--offload-optimizer", "nvme:" + swap.string(),
+                         "--checkpoint-dir", ck.string()},
+                        dir);
+  EXPECT_EQ(nvme.code, 0) << nvme.output;
+  for (const char* line : {"fp32 masters and 2 state tensors (swap files)", "gradient shards and swap buffers",
+                           "checkpoint staging", "free at "})
+    EXPECT_NE(nvme.output.find(line), std::string::npos) << line << " in " << nvme.output;
+  EXPECT_FALSE(fs::exists(swap)) << "an estimate creates nothing";
+  EXPECT_FALSE(fs::exists(ck));
+
+  const std::vector<std::string> huge = {"--dim", "8192", "--layers", "64", "--heads", "64", "--max-live", "4GiB",
+                                         "--metrics", (dir / "metrics.jsonl").string()};
+  EXPECT_TRUE(refused(run(with(huge, {"--estimate"}), dir), 1,
+                      "does not fit: memory estimate: 2 ranks of this process need"));
+  const auto r = run(huge, dir);
+  EXPECT_TRUE(refused(r, 2, "of host memory (the device is the CPU: its memory counted too), and this process may take"));
+  EXPECT_NE(r.output.find("--estimate shows each item"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(dir / "metrics.jsonl")) << "refused before anything was written";
+}

@@ -30,6 +30,7 @@
 #include "coshard/trainer/trace.hpp"
 #include "coshard/trainer/trainer.hpp"
 #include "progress.hpp"
+#include "memory_check.hpp"
 #include "run_checks.hpp"
 
 namespace {
@@ -55,6 +56,7 @@ struct Options {
   bool resume = false;
   bool start_over = false;
   bool quiet = false;
+  bool estimate = false;  // print the memory estimate and exit
   TrainerConfig train;
 };
 
@@ -398,6 +400,12 @@ int main(int argc, char** argv) {
       ->excludes("--resume");
   app.add_option("--export", o.export_path, "write the consolidated model as safetensors at the end");
   app.add_flag("--quiet", o.quiet, "no progress output");
+  bool skip_memory_check = false;
+  app.add_flag("--skip-memory-check", skip_memory_check,
+               "train even when the memory estimate says this machine cannot hold the run");
+  app.add_flag("--estimate", o.estimate,
+               "print the memory each rank will hold (device, pinned and pageable host, NVMe) against this machine's, and "
+               "exit without training: 0 when it fits, 1 when not (a run that cannot fit is refused up front anyway)");
   app.add_option("--blas-threads", o.blas_threads,
                  "OpenBLAS threads for the CPU matrix products (0: the cores divided by the ranks in this process)")
       ->check(CLI::Range(0, 4096));
@@ -464,6 +472,7 @@ int main(int argc, char** argv) {
   c.keep_checkpoints = o.keep_checkpoints;
   if (step_in_backward) c.step_in_backward = true;
   c.record_timeline = !o.trace.empty();
+  if (skip_memory_check) c.check_memory = false;
   if (auto ok = c.validate(); !ok) {
     std::fprintf(stderr, "coshard-train: %s\n", ok.error().message().c_str());
     return 2;
@@ -500,6 +509,28 @@ int main(int argc, char** argv) {
     return usage("--resume and --checkpoint-every need --checkpoint-dir");
   if (o.start_over && o.checkpoint_dir.empty()) return usage("--start-over needs --checkpoint-dir");
 
+  // Memory: what every rank will hold, against the machine (before anything is allocated or
+  // created: --estimate leaves no folder behind).
+  train_app::RunShape shape;
+  shape.gpt = {.vocab = o.data.empty() ? o.vocab : 256, .max_seq = o.seq, .dim = o.dim, .layers = o.layers, .heads = o.heads};
+  shape.batch = o.batch;
+  shape.seq = o.seq;
+  shape.world = world;
+  shape.ranks_here = torchrun ? 1 : o.world_size;
+  shape.device = o.device == "cuda" ? async::Device::cuda(torchrun ? env->local_rank : 0) : async::Device::cpu();
+  shape.checkpoints = !o.checkpoint_dir.empty();
+  shape.export_model = !o.export_path.empty();
+  auto memory = train_app::estimate_run(c, shape);
+  if (!memory) return usage(memory.error().message());
+  const auto fits = train_app::check_run(*memory, shape);
+  if (o.estimate) {
+    if (env->rank == 0) {
+      std::fputs(train_app::describe_run(*memory, shape, c).c_str(), stdout);
+      std::puts(fits ? "fits" : ("does not fit: " + fits.error().message()).c_str());
+    }
+    return fits ? 0 : 1;
+  }
+  if (!fits && c.check_memory) return usage(fits.error().message() + " (coshard-train --estimate shows each item; --skip-memory-check trains anyway)");
   // Every path, before anything is built or trained.
   train_app::RunPaths paths;
   if (!o.data.empty()) paths.inputs.push_back({"--data", o.data});

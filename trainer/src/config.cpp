@@ -119,6 +119,7 @@ modules::EngineOptions TrainerConfig::engine_options() const {
   o.param_buffer_count = offload_params.buffer_count;
   o.host_memory_budget = host_memory_budget;
   o.step_in_backward = step_in_backward;
+  o.check_memory = check_memory;
   o.timing = timing;
   o.record_timeline = record_timeline;
   return o;

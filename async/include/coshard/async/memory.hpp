@@ -151,6 +151,12 @@ class CachingAllocator {
 
 // This machine's physical memory in bytes (SIZE_MAX where the system does not say).
 std::size_t host_memory_bytes() noexcept;
+// Host memory this process may still take now: MemAvailable (/proc/meminfo; else the physical
+// memory), capped by what its cgroup (v2 memory.max less memory.current) and RLIMIT_AS /
+// RLIMIT_DATA (less its current size) leave it.
+std::size_t available_host_memory_bytes() noexcept;
+// Free memory of a CUDA device now (cudaMemGetInfo); fails without the backend or the device.
+Result<std::size_t> cuda_free_memory_bytes(Device device);
 
 class PinnedBuffer {
  public:

@@ -115,6 +115,10 @@ struct EngineOptions {
   // backward. A non-finite gradient cannot skip units already stepped: such a step fails on
   // every rank, naming it, instead of being skipped (restore a checkpoint).
   bool step_in_backward = false;
+  // create() refuses a plan whose memory estimate (memory_estimate.hpp: parameters, gradients,
+  // optimizer state, offload buffers, swap files) this machine cannot hold now, naming the bytes,
+  // before it allocates anything. Off: build anyway (the estimate is a model of what is held).
+  bool check_memory = true;
 };
 
 // Where parameters may be offloaded given the rest (Engine::create checks it; a configuration

@@ -27,4 +27,11 @@ struct GptConfig {
 
 Result<std::unique_ptr<Sequential>> make_gpt(const GptConfig& config);
 
+// Device bytes one forward and backward of `rows` sequences of `seq` tokens take in `dtype`,
+// beyond the parameters and gradients: the activations every layer saves for backward (16 x dim
+// values a token a layer, the attention probabilities, LayerNorm statistics, the logits), and
+// backward's largest temporaries (the logits' gradient, or attention's). The activations item of
+// a memory estimate (memory_estimate.hpp).
+std::size_t gpt_activation_bytes(const GptConfig& config, std::int64_t rows, std::int64_t seq, DataType dtype);
+
 }  // namespace coshard::modules

@@ -109,6 +109,9 @@ struct TrainerConfig {
   // offload_optimizer=cpu or nvme: step each unit on the CPU while backward goes on (EngineOptions::
   // step_in_backward; needs max_grad_norm=0 and no loss scaling).
   bool step_in_backward = false;
+  // Refuse a plan whose memory estimate (memory.hpp) the machine cannot hold, before building
+  // (EngineOptions::check_memory). Off: train anyway, for a user who knows the estimate is wrong.
+  bool check_memory = true;
 
   // What defines this run beyond the model and these settings (the data, the model's shape where
   // the parameters do not show it, ...), by name: saved in every checkpoint and compared on

@@ -1,0 +1,110 @@
+#include "engine_plan.hpp"
+
+#include <algorithm>
+
+namespace coshard::modules::detail {
+
+Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOptions& o) {
+  FetchPlan plan;
+  const std::size_t element_size = size_of(o.dtype);
+  model.for_each_parameter([&](const std::string& name, Parameter& p) { plan.names.emplace(&p, name); });
+
+  struct Candidate {
+    std::string path;
+    Module* module;
+    std::size_t bytes;
+    bool leaf;
+  };
+  std::vector<Candidate> candidates;
+  model.for_each_module([&](const std::string& path, Module& m) {
+    if (m.parameters().empty()) return;
+    std::int64_t n = 0;
+    for (const auto& p : m.parameters()) n += p->numel();
+    candidates.push_back({path.empty() ? m.type_name().data() : path, &m, static_cast<std::size_t>(n) * element_size,
+                          m.children().empty()});
+  });
+  if (candidates.empty()) return fail(ErrorCode::invalid_argument, "Engine: the model has no parameters");
+  std::vector<std::vector<Candidate>> groups;
+  std::size_t group_bytes = 0;
+  for (const auto& c : candidates) {
+    const bool small = c.leaf && c.bytes < o.module_granularity_bytes;
+    const bool open = !groups.empty() && groups.back().back().leaf &&
+                      groups.back().back().bytes < o.module_granularity_bytes && group_bytes < o.module_granularity_bytes;
+    if (small && open) {
+      groups.back().push_back(c);
+      group_bytes += c.bytes;
+    } else {
+      groups.push_back({c});
+      group_bytes = c.bytes;
+    }
+  }
+
+  const auto W = static_cast<std::int64_t>(world_size);
+  const bool stage3 = o.zero_stage == 3;
+  for (const auto& g : groups) {
+    PlannedUnit u;
+    u.info.name = g.front().path;
+    std::int64_t offset = 0;
+    for (const auto& c : g) {
+      u.modules.push_back(c.module);
+      for (const auto& p : c.module->parameters()) {
+        u.parameters.push_back({p.get(), offset});
+        u.info.parameters.push_back(plan.names.at(p.get()));
+        offset += p->numel();
+      }
+    }
+    u.info.numel = offset;
+    u.info.padded = (offset + W - 1) / W * W;
+    u.info.shard = u.info.padded / W;
+    u.info.padded_bytes = static_cast<std::size_t>(u.info.padded) * element_size;
+    u.info.persistent = stage3 && u.info.padded_bytes < o.persistence_threshold_bytes;
+    plan.largest_unit_bytes = std::max(plan.largest_unit_bytes, u.info.padded_bytes);
+    plan.units.push_back(std::move(u));
+  }
+  if (stage3 && o.max_live_bytes < plan.largest_unit_bytes) {
+    std::string largest;
+    for (const auto& u : plan.units)
+      if (u.info.padded_bytes == plan.largest_unit_bytes) largest = u.info.name;
+    return fail(ErrorCode::invalid_argument, "max_live_bytes=", o.max_live_bytes,
+                ": must be at least the largest fetch unit (", plan.largest_unit_bytes, " bytes, unit ", largest, ")");
+  }
+  return plan;
+}
+
+std::vector<std::size_t> offload_pinned_sizes(std::span<const FetchUnitInfo> units, const EngineOptions& o,
+                                              std::size_t optimizer_states) {
+  std::vector<std::size_t> sizes;
+  if (o.offload_optimizer == OffloadTarget::none) return sizes;
+  const bool swapped = o.offload_optimizer == OffloadTarget::nvme;
+  const bool narrow = o.dtype != DataType::f32;
+  const bool staged = swapped && narrow && o.offload_params != OffloadTarget::cpu;
+  const std::size_t element_size = size_of(o.dtype);
+  std::size_t largest_group = 0, largest_shard = 0, largest_master = 0;
+  const std::size_t per_element = 4 * (1 + optimizer_states);  // master and state, f32
+  for (const auto& u : units) {
+    const auto shard_bytes = static_cast<std::size_t>(u.shard) * element_size;
+    const auto f32_bytes = static_cast<std::size_t>(u.shard) * sizeof(float);
+    largest_shard = std::max(largest_shard, shard_bytes);
+    largest_master = std::max(largest_master, f32_bytes);
+    if (o.offload_params == OffloadTarget::cpu && swapped) sizes.push_back(shard_bytes);  // the pinned shard
+    if (swapped) {  // a resident gradient shard; master and state stream through buffers
+      sizes.push_back(f32_bytes);
+      largest_group = std::max(largest_group, static_cast<std::size_t>(u.shard) * per_element);
+    } else if (narrow) {
+      // The gradient shard and the bf16/f16 copy the step writes; the fp32 master never goes to
+      // the device, so the optimizer keeps it in ordinary host memory.
+      sizes.insert(sizes.end(), {f32_bytes, shard_bytes});
+    } else {
+      sizes.insert(sizes.end(), {f32_bytes, f32_bytes});  // the master (the shard's copy) and the gradient
+    }
+  }
+  if (staged) sizes.push_back(largest_shard);
+  if (swapped)
+    for (int b = 0; b < o.swap_buffer_count; ++b) sizes.push_back(largest_group);
+  if (o.offload_params == OffloadTarget::nvme)  // the read-ahead buffers, read as the fp32 master
+    for (int b = 0; b < o.param_buffer_count; ++b) sizes.push_back(largest_master);
+  sizes.push_back(2 * sizeof(float));  // the summed gradient statistics coming back
+  return sizes;
+}
+
+}  // namespace coshard::modules::detail

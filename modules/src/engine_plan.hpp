@@ -1,0 +1,43 @@
+// What an engine over a model will hold, known before it holds anything: its fetch units, and the
+// pinned buffers of an offloaded optimizer. Engine::create builds from it, and the memory
+// estimate counts from it, so the two cannot drift apart.
+#pragma once
+
+#include <cstddef>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "coshard/modules/engine.hpp"
+
+namespace coshard::modules::detail {
+
+struct PlannedParameter {
+  Parameter* parameter;
+  std::int64_t offset;  // elements into the unit's buffer
+};
+
+struct PlannedUnit {
+  FetchUnitInfo info;
+  std::vector<Module*> modules;            // forward order
+  std::vector<PlannedParameter> parameters;
+};
+
+struct FetchPlan {
+  std::unordered_map<const Parameter*, std::string> names;
+  std::vector<PlannedUnit> units;
+  std::size_t largest_unit_bytes = 0;
+};
+
+// Units: modules with direct parameters, in execution (pre-order) order; consecutive small leaves
+// merge (module_granularity_bytes). Fails on a model without parameters, and at stage 3 when
+// max_live_bytes cannot hold the largest unit.
+Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOptions& o);
+
+// The pinned buffers an offloaded optimizer (and offloaded parameters) take, in bytes, each as
+// the pool reserves it (optimizer_states: Optimizer::state_tensors()). Empty without offload.
+std::vector<std::size_t> offload_pinned_sizes(std::span<const FetchUnitInfo> units, const EngineOptions& o,
+                                              std::size_t optimizer_states);
+
+}  // namespace coshard::modules::detail

@@ -1,0 +1,194 @@
+#include "coshard/modules/memory_estimate.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <system_error>
+
+#include "coshard/async/memory.hpp"
+#include "coshard/offload/pinned_pool.hpp"
+#include "engine_plan.hpp"
+
+namespace coshard::modules {
+
+std::string_view to_string(MemoryPlace p) noexcept {
+  switch (p) {
+    case MemoryPlace::device: return "device";
+    case MemoryPlace::pinned_host: return "pinned host";
+    case MemoryPlace::pageable_host: return "pageable host";
+    case MemoryPlace::nvme: return "nvme";
+  }
+  return "?";
+}
+
+std::string format_bytes(std::size_t bytes) {
+  static constexpr const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  double v = static_cast<double>(bytes);
+  std::size_t u = 0;
+  while (v >= 1024.0 && u + 1 < std::size(units)) {
+    v /= 1024.0;
+    ++u;
+  }
+  char text[32];
+  if (u == 0) std::snprintf(text, sizeof text, "%zu B", bytes);
+  else std::snprintf(text, sizeof text, v < 10 ? "%.2f %s" : v < 100 ? "%.1f %s" : "%.0f %s", v, units[u]);
+  return text;
+}
+
+void MemoryEstimate::add(MemoryPlace place, std::string what, std::size_t bytes) {
+  if (bytes > 0) items.push_back({place, std::move(what), bytes});
+}
+
+std::size_t MemoryEstimate::bytes(MemoryPlace place) const noexcept {
+  std::size_t sum = 0;
+  for (const auto& i : items)
+    if (i.place == place) sum += i.bytes;
+  return sum;
+}
+
+namespace {
+
+constexpr MemoryPlace kPlaces[] = {MemoryPlace::device, MemoryPlace::pinned_host, MemoryPlace::pageable_host,
+                                   MemoryPlace::nvme};
+
+std::string padded(std::string_view text, std::size_t width) {
+  std::string out(text);
+  if (out.size() < width) out.append(width - out.size(), ' ');
+  return out;
+}
+
+}  // namespace
+
+std::string MemoryEstimate::describe() const {
+  std::string out;
+  for (const MemoryPlace place : kPlaces) {
+    const std::size_t total = bytes(place);
+    if (total == 0) continue;
+    out += "  " + padded(to_string(place), 15) + format_bytes(total) + "\n";
+    for (const auto& i : items)
+      if (i.place == place) out += "    " + padded(i.what, 50) + " " + format_bytes(i.bytes) + "\n";
+  }
+  return out;
+}
+
+Result<std::vector<FetchUnitInfo>> plan_units(Module& model, int world_size, const EngineOptions& o) {
+  if (world_size < 1) return fail(ErrorCode::invalid_argument, "plan_units: world_size=", world_size, ": expected >= 1");
+  COSHARD_TRY_ASSIGN(auto plan, detail::plan_fetch_units(model, world_size, o));
+  std::vector<FetchUnitInfo> units;
+  for (auto& u : plan.units) units.push_back(std::move(u.info));
+  return units;
+}
+
+Result<MemoryEstimate> estimate_engine_memory(Module& model, int world_size, const EngineOptions& o,
+                                              std::size_t optimizer_states) {
+  if (o.zero_stage < 1 || o.zero_stage > 3)
+    return fail(ErrorCode::invalid_argument, "memory estimate: zero_stage=", o.zero_stage, ": expected 1, 2 or 3");
+  COSHARD_TRY_ASSIGN(const auto units, plan_units(model, world_size, o));
+
+  const std::size_t e = size_of(o.dtype);
+  std::size_t whole = 0, shards = 0, shards_f32 = 0, largest_unit = 0, largest_padded = 0;
+  for (const auto& u : units) {
+    whole += u.padded_bytes;
+    shards += static_cast<std::size_t>(u.shard) * e;
+    shards_f32 += static_cast<std::size_t>(u.shard) * sizeof(float);
+    largest_unit = std::max(largest_unit, u.padded_bytes);
+    largest_padded = std::max(largest_padded, static_cast<std::size_t>(u.padded));
+  }
+  const bool stage3 = o.zero_stage == 3;
+  const bool narrow = o.dtype != DataType::f32;
+  const bool offloaded = o.offload_optimizer != OffloadTarget::none;
+  const bool swapped = o.offload_optimizer == OffloadTarget::nvme;
+  const bool params_offloaded = o.offload_params != OffloadTarget::none;
+  const std::string dtype(collectives::to_string(o.dtype));
+
+  MemoryEstimate m;
+  using P = MemoryPlace;
+  // Parameters: whole at stages 1-2, this rank's shards at 3 (unless offloaded), and at stage 3
+  // the gathered units, never more than max_live_bytes.
+  if (!stage3) m.add(P::device, "parameters (" + dtype + ", whole)", whole);
+  else if (!params_offloaded) m.add(P::device, "parameter shards (" + dtype + ")", shards);
+  if (stage3) m.add(P::device, "gathered parameters (max_live_bytes)", std::min(whole, o.max_live_bytes));
+  // Gradients: whole and persistent at stage 1; at 2-3 a unit's whole gradient lives from its
+  // backward until its reduce-scatter is done (one being produced, one being reduced); the
+  // reduced shards are fp32.
+  if (o.zero_stage == 1) m.add(P::device, "gradients (" + dtype + ", whole)", whole);
+  else m.add(P::device, "gradients in flight (two largest units)", std::min(whole, 2 * largest_unit));
+  if (!(o.zero_stage == 1 && !narrow)) m.add(P::device, "gradient shards (f32)", shards_f32);
+  // The optimizer: fp32 masters (apart from the parameters when bf16/f16) and its state.
+  const std::string states = optimizer_states == 0 ? "" : " and " + std::to_string(optimizer_states) + " state tensor" +
+                                                               (optimizer_states == 1 ? "" : "s");
+  // (f32 on the device: the shard is its own master; offloaded to cpu in f32: the pinned master.)
+  const std::string kept = narrow ? "fp32 masters" + states : "optimizer state (" + std::to_string(optimizer_states) + " tensors)";
+  if (!offloaded) {
+    m.add(P::device, kept, (narrow ? shards_f32 : 0) + optimizer_states * shards_f32);
+  } else if (!swapped) {
+    m.add(P::pageable_host, kept + " (offload cpu)", (narrow ? shards_f32 : 0) + optimizer_states * shards_f32);
+  } else {
+    m.add(P::nvme, "fp32 masters" + states + " (swap files)", (1 + optimizer_states) * shards_f32);
+  }
+  if (offloaded) {
+    std::size_t pinned = 0;
+    for (const std::size_t b : detail::offload_pinned_sizes(units, o, optimizer_states)) pinned += offload::page_rounded(b);
+    // (host_memory_budget caps the pool; only what the plan reserves is allocated.)
+    m.add(P::pinned_host, swapped  ? "gradient shards and swap buffers"
+                                : narrow ? "gradient shards and " + dtype + " parameter copies"
+                                         : "fp32 masters and gradient shards",
+          pinned);
+  }
+  // initialize(): a unit's values in double, then encoded (nvme parameters: every shard at once).
+  const std::size_t encoded = o.offload_params == OffloadTarget::nvme ? shards : largest_unit;
+  m.add(P::pageable_host, "initial values (at start)", largest_padded * sizeof(double) + encoded);
+  return m;
+}
+
+std::string MachineMemory::describe() const {
+  std::string out = "host " + format_bytes(host_bytes) + " available";
+  out += device_bytes ? ", " + device + " " + format_bytes(*device_bytes) + " free"
+                      : ", device " + device + " (its memory is the host's)";
+  if (nvme_free_bytes) out += ", nvme " + format_bytes(*nvme_free_bytes) + " free at " + nvme_path.string();
+  return out;
+}
+
+Result<MachineMemory> machine_memory(async::Device device, const std::filesystem::path& nvme_path) {
+  MachineMemory m;
+  m.host_bytes = async::available_host_memory_bytes();
+  m.device = device.to_string();
+  if (device.is_cuda()) {
+    COSHARD_TRY_ASSIGN(auto free, async::cuda_free_memory_bytes(device));
+    m.device_bytes = free;
+  }
+  if (!nvme_path.empty()) {
+    // The folder may not exist yet: its nearest existing parent is where the files will go.
+    std::filesystem::path at = std::filesystem::absolute(nvme_path);
+    std::error_code ec;
+    while (!std::filesystem::exists(at, ec) && at.has_parent_path() && at != at.parent_path()) at = at.parent_path();
+    const auto space = std::filesystem::space(at, ec);
+    if (ec) return fail(ErrorCode::io, "free space at ", nvme_path.string(), ": ", ec.message());
+    m.nvme_free_bytes = static_cast<std::size_t>(space.available);
+    m.nvme_path = nvme_path;
+  }
+  return m;
+}
+
+Result<void> check_fits(const MemoryEstimate& per_rank, int ranks, const MachineMemory& machine) {
+  const auto n = static_cast<std::size_t>(std::max(ranks, 1));
+  const std::string who = n == 1 ? "one rank" : std::to_string(n) + " ranks of this process";
+  const std::size_t device = per_rank.bytes(MemoryPlace::device) * n;
+  const std::size_t host = (per_rank.bytes(MemoryPlace::pinned_host) + per_rank.bytes(MemoryPlace::pageable_host)) * n;
+  const std::size_t nvme = per_rank.bytes(MemoryPlace::nvme) * n;
+  if (machine.device_bytes && device > *machine.device_bytes)
+    return fail(ErrorCode::out_of_memory, "memory estimate: ", who, " need ", format_bytes(device), " (", device,
+                " bytes) on ", machine.device, ", which has ", format_bytes(*machine.device_bytes), " (",
+                *machine.device_bytes, " bytes) free");
+  const std::size_t host_total = machine.device_bytes ? host : host + device;
+  if (host_total > machine.host_bytes)
+    return fail(ErrorCode::out_of_memory, "memory estimate: ", who, " need ", format_bytes(host_total), " (", host_total,
+                " bytes) of host memory", machine.device_bytes ? "" : " (the device is the CPU: its memory counted too)",
+                ", and this process may take ", format_bytes(machine.host_bytes), " (", machine.host_bytes, " bytes)");
+  if (nvme > 0 && machine.nvme_free_bytes && nvme > *machine.nvme_free_bytes)
+    return fail(ErrorCode::out_of_memory, "memory estimate: ", who, " need ", format_bytes(nvme), " (", nvme,
+                " bytes) of swap files under ", machine.nvme_path.string(), ", which has ",
+                format_bytes(*machine.nvme_free_bytes), " (", *machine.nvme_free_bytes, " bytes) free");
+  return {};
+}
+
+}  // namespace coshard::modules

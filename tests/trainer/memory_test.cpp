@@ -1,0 +1,231 @@
+// The memory estimate against what a Trainer really allocates: on the CPU its device memory is
+// its allocator's, so the peak of that allocator over real steps must lie under the estimate and
+// not far from it, for every stage, dtype and offload; a plan the machine cannot hold is refused
+// by Engine::create and by the estimate with the numbers, before anything is allocated.
+#include <gtest/gtest.h>
+
+#include <mutex>
+#include <thread>
+
+#include "coshard/async/runtime.hpp"
+#include "coshard/collectives/local.hpp"
+#include "coshard/modules/gpt.hpp"
+#include "coshard/modules/memory_estimate.hpp"
+#include "coshard/trainer/memory.hpp"
+#include "coshard/trainer/trainer.hpp"
+
+namespace coshard::trainer {
+namespace {
+
+using modules::MemoryPlace;
+
+constexpr modules::GptConfig kModel{.vocab = 96, .max_seq = 32, .dim = 64, .layers = 3, .heads = 4, .mlp_ratio = 4};
+constexpr std::int64_t kBatch = 8;
+constexpr std::int64_t kSeq = 32;
+constexpr int kWorld = 2;
+
+struct Case {
+  const char* name;
+  int stage;
+  modules::DataType dtype;
+  OffloadDevice offload;
+  int accumulation;
+};
+
+// The device allocator's peak of each rank over three steps.
+Result<std::vector<std::size_t>> peaks_of(const TrainerConfig& c) {
+  auto comms = collectives::make_local_communicators(kWorld);
+  if (!comms) return fail(std::move(comms).error());
+  std::mutex mutex;
+  std::vector<std::string> errors;
+  std::vector<std::size_t> peaks(kWorld, 0);
+  const SyntheticTask task(kModel.vocab, 3);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r)
+    threads.emplace_back([&, r] {
+      async::Runtime rt;
+      auto done = rt.block_on([&]() -> async::Task<Result<void>> {
+        COSHARD_CO_TRY_ASSIGN(auto model, modules::make_gpt(kModel));
+        TrainerBuilder builder(c);
+        builder.communicator(*(*comms)[static_cast<std::size_t>(r)]);
+        COSHARD_CO_TRY_ASSIGN(Trainer t, co_await builder.build(*model));
+        for (std::uint64_t step = 0; step < 3; ++step)
+          COSHARD_CO_TRY(co_await t.step(task.batch(step, kBatch, kSeq).rank_rows(r, kWorld)));
+        peaks[static_cast<std::size_t>(r)] = t.context().allocator().stats().peak_in_use_bytes;
+        co_return Result<void>{};
+      }());
+      if (!done) {
+        std::lock_guard lock(mutex);
+        errors.push_back(done.error().message());
+      }
+    });
+  for (auto& t : threads) t.join();
+  if (!errors.empty()) return fail(ErrorCode::internal, errors.front());
+  return peaks;
+}
+
+class EstimateBoundsTheTrainer : public ::testing::TestWithParam<Case> {};
+
+TEST_P(EstimateBoundsTheTrainer, DevicePeakUnderTheEstimateAndNear) {
+  const Case k = GetParam();
+  TrainerConfig c;
+  c.zero_stage = k.stage;
+  c.set_compute_dtype(k.dtype);
+  c.max_live_bytes = 96 << 10;  // stage 3: a few units at once (the largest is 64 KiB)
+  c.prefetch_bucket_bytes = 32 << 10;
+  c.gradient_accumulation_steps = k.accumulation;
+  c.offload_optimizer.device = k.offload;
+  c.lr = 1e-3f;
+  auto model = modules::make_gpt(kModel);
+  ASSERT_TRUE(model);
+  const std::int64_t rows = kBatch / kWorld;
+  MemoryInputs in{.rows_per_rank = rows,
+                  .seq = kSeq,
+                  .activation_bytes = modules::gpt_activation_bytes(kModel, rows / k.accumulation, kSeq, k.dtype)};
+  auto estimate = estimate_memory(c, **model, kWorld, in);
+  ASSERT_TRUE(estimate) << estimate.error().message();
+  const std::size_t expected = estimate->bytes(MemoryPlace::device);
+  auto peaks = peaks_of(c);
+  ASSERT_TRUE(peaks) << peaks.error().message();
+  for (const std::size_t peak : *peaks) {
+    RecordProperty("estimate_over_peak", std::to_string(static_cast<double>(expected) / static_cast<double>(peak)));
+    EXPECT_LE(peak, expected) << estimate->describe();
+    EXPECT_LE(static_cast<double>(expected), 1.2 * static_cast<double>(peak)) << estimate->describe();
+  }
+}
+
+constexpr std::size_t kGiB = std::size_t{1} << 30;
+
+TEST(MemoryEstimate, ChecksEveryPlaceForEveryRankOfTheProcess) {
+  modules::MemoryEstimate e;
+  e.add(MemoryPlace::device, "parameters", 6 * kGiB);
+  e.add(MemoryPlace::pinned_host, "buffers", 1 * kGiB);
+  e.add(MemoryPlace::pageable_host, "state", 1 * kGiB);
+  e.add(MemoryPlace::nvme, "swap", 3 * kGiB);
+  e.add(MemoryPlace::nvme, "nothing", 0);  // not an item
+  EXPECT_EQ(e.items.size(), 4u);
+  EXPECT_EQ(e.bytes(MemoryPlace::nvme), 3 * kGiB);
+  EXPECT_NE(e.describe().find("pinned host    1.00 GiB"), std::string::npos) << e.describe();
+
+  // The CPU as device: its memory is the host's, so everything counts against the host.
+  modules::MachineMemory cpu{.host_bytes = 10 * kGiB, .device = "cpu"};
+  EXPECT_TRUE(modules::check_fits(e, 1, cpu));
+  auto two = modules::check_fits(e, 2, cpu);
+  ASSERT_FALSE(two);
+  EXPECT_EQ(two.error().code(), ErrorCode::out_of_memory);
+  EXPECT_NE(two.error().message().find("2 ranks of this process need 16.0 GiB (17179869184 bytes) of host memory"),
+            std::string::npos)
+      << two.error().message();
+  EXPECT_NE(two.error().message().find("may take 10.0 GiB (10737418240 bytes)"), std::string::npos);
+
+  // A device of its own: the device and the host each against theirs.
+  modules::MachineMemory gpu{.host_bytes = 3 * kGiB, .device_bytes = 5 * kGiB, .device = "cuda:0"};
+  auto device = modules::check_fits(e, 1, gpu);
+  ASSERT_FALSE(device);
+  EXPECT_NE(device.error().message().find("one rank need 6.00 GiB (6442450944 bytes) on cuda:0, which has 5.00 GiB"),
+            std::string::npos)
+      << device.error().message();
+  gpu.device_bytes = 7 * kGiB;
+  EXPECT_TRUE(modules::check_fits(e, 1, gpu));
+  gpu.host_bytes = kGiB;
+  EXPECT_FALSE(modules::check_fits(e, 1, gpu));
+
+  // The swap files against the free space of their folder.
+  modules::MachineMemory disk{.host_bytes = 100 * kGiB, .device = "cpu", .nvme_free_bytes = 2 * kGiB,
+                              .nvme_path = "/fast/swap"};
+  auto nvme = modules::check_fits(e, 1, disk);
+  ASSERT_FALSE(nvme);
+  EXPECT_NE(nvme.error().message().find("3.00 GiB (3221225472 bytes) of swap files under /fast/swap, which has 2.00 GiB"),
+            std::string::npos)
+      << nvme.error().message();
+}
+
+TEST(MemoryEstimate, ReadsTheFreeSpaceOfAFolderNotMadeYet) {
+  const auto folder = std::filesystem::current_path() / "memory_test_scratch" / "not" / "made" / "yet";
+  std::filesystem::remove_all(std::filesystem::current_path() / "memory_test_scratch");
+  auto m = modules::machine_memory(async::Device::cpu(), folder);
+  ASSERT_TRUE(m) << m.error().message();
+  ASSERT_TRUE(m->nvme_free_bytes);
+  // The free space of the nearest existing parent (other writers may move it a little meanwhile).
+  const auto here = static_cast<double>(std::filesystem::space(std::filesystem::current_path()).available);
+  EXPECT_NEAR(static_cast<double>(*m->nvme_free_bytes), here, 1e9);
+  EXPECT_FALSE(std::filesystem::exists(folder)) << "reading it creates nothing";
+  EXPECT_GT(m->host_bytes, 0u);
+  EXPECT_FALSE(m->device_bytes) << "the CPU has no memory apart from the host's";
+}
+
+TEST(MemoryEstimate, UnitsAreTheEnginesOwn) {
+  auto model = modules::make_gpt(kModel);
+  ASSERT_TRUE(model);
+  modules::EngineOptions o;
+  o.module_granularity_bytes = 20000;  // small leaves merge
+  auto planned = modules::plan_units(**model, 3, o);
+  ASSERT_TRUE(planned) << planned.error().message();
+  std::vector<modules::FetchUnitInfo> built;
+  auto comms = collectives::make_local_communicators(3);
+  ASSERT_TRUE(comms);
+  std::vector<std::thread> threads;
+  std::mutex mutex;
+  for (int r = 0; r < 3; ++r)
+    threads.emplace_back([&, r] {
+      async::Runtime rt;
+      auto done = rt.block_on([&]() -> async::Task<Result<void>> {
+        auto own = modules::make_gpt(kModel);
+        if (!own) co_return fail(std::move(own).error());
+        TrainerConfig c;
+        c.module_granularity_bytes = o.module_granularity_bytes;
+        TrainerBuilder builder(c);
+        builder.communicator(*(*comms)[static_cast<std::size_t>(r)]);
+        COSHARD_CO_TRY_ASSIGN(Trainer t, co_await builder.build(**own));
+        std::lock_guard lock(mutex);
+        if (r == 0) built = t.engine().units();
+        co_return Result<void>{};
+      }());
+      EXPECT_TRUE(done) << done.error().message();
+    });
+  for (auto& t : threads) t.join();
+  ASSERT_EQ(planned->size(), built.size());
+  EXPECT_LT(built.size(), 6u * static_cast<std::size_t>(kModel.layers) + 3) << "the small leaves were merged";
+  for (std::size_t i = 0; i < built.size(); ++i) {
+    EXPECT_EQ((*planned)[i].name, built[i].name);
+    EXPECT_EQ((*planned)[i].parameters, built[i].parameters);
+    EXPECT_EQ((*planned)[i].padded, built[i].padded);
+    EXPECT_EQ((*planned)[i].shard, built[i].shard);
+  }
+}
+
+// The engine refuses what no machine here holds (tens of terabytes), before allocating.
+TEST(MemoryEstimate, TheEngineRefusesAPlanTheMachineCannotHold) {
+  const modules::GptConfig huge{.vocab = 256, .max_seq = 64, .dim = 16384, .layers = 256, .heads = 64};
+  auto comms = collectives::make_local_communicators(1);
+  ASSERT_TRUE(comms);
+  async::Runtime rt;
+  auto built = rt.block_on([&]() -> async::Task<Result<void>> {
+    COSHARD_CO_TRY_ASSIGN(auto model, modules::make_gpt(huge));
+    TrainerBuilder builder;
+    builder.communicator(*comms->front()).max_live_bytes(std::size_t{64} << 30);
+    COSHARD_CO_TRY(co_await builder.build(*model));
+    co_return Result<void>{};
+  }());
+  ASSERT_FALSE(built);
+  EXPECT_EQ(built.error().code(), ErrorCode::out_of_memory);
+  EXPECT_NE(built.error().message().find("memory estimate: one rank need"), std::string::npos) << built.error().message();
+  EXPECT_NE(built.error().message().find("of host memory (the device is the CPU: its memory counted too)"),
+            std::string::npos);
+}
+
+using modules::DataType;
+INSTANTIATE_TEST_SUITE_P(
+    Plans, EstimateBoundsTheTrainer,
+    ::testing::Values(Case{"stage1_f32", 1, DataType::f32, OffloadDevice::none, 1},
+                      Case{"stage1_bf16", 1, DataType::bf16, OffloadDevice::none, 1},
+                      Case{"stage2_f32", 2, DataType::f32, OffloadDevice::none, 1},
+                      Case{"stage2_bf16_accumulating", 2, DataType::bf16, OffloadDevice::none, 2},
+                      Case{"stage3_f32", 3, DataType::f32, OffloadDevice::none, 1},
+                      Case{"stage3_bf16", 3, DataType::bf16, OffloadDevice::none, 1},
+                      Case{"stage3_f32_offload_cpu", 3, DataType::f32, OffloadDevice::cpu, 1},
+                      Case{"stage3_bf16_offload_cpu", 3, DataType::bf16, OffloadDevice::cpu, 2}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+}  // namespace
+}  // namespace coshard::trainer

@@ -1,0 +1,57 @@
+#include "memory_check.hpp"
+
+#include "coshard/trainer/memory.hpp"
+
+namespace coshard::train_app {
+
+using modules::format_bytes;
+using modules::MemoryPlace;
+
+Result<RunMemory> estimate_run(const trainer::TrainerConfig& c, const RunShape& shape) {
+  COSHARD_TRY_ASSIGN(auto model, modules::make_gpt(shape.gpt));  // shapes only: no parameter memory yet
+  const std::int64_t rows = shape.batch / shape.world;
+  trainer::MemoryInputs in;
+  in.rows_per_rank = rows;
+  in.seq = shape.seq;
+  in.activation_bytes =
+      modules::gpt_activation_bytes(shape.gpt, rows / c.gradient_accumulation_steps, shape.seq, c.engine_options().dtype);
+  in.checkpoints = shape.checkpoints;
+  in.export_model = shape.export_model;
+  RunMemory out;
+  COSHARD_TRY_ASSIGN(out.per_rank, trainer::estimate_memory(c, *model, shape.world, in));
+  // Each rank draws the step's global batch on the host, then takes its rows (i32 ids and targets).
+  out.per_rank.add(MemoryPlace::pageable_host, "host batches (the global batch, this rank's rows)",
+                   static_cast<std::size_t>(shape.batch + rows) * static_cast<std::size_t>(shape.seq) * 8);
+  auto machine = modules::machine_memory(shape.device, c.engine_options().offload_optimizer == modules::OffloadTarget::nvme
+                                                           ? c.engine_options().nvme_path
+                                                           : std::filesystem::path());
+  if (machine) out.machine = std::move(*machine);
+  else out.machine_error = machine.error().message();
+  return out;
+}
+
+std::string describe_run(const RunMemory& m, const RunShape& shape, const trainer::TrainerConfig& c) {
+  const auto& g = shape.gpt;
+  std::string out = "memory estimate: " + std::to_string(g.parameter_count()) + "-parameter GPT (" +
+                    std::to_string(g.layers) + " layers, dim " + std::to_string(g.dim) + ", " + std::to_string(g.heads) +
+                    " heads, seq " + std::to_string(shape.seq) + "), ZeRO-" + std::to_string(c.zero_stage) + ", " +
+                    std::to_string(shape.world) + " rank(s) on " + shape.device.to_string() + ", " +
+                    std::string(collectives::to_string(c.engine_options().dtype)) + ", global batch " +
+                    std::to_string(shape.batch) + "\n";
+  out += "per rank:\n" + m.per_rank.describe();
+  const auto n = static_cast<std::size_t>(shape.ranks_here);
+  out += "this process (" + std::to_string(n) + " rank" + (n == 1 ? "" : "s") + "):";
+  for (const MemoryPlace place : {MemoryPlace::device, MemoryPlace::pinned_host, MemoryPlace::pageable_host, MemoryPlace::nvme})
+    if (const std::size_t b = m.per_rank.bytes(place); b > 0)
+      out += " " + std::string(modules::to_string(place)) + " " + format_bytes(b * n) + ";";
+  out.back() = '\n';
+  out += "machine: " + (m.machine ? m.machine->describe() : "unknown (" + m.machine_error + ")") + "\n";
+  return out;
+}
+
+Result<void> check_run(const RunMemory& m, const RunShape& shape) {
+  if (!m.machine) return {};
+  return modules::check_fits(m.per_rank, shape.ranks_here, *m.machine);
+}
+
+}  // namespace coshard::train_app
