@@ -28,6 +28,7 @@ function(coshard_component name)
   add_library(coshard::${name} ALIAS ${target})
   set_target_properties(${target} PROPERTIES EXPORT_NAME ${name} OUTPUT_NAME coshard_${name})
   target_link_libraries(${target} ${scope} ${C_DEPS})
+  target_compile_features(${target} ${scope} cxx_std_20)  # what a consumer needs, carried by the export
   if(EXISTS ${include_dir})
     target_include_directories(${target} ${scope}
       $<BUILD_INTERFACE:${include_dir}>
@@ -48,8 +49,12 @@ function(coshard_component name)
       list(APPEND check_sources ${check})
     endforeach()
     if(check_sources)
+      # Each header alone, as C++20 (the library's standard) and as C++23 (a newer consumer's).
       add_library(${target}_header_check OBJECT ${check_sources})
       target_link_libraries(${target}_header_check PRIVATE ${target})
+      add_library(${target}_header_check_cxx23 OBJECT ${check_sources})
+      target_link_libraries(${target}_header_check_cxx23 PRIVATE ${target})
+      set_target_properties(${target}_header_check_cxx23 PROPERTIES CXX_STANDARD 23)
     endif()
   endif()
 endfunction()

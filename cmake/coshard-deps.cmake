@@ -2,8 +2,6 @@
 # coshardConfig.cmake, so a consumer gets the same imported targets with the same settings.
 #
 #   coshard::asio   Asio (header-only) with io_uring files, liburing, threads.
-#   coshard::result the backend of coshard::Result: std::expected, or tl::expected when the
-#                   `tl-expected` package is found (COSHARD_USE_TL_EXPECTED is then defined).
 include_guard(GLOBAL)
 include(CMakeFindDependencyMacro)
 
@@ -41,16 +39,3 @@ if(NOT TARGET coshard::asio)
   target_link_libraries(coshard::asio INTERFACE PkgConfig::COSHARD_URING Threads::Threads)
 endif()
 
-if(NOT DEFINED COSHARD_USE_TL_EXPECTED)
-  find_package(tl-expected CONFIG QUIET)
-  set(COSHARD_USE_TL_EXPECTED ${tl-expected_FOUND})
-elseif(COSHARD_USE_TL_EXPECTED)
-  find_dependency(tl-expected CONFIG)
-endif()
-if(NOT TARGET coshard::result)
-  add_library(coshard::result INTERFACE IMPORTED GLOBAL)
-  if(COSHARD_USE_TL_EXPECTED)
-    target_compile_definitions(coshard::result INTERFACE COSHARD_USE_TL_EXPECTED)
-    target_link_libraries(coshard::result INTERFACE tl::expected)
-  endif()
-endif()

@@ -98,12 +98,12 @@ class CpuStream final : public StreamImpl {
     worker_.join();
   }
 
-  Result<void> launch(std::move_only_function<void()> fn) override {
+  Result<void> launch(detail::UniqueFunction<void()> fn) override {
     enqueue(Op{Op::Kind::run, std::move(fn), {}, nullptr, nullptr});
     return {};
   }
 
-  Result<void> launch_fallible(std::move_only_function<Result<void>()> fn) override {
+  Result<void> launch_fallible(detail::UniqueFunction<Result<void>()> fn) override {
     enqueue(Op{Op::Kind::run_fallible, {}, std::move(fn), nullptr, nullptr});
     return {};
   }
@@ -140,8 +140,8 @@ class CpuStream final : public StreamImpl {
  private:
   struct Op {
     enum class Kind : std::uint8_t { run, run_fallible, record, wait } kind;
-    std::move_only_function<void()> fn;
-    std::move_only_function<Result<void>()> fallible;
+    detail::UniqueFunction<void()> fn;
+    detail::UniqueFunction<Result<void>()> fallible;
     std::shared_ptr<CpuFence> signal;
     std::shared_ptr<Fence> wait_on;
   };

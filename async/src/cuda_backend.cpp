@@ -205,7 +205,7 @@ bool CudaEventPoller::poll() {
 }
 
 void CUDART_CB run_host_function(void* data) {
-  std::unique_ptr<std::move_only_function<void()>> fn(static_cast<std::move_only_function<void()>*>(data));
+  std::unique_ptr<detail::UniqueFunction<void()>> fn(static_cast<detail::UniqueFunction<void()>*>(data));
   try {
     (*fn)();
   } catch (...) {
@@ -219,8 +219,8 @@ class CudaStream final : public StreamImpl {
       : StreamImpl(device, std::move(options)), stream_(stream) {}
   ~CudaStream() override { cudaStreamDestroy(stream_); }  // returns at once; work completes
 
-  Result<void> launch(std::move_only_function<void()> fn) override {
-    auto heap = std::make_unique<std::move_only_function<void()>>(std::move(fn));
+  Result<void> launch(detail::UniqueFunction<void()> fn) override {
+    auto heap = std::make_unique<detail::UniqueFunction<void()>>(std::move(fn));
     if (auto e = cudaLaunchHostFunc(stream_, run_host_function, heap.get()); e != cudaSuccess) {
       return cuda_error(e, "cudaLaunchHostFunc on stream '" + options().name + "'");
     }
@@ -228,7 +228,7 @@ class CudaStream final : public StreamImpl {
     return {};
   }
 
-  Result<void> launch_fallible(std::move_only_function<Result<void>()>) override {
+  Result<void> launch_fallible(detail::UniqueFunction<Result<void>()>) override {
     return fail(ErrorCode::unsupported, "stream '", options().name,
                 "' (CUDA): launch_fallible is CPU-only (a host function cannot fail a CUDA stream)");
   }

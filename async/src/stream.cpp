@@ -35,8 +35,8 @@ Stream::~Stream() = default;
 
 Device Stream::device() const noexcept { return impl_->device(); }
 const std::string& Stream::name() const noexcept { return impl_->options().name; }
-Result<void> Stream::launch(std::move_only_function<void()> fn) { return impl_->launch(std::move(fn)); }
-Result<void> Stream::launch_fallible(std::move_only_function<Result<void>()> fn) {
+Result<void> Stream::launch(detail::UniqueFunction<void()> fn) { return impl_->launch(std::move(fn)); }
+Result<void> Stream::launch_fallible(detail::UniqueFunction<Result<void>()> fn) {
   return impl_->launch_fallible(std::move(fn));
 }
 Result<void> Stream::copy(void* dst, const void* src, std::size_t bytes) { return impl_->copy(dst, src, bytes); }

@@ -18,8 +18,8 @@ class StreamImpl {
   Device device() const noexcept { return device_; }
   const StreamOptions& options() const noexcept { return options_; }
 
-  virtual Result<void> launch(std::move_only_function<void()> fn) = 0;
-  virtual Result<void> launch_fallible(std::move_only_function<Result<void>()> fn) = 0;
+  virtual Result<void> launch(detail::UniqueFunction<void()> fn) = 0;
+  virtual Result<void> launch_fallible(detail::UniqueFunction<Result<void>()> fn) = 0;
   virtual Result<void> copy(void* dst, const void* src, std::size_t bytes) = 0;
   virtual Result<void> fill(void* dst, std::uint8_t value, std::size_t bytes) = 0;
   virtual Result<Event> record() = 0;

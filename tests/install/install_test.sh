@@ -9,7 +9,12 @@ trap 'rm -rf "$work"' EXIT
 
 cmake --install "$build_dir" --prefix "$work/prefix" >/dev/null
 mv "$work/prefix" "$work/moved-prefix"
-cmake -S "$consumer_src" -B "$work/build" -G Ninja -DCMAKE_PREFIX_PATH="$work/moved-prefix" \
-      -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build "$work/build" >/dev/null
-"$work/build/consumer"
+# As the consumer leaves it (the package's cxx_std_20), then as a C++23 project: one Result type
+# and one ABI in both.
+for standard in "" 23; do
+  build="$work/build${standard}"
+  cmake -S "$consumer_src" -B "$build" -G Ninja -DCMAKE_PREFIX_PATH="$work/moved-prefix" \
+        -DCMAKE_BUILD_TYPE=Release ${standard:+-DCMAKE_CXX_STANDARD=$standard} >/dev/null
+  cmake --build "$build" >/dev/null
+  "$build/consumer"
+done

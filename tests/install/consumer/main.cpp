@@ -49,6 +49,28 @@ int main() {
     std::fprintf(stderr, "consumer: GPT forward failed: %s\n", logits ? "wrong size" : logits.error().message().c_str());
     return 1;
   }
-  std::puts("consumer: ok");
+  // The trainer and the memory estimate through the umbrella: one ZeRO-3 step on one Local rank.
+  namespace t = coshard::trainer;
+  auto comms = coshard::collectives::make_local_communicators(1);
+  if (!comms) return 1;
+  auto trained = rt.block_on([](coshard::collectives::Communicator& comm) -> Task<coshard::Result<double>> {
+    m::GptConfig config{.vocab = 32, .max_seq = 8, .dim = 16, .layers = 1, .heads = 2};
+    COSHARD_CO_TRY_ASSIGN(auto model, m::make_gpt(config));
+    t::TrainerConfig c;
+    c.zero_stage = 3;
+    COSHARD_CO_TRY_ASSIGN(auto estimate, t::estimate_memory(c, *model, 1, {.rows_per_rank = 2, .seq = 8}));
+    if (estimate.bytes(m::MemoryPlace::device) == 0) co_return coshard::fail(coshard::ErrorCode::internal, "no estimate");
+    t::TrainerBuilder builder(c);
+    builder.communicator(comm);
+    COSHARD_CO_TRY_ASSIGN(t::Trainer trainer, co_await builder.build(*model));
+    const t::SyntheticTask task(config.vocab, 1);
+    COSHARD_CO_TRY_ASSIGN(auto stats, co_await trainer.step(task.batch(0, 2, 8)));
+    co_return stats.loss;
+  }(*comms->front()));
+  if (!trained || !(*trained > 0)) {
+    std::fprintf(stderr, "consumer: trainer step failed: %s\n", trained ? "no loss" : trained.error().message().c_str());
+    return 1;
+  }
+  std::printf("consumer: ok (C++ %ld)\n", static_cast<long>(__cplusplus));
   return 0;
 }

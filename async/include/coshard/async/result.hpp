@@ -1,25 +1,26 @@
 // coshard::Result<T> — the one error type at every boundary of the library.
 //
-// Result<T> is std::expected<T, Error> in C++23 mode, or tl::expected<T, Error> where the build
-// found a `tl-expected` CMake package (COSHARD_USE_TL_EXPECTED). No exception crosses the public
-// API: an operation that can fail returns a Result whose Error names what failed, the value, and
-// what was expected.
+// A Result holds a T or an Error. No exception crosses the public API: an operation that can
+// fail returns a Result whose Error names what failed, the value, and what was expected. It is
+// coshard's own small type (the subset of std::expected the library uses: operator bool,
+// has_value, *, ->, value, error, value_or, emplace), so it is one type with one ABI whether a
+// consumer compiles as C++20 or C++23. value() on an error is a bug: it prints the error and
+// aborts (it never throws).
 //
-// This header must stay out of `.cu` files: nvcc has no C++23 mode. CUDA kernels are exposed
-// through plain C++20 headers taking pointers, sizes and a stream.
+// No CUDA kernel needs this header: kernels are exposed through plain headers taking pointers,
+// sizes and a stream.
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
-
-#if defined(COSHARD_USE_TL_EXPECTED)
-#include <tl/expected.hpp>
-#else
-#include <expected>
-#endif
+#include <variant>
 
 namespace coshard {
 
@@ -59,15 +60,134 @@ class Error {
   std::string message_;
 };
 
-#if defined(COSHARD_USE_TL_EXPECTED)
+// The error side of a Result: what fail() returns; converts into any Result<T>.
+class Unexpected {
+ public:
+  explicit Unexpected(Error error) : error_(std::move(error)) {}
+  const Error& error() const& noexcept { return error_; }
+  Error& error() & noexcept { return error_; }
+  Error&& error() && noexcept { return std::move(error_); }
+
+ private:
+  Error error_;
+};
+
 template <class T>
-using Result = tl::expected<T, Error>;
-using Unexpected = tl::unexpected<Error>;
-#else
+class Result;
+
+namespace detail {
 template <class T>
-using Result = std::expected<T, Error>;
-using Unexpected = std::unexpected<Error>;
-#endif
+struct is_result_type : std::false_type {};
+template <class T>
+struct is_result_type<Result<T>> : std::true_type {};
+
+[[noreturn]] inline void bad_result_access(const char* what, const Error* error) noexcept {
+  std::fprintf(stderr, "coshard::Result::%s on %s%s\n", what, error ? "an error: " : "a value",
+               error ? error->message().c_str() : "");
+  std::abort();
+}
+
+// A T may be made from U by a Result's converting constructor (not from Results or errors).
+template <class T, class U>
+concept result_value_from = std::is_constructible_v<T, U&&> && !is_result_type<std::remove_cvref_t<U>>::value &&
+                            !std::is_same_v<std::remove_cvref_t<U>, Unexpected> &&
+                            !std::is_same_v<std::remove_cvref_t<U>, std::in_place_t>;
+}  // namespace detail
+
+template <class T>
+class Result {
+  static_assert(std::is_object_v<T> && !std::is_array_v<T>, "Result<T>: T is an object type (or void)");
+  static_assert(!std::is_same_v<std::remove_cv_t<T>, Error> && !std::is_same_v<std::remove_cv_t<T>, Unexpected>,
+                "Result<T>: T is not the error");
+
+ public:
+  using value_type = T;
+  using error_type = Error;
+
+  Result() requires std::is_default_constructible_v<T> : v_(std::in_place_index<0>) {}
+  template <class U = T>
+    requires detail::result_value_from<T, U>
+  explicit(!std::is_convertible_v<U&&, T>) Result(U&& value) : v_(std::in_place_index<0>, std::forward<U>(value)) {}
+  template <class... Args>
+  explicit Result(std::in_place_t, Args&&... args) : v_(std::in_place_index<0>, std::forward<Args>(args)...) {}
+  Result(Unexpected error) : v_(std::in_place_index<1>, std::move(error).error()) {}
+  // From a Result of another value type whose value converts (unique_ptr<Derived> to <Base>).
+  template <class U>
+    requires(!std::is_same_v<U, T> && std::is_constructible_v<T, U &&>)
+  Result(Result<U>&& other)
+      : v_(other ? std::variant<T, Error>(std::in_place_index<0>, std::move(*other))
+                 : std::variant<T, Error>(std::in_place_index<1>, std::move(other).error())) {}
+
+  bool has_value() const noexcept { return v_.index() == 0; }
+  explicit operator bool() const noexcept { return has_value(); }
+
+  T& operator*() & noexcept { return *std::get_if<0>(&v_); }
+  const T& operator*() const& noexcept { return *std::get_if<0>(&v_); }
+  T&& operator*() && noexcept { return std::move(*std::get_if<0>(&v_)); }
+  T* operator->() noexcept { return std::get_if<0>(&v_); }
+  const T* operator->() const noexcept { return std::get_if<0>(&v_); }
+
+  T& value() & { return checked(), **this; }
+  const T& value() const& { return checked(), **this; }
+  T&& value() && { return checked(), std::move(**this); }
+
+  Error& error() & noexcept { return unchecked_error(); }
+  const Error& error() const& noexcept { return const_cast<Result*>(this)->unchecked_error(); }
+  Error&& error() && noexcept { return std::move(unchecked_error()); }
+
+  template <class U>
+  T value_or(U&& fallback) const& {
+    return has_value() ? **this : static_cast<T>(std::forward<U>(fallback));
+  }
+  template <class U>
+  T value_or(U&& fallback) && {
+    return has_value() ? std::move(**this) : static_cast<T>(std::forward<U>(fallback));
+  }
+  template <class... Args>
+  T& emplace(Args&&... args) {
+    return v_.template emplace<0>(std::forward<Args>(args)...);
+  }
+
+ private:
+  void checked() const noexcept {
+    if (!has_value()) detail::bad_result_access("value()", std::get_if<1>(&v_));
+  }
+  Error& unchecked_error() noexcept {
+    if (has_value()) detail::bad_result_access("error()", nullptr);
+    return *std::get_if<1>(&v_);
+  }
+  std::variant<T, Error> v_;
+};
+
+template <>
+class Result<void> {
+ public:
+  using value_type = void;
+  using error_type = Error;
+
+  Result() noexcept = default;
+  explicit Result(std::in_place_t) noexcept {}
+  Result(Unexpected error) : error_(std::move(error).error()) {}
+
+  bool has_value() const noexcept { return !error_.has_value(); }
+  explicit operator bool() const noexcept { return has_value(); }
+  void operator*() const noexcept {}
+  void value() const {
+    if (error_) detail::bad_result_access("value()", &*error_);
+  }
+  void emplace() noexcept { error_.reset(); }
+
+  Error& error() & noexcept { return checked_error(); }
+  const Error& error() const& noexcept { return const_cast<Result*>(this)->checked_error(); }
+  Error&& error() && noexcept { return std::move(checked_error()); }
+
+ private:
+  Error& checked_error() noexcept {
+    if (!error_) detail::bad_result_access("error()", nullptr);
+    return *error_;
+  }
+  std::optional<Error> error_;
+};
 
 namespace detail {
 template <class... Parts>

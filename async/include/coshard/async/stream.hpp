@@ -25,6 +25,7 @@
 
 #include "coshard/async/device.hpp"
 #include "coshard/async/event.hpp"
+#include "coshard/async/detail/unique_function.hpp"
 #include "coshard/async/result.hpp"
 
 namespace coshard::async {
@@ -52,10 +53,10 @@ class Stream {
 
   // Runs `fn` on the host in stream order (CPU: on the worker; CUDA: cudaLaunchHostFunc, which
   // stalls the stream while it runs — for host work, not for kernels).
-  Result<void> launch(std::move_only_function<void()> fn);
+  Result<void> launch(detail::UniqueFunction<void()> fn);
   // Like launch, but `fn` may fail: its Error (code kept, stream name prefixed) becomes the
   // stream's sticky error. CPU streams only for now (CUDA: ErrorCode::unsupported).
-  Result<void> launch_fallible(std::move_only_function<Result<void>()> fn);
+  Result<void> launch_fallible(detail::UniqueFunction<Result<void>()> fn);
   // memcpy / memset in stream order (CUDA: cudaMemcpyAsync with cudaMemcpyDefault).
   Result<void> copy(void* dst, const void* src, std::size_t bytes);
   Result<void> fill(void* dst, std::uint8_t value, std::size_t bytes);
