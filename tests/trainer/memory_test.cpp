@@ -94,6 +94,7 @@ TEST_P(EstimateBoundsTheTrainer, DevicePeakUnderTheEstimateAndNear) {
   }
 }
 
+using modules::DataType;
 constexpr std::size_t kGiB = std::size_t{1} << 30;
 
 TEST(MemoryEstimate, ChecksEveryPlaceForEveryRankOfTheProcess) {
@@ -214,7 +215,41 @@ TEST(MemoryEstimate, TheEngineRefusesAPlanTheMachineCannotHold) {
             std::string::npos);
 }
 
-using modules::DataType;
+// A tensor the user keeps (a forward's output, and the activations it left saved in the modules)
+// after the Trainer, its stream and its allocator are gone stays valid, and is freed when dropped.
+TEST(TensorLifetime, ATensorKeptAfterTheTrainerIsGoneStaysValid) {
+  auto comms = collectives::make_local_communicators(1);
+  ASSERT_TRUE(comms);
+  auto model = modules::make_gpt(kModel);
+  ASSERT_TRUE(model);
+  modules::Tensor kept;
+  std::vector<double> read_then;
+  {
+    async::Runtime rt;
+    auto done = rt.block_on([&]() -> async::Task<Result<void>> {
+      TrainerBuilder builder;
+      builder.communicator(*comms->front()).zero_stage(1);
+      COSHARD_CO_TRY_ASSIGN(Trainer t, co_await builder.build(**model));
+      const SyntheticTask task(kModel.vocab, 3);
+      const HostBatch batch = task.batch(0, 2, kSeq);
+      COSHARD_CO_TRY(co_await t.step(batch));
+      // The user's own forward, outside any step: its activations stay saved in the modules.
+      COSHARD_CO_TRY_ASSIGN(auto tokens, t.context().upload(std::as_bytes(std::span<const std::int32_t>(batch.tokens)),
+                                                            modules::Shape{2, kSeq}, DataType::i32));
+      COSHARD_CO_TRY_ASSIGN(kept, co_await t.context().forward(**model, tokens));
+      COSHARD_CO_TRY_ASSIGN(read_then, co_await t.context().read(kept));
+      co_return Result<void>{};
+    }());
+    ASSERT_TRUE(done) << done.error().message();
+  }  // the trainer, its stream, allocator and engine are gone
+  ASSERT_EQ(kept.dtype(), DataType::f32);
+  ASSERT_EQ(static_cast<std::size_t>(kept.numel()), read_then.size());
+  const auto* now = static_cast<const float*>(kept.data());  // CPU memory: readable from the host
+  for (std::size_t i = 0; i < read_then.size(); ++i) ASSERT_EQ(static_cast<double>(now[i]), read_then[i]) << i;
+  kept = {};
+  model->reset();  // the saved activations go last, after their allocator: freed, no crash (ASan checks)
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Plans, EstimateBoundsTheTrainer,
     ::testing::Values(Case{"stage1_f32", 1, DataType::f32, OffloadDevice::none, 1},
