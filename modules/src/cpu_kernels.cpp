@@ -299,6 +299,22 @@ void cross_entropy_fwd(const T* logits, const std::int32_t* targets, T* loss, st
 }
 
 template <class T>
+void mse_fwd(const T* pred, const T* target, T* loss, std::int64_t n) {
+  double total = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const double d = static_cast<double>(pred[i]) - static_cast<double>(target[i]);
+    total += d * d;
+  }
+  loss[0] = static_cast<T>(total / static_cast<double>(n));
+}
+
+template <class T>
+void mse_bwd(const T* pred, const T* target, const T* seed, T* dpred, std::int64_t n) {
+  const T g = 2 * seed[0] / static_cast<T>(n);
+  for (std::int64_t i = 0; i < n; ++i) dpred[i] = (pred[i] - target[i]) * g;
+}
+
+template <class T>
 void cross_entropy_bwd(const T* logits, const std::int32_t* targets, const T* seed, T* dlogits, std::int64_t N,
                        std::int64_t V) {
   const T g = seed[0] / static_cast<T>(N);
@@ -515,6 +531,20 @@ class CpuKernels final : public Kernels {
                                       std::int64_t V) const override {
     return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
       cross_entropy_bwd<T>(io.in(logits, N * V), targets, io.stat(seed), io.inout(dlogits, N * V), N, V);
+    });
+  }
+
+  Result<void> mse_forward(Stream& s, DataType dt, const void* pred, const void* target, void* loss,
+                           void* /*scratch*/, std::int64_t n) const override {
+    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
+      mse_fwd<T>(io.in(pred, n), io.in(target, n), io.stat(loss), n);
+    });
+  }
+
+  Result<void> mse_backward(Stream& s, DataType dt, const void* pred, const void* target, const void* seed,
+                            void* dpred, std::int64_t n) const override {
+    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
+      mse_bwd<T>(io.in(pred, n), io.in(target, n), io.stat(seed), io.inout(dpred, n), n);
     });
   }
 

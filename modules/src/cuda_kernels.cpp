@@ -259,6 +259,20 @@ class CudaKernels final : public Kernels {
                                                      static_cast<const float*>(seed), dlogits, N, V),
                         "cross_entropy_backward", s);
   }
+  Result<void> mse_forward(Stream& s, DataType dt, const void* pred, const void* target, void* loss, void* scratch,
+                           std::int64_t n) const override {
+    COSHARD_TRY(check(dt));
+    return check_launch(cuda::mse_forward(s.native_handle(), code(dt), pred, target, static_cast<float*>(loss),
+                                          static_cast<float*>(scratch), n),
+                        "mse_forward", s);
+  }
+  Result<void> mse_backward(Stream& s, DataType dt, const void* pred, const void* target, const void* seed,
+                            void* dpred, std::int64_t n) const override {
+    COSHARD_TRY(check(dt));
+    return check_launch(cuda::mse_backward(s.native_handle(), code(dt), pred, target, static_cast<const float*>(seed),
+                                           dpred, n),
+                        "mse_backward", s);
+  }
   Result<void> cast(Stream& s, DataType from, const void* src, DataType to, void* dst,
                     std::int64_t n) const override {
     COSHARD_TRY(check(from));

@@ -1384,7 +1384,7 @@ Result<void> Engine::after_backward(Context&, Module& module) {
   return s.release(*u);
 }
 
-async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::span<const Batch> micro_batches,
+async::Task<Result<EngineStepStats>> Engine::step(Loss& loss, std::span<const Batch> micro_batches,
                                                   float lr) {
   State& s = *s_;
   auto stepped = co_await run_step(loss, micro_batches, lr);
@@ -1399,7 +1399,7 @@ async::Task<Result<EngineStepStats>> Engine::step(CrossEntropyLoss& loss, std::s
   co_return stepped;
 }
 
-async::Task<Result<EngineStepStats>> Engine::run_step(CrossEntropyLoss& loss, std::span<const Batch> micro_batches,
+async::Task<Result<EngineStepStats>> Engine::run_step(Loss& loss, std::span<const Batch> micro_batches,
                                                       float lr) {
   State& s = *s_;
   if (micro_batches.empty()) co_return fail(ErrorCode::invalid_argument, "Engine::step: no micro-batches");
@@ -1444,7 +1444,7 @@ async::Task<Result<EngineStepStats>> Engine::run_step(CrossEntropyLoss& loss, st
   }
   COSHARD_CO_TRY_ASSIGN(Tensor loss_sum, ctx.zeros(Shape{1}, DataType::f32));
   for (const auto& mb : micro_batches) {
-    auto value = co_await forward_backward(ctx, *s.model, loss, mb.tokens, mb.targets, s.backward_seed());
+    auto value = co_await forward_backward(ctx, *s.model, loss, mb.inputs, mb.targets, s.backward_seed());
     if (!value) {
       (void)s.end_pass();
       co_return fail(std::move(value).error());
@@ -1597,12 +1597,12 @@ async::Task<Result<EngineStepStats>> Engine::run_step(CrossEntropyLoss& loss, st
   co_return stats;
 }
 
-async::Task<Result<double>> Engine::evaluate(CrossEntropyLoss& loss, const Batch& batch) {
+async::Task<Result<double>> Engine::evaluate(Loss& loss, const Batch& batch) {
   State& s = *s_;
   Context& ctx = *s.ctx;
   s.begin_pass("eval");
   COSHARD_CO_TRY(State::order(ctx.stream(), s.comm->stream()));
-  auto logits = co_await ctx.forward(*s.model, batch.tokens);
+  auto logits = co_await ctx.forward(*s.model, batch.inputs);
   if (!logits) {
     (void)s.end_pass();
     co_return fail(std::move(logits).error());

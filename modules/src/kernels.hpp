@@ -93,6 +93,14 @@ class Kernels {
                                               const std::int32_t* targets, const void* seed, void* dlogits,
                                               std::int64_t N, std::int64_t V) const = 0;
 
+  // loss (stat dtype, one element) = mean over the n elements of (pred - target)^2, summed in a
+  // fixed order; `scratch` holds n stat-dtype elements.
+  virtual Result<void> mse_forward(async::Stream& s, DataType dt, const void* pred, const void* target, void* loss,
+                                   void* scratch, std::int64_t n) const = 0;
+  // dpred = 2 (pred - target) * seed[0] / n, seed in the stat dtype.
+  virtual Result<void> mse_backward(async::Stream& s, DataType dt, const void* pred, const void* target,
+                                    const void* seed, void* dpred, std::int64_t n) const = 0;
+
   // dst = src converted (any two of f32/f64/bf16/f16 the backend serves).
   virtual Result<void> cast(async::Stream& s, DataType from, const void* src, DataType to, void* dst,
                             std::int64_t n) const = 0;

@@ -49,6 +49,14 @@ Result<void> check_grad(const Tensor& saved, const Tensor& grad, std::string_vie
   return check_grad(grad, saved.shape(), saved.dtype(), who);
 }
 
+// The seed of a loss's backward: one element of the loss's dtype, on the context's device.
+Result<void> check_seed(const Context& ctx, const Tensor& seed, DataType dt, std::string_view who) {
+  if (!seed || seed.numel() != 1 || seed.dtype() != detail::stat_dtype(dt) || !(seed.device() == ctx.device()))
+    return fail(ErrorCode::invalid_argument, who, ": seed ", seed ? seed.describe() : "empty", ", expected one ",
+                collectives::to_string(detail::stat_dtype(dt)), " on ", ctx.device().to_string());
+  return {};
+}
+
 }  // namespace
 
 // ---- Embedding ----
@@ -262,10 +270,7 @@ async::Task<Result<Tensor>> CrossEntropyLoss::forward(Context& ctx, Tensor logit
 async::Task<Result<Tensor>> CrossEntropyLoss::backward(Context& ctx, Tensor seed) {
   if (!logits_) co_return fail(ErrorCode::invalid_argument, "CrossEntropyLoss: backward without a forward");
   const DataType dt = logits_.dtype();
-  if (!seed || seed.numel() != 1 || seed.dtype() != detail::stat_dtype(dt) || !(seed.device() == ctx.device()))
-    co_return fail(ErrorCode::invalid_argument, "CrossEntropyLoss: seed ", seed ? seed.describe() : "empty",
-                   ", expected one ", collectives::to_string(detail::stat_dtype(dt)), " on ",
-                   ctx.device().to_string());
+  COSHARD_CO_TRY(check_seed(ctx, seed, dt, "CrossEntropyLoss"));
   const std::int64_t N = logits_.shape().rows(), V = logits_.shape().back();
   COSHARD_CO_TRY_ASSIGN(Tensor dlogits, ctx.empty(logits_.shape(), dt));
   COSHARD_CO_TRY(ctx.kernels().cross_entropy_backward(ctx.stream(), dt, logits_.data(),
@@ -275,9 +280,36 @@ async::Task<Result<Tensor>> CrossEntropyLoss::backward(Context& ctx, Tensor seed
   co_return dlogits;
 }
 
-async::Task<Result<Tensor>> forward_backward(Context& ctx, Module& model, CrossEntropyLoss& loss, Tensor tokens,
-                                             Tensor targets, Tensor seed) {
-  COSHARD_CO_TRY_ASSIGN(Tensor logits, co_await ctx.forward(model, std::move(tokens)));
+async::Task<Result<Tensor>> MeanSquaredErrorLoss::forward(Context& ctx, Tensor pred) {
+  COSHARD_CO_TRY(check_activation(ctx, pred, 0, "MeanSquaredErrorLoss"));
+  if (!targets_ || !(targets_.shape() == pred.shape()) || targets_.dtype() != pred.dtype() ||
+      !(targets_.device() == ctx.device()))
+    co_return fail(ErrorCode::invalid_argument, "MeanSquaredErrorLoss: targets ",
+                   targets_ ? targets_.describe() : "not set", ", expected the prediction's shape and dtype (",
+                   pred.describe(), ") on ", ctx.device().to_string());
+  const DataType dt = pred.dtype();
+  const std::int64_t n = pred.numel();
+  COSHARD_CO_TRY_ASSIGN(Tensor loss, ctx.empty(Shape{1}, detail::stat_dtype(dt)));
+  COSHARD_CO_TRY_ASSIGN(Tensor scratch, ctx.empty(Shape{n}, detail::stat_dtype(dt)));
+  COSHARD_CO_TRY(ctx.kernels().mse_forward(ctx.stream(), dt, pred.data(), targets_.data(), loss.data(), scratch.data(), n));
+  pred_ = std::move(pred);
+  co_return loss;
+}
+
+async::Task<Result<Tensor>> MeanSquaredErrorLoss::backward(Context& ctx, Tensor seed) {
+  if (!pred_) co_return fail(ErrorCode::invalid_argument, "MeanSquaredErrorLoss: backward without a forward");
+  const DataType dt = pred_.dtype();
+  COSHARD_CO_TRY(check_seed(ctx, seed, dt, "MeanSquaredErrorLoss"));
+  COSHARD_CO_TRY_ASSIGN(Tensor dpred, ctx.empty(pred_.shape(), dt));
+  COSHARD_CO_TRY(ctx.kernels().mse_backward(ctx.stream(), dt, pred_.data(), targets_.data(), seed.data(), dpred.data(),
+                                            pred_.numel()));
+  pred_ = {};
+  co_return dpred;
+}
+
+async::Task<Result<Tensor>> forward_backward(Context& ctx, Module& model, Loss& loss, Tensor inputs, Tensor targets,
+                                             Tensor seed) {
+  COSHARD_CO_TRY_ASSIGN(Tensor logits, co_await ctx.forward(model, std::move(inputs)));
   loss.set_targets(std::move(targets));
   COSHARD_CO_TRY_ASSIGN(Tensor value, co_await ctx.forward(loss, std::move(logits)));
   COSHARD_CO_TRY_ASSIGN(Tensor dlogits, co_await ctx.backward(loss, std::move(seed)));

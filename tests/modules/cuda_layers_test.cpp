@@ -61,7 +61,7 @@ struct Backend {
 
 struct LayerCase {
   std::string name;
-  std::function<std::unique_ptr<Module>(Context&)> make;  // may set targets on the context's device
+  std::function<std::unique_ptr<Module>(Context&, DataType)> make;  // may set targets on the context's device
   Shape input;
   bool token_input = false;
   std::int64_t vocab = 0;
@@ -77,7 +77,7 @@ async::Task<Result<Tensor>> upload(Context& ctx, const std::vector<double>& v, S
 }
 
 async::Task<Result<LayerRun>> run_layer(Context& ctx, const LayerCase& c, DataType dt) {
-  auto module = c.make(ctx);
+  auto module = c.make(ctx, dt);
   COSHARD_CO_TRY_ASSIGN(auto store, ParameterStore::create(ctx, *module, dt));
   const auto params = random_values(static_cast<std::size_t>(store.numel()), 1, 0.5);
   COSHARD_CO_TRY(ctx.copy_from_host(store.values(), encode_values(params, dt)));
@@ -116,19 +116,28 @@ std::vector<LayerCase> cases() {
     return *ctx.upload(bytes, Shape{2, 6}, DataType::i32);
   };
   return {
-      {"Linear", [](Context&) { return std::make_unique<Linear>(48, 40); }, Shape{3, 7, 48}},
-      {"LayerNorm", [](Context&) { return std::make_unique<LayerNorm>(96); }, Shape{5, 96}},
-      {"Gelu", [](Context&) { return std::make_unique<Gelu>(); }, Shape{4, 50}},
-      {"CausalSelfAttention", [](Context&) { return std::make_unique<CausalSelfAttention>(32, 4); },
+      {"Linear", [](Context&, DataType) { return std::make_unique<Linear>(48, 40); }, Shape{3, 7, 48}},
+      {"LayerNorm", [](Context&, DataType) { return std::make_unique<LayerNorm>(96); }, Shape{5, 96}},
+      {"Gelu", [](Context&, DataType) { return std::make_unique<Gelu>(); }, Shape{4, 50}},
+      {"CausalSelfAttention", [](Context&, DataType) { return std::make_unique<CausalSelfAttention>(32, 4); },
        Shape{2, 9, 96}},
-      {"Embedding", [](Context&) { return std::make_unique<Embedding>(20, 8, 16); }, Shape{3, 8}, true, 20},
+      {"Embedding", [](Context&, DataType) { return std::make_unique<Embedding>(20, 8, 16); }, Shape{3, 8}, true, 20},
       {"CrossEntropyLoss",
-       [targets](Context& ctx) {
+       [targets](Context& ctx, DataType) {
          auto m = std::make_unique<CrossEntropyLoss>();
          m->set_targets(targets(ctx));
          return m;
        },
        Shape{2, 6, 5}},
+      {"MeanSquaredErrorLoss",
+       [](Context& ctx, DataType dt) {
+         std::vector<double> t(3 * 7);
+         for (std::size_t i = 0; i < t.size(); ++i) t[i] = 0.1 * static_cast<double>(i % 5) - 0.2;
+         auto m = std::make_unique<MeanSquaredErrorLoss>();
+         m->set_targets(*ctx.upload(encode_values(t, dt), Shape{3, 7}, dt));
+         return m;
+       },
+       Shape{3, 7}},
   };
 }
 

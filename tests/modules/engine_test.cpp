@@ -87,7 +87,7 @@ std::vector<double> reference_losses(int steps, StepControlOptions control) {
     for (int step = 0; step < steps; ++step) {
       COSHARD_CO_TRY_ASSIGN(Batch b, slice(*r.ctx, make_batch(step), 0, kGlobalBatch));
       COSHARD_CO_TRY(store.zero_grad(*r.ctx));
-      COSHARD_CO_TRY_ASSIGN(Tensor value, co_await forward_backward(*r.ctx, *model, loss, b.tokens, b.targets,
+      COSHARD_CO_TRY_ASSIGN(Tensor value, co_await forward_backward(*r.ctx, *model, loss, b.inputs, b.targets,
                                                                     opt->loss_scale()));
       COSHARD_CO_TRY(opt->step(*r.ctx, 1e-2f));
       COSHARD_CO_TRY_ASSIGN(auto host, co_await r.ctx->read(value));

@@ -221,6 +221,13 @@ TEST_F(GradCheck, CrossEntropyLoss) {
   run_check(m, random_input(Shape{2, 3, 5}, 17));
 }
 
+// L = r * MSE(pred, targets): the gradient of the prediction (the targets are data).
+TEST_F(GradCheck, MeanSquaredErrorLoss) {
+  MeanSquaredErrorLoss m;
+  m.set_targets(random_input(Shape{3, 4}, 23));
+  run_check(m, random_input(Shape{3, 4}, 19));
+}
+
 // Everything together: a GPT with the loss on top, checked on its parameters.
 class LossOfModel final : public Module {
  public:

@@ -105,22 +105,66 @@ Result<std::vector<modules::Batch>> upload_micro_batches(modules::Context& ctx, 
   return out;
 }
 
+// This rank's rows on the device, split along the first dimension into k micro-batches (views:
+// no copy).
+Result<std::vector<modules::Batch>> split_micro_batches(modules::Context& ctx, const modules::Batch& rows, int k) {
+  for (const auto* t : {&rows.inputs, &rows.targets}) {
+    if (!*t || t->shape().rank() < 1 || t->shape()[0] < 1)
+      return fail(ErrorCode::invalid_argument, "Trainer: batch ", t == &rows.inputs ? "inputs " : "targets ",
+                  *t ? t->describe() : "empty", ": expected at least one row");
+    if (!(t->device() == ctx.device()))
+      return fail(ErrorCode::invalid_argument, "Trainer: batch ", t->describe(), " is not on the trainer's device ",
+                  ctx.device().to_string());
+  }
+  const std::int64_t R = rows.inputs.shape()[0];
+  if (rows.targets.shape()[0] != R)
+    return fail(ErrorCode::invalid_argument, "Trainer: inputs ", rows.inputs.describe(), " and targets ",
+                rows.targets.describe(), " have different numbers of rows");
+  if (R % k != 0)
+    return fail(ErrorCode::invalid_argument, "Trainer: ", R, " rows on this rank do not split into ",
+                "gradient_accumulation_steps=", k, " equal micro-batches");
+  auto part = [&](const Tensor& t, int m) {
+    std::vector<std::int64_t> dims(t.shape().dims().begin(), t.shape().dims().end());
+    dims[0] = R / k;
+    const Shape shape = Shape::from(dims);
+    return t.slice(m * shape.numel(), shape);
+  };
+  std::vector<modules::Batch> out;
+  for (int m = 0; m < k; ++m) out.push_back({part(rows.inputs, m), part(rows.targets, m)});
+  return out;
+}
+
 }  // namespace
 
 async::Task<Result<StepStats>> Trainer::step(const HostBatch& rows) {
   Impl& s = *impl_;
   const auto start = std::chrono::steady_clock::now();
-  if (s.pending && --s.pending->steps_left <= 0) COSHARD_CO_TRY(co_await s.publish());
   COSHARD_CO_TRY_ASSIGN(auto micro, upload_micro_batches(*s.ctx, rows, s.config.gradient_accumulation_steps));
+  co_return co_await s.step(micro, rows.rows * rows.seq * s.comm->size(), start);
+}
+
+async::Task<Result<StepStats>> Trainer::step(const modules::Batch& rows) {
+  Impl& s = *impl_;
+  const auto start = std::chrono::steady_clock::now();
+  COSHARD_CO_TRY_ASSIGN(auto micro, split_micro_batches(*s.ctx, rows, s.config.gradient_accumulation_steps));
+  // Token ids count as tokens; other inputs as samples (their first dimension).
+  const std::int64_t counted = rows.inputs.dtype() == modules::DataType::i32 ? rows.inputs.numel() : rows.inputs.shape()[0];
+  co_return co_await s.step(micro, counted * s.comm->size(), start);
+}
+
+async::Task<Result<StepStats>> Trainer::Impl::step(std::span<const modules::Batch> micro, std::int64_t counted,
+                                                   std::chrono::steady_clock::time_point start) {
+  Impl& s = *this;
+  if (s.pending && --s.pending->steps_left <= 0) COSHARD_CO_TRY(co_await s.publish());
   const float lr = s.config.lr_at(s.steps);
-  COSHARD_CO_TRY_ASSIGN(auto e, co_await s.engine->step(s.loss, micro, lr));
+  COSHARD_CO_TRY_ASSIGN(auto e, co_await s.engine->step(*s.loss, micro, lr));
   ++s.steps;
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   StepStats out;
   out.step = s.steps;
   out.loss = e.loss;
   out.step_ms = seconds * 1e3;
-  out.tokens = rows.rows * rows.seq * s.comm->size();
+  out.tokens = counted;
   out.tokens_per_s = seconds > 0 ? static_cast<double>(out.tokens) / seconds : 0;
   out.lr = lr;
   out.gathered_bytes = e.gathered_bytes;
@@ -150,7 +194,13 @@ async::Task<Result<StepStats>> Trainer::step(const HostBatch& rows) {
 async::Task<Result<double>> Trainer::evaluate(const HostBatch& rows) {
   Impl& s = *impl_;
   COSHARD_CO_TRY_ASSIGN(auto micro, upload_micro_batches(*s.ctx, rows, 1));
-  co_return co_await s.engine->evaluate(s.loss, micro.front());
+  co_return co_await s.engine->evaluate(*s.loss, micro.front());
+}
+
+async::Task<Result<double>> Trainer::evaluate(const modules::Batch& rows) {
+  Impl& s = *impl_;
+  COSHARD_CO_TRY_ASSIGN(auto micro, split_micro_batches(*s.ctx, rows, 1));
+  co_return co_await s.engine->evaluate(*s.loss, micro.front());
 }
 
 async::Task<Result<Trainer>> TrainerBuilder::build(modules::Module& model) const {
@@ -161,6 +211,7 @@ async::Task<Result<Trainer>> TrainerBuilder::build(modules::Module& model) const
   impl->config = c_;
   impl->comm = comm_;
   impl->model = &model;
+  if (loss_) impl->loss = loss_;
   const async::Device device = comm_->stream().device();
   async::StreamOptions stream_options;
   stream_options.name = "compute" + std::to_string(comm_->rank());

@@ -1,6 +1,9 @@
 // Trainer::Impl, shared by the loop (trainer.cpp) and the checkpoints (checkpoint.cpp).
 #pragma once
 
+#include <chrono>
+#include <span>
+
 #include <memory>
 #include <optional>
 
@@ -38,7 +41,9 @@ struct Trainer::Impl {
   std::unique_ptr<modules::Context> ctx;
   std::unique_ptr<modules::Optimizer> optimizer;
   std::unique_ptr<modules::Engine> engine;
-  modules::CrossEntropyLoss loss;
+  modules::CrossEntropyLoss own_loss;      // the default
+  modules::Loss* loss = &own_loss;         // or the builder's
+
   std::int64_t steps = 0;
   int skipped_in_a_row = 0;  // steps skipped for inf/NaN gradients, up to this one
   std::optional<PendingSave> pending;
@@ -55,6 +60,10 @@ struct Trainer::Impl {
   // Each rank's `mine` (same length everywhere), rank-major: for the ranks to agree on a
   // checkpoint. One small all-gather, awaited.
   async::Task<Result<std::vector<std::int64_t>>> exchange(std::vector<std::int64_t> mine);
+  // One optimizer step over `micro` (this rank's micro-batches, on the device); `counted` is the
+  // global batch's tokens or samples for the statistics.
+  async::Task<Result<StepStats>> step(std::span<const modules::Batch> micro, std::int64_t counted,
+                                      std::chrono::steady_clock::time_point start);
   // Publishes the pending save (every rank calls it at the same point).
   async::Task<Result<void>> publish();
 };

@@ -308,6 +308,20 @@ __global__ void cross_entropy_backward_kernel(const T* logits, const std::int32_
   }
 }
 
+template <class T>
+__global__ void squared_error_kernel(const T* pred, const T* target, float* squares, std::int64_t n) {
+  COSHARD_GRID_STRIDE(i, n) {
+    const float d = load(pred, i) - load(target, i);
+    squares[i] = d * d;
+  }
+}
+
+template <class T>
+__global__ void mse_backward_kernel(const T* pred, const T* target, const float* seed, T* dpred, std::int64_t n) {
+  const float g = 2.0f * seed[0] / static_cast<float>(n);
+  COSHARD_GRID_STRIDE(i, n) { store(dpred, i, (load(pred, i) - load(target, i)) * g); }
+}
+
 __global__ void cast_kernel(int from, const void* src, int to, void* dst, std::int64_t n) {
   COSHARD_GRID_STRIDE(i, n) { store_any(to, dst, i, load_any(from, src, i)); }
 }
@@ -507,6 +521,22 @@ int cross_entropy_backward(void* s, int dt, const void* logits, const std::int32
   return with_type(dt, [&]<class E>() {
     cross_entropy_backward_kernel<E><<<static_cast<unsigned>(N), kThreads, 0, as_stream(s)>>>(
         static_cast<const E*>(logits), targets, seed, static_cast<E*>(dlogits), N, V);
+  });
+}
+
+int mse_forward(void* s, int dt, const void* pred, const void* target, float* loss, float* squares, std::int64_t n) {
+  return with_type(dt, [&]<class E>() {
+    squared_error_kernel<E><<<grid_for(n), kThreads, 0, as_stream(s)>>>(static_cast<const E*>(pred),
+                                                                         static_cast<const E*>(target), squares, n);
+    mean_kernel<<<1, 1024, 0, as_stream(s)>>>(squares, loss, n);
+  });
+}
+
+int mse_backward(void* s, int dt, const void* pred, const void* target, const float* seed, void* dpred,
+                 std::int64_t n) {
+  return with_type(dt, [&]<class E>() {
+    mse_backward_kernel<E><<<grid_for(n), kThreads, 0, as_stream(s)>>>(
+        static_cast<const E*>(pred), static_cast<const E*>(target), seed, static_cast<E*>(dpred), n);
   });
 }
 

@@ -37,6 +37,10 @@ int cross_entropy_forward(void* stream, int dt, const void* logits, const std::i
                           float* row_losses, std::int64_t N, std::int64_t V);
 int cross_entropy_backward(void* stream, int dt, const void* logits, const std::int32_t* targets, const float* seed,
                            void* dlogits, std::int64_t N, std::int64_t V);
+// loss (f32) = mean of (pred - target)^2, summed in a fixed order through squares[n] (f32).
+int mse_forward(void* stream, int dt, const void* pred, const void* target, float* loss, float* squares, std::int64_t n);
+int mse_backward(void* stream, int dt, const void* pred, const void* target, const float* seed, void* dpred,
+                 std::int64_t n);
 int cast(void* stream, int from, const void* src, int to, void* dst, std::int64_t n);
 
 int step_begin(void* stream, detail::StepState* state);

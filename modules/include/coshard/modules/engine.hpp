@@ -170,9 +170,12 @@ struct GatheredParameter {
   std::vector<std::byte> bytes;
 };
 
+// One micro-batch on the compute device: the model's input and the loss's targets, of whatever
+// shape and dtype they take (token ids i32 [B, T] and i32 targets for a GPT and its
+// cross-entropy; float features and float targets for a regression and its mean squared error).
 struct Batch {
-  Tensor tokens;   // i32 [B, T] on the compute device
-  Tensor targets;  // i32 [B, T]
+  Tensor inputs;
+  Tensor targets;
 };
 
 struct EngineStepStats {
@@ -211,9 +214,9 @@ class Engine final : public ModuleHooks {
   async::Task<Result<void>> initialize(std::uint64_t seed);
   // Forward and backward of every micro-batch (gradients averaged over them and over ranks),
   // then one optimizer step on this rank's shards.
-  async::Task<Result<EngineStepStats>> step(CrossEntropyLoss& loss, std::span<const Batch> micro_batches, float lr);
+  async::Task<Result<EngineStepStats>> step(Loss& loss, std::span<const Batch> micro_batches, float lr);
   // Forward only, under the "eval" trace; returns the mean loss over ranks.
-  async::Task<Result<double>> evaluate(CrossEntropyLoss& loss, const Batch& batch);
+  async::Task<Result<double>> evaluate(Loss& loss, const Batch& batch);
 
   std::vector<FetchUnitInfo> units() const;
   int rank() const noexcept;
@@ -254,7 +257,7 @@ class Engine final : public ModuleHooks {
  private:
   explicit Engine(std::unique_ptr<State> state);
   // step() but for ending the swapper's pass of step_in_backward when the step fails.
-  async::Task<Result<EngineStepStats>> run_step(CrossEntropyLoss& loss, std::span<const Batch> micro_batches, float lr);
+  async::Task<Result<EngineStepStats>> run_step(Loss& loss, std::span<const Batch> micro_batches, float lr);
   std::unique_ptr<State> s_;
 };
 

@@ -94,13 +94,21 @@ class CausalSelfAttention final : public Module {
   Tensor qkv_, probs_;
 };
 
+// A loss: a module without parameters whose targets are set before its forward. Forward takes
+// the model's output and gives the loss (one element, the stat dtype of the output: f32, or f64
+// for f64); backward takes a seed of that dtype and shape (1, or the loss scale) and gives the
+// gradient of the output. Derive from it for a loss of your own; the engine and the trainer
+// take any Loss.
+class Loss : public Module {
+ public:
+  virtual void set_targets(Tensor targets) = 0;
+};
+
 // Mean softmax cross-entropy of logits [B, T, V] (or [N, V]) against targets i32 [B, T] (or [N]).
-// Set the targets, run forward (-> the loss, one element, f32; f64 for f64 logits), then
-// backward with a seed of the loss's dtype and shape (1, or the loss scale) -> dlogits.
-class CrossEntropyLoss final : public Module {
+class CrossEntropyLoss final : public Loss {
  public:
   std::string_view type_name() const override { return "CrossEntropyLoss"; }
-  void set_targets(Tensor targets) { targets_ = std::move(targets); }
+  void set_targets(Tensor targets) override { targets_ = std::move(targets); }
   async::Task<Result<Tensor>> forward(Context& ctx, Tensor logits) override;
   async::Task<Result<Tensor>> backward(Context& ctx, Tensor seed) override;
   void clear_saved() override { logits_ = {}; }
@@ -109,10 +117,24 @@ class CrossEntropyLoss final : public Module {
   Tensor targets_, logits_;
 };
 
+// Mean squared error, (1/n) sum (pred - target)^2 over all n elements (PyTorch's MSELoss with
+// reduction "mean"): targets of the prediction's shape and dtype (f32, bf16, f16 or f64).
+class MeanSquaredErrorLoss final : public Loss {
+ public:
+  std::string_view type_name() const override { return "MeanSquaredErrorLoss"; }
+  void set_targets(Tensor targets) override { targets_ = std::move(targets); }
+  async::Task<Result<Tensor>> forward(Context& ctx, Tensor pred) override;
+  async::Task<Result<Tensor>> backward(Context& ctx, Tensor seed) override;
+  void clear_saved() override { pred_ = {}; }
+
+ private:
+  Tensor targets_, pred_;
+};
+
 // One micro-batch: forward through `model` and `loss`, then backward
 // seeded with `seed` (a one-element tensor: 1, or the loss scale), adding into the bound
 // parameter gradients. Returns the loss (one element on the device).
-async::Task<Result<Tensor>> forward_backward(Context& ctx, Module& model, CrossEntropyLoss& loss, Tensor tokens,
-                                             Tensor targets, Tensor seed);
+async::Task<Result<Tensor>> forward_backward(Context& ctx, Module& model, Loss& loss, Tensor inputs, Tensor targets,
+                                             Tensor seed);
 
 }  // namespace coshard::modules

@@ -35,7 +35,7 @@ struct StepStats {
   std::int64_t step = 0;               // 1-based: the number of optimizer steps taken, this one included
   double loss = 0;                     // mean over the whole global batch (all micro-batches, all ranks)
   double step_ms = 0;                  // host wall time from the call to the loss being known
-  std::int64_t tokens = 0;             // tokens in the global batch
+  std::int64_t tokens = 0;             // tokens in the global batch (a modules::Batch of float inputs: its rows)
   double tokens_per_s = 0;
   float lr = 0;
   std::uint64_t gathered_bytes = 0;    // this rank's all-gather traffic for parameters
@@ -67,8 +67,12 @@ class Trainer {
   // One optimizer step on this rank's rows of the global batch (split into
   // gradient_accumulation_steps micro-batches). Every rank calls it with its own rows.
   async::Task<Result<StepStats>> step(const HostBatch& rows);
+  // The same for a batch of any model and loss already on the trainer's device: this rank's
+  // rows (first dimension) of inputs and targets, split along it into the micro-batches.
+  async::Task<Result<StepStats>> step(const modules::Batch& rows);
   // The mean loss over ranks of a forward pass (no update).
   async::Task<Result<double>> evaluate(const HostBatch& rows);
+  async::Task<Result<double>> evaluate(const modules::Batch& rows);
 
   // Sharded checkpoints under `dir` (every rank the same dir, at the same step). See the top.
   async::Task<Result<void>> save_checkpoint(const std::filesystem::path& dir);
@@ -108,6 +112,9 @@ class TrainerBuilder {
   explicit TrainerBuilder(TrainerConfig config) : c_(std::move(config)) {}
 
   TrainerBuilder& communicator(collectives::Communicator& comm) { comm_ = &comm; return *this; }
+  // The loss of every step (default: a CrossEntropyLoss of the trainer's own); it must outlive
+  // the trainer. modules::MeanSquaredErrorLoss, or a Loss of your own.
+  TrainerBuilder& loss(modules::Loss& loss) { loss_ = &loss; return *this; }
   TrainerBuilder& config(TrainerConfig c) { c_ = std::move(c); return *this; }
   TrainerBuilder& zero_stage(int v) { c_.zero_stage = v; return *this; }
   TrainerBuilder& fetch_mode(modules::FetchMode v) { c_.fetch_mode = v; return *this; }
@@ -167,6 +174,7 @@ class TrainerBuilder {
  private:
   TrainerConfig c_;
   collectives::Communicator* comm_ = nullptr;
+  modules::Loss* loss_ = nullptr;
 };
 
 }  // namespace coshard::trainer
