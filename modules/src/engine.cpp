@@ -208,6 +208,17 @@ struct Engine::State {
   std::vector<std::size_t> backward_order, handed_order;
   Context& optimizer_ctx() const noexcept { return offloaded() ? *host_ctx : *ctx; }
   Tensor backward_seed() const { return offloaded() ? device_loss_scale : optimizer->loss_scale(); }
+
+  // The loop's place: between begin_step and finish_step, between begin_inference and
+  // end_inference, or neither (then the engine's modules may not run).
+  enum class Open : std::uint8_t { none, step, inference };
+  Open open = Open::none;
+  int declared_micro_batches = 0;  // begin_step's
+  int model_forwards = 0, model_backwards = 0;  // of the whole model, this step
+  Tensor loss_sum;                 // f32[1]: add_loss's sum
+  int losses_added = 0;
+  std::uint64_t launches_before = 0;
+  bool owns(const Module& m) const { return &m == model || unit_of.contains(&m); }
   // `later` runs after `event` of another stream: device-side when it can wait on it (a CPU
   // stream can wait on anything; a CUDA stream only on CUDA events), else the host awaits it.
   static async::Task<Result<void>> after(async::Stream& later, async::Event event) {
@@ -1337,6 +1348,16 @@ async::Task<Result<void>> Engine::initialize(std::uint64_t seed) {
 
 async::Task<Result<void>> Engine::before_forward(Context&, Module& module) {
   State& s = *s_;
+  if (s.owns(module)) {
+    if (s.open == State::Open::none)
+      co_return fail(ErrorCode::invalid_argument, "Engine: forward of ", module.type_name(),
+                     " outside a step or an inference pass (call begin_step or begin_inference first, or use "
+                     "step / evaluate)");
+    if (&module == s.model && s.open == State::Open::step && ++s.model_forwards > s.declared_micro_batches)
+      co_return fail(ErrorCode::invalid_argument, "Engine: forward of micro-batch ", s.model_forwards,
+                     " in a step begun with ", s.declared_micro_batches,
+                     " (begin_step(micro_batches) declares the gradient accumulation up front)");
+  }
   Unit* u = s.unit_for(module);
   if (!u || &module != u->modules.front()) co_return Result<void>{};
   ++u->forward_uses;
@@ -1361,6 +1382,12 @@ Result<void> Engine::after_forward(Context&, Module& module) {
 
 async::Task<Result<void>> Engine::before_backward(Context&, Module& module) {
   State& s = *s_;
+  if (s.owns(module)) {
+    if (s.open != State::Open::step)
+      co_return fail(ErrorCode::invalid_argument, "Engine: backward of ", module.type_name(), " outside a step",
+                     s.open == State::Open::inference ? " (in an inference pass: forward only)" : " (call begin_step first)");
+    if (&module == s.model) ++s.model_backwards;
+  }
   Unit* u = s.unit_for(module);
   if (!u || &module != u->modules.back()) co_return Result<void>{};
   if (s.stage3()) COSHARD_CO_TRY(co_await s.fetch(*u));
@@ -1387,7 +1414,21 @@ Result<void> Engine::after_backward(Context&, Module& module) {
 async::Task<Result<EngineStepStats>> Engine::step(Loss& loss, std::span<const Batch> micro_batches,
                                                   float lr) {
   State& s = *s_;
-  auto stepped = co_await run_step(loss, micro_batches, lr);
+  if (micro_batches.empty()) co_return fail(ErrorCode::invalid_argument, "Engine::step: no micro-batches");
+  COSHARD_CO_TRY(co_await begin_step(static_cast<int>(micro_batches.size()), lr));
+  for (const auto& mb : micro_batches) {
+    auto value = co_await forward_backward(*s.ctx, *s.model, loss, mb.inputs, mb.targets, backward_seed());
+    if (!value) {
+      co_await abandon_step();
+      co_return fail(std::move(value).error());
+    }
+    COSHARD_CO_TRY(add_loss(*value));
+  }
+  co_return co_await finish_step();
+}
+
+async::Task<void> Engine::end_swap_pass() {
+  State& s = *s_;
   if (s.swap_step.valid()) {
     // The step failed before the swapper's pass was awaited: with the channel closed, the pass
     // stops at the first unit not handed over, and its transfers finish before the state goes.
@@ -1396,27 +1437,34 @@ async::Task<Result<EngineStepStats>> Engine::step(Loss& loss, std::span<const Ba
     (void)co_await handle;  // (its error, if any, follows from the step's)
   }
   s.grads_ready.reset();
-  co_return stepped;
 }
 
-async::Task<Result<EngineStepStats>> Engine::run_step(Loss& loss, std::span<const Batch> micro_batches,
-                                                      float lr) {
+async::Task<Result<void>> Engine::begin_step(int micro_batches, float lr) {
   State& s = *s_;
-  if (micro_batches.empty()) co_return fail(ErrorCode::invalid_argument, "Engine::step: no micro-batches");
+  if (s.open != State::Open::none)
+    co_return fail(ErrorCode::invalid_argument, "Engine::begin_step: a ",
+                   s.open == State::Open::step ? "step" : "inference pass", " is open (finish it first)");
+  if (micro_batches < 1)
+    co_return fail(ErrorCode::invalid_argument, "Engine::begin_step(micro_batches=", micro_batches, "): expected >= 1");
   Context& ctx = *s.ctx;
   auto& compute = ctx.stream();
   auto& cs = s.comm->stream();
-  const auto& k = ctx.kernels();
-  const std::uint64_t launches_before = s.comm->launches();
+  s.launches_before = s.comm->launches();
   s.begin_pass("train");
+  s.open = State::Open::step;
+  s.declared_micro_batches = micro_batches;
+  s.model_forwards = s.model_backwards = s.losses_added = 0;
 
   // The communication stream goes after the last step's optimizer (it reads the shards).
   COSHARD_CO_TRY(State::order(compute, cs));
-  s.grads_out_in_backward = s.offloaded() && s.o.zero_stage >= 2 && micro_batches.size() == 1;
+  s.grads_out_in_backward = s.offloaded() && s.o.zero_stage >= 2 && micro_batches == 1;
   s.stepping_in_backward = s.o.step_in_backward && s.grads_out_in_backward;
   s.step_lr = lr;
   if (s.stepping_in_backward) {
-    if (!(lr >= 0)) co_return fail(ErrorCode::invalid_argument, "lr=", lr, ": expected >= 0");
+    if (!(lr >= 0)) {
+      co_await abandon_step();
+      co_return fail(ErrorCode::invalid_argument, "lr=", lr, ": expected >= 0");
+    }
     COSHARD_CO_TRY(s.optimizer->begin_grad_stats(*s.host_ctx));
     s.handed_order.clear();
   }
@@ -1442,16 +1490,56 @@ async::Task<Result<EngineStepStats>> Engine::run_step(Loss& loss, std::span<cons
     s.grads_ready.emplace(std::move(channel.first));
     s.swap_step = rt->spawn(s.swapped_step_in_backward(std::move(channel.second), lr));
   }
-  COSHARD_CO_TRY_ASSIGN(Tensor loss_sum, ctx.zeros(Shape{1}, DataType::f32));
-  for (const auto& mb : micro_batches) {
-    auto value = co_await forward_backward(ctx, *s.model, loss, mb.inputs, mb.targets, s.backward_seed());
-    if (!value) {
-      (void)s.end_pass();
-      co_return fail(std::move(value).error());
-    }
-    COSHARD_CO_TRY(k.add(compute, DataType::f32, loss_sum.data(), value->data(), loss_sum.data(), 1));
-  }
+  COSHARD_CO_TRY_ASSIGN(s.loss_sum, ctx.zeros(Shape{1}, DataType::f32));
+  co_return Result<void>{};
+}
 
+Tensor Engine::backward_seed() const { return s_->backward_seed(); }
+
+Result<void> Engine::add_loss(const Tensor& loss) {
+  State& s = *s_;
+  if (s.open != State::Open::step) return fail(ErrorCode::invalid_argument, "Engine::add_loss outside a step");
+  if (!loss || loss.numel() != 1 || loss.dtype() != DataType::f32 || !(loss.device() == s.ctx->device()))
+    return fail(ErrorCode::invalid_argument, "Engine::add_loss: ", loss ? loss.describe() : "empty",
+                ", expected one f32 on ", s.ctx->device().to_string(), " (a loss's forward)");
+  ++s.losses_added;
+  return s.ctx->kernels().add(s.ctx->stream(), DataType::f32, s.loss_sum.data(), loss.data(), s.loss_sum.data(), 1);
+}
+
+async::Task<void> Engine::abandon_step() {
+  State& s = *s_;
+  if (s.open != State::Open::step) co_return;
+  co_await end_swap_pass();
+  s.model->clear_saved_recursive();
+  (void)s.end_pass();
+  s.open = State::Open::none;
+}
+
+async::Task<Result<EngineStepStats>> Engine::finish_step() {
+  State& s = *s_;
+  if (s.open != State::Open::step)
+    co_return fail(ErrorCode::invalid_argument, "Engine::finish_step without begin_step");
+  if (s.model_backwards < s.declared_micro_batches || s.model_forwards != s.model_backwards) {
+    const int forwards = s.model_forwards, backwards = s.model_backwards, declared = s.declared_micro_batches;
+    co_await abandon_step();
+    co_return fail(ErrorCode::invalid_argument, "Engine::finish_step: ", backwards == 0 ? "no backward in this step: " : "",
+                   forwards, " forward and ", backwards, " backward passes of the model in a step begun with ", declared,
+                   " micro-batches (each needs one of each); the step is abandoned, nothing updated");
+  }
+  auto finished = co_await finish_open_step(s.step_lr);
+  co_await end_swap_pass();
+  s.open = State::Open::none;
+  co_return finished;
+}
+
+async::Task<Result<EngineStepStats>> Engine::finish_open_step(float lr) {
+  State& s = *s_;
+  Context& ctx = *s.ctx;
+  auto& compute = ctx.stream();
+  auto& cs = s.comm->stream();
+  const auto& k = ctx.kernels();
+  Tensor loss_sum = s.loss_sum;
+  const auto micro_batches = static_cast<std::size_t>(s.declared_micro_batches);
   // nvme parameters: no read may be left over when the optimizer rewrites the swap files.
   if (s.params_on_nvme()) COSHARD_CO_TRY(co_await s.drain_reads());
 
@@ -1478,8 +1566,8 @@ async::Task<Result<EngineStepStats>> Engine::run_step(Loss& loss, std::span<cons
     for (auto& u : s.units)  // units without a backward this step (unused parameters)
       if (u->grads_this_step == 0) COSHARD_CO_TRY(cs.fill(u->grad_shard.data(), 0, u->grad_shard.bytes()));
   }
-  const auto K = static_cast<float>(micro_batches.size());
-  if (micro_batches.size() > 1)
+  const auto K = static_cast<float>(micro_batches);
+  if (micro_batches > 1)
     for (auto& u : s.units) COSHARD_CO_TRY(k.scale(cs, DataType::f32, u->grad_shard.data(), 1.0f / K, u->info.shard));
   COSHARD_CO_TRY(s.compute_waits_for_comm(kGradients));
 
@@ -1570,7 +1658,9 @@ async::Task<Result<EngineStepStats>> Engine::run_step(Loss& loss, std::span<cons
   s.span(true, "optimizer", kOptimizer, std::move(optimizer_started), std::move(optimizer_finished));
 
   // The loss, averaged over micro-batches and ranks.
-  if (micro_batches.size() > 1) COSHARD_CO_TRY(k.scale(compute, DataType::f32, loss_sum.data(), 1.0f / K, 1));
+  // (the losses the loop added: when it added fewer than its micro-batches, their mean still)
+  const float added = static_cast<float>(std::max(s.losses_added, 1));
+  if (added > 1) COSHARD_CO_TRY(k.scale(compute, DataType::f32, loss_sum.data(), 1.0f / added, 1));
   COSHARD_CO_TRY(State::order(compute, cs));
   COSHARD_CO_TRY(s.comm->all_reduce(loss_sum.data(), loss_sum.data(), 1, DataType::f32, ReduceOp::avg));
 
@@ -1579,7 +1669,7 @@ async::Task<Result<EngineStepStats>> Engine::run_step(Loss& loss, std::span<cons
   COSHARD_CO_TRY(s.compute_waits_for_comm(kParameters));
   COSHARD_CO_TRY(s.end_pass());
 
-  const std::uint64_t launches = s.comm->launches() - launches_before;
+  const std::uint64_t launches = s.comm->launches() - s.launches_before;
   COSHARD_CO_TRY_ASSIGN(auto host_loss, co_await ctx.read(loss_sum));
   COSHARD_CO_TRY_ASSIGN(auto optimizer_stats, co_await s.optimizer->read_stats(s.optimizer_ctx()));
   if (s.stepping_in_backward && optimizer_stats.last_skipped) {
@@ -1597,26 +1687,46 @@ async::Task<Result<EngineStepStats>> Engine::run_step(Loss& loss, std::span<cons
   co_return stats;
 }
 
+Result<void> Engine::begin_inference() {
+  State& s = *s_;
+  if (s.open != State::Open::none)
+    return fail(ErrorCode::invalid_argument, "Engine::begin_inference: a ",
+                s.open == State::Open::step ? "step" : "inference pass", " is open (finish it first)");
+  s.begin_pass("eval");
+  s.open = State::Open::inference;
+  return State::order(s.ctx->stream(), s.comm->stream());
+}
+
+async::Task<Result<void>> Engine::end_inference() {
+  State& s = *s_;
+  if (s.open != State::Open::inference)
+    co_return fail(ErrorCode::invalid_argument, "Engine::end_inference without begin_inference");
+  s.open = State::Open::none;
+  s.model->clear_saved_recursive();
+  COSHARD_CO_TRY(s.end_pass());
+  if (s.params_on_nvme()) COSHARD_CO_TRY(co_await s.drain_reads());
+  co_return Result<void>{};
+}
+
 async::Task<Result<double>> Engine::evaluate(Loss& loss, const Batch& batch) {
   State& s = *s_;
   Context& ctx = *s.ctx;
-  s.begin_pass("eval");
-  COSHARD_CO_TRY(State::order(ctx.stream(), s.comm->stream()));
-  auto logits = co_await ctx.forward(*s.model, batch.inputs);
-  if (!logits) {
-    (void)s.end_pass();
-    co_return fail(std::move(logits).error());
-  }
-  loss.set_targets(batch.targets);
-  COSHARD_CO_TRY_ASSIGN(Tensor value, co_await ctx.forward(loss, std::move(*logits)));
-  s.model->clear_saved_recursive();
+  COSHARD_CO_TRY(begin_inference());
+  // The forward and the mean over ranks; the pass ends whether they worked or not.
+  auto value = co_await [&]() -> async::Task<Result<Tensor>> {
+    COSHARD_CO_TRY_ASSIGN(Tensor logits, co_await ctx.forward(*s.model, batch.inputs));
+    loss.set_targets(batch.targets);
+    COSHARD_CO_TRY_ASSIGN(Tensor v, co_await ctx.forward(loss, std::move(logits)));
+    COSHARD_CO_TRY(State::order(ctx.stream(), s.comm->stream()));
+    COSHARD_CO_TRY(s.comm->all_reduce(v.data(), v.data(), 1, DataType::f32, ReduceOp::avg));
+    COSHARD_CO_TRY(State::order(s.comm->stream(), ctx.stream()));
+    co_return v;
+  }();
   loss.clear_saved();
-  COSHARD_CO_TRY(State::order(ctx.stream(), s.comm->stream()));
-  COSHARD_CO_TRY(s.comm->all_reduce(value.data(), value.data(), 1, DataType::f32, ReduceOp::avg));
-  COSHARD_CO_TRY(State::order(s.comm->stream(), ctx.stream()));
-  COSHARD_CO_TRY(s.end_pass());
-  if (s.params_on_nvme()) COSHARD_CO_TRY(co_await s.drain_reads());
-  COSHARD_CO_TRY_ASSIGN(auto host, co_await ctx.read(value));
+  auto ended = co_await end_inference();
+  if (!value) co_return fail(std::move(value).error());
+  COSHARD_CO_TRY(ended);
+  COSHARD_CO_TRY_ASSIGN(auto host, co_await ctx.read(*value));
   s.collect_timing();  // the eval trace's measurements, for adaptive prefetch
   s.stats = {};
   COSHARD_CO_TRY(co_await s.agree_on_measurements());

@@ -16,6 +16,7 @@
 #include "coshard/modules/layers.hpp"
 #include "coshard/modules/parameter_store.hpp"
 #include "module_fixture.hpp"
+#include "../support/scale_shift.hpp"
 
 namespace coshard::modules {
 namespace {
@@ -152,59 +153,7 @@ TEST_F(GradCheck, ResidualAroundSequential) {
   run_check(m, random_input(Shape{3, 4}, 16));
 }
 
-// A module written the way a user writes one, with the public API only: parameters registered
-// in the constructor, forward/backward enqueue their loops on the context's stream (CPU here)
-// and keep the input for backward. y = x * scale + shift, per feature.
-class ScaleShift final : public Module {
- public:
-  explicit ScaleShift(std::int64_t dim) : dim_(dim) {
-    register_parameter("scale", Shape{dim}, Init::ones());
-    register_parameter("shift", Shape{dim}, Init::zeros());
-  }
-  std::string_view type_name() const override { return "ScaleShift"; }
-  async::Task<Result<Tensor>> forward(Context& ctx, Tensor x) override {
-    if (x.dtype() != DataType::f64 || x.shape().back() != dim_)
-      co_return fail(ErrorCode::invalid_argument, "ScaleShift: input ", x.describe());
-    COSHARD_CO_TRY_ASSIGN(Tensor y, ctx.empty(x.shape(), x.dtype()));
-    const double* in = x.data_as<double>();
-    const double* s = parameters()[0]->value().data_as<double>();
-    const double* t = parameters()[1]->value().data_as<double>();
-    double* out = y.data_as<double>();
-    const std::int64_t rows = x.shape().rows(), dim = dim_;
-    COSHARD_CO_TRY(ctx.stream().launch([=] {
-      for (std::int64_t r = 0; r < rows; ++r)
-        for (std::int64_t c = 0; c < dim; ++c) out[r * dim + c] = in[r * dim + c] * s[c] + t[c];
-    }));
-    input_ = std::move(x);
-    co_return y;
-  }
-  async::Task<Result<Tensor>> backward(Context& ctx, Tensor dy) override {
-    COSHARD_CO_TRY_ASSIGN(Tensor dx, ctx.empty(input_.shape(), input_.dtype()));
-    const double* in = input_.data_as<double>();
-    const double* g = dy.data_as<double>();
-    const double* s = parameters()[0]->value().data_as<double>();
-    double* ds = parameters()[0]->grad().data_as<double>();
-    double* dt = parameters()[1]->grad().data_as<double>();
-    double* out = dx.data_as<double>();
-    const std::int64_t rows = input_.shape().rows(), dim = dim_;
-    COSHARD_CO_TRY(ctx.stream().launch([=] {
-      for (std::int64_t r = 0; r < rows; ++r)
-        for (std::int64_t c = 0; c < dim; ++c) {
-          const std::int64_t i = r * dim + c;
-          out[i] = g[i] * s[c];
-          ds[c] += g[i] * in[i];
-          dt[c] += g[i];
-        }
-    }));
-    input_ = {};
-    co_return dx;
-  }
-  void clear_saved() override { input_ = {}; }
-
- private:
-  std::int64_t dim_;
-  Tensor input_;
-};
+using ScaleShift = ::coshard::testing::ScaleShift<double>;  // a module of the test's own (tests/support)
 
 TEST_F(GradCheck, AUserWrittenModuleInsideBuiltInOnes) {
   Sequential m;

@@ -1,11 +1,13 @@
-// Any model and loss through the Trainer: a small regression MLP (float features in, float
-// targets out) with the mean squared error, at every stage, world sizes 1-4, both fetch modes,
+// Any model and loss, through the Trainer and through a loop the test owns: a small regression
+// MLP with a module of the test's own (float features in, float targets out) and the mean
+// squared error, at every stage, world sizes 1-4, both fetch modes,
 // the optimizer and the parameters offloaded, gradient accumulation: its losses are those of the
 // unsharded model on the whole batch (within 1e-6 relative; the same bits on one rank).
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <mutex>
 #include <thread>
 
@@ -13,6 +15,7 @@
 #include "coshard/collectives/local.hpp"
 #include "coshard/modules/parameter_store.hpp"
 #include "coshard/trainer/trainer.hpp"
+#include "../support/scale_shift.hpp"
 
 namespace coshard::trainer {
 namespace {
@@ -24,9 +27,12 @@ using modules::Tensor;
 constexpr std::int64_t kRows = 12, kFeatures = 6, kHidden = 32, kOutputs = 2;
 constexpr int kSteps = 8;
 
+using ScaleShift = ::coshard::testing::ScaleShift<float>;  // a module of the test's own (tests/support)
+
 Result<std::unique_ptr<modules::Sequential>> make_mlp() {
   auto mlp = std::make_unique<modules::Sequential>();
   mlp->add("fc1", std::make_unique<modules::Linear>(kFeatures, kHidden, true, modules::Init::normal(0.3)));
+  mlp->add("affine", std::make_unique<ScaleShift>(kHidden));
   mlp->add("act", std::make_unique<modules::Gelu>());
   mlp->add("fc2", std::make_unique<modules::Linear>(kHidden, kOutputs, true, modules::Init::normal(0.3)));
   return mlp;
@@ -98,33 +104,18 @@ std::vector<double> reference_losses(const TrainerConfig& c) {
   return out ? *out : std::vector<double>{};
 }
 
-// The same through Trainers on `world` Local ranks, each with its own MeanSquaredErrorLoss and
-// its rows of every step; rank 0's losses.
-Result<std::vector<double>> trainer_losses(const TrainerConfig& c, int world) {
+// `body(rank, comm)` on `world` Local ranks (threads, each with its runtime); the first error.
+using RankBody = std::function<async::Task<Result<void>>(int rank, collectives::Communicator& comm)>;
+Result<void> on_ranks(int world, const RankBody& body) {
   auto comms = collectives::make_local_communicators(world);
   if (!comms) return fail(std::move(comms).error());
   std::mutex mutex;
   std::vector<std::string> errors;
-  std::vector<double> losses;
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r)
     threads.emplace_back([&, r] {
       async::Runtime rt;
-      auto done = rt.block_on([&]() -> async::Task<Result<void>> {
-        COSHARD_CO_TRY_ASSIGN(auto model, make_mlp());
-        modules::MeanSquaredErrorLoss loss;
-        TrainerBuilder builder(c);
-        builder.communicator(*(*comms)[static_cast<std::size_t>(r)]).loss(loss);
-        COSHARD_CO_TRY_ASSIGN(Trainer t, co_await builder.build(*model));
-        const std::int64_t rows = kRows / world;
-        for (int step = 0; step < kSteps; ++step) {
-          COSHARD_CO_TRY_ASSIGN(auto mine, rows_of(t.context(), step, r * rows, rows));
-          COSHARD_CO_TRY_ASSIGN(auto stats, co_await t.step(mine));
-          if (stats.tokens != kRows) co_return fail(ErrorCode::internal, "counted ", stats.tokens, " samples");
-          if (r == 0) losses.push_back(stats.loss);
-        }
-        co_return Result<void>{};
-      }());
+      auto done = rt.block_on(body(r, *(*comms)[static_cast<std::size_t>(r)]));
       if (!done) {
         std::lock_guard lock(mutex);
         errors.push_back("rank " + std::to_string(r) + ": " + done.error().message());
@@ -132,6 +123,66 @@ Result<std::vector<double>> trainer_losses(const TrainerConfig& c, int world) {
     });
   for (auto& t : threads) t.join();
   if (!errors.empty()) return fail(ErrorCode::internal, errors.front());
+  return {};
+}
+
+// The same through Trainers on `world` Local ranks, each with its own MeanSquaredErrorLoss and
+// its rows of every step; rank 0's losses.
+Result<std::vector<double>> trainer_losses(const TrainerConfig& c, int world) {
+  std::vector<double> losses;
+  COSHARD_TRY(on_ranks(world, [&](int r, collectives::Communicator& comm) -> async::Task<Result<void>> {
+    COSHARD_CO_TRY_ASSIGN(auto model, make_mlp());
+    modules::MeanSquaredErrorLoss loss;
+    TrainerBuilder builder(c);
+    builder.communicator(comm).loss(loss);
+    COSHARD_CO_TRY_ASSIGN(Trainer t, co_await builder.build(*model));
+    const std::int64_t rows = kRows / world;
+    for (int step = 0; step < kSteps; ++step) {
+      COSHARD_CO_TRY_ASSIGN(auto mine, rows_of(t.context(), step, r * rows, rows));
+      COSHARD_CO_TRY_ASSIGN(auto stats, co_await t.step(mine));
+      if (stats.tokens != kRows) co_return fail(ErrorCode::internal, "counted ", stats.tokens, " samples");
+      if (r == 0) losses.push_back(stats.loss);
+    }
+    co_return Result<void>{};
+  }));
+  return losses;
+}
+
+// The same with a loop of the test's own over the engine (no Trainer): begin_step, the model's
+// forward, the loss, backward through the context, add_loss, finish_step.
+Result<std::vector<double>> user_loop_losses(const TrainerConfig& c, int world) {
+  std::vector<double> losses;
+  COSHARD_TRY(on_ranks(world, [&](int r, collectives::Communicator& comm) -> async::Task<Result<void>> {
+    COSHARD_CO_TRY_ASSIGN(auto stream, async::Stream::create(async::Device::cpu()));
+    COSHARD_CO_TRY_ASSIGN(auto allocator, async::CachingAllocator::create(async::Device::cpu()));
+    COSHARD_CO_TRY_ASSIGN(auto ctx, modules::Context::create(stream, *allocator));
+    COSHARD_CO_TRY_ASSIGN(auto model, make_mlp());
+    modules::AdamWOptions a;
+    a.weight_decay = c.weight_decay.value_or(a.weight_decay);
+    COSHARD_CO_TRY_ASSIGN(auto optimizer, modules::Optimizer::adamw(a, c.step_control()));
+    COSHARD_CO_TRY_ASSIGN(auto engine, modules::Engine::create(ctx, comm, *model, *optimizer, c.engine_options()));
+    COSHARD_CO_TRY(co_await engine->initialize(c.seed));
+    modules::MeanSquaredErrorLoss loss;
+    const int k = c.gradient_accumulation_steps;
+    const std::int64_t rows = kRows / world / k;
+    for (int step = 0; step < kSteps; ++step) {
+      COSHARD_CO_TRY(co_await engine->begin_step(k, c.lr_at(step)));
+      for (int m = 0; m < k; ++m) {
+        COSHARD_CO_TRY_ASSIGN(auto mb, rows_of(ctx, step, (r * k + m) * rows, rows));
+        COSHARD_CO_TRY_ASSIGN(Tensor out, co_await ctx.forward(*model, mb.inputs));
+        loss.set_targets(mb.targets);
+        COSHARD_CO_TRY_ASSIGN(Tensor value, co_await ctx.forward(loss, out));
+        COSHARD_CO_TRY_ASSIGN(Tensor dout, co_await ctx.backward(loss, engine->backward_seed()));
+        COSHARD_CO_TRY(co_await ctx.backward(*model, dout));
+        COSHARD_CO_TRY(engine->add_loss(value));
+      }
+      COSHARD_CO_TRY_ASSIGN(auto stats, co_await engine->finish_step());
+      if (r == 0) losses.push_back(stats.loss);
+    }
+    engine.reset();
+    COSHARD_CO_TRY(stream.synchronize());
+    co_return Result<void>{};
+  }));
   return losses;
 }
 
@@ -163,12 +214,16 @@ TEST_P(RegressionMlp, LossesAreTheUnshardedModels) {
   std::filesystem::remove_all(swap);
   c.offload_optimizer.nvme_path = swap;
   c.offload_params.nvme_path = swap;
-  auto losses = trainer_losses(c, k.world);
-  ASSERT_TRUE(losses) << losses.error().message();
-  ASSERT_EQ(losses->size(), reference.size());
-  for (std::size_t i = 0; i < reference.size(); ++i) {
-    if (k.world == 1 && k.accumulation == 1) EXPECT_EQ((*losses)[i], reference[i]) << "step " << i;  // the same bits
-    EXPECT_NEAR((*losses)[i], reference[i], 1e-6 * std::abs(reference[i])) << "step " << i;
+  for (const bool own_loop : {false, true}) {
+    SCOPED_TRACE(own_loop ? "a loop of the test's own over the engine" : "the Trainer");
+    std::filesystem::remove_all(swap);
+    auto losses = own_loop ? user_loop_losses(c, k.world) : trainer_losses(c, k.world);
+    ASSERT_TRUE(losses) << losses.error().message();
+    ASSERT_EQ(losses->size(), reference.size());
+    for (std::size_t i = 0; i < reference.size(); ++i) {
+      if (k.world == 1 && k.accumulation == 1) EXPECT_EQ((*losses)[i], reference[i]) << "step " << i;  // the same bits
+      EXPECT_NEAR((*losses)[i], reference[i], 1e-6 * std::abs(reference[i])) << "step " << i;
+    }
   }
 }
 
@@ -217,6 +272,90 @@ TEST(RegressionMlp, MismatchedBatchesAreRefusedByName) {
     co_return Result<void>{};
   }());
   ASSERT_TRUE(done) << done.error().message();
+}
+
+::testing::AssertionResult names(const Result<void>& r, const std::string& expect) {
+  if (r) return ::testing::AssertionFailure() << "no error, expected one naming '" << expect << "'";
+  if (r.error().message().find(expect) == std::string::npos)
+    return ::testing::AssertionFailure() << "'" << r.error().message() << "' lacks '" << expect << "'";
+  return ::testing::AssertionSuccess();
+}
+
+template <class T>
+Result<void> status_of(const Result<T>& r) {
+  if (r) return {};
+  return fail(r.error());
+}
+
+// Every misuse of the loop is a named error, and a misused step changes nothing: the next
+// proper steps give the losses of a run without the misuse.
+TEST(UserLoop, MisuseIsANamedErrorAndChangesNothing) {
+  auto comms = collectives::make_local_communicators(1);
+  ASSERT_TRUE(comms);
+  async::Runtime rt;
+  auto stream = async::Stream::create(async::Device::cpu());
+  auto allocator = async::CachingAllocator::create(async::Device::cpu());
+  const TrainerConfig c = base_config();
+  auto done = rt.block_on([&]() -> async::Task<Result<void>> {
+    COSHARD_CO_TRY_ASSIGN(auto ctx, modules::Context::create(*stream, **allocator));
+    COSHARD_CO_TRY_ASSIGN(auto model, make_mlp());
+    COSHARD_CO_TRY_ASSIGN(auto optimizer, modules::Optimizer::adamw({}, c.step_control()));
+    COSHARD_CO_TRY_ASSIGN(auto engine, modules::Engine::create(ctx, *comms->front(), *model, *optimizer, c.engine_options()));
+    COSHARD_CO_TRY(co_await engine->initialize(c.seed));
+    modules::MeanSquaredErrorLoss loss;
+    COSHARD_CO_TRY_ASSIGN(auto b, rows_of(ctx, 0, 0, kRows));
+    auto forward = [&]() -> async::Task<Result<Tensor>> {
+      COSHARD_CO_TRY_ASSIGN(Tensor out, co_await ctx.forward(*model, b.inputs));
+      loss.set_targets(b.targets);
+      co_return co_await ctx.forward(loss, out);
+    };
+    auto backward = [&]() -> async::Task<Result<void>> {
+      COSHARD_CO_TRY_ASSIGN(Tensor dout, co_await ctx.backward(loss, engine->backward_seed()));
+      COSHARD_CO_TRY(co_await ctx.backward(*model, dout));
+      co_return Result<void>{};
+    };
+
+    EXPECT_TRUE(names(status_of(co_await forward()), "Engine: forward of Sequential outside a step or an inference pass"));
+    EXPECT_TRUE(names(status_of(co_await engine->finish_step()), "Engine::finish_step without begin_step"));
+    // A step with no backward: abandoned, nothing updated.
+    COSHARD_CO_TRY(co_await engine->begin_step(1, c.lr));
+    EXPECT_TRUE(names(co_await engine->begin_step(1, c.lr), "Engine::begin_step: a step is open"));
+    COSHARD_CO_TRY(status_of(co_await forward()));
+    EXPECT_TRUE(names(status_of(co_await engine->finish_step()),
+                      "no backward in this step: 1 forward and 0 backward passes of the model in a step begun with 1"));
+    // A second micro-batch not declared as accumulation.
+    COSHARD_CO_TRY(co_await engine->begin_step(1, c.lr));
+    COSHARD_CO_TRY(status_of(co_await forward()));
+    COSHARD_CO_TRY(co_await backward());
+    EXPECT_TRUE(names(status_of(co_await forward()), "forward of micro-batch 2 in a step begun with 1"));
+    co_await engine->abandon_step();
+    // A backward in an inference pass; a forward there is fine.
+    COSHARD_CO_TRY(engine->begin_inference());
+    COSHARD_CO_TRY(status_of(co_await forward()));
+    EXPECT_TRUE(names(co_await backward(), "outside a step (in an inference pass: forward only)"));
+    COSHARD_CO_TRY(co_await engine->end_inference());
+    // The hooks of a model the engine never sharded: its parameters have no memory.
+    COSHARD_CO_TRY_ASSIGN(auto stranger, make_mlp());
+    EXPECT_TRUE(names(status_of(co_await ctx.forward(*stranger, b.inputs)), "is not bound to memory"));
+
+    // Nothing above changed the weights: the proper steps now are a fresh run's.
+    std::vector<double> after_misuse;
+    for (int step = 0; step < 3; ++step) {
+      COSHARD_CO_TRY_ASSIGN(auto mb, rows_of(ctx, step, 0, kRows));
+      b = mb;
+      COSHARD_CO_TRY(co_await engine->begin_step(1, c.lr_at(step)));
+      COSHARD_CO_TRY_ASSIGN(Tensor value, co_await forward());
+      COSHARD_CO_TRY(co_await backward());
+      COSHARD_CO_TRY(engine->add_loss(value));
+      COSHARD_CO_TRY_ASSIGN(auto stats, co_await engine->finish_step());
+      after_misuse.push_back(stats.loss);
+    }
+    const auto reference = reference_losses(c);
+    for (std::size_t i = 0; i < after_misuse.size(); ++i) EXPECT_EQ(after_misuse[i], reference[i]) << "step " << i;
+    co_return Result<void>{};
+  }());
+  ASSERT_TRUE(done) << done.error().message();
+  (void)(*stream).synchronize();
 }
 
 }  // namespace

@@ -233,11 +233,13 @@ TEST(TensorLifetime, ATensorKeptAfterTheTrainerIsGoneStaysValid) {
       const SyntheticTask task(kModel.vocab, 3);
       const HostBatch batch = task.batch(0, 2, kSeq);
       COSHARD_CO_TRY(co_await t.step(batch));
-      // The user's own forward, outside any step: its activations stay saved in the modules.
+      // The user's own forward pass (an inference pass): its output is kept.
       COSHARD_CO_TRY_ASSIGN(auto tokens, t.context().upload(std::as_bytes(std::span<const std::int32_t>(batch.tokens)),
                                                             modules::Shape{2, kSeq}, DataType::i32));
+      COSHARD_CO_TRY(t.engine().begin_inference());
       COSHARD_CO_TRY_ASSIGN(kept, co_await t.context().forward(**model, tokens));
       COSHARD_CO_TRY_ASSIGN(read_then, co_await t.context().read(kept));
+      COSHARD_CO_TRY(co_await t.engine().end_inference());
       co_return Result<void>{};
     }());
     ASSERT_TRUE(done) << done.error().message();
@@ -247,7 +249,7 @@ TEST(TensorLifetime, ATensorKeptAfterTheTrainerIsGoneStaysValid) {
   const auto* now = static_cast<const float*>(kept.data());  // CPU memory: readable from the host
   for (std::size_t i = 0; i < read_then.size(); ++i) ASSERT_EQ(static_cast<double>(now[i]), read_then[i]) << i;
   kept = {};
-  model->reset();  // the saved activations go last, after their allocator: freed, no crash (ASan checks)
+  model->reset();  // the model goes last, after the allocator its values lived in: no crash (ASan checks)
 }
 
 INSTANTIATE_TEST_SUITE_P(

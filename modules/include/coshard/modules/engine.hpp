@@ -212,10 +212,40 @@ class Engine final : public ModuleHooks {
 
   // The same initial weights as ParameterStore::initialize with this seed, at any world size.
   async::Task<Result<void>> initialize(std::uint64_t seed);
+  // A loop of your own (FSDP2's shape: shard once, then an ordinary loop):
+  //
+  //   co_await engine.begin_step(micro_batches, lr);        // gradients reset, trace and prefetch armed
+  //   for (const auto& mb : batches) {                      // exactly micro_batches times
+  //     auto out = co_await ctx.forward(model, mb.inputs);  // units gathered as modules run
+  //     loss.set_targets(mb.targets);
+  //     auto value = co_await ctx.forward(loss, *out);
+  //     auto dout = co_await ctx.backward(loss, engine.backward_seed());
+  //     co_await ctx.backward(model, *dout);                // gradients reduced as units finish
+  //     engine.add_loss(*value);                            // for the step's mean loss
+  //   }
+  //   auto stats = co_await engine.finish_step();           // reductions, the optimizer, gathers
+  //
+  // Everything step() does happens inside these calls, at every stage and offload. Misuse is a
+  // named error, never a wrong update: a forward of the model outside a step or an inference
+  // pass, a backward outside a step, more forwards than micro_batches, a finish_step without
+  // a backward for every micro-batch (the step is then abandoned: nothing updated), a second
+  // begin_step while one is open. `abandon_step` drops an open step (after a failed forward,
+  // say); the next begin_step starts clean.
+  async::Task<Result<void>> begin_step(int micro_batches, float lr);
+  // The seed of the loss's backward: the loss scale (one f32 on the device; 1 without scaling).
+  Tensor backward_seed() const;
+  // Adds one micro-batch's loss (one f32 on the device) into the step's mean (no host wait).
+  Result<void> add_loss(const Tensor& loss);
+  async::Task<Result<EngineStepStats>> finish_step();
+  async::Task<void> abandon_step();
+  // A forward-only pass of your own (under the "eval" trace): the model may run between them.
+  Result<void> begin_inference();
+  async::Task<Result<void>> end_inference();
+
   // Forward and backward of every micro-batch (gradients averaged over them and over ranks),
-  // then one optimizer step on this rank's shards.
+  // then one optimizer step on this rank's shards: the loop above, with `loss`.
   async::Task<Result<EngineStepStats>> step(Loss& loss, std::span<const Batch> micro_batches, float lr);
-  // Forward only, under the "eval" trace; returns the mean loss over ranks.
+  // Forward only, in an inference pass; returns the mean loss over ranks.
   async::Task<Result<double>> evaluate(Loss& loss, const Batch& batch);
 
   std::vector<FetchUnitInfo> units() const;
@@ -256,8 +286,9 @@ class Engine final : public ModuleHooks {
 
  private:
   explicit Engine(std::unique_ptr<State> state);
-  // step() but for ending the swapper's pass of step_in_backward when the step fails.
-  async::Task<Result<EngineStepStats>> run_step(Loss& loss, std::span<const Batch> micro_batches, float lr);
+  async::Task<Result<EngineStepStats>> finish_open_step(float lr);
+  // Ends the swapper's pass of step_in_backward (when a step fails before it was awaited).
+  async::Task<void> end_swap_pass();
   std::unique_ptr<State> s_;
 };
 
