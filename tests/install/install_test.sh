@@ -17,4 +17,5 @@ for standard in "" 23; do
         -DCMAKE_BUILD_TYPE=Release ${standard:+-DCMAKE_CXX_STANDARD=$standard} >/dev/null
   cmake --build "$build" >/dev/null
   "$build/consumer"
+  "$build/custom_loop" >/dev/null
 done
