@@ -30,6 +30,7 @@
 #include "coshard/trainer/trace.hpp"
 #include "coshard/trainer/trainer.hpp"
 #include "progress.hpp"
+#include "command_line.hpp"
 #include "memory_check.hpp"
 #include "run_checks.hpp"
 
@@ -39,26 +40,7 @@ using namespace coshard;
 using trainer::HostBatch;
 using trainer::TrainerConfig;
 
-struct Options {
-  std::string device = "cpu";
-  int world_size = 2;
-  std::int64_t steps = 400;
-  std::int64_t batch = 16;
-  std::int64_t seq = 64;
-  std::int64_t layers = 4;
-  std::int64_t dim = 128;
-  std::int64_t heads = 4;
-  std::int64_t vocab = 256;  // synthetic task only; a --data file is bytes (256)
-  std::string data, config, init, metrics, trace, checkpoint_dir, export_path;
-  std::int64_t checkpoint_every = 0;
-  int keep_checkpoints = 0;
-  int blas_threads = 0;  // 0: cores / ranks in this process
-  bool resume = false;
-  bool start_over = false;
-  bool quiet = false;
-  bool estimate = false;  // print the memory estimate and exit
-  TrainerConfig train;
-};
+using train_app::Options;
 
 // Rank 0 prints and writes; every rank reports its failure.
 // The first SIGINT/SIGTERM asks for a graceful stop (recorded here; lock-free, so safe in a
@@ -295,190 +277,9 @@ int run(const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  Options o;
-  CLI::App app{"coshard-train: trains a GPT-style model with ZeRO stages 1-3 (coshard)"};
-  app.option_defaults()->always_capture_default();
-  auto size_option = [&](const std::string& name, std::size_t& target, const std::string& help) {
-    return app.add_option_function<std::string>(
-        name,
-        [&target, name](const std::string& text) {
-          auto v = trainer::parse_size(text);
-          if (!v) throw CLI::ValidationError(name, v.error().message());
-          target = *v;
-        },
-        help);
-  };
-  auto offload_option = [&](const std::string& name, trainer::OffloadOptions& target, const std::string& help) {
-    return app.add_option_function<std::string>(
-        name,
-        [&target, name](const std::string& text) {
-          auto v = trainer::parse_offload(text);
-          if (!v) throw CLI::ValidationError(name, v.error().message());
-          target = *v;
-        },
-        help);
-  };
-  TrainerConfig cli;  // the command line's ZeRO and optimizer values, applied over --config
-  std::string fetch_mode = "all_gather";
-  std::string dtype = "f32";
-  app.add_option("--device", o.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
-  app.add_option("--world-size", o.world_size, "ranks as threads of this process (Local backend; with --device cuda they share GPU 0)")
-      ->check(CLI::Range(1, 64));
-  app.add_option("--steps", o.steps, "optimizer steps in total (a resumed run continues to this)")
-      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 40));
-  auto* batch_option = app.add_option("--batch", o.batch, "global batch (sequences per step, split evenly over the ranks; default 16, or the config's train_batch_size)")
-      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 30));
-  app.add_option("--seq", o.seq, "tokens per sequence")->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20));
-  app.add_option("--layers", o.layers, "transformer blocks")->check(CLI::Range(std::int64_t{1}, std::int64_t{4096}));
-  app.add_option("--dim", o.dim, "model width")->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20));
-  app.add_option("--heads", o.heads, "attention heads")->check(CLI::Range(std::int64_t{1}, std::int64_t{4096}));
-  app.add_option("--vocab", o.vocab, "vocabulary of the synthetic task")->check(CLI::Range(std::int64_t{2}, std::int64_t{1} << 20));
-  app.add_option("--data", o.data, "a text file, trained on as bytes (default: the synthetic task)");
-  auto* lr = app.add_option("--lr", cli.lr, "learning rate (AdamW)");
-  auto* warmup = app.add_option("--warmup", cli.warmup_steps, "linear warm-up steps (from --warmup-min-lr to --lr)");
-  auto* warmup_min = app.add_option("--warmup-min-lr", cli.warmup_min_lr, "the learning rate the warm-up starts from");
-  std::string lr_decay = "none";
-  auto* decay = app.add_option("--lr-decay", lr_decay, "after the warm-up: none, linear or cosine (to --min-lr at --decay-steps)")
-                    ->check(CLI::IsMember({"none", "linear", "cosine"}));
-  auto* decay_steps = app.add_option("--decay-steps", cli.decay_steps,
-                                     "the step the decay reaches --min-lr (default: --steps)");
-  auto* min_lr = app.add_option("--min-lr", cli.min_lr, "the learning rate the decay ends at");
-  auto* seed = app.add_option("--seed", cli.seed, "seed of the initial weights and of the data");
-  auto* stage = app.add_option("--zero-stage", cli.zero_stage, "1, 2 or 3");
-  auto* fetch = app.add_option("--fetch-mode", fetch_mode, "stage-3 fetch collective")
-                    ->check(CLI::IsMember({"all_gather", "all_reduce"}));
-  auto* prefetch = app.add_option_function<std::string>(
-      "--prefetch-bucket",
-      [&cli](const std::string& text) {
-        if (text == "auto") {
-          cli.adaptive_prefetch = true;
-          cli.prefetch_bucket_bytes = 0;
-          return;
-        }
-        auto v = trainer::parse_size(text);
-        if (!v) throw CLI::ValidationError("--prefetch-bucket", v.error().message());
-        cli.prefetch_bucket_bytes = *v;
-        cli.adaptive_prefetch = false;
-      },
-      "bytes gathered ahead of use (64MiB), or auto: measured from gather and compute times");
-  auto* live = size_option("--max-live", cli.max_live_bytes, "budget of gathered parameter bytes (1GiB)");
-  auto* reuse = app.add_option("--max-reuse-distance", cli.max_reuse_distance, "keep a unit needed again within N fetches");
-  auto* persist = size_option("--persistence-threshold", cli.persistence_threshold_bytes, "smaller units stay gathered");
-  auto* granularity = size_option("--module-granularity", cli.module_granularity_bytes, "coalesce smaller leaf modules");
-  auto* accum = app.add_option("--grad-accum", cli.gradient_accumulation_steps, "micro-batches per step on each rank");
-  auto* clip = app.add_option("--clip", cli.max_grad_norm, "global gradient-norm clipping (0: off)");
-  float weight_decay = modules::AdamWOptions{}.weight_decay;
-  auto* wd = app.add_option("--weight-decay", weight_decay,
-                            "weight decay (default: the optimizer's own, AdamW 0.01 decoupled, SGD 0)");
-  auto* max_skipped = app.add_option("--max-skipped-steps", cli.max_skipped_steps,
-                                     "stop after this many steps in a row skipped for inf/NaN gradients (0: never)")
-                          ->check(CLI::Range(0, 1 << 30));
-  auto* precision = app.add_option("--dtype", dtype, "compute dtype (bf16/f16 on the CPU compute in f32 on copies: slower than f32, for trying a setup)")
-                        ->check(CLI::IsMember({"f32", "bf16", "f16"}));
-  auto* off_opt = offload_option("--offload-optimizer", cli.offload_optimizer, "none, cpu or nvme:PATH");
-  auto* off_par = offload_option("--offload-params", cli.offload_params, "none, cpu or nvme (stage 3, with --offload-optimizer; nvme: its folder)");
-  auto* host_budget = size_option("--host-memory-budget", cli.host_memory_budget,
-                                  "pinned host memory the offload may use (default: exactly what it needs)");
-  app.add_option("--config", o.config, "a DeepSpeed JSON config (its zero_optimization, fp16/bf16, optimizer, ...)")
-      ->check(CLI::ExistingFile);
-  app.add_option("--init", o.init, "initial weights from a safetensors file")->check(CLI::ExistingFile);
-  app.add_option("--metrics", o.metrics, "one JSON object per step (rank 0)");
-  app.add_option("--trace", o.trace, "a Chrome-trace/Perfetto JSON timeline of every step, from device timestamps");
-  bool no_timing = false;
-  app.add_flag("--no-timing", no_timing, "no device-timestamp timing (exposed_comm_ms becomes null)");
-  bool step_in_backward = false;
-  app.add_flag("--step-in-backward", step_in_backward,
-               "with --offload-optimizer cpu or nvme: step each unit on the CPU while backward goes on (needs --clip 0)");
-  app.add_option("--checkpoint-dir", o.checkpoint_dir, "folder of sharded checkpoints");
-  app.add_option("--checkpoint-every", o.checkpoint_every, "save every N steps (0: never)")
-      ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40));
-  app.add_flag("--resume", o.resume, "continue from the latest checkpoint in --checkpoint-dir");
-  app.add_option("--keep-checkpoints", o.keep_checkpoints, "keep the newest N checkpoints, remove older ones (0: keep all)")
-      ->check(CLI::Range(0, 1 << 30));
-  app.add_flag("--start-over", o.start_over,
-               "a fresh run in a --checkpoint-dir that holds checkpoints: remove them first (without it, refused)")
-      ->excludes("--resume");
-  app.add_option("--export", o.export_path, "write the consolidated model as safetensors at the end");
-  app.add_flag("--quiet", o.quiet, "no progress output");
-  bool skip_memory_check = false;
-  app.add_flag("--skip-memory-check", skip_memory_check,
-               "train even when the memory estimate says this machine cannot hold the run");
-  app.add_flag("--estimate", o.estimate,
-               "print the memory each rank will hold (device, pinned and pageable host, NVMe) against this machine's, and "
-               "exit without training: 0 when it fits, 1 when not (a run that cannot fit is refused up front anyway)");
-  app.add_option("--blas-threads", o.blas_threads,
-                 "OpenBLAS threads for the CPU matrix products (0: the cores divided by the ranks in this process)")
-      ->check(CLI::Range(0, 4096));
-  // Every command-line error exits 2 (CLI11's own codes vary with the kind of error); --help 0.
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::CallForAllHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    (void)app.exit(e);
-    return 2;
-  }
-
-  // --config first, then every option given on the command line over it.
-  TrainerConfig c;
-  if (!o.config.empty()) {
-    std::vector<std::string> notes;
-    auto from = TrainerConfig::from_json_file(o.config, c, &notes);
-    if (!from) {
-      std::fprintf(stderr, "coshard-train: %s\n", from.error().message().c_str());
-      return 2;
-    }
-    c = *from;
-    if (!o.quiet)
-      for (const auto& n : notes) std::printf("config note: %s\n", n.c_str());
-  }
-  if (lr->count()) c.lr = cli.lr;
-  if (warmup->count()) {
-    c.warmup_steps = cli.warmup_steps;
-    c.warmup_shape = trainer::WarmupShape::linear;
-  }
-  if (warmup_min->count()) c.warmup_min_lr = cli.warmup_min_lr;
-  if (decay->count())
-    c.decay = lr_decay == "cosine" ? trainer::LrDecay::cosine : lr_decay == "linear" ? trainer::LrDecay::linear : trainer::LrDecay::none;
-  if (decay_steps->count()) c.decay_steps = cli.decay_steps;
-  else if (c.decay != trainer::LrDecay::none && c.decay_steps == 0) c.decay_steps = o.steps;
-  if (min_lr->count()) c.min_lr = cli.min_lr;
-  if (seed->count()) c.seed = cli.seed;
-  if (stage->count()) c.zero_stage = cli.zero_stage;
-  if (fetch->count())
-    c.fetch_mode = fetch_mode == "all_reduce" ? modules::FetchMode::all_reduce : modules::FetchMode::all_gather;
-  if (prefetch->count()) {
-    c.prefetch_bucket_bytes = cli.prefetch_bucket_bytes;
-    c.adaptive_prefetch = cli.adaptive_prefetch;
-  }
-  if (live->count()) c.max_live_bytes = cli.max_live_bytes;
-  if (reuse->count()) c.max_reuse_distance = cli.max_reuse_distance;
-  if (persist->count()) c.persistence_threshold_bytes = cli.persistence_threshold_bytes;
-  if (granularity->count()) c.module_granularity_bytes = cli.module_granularity_bytes;
-  if (accum->count()) c.gradient_accumulation_steps = cli.gradient_accumulation_steps;
-  if (clip->count()) c.max_grad_norm = cli.max_grad_norm;
-  if (wd->count()) c.weight_decay = weight_decay;
-  if (max_skipped->count()) c.max_skipped_steps = cli.max_skipped_steps;
-  if (precision->count())
-    c.set_compute_dtype(dtype == "bf16"  ? modules::DataType::bf16
-                        : dtype == "f16" ? modules::DataType::f16
-                                         : modules::DataType::f32);
-  if (off_opt->count()) c.offload_optimizer = cli.offload_optimizer;
-  if (off_par->count()) c.offload_params = cli.offload_params;
-  if (host_budget->count()) c.host_memory_budget = cli.host_memory_budget;
-  c.timing = !no_timing;
-  c.keep_checkpoints = o.keep_checkpoints;
-  if (step_in_backward) c.step_in_backward = true;
-  c.record_timeline = !o.trace.empty();
-  if (skip_memory_check) c.check_memory = false;
-  if (auto ok = c.validate(); !ok) {
-    std::fprintf(stderr, "coshard-train: %s\n", ok.error().message().c_str());
-    return 2;
-  }
-  o.train = c;
-
+  train_app::Options o;
+  if (auto done = train_app::parse_command_line(argc, argv, o)) return *done;
+  const TrainerConfig& c = o.train;
   // Cross-option checks, each naming the values.
   auto usage = [](const std::string& m) {
     std::fprintf(stderr, "coshard-train: %s\n", m.c_str());
@@ -490,7 +291,7 @@ int main(int argc, char** argv) {
   const int world = torchrun ? env->world_size : o.world_size;
   // DeepSpeed's batch sizes, if the config gives any, against each other and --batch.
   const bool config_batch = c.train_batch_size > 0 || c.train_micro_batch_size_per_gpu > 0;
-  const auto batch = c.check_batch(world, batch_option->count() || !config_batch ? o.batch : 0);
+  const auto batch = c.check_batch(world, o.batch_given || !config_batch ? o.batch : 0);
   if (!batch) return usage(batch.error().message());
   o.batch = *batch;
   {

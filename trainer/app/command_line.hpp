@@ -1,0 +1,40 @@
+// coshard-train's command line: every option with its range and help, and a --config file's
+// settings with the command line's values over them, validated. Cross-option checks that need
+// the environment (the world size, paths, memory) come after, in coshard_train.cpp.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "coshard/trainer/config.hpp"
+
+namespace coshard::train_app {
+
+struct Options {
+  std::string device = "cpu";
+  int world_size = 2;
+  std::int64_t steps = 400;
+  std::int64_t batch = 16;
+  std::int64_t seq = 64;
+  std::int64_t layers = 4;
+  std::int64_t dim = 128;
+  std::int64_t heads = 4;
+  std::int64_t vocab = 256;  // synthetic task only; a --data file is bytes (256)
+  std::string data, config, init, metrics, trace, checkpoint_dir, export_path;
+  std::int64_t checkpoint_every = 0;
+  int keep_checkpoints = 0;
+  int blas_threads = 0;  // 0: cores / ranks in this process
+  bool resume = false;
+  bool start_over = false;
+  bool quiet = false;
+  bool estimate = false;  // print the memory estimate and exit
+  bool batch_given = false;  // --batch on the command line (else the config's batch sizes may set it)
+  trainer::TrainerConfig train;
+};
+
+// Fills `o` from the command line. An exit code when the process is done (0 after --help, 2 for
+// any command-line or config error, already reported on stderr); nullopt to go on.
+std::optional<int> parse_command_line(int argc, char** argv, Options& o);
+
+}  // namespace coshard::train_app
