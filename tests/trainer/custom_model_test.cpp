@@ -15,6 +15,7 @@
 #include "coshard/collectives/local.hpp"
 #include "coshard/modules/parameter_store.hpp"
 #include "coshard/trainer/trainer.hpp"
+#include "../support/on_ranks.hpp"
 #include "../support/scale_shift.hpp"
 
 namespace coshard::trainer {
@@ -104,24 +105,9 @@ std::vector<double> reference_losses(const TrainerConfig& c) {
   return out ? *out : std::vector<double>{};
 }
 
-// `body(rank, comm)` on `world` Local ranks (threads, each with its runtime); the first error.
-using RankBody = std::function<async::Task<Result<void>>(int rank, collectives::Communicator& comm)>;
-Result<void> on_ranks(int world, const RankBody& body) {
-  auto comms = collectives::make_local_communicators(world);
-  if (!comms) return fail(std::move(comms).error());
-  std::mutex mutex;
-  std::vector<std::string> errors;
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r)
-    threads.emplace_back([&, r] {
-      async::Runtime rt;
-      auto done = rt.block_on(body(r, *(*comms)[static_cast<std::size_t>(r)]));
-      if (!done) {
-        std::lock_guard lock(mutex);
-        errors.push_back("rank " + std::to_string(r) + ": " + done.error().message());
-      }
-    });
-  for (auto& t : threads) t.join();
+// `body(rank, comm)` on `world` Local ranks (tests/support/on_ranks.hpp); the first error.
+Result<void> on_ranks(int world, const ::coshard::testing::RankBody& body) {
+  const auto errors = ::coshard::testing::on_ranks(world, body);
   if (!errors.empty()) return fail(ErrorCode::internal, errors.front());
   return {};
 }

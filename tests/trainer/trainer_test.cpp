@@ -20,6 +20,7 @@
 #include "coshard/modules/gpt.hpp"
 #include "coshard/modules/safetensors.hpp"
 #include "coshard/trainer/trainer.hpp"
+#include "../support/on_ranks.hpp"
 
 namespace coshard::trainer {
 namespace {
@@ -54,27 +55,8 @@ fs::path scratch(const std::string& name) {
   return p;
 }
 
-using RankBody = std::function<async::Task<Result<void>>(int rank, collectives::Communicator& comm)>;
-
-// Runs `body` on `world` ranks (threads, each with its runtime); returns their errors.
-std::vector<std::string> on_ranks(int world, const RankBody& body) {
-  auto comms = collectives::make_local_communicators(world);
-  if (!comms) return {comms.error().message()};
-  std::mutex mutex;
-  std::vector<std::string> errors;
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r)
-    threads.emplace_back([&, r] {
-      async::Runtime rt;
-      auto done = rt.block_on(body(r, *(*comms)[static_cast<std::size_t>(r)]));
-      if (!done) {
-        std::lock_guard lock(mutex);
-        errors.push_back("rank " + std::to_string(r) + ": " + done.error().message());
-      }
-    });
-  for (auto& t : threads) t.join();
-  return errors;
-}
+using ::coshard::testing::on_ranks;  // tests/support/on_ranks.hpp
+using ::coshard::testing::RankBody;
 
 struct TrainRun {
   std::vector<double> losses;                       // rank 0's, per step
