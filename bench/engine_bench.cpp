@@ -27,7 +27,7 @@
 #include "coshard/async/runtime.hpp"
 #include "coshard/collectives/local.hpp"
 #include "coshard/modules/cpu_threads.hpp"
-#include "coshard/modules/engine.hpp"
+#include "coshard/zero/engine.hpp"
 #include "coshard/modules/gpt.hpp"
 #include "coshard/modules/parameter_store.hpp"
 #include "coshard/offload/swapper.hpp"
@@ -36,6 +36,7 @@ namespace {
 
 using namespace coshard;
 using namespace coshard::modules;
+using namespace coshard::zero;
 using Clock = std::chrono::steady_clock;
 
 // A communicator whose stream sleeps `delay` before each launched group: a link with latency.

@@ -50,10 +50,10 @@ async::Task<Result<std::vector<double>>> train(collectives::Communicator& comm) 
 
   // Shard it once: ZeRO-3, each rank keeps its shard of every unit and gathers a unit as it runs.
   COSHARD_CO_TRY_ASSIGN(auto optimizer, modules::Optimizer::adamw({.weight_decay = 0}));
-  modules::EngineOptions options;
+  zero::EngineOptions options;
   options.zero_stage = 3;
   options.prefetch_bucket_bytes = 64 << 10;
-  COSHARD_CO_TRY_ASSIGN(auto engine, modules::Engine::create(ctx, comm, model, *optimizer, options));
+  COSHARD_CO_TRY_ASSIGN(auto engine, zero::Engine::create(ctx, comm, model, *optimizer, options));
   COSHARD_CO_TRY(co_await engine->initialize(/*seed=*/1));
 
   // Your loop.

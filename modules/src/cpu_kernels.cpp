@@ -340,16 +340,16 @@ void cross_entropy_bwd(const T* logits, const std::int32_t* targets, const T* se
 inline double load(DataType dt, const void* p, std::int64_t i) {
   switch (dt) {
     case DataType::f64: return static_cast<const double*>(p)[i];
-    case DataType::bf16: return collectives::bf16_to_float(static_cast<const std::uint16_t*>(p)[i]);
-    case DataType::f16: return collectives::f16_to_float(static_cast<const std::uint16_t*>(p)[i]);
+    case DataType::bf16: return async::bf16_to_float(static_cast<const std::uint16_t*>(p)[i]);
+    case DataType::f16: return async::f16_to_float(static_cast<const std::uint16_t*>(p)[i]);
     default: return static_cast<const float*>(p)[i];
   }
 }
 inline void store(DataType dt, void* p, std::int64_t i, double v) {
   switch (dt) {
     case DataType::f64: static_cast<double*>(p)[i] = v; break;
-    case DataType::bf16: static_cast<std::uint16_t*>(p)[i] = collectives::float_to_bf16(static_cast<float>(v)); break;
-    case DataType::f16: static_cast<std::uint16_t*>(p)[i] = collectives::float_to_f16(static_cast<float>(v)); break;
+    case DataType::bf16: static_cast<std::uint16_t*>(p)[i] = async::float_to_bf16(static_cast<float>(v)); break;
+    case DataType::f16: static_cast<std::uint16_t*>(p)[i] = async::float_to_f16(static_cast<float>(v)); break;
     default: static_cast<float*>(p)[i] = static_cast<float>(v);
   }
 }
@@ -665,7 +665,7 @@ class CpuKernels final : public Kernels {
   }
   Result<void> check_dtype(DataType dt) const {
     if (!supports(dt))
-      return fail(ErrorCode::unsupported, "dtype ", collectives::to_string(dt),
+      return fail(ErrorCode::unsupported, "dtype ", async::to_string(dt),
                   ": the CPU kernels serve f32, f64, bf16 and f16");
     return {};
   }
@@ -709,7 +709,7 @@ const Kernels& cpu_kernels() noexcept {
 
 Result<void> check_supported(const Kernels& k, DataType dt, async::Device device, std::string_view what) {
   if (!k.supports(dt))
-    return fail(ErrorCode::unsupported, what, ": dtype ", collectives::to_string(dt), " is not served by the ",
+    return fail(ErrorCode::unsupported, what, ": dtype ", async::to_string(dt), " is not served by the ",
                 device.is_cpu() ? "CPU kernels (f32, f64, bf16, f16)" : "CUDA kernels (f32, bf16, f16)");
   return {};
 }

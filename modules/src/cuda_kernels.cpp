@@ -311,7 +311,7 @@ class CudaKernels final : public Kernels {
   static int code(DataType dt) noexcept { return static_cast<int>(dt); }
   Result<void> check(DataType dt) const {
     if (!supports(dt))
-      return fail(ErrorCode::unsupported, "dtype ", collectives::to_string(dt),
+      return fail(ErrorCode::unsupported, "dtype ", async::to_string(dt),
                   ": the CUDA kernels serve f32, bf16 and f16 (f64 runs on the CPU backend)");
     return {};
   }

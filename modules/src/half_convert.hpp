@@ -8,28 +8,28 @@
 #include <cstdint>
 #include <cstring>
 
-#include "coshard/collectives/dtype.hpp"
+#include "coshard/async/dtype.hpp"
 
 namespace coshard::modules::detail {
 
 // `from`/`to` is bf16 or f16 (anything else is taken as f16).
-inline void widen_half(collectives::DataType from, const std::uint16_t* in, float* out, std::size_t n) noexcept {
-  if (from == collectives::DataType::bf16)
-    for (std::size_t i = 0; i < n; ++i) out[i] = collectives::bf16_to_float(in[i]);
+inline void widen_half(async::DataType from, const std::uint16_t* in, float* out, std::size_t n) noexcept {
+  if (from == async::DataType::bf16)
+    for (std::size_t i = 0; i < n; ++i) out[i] = async::bf16_to_float(in[i]);
   else
-    for (std::size_t i = 0; i < n; ++i) out[i] = collectives::f16_to_float(in[i]);
+    for (std::size_t i = 0; i < n; ++i) out[i] = async::f16_to_float(in[i]);
 }
-inline void narrow_half(collectives::DataType to, const float* in, std::uint16_t* out, std::size_t n) noexcept {
-  if (to == collectives::DataType::bf16)
-    for (std::size_t i = 0; i < n; ++i) out[i] = collectives::float_to_bf16(in[i]);
+inline void narrow_half(async::DataType to, const float* in, std::uint16_t* out, std::size_t n) noexcept {
+  if (to == async::DataType::bf16)
+    for (std::size_t i = 0; i < n; ++i) out[i] = async::float_to_bf16(in[i]);
   else
-    for (std::size_t i = 0; i < n; ++i) out[i] = collectives::float_to_f16(in[i]);
+    for (std::size_t i = 0; i < n; ++i) out[i] = async::float_to_f16(in[i]);
 }
 
 // fp32 values rounded to bf16/f16 in the same buffer: the first half of the bytes ends up holding
 // the narrow values. Chunks go through local copies (memcpy), so no float is read through a
 // uint16_t pointer or the other way round, and a chunk is written only over bytes already read.
-inline void narrow_in_place(void* data, std::size_t n, collectives::DataType to) noexcept {
+inline void narrow_in_place(void* data, std::size_t n, async::DataType to) noexcept {
   constexpr std::size_t kChunk = 1024;
   std::array<float, kChunk> wide;
   std::array<std::uint16_t, kChunk> narrow;

@@ -28,7 +28,7 @@ Result<void> check_param(const Parameter& p, DataType dtype, std::string_view wh
                 " is not bound to memory (create a ParameterStore or an engine for the model first)");
   if (p.value().dtype() != dtype)
     return fail(ErrorCode::invalid_argument, who, ": parameter ", p.name(), " is ",
-                collectives::to_string(p.value().dtype()), " but the input is ", collectives::to_string(dtype));
+                async::to_string(p.value().dtype()), " but the input is ", async::to_string(dtype));
   return {};
 }
 
@@ -39,7 +39,7 @@ bool trains(const Parameter& p) noexcept { return static_cast<bool>(p.grad()); }
 Result<void> check_grad(const Tensor& grad, Shape expected, DataType dtype, std::string_view who) {
   if (!grad || !(grad.shape() == expected) || grad.dtype() != dtype)
     return fail(ErrorCode::invalid_argument, who, ": grad_output ", grad ? grad.describe() : std::string("empty"),
-                ", expected ", collectives::to_string(dtype), expected.to_string());
+                ", expected ", async::to_string(dtype), expected.to_string());
   return {};
 }
 
@@ -53,7 +53,7 @@ Result<void> check_grad(const Tensor& saved, const Tensor& grad, std::string_vie
 Result<void> check_seed(const Context& ctx, const Tensor& seed, DataType dt, std::string_view who) {
   if (!seed || seed.numel() != 1 || seed.dtype() != detail::stat_dtype(dt) || !(seed.device() == ctx.device()))
     return fail(ErrorCode::invalid_argument, who, ": seed ", seed ? seed.describe() : "empty", ", expected one ",
-                collectives::to_string(detail::stat_dtype(dt)), " on ", ctx.device().to_string());
+                async::to_string(detail::stat_dtype(dt)), " on ", ctx.device().to_string());
   return {};
 }
 

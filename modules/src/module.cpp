@@ -17,7 +17,7 @@ std::string Shape::to_string() const {
 }
 
 std::string Tensor::describe() const {
-  return std::string(collectives::to_string(dtype_)) + shape_.to_string() + " on " + device_.to_string();
+  return std::string(async::to_string(dtype_)) + shape_.to_string() + " on " + device_.to_string();
 }
 
 std::vector<std::byte> encode_values(std::span<const double> values, DataType dtype) {
@@ -28,8 +28,8 @@ std::vector<std::byte> encode_values(std::span<const double> values, DataType dt
     switch (dtype) {
       case DataType::f32: reinterpret_cast<float*>(p)[i] = static_cast<float>(v); break;
       case DataType::f64: reinterpret_cast<double*>(p)[i] = v; break;
-      case DataType::bf16: reinterpret_cast<std::uint16_t*>(p)[i] = collectives::float_to_bf16(static_cast<float>(v)); break;
-      case DataType::f16: reinterpret_cast<std::uint16_t*>(p)[i] = collectives::float_to_f16(static_cast<float>(v)); break;
+      case DataType::bf16: reinterpret_cast<std::uint16_t*>(p)[i] = async::float_to_bf16(static_cast<float>(v)); break;
+      case DataType::f16: reinterpret_cast<std::uint16_t*>(p)[i] = async::float_to_f16(static_cast<float>(v)); break;
       case DataType::i32: reinterpret_cast<std::int32_t*>(p)[i] = static_cast<std::int32_t>(v); break;
       case DataType::u8: p[i] = static_cast<std::byte>(static_cast<std::uint8_t>(v)); break;
     }
@@ -44,8 +44,8 @@ std::vector<double> decode_values(std::span<const std::byte> bytes, DataType dty
     switch (dtype) {
       case DataType::f32: out[i] = reinterpret_cast<const float*>(p)[i]; break;
       case DataType::f64: out[i] = reinterpret_cast<const double*>(p)[i]; break;
-      case DataType::bf16: out[i] = collectives::bf16_to_float(reinterpret_cast<const std::uint16_t*>(p)[i]); break;
-      case DataType::f16: out[i] = collectives::f16_to_float(reinterpret_cast<const std::uint16_t*>(p)[i]); break;
+      case DataType::bf16: out[i] = async::bf16_to_float(reinterpret_cast<const std::uint16_t*>(p)[i]); break;
+      case DataType::f16: out[i] = async::f16_to_float(reinterpret_cast<const std::uint16_t*>(p)[i]); break;
       case DataType::i32: out[i] = reinterpret_cast<const std::int32_t*>(p)[i]; break;
       case DataType::u8: out[i] = static_cast<double>(static_cast<std::uint8_t>(p[i])); break;
     }
@@ -142,7 +142,7 @@ Result<Tensor> Context::upload(std::span<const std::byte> host, Shape shape, Dat
   const std::size_t bytes = static_cast<std::size_t>(shape.numel()) * size_of(dtype);
   if (host.size() != bytes)
     return fail(ErrorCode::invalid_argument, "upload: ", host.size(), " bytes given for ",
-                collectives::to_string(dtype), shape.to_string(), " (", bytes, " bytes)");
+                async::to_string(dtype), shape.to_string(), " (", bytes, " bytes)");
   COSHARD_TRY_ASSIGN(Tensor t, empty(shape, dtype));
   COSHARD_TRY(copy_from_host(t, host));
   return t;

@@ -94,7 +94,7 @@ Result<void> Optimizer::add_group(Context& ctx, Tensor params, Tensor grads) {
   const auto& k = ctx.kernels();
   const DataType pdt = params.dtype();
   if (pdt != DataType::f32 && pdt != DataType::bf16 && pdt != DataType::f16)
-    return fail(ErrorCode::unsupported, "Optimizer: parameters are ", collectives::to_string(pdt),
+    return fail(ErrorCode::unsupported, "Optimizer: parameters are ", async::to_string(pdt),
                 "; the optimizers keep fp32 master weights for f32, bf16 or f16 parameters");
   COSHARD_TRY(detail::check_supported(k, pdt, ctx.device(), "Optimizer"));
   COSHARD_TRY(detail::check_supported(k, grads.dtype(), ctx.device(), "Optimizer"));

@@ -8,7 +8,7 @@ namespace coshard::modules {
 
 Result<ParameterStore> ParameterStore::create(Context& ctx, Module& model, DataType dtype) {
   if (dtype != DataType::f32 && dtype != DataType::f64 && dtype != DataType::bf16 && dtype != DataType::f16)
-    return fail(ErrorCode::invalid_argument, "ParameterStore: dtype ", collectives::to_string(dtype),
+    return fail(ErrorCode::invalid_argument, "ParameterStore: dtype ", async::to_string(dtype),
                 ", expected f32, f64, bf16 or f16");
   ParameterStore store;
   std::int64_t total = 0;

@@ -208,8 +208,8 @@ Result<SafetensorsFile> SafetensorsFile::parse(std::vector<std::byte> bytes, std
   return file;
 }
 
-std::optional<SafeDType> safe_dtype_of(collectives::DataType dt) noexcept {
-  using collectives::DataType;
+std::optional<SafeDType> safe_dtype_of(async::DataType dt) noexcept {
+  using async::DataType;
   switch (dt) {
     case DataType::f32: return SafeDType::f32;
     case DataType::f64: return SafeDType::f64;
@@ -221,8 +221,8 @@ std::optional<SafeDType> safe_dtype_of(collectives::DataType dt) noexcept {
   return std::nullopt;
 }
 
-std::optional<collectives::DataType> float_dtype_of(SafeDType dt) noexcept {
-  using collectives::DataType;
+std::optional<async::DataType> float_dtype_of(SafeDType dt) noexcept {
+  using async::DataType;
   switch (dt) {
     case SafeDType::f32: return DataType::f32;
     case SafeDType::f64: return DataType::f64;

@@ -17,7 +17,7 @@
 #include "coshard/async/runtime.hpp"
 #include "coshard/collectives/env.hpp"
 #include "coshard/collectives/local.hpp"
-#include "coshard/modules/engine.hpp"
+#include "coshard/zero/engine.hpp"
 #include "coshard/modules/gpt.hpp"
 #include "coshard/modules/optimizer.hpp"
 #include "coshard/modules/parameter_store.hpp"
@@ -25,6 +25,8 @@
 
 namespace coshard::modules {
 namespace {
+
+using namespace coshard::zero;
 
 using testing::random_values;
 
@@ -323,6 +325,8 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, CudaZero, ::testing::Values(DataType::f32, Data
 namespace coshard::modules {
 namespace {
 
+using namespace coshard::zero;
+
 // Ranks as threads sharing the GPU (the Local backend on device memory): stage 3 at world size
 // 2, each rank with the same batch, trains like world size 1 (the averaged gradients are the
 // same; only the order of the gradient-norm sums differs), with and without the optimizer
@@ -363,6 +367,8 @@ TEST(CudaLocalRanks, TwoRanksSharingTheGpuTrainLikeOne) {
 
 namespace coshard::modules {
 namespace {
+
+using namespace coshard::zero;
 
 // The CPU kernels in bf16 and f16 (f32 on copies, each output rounded once) against their f32:
 // within the dtype's rounding, as the CUDA kernels are held to.

@@ -218,7 +218,7 @@ TEST_F(Optimizers, Bf16AndF16ParametersStepFromFp32MastersOnTheCpu) {
     for (auto& x : g) x = value(rng);
   const Shape shape{static_cast<std::int64_t>(n)};
   for (const DataType dt : {DataType::bf16, DataType::f16}) {
-    SCOPED_TRACE(std::string(collectives::to_string(dt)));
+    SCOPED_TRACE(std::string(async::to_string(dt)));
     std::vector<double> p0(n);
     for (auto& x : p0) x = value(rng);
     p0 = decode_values(encode_values(p0, dt), dt);  // representable in dt, so the f32 run starts alike

@@ -120,7 +120,7 @@ TEST(DeepSpeedJson, WholeConfigMapsEveryZeroKey) {
   EXPECT_EQ(c->max_reuse_distance_elements, 1'000'000'000u);
   EXPECT_EQ(c->persistence_threshold_bytes, 400'000u);
   EXPECT_EQ(c->module_granularity_bytes, 4000u);
-  EXPECT_EQ(c->fetch_mode, modules::FetchMode::all_reduce);
+  EXPECT_EQ(c->fetch_mode, zero::FetchMode::all_reduce);
   EXPECT_EQ(c->gradient_accumulation_steps, 2);
   EXPECT_FLOAT_EQ(c->max_grad_norm, 0.5f);
   EXPECT_EQ(c->optimizer, OptimizerKind::adamw);
@@ -174,7 +174,7 @@ TEST(DeepSpeedJson, CpuOptimizerOffloadIsTaken) {
   EXPECT_NE(notes[0].find("offload_optimizer.buffer_size: no effect"), std::string::npos) << notes[0];
   EXPECT_NE(notes[1].find("offload_optimizer.pin_memory=false: no effect"), std::string::npos) << notes[1];
   EXPECT_EQ(c->offload_optimizer.device, OffloadDevice::cpu);
-  EXPECT_EQ(c->engine_options().offload_optimizer, modules::OptimizerOffload::cpu);
+  EXPECT_EQ(c->engine_options().offload_optimizer, zero::OptimizerOffload::cpu);
 }
 
 // ZeRO-Infinity's usual section: parameters and optimizer state on NVMe, in one folder.
@@ -186,7 +186,7 @@ TEST(DeepSpeedJson, NvmeParameterOffloadIsTaken) {
   ASSERT_TRUE(c) << c.error().message();
   ASSERT_TRUE(c->validate()) << c->validate().error().message();
   const auto o = c->engine_options();
-  EXPECT_EQ(o.offload_params, modules::OffloadTarget::nvme);
+  EXPECT_EQ(o.offload_params, zero::OffloadTarget::nvme);
   EXPECT_EQ(o.param_buffer_count, 5);
   EXPECT_EQ(o.nvme_path, "/local_nvme");
 }

@@ -146,7 +146,7 @@ Result<std::vector<double>> user_loop_losses(const TrainerConfig& c, int world) 
     modules::AdamWOptions a;
     a.weight_decay = c.weight_decay.value_or(a.weight_decay);
     COSHARD_CO_TRY_ASSIGN(auto optimizer, modules::Optimizer::adamw(a, c.step_control()));
-    COSHARD_CO_TRY_ASSIGN(auto engine, modules::Engine::create(ctx, comm, *model, *optimizer, c.engine_options()));
+    COSHARD_CO_TRY_ASSIGN(auto engine, zero::Engine::create(ctx, comm, *model, *optimizer, c.engine_options()));
     COSHARD_CO_TRY(co_await engine->initialize(c.seed));
     modules::MeanSquaredErrorLoss loss;
     const int k = c.gradient_accumulation_steps;
@@ -176,7 +176,7 @@ struct Case {
   std::string name;
   int world;
   int stage;
-  modules::FetchMode fetch = modules::FetchMode::all_gather;
+  zero::FetchMode fetch = zero::FetchMode::all_gather;
   OffloadDevice offload_optimizer = OffloadDevice::none;
   OffloadDevice offload_params = OffloadDevice::none;
   int accumulation = 1;
@@ -213,7 +213,7 @@ TEST_P(RegressionMlp, LossesAreTheUnshardedModels) {
   }
 }
 
-using F = modules::FetchMode;
+using F = zero::FetchMode;
 using O = OffloadDevice;
 INSTANTIATE_TEST_SUITE_P(
     Plans, RegressionMlp,
@@ -286,7 +286,7 @@ TEST(UserLoop, MisuseIsANamedErrorAndChangesNothing) {
     COSHARD_CO_TRY_ASSIGN(auto ctx, modules::Context::create(*stream, **allocator));
     COSHARD_CO_TRY_ASSIGN(auto model, make_mlp());
     COSHARD_CO_TRY_ASSIGN(auto optimizer, modules::Optimizer::adamw({}, c.step_control()));
-    COSHARD_CO_TRY_ASSIGN(auto engine, modules::Engine::create(ctx, *comms->front(), *model, *optimizer, c.engine_options()));
+    COSHARD_CO_TRY_ASSIGN(auto engine, zero::Engine::create(ctx, *comms->front(), *model, *optimizer, c.engine_options()));
     COSHARD_CO_TRY(co_await engine->initialize(c.seed));
     modules::MeanSquaredErrorLoss loss;
     COSHARD_CO_TRY_ASSIGN(auto b, rows_of(ctx, 0, 0, kRows));

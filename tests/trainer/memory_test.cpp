@@ -10,14 +10,14 @@
 #include "coshard/async/runtime.hpp"
 #include "coshard/collectives/local.hpp"
 #include "coshard/modules/gpt.hpp"
-#include "coshard/modules/memory_estimate.hpp"
+#include "coshard/zero/memory_estimate.hpp"
 #include "coshard/trainer/memory.hpp"
 #include "coshard/trainer/trainer.hpp"
 
 namespace coshard::trainer {
 namespace {
 
-using modules::MemoryPlace;
+using zero::MemoryPlace;
 
 constexpr modules::GptConfig kModel{.vocab = 96, .max_seq = 32, .dim = 64, .layers = 3, .heads = 4, .mlp_ratio = 4};
 constexpr std::int64_t kBatch = 8;
@@ -98,7 +98,7 @@ using modules::DataType;
 constexpr std::size_t kGiB = std::size_t{1} << 30;
 
 TEST(MemoryEstimate, ChecksEveryPlaceForEveryRankOfTheProcess) {
-  modules::MemoryEstimate e;
+  zero::MemoryEstimate e;
   e.add(MemoryPlace::device, "parameters", 6 * kGiB);
   e.add(MemoryPlace::pinned_host, "buffers", 1 * kGiB);
   e.add(MemoryPlace::pageable_host, "state", 1 * kGiB);
@@ -109,9 +109,9 @@ TEST(MemoryEstimate, ChecksEveryPlaceForEveryRankOfTheProcess) {
   EXPECT_NE(e.describe().find("pinned host    1.00 GiB"), std::string::npos) << e.describe();
 
   // The CPU as device: its memory is the host's, so everything counts against the host.
-  modules::MachineMemory cpu{.host_bytes = 10 * kGiB, .device = "cpu"};
-  EXPECT_TRUE(modules::check_fits(e, 1, cpu));
-  auto two = modules::check_fits(e, 2, cpu);
+  zero::MachineMemory cpu{.host_bytes = 10 * kGiB, .device = "cpu"};
+  EXPECT_TRUE(zero::check_fits(e, 1, cpu));
+  auto two = zero::check_fits(e, 2, cpu);
   ASSERT_FALSE(two);
   EXPECT_EQ(two.error().code(), ErrorCode::out_of_memory);
   EXPECT_NE(two.error().message().find("2 ranks of this process need 16.0 GiB (17179869184 bytes) of host memory"),
@@ -120,21 +120,21 @@ TEST(MemoryEstimate, ChecksEveryPlaceForEveryRankOfTheProcess) {
   EXPECT_NE(two.error().message().find("may take 10.0 GiB (10737418240 bytes)"), std::string::npos);
 
   // A device of its own: the device and the host each against theirs.
-  modules::MachineMemory gpu{.host_bytes = 3 * kGiB, .device_bytes = 5 * kGiB, .device = "cuda:0"};
-  auto device = modules::check_fits(e, 1, gpu);
+  zero::MachineMemory gpu{.host_bytes = 3 * kGiB, .device_bytes = 5 * kGiB, .device = "cuda:0"};
+  auto device = zero::check_fits(e, 1, gpu);
   ASSERT_FALSE(device);
   EXPECT_NE(device.error().message().find("one rank need 6.00 GiB (6442450944 bytes) on cuda:0, which has 5.00 GiB"),
             std::string::npos)
       << device.error().message();
   gpu.device_bytes = 7 * kGiB;
-  EXPECT_TRUE(modules::check_fits(e, 1, gpu));
+  EXPECT_TRUE(zero::check_fits(e, 1, gpu));
   gpu.host_bytes = kGiB;
-  EXPECT_FALSE(modules::check_fits(e, 1, gpu));
+  EXPECT_FALSE(zero::check_fits(e, 1, gpu));
 
   // The swap files against the free space of their folder.
-  modules::MachineMemory disk{.host_bytes = 100 * kGiB, .device = "cpu", .nvme_free_bytes = 2 * kGiB,
+  zero::MachineMemory disk{.host_bytes = 100 * kGiB, .device = "cpu", .nvme_free_bytes = 2 * kGiB,
                               .nvme_path = "/fast/swap"};
-  auto nvme = modules::check_fits(e, 1, disk);
+  auto nvme = zero::check_fits(e, 1, disk);
   ASSERT_FALSE(nvme);
   EXPECT_NE(nvme.error().message().find("3.00 GiB (3221225472 bytes) of swap files under /fast/swap, which has 2.00 GiB"),
             std::string::npos)
@@ -144,7 +144,7 @@ TEST(MemoryEstimate, ChecksEveryPlaceForEveryRankOfTheProcess) {
 TEST(MemoryEstimate, ReadsTheFreeSpaceOfAFolderNotMadeYet) {
   const auto folder = std::filesystem::current_path() / "memory_test_scratch" / "not" / "made" / "yet";
   std::filesystem::remove_all(std::filesystem::current_path() / "memory_test_scratch");
-  auto m = modules::machine_memory(async::Device::cpu(), folder);
+  auto m = zero::machine_memory(async::Device::cpu(), folder);
   ASSERT_TRUE(m) << m.error().message();
   ASSERT_TRUE(m->nvme_free_bytes);
   // The free space of the nearest existing parent (other writers may move it a little meanwhile).
@@ -158,11 +158,11 @@ TEST(MemoryEstimate, ReadsTheFreeSpaceOfAFolderNotMadeYet) {
 TEST(MemoryEstimate, UnitsAreTheEnginesOwn) {
   auto model = modules::make_gpt(kModel);
   ASSERT_TRUE(model);
-  modules::EngineOptions o;
+  zero::EngineOptions o;
   o.module_granularity_bytes = 20000;  // small leaves merge
-  auto planned = modules::plan_units(**model, 3, o);
+  auto planned = zero::plan_units(**model, 3, o);
   ASSERT_TRUE(planned) << planned.error().message();
-  std::vector<modules::FetchUnitInfo> built;
+  std::vector<zero::FetchUnitInfo> built;
   auto comms = collectives::make_local_communicators(3);
   ASSERT_TRUE(comms);
   std::vector<std::thread> threads;

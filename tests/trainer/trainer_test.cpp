@@ -60,7 +60,7 @@ using ::coshard::testing::RankBody;
 
 struct TrainRun {
   std::vector<double> losses;                       // rank 0's, per step
-  std::vector<modules::GatheredParameter> params;   // rank 0's view after the run
+  std::vector<zero::GatheredParameter> params;   // rank 0's view after the run
   std::int64_t steps_done = 0;
 };
 
@@ -103,8 +103,8 @@ Result<TrainRun> train(const Plan& p) {
   return run;
 }
 
-void expect_same_parameters(const std::vector<modules::GatheredParameter>& a,
-                            const std::vector<modules::GatheredParameter>& b) {
+void expect_same_parameters(const std::vector<zero::GatheredParameter>& a,
+                            const std::vector<zero::GatheredParameter>& b) {
   ASSERT_EQ(a.size(), b.size());
   for (std::size_t i = 0; i < a.size(); ++i) {
     EXPECT_EQ(a[i].name, b[i].name);
@@ -570,7 +570,7 @@ TEST(Trainer, RefusesDamagedOrMismatchedCheckpointsUnchanged) {
     load.load_from = ck;
     load.steps = 0;
     std::string first_error;
-    std::vector<modules::GatheredParameter> after;
+    std::vector<zero::GatheredParameter> after;
     auto errors = on_ranks(2, [&](int rank, collectives::Communicator& comm) -> async::Task<Result<void>> {
       COSHARD_CO_TRY_ASSIGN(auto model, modules::make_gpt(kModel));
       TrainerBuilder builder(k.config);

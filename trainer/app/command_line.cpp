@@ -161,7 +161,7 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   if (seed->count()) c.seed = cli.seed;
   if (stage->count()) c.zero_stage = cli.zero_stage;
   if (fetch->count())
-    c.fetch_mode = fetch_mode == "all_reduce" ? modules::FetchMode::all_reduce : modules::FetchMode::all_gather;
+    c.fetch_mode = fetch_mode == "all_reduce" ? zero::FetchMode::all_reduce : zero::FetchMode::all_gather;
   if (prefetch->count()) {
     c.prefetch_bucket_bytes = cli.prefetch_bucket_bytes;
     c.adaptive_prefetch = cli.adaptive_prefetch;

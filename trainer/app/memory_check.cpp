@@ -4,8 +4,8 @@
 
 namespace coshard::train_app {
 
-using modules::format_bytes;
-using modules::MemoryPlace;
+using zero::format_bytes;
+using zero::MemoryPlace;
 
 Result<RunMemory> estimate_run(const trainer::TrainerConfig& c, const RunShape& shape) {
   COSHARD_TRY_ASSIGN(auto model, modules::make_gpt(shape.gpt));  // shapes only: no parameter memory yet
@@ -22,7 +22,7 @@ Result<RunMemory> estimate_run(const trainer::TrainerConfig& c, const RunShape& 
   // Each rank draws the step's global batch on the host, then takes its rows (i32 ids and targets).
   out.per_rank.add(MemoryPlace::pageable_host, "host batches (the global batch, this rank's rows)",
                    static_cast<std::size_t>(shape.batch + rows) * static_cast<std::size_t>(shape.seq) * 8);
-  auto machine = modules::machine_memory(shape.device, c.engine_options().offload_optimizer == modules::OffloadTarget::nvme
+  auto machine = zero::machine_memory(shape.device, c.engine_options().offload_optimizer == zero::OffloadTarget::nvme
                                                            ? c.engine_options().nvme_path
                                                            : std::filesystem::path());
   if (machine) out.machine = std::move(*machine);
@@ -43,7 +43,7 @@ std::string describe_run(const RunMemory& m, const RunShape& shape, const traine
   out += "this process (" + std::to_string(n) + " rank" + (n == 1 ? "" : "s") + "):";
   for (const MemoryPlace place : {MemoryPlace::device, MemoryPlace::pinned_host, MemoryPlace::pageable_host, MemoryPlace::nvme})
     if (const std::size_t b = m.per_rank.bytes(place); b > 0)
-      out += " " + std::string(modules::to_string(place)) + " " + format_bytes(b * n) + ";";
+      out += " " + std::string(zero::to_string(place)) + " " + format_bytes(b * n) + ";";
   out.back() = '\n';
   out += "machine: " + (m.machine ? m.machine->describe() : "unknown (" + m.machine_error + ")") + "\n";
   return out;
@@ -51,7 +51,7 @@ std::string describe_run(const RunMemory& m, const RunShape& shape, const traine
 
 Result<void> check_run(const RunMemory& m, const RunShape& shape) {
   if (!m.machine) return {};
-  return modules::check_fits(m.per_rank, shape.ranks_here, *m.machine);
+  return zero::check_fits(m.per_rank, shape.ranks_here, *m.machine);
 }
 
 }  // namespace coshard::train_app

@@ -10,7 +10,7 @@
 
 #include "coshard/async/device.hpp"
 #include "coshard/modules/gpt.hpp"
-#include "coshard/modules/memory_estimate.hpp"
+#include "coshard/zero/memory_estimate.hpp"
 #include "coshard/trainer/config.hpp"
 
 namespace coshard::train_app {
@@ -27,8 +27,8 @@ struct RunShape {
 };
 
 struct RunMemory {
-  modules::MemoryEstimate per_rank;
-  std::optional<modules::MachineMemory> machine;  // none when it could not be read
+  zero::MemoryEstimate per_rank;
+  std::optional<zero::MachineMemory> machine;  // none when it could not be read
   std::string machine_error;                      // then: why
 };
 

@@ -72,7 +72,7 @@ std::string tensor_name(std::size_t unit, std::string_view kind) {
 // The tensors of a unit's block in a rank file, in file order: its params, then its master and
 // the optimizer's states when the engine keeps them (ShardLayout).
 enum class BlockKind : std::uint8_t { param, master, state1, state2 };
-std::vector<BlockKind> block_kinds(modules::ShardLayout kept) {
+std::vector<BlockKind> block_kinds(zero::ShardLayout kept) {
   std::vector<BlockKind> kinds{BlockKind::param};
   if (kept.master) kinds.push_back(BlockKind::master);
   if (kept.states >= 1) kinds.push_back(BlockKind::state1);
@@ -83,7 +83,7 @@ std::string_view name_of(BlockKind k) {
   static constexpr std::string_view names[] = {"param", "master", "state1", "state2"};
   return names[static_cast<int>(k)];
 }
-const Tensor& tensor_of(const modules::UnitShard& sh, BlockKind k) {
+const Tensor& tensor_of(const zero::UnitShard& sh, BlockKind k) {
   switch (k) {
     case BlockKind::param: return sh.params;
     case BlockKind::master: return sh.master;
@@ -188,7 +188,7 @@ async::Task<Result<void>> Trainer::save_checkpoint(const fs::path& dir) {
   std::memset(staged.data() + total, 0, padded - total);
   auto& compute = s.ctx->stream();
   std::size_t at = prefix.size();
-  auto stage_unit = [&](const modules::UnitShard& sh) -> async::Task<Result<void>> {
+  auto stage_unit = [&](const zero::UnitShard& sh) -> async::Task<Result<void>> {
     for (const BlockKind k : kinds) {
       const Tensor& source = tensor_of(sh, k);
       COSHARD_CO_TRY(compute.copy(staged.data() + at, source.data(), source.bytes()));
@@ -382,8 +382,8 @@ Result<void> check_identity(const Manifest& m, const std::map<std::string, std::
               "); these define a run and cannot change on resume (docs/reliability.md lists what can)");
 }
 
-Result<Loaded> read_checkpoint(const fs::path& dir, const std::vector<modules::FetchUnitInfo>& shards,
-                               modules::ShardLayout kinds, int rank, DataType dtype, std::string_view optimizer,
+Result<Loaded> read_checkpoint(const fs::path& dir, const std::vector<zero::FetchUnitInfo>& shards,
+                               zero::ShardLayout kinds, int rank, DataType dtype, std::string_view optimizer,
                                const std::map<std::string, std::string>& identity) {
   COSHARD_TRY_ASSIGN(const fs::path folder, resolve_checkpoint(dir));
   COSHARD_TRY_ASSIGN(const Manifest m, read_manifest(folder));
@@ -479,7 +479,7 @@ async::Task<Result<void>> Trainer::load_checkpoint(const fs::path& dir) {
   async::Runtime* rt = async::Runtime::current();
   if (!rt) co_return fail(ErrorCode::internal, "load_checkpoint: not on a runtime");
   const auto shards = s.engine->units();
-  const modules::ShardLayout kinds = s.engine->shard_layout();
+  const zero::ShardLayout kinds = s.engine->shard_layout();
   const int rank = s.comm->rank();
   const DataType dtype = s.config.dtype;
   const std::string optimizer(to_string(s.config.optimizer));
@@ -500,7 +500,7 @@ async::Task<Result<void>> Trainer::load_checkpoint(const fs::path& dir) {
   // Every rank checked its part: each unit's block goes in as the engine visits it (with nvme
   // offload, into the swap buffer that is then written back to the store).
   std::size_t next = 0;
-  auto load_unit = [&](const modules::UnitShard& sh) -> async::Task<Result<void>> {
+  auto load_unit = [&](const zero::UnitShard& sh) -> async::Task<Result<void>> {
     const auto& b = loaded->blocks[next++];
     COSHARD_CO_TRY(s.ctx->copy_from_host(sh.params, b.params));
     if (!b.master.empty()) COSHARD_CO_TRY(s.ctx->copy_from_host(sh.master, b.master));
@@ -548,9 +548,9 @@ async::Task<Result<void>> Trainer::export_safetensors(const fs::path& path) {
 async::Task<Result<void>> Trainer::load_safetensors(const fs::path& path) {
   Impl& s = *impl_;
   const DataType dtype = s.config.dtype;
-  auto read = [&path, dtype]() -> Result<std::vector<modules::GatheredParameter>> {
+  auto read = [&path, dtype]() -> Result<std::vector<zero::GatheredParameter>> {
         COSHARD_TRY_ASSIGN(auto file, modules::SafetensorsFile::load(path));
-        std::vector<modules::GatheredParameter> out;
+        std::vector<zero::GatheredParameter> out;
         for (const auto& t : file.tensors()) {
           const auto from = float_dtype_of(t.dtype);
           if (!from)

@@ -82,8 +82,8 @@ Result<void> TrainerConfig::validate() const {
   COSHARD_TRY(check_offload(offload_optimizer, "offload_optimizer", true));
   // (offload_params=nvme keeps its shards in the optimizer's swap files: its own path is optional)
   COSHARD_TRY(check_offload(offload_params, "offload_params", false));
-  COSHARD_TRY(modules::check_offload_placement(engine_options()));
-  COSHARD_TRY(modules::check_step_in_backward(engine_options(), step_control()));
+  COSHARD_TRY(zero::check_offload_placement(engine_options()));
+  COSHARD_TRY(zero::check_step_in_backward(engine_options(), step_control()));
   if (offload_params.device == OffloadDevice::nvme && !offload_params.nvme_path.empty() &&
       offload_params.nvme_path != offload_optimizer.nvme_path)
     return fail(ErrorCode::invalid_argument, "offload_params.nvme_path=", offload_params.nvme_path.string(),
@@ -100,8 +100,8 @@ modules::StepControlOptions TrainerConfig::step_control() const {
   return control;
 }
 
-modules::EngineOptions TrainerConfig::engine_options() const {
-  modules::EngineOptions o;
+zero::EngineOptions TrainerConfig::engine_options() const {
+  zero::EngineOptions o;
   o.zero_stage = zero_stage;
   o.dtype = dtype;
   o.module_granularity_bytes = module_granularity_bytes;
@@ -530,7 +530,7 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
       } else if (key == "zero_module_granularity_threshold") {
         if (auto n = r.count(v, name)) c.module_granularity_bytes = bytes_of(*n);
       } else if (key == "stage3_use_all_reduce_for_fetch_params") {
-        if (auto b = r.boolean(v, name)) c.fetch_mode = *b ? modules::FetchMode::all_reduce : modules::FetchMode::all_gather;
+        if (auto b = r.boolean(v, name)) c.fetch_mode = *b ? zero::FetchMode::all_reduce : zero::FetchMode::all_gather;
       } else if (key == "offload_optimizer") {
         read_offload(r, v, name, c.offload_optimizer);
       } else if (key == "offload_param") {

@@ -8,7 +8,7 @@
 
 namespace coshard::trainer {
 
-void TraceWriter::add(int rank, std::int64_t step, std::span<const modules::TimelineSpan> spans) {
+void TraceWriter::add(int rank, std::int64_t step, std::span<const zero::TimelineSpan> spans) {
   std::lock_guard lock(mutex_);
   for (const auto& s : spans) entries_.push_back({rank, step, s});
 }

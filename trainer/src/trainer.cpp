@@ -75,7 +75,7 @@ std::int64_t Trainer::steps_done() const noexcept { return impl_->steps; }
 const TrainerConfig& Trainer::config() const noexcept { return impl_->config; }
 int Trainer::rank() const noexcept { return impl_->comm->rank(); }
 int Trainer::world_size() const noexcept { return impl_->comm->size(); }
-modules::Engine& Trainer::engine() noexcept { return *impl_->engine; }
+zero::Engine& Trainer::engine() noexcept { return *impl_->engine; }
 modules::Context& Trainer::context() noexcept { return *impl_->ctx; }
 
 namespace {
@@ -236,7 +236,7 @@ async::Task<Result<Trainer>> TrainerBuilder::build(modules::Module& model) const
     o.weight_decay = c_.weight_decay.value_or(o.weight_decay);
     COSHARD_CO_TRY_ASSIGN(impl->optimizer, modules::Optimizer::sgd(o, control));
   }
-  COSHARD_CO_TRY_ASSIGN(impl->engine, modules::Engine::create(*impl->ctx, *comm_, model, *impl->optimizer,
+  COSHARD_CO_TRY_ASSIGN(impl->engine, zero::Engine::create(*impl->ctx, *comm_, model, *impl->optimizer,
                                                               c_.engine_options()));
   COSHARD_CO_TRY(co_await impl->engine->initialize(c_.seed));
   co_return Trainer(std::move(impl));

@@ -40,7 +40,7 @@ struct Trainer::Impl {
   std::unique_ptr<async::CachingAllocator> allocator;
   std::unique_ptr<modules::Context> ctx;
   std::unique_ptr<modules::Optimizer> optimizer;
-  std::unique_ptr<modules::Engine> engine;
+  std::unique_ptr<zero::Engine> engine;
   modules::CrossEntropyLoss own_loss;      // the default
   modules::Loss* loss = &own_loss;         // or the builder's
 

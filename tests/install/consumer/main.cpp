@@ -59,7 +59,7 @@ int main() {
     t::TrainerConfig c;
     c.zero_stage = 3;
     COSHARD_CO_TRY_ASSIGN(auto estimate, t::estimate_memory(c, *model, 1, {.rows_per_rank = 2, .seq = 8}));
-    if (estimate.bytes(m::MemoryPlace::device) == 0) co_return coshard::fail(coshard::ErrorCode::internal, "no estimate");
+    if (estimate.bytes(coshard::zero::MemoryPlace::device) == 0) co_return coshard::fail(coshard::ErrorCode::internal, "no estimate");
     t::TrainerBuilder builder(c);
     builder.communicator(comm);
     COSHARD_CO_TRY_ASSIGN(t::Trainer trainer, co_await builder.build(*model));

@@ -3,6 +3,7 @@
 
 #include "coshard/async/channel.hpp"
 #include "coshard/async/device.hpp"
+#include "coshard/async/dtype.hpp"
 #include "coshard/async/event.hpp"
 #include "coshard/async/files.hpp"
 #include "coshard/async/join_handle.hpp"
@@ -12,6 +13,7 @@
 #include "coshard/async/runtime.hpp"
 #include "coshard/async/semaphore.hpp"
 #include "coshard/async/stream.hpp"
+#include "coshard/async/stream_budget.hpp"
 #include "coshard/async/sync.hpp"
 #include "coshard/async/task.hpp"
 #include "coshard/async/time.hpp"

@@ -131,6 +131,14 @@ class MeanSquaredErrorLoss final : public Loss {
   Tensor targets_, pred_;
 };
 
+// One micro-batch on the compute device: the model's input and the loss's targets, of whatever
+// shape and dtype they take (token ids i32 [B, T] and i32 targets for a GPT and its
+// cross-entropy; float features and float targets for a regression and its mean squared error).
+struct Batch {
+  Tensor inputs;
+  Tensor targets;
+};
+
 // One micro-batch: forward through `model` and `loss`, then backward
 // seeded with `seed` (a one-element tensor: 1, or the loss scale), adding into the bound
 // parameter gradients. Returns the loss (one element on the device).

@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "coshard/async/result.hpp"
-#include "coshard/collectives/dtype.hpp"
+#include "coshard/async/dtype.hpp"
 
 namespace coshard::modules {
 
@@ -33,9 +33,9 @@ std::string_view to_string(SafeDType t) noexcept;  // the file's spelling: "F32"
 std::size_t size_of(SafeDType t) noexcept;
 std::optional<SafeDType> parse_safe_dtype(std::string_view name) noexcept;
 // The file's dtype of a tensor dtype (f32, f64, bf16, f16, i32, u8).
-std::optional<SafeDType> safe_dtype_of(collectives::DataType dt) noexcept;
+std::optional<SafeDType> safe_dtype_of(async::DataType dt) noexcept;
 // The tensor dtype of a float file dtype (F64, F32, BF16, F16); nothing for the others.
-std::optional<collectives::DataType> float_dtype_of(SafeDType dt) noexcept;
+std::optional<async::DataType> float_dtype_of(SafeDType dt) noexcept;
 
 struct SafeTensorInfo {
   std::string name;

@@ -17,12 +17,13 @@
 #include <vector>
 
 #include "coshard/async/device.hpp"
-#include "coshard/collectives/dtype.hpp"
+#include "coshard/async/dtype.hpp"
 
 namespace coshard::modules {
 
-using collectives::DataType;
-using collectives::size_of;
+using async::DataType;
+using async::size_of;
+using async::to_string;
 
 class Shape {
  public:

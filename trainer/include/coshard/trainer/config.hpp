@@ -16,14 +16,14 @@
 #include <string_view>
 #include <vector>
 
-#include "coshard/modules/engine.hpp"
+#include "coshard/zero/engine.hpp"
 #include "coshard/modules/optimizer.hpp"
 
 namespace coshard::trainer {
 
 // Where offloaded state lives: the engine's own enum (none, cpu, nvme), with its to_string.
-using OffloadDevice = modules::OffloadTarget;
-using modules::to_string;
+using OffloadDevice = zero::OffloadTarget;
+using zero::to_string;
 
 struct OffloadOptions {
   OffloadDevice device = OffloadDevice::none;
@@ -45,7 +45,7 @@ std::string_view to_string(OptimizerKind k) noexcept;
 struct TrainerConfig {
   // ZeRO (see EngineOptions for their meaning).
   int zero_stage = 3;
-  modules::FetchMode fetch_mode = modules::FetchMode::all_gather;
+  zero::FetchMode fetch_mode = zero::FetchMode::all_gather;
   std::size_t prefetch_bucket_bytes = 64ull << 20;
   // Prefetch depth from measured gather and compute times (DeepSpeed's "auto"); the bucket
   // above then caps it (0: no cap but the budget).
@@ -127,7 +127,7 @@ struct TrainerConfig {
   // Every value and combination checked; the error names the first bad one and what is allowed.
   Result<void> validate() const;
   // The engine's view of these settings.
-  modules::EngineOptions engine_options() const;
+  zero::EngineOptions engine_options() const;
   // The optimizer's clipping and loss scaling, as the trainer builds it.
   modules::StepControlOptions step_control() const;
   // The learning rate of step `step` (0-based) under the schedule.

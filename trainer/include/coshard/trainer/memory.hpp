@@ -11,7 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "coshard/modules/memory_estimate.hpp"
+#include "coshard/zero/memory_estimate.hpp"
 #include "coshard/trainer/config.hpp"
 
 namespace coshard::trainer {
@@ -25,7 +25,7 @@ struct MemoryInputs {
 };
 
 // Per rank. Fails as TrainerConfig::validate or the engine's plan would.
-Result<modules::MemoryEstimate> estimate_memory(const TrainerConfig& config, modules::Module& model, int world_size,
+Result<zero::MemoryEstimate> estimate_memory(const TrainerConfig& config, modules::Module& model, int world_size,
                                                 const MemoryInputs& inputs);
 
 }  // namespace coshard::trainer

@@ -1,6 +1,6 @@
 // A Chrome-trace / Perfetto JSON timeline of training steps: one process per rank, one thread per
 // stream (compute, comm), a complete event ("X") per span and an instant ("i") per release, all
-// from device timestamps (modules::TimelineSpan). Open it in ui.perfetto.dev or chrome://tracing.
+// from device timestamps (zero::TimelineSpan). Open it in ui.perfetto.dev or chrome://tracing.
 #pragma once
 
 #include <cstdint>
@@ -10,14 +10,14 @@
 #include <vector>
 
 #include "coshard/async/result.hpp"
-#include "coshard/modules/engine.hpp"
+#include "coshard/zero/engine.hpp"
 
 namespace coshard::trainer {
 
 class TraceWriter {
  public:
   // Spans of one step of one rank; thread-safe (ranks as threads add concurrently).
-  void add(int rank, std::int64_t step, std::span<const modules::TimelineSpan> spans);
+  void add(int rank, std::int64_t step, std::span<const zero::TimelineSpan> spans);
   std::size_t size() const;
   // The whole trace, written atomically (temporary, fsync, rename).
   Result<void> write(const std::filesystem::path& path) const;
@@ -28,7 +28,7 @@ class TraceWriter {
   struct Entry {
     int rank;
     std::int64_t step;
-    modules::TimelineSpan span;
+    zero::TimelineSpan span;
   };
   mutable std::mutex mutex_;
   std::vector<Entry> entries_;

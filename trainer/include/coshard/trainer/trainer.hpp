@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "coshard/collectives/communicator.hpp"
-#include "coshard/modules/engine.hpp"
+#include "coshard/zero/engine.hpp"
 #include "coshard/trainer/config.hpp"
 #include "coshard/trainer/data.hpp"
 
@@ -47,7 +47,7 @@ struct StepStats {
   double prefetch_hit_rate = 1;
   // Time the compute stream waited on communication, from device timestamps (config.timing).
   std::optional<double> exposed_comm_ms;
-  std::vector<modules::TimelineSpan> timeline;  // config.record_timeline
+  std::vector<zero::TimelineSpan> timeline;  // config.record_timeline
   std::uint64_t collective_launches = 0;
   float grad_norm = 0;
   float loss_scale = 1;
@@ -95,7 +95,7 @@ class Trainer {
   const TrainerConfig& config() const noexcept;
   int rank() const noexcept;
   int world_size() const noexcept;
-  modules::Engine& engine() noexcept;
+  zero::Engine& engine() noexcept;
   modules::Context& context() noexcept;
 
   struct Impl;
@@ -117,7 +117,7 @@ class TrainerBuilder {
   TrainerBuilder& loss(modules::Loss& loss) { loss_ = &loss; return *this; }
   TrainerBuilder& config(TrainerConfig c) { c_ = std::move(c); return *this; }
   TrainerBuilder& zero_stage(int v) { c_.zero_stage = v; return *this; }
-  TrainerBuilder& fetch_mode(modules::FetchMode v) { c_.fetch_mode = v; return *this; }
+  TrainerBuilder& fetch_mode(zero::FetchMode v) { c_.fetch_mode = v; return *this; }
   TrainerBuilder& prefetch_bucket_bytes(std::size_t v) { c_.prefetch_bucket_bytes = v; return *this; }
   TrainerBuilder& max_live_bytes(std::size_t v) { c_.max_live_bytes = v; return *this; }
   TrainerBuilder& max_reuse_distance(std::size_t units) { c_.max_reuse_distance = units; return *this; }

@@ -15,13 +15,15 @@
 #include "coshard/async/runtime.hpp"
 #include "coshard/async/sync.hpp"
 #include "coshard/collectives/local.hpp"
-#include "coshard/modules/engine.hpp"
+#include "coshard/zero/engine.hpp"
 #include "coshard/modules/gpt.hpp"
 #include "coshard/modules/parameter_store.hpp"
-#include "modules/delayed_communicator.hpp"
+#include "zero/delayed_communicator.hpp"
 
-namespace coshard::modules {
+namespace coshard::zero {
 namespace {
+
+using namespace modules;
 
 constexpr GptConfig kConfig{.vocab = 32, .max_seq = 8, .dim = 32, .layers = 2, .heads = 2, .mlp_ratio = 2};
 constexpr std::int64_t kGlobalBatch = 12;  // divisible by 1, 2, 3 and 4 ranks
@@ -877,4 +879,4 @@ TEST(Engine, OffloadRefusesABudgetTooSmallForTheShards) {
 }
 
 }  // namespace
-}  // namespace coshard::modules
+}  // namespace coshard::zero

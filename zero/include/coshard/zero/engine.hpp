@@ -43,7 +43,21 @@
 #include "coshard/modules/layers.hpp"
 #include "coshard/modules/optimizer.hpp"
 
-namespace coshard::modules {
+namespace coshard::zero {
+
+// The model side the engine works on (coshard::modules), named here without the prefix.
+using modules::Batch;
+using modules::Context;
+using modules::DataType;
+using modules::Loss;
+using modules::Module;
+using modules::ModuleHooks;
+using modules::Optimizer;
+using modules::OptimizerStats;
+using modules::Parameter;
+using modules::Shape;
+using modules::StepControlOptions;
+using modules::Tensor;
 
 enum class FetchMode : std::uint8_t {
   all_gather,  // each rank sends its shard (default)
@@ -60,7 +74,7 @@ using OptimizerOffload = OffloadTarget;
 std::string_view to_string(OffloadTarget t) noexcept;
 
 struct EngineOptions {
-  int zero_stage = 3;                      // 1, 2 or 3 (stage 0 is ParameterStore)
+  int zero_stage = 3;                      // 1, 2 or 3 (stage 0 is modules::ParameterStore)
   DataType dtype = DataType::f32;          // parameters, activations, gradients before reduction (shards of gradients and masters are fp32)
   std::size_t module_granularity_bytes = 0;
   std::size_t max_live_bytes = std::numeric_limits<std::size_t>::max();  // gathered parameter bytes
@@ -168,14 +182,6 @@ struct GatheredParameter {
   std::string name;
   Shape shape;
   std::vector<std::byte> bytes;
-};
-
-// One micro-batch on the compute device: the model's input and the loss's targets, of whatever
-// shape and dtype they take (token ids i32 [B, T] and i32 targets for a GPT and its
-// cross-entropy; float features and float targets for a regression and its mean squared error).
-struct Batch {
-  Tensor inputs;
-  Tensor targets;
 };
 
 struct EngineStepStats {
@@ -292,4 +298,4 @@ class Engine final : public ModuleHooks {
   std::unique_ptr<State> s_;
 };
 
-}  // namespace coshard::modules
+}  // namespace coshard::zero

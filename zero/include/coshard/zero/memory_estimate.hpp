@@ -19,9 +19,9 @@
 #include <vector>
 
 #include "coshard/async/device.hpp"
-#include "coshard/modules/engine.hpp"
+#include "coshard/zero/engine.hpp"
 
-namespace coshard::modules {
+namespace coshard::zero {
 
 enum class MemoryPlace : std::uint8_t {
   device,         // the compute device (the host's own memory when the device is the CPU)
@@ -82,4 +82,4 @@ Result<void> check_fits(const MemoryEstimate& per_rank, int ranks, const Machine
 // "1.50 GiB", "512 B": bytes for people (binary units, three significant digits).
 std::string format_bytes(std::size_t bytes);
 
-}  // namespace coshard::modules
+}  // namespace coshard::zero

@@ -9,9 +9,9 @@
 #include <unordered_map>
 #include <vector>
 
-#include "coshard/modules/engine.hpp"
+#include "coshard/zero/engine.hpp"
 
-namespace coshard::modules::detail {
+namespace coshard::zero::detail {
 
 struct PlannedParameter {
   Parameter* parameter;
@@ -40,4 +40,4 @@ Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOp
 std::vector<std::size_t> offload_pinned_sizes(std::span<const FetchUnitInfo> units, const EngineOptions& o,
                                               std::size_t optimizer_states);
 
-}  // namespace coshard::modules::detail
+}  // namespace coshard::zero::detail

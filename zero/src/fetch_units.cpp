@@ -1,8 +1,10 @@
-#include "engine_plan.hpp"
+#include "fetch_units.hpp"
 
 #include <algorithm>
 
-namespace coshard::modules::detail {
+namespace coshard::zero::detail {
+
+using namespace modules;
 
 Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOptions& o) {
   FetchPlan plan;
@@ -107,4 +109,4 @@ std::vector<std::size_t> offload_pinned_sizes(std::span<const FetchUnitInfo> uni
   return sizes;
 }
 
-}  // namespace coshard::modules::detail
+}  // namespace coshard::zero::detail

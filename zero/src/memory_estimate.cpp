@@ -1,4 +1,4 @@
-#include "coshard/modules/memory_estimate.hpp"
+#include "coshard/zero/memory_estimate.hpp"
 
 #include <algorithm>
 #include <cstdio>
@@ -6,9 +6,11 @@
 
 #include "coshard/async/memory.hpp"
 #include "coshard/offload/pinned_pool.hpp"
-#include "engine_plan.hpp"
+#include "fetch_units.hpp"
 
-namespace coshard::modules {
+namespace coshard::zero {
+
+using namespace modules;
 
 std::string_view to_string(MemoryPlace p) noexcept {
   switch (p) {
@@ -191,4 +193,4 @@ Result<void> check_fits(const MemoryEstimate& per_rank, int ranks, const Machine
   return {};
 }
 
-}  // namespace coshard::modules
+}  // namespace coshard::zero

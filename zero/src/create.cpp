@@ -1,0 +1,272 @@
+// Building an engine: options checked, fetch units planned and sharded, the memory estimate
+// checked, the optimizer offload's stream, pinned pool and swap files made, each unit's storage
+// (shard, full copy, gradients) placed, and the engine installed as the context's hooks.
+#include "coshard/zero/memory_estimate.hpp"
+#include "engine_state.hpp"
+#include "fetch_units.hpp"
+
+namespace coshard::zero {
+
+using namespace modules;
+using namespace detail;
+
+Engine::Engine(std::unique_ptr<State> state) : s_(std::move(state)) {}
+
+Engine::~Engine() {
+  if (!s_) return;
+  if (s_->host_stream) {
+    // Teardown: the host stream goes quiet, then the optimizer lets go of the groups made on the
+    // engine's host context (their memory belongs to it) before that context goes.
+    (void)s_->host_stream->synchronize();
+    s_->optimizer->drop_groups_from(s_->first_group);
+  }
+  if (s_->ctx->hooks() == this) s_->ctx->set_hooks(nullptr);
+  for (auto& u : s_->units) {
+    if (u->gather != Gather::released) {
+      // The block goes back behind the gather and the compute stream's point (reset records
+      // it); the budget goes with the engine.
+      u->gathered_block.reset();
+      if (u->permit) u->permit->forget();
+    }
+    if (auto ev = s_->comm->stream().record()) {
+      u->shard_block.record_use(*ev);
+      u->full_block.record_use(*ev);
+      u->grad_shard_block.record_use(*ev);
+      u->grad_full_block.record_use(*ev);
+    }
+    for (auto& p : u->params) p.parameter->unbind();
+    u->read_slot.forget();  // nvme parameters: the read slots go with the engine too
+  }
+}
+
+const EngineOptions& Engine::options() const noexcept { return s_->o; }
+
+int Engine::rank() const noexcept { return s_->rank; }
+
+int Engine::world_size() const noexcept { return s_->world; }
+
+std::vector<FetchUnitInfo> Engine::units() const {
+  std::vector<FetchUnitInfo> out;
+  for (const auto& u : s_->units) out.push_back(u->info);
+  return out;
+}
+
+Result<void> check_offload_placement(const EngineOptions& o) {
+  if (o.offload_params == OffloadTarget::none) return {};
+  const auto where = to_string(o.offload_params);
+  if (o.zero_stage != 3)
+    return fail(ErrorCode::invalid_argument, "offload_params=", where, " with zero_stage=", o.zero_stage,
+                ": parameters are sharded, and so offloaded, at stage 3 only");
+  if (o.offload_optimizer == OffloadTarget::none)
+    return fail(ErrorCode::invalid_argument, "offload_params=", where,
+                " with offload_optimizer=none: the optimizer steps the shards where they live (offload it too)");
+  if (o.offload_params == OffloadTarget::nvme && o.offload_optimizer != OffloadTarget::nvme)
+    return fail(ErrorCode::invalid_argument, "offload_params=nvme with offload_optimizer=", to_string(o.offload_optimizer),
+                ": the shards on NVMe are the masters in the optimizer's swap files (expected offload_optimizer=nvme; "
+                "with cpu, the masters hold the parameters in host memory already: use offload_params=cpu)");
+  if (o.param_buffer_count < 1)
+    return fail(ErrorCode::invalid_argument, "param_buffer_count=", o.param_buffer_count, ": expected >= 1");
+  return {};
+}
+
+Result<void> check_step_in_backward(const EngineOptions& o, const StepControlOptions& control) {
+  if (!o.step_in_backward) return {};
+  if (o.offload_optimizer == OffloadTarget::none)
+    return fail(ErrorCode::invalid_argument, "step_in_backward with offload_optimizer=", to_string(o.offload_optimizer),
+                ": steps the shards on the CPU as their gradients come (expected offload_optimizer=cpu or nvme)");
+  if (o.zero_stage < 2)
+    return fail(ErrorCode::invalid_argument, "step_in_backward with zero_stage=", o.zero_stage,
+                ": the gradients are reduced after backward there (expected zero_stage 2 or 3)");
+  if (control.max_grad_norm != 0.0f)
+    return fail(ErrorCode::invalid_argument, "step_in_backward with max_grad_norm=", control.max_grad_norm,
+                ": clipping needs the global norm, known only after backward (expected 0: no clipping)");
+  if (control.loss_scaling != LossScaling::none)
+    return fail(ErrorCode::invalid_argument, "step_in_backward with loss scaling: an overflow must be able to ",
+                "skip the whole step (expected none)");
+  return {};
+}
+
+std::string_view to_string(OffloadTarget t) noexcept {
+  switch (t) {
+    case OffloadTarget::none: return "none";
+    case OffloadTarget::cpu: return "cpu";
+    case OffloadTarget::nvme: return "nvme";
+  }
+  return "?";
+}
+
+Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Communicator& comm, Module& model,
+                                               Optimizer& optimizer, EngineOptions o) {
+  if (o.zero_stage < 1 || o.zero_stage > 3)
+    return fail(ErrorCode::invalid_argument, "zero_stage=", o.zero_stage,
+                ": expected 1, 2 or 3 (stage 0 is the unsharded ParameterStore)");
+  if (o.dtype != DataType::f32 && o.dtype != DataType::bf16 && o.dtype != DataType::f16)
+    return fail(ErrorCode::invalid_argument, "Engine dtype ", collectives::to_string(o.dtype),
+                ": expected f32, bf16 or f16");
+  COSHARD_TRY(modules::detail::check_supported(ctx.kernels(), o.dtype, ctx.device(), "Engine"));
+  if (!(comm.stream().device() == ctx.device()))
+    return fail(ErrorCode::invalid_argument, "Engine: the communicator's stream runs on ",
+                comm.stream().device().to_string(), ", the compute stream on ", ctx.device().to_string());
+
+  auto s = std::make_unique<State>();
+  s->ctx = &ctx;
+  s->comm = &comm;
+  s->model = &model;
+  s->optimizer = &optimizer;
+  s->o = o;
+  s->rank = comm.rank();
+  s->world = comm.size();
+  s->element_size = size_of(o.dtype);
+  s->first_group = optimizer.groups().size();
+  // Units: modules with direct parameters, in execution (pre-order) order; small leaves merge.
+  COSHARD_TRY_ASSIGN(auto plan, detail::plan_fetch_units(model, s->world, o));
+  s->names = std::move(plan.names);
+  s->largest_unit_bytes = plan.largest_unit_bytes;
+  for (auto& planned : plan.units) {
+    auto u = std::make_unique<Unit>();
+    u->info = std::move(planned.info);
+    u->modules = std::move(planned.modules);
+    for (const auto& p : planned.parameters) u->params.push_back({p.parameter, p.offset});
+    u->index = s->units.size();
+    for (Module* m : u->modules) s->unit_of.emplace(m, u->index);
+    s->units.push_back(std::move(u));
+  }
+  s->budget = async::StreamBudget::create(o.max_live_bytes);
+
+  COSHARD_TRY(check_offload_placement(o));
+  COSHARD_TRY(check_step_in_backward(o, optimizer.control()));
+  // A plan this machine cannot hold is refused with the numbers before anything is allocated
+  // (activations come on top: a trainer checks those with the rest).
+  if (o.check_memory) {
+    COSHARD_TRY_ASSIGN(auto estimate, estimate_engine_memory(model, s->world, o, optimizer.state_tensors()));
+    COSHARD_TRY_ASSIGN(auto machine, machine_memory(ctx.device(), o.offload_optimizer == OffloadTarget::nvme ? o.nvme_path
+                                                                                                            : std::filesystem::path()));
+    COSHARD_TRY(check_fits(estimate, 1, machine));
+  }
+
+  // Optimizer offload: its stream, context and pinned memory (checked against the budget now).
+  if (s->offloaded()) {
+    std::vector<FetchUnitInfo> infos;
+    for (const auto& u : s->units) infos.push_back(u->info);
+    const std::vector<std::size_t> sizes = detail::offload_pinned_sizes(infos, o, optimizer.state_tensors());
+    std::size_t needed = 0, largest_shard = 0;
+    const std::size_t per_element = 4 * (1 + optimizer.state_tensors());  // master and state, f32
+    for (const auto& u : s->units)
+      largest_shard = std::max(largest_shard, static_cast<std::size_t>(u->info.shard) * s->element_size);
+    if (s->swapped() && o.nvme_path.empty())
+      return fail(ErrorCode::invalid_argument, "offload_optimizer=nvme: needs a folder (nvme_path)");
+    if (s->params_on_nvme()) s->read_slots = async::StreamBudget::create(static_cast<std::size_t>(o.param_buffer_count));
+    for (std::size_t b : sizes) needed += offload::page_rounded(b);
+    offload::PinnedPoolOptions pool_options;
+    pool_options.host_memory_budget = o.host_memory_budget == 0 ? needed : o.host_memory_budget;
+    COSHARD_TRY_ASSIGN(s->pinned, offload::PinnedPool::create(pool_options));
+    if (auto fits = s->pinned->reserve(sizes); !fits)
+      return fail(std::move(fits).error().with_context(
+          std::string(s->swapped() ? "offload_optimizer=nvme (gradient shards and swap buffers" : "offload_optimizer=cpu (fp32 master and gradient shards") +
+          (s->params_on_nvme() ? ", parameter read buffers)" : o.offload_params == OffloadTarget::cpu && s->swapped() ? ", pinned parameter shards)" : ")")));
+    async::StreamOptions host_options;
+    host_options.name = "optimizer" + std::to_string(s->rank);
+    COSHARD_TRY_ASSIGN(auto host_stream, async::Stream::create(async::Device::cpu(), host_options));
+    s->host_stream = std::make_unique<async::Stream>(std::move(host_stream));
+    COSHARD_TRY_ASSIGN(s->host_allocator, async::CachingAllocator::create(async::Device::cpu()));
+    COSHARD_TRY_ASSIGN(auto host_ctx, Context::create(*s->host_stream, *s->host_allocator));
+    s->host_ctx = std::make_unique<Context>(std::move(host_ctx));
+    if (s->staged()) {
+      COSHARD_TRY_ASSIGN(s->staging, s->pinned->acquire(largest_shard));
+    }
+    if (s->swapped()) {
+      const std::string rank_folder = "rank" + std::to_string(s->rank) + "-of-" + std::to_string(s->world);
+      auto claimed = offload::SwapFolder::claim(o.nvme_path / rank_folder, "coshard rank " + std::to_string(s->rank) +
+                                                                               " of " + std::to_string(s->world));
+      if (!claimed) return fail(std::move(claimed).error().with_context("offload_optimizer=nvme"));
+      s->swap_folder = std::move(*claimed);
+      offload::NvmeStoreOptions store_options;
+      store_options.directory = o.nvme_path;
+      store_options.direct = offload::NvmeStore::supports_direct_io(o.nvme_path);
+      COSHARD_TRY_ASSIGN(s->store, offload::NvmeStore::open(store_options));
+      offload::SwapperOptions swap_options;
+      swap_options.buffer_count = o.swap_buffer_count;
+      COSHARD_TRY_ASSIGN(s->swapper, offload::Swapper::create(*s->store, s->pinned, swap_options));
+      const std::string folder = rank_folder + "/unit";
+      for (const auto& u : s->units)
+        s->subgroups.push_back({folder + std::to_string(u->index), static_cast<std::size_t>(u->info.shard) * per_element});
+    }
+  }
+
+  // Storage.
+  auto& stream = ctx.stream();
+  auto& alloc = ctx.allocator();
+  for (auto& up : s->units) {
+    Unit& u = *up;
+    const auto shard_bytes = static_cast<std::size_t>(u.info.shard) * s->element_size;
+    const Shape shard_shape{u.info.shard};
+    const std::int64_t mine = static_cast<std::int64_t>(s->rank) * u.info.shard;
+    if (s->params_offloaded()) {
+      // Nothing on the device: the shard is the pinned master (set below), a pinned copy, or in
+      // the swap file.
+      if (o.offload_params == OffloadTarget::cpu && s->swapped()) {
+        COSHARD_TRY_ASSIGN(u.host_param_block, s->pinned->acquire(shard_bytes));
+        u.shard = Tensor(u.host_param_block.data(), shard_shape, o.dtype, async::Device::cpu());
+      }
+    } else if (s->stage3()) {
+      COSHARD_TRY_ASSIGN(u.shard_block, alloc.allocate(shard_bytes, stream));
+      u.shard = Tensor(u.shard_block.data(), shard_shape, o.dtype, ctx.device());
+    } else {
+      COSHARD_TRY_ASSIGN(u.full_block, alloc.allocate(u.info.padded_bytes, stream));
+      u.full = Tensor(u.full_block.data(), Shape{u.info.padded}, o.dtype, ctx.device());
+      COSHARD_TRY(stream.fill(u.full.data(), 0, u.info.padded_bytes));
+      u.shard = u.full.slice(mine, shard_shape);
+    }
+    // Gradient shards are fp32 whatever the compute dtype (the optimizer reads them as they are).
+    const auto grad_shard_bytes = static_cast<std::size_t>(u.info.shard) * sizeof(float);
+    if (o.zero_stage == 1) {
+      COSHARD_TRY_ASSIGN(u.grad_full_block, alloc.allocate(u.info.padded_bytes, stream));
+      u.grad_full = Tensor(u.grad_full_block.data(), Shape{u.info.padded}, o.dtype, ctx.device());
+      COSHARD_TRY(stream.fill(u.grad_full.data(), 0, u.info.padded_bytes));
+    }
+    if (o.zero_stage == 1 && o.dtype == DataType::f32) {
+      u.grad_shard = u.grad_full.slice(mine, shard_shape);  // reduced in place: no copy
+    } else {
+      COSHARD_TRY_ASSIGN(u.grad_shard_block, alloc.allocate(grad_shard_bytes, stream));
+      u.grad_shard = Tensor(u.grad_shard_block.data(), shard_shape, DataType::f32, ctx.device());
+      COSHARD_TRY(stream.fill(u.grad_shard.data(), 0, grad_shard_bytes));
+    }
+    if (!s->stage3()) COSHARD_TRY(s->bind_values(u, u.full));
+    if (s->offloaded()) {
+      COSHARD_TRY_ASSIGN(u.host_grad_block, s->pinned->acquire(grad_shard_bytes));
+      u.host_grad = Tensor(u.host_grad_block.data(), shard_shape, DataType::f32, async::Device::cpu());
+    }
+    if (s->swapped()) {
+      COSHARD_TRY(optimizer.add_swapped_group(*s->host_ctx, u.host_grad));
+    } else if (s->offloaded() && s->narrow()) {
+      // bf16/f16: the group's parameters are a pinned copy in the compute dtype (the shard itself
+      // when the parameters are offloaded); the optimizer makes the fp32 master.
+      COSHARD_TRY_ASSIGN(u.host_param_block, s->pinned->acquire(shard_bytes));
+      u.host_param = Tensor(u.host_param_block.data(), shard_shape, o.dtype, async::Device::cpu());
+      if (s->params_offloaded()) u.shard = u.host_param;
+      COSHARD_TRY(optimizer.add_group(*s->host_ctx, u.host_param, u.host_grad));
+    } else if (s->offloaded()) {
+      COSHARD_TRY_ASSIGN(u.host_master_block, s->pinned->acquire(shard_bytes));
+      u.host_master = Tensor(u.host_master_block.data(), shard_shape, DataType::f32, async::Device::cpu());
+      if (s->params_offloaded()) u.shard = u.host_master;  // f32: the master is the parameter
+      COSHARD_TRY(optimizer.add_group(*s->host_ctx, u.host_master, u.host_grad));
+    } else {
+      COSHARD_TRY(optimizer.add_group(ctx, u.shard, u.grad_shard));
+    }
+  }
+  if (s->offloaded()) {
+    COSHARD_TRY_ASSIGN(s->device_loss_scale, ctx.zeros(Shape{1}, DataType::f32));
+    COSHARD_TRY_ASSIGN(s->device_grad_stats, ctx.zeros(Shape{2}, DataType::f32));
+    COSHARD_TRY_ASSIGN(s->grad_stats_back, s->pinned->acquire(2 * sizeof(float)));
+  }
+  if (s->timing()) {
+    COSHARD_TRY_ASSIGN(s->epoch, stream.record_timed());
+    COSHARD_TRY(s->streams_after_epoch());
+  }
+  s->gather_ms.assign(s->units.size(), -1.0);
+  auto engine = std::unique_ptr<Engine>(new Engine(std::move(s)));
+  ctx.set_hooks(engine.get());
+  return engine;
+}
+
+}  // namespace coshard::zero

@@ -1,0 +1,408 @@
+// The engine's state, shared by the files of zero/src that each do one of its jobs (engine.hpp has
+// the rules of the whole; each file its own at its top). Private: not installed.
+#pragma once
+
+#include <algorithm>
+#include <deque>
+#include <map>
+#include <unordered_map>
+
+#include "coshard/async/channel.hpp"
+#include "coshard/async/join_handle.hpp"
+#include "coshard/async/runtime.hpp"
+#include "coshard/async/stream_budget.hpp"
+#include "coshard/offload/pinned_pool.hpp"
+#include "coshard/offload/swap_folder.hpp"
+#include "coshard/offload/swapper.hpp"
+#include "coshard/zero/engine.hpp"
+#include "half_convert.hpp"
+#include "kernels.hpp"
+
+namespace coshard::zero {
+namespace detail {
+
+using namespace modules;
+
+// Names of the step's phases in the timeline (spans keep pointers to their names).
+inline const std::string kAllUnits = "all units";
+inline const std::string kGradients = "gradients";
+inline const std::string kGradStats = "gradient norm";
+inline const std::string kOptimizer = "optimizer";
+inline const std::string kParameters = "parameters";
+
+using collectives::Coalesced;
+using collectives::ReduceOp;
+
+enum class Gather : std::uint8_t { released, in_flight, ready };
+
+struct Unit {
+  FetchUnitInfo info;
+  std::vector<Module*> modules;  // forward order
+  struct Param {
+    Parameter* parameter;
+    std::int64_t offset;  // elements into the unit's buffer
+  };
+  std::vector<Param> params;
+  std::size_t index = 0;  // in the engine's unit list
+
+  // Persistent storage. Stage 3: `shard` is its own buffer. Stages 1-2: `full` holds the whole
+  // unit and `shard` is this rank's block of it (in-place all-gather after the step).
+  async::Block shard_block, full_block, grad_shard_block;
+  Tensor shard, full, grad_shard;
+  // Gradients of the whole unit: persistent at stage 1 (grad_shard is a view into it), one
+  // buffer per backward pass at stages 2-3.
+  async::Block grad_full_block;
+  Tensor grad_full;
+  int grads_this_step = 0;  // backward passes reduced into grad_shard this step
+  bool grads_out = false;   // optimizer offload: copied to host_grad during backward this step
+  int forward_uses = 0;     // forward passes this step (as many backward passes will come)
+  bool stepped_early = false;  // step_in_backward: stepped on the host during backward
+
+  // Optimizer offload: this rank's fp32 master and gradient shard in pinned host memory.
+  offload::PinnedBlock host_master_block, host_grad_block;
+  Tensor host_master, host_grad;
+  // The pinned shard in the compute dtype the host step writes: with the optimizer on nvme and
+  // the parameters offloaded to cpu (it is the shard), or with the optimizer on cpu and a bf16/f16
+  // dtype (the optimizer group's parameters, cast down from its fp32 master; the shard too when
+  // the parameters are offloaded, else copied to it).
+  offload::PinnedBlock host_param_block;
+  Tensor host_param;
+  // nvme parameters: the read of the shard from its swap file (started ahead along the trace),
+  // its buffer once read, and the read slot both hold until the gather that copies out of it.
+  async::JoinHandle<Result<offload::PinnedBlock>> read;
+  offload::PinnedBlock read_block;
+  async::Semaphore::Permit read_slot;
+
+  // Stage 3 gather state.
+  Gather gather = Gather::released;
+  async::Block gathered_block;
+  Tensor gathered;
+  async::Event gathered_event;
+  std::optional<async::Semaphore::Permit> permit;
+  bool prefetched = false;  // gathered ahead of use, not yet fetched
+  async::Event compute_start;  // timeline: where this unit's current pass began on the compute stream
+  std::size_t fetch_pos = 0;   // stage 3: the position of its latest fetch in the pass's order
+};
+
+
+}  // namespace detail
+
+struct Engine::State {
+  using Unit = detail::Unit;
+  using Gather = detail::Gather;
+  // The optimizer's groups of this engine hold memory of the engine's host context when the
+  // optimizer is offloaded: they go first, with the host stream quiet, whether the engine ends
+  // or its creation fails halfway (out of memory, say), or ~Optimizer later returns blocks to an
+  // allocator that is gone (the segfault of a failed setup).
+  ~State() {
+    if (host_stream) (void)host_stream->synchronize();
+    if (optimizer) optimizer->drop_groups_from(first_group);
+  }
+  Context* ctx = nullptr;
+  collectives::Communicator* comm = nullptr;
+  Module* model = nullptr;
+  Optimizer* optimizer = nullptr;
+  EngineOptions o;
+  int rank = 0, world = 1;
+  std::size_t element_size = 4;
+  std::vector<std::unique_ptr<Unit>> units;
+  std::unordered_map<const Module*, std::size_t> unit_of;
+  std::unordered_map<const Parameter*, std::string> names;
+  std::size_t largest_unit_bytes = 0;
+  std::size_t first_group = 0;  // the optimizer's group of unit i is first_group + i
+  // max_live_bytes: a unit's bytes are taken before its gather and come back once the compute
+  // stream has passed its last use (shared with the task returning them, which may outlive a step).
+  std::shared_ptr<async::StreamBudget> budget;
+
+  // Optimizer offload: a CPU stream and context the optimizer steps on, the pinned pool of its
+  // shards, and device copies of the two small things the device needs from it.
+  std::unique_ptr<async::Stream> host_stream;
+  std::unique_ptr<async::CachingAllocator> host_allocator;
+  std::unique_ptr<Context> host_ctx;
+  std::shared_ptr<offload::PinnedPool> pinned;
+  // nvme: each unit's master and state, one sub-group file each, streamed by the swapper. The
+  // rank's folder is claimed (locked against a second run) first and let go last.
+  offload::SwapFolder swap_folder;
+  std::shared_ptr<offload::NvmeStore> store;
+  std::unique_ptr<offload::Swapper> swapper;
+  std::vector<offload::SubGroup> subgroups;
+  bool swapped() const noexcept { return o.offload_optimizer == OptimizerOffload::nvme; }
+  Tensor device_loss_scale;  // f32[1]: the seed of backward
+  Tensor device_grad_stats;  // f32[2]: summed across ranks on the communication stream
+  // f32[2] in pinned memory: the summed stats come back through it. A copy from the device into
+  // pageable memory returns only once done: a hidden host wait for the whole step so far.
+  offload::PinnedBlock grad_stats_back;
+  bool offloaded() const noexcept { return o.offload_optimizer != OptimizerOffload::none; }
+  bool params_offloaded() const noexcept { return o.offload_params != OffloadTarget::none; }
+  bool params_on_nvme() const noexcept { return o.offload_params == OffloadTarget::nvme; }
+  // bf16/f16 parameters: the host step writes them from the fp32 masters (half the bytes to the
+  // device); with the optimizer on nvme and the shards on the device, through `staging`, one unit
+  // at a time (the swapper's passes hand out one sub-group at a time and await its use). With the
+  // parameters on nvme a shard is its master rounded as it is read, and `staging` holds a unit's
+  // rounded master while a checkpoint visits it.
+  bool narrow() const noexcept { return o.dtype != DataType::f32; }
+  bool staged() const noexcept { return swapped() && narrow() && o.offload_params != OffloadTarget::cpu; }
+  offload::PinnedBlock staging;
+  Tensor staging_for(const Unit& u) const {
+    return Tensor(staging.data(), Shape{u.info.shard}, o.dtype, async::Device::cpu());
+  }
+  // nvme parameters: param_buffer_count slots, one per shard read from its start to its gather
+  // (a slot comes back once the gather that copied out of its buffer has passed).
+  std::shared_ptr<async::StreamBudget> read_slots;
+  // nvme parameters: values for the swap files that initialize/load_parameters computed on the
+  // host (there is no shard to copy them from), taken by masters_from_shards.
+  std::vector<std::vector<std::byte>> pending_shards;
+  // Optimizer offload at stages 2-3 with one micro-batch: each gradient shard goes out to pinned
+  // memory on the communication stream right after its reduction, overlapped with the rest of
+  // backward (with more micro-batches the shards are scaled after the last one first).
+  bool grads_out_in_backward = false;
+  // step_in_backward this step (one micro-batch): each unit is stepped on the host once its last
+  // gradient shard is out, at `step_lr`.
+  bool stepping_in_backward = false;
+  float step_lr = 0.0f;
+  // step_in_backward with the optimizer on nvme: a pass of the swapper runs beside forward and
+  // backward (swap_step), reading each unit's sub-group ahead and stepping it once the unit is
+  // handed over through grads_ready (its gradient shard out, its share of the statistics added).
+  // It goes in the order the units came last step (backward_order), reverse unit order at first.
+  std::optional<async::Sender<std::size_t>> grads_ready;
+  async::JoinHandle<Result<void>> swap_step;
+  std::vector<std::size_t> backward_order, handed_order;
+  Context& optimizer_ctx() const noexcept { return offloaded() ? *host_ctx : *ctx; }
+  Tensor backward_seed() const { return offloaded() ? device_loss_scale : optimizer->loss_scale(); }
+
+  // The loop's place: between begin_step and finish_step, between begin_inference and
+  // end_inference, or neither (then the engine's modules may not run).
+  enum class Open : std::uint8_t { none, step, inference };
+  Open open = Open::none;
+  int declared_micro_batches = 0;  // begin_step's
+  int model_forwards = 0, model_backwards = 0;  // of the whole model, this step
+  Tensor loss_sum;                 // f32[1]: add_loss's sum
+  int losses_added = 0;
+  std::uint64_t launches_before = 0;
+  bool owns(const Module& m) const { return &m == model || unit_of.contains(&m); }
+  // `later` runs after `event` of another stream: device-side when it can wait on it (a CPU
+  // stream can wait on anything; a CUDA stream only on CUDA events), else the host awaits it.
+  static async::Task<Result<void>> after(async::Stream& later, async::Event event) {
+    if (later.device().is_cpu() || event.device().is_cuda()) co_return later.wait(event);
+    co_return co_await event;
+  }
+  // The compute stream after everything the host stream has so far (the optimizer's casts into
+  // its masters at build, a step's host work): before shards or masters are written outside a step.
+  async::Task<Result<void>> compute_after_host();
+  // `n` elements of `src` converted into `dst` on the host stream, awaited.
+  async::Task<Result<void>> cast_on_host(DataType from, const void* src, DataType to, void* dst, std::int64_t n);
+  // The fp32 masters follow the shards (after initialisation or a load).
+  async::Task<Result<void>> masters_from_shards();
+
+  // Stages 1-2: every rank's block of every unit into the full copies, after the blocks changed
+  // outside a step (a load). Stage 3 keeps no full copies.
+  async::Task<Result<void>> full_copies_from_shards();
+  // nvme: unit k's shard with its master and state as views of the swap buffer holding them.
+  UnitShard swapped_shard(std::size_t k, std::span<std::byte> bytes) const;
+
+  // Traces of fetch order, per phase.
+  std::string phase = "train";
+  std::map<std::string, std::vector<std::size_t>> traces;
+  std::vector<std::size_t> recording;
+  const std::vector<std::size_t>* trace = nullptr;  // null: none yet, or departed from this step
+  std::size_t trace_pos = 0;
+  std::size_t prefetched_bytes = 0;
+  // Bytes of units gathered or in flight as the host has issued them (released ones excluded at
+  // once): the same on every rank, unlike the device-paced budget semaphore.
+  std::size_t logical_live = 0;
+  EngineStepStats stats;
+
+  // Timing (options.timing / record_timeline): the step's waits of compute on communication and
+  // its timeline, as event pairs read once the step is over.
+  struct Span {
+    bool compute;
+    const char* category;
+    const std::string* name;  // a unit's name, or a static phase name
+    async::Event start, end;
+    std::size_t pos;   // compute spans of stage 3: the fetch's position in the pass's order
+    std::size_t unit;  // gathers: the unit
+  };
+  static constexpr std::size_t kNone = std::numeric_limits<std::size_t>::max();
+  std::vector<Span> spans;
+  std::vector<std::pair<async::Event, async::Event>> waits;
+  async::Event epoch;
+
+  // Adaptive prefetch: measured milliseconds (device timestamps, a moving average over steps) of
+  // each unit's gather, and of the compute at each position of each phase's fetch order.
+  std::vector<double> gather_ms;                          // per unit; < 0: not measured yet
+  std::map<std::string, std::vector<double>> compute_ms;  // per phase, per trace position
+  static void learn(double& average, double sample) { average = average < 0 ? sample : 0.5 * average + 0.5 * sample; }
+  // A gather's span also holds time spent waiting for peers and for a busy host: the estimate
+  // follows the fastest recent sample, rising by at most a quarter a step when the link slows.
+  static void learn_gather(double& estimate, double sample) {
+    estimate = estimate < 0 ? sample : std::min(sample, 1.25 * estimate);
+  }
+
+  // The ranks average their measurements (one small all-reduce at the end of a pass), so every
+  // rank makes the same prefetch decisions and issues its collectives in the same order.
+  async::Task<Result<void>> agree_on_measurements();
+
+  bool timing() const noexcept { return o.timing || spans_on(); }
+  // Spans are kept for the timeline, and for adaptive prefetch (its measurements).
+  bool spans_on() const noexcept { return o.record_timeline || o.adaptive_prefetch; }
+  Result<async::Event> mark(async::Stream& stream) const { return timing() ? stream.record_timed() : stream.record(); }
+  void span(bool compute, const char* category, const std::string& name, async::Event start, async::Event end,
+            std::size_t pos = kNone, std::size_t unit = kNone) {
+    if (spans_on()) spans.push_back({compute, category, &name, std::move(start), std::move(end), pos, unit});
+  }
+  // The compute stream waits for `event` of the communication stream; with timing, the time it
+  // stands there is measured (a timed event on each side of the wait).
+  Result<void> compute_waits(const async::Event& event, const std::string& what);
+  Result<void> compute_waits_for_comm(const std::string& what) {
+    COSHARD_TRY_ASSIGN(auto ev, comm->stream().record());
+    return compute_waits(ev, what);
+  }
+  // Spans are stamped by the streams when they pass their events, so a span can only be
+  // trusted to start after the epoch if both streams are ordered after it: under load a stream
+  // (or another rank's clock stream) may stamp the epoch later than the host recorded it.
+  Result<void> streams_after_epoch();
+  // After the step's last event has passed: the waits' total and the timeline.
+  void collect_timing();
+
+  bool stage3() const noexcept { return o.zero_stage == 3; }
+  Unit* unit_for(const Module& m) {
+    auto it = unit_of.find(&m);
+    return it == unit_of.end() ? nullptr : units[it->second].get();
+  }
+  // A prefetched unit is no longer ahead of use (fetched now, or released unused).
+  void settle_prefetch(Unit& u) {
+    if (!u.prefetched) return;
+    prefetched_bytes -= u.info.padded_bytes;
+    u.prefetched = false;
+  }
+
+  Result<void> bind_values(Unit& u, const Tensor& buffer);
+  const Tensor& values_of(const Unit& u) const { return stage3() ? u.gathered : u.full; }
+
+  // ---- stage 3: gather and release (gather.cpp) ----
+
+  // Unit u's shards of every rank into `whole` on the communication stream. This rank's shard
+  // comes from the device, or with parameter offload from host memory (pinned, or the buffer its
+  // nvme read filled): copied into its place in `whole`, then gathered in place (NCCL reads
+  // device memory only).
+  Result<async::Event> gather_unit(Unit& u, const Tensor& whole);
+
+  Result<void> issue_gather(Unit& u, async::Semaphore::Permit permit, bool ahead);
+
+  // The buffer and its budget come back once the compute stream has passed its last use.
+  Result<void> release(Unit& u);
+  // A module of `u` is about to run: gathered (on demand, or waited for if prefetched), with the
+  // units next along the trace gathered ahead first.
+  async::Task<Result<void>> fetch(Unit& u);
+
+  // ---- trace, prefetch and reuse (prefetch.cpp) ----
+
+
+  // Gathers units further along the trace, in order, while the bucket and the budget allow.
+  // Stops at the first that does not fit, so prefetched units are always the next ones in
+  // line and an on-demand fetch never waits for budget held by a unit used after it.
+  //
+  // Every decision here depends only on what every rank sees alike (the trace, the host-side
+  // count of gathered bytes, and measurements the ranks have averaged), never on how far a
+  // device has got: the ranks must issue their collectives in one order. The physical budget is
+  // then awaited (the bytes come back once released units' last uses have passed on the device).
+  //
+  // Returns {} when done, or what must be awaited before the next unit can be gathered: budget
+  // (its bytes: the caller awaits them into `prefetch_permit`) or, with nvme parameters, the
+  // unit's read (ensure_read). The caller then calls again (a plain function, so the common path
+  // costs no coroutine frame).
+  struct Awaiting {
+    std::size_t bytes = 0;
+    Unit* read = nullptr;
+    bool done() const noexcept { return bytes == 0 && read == nullptr; }
+  };
+  Result<Awaiting> prefetch_ahead();
+  std::optional<async::Semaphore::Permit> prefetch_permit;
+
+  // The order departed from the trace: fetch on demand from here on, and give back what was
+  // gathered ahead for the old order (it may never be used this step).
+  Result<void> abandon_trace();
+
+
+  // Keep a unit gathered after its use when it is small, or needed again soon (and the budget
+  // keeps room for the largest unit, so keeping never starves an on-demand fetch).
+  bool keep_after_use(const Unit& u) const;
+
+  // ---- nvme parameters: reads ahead along the trace (param_reads.cpp) ----
+
+  static async::Task<Result<offload::PinnedBlock>> read_shard(std::shared_ptr<offload::NvmeStore> store,
+                                                              std::shared_ptr<offload::PinnedPool> pool,
+                                                              std::string file, std::size_t bytes);
+  Result<void> start_read(Unit& u, async::Semaphore::Permit slot);
+  // Unit u's shard in u.read_block: the read started ahead, or one now.
+  async::Task<Result<void>> ensure_read(Unit& u);
+  // Starts reads for the units next in the trace that are neither gathered nor read, while slots
+  // are free (never waits: a read that must happen now is ensure_read's).
+  Result<void> read_ahead();
+  // Before the optimizer rewrites the swap files: every read finished, unused buffers back.
+  async::Task<Result<void>> drain_reads();
+
+  // ---- gradients (gradients.cpp) ----
+
+  Result<void> begin_backward(Unit& u);
+
+  // The reduced block `mine` (compute dtype) into an fp32 tensor, on the communication stream.
+  Result<void> shard_from(const Unit& u, const Tensor& mine, const Tensor& out);
+
+  // Stages 2-3: reduce-scatter (average) the unit's gradient into this rank's block, in place,
+  // then add it into the shard, all on the communication stream; the full buffer goes behind it.
+  Result<void> reduce_gradients(Unit& u);
+
+  // ---- stepping during backward (step_in_backward.cpp) ----
+
+  // After a step_in_backward step whose optimizer report says it was skipped (the overflow flag
+  // is summed over ranks, so every rank reads the same): the units stepped during backward
+  // cannot be skipped any more, so the step fails, on every rank alike.
+  Result<void> step_in_backward_saw_non_finite() const;
+
+  // step_in_backward: the unit's last gradient shard of the step is on its way to pinned memory;
+  // the host stream steps it once the copy has passed (its share of the norm and overflow flag
+  // first, so that they are complete for the step's report).
+  Result<void> step_on_host(Unit& u);
+  // nvme: the unit goes to the swapper's pass, which steps it when its sub-group is in. A pass
+  // that failed (an I/O error) is gone: backward goes on regardless, so that the step fails
+  // where stepping after backward would, with every rank's collectives launched alike, when the
+  // pass is awaited (with its error).
+  Result<void> hand_to_swap_step(const Unit& u);
+
+  // ---- the optimizer step (optimizer_step.cpp) ----
+
+  // nvme: unit k's sub-group (master and state, in `bytes`) stepped on the host stream, and the
+  // new shard copied to the device on `to` (the buffer goes back to the swapper, to be written
+  // and reused, only after that copy). nvme parameters: the master in the file is the shard.
+  async::Task<Result<void>> step_swapped_unit(std::size_t k, std::span<std::byte> bytes, float lr, async::Stream& to);
+
+  // step_in_backward with the optimizer on nvme: one pass of the swapper over every sub-group,
+  // beside forward and backward. Each is read ahead (from the start of the step) and stepped
+  // once its unit arrives through `ready`; its new shard goes to the device on the communication
+  // stream, which has passed the unit's last backward (its reduction came after it). The
+  // channel closing before a unit arrives (backward failed) ends the pass with an error.
+  async::Task<Result<void>> swapped_step_in_backward(async::Receiver<std::size_t> ready, float lr);
+
+  // Stages 1-2: every rank's shard into every rank's full copy, in one launch on the
+  // communication stream (after what is enqueued there).
+  Result<void> gather_full_copies();
+
+  // After the last micro-batch's backward: the gradient shards complete and scaled (gradients.cpp).
+  async::Task<Result<void>> finish_gradients(std::size_t micro_batches);
+  // The optimizer on this rank's shards, wherever they live (optimizer_step.cpp).
+  async::Task<Result<void>> step_optimizer(float lr);
+
+  // ---- a pass (prefetch.cpp): its trace chosen at the start, recorded at the end ----
+
+  void begin_pass(std::string_view name);
+  Result<void> end_pass();
+
+  // Orders `to` after everything enqueued on `from` so far.
+  static Result<void> order(async::Stream& from, async::Stream& to) {
+    COSHARD_TRY_ASSIGN(auto ev, from.record());
+    return to.wait(ev);
+  }
+};
+
+}  // namespace coshard::zero

@@ -1,0 +1,137 @@
+// Gather and release (stage 3): a unit's fetch awaits its budget and issues one collective on the
+// communication stream; the compute stream waits on its event (the host does not); a release
+// hands the memory and budget back once the compute stream has passed the unit's last use.
+#include "engine_state.hpp"
+
+namespace coshard::zero {
+
+using namespace modules;
+using namespace detail;
+
+Result<void> Engine::State::bind_values(Unit& u, const Tensor& buffer) {
+  for (auto& p : u.params) {
+    Tensor grad = u.grad_full ? u.grad_full.slice(p.offset, p.parameter->shape()) : Tensor{};
+    COSHARD_TRY(p.parameter->bind(buffer.slice(p.offset, p.parameter->shape()), std::move(grad)));
+  }
+  return {};
+}
+
+Result<async::Event> Engine::State::gather_unit(Unit& u, const Tensor& whole) {
+  auto& cs = comm->stream();
+  const auto shard = static_cast<std::size_t>(u.info.shard);
+  const void* source = u.shard.data();
+  if (params_on_nvme()) {
+    if (!u.read_block)
+      return fail(ErrorCode::internal, "Engine: unit ", u.info.name, " gathered before its shard was read");
+    source = u.read_block.data();
+  }
+  void* mine = whole.slice(static_cast<std::int64_t>(rank) * u.info.shard, Shape{u.info.shard}).data();
+  Result<async::Event> done = async::Event{};
+  if (o.fetch_mode == FetchMode::all_gather && !params_offloaded()) {
+    done = comm->all_gather(source, whole.data(), shard, o.dtype);
+  } else if (o.fetch_mode == FetchMode::all_gather) {
+    COSHARD_TRY(cs.copy(mine, source, shard * element_size));
+    done = comm->all_gather(mine, whole.data(), shard, o.dtype);
+  } else {
+    COSHARD_TRY(cs.fill(whole.data(), 0, u.info.padded_bytes));
+    COSHARD_TRY(cs.copy(mine, source, shard * element_size));
+    done = comm->all_reduce(whole.data(), whole.data(), static_cast<std::size_t>(u.info.padded), o.dtype,
+                            ReduceOp::sum);
+  }
+  if (done && params_on_nvme()) {
+    // The read buffer and its slot come back once the copy out of it has passed.
+    u.read_block.release_after(*done);
+    COSHARD_TRY(read_slots->release_after(*done, std::move(u.read_slot)));
+  }
+  return done;
+}
+
+Result<void> Engine::State::issue_gather(Unit& u, async::Semaphore::Permit permit, bool ahead) {
+  auto& cs = comm->stream();
+  async::Event started;
+  if (spans_on()) {
+    COSHARD_TRY_ASSIGN(started, cs.record_timed());
+  }
+  // Allocated for the compute stream (its last user); the gather's own use is recorded below,
+  // so returning the block needs no record on the communication stream.
+  COSHARD_TRY_ASSIGN(u.gathered_block, ctx->allocator().allocate(u.info.padded_bytes, ctx->stream()));
+  u.gathered = Tensor(u.gathered_block.data(), Shape{u.info.padded}, o.dtype, ctx->device());
+  auto done = gather_unit(u, u.gathered);
+  if (!done) return fail(std::move(done).error().with_context("gathering unit " + u.info.name));
+  u.gathered_event = std::move(*done);
+  if (spans_on()) {
+    COSHARD_TRY_ASSIGN(auto finished, cs.record_timed());
+    span(false, ahead ? "prefetch" : "fetch", u.info.name, std::move(started), std::move(finished), kNone, u.index);
+  }
+  u.gathered_block.record_use(u.gathered_event);
+  u.gather = Gather::in_flight;
+  u.permit = std::move(permit);
+  logical_live += u.info.padded_bytes;
+  // (held: what the host has gathered, and released bytes whose last use has not passed yet)
+  stats.peak_live_bytes = std::max(stats.peak_live_bytes, logical_live + budget->pending());
+  ++stats.gathers;
+  stats.gathered_bytes += u.info.padded_bytes;
+  return {};
+}
+
+Result<void> Engine::State::release(Unit& u) {
+  if (u.gather == Gather::released) return {};
+  COSHARD_TRY_ASSIGN(auto last_use, spans_on() ? ctx->stream().record_timed() : ctx->stream().record());
+  span(true, "release", u.info.name, last_use, last_use);
+  // The block's uses: the gather (recorded at issue, so a stale prefetch's memory still waits
+  // for it) and the compute stream up to `last_use`.
+  u.gathered_block.reset_after(last_use);
+  u.gathered = {};
+  for (auto& p : u.params) p.parameter->unbind();
+  settle_prefetch(u);
+  u.gather = Gather::released;
+  logical_live -= u.info.padded_bytes;
+  auto permit = std::move(*u.permit);
+  u.permit.reset();
+  return budget->release_after(std::move(last_use), std::move(permit));
+}
+
+async::Task<Result<void>> Engine::State::fetch(Unit& u) {
+  ++stats.fetches;
+  u.fetch_pos = recording.size();
+  recording.push_back(u.index);
+  if (trace) {
+    if (trace_pos < trace->size() && (*trace)[trace_pos] == u.index)
+      ++trace_pos;
+    else
+      COSHARD_CO_TRY(abandon_trace());
+  }
+  if (u.gather != Gather::released) ++stats.prefetch_hits;
+  settle_prefetch(u);
+  if (u.gather == Gather::released) {
+    if (params_on_nvme()) COSHARD_CO_TRY(co_await ensure_read(u));
+    COSHARD_CO_TRY_ASSIGN(auto permit, co_await budget->semaphore().acquire(u.info.padded_bytes));
+    COSHARD_CO_TRY(issue_gather(u, std::move(permit), false));
+  }
+  // Issued before this unit's wait.
+  for (;;) {
+    COSHARD_CO_TRY_ASSIGN(const Awaiting need, prefetch_ahead());
+    if (need.done()) break;
+    if (need.read) {
+      COSHARD_CO_TRY(co_await ensure_read(*need.read));
+      continue;
+    }
+    COSHARD_CO_TRY_ASSIGN(auto permit, co_await budget->semaphore().acquire(need.bytes));
+    prefetch_permit = std::move(permit);
+  }
+  prefetch_permit.reset();  // not used after all (the trace moved on): back to the budget
+  COSHARD_CO_TRY(read_ahead());
+  if (u.gather == Gather::in_flight) {
+    COSHARD_CO_TRY(compute_waits(u.gathered_event, u.info.name));
+    u.gather = Gather::ready;
+  }
+  co_return bind_values(u, u.gathered);
+}
+
+std::size_t Engine::units_in_flight() const noexcept {
+  std::size_t n = 0;
+  for (const auto& u : s_->units) n += u->gather == Gather::in_flight ? 1 : 0;
+  return n;
+}
+
+}  // namespace coshard::zero

@@ -1,0 +1,76 @@
+// The module hooks: every module of the model calls them around its forward and backward; a
+// unit's first module fetches it, its last releases it (stage 3), and a backward reduces it.
+// Misuse of the loop (a forward outside a step, too many micro-batches) is caught here.
+#include "engine_state.hpp"
+
+namespace coshard::zero {
+
+using namespace modules;
+using namespace detail;
+
+async::Task<Result<void>> Engine::before_forward(Context&, Module& module) {
+  State& s = *s_;
+  if (s.owns(module)) {
+    if (s.open == State::Open::none)
+      co_return fail(ErrorCode::invalid_argument, "Engine: forward of ", module.type_name(),
+                     " outside a step or an inference pass (call begin_step or begin_inference first, or use "
+                     "step / evaluate)");
+    if (&module == s.model && s.open == State::Open::step && ++s.model_forwards > s.declared_micro_batches)
+      co_return fail(ErrorCode::invalid_argument, "Engine: forward of micro-batch ", s.model_forwards,
+                     " in a step begun with ", s.declared_micro_batches,
+                     " (begin_step(micro_batches) declares the gradient accumulation up front)");
+  }
+  Unit* u = s.unit_for(module);
+  if (!u || &module != u->modules.front()) co_return Result<void>{};
+  ++u->forward_uses;
+  if (s.stage3()) COSHARD_CO_TRY(co_await s.fetch(*u));
+  if (s.spans_on()) {
+    COSHARD_CO_TRY_ASSIGN(u->compute_start, s.ctx->stream().record_timed());
+  }
+  co_return Result<void>{};
+}
+
+Result<void> Engine::after_forward(Context&, Module& module) {
+  State& s = *s_;
+  Unit* u = s.unit_for(module);
+  if (!u || &module != u->modules.back()) return {};
+  if (s.spans_on()) {
+    COSHARD_TRY_ASSIGN(auto end, s.ctx->stream().record_timed());
+    s.span(true, "forward", u->info.name, std::move(u->compute_start), std::move(end), u->fetch_pos);
+  }
+  if (!s.stage3() || s.keep_after_use(*u)) return {};
+  return s.release(*u);
+}
+
+async::Task<Result<void>> Engine::before_backward(Context&, Module& module) {
+  State& s = *s_;
+  if (s.owns(module)) {
+    if (s.open != State::Open::step)
+      co_return fail(ErrorCode::invalid_argument, "Engine: backward of ", module.type_name(), " outside a step",
+                     s.open == State::Open::inference ? " (in an inference pass: forward only)" : " (call begin_step first)");
+    if (&module == s.model) ++s.model_backwards;
+  }
+  Unit* u = s.unit_for(module);
+  if (!u || &module != u->modules.back()) co_return Result<void>{};
+  if (s.stage3()) COSHARD_CO_TRY(co_await s.fetch(*u));
+  COSHARD_CO_TRY(s.begin_backward(*u));
+  if (s.spans_on()) {
+    COSHARD_CO_TRY_ASSIGN(u->compute_start, s.ctx->stream().record_timed());
+  }
+  co_return Result<void>{};
+}
+
+Result<void> Engine::after_backward(Context&, Module& module) {
+  State& s = *s_;
+  Unit* u = s.unit_for(module);
+  if (!u || &module != u->modules.front()) return {};
+  if (s.spans_on()) {
+    COSHARD_TRY_ASSIGN(auto end, s.ctx->stream().record_timed());
+    s.span(true, "backward", u->info.name, std::move(u->compute_start), std::move(end), u->fetch_pos);
+  }
+  COSHARD_TRY(s.reduce_gradients(*u));
+  if (!s.stage3() || s.keep_after_use(*u)) return {};
+  return s.release(*u);
+}
+
+}  // namespace coshard::zero

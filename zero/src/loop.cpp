@@ -1,0 +1,212 @@
+// The loop: begin_step, the micro-batches' forward and backward, finish_step (reductions, the
+// optimizer, the loss over ranks, gathers of full copies, trace bookkeeping), abandon_step, and
+// the inference pass; step and evaluate are that loop.
+#include "engine_state.hpp"
+
+namespace coshard::zero {
+
+using namespace modules;
+using namespace detail;
+
+async::Task<Result<EngineStepStats>> Engine::step(Loss& loss, std::span<const Batch> micro_batches,
+                                                  float lr) {
+  State& s = *s_;
+  if (micro_batches.empty()) co_return fail(ErrorCode::invalid_argument, "Engine::step: no micro-batches");
+  COSHARD_CO_TRY(co_await begin_step(static_cast<int>(micro_batches.size()), lr));
+  for (const auto& mb : micro_batches) {
+    auto value = co_await forward_backward(*s.ctx, *s.model, loss, mb.inputs, mb.targets, backward_seed());
+    if (!value) {
+      co_await abandon_step();
+      co_return fail(std::move(value).error());
+    }
+    COSHARD_CO_TRY(add_loss(*value));
+  }
+  co_return co_await finish_step();
+}
+
+async::Task<Result<void>> Engine::begin_step(int micro_batches, float lr) {
+  State& s = *s_;
+  if (s.open != State::Open::none)
+    co_return fail(ErrorCode::invalid_argument, "Engine::begin_step: a ",
+                   s.open == State::Open::step ? "step" : "inference pass", " is open (finish it first)");
+  if (micro_batches < 1)
+    co_return fail(ErrorCode::invalid_argument, "Engine::begin_step(micro_batches=", micro_batches, "): expected >= 1");
+  Context& ctx = *s.ctx;
+  auto& compute = ctx.stream();
+  auto& cs = s.comm->stream();
+  s.launches_before = s.comm->launches();
+  s.begin_pass("train");
+  s.open = State::Open::step;
+  s.declared_micro_batches = micro_batches;
+  s.model_forwards = s.model_backwards = s.losses_added = 0;
+
+  // The communication stream goes after the last step's optimizer (it reads the shards).
+  COSHARD_CO_TRY(State::order(compute, cs));
+  s.grads_out_in_backward = s.offloaded() && s.o.zero_stage >= 2 && micro_batches == 1;
+  s.stepping_in_backward = s.o.step_in_backward && s.grads_out_in_backward;
+  s.step_lr = lr;
+  if (s.stepping_in_backward) {
+    if (!(lr >= 0)) {
+      co_await abandon_step();
+      co_return fail(ErrorCode::invalid_argument, "lr=", lr, ": expected >= 0");
+    }
+    COSHARD_CO_TRY(s.optimizer->begin_grad_stats(*s.host_ctx));
+    s.handed_order.clear();
+  }
+  for (auto& u : s.units) {
+    u->grads_this_step = 0;
+    u->grads_out = false;
+    u->forward_uses = 0;
+    u->stepped_early = false;
+    if (s.o.zero_stage == 1) COSHARD_CO_TRY(compute.fill(u->grad_full.data(), 0, u->info.padded_bytes));
+  }
+  if (s.offloaded()) {
+    // Backward is seeded with the loss scale the host optimizer holds (it may have changed at the
+    // last step, or with a checkpoint load).
+    COSHARD_CO_TRY_ASSIGN(auto host_done, s.host_stream->record());
+    COSHARD_CO_TRY(co_await State::after(compute, host_done));
+    const Tensor scale = s.optimizer->loss_scale();
+    COSHARD_CO_TRY(compute.copy(s.device_loss_scale.data(), scale.data(), scale.bytes()));
+  }
+  if (s.stepping_in_backward && s.swapped()) {  // the swapper's pass starts reading now
+    async::Runtime* rt = async::Runtime::current();
+    if (!rt) co_return fail(ErrorCode::invalid_argument, "Engine::step: must be awaited on a coshard Runtime");
+    COSHARD_CO_TRY_ASSIGN(auto channel, async::make_channel<std::size_t>(s.units.size() + 1));
+    s.grads_ready.emplace(std::move(channel.first));
+    s.swap_step = rt->spawn(s.swapped_step_in_backward(std::move(channel.second), lr));
+  }
+  COSHARD_CO_TRY_ASSIGN(s.loss_sum, ctx.zeros(Shape{1}, DataType::f32));
+  co_return Result<void>{};
+}
+
+Tensor Engine::backward_seed() const { return s_->backward_seed(); }
+
+Result<void> Engine::add_loss(const Tensor& loss) {
+  State& s = *s_;
+  if (s.open != State::Open::step) return fail(ErrorCode::invalid_argument, "Engine::add_loss outside a step");
+  if (!loss || loss.numel() != 1 || loss.dtype() != DataType::f32 || !(loss.device() == s.ctx->device()))
+    return fail(ErrorCode::invalid_argument, "Engine::add_loss: ", loss ? loss.describe() : "empty",
+                ", expected one f32 on ", s.ctx->device().to_string(), " (a loss's forward)");
+  ++s.losses_added;
+  return s.ctx->kernels().add(s.ctx->stream(), DataType::f32, s.loss_sum.data(), loss.data(), s.loss_sum.data(), 1);
+}
+
+async::Task<void> Engine::abandon_step() {
+  State& s = *s_;
+  if (s.open != State::Open::step) co_return;
+  co_await end_swap_pass();
+  s.model->clear_saved_recursive();
+  (void)s.end_pass();
+  s.open = State::Open::none;
+}
+
+async::Task<Result<EngineStepStats>> Engine::finish_step() {
+  State& s = *s_;
+  if (s.open != State::Open::step)
+    co_return fail(ErrorCode::invalid_argument, "Engine::finish_step without begin_step");
+  if (s.model_backwards < s.declared_micro_batches || s.model_forwards != s.model_backwards) {
+    const int forwards = s.model_forwards, backwards = s.model_backwards, declared = s.declared_micro_batches;
+    co_await abandon_step();
+    co_return fail(ErrorCode::invalid_argument, "Engine::finish_step: ", backwards == 0 ? "no backward in this step: " : "",
+                   forwards, " forward and ", backwards, " backward passes of the model in a step begun with ", declared,
+                   " micro-batches (each needs one of each); the step is abandoned, nothing updated");
+  }
+  auto finished = co_await finish_open_step(s.step_lr);
+  co_await end_swap_pass();
+  s.open = State::Open::none;
+  co_return finished;
+}
+
+async::Task<Result<EngineStepStats>> Engine::finish_open_step(float lr) {
+  State& s = *s_;
+  Context& ctx = *s.ctx;
+  auto& compute = ctx.stream();
+  auto& cs = s.comm->stream();
+  const auto& k = ctx.kernels();
+  Tensor loss_sum = s.loss_sum;
+  const auto micro_batches = static_cast<std::size_t>(s.declared_micro_batches);
+  // nvme parameters: no read may be left over when the optimizer rewrites the swap files.
+  if (s.params_on_nvme()) COSHARD_CO_TRY(co_await s.drain_reads());
+  COSHARD_CO_TRY(co_await s.finish_gradients(micro_batches));
+  COSHARD_CO_TRY_ASSIGN(auto optimizer_started, s.mark(compute));
+  COSHARD_CO_TRY(co_await s.step_optimizer(lr));
+  COSHARD_CO_TRY_ASSIGN(auto optimizer_finished, s.mark(compute));
+  s.span(true, "optimizer", kOptimizer, std::move(optimizer_started), std::move(optimizer_finished));
+
+  // The loss, averaged over micro-batches and ranks.
+  // (the losses the loop added: when it added fewer than its micro-batches, their mean still)
+  const float added = static_cast<float>(std::max(s.losses_added, 1));
+  if (added > 1) COSHARD_CO_TRY(k.scale(compute, DataType::f32, loss_sum.data(), 1.0f / added, 1));
+  COSHARD_CO_TRY(State::order(compute, cs));
+  COSHARD_CO_TRY(s.comm->all_reduce(loss_sum.data(), loss_sum.data(), 1, DataType::f32, ReduceOp::avg));
+
+  // Stages 1-2: every rank gets the updated parameters, in one launch.
+  if (!s.stage3()) COSHARD_CO_TRY(s.gather_full_copies());
+  COSHARD_CO_TRY(s.compute_waits_for_comm(kParameters));
+  COSHARD_CO_TRY(s.end_pass());
+
+  const std::uint64_t launches = s.comm->launches() - s.launches_before;
+  COSHARD_CO_TRY_ASSIGN(auto host_loss, co_await ctx.read(loss_sum));
+  COSHARD_CO_TRY_ASSIGN(auto optimizer_stats, co_await s.optimizer->read_stats(s.optimizer_ctx()));
+  if (s.stepping_in_backward && optimizer_stats.last_skipped) {
+    auto refused = s.step_in_backward_saw_non_finite();
+    co_return fail(std::move(refused).error());
+  }
+  // Every event of the step has passed now (the reads came after all of it): read the timings.
+  s.collect_timing();
+    COSHARD_CO_TRY(co_await s.agree_on_measurements());
+  EngineStepStats stats = std::move(s.stats);
+  s.stats = {};
+  stats.collective_launches = launches;
+  stats.loss = host_loss[0];
+  stats.optimizer = optimizer_stats;
+  co_return stats;
+}
+
+Result<void> Engine::begin_inference() {
+  State& s = *s_;
+  if (s.open != State::Open::none)
+    return fail(ErrorCode::invalid_argument, "Engine::begin_inference: a ",
+                s.open == State::Open::step ? "step" : "inference pass", " is open (finish it first)");
+  s.begin_pass("eval");
+  s.open = State::Open::inference;
+  return State::order(s.ctx->stream(), s.comm->stream());
+}
+
+async::Task<Result<void>> Engine::end_inference() {
+  State& s = *s_;
+  if (s.open != State::Open::inference)
+    co_return fail(ErrorCode::invalid_argument, "Engine::end_inference without begin_inference");
+  s.open = State::Open::none;
+  s.model->clear_saved_recursive();
+  COSHARD_CO_TRY(s.end_pass());
+  if (s.params_on_nvme()) COSHARD_CO_TRY(co_await s.drain_reads());
+  co_return Result<void>{};
+}
+
+async::Task<Result<double>> Engine::evaluate(Loss& loss, const Batch& batch) {
+  State& s = *s_;
+  Context& ctx = *s.ctx;
+  COSHARD_CO_TRY(begin_inference());
+  // The forward and the mean over ranks; the pass ends whether they worked or not.
+  auto value = co_await [&]() -> async::Task<Result<Tensor>> {
+    COSHARD_CO_TRY_ASSIGN(Tensor logits, co_await ctx.forward(*s.model, batch.inputs));
+    loss.set_targets(batch.targets);
+    COSHARD_CO_TRY_ASSIGN(Tensor v, co_await ctx.forward(loss, std::move(logits)));
+    COSHARD_CO_TRY(State::order(ctx.stream(), s.comm->stream()));
+    COSHARD_CO_TRY(s.comm->all_reduce(v.data(), v.data(), 1, DataType::f32, ReduceOp::avg));
+    COSHARD_CO_TRY(State::order(s.comm->stream(), ctx.stream()));
+    co_return v;
+  }();
+  loss.clear_saved();
+  auto ended = co_await end_inference();
+  if (!value) co_return fail(std::move(value).error());
+  COSHARD_CO_TRY(ended);
+  COSHARD_CO_TRY_ASSIGN(auto host, co_await ctx.read(*value));
+  s.collect_timing();  // the eval trace's measurements, for adaptive prefetch
+  s.stats = {};
+  COSHARD_CO_TRY(co_await s.agree_on_measurements());
+  co_return host[0];
+}
+
+}  // namespace coshard::zero

@@ -1,0 +1,114 @@
+// Trace, prefetch and reuse: the order of fetches recorded per phase, units gathered ahead along
+// it within the bucket and the budget (adaptive: as far as the measured gather and compute times
+// need), and units kept after use when needed again soon.
+#include "engine_state.hpp"
+
+namespace coshard::zero {
+
+using namespace modules;
+using namespace detail;
+
+void Engine::State::begin_pass(std::string_view name) {
+  phase = std::string(name);
+  auto it = traces.find(phase);
+  trace = it == traces.end() ? nullptr : &it->second;
+  trace_pos = 0;
+  recording.clear();
+  prefetched_bytes = 0;
+  stats = {};
+  spans.clear();
+  waits.clear();
+}
+
+Result<void> Engine::State::end_pass() {
+  if (stage3())
+    for (auto& u : units) COSHARD_TRY(release(*u));
+  const auto it = traces.find(phase);
+  if (it == traces.end() || it->second != recording) {
+    if (it != traces.end()) stats.trace_changed = true;
+    traces[phase] = recording;
+  }
+  trace = nullptr;
+  return {};
+}
+
+Result<void> Engine::State::abandon_trace() {
+  trace = nullptr;
+  stats.trace_changed = true;
+  for (auto& u : units)
+    if (u->prefetched) COSHARD_TRY(release(*u));
+  return {};
+}
+
+Result<Engine::State::Awaiting> Engine::State::prefetch_ahead() {
+  if (!trace || (o.prefetch_bucket_bytes == 0 && !o.adaptive_prefetch)) return Awaiting{};
+  const std::size_t cap = o.prefetch_bucket_bytes == 0 ? std::numeric_limits<std::size_t>::max() : o.prefetch_bucket_bytes;
+  // Adaptive: gather a unit now when waiting for the next fetch would make it late, i.e. when
+  // the communication queued up to it (its gather and those before it in the trace) would
+  // outlast the compute between the next fetch and its use. Measured one step behind; before
+  // there are measurements, the bucket alone decides.
+  const auto measured = compute_ms.find(phase);
+  const bool adaptive = o.adaptive_prefetch && measured != compute_ms.end() &&
+                        measured->second.size() >= trace->size() && !gather_ms.empty();
+  double queued_ms = 0, compute_before_ms = 0;
+  for (std::size_t i = trace_pos; i < trace->size(); ++i) {
+    Unit& v = *units[(*trace)[i]];
+    if (adaptive) {
+      constexpr double kMargin = 1.5;  // measurements move from step to step
+      queued_ms += std::max(0.0, gather_ms[v.index]);
+      if (i > trace_pos) compute_before_ms += std::max(0.0, measured->second[i - 1]);
+      if (queued_ms * kMargin < compute_before_ms) break;
+    }
+    if (v.gather != Gather::released) continue;
+    if (prefetched_bytes + v.info.padded_bytes > cap) break;
+    if (logical_live + v.info.padded_bytes > o.max_live_bytes) break;
+    if (params_on_nvme() && !v.read_block) return Awaiting{0, &v};
+    std::optional<async::Semaphore::Permit> permit;
+    if (prefetch_permit && prefetch_permit->count() == v.info.padded_bytes) {
+      permit = std::move(prefetch_permit);
+      prefetch_permit.reset();
+    } else {
+      permit = budget->semaphore().try_acquire(v.info.padded_bytes);
+    }
+    if (!permit) return Awaiting{v.info.padded_bytes, nullptr};  // free once released units' last uses pass
+    COSHARD_TRY(issue_gather(v, std::move(*permit), true));
+    v.prefetched = true;
+    prefetched_bytes += v.info.padded_bytes;
+    stats.peak_prefetched_bytes = std::max(stats.peak_prefetched_bytes, prefetched_bytes);
+  }
+  return Awaiting{};
+}
+
+bool Engine::State::keep_after_use(const Unit& u) const {
+  if (u.info.persistent) return true;
+  if ((o.max_reuse_distance == 0 && o.max_reuse_distance_elements == 0) || !trace) return false;
+  bool soon = false;
+  std::size_t elements = 0;
+  for (std::size_t i = trace_pos; i < trace->size() && !soon; ++i) {
+    const Unit& next = *units[(*trace)[i]];
+    const bool by_count = i - trace_pos < o.max_reuse_distance;
+    const bool by_elements = elements < o.max_reuse_distance_elements;
+    if (!by_count && !by_elements) break;
+    soon = next.index == u.index;
+    elements += static_cast<std::size_t>(next.info.numel);
+  }
+  return soon && o.max_live_bytes - logical_live >= largest_unit_bytes;
+}
+
+async::Task<Result<void>> Engine::State::agree_on_measurements() {
+  if (!o.adaptive_prefetch) co_return Result<void>{};
+  auto& positions = compute_ms[phase];
+  std::vector<double> mine(gather_ms);
+  mine.insert(mine.end(), positions.begin(), positions.end());
+  auto bytes = encode_values(mine, DataType::f32);
+  COSHARD_CO_TRY_ASSIGN(Tensor t, ctx->upload(bytes, Shape{static_cast<std::int64_t>(mine.size())}, DataType::f32));
+  COSHARD_CO_TRY(order(ctx->stream(), comm->stream()));
+  COSHARD_CO_TRY(comm->all_reduce(t.data(), t.data(), mine.size(), DataType::f32, ReduceOp::avg));
+  COSHARD_CO_TRY(order(comm->stream(), ctx->stream()));
+  COSHARD_CO_TRY_ASSIGN(auto agreed, co_await ctx->read(t));
+  std::copy(agreed.begin(), agreed.begin() + static_cast<std::ptrdiff_t>(gather_ms.size()), gather_ms.begin());
+  std::copy(agreed.begin() + static_cast<std::ptrdiff_t>(gather_ms.size()), agreed.end(), positions.begin());
+  co_return Result<void>{};
+}
+
+}  // namespace coshard::zero

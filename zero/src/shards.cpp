@@ -1,0 +1,244 @@
+// The shard surface: initial values, the fp32 masters following the shards, checkpoint visits of
+// every unit's block with its optimizer state, consolidated export and load by name, and the
+// full copies of stages 1-2 gathered after the blocks change.
+#include "engine_state.hpp"
+
+namespace coshard::zero {
+
+using namespace modules;
+using namespace detail;
+
+async::Task<Result<void>> Engine::State::compute_after_host() {
+  if (!host_stream) co_return Result<void>{};
+  COSHARD_CO_TRY_ASSIGN(auto done, host_stream->record());
+  co_return co_await after(ctx->stream(), done);
+}
+
+async::Task<Result<void>> Engine::State::cast_on_host(DataType from, const void* src, DataType to, void* dst, std::int64_t n) {
+  COSHARD_CO_TRY(host_ctx->kernels().cast(*host_stream, from, src, to, dst, n));
+  COSHARD_CO_TRY_ASSIGN(auto cast, host_stream->record());
+  co_return co_await cast;
+}
+
+async::Task<Result<void>> Engine::State::masters_from_shards() {
+  if (!offloaded()) co_return optimizer->reset_masters(*ctx);
+  if (swapped()) {
+    // Every sub-group written anew: the master from the shard, the state zero.
+    auto fill = [this](std::size_t k, std::span<std::byte> bytes) -> async::Task<Result<void>> {
+      const Unit& u = *units[k];
+      if (params_on_nvme()) {  // the values were computed on the host, in the compute dtype
+        const auto& values = pending_shards.at(k);
+        if (!narrow()) {
+          std::copy(values.begin(), values.end(), bytes.begin());
+          co_return Result<void>{};
+        }
+        co_return co_await cast_on_host(o.dtype, values.data(), DataType::f32, bytes.data(), u.info.shard);
+      }
+      if (!narrow()) {
+        COSHARD_CO_TRY(ctx->stream().copy(bytes.data(), u.shard.data(), u.shard.bytes()));
+        COSHARD_CO_TRY_ASSIGN(auto copied, ctx->stream().record());
+        co_return co_await copied;
+      }
+      // bf16/f16: the shard (through the staging buffer when on the device) widened on the host.
+      Tensor source = u.shard;
+      if (!params_offloaded()) {
+        source = staging_for(u);
+        COSHARD_CO_TRY(ctx->stream().copy(source.data(), u.shard.data(), u.shard.bytes()));
+      }
+      COSHARD_CO_TRY_ASSIGN(auto copied, ctx->stream().record());
+      COSHARD_CO_TRY(co_await after(*host_stream, copied));
+      co_return co_await cast_on_host(o.dtype, source.data(), DataType::f32, bytes.data(), u.info.shard);
+    };
+    auto written = co_await swapper->initialize(subgroups, fill);
+    pending_shards.clear();
+    co_return written;
+  }
+  // (with cpu parameter offload the shard is the master, or its pinned bf16/f16 copy, already)
+  const Tensor Unit::*host = narrow() ? &Unit::host_param : &Unit::host_master;
+  for (auto& u : units)
+    if (u->shard.data() != ((*u).*host).data())
+      COSHARD_CO_TRY(ctx->stream().copy(((*u).*host).data(), u->shard.data(), u->shard.bytes()));
+  COSHARD_CO_TRY_ASSIGN(auto copied, ctx->stream().record());
+  COSHARD_CO_TRY(co_await after(*host_stream, copied));
+  if (narrow()) {  // the fp32 masters from the bf16/f16 copies, on the host
+    const auto& groups = optimizer->groups();
+    for (const auto& u : units) {
+      const auto& g = groups[first_group + u->index];
+      COSHARD_CO_TRY(host_ctx->kernels().cast(*host_stream, o.dtype, u->host_param.data(), DataType::f32,
+                                              g.master.data(), u->info.shard));
+    }
+    // What the compute stream does next (a checkpoint's load writes the copies and the masters)
+    // comes after these reads and writes.
+    COSHARD_CO_TRY_ASSIGN(auto widened, host_stream->record());
+    COSHARD_CO_TRY(co_await after(ctx->stream(), widened));
+  }
+  co_return Result<void>{};
+}
+
+async::Task<Result<void>> Engine::State::full_copies_from_shards() {
+  if (stage3()) co_return Result<void>{};
+  auto& compute = ctx->stream();
+  auto& cs = comm->stream();
+  COSHARD_CO_TRY(order(compute, cs));
+  COSHARD_CO_TRY(gather_full_copies());
+  COSHARD_CO_TRY(order(cs, compute));
+  co_return Result<void>{};
+}
+
+UnitShard Engine::State::swapped_shard(std::size_t k, std::span<std::byte> bytes) const {
+  const Unit& u = *units[k];
+  const Shape shape{u.info.shard};
+  const std::size_t states = optimizer->state_tensors();
+  const auto len = static_cast<std::size_t>(u.info.shard) * sizeof(float);
+  auto* base = bytes.data();
+  auto view = [&](std::size_t i) { return Tensor(base + i * len, shape, DataType::f32, async::Device::cpu()); };
+  return {u.info, params_on_nvme() ? view(0) : u.shard, view(0), states >= 1 ? view(1) : Tensor{},
+          states >= 2 ? view(2) : Tensor{}};
+}
+
+Result<void> Engine::State::gather_full_copies() {
+  auto& cs = comm->stream();
+  COSHARD_TRY_ASSIGN(auto started, mark(cs));
+  Coalesced group;
+  for (auto& u : units) {
+    group.all_gather(u->shard.data(), u->full.data(), static_cast<std::size_t>(u->info.shard), o.dtype);
+    stats.gathered_bytes += u->info.padded_bytes;
+  }
+  COSHARD_TRY(comm->launch(group));
+  COSHARD_TRY_ASSIGN(auto finished, mark(cs));
+  span(false, "all_gather", kParameters, std::move(started), std::move(finished));
+  return {};
+}
+
+ShardLayout Engine::shard_layout() const noexcept {
+  const State& s = *s_;
+  return {s.o.dtype != DataType::f32 || s.offloaded(), static_cast<int>(s.optimizer->state_tensors())};
+}
+
+async::Task<Result<void>> Engine::visit_shards(ShardVisitor use, bool written) {
+  State& s = *s_;
+  COSHARD_CO_TRY(co_await s.compute_after_host());
+  if (s.swapped()) {
+    auto visit_group = [&s, &use](std::size_t k, std::span<std::byte> bytes) -> async::Task<Result<void>> {
+      UnitShard shard = s.swapped_shard(k, bytes);
+      if (s.params_on_nvme() && s.narrow()) {
+        // bf16/f16 on nvme: the parameters are the master rounded, made for the visit (what a load
+        // writes there is dropped: the master it loads decides them).
+        shard.params = s.staging_for(*s.units[k]);
+        COSHARD_CO_TRY(co_await s.cast_on_host(DataType::f32, shard.master.data(), s.o.dtype, shard.params.data(),
+                                               shard.info.shard));
+      }
+      co_return co_await use(shard);
+    };
+    COSHARD_CO_TRY(co_await s.swapper->for_each(s.subgroups, visit_group, written));
+  } else {
+    const auto& groups = s.optimizer->groups();
+    for (const auto& u : s.units) {
+      const auto& g = groups[s.first_group + u->index];
+      const UnitShard shard{u->info, u->shard, g.master, g.state1, g.state2};
+      COSHARD_CO_TRY(co_await use(shard));
+    }
+  }
+  if (!written) co_return Result<void>{};
+  co_return co_await s.full_copies_from_shards();
+}
+
+async::Task<Result<std::vector<GatheredParameter>>> Engine::gather_parameters() {
+  State& s = *s_;
+  Context& ctx = *s.ctx;
+  auto& compute = ctx.stream();
+  auto& cs = s.comm->stream();
+  std::vector<GatheredParameter> out;
+  COSHARD_CO_TRY(State::order(compute, cs));
+  for (auto& up : s.units) {
+    Unit& u = *up;
+    Tensor whole = u.full;
+    if (s.stage3()) {
+      // One unit at a time: a consolidated export must not need the whole model on one rank's device.
+      COSHARD_CO_TRY_ASSIGN(whole, ctx.empty(Shape{u.info.padded}, s.o.dtype));
+      if (s.params_on_nvme()) COSHARD_CO_TRY(co_await s.ensure_read(u));
+      auto done = s.gather_unit(u, whole);
+      if (!done) co_return fail(std::move(done).error().with_context("gathering unit " + u.info.name + " for export"));
+      COSHARD_CO_TRY(compute.wait(*done));
+    }
+    COSHARD_CO_TRY_ASSIGN(auto bytes, co_await ctx.read_bytes(whole));
+    for (const auto& p : u.params) {
+      const auto begin = static_cast<std::size_t>(p.offset) * s.element_size;
+      const auto n = static_cast<std::size_t>(p.parameter->numel()) * s.element_size;
+      out.push_back({s.names.at(p.parameter), p.parameter->shape(),
+                     std::vector<std::byte>(bytes.begin() + static_cast<std::ptrdiff_t>(begin),
+                                            bytes.begin() + static_cast<std::ptrdiff_t>(begin + n))});
+    }
+  }
+  co_return out;
+}
+
+async::Task<Result<void>> Engine::load_parameters(const std::vector<GatheredParameter>& values) {
+  State& s = *s_;
+  std::unordered_map<std::string_view, const Parameter*> parameter_named;
+  for (const auto& [param, name] : s.names) parameter_named.emplace(name, param);
+  std::unordered_map<std::string_view, const GatheredParameter*> by_name;
+  for (const auto& v : values) {
+    if (!by_name.emplace(v.name, &v).second)
+      co_return fail(ErrorCode::invalid_argument, "load_parameters: '", v.name, "' given twice");
+    const auto it = parameter_named.find(v.name);
+    if (it == parameter_named.end())
+      co_return fail(ErrorCode::invalid_argument, "load_parameters: '", v.name, "' is not a parameter of the model");
+    if (!(it->second->shape() == v.shape) || v.bytes.size() != static_cast<std::size_t>(v.shape.numel()) * s.element_size)
+      co_return fail(ErrorCode::invalid_argument, "load_parameters: '", v.name, "' has shape ", v.shape.to_string(),
+                     " and ", v.bytes.size(), " bytes; the model expects ", it->second->shape().to_string(), " in ",
+                     collectives::to_string(s.o.dtype));
+  }
+  for (const auto& [param, name] : s.names)
+    if (!by_name.contains(name))
+      co_return fail(ErrorCode::invalid_argument, "load_parameters: no value for parameter '", name, "'");
+  // Everything checked: now each rank writes its block of every unit.
+  COSHARD_CO_TRY(co_await s.compute_after_host());
+  s.pending_shards.clear();
+  for (auto& up : s.units) {
+    Unit& u = *up;
+    std::vector<std::byte> unit_bytes(u.info.padded_bytes, std::byte{0});
+    for (const auto& p : u.params) {
+      const auto& v = *by_name.at(s.names.at(p.parameter));
+      std::copy(v.bytes.begin(), v.bytes.end(), unit_bytes.begin() + static_cast<std::ptrdiff_t>(p.offset) * static_cast<std::ptrdiff_t>(s.element_size));
+    }
+    const auto shard_bytes = static_cast<std::size_t>(u.info.shard) * s.element_size;
+    const auto first = static_cast<std::size_t>(s.rank) * shard_bytes;
+    const auto mine = std::span<const std::byte>(unit_bytes).subspan(first, shard_bytes);
+    if (s.params_on_nvme())
+      s.pending_shards.emplace_back(mine.begin(), mine.end());  // straight into the swap files
+    else
+      COSHARD_CO_TRY(s.ctx->copy_from_host(u.shard, mine));
+  }
+  COSHARD_CO_TRY(co_await s.masters_from_shards());
+  co_return co_await s.full_copies_from_shards();
+}
+
+async::Task<Result<void>> Engine::initialize(std::uint64_t seed) {
+  State& s = *s_;
+  COSHARD_CO_TRY(co_await s.compute_after_host());
+  s.pending_shards.clear();
+  for (auto& up : s.units) {
+    Unit& u = *up;
+    std::vector<double> values(static_cast<std::size_t>(u.info.padded), 0.0);
+    for (const auto& p : u.params) {
+      auto part = std::span<double>(values).subspan(static_cast<std::size_t>(p.offset),
+                                                   static_cast<std::size_t>(p.parameter->numel()));
+      initial_values(p.parameter->init(), s.names.at(p.parameter), seed, part);
+    }
+    // Stages 1-2 hold the whole unit; stage 3 only this rank's block.
+    const auto first = s.stage3() ? static_cast<std::size_t>(s.rank * u.info.shard) : 0;
+    const auto count = static_cast<std::size_t>(s.stage3() ? u.info.shard : u.info.padded);
+    auto bytes = encode_values(std::span<const double>(values).subspan(first, count), s.o.dtype);
+    if (s.params_on_nvme()) {
+      s.pending_shards.push_back(std::move(bytes));  // straight into the swap files
+      continue;
+    }
+    COSHARD_CO_TRY(s.ctx->copy_from_host(s.stage3() ? u.shard : u.full, bytes));
+  }
+  // The optimizer's fp32 masters (bf16/f16, or offloaded) follow the new parameters.
+  COSHARD_CO_TRY(co_await s.masters_from_shards());
+  co_return Result<void>{};
+}
+
+}  // namespace coshard::zero

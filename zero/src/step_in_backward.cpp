@@ -1,0 +1,82 @@
+// Stepping during backward (step_in_backward): with the optimizer offloaded, each unit is stepped
+// on the host as soon as its last gradient shard of the step is out, while backward goes on
+// (nvme: through one pass of the swapper beside forward and backward).
+#include "engine_state.hpp"
+
+namespace coshard::zero {
+
+using namespace modules;
+using namespace detail;
+
+Result<void> Engine::State::step_in_backward_saw_non_finite() const {
+  std::size_t stepped = 0;
+  for (const auto& u : units) stepped += u->stepped_early ? 1 : 0;
+  return fail(ErrorCode::unsupported, "Engine::step: a non-finite gradient with step_in_backward: ", stepped,
+              " of ", units.size(), " units on this rank were stepped during backward and cannot be skipped, so ",
+              "the parameters are no longer trustworthy. Restore the last checkpoint; without step_in_backward, ",
+              "such a step is skipped");
+}
+
+Result<void> Engine::State::step_on_host(Unit& u) {
+  COSHARD_TRY_ASSIGN(auto out, comm->stream().record());
+  COSHARD_TRY(host_stream->wait(out));
+  COSHARD_TRY(optimizer->add_grad_stats(*host_ctx, first_group + u.index));
+  if (swapped()) {
+    COSHARD_TRY(hand_to_swap_step(u));
+  } else {
+    COSHARD_TRY(optimizer->apply_one(*host_ctx, first_group + u.index, step_lr));
+  }
+  u.stepped_early = true;
+  ++stats.stepped_in_backward;
+  return {};
+}
+
+Result<void> Engine::State::hand_to_swap_step(const Unit& u) {
+  std::size_t index = u.index;
+  if (!grads_ready) return fail(ErrorCode::internal, "Engine: unit ", u.info.name, " handed to no swapped step");
+  auto sent = grads_ready->try_send(index);
+  if (!sent && sent.error().code() != ErrorCode::closed)
+    return fail(std::move(sent).error().with_context("stepping unit " + u.info.name + " in backward"));
+  handed_order.push_back(index);
+  return {};
+}
+
+async::Task<Result<void>> Engine::State::swapped_step_in_backward(async::Receiver<std::size_t> ready, float lr) {
+  std::vector<std::size_t> order = backward_order;
+  if (order.size() != units.size()) {  // no step yet: backward goes roughly in reverse
+    order.clear();
+    for (std::size_t k = units.size(); k-- > 0;) order.push_back(k);
+  }
+  std::vector<offload::SubGroup> groups;
+  for (std::size_t k : order) groups.push_back(subgroups[k]);
+  std::vector<bool> arrived(units.size(), false);
+  const auto read_before = swapper->stats().bytes_read, written_before = swapper->stats().bytes_written;
+  auto step_when_ready = [&](std::size_t i, std::span<std::byte> bytes) -> async::Task<Result<void>> {
+    const std::size_t k = order[i];
+    while (!arrived[k]) {
+      auto next = co_await ready.recv();
+      if (!next)
+        co_return fail(ErrorCode::closed, "step_in_backward: the step ended before unit ", units[k]->info.name,
+                       " was stepped");
+      arrived.at(*next) = true;
+    }
+    co_return co_await step_swapped_unit(k, bytes, lr, comm->stream());
+  };
+  auto passed = co_await swapper->for_each(groups, step_when_ready, true);
+  stats.swap_bytes += (swapper->stats().bytes_read - read_before) + (swapper->stats().bytes_written - written_before);
+  co_return passed;
+}
+
+async::Task<void> Engine::end_swap_pass() {
+  State& s = *s_;
+  if (s.swap_step.valid()) {
+    // The step failed before the swapper's pass was awaited: with the channel closed, the pass
+    // stops at the first unit not handed over, and its transfers finish before the state goes.
+    s.grads_ready.reset();
+    auto handle = std::move(s.swap_step);
+    (void)co_await handle;  // (its error, if any, follows from the step's)
+  }
+  s.grads_ready.reset();
+}
+
+}  // namespace coshard::zero
