@@ -11,6 +11,7 @@
 #include "coshard/modules/gpt.hpp"
 #include "coshard/modules/layers.hpp"
 #include "coshard/modules/module.hpp"
+#include "coshard/modules/ops.hpp"
 #include "coshard/modules/optimizer.hpp"
 #include "coshard/modules/parameter_store.hpp"
 #include "coshard/modules/safetensors.hpp"

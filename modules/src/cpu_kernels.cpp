@@ -464,6 +464,15 @@ class CpuKernels final : public Kernels {
     });
   }
 
+  Result<void> mul(Stream& s, DataType dt, const void* a, const void* b, void* out, std::int64_t n) const override {
+    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
+      const T* pa = io.in(a, n);
+      const T* pb = io.in(b, n);
+      T* po = io.inout(out, n);
+      for (std::int64_t i = 0; i < n; ++i) po[i] = pa[i] * pb[i];
+    });
+  }
+
   Result<void> scale(Stream& s, DataType dt, void* x, float factor, std::int64_t n) const override {
     return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
       T* p = io.inout(x, n);

@@ -164,6 +164,10 @@ class CudaKernels final : public Kernels {
     COSHARD_TRY(check(dt));
     return check_launch(cuda::add(s.native_handle(), code(dt), a, b, out, n), "add", s);
   }
+  Result<void> mul(Stream& s, DataType dt, const void* a, const void* b, void* out, std::int64_t n) const override {
+    COSHARD_TRY(check(dt));
+    return check_launch(cuda::mul(s.native_handle(), code(dt), a, b, out, n), "mul", s);
+  }
   Result<void> scale(Stream& s, DataType dt, void* x, float factor, std::int64_t n) const override {
     COSHARD_TRY(check(dt));
     return check_launch(cuda::scale(s.native_handle(), code(dt), x, factor, n), "scale", s);

@@ -65,6 +65,9 @@ class Kernels {
   // out = a + b (out may alias a or b).
   virtual Result<void> add(async::Stream& s, DataType dt, const void* a, const void* b, void* out,
                            std::int64_t n) const = 0;
+  // out = a * b, element by element (out may alias a or b).
+  virtual Result<void> mul(async::Stream& s, DataType dt, const void* a, const void* b, void* out,
+                           std::int64_t n) const = 0;
   // x *= factor.
   virtual Result<void> scale(async::Stream& s, DataType dt, void* x, float factor, std::int64_t n) const = 0;
   // out[i,:] += bias; dbias += column sums of dout.

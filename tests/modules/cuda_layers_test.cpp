@@ -14,6 +14,7 @@
 
 #include <unistd.h>
 
+#include "../support/gated_linear.hpp"
 #include "coshard/async/runtime.hpp"
 #include "coshard/collectives/env.hpp"
 #include "coshard/collectives/local.hpp"
@@ -121,6 +122,9 @@ std::vector<LayerCase> cases() {
       {"Linear", [](Context&, DataType) { return std::make_unique<Linear>(48, 40); }, Shape{3, 7, 48}},
       {"LayerNorm", [](Context&, DataType) { return std::make_unique<LayerNorm>(96); }, Shape{5, 96}},
       {"Gelu", [](Context&, DataType) { return std::make_unique<Gelu>(); }, Shape{4, 50}},
+      // a user's module written with the public ops (tests/support/gated_linear.hpp)
+      {"GatedLinear", [](Context&, DataType) { return std::make_unique<::coshard::testing::GatedLinear>(24); },
+       Shape{3, 5, 24}},
       {"CausalSelfAttention", [](Context&, DataType) { return std::make_unique<CausalSelfAttention>(32, 4); },
        Shape{2, 9, 96}},
       {"Embedding", [](Context&, DataType) { return std::make_unique<Embedding>(20, 8, 16); }, Shape{3, 8}, true, 20},

@@ -16,6 +16,7 @@
 #include "coshard/modules/layers.hpp"
 #include "coshard/modules/parameter_store.hpp"
 #include "module_fixture.hpp"
+#include "../support/gated_linear.hpp"
 #include "../support/scale_shift.hpp"
 
 namespace coshard::modules {
@@ -161,6 +162,14 @@ TEST_F(GradCheck, AUserWrittenModuleInsideBuiltInOnes) {
   m.add("affine", std::make_unique<ScaleShift>(4));
   m.add("ln", std::make_unique<LayerNorm>(4));
   run_check(m, random_input(Shape{2, 3}, 18));
+}
+
+// A user's module written with the public ops only (the same code runs on CUDA: CudaLayers).
+TEST_F(GradCheck, AUserModuleWrittenWithOps) {
+  Sequential m;
+  m.add("fc", std::make_unique<Linear>(3, 4));
+  m.add("gate", std::make_unique<::coshard::testing::GatedLinear>(4));
+  run_check(m, random_input(Shape{2, 3, 3}, 19));
 }
 
 // The loss as a module: L = r * CE(logits, targets) with a scalar r (the backward seed).

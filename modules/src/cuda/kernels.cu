@@ -210,6 +210,11 @@ __global__ void add_kernel(const T* a, const T* b, T* out, std::int64_t n) {
 }
 
 template <class T>
+__global__ void mul_kernel(const T* a, const T* b, T* out, std::int64_t n) {
+  COSHARD_GRID_STRIDE(i, n) { store(out, i, load(a, i) * load(b, i)); }
+}
+
+template <class T>
 __global__ void scale_kernel(T* x, float factor, std::int64_t n) {
   COSHARD_GRID_STRIDE(i, n) { store(x, i, load(x, i) * factor); }
 }
@@ -468,6 +473,13 @@ int gelu_backward(void* s, int dt, const void* x, const void* dout, void* dx, st
 int add(void* s, int dt, const void* a, const void* b, void* out, std::int64_t n) {
   return with_type(dt, [&]<class E>() {
     add_kernel<E><<<grid_for(n), kThreads, 0, as_stream(s)>>>(static_cast<const E*>(a), static_cast<const E*>(b),
+                                                              static_cast<E*>(out), n);
+  });
+}
+
+int mul(void* s, int dt, const void* a, const void* b, void* out, std::int64_t n) {
+  return with_type(dt, [&]<class E>() {
+    mul_kernel<E><<<grid_for(n), kThreads, 0, as_stream(s)>>>(static_cast<const E*>(a), static_cast<const E*>(b),
                                                               static_cast<E*>(out), n);
   });
 }

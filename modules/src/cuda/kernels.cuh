@@ -23,6 +23,7 @@ int layernorm_backward(void* stream, int dt, const void* dout, const void* x, co
 int gelu_forward(void* stream, int dt, const void* x, void* out, std::int64_t n);
 int gelu_backward(void* stream, int dt, const void* x, const void* dout, void* dx, std::int64_t n);
 int add(void* stream, int dt, const void* a, const void* b, void* out, std::int64_t n);
+int mul(void* stream, int dt, const void* a, const void* b, void* out, std::int64_t n);
 int scale(void* stream, int dt, void* x, float factor, std::int64_t n);
 int bias_add(void* stream, int dt, void* out, const void* bias, std::int64_t N, std::int64_t C);
 int bias_grad(void* stream, int dt, const void* dout, void* dbias, std::int64_t N, std::int64_t C);
