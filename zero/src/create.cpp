@@ -132,6 +132,14 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     s->units.push_back(std::move(u));
   }
   s->budget = async::StreamBudget::create(o.max_live_bytes);
+  switch (o.offload_optimizer) {  // chosen here once: the rest of the engine asks the placement
+    case OffloadTarget::none: s->optimizer_placement = make_optimizer_on_device(); break;
+    case OffloadTarget::cpu: s->optimizer_placement = make_optimizer_on_host(); break;
+    case OffloadTarget::nvme: s->optimizer_placement = make_optimizer_on_nvme(); break;
+  }
+  if (!s->optimizer_placement)
+    return fail(ErrorCode::invalid_argument, "offload_optimizer=", static_cast<int>(o.offload_optimizer),
+                ": expected none, cpu or nvme");
 
   COSHARD_TRY(check_offload_placement(o));
   COSHARD_TRY(check_step_in_backward(o, optimizer.control()));

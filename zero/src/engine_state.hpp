@@ -17,6 +17,7 @@
 #include "coshard/zero/engine.hpp"
 #include "half_convert.hpp"
 #include "kernels.hpp"
+#include "optimizer_placement.hpp"
 
 namespace coshard::zero {
 namespace detail {
@@ -120,6 +121,8 @@ struct Engine::State {
   std::unique_ptr<async::CachingAllocator> host_allocator;
   std::unique_ptr<Context> host_ctx;
   std::shared_ptr<offload::PinnedPool> pinned;
+  // Where the optimizer's state lives and steps (device, pinned host memory, NVMe), chosen once.
+  std::unique_ptr<OptimizerPlacement> optimizer_placement;
   // nvme: each unit's master and state, one sub-group file each, streamed by the swapper. The
   // rank's folder is claimed (locked against a second run) first and let go last.
   offload::SwapFolder swap_folder;
@@ -150,7 +153,7 @@ struct Engine::State {
   // (a slot comes back once the gather that copied out of its buffer has passed).
   std::shared_ptr<async::StreamBudget> read_slots;
   // nvme parameters: values for the swap files that initialize/load_parameters computed on the
-  // host (there is no shard to copy them from), taken by masters_from_shards.
+  // host (there is no shard to copy them from), taken by the placement's masters_from_shards.
   std::vector<std::vector<std::byte>> pending_shards;
   // Optimizer offload at stages 2-3 with one micro-batch: each gradient shard goes out to pinned
   // memory on the communication stream right after its reduction, overlapped with the rest of
@@ -191,8 +194,6 @@ struct Engine::State {
   async::Task<Result<void>> compute_after_host();
   // `n` elements of `src` converted into `dst` on the host stream, awaited.
   async::Task<Result<void>> cast_on_host(DataType from, const void* src, DataType to, void* dst, std::int64_t n);
-  // The fp32 masters follow the shards (after initialisation or a load).
-  async::Task<Result<void>> masters_from_shards();
 
   // Stages 1-2: every rank's block of every unit into the full copies, after the blocks changed
   // outside a step (a load). Stage 3 keeps no full copies.
@@ -370,7 +371,7 @@ struct Engine::State {
   // pass is awaited (with its error).
   Result<void> hand_to_swap_step(const Unit& u);
 
-  // ---- the optimizer step (optimizer_step.cpp) ----
+  // ---- the optimizer step on NVMe (optimizer_on_nvme.cpp) ----
 
   // nvme: unit k's sub-group (master and state, in `bytes`) stepped on the host stream, and the
   // new shard copied to the device on `to` (the buffer goes back to the swapper, to be written
@@ -390,8 +391,6 @@ struct Engine::State {
 
   // After the last micro-batch's backward: the gradient shards complete and scaled (gradients.cpp).
   async::Task<Result<void>> finish_gradients(std::size_t micro_batches);
-  // The optimizer on this rank's shards, wherever they live (optimizer_step.cpp).
-  async::Task<Result<void>> step_optimizer(float lr);
 
   // ---- a pass (prefetch.cpp): its trace chosen at the start, recorded at the end ----
 

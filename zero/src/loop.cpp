@@ -129,7 +129,7 @@ async::Task<Result<EngineStepStats>> Engine::finish_open_step(float lr) {
   if (s.params_on_nvme()) COSHARD_CO_TRY(co_await s.drain_reads());
   COSHARD_CO_TRY(co_await s.finish_gradients(micro_batches));
   COSHARD_CO_TRY_ASSIGN(auto optimizer_started, s.mark(compute));
-  COSHARD_CO_TRY(co_await s.step_optimizer(lr));
+  COSHARD_CO_TRY(co_await s.optimizer_placement->step(s, lr));
   COSHARD_CO_TRY_ASSIGN(auto optimizer_finished, s.mark(compute));
   s.span(true, "optimizer", kOptimizer, std::move(optimizer_started), std::move(optimizer_finished));
 

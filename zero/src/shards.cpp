@@ -1,6 +1,7 @@
-// The shard surface: initial values, the fp32 masters following the shards, checkpoint visits of
-// every unit's block with its optimizer state, consolidated export and load by name, and the
-// full copies of stages 1-2 gathered after the blocks change.
+// The shard surface: initial values (the optimizer placement's masters follow them), checkpoint
+// visits of every unit's block with its optimizer state (wherever the placement keeps it),
+// consolidated export and load by name, and the full copies of stages 1-2 gathered after the
+// blocks change.
 #include "engine_state.hpp"
 
 namespace coshard::zero {
@@ -20,61 +21,6 @@ async::Task<Result<void>> Engine::State::cast_on_host(DataType from, const void*
   co_return co_await cast;
 }
 
-async::Task<Result<void>> Engine::State::masters_from_shards() {
-  if (!offloaded()) co_return optimizer->reset_masters(*ctx);
-  if (swapped()) {
-    // Every sub-group written anew: the master from the shard, the state zero.
-    auto fill = [this](std::size_t k, std::span<std::byte> bytes) -> async::Task<Result<void>> {
-      const Unit& u = *units[k];
-      if (params_on_nvme()) {  // the values were computed on the host, in the compute dtype
-        const auto& values = pending_shards.at(k);
-        if (!narrow()) {
-          std::copy(values.begin(), values.end(), bytes.begin());
-          co_return Result<void>{};
-        }
-        co_return co_await cast_on_host(o.dtype, values.data(), DataType::f32, bytes.data(), u.info.shard);
-      }
-      if (!narrow()) {
-        COSHARD_CO_TRY(ctx->stream().copy(bytes.data(), u.shard.data(), u.shard.bytes()));
-        COSHARD_CO_TRY_ASSIGN(auto copied, ctx->stream().record());
-        co_return co_await copied;
-      }
-      // bf16/f16: the shard (through the staging buffer when on the device) widened on the host.
-      Tensor source = u.shard;
-      if (!params_offloaded()) {
-        source = staging_for(u);
-        COSHARD_CO_TRY(ctx->stream().copy(source.data(), u.shard.data(), u.shard.bytes()));
-      }
-      COSHARD_CO_TRY_ASSIGN(auto copied, ctx->stream().record());
-      COSHARD_CO_TRY(co_await after(*host_stream, copied));
-      co_return co_await cast_on_host(o.dtype, source.data(), DataType::f32, bytes.data(), u.info.shard);
-    };
-    auto written = co_await swapper->initialize(subgroups, fill);
-    pending_shards.clear();
-    co_return written;
-  }
-  // (with cpu parameter offload the shard is the master, or its pinned bf16/f16 copy, already)
-  const Tensor Unit::*host = narrow() ? &Unit::host_param : &Unit::host_master;
-  for (auto& u : units)
-    if (u->shard.data() != ((*u).*host).data())
-      COSHARD_CO_TRY(ctx->stream().copy(((*u).*host).data(), u->shard.data(), u->shard.bytes()));
-  COSHARD_CO_TRY_ASSIGN(auto copied, ctx->stream().record());
-  COSHARD_CO_TRY(co_await after(*host_stream, copied));
-  if (narrow()) {  // the fp32 masters from the bf16/f16 copies, on the host
-    const auto& groups = optimizer->groups();
-    for (const auto& u : units) {
-      const auto& g = groups[first_group + u->index];
-      COSHARD_CO_TRY(host_ctx->kernels().cast(*host_stream, o.dtype, u->host_param.data(), DataType::f32,
-                                              g.master.data(), u->info.shard));
-    }
-    // What the compute stream does next (a checkpoint's load writes the copies and the masters)
-    // comes after these reads and writes.
-    COSHARD_CO_TRY_ASSIGN(auto widened, host_stream->record());
-    COSHARD_CO_TRY(co_await after(ctx->stream(), widened));
-  }
-  co_return Result<void>{};
-}
-
 async::Task<Result<void>> Engine::State::full_copies_from_shards() {
   if (stage3()) co_return Result<void>{};
   auto& compute = ctx->stream();
@@ -83,17 +29,6 @@ async::Task<Result<void>> Engine::State::full_copies_from_shards() {
   COSHARD_CO_TRY(gather_full_copies());
   COSHARD_CO_TRY(order(cs, compute));
   co_return Result<void>{};
-}
-
-UnitShard Engine::State::swapped_shard(std::size_t k, std::span<std::byte> bytes) const {
-  const Unit& u = *units[k];
-  const Shape shape{u.info.shard};
-  const std::size_t states = optimizer->state_tensors();
-  const auto len = static_cast<std::size_t>(u.info.shard) * sizeof(float);
-  auto* base = bytes.data();
-  auto view = [&](std::size_t i) { return Tensor(base + i * len, shape, DataType::f32, async::Device::cpu()); };
-  return {u.info, params_on_nvme() ? view(0) : u.shard, view(0), states >= 1 ? view(1) : Tensor{},
-          states >= 2 ? view(2) : Tensor{}};
 }
 
 Result<void> Engine::State::gather_full_copies() {
@@ -118,27 +53,7 @@ ShardLayout Engine::shard_layout() const noexcept {
 async::Task<Result<void>> Engine::visit_shards(ShardVisitor use, bool written) {
   State& s = *s_;
   COSHARD_CO_TRY(co_await s.compute_after_host());
-  if (s.swapped()) {
-    auto visit_group = [&s, &use](std::size_t k, std::span<std::byte> bytes) -> async::Task<Result<void>> {
-      UnitShard shard = s.swapped_shard(k, bytes);
-      if (s.params_on_nvme() && s.narrow()) {
-        // bf16/f16 on nvme: the parameters are the master rounded, made for the visit (what a load
-        // writes there is dropped: the master it loads decides them).
-        shard.params = s.staging_for(*s.units[k]);
-        COSHARD_CO_TRY(co_await s.cast_on_host(DataType::f32, shard.master.data(), s.o.dtype, shard.params.data(),
-                                               shard.info.shard));
-      }
-      co_return co_await use(shard);
-    };
-    COSHARD_CO_TRY(co_await s.swapper->for_each(s.subgroups, visit_group, written));
-  } else {
-    const auto& groups = s.optimizer->groups();
-    for (const auto& u : s.units) {
-      const auto& g = groups[s.first_group + u->index];
-      const UnitShard shard{u->info, u->shard, g.master, g.state1, g.state2};
-      COSHARD_CO_TRY(co_await use(shard));
-    }
-  }
+  COSHARD_CO_TRY(co_await s.optimizer_placement->visit(s, use, written));
   if (!written) co_return Result<void>{};
   co_return co_await s.full_copies_from_shards();
 }
@@ -210,7 +125,7 @@ async::Task<Result<void>> Engine::load_parameters(const std::vector<GatheredPara
     else
       COSHARD_CO_TRY(s.ctx->copy_from_host(u.shard, mine));
   }
-  COSHARD_CO_TRY(co_await s.masters_from_shards());
+  COSHARD_CO_TRY(co_await s.optimizer_placement->masters_from_shards(s));
   co_return co_await s.full_copies_from_shards();
 }
 
@@ -237,7 +152,7 @@ async::Task<Result<void>> Engine::initialize(std::uint64_t seed) {
     COSHARD_CO_TRY(s.ctx->copy_from_host(s.stage3() ? u.shard : u.full, bytes));
   }
   // The optimizer's fp32 masters (bf16/f16, or offloaded) follow the new parameters.
-  COSHARD_CO_TRY(co_await s.masters_from_shards());
+  COSHARD_CO_TRY(co_await s.optimizer_placement->masters_from_shards(s));
   co_return Result<void>{};
 }
 

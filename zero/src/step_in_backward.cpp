@@ -21,11 +21,7 @@ Result<void> Engine::State::step_on_host(Unit& u) {
   COSHARD_TRY_ASSIGN(auto out, comm->stream().record());
   COSHARD_TRY(host_stream->wait(out));
   COSHARD_TRY(optimizer->add_grad_stats(*host_ctx, first_group + u.index));
-  if (swapped()) {
-    COSHARD_TRY(hand_to_swap_step(u));
-  } else {
-    COSHARD_TRY(optimizer->apply_one(*host_ctx, first_group + u.index, step_lr));
-  }
+  COSHARD_TRY(optimizer_placement->step_in_backward(*this, u));
   u.stepped_early = true;
   ++stats.stepped_in_backward;
   return {};

@@ -1,0 +1,54 @@
+// The optimizer's state on the device, beside the shards: the norm and overflow flag are summed
+// over ranks on the communication stream, then the optimizer steps every group on the compute
+// stream (no host involved, nothing awaited).
+#include "engine_state.hpp"
+
+namespace coshard::zero {
+
+using namespace modules;
+using namespace detail;
+
+namespace {
+
+class OptimizerOnDevice final : public OptimizerPlacement {
+ public:
+  async::Task<Result<void>> step(Engine::State& s, float lr) override {
+    auto& compute = s.ctx->stream();
+    COSHARD_CO_TRY(s.optimizer->compute_grad_stats(*s.ctx));
+    COSHARD_CO_TRY(Engine::State::order(compute, s.comm->stream()));
+    const Tensor grad_stats = s.optimizer->grad_stats();
+    COSHARD_CO_TRY(s.comm->all_reduce(grad_stats.data(), grad_stats.data(), 2, DataType::f32, ReduceOp::sum));
+    COSHARD_CO_TRY(s.compute_waits_for_comm(kGradStats));
+    co_return s.optimizer->apply(*s.ctx, lr);
+  }
+
+  async::Task<Result<void>> masters_from_shards(Engine::State& s) override {
+    co_return s.optimizer->reset_masters(*s.ctx);
+  }
+
+  async::Task<Result<void>> visit(Engine::State& s, const Engine::ShardVisitor& use, bool) override {
+    co_return co_await visit_optimizer_groups(s, use);
+  }
+
+  Result<void> step_in_backward(Engine::State&, Unit& u) override {
+    return fail(ErrorCode::internal, "Engine: unit ", u.info.name,
+                " stepped during backward with the optimizer on the device (needs it offloaded)");
+  }
+};
+
+}  // namespace
+
+// The optimizer's groups hold the master and state of each unit (device, or pinned memory).
+async::Task<Result<void>> visit_optimizer_groups(Engine::State& s, const Engine::ShardVisitor& use) {
+  const auto& groups = s.optimizer->groups();
+  for (const auto& u : s.units) {
+    const auto& g = groups[s.first_group + u->index];
+    const UnitShard shard{u->info, u->shard, g.master, g.state1, g.state2};
+    COSHARD_CO_TRY(co_await use(shard));
+  }
+  co_return Result<void>{};
+}
+
+std::unique_ptr<OptimizerPlacement> make_optimizer_on_device() { return std::make_unique<OptimizerOnDevice>(); }
+
+}  // namespace coshard::zero

@@ -1,0 +1,110 @@
+// The optimizer's state in pinned host memory (ZeRO-Offload): each step copies the reduced
+// gradient shards out, the host stream steps every group with the CPU kernels (the same kernels
+// and order as on a CPU device), and the updated shards go back to the device: fp32 masters as
+// they are, bf16/f16 as the pinned copy in the compute dtype the optimizer writes (half the
+// bytes). With the parameters offloaded too, the pinned master (or copy) is the shard: nothing
+// goes back. Also the first half of every offloaded step (HostOptimizer), shared with NVMe.
+#include "engine_state.hpp"
+
+namespace coshard::zero {
+
+using namespace modules;
+using namespace detail;
+
+async::Task<Result<void>> HostOptimizer::exchange_grad_stats(Engine::State& s) {
+  auto& compute = s.ctx->stream();
+  auto& host = *s.host_stream;
+  for (auto& u : s.units) {
+    if (u->grads_out) continue;  // out during backward (the compute stream has waited for it)
+    COSHARD_CO_TRY(compute.copy(u->host_grad.data(), u->grad_shard.data(), u->grad_shard.bytes()));
+    s.stats.swap_bytes += u->grad_shard.bytes();
+  }
+  COSHARD_CO_TRY_ASSIGN(auto grads_out, compute.record());
+  COSHARD_CO_TRY(host.wait(grads_out));
+  if (s.stepping_in_backward) {  // the units not stepped yet add their share
+    for (auto& u : s.units) {
+      if (u->stepped_early) continue;
+      COSHARD_CO_TRY(s.optimizer->add_grad_stats(*s.host_ctx, s.first_group + u->index));
+      COSHARD_CO_TRY(hand_over_late(s, *u));
+    }
+    s.grads_ready.reset();  // every unit is handed over
+  } else {
+    COSHARD_CO_TRY(s.optimizer->compute_grad_stats(*s.host_ctx));
+  }
+  COSHARD_CO_TRY_ASSIGN(auto stats_ready, host.record());
+  COSHARD_CO_TRY(co_await Engine::State::after(compute, stats_ready));
+  const Tensor host_stats = s.optimizer->grad_stats();
+  COSHARD_CO_TRY(compute.copy(s.device_grad_stats.data(), host_stats.data(), host_stats.bytes()));
+  COSHARD_CO_TRY(Engine::State::order(compute, s.comm->stream()));
+  COSHARD_CO_TRY(s.comm->all_reduce(s.device_grad_stats.data(), s.device_grad_stats.data(), 2, DataType::f32,
+                                    ReduceOp::sum));
+  COSHARD_CO_TRY(s.compute_waits_for_comm(kGradStats));
+  COSHARD_CO_TRY(compute.copy(s.grad_stats_back.data(), s.device_grad_stats.data(), host_stats.bytes()));
+  COSHARD_CO_TRY_ASSIGN(auto stats_back, compute.record());
+  COSHARD_CO_TRY(host.wait(stats_back));
+  co_return host.copy(host_stats.data(), s.grad_stats_back.data(), host_stats.bytes());
+}
+
+namespace {
+
+class OptimizerOnHost final : public HostOptimizer {
+ public:
+  async::Task<Result<void>> step(Engine::State& s, float lr) override {
+    auto& compute = s.ctx->stream();
+    COSHARD_CO_TRY(co_await exchange_grad_stats(s));
+    if (s.stepping_in_backward) {
+      for (auto& u : s.units)
+        if (!u->stepped_early) COSHARD_CO_TRY(s.optimizer->apply_one(*s.host_ctx, s.first_group + u->index, lr));
+      COSHARD_CO_TRY(s.optimizer->finish_step(*s.host_ctx));
+    } else {
+      COSHARD_CO_TRY(s.optimizer->apply(*s.host_ctx, lr));
+    }
+    COSHARD_CO_TRY_ASSIGN(auto stepped, s.host_stream->record());
+    COSHARD_CO_TRY(co_await Engine::State::after(compute, stepped));
+    for (auto& u : s.units) {
+      // (bf16/f16: the optimizer wrote the pinned copy in the compute dtype)
+      const Tensor& stepped_shard = s.narrow() ? u->host_param : u->host_master;
+      if (u->shard.data() == stepped_shard.data()) continue;  // parameters offloaded: it is the shard
+      COSHARD_CO_TRY(compute.copy(u->shard.data(), stepped_shard.data(), u->shard.bytes()));
+      s.stats.swap_bytes += u->shard.bytes();
+    }
+    co_return Result<void>{};
+  }
+
+  async::Task<Result<void>> masters_from_shards(Engine::State& s) override {
+    // (with cpu parameter offload the shard is the master, or its pinned bf16/f16 copy, already)
+    const Tensor Unit::*host = s.narrow() ? &Unit::host_param : &Unit::host_master;
+    for (auto& u : s.units)
+      if (u->shard.data() != ((*u).*host).data())
+        COSHARD_CO_TRY(s.ctx->stream().copy(((*u).*host).data(), u->shard.data(), u->shard.bytes()));
+    COSHARD_CO_TRY_ASSIGN(auto copied, s.ctx->stream().record());
+    COSHARD_CO_TRY(co_await Engine::State::after(*s.host_stream, copied));
+    if (s.narrow()) {  // the fp32 masters from the bf16/f16 copies, on the host
+      const auto& groups = s.optimizer->groups();
+      for (const auto& u : s.units) {
+        const auto& g = groups[s.first_group + u->index];
+        COSHARD_CO_TRY(s.host_ctx->kernels().cast(*s.host_stream, s.o.dtype, u->host_param.data(), DataType::f32,
+                                                  g.master.data(), u->info.shard));
+      }
+      // What the compute stream does next (a checkpoint's load writes the copies and the masters)
+      // comes after these reads and writes.
+      COSHARD_CO_TRY_ASSIGN(auto widened, s.host_stream->record());
+      COSHARD_CO_TRY(co_await Engine::State::after(s.ctx->stream(), widened));
+    }
+    co_return Result<void>{};
+  }
+
+  async::Task<Result<void>> visit(Engine::State& s, const Engine::ShardVisitor& use, bool) override {
+    co_return co_await visit_optimizer_groups(s, use);
+  }
+
+  Result<void> step_in_backward(Engine::State& s, Unit& u) override {
+    return s.optimizer->apply_one(*s.host_ctx, s.first_group + u.index, s.step_lr);
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<OptimizerPlacement> make_optimizer_on_host() { return std::make_unique<OptimizerOnHost>(); }
+
+}  // namespace coshard::zero

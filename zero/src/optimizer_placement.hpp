@@ -1,0 +1,59 @@
+// Where the optimizer's state lives (EngineOptions::offload_optimizer), chosen once when the
+// engine is made: one interface, three implementations, instead of branches through the engine.
+//
+// - on the device (optimizer_on_device.cpp): the fp32 masters and moments beside the shards; the
+//   optimizer steps on the compute stream.
+// - in pinned host memory (optimizer_on_host.cpp, ZeRO-Offload): the gradient shards go out to
+//   pinned memory, the optimizer steps on a CPU stream of its own, the updated shards come back.
+// - on NVMe (optimizer_on_nvme.cpp, ZeRO-Infinity): as in host memory, but each unit's master and
+//   state is a sub-group file streamed in by the swapper, stepped, and written back behind.
+//
+// Both host placements share the first half of a step (gradient shards out, the norm and overflow
+// flag summed over ranks on the device and brought back): HostOptimizer::exchange_grad_stats.
+#pragma once
+
+#include "coshard/async/task.hpp"
+#include "coshard/zero/engine.hpp"
+
+namespace coshard::zero {
+
+namespace detail {
+struct Unit;
+}
+
+class OptimizerPlacement {
+ public:
+  virtual ~OptimizerPlacement() = default;
+  // One optimizer step on this rank's shards, once their gradients are complete and scaled;
+  // the updated parameters are on the device, in the compute stream's order, when it returns.
+  virtual async::Task<Result<void>> step(Engine::State& s, float lr) = 0;
+  // The fp32 masters (and a fresh state where it is kept apart) follow the shards, after the
+  // shards were written outside a step (initialisation, a load).
+  virtual async::Task<Result<void>> masters_from_shards(Engine::State& s) = 0;
+  // Awaits `use` on every unit's block with its master and state (Engine::visit_shards).
+  virtual async::Task<Result<void>> visit(Engine::State& s, const Engine::ShardVisitor& use, bool written) = 0;
+  // step_in_backward: unit u's last gradient shard of the step is on its way to pinned memory
+  // and the host stream is ordered after it: step it (or hand it to the pass that steps it).
+  virtual Result<void> step_in_backward(Engine::State& s, detail::Unit& u) = 0;
+};
+
+// The first half of an offloaded step, shared by the two host placements.
+class HostOptimizer : public OptimizerPlacement {
+ protected:
+  // Gradient shards not out yet go to pinned memory; the host computes the norm and overflow
+  // flag (with step_in_backward, the units not stepped during backward add their share and go to
+  // `hand_over_late`); the sums over ranks come back to the host stream through pinned memory.
+  async::Task<Result<void>> exchange_grad_stats(Engine::State& s);
+  // step_in_backward: a unit not stepped during backward, its statistics added after it.
+  virtual Result<void> hand_over_late(Engine::State&, detail::Unit&) { return {}; }
+};
+
+// Placements whose state is the optimizer's own groups (device, pinned host memory): each unit's
+// shard with its group's master and state.
+async::Task<Result<void>> visit_optimizer_groups(Engine::State& s, const Engine::ShardVisitor& use);
+
+std::unique_ptr<OptimizerPlacement> make_optimizer_on_device();
+std::unique_ptr<OptimizerPlacement> make_optimizer_on_host();
+std::unique_ptr<OptimizerPlacement> make_optimizer_on_nvme();
+
+}  // namespace coshard::zero
