@@ -137,9 +137,14 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     case OffloadTarget::cpu: s->optimizer_placement = make_optimizer_on_host(); break;
     case OffloadTarget::nvme: s->optimizer_placement = make_optimizer_on_nvme(); break;
   }
-  if (!s->optimizer_placement)
+  switch (o.offload_params) {
+    case OffloadTarget::none: s->shard_placement = make_shards_on_device(); break;
+    case OffloadTarget::cpu: s->shard_placement = make_shards_on_host(); break;
+    case OffloadTarget::nvme: s->shard_placement = make_shards_on_nvme(); break;
+  }
+  if (!s->optimizer_placement || !s->shard_placement)
     return fail(ErrorCode::invalid_argument, "offload_optimizer=", static_cast<int>(o.offload_optimizer),
-                ": expected none, cpu or nvme");
+                ", offload_params=", static_cast<int>(o.offload_params), ": expected none, cpu or nvme for each");
 
   COSHARD_TRY(check_offload_placement(o));
   COSHARD_TRY(check_step_in_backward(o, optimizer.control()));

@@ -18,6 +18,7 @@
 #include "half_convert.hpp"
 #include "kernels.hpp"
 #include "optimizer_placement.hpp"
+#include "shard_placement.hpp"
 
 namespace coshard::zero {
 namespace detail {
@@ -123,6 +124,8 @@ struct Engine::State {
   std::shared_ptr<offload::PinnedPool> pinned;
   // Where the optimizer's state lives and steps (device, pinned host memory, NVMe), chosen once.
   std::unique_ptr<OptimizerPlacement> optimizer_placement;
+  // Where this rank's parameter shards live (device, pinned host memory, NVMe), chosen once.
+  std::unique_ptr<ShardPlacement> shard_placement;
   // nvme: each unit's master and state, one sub-group file each, streamed by the swapper. The
   // rank's folder is claimed (locked against a second run) first and let go last.
   offload::SwapFolder swap_folder;

@@ -19,15 +19,10 @@ Result<void> Engine::State::bind_values(Unit& u, const Tensor& buffer) {
 Result<async::Event> Engine::State::gather_unit(Unit& u, const Tensor& whole) {
   auto& cs = comm->stream();
   const auto shard = static_cast<std::size_t>(u.info.shard);
-  const void* source = u.shard.data();
-  if (params_on_nvme()) {
-    if (!u.read_block)
-      return fail(ErrorCode::internal, "Engine: unit ", u.info.name, " gathered before its shard was read");
-    source = u.read_block.data();
-  }
+  COSHARD_TRY_ASSIGN(const void* source, shard_placement->source(u));
   void* mine = whole.slice(static_cast<std::int64_t>(rank) * u.info.shard, Shape{u.info.shard}).data();
   Result<async::Event> done = async::Event{};
-  if (o.fetch_mode == FetchMode::all_gather && !params_offloaded()) {
+  if (o.fetch_mode == FetchMode::all_gather && shard_placement->on_device()) {
     done = comm->all_gather(source, whole.data(), shard, o.dtype);
   } else if (o.fetch_mode == FetchMode::all_gather) {
     COSHARD_TRY(cs.copy(mine, source, shard * element_size));
@@ -38,11 +33,7 @@ Result<async::Event> Engine::State::gather_unit(Unit& u, const Tensor& whole) {
     done = comm->all_reduce(whole.data(), whole.data(), static_cast<std::size_t>(u.info.padded), o.dtype,
                             ReduceOp::sum);
   }
-  if (done && params_on_nvme()) {
-    // The read buffer and its slot come back once the copy out of it has passed.
-    u.read_block.release_after(*done);
-    COSHARD_TRY(read_slots->release_after(*done, std::move(u.read_slot)));
-  }
+  if (done) COSHARD_TRY(shard_placement->gathered(*this, u, *done));
   return done;
 }
 
@@ -104,7 +95,7 @@ async::Task<Result<void>> Engine::State::fetch(Unit& u) {
   if (u.gather != Gather::released) ++stats.prefetch_hits;
   settle_prefetch(u);
   if (u.gather == Gather::released) {
-    if (params_on_nvme()) COSHARD_CO_TRY(co_await ensure_read(u));
+    COSHARD_CO_TRY(co_await shard_placement->make_ready(*this, u));
     COSHARD_CO_TRY_ASSIGN(auto permit, co_await budget->semaphore().acquire(u.info.padded_bytes));
     COSHARD_CO_TRY(issue_gather(u, std::move(permit), false));
   }
@@ -113,14 +104,14 @@ async::Task<Result<void>> Engine::State::fetch(Unit& u) {
     COSHARD_CO_TRY_ASSIGN(const Awaiting need, prefetch_ahead());
     if (need.done()) break;
     if (need.read) {
-      COSHARD_CO_TRY(co_await ensure_read(*need.read));
+      COSHARD_CO_TRY(co_await shard_placement->make_ready(*this, *need.read));
       continue;
     }
     COSHARD_CO_TRY_ASSIGN(auto permit, co_await budget->semaphore().acquire(need.bytes));
     prefetch_permit = std::move(permit);
   }
   prefetch_permit.reset();  // not used after all (the trace moved on): back to the budget
-  COSHARD_CO_TRY(read_ahead());
+  COSHARD_CO_TRY(shard_placement->read_ahead(*this));
   if (u.gather == Gather::in_flight) {
     COSHARD_CO_TRY(compute_waits(u.gathered_event, u.info.name));
     u.gather = Gather::ready;

@@ -62,7 +62,7 @@ async::Task<Result<void>> Engine::State::ensure_read(Unit& u) {
 }
 
 Result<void> Engine::State::read_ahead() {
-  if (!params_on_nvme() || !trace) return {};
+  if (!trace) return {};
   for (std::size_t i = trace_pos; i < trace->size(); ++i) {
     Unit& v = *units[(*trace)[i]];
     if (v.gather != Gather::released || v.read_block || v.read.valid()) continue;

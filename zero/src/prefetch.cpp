@@ -62,7 +62,7 @@ Result<Engine::State::Awaiting> Engine::State::prefetch_ahead() {
     if (v.gather != Gather::released) continue;
     if (prefetched_bytes + v.info.padded_bytes > cap) break;
     if (logical_live + v.info.padded_bytes > o.max_live_bytes) break;
-    if (params_on_nvme() && !v.read_block) return Awaiting{0, &v};
+    if (!shard_placement->ready(v)) return Awaiting{0, &v};
     std::optional<async::Semaphore::Permit> permit;
     if (prefetch_permit && prefetch_permit->count() == v.info.padded_bytes) {
       permit = std::move(prefetch_permit);

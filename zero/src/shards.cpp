@@ -71,7 +71,7 @@ async::Task<Result<std::vector<GatheredParameter>>> Engine::gather_parameters() 
     if (s.stage3()) {
       // One unit at a time: a consolidated export must not need the whole model on one rank's device.
       COSHARD_CO_TRY_ASSIGN(whole, ctx.empty(Shape{u.info.padded}, s.o.dtype));
-      if (s.params_on_nvme()) COSHARD_CO_TRY(co_await s.ensure_read(u));
+      COSHARD_CO_TRY(co_await s.shard_placement->make_ready(s, u));
       auto done = s.gather_unit(u, whole);
       if (!done) co_return fail(std::move(done).error().with_context("gathering unit " + u.info.name + " for export"));
       COSHARD_CO_TRY(compute.wait(*done));
@@ -120,10 +120,7 @@ async::Task<Result<void>> Engine::load_parameters(const std::vector<GatheredPara
     const auto shard_bytes = static_cast<std::size_t>(u.info.shard) * s.element_size;
     const auto first = static_cast<std::size_t>(s.rank) * shard_bytes;
     const auto mine = std::span<const std::byte>(unit_bytes).subspan(first, shard_bytes);
-    if (s.params_on_nvme())
-      s.pending_shards.emplace_back(mine.begin(), mine.end());  // straight into the swap files
-    else
-      COSHARD_CO_TRY(s.ctx->copy_from_host(u.shard, mine));
+    COSHARD_CO_TRY(s.shard_placement->write(s, u, mine));
   }
   COSHARD_CO_TRY(co_await s.optimizer_placement->masters_from_shards(s));
   co_return co_await s.full_copies_from_shards();
@@ -145,11 +142,11 @@ async::Task<Result<void>> Engine::initialize(std::uint64_t seed) {
     const auto first = s.stage3() ? static_cast<std::size_t>(s.rank * u.info.shard) : 0;
     const auto count = static_cast<std::size_t>(s.stage3() ? u.info.shard : u.info.padded);
     auto bytes = encode_values(std::span<const double>(values).subspan(first, count), s.o.dtype);
-    if (s.params_on_nvme()) {
-      s.pending_shards.push_back(std::move(bytes));  // straight into the swap files
-      continue;
+    if (s.stage3()) {
+      COSHARD_CO_TRY(s.shard_placement->write(s, u, bytes));
+    } else {
+      COSHARD_CO_TRY(s.ctx->copy_from_host(u.full, bytes));
     }
-    COSHARD_CO_TRY(s.ctx->copy_from_host(s.stage3() ? u.shard : u.full, bytes));
   }
   // The optimizer's fp32 masters (bf16/f16, or offloaded) follow the new parameters.
   COSHARD_CO_TRY(co_await s.optimizer_placement->masters_from_shards(s));

@@ -1,0 +1,49 @@
+// Where this rank's parameter shards live (EngineOptions::offload_params, stage 3), chosen once
+// when the engine is made: one interface, three implementations.
+//
+// - on the device: the shard is its own device buffer; a gather reads it in place.
+// - in pinned host memory (cpu): the shard is the optimizer's pinned fp32 master, or a pinned copy
+//   in the compute dtype; a gather first copies it into its place in the gathered buffer on the
+//   communication stream, then gathers in place (NCCL reads device memory only).
+// - on NVMe: the shard is the fp32 master at the head of its unit's swap file, read ahead along
+//   the trace into a pinned buffer (param_reads.cpp) and rounded to the compute dtype as it lands;
+//   the buffer and its read slot come back once the gather that copied out of it has passed.
+#pragma once
+
+#include <span>
+
+#include "coshard/async/event.hpp"
+#include "coshard/async/task.hpp"
+#include "coshard/zero/engine.hpp"
+
+namespace coshard::zero {
+
+namespace detail {
+struct Unit;
+}
+
+class ShardPlacement {
+ public:
+  virtual ~ShardPlacement() = default;
+  // Whether u's shard can be gathered now, with nothing to await first (NVMe: its read is in).
+  virtual bool ready(const detail::Unit&) const { return true; }
+  // Makes it so (NVMe: the read started ahead, or one now).
+  virtual async::Task<Result<void>> make_ready(Engine::State&, detail::Unit&);
+  // Where a gather reads this rank's shard, and whether that is device memory.
+  virtual Result<const void*> source(const detail::Unit& u) const = 0;
+  virtual bool on_device() const noexcept = 0;
+  // A gather that read `source` is enqueued, `done` its event.
+  virtual Result<void> gathered(Engine::State&, detail::Unit&, const async::Event&) { return {}; }
+  // This rank's block of u, in the compute dtype, from host bytes (initialisation, a load).
+  virtual Result<void> write(Engine::State& s, detail::Unit& u, std::span<const std::byte> mine) = 0;
+  // Reads for the units next along the trace, while there is room (never waits).
+  virtual Result<void> read_ahead(Engine::State&) { return {}; }
+  // Nothing read ahead is left in flight (a pass ends; the swap files are about to be rewritten).
+  virtual async::Task<Result<void>> settle(Engine::State&);
+};
+
+std::unique_ptr<ShardPlacement> make_shards_on_device();
+std::unique_ptr<ShardPlacement> make_shards_on_host();
+std::unique_ptr<ShardPlacement> make_shards_on_nvme();
+
+}  // namespace coshard::zero
