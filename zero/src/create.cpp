@@ -131,6 +131,8 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     for (Module* m : u->modules) s->unit_of.emplace(m, u->index);
     s->units.push_back(std::move(u));
   }
+  std::vector<FetchUnitInfo> infos;  // (the memory check and the offload's pinned plan count from them)
+  for (const auto& u : s->units) infos.push_back(u->info);
   s->budget = async::StreamBudget::create(o.max_live_bytes);
   switch (o.offload_optimizer) {  // chosen here once: the rest of the engine asks the placement
     case OffloadTarget::none: s->optimizer_placement = make_optimizer_on_device(); break;
@@ -151,7 +153,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   // A plan this machine cannot hold is refused with the numbers before anything is allocated
   // (activations come on top: a trainer checks those with the rest).
   if (o.check_memory) {
-    COSHARD_TRY_ASSIGN(auto estimate, estimate_engine_memory(model, s->world, o, optimizer.state_tensors()));
+    const MemoryEstimate estimate = detail::estimate_for_units(infos, o, optimizer.state_tensors());
     COSHARD_TRY_ASSIGN(auto machine, machine_memory(ctx.device(), o.offload_optimizer == OffloadTarget::nvme ? o.nvme_path
                                                                                                             : std::filesystem::path()));
     COSHARD_TRY(check_fits(estimate, 1, machine));
@@ -159,8 +161,6 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
 
   // Optimizer offload: its stream, context and pinned memory (checked against the budget now).
   if (s->offloaded()) {
-    std::vector<FetchUnitInfo> infos;
-    for (const auto& u : s->units) infos.push_back(u->info);
     const std::vector<std::size_t> sizes = detail::offload_pinned_sizes(infos, o, optimizer.state_tensors());
     std::size_t needed = 0, largest_shard = 0;
     const std::size_t per_element = 4 * (1 + optimizer.state_tensors());  // master and state, f32

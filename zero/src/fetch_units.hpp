@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "coshard/zero/engine.hpp"
+#include "coshard/zero/memory_estimate.hpp"
 
 namespace coshard::zero::detail {
 
@@ -39,5 +40,10 @@ Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOp
 // the pool reserves it (optimizer_states: Optimizer::state_tensors()). Empty without offload.
 std::vector<std::size_t> offload_pinned_sizes(std::span<const FetchUnitInfo> units, const EngineOptions& o,
                                               std::size_t optimizer_states);
+
+// The memory estimate of a plan already made (estimate_engine_memory plans first; Engine::create
+// has its units and estimates from them, without walking the model again).
+MemoryEstimate estimate_for_units(std::span<const FetchUnitInfo> units, const EngineOptions& o,
+                                  std::size_t optimizer_states);
 
 }  // namespace coshard::zero::detail

@@ -85,7 +85,11 @@ Result<MemoryEstimate> estimate_engine_memory(Module& model, int world_size, con
   if (o.zero_stage < 1 || o.zero_stage > 3)
     return fail(ErrorCode::invalid_argument, "memory estimate: zero_stage=", o.zero_stage, ": expected 1, 2 or 3");
   COSHARD_TRY_ASSIGN(const auto units, plan_units(model, world_size, o));
+  return detail::estimate_for_units(units, o, optimizer_states);
+}
 
+MemoryEstimate detail::estimate_for_units(std::span<const FetchUnitInfo> units, const EngineOptions& o,
+                                          std::size_t optimizer_states) {
   const std::size_t e = size_of(o.dtype);
   std::size_t whole = 0, shards = 0, shards_f32 = 0, largest_unit = 0, largest_padded = 0;
   for (const auto& u : units) {
