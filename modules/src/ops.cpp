@@ -15,7 +15,8 @@ Result<void> check_operand(const Context& ctx, const Tensor& t, std::string_view
   if (!(t.device() == ctx.device()))
     return fail(ErrorCode::invalid_argument, "ops::", op, ": ", role, " is ", t.describe(), ", expected a tensor on ",
                 ctx.device().to_string(), " (the context's device)");
-  return detail::check_supported(ctx.kernels(), t.dtype(), ctx.device(), std::string("ops::") + std::string(op));
+  if (ctx.kernels().supports(t.dtype())) return {};  // (the op's name is built only for the error)
+  return detail::check_supported(ctx.kernels(), t.dtype(), ctx.device(), std::string("ops::").append(op));
 }
 
 Result<void> check_same(const Context& ctx, const Tensor& a, const Tensor& b, std::string_view op,
@@ -77,6 +78,22 @@ Result<void> enqueue_matmul(Context& ctx, const Tensor& a, const Tensor& b, cons
   return ctx.kernels().gemm(ctx.stream(), a.dtype(), g);
 }
 
+// Element by element on two tensors of one shape: into a new tensor, or into the first.
+using BinaryKernel = Result<void> (detail::Kernels::*)(async::Stream&, DataType, const void*, const void*, void*,
+                                                       std::int64_t) const;
+
+Result<Tensor> binary(Context& ctx, const Tensor& a, const Tensor& b, BinaryKernel kernel, std::string_view op) {
+  COSHARD_TRY(check_same(ctx, a, b, op, "a", "b"));
+  COSHARD_TRY_ASSIGN(Tensor out, ctx.empty(a.shape(), a.dtype()));
+  COSHARD_TRY((ctx.kernels().*kernel)(ctx.stream(), a.dtype(), a.data(), b.data(), out.data(), a.numel()));
+  return out;
+}
+
+Result<void> binary_into(Context& ctx, const Tensor& out, const Tensor& a, BinaryKernel kernel, std::string_view op) {
+  COSHARD_TRY(check_same(ctx, out, a, op, "out", "a"));
+  return (ctx.kernels().*kernel)(ctx.stream(), out.dtype(), out.data(), a.data(), out.data(), out.numel());
+}
+
 }  // namespace
 
 Result<Tensor> matmul(Context& ctx, const Tensor& a, const Tensor& b, const MatmulOptions& options) {
@@ -98,28 +115,14 @@ Result<void> matmul_into(Context& ctx, const Tensor& a, const Tensor& b, const T
   return enqueue_matmul(ctx, a, b, out, p, options);
 }
 
-Result<Tensor> add(Context& ctx, const Tensor& a, const Tensor& b) {
-  COSHARD_TRY(check_same(ctx, a, b, "add", "a", "b"));
-  COSHARD_TRY_ASSIGN(Tensor out, ctx.empty(a.shape(), a.dtype()));
-  COSHARD_TRY(ctx.kernels().add(ctx.stream(), a.dtype(), a.data(), b.data(), out.data(), a.numel()));
-  return out;
-}
-
-Result<Tensor> mul(Context& ctx, const Tensor& a, const Tensor& b) {
-  COSHARD_TRY(check_same(ctx, a, b, "mul", "a", "b"));
-  COSHARD_TRY_ASSIGN(Tensor out, ctx.empty(a.shape(), a.dtype()));
-  COSHARD_TRY(ctx.kernels().mul(ctx.stream(), a.dtype(), a.data(), b.data(), out.data(), a.numel()));
-  return out;
-}
+Result<Tensor> add(Context& ctx, const Tensor& a, const Tensor& b) { return binary(ctx, a, b, &detail::Kernels::add, "add"); }
+Result<Tensor> mul(Context& ctx, const Tensor& a, const Tensor& b) { return binary(ctx, a, b, &detail::Kernels::mul, "mul"); }
 
 Result<void> add_into(Context& ctx, const Tensor& out, const Tensor& a) {
-  COSHARD_TRY(check_same(ctx, out, a, "add_into", "out", "a"));
-  return ctx.kernels().add(ctx.stream(), out.dtype(), out.data(), a.data(), out.data(), out.numel());
+  return binary_into(ctx, out, a, &detail::Kernels::add, "add_into");
 }
-
 Result<void> mul_into(Context& ctx, const Tensor& out, const Tensor& a) {
-  COSHARD_TRY(check_same(ctx, out, a, "mul_into", "out", "a"));
-  return ctx.kernels().mul(ctx.stream(), out.dtype(), out.data(), a.data(), out.data(), out.numel());
+  return binary_into(ctx, out, a, &detail::Kernels::mul, "mul_into");
 }
 
 Result<void> scale_in_place(Context& ctx, const Tensor& x, float factor) {
