@@ -131,6 +131,8 @@ Result<void> Optimizer::add_swapped_group(Context& ctx, Tensor grads) {
   return {};
 }
 
+std::string_view Optimizer::name() const noexcept { return impl_->adam ? "adamw" : "sgd"; }
+
 std::size_t Optimizer::state_tensors() const noexcept {
   if (impl_->adam) return 2;
   return impl_->sgd_args.momentum != 0 ? 1 : 0;

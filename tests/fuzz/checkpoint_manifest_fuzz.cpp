@@ -7,9 +7,9 @@
 #include <cstdlib>
 #include <string_view>
 
-#include "coshard/trainer/checkpoint_manifest.hpp"
+#include "coshard/zero/checkpoint.hpp"
 
-using namespace coshard::trainer;
+using namespace coshard::zero;
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const std::string_view text(reinterpret_cast<const char*>(data), size);

@@ -16,7 +16,7 @@
 #include "coshard/modules/parameter_store.hpp"
 #include "coshard/trainer/trainer.hpp"
 #include "../support/on_ranks.hpp"
-#include "../support/scale_shift.hpp"
+#include "../support/regression_mlp.hpp"
 
 namespace coshard::trainer {
 namespace {
@@ -25,44 +25,13 @@ using modules::DataType;
 using modules::Shape;
 using modules::Tensor;
 
-constexpr std::int64_t kRows = 12, kFeatures = 6, kHidden = 32, kOutputs = 2;
+using ::coshard::testing::kMlpRows;
+constexpr std::int64_t kRows = kMlpRows;
 constexpr int kSteps = 8;
 
-using ScaleShift = ::coshard::testing::ScaleShift<float>;  // a module of the test's own (tests/support)
-
-Result<std::unique_ptr<modules::Sequential>> make_mlp() {
-  auto mlp = std::make_unique<modules::Sequential>();
-  mlp->add("fc1", std::make_unique<modules::Linear>(kFeatures, kHidden, true, modules::Init::normal(0.3)));
-  mlp->add("affine", std::make_unique<ScaleShift>(kHidden));
-  mlp->add("act", std::make_unique<modules::Gelu>());
-  mlp->add("fc2", std::make_unique<modules::Linear>(kHidden, kOutputs, true, modules::Init::normal(0.3)));
-  return mlp;
-}
-
-// Step `step`'s global batch: features in [-1, 1], targets a smooth function of them.
-std::pair<std::vector<float>, std::vector<float>> global_batch(int step) {
-  std::vector<float> x(kRows * kFeatures), y(kRows * kOutputs);
-  for (std::size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(std::sin(0.37 * static_cast<double>(i) + step));
-  for (std::int64_t r = 0; r < kRows; ++r) {
-    double sum = 0;
-    for (std::int64_t f = 0; f < kFeatures; ++f) sum += x[static_cast<std::size_t>(r * kFeatures + f)] * (f + 1) * 0.2;
-    y[static_cast<std::size_t>(r * kOutputs)] = static_cast<float>(std::tanh(sum));
-    y[static_cast<std::size_t>(r * kOutputs + 1)] = static_cast<float>(0.5 * std::cos(sum));
-  }
-  return {x, y};
-}
-
-// Rows [first, first + count) of the step's batch, uploaded.
+Result<std::unique_ptr<modules::Sequential>> make_mlp() { return ::coshard::testing::make_regression_mlp(); }
 Result<modules::Batch> rows_of(modules::Context& ctx, int step, std::int64_t first, std::int64_t count) {
-  const auto [x, y] = global_batch(step);
-  auto part = [&](const std::vector<float>& v, std::int64_t width) {
-    return ctx.upload(std::as_bytes(std::span<const float>(v).subspan(static_cast<std::size_t>(first * width),
-                                                                     static_cast<std::size_t>(count * width))),
-                      Shape{count, width}, DataType::f32);
-  };
-  COSHARD_TRY_ASSIGN(Tensor inputs, part(x, kFeatures));
-  COSHARD_TRY_ASSIGN(Tensor targets, part(y, kOutputs));
-  return modules::Batch{inputs, targets};
+  return ::coshard::testing::regression_rows(ctx, step, first, count);
 }
 
 TrainerConfig base_config() {

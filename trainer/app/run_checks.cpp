@@ -4,7 +4,7 @@
 #include <system_error>
 
 #include "coshard/async/files.hpp"
-#include "coshard/trainer/checkpoint_manifest.hpp"
+#include "coshard/zero/checkpoint.hpp"
 
 namespace coshard::train_app {
 
@@ -18,11 +18,11 @@ CheckpointFolderContents checkpoint_folder_contents(const fs::path& dir) {
     const std::string name = entry.path().filename().string();
     if (name == "latest") {
       out.latest = true;
-    } else if (trainer::is_checkpoint_folder_name(name)) {
+    } else if (zero::is_checkpoint_folder_name(name)) {
       out.checkpoints.push_back(entry.path());
     } else {
       for (const char* suffix : {".partial", ".replaced"}) {
-        if (name.ends_with(suffix) && trainer::is_checkpoint_folder_name(name.substr(0, name.size() - std::string_view(suffix).size())))
+        if (name.ends_with(suffix) && zero::is_checkpoint_folder_name(name.substr(0, name.size() - std::string_view(suffix).size())))
           out.leftovers.push_back(entry.path());
       }
     }

@@ -2,7 +2,6 @@
 
 #include "coshard/async/files.hpp"
 #include "coshard/async/memory.hpp"
-#include "files.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -112,7 +111,7 @@ Result<void> ByteCorpus::check(std::int64_t seq) const {
 }
 
 std::string ByteCorpus::identity() const {
-  return "bytes " + std::to_string(bytes_.size()) + " crc32 " + std::to_string(detail::crc32_of(bytes_));
+  return "bytes " + std::to_string(bytes_.size()) + " crc32 " + std::to_string(async::crc32_of(bytes_));
 }
 
 std::string ByteCorpus::describe() const {

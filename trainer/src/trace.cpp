@@ -1,10 +1,11 @@
 #include "coshard/trainer/trace.hpp"
 
+#include "coshard/async/files.hpp"
+
 #include <nlohmann/json.hpp>
 
 #include <set>
 
-#include "files.hpp"
 
 namespace coshard::trainer {
 
@@ -56,7 +57,7 @@ std::string TraceWriter::json() const {
 }
 
 Result<void> TraceWriter::write(const std::filesystem::path& path) const {
-  auto written = detail::write_file_atomic(path, json());
+  auto written = async::write_file_atomic(path, json());
   if (!written) return fail(std::move(written).error().with_context("trace"));
   return {};
 }

@@ -6,7 +6,7 @@
 
 #include "coshard/async/runtime.hpp"
 #include "coshard/async/sync.hpp"
-#include "trainer_impl.hpp"
+#include "coshard/async/stream.hpp"
 
 namespace coshard::trainer {
 
@@ -39,31 +39,33 @@ std::string to_json_line(const StepStats& s) {
   return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
-Trainer::Impl::~Impl() {
-  pending.reset();  // a write in flight runs on; it owns its data
-  engine.reset();
-  optimizer.reset();
-  if (stream) (void)stream->synchronize();  // teardown: the blocks below go back to a quiet stream
-}
+struct Trainer::Impl {
+  TrainerConfig config;
+  collectives::Communicator* comm = nullptr;
+  modules::Module* model = nullptr;
+  std::unique_ptr<async::Stream> stream;
+  std::unique_ptr<async::CachingAllocator> allocator;
+  std::unique_ptr<modules::Context> ctx;
+  std::unique_ptr<modules::Optimizer> optimizer;
+  std::unique_ptr<zero::Engine> engine;
+  modules::CrossEntropyLoss own_loss;      // the default
+  modules::Loss* loss = &own_loss;         // or the builder's
+  int skipped_in_a_row = 0;  // steps skipped for inf/NaN gradients, up to this one
 
-async::Task<Result<std::vector<std::int64_t>>> Trainer::Impl::exchange(std::vector<std::int64_t> mine) {
-  const auto n = static_cast<std::int64_t>(mine.size());
-  const int world = comm->size();
-  std::span<const std::byte> bytes = std::as_bytes(std::span<const std::int64_t>(mine));
-  // As i32 pairs: the collectives' integer type.
-  COSHARD_CO_TRY_ASSIGN(Tensor src, ctx->upload(bytes, Shape{2 * n}, DataType::i32));
-  COSHARD_CO_TRY_ASSIGN(Tensor all, ctx->empty(Shape{2 * n * world}, DataType::i32));
-  auto& compute = ctx->stream();
-  COSHARD_CO_TRY_ASSIGN(auto uploaded, compute.record());
-  COSHARD_CO_TRY(comm->stream().wait(uploaded));
-  auto done = comm->all_gather(src.data(), all.data(), static_cast<std::size_t>(2 * n), DataType::i32);
-  if (!done) co_return fail(std::move(done).error().with_context("exchanging checkpoint status between ranks"));
-  COSHARD_CO_TRY(compute.wait(*done));
-  COSHARD_CO_TRY_ASSIGN(auto out_bytes, co_await ctx->read_bytes(all));
-  std::vector<std::int64_t> out(static_cast<std::size_t>(n * world));
-  std::memcpy(out.data(), out_bytes.data(), out.size() * sizeof(std::int64_t));
-  co_return out;
-}
+  ~Impl() {
+    engine.reset();  // a checkpoint write in flight runs on; it owns its data
+    optimizer.reset();
+    if (stream) (void)stream->synchronize();  // teardown: the blocks below go back to a quiet stream
+  }
+  // What a checkpoint records of this run and compares on resume.
+  zero::CheckpointOptions checkpoint_options() const {
+    return {.run = config.identity(), .keep = config.keep_checkpoints};
+  }
+  // One optimizer step over `micro` (this rank's micro-batches, on the device); `counted` is the
+  // global batch's tokens or samples for the statistics.
+  async::Task<Result<StepStats>> step(std::span<const modules::Batch> micro, std::int64_t counted,
+                                      std::chrono::steady_clock::time_point start);
+};
 
 Trainer::Trainer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Trainer::Trainer(Trainer&&) noexcept = default;
@@ -71,7 +73,7 @@ Trainer& Trainer::operator=(Trainer&&) noexcept = default;
 Trainer::~Trainer() = default;
 
 Result<void> Trainer::set_timeline_epoch(async::Event epoch) { return impl_->engine->set_timeline_epoch(std::move(epoch)); }
-std::int64_t Trainer::steps_done() const noexcept { return impl_->steps; }
+std::int64_t Trainer::steps_done() const noexcept { return impl_->engine->steps_done(); }
 const TrainerConfig& Trainer::config() const noexcept { return impl_->config; }
 int Trainer::rank() const noexcept { return impl_->comm->rank(); }
 int Trainer::world_size() const noexcept { return impl_->comm->size(); }
@@ -155,13 +157,11 @@ async::Task<Result<StepStats>> Trainer::step(const modules::Batch& rows) {
 async::Task<Result<StepStats>> Trainer::Impl::step(std::span<const modules::Batch> micro, std::int64_t counted,
                                                    std::chrono::steady_clock::time_point start) {
   Impl& s = *this;
-  if (s.pending && --s.pending->steps_left <= 0) COSHARD_CO_TRY(co_await s.publish());
-  const float lr = s.config.lr_at(s.steps);
+  const float lr = s.config.lr_at(s.engine->steps_done());
   COSHARD_CO_TRY_ASSIGN(auto e, co_await s.engine->step(*s.loss, micro, lr));
-  ++s.steps;
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   StepStats out;
-  out.step = s.steps;
+  out.step = s.engine->steps_done();
   out.loss = e.loss;
   out.step_ms = seconds * 1e3;
   out.tokens = counted;
@@ -201,6 +201,26 @@ async::Task<Result<double>> Trainer::evaluate(const modules::Batch& rows) {
   Impl& s = *impl_;
   COSHARD_CO_TRY_ASSIGN(auto micro, split_micro_batches(*s.ctx, rows, 1));
   co_return co_await s.engine->evaluate(*s.loss, micro.front());
+}
+
+// Checkpoints and export: the engine's (see zero/checkpoint.hpp), with this run's identity.
+
+async::Task<Result<void>> Trainer::save_checkpoint(const std::filesystem::path& dir) {
+  co_return co_await impl_->engine->save_checkpoint(dir, impl_->checkpoint_options());
+}
+
+async::Task<Result<void>> Trainer::finish_checkpoint() { co_return co_await impl_->engine->finish_checkpoint(); }
+
+async::Task<Result<void>> Trainer::load_checkpoint(const std::filesystem::path& dir) {
+  co_return co_await impl_->engine->load_checkpoint(dir, impl_->checkpoint_options());
+}
+
+async::Task<Result<void>> Trainer::export_safetensors(const std::filesystem::path& path) {
+  co_return co_await impl_->engine->export_safetensors(path);
+}
+
+async::Task<Result<void>> Trainer::load_safetensors(const std::filesystem::path& path) {
+  co_return co_await impl_->engine->load_safetensors(path);
 }
 
 async::Task<Result<Trainer>> TrainerBuilder::build(modules::Module& model) const {

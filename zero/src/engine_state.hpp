@@ -15,6 +15,7 @@
 #include "coshard/offload/swap_folder.hpp"
 #include "coshard/offload/swapper.hpp"
 #include "coshard/zero/engine.hpp"
+#include "checkpoint_files.hpp"
 #include "half_convert.hpp"
 #include "kernels.hpp"
 #include "optimizer_placement.hpp"
@@ -186,6 +187,12 @@ struct Engine::State {
   int losses_added = 0;
   std::uint64_t launches_before = 0;
   bool owns(const Module& m) const { return &m == model || unit_of.contains(&m); }
+  // `what` (a checkpoint, an export, a load) only between steps: an error names the open one.
+  Result<void> outside_loop(std::string_view what) const;
+  std::int64_t steps_done = 0;
+  // Values were given (initialize, load_parameters, a checkpoint): before that the shards, and
+  // with nvme offload the swap files, hold nothing a checkpoint load could visit.
+  bool has_values = false;
   // `later` runs after `event` of another stream: device-side when it can wait on it (a CPU
   // stream can wait on anything; a CUDA stream only on CUDA events), else the host awaits it.
   static async::Task<Result<void>> after(async::Stream& later, async::Event event) {
@@ -399,6 +406,21 @@ struct Engine::State {
 
   void begin_pass(std::string_view name);
   Result<void> end_pass();
+
+  // ---- checkpoints (checkpoint_save.cpp, checkpoint_load.cpp; export.cpp) ----
+
+  detail::CheckpointState checkpoint;
+  // Each rank's `mine` (the same length on every rank), rank-major: one small all-gather on the
+  // communication stream, awaited. How the ranks agree on a checkpoint's outcome.
+  async::Task<Result<std::vector<std::int64_t>>> all_ranks(std::vector<std::int64_t> mine);
+  // Whether every rank could load `what` (its own check passed: `ok`): an error names the first
+  // rank that could not (that rank's own error says why). A rank whose `ok` is false returns its
+  // own error instead; either way, no rank goes on to change anything or wait for the others.
+  async::Task<Result<void>> every_rank_can_load(bool ok, std::string what);
+  // Publishes the pending save (every rank calls it at the same point).
+  async::Task<Result<void>> publish_checkpoint();
+  // Whole values by name for load_parameters: a missing, extra, repeated or reshaped name refused (shards.cpp).
+  Result<void> check_values(const std::vector<GatheredParameter>& values) const;
 
   // Orders `to` after everything enqueued on `from` so far.
   static Result<void> order(async::Stream& from, async::Stream& to) {

@@ -24,13 +24,23 @@ async::Task<Result<EngineStepStats>> Engine::step(Loss& loss, std::span<const Ba
   co_return co_await finish_step();
 }
 
+Result<void> Engine::State::outside_loop(std::string_view what) const {
+  if (open == Open::none) return {};
+  return fail(ErrorCode::invalid_argument, "Engine::", what, ": ", open == Open::step ? "a step" : "an inference pass",
+              " is open (", open == Open::step ? "finish_step or abandon_step" : "end_inference", " first)");
+}
+
+std::int64_t Engine::steps_done() const noexcept { return s_->steps_done; }
+
 async::Task<Result<void>> Engine::begin_step(int micro_batches, float lr) {
   State& s = *s_;
   if (s.open != State::Open::none)
-    co_return fail(ErrorCode::invalid_argument, "Engine::begin_step: a ",
-                   s.open == State::Open::step ? "step" : "inference pass", " is open (finish it first)");
+    co_return fail(ErrorCode::invalid_argument, "Engine::begin_step: ",
+                   s.open == State::Open::step ? "a step" : "an inference pass", " is open (finish it first)");
   if (micro_batches < 1)
     co_return fail(ErrorCode::invalid_argument, "Engine::begin_step(micro_batches=", micro_batches, "): expected >= 1");
+  // A checkpoint saved before the last step is published now, its file written behind that step.
+  if (s.checkpoint.pending && --s.checkpoint.pending->steps_left <= 0) COSHARD_CO_TRY(co_await s.publish_checkpoint());
   Context& ctx = *s.ctx;
   auto& compute = ctx.stream();
   auto& cs = s.comm->stream();
@@ -114,6 +124,7 @@ async::Task<Result<EngineStepStats>> Engine::finish_step() {
   auto finished = co_await finish_open_step(s.step_lr);
   co_await end_swap_pass();
   s.open = State::Open::none;
+  if (finished) ++s.steps_done;
   co_return finished;
 }
 
@@ -154,7 +165,7 @@ async::Task<Result<EngineStepStats>> Engine::finish_open_step(float lr) {
   }
   // Every event of the step has passed now (the reads came after all of it): read the timings.
   s.collect_timing();
-    COSHARD_CO_TRY(co_await s.agree_on_measurements());
+  COSHARD_CO_TRY(co_await s.agree_on_measurements());
   EngineStepStats stats = std::move(s.stats);
   s.stats = {};
   stats.collective_launches = launches;
@@ -166,8 +177,8 @@ async::Task<Result<EngineStepStats>> Engine::finish_open_step(float lr) {
 Result<void> Engine::begin_inference() {
   State& s = *s_;
   if (s.open != State::Open::none)
-    return fail(ErrorCode::invalid_argument, "Engine::begin_inference: a ",
-                s.open == State::Open::step ? "step" : "inference pass", " is open (finish it first)");
+    return fail(ErrorCode::invalid_argument, "Engine::begin_inference: ",
+                s.open == State::Open::step ? "a step" : "an inference pass", " is open (finish it first)");
   s.begin_pass("eval");
   s.open = State::Open::inference;
   return State::order(s.ctx->stream(), s.comm->stream());

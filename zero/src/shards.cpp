@@ -52,6 +52,7 @@ ShardLayout Engine::shard_layout() const noexcept {
 
 async::Task<Result<void>> Engine::visit_shards(ShardVisitor use, bool written) {
   State& s = *s_;
+  COSHARD_CO_TRY(s.outside_loop("visit_shards"));
   COSHARD_CO_TRY(co_await s.compute_after_host());
   COSHARD_CO_TRY(co_await s.optimizer_placement->visit(s, use, written));
   if (!written) co_return Result<void>{};
@@ -60,6 +61,7 @@ async::Task<Result<void>> Engine::visit_shards(ShardVisitor use, bool written) {
 
 async::Task<Result<std::vector<GatheredParameter>>> Engine::gather_parameters() {
   State& s = *s_;
+  COSHARD_CO_TRY(s.outside_loop("gather_parameters"));
   Context& ctx = *s.ctx;
   auto& compute = ctx.stream();
   auto& cs = s.comm->stream();
@@ -88,25 +90,33 @@ async::Task<Result<std::vector<GatheredParameter>>> Engine::gather_parameters() 
   co_return out;
 }
 
-async::Task<Result<void>> Engine::load_parameters(const std::vector<GatheredParameter>& values) {
-  State& s = *s_;
+Result<void> Engine::State::check_values(const std::vector<GatheredParameter>& values) const {
   std::unordered_map<std::string_view, const Parameter*> parameter_named;
-  for (const auto& [param, name] : s.names) parameter_named.emplace(name, param);
+  for (const auto& [param, name] : names) parameter_named.emplace(name, param);
   std::unordered_map<std::string_view, const GatheredParameter*> by_name;
   for (const auto& v : values) {
     if (!by_name.emplace(v.name, &v).second)
-      co_return fail(ErrorCode::invalid_argument, "load_parameters: '", v.name, "' given twice");
+      return fail(ErrorCode::invalid_argument, "load_parameters: '", v.name, "' given twice");
     const auto it = parameter_named.find(v.name);
     if (it == parameter_named.end())
-      co_return fail(ErrorCode::invalid_argument, "load_parameters: '", v.name, "' is not a parameter of the model");
-    if (!(it->second->shape() == v.shape) || v.bytes.size() != static_cast<std::size_t>(v.shape.numel()) * s.element_size)
-      co_return fail(ErrorCode::invalid_argument, "load_parameters: '", v.name, "' has shape ", v.shape.to_string(),
-                     " and ", v.bytes.size(), " bytes; the model expects ", it->second->shape().to_string(), " in ",
-                     collectives::to_string(s.o.dtype));
+      return fail(ErrorCode::invalid_argument, "load_parameters: '", v.name, "' is not a parameter of the model");
+    if (!(it->second->shape() == v.shape) || v.bytes.size() != static_cast<std::size_t>(v.shape.numel()) * element_size)
+      return fail(ErrorCode::invalid_argument, "load_parameters: '", v.name, "' has shape ", v.shape.to_string(),
+                  " and ", v.bytes.size(), " bytes; the model expects ", it->second->shape().to_string(), " in ",
+                  collectives::to_string(o.dtype));
   }
-  for (const auto& [param, name] : s.names)
+  for (const auto& [param, name] : names)
     if (!by_name.contains(name))
-      co_return fail(ErrorCode::invalid_argument, "load_parameters: no value for parameter '", name, "'");
+      return fail(ErrorCode::invalid_argument, "load_parameters: no value for parameter '", name, "'");
+  return {};
+}
+
+async::Task<Result<void>> Engine::load_parameters(const std::vector<GatheredParameter>& values) {
+  State& s = *s_;
+  COSHARD_CO_TRY(s.outside_loop("load_parameters"));
+  COSHARD_CO_TRY(s.check_values(values));
+  std::unordered_map<std::string_view, const GatheredParameter*> by_name;
+  for (const auto& v : values) by_name.emplace(v.name, &v);
   // Everything checked: now each rank writes its block of every unit.
   COSHARD_CO_TRY(co_await s.compute_after_host());
   s.pending_shards.clear();
@@ -123,11 +133,13 @@ async::Task<Result<void>> Engine::load_parameters(const std::vector<GatheredPara
     COSHARD_CO_TRY(s.shard_placement->write(s, u, mine));
   }
   COSHARD_CO_TRY(co_await s.optimizer_placement->masters_from_shards(s));
+  s.has_values = true;
   co_return co_await s.full_copies_from_shards();
 }
 
 async::Task<Result<void>> Engine::initialize(std::uint64_t seed) {
   State& s = *s_;
+  COSHARD_CO_TRY(s.outside_loop("initialize"));
   COSHARD_CO_TRY(co_await s.compute_after_host());
   s.pending_shards.clear();
   for (auto& up : s.units) {
@@ -150,6 +162,7 @@ async::Task<Result<void>> Engine::initialize(std::uint64_t seed) {
   }
   // The optimizer's fp32 masters (bf16/f16, or offloaded) follow the new parameters.
   COSHARD_CO_TRY(co_await s.optimizer_placement->masters_from_shards(s));
+  s.has_values = true;
   co_return Result<void>{};
 }
 

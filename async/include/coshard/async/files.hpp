@@ -5,7 +5,9 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <filesystem>
+#include <span>
 #include <string_view>
 #include <vector>
 
@@ -32,5 +34,14 @@ bool same_path(const std::filesystem::path& a, const std::filesystem::path& b);
 // Whether `inner` is `outer` or lies inside it (normalised absolute paths, links resolved as far
 // as they exist).
 bool path_within(const std::filesystem::path& inner, const std::filesystem::path& outer);
+
+// Replaces `path` atomically: a temporary beside it, fsync, rename, fsync the folder. A failure
+// leaves no temporary behind and the old file untouched. Only a regular file is ever replaced
+// (a device, folder or fifo at `path` is refused by name).
+Result<void> write_file_atomic(const std::filesystem::path& path, std::string_view text);
+// fsync of a file or (flags with O_DIRECTORY) a folder.
+Result<void> fsync_path(const std::filesystem::path& path, int flags);
+// CRC-32 (zlib's) of any number of bytes.
+std::uint32_t crc32_of(std::span<const std::byte> bytes);
 
 }  // namespace coshard::async

@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string_view>
 #include <vector>
 
 #include "coshard/modules/module.hpp"
@@ -61,6 +62,8 @@ class Optimizer {
   static Result<std::unique_ptr<Optimizer>> adamw(AdamWOptions options, StepControlOptions control = {});
   static Result<std::unique_ptr<Optimizer>> sgd(SgdOptions options, StepControlOptions control = {});
   virtual ~Optimizer();
+  // "adamw" or "sgd": what a checkpoint records, and a load compares.
+  std::string_view name() const noexcept;
 
   // Adds a flat span of parameters and their gradients (same shape, on ctx's device). The master
   // copy and state are allocated here; the tensors must stay valid while the optimizer is used.

@@ -8,13 +8,9 @@
 // the same model definition; the trainer owns its compute stream, allocator, optimizer and
 // engine, on the communicator's device. The model must outlive the trainer.
 //
-// Checkpoints are sharded: each rank writes its parameter and optimizer shards, rank 0 a
-// manifest with sizes and CRC-32s. A save stages the shards in host memory (awaiting device
-// events, never blocking) and returns; the files are written on the blocking pool behind
-// training. At the start of the second step after the save (or at the next save, load or
-// `finish_checkpoint`), the ranks confirm their files and rank 0 publishes the checkpoint by
-// renaming its folder into place and pointing `latest` at it: a crash at any moment leaves the
-// previous checkpoint whole and `latest` pointing at it. A checkpoint loads at any world size.
+// Checkpoints are the engine's (coshard/zero/checkpoint.hpp): sharded, written behind training,
+// published atomically, loadable at any world size; the trainer adds the run's identity
+// (TrainerConfig::identity) and keep_checkpoints.
 #pragma once
 
 #include <cstdint>
@@ -74,7 +70,8 @@ class Trainer {
   async::Task<Result<double>> evaluate(const HostBatch& rows);
   async::Task<Result<double>> evaluate(const modules::Batch& rows);
 
-  // Sharded checkpoints under `dir` (every rank the same dir, at the same step). See the top.
+  // Sharded checkpoints under `dir` (every rank the same dir, at the same step): Engine's
+  // save_checkpoint, finish_checkpoint and load_checkpoint with this run's identity.
   async::Task<Result<void>> save_checkpoint(const std::filesystem::path& dir);
   // Finishes a pending save: waits for the files, publishes, and returns once it is visible.
   async::Task<Result<void>> finish_checkpoint();

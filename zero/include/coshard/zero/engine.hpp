@@ -42,6 +42,7 @@
 #include "coshard/collectives/communicator.hpp"
 #include "coshard/modules/layers.hpp"
 #include "coshard/modules/optimizer.hpp"
+#include "coshard/zero/checkpoint.hpp"
 
 namespace coshard::zero {
 
@@ -257,14 +258,42 @@ class Engine final : public ModuleHooks {
   std::vector<FetchUnitInfo> units() const;
   int rank() const noexcept;
   int world_size() const noexcept;
+  // Steps finished (finish_step calls that returned statistics, skipped steps included), or the
+  // step of the checkpoint loaded last: the step a save records, and a schedule's position.
+  std::int64_t steps_done() const noexcept;
 
-  // Checkpoints. `visit_shards` awaits `use` on this rank's block of every unit in order, with its
-  // optimizer state: views of device memory, of pinned memory (optimizer offload), or, with nvme
-  // offload, of a swap buffer read from the store just before (the next ones read ahead). `use`
-  // must finish with the views (await its copies) before it returns. With `written`, `use` wrote
-  // new values: the swapped state goes back to the store behind the visit and, at the end,
-  // stages 1-2 gather every rank's updated block into the full copies. The first error ends the
-  // visit; everything in flight finishes first.
+  // Sharded checkpoints of everything a step depends on (parameters, fp32 masters, optimizer
+  // moments and step state, the step count), wherever the placements keep it; checkpoint.hpp has
+  // the layout and the protocol. Every rank calls these at the same point, outside a step or an
+  // inference pass, with the same `dir`.
+  //
+  // Starts a checkpoint of steps_done() under `dir`: this rank's blocks are staged now, its file
+  // written behind training; a pending one is published first. It is published by the next
+  // finish_checkpoint, save_checkpoint or load_checkpoint, or by the begin_step of the second
+  // step after it.
+  async::Task<Result<void>> save_checkpoint(const std::filesystem::path& dir, CheckpointOptions options = {});
+  // Publishes the pending checkpoint, if any: every rank's file written, then the manifest and
+  // `latest` (rank 0). An error names the rank that failed; nothing is published then.
+  async::Task<Result<void>> finish_checkpoint();
+  // Loads `dir/latest` (or `dir` itself when it is one checkpoint folder), saved at any world
+  // size. Each rank reads and checks its part (manifest, sizes, CRC-32, dtype, optimizer, units,
+  // options.run against the saved run); nothing changes on any rank unless every rank's part
+  // passed. The engine needs no initialize before it.
+  async::Task<Result<void>> load_checkpoint(const std::filesystem::path& dir, const CheckpointOptions& options = {});
+  // The whole model as one safetensors file at `path` (rank 0 writes it; every rank gathers):
+  // every parameter by name, unpadded, in the engine's dtype.
+  async::Task<Result<void>> export_safetensors(const std::filesystem::path& path);
+  // Every parameter from a safetensors file by name (any float dtype, converted; each finite):
+  // load_parameters with the file's values.
+  async::Task<Result<void>> load_safetensors(const std::filesystem::path& path);
+
+  // What checkpoints are made of (for a format of your own). `visit_shards` awaits `use` on this
+  // rank's block of every unit in order, with its optimizer state: views of device memory, of
+  // pinned memory (optimizer offload), or, with nvme offload, of a swap buffer read from the
+  // store just before (the next ones read ahead). `use` must finish with the views (await its
+  // copies) before it returns. With `written`, `use` wrote new values: the swapped state goes back
+  // to the store behind the visit and, at the end, stages 1-2 gather every rank's updated block
+  // into the full copies. The first error ends the visit; everything in flight finishes first.
   using ShardVisitor = std::function<async::Task<Result<void>>(const UnitShard&)>;
   async::Task<Result<void>> visit_shards(ShardVisitor use, bool written);
   ShardLayout shard_layout() const noexcept;

@@ -1,11 +1,11 @@
-#include "coshard/trainer/checkpoint_manifest.hpp"
+#include "coshard/zero/checkpoint.hpp"
 
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cstdio>
 
-namespace coshard::trainer {
+namespace coshard::zero {
 
 using json = nlohmann::json;
 
@@ -166,4 +166,4 @@ Result<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, std:
   return out;
 }
 
-}  // namespace coshard::trainer
+}  // namespace coshard::zero

@@ -1,0 +1,284 @@
+// Checkpoints from the engine alone, in a loop of the test's own (no Trainer): a regression MLP
+// with a module of the test's own and the mean squared error, saved at one world size and stage
+// and resumed at others (optimizer and parameters offloaded too), continuing as if never stopped;
+// the consolidated export read back into another plan; and every misuse named.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include "coshard/zero/engine.hpp"
+#include "../support/on_ranks.hpp"
+#include "../support/regression_mlp.hpp"
+
+namespace coshard::zero {
+namespace {
+
+namespace fs = std::filesystem;
+using ::coshard::testing::kMlpRows;
+
+constexpr std::uint64_t kSeed = 11;
+constexpr float kLr = 3e-2f;
+
+struct Plan {
+  int world = 1;
+  int stage = 3;
+  OffloadTarget optimizer = OffloadTarget::none;
+  OffloadTarget params = OffloadTarget::none;
+  std::string name() const {
+    return "world " + std::to_string(world) + ", stage " + std::to_string(stage) + ", optimizer " +
+           std::string(to_string(optimizer)) + ", parameters " + std::string(to_string(params));
+  }
+};
+
+// Options made outside the coroutines (GCC 12 miscompiles braced maps inside them).
+CheckpointOptions with_run(std::map<std::string, std::string> run, int keep = 0) {
+  CheckpointOptions o;
+  o.run = std::move(run);
+  o.keep = keep;
+  return o;
+}
+const CheckpointOptions kSines = with_run({{"data", "sines"}});
+const CheckpointOptions kSinesKeepOne = with_run({{"data", "sines"}}, 1);
+const CheckpointOptions kSinesSeeded = with_run({{"data", "sines"}, {"seed", "11"}});
+const CheckpointOptions kCosines = with_run({{"data", "cosines"}});
+const CheckpointOptions kKeepNegative = with_run({}, -1);
+
+fs::path scratch(const std::string& name) {
+  const fs::path dir = fs::current_path() / "zero_checkpoint_scratch" / name;
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+// One rank's model, optimizer and engine on a CPU stream of its own.
+struct RankEngine {
+  std::unique_ptr<async::Stream> stream;
+  std::unique_ptr<async::CachingAllocator> allocator;
+  std::unique_ptr<Context> ctx;
+  std::unique_ptr<modules::Sequential> model;
+  std::unique_ptr<Optimizer> optimizer;
+  std::unique_ptr<Engine> engine;
+
+  static Result<RankEngine> make(collectives::Communicator& comm, const Plan& plan, const fs::path& swap) {
+    RankEngine e;
+    COSHARD_TRY_ASSIGN(auto stream, async::Stream::create(async::Device::cpu()));
+    e.stream = std::make_unique<async::Stream>(std::move(stream));
+    COSHARD_TRY_ASSIGN(e.allocator, async::CachingAllocator::create(async::Device::cpu()));
+    COSHARD_TRY_ASSIGN(auto ctx, Context::create(*e.stream, *e.allocator));
+    e.ctx = std::make_unique<Context>(std::move(ctx));
+    COSHARD_TRY_ASSIGN(e.model, ::coshard::testing::make_regression_mlp());
+    COSHARD_TRY_ASSIGN(e.optimizer, Optimizer::adamw({}));
+    EngineOptions o;
+    o.zero_stage = plan.stage;
+    o.max_live_bytes = 4 << 10;  // stage 3: fewer units at once than the model has
+    o.offload_optimizer = plan.optimizer;
+    o.offload_params = plan.params;
+    o.nvme_path = swap / ("rank" + std::to_string(comm.rank()));
+    COSHARD_TRY_ASSIGN(e.engine, Engine::create(*e.ctx, comm, *e.model, *e.optimizer, o));
+    return e;
+  }
+  ~RankEngine() {
+    engine.reset();
+    optimizer.reset();
+    if (stream) (void)stream->synchronize();
+  }
+  RankEngine() = default;
+  RankEngine(RankEngine&&) noexcept = default;
+
+  // Steps [first, first + count) of the global batch, this rank's rows; the step losses.
+  async::Task<Result<std::vector<double>>> train(int first, int count) {
+    const int world = engine->world_size();
+    const std::int64_t rows = kMlpRows / world;
+    modules::MeanSquaredErrorLoss loss;
+    std::vector<double> losses;
+    for (int step = first; step < first + count; ++step) {
+      COSHARD_CO_TRY(co_await engine->begin_step(1, kLr));
+      COSHARD_CO_TRY_ASSIGN(auto mb, ::coshard::testing::regression_rows(*ctx, step, engine->rank() * rows, rows));
+      COSHARD_CO_TRY_ASSIGN(Tensor out, co_await ctx->forward(*model, mb.inputs));
+      loss.set_targets(mb.targets);
+      COSHARD_CO_TRY_ASSIGN(Tensor value, co_await ctx->forward(loss, out));
+      COSHARD_CO_TRY_ASSIGN(Tensor dout, co_await ctx->backward(loss, engine->backward_seed()));
+      COSHARD_CO_TRY(co_await ctx->backward(*model, dout));
+      COSHARD_CO_TRY(engine->add_loss(value));
+      COSHARD_CO_TRY_ASSIGN(auto stats, co_await engine->finish_step());
+      losses.push_back(stats.loss);
+    }
+    co_return losses;
+  }
+};
+
+Result<void> on_ranks(int world, const ::coshard::testing::RankBody& body) {
+  const auto errors = ::coshard::testing::on_ranks(world, body);
+  if (!errors.empty()) return fail(ErrorCode::internal, errors.front());
+  return {};
+}
+
+// A run under `plan`: initialised from the seed, or loaded from `load_from` (it must resume at
+// step `first`); steps [first, first + count); with `save_after` >= 0, a checkpoint into `save_to`
+// after that many of them, left to be published by the loop (no finish_checkpoint). Rank 0's losses.
+Result<std::vector<double>> run(const Plan& plan, const fs::path& swap, int first, int count,
+                                const fs::path& load_from = {}, int save_after = -1, const fs::path& save_to = {}) {
+  std::vector<double> losses;
+  COSHARD_TRY(on_ranks(plan.world, [&](int r, collectives::Communicator& comm) -> async::Task<Result<void>> {
+    COSHARD_CO_TRY_ASSIGN(auto e, RankEngine::make(comm, plan, swap));
+    if (load_from.empty()) {
+      COSHARD_CO_TRY(co_await e.engine->initialize(kSeed));
+    } else {
+      COSHARD_CO_TRY(co_await e.engine->load_checkpoint(load_from, kSines));
+      if (e.engine->steps_done() != first)
+        co_return fail(ErrorCode::internal, "resumed at step ", e.engine->steps_done(), ", expected ", first);
+    }
+    std::vector<double> mine;
+    int done = 0;
+    if (save_after >= 0) {
+      COSHARD_CO_TRY_ASSIGN(mine, co_await e.train(first, save_after));
+      COSHARD_CO_TRY(co_await e.engine->save_checkpoint(save_to, kSinesKeepOne));
+      done = save_after;
+    }
+    COSHARD_CO_TRY_ASSIGN(auto rest, co_await e.train(first + done, count - done));
+    mine.insert(mine.end(), rest.begin(), rest.end());
+    if (e.engine->steps_done() != first + count)
+      co_return fail(ErrorCode::internal, "steps_done ", e.engine->steps_done(), " after step ", first + count);
+    if (r == 0) losses = std::move(mine);
+    co_return Result<void>{};
+  }));
+  return losses;
+}
+
+TEST(EngineCheckpoint, ResumesAtAnyWorldSizeStageAndPlacementAsIfNeverStopped) {
+  const Plan saved{2, 3};
+  const fs::path dir = scratch("resume");
+  auto whole = run(saved, dir / "swap", 0, 6);
+  ASSERT_TRUE(whole) << whole.error().message();
+  ASSERT_EQ(whole->size(), 6u);
+  // Saved after step 3; the loop goes on and publishes it by itself (the second begin_step after).
+  auto saving = run(saved, dir / "swap", 0, 6, {}, 3, dir / "ck");
+  ASSERT_TRUE(saving) << saving.error().message();
+  EXPECT_EQ(*saving, *whole) << "a save does not disturb training";
+  ASSERT_TRUE(fs::exists(dir / "ck" / "latest")) << "published by the loop, without finish_checkpoint";
+  ASSERT_TRUE(fs::exists(dir / "ck" / "step-00000003" / "manifest.json"));
+
+  for (const Plan& plan : {Plan{2, 3}, Plan{1, 1}, Plan{3, 2}, Plan{4, 3, OffloadTarget::cpu},
+                           Plan{2, 3, OffloadTarget::nvme, OffloadTarget::nvme}, Plan{3, 3, OffloadTarget::cpu, OffloadTarget::cpu}}) {
+    SCOPED_TRACE(plan.name());
+    fs::remove_all(dir / "swap");
+    auto resumed = run(plan, dir / "swap", 3, 3, dir / "ck");
+    ASSERT_TRUE(resumed) << resumed.error().message();
+    ASSERT_EQ(resumed->size(), 3u);
+    for (std::size_t i = 0; i < 3; ++i) {
+      const double expect = (*whole)[3 + i];
+      if (plan.world == saved.world && plan.stage == saved.stage && plan.optimizer == OffloadTarget::none)
+        EXPECT_EQ((*resumed)[i], expect) << "step " << 3 + i << ": the same bits on the same plan";
+      EXPECT_NEAR((*resumed)[i], expect, 1e-6 * std::abs(expect)) << "step " << 3 + i;
+    }
+  }
+}
+
+// Every parameter's whole value on every rank (gather_parameters), by name.
+using Values = std::map<std::string, std::vector<std::byte>>;
+
+TEST(EngineCheckpoint, ExportedModelLoadsIntoAnotherPlan) {
+  const fs::path dir = scratch("export");
+  const fs::path file = dir / "model.safetensors";
+  Values exported, loaded;
+  auto out = on_ranks(2, [&](int r, collectives::Communicator& comm) -> async::Task<Result<void>> {
+    COSHARD_CO_TRY_ASSIGN(auto e, RankEngine::make(comm, {2, 3}, dir / "swap"));
+    COSHARD_CO_TRY(co_await e.engine->initialize(kSeed));
+    COSHARD_CO_TRY(co_await e.train(0, 2));
+    COSHARD_CO_TRY(co_await e.engine->export_safetensors(file));
+    COSHARD_CO_TRY_ASSIGN(auto params, co_await e.engine->gather_parameters());
+    if (r == 0)
+      for (auto& p : params) exported[p.name] = std::move(p.bytes);
+    co_return Result<void>{};
+  });
+  ASSERT_TRUE(out) << out.error().message();
+  auto in = on_ranks(3, [&](int r, collectives::Communicator& comm) -> async::Task<Result<void>> {
+    COSHARD_CO_TRY_ASSIGN(auto e, RankEngine::make(comm, {3, 1}, dir / "swap"));
+    COSHARD_CO_TRY(co_await e.engine->initialize(kSeed + 1));
+    COSHARD_CO_TRY(co_await e.engine->load_safetensors(file));
+    COSHARD_CO_TRY_ASSIGN(auto params, co_await e.engine->gather_parameters());
+    if (r == 0)
+      for (auto& p : params) loaded[p.name] = std::move(p.bytes);
+    co_return Result<void>{};
+  });
+  ASSERT_TRUE(in) << in.error().message();
+  ASSERT_EQ(exported.size(), 6u);  // fc1 and fc2 weight and bias, the affine's scale and shift
+  EXPECT_EQ(loaded, exported);
+}
+
+TEST(EngineCheckpoint, MisuseIsNamedAndChangesNothing) {
+  const fs::path dir = scratch("misuse");
+  auto out = on_ranks(1, [&](int, collectives::Communicator& comm) -> async::Task<Result<void>> {
+    COSHARD_CO_TRY_ASSIGN(auto e, RankEngine::make(comm, {1, 3}, dir / "swap"));
+    Engine& engine = *e.engine;
+    COSHARD_CO_TRY(co_await engine.initialize(kSeed));
+    auto expect_error = [](const Result<void>& r, const std::string& words) -> Result<void> {
+      if (r) return fail(ErrorCode::internal, "expected an error with '", words, "', it succeeded");
+      if (r.error().message().find(words) == std::string::npos)
+        return fail(ErrorCode::internal, "expected an error with '", words, "', got: ", r.error().message());
+      return {};
+    };
+    // Inside a step or an inference pass.
+    COSHARD_CO_TRY(co_await engine.begin_step(1, kLr));
+    COSHARD_CO_TRY(expect_error(co_await engine.save_checkpoint(dir / "ck"),
+                                "Engine::save_checkpoint: a step is open (finish_step or abandon_step first)"));
+    COSHARD_CO_TRY(expect_error(co_await engine.load_checkpoint(dir / "ck"), "Engine::load_checkpoint: a step is open"));
+    co_await engine.abandon_step();
+    COSHARD_CO_TRY(engine.begin_inference());
+    COSHARD_CO_TRY(expect_error(co_await engine.export_safetensors(dir / "m.safetensors"),
+                                "Engine::export_safetensors: an inference pass is open (end_inference first)"));
+    COSHARD_CO_TRY(co_await engine.end_inference());
+    if (fs::exists(dir / "ck") || fs::exists(dir / "m.safetensors"))
+      co_return fail(ErrorCode::internal, "a refused save or export wrote files");
+    COSHARD_CO_TRY(expect_error(co_await engine.save_checkpoint(dir / "ck", kKeepNegative), "keep=-1: expected >= 0"));
+
+    // A checkpoint of another run: every difference named, nothing loaded.
+    COSHARD_CO_TRY(co_await e.train(0, 1));
+    COSHARD_CO_TRY(co_await engine.save_checkpoint(dir / "ck", kSinesSeeded));
+    COSHARD_CO_TRY(co_await engine.finish_checkpoint());
+    COSHARD_CO_TRY_ASSIGN(auto before, co_await engine.gather_parameters());
+    COSHARD_CO_TRY(co_await e.train(1, 1));
+    COSHARD_CO_TRY_ASSIGN(auto trained, co_await engine.gather_parameters());
+    COSHARD_CO_TRY(expect_error(co_await engine.load_checkpoint(dir / "ck", kCosines),
+                                "a different run (data: saved sines, this run cosines; seed: saved 11, this run (not set))"));
+    COSHARD_CO_TRY_ASSIGN(auto after, co_await engine.gather_parameters());
+    if (engine.steps_done() != 2 || after[0].bytes != trained[0].bytes)
+      co_return fail(ErrorCode::internal, "a refused load changed the engine");
+    COSHARD_CO_TRY(expect_error(co_await engine.load_checkpoint(dir / "nowhere"),
+                                "neither a manifest.json nor a 'latest' file there"));
+    // The right run loads: back to step 1's values.
+    COSHARD_CO_TRY(co_await engine.load_checkpoint(dir / "ck", kSinesSeeded));
+    COSHARD_CO_TRY_ASSIGN(auto reloaded, co_await engine.gather_parameters());
+    if (engine.steps_done() != 1 || reloaded[0].bytes != before[0].bytes)
+      co_return fail(ErrorCode::internal, "the load did not restore step 1");
+    co_return Result<void>{};
+  });
+  EXPECT_TRUE(out) << out.error().message();
+}
+
+// A file only one rank can read: every rank refuses, none waits for the other, nothing changes.
+TEST(EngineCheckpoint, AWeightsFileOneRankCannotReadIsRefusedOnEveryRank) {
+  const fs::path dir = scratch("one_rank");
+  std::vector<std::string> errors(2);
+  auto out = on_ranks(2, [&](int r, collectives::Communicator& comm) -> async::Task<Result<void>> {
+    COSHARD_CO_TRY_ASSIGN(auto e, RankEngine::make(comm, {2, 2}, dir / "swap"));
+    COSHARD_CO_TRY(co_await e.engine->initialize(kSeed));
+    COSHARD_CO_TRY(co_await e.engine->export_safetensors(dir / "model.safetensors"));
+    COSHARD_CO_TRY_ASSIGN(auto before, co_await e.engine->gather_parameters());
+    const fs::path file = dir / (r == 0 ? "model.safetensors" : "missing.safetensors");  // named: GCC 12 destroys temporaries in co_await twice
+    auto loaded = co_await e.engine->load_safetensors(file);
+    if (loaded) co_return fail(ErrorCode::internal, "rank ", r, " loaded a file another rank could not read");
+    errors[static_cast<std::size_t>(r)] = loaded.error().message();
+    COSHARD_CO_TRY_ASSIGN(auto after, co_await e.engine->gather_parameters());
+    if (after[0].bytes != before[0].bytes) co_return fail(ErrorCode::internal, "rank ", r, " changed its parameters");
+    co_return Result<void>{};
+  });
+  ASSERT_TRUE(out) << out.error().message();
+  EXPECT_NE(errors[0].find("rank 1 refused it"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[1].find("missing.safetensors"), std::string::npos) << errors[1];
+}
+
+}  // namespace
+}  // namespace coshard::zero

@@ -1,0 +1,80 @@
+// Sharded checkpoints of a ZeRO engine (Engine::save_checkpoint, load_checkpoint): what they
+// hold on disk, the options a save and a load take, and the manifest that describes one.
+//
+// On disk, under the checkpoint folder DIR:
+//   DIR/step-00000042/manifest.json            format, step, world size, stage, dtype, optimizer,
+//                                              units (names, parameters, numel), files (bytes, CRC-32),
+//                                              the optimizer's step state, the run's identity
+//   DIR/step-00000042/rank-00001.safetensors   rank 1's blocks: u<i>.param (dtype), u<i>.master (f32,
+//                                              when kept apart), u<i>.state1, u<i>.state2 (f32)
+//   DIR/latest                                 "step-00000042"
+// Rank i's file holds elements [i * shard, (i + 1) * shard) of each padded unit, so a load at
+// another world size reads, for each unit, the elements of its new block from whichever old files
+// hold them.
+//
+// A save stages this rank's blocks in a pinned buffer (the host awaits the copies' events; it
+// never blocks) and writes its file behind training into DIR/step-N.partial/. Publishing (the
+// next finish_checkpoint, save_checkpoint or load_checkpoint, or the begin_step of the second
+// step after the save, whichever comes first) waits for every rank's file; rank 0 writes the
+// manifest, renames the folder into place and then replaces `latest`. A crash at any point leaves
+// the previous checkpoint whole and `latest` pointing at it.
+//
+// Outside input: the manifest parser trusts nothing, and every field's type and range is checked
+// before use; a load checks every rank's part (sizes, CRC-32, identity, units) before anything
+// changes on any rank.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "coshard/async/result.hpp"
+
+namespace coshard::zero {
+
+struct CheckpointOptions {
+  // What defines the run, by name (the data, the seed, the model's shape when the parameters do
+  // not show it, ...): a save records it; a load compares it key by key with the checkpoint's and
+  // names every difference. A checkpoint saved without one is not compared.
+  std::map<std::string, std::string> run;
+  // Published checkpoints kept in DIR (save): after each publish the oldest beyond this many go,
+  // never the one `latest` names. 0: all are kept.
+  int keep = 0;
+};
+
+struct CheckpointManifest {
+  static constexpr std::string_view kFormat = "coshard-checkpoint";
+  static constexpr int kVersion = 1;
+
+  std::int64_t step = 0;
+  int world = 0;
+  int zero_stage = 0;
+  std::string dtype, optimizer;
+  std::vector<std::byte> optimizer_state;  // 32 bytes: the optimizer's device step state
+  struct Unit {
+    std::string name;
+    std::vector<std::string> parameters;
+    std::int64_t numel = 0, shard = 0;  // rank i's file holds elements [i * shard, (i + 1) * shard)
+  };
+  std::vector<Unit> units;
+  struct File {
+    std::string name;  // rank-00000.safetensors, ...
+    std::uint64_t bytes = 0;
+    std::uint32_t crc32 = 0;
+  };
+  std::vector<File> files;  // one per rank, in rank order
+  // CheckpointOptions::run of the save. Absent in older manifests.
+  std::map<std::string, std::string> run;
+};
+
+// "rank-00003.safetensors"
+std::string checkpoint_rank_file(int rank);
+// "step-" and up to 18 digits: the name of a published checkpoint folder, the only names
+// `latest` may point at.
+bool is_checkpoint_folder_name(std::string_view name) noexcept;
+// Parses and checks a manifest's text; `source` names it in errors.
+Result<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, std::string_view source);
+
+}  // namespace coshard::zero

@@ -1,0 +1,322 @@
+// Saving a sharded checkpoint (checkpoint.hpp has the layout and the protocol): this rank's
+// blocks staged into one pinned, page-aligned safetensors image by copies on the compute stream
+// as the optimizer placement visits each unit (with nvme offload, as the swapper reads it in);
+// the file written behind training through the offload store (io_uring) into DIR/step-N.partial;
+// then, at the publish, every rank's outcome exchanged, and rank 0 alone writing the manifest and
+// renaming the folder and `latest` into place. Nothing is published unless every rank's file is.
+#include <fcntl.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+
+#include "coshard/async/files.hpp"
+#include "engine_state.hpp"
+
+namespace coshard::zero {
+
+using namespace modules;
+using namespace detail;
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace detail {
+
+std::string checkpoint_folder_name(std::int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step-%08lld", static_cast<long long>(step));
+  return buf;
+}
+
+// Appended, not `"u" + ...`: GCC 12 warns falsely about overlapping memcpy for that.
+std::string block_tensor_name(std::size_t unit, std::string_view kind) {
+  std::string name = "u";
+  name += std::to_string(unit);
+  name += '.';
+  name += kind;
+  return name;
+}
+
+std::vector<BlockKind> block_kinds(ShardLayout kept) {
+  std::vector<BlockKind> kinds{BlockKind::param};
+  if (kept.master) kinds.push_back(BlockKind::master);
+  if (kept.states >= 1) kinds.push_back(BlockKind::state1);
+  if (kept.states >= 2) kinds.push_back(BlockKind::state2);
+  return kinds;
+}
+
+std::string_view name_of(BlockKind k) noexcept {
+  static constexpr std::string_view names[] = {"param", "master", "state1", "state2"};
+  return names[static_cast<int>(k)];
+}
+
+const Tensor& tensor_of(const UnitShard& sh, BlockKind k) noexcept {
+  switch (k) {
+    case BlockKind::param: return sh.params;
+    case BlockKind::master: return sh.master;
+    case BlockKind::state1: return sh.state1;
+    case BlockKind::state2: return sh.state2;
+  }
+  return sh.params;
+}
+
+Result<SafeDType> safe_dtype(DataType t) {
+  if (auto safe = safe_dtype_of(t)) return *safe;
+  return fail(ErrorCode::unsupported, "checkpoint: dtype ", to_string(t), " has no safetensors name");
+}
+
+}  // namespace detail
+
+namespace {
+
+std::size_t round_up_to_pages(std::size_t bytes) {
+  constexpr std::size_t a = offload::NvmeStore::kAlignment;
+  return (bytes + a - 1) / a * a;
+}
+
+// One rank's staged file, behind training: CRC-32 of the bytes, the write to a temporary name,
+// seal (exact size, fsync, close), rename into place.
+async::Task<Result<ShardFile>> write_rank_file(std::shared_ptr<offload::NvmeStore> store, std::string folder,
+                                               int rank, async::PinnedBuffer staged, std::size_t bytes) {
+  async::Runtime* rt = async::Runtime::current();
+  const std::span<const std::byte> content(staged.data(), bytes);
+  auto checksum = [content] { return async::crc32_of(content); };
+  COSHARD_CO_TRY_ASSIGN(const std::uint32_t crc, co_await rt->spawn_blocking(std::move(checksum)));
+  const std::string name = checkpoint_rank_file(rank);
+  const std::string tmp = folder + "/" + name + ".tmp";
+  // The file rounded up to whole pages goes straight to the disk; seal cuts the padding. (The
+  // buffer may be larger: it is kept from save to save.)
+  COSHARD_CO_TRY(co_await store->write(tmp, 0, staged.bytes().first(round_up_to_pages(bytes))));
+  COSHARD_CO_TRY(co_await store->seal(tmp, bytes));
+  const fs::path dir = store->options().directory / folder;
+  auto rename = [dir, name]() -> Result<void> {
+    std::error_code ec;
+    fs::rename(dir / (name + ".tmp"), dir / name, ec);
+    if (ec) return fail(ErrorCode::io, "checkpoint: renaming ", (dir / name).string(), ".tmp into place: ", ec.message());
+    return async::fsync_path(dir, O_RDONLY | O_DIRECTORY);
+  };
+  COSHARD_CO_TRY(co_await rt->spawn_blocking(std::move(rename)));
+  co_return ShardFile{name, bytes, crc, std::move(staged)};
+}
+
+std::string hex(std::span<const std::byte> bytes) {
+  static constexpr char digits[] = "0123456789abcdef";
+  std::string out;
+  for (auto b : bytes) {
+    out.push_back(digits[static_cast<unsigned>(b) >> 4]);
+    out.push_back(digits[static_cast<unsigned>(b) & 15]);
+  }
+  return out;
+}
+
+// After a publish: the published checkpoints beyond the `keep` newest go, oldest first; never
+// `latest` (the newest by step, as names sort). Best effort: a folder that cannot be removed
+// stays and is tried again at the next publish.
+void remove_oldest_checkpoints(const fs::path& dir, const std::string& latest, std::size_t keep) {
+  std::vector<std::pair<std::int64_t, fs::path>> published;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string n = entry.path().filename().string();
+    if (is_checkpoint_folder_name(n) && entry.is_directory(ec)) published.emplace_back(std::stoll(n.substr(5)), entry.path());
+  }
+  std::sort(published.begin(), published.end());
+  for (std::size_t i = 0; i + keep < published.size(); ++i)
+    if (published[i].second.filename() != latest) fs::remove_all(published[i].second, ec);
+}
+
+// Rank 0's half of a publish, on the blocking pool: the manifest into the partial folder, the
+// folder renamed into place (an older one of the same step moved aside first), `latest`
+// replaced, the oldest beyond `keep` removed.
+Result<void> publish_files(const fs::path& dir, const std::string& name, const std::string& manifest, int keep) {
+  const fs::path partial = dir / (name + ".partial"), final_dir = dir / name;
+  COSHARD_TRY(async::write_file_atomic(partial / "manifest.json", manifest));
+  std::error_code ec;
+  if (fs::exists(final_dir, ec)) {  // a checkpoint of this step already (a resumed run saving again)
+    const fs::path old = dir / (name + ".replaced");
+    fs::remove_all(old, ec);
+    fs::rename(final_dir, old, ec);
+    if (ec) return fail(ErrorCode::io, "moving the older ", final_dir.string(), " aside: ", ec.message());
+  }
+  fs::rename(partial, final_dir, ec);
+  if (ec) return fail(ErrorCode::io, "publishing ", partial.string(), " as ", final_dir.string(), ": ", ec.message());
+  COSHARD_TRY(async::fsync_path(dir, O_RDONLY | O_DIRECTORY));
+  COSHARD_TRY(async::write_file_atomic(dir / "latest", name + "\n"));
+  fs::remove_all(dir / (name + ".replaced"), ec);
+  if (keep > 0) remove_oldest_checkpoints(dir, name, static_cast<std::size_t>(keep));
+  return {};
+}
+
+}  // namespace
+
+async::Task<Result<std::vector<std::int64_t>>> Engine::State::all_ranks(std::vector<std::int64_t> mine) {
+  const auto n = static_cast<std::int64_t>(mine.size());
+  std::span<const std::byte> bytes = std::as_bytes(std::span<const std::int64_t>(mine));
+  // As i32 pairs: the collectives' integer type.
+  COSHARD_CO_TRY_ASSIGN(Tensor src, ctx->upload(bytes, Shape{2 * n}, DataType::i32));
+  COSHARD_CO_TRY_ASSIGN(Tensor all, ctx->empty(Shape{2 * n * world}, DataType::i32));
+  auto& compute = ctx->stream();
+  COSHARD_CO_TRY(order(compute, comm->stream()));
+  auto done = comm->all_gather(src.data(), all.data(), static_cast<std::size_t>(2 * n), DataType::i32);
+  if (!done) co_return fail(std::move(done).error().with_context("exchanging checkpoint status between ranks"));
+  COSHARD_CO_TRY(compute.wait(*done));
+  COSHARD_CO_TRY_ASSIGN(auto out_bytes, co_await ctx->read_bytes(all));
+  std::vector<std::int64_t> out(static_cast<std::size_t>(n * world));
+  std::memcpy(out.data(), out_bytes.data(), out.size() * sizeof(std::int64_t));
+  co_return out;
+}
+
+async::Task<Result<void>> Engine::State::every_rank_can_load(bool ok, std::string what) {
+  std::vector<std::int64_t> outcome{ok ? 1 : 0};  // named: GCC 12 mishandles braced temporaries in co_await
+  COSHARD_CO_TRY_ASSIGN(auto oks, co_await all_ranks(std::move(outcome)));
+  for (int r = 0; r < world; ++r)
+    if (oks[static_cast<std::size_t>(r)] != 1)
+      co_return fail(ErrorCode::invalid_argument, what, ": rank ", r, " refused it (its error says why); nothing was loaded");
+  co_return Result<void>{};
+}
+
+async::Task<Result<void>> Engine::save_checkpoint(const fs::path& dir, CheckpointOptions options) {
+  State& s = *s_;
+  COSHARD_CO_TRY(s.outside_loop("save_checkpoint"));
+  if (options.keep < 0)
+    co_return fail(ErrorCode::invalid_argument, "save_checkpoint: keep=", options.keep,
+                   ": expected >= 0 (0 keeps every checkpoint)");
+  COSHARD_CO_TRY(co_await finish_checkpoint());
+  async::Runtime* rt = async::Runtime::current();
+  if (!rt) co_return fail(ErrorCode::invalid_argument, "save_checkpoint: must be awaited on a coshard Runtime");
+  COSHARD_CO_TRY_ASSIGN(const SafeDType param_dtype, safe_dtype(s.o.dtype));
+
+  // This rank's file: a safetensors image of its blocks (params in the compute dtype, the rest f32).
+  const auto kinds = block_kinds(shard_layout());
+  const auto units_info = units();
+  std::vector<SafeTensorLayout> layout;
+  json unit_records = json::array();
+  for (std::size_t i = 0; i < units_info.size(); ++i) {
+    const auto& info = units_info[i];
+    const auto n = static_cast<std::size_t>(info.shard);
+    for (const BlockKind k : kinds) {
+      const bool param = k == BlockKind::param;
+      layout.push_back({block_tensor_name(i, name_of(k)), param ? param_dtype : SafeDType::f32, {info.shard},
+                        n * (param ? s.element_size : sizeof(float))});
+    }
+    unit_records.push_back({{"name", info.name}, {"parameters", info.parameters}, {"numel", info.numel},
+                     {"padded", info.padded}, {"shard", info.shard}});
+  }
+  const std::string file_name = checkpoint_rank_file(s.rank);
+  const std::map<std::string, std::string> file_metadata{{"format", std::string(CheckpointManifest::kFormat)},
+                                                         {"rank", std::to_string(s.rank)}};
+  COSHARD_CO_TRY_ASSIGN(auto prefix, safetensors_prefix(layout, file_metadata, file_name));
+  std::size_t total = prefix.size();
+  for (const auto& p : layout) total += p.bytes;
+  const std::size_t padded = round_up_to_pages(total);
+  // The last save's buffer when it is large enough (its write has finished: finish_checkpoint).
+  async::PinnedBuffer staged = std::move(s.checkpoint.staging);
+  if (staged.size() < padded) {
+    staged.reset();
+    COSHARD_CO_TRY_ASSIGN(staged, async::PinnedBuffer::allocate(padded));
+  }
+  std::memcpy(staged.data(), prefix.data(), prefix.size());
+  std::memset(staged.data() + total, 0, padded - total);
+  auto& compute = s.ctx->stream();
+  std::size_t at = prefix.size();
+  auto stage_unit = [&](const UnitShard& sh) -> async::Task<Result<void>> {
+    for (const BlockKind k : kinds) {
+      const Tensor& source = tensor_of(sh, k);
+      COSHARD_CO_TRY(compute.copy(staged.data() + at, source.data(), source.bytes()));
+      at += source.bytes();
+    }
+    COSHARD_CO_TRY_ASSIGN(auto copied, compute.record());
+    co_return co_await copied;
+  };
+  COSHARD_CO_TRY(co_await visit_shards(stage_unit, false));
+  if (at != total)
+    co_return fail(ErrorCode::internal, "checkpoint: staged ", at, " bytes of a ", total, "-byte layout");
+
+  PendingSave pending;
+  pending.dir = dir;
+  pending.name = checkpoint_folder_name(s.steps_done);
+  pending.keep = options.keep;
+  if (s.rank == 0) {
+    COSHARD_CO_TRY_ASSIGN(auto state, co_await s.ctx->read_bytes(s.optimizer->step_state()));
+    json m;
+    m["format"] = CheckpointManifest::kFormat;
+    m["version"] = CheckpointManifest::kVersion;
+    m["step"] = s.steps_done;
+    m["world_size"] = s.world;
+    m["zero_stage"] = s.o.zero_stage;
+    m["dtype"] = std::string(to_string(s.o.dtype));
+    m["optimizer"] = std::string(s.optimizer->name());
+    m["optimizer_state"] = hex(state);
+    m["run"] = std::move(options.run);
+    m["units"] = std::move(unit_records);
+    pending.manifest = m.dump(1);
+  }
+  // The file is written behind training (io_uring on this runtime); the staged buffer moves there.
+  auto& c = s.checkpoint;
+  if (!c.store || c.store_dir != dir) {
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (ec) co_return fail(ErrorCode::io, "checkpoint folder ", dir.string(), ": ", ec.message());
+    offload::NvmeStoreOptions store_options;
+    store_options.directory = dir;
+    store_options.direct = offload::NvmeStore::supports_direct_io(dir);
+    COSHARD_CO_TRY_ASSIGN(auto store, offload::NvmeStore::open(store_options));
+    c.store = std::move(store);
+    c.store_dir = dir;
+  }
+  pending.write = rt->spawn(write_rank_file(c.store, pending.name + ".partial", s.rank, std::move(staged), total));
+  c.pending = std::move(pending);
+  co_return Result<void>{};
+}
+
+async::Task<Result<void>> Engine::finish_checkpoint() {
+  COSHARD_CO_TRY(s_->outside_loop("finish_checkpoint"));
+  if (!s_->checkpoint.pending) co_return Result<void>{};
+  co_return co_await s_->publish_checkpoint();
+}
+
+async::Task<Result<void>> Engine::State::publish_checkpoint() {
+  PendingSave p = std::move(*checkpoint.pending);
+  checkpoint.pending.reset();
+  auto written = co_await p.write;
+  if (written) checkpoint.staging = std::move(written->staging);
+  // Every rank learns every rank's outcome: [ok, bytes, crc].
+  std::vector<std::int64_t> mine{written ? 1 : 0, written ? static_cast<std::int64_t>(written->bytes) : 0,
+                                 written ? static_cast<std::int64_t>(written->crc32) : 0};
+  COSHARD_CO_TRY_ASSIGN(auto all, co_await all_ranks(std::move(mine)));
+  if (!written) co_return fail(std::move(written).error().with_context("checkpoint " + p.name));
+  for (int r = 0; r < world; ++r)
+    if (all[static_cast<std::size_t>(3 * r)] != 1)
+      co_return fail(ErrorCode::io, "checkpoint ", p.name, ": rank ", r,
+                     " could not write its shard file; the checkpoint is not published");
+
+  std::int64_t published = 1;
+  std::string error;
+  if (rank == 0) {
+    auto manifest = json::parse(p.manifest);
+    json files = json::array();
+    for (int r = 0; r < world; ++r)
+      files.push_back({{"rank", r}, {"name", checkpoint_rank_file(r)}, {"bytes", all[static_cast<std::size_t>(3 * r + 1)]},
+                       {"crc32", all[static_cast<std::size_t>(3 * r + 2)]}});
+    manifest["files"] = std::move(files);
+    // Named, not a temporary in the co_await (GCC 12 destroys such temporaries twice).
+    auto publish = [dir = p.dir, name = p.name, text = manifest.dump(1), keep = p.keep]() {
+      return publish_files(dir, name, text, keep);
+    };
+    auto done = co_await async::Runtime::current()->spawn_blocking(std::move(publish));
+    if (!done) {
+      published = 0;
+      error = done.error().message();
+    }
+  }
+  // Everyone returns once rank 0 has published (or failed to).
+  std::vector<std::int64_t> outcome{published};  // named: GCC 12 mishandles braced temporaries in co_await
+  COSHARD_CO_TRY_ASSIGN(auto status, co_await all_ranks(std::move(outcome)));
+  if (status[0] != 1)
+    co_return fail(ErrorCode::io, "checkpoint ", p.name, ": rank 0 could not publish it",
+                   error.empty() ? std::string() : ": " + error);
+  co_return Result<void>{};
+}
+
+}  // namespace coshard::zero
