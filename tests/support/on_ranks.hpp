@@ -16,8 +16,9 @@ namespace coshard::testing {
 using RankBody = std::function<async::Task<Result<void>>(int rank, collectives::Communicator& comm)>;
 
 // `body(rank, comm)` on every rank; the errors, each prefixed with its rank (empty: all passed).
-inline std::vector<std::string> on_ranks(int world, const RankBody& body) {
-  auto comms = collectives::make_local_communicators(world);
+// `device`: where the Local backend's collectives run (CUDA: ranks sharing one GPU).
+inline std::vector<std::string> on_ranks(int world, const RankBody& body, async::Device device = async::Device::cpu()) {
+  auto comms = collectives::make_local_communicators(world, {.device = device});
   if (!comms) return {comms.error().message()};
   std::mutex mutex;
   std::vector<std::string> errors;

@@ -1,5 +1,6 @@
 // A small regression model for tests of any model and loss: an MLP with a module of the tests'
-// own (ScaleShift) between two Linear layers, float features in and float targets out, and a
+// own between two Linear layers (ScaleShift, CPU only; or, for any device, GatedLinear, written
+// with the public ops), float features in and float targets out, and a
 // deterministic global batch per step (features in [-1, 1], targets a smooth function of them).
 #pragma once
 
@@ -9,16 +10,22 @@
 #include <vector>
 
 #include "coshard/modules/layers.hpp"
+#include "gated_linear.hpp"
 #include "scale_shift.hpp"
 
 namespace coshard::testing {
 
 constexpr std::int64_t kMlpRows = 12, kMlpFeatures = 6, kMlpHidden = 32, kMlpOutputs = 2;
 
-inline Result<std::unique_ptr<modules::Sequential>> make_regression_mlp() {
+enum class OwnModule { scale_shift, gated_linear };
+
+inline Result<std::unique_ptr<modules::Sequential>> make_regression_mlp(OwnModule own = OwnModule::scale_shift) {
   auto mlp = std::make_unique<modules::Sequential>();
   mlp->add("fc1", std::make_unique<modules::Linear>(kMlpFeatures, kMlpHidden, true, modules::Init::normal(0.3)));
-  mlp->add("affine", std::make_unique<ScaleShift<float>>(kMlpHidden));
+  if (own == OwnModule::scale_shift)
+    mlp->add("affine", std::make_unique<ScaleShift<float>>(kMlpHidden));
+  else
+    mlp->add("gate", std::make_unique<GatedLinear>(kMlpHidden));
   mlp->add("act", std::make_unique<modules::Gelu>());
   mlp->add("fc2", std::make_unique<modules::Linear>(kMlpHidden, kMlpOutputs, true, modules::Init::normal(0.3)));
   return mlp;

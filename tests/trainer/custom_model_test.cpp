@@ -10,6 +10,7 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <tuple>
 
 #include "coshard/async/runtime.hpp"
 #include "coshard/collectives/local.hpp"
@@ -29,7 +30,11 @@ using ::coshard::testing::kMlpRows;
 constexpr std::int64_t kRows = kMlpRows;
 constexpr int kSteps = 8;
 
-Result<std::unique_ptr<modules::Sequential>> make_mlp() { return ::coshard::testing::make_regression_mlp(); }
+using ::coshard::testing::OwnModule;
+// On the CPU the model's own module is ScaleShift; on CUDA GatedLinear (the public ops).
+Result<std::unique_ptr<modules::Sequential>> make_mlp(async::Device device = async::Device::cpu()) {
+  return ::coshard::testing::make_regression_mlp(device.is_cpu() ? OwnModule::scale_shift : OwnModule::gated_linear);
+}
 Result<modules::Batch> rows_of(modules::Context& ctx, int step, std::int64_t first, std::int64_t count) {
   return ::coshard::testing::regression_rows(ctx, step, first, count);
 }
@@ -43,13 +48,13 @@ TrainerConfig base_config() {
 }
 
 // The unsharded model on the whole batch: ParameterStore, one optimizer group.
-std::vector<double> reference_losses(const TrainerConfig& c) {
+std::vector<double> reference_losses(const TrainerConfig& c, async::Device device = async::Device::cpu()) {
   async::Runtime rt;
-  auto stream = async::Stream::create(async::Device::cpu());
-  auto allocator = async::CachingAllocator::create(async::Device::cpu());
+  auto stream = async::Stream::create(device);
+  auto allocator = async::CachingAllocator::create(device);
   auto ctx = modules::Context::create(*stream, **allocator);
   auto out = rt.block_on([&]() -> async::Task<Result<std::vector<double>>> {
-    COSHARD_CO_TRY_ASSIGN(auto model, make_mlp());
+    COSHARD_CO_TRY_ASSIGN(auto model, make_mlp(device));
     COSHARD_CO_TRY_ASSIGN(auto store, modules::ParameterStore::create(*ctx, *model, DataType::f32));
     COSHARD_CO_TRY(co_await store.initialize(*ctx, c.seed));
     modules::AdamWOptions a;
@@ -75,8 +80,8 @@ std::vector<double> reference_losses(const TrainerConfig& c) {
 }
 
 // `body(rank, comm)` on `world` Local ranks (tests/support/on_ranks.hpp); the first error.
-Result<void> on_ranks(int world, const ::coshard::testing::RankBody& body) {
-  const auto errors = ::coshard::testing::on_ranks(world, body);
+Result<void> on_ranks(int world, const ::coshard::testing::RankBody& body, async::Device device = async::Device::cpu()) {
+  const auto errors = ::coshard::testing::on_ranks(world, body, device);
   if (!errors.empty()) return fail(ErrorCode::internal, errors.front());
   return {};
 }
@@ -105,13 +110,14 @@ Result<std::vector<double>> trainer_losses(const TrainerConfig& c, int world) {
 
 // The same with a loop of the test's own over the engine (no Trainer): begin_step, the model's
 // forward, the loss, backward through the context, add_loss, finish_step.
-Result<std::vector<double>> user_loop_losses(const TrainerConfig& c, int world) {
+Result<std::vector<double>> user_loop_losses(const TrainerConfig& c, int world,
+                                             async::Device device = async::Device::cpu()) {
   std::vector<double> losses;
   COSHARD_TRY(on_ranks(world, [&](int r, collectives::Communicator& comm) -> async::Task<Result<void>> {
-    COSHARD_CO_TRY_ASSIGN(auto stream, async::Stream::create(async::Device::cpu()));
-    COSHARD_CO_TRY_ASSIGN(auto allocator, async::CachingAllocator::create(async::Device::cpu()));
+    COSHARD_CO_TRY_ASSIGN(auto stream, async::Stream::create(device));
+    COSHARD_CO_TRY_ASSIGN(auto allocator, async::CachingAllocator::create(device));
     COSHARD_CO_TRY_ASSIGN(auto ctx, modules::Context::create(stream, *allocator));
-    COSHARD_CO_TRY_ASSIGN(auto model, make_mlp());
+    COSHARD_CO_TRY_ASSIGN(auto model, make_mlp(device));
     modules::AdamWOptions a;
     a.weight_decay = c.weight_decay.value_or(a.weight_decay);
     COSHARD_CO_TRY_ASSIGN(auto optimizer, modules::Optimizer::adamw(a, c.step_control()));
@@ -139,6 +145,35 @@ Result<std::vector<double>> user_loop_losses(const TrainerConfig& c, int world) 
     co_return Result<void>{};
   }));
   return losses;
+}
+
+// The same loop on the GPU (ranks as threads sharing it, the Local backend on device memory),
+// with GatedLinear as the model's own module: its losses are the unsharded model's on the GPU.
+TEST(RegressionMlpOnCuda, UserLoopLossesAreTheUnshardedModels) {
+  if (!async::cuda_compiled() || async::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const async::Device gpu = async::Device::cuda(0);
+  TrainerConfig c = base_config();
+  c.max_live_bytes = 8 << 10;  // stage 3: fewer units at once than the model has (GatedLinear's is 4 KiB)
+  const auto reference = reference_losses(c, gpu);
+  ASSERT_EQ(reference.size(), static_cast<std::size_t>(kSteps));
+  EXPECT_LT(reference.back(), 0.7 * reference.front()) << "the reference learns";
+  const auto swap = std::filesystem::current_path() / "custom_model_scratch" / "cuda";
+  for (const auto& [stage, world, offload] : {std::tuple{3, 1, OffloadDevice::none}, std::tuple{3, 2, OffloadDevice::none},
+                                              std::tuple{2, 2, OffloadDevice::none}, std::tuple{3, 2, OffloadDevice::cpu},
+                                              std::tuple{1, 4, OffloadDevice::nvme}}) {
+    SCOPED_TRACE("stage " + std::to_string(stage) + ", world " + std::to_string(world) + ", optimizer offload " +
+                 std::to_string(static_cast<int>(offload)));
+    std::filesystem::remove_all(swap);
+    c.zero_stage = stage;
+    c.offload_optimizer.device = offload;
+    c.offload_optimizer.nvme_path = swap;
+    auto losses = user_loop_losses(c, world, gpu);
+    ASSERT_TRUE(losses) << losses.error().message();
+    ASSERT_EQ(losses->size(), reference.size());
+    for (std::size_t i = 0; i < reference.size(); ++i)
+      EXPECT_NEAR((*losses)[i], reference[i], 1e-6 * std::abs(reference[i])) << "step " << i;
+  }
+  std::filesystem::remove_all(swap);
 }
 
 struct Case {
