@@ -143,7 +143,7 @@ Result<std::vector<double>> user_loop_losses(const TrainerConfig& c, int world,
     engine.reset();
     COSHARD_CO_TRY(stream.synchronize());
     co_return Result<void>{};
-  }));
+  }, device));
   return losses;
 }
 

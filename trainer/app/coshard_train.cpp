@@ -17,6 +17,7 @@
 #include <limits>
 #include <cstdio>
 #include <cstdlib>
+#include <system_error>
 #include <fstream>
 #include <mutex>
 #include <thread>
@@ -179,6 +180,15 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
   co_return Result<void>{};
 }
 
+// What a thread that could not start (EAGAIN) means here: most often the memory for its stack,
+// under a limit on the address space, or the limit on a user's threads.
+std::string thread_failure_hint(const std::exception& e) {
+  const auto* error = dynamic_cast<const std::system_error*>(&e);
+  if (error == nullptr || error->code() != std::errc::resource_unavailable_try_again) return "";
+  return " (a thread could not start: out of host memory for its stack, or at the limit on threads; "
+         "fewer --blas-threads start fewer)";
+}
+
 int run(const Options& o) {
   std::unique_ptr<trainer::TokenSource> data;
   if (o.data.empty()) {
@@ -249,11 +259,11 @@ int run(const Options& o) {
             auto done = rt.block_on(run_rank(o, *(*comms)[static_cast<std::size_t>(r)], *data, shared, true));
             if (!done) rank_failed(r, done.error().message());
           } catch (const std::exception& e) {  // the runtime's own thread could not start, say
-            rank_failed(r, std::string("cannot run: ") + e.what());
+            rank_failed(r, std::string("cannot run: ") + e.what() + thread_failure_hint(e));
           }
         });
       } catch (const std::exception& e) {
-        rank_failed(r, std::string("cannot start its thread: ") + e.what());
+        rank_failed(r, std::string("cannot start its thread: ") + e.what() + thread_failure_hint(e));
       }
     }
     for (auto& t : threads) t.join();
@@ -361,5 +371,13 @@ int main(int argc, char** argv) {
     sigaction(sig, nullptr, &before);
     if (before.sa_handler != SIG_IGN) sigaction(sig, &action, nullptr);  // ignored on purpose (nohup): stays so
   }
-  return run(o);
+  const int code = run(o);
+  if (code != 0) {
+    // OpenBLAS's exit handler joins its worker threads, and a worker that could not get its
+    // buffer (the machine out of memory) retries forever: the failed run would never end. All of
+    // ours is destroyed by now; end without the libraries' exit handlers.
+    std::fflush(nullptr);
+    std::_Exit(code);
+  }
+  return 0;
 }
