@@ -1,18 +1,31 @@
 #!/usr/bin/env bash
 # On a lent GPU machine (after scripts/device_bundle.sh here): the whole test suite with the
 # device present, the CUDA trainer, and the GPU benchmarks. Logs go to $OUT (or ./device-out).
-#   scripts/device_check.sh [tests|train|bench]...   (default: all three)
+# compare: coshard against PyTorch FSDP2 on the same GPU (bench/gpu_vs_fsdp.py; $COMPARE_PRESETS,
+# default gpt2-124m gpt2-1.5b; $COMPARE_FLAGS passed on, $COMPARE_NAME in the files' names;
+# COMPARE_TRACE=0 skips the traced run). Everything it writes is packed into $OUT/device-check.tar.gz at the
+# end (the device tool brings back few files), with summary.txt beside it.
+#   scripts/device_check.sh [tests|train|bench|compare]...   (default: tests train bench)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/device-out}
-mkdir -p "$out"
+mkdir -p "$out/logs"
+final=$out
+out=$out/logs
 source scripts/device_env.sh
+pack() { tar -C "$final" -czf "$final/device-check.tar.gz" logs && rm -rf "$final/logs"; }
+trap pack EXIT
+trap "exit 143" TERM INT
+exec > >(tee "$final/summary.txt") 2>&1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$out/gpu.txt"
 steps=${*:-tests train bench}
 for step in $steps; do
   case $step in
     tests)
-      (cd build/test && ctest -j12 --timeout 240 --output-on-failure >"$out/ctest.log" 2>&1; echo "ctest rc $?")
+      # install.consumer builds an outside project against the installed package: it needs the
+      # build machine's -dev packages, and CI runs it; everything else runs here.
+      (cd build/test && ctest -j12 --timeout 240 --output-on-failure -LE install ${CTEST_FLAGS:-} >"$out/ctest.log" 2>&1
+       echo "ctest rc $?")
       grep -E "tests passed|Failed|\*\*\*|Not Run" "$out/ctest.log" | head -40
       build/test/tests/modules/modules_cuda_test >"$out/cuda_test.log" 2>&1; echo "modules_cuda_test rc $?" ;;
     train)
@@ -48,5 +61,17 @@ for step in $steps; do
           --benchmark_out="$out/bench_$which.json" --benchmark_out_format=json >"$out/bench_$which.log" 2>&1
         echo "$which bench rc $?"; python3 bench/report.py "$out/bench_$which.json"
       done ;;
+    compare)
+      for preset in ${COMPARE_PRESETS:-gpt2-124m gpt2-1.5b}; do
+        name=$preset${COMPARE_NAME:+_$COMPARE_NAME}
+        timeout 420 python3 bench/gpu_vs_fsdp.py --preset "$preset" --coshard build/release/trainer/coshard-train \
+          --workdir "$out" --out "$out/compare_$name.json" ${COMPARE_FLAGS:-} >"$out/compare_$name.log" 2>&1
+        echo "compare $name rc $?"; cat "$out/compare_$name.log"
+      done
+      # One traced run of the smaller GPT (its steps on a device timeline, for the overlap).
+      [ "${COMPARE_TRACE:-1}" = 1 ] && timeout 120 build/release/trainer/coshard-train --device cuda --world-size 1 --dtype bf16 --layers 12 \
+        --dim 768 --heads 12 --vocab 50257 --seq 1024 --batch 8 --steps 4 --quiet \
+        --trace "$out/trace_gpt2-124m.json" >"$out/trace.log" 2>&1
+      echo "traced run rc $?" ;;
   esac
 done

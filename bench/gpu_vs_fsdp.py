@@ -1,0 +1,242 @@
+#!/usr/bin/env python3
+"""coshard against PyTorch FSDP2 on the same GPU, the same model and the same batch, in one run.
+
+The model is coshard's GPT (modules/src/gpt.cpp): learned token and position embeddings, pre-LN
+blocks (LayerNorm, qkv Linear with bias, causal attention, projection; LayerNorm, fc 4x, GELU
+with GPT-2's tanh approximation, projection), a final LayerNorm and an untied head with bias.
+Both sides train it with bf16 compute over fp32 master weights and AdamW, at world size 1.
+
+  python3 bench/gpu_vs_fsdp.py --preset gpt2-1.5b --coshard build/release/trainer/coshard-train \
+      --out results.json [--compile] [--steps 20]
+
+Reports tokens/s, MFU (6*N*tokens plus attention's 12*L*T*D per token [PaLM's count], against
+989 TFLOP/s bf16 dense: H100 SXM and H200 alike) and peak device memory for each side, and the
+ratio coshard / PyTorch. --cpu runs both at toy size on the CPU (the harness itself, in CI).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+PRESETS = {
+    # name: layers, dim, heads, vocab, seq, batch (sequences per step)
+    # coshard's attention keeps the T x T probabilities, so 8 sequences of 1024 do not fit 80 GB.
+    "gpt2-1.5b": (48, 1600, 25, 50257, 1024, 4),
+    "gpt2-350m": (24, 1024, 16, 50257, 1024, 8),
+    "gpt2-124m": (12, 768, 12, 50257, 1024, 8),
+    "toy": (2, 64, 4, 256, 32, 4),
+}
+PEAK_TFLOPS = 989.0
+
+
+def model_flops_per_token(layers, dim, vocab, seq, params):
+    return 6 * params + 12 * layers * seq * dim  # dense products plus attention's, unmasked (PaLM's count)
+
+
+def gpt_params(layers, dim, vocab, seq):
+    hidden = 4 * dim
+    block = 4 * dim + dim * 3 * dim + 3 * dim + dim * dim + dim + dim * hidden + hidden + hidden * dim + dim
+    return vocab * dim + seq * dim + layers * block + 2 * dim + dim * vocab + vocab
+
+
+def run_torch(args, layers, dim, heads, vocab, seq, batch, compiled):
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    device = torch.device("cpu" if args.cpu else "cuda")
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        dist.init_process_group("gloo" if args.cpu else "nccl", rank=0, world_size=1)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1 = nn.LayerNorm(dim)
+            self.qkv = nn.Linear(dim, 3 * dim)
+            self.proj = nn.Linear(dim, dim)
+            self.ln2 = nn.LayerNorm(dim)
+            self.fc = nn.Linear(dim, 4 * dim)
+            self.out = nn.Linear(4 * dim, dim)
+
+        def forward(self, x):
+            b, t, c = x.shape
+            q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+            q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2) for z in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+            return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+    class Gpt(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(vocab, dim)
+            self.wpe = nn.Embedding(seq, dim)
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.ln_f = nn.LayerNorm(dim)
+            self.head = nn.Linear(dim, vocab)
+
+        def forward(self, idx):
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+            for blk in self.blocks:
+                x = blk(x)
+            return self.head(self.ln_f(x))
+
+    torch.manual_seed(1)
+    model = Gpt().to(device)
+    params = sum(p.numel() for p in model.parameters())
+    mp = MixedPrecisionPolicy(param_dtype=torch.float32 if args.cpu else torch.bfloat16, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy() if args.offload else OffloadPolicy()
+    for blk in model.blocks:
+        fully_shard(blk, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mp_policy=mp, offload_policy=offload)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
+    forward = torch.compile(model) if compiled else model
+    idx = torch.randint(0, vocab, (batch, seq), device=device)
+    tgt = torch.roll(idx, -1, 1)
+
+    def step():
+        logits = forward(idx)
+        loss = F.cross_entropy(logits.float().view(-1, vocab), tgt.view(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(args.warmup):
+        step()
+    if not args.cpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        if not args.cpu:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    peak = 0 if args.cpu else torch.cuda.max_memory_reserved()
+    del model, opt, forward
+    if not args.cpu:
+        torch.cuda.empty_cache()
+    med = statistics.median(times)
+    return {"params": params, "step_s": med, "tokens_per_s": batch * seq / med, "peak_bytes": peak}
+
+
+class DeviceMemoryPoller:
+    """Peak memory of the device as nvidia-smi sees it while a child process runs."""
+
+    def __init__(self, enabled):
+        self.peak = 0
+        self.enabled = enabled
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self):
+        while not self._stop.is_set():
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                     capture_output=True, text=True, timeout=5).stdout
+                self.peak = max(self.peak, int(out.split()[0]) * 1024 * 1024)
+            except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+                return
+            self._stop.wait(0.25)
+
+    def __enter__(self):
+        if self.enabled:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self.enabled:
+            self._thread.join()
+
+
+def run_coshard(args, layers, dim, heads, vocab, seq, batch):
+    metrics = os.path.abspath(args.workdir + "/coshard_metrics.jsonl")
+    steps = args.warmup + args.steps
+    cmd = [args.coshard, "--device", "cpu" if args.cpu else "cuda", "--world-size", "1", "--steps", str(steps),
+           "--layers", str(layers), "--dim", str(dim), "--heads", str(heads), "--vocab", str(vocab),
+           "--seq", str(seq), "--batch", str(batch), "--lr", "3e-4", "--clip", "1", "--zero-stage",
+           str(args.zero_stage), "--metrics", metrics, "--quiet"] + (["--dtype", "bf16"] if not args.cpu else [])
+    if args.offload:
+        cmd += ["--offload-optimizer", "cpu", "--offload-params", "cpu"]
+    cmd += args.coshard_args
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    with DeviceMemoryPoller(not args.cpu) as poller:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": f"coshard-train exited {proc.returncode}: {proc.stderr.strip()[-2000:]}", "cmd": cmd}
+    with open(metrics) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    steady = rows[args.warmup:]
+    med = statistics.median(r["step_ms"] for r in steady) / 1e3
+    return {"step_s": med, "tokens_per_s": batch * seq / med, "peak_bytes": poller.peak,
+            "blocking_waits": max(r["blocking_waits"] for r in steady),
+            "exposed_comm_ms": statistics.median(r["exposed_comm_ms"] or 0 for r in steady), "cmd": " ".join(cmd)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="gpt2-1.5b", choices=sorted(PRESETS))
+    p.add_argument("--batch", type=int, help="sequences per step (default: the preset's)")
+    p.add_argument("--coshard", default="build/release/trainer/coshard-train")
+    p.add_argument("--coshard-args", nargs=argparse.REMAINDER, default=[], help="passed on to coshard-train")
+    p.add_argument("--zero-stage", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--compile", action="store_true", help="also PyTorch with torch.compile")
+    p.add_argument("--offload", action="store_true",
+                   help="parameters and optimizer in pinned host memory: FSDP2's CPUOffloadPolicy, coshard's "
+                        "--offload-optimizer cpu --offload-params cpu")
+    p.add_argument("--skip-torch", action="store_true")
+    p.add_argument("--cpu", action="store_true", help="both on the CPU (toy sizes: checks the harness)")
+    p.add_argument("--workdir", default=".")
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args()
+    layers, dim, heads, vocab, seq, batch = PRESETS[args.preset]
+    batch = args.batch or batch
+    params = gpt_params(layers, dim, vocab, seq)
+    flops_per_token = model_flops_per_token(layers, dim, vocab, seq, params)
+    results = {"preset": args.preset, "offload": args.offload, "layers": layers, "dim": dim, "heads": heads, "vocab": vocab, "seq": seq,
+               "batch": batch, "params": params, "flops_per_token": flops_per_token, "runs": {}}
+    if not args.cpu:
+        import torch
+        results["device"] = torch.cuda.get_device_name(0)
+    sides = [("coshard", lambda: run_coshard(args, layers, dim, heads, vocab, seq, batch))]
+    if not args.skip_torch:
+        sides.append(("fsdp2_eager", lambda: run_torch(args, layers, dim, heads, vocab, seq, batch, False)))
+        if args.compile:
+            sides.append(("fsdp2_compile", lambda: run_torch(args, layers, dim, heads, vocab, seq, batch, True)))
+    for name, run in sides:
+        try:
+            r = run()
+        except Exception as e:  # noqa: BLE001 - a side that fails is reported, the others still run
+            r = {"error": f"{type(e).__name__}: {e}"}
+        if "tokens_per_s" in r:
+            r["mfu"] = r["tokens_per_s"] * flops_per_token / (PEAK_TFLOPS * 1e12)
+        results["runs"][name] = r
+        print(name, json.dumps({k: v for k, v in r.items() if k != "cmd"}), flush=True)
+    base = results["runs"].get("fsdp2_eager", {})
+    ours = results["runs"]["coshard"]
+    if "tokens_per_s" in base and "tokens_per_s" in ours:
+        results["coshard_over_fsdp2_eager"] = ours["tokens_per_s"] / base["tokens_per_s"]
+        print(f"coshard / FSDP2 eager tokens/s: {results['coshard_over_fsdp2_eager']:.3f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0 if "error" not in ours else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
