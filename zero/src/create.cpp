@@ -206,67 +206,16 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     }
   }
 
-  // Storage.
-  auto& stream = ctx.stream();
-  auto& alloc = ctx.allocator();
+  // Storage: each placement makes its own, in this order (the host optimizer's pinned buffer may
+  // become the shard).
   for (auto& up : s->units) {
     Unit& u = *up;
-    const auto shard_bytes = static_cast<std::size_t>(u.info.shard) * s->element_size;
-    const Shape shard_shape{u.info.shard};
-    const std::int64_t mine = static_cast<std::int64_t>(s->rank) * u.info.shard;
-    if (s->params_offloaded()) {
-      // Nothing on the device: the shard is the pinned master (set below), a pinned copy, or in
-      // the swap file.
-      if (o.offload_params == OffloadTarget::cpu && s->swapped()) {
-        COSHARD_TRY_ASSIGN(u.host_param_block, s->pinned->acquire(shard_bytes));
-        u.shard = Tensor(u.host_param_block.data(), shard_shape, o.dtype, async::Device::cpu());
-      }
-    } else if (s->stage3()) {
-      COSHARD_TRY_ASSIGN(u.shard_block, alloc.allocate(shard_bytes, stream));
-      u.shard = Tensor(u.shard_block.data(), shard_shape, o.dtype, ctx.device());
-    } else {
-      COSHARD_TRY_ASSIGN(u.full_block, alloc.allocate(u.info.padded_bytes, stream));
-      u.full = Tensor(u.full_block.data(), Shape{u.info.padded}, o.dtype, ctx.device());
-      COSHARD_TRY(stream.fill(u.full.data(), 0, u.info.padded_bytes));
-      u.shard = u.full.slice(mine, shard_shape);
-    }
-    // Gradient shards are fp32 whatever the compute dtype (the optimizer reads them as they are).
-    const auto grad_shard_bytes = static_cast<std::size_t>(u.info.shard) * sizeof(float);
-    if (o.zero_stage == 1) {
-      COSHARD_TRY_ASSIGN(u.grad_full_block, alloc.allocate(u.info.padded_bytes, stream));
-      u.grad_full = Tensor(u.grad_full_block.data(), Shape{u.info.padded}, o.dtype, ctx.device());
-      COSHARD_TRY(stream.fill(u.grad_full.data(), 0, u.info.padded_bytes));
-    }
-    if (o.zero_stage == 1 && o.dtype == DataType::f32) {
-      u.grad_shard = u.grad_full.slice(mine, shard_shape);  // reduced in place: no copy
-    } else {
-      COSHARD_TRY_ASSIGN(u.grad_shard_block, alloc.allocate(grad_shard_bytes, stream));
-      u.grad_shard = Tensor(u.grad_shard_block.data(), shard_shape, DataType::f32, ctx.device());
-      COSHARD_TRY(stream.fill(u.grad_shard.data(), 0, grad_shard_bytes));
-    }
+    COSHARD_TRY(s->shard_placement->allocate(*s, u));
+    COSHARD_TRY(s->allocate_gradients(u));
     if (!s->stage3()) COSHARD_TRY(s->bind_values(u, u.full));
-    if (s->offloaded()) {
-      COSHARD_TRY_ASSIGN(u.host_grad_block, s->pinned->acquire(grad_shard_bytes));
-      u.host_grad = Tensor(u.host_grad_block.data(), shard_shape, DataType::f32, async::Device::cpu());
-    }
-    if (s->swapped()) {
-      COSHARD_TRY(optimizer.add_swapped_group(*s->host_ctx, u.host_grad));
-    } else if (s->offloaded() && s->narrow()) {
-      // bf16/f16: the group's parameters are a pinned copy in the compute dtype (the shard itself
-      // when the parameters are offloaded); the optimizer makes the fp32 master.
-      COSHARD_TRY_ASSIGN(u.host_param_block, s->pinned->acquire(shard_bytes));
-      u.host_param = Tensor(u.host_param_block.data(), shard_shape, o.dtype, async::Device::cpu());
-      if (s->params_offloaded()) u.shard = u.host_param;
-      COSHARD_TRY(optimizer.add_group(*s->host_ctx, u.host_param, u.host_grad));
-    } else if (s->offloaded()) {
-      COSHARD_TRY_ASSIGN(u.host_master_block, s->pinned->acquire(shard_bytes));
-      u.host_master = Tensor(u.host_master_block.data(), shard_shape, DataType::f32, async::Device::cpu());
-      if (s->params_offloaded()) u.shard = u.host_master;  // f32: the master is the parameter
-      COSHARD_TRY(optimizer.add_group(*s->host_ctx, u.host_master, u.host_grad));
-    } else {
-      COSHARD_TRY(optimizer.add_group(ctx, u.shard, u.grad_shard));
-    }
+    COSHARD_TRY(s->optimizer_placement->add_unit(*s, u));
   }
+  auto& stream = ctx.stream();
   if (s->offloaded()) {
     COSHARD_TRY_ASSIGN(s->device_loss_scale, ctx.zeros(Shape{1}, DataType::f32));
     COSHARD_TRY_ASSIGN(s->device_grad_stats, ctx.zeros(Shape{2}, DataType::f32));

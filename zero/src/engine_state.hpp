@@ -355,6 +355,10 @@ struct Engine::State {
 
   // ---- gradients (gradients.cpp) ----
 
+  // u's gradient storage when the engine is made: at stage 1 the whole unit's (the shard a view
+  // of it in f32), and an fp32 shard the reductions add into.
+  Result<void> allocate_gradients(Unit& u);
+
   Result<void> begin_backward(Unit& u);
 
   // The reduced block `mine` (compute dtype) into an fp32 tensor, on the communication stream.

@@ -8,6 +8,26 @@ namespace coshard::zero {
 using namespace modules;
 using namespace detail;
 
+Result<void> Engine::State::allocate_gradients(Unit& u) {
+  auto& stream = ctx->stream();
+  auto& alloc = ctx->allocator();
+  const Shape shard_shape{u.info.shard};
+  // Gradient shards are fp32 whatever the compute dtype (the optimizer reads them as they are).
+  const auto grad_shard_bytes = static_cast<std::size_t>(u.info.shard) * sizeof(float);
+  if (o.zero_stage == 1) {
+    COSHARD_TRY_ASSIGN(u.grad_full_block, alloc.allocate(u.info.padded_bytes, stream));
+    u.grad_full = Tensor(u.grad_full_block.data(), Shape{u.info.padded}, o.dtype, ctx->device());
+    COSHARD_TRY(stream.fill(u.grad_full.data(), 0, u.info.padded_bytes));
+    if (o.dtype == DataType::f32) {
+      u.grad_shard = u.grad_full.slice(static_cast<std::int64_t>(rank) * u.info.shard, shard_shape);  // reduced in place: no copy
+      return {};
+    }
+  }
+  COSHARD_TRY_ASSIGN(u.grad_shard_block, alloc.allocate(grad_shard_bytes, stream));
+  u.grad_shard = Tensor(u.grad_shard_block.data(), shard_shape, DataType::f32, ctx->device());
+  return stream.fill(u.grad_shard.data(), 0, grad_shard_bytes);
+}
+
 Result<void> Engine::State::begin_backward(Unit& u) {
   if (o.zero_stage == 1) return {};
   COSHARD_TRY_ASSIGN(u.grad_full_block, ctx->allocator().allocate(u.info.padded_bytes, ctx->stream()));

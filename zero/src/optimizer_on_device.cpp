@@ -12,6 +12,8 @@ namespace {
 
 class OptimizerOnDevice final : public OptimizerPlacement {
  public:
+  Result<void> add_unit(Engine::State& s, Unit& u) override { return s.optimizer->add_group(*s.ctx, u.shard, u.grad_shard); }
+
   async::Task<Result<void>> step(Engine::State& s, float lr) override {
     auto& compute = s.ctx->stream();
     COSHARD_CO_TRY(s.optimizer->compute_grad_stats(*s.ctx));

@@ -11,6 +11,12 @@ namespace coshard::zero {
 using namespace modules;
 using namespace detail;
 
+Result<void> HostOptimizer::add_host_grad(Engine::State& s, Unit& u) {
+  COSHARD_TRY_ASSIGN(u.host_grad_block, s.pinned->acquire(static_cast<std::size_t>(u.info.shard) * sizeof(float)));
+  u.host_grad = Tensor(u.host_grad_block.data(), Shape{u.info.shard}, DataType::f32, async::Device::cpu());
+  return {};
+}
+
 async::Task<Result<void>> HostOptimizer::exchange_grad_stats(Engine::State& s) {
   auto& compute = s.ctx->stream();
   auto& host = *s.host_stream;
@@ -49,6 +55,24 @@ namespace {
 
 class OptimizerOnHost final : public HostOptimizer {
  public:
+  Result<void> add_unit(Engine::State& s, Unit& u) override {
+    COSHARD_TRY(add_host_grad(s, u));
+    const Shape shard_shape{u.info.shard};
+    const auto shard_bytes = static_cast<std::size_t>(u.info.shard) * s.element_size;
+    if (s.narrow()) {
+      // bf16/f16: the group's parameters are a pinned copy in the compute dtype (the shard itself
+      // when the parameters are offloaded); the optimizer makes the fp32 master.
+      COSHARD_TRY_ASSIGN(u.host_param_block, s.pinned->acquire(shard_bytes));
+      u.host_param = Tensor(u.host_param_block.data(), shard_shape, s.o.dtype, async::Device::cpu());
+      if (s.params_offloaded()) u.shard = u.host_param;
+      return s.optimizer->add_group(*s.host_ctx, u.host_param, u.host_grad);
+    }
+    COSHARD_TRY_ASSIGN(u.host_master_block, s.pinned->acquire(shard_bytes));
+    u.host_master = Tensor(u.host_master_block.data(), shard_shape, DataType::f32, async::Device::cpu());
+    if (s.params_offloaded()) u.shard = u.host_master;  // f32: the master is the parameter
+    return s.optimizer->add_group(*s.host_ctx, u.host_master, u.host_grad);
+  }
+
   async::Task<Result<void>> step(Engine::State& s, float lr) override {
     auto& compute = s.ctx->stream();
     COSHARD_CO_TRY(co_await exchange_grad_stats(s));

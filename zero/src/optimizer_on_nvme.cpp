@@ -14,6 +14,11 @@ namespace {
 
 class OptimizerOnNvme final : public HostOptimizer {
  public:
+  Result<void> add_unit(Engine::State& s, Unit& u) override {
+    COSHARD_TRY(add_host_grad(s, u));
+    return s.optimizer->add_swapped_group(*s.host_ctx, u.host_grad);
+  }
+
   async::Task<Result<void>> step(Engine::State& s, float lr) override {
     auto& compute = s.ctx->stream();
     COSHARD_CO_TRY(co_await exchange_grad_stats(s));

@@ -24,6 +24,11 @@ struct Unit;
 class OptimizerPlacement {
  public:
   virtual ~OptimizerPlacement() = default;
+  // u's optimizer group when the engine is made (after its shard and gradients have storage):
+  // on the device over the shard; in host memory over a pinned master (f32) or a pinned copy in
+  // the compute dtype (bf16/f16), which is also the shard when the parameters are offloaded; on
+  // NVMe a swapped group. The host placements give u a pinned gradient shard to step from.
+  virtual Result<void> add_unit(Engine::State& s, detail::Unit& u) = 0;
   // One optimizer step on this rank's shards, once their gradients are complete and scaled;
   // the updated parameters are on the device, in the compute stream's order, when it returns.
   virtual async::Task<Result<void>> step(Engine::State& s, float lr) = 0;
@@ -40,6 +45,8 @@ class OptimizerPlacement {
 // The first half of an offloaded step, shared by the two host placements.
 class HostOptimizer : public OptimizerPlacement {
  protected:
+  // u's gradient shard in pinned memory (f32), where the host steps it from.
+  static Result<void> add_host_grad(Engine::State& s, detail::Unit& u);
   // Gradient shards not out yet go to pinned memory; the host computes the norm and overflow
   // flag (with step_in_backward, the units not stepped during backward add their share and go to
   // `hand_over_late`); the sums over ranks come back to the host stream through pinned memory.

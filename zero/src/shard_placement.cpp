@@ -16,6 +16,28 @@ namespace {
 class ShardsInMemory final : public ShardPlacement {
  public:
   explicit ShardsInMemory(bool device) : device_(device) {}
+  Result<void> allocate(Engine::State& s, Unit& u) override {
+    const Shape shard_shape{u.info.shard};
+    const auto shard_bytes = static_cast<std::size_t>(u.info.shard) * s.element_size;
+    if (!device_) {
+      if (!s.swapped()) return {};  // the optimizer placement's pinned master or copy is the shard
+      COSHARD_TRY_ASSIGN(u.host_param_block, s.pinned->acquire(shard_bytes));
+      u.shard = Tensor(u.host_param_block.data(), shard_shape, s.o.dtype, async::Device::cpu());
+      return {};
+    }
+    auto& stream = s.ctx->stream();
+    auto& alloc = s.ctx->allocator();
+    if (s.stage3()) {
+      COSHARD_TRY_ASSIGN(u.shard_block, alloc.allocate(shard_bytes, stream));
+      u.shard = Tensor(u.shard_block.data(), shard_shape, s.o.dtype, s.ctx->device());
+      return {};
+    }
+    COSHARD_TRY_ASSIGN(u.full_block, alloc.allocate(u.info.padded_bytes, stream));
+    u.full = Tensor(u.full_block.data(), Shape{u.info.padded}, s.o.dtype, s.ctx->device());
+    COSHARD_TRY(stream.fill(u.full.data(), 0, u.info.padded_bytes));
+    u.shard = u.full.slice(static_cast<std::int64_t>(s.rank) * u.info.shard, shard_shape);
+    return {};
+  }
   Result<const void*> source(const Unit& u) const override { return static_cast<const void*>(u.shard.data()); }
   bool on_device() const noexcept override { return device_; }
   Result<void> write(Engine::State& s, Unit& u, std::span<const std::byte> mine) override {
@@ -28,6 +50,7 @@ class ShardsInMemory final : public ShardPlacement {
 
 class ShardsOnNvme final : public ShardPlacement {
  public:
+  Result<void> allocate(Engine::State&, Unit&) override { return {}; }  // the shard is in its swap file
   bool ready(const Unit& u) const override { return static_cast<bool>(u.read_block); }
   async::Task<Result<void>> make_ready(Engine::State& s, Unit& u) override { co_return co_await s.ensure_read(u); }
   Result<const void*> source(const Unit& u) const override {

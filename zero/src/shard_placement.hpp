@@ -25,6 +25,11 @@ struct Unit;
 class ShardPlacement {
  public:
   virtual ~ShardPlacement() = default;
+  // u's storage when the engine is made: on the device its shard (stage 3) or its full copy with
+  // the shard a view of it (stages 1-2); in host memory a pinned copy in the compute dtype when
+  // the optimizer is on NVMe (otherwise the shard is the optimizer placement's pinned buffer); on
+  // NVMe nothing.
+  virtual Result<void> allocate(Engine::State& s, detail::Unit& u) = 0;
   // Whether u's shard can be gathered now, with nothing to await first (NVMe: its read is in).
   virtual bool ready(const detail::Unit&) const { return true; }
   // Makes it so (NVMe: the read started ahead, or one now).
