@@ -11,6 +11,7 @@
 #include <numbers>
 #include <vector>
 
+#include "cpu_parallel.hpp"
 #include "half_convert.hpp"
 #include "kernels.hpp"
 
@@ -18,6 +19,11 @@ namespace coshard::modules::detail {
 namespace {
 
 using async::Stream;
+
+// The optimizer's element-wise kernels split across cores in chunks of whole grains (a chunk
+// below this is not worth a hand-off), each grain whole blocks of the gradient norm's sum.
+constexpr std::int64_t kSumBlock = 4096;
+constexpr std::int64_t kParallelGrain = 64 * kSumBlock;
 
 bool is_half(DataType dt) noexcept { return dt == DataType::bf16 || dt == DataType::f16; }
 
@@ -577,16 +583,20 @@ class CpuKernels final : public Kernels {
                           StepState* state) const override {
     COSHARD_TRY(check_dtype(gdt));
     return s.launch([=] {
-      // f32 partial sums in blocks of 4096 (vectorised), added up in f64: fixed order, so the
-      // norm is the same every run.
+      // f32 partial sums in blocks of 4096 (vectorised; the blocks split across cores), added up
+      // in f64 in block order: fixed, so the norm is the same every run and on any core count.
       auto sum_squares = [n](const auto* g) {
+        std::vector<float> parts(static_cast<std::size_t>((n + kSumBlock - 1) / kSumBlock));
+        parallel_for(n, kParallelGrain, [&](std::int64_t first, std::int64_t last) {
+          for (std::int64_t begin = first; begin < last; begin += kSumBlock) {
+            const std::int64_t end = std::min(last, begin + kSumBlock);
+            float part = 0;
+            for (std::int64_t i = begin; i < end; ++i) part += static_cast<float>(g[i]) * static_cast<float>(g[i]);
+            parts[static_cast<std::size_t>(begin / kSumBlock)] = part;
+          }
+        });
         double total = 0;
-        for (std::int64_t begin = 0; begin < n; begin += 4096) {
-          const std::int64_t end = std::min(n, begin + 4096);
-          float part = 0;
-          for (std::int64_t i = begin; i < end; ++i) part += static_cast<float>(g[i]) * static_cast<float>(g[i]);
-          total += part;
-        }
+        for (const float part : parts) total += part;
         return total;
       };
       double sumsq = 0;
@@ -607,21 +617,24 @@ class CpuKernels final : public Kernels {
       const float bc1 = 1.0f - std::pow(a.beta1, static_cast<float>(t));
       const float bc2 = 1.0f - std::pow(a.beta2, static_cast<float>(t));
       const float decay = 1.0f - a.lr * a.weight_decay;
-      // One tight loop per gradient type, so that it vectorises.
+      // One tight loop per gradient type, so that it vectorises; element-wise, so the chunks
+      // across cores change no bit.
       auto update = [&](const auto* g) {
         const float b1 = a.beta1, b2 = a.beta2, lr = a.lr, eps = a.eps;
         const float inv_bc1 = 1.0f / bc1, inv_bc2 = 1.0f / bc2;
-        for (std::int64_t i = 0; i < n; ++i) {
-          const float gi = static_cast<float>(g[i]) * factor;
-          const float mi = b1 * m[i] + (1.0f - b1) * gi;
-          const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
-          m[i] = mi;
-          v[i] = vi;
-          master[i] = master[i] * decay - lr * (mi * inv_bc1) / (std::sqrt(vi * inv_bc2) + eps);
-        }
+        parallel_for(n, kParallelGrain, [&](std::int64_t begin, std::int64_t end) {
+          for (std::int64_t i = begin; i < end; ++i) {
+            const float gi = static_cast<float>(g[i]) * factor;
+            const float mi = b1 * m[i] + (1.0f - b1) * gi;
+            const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+            m[i] = mi;
+            v[i] = vi;
+            master[i] = master[i] * decay - lr * (mi * inv_bc1) / (std::sqrt(vi * inv_bc2) + eps);
+          }
+          if (param_out) store_range(pdt, param_out, master, begin, end);
+        });
       };
       with_grad(gdt, grad, n, update);
-      if (param_out) store_all(pdt, param_out, master, n);
     });
   }
 
@@ -633,15 +646,17 @@ class CpuKernels final : public Kernels {
       if (state->found_inf > 0) return;
       const float factor = grad_factor(*state, a.max_grad_norm);
       const bool first = state->step == 0;
-      for (std::int64_t i = 0; i < n; ++i) {
-        float g = static_cast<float>(load(gdt, grad, i)) * factor + a.weight_decay * master[i];
-        if (a.momentum != 0.0f) {
-          buf[i] = first ? g : a.momentum * buf[i] + g;
-          g = a.nesterov ? g + a.momentum * buf[i] : buf[i];
+      parallel_for(n, kParallelGrain, [&](std::int64_t begin, std::int64_t end) {
+        for (std::int64_t i = begin; i < end; ++i) {
+          float g = static_cast<float>(load(gdt, grad, i)) * factor + a.weight_decay * master[i];
+          if (a.momentum != 0.0f) {
+            buf[i] = first ? g : a.momentum * buf[i] + g;
+            g = a.nesterov ? g + a.momentum * buf[i] : buf[i];
+          }
+          master[i] -= a.lr * g;
+          if (param_out) store(pdt, param_out, i, master[i]);
         }
-        master[i] -= a.lr * g;
-        if (param_out) store(pdt, param_out, i, master[i]);
-      }
+      });
     });
   }
 
@@ -665,12 +680,13 @@ class CpuKernels final : public Kernels {
   }
 
  private:
-  // The updated masters into the parameters (one loop per type, so that it vectorises).
-  static void store_all(DataType pdt, void* out, const float* master, std::int64_t n) {
+  // Elements [begin, end) of the updated masters into the parameters (one loop per type, so that
+  // it vectorises).
+  static void store_range(DataType pdt, void* out, const float* master, std::int64_t begin, std::int64_t end) {
     if (is_half(pdt))
-      narrow_half(pdt, master, static_cast<std::uint16_t*>(out), static_cast<std::size_t>(n));
+      narrow_half(pdt, master + begin, static_cast<std::uint16_t*>(out) + begin, static_cast<std::size_t>(end - begin));
     else
-      for (std::int64_t i = 0; i < n; ++i) store(pdt, out, i, master[i]);
+      for (std::int64_t i = begin; i < end; ++i) store(pdt, out, i, master[i]);
   }
   Result<void> check_dtype(DataType dt) const {
     if (!supports(dt))

@@ -1,9 +1,19 @@
+// The CPU's math threads: OpenBLAS's for the matrix products, and a pool of workers for the
+// element-wise kernels that split (cpu_parallel.hpp), both bounded by the same setting.
 #include "coshard/modules/cpu_threads.hpp"
 
 #include <cblas.h>
 
 #include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <latch>
+#include <mutex>
+#include <system_error>
 #include <thread>
+#include <vector>
+
+#include "cpu_parallel.hpp"
 
 namespace coshard::modules {
 
@@ -16,4 +26,90 @@ int default_cpu_math_threads(int ranks_in_process) noexcept {
   return std::max(1, cores / std::max(1, ranks_in_process));
 }
 
+namespace detail {
+namespace {
+
+// Workers started on first need (never more than asked for), shared by every rank of the
+// process; jobs run in the order given. Idle workers sleep on the condition variable.
+class CpuPool {
+ public:
+  static CpuPool& instance() {
+    static CpuPool pool;
+    return pool;
+  }
+  ~CpuPool() {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    ready_.notify_all();
+    for (auto& w : workers_) w.join();
+  }
+  // Workers up to `count`, as many as could be started; how many there are.
+  int ensure_workers(int count) {
+    std::lock_guard lock(mutex_);
+    while (static_cast<int>(workers_.size()) < count) {
+      try {
+        workers_.emplace_back([this] { work(); });
+      } catch (const std::system_error&) {
+        break;  // no memory for another stack: the callers split less
+      }
+    }
+    return static_cast<int>(workers_.size());
+  }
+  void submit(std::function<void()> job) {
+    {
+      std::lock_guard lock(mutex_);
+      jobs_.push_back(std::move(job));
+    }
+    ready_.notify_one();
+  }
+
+ private:
+  void work() {
+    for (;;) {
+      std::function<void()> job;
+      {
+        std::unique_lock lock(mutex_);
+        ready_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
+        if (jobs_.empty()) return;  // stopping, and nothing left
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+      job();
+    }
+  }
+  std::mutex mutex_;
+  std::condition_variable ready_;
+  std::deque<std::function<void()>> jobs_;
+  bool stopping_ = false;
+  std::vector<std::thread> workers_;
+};
+
+}  // namespace
+
+void parallel_for(std::int64_t n, std::int64_t grain, const std::function<void(std::int64_t, std::int64_t)>& fn) {
+  grain = std::max<std::int64_t>(1, grain);
+  const std::int64_t grains = (n + grain - 1) / grain;
+  std::int64_t chunks = std::min<std::int64_t>({std::max(1, cpu_math_threads()), grains, 64});
+  if (chunks > 1) chunks = std::min<std::int64_t>(chunks, CpuPool::instance().ensure_workers(static_cast<int>(chunks - 1)) + 1);
+  if (chunks <= 1) {
+    if (n > 0) fn(0, n);
+    return;
+  }
+  const std::int64_t step = (grains + chunks - 1) / chunks * grain;  // a chunk's elements, whole grains
+  chunks = (n + step - 1) / step;
+  std::latch done(chunks - 1);
+  for (std::int64_t c = 1; c < chunks; ++c) {
+    const std::int64_t begin = c * step, end = std::min(n, begin + step);
+    CpuPool::instance().submit([&fn, &done, begin, end] {
+      fn(begin, end);
+      done.count_down();
+    });
+  }
+  fn(0, std::min(n, step));
+  done.wait();
+}
+
+}  // namespace detail
 }  // namespace coshard::modules

@@ -7,6 +7,7 @@
 #include <random>
 
 #include "coshard/async/sync.hpp"
+#include "coshard/modules/cpu_threads.hpp"
 #include "coshard/modules/gpt.hpp"
 #include "coshard/modules/optimizer.hpp"
 #include "coshard/modules/parameter_store.hpp"
@@ -259,6 +260,58 @@ TEST_F(Optimizers, Bf16AndF16ParametersStepFromFp32MastersOnTheCpu) {
     auto r = rt_.block_on(body());
     ASSERT_TRUE(r) << r.error().message();
   }
+}
+
+// The CPU step of a shard big enough to split across cores (the offloaded optimizer's host step):
+// AdamW and SGD with momentum, f32 and bf16 parameters, the same bits and gradient norm as on
+// one thread.
+TEST_F(Optimizers, SplitAcrossCoresTheStepIsBitIdenticalToOneThread) {
+  constexpr std::size_t n = 3 * (64 * 4096) + 12345;  // four grains of the split, the last partial
+  std::mt19937_64 rng(11);
+  std::uniform_real_distribution<double> value(-2.0, 2.0);
+  std::vector<std::vector<double>> grads(2, std::vector<double>(n));
+  for (auto& g : grads)
+    for (auto& x : g) x = value(rng);
+  std::vector<double> p0(n);
+  for (auto& x : p0) x = value(rng);
+  p0 = decode_values(encode_values(p0, DataType::bf16), DataType::bf16);
+  const Shape shape{static_cast<std::int64_t>(n)};
+  const int threads_before = cpu_math_threads();
+  struct Run {
+    std::vector<double> params;
+    double grad_norm = 0;
+  };
+  auto run = [&](bool adamw, DataType dt, int threads) -> async::Task<Result<Run>> {
+    set_cpu_math_threads(threads);
+    StepControlOptions clip{.max_grad_norm = 1.0f};
+    COSHARD_CO_TRY_ASSIGN(auto opt, adamw ? Optimizer::adamw({.weight_decay = 0.01f}, clip)
+                                          : Optimizer::sgd({.momentum = 0.9f, .weight_decay = 0.0f, .nesterov = true}, clip));
+    Tensor p = host_tensor(p0, shape, dt), g = host_tensor(grads[0], shape, DataType::f32);
+    COSHARD_CO_TRY(opt->add_group(*ctx_, p, g));
+    for (const auto& step : grads) {
+      COSHARD_CO_TRY(ctx_->copy_from_host(g, encode_values(step, DataType::f32)));
+      COSHARD_CO_TRY(opt->step(*ctx_, 0.05f));
+    }
+    Run r;
+    COSHARD_CO_TRY_ASSIGN(r.params, co_await ctx_->read(p));
+    COSHARD_CO_TRY_ASSIGN(auto stats, co_await opt->read_stats(*ctx_));
+    r.grad_norm = stats.grad_norm;
+    co_return r;
+  };
+  for (const bool adamw : {true, false}) {
+    for (const DataType dt : {DataType::f32, DataType::bf16}) {
+      SCOPED_TRACE(std::string(adamw ? "adamw " : "sgd ") + std::string(async::to_string(dt)));
+      auto one = rt_.block_on(run(adamw, dt, 1));
+      auto four = rt_.block_on(run(adamw, dt, 4));
+      ASSERT_TRUE(one) << one.error().message();
+      ASSERT_TRUE(four) << four.error().message();
+      EXPECT_GE(cpu_math_threads(), 2) << "the split was not exercised";
+      EXPECT_EQ(four->params, one->params);
+      EXPECT_EQ(four->grad_norm, one->grad_norm);
+      EXPECT_NE(one->params, p0) << "the parameters moved";
+    }
+  }
+  set_cpu_math_threads(threads_before);
 }
 
 TEST_F(Optimizers, RejectsBadOptionsAndTensorsWithClearErrors) {
