@@ -5,6 +5,9 @@
 //   CPU stream launch + record + co_await (a full cross-thread round trip)
 //                           vs asio::thread_pool post + std::future, std::async + future
 //   semaphore acquire/release (uncontended) vs std::counting_semaphore
+//   the same with a debug log line in it (the fetch path's shape): at warn (off: the line's
+//   arguments, a norm over 1M floats among them, are never computed) and at debug into a sink
+//   that drops the line (what a line costs when it is on)
 //
 // coshard's loops run inside the runtime (the benchmark's iteration loop executes on the
 // reactor thread, which is where coroutines live); real time is reported for all.
@@ -14,10 +17,14 @@
 #include <asio/post.hpp>
 #include <asio/thread_pool.hpp>
 
+#include <cmath>
 #include <future>
+#include <string_view>
+#include <vector>
 #include <semaphore>
 
 #include "coshard/async/async.hpp"
+#include "coshard/async/log.hpp"
 
 namespace {
 
@@ -134,6 +141,44 @@ void BM_Baseline_StdCountingSemaphore(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_Baseline_StdCountingSemaphore)->UseRealTime();
+
+// ---- a debug line in the fetch path ----------------------------------------------------------------
+
+double costly_norm(const std::vector<float>& v) {
+  double sum = 0;
+  for (float x : v) sum += static_cast<double>(x) * x;
+  return std::sqrt(sum);
+}
+
+const std::vector<float> g_tensor(1 << 20, 0.5f);
+bool g_costly = false;  // the line names the norm (only where the line is off: it would dominate)
+
+void semaphore_with_debug_line(benchmark::State& state, const char* level) {
+  if (!coshard::log::configure(level)) state.SkipWithError("log::configure");
+  coshard::log::set_sink([](coshard::log::Level, std::string_view line) { benchmark::DoNotOptimize(line.data()); });
+  g_costly = std::string_view(level) == "warn";
+  run_in_runtime(state, [](benchmark::State& state, Runtime&) -> Task<void> {
+    Semaphore sem(1 << 20);
+    for (auto _ : state) {
+      auto p = co_await sem.acquire(64);
+      if (g_costly)
+        COSHARD_LOG_DEBUG(zero, "fetch unit {}: {} bytes, live {}, norm {}", 3, 64, sem.available(), costly_norm(g_tensor));
+      else
+        COSHARD_LOG_DEBUG(zero, "fetch unit {}: {} bytes, live {}", 3, 64, sem.available());
+      benchmark::DoNotOptimize(p);
+    }
+  });
+  coshard::log::set_sink({});
+  (void)coshard::log::configure("");
+}
+
+// Off: within noise of BM_SemaphoreAcquireRelease (one relaxed load and a branch).
+void BM_SemaphoreAcquireRelease_DebugLineOff(benchmark::State& state) { semaphore_with_debug_line(state, "warn"); }
+BENCHMARK(BM_SemaphoreAcquireRelease_DebugLineOff)->UseRealTime();
+
+// On (without the norm), into a sink that drops it: formatting, the timestamp, the sink's lock.
+void BM_SemaphoreAcquireRelease_DebugLineOn(benchmark::State& state) { semaphore_with_debug_line(state, "zero=debug"); }
+BENCHMARK(BM_SemaphoreAcquireRelease_DebugLineOn)->UseRealTime();
 
 }  // namespace
 

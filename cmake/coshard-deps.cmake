@@ -11,6 +11,10 @@ find_package(nlohmann_json 3 REQUIRED)
 # zlib (CRC-32 of checkpoint files in coshard::trainer); linked privately, but a static library's
 # consumers link it too.
 find_package(ZLIB REQUIRED)
+# fmt: the log macros in coshard/async/log.hpp format with it (a public dependency). spdlog:
+# the log's logger; linked privately, but a static library's consumers link it too.
+find_package(fmt REQUIRED)
+find_package(spdlog REQUIRED)
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(COSHARD_URING REQUIRED IMPORTED_TARGET GLOBAL liburing)
 # OpenBLAS (the CPU matrix products of coshard::modules); linked privately, but a static

@@ -14,6 +14,7 @@
 #include "coshard/async/runtime.hpp"
 #include "coshard/async/detail/cpu_relax.hpp"
 #include "coshard/async/detail/spin_lock.hpp"
+#include "coshard/async/log.hpp"
 #include "stream_impl.hpp"
 
 namespace coshard::async::detail {
@@ -86,7 +87,13 @@ class CpuFence final : public Fence {
 class CpuStream final : public StreamImpl {
  public:
   explicit CpuStream(StreamOptions options) : StreamImpl(Device::cpu(), std::move(options)) {
-    worker_ = std::thread([this] { run(); });
+    // The worker writes log lines as the creating thread's rank, under the stream's name.
+    worker_ = std::thread([this, rank = log::thread_rank()] {
+      log::set_thread_rank(rank);
+      const std::string& stream = this->options().name;
+      log::set_thread_name(stream.empty() ? std::string_view("stream") : std::string_view(stream));
+      run();
+    });
   }
 
   ~CpuStream() override {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "coshard/async/detail/wait_list.hpp"
+#include "coshard/async/log.hpp"
 #include "coshard/async/detail/cpu_relax.hpp"
 #include "coshard/async/detail/spin_lock.hpp"
 
@@ -65,8 +66,11 @@ class RuntimeImpl {
 
 Runtime::Runtime(RuntimeOptions options) : impl_(std::make_unique<detail::RuntimeImpl>(options)) {
   impl_->local.reserve(1024);
-  impl_->thread = std::thread([this] {
+  // The reactor writes log lines as the creating thread's rank.
+  impl_->thread = std::thread([this, rank = log::thread_rank()] {
     t_current = this;
+    log::set_thread_rank(rank);
+    log::set_thread_name("reactor");
     auto& s = *impl_;
     auto work = asio::make_work_guard(s.io);
     const std::size_t budget = s.options.io_poll_interval == 0 ? 1 : s.options.io_poll_interval;
@@ -247,7 +251,12 @@ void Runtime::post_blocking(std::function<void()> job) {
   std::call_once(s.pool_once, [&] {
     s.pool = std::make_unique<asio::thread_pool>(s.options.blocking_threads == 0 ? 1 : s.options.blocking_threads);
   });
-  asio::post(*s.pool, std::move(job));
+  // A blocking job writes log lines as the posting thread's rank.
+  asio::post(*s.pool, [job = std::move(job), rank = log::thread_rank()] {
+    log::set_thread_rank(rank);
+    log::set_thread_name("blocking");
+    job();
+  });
 }
 
 void Runtime::start_root(std::coroutine_handle<> root, detail::RootPromise& promise) {

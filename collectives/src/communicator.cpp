@@ -34,6 +34,12 @@ std::string CollectiveOp::signature() const {
   return s + ")";
 }
 
+std::string describe(std::span<const CollectiveOp> ops) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < ops.size(); ++i) s += (i ? ", " : "") + ops[i].signature();
+  return s + "]";
+}
+
 Coalesced& Coalesced::all_gather(const void* send, void* recv, std::size_t count, DataType dtype) {
   ops_.push_back({CollectiveKind::all_gather, send, recv, count, dtype, ReduceOp::sum, 0});
   return *this;

@@ -1,6 +1,8 @@
 // The Local backend (rules at the top of local.hpp).
 #include "coshard/collectives/local.hpp"
 
+#include "coshard/async/log.hpp"
+
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -262,12 +264,6 @@ class LocalGroup {
     return {};
   }
 
-  static std::string describe(std::span<const CollectiveOp> ops) {
-    std::string s = "[";
-    for (std::size_t i = 0; i < ops.size(); ++i) s += (i ? ", " : "") + ops[i].signature();
-    return s + "]";
-  }
-
   const CollectiveOp& op_of(int rank, std::size_t index) const {
     return (*posted_[static_cast<std::size_t>(rank)])[index];
   }
@@ -384,6 +380,8 @@ class LocalCommunicator final : public Communicator {
     if (group.empty()) return stream_.record();
     auto ops = std::make_shared<const std::vector<CollectiveOp>>(group.ops().begin(), group.ops().end());
     const std::uint64_t seq = next_seq_++;
+    COSHARD_LOG_DEBUG(collectives, "launch #{} on {} (local, rank {} of {}): {}", seq, stream_.name(), rank_, size(),
+                      describe(group.ops()));
     if (stream_.device().is_cuda()) {
       COSHARD_TRY_ASSIGN(async::Event done, group_->run_on_device(rank_, seq, ops, stream_));
       launches_.fetch_add(1, std::memory_order_relaxed);
@@ -435,6 +433,7 @@ Result<std::vector<std::unique_ptr<Communicator>>> make_local_communicators(int 
   std::vector<std::unique_ptr<Communicator>> comms;
   comms.reserve(static_cast<std::size_t>(world_size));
   for (int r = 0; r < world_size; ++r) {
+    const log::ScopedRank as_rank(r);  // the stream's worker writes its log lines as rank r
     auto stream = async::Stream::create(
         options.device, {.name = "comm rank " + std::to_string(r) + "/" + std::to_string(world_size)});
     if (!stream) return fail(std::move(stream).error());

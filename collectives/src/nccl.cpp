@@ -11,6 +11,7 @@
 #include <mutex>
 #include <thread>
 
+#include "coshard/async/log.hpp"
 #include "coshard/async/runtime.hpp"
 #include "coshard/async/stream.hpp"
 #include "coshard/async/sync.hpp"
@@ -114,7 +115,9 @@ class NcclCommunicator final : public Communicator {
     COSHARD_TRY(issued);
     if (ended != ncclSuccess) return nccl_error(ended, "ncclGroupEnd", comm_);
     COSHARD_TRY_ASSIGN(async::Event done, stream_.record());
-    launches_.fetch_add(1, std::memory_order_relaxed);
+    const std::uint64_t seq = launches_.fetch_add(1, std::memory_order_relaxed);
+    COSHARD_LOG_DEBUG(collectives, "launch #{} on {} (nccl, rank {} of {}): {}", seq, stream_.name(), rank_, size_,
+                      describe(group.ops()));
     {
       std::lock_guard lock(mutex_);
       outstanding_.push_back({done, Clock::now() + options_.timeout, launches_.load()});
@@ -140,6 +143,7 @@ class NcclCommunicator final : public Communicator {
     int rank = 0, size = 0;
     if (auto r = ncclCommUserRank(comm, &rank); r != ncclSuccess) return nccl_error(r, "ncclCommUserRank", comm);
     if (auto r = ncclCommCount(comm, &size); r != ncclSuccess) return nccl_error(r, "ncclCommCount", comm);
+    const log::ScopedRank as_rank(rank);  // the stream's worker writes its log lines as this rank
     auto stream = async::Stream::create(device, {.name = "nccl comm rank " + std::to_string(rank) + "/" + std::to_string(size)});
     if (!stream) return fail(std::move(stream).error());
     void* word = nullptr;

@@ -1,6 +1,8 @@
 // NvmeStore (rules in nvme_store.hpp).
 #include "coshard/offload/nvme_store.hpp"
 
+#include "coshard/async/log.hpp"
+
 #include <asio/error.hpp>
 #include <asio/random_access_file.hpp>
 #include <fcntl.h>
@@ -108,6 +110,9 @@ struct NvmeStore::Impl {
     auto f = file(name, writing);
     if (!f) co_return fail(std::move(f).error());
     const std::size_t blocks = (len + options.block_bytes - 1) / options.block_bytes;
+    COSHARD_LOG_DEBUG(offload, "{} {} bytes {} {} at offset {} ({} blocks of {}, queue depth {})",
+                      writing ? "swap out:" : "swap in:", len, writing ? "to" : "from",
+                      (options.directory / name).string(), offset, blocks, options.block_bytes, options.queue_depth);
     std::size_t next = 0;          // the reactor runs every worker: no atomics needed
     std::optional<Error> failure;  // the first error; the others stop taking blocks
     auto worker = [&]() -> Task<void> {

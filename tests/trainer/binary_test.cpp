@@ -153,12 +153,43 @@ TEST(CoshardTrain, BadCommandLinesAreNamed) {
       {{"--dim", "30", "--heads", "4"}, "--dim 30 is not a multiple of --heads 4"},
       {{"--data", (dir / "absent.txt").string()}, "absent.txt"},
       {{"--max-live", "1KiB", "--steps", "1"}, "max_live_bytes=1024: must be at least the largest fetch unit"},
+      {{"--log-level", "zero=loud"}, "--log-level: COSHARD_LOG / --log-level item 'zero=loud': level 'loud' is not one of"},
+      {{"--log-level", "gpu=debug"}, "component 'gpu' is not one of async, collectives"},
   };
   for (const auto& k : cases) {
     const auto r = run(k.args, dir);
     EXPECT_NE(r.code, 0) << r.output;
     EXPECT_NE(r.output.find(k.expect), std::string::npos) << r.output;
   }
+}
+
+// --log-level and COSHARD_LOG: each rank's debug lines of the component asked for, naming the
+// rank; nothing of the components left at warn; a bad COSHARD_LOG is reported and ignored.
+TEST(CoshardTrain, LogLevelsWriteEachRanksLines) {
+  const fs::path dir = scratch("log_level");
+  const auto r = run(with(kTiny, {"--steps", "2", "--world-size", "2", "--log-level", "warn,zero=debug"}), dir);
+  ASSERT_EQ(r.code, 0) << r.output;
+  for (const char* rank : {"0", "1"}) {
+    EXPECT_NE(r.output.find(std::string(" I zero [rank ") + rank + " reactor] engine: stage 3"), std::string::npos)
+        << r.output;
+    EXPECT_NE(r.output.find(std::string(" D zero [rank ") + rank + " reactor] fetch unit "), std::string::npos)
+        << r.output;
+  }
+  EXPECT_EQ(r.output.find(" D collectives "), std::string::npos) << r.output;
+
+  ::setenv("COSHARD_LOG", "collectives=debug", 1);
+  const auto from_env = run(with(kTiny, {"--steps", "1", "--world-size", "2"}), dir);
+  ::setenv("COSHARD_LOG", "collectives=chatty", 1);
+  const auto bad_env = run(with(kTiny, {"--steps", "1", "--world-size", "2"}), dir);
+  ::unsetenv("COSHARD_LOG");
+  ASSERT_EQ(from_env.code, 0) << from_env.output;
+  EXPECT_NE(from_env.output.find(" D collectives [rank 1 reactor] launch #0 on "), std::string::npos) << from_env.output;
+  EXPECT_EQ(from_env.output.find(" D zero "), std::string::npos) << from_env.output;
+  ASSERT_EQ(bad_env.code, 0) << bad_env.output;
+  EXPECT_NE(bad_env.output.find("level 'chatty' is not one of trace, debug, info, warn, error, off (ignored)"),
+            std::string::npos)
+      << bad_env.output;
+  EXPECT_EQ(bad_env.output.find(" D collectives "), std::string::npos) << bad_env.output;
 }
 
 TEST(CoshardTrain, TakesADeepSpeedConfig) {

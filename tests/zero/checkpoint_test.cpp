@@ -10,6 +10,7 @@
 
 #include "coshard/zero/engine.hpp"
 #include "../support/on_ranks.hpp"
+#include "../support/rank_engine.hpp"
 #include "../support/regression_mlp.hpp"
 
 namespace coshard::zero {
@@ -17,20 +18,11 @@ namespace {
 
 namespace fs = std::filesystem;
 using ::coshard::testing::kMlpRows;
+using ::coshard::testing::Plan;
+using ::coshard::testing::RankEngine;
+using ::coshard::testing::kLr;
 
 constexpr std::uint64_t kSeed = 11;
-constexpr float kLr = 3e-2f;
-
-struct Plan {
-  int world = 1;
-  int stage = 3;
-  OffloadTarget optimizer = OffloadTarget::none;
-  OffloadTarget params = OffloadTarget::none;
-  std::string name() const {
-    return "world " + std::to_string(world) + ", stage " + std::to_string(stage) + ", optimizer " +
-           std::string(to_string(optimizer)) + ", parameters " + std::string(to_string(params));
-  }
-};
 
 // Options made outside the coroutines (GCC 12 miscompiles braced maps inside them).
 CheckpointOptions with_run(std::map<std::string, std::string> run, int keep = 0) {
@@ -51,63 +43,6 @@ fs::path scratch(const std::string& name) {
   fs::create_directories(dir);
   return dir;
 }
-
-// One rank's model, optimizer and engine on a CPU stream of its own.
-struct RankEngine {
-  std::unique_ptr<async::Stream> stream;
-  std::unique_ptr<async::CachingAllocator> allocator;
-  std::unique_ptr<Context> ctx;
-  std::unique_ptr<modules::Sequential> model;
-  std::unique_ptr<Optimizer> optimizer;
-  std::unique_ptr<Engine> engine;
-
-  static Result<RankEngine> make(collectives::Communicator& comm, const Plan& plan, const fs::path& swap) {
-    RankEngine e;
-    COSHARD_TRY_ASSIGN(auto stream, async::Stream::create(async::Device::cpu()));
-    e.stream = std::make_unique<async::Stream>(std::move(stream));
-    COSHARD_TRY_ASSIGN(e.allocator, async::CachingAllocator::create(async::Device::cpu()));
-    COSHARD_TRY_ASSIGN(auto ctx, Context::create(*e.stream, *e.allocator));
-    e.ctx = std::make_unique<Context>(std::move(ctx));
-    COSHARD_TRY_ASSIGN(e.model, ::coshard::testing::make_regression_mlp());
-    COSHARD_TRY_ASSIGN(e.optimizer, Optimizer::adamw({}));
-    EngineOptions o;
-    o.zero_stage = plan.stage;
-    o.max_live_bytes = 4 << 10;  // stage 3: fewer units at once than the model has
-    o.offload_optimizer = plan.optimizer;
-    o.offload_params = plan.params;
-    o.nvme_path = swap / ("rank" + std::to_string(comm.rank()));
-    COSHARD_TRY_ASSIGN(e.engine, Engine::create(*e.ctx, comm, *e.model, *e.optimizer, o));
-    return e;
-  }
-  ~RankEngine() {
-    engine.reset();
-    optimizer.reset();
-    if (stream) (void)stream->synchronize();
-  }
-  RankEngine() = default;
-  RankEngine(RankEngine&&) noexcept = default;
-
-  // Steps [first, first + count) of the global batch, this rank's rows; the step losses.
-  async::Task<Result<std::vector<double>>> train(int first, int count) {
-    const int world = engine->world_size();
-    const std::int64_t rows = kMlpRows / world;
-    modules::MeanSquaredErrorLoss loss;
-    std::vector<double> losses;
-    for (int step = first; step < first + count; ++step) {
-      COSHARD_CO_TRY(co_await engine->begin_step(1, kLr));
-      COSHARD_CO_TRY_ASSIGN(auto mb, ::coshard::testing::regression_rows(*ctx, step, engine->rank() * rows, rows));
-      COSHARD_CO_TRY_ASSIGN(Tensor out, co_await ctx->forward(*model, mb.inputs));
-      loss.set_targets(mb.targets);
-      COSHARD_CO_TRY_ASSIGN(Tensor value, co_await ctx->forward(loss, out));
-      COSHARD_CO_TRY_ASSIGN(Tensor dout, co_await ctx->backward(loss, engine->backward_seed()));
-      COSHARD_CO_TRY(co_await ctx->backward(*model, dout));
-      COSHARD_CO_TRY(engine->add_loss(value));
-      COSHARD_CO_TRY_ASSIGN(auto stats, co_await engine->finish_step());
-      losses.push_back(stats.loss);
-    }
-    co_return losses;
-  }
-};
 
 Result<void> on_ranks(int world, const ::coshard::testing::RankBody& body) {
   const auto errors = ::coshard::testing::on_ranks(world, body);

@@ -1,5 +1,7 @@
 #include "command_line.hpp"
 
+#include "coshard/async/log.hpp"
+
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
@@ -122,6 +124,11 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   app.add_option("--blas-threads", o.blas_threads,
                  "OpenBLAS threads for the CPU matrix products (0: the cores divided by the ranks in this process)")
       ->check(CLI::Range(0, 4096));
+  std::string log_level;
+  auto* log_option = app.add_option("--log-level", log_level,
+                                    "log levels, over COSHARD_LOG: a level (trace, debug, info, warn, error, off) and/or "
+                                    "component=level items, comma-separated; components: async, collectives, offload, "
+                                    "modules, zero, trainer, app (e.g. warn,zero=debug)");
   // Every command-line error exits 2 (CLI11's own codes vary with the kind of error); --help 0.
   try {
     app.parse(argc, argv);
@@ -132,6 +139,13 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   } catch (const CLI::ParseError& e) {
     (void)app.exit(e);
     return 2;
+  }
+
+  if (log_option->count()) {
+    if (auto ok = log::configure(log_level); !ok) {
+      std::fprintf(stderr, "coshard-train: --log-level: %s\n", ok.error().message().c_str());
+      return 2;
+    }
   }
 
   // --config first, then every option given on the command line over it.

@@ -22,6 +22,7 @@
 #include <mutex>
 #include <thread>
 
+#include "coshard/async/log.hpp"
 #include "coshard/async/memory.hpp"
 #include "coshard/async/runtime.hpp"
 #include "coshard/collectives/env.hpp"
@@ -213,6 +214,11 @@ int run(const Options& o) {
                                                    : modules::default_cpu_math_threads(torchrun ? 1 : o.world_size));
   if (torchrun || (o.device == "cuda" && o.world_size == 1)) {
     // One process per rank: NCCL on a GPU, or Local for a single CPU rank.
+    if (torchrun) {
+      if (const auto env = collectives::read_torchrun_env()) log::set_thread_rank(env->rank);
+    } else {
+      log::set_thread_rank(0);
+    }
     async::Runtime rt;
     collectives::FromEnvOptions env;
     env.force_cpu = o.device == "cpu";
@@ -255,6 +261,7 @@ int run(const Options& o) {
       try {
         threads.emplace_back([&, r] {
           try {
+            log::set_thread_rank(r);  // this thread's lines, and its runtime's, name the rank
             async::Runtime rt;
             auto done = rt.block_on(run_rank(o, *(*comms)[static_cast<std::size_t>(r)], *data, shared, true));
             if (!done) rank_failed(r, done.error().message());

@@ -191,6 +191,7 @@ async::Task<Result<void>> Engine::load_checkpoint(const fs::path& dir, const Che
   async::Runtime* rt = async::Runtime::current();
   if (!rt) co_return fail(ErrorCode::invalid_argument, "load_checkpoint: must be awaited on a coshard Runtime");
   Loader loader{units(), shard_layout(), s.rank, s.o.dtype, std::string(s.optimizer->name()), options.run};
+  COSHARD_LOG_DEBUG(zero, "load_checkpoint {}: reading and checking this rank's part", dir.string());
   auto read = [&dir, &loader]() { return read_checkpoint(dir, loader); };
   auto loaded = co_await rt->spawn_blocking(std::move(read));
   // No state changes unless every rank read and checked its part.
@@ -201,6 +202,7 @@ async::Task<Result<void>> Engine::load_checkpoint(const fs::path& dir, const Che
 
   // An engine given no values yet (no initialize) gets some first: the visit below rewrites
   // every block in place, and with nvme offload reads each swap file before writing it.
+  COSHARD_LOG_DEBUG(zero, "load_checkpoint {}: every rank can load step {}; writing the shards", dir.string(), loaded->step);
   if (!s.has_values) COSHARD_CO_TRY(co_await initialize(0));
   // Every rank checked its part: each unit's block goes in as the placement visits it (with nvme
   // offload, into the swap buffer that is then written back to the store).
@@ -218,6 +220,7 @@ async::Task<Result<void>> Engine::load_checkpoint(const fs::path& dir, const Che
   COSHARD_CO_TRY(co_await visit_shards(load_unit, true));
   COSHARD_CO_TRY(ctx.copy_from_host(s.optimizer->step_state(), loaded->optimizer_state));
   s.steps_done = loaded->step;
+  COSHARD_LOG_INFO(zero, "loaded checkpoint {} (step {})", dir.string(), loaded->step);
   co_return Result<void>{};
 }
 

@@ -265,6 +265,8 @@ async::Task<Result<void>> Engine::save_checkpoint(const fs::path& dir, Checkpoin
     c.store = std::move(store);
     c.store_dir = dir;
   }
+  COSHARD_LOG_DEBUG(zero, "checkpoint {}: {} bytes staged; writing {} behind training", pending.name, total,
+                    (dir / (pending.name + ".partial") / file_name).string());
   pending.write = rt->spawn(write_rank_file(c.store, pending.name + ".partial", s.rank, std::move(staged), total));
   c.pending = std::move(pending);
   co_return Result<void>{};
@@ -284,6 +286,8 @@ async::Task<Result<void>> Engine::State::publish_checkpoint() {
   // Every rank learns every rank's outcome: [ok, bytes, crc].
   std::vector<std::int64_t> mine{written ? 1 : 0, written ? static_cast<std::int64_t>(written->bytes) : 0,
                                  written ? static_cast<std::int64_t>(written->crc32) : 0};
+  COSHARD_LOG_DEBUG(zero, "checkpoint {}: this rank's file {}; exchanging every rank's outcome", p.name,
+                    written ? "written" : "failed");
   COSHARD_CO_TRY_ASSIGN(auto all, co_await all_ranks(std::move(mine)));
   if (!written) co_return fail(std::move(written).error().with_context("checkpoint " + p.name));
   for (int r = 0; r < world; ++r)
@@ -316,6 +320,7 @@ async::Task<Result<void>> Engine::State::publish_checkpoint() {
   if (status[0] != 1)
     co_return fail(ErrorCode::io, "checkpoint ", p.name, ": rank 0 could not publish it",
                    error.empty() ? std::string() : ": " + error);
+  COSHARD_LOG_INFO(zero, "checkpoint {} published in {}", p.name, p.dir.string());
   co_return Result<void>{};
 }
 

@@ -108,6 +108,9 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     return fail(ErrorCode::invalid_argument, "Engine: the communicator's stream runs on ",
                 comm.stream().device().to_string(), ", the compute stream on ", ctx.device().to_string());
 
+  // A loop of the user's own may not have named its thread's rank: the log lines of this rank's
+  // reactor name it from here on.
+  if (log::thread_rank() < 0) log::set_thread_rank(comm.rank());
   auto s = std::make_unique<State>();
   s->ctx = &ctx;
   s->comm = &comm;
@@ -226,6 +229,9 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     COSHARD_TRY(s->streams_after_epoch());
   }
   s->gather_ms.assign(s->units.size(), -1.0);
+  COSHARD_LOG_INFO(zero, "engine: stage {}, {} of {} ranks on {} ({}), {} fetch units, max_live_bytes {}, optimizer on {}, "
+                   "parameters on {}", o.zero_stage, s->rank, s->world, ctx.device().to_string(), comm.backend(),
+                   s->units.size(), o.max_live_bytes, to_string(o.offload_optimizer), to_string(o.offload_params));
   auto engine = std::unique_ptr<Engine>(new Engine(std::move(s)));
   ctx.set_hooks(engine.get());
   return engine;

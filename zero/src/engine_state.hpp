@@ -9,6 +9,7 @@
 
 #include "coshard/async/channel.hpp"
 #include "coshard/async/join_handle.hpp"
+#include "coshard/async/log.hpp"
 #include "coshard/async/runtime.hpp"
 #include "coshard/async/stream_budget.hpp"
 #include "coshard/offload/pinned_pool.hpp"

@@ -58,6 +58,9 @@ Result<void> Engine::State::issue_gather(Unit& u, async::Semaphore::Permit permi
   u.gather = Gather::in_flight;
   u.permit = std::move(permit);
   logical_live += u.info.padded_bytes;
+  COSHARD_LOG_DEBUG(zero, "{} unit {} ({}): gather of {} bytes issued on {}; live {} of max_live_bytes {}",
+                    ahead ? "prefetch" : "fetch", u.index, u.info.name, u.info.padded_bytes, cs.name(), logical_live,
+                    o.max_live_bytes);
   // (held: what the host has gathered, and released bytes whose last use has not passed yet)
   stats.peak_live_bytes = std::max(stats.peak_live_bytes, logical_live + budget->pending());
   ++stats.gathers;
@@ -77,6 +80,8 @@ Result<void> Engine::State::release(Unit& u) {
   settle_prefetch(u);
   u.gather = Gather::released;
   logical_live -= u.info.padded_bytes;
+  COSHARD_LOG_DEBUG(zero, "release unit {} ({}): {} bytes back once {} passes its last use; live {} of max_live_bytes {}",
+                    u.index, u.info.name, u.info.padded_bytes, ctx->stream().name(), logical_live, o.max_live_bytes);
   auto permit = std::move(*u.permit);
   u.permit.reset();
   return budget->release_after(std::move(last_use), std::move(permit));
@@ -93,6 +98,8 @@ async::Task<Result<void>> Engine::State::fetch(Unit& u) {
       COSHARD_CO_TRY(abandon_trace());
   }
   if (u.gather != Gather::released) ++stats.prefetch_hits;
+  COSHARD_LOG_DEBUG(zero, "fetch unit {} ({}) in {}: {}", u.index, u.info.name, phase,
+                    u.gather == Gather::released ? "not resident, gathering now" : "resident (prefetched or kept)");
   settle_prefetch(u);
   if (u.gather == Gather::released) {
     COSHARD_CO_TRY(co_await shard_placement->make_ready(*this, u));

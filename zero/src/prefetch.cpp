@@ -26,6 +26,7 @@ Result<void> Engine::State::end_pass() {
   const auto it = traces.find(phase);
   if (it == traces.end() || it->second != recording) {
     if (it != traces.end()) stats.trace_changed = true;
+    COSHARD_LOG_DEBUG(zero, "{}: trace of {} fetches recorded", phase, recording.size());
     traces[phase] = recording;
   }
   trace = nullptr;
@@ -33,6 +34,8 @@ Result<void> Engine::State::end_pass() {
 }
 
 Result<void> Engine::State::abandon_trace() {
+  COSHARD_LOG_DEBUG(zero, "{}: the fetch order left the recorded trace at position {} of {}; prefetched units released",
+                    phase, trace_pos, trace ? trace->size() : 0);
   trace = nullptr;
   stats.trace_changed = true;
   for (auto& u : units)
@@ -70,7 +73,11 @@ Result<Engine::State::Awaiting> Engine::State::prefetch_ahead() {
     } else {
       permit = budget->semaphore().try_acquire(v.info.padded_bytes);
     }
-    if (!permit) return Awaiting{v.info.padded_bytes, nullptr};  // free once released units' last uses pass
+    if (!permit) {
+      COSHARD_LOG_DEBUG(zero, "prefetch unit {} ({}): waits for {} budget bytes (live {}, {} pending release)", v.index,
+                        v.info.name, v.info.padded_bytes, logical_live, budget->pending());
+      return Awaiting{v.info.padded_bytes, nullptr};  // free once released units' last uses pass
+    }
     COSHARD_TRY(issue_gather(v, std::move(*permit), true));
     v.prefetched = true;
     prefetched_bytes += v.info.padded_bytes;

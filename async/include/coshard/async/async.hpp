@@ -7,6 +7,7 @@
 #include "coshard/async/event.hpp"
 #include "coshard/async/files.hpp"
 #include "coshard/async/join_handle.hpp"
+#include "coshard/async/log.hpp"
 #include "coshard/async/memory.hpp"
 #include "coshard/async/net.hpp"
 #include "coshard/async/result.hpp"

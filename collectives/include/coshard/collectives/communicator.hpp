@@ -57,6 +57,9 @@ struct CollectiveOp {
   }
 };
 
+// "[all_gather(count=1024, f32), barrier()]": a group's ops, for errors and log lines.
+std::string describe(std::span<const CollectiveOp> ops);
+
 // Collectives to launch together. Build it, then Communicator::launch(group).
 class Coalesced {
  public:
