@@ -15,6 +15,9 @@ find_package(ZLIB REQUIRED)
 # the log's logger; linked privately, but a static library's consumers link it too.
 find_package(fmt REQUIRED)
 find_package(spdlog REQUIRED)
+# protobuf (lite): TensorBoard's event messages in coshard::trainer; linked privately, but a
+# static library's consumers link it too.
+find_package(Protobuf REQUIRED)
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(COSHARD_URING REQUIRED IMPORTED_TARGET GLOBAL liburing)
 # OpenBLAS (the CPU matrix products of coshard::modules); linked privately, but a static

@@ -192,6 +192,26 @@ TEST(CoshardTrain, LogLevelsWriteEachRanksLines) {
   EXPECT_EQ(bad_env.output.find(" D collectives "), std::string::npos) << bad_env.output;
 }
 
+// --tensorboard: rank 0's event file in the folder (created), one record per step after the
+// version; a folder that is a file is refused before anything runs.
+TEST(CoshardTrain, TensorBoardFolderGetsAnEventFile) {
+  const fs::path dir = scratch("tensorboard");
+  const auto r = run(with(kTiny, {"--steps", "3", "--world-size", "2", "--tensorboard", (dir / "tb" / "run1").string()}), dir);
+  ASSERT_EQ(r.code, 0) << r.output;
+  std::vector<fs::path> files;
+  for (const auto& e : fs::directory_iterator(dir / "tb" / "run1")) files.push_back(e.path());
+  ASSERT_EQ(files.size(), 1u);
+  EXPECT_EQ(files[0].filename().string().rfind("events.out.tfevents.", 0), 0u) << files[0];
+  EXPECT_GT(fs::file_size(files[0]), 3u * 16u);
+
+  std::ofstream(dir / "plain.txt") << "keep me";
+  const auto bad = run(with(kTiny, {"--steps", "1", "--tensorboard", (dir / "plain.txt").string()}), dir);
+  EXPECT_EQ(bad.code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("--tensorboard"), std::string::npos) << bad.output;
+  EXPECT_NE(bad.output.find("plain.txt"), std::string::npos) << bad.output;
+  EXPECT_EQ(slurp(dir / "plain.txt"), "keep me");
+}
+
 TEST(CoshardTrain, TakesADeepSpeedConfig) {
   const fs::path dir = scratch("config");
   std::ofstream(dir / "ds.json") << R"({"gradient_accumulation_steps": 2,

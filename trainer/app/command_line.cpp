@@ -114,6 +114,11 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
                "a fresh run in a --checkpoint-dir that holds checkpoints: remove them first (without it, refused)")
       ->excludes("--resume");
   app.add_option("--export", o.export_path, "write the consolidated model as safetensors at the end");
+  std::string tensorboard;
+  auto* tensorboard_option = app.add_option(
+      "--tensorboard", tensorboard,
+      "write TensorBoard event files into this folder (rank 0; loss, lr, grad norm, tokens/s, step time, exposed "
+      "communication, hit rate, swap bytes, peak memory each step): tensorboard --logdir FOLDER");
   app.add_flag("--quiet", o.quiet, "no progress output");
   bool skip_memory_check = false;
   app.add_flag("--skip-memory-check", skip_memory_check,
@@ -199,6 +204,7 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   c.keep_checkpoints = o.keep_checkpoints;
   if (step_in_backward) c.step_in_backward = true;
   c.record_timeline = !o.trace.empty();
+  if (tensorboard_option->count()) c.tensorboard_dir = tensorboard;
   if (skip_memory_check) c.check_memory = false;
   if (auto ok = c.validate(); !ok) {
     std::fprintf(stderr, "coshard-train: %s\n", ok.error().message().c_str());

@@ -358,6 +358,7 @@ int main(int argc, char** argv) {
   if (!o.trace.empty()) paths.output_files.push_back({"--trace", o.trace});
   if (!o.export_path.empty()) paths.output_files.push_back({"--export", o.export_path});
   if (!o.checkpoint_dir.empty()) paths.output_folders.push_back({"--checkpoint-dir", o.checkpoint_dir});
+  if (!c.tensorboard_dir.empty()) paths.output_folders.push_back({"--tensorboard", c.tensorboard_dir.string()});
   if (c.offload_optimizer.device == trainer::OffloadDevice::nvme)
     paths.output_folders.push_back({"--offload-optimizer nvme", c.offload_optimizer.nvme_path});
   if (c.offload_params.device == trainer::OffloadDevice::nvme && !c.offload_params.nvme_path.empty() &&

@@ -317,6 +317,33 @@ void read_offload(Reader& r, const json& section, const std::string& prefix, Off
 //   WarmupCosineLR  warmup_min_ratio x lr -> lr over warmup_num_steps, then cosine to
 //                   cos_min_ratio x lr at total_num_steps (lr from the optimizer section)
 // warmup_type "log" (DeepSpeed's default) or "linear".
+// DeepSpeed's monitor section {"enabled": true, "output_path": "runs", "job_name": "gpt"}: event
+// files in output_path/job_name (job_name defaults to DeepSpeed's "DeepSpeedJobName").
+void read_tensorboard(Reader& r, const json& section, TrainerConfig& c) {
+  if (!r.object(section, "tensorboard")) return;
+  bool enabled = false;
+  std::string output_path, job_name = "DeepSpeedJobName";
+  for (const auto& [key, v] : section.items()) {
+    const std::string name = "tensorboard." + key;
+    if (key == "enabled") {
+      if (auto b = r.boolean(v, name)) enabled = *b;
+    } else if (key == "output_path") {
+      if (auto s = r.string(v, name)) output_path = *s;
+    } else if (key == "job_name") {
+      if (auto s = r.string(v, name)) job_name = *s;
+    } else {
+      r.unknown.push_back(name);
+    }
+  }
+  if (!enabled) return;
+  if (output_path.empty())
+    r.bad.push_back("tensorboard.output_path: required when tensorboard.enabled is true (the folder of the event files)");
+  else if (job_name.empty() || job_name == "." || job_name == ".." || job_name.find('/') != std::string::npos)
+    r.bad.push_back("tensorboard.job_name=\"" + job_name + "\" (expected a folder name, without '/')");
+  else
+    c.tensorboard_dir = std::filesystem::path(output_path) / job_name;
+}
+
 void read_scheduler(Reader& r, const json& section, TrainerConfig& c) {
   if (!r.object(section, "scheduler")) return;
   std::string type;
@@ -493,6 +520,8 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
         if (auto n = r.count(v, key)) c.train_micro_batch_size_per_gpu = static_cast<std::int64_t>(*n);
       } else if (key == "scheduler") {
         read_scheduler(r, v, c);
+      } else if (key == "tensorboard") {
+        read_tensorboard(r, v, c);
       } else if (key == "steps_per_print" || key == "wall_clock_breakdown" || key == "prescale_gradients" ||
                  key == "gradient_predivide_factor") {
         r.notes.push_back(key + ": accepted, no effect in coshard");

@@ -1,8 +1,11 @@
 #include "coshard/trainer/trainer.hpp"
 
+#include "coshard/trainer/tensorboard.hpp"
+
 #include <nlohmann/json.hpp>
 
 #include <chrono>
+#include <optional>
 
 #include "coshard/async/runtime.hpp"
 #include "coshard/async/sync.hpp"
@@ -26,6 +29,7 @@ std::string to_json_line(const StepStats& s) {
   j["reduce_scattered_bytes"] = s.reduce_scattered_bytes;
   j["peak_gathered_bytes"] = s.peak_gathered_bytes;
   j["peak_prefetched_bytes"] = s.peak_prefetched_bytes;
+  j["peak_memory_bytes"] = s.peak_memory_bytes;
   j["blocking_waits"] = s.blocking_waits;
   j["swap_bytes"] = s.swap_bytes;
   j["prefetch_hit_rate"] = s.prefetch_hit_rate;
@@ -51,6 +55,7 @@ struct Trainer::Impl {
   modules::CrossEntropyLoss own_loss;      // the default
   modules::Loss* loss = &own_loss;         // or the builder's
   int skipped_in_a_row = 0;  // steps skipped for inf/NaN gradients, up to this one
+  std::optional<TensorBoardWriter> tensorboard;  // rank 0, with config.tensorboard_dir
 
   ~Impl() {
     engine.reset();  // a checkpoint write in flight runs on; it owns its data
@@ -171,6 +176,7 @@ async::Task<Result<StepStats>> Trainer::Impl::step(std::span<const modules::Batc
   out.reduce_scattered_bytes = e.reduce_scattered_bytes;
   out.peak_gathered_bytes = e.peak_live_bytes;
   out.peak_prefetched_bytes = e.peak_prefetched_bytes;
+  out.peak_memory_bytes = s.allocator->stats().peak_in_use_bytes;
   out.blocking_waits = async::blocking_waits();
   out.swap_bytes = e.swap_bytes;
   out.prefetch_hit_rate = e.hit_rate();
@@ -181,6 +187,7 @@ async::Task<Result<StepStats>> Trainer::Impl::step(std::span<const modules::Batc
   out.trace_changed = e.trace_changed;
   out.exposed_comm_ms = e.exposed_comm_ms;
   out.timeline = std::move(e.timeline);
+  if (s.tensorboard) COSHARD_CO_TRY(s.tensorboard->add_step(out));
   // Every rank reaches the same verdict (the skip is decided from all-reduced statistics).
   s.skipped_in_a_row = out.skipped ? s.skipped_in_a_row + 1 : 0;
   if (s.config.max_skipped_steps > 0 && s.skipped_in_a_row >= s.config.max_skipped_steps)
@@ -259,6 +266,10 @@ async::Task<Result<Trainer>> TrainerBuilder::build(modules::Module& model) const
   COSHARD_CO_TRY_ASSIGN(impl->engine, zero::Engine::create(*impl->ctx, *comm_, model, *impl->optimizer,
                                                               c_.engine_options()));
   COSHARD_CO_TRY(co_await impl->engine->initialize(c_.seed));
+  if (!c_.tensorboard_dir.empty() && comm_->rank() == 0) {
+    COSHARD_CO_TRY_ASSIGN(auto writer, TensorBoardWriter::create(c_.tensorboard_dir));
+    impl->tensorboard.emplace(std::move(writer));
+  }
   co_return Trainer(std::move(impl));
 }
 

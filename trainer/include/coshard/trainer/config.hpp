@@ -102,6 +102,9 @@ struct TrainerConfig {
   bool timing = true;
   // Also a timeline of every step (StepStats::timeline), for --trace.
   bool record_timeline = false;
+  // Rank 0 writes TensorBoard event files here (tensorboard.hpp), one event per step; empty:
+  // none. DeepSpeed's "tensorboard" section sets it to output_path/job_name.
+  std::filesystem::path tensorboard_dir;
 
   OffloadOptions offload_optimizer;  // none, cpu or nvme (path, buffer_count)
   OffloadOptions offload_params;     // none, cpu or nvme (stage 3, with offload_optimizer; nvme: in its swap files)

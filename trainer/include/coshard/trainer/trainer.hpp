@@ -37,6 +37,7 @@ struct StepStats {
   std::uint64_t gathered_bytes = 0;    // this rank's all-gather traffic for parameters
   std::uint64_t reduce_scattered_bytes = 0;
   std::uint64_t peak_gathered_bytes = 0;
+  std::uint64_t peak_memory_bytes = 0;    // the trainer's device allocator: most bytes in use at once so far
   std::uint64_t peak_prefetched_bytes = 0;  // the prefetch depth: most bytes gathered ahead of use
   std::uint64_t blocking_waits = 0;    // the runtime's counter, cumulative, process-wide
   std::uint64_t swap_bytes = 0;        // optimizer offload: gradient shards out, parameter shards back
@@ -147,6 +148,8 @@ class TrainerBuilder {
     return *this;
   }
   TrainerBuilder& warmup_steps(std::int64_t v) { c_.warmup_steps = v; return *this; }
+  // Rank 0 writes TensorBoard event files into `dir` (every scalar of every step; tensorboard.hpp).
+  TrainerBuilder& tensorboard(std::filesystem::path dir) { c_.tensorboard_dir = std::move(dir); return *this; }
   TrainerBuilder& seed(std::uint64_t v) { c_.seed = v; return *this; }
   TrainerBuilder& max_skipped_steps(int v) { c_.max_skipped_steps = v; return *this; }
   TrainerBuilder& keep_checkpoints(int v) { c_.keep_checkpoints = v; return *this; }
