@@ -2,6 +2,7 @@
 #include "coshard/collectives/local.hpp"
 
 #include "coshard/async/log.hpp"
+#include "coshard/collectives/flight_recorder.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -373,7 +374,11 @@ class LocalCommunicator final : public Communicator {
   async::Stream& stream() noexcept override { return stream_; }
   std::uint64_t launches() const noexcept override { return launches_.load(std::memory_order_relaxed); }
   Result<void> status() const override { return group_->status(); }
-  void abort(const std::string& reason) override { group_->abort(rank_, reason); }
+  void abort(const std::string& reason) override {
+    group_->abort(rank_, reason);
+    recorder_->dump_on_failure(rank_, size(), "local", "this rank failed: " + reason);
+  }
+  const FlightRecorder* flight_recorder() const noexcept override { return recorder_.get(); }
 
   Result<async::Event> launch(const Coalesced& group) override {
     for (const CollectiveOp& op : group.ops()) COSHARD_TRY(validate(op, rank_, size()));
@@ -382,13 +387,26 @@ class LocalCommunicator final : public Communicator {
     const std::uint64_t seq = next_seq_++;
     COSHARD_LOG_DEBUG(collectives, "launch #{} on {} (local, rank {} of {}): {}", seq, stream_.name(), rank_, size(),
                       describe(group.ops()));
+    recorder_->enqueued(seq, group.ops(), stream_.name());
     if (stream_.device().is_cuda()) {
-      COSHARD_TRY_ASSIGN(async::Event done, group_->run_on_device(rank_, seq, ops, stream_));
+      // Ranks sharing a GPU meet on the host and enqueue every rank's kernels: "completed" here
+      // means enqueued for every rank (nothing can hang on the device after that).
+      recorder_->started(seq);
+      auto done = group_->run_on_device(rank_, seq, ops, stream_);
+      recorder_->ended(seq, done.has_value());
+      if (!done) {
+        recorder_->dump_on_failure(rank_, size(), "local", done.error().message());
+        return done;
+      }
       launches_.fetch_add(1, std::memory_order_relaxed);
       return done;
     }
-    COSHARD_TRY(stream_.launch_fallible([g = group_, r = rank_, seq, ops = std::move(ops)]() -> Result<void> {
-      return g->run(r, seq, ops);
+    COSHARD_TRY(stream_.launch_fallible([g = group_, r = rank_, seq, ops = std::move(ops), rec = recorder_]() -> Result<void> {
+      rec->started(seq);
+      auto done = g->run(r, seq, ops);
+      rec->ended(seq, done.has_value());
+      if (!done) rec->dump_on_failure(r, g->size(), "local", done.error().message());
+      return done;
     }));
     launches_.fetch_add(1, std::memory_order_relaxed);
     return stream_.record();
@@ -417,6 +435,8 @@ class LocalCommunicator final : public Communicator {
   async::Stream stream_;
   std::uint64_t next_seq_ = 0;
   std::atomic<std::uint64_t> launches_{0};
+  // Shared with the closures on the stream: a queued collective may run after a failed launch.
+  std::shared_ptr<FlightRecorder> recorder_ = std::make_shared<FlightRecorder>();
 };
 
 }  // namespace

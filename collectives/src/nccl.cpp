@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "coshard/async/log.hpp"
+#include "coshard/collectives/flight_recorder.hpp"
 #include "coshard/async/runtime.hpp"
 #include "coshard/async/stream.hpp"
 #include "coshard/async/sync.hpp"
@@ -81,6 +82,7 @@ class NcclCommunicator final : public Communicator {
   int rank() const noexcept override { return rank_; }
   int size() const noexcept override { return size_; }
   std::string_view backend() const noexcept override { return "nccl"; }
+  const FlightRecorder* flight_recorder() const noexcept override { return &recorder_; }
   async::Stream& stream() noexcept override { return stream_; }
   std::uint64_t launches() const noexcept override { return launches_.load(std::memory_order_relaxed); }
 
@@ -100,6 +102,7 @@ class NcclCommunicator final : public Communicator {
       outstanding_.clear();
     }
     (void)ncclCommAbort(comm_);  // its kernels exit; the peers' watchdogs find this rank gone
+    recorder_.dump_on_failure(rank_, size_, "nccl", "this rank failed: " + reason);
   }
 
   Result<async::Event> launch(const Coalesced& group) override {
@@ -118,9 +121,10 @@ class NcclCommunicator final : public Communicator {
     const std::uint64_t seq = launches_.fetch_add(1, std::memory_order_relaxed);
     COSHARD_LOG_DEBUG(collectives, "launch #{} on {} (nccl, rank {} of {}): {}", seq, stream_.name(), rank_, size_,
                       describe(group.ops()));
+    recorder_.enqueued(seq, group.ops(), stream_.name());
     {
       std::lock_guard lock(mutex_);
-      outstanding_.push_back({done, Clock::now() + options_.timeout, launches_.load()});
+      outstanding_.push_back({done, Clock::now() + options_.timeout, seq});
     }
     return done;
   }
@@ -186,7 +190,10 @@ class NcclCommunicator final : public Communicator {
     while (!stop_) {
       cv_.wait_for(lock, std::chrono::milliseconds(50));
       if (stop_ || aborted_.load()) continue;
-      while (!outstanding_.empty() && outstanding_.front().done.ready()) outstanding_.pop_front();
+      while (!outstanding_.empty() && outstanding_.front().done.ready()) {
+        recorder_.ended(outstanding_.front().number, true);
+        outstanding_.pop_front();
+      }
       std::string reason;
       ncclResult_t async_error = ncclSuccess;
       if (ncclCommGetAsyncError(comm_, &async_error) == ncclSuccess && async_error != ncclSuccess &&
@@ -202,6 +209,8 @@ class NcclCommunicator final : public Communicator {
         aborted_.store(true);
         lock.unlock();
         (void)ncclCommAbort(comm_);  // makes its kernels exit; the communicator is gone
+        recorder_.fail_open();
+        recorder_.dump_on_failure(rank_, size_, "nccl", reason);
         lock.lock();
         outstanding_.clear();
       }
@@ -222,6 +231,7 @@ class NcclCommunicator final : public Communicator {
   void* barrier_word_;
   const NcclOptions options_;
   std::atomic<std::uint64_t> launches_{0};
+  FlightRecorder recorder_;  // locks its own mutex
 
   mutable std::mutex mutex_;  // guards everything below
   std::condition_variable cv_;

@@ -4,6 +4,7 @@
 #include "coshard/async/async.hpp"
 #include "coshard/collectives/communicator.hpp"
 #include "coshard/collectives/env.hpp"
+#include "coshard/collectives/flight_recorder.hpp"
 #include "coshard/collectives/local.hpp"
 #include "coshard/collectives/nccl.hpp"
 #include "coshard/collectives/store.hpp"

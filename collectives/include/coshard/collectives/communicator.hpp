@@ -76,6 +76,8 @@ class Coalesced {
   std::vector<CollectiveOp> ops_;
 };
 
+class FlightRecorder;  // flight_recorder.hpp
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -109,6 +111,10 @@ class Communicator {
   // communicator is aborted (its peers' watchdogs see the missing rank at their timeout).
   // Safe from any thread, idempotent; the first reason is the one reported.
   virtual void abort(const std::string& reason) = 0;
+
+  // The ring of this communicator's last collectives (flight_recorder.hpp); null for a backend
+  // that keeps none. The Local and NCCL backends keep one.
+  virtual const FlightRecorder* flight_recorder() const noexcept { return nullptr; }
 
   Result<async::Event> all_gather(const void* send, void* recv, std::size_t count, DataType dtype) {
     return launch(Coalesced{}.all_gather(send, recv, count, dtype));

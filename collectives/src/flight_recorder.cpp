@@ -1,0 +1,335 @@
+// The flight recorder's ring, its dumps and the diagnosis (rules at the top of
+// coshard/collectives/flight_recorder.hpp).
+#include "coshard/collectives/flight_recorder.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <sstream>
+
+#include "coshard/async/log.hpp"
+
+namespace coshard::collectives {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+std::int64_t now_us() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+std::mutex g_dir_mutex;
+fs::path g_dir;
+
+std::string file_name(int rank, int size) { return "rank" + std::to_string(rank) + "-of" + std::to_string(size) + ".json"; }
+
+std::string describe_entry(const CollectiveRecord& e) {
+  return "#" + std::to_string(e.seq) + " " + e.ops + " " + std::string(to_string(e.state));
+}
+
+std::string rank_names(const std::vector<int>& ranks) {
+  std::string s;
+  for (std::size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  return s;
+}
+
+}  // namespace
+
+std::string_view to_string(CollectiveState state) noexcept {
+  switch (state) {
+    case CollectiveState::enqueued: return "enqueued";
+    case CollectiveState::started: return "started";
+    case CollectiveState::completed: return "completed";
+    case CollectiveState::failed: return "failed";
+  }
+  return "unknown-state";
+}
+
+std::int64_t FlightRecord::last_completed() const noexcept {
+  std::int64_t last = -1;
+  for (const auto& e : entries)
+    if (e.state == CollectiveState::completed) last = std::max(last, static_cast<std::int64_t>(e.seq));
+  return last;
+}
+
+const CollectiveRecord* FlightRecord::first_open() const noexcept {
+  for (const auto& e : entries)
+    if (e.state != CollectiveState::completed) return &e;
+  return nullptr;
+}
+
+FlightRecorder::FlightRecorder(std::size_t capacity) : capacity_(std::max<std::size_t>(capacity, 1)) {
+  ring_.reserve(capacity_);
+}
+
+void FlightRecorder::enqueued(std::uint64_t seq, std::span<const CollectiveOp> ops, std::string_view stream) {
+  CollectiveRecord entry{seq, describe(ops), std::string(stream), now_us(), -1, -1, CollectiveState::enqueued};
+  std::lock_guard lock(mutex_);
+  if (ring_.size() < capacity_) {
+    ring_.push_back(std::move(entry));
+  } else {
+    ring_[next_] = std::move(entry);
+  }
+  next_ = (next_ + 1) % capacity_;
+  ++launched_;
+}
+
+CollectiveRecord* FlightRecorder::find(std::uint64_t seq) {
+  // Recent entries are near the slot before next_: look backwards from there.
+  for (std::size_t k = 1; k <= ring_.size(); ++k) {
+    auto& e = ring_[(next_ + capacity_ - k) % capacity_ % ring_.size()];
+    if (e.seq == seq) return &e;
+  }
+  return nullptr;
+}
+
+void FlightRecorder::started(std::uint64_t seq) {
+  const auto t = now_us();
+  std::lock_guard lock(mutex_);
+  if (auto* e = find(seq); e && e->state == CollectiveState::enqueued) {
+    e->started_us = t;
+    e->state = CollectiveState::started;
+  }
+}
+
+void FlightRecorder::ended(std::uint64_t seq, bool ok) {
+  const auto t = now_us();
+  std::lock_guard lock(mutex_);
+  if (auto* e = find(seq); e && (e->state == CollectiveState::enqueued || e->state == CollectiveState::started)) {
+    e->ended_us = t;
+    e->state = ok ? CollectiveState::completed : CollectiveState::failed;
+  }
+}
+
+void FlightRecorder::fail_open() {
+  const auto t = now_us();
+  std::lock_guard lock(mutex_);
+  for (auto& e : ring_) {
+    if (e.state == CollectiveState::enqueued || e.state == CollectiveState::started) {
+      e.ended_us = t;
+      e.state = CollectiveState::failed;
+    }
+  }
+}
+
+std::vector<CollectiveRecord> FlightRecorder::snapshot() const {
+  std::lock_guard lock(mutex_);
+  std::vector<CollectiveRecord> out;
+  out.reserve(ring_.size());
+  const std::size_t start = ring_.size() < capacity_ ? 0 : next_;
+  for (std::size_t k = 0; k < ring_.size(); ++k) out.push_back(ring_[(start + k) % ring_.size()]);
+  return out;
+}
+
+std::uint64_t FlightRecorder::launched() const {
+  std::lock_guard lock(mutex_);
+  return launched_;
+}
+
+void FlightRecorder::dump_on_failure(int rank, int size, std::string_view backend, std::string_view reason) {
+  const fs::path dir = flight_recorder_dir();
+  {
+    std::lock_guard lock(mutex_);
+    if (dir.empty() || dumped_) return;
+    dumped_ = true;
+  }
+  fail_open();
+  FlightRecord record{rank, size, std::string(backend), std::string(reason), now_us(), launched(), snapshot()};
+  if (auto written = write_flight_record(record, dir); !written)
+    COSHARD_LOG_ERROR(collectives, "flight recorder: {}", written.error().message());
+}
+
+void set_flight_recorder_dir(const fs::path& dir) {
+  std::lock_guard lock(g_dir_mutex);
+  g_dir = dir;
+}
+
+fs::path flight_recorder_dir() {
+  std::lock_guard lock(g_dir_mutex);
+  return g_dir;
+}
+
+Result<fs::path> write_flight_record(const Communicator& comm, std::string_view reason, const fs::path& dir) {
+  FlightRecord record{comm.rank(), comm.size(), std::string(comm.backend()), std::string(reason), now_us(), 0, {}};
+  if (const FlightRecorder* recorder = comm.flight_recorder()) {
+    record.launched = recorder->launched();
+    record.entries = recorder->snapshot();
+  }
+  return write_flight_record(record, dir);
+}
+
+Result<fs::path> write_flight_record(const FlightRecord& r, const fs::path& dir) {
+  json j;
+  j["format"] = "coshard.flight_record";
+  j["rank"] = r.rank;
+  j["size"] = r.size;
+  j["backend"] = r.backend;
+  j["reason"] = r.reason;
+  j["written_us"] = r.written_us;
+  j["launched"] = r.launched;
+  json entries = json::array();
+  for (const auto& e : r.entries)
+    entries.push_back({{"seq", e.seq}, {"ops", e.ops}, {"stream", e.stream}, {"enqueued_us", e.enqueued_us},
+                       {"started_us", e.started_us}, {"ended_us", e.ended_us}, {"state", std::string(to_string(e.state))}});
+  j["entries"] = std::move(entries);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return fail(ErrorCode::io, "flight recorder folder ", dir.string(), ": ", ec.message());
+  const fs::path path = dir / file_name(r.rank, r.size);
+  const fs::path partial = path.string() + ".partial";
+  {
+    std::ofstream out(partial, std::ios::trunc);
+    out << j.dump(1) << '\n';
+    out.flush();
+    if (!out) return fail(ErrorCode::io, "flight recorder file ", partial.string(), ": write failed");
+  }
+  fs::rename(partial, path, ec);
+  if (ec) return fail(ErrorCode::io, "flight recorder file ", path.string(), ": ", ec.message());
+  // The last entries to the log as well: a run whose folder is lost still shows them.
+  const std::size_t shown = std::min<std::size_t>(r.entries.size(), 4);
+  std::string last;
+  for (std::size_t i = r.entries.size() - shown; i < r.entries.size(); ++i)
+    last += (last.empty() ? "" : "; ") + describe_entry(r.entries[i]);
+  COSHARD_LOG_WARN(collectives, "flight recorder: rank {} of {} ({}) wrote {} of its {} collectives to {} ({}); last: {}",
+                    r.rank, r.size, r.backend, r.entries.size(), r.launched, path.string(), r.reason,
+                    last.empty() ? "none" : last);
+  return path;
+}
+
+Result<std::vector<FlightRecord>> read_flight_records(const fs::path& dir) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return fail(ErrorCode::io, "flight recorder folder ", dir.string(), ": not a folder");
+  static const std::regex name(R"(rank([0-9]+)-of([0-9]+)\.json)");
+  std::vector<FlightRecord> out;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string n = entry.path().filename().string();
+    if (!std::regex_match(n, name)) continue;
+    std::ifstream in(entry.path());
+    const json j = json::parse(in, nullptr, false);
+    auto bad = [&](const std::string& why) {
+      return fail(ErrorCode::io, "flight recorder file ", entry.path().string(), ": ", why);
+    };
+    if (j.is_discarded() || !j.is_object()) return bad("not JSON");
+    if (j.value("format", "") != "coshard.flight_record") return bad("no \"format\": \"coshard.flight_record\"");
+    try {
+      FlightRecord r;
+      r.rank = j.at("rank").get<int>();
+      r.size = j.at("size").get<int>();
+      r.backend = j.at("backend").get<std::string>();
+      r.reason = j.at("reason").get<std::string>();
+      r.written_us = j.at("written_us").get<std::int64_t>();
+      r.launched = j.at("launched").get<std::uint64_t>();
+      for (const auto& e : j.at("entries")) {
+        CollectiveRecord c;
+        c.seq = e.at("seq").get<std::uint64_t>();
+        c.ops = e.at("ops").get<std::string>();
+        c.stream = e.at("stream").get<std::string>();
+        c.enqueued_us = e.at("enqueued_us").get<std::int64_t>();
+        c.started_us = e.at("started_us").get<std::int64_t>();
+        c.ended_us = e.at("ended_us").get<std::int64_t>();
+        const auto s = e.at("state").get<std::string>();
+        bool known = false;
+        for (auto st : {CollectiveState::enqueued, CollectiveState::started, CollectiveState::completed, CollectiveState::failed})
+          if (to_string(st) == s) {
+            c.state = st;
+            known = true;
+          }
+        if (!known) return bad("state \"" + s + "\" (expected enqueued, started, completed or failed)");
+        r.entries.push_back(std::move(c));
+      }
+      if (r.rank < 0 || r.size < 1 || r.rank >= r.size)
+        return bad("rank " + std::to_string(r.rank) + " of " + std::to_string(r.size) + " (expected 0 <= rank < size)");
+      out.push_back(std::move(r));
+    } catch (const json::exception& e) {
+      return bad(std::string("a field is missing or of the wrong type: ") + e.what());
+    }
+  }
+  if (ec) return fail(ErrorCode::io, "flight recorder folder ", dir.string(), ": ", ec.message());
+  std::sort(out.begin(), out.end(), [](const FlightRecord& a, const FlightRecord& b) { return a.rank < b.rank; });
+  return out;
+}
+
+std::string diagnose(std::span<const FlightRecord> records, int world_size) {
+  std::ostringstream s;
+  std::map<int, const FlightRecord*> by_rank;
+  for (const auto& r : records)
+    if (r.size == world_size) by_rank[r.rank] = &r;
+  std::vector<int> silent;
+  for (int q = 0; q < world_size; ++q)
+    if (!by_rank.count(q)) silent.push_back(q);
+  s << "flight recorder: " << world_size << " ranks, records from " << by_rank.size();
+  if (!silent.empty()) s << " (none from rank" << (silent.size() > 1 ? "s " : " ") << rank_names(silent) << ")";
+  s << "\n";
+
+  // Per rank: the last completed collective and the first one still open.
+  std::int64_t most = -1;
+  for (const auto& [q, r] : by_rank) {
+    const std::int64_t last = r->last_completed();
+    most = std::max(most, last);
+    s << "  rank " << q << ": last completed #" << last;
+    const CollectiveRecord* open = r->first_open();
+    if (open) s << "; then #" << open->seq << " " << open->ops << " " << to_string(open->state) << " on " << open->stream;
+    s << " (" << r->reason << ")\n";
+  }
+  // A silent rank took part in everything a peer completed.
+  for (int q : silent) {
+    s << "  rank " << q << ": no record (stopped, killed, or stuck outside a collective); ";
+    if (most < 0)
+      s << "its peers completed no collective: it never finished #0\n";
+    else
+      s << "its peers completed #" << most << ", which every rank takes part in: it completed #" << most
+        << " and never finished #" << most + 1 << "\n";
+  }
+
+  // The op the ranks ahead wait in, and whether they agree on it. A rank that completed as much
+  // but never launched that collective is behind too.
+  std::map<std::string, std::vector<int>> waiting_in;  // ops -> ranks in #most+1
+  std::vector<int> caught_up;                          // completed #most, not in #most+1
+  std::vector<int> behind = silent;
+  for (const auto& [q, r] : by_rank) {
+    if (r->last_completed() < most) {
+      behind.push_back(q);
+      continue;
+    }
+    bool in_next = false;
+    for (const auto& e : r->entries)
+      if (static_cast<std::int64_t>(e.seq) == most + 1) {
+        waiting_in[e.ops].push_back(q);
+        in_next = true;
+      }
+    if (!in_next) caught_up.push_back(q);
+  }
+  if (!waiting_in.empty()) behind.insert(behind.end(), caught_up.begin(), caught_up.end());
+  std::sort(behind.begin(), behind.end());
+  const std::string next = "#" + std::to_string(most + 1);
+  auto ranks_phrase = [](const std::vector<int>& ranks, const char* one, const char* many) {
+    return std::string(ranks.size() > 1 ? "ranks " : "rank ") + rank_names(ranks) + (ranks.size() > 1 ? many : one);
+  };
+  if (waiting_in.size() > 1) {
+    s << "diagnosis: mismatch at " << next << ":";
+    for (const auto& [ops, ranks] : waiting_in) s << " " << ranks_phrase(ranks, " launched ", " launched ") << ops << ";";
+    s << " every rank must launch the same collectives in the same order\n";
+  } else if (!behind.empty()) {
+    s << "diagnosis: " << ranks_phrase(behind, " is", " are") << " behind";
+    if (!waiting_in.empty()) {
+      const auto& [ops, ranks] = *waiting_in.begin();
+      s << ": " << ranks_phrase(ranks, " waits in ", " wait in ") << next << " " << ops;
+    }
+    s << "\n";
+  } else if (!waiting_in.empty()) {
+    s << "diagnosis: no rank is behind: every rank completed #" << most << " and is in " << next << " "
+      << waiting_in.begin()->first << "\n";
+  } else {
+    s << "diagnosis: no rank is behind: every rank completed #" << most << ", none is in a collective\n";
+  }
+  return s.str();
+}
+
+}  // namespace coshard::collectives

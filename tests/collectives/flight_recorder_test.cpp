@@ -1,0 +1,215 @@
+// The collective flight recorder on the Local backend: the ring, automatic dumps when a rank is
+// held outside a collective (its peers time out, their dumps name it and the last collective it
+// completed), when the ranks launch different collectives, and when a rank fails; dumps read
+// back, damaged ones refused by name, and the diagnosis in each case.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <latch>
+#include <mutex>
+#include <thread>
+
+#include "coshard/async/runtime.hpp"
+#include "coshard/collectives/flight_recorder.hpp"
+#include "coshard/collectives/local.hpp"
+
+namespace coshard::collectives {
+namespace {
+
+namespace fs = std::filesystem;
+using Body = std::function<async::Task<Result<void>>(int rank, Communicator& comm)>;
+
+fs::path scratch(const std::string& name) {
+  const fs::path p = fs::current_path() / "flight_recorder_scratch" / name;
+  fs::remove_all(p);
+  fs::create_directories(p);
+  return p;
+}
+
+// Ranks as threads on a Local group with `timeout`, dumps into `dir`; each rank's error ("" when
+// it passed).
+std::vector<std::string> run_ranks(int world, std::chrono::milliseconds timeout, const fs::path& dir, const Body& body) {
+  set_flight_recorder_dir(dir);
+  auto comms = make_local_communicators(world, {.timeout = timeout});
+  EXPECT_TRUE(comms);
+  std::vector<std::string> errors(static_cast<std::size_t>(world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      async::Runtime rt;
+      auto done = rt.block_on(body(r, *(*comms)[static_cast<std::size_t>(r)]));
+      if (!done) errors[static_cast<std::size_t>(r)] = done.error().message();
+    });
+  for (auto& t : threads) t.join();
+  set_flight_recorder_dir({});
+  return errors;
+}
+
+async::Task<Result<void>> all_reduces(Communicator& comm, std::vector<float>& data, int n) {
+  for (int i = 0; i < n; ++i) {
+    COSHARD_CO_TRY_ASSIGN(auto done, comm.all_reduce(data.data(), data.data(), data.size(), DataType::f32, ReduceOp::sum));
+    COSHARD_CO_TRY(co_await done);
+  }
+  co_return Result<void>{};
+}
+
+TEST(FlightRecorder, TheRingKeepsTheLastCollectivesInOrder) {
+  FlightRecorder ring(4);
+  const Coalesced group = Coalesced{}.all_gather(nullptr, nullptr, 8, DataType::bf16);
+  for (std::uint64_t s = 0; s < 6; ++s) ring.enqueued(s, group.ops(), "comm");
+  ring.started(4);
+  ring.ended(4, true);
+  ring.ended(5, false);
+  ring.ended(0, true);  // long gone from the ring: ignored
+  const auto entries = ring.snapshot();
+  ASSERT_EQ(entries.size(), 4u);
+  EXPECT_EQ(ring.launched(), 6u);
+  for (std::size_t i = 0; i < entries.size(); ++i) EXPECT_EQ(entries[i].seq, i + 2);
+  EXPECT_EQ(entries[0].ops, "[all_gather(count=8, bf16)]");
+  EXPECT_EQ(entries[0].stream, "comm");
+  EXPECT_EQ(entries[1].state, CollectiveState::enqueued);
+  EXPECT_EQ(entries[2].state, CollectiveState::completed);
+  EXPECT_GE(entries[2].started_us, entries[2].enqueued_us);
+  EXPECT_GE(entries[2].ended_us, entries[2].started_us);
+  EXPECT_EQ(entries[3].state, CollectiveState::failed);
+  EXPECT_EQ(entries[3].started_us, -1);
+  ring.fail_open();
+  EXPECT_EQ(ring.snapshot()[1].state, CollectiveState::failed);
+}
+
+// Rank 1 is held outside any collective after three all-reduces; ranks 0 and 2 go on into a
+// fourth. They time out, naming it, and their dumps say where it is.
+TEST(FlightRecorder, AHeldRankIsNamedByItsPeersDumpsWithItsLastCompletedCollective) {
+  const fs::path dir = scratch("held");
+  std::latch release(1);
+  const auto start = std::chrono::steady_clock::now();
+  // 2 s: far beyond any scheduling delay of the first three, even under a sanitizer and load.
+  const auto errors = run_ranks(3, std::chrono::milliseconds(2000), dir, [&](int rank, Communicator& comm) -> async::Task<Result<void>> {
+    std::vector<float> data(4, 1.0f);
+    auto first = co_await all_reduces(comm, data, 3);
+    if (rank == 1) {
+      if (first) release.wait();  // held: never launches #3
+      co_return first;
+    }
+    Result<void> fourth = std::move(first);
+    if (fourth) fourth = co_await all_reduces(comm, data, 1);  // (no co_await in a ?: under GCC 12)
+    if (rank == 0) release.count_down();  // on every path: rank 1 is never left held
+    co_return fourth;
+  });
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(60)) << "the run did not end";
+  EXPECT_EQ(errors[1], "");
+  for (int r : {0, 2}) {
+    EXPECT_NE(errors[static_cast<std::size_t>(r)].find("timed out after 2000 ms waiting for ranks [1]"), std::string::npos)
+        << errors[static_cast<std::size_t>(r)];
+  }
+  EXPECT_TRUE(fs::exists(dir / "rank0-of3.json"));
+  EXPECT_TRUE(fs::exists(dir / "rank2-of3.json"));
+  EXPECT_FALSE(fs::exists(dir / "rank1-of3.json")) << "the held rank had nothing fail";
+
+  auto records = read_flight_records(dir);
+  ASSERT_TRUE(records) << records.error().message();
+  ASSERT_EQ(records->size(), 2u);
+  for (const auto& r : *records) {
+    EXPECT_EQ(r.backend, "local");
+    EXPECT_EQ(r.launched, 4u);
+    EXPECT_EQ(r.last_completed(), 2);
+    ASSERT_NE(r.first_open(), nullptr);
+    EXPECT_EQ(r.first_open()->seq, 3u);
+    EXPECT_EQ(r.first_open()->state, CollectiveState::failed);
+    EXPECT_NE(r.reason.find("waiting for ranks [1]"), std::string::npos) << r.reason;
+  }
+  const std::string text = diagnose(*records, 3);
+  EXPECT_NE(text.find("records from 2 (none from rank 1)"), std::string::npos) << text;
+  EXPECT_NE(text.find("rank 1: no record (stopped, killed, or stuck outside a collective); its peers completed #2, "
+                      "which every rank takes part in: it completed #2 and never finished #3"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("diagnosis: rank 1 is behind: ranks 0, 2 wait in #3 [all_reduce(count=4, f32, sum)]"),
+            std::string::npos)
+      << text;
+}
+
+TEST(FlightRecorder, DifferentCollectivesAtOneSequenceNumberAreAMismatch) {
+  const fs::path dir = scratch("mismatch");
+  const auto errors = run_ranks(2, std::chrono::seconds(30), dir, [&](int rank, Communicator& comm) -> async::Task<Result<void>> {
+    std::vector<float> data(8, 1.0f);
+    COSHARD_CO_TRY(co_await all_reduces(comm, data, 1));
+    auto done = rank == 0 ? comm.all_reduce(data.data(), data.data(), 4, DataType::f32, ReduceOp::sum)
+                          : comm.broadcast(data.data(), data.data(), 4, DataType::f32, 0);
+    if (!done) co_return fail(std::move(done).error());
+    co_return co_await *done;
+  });
+  EXPECT_NE(errors[0], "");
+  EXPECT_NE(errors[1], "");
+  auto records = read_flight_records(dir);
+  ASSERT_TRUE(records) << records.error().message();
+  ASSERT_EQ(records->size(), 2u);
+  const std::string text = diagnose(*records, 2);
+  EXPECT_NE(text.find("diagnosis: mismatch at #1: rank 0 launched [all_reduce(count=4, f32, sum)]; rank 1 launched "
+                      "[broadcast(count=4, f32, root=0)];"),
+            std::string::npos)
+      << text;
+}
+
+TEST(FlightRecorder, AFailedRankDumpsItsReasonAndItsPeersTheirs) {
+  const fs::path dir = scratch("failed");
+  const auto errors = run_ranks(2, std::chrono::seconds(30), dir, [&](int rank, Communicator& comm) -> async::Task<Result<void>> {
+    std::vector<float> data(4, 1.0f);
+    COSHARD_CO_TRY(co_await all_reduces(comm, data, 2));
+    if (rank == 1) {
+      comm.abort("out of host memory");
+      co_return Result<void>{};
+    }
+    co_return co_await all_reduces(comm, data, 1);
+  });
+  EXPECT_NE(errors[0].find("rank 1 of Local group of 2 failed: out of host memory"), std::string::npos) << errors[0];
+  auto records = read_flight_records(dir);
+  ASSERT_TRUE(records) << records.error().message();
+  ASSERT_EQ(records->size(), 2u);
+  EXPECT_EQ((*records)[1].reason, "this rank failed: out of host memory");
+  EXPECT_EQ((*records)[1].last_completed(), 1);
+  EXPECT_EQ((*records)[1].first_open(), nullptr);
+  EXPECT_EQ((*records)[0].first_open()->seq, 2u);
+  const std::string text = diagnose(*records, 2);
+  EXPECT_NE(text.find("diagnosis: rank 1 is behind: rank 0 waits in #2 [all_reduce(count=4, f32, sum)]"), std::string::npos) << text;
+}
+
+TEST(FlightRecorder, OnDemandDumpsRoundTripAndDamagedOnesAreRefused) {
+  const fs::path dir = scratch("on_demand");
+  const auto errors = run_ranks(2, std::chrono::seconds(30), {}, [&](int, Communicator& comm) -> async::Task<Result<void>> {
+    std::vector<float> data(4, 1.0f);
+    COSHARD_CO_TRY(co_await all_reduces(comm, data, 5));
+    auto written = write_flight_record(comm, "SIGUSR1", dir);
+    if (!written) co_return fail(std::move(written).error());
+    co_return Result<void>{};
+  });
+  ASSERT_EQ(errors[0], "");
+  ASSERT_EQ(errors[1], "");
+  auto records = read_flight_records(dir);
+  ASSERT_TRUE(records) << records.error().message();
+  ASSERT_EQ(records->size(), 2u);
+  EXPECT_EQ((*records)[0].reason, "SIGUSR1");
+  EXPECT_EQ((*records)[0].entries.size(), 5u);
+  EXPECT_EQ((*records)[0].entries[4].stream, "comm rank 0/2");
+  EXPECT_NE(diagnose(*records, 2).find("diagnosis: no rank is behind: every rank completed #4, none is in a collective"),
+            std::string::npos);
+
+  std::ofstream(dir / "rank3-of4.json") << "{\"format\": \"coshard.flight_record\", \"rank\": 3}";
+  auto missing_field = read_flight_records(dir);
+  ASSERT_FALSE(missing_field);
+  EXPECT_NE(missing_field.error().message().find("rank3-of4.json: a field is missing"), std::string::npos)
+      << missing_field.error().message();
+  std::ofstream(dir / "rank3-of4.json") << "not json";
+  auto not_json = read_flight_records(dir);
+  ASSERT_FALSE(not_json);
+  EXPECT_NE(not_json.error().message().find("rank3-of4.json: not JSON"), std::string::npos);
+  auto no_folder = read_flight_records(dir / "absent");
+  ASSERT_FALSE(no_folder);
+  EXPECT_NE(no_folder.error().message().find("absent: not a folder"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace coshard::collectives
