@@ -212,6 +212,67 @@ TEST(CoshardTrain, TensorBoardFolderGetsAnEventFile) {
   EXPECT_EQ(slurp(dir / "plain.txt"), "keep me");
 }
 
+// --flight-recorder: SIGUSR1 in the middle of a run makes both ranks write their rings and prints
+// the diagnosis, and the run goes on; --flight-report reads the folder back.
+TEST(CoshardTrain, FlightRecorderAnswersSigusr1AndReportsAFolder) {
+  const fs::path dir = scratch("flight_sigusr1");
+  const fs::path dumps = dir / "dumps";
+  const fs::path out = dir / "out.txt";
+  const pid_t pid = start(with(kTiny, {"--steps", "1000000", "--world-size", "2", "--flight-recorder", dumps.string(),
+                                       "--metrics", (dir / "m.jsonl").string()}),
+                          out);
+  ASSERT_GT(pid, 0);
+  // Once it trains (a metrics line), ask for the dump, and wait for both files.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (std::chrono::steady_clock::now() < deadline && (!fs::exists(dir / "m.jsonl") || fs::file_size(dir / "m.jsonl") == 0))
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ::kill(pid, SIGUSR1);
+  while (std::chrono::steady_clock::now() < deadline &&
+         !(fs::exists(dumps / "rank0-of2.json") && fs::exists(dumps / "rank1-of2.json") &&
+           slurp(out).find("diagnosis: ") != std::string::npos))
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ::kill(pid, SIGTERM);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  const std::string output = slurp(out);
+  ASSERT_TRUE(WIFEXITED(status)) << output;
+  EXPECT_EQ(WEXITSTATUS(status), 128 + SIGTERM) << "the dump did not end the run: " << output;
+  EXPECT_NE(output.find("flight recorder: 2 ranks, records from 2\n"), std::string::npos) << output;
+  EXPECT_NE(output.find("(SIGUSR1)\n"), std::string::npos) << output;
+  EXPECT_NE(output.find("diagnosis: "), std::string::npos) << output;
+
+  const auto report = run({"--flight-report", dumps.string()}, dir);
+  EXPECT_EQ(report.code, 0) << report.output;
+  EXPECT_NE(report.output.find("flight recorder: 2 ranks, records from 2"), std::string::npos) << report.output;
+  fs::create_directories(dir / "empty");
+  const auto empty = run({"--flight-report", (dir / "empty").string()}, dir);
+  EXPECT_EQ(empty.code, 1) << empty.output;
+  EXPECT_NE(empty.output.find("holds no rank's record"), std::string::npos) << empty.output;
+  std::ofstream(dir / "plain.txt") << "keep me";
+  const auto bad = run(with(kTiny, {"--steps", "1", "--flight-recorder", (dir / "plain.txt").string()}), dir);
+  EXPECT_EQ(bad.code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("--flight-recorder"), std::string::npos) << bad.output;
+  EXPECT_EQ(slurp(dir / "plain.txt"), "keep me");
+}
+
+// A rank that fails (rank 0 cannot write its metrics: a file-size limit) makes every rank's
+// communicator write its ring as it fails, and the diagnosis follows the errors.
+TEST(CoshardTrain, FlightRecorderDiagnosesAFailedRun) {
+  const fs::path dir = scratch("flight_failed");
+  const fs::path dumps = dir / "dumps";
+  const auto r = run_with_file_limit(with(kTiny, {"--steps", "1000000", "--quiet", "--world-size", "2", "--metrics",
+                                                  (dir / "m.jsonl").string(), "--flight-recorder", dumps.string()}),
+                                     dir, 256 << 10);
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("flight recorder: 2 ranks, records from 2"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("(this rank failed: "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("diagnosis: "), std::string::npos) << r.output;
+  EXPECT_NE(slurp(dumps / "rank0-of2.json").find("\"reason\": \"this rank failed: --metrics"), std::string::npos);
+  EXPECT_NE(slurp(dumps / "rank1-of2.json").find("\"reason\": \"rank 0 of Local group of 2 failed: --metrics"),
+            std::string::npos)
+      << slurp(dumps / "rank1-of2.json");
+}
+
 TEST(CoshardTrain, TakesADeepSpeedConfig) {
   const fs::path dir = scratch("config");
   std::ofstream(dir / "ds.json") << R"({"gradient_accumulation_steps": 2,

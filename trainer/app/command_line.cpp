@@ -1,6 +1,7 @@
 #include "command_line.hpp"
 
 #include "coshard/async/log.hpp"
+#include "flight_dumps.hpp"
 
 #include <CLI/CLI.hpp>
 
@@ -129,6 +130,13 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   app.add_option("--blas-threads", o.blas_threads,
                  "OpenBLAS threads for the CPU matrix products (0: the cores divided by the ranks in this process)")
       ->check(CLI::Range(0, 4096));
+  app.add_option("--flight-recorder", o.flight_recorder,
+                 "collective flight recorder: each rank writes its last collectives into this folder when a collective "
+                 "times out or mismatches, a rank fails, or the process gets SIGUSR1; the diagnosis (who is behind, "
+                 "where) goes to stderr");
+  std::string flight_report;
+  auto* report_option = app.add_option("--flight-report", flight_report,
+                                       "print the diagnosis of a --flight-recorder folder and exit (0 when it holds records)");
   std::string log_level;
   auto* log_option = app.add_option("--log-level", log_level,
                                     "log levels, over COSHARD_LOG: a level (trace, debug, info, warn, error, off) and/or "
@@ -146,6 +154,7 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
     return 2;
   }
 
+  if (report_option->count()) return print_flight_diagnosis(flight_report, 0) ? 0 : 1;
   if (log_option->count()) {
     if (auto ok = log::configure(log_level); !ok) {
       std::fprintf(stderr, "coshard-train: --log-level: %s\n", ok.error().message().c_str());

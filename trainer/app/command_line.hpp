@@ -22,6 +22,7 @@ struct Options {
   std::int64_t heads = 4;
   std::int64_t vocab = 256;  // synthetic task only; a --data file is bytes (256)
   std::string data, config, init, metrics, trace, checkpoint_dir, export_path;
+  std::string flight_recorder;  // folder of the collective flight recorder's dumps
   std::int64_t checkpoint_every = 0;
   int keep_checkpoints = 0;
   int blas_threads = 0;  // 0: cores / ranks in this process

@@ -20,12 +20,14 @@
 #include <system_error>
 #include <fstream>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "coshard/async/log.hpp"
 #include "coshard/async/memory.hpp"
 #include "coshard/async/runtime.hpp"
 #include "coshard/collectives/env.hpp"
+#include "coshard/collectives/flight_recorder.hpp"
 #include "coshard/collectives/local.hpp"
 #include "coshard/modules/cpu_threads.hpp"
 #include "coshard/modules/gpt.hpp"
@@ -33,6 +35,7 @@
 #include "coshard/trainer/trainer.hpp"
 #include "progress.hpp"
 #include "command_line.hpp"
+#include "flight_dumps.hpp"
 #include "memory_check.hpp"
 #include "run_checks.hpp"
 
@@ -231,6 +234,9 @@ int run(const Options& o) {
       std::fprintf(stderr, "coshard-train: --device cuda: no CUDA device or no NCCL in this build\n");
       return 2;
     }
+    std::optional<train_app::FlightDumps> dumps;
+    if (!o.flight_recorder.empty()) dumps.emplace(o.flight_recorder, std::vector<const collectives::Communicator*>{comm->get()},
+                                                  (*comm)->size());
     auto done = rt.block_on(run_rank(o, **comm, *data, shared, false));
     if (!done) {
       shared.error((*comm)->rank(), done.error().message());
@@ -249,6 +255,12 @@ int run(const Options& o) {
     auto clock = async::Stream::create(device, {.name = "clock"});
     if (clock) {
       if (auto epoch = clock->record_timed()) shared.epoch = *epoch;
+    }
+    std::optional<train_app::FlightDumps> dumps;
+    if (!o.flight_recorder.empty()) {
+      std::vector<const collectives::Communicator*> all;
+      for (const auto& c : *comms) all.push_back(c.get());
+      dumps.emplace(o.flight_recorder, std::move(all), o.world_size);
     }
     std::vector<std::thread> threads;
     // A rank that fails, even to start, aborts its communicator: the others stop at once,
@@ -278,6 +290,9 @@ int run(const Options& o) {
   if (!shared.errors.empty()) {
     std::fflush(stdout);
     for (const auto& e : shared.errors) std::fprintf(stderr, "coshard-train: %s\n", e.c_str());
+    // What the communicators wrote as they failed (rank 0 of processes reads the shared folder).
+    if (!o.flight_recorder.empty() && (!torchrun || collectives::read_torchrun_env()->rank == 0))
+      train_app::print_flight_diagnosis(o.flight_recorder, torchrun ? collectives::read_torchrun_env()->world_size : o.world_size);
     return 1;
   }
   if (const int sig = g_stop_signal.load(); sig != 0 && shared.stopped_after >= 0) {
@@ -359,12 +374,14 @@ int main(int argc, char** argv) {
   if (!o.export_path.empty()) paths.output_files.push_back({"--export", o.export_path});
   if (!o.checkpoint_dir.empty()) paths.output_folders.push_back({"--checkpoint-dir", o.checkpoint_dir});
   if (!c.tensorboard_dir.empty()) paths.output_folders.push_back({"--tensorboard", c.tensorboard_dir.string()});
+  if (!o.flight_recorder.empty()) paths.output_folders.push_back({"--flight-recorder", o.flight_recorder});
   if (c.offload_optimizer.device == trainer::OffloadDevice::nvme)
     paths.output_folders.push_back({"--offload-optimizer nvme", c.offload_optimizer.nvme_path});
   if (c.offload_params.device == trainer::OffloadDevice::nvme && !c.offload_params.nvme_path.empty() &&
       c.offload_params.nvme_path != c.offload_optimizer.nvme_path)
     paths.output_folders.push_back({"--offload-params nvme", c.offload_params.nvme_path});
   if (auto ok = train_app::check_run_paths(paths); !ok) return usage(ok.error().message());
+  if (!o.flight_recorder.empty()) collectives::set_flight_recorder_dir(o.flight_recorder);
   if (!o.checkpoint_dir.empty()) {
     if (auto ok = train_app::prepare_checkpoint_folder(o.checkpoint_dir, o.resume, o.start_over, env->rank == 0); !ok)
       return usage(ok.error().message());

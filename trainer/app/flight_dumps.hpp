@@ -1,0 +1,37 @@
+// coshard-train's side of the flight recorder (coshard/collectives/flight_recorder.hpp): with
+// --flight-recorder DIR, SIGUSR1 makes every communicator of this process write its ring into DIR
+// and prints the diagnosis of what DIR holds; after a failed run the diagnosis is printed too.
+// --flight-report DIR prints the diagnosis of a folder and exits.
+#pragma once
+
+#include <filesystem>
+#include <thread>
+#include <vector>
+
+#include "coshard/collectives/communicator.hpp"
+
+namespace coshard::train_app {
+
+// SIGUSR1 → a dump. The handler only posts a semaphore (async-signal-safe); a thread of its own
+// writes the files, so a process whose ranks are stuck in collectives still answers.
+class FlightDumps {
+ public:
+  FlightDumps(std::filesystem::path dir, std::vector<const collectives::Communicator*> comms, int world);
+  ~FlightDumps();
+  FlightDumps(const FlightDumps&) = delete;
+  FlightDumps& operator=(const FlightDumps&) = delete;
+
+ private:
+  void run();
+
+  std::filesystem::path dir_;
+  std::vector<const collectives::Communicator*> comms_;
+  int world_;
+  std::thread thread_;
+};
+
+// The diagnosis of `dir` on stderr (after a failed run, or for --flight-report). False when the
+// folder holds no readable record (said on stderr).
+bool print_flight_diagnosis(const std::filesystem::path& dir, int world);
+
+}  // namespace coshard::train_app
