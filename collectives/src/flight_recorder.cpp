@@ -316,7 +316,7 @@ std::string diagnose(std::span<const FlightRecord> records, int world_size) {
     s << "diagnosis: mismatch at " << next << ":";
     for (const auto& [ops, ranks] : waiting_in) s << " " << ranks_phrase(ranks, " launched ", " launched ") << ops << ";";
     s << " every rank must launch the same collectives in the same order\n";
-  } else if (!behind.empty()) {
+  } else if (!behind.empty() && (!waiting_in.empty() || !silent.empty())) {
     s << "diagnosis: " << ranks_phrase(behind, " is", " are") << " behind";
     if (!waiting_in.empty()) {
       const auto& [ops, ranks] = *waiting_in.begin();
@@ -326,6 +326,15 @@ std::string diagnose(std::span<const FlightRecord> records, int world_size) {
   } else if (!waiting_in.empty()) {
     s << "diagnosis: no rank is behind: every rank completed #" << most << " and is in " << next << " "
       << waiting_in.begin()->first << "\n";
+  } else if (!behind.empty()) {
+    // Nobody waits in a collective: the ranks were moving, each dumped at its own moment.
+    s << "diagnosis: no rank waits in a collective: the run was moving when the ranks wrote their records (";
+    bool first = true;
+    for (const auto& [q, r] : by_rank) {
+      s << (first ? "" : ", ") << "rank " << q << " at #" << r->last_completed();
+      first = false;
+    }
+    s << "); nothing is stuck\n";
   } else {
     s << "diagnosis: no rank is behind: every rank completed #" << most << ", none is in a collective\n";
   }

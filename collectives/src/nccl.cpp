@@ -124,6 +124,9 @@ class NcclCommunicator final : public Communicator {
     recorder_.enqueued(seq, group.ops(), stream_.name());
     {
       std::lock_guard lock(mutex_);
+      // Launches that have passed are marked here too (an event query each, no wait), so the
+      // flight record is current between the watchdog's rounds.
+      mark_passed();
       outstanding_.push_back({done, Clock::now() + options_.timeout, seq});
     }
     return done;
@@ -185,15 +188,20 @@ class NcclCommunicator final : public Communicator {
     return {};
   }
 
+  // Under mutex_: the launches at the front whose events passed are completed.
+  void mark_passed() {
+    while (!outstanding_.empty() && outstanding_.front().done.ready()) {
+      recorder_.ended(outstanding_.front().number, true);
+      outstanding_.pop_front();
+    }
+  }
+
   void watch() {
     std::unique_lock lock(mutex_);
     while (!stop_) {
       cv_.wait_for(lock, std::chrono::milliseconds(50));
       if (stop_ || aborted_.load()) continue;
-      while (!outstanding_.empty() && outstanding_.front().done.ready()) {
-        recorder_.ended(outstanding_.front().number, true);
-        outstanding_.pop_front();
-      }
+      mark_passed();
       std::string reason;
       ncclResult_t async_error = ncclSuccess;
       if (ncclCommGetAsyncError(comm_, &async_error) == ncclSuccess && async_error != ncclSuccess &&

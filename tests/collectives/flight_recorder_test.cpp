@@ -23,7 +23,7 @@ namespace fs = std::filesystem;
 using Body = std::function<async::Task<Result<void>>(int rank, Communicator& comm)>;
 
 fs::path scratch(const std::string& name) {
-  const fs::path p = fs::current_path() / "flight_recorder_scratch" / name;
+  const fs::path p = fs::current_path() / "flight_recorder_test_scratch" / name;
   fs::remove_all(p);
   fs::create_directories(p);
   return p;
@@ -209,6 +209,24 @@ TEST(FlightRecorder, OnDemandDumpsRoundTripAndDamagedOnesAreRefused) {
   auto no_folder = read_flight_records(dir / "absent");
   ASSERT_FALSE(no_folder);
   EXPECT_NE(no_folder.error().message().find("absent: not a folder"), std::string::npos);
+}
+
+// Records written while the run moves (SIGUSR1 on a healthy run): each rank dumps at its own
+// moment, so their last completed collectives differ with none open; that is not a hang.
+TEST(FlightRecorder, RanksThatDumpedWhileMovingAreNotCalledBehind) {
+  auto record = [](int rank, std::uint64_t last) {
+    FlightRecord r{rank, 2, "nccl", "SIGUSR1", 0, last + 1, {}};
+    for (std::uint64_t s = last - 2; s <= last; ++s)
+      r.entries.push_back({s, "[all_gather(count=8, bf16)]", "comm", 1, -1, 2, CollectiveState::completed});
+    return r;
+  };
+  const std::vector<FlightRecord> moving{record(0, 40), record(1, 57)};
+  const std::string text = diagnose(moving, 2);
+  EXPECT_NE(text.find("diagnosis: no rank waits in a collective: the run was moving when the ranks wrote their records "
+                      "(rank 0 at #40, rank 1 at #57); nothing is stuck"),
+            std::string::npos)
+      << text;
+  EXPECT_EQ(text.find("behind"), std::string::npos) << text;
 }
 
 }  // namespace

@@ -26,7 +26,7 @@ TEST(EngineLog, DebugLinesNameTheRankTheUnitTheBudgetAndTheSequence) {
     lines.emplace_back(line);
   });
   ASSERT_TRUE(log::configure("warn,zero=debug,collectives=debug,offload=debug"));
-  const fs::path dir = fs::current_path() / "zero_log_scratch";
+  const fs::path dir = fs::current_path() / "zero_log_test_scratch";
   fs::remove_all(dir);
   fs::create_directories(dir);
   const testing::Plan plan{2, 3, OffloadTarget::nvme, OffloadTarget::nvme, 2 << 10};
