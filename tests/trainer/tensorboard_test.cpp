@@ -235,6 +235,12 @@ TEST(TensorBoard, DeepSpeedsSectionNamesTheFolder) {
   ASSERT_FALSE(no_path);
   EXPECT_NE(no_path.error().message().find("tensorboard.output_path: required"), std::string::npos)
       << no_path.error().message();
+  auto slash = TrainerConfig::from_json(R"({"tensorboard": {"enabled": true, "output_path": "runs", "job_name": "../x"}})",
+                                       TrainerConfig{}, &notes);
+  ASSERT_FALSE(slash);
+  EXPECT_NE(slash.error().message().find("tensorboard.job_name=\"../x\" (expected a folder name, without '/')"),
+            std::string::npos)
+      << slash.error().message();
   auto odd = TrainerConfig::from_json(R"({"tensorboard": {"enabled": "yes", "flush_secs": 5}})", TrainerConfig{}, &notes);
   ASSERT_FALSE(odd);
   EXPECT_NE(odd.error().message().find("tensorboard.enabled=\"yes\" (expected true or false)"), std::string::npos)
