@@ -59,6 +59,7 @@ Block& Block::operator=(Block&& o) noexcept {
     o.link_.reset();
     ptr_ = std::exchange(o.ptr_, nullptr);
     size_ = std::exchange(o.size_, 0);
+    requested_ = std::exchange(o.requested_, 0);
     stream_ = std::exchange(o.stream_, nullptr);
     uses_ = std::move(o.uses_);
     o.uses_.clear();
@@ -90,6 +91,7 @@ void Block::reset_after(Event last_use) noexcept {
   link_.reset();
   ptr_ = nullptr;
   size_ = 0;
+  requested_ = 0;
   stream_ = nullptr;
   uses_.clear();
 }
@@ -215,6 +217,9 @@ Result<Block> CachingAllocator::allocate(std::size_t bytes, Stream& stream) {
   if (!reused) stats_.fresh_allocations++;
   stats_.in_use_bytes += block.size_;
   stats_.peak_in_use_bytes = std::max(stats_.peak_in_use_bytes, stats_.in_use_bytes);
+  block.requested_ = size;
+  stats_.requested_in_use_bytes += size;
+  stats_.peak_requested_bytes = std::max(stats_.peak_requested_bytes, stats_.requested_in_use_bytes);
   return block;
 }
 
@@ -222,6 +227,7 @@ void CachingAllocator::release(Block& block, std::optional<Event> last_use) noex
   auto last = last_use ? Result<Event>(std::move(*last_use)) : block.stream_->record();
   std::lock_guard lock(mutex_);
   stats_.in_use_bytes -= block.size_;
+  stats_.requested_in_use_bytes -= block.requested_;
   if (!last) {
     // Without an event we cannot know when the stream is done with it: never hand it out again.
     leaked_.emplace_back(block.ptr_, block.size_);

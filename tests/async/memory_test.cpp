@@ -154,6 +154,24 @@ TEST(CachingAllocator, UseOnAnotherStreamDelaysReuseUntilThatUseCompletes) {
   EXPECT_EQ(alloc->stats().fresh_allocations, 2u);
 }
 
+// A request served by a larger cached block: the block's bytes are in use, the request's bytes
+// are what the program asked for (the same whichever block the device's timing made free).
+TEST(CachingAllocator, RequestedBytesFollowTheProgramNotTheBlockThatServedIt) {
+  auto alloc = make_allocator(Device::cpu());
+  Stream s = make_stream(Device::cpu(), "s");
+  { auto big = alloc->allocate(8192, s); }
+  ASSERT_TRUE(s.synchronize());
+  auto small = alloc->allocate(5000, s);  // within max_fit_ratio 2: the cached 8 KiB block
+  ASSERT_TRUE(small);
+  EXPECT_EQ(small->size(), 8192u);
+  EXPECT_EQ(alloc->stats().in_use_bytes, 8192u);
+  EXPECT_EQ(alloc->stats().requested_in_use_bytes, 5120u);  // 5000 rounded to the 256-byte alignment
+  EXPECT_EQ(alloc->stats().peak_requested_bytes, 8192u);     // the first request's
+  small->reset();
+  EXPECT_EQ(alloc->stats().requested_in_use_bytes, 0u);
+  EXPECT_EQ(alloc->stats().in_use_bytes, 0u);
+}
+
 TEST(CachingAllocator, TracksInUseAndPeakBytes) {
   auto alloc = make_allocator(Device::cpu());
   Stream s = make_stream(Device::cpu(), "s");

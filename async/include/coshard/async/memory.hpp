@@ -46,8 +46,13 @@ struct AllocatorOptions {
 };
 
 struct AllocatorStats {
-  std::size_t in_use_bytes = 0;
+  std::size_t in_use_bytes = 0;       // blocks handed out (a cached block may be up to max_fit_ratio x the request)
   std::size_t peak_in_use_bytes = 0;
+  // What was asked for (rounded to the alignment), whichever block served it: it follows the
+  // program's order of allocations and returns alone, not the device's timing (which cached
+  // blocks have passed their last use), so one program gives one peak.
+  std::size_t requested_in_use_bytes = 0;
+  std::size_t peak_requested_bytes = 0;
   std::size_t cached_bytes = 0;   // returned, last use completed, ready to hand out
   std::size_t pending_bytes = 0;  // returned, last use not yet known to be complete
   std::uint64_t fresh_allocations = 0;
@@ -97,6 +102,7 @@ class Block {
   std::shared_ptr<detail::AllocatorLink> link_;  // to the allocator while it lives
   void* ptr_ = nullptr;
   std::size_t size_ = 0;
+  std::size_t requested_ = 0;  // the request it served (AllocatorStats::requested_in_use_bytes)
   Stream* stream_ = nullptr;
   std::vector<Event> uses_;
 };
