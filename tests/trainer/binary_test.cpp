@@ -153,6 +153,8 @@ TEST(CoshardTrain, BadCommandLinesAreNamed) {
       {{"--dim", "30", "--heads", "4"}, "--dim 30 is not a multiple of --heads 4"},
       {{"--data", (dir / "absent.txt").string()}, "absent.txt"},
       {{"--max-live", "1KiB", "--steps", "1"}, "max_live_bytes=1024: must be at least the largest fetch unit"},
+      {{"--zero-stage", "0", "--offload-optimizer", "cpu", "--steps", "1"}, "offload_optimizer=cpu with zero_stage=0"},
+      {{"--zero-stage", "-1"}, "zero_stage=-1: expected 0, 1, 2 or 3"},
       {{"--log-level", "zero=loud"}, "--log-level: COSHARD_LOG / --log-level item 'zero=loud': level 'loud' is not one of"},
       {{"--log-level", "gpu=debug"}, "component 'gpu' is not one of async, collectives"},
   };
@@ -161,6 +163,29 @@ TEST(CoshardTrain, BadCommandLinesAreNamed) {
     EXPECT_NE(r.code, 0) << r.output;
     EXPECT_NE(r.output.find(k.expect), std::string::npos) << r.output;
   }
+}
+
+// --zero-stage 0 (plain data parallelism) trains as the sharded stages do, from the command line
+// and from a DeepSpeed config's "stage": 0.
+TEST(CoshardTrain, StageZeroTrainsLikeTheShardedStages) {
+  const fs::path dir = scratch("stage0");
+  std::map<std::string, std::vector<double>> losses;
+  for (const std::string stage : {"0", "1", "3"}) {
+    const fs::path metrics = dir / ("m" + stage + ".jsonl");
+    const auto r = run(with(kTiny, {"--steps", "8", "--world-size", "2", "--zero-stage", stage, "--metrics", metrics.string()}), dir);
+    ASSERT_EQ(r.code, 0) << r.output;
+    losses[stage] = losses_in(metrics);
+  }
+  ASSERT_EQ(losses["0"].size(), 8u);
+  for (const std::string stage : {"1", "3"})
+    for (std::size_t i = 0; i < 8; ++i)
+      EXPECT_NEAR(losses["0"][i], losses[stage][i], 1e-5 * std::abs(losses[stage][i])) << "stage " << stage << " step " << i;
+  std::ofstream(dir / "ds.json") << R"({"zero_optimization": {"stage": 0}})";
+  const fs::path metrics = dir / "config.jsonl";
+  const auto r = run(with(kTiny, {"--steps", "8", "--world-size", "2", "--config", (dir / "ds.json").string(), "--metrics",
+                                  metrics.string()}), dir);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(losses_in(metrics), losses["0"]);
 }
 
 // --log-level and COSHARD_LOG: each rank's debug lines of the component asked for, naming the

@@ -43,7 +43,7 @@ TEST(TrainerConfig, EachBadValueIsNamed) {
   };
   const Case cases[] = {
       {[](TrainerConfig& c) { c.zero_stage = 4; }, "zero_stage=4"},
-      {[](TrainerConfig& c) { c.zero_stage = 0; }, "zero_stage=0"},
+      {[](TrainerConfig& c) { c.zero_stage = -1; }, "zero_stage=-1: expected 0, 1, 2 or 3"},
       {[](TrainerConfig& c) { c.max_live_bytes = 0; }, "max_live_bytes=0"},
       {[](TrainerConfig& c) { c.gradient_accumulation_steps = 0; }, "gradient_accumulation_steps=0"},
       {[](TrainerConfig& c) { c.max_grad_norm = -1; }, "max_grad_norm=-1"},

@@ -95,7 +95,7 @@ TEST(EngineCheckpoint, ResumesAtAnyWorldSizeStageAndPlacementAsIfNeverStopped) {
   ASSERT_TRUE(fs::exists(dir / "ck" / "latest")) << "published by the loop, without finish_checkpoint";
   ASSERT_TRUE(fs::exists(dir / "ck" / "step-00000003" / "manifest.json"));
 
-  for (const Plan& plan : {Plan{2, 3}, Plan{1, 1}, Plan{3, 2}, Plan{4, 3, OffloadTarget::cpu},
+  for (const Plan& plan : {Plan{2, 3}, Plan{1, 1}, Plan{3, 2}, Plan{2, 0}, Plan{3, 0}, Plan{4, 3, OffloadTarget::cpu},
                            Plan{2, 3, OffloadTarget::nvme, OffloadTarget::nvme}, Plan{3, 3, OffloadTarget::cpu, OffloadTarget::cpu}}) {
     SCOPED_TRACE(plan.name());
     fs::remove_all(dir / "swap");
@@ -105,6 +105,30 @@ TEST(EngineCheckpoint, ResumesAtAnyWorldSizeStageAndPlacementAsIfNeverStopped) {
     for (std::size_t i = 0; i < 3; ++i) {
       const double expect = (*whole)[3 + i];
       if (plan.world == saved.world && plan.stage == saved.stage && plan.optimizer == OffloadTarget::none)
+        EXPECT_EQ((*resumed)[i], expect) << "step " << 3 + i << ": the same bits on the same plan";
+      EXPECT_NEAR((*resumed)[i], expect, 1e-6 * std::abs(expect)) << "step " << 3 + i;
+    }
+  }
+}
+
+// A stage-0 checkpoint (every rank's file holds whole units) resumes anywhere, sharded or not.
+TEST(EngineCheckpoint, AStageZeroCheckpointResumesAtEveryStage) {
+  const Plan saved{3, 0};
+  const fs::path dir = scratch("stage0");
+  auto whole = run(saved, dir / "swap", 0, 6);
+  ASSERT_TRUE(whole) << whole.error().message();
+  auto saving = run(saved, dir / "swap", 0, 6, {}, 3, dir / "ck");  // published at the second begin_step after
+  ASSERT_TRUE(saving) << saving.error().message();
+  EXPECT_EQ(*saving, *whole) << "a save does not disturb training";
+  for (const Plan& plan : {Plan{3, 0}, Plan{2, 0}, Plan{1, 1}, Plan{4, 3}, Plan{2, 2, OffloadTarget::cpu},
+                           Plan{2, 3, OffloadTarget::nvme, OffloadTarget::nvme}}) {
+    SCOPED_TRACE(plan.name());
+    fs::remove_all(dir / "swap");
+    auto resumed = run(plan, dir / "swap", 3, 3, dir / "ck");
+    ASSERT_TRUE(resumed) << resumed.error().message();
+    for (std::size_t i = 0; i < 3; ++i) {
+      const double expect = (*whole)[3 + i];
+      if (plan.world == saved.world && plan.stage == saved.stage)
         EXPECT_EQ((*resumed)[i], expect) << "step " << 3 + i << ": the same bits on the same plan";
       EXPECT_NEAR((*resumed)[i], expect, 1e-6 * std::abs(expect)) << "step " << 3 + i;
     }

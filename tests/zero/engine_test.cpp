@@ -242,7 +242,8 @@ TEST_P(ZeroStages, MatchStageZeroOnTheSameGlobalBatch) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Stages, ZeroStages,
-                         ::testing::Values(StageCase{1, FetchMode::all_gather}, StageCase{2, FetchMode::all_gather},
+                         ::testing::Values(StageCase{0, FetchMode::all_gather}, StageCase{1, FetchMode::all_gather},
+                                           StageCase{2, FetchMode::all_gather},
                                            StageCase{3, FetchMode::all_gather}, StageCase{3, FetchMode::all_reduce}),
                          [](const auto& info) {
                            return "Stage" + std::to_string(info.param.stage) +
@@ -393,18 +394,30 @@ TEST(Engine, GradientAccumulationOverMicroBatchesMatchesOneBatch) {
   }
 }
 
+// Stage 0 too: every rank holds the whole gradient there, so its norm is not summed over ranks.
 TEST(Engine, ClippingUsesTheGlobalNormAcrossRanks) {
   StepControlOptions control;
   control.max_grad_norm = 0.5f;
   const auto reference = reference_losses(5, control);
-  ZeroSetup setup;
-  setup.world = 2;
-  setup.steps = 5;
-  setup.control = control;
-  const auto run = run_zero(setup);
-  ASSERT_TRUE(run.error.empty()) << run.error;
-  const auto losses = losses_of(run);
-  for (std::size_t i = 0; i < losses.size(); ++i) EXPECT_LE(std::abs(losses[i] - reference[i]), 1e-4 * reference[i]);
+  for (const int stage : {0, 1, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    ZeroSetup setup;
+    setup.world = 2;
+    setup.steps = 5;
+    setup.control = control;
+    setup.options.zero_stage = stage;
+    const auto run = run_zero(setup);
+    ASSERT_TRUE(run.error.empty()) << run.error;
+    const auto losses = losses_of(run);
+    for (std::size_t i = 0; i < losses.size(); ++i) EXPECT_LE(std::abs(losses[i] - reference[i]), 1e-4 * reference[i]);
+    // The norm one rank alone computes over the same global batch (summed over ranks: x sqrt(2)).
+    ZeroSetup alone = setup;
+    alone.world = 1;
+    const auto single = run_zero(alone);
+    ASSERT_TRUE(single.error.empty()) << single.error;
+    const float norm = run.stats[0].back().optimizer.grad_norm;
+    EXPECT_NEAR(norm, single.stats[0].back().optimizer.grad_norm, 1e-4 * norm);
+  }
 }
 
 TEST(Engine, RejectsBadOptionsWithClearErrors) {
@@ -432,6 +445,9 @@ TEST(Engine, RejectsBadOptionsWithClearErrors) {
     std::string expect;
   };
   for (const Case& c : {Case{2, OffloadTarget::cpu, OffloadTarget::cpu, "offload_params=cpu with zero_stage=2"},
+                        Case{0, OffloadTarget::cpu, OffloadTarget::none, "offload_optimizer=cpu with zero_stage=0"},
+                        Case{0, OffloadTarget::nvme, OffloadTarget::none, "offload_optimizer=nvme with zero_stage=0"},
+                        Case{-1, OffloadTarget::none, OffloadTarget::none, "zero_stage=-1: expected 0, 1, 2 or 3"},
                         Case{3, OffloadTarget::none, OffloadTarget::cpu, "offload_params=cpu with offload_optimizer=none"},
                         Case{3, OffloadTarget::cpu, OffloadTarget::nvme, "offload_params=nvme with offload_optimizer=cpu"}}) {
     EngineOptions bad;

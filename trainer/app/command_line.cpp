@@ -60,7 +60,9 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
                                      "the step the decay reaches --min-lr (default: --steps)");
   auto* min_lr = app.add_option("--min-lr", cli.min_lr, "the learning rate the decay ends at");
   auto* seed = app.add_option("--seed", cli.seed, "seed of the initial weights and of the data");
-  auto* stage = app.add_option("--zero-stage", cli.zero_stage, "1, 2 or 3");
+  auto* stage = app.add_option("--zero-stage", cli.zero_stage,
+                               "0 (plain data parallelism: everything whole on every rank, gradients all-reduced), "
+                               "1, 2 or 3 (ZeRO: optimizer state, + gradients, + parameters sharded)");
   auto* fetch = app.add_option("--fetch-mode", fetch_mode, "stage-3 fetch collective")
                     ->check(CLI::IsMember({"all_gather", "all_reduce"}));
   auto* prefetch = app.add_option_function<std::string>(

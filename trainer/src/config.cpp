@@ -38,8 +38,8 @@ Result<void> check_offload(const OffloadOptions& o, std::string_view what, bool 
 }  // namespace
 
 Result<void> TrainerConfig::validate() const {
-  if (zero_stage < 1 || zero_stage > 3)
-    return fail(ErrorCode::invalid_argument, "zero_stage=", zero_stage, ": expected 1, 2 or 3");
+  if (zero_stage < 0 || zero_stage > 3)
+    return fail(ErrorCode::invalid_argument, "zero_stage=", zero_stage, ": expected 0, 1, 2 or 3");
   if (dtype != DataType::f32 && dtype != DataType::bf16 && dtype != DataType::f16)
     return fail(ErrorCode::invalid_argument, "dtype=", collectives::to_string(dtype), ": expected f32, bf16 or f16");
   if (reduce_dtype != dtype)
@@ -539,7 +539,7 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
       const std::string name = z + key;
       if (key == "stage") {
         if (auto n = r.count(v, name)) {
-          if (*n < 1 || *n > 3) r.bad.push_back(name + "=" + std::to_string(*n) + " (expected 1, 2 or 3)");
+          if (*n > 3) r.bad.push_back(name + "=" + std::to_string(*n) + " (expected 0, 1, 2 or 3)");
           else c.zero_stage = static_cast<int>(*n);
         }
       } else if (key == "stage3_prefetch_bucket_size") {

@@ -190,7 +190,10 @@ async::Task<Result<void>> Engine::load_checkpoint(const fs::path& dir, const Che
   COSHARD_CO_TRY(co_await finish_checkpoint());
   async::Runtime* rt = async::Runtime::current();
   if (!rt) co_return fail(ErrorCode::invalid_argument, "load_checkpoint: must be awaited on a coshard Runtime");
-  Loader loader{units(), shard_layout(), s.rank, s.o.dtype, std::string(s.optimizer->name()), options.run};
+  // Stage 0 loads the whole of every unit (its block starts at 0 on every rank). A stage-0
+  // checkpoint's blocks are whole units (shard = numel), so its rank 0 file alone serves any run.
+  Loader loader{units(), shard_layout(), s.stage0() ? 0 : s.rank, s.o.dtype, std::string(s.optimizer->name()),
+                options.run};
   COSHARD_LOG_DEBUG(zero, "load_checkpoint {}: reading and checking this rank's part", dir.string());
   auto read = [&dir, &loader]() { return read_checkpoint(dir, loader); };
   auto loaded = co_await rt->spawn_blocking(std::move(read));

@@ -102,7 +102,7 @@ Result<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, std:
   CheckpointManifest out;
   const auto step = f.integer(m, "step", 0, std::int64_t{1} << 62);
   const auto world = f.integer(m, "world_size", 1, 1 << 24);
-  const auto stage = f.integer(m, "zero_stage", 1, 3);
+  const auto stage = f.integer(m, "zero_stage", 0, 3);
   const auto dtype = f.string(m, "dtype");
   const auto optimizer = f.string(m, "optimizer");
   const auto state = f.string(m, "optimizer_state");

@@ -97,9 +97,12 @@ std::string_view to_string(OffloadTarget t) noexcept {
 
 Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Communicator& comm, Module& model,
                                                Optimizer& optimizer, EngineOptions o) {
-  if (o.zero_stage < 1 || o.zero_stage > 3)
-    return fail(ErrorCode::invalid_argument, "zero_stage=", o.zero_stage,
-                ": expected 1, 2 or 3 (stage 0 is the unsharded ParameterStore)");
+  if (o.zero_stage < 0 || o.zero_stage > 3)
+    return fail(ErrorCode::invalid_argument, "zero_stage=", o.zero_stage, ": expected 0, 1, 2 or 3");
+  if (o.zero_stage == 0 && o.offload_optimizer != OffloadTarget::none)
+    return fail(ErrorCode::invalid_argument, "offload_optimizer=", to_string(o.offload_optimizer),
+                " with zero_stage=0: offload moves the optimizer's shards, and stage 0 has none (expected zero_stage 1, 2 "
+                "or 3, as in DeepSpeed)");
   if (o.dtype != DataType::f32 && o.dtype != DataType::bf16 && o.dtype != DataType::f16)
     return fail(ErrorCode::invalid_argument, "Engine dtype ", collectives::to_string(o.dtype),
                 ": expected f32, bf16 or f16");

@@ -277,6 +277,12 @@ struct Engine::State {
   void collect_timing();
 
   bool stage3() const noexcept { return o.zero_stage == 3; }
+  bool stage0() const noexcept { return o.zero_stage == 0; }
+  // Where this rank's block of a unit starts: rank x shard when sharded; at stage 0 the block is
+  // the whole unit on every rank.
+  std::int64_t block_offset(const Unit& u) const noexcept {
+    return stage0() ? 0 : static_cast<std::int64_t>(rank) * u.info.shard;
+  }
   Unit* unit_for(const Module& m) {
     auto it = unit_of.find(&m);
     return it == unit_of.end() ? nullptr : units[it->second].get();

@@ -41,7 +41,8 @@ Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOp
     }
   }
 
-  const auto W = static_cast<std::int64_t>(world_size);
+  // Stage 0 keeps each unit whole on every rank: no padding to the world size, one block.
+  const auto W = o.zero_stage == 0 ? std::int64_t{1} : static_cast<std::int64_t>(world_size);
   const bool stage3 = o.zero_stage == 3;
   for (const auto& g : groups) {
     PlannedUnit u;

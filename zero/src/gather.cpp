@@ -20,7 +20,7 @@ Result<async::Event> Engine::State::gather_unit(Unit& u, const Tensor& whole) {
   auto& cs = comm->stream();
   const auto shard = static_cast<std::size_t>(u.info.shard);
   COSHARD_TRY_ASSIGN(const void* source, shard_placement->source(u));
-  void* mine = whole.slice(static_cast<std::int64_t>(rank) * u.info.shard, Shape{u.info.shard}).data();
+  void* mine = whole.slice(block_offset(u), Shape{u.info.shard}).data();
   Result<async::Event> done = async::Event{};
   if (o.fetch_mode == FetchMode::all_gather && shard_placement->on_device()) {
     done = comm->all_gather(source, whole.data(), shard, o.dtype);

@@ -1,6 +1,7 @@
 // Gradient reduction: stages 2-3 reduce-scatter each unit's gradient (averaged, in the compute
-// dtype) into its fp32 shard as soon as its backward is done; stage 1 reduces every unit in one
-// coalesced launch after the last micro-batch.
+// dtype) into its fp32 shard as soon as its backward is done, and stage 0 all-reduces it into its
+// fp32 copy the same way (a unit is the bucket, overlapped with the backward of the units before
+// it); stage 1 reduces every unit in one coalesced launch after the last micro-batch.
 #include "engine_state.hpp"
 
 namespace coshard::zero {
@@ -19,7 +20,7 @@ Result<void> Engine::State::allocate_gradients(Unit& u) {
     u.grad_full = Tensor(u.grad_full_block.data(), Shape{u.info.padded}, o.dtype, ctx->device());
     COSHARD_TRY(stream.fill(u.grad_full.data(), 0, u.info.padded_bytes));
     if (o.dtype == DataType::f32) {
-      u.grad_shard = u.grad_full.slice(static_cast<std::int64_t>(rank) * u.info.shard, shard_shape);  // reduced in place: no copy
+      u.grad_shard = u.grad_full.slice(block_offset(u), shard_shape);  // reduced in place: no copy
       return {};
     }
   }
@@ -51,9 +52,11 @@ Result<void> Engine::State::reduce_gradients(Unit& u) {
   if (spans_on()) {
     COSHARD_TRY_ASSIGN(started, cs.record_timed());
   }
-  Tensor mine = u.grad_full.slice(static_cast<std::int64_t>(rank) * u.info.shard, Shape{u.info.shard});
-  auto rs = comm->reduce_scatter(u.grad_full.data(), mine.data(), static_cast<std::size_t>(u.info.shard), o.dtype,
-                                 ReduceOp::avg);
+  Tensor mine = u.grad_full.slice(block_offset(u), Shape{u.info.shard});
+  auto rs = stage0() ? comm->all_reduce(u.grad_full.data(), u.grad_full.data(), static_cast<std::size_t>(u.info.padded),
+                                        o.dtype, ReduceOp::avg)
+                     : comm->reduce_scatter(u.grad_full.data(), mine.data(), static_cast<std::size_t>(u.info.shard),
+                                            o.dtype, ReduceOp::avg);
   stats.reduce_scattered_bytes += u.info.padded_bytes;
   if (!rs) return fail(std::move(rs).error().with_context("reducing the gradients of unit " + u.info.name));
   // Into the fp32 shard (bf16/f16 compute reduces in its own dtype, accumulates in fp32).
@@ -77,7 +80,7 @@ Result<void> Engine::State::reduce_gradients(Unit& u) {
     if (stepping_in_backward && u.grads_this_step == u.forward_uses) COSHARD_TRY(step_on_host(u));
   }
   if (scratch) scratch.reset_after(reduced);
-  span(false, "reduce_scatter", u.info.name, std::move(started), reduced);
+  span(false, stage0() ? "all_reduce" : "reduce_scatter", u.info.name, std::move(started), reduced);
   u.grad_full_block.record_use(reduced);
   u.grad_full_block.reset();
   u.grad_full = {};
@@ -96,7 +99,7 @@ async::Task<Result<void>> Engine::State::finish_gradients(std::size_t micro_batc
     COSHARD_CO_TRY_ASSIGN(auto started, mark(cs));
     Coalesced group;
     for (auto& u : units) {
-      Tensor mine = u->grad_full.slice(static_cast<std::int64_t>(rank) * u->info.shard, Shape{u->info.shard});
+      Tensor mine = u->grad_full.slice(block_offset(*u), Shape{u->info.shard});
       group.reduce_scatter(u->grad_full.data(), mine.data(), static_cast<std::size_t>(u->info.shard), o.dtype,
                            ReduceOp::avg);
       stats.reduce_scattered_bytes += u->info.padded_bytes;
@@ -104,9 +107,7 @@ async::Task<Result<void>> Engine::State::finish_gradients(std::size_t micro_batc
     COSHARD_CO_TRY(comm->launch(group));
     if (o.dtype != DataType::f32)  // bf16/f16: the reduced blocks into the fp32 shards
       for (auto& u : units)
-        COSHARD_CO_TRY(shard_from(*u, u->grad_full.slice(static_cast<std::int64_t>(rank) * u->info.shard,
-                                                           Shape{u->info.shard}),
-                                    u->grad_shard));
+        COSHARD_CO_TRY(shard_from(*u, u->grad_full.slice(block_offset(*u), Shape{u->info.shard}), u->grad_shard));
     COSHARD_CO_TRY_ASSIGN(auto finished, mark(cs));
     span(false, "reduce_scatter", kAllUnits, std::move(started), std::move(finished));
   } else {

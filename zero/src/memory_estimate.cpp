@@ -82,8 +82,8 @@ Result<std::vector<FetchUnitInfo>> plan_units(Module& model, int world_size, con
 
 Result<MemoryEstimate> estimate_engine_memory(Module& model, int world_size, const EngineOptions& o,
                                               std::size_t optimizer_states) {
-  if (o.zero_stage < 1 || o.zero_stage > 3)
-    return fail(ErrorCode::invalid_argument, "memory estimate: zero_stage=", o.zero_stage, ": expected 1, 2 or 3");
+  if (o.zero_stage < 0 || o.zero_stage > 3)
+    return fail(ErrorCode::invalid_argument, "memory estimate: zero_stage=", o.zero_stage, ": expected 0, 1, 2 or 3");
   COSHARD_TRY_ASSIGN(const auto units, plan_units(model, world_size, o));
   return detail::estimate_for_units(units, o, optimizer_states);
 }
@@ -118,7 +118,9 @@ MemoryEstimate detail::estimate_for_units(std::span<const FetchUnitInfo> units, 
   // reduced shards are fp32.
   if (o.zero_stage == 1) m.add(P::device, "gradients (" + dtype + ", whole)", whole);
   else m.add(P::device, "gradients in flight (two largest units)", std::min(whole, 2 * largest_unit));
-  if (!(o.zero_stage == 1 && !narrow)) m.add(P::device, "gradient shards (f32)", shards_f32);
+  // (stage 0: the "shards" are whole units, every rank holds all of them)
+  if (!(o.zero_stage == 1 && !narrow))
+    m.add(P::device, o.zero_stage == 0 ? "gradients (f32, whole)" : "gradient shards (f32)", shards_f32);
   // The optimizer: fp32 masters (apart from the parameters when bf16/f16) and its state.
   const std::string states = optimizer_states == 0 ? "" : " and " + std::to_string(optimizer_states) + " state tensor" +
                                                                (optimizer_states == 1 ? "" : "s");

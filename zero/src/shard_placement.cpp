@@ -35,7 +35,7 @@ class ShardsInMemory final : public ShardPlacement {
     COSHARD_TRY_ASSIGN(u.full_block, alloc.allocate(u.info.padded_bytes, stream));
     u.full = Tensor(u.full_block.data(), Shape{u.info.padded}, s.o.dtype, s.ctx->device());
     COSHARD_TRY(stream.fill(u.full.data(), 0, u.info.padded_bytes));
-    u.shard = u.full.slice(static_cast<std::int64_t>(s.rank) * u.info.shard, shard_shape);
+    u.shard = u.full.slice(s.block_offset(u), shard_shape);  // stage 0: the whole unit
     return {};
   }
   Result<const void*> source(const Unit& u) const override { return static_cast<const void*>(u.shard.data()); }

@@ -22,7 +22,7 @@ async::Task<Result<void>> Engine::State::cast_on_host(DataType from, const void*
 }
 
 async::Task<Result<void>> Engine::State::full_copies_from_shards() {
-  if (stage3()) co_return Result<void>{};
+  if (stage3() || stage0()) co_return Result<void>{};  // stage 0: the block is the full copy
   auto& compute = ctx->stream();
   auto& cs = comm->stream();
   COSHARD_CO_TRY(order(compute, cs));

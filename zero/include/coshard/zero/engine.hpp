@@ -8,7 +8,10 @@
 // parameter in place: the parameter views are pointer arithmetic on the gathered buffer, never a
 // copy. Every rank owns the same number of elements.
 //
-// Stages: 1 shards the optimizer state (full parameters and gradients on every rank; one
+// Stages: 0 shards nothing (plain data parallelism: every rank holds the whole of every unit,
+// its gradient and its optimizer state; each unit's gradient is all-reduced, averaged, as soon as
+// its backward is done, overlapped with the backward of the units before it; no offload);
+// 1 shards the optimizer state (full parameters and gradients on every rank; one
 // coalesced reduce-scatter of all gradients after the last micro-batch, one all-gather of the
 // updated shards after the step); 2 also shards gradients (each unit's gradient is
 // reduce-scattered, averaged, into the rank's shard as soon as its backward is done, and the full
@@ -75,7 +78,9 @@ using OptimizerOffload = OffloadTarget;
 std::string_view to_string(OffloadTarget t) noexcept;
 
 struct EngineOptions {
-  int zero_stage = 3;                      // 1, 2 or 3 (stage 0 is modules::ParameterStore)
+  // 0: plain data parallelism (parameters, gradients and optimizer state whole on every rank,
+  // each unit's gradient all-reduced as its backward ends); 1, 2, 3: ZeRO's stages.
+  int zero_stage = 3;
   DataType dtype = DataType::f32;          // parameters, activations, gradients before reduction (shards of gradients and masters are fp32)
   std::size_t module_granularity_bytes = 0;
   std::size_t max_live_bytes = std::numeric_limits<std::size_t>::max();  // gathered parameter bytes
