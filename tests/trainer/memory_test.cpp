@@ -256,7 +256,9 @@ TEST(TensorLifetime, ATensorKeptAfterTheTrainerIsGoneStaysValid) {
 
 INSTANTIATE_TEST_SUITE_P(
     Plans, EstimateBoundsTheTrainer,
-    ::testing::Values(Case{"stage1_f32", 1, DataType::f32, OffloadDevice::none, 1},
+    ::testing::Values(Case{"stage0_f32", 0, DataType::f32, OffloadDevice::none, 1},
+                      Case{"stage0_bf16_accumulating", 0, DataType::bf16, OffloadDevice::none, 2},
+                      Case{"stage1_f32", 1, DataType::f32, OffloadDevice::none, 1},
                       Case{"stage1_bf16", 1, DataType::bf16, OffloadDevice::none, 1},
                       Case{"stage2_f32", 2, DataType::f32, OffloadDevice::none, 1},
                       Case{"stage2_bf16_accumulating", 2, DataType::bf16, OffloadDevice::none, 2},
