@@ -7,7 +7,10 @@
 #include <algorithm>
 #include <chrono>
 #include <fstream>
+#include <iterator>
+#include <limits>
 #include <map>
+#include <optional>
 #include <regex>
 #include <sstream>
 
@@ -34,9 +37,12 @@ std::string describe_entry(const CollectiveRecord& e) {
   return "#" + std::to_string(e.seq) + " " + e.ops + " " + std::string(to_string(e.state));
 }
 
+// "0, 2, 5"; a long list is cut after 16 (a record of a huge world must not print millions).
 std::string rank_names(const std::vector<int>& ranks) {
+  constexpr std::size_t kShown = 16;
   std::string s;
-  for (std::size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  for (std::size_t i = 0; i < ranks.size() && i < kShown; ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  if (ranks.size() > kShown) s += ", ... (" + std::to_string(ranks.size()) + " in all)";
   return s;
 }
 
@@ -165,7 +171,7 @@ Result<fs::path> write_flight_record(const Communicator& comm, std::string_view 
   return write_flight_record(record, dir);
 }
 
-Result<fs::path> write_flight_record(const FlightRecord& r, const fs::path& dir) {
+std::string flight_record_json(const FlightRecord& r) {
   json j;
   j["format"] = "coshard.flight_record";
   j["rank"] = r.rank;
@@ -179,6 +185,10 @@ Result<fs::path> write_flight_record(const FlightRecord& r, const fs::path& dir)
     entries.push_back({{"seq", e.seq}, {"ops", e.ops}, {"stream", e.stream}, {"enqueued_us", e.enqueued_us},
                        {"started_us", e.started_us}, {"ended_us", e.ended_us}, {"state", std::string(to_string(e.state))}});
   j["entries"] = std::move(entries);
+  return j.dump(1, ' ', false, json::error_handler_t::replace) + "\n";
+}
+
+Result<fs::path> write_flight_record(const FlightRecord& r, const fs::path& dir) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return fail(ErrorCode::io, "flight recorder folder ", dir.string(), ": ", ec.message());
@@ -186,7 +196,7 @@ Result<fs::path> write_flight_record(const FlightRecord& r, const fs::path& dir)
   const fs::path partial = path.string() + ".partial";
   {
     std::ofstream out(partial, std::ios::trunc);
-    out << j.dump(1) << '\n';
+    out << flight_record_json(r);
     out.flush();
     if (!out) return fail(ErrorCode::io, "flight recorder file ", partial.string(), ": write failed");
   }
@@ -203,53 +213,106 @@ Result<fs::path> write_flight_record(const FlightRecord& r, const fs::path& dir)
   return path;
 }
 
+Result<FlightRecord> parse_flight_record(std::string_view text, std::string_view name) {
+  const json j = json::parse(text, nullptr, false);
+  std::string why;  // the first field that is wrong
+  auto note = [&](std::string what) {
+    if (why.empty()) why = std::move(what);
+  };
+  auto bad = [&](const std::string& what) { return fail(ErrorCode::io, "flight recorder file ", name, ": ", what); };
+  // Typed reads that never convert: a number of the wrong kind or range is an error, not UB.
+  auto integer = [&](const json& obj, const char* key, std::int64_t lo) -> std::optional<std::int64_t> {
+    const auto it = obj.find(key);
+    if (it == obj.end()) {
+      note(std::string("'") + key + "' is missing");
+      return std::nullopt;
+    }
+    std::int64_t v = 0;
+    if (it->is_number_unsigned()) {
+      const auto u = it->get<std::uint64_t>();
+      if (u > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())) {
+        note(std::string("'") + key + "' is out of range");
+        return std::nullopt;
+      }
+      v = static_cast<std::int64_t>(u);
+    } else if (it->is_number_integer()) {
+      v = it->get<std::int64_t>();
+    } else {
+      note(std::string("'") + key + "' is " + it->dump() + " (expected a whole number)");
+      return std::nullopt;
+    }
+    if (v < lo) {
+      note(std::string("'") + key + "' is " + std::to_string(v) + " (expected >= " + std::to_string(lo) + ")");
+      return std::nullopt;
+    }
+    return v;
+  };
+  auto string = [&](const json& obj, const char* key) -> std::optional<std::string> {
+    const auto it = obj.find(key);
+    if (it == obj.end() || !it->is_string()) {
+      note(std::string("'") + key + "' is missing or not a string");
+      return std::nullopt;
+    }
+    return it->get<std::string>();
+  };
+  if (j.is_discarded() || !j.is_object()) return bad("not JSON");
+  const auto format = j.find("format");
+  if (format == j.end() || !format->is_string() || format->get<std::string>() != "coshard.flight_record")
+    return bad("no \"format\": \"coshard.flight_record\"");
+  FlightRecord r;
+  const auto rank = integer(j, "rank", 0);
+  const auto size = integer(j, "size", 1);
+  const auto backend = string(j, "backend");
+  const auto reason = string(j, "reason");
+  const auto written = integer(j, "written_us", std::numeric_limits<std::int64_t>::min());
+  const auto launched = integer(j, "launched", 0);
+  if (!rank || !size || !backend || !reason || !written || !launched) return bad(why);
+  if (*rank >= *size || *size > (1 << 24))
+    return bad("rank " + std::to_string(*rank) + " of " + std::to_string(*size) + " (expected 0 <= rank < size <= 2^24)");
+  r.rank = static_cast<int>(*rank);
+  r.size = static_cast<int>(*size);
+  r.backend = *backend;
+  r.reason = *reason;
+  r.written_us = *written;
+  r.launched = static_cast<std::uint64_t>(*launched);
+  const auto entries = j.find("entries");
+  if (entries == j.end() || !entries->is_array()) return bad("'entries' is missing or not an array");
+  for (const auto& e : *entries) {
+    if (!e.is_object()) return bad("an entry is " + e.dump() + " (expected an object)");
+    constexpr auto kAny = std::numeric_limits<std::int64_t>::min();
+    const auto seq = integer(e, "seq", 0);
+    const auto ops = string(e, "ops");
+    const auto stream = string(e, "stream");
+    const auto enqueued = integer(e, "enqueued_us", kAny);
+    const auto started = integer(e, "started_us", -1);
+    const auto ended = integer(e, "ended_us", -1);
+    const auto state = string(e, "state");
+    if (!seq || !ops || !stream || !enqueued || !started || !ended || !state) return bad("an entry: " + why);
+    CollectiveRecord c{static_cast<std::uint64_t>(*seq), *ops, *stream, *enqueued, *started, *ended,
+                       CollectiveState::enqueued};
+    bool known = false;
+    for (auto st : {CollectiveState::enqueued, CollectiveState::started, CollectiveState::completed, CollectiveState::failed})
+      if (to_string(st) == *state) {
+        c.state = st;
+        known = true;
+      }
+    if (!known) return bad("state \"" + *state + "\" (expected enqueued, started, completed or failed)");
+    r.entries.push_back(std::move(c));
+  }
+  return r;
+}
+
 Result<std::vector<FlightRecord>> read_flight_records(const fs::path& dir) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) return fail(ErrorCode::io, "flight recorder folder ", dir.string(), ": not a folder");
   static const std::regex name(R"(rank([0-9]+)-of([0-9]+)\.json)");
   std::vector<FlightRecord> out;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    const std::string n = entry.path().filename().string();
-    if (!std::regex_match(n, name)) continue;
+    if (!std::regex_match(entry.path().filename().string(), name)) continue;
     std::ifstream in(entry.path());
-    const json j = json::parse(in, nullptr, false);
-    auto bad = [&](const std::string& why) {
-      return fail(ErrorCode::io, "flight recorder file ", entry.path().string(), ": ", why);
-    };
-    if (j.is_discarded() || !j.is_object()) return bad("not JSON");
-    if (j.value("format", "") != "coshard.flight_record") return bad("no \"format\": \"coshard.flight_record\"");
-    try {
-      FlightRecord r;
-      r.rank = j.at("rank").get<int>();
-      r.size = j.at("size").get<int>();
-      r.backend = j.at("backend").get<std::string>();
-      r.reason = j.at("reason").get<std::string>();
-      r.written_us = j.at("written_us").get<std::int64_t>();
-      r.launched = j.at("launched").get<std::uint64_t>();
-      for (const auto& e : j.at("entries")) {
-        CollectiveRecord c;
-        c.seq = e.at("seq").get<std::uint64_t>();
-        c.ops = e.at("ops").get<std::string>();
-        c.stream = e.at("stream").get<std::string>();
-        c.enqueued_us = e.at("enqueued_us").get<std::int64_t>();
-        c.started_us = e.at("started_us").get<std::int64_t>();
-        c.ended_us = e.at("ended_us").get<std::int64_t>();
-        const auto s = e.at("state").get<std::string>();
-        bool known = false;
-        for (auto st : {CollectiveState::enqueued, CollectiveState::started, CollectiveState::completed, CollectiveState::failed})
-          if (to_string(st) == s) {
-            c.state = st;
-            known = true;
-          }
-        if (!known) return bad("state \"" + s + "\" (expected enqueued, started, completed or failed)");
-        r.entries.push_back(std::move(c));
-      }
-      if (r.rank < 0 || r.size < 1 || r.rank >= r.size)
-        return bad("rank " + std::to_string(r.rank) + " of " + std::to_string(r.size) + " (expected 0 <= rank < size)");
-      out.push_back(std::move(r));
-    } catch (const json::exception& e) {
-      return bad(std::string("a field is missing or of the wrong type: ") + e.what());
-    }
+    const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+    COSHARD_TRY_ASSIGN(auto record, parse_flight_record(text, entry.path().string()));
+    out.push_back(std::move(record));
   }
   if (ec) return fail(ErrorCode::io, "flight recorder folder ", dir.string(), ": ", ec.message());
   std::sort(out.begin(), out.end(), [](const FlightRecord& a, const FlightRecord& b) { return a.rank < b.rank; });
@@ -279,7 +342,11 @@ std::string diagnose(std::span<const FlightRecord> records, int world_size) {
     s << " (" << r->reason << ")\n";
   }
   // A silent rank took part in everything a peer completed.
-  for (int q : silent) {
+  constexpr std::size_t kSilentShown = 8;  // one line each; the rest are counted
+  if (silent.size() > kSilentShown)
+    s << "  " << silent.size() - kSilentShown << " more ranks with no record than the " << kSilentShown << " below\n";
+  for (std::size_t i = 0; i < silent.size() && i < kSilentShown; ++i) {
+    const int q = silent[i];
     s << "  rank " << q << ": no record (stopped, killed, or stuck outside a collective); ";
     if (most < 0)
       s << "its peers completed no collective: it never finished #0\n";

@@ -200,7 +200,7 @@ TEST(FlightRecorder, OnDemandDumpsRoundTripAndDamagedOnesAreRefused) {
   std::ofstream(dir / "rank3-of4.json") << "{\"format\": \"coshard.flight_record\", \"rank\": 3}";
   auto missing_field = read_flight_records(dir);
   ASSERT_FALSE(missing_field);
-  EXPECT_NE(missing_field.error().message().find("rank3-of4.json: a field is missing"), std::string::npos)
+  EXPECT_NE(missing_field.error().message().find("rank3-of4.json: 'size' is missing"), std::string::npos)
       << missing_field.error().message();
   std::ofstream(dir / "rank3-of4.json") << "not json";
   auto not_json = read_flight_records(dir);
@@ -227,6 +227,11 @@ TEST(FlightRecorder, RanksThatDumpedWhileMovingAreNotCalledBehind) {
             std::string::npos)
       << text;
   EXPECT_EQ(text.find("behind"), std::string::npos) << text;
+
+  // A record that claims a huge world: the silent ranks are counted, not listed one by one.
+  const std::string huge = diagnose(std::span<const FlightRecord>(&moving[0], 1), 1 << 20);
+  EXPECT_LT(huge.size(), 4096u) << huge.substr(0, 4096);
+  EXPECT_NE(huge.find("(1048576 in all)"), std::string::npos) << huge.substr(0, 4096);
 }
 
 }  // namespace

@@ -129,13 +129,16 @@ Result<TensorBoardFile> read_tensorboard_file(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return fail(ErrorCode::io, "TensorBoard file ", path.string(), ": cannot open it");
   const std::string bytes{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-  COSHARD_TRY_ASSIGN(auto records, tfrecord::split(std::as_bytes(std::span<const char>(bytes.data(), bytes.size())),
-                                                   path.string()));
+  return parse_tensorboard_file(std::as_bytes(std::span<const char>(bytes.data(), bytes.size())), path.string());
+}
+
+Result<TensorBoardFile> parse_tensorboard_file(std::span<const std::byte> bytes, std::string_view name) {
+  COSHARD_TRY_ASSIGN(auto records, tfrecord::split(bytes, name));
   TensorBoardFile out;
   for (std::size_t i = 0; i < records.size(); ++i) {
     tensorboard::Event event;
     if (!event.ParseFromString(records[i]))
-      return fail(ErrorCode::io, "TensorBoard file ", path.string(), ": record ", i, " is not an Event");
+      return fail(ErrorCode::io, "TensorBoard file ", name, ": record ", i, " is not an Event");
     if (event.has_file_version()) {
       if (i == 0) out.file_version = event.file_version();
       continue;
@@ -145,7 +148,7 @@ Result<TensorBoardFile> read_tensorboard_file(const fs::path& path) {
       if (v.has_simple_value()) out.scalars.push_back({event.step(), event.wall_time(), v.tag(), v.simple_value()});
   }
   if (out.file_version.empty())
-    return fail(ErrorCode::io, "TensorBoard file ", path.string(), ": its first event carries no file version");
+    return fail(ErrorCode::io, "TensorBoard file ", name, ": its first event carries no file version");
   return out;
 }
 

@@ -100,6 +100,9 @@ Result<std::filesystem::path> write_flight_record(const Communicator& comm, std:
 Result<std::filesystem::path> write_flight_record(const FlightRecord& record, const std::filesystem::path& dir);
 // Every rank<R>-of<N>.json in `dir`, by rank; a file that is not a dump is an error naming it.
 Result<std::vector<FlightRecord>> read_flight_records(const std::filesystem::path& dir);
+// One dump's text, and back (`name` goes into the errors).
+std::string flight_record_json(const FlightRecord& record);
+Result<FlightRecord> parse_flight_record(std::string_view text, std::string_view name);
 // Who is behind, at which sequence number, in which op; ranks of `world_size` with no record
 // are named too. Several lines of text, ending in a newline.
 std::string diagnose(std::span<const FlightRecord> records, int world_size);

@@ -75,5 +75,7 @@ struct TensorBoardFile {
   std::vector<TensorBoardScalar> scalars;
 };
 Result<TensorBoardFile> read_tensorboard_file(const std::filesystem::path& file);
+// The same from a file's bytes; `name` goes into the errors.
+Result<TensorBoardFile> parse_tensorboard_file(std::span<const std::byte> bytes, std::string_view name);
 
 }  // namespace coshard::trainer
