@@ -71,12 +71,13 @@ const CollectiveRecord* FlightRecord::first_open() const noexcept {
   return nullptr;
 }
 
-FlightRecorder::FlightRecorder(std::size_t capacity) : capacity_(std::max<std::size_t>(capacity, 1)) {
+FlightRecorder::FlightRecorder(std::string stream, std::size_t capacity)
+    : stream_(std::move(stream)), capacity_(std::max<std::size_t>(capacity, 1)) {
   ring_.reserve(capacity_);
 }
 
-void FlightRecorder::enqueued(std::uint64_t seq, std::span<const CollectiveOp> ops, std::string_view stream) {
-  CollectiveRecord entry{seq, describe(ops), std::string(stream), now_us(), -1, -1, CollectiveState::enqueued};
+void FlightRecorder::enqueued(std::uint64_t seq, Ops ops) {
+  Slot entry{seq, std::move(ops), now_us(), -1, -1, CollectiveState::enqueued};
   std::lock_guard lock(mutex_);
   if (ring_.size() < capacity_) {
     ring_.push_back(std::move(entry));
@@ -87,7 +88,7 @@ void FlightRecorder::enqueued(std::uint64_t seq, std::span<const CollectiveOp> o
   ++launched_;
 }
 
-CollectiveRecord* FlightRecorder::find(std::uint64_t seq) {
+FlightRecorder::Slot* FlightRecorder::find(std::uint64_t seq) {
   // Recent entries are near the slot before next_: look backwards from there.
   for (std::size_t k = 1; k <= ring_.size(); ++k) {
     auto& e = ring_[(next_ + capacity_ - k) % capacity_ % ring_.size()];
@@ -130,7 +131,10 @@ std::vector<CollectiveRecord> FlightRecorder::snapshot() const {
   std::vector<CollectiveRecord> out;
   out.reserve(ring_.size());
   const std::size_t start = ring_.size() < capacity_ ? 0 : next_;
-  for (std::size_t k = 0; k < ring_.size(); ++k) out.push_back(ring_[(start + k) % ring_.size()]);
+  for (std::size_t k = 0; k < ring_.size(); ++k) {
+    const Slot& e = ring_[(start + k) % ring_.size()];
+    out.push_back({e.seq, e.ops ? describe(*e.ops) : "[]", stream_, e.enqueued_us, e.started_us, e.ended_us, e.state});
+  }
   return out;
 }
 

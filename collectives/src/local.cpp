@@ -387,7 +387,7 @@ class LocalCommunicator final : public Communicator {
     const std::uint64_t seq = next_seq_++;
     COSHARD_LOG_DEBUG(collectives, "launch #{} on {} (local, rank {} of {}): {}", seq, stream_.name(), rank_, size(),
                       describe(group.ops()));
-    recorder_->enqueued(seq, group.ops(), stream_.name());
+    recorder_->enqueued(seq, ops);
     if (stream_.device().is_cuda()) {
       // Ranks sharing a GPU meet on the host and enqueue every rank's kernels: "completed" here
       // means enqueued for every rank (nothing can hang on the device after that).
@@ -436,7 +436,7 @@ class LocalCommunicator final : public Communicator {
   std::uint64_t next_seq_ = 0;
   std::atomic<std::uint64_t> launches_{0};
   // Shared with the closures on the stream: a queued collective may run after a failed launch.
-  std::shared_ptr<FlightRecorder> recorder_ = std::make_shared<FlightRecorder>();
+  std::shared_ptr<FlightRecorder> recorder_ = std::make_shared<FlightRecorder>(stream_.name());
 };
 
 }  // namespace

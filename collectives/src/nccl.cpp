@@ -121,7 +121,7 @@ class NcclCommunicator final : public Communicator {
     const std::uint64_t seq = launches_.fetch_add(1, std::memory_order_relaxed);
     COSHARD_LOG_DEBUG(collectives, "launch #{} on {} (nccl, rank {} of {}): {}", seq, stream_.name(), rank_, size_,
                       describe(group.ops()));
-    recorder_.enqueued(seq, group.ops(), stream_.name());
+    recorder_.enqueued(seq, std::make_shared<const std::vector<CollectiveOp>>(group.ops().begin(), group.ops().end()));
     {
       std::lock_guard lock(mutex_);
       // Launches that have passed are marked here too (an event query each, no wait), so the
@@ -239,7 +239,7 @@ class NcclCommunicator final : public Communicator {
   void* barrier_word_;
   const NcclOptions options_;
   std::atomic<std::uint64_t> launches_{0};
-  FlightRecorder recorder_;  // locks its own mutex
+  FlightRecorder recorder_{stream_.name()};  // locks its own mutex (declared after stream_: named from it)
 
   mutable std::mutex mutex_;  // guards everything below
   std::condition_variable cv_;

@@ -57,9 +57,10 @@ async::Task<Result<void>> all_reduces(Communicator& comm, std::vector<float>& da
 }
 
 TEST(FlightRecorder, TheRingKeepsTheLastCollectivesInOrder) {
-  FlightRecorder ring(4);
+  FlightRecorder ring("comm", 4);
   const Coalesced group = Coalesced{}.all_gather(nullptr, nullptr, 8, DataType::bf16);
-  for (std::uint64_t s = 0; s < 6; ++s) ring.enqueued(s, group.ops(), "comm");
+  const auto ops = std::make_shared<const std::vector<CollectiveOp>>(group.ops().begin(), group.ops().end());
+  for (std::uint64_t s = 0; s < 6; ++s) ring.enqueued(s, ops);
   ring.started(4);
   ring.ended(4, true);
   ring.ended(5, false);

@@ -16,12 +16,15 @@
 //   rank, so a peer's completed #k means the silent rank took part in #k too.
 //
 // Times are microseconds of the system clock (comparable between the processes of a machine).
-// The ring costs one short lock per launch and per state change, never per element.
+// The ring costs one short lock per launch and per state change, never per element; a launch's
+// ops are kept as the backend's shared list and described only when the ring is read (formatting
+// them at each launch cost 0.3 us of a stage-3 fetch's 1.4 us of host time).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <mutex>
 #include <span>
 #include <string>
@@ -63,10 +66,12 @@ struct FlightRecord {
 
 class FlightRecorder {
  public:
+  using Ops = std::shared_ptr<const std::vector<CollectiveOp>>;
   static constexpr std::size_t kDefaultCapacity = 256;
-  explicit FlightRecorder(std::size_t capacity = kDefaultCapacity);
+  // `stream`: the name of the communication stream every entry is on.
+  explicit FlightRecorder(std::string stream, std::size_t capacity = kDefaultCapacity);
 
-  void enqueued(std::uint64_t seq, std::span<const CollectiveOp> ops, std::string_view stream);
+  void enqueued(std::uint64_t seq, Ops ops);
   void started(std::uint64_t seq);
   void ended(std::uint64_t seq, bool ok);
   // Every entry not yet ended is failed (the communicator broke).
@@ -79,10 +84,17 @@ class FlightRecorder {
   void dump_on_failure(int rank, int size, std::string_view backend, std::string_view reason);
 
  private:
-  CollectiveRecord* find(std::uint64_t seq);  // under mutex_
+  struct Slot {
+    std::uint64_t seq = 0;
+    Ops ops;
+    std::int64_t enqueued_us = 0, started_us = -1, ended_us = -1;
+    CollectiveState state = CollectiveState::enqueued;
+  };
+  Slot* find(std::uint64_t seq);  // under mutex_
 
+  const std::string stream_;
   mutable std::mutex mutex_;
-  std::vector<CollectiveRecord> ring_;
+  std::vector<Slot> ring_;
   std::size_t capacity_;
   std::size_t next_ = 0;  // the slot the next launch takes
   std::uint64_t launched_ = 0;
