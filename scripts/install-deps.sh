@@ -8,6 +8,7 @@ packages=(
   build-essential cmake ninja-build pkg-config
   libasio-dev liburing-dev nlohmann-json3-dev libopenblas-dev libcli11-dev zlib1g-dev
   libspdlog-dev libfmt-dev libprotobuf-dev protobuf-compiler
+  libopenmpi-dev openmpi-bin
   libgtest-dev libgmock-dev libbenchmark-dev
   clang-19 libclang-rt-19-dev
   python3

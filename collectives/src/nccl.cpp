@@ -290,6 +290,40 @@ async::Task<Result<std::unique_ptr<Communicator>>> make_nccl_communicator(TcpSto
     COSHARD_CO_TRY(co_await store.get(options.key + "/arrived/" + std::to_string(q)));
   }
   // 3. The collective init, off the reactor.
+  std::vector<std::byte> id_bytes(sizeof(id));
+  std::memcpy(id_bytes.data(), &id, sizeof(id));
+  co_return co_await make_nccl_communicator(std::move(id_bytes), rank, world, device, std::move(options));
+}
+
+std::size_t nccl_unique_id_bytes() noexcept { return sizeof(ncclUniqueId); }
+
+Result<std::vector<std::byte>> make_nccl_unique_id() {
+  ncclUniqueId id{};
+  if (auto r = ncclGetUniqueId(&id); r != ncclSuccess) return nccl_error(r, "ncclGetUniqueId");
+  std::vector<std::byte> bytes(sizeof(id));
+  std::memcpy(bytes.data(), &id, sizeof(id));
+  return bytes;
+}
+
+async::Task<Result<std::unique_ptr<Communicator>>> make_nccl_communicator(std::vector<std::byte> unique_id, int rank,
+                                                                          int world, async::Device device,
+                                                                          NcclOptions options) {
+  if (world < 1 || rank < 0 || rank >= world) {
+    co_return fail(ErrorCode::invalid_argument, "make_nccl_communicator: rank=", rank, " world=", world,
+                   ": expected 0 <= rank < world");
+  }
+  if (unique_id.size() != sizeof(ncclUniqueId)) {
+    co_return fail(ErrorCode::invalid_argument, "make_nccl_communicator: a unique id of ", unique_id.size(),
+                   " bytes; NCCL's has ", sizeof(ncclUniqueId));
+  }
+  if (!device.is_cuda() || device.index() >= async::cuda_device_count()) {
+    co_return fail(ErrorCode::device, "make_nccl_communicator: ", device.to_string(), " is not a visible CUDA device (",
+                   async::cuda_device_count(), " visible)");
+  }
+  async::Runtime* rt = async::Runtime::current();
+  if (rt == nullptr) co_return fail(ErrorCode::invalid_argument, "make_nccl_communicator: must be awaited on a Runtime");
+  ncclUniqueId id{};
+  std::memcpy(&id, unique_id.data(), sizeof(id));
   auto comm = co_await rt->spawn_blocking([&]() -> Result<ncclComm_t> {
     if (auto e = cudaSetDevice(device.index()); e != cudaSuccess) {
       return fail(ErrorCode::device, "cudaSetDevice(", device.index(), "): ", cudaGetErrorString(e));

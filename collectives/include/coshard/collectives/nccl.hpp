@@ -14,8 +14,10 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "coshard/async/device.hpp"
 #include "coshard/async/task.hpp"
@@ -44,5 +46,14 @@ inline async::Task<Result<std::unique_ptr<Communicator>>> make_nccl_communicator
   const NcclOptions defaults;
   return make_nccl_communicator(store, rank, world, device, defaults);
 }
+
+// The same from an NCCL unique id that rank 0 made (make_nccl_unique_id) and the others received
+// by other means (MPI under mpirun: mpi_broadcast_bytes). No store.
+async::Task<Result<std::unique_ptr<Communicator>>> make_nccl_communicator(std::vector<std::byte> unique_id, int rank,
+                                                                          int world, async::Device device,
+                                                                          NcclOptions options);
+// A fresh NCCL unique id (ncclGetUniqueId), as bytes; nccl_unique_id_bytes() of them.
+Result<std::vector<std::byte>> make_nccl_unique_id();
+std::size_t nccl_unique_id_bytes() noexcept;
 
 }  // namespace coshard::collectives
