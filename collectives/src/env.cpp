@@ -1,6 +1,8 @@
 #include "coshard/collectives/env.hpp"
 
 #include <charconv>
+#include <string>
+#include <string_view>
 
 #include "coshard/collectives/local.hpp"
 #include "coshard/collectives/store.hpp"
@@ -79,8 +81,8 @@ std::string LaunchEnv::describe() const {
 namespace {
 
 // Rank, size and local rank from one launcher's three variables (the size first: it bounds the others).
-Result<LaunchEnv> read_triple(Launcher launcher, const char* rank_var, const char* size_var, const char* local_var,
-                              const std::function<const char*(const char*)>& get) {
+Result<LaunchEnv> read_launcher(Launcher launcher, const char* rank_var, const char* size_var, const char* local_var,
+                                const char* local_size_var, const std::function<const char*(const char*)>& get) {
   LaunchEnv env;
   env.launcher = launcher;
   COSHARD_TRY_ASSIGN(const long w, parse_int(size_var, get(size_var), 1, 1 << 20));
@@ -96,6 +98,13 @@ Result<LaunchEnv> read_triple(Launcher launcher, const char* rank_var, const cha
     COSHARD_TRY_ASSIGN(const long l, parse_int(local_var, local, 0, env.world_size - 1));
     env.local_rank = static_cast<int>(l);
   }
+  if (const char* local = get(local_size_var)) {
+    // Slurm writes "2(x3)" for uneven nodes: the leading count is this node's.
+    std::string_view v(local);
+    v = v.substr(0, v.find('('));
+    COSHARD_TRY_ASSIGN(const long n, parse_int(local_size_var, std::string(v).c_str(), 1, env.world_size));
+    env.local_size = static_cast<int>(n);
+  }
   return env;
 }
 
@@ -104,16 +113,25 @@ Result<LaunchEnv> read_triple(Launcher launcher, const char* rank_var, const cha
 Result<LaunchEnv> read_launch_env(const std::function<const char*(const char*)>& get) {
   if (get("WORLD_SIZE") != nullptr) {
     COSHARD_TRY_ASSIGN(const TorchrunEnv t, read_torchrun_env(get));
-    return LaunchEnv{Launcher::torchrun, t.rank, t.world_size, t.local_rank, t.master_addr, t.master_port};
+    LaunchEnv env{Launcher::torchrun, t.rank, t.world_size, t.local_rank, 1, t.master_addr, t.master_port};
+    if (const char* v = get("LOCAL_WORLD_SIZE")) {
+      COSHARD_TRY_ASSIGN(const long n, parse_int("LOCAL_WORLD_SIZE", v, 1, env.world_size));
+      env.local_size = static_cast<int>(n);
+    }
+    return env;
   }
   if (get("OMPI_COMM_WORLD_SIZE") != nullptr) {
-    return read_triple(Launcher::mpirun, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", get);
+    return read_launcher(Launcher::mpirun, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                         "OMPI_COMM_WORLD_LOCAL_SIZE", get);
   }
-  if (get("PMI_SIZE") != nullptr) return read_triple(Launcher::mpirun, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", get);
+  if (get("PMI_SIZE") != nullptr) {
+    return read_launcher(Launcher::mpirun, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", get);
+  }
   // srun's tasks; a batch script alone (no job step) is one process.
   if (get("SLURM_NTASKS") != nullptr && get("SLURM_PROCID") != nullptr &&
       (get("SLURM_STEP_ID") != nullptr || get("SLURM_STEPID") != nullptr)) {
-    COSHARD_TRY_ASSIGN(LaunchEnv env, read_triple(Launcher::srun, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", get));
+    COSHARD_TRY_ASSIGN(LaunchEnv env, read_launcher(Launcher::srun, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
+                                                    "SLURM_NTASKS_PER_NODE", get));
     // NCCL's store, when there is no MPI to pass its id: torchrun's variables where set.
     COSHARD_TRY_ASSIGN(const TorchrunEnv t, read_torchrun_env(get));
     env.master_addr = t.master_addr;

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -416,19 +417,20 @@ class MpiChannel {
   }
 
   Result<void> timed_out(Group& g) {
-    std::vector<int> waiting;
+    // Per peer still owing this group something: whether it has sent all its part, and taken ours.
+    std::map<int, std::pair<bool, bool>> owing;  // peer -> (a receive open, a send open)
     for (std::size_t i = 0; i < g.requests.size(); ++i) {
-      if (g.requests[i] == MPI_REQUEST_NULL || g.messages[i].kind == Message::Kind::send) continue;
-      if (std::find(waiting.begin(), waiting.end(), g.messages[i].peer) == waiting.end()) waiting.push_back(g.messages[i].peer);
+      if (g.requests[i] == MPI_REQUEST_NULL) continue;
+      auto& [receiving, sending] = owing[g.messages[i].peer];
+      (g.messages[i].kind == Message::Kind::send ? sending : receiving) = true;
     }
-    std::sort(waiting.begin(), waiting.end());
     std::string who;
-    for (const int q : waiting) {
+    for (const auto& [q, open] : owing) {
       const std::int64_t reached = reached_[static_cast<std::size_t>(q)];
       who += (who.empty() ? "" : ", ") + std::string("rank ") + std::to_string(q) + " (the last group it reached here: " +
-             (reached < 0 ? std::string("none") : "#" + std::to_string(reached)) + ")";
+             (reached < 0 ? std::string("none") : "#" + std::to_string(reached)) +
+             (open.first ? "" : "; it has not taken what this rank sent") + ")";
     }
-    if (who.empty()) who = "peers to take what this rank sent";
     return broken(g, ErrorCode::timeout, "MPI collective group #" + std::to_string(g.seq) + " " + describe(g.ops) +
                                              " on rank " + std::to_string(rank_) + " of " + std::to_string(size_) +
                                              ": timed out after " + std::to_string(options_.timeout.count()) +

@@ -52,6 +52,89 @@ TEST(TorchrunEnv, BadValuesNameTheVariableAndTheRange) {
   EXPECT_NE(junk.error().message().find("WORLD_SIZE='2x'"), std::string::npos);
 }
 
+TEST(LaunchEnv, EachLauncherIsReadFromItsOwnVariables) {
+  auto none = read_launch_env(getter({}));
+  ASSERT_TRUE(none.has_value());
+  EXPECT_EQ(none->launcher, Launcher::none);
+  EXPECT_EQ(none->world_size, 1);
+
+  auto torchrun = read_launch_env(getter({{"WORLD_SIZE", "8"}, {"RANK", "5"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "4"}}));
+  ASSERT_TRUE(torchrun.has_value()) << torchrun.error().message();
+  EXPECT_EQ(torchrun->launcher, Launcher::torchrun);
+  EXPECT_EQ(torchrun->rank, 5);
+  EXPECT_EQ(torchrun->local_size, 4);
+
+  auto ompi = read_launch_env(getter({{"OMPI_COMM_WORLD_SIZE", "4"}, {"OMPI_COMM_WORLD_RANK", "3"},
+                                      {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}}));
+  ASSERT_TRUE(ompi.has_value()) << ompi.error().message();
+  EXPECT_EQ(ompi->launcher, Launcher::mpirun);
+  EXPECT_EQ(ompi->rank, 3);
+  EXPECT_EQ(ompi->world_size, 4);
+  EXPECT_EQ(ompi->local_rank, 1);
+  EXPECT_EQ(ompi->local_size, 2);
+  EXPECT_EQ(ompi->describe(), "mpirun (rank 3 of 4, local rank 1)");
+
+  auto hydra = read_launch_env(getter({{"PMI_SIZE", "2"}, {"PMI_RANK", "1"}, {"MPI_LOCALRANKID", "1"}}));
+  ASSERT_TRUE(hydra.has_value()) << hydra.error().message();
+  EXPECT_EQ(hydra->launcher, Launcher::mpirun);
+  EXPECT_EQ(hydra->rank, 1);
+
+  auto srun = read_launch_env(getter({{"SLURM_NTASKS", "16"}, {"SLURM_PROCID", "9"}, {"SLURM_LOCALID", "1"},
+                                      {"SLURM_STEP_ID", "0"}, {"SLURM_NTASKS_PER_NODE", "8(x2)"}}));
+  ASSERT_TRUE(srun.has_value()) << srun.error().message();
+  EXPECT_EQ(srun->launcher, Launcher::srun);
+  EXPECT_EQ(srun->rank, 9);
+  EXPECT_EQ(srun->local_size, 8);
+  // A batch script outside a job step is one process.
+  auto batch = read_launch_env(getter({{"SLURM_NTASKS", "16"}, {"SLURM_PROCID", "0"}}));
+  ASSERT_TRUE(batch.has_value());
+  EXPECT_EQ(batch->launcher, Launcher::none);
+  // torchrun under srun: torchrun's variables are the ranks'.
+  auto both = read_launch_env(getter({{"WORLD_SIZE", "2"}, {"RANK", "1"}, {"SLURM_NTASKS", "1"}, {"SLURM_PROCID", "0"},
+                                      {"SLURM_STEP_ID", "0"}}));
+  ASSERT_TRUE(both.has_value());
+  EXPECT_EQ(both->launcher, Launcher::torchrun);
+}
+
+TEST(LaunchEnv, BadValuesNameTheVariable) {
+  auto rank = read_launch_env(getter({{"OMPI_COMM_WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_RANK", "2"}}));
+  ASSERT_FALSE(rank.has_value());
+  EXPECT_NE(rank.error().message().find("OMPI_COMM_WORLD_RANK='2'"), std::string::npos) << rank.error().message();
+  auto missing = read_launch_env(getter({{"PMI_SIZE", "2"}}));
+  ASSERT_FALSE(missing.has_value());
+  EXPECT_NE(missing.error().message().find("PMI_RANK is not"), std::string::npos) << missing.error().message();
+  auto local = read_launch_env(getter({{"OMPI_COMM_WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_RANK", "0"},
+                                       {"OMPI_COMM_WORLD_LOCAL_SIZE", "x"}}));
+  ASSERT_FALSE(local.has_value());
+  EXPECT_NE(local.error().message().find("OMPI_COMM_WORLD_LOCAL_SIZE='x'"), std::string::npos);
+}
+
+TEST(ChooseBackend, EachLaunchGetsItsBackendAndARequestIsChecked) {
+  LaunchEnv one;
+  LaunchEnv mpirun{.launcher = Launcher::mpirun, .rank = 0, .world_size = 2};
+  LaunchEnv torchrun{.launcher = Launcher::torchrun, .rank = 0, .world_size = 2};
+  EXPECT_EQ(*choose_backend(one, Backend::automatic, false), Backend::local);
+  EXPECT_EQ(*choose_backend(one, Backend::automatic, true), Backend::nccl);
+  EXPECT_EQ(*choose_backend(mpirun, Backend::automatic, true), Backend::nccl);
+  if (mpi_compiled()) {
+    EXPECT_EQ(*choose_backend(mpirun, Backend::automatic, false), Backend::mpi);
+    EXPECT_EQ(*choose_backend(mpirun, Backend::mpi, true), Backend::mpi);
+  }
+  auto cpu_torchrun = choose_backend(torchrun, Backend::automatic, false);
+  ASSERT_FALSE(cpu_torchrun.has_value());
+  EXPECT_NE(cpu_torchrun.error().message().find("mpirun -np 2"), std::string::npos) << cpu_torchrun.error().message();
+  auto local = choose_backend(mpirun, Backend::local, false);
+  ASSERT_FALSE(local.has_value());
+  EXPECT_NE(local.error().message().find("mpirun (rank 0 of 2"), std::string::npos) << local.error().message();
+  EXPECT_FALSE(choose_backend(one, Backend::nccl, false).has_value());
+  EXPECT_FALSE(choose_backend(torchrun, Backend::mpi, false).has_value());
+  EXPECT_EQ(*parse_backend("mpi"), Backend::mpi);
+  EXPECT_EQ(*parse_backend("auto"), Backend::automatic);
+  auto bad = parse_backend("gloo");
+  ASSERT_FALSE(bad.has_value());
+  EXPECT_NE(bad.error().message().find("'gloo'"), std::string::npos);
+}
+
 TEST(FromEnv, OneProcessOnCpuGetsALocalCommunicator) {
   async::Runtime rt;
   FromEnvOptions options;

@@ -38,8 +38,19 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   std::string fetch_mode = "all_gather";
   std::string dtype = "f32";
   app.add_option("--device", o.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
-  app.add_option("--world-size", o.world_size, "ranks as threads of this process (Local backend; with --device cuda they share GPU 0)")
-      ->check(CLI::Range(1, 64));
+  auto* world_option =
+      app.add_option("--world-size", o.world_size,
+                     "ranks as threads of this process (Local backend; with --device cuda they share GPU 0); under "
+                     "mpirun, srun or torchrun the launcher's world, and this must equal it if given")
+          ->check(CLI::Range(1, 64));
+  app.add_option("--backend", o.backend,
+                 "collectives: auto (threads: local; mpirun/srun: nccl on GPUs, else mpi; torchrun: nccl), local, "
+                 "nccl or mpi")
+      ->check(CLI::IsMember({"auto", "local", "nccl", "mpi"}));
+  app.add_option("--collective-timeout", o.collective_timeout_s,
+                 "seconds a collective may take before the run fails naming the ranks it waits for (0: the "
+                 "backend's default: 60 for local, 300 for nccl and mpi)")
+      ->check(CLI::Range(0.0, 1e7));
   app.add_option("--steps", o.steps, "optimizer steps in total (a resumed run continues to this)")
       ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 40));
   auto* batch_option = app.add_option("--batch", o.batch, "global batch (sequences per step, split evenly over the ranks; default 16, or the config's train_batch_size)")
@@ -223,6 +234,7 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   }
   o.train = c;
   o.batch_given = batch_option->count() > 0;
+  o.world_size_given = world_option->count() > 0;
   return std::nullopt;
 
 }

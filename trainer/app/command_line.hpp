@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 
+#include "coshard/collectives/env.hpp"
 #include "coshard/trainer/config.hpp"
 
 namespace coshard::train_app {
@@ -14,6 +15,8 @@ namespace coshard::train_app {
 struct Options {
   std::string device = "cpu";
   int world_size = 2;
+  std::string backend = "auto";     // collectives::parse_backend
+  double collective_timeout_s = 0;  // 0: the backend's default
   std::int64_t steps = 400;
   std::int64_t batch = 16;
   std::int64_t seq = 64;
@@ -30,8 +33,10 @@ struct Options {
   bool start_over = false;
   bool quiet = false;
   bool estimate = false;  // print the memory estimate and exit
-  bool batch_given = false;  // --batch on the command line (else the config's batch sizes may set it)
+  bool batch_given = false;
+  bool world_size_given = false;  // --batch on the command line (else the config's batch sizes may set it)
   trainer::TrainerConfig train;
+  collectives::LaunchEnv launch;  // who started this process (read in main, before anything runs)
 };
 
 // Fills `o` from the command line. An exit code when the process is done (0 after --help, 2 for

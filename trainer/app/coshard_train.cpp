@@ -5,8 +5,9 @@
 //   coshard-train --checkpoint-dir ck --checkpoint-every 50 ... ; later: the same with --resume
 //
 // Ranks: --world-size N runs N ranks as threads of this process (the Local backend: on the CPU,
-// or with --device cuda sharing GPU 0), or, with the torchrun variables set (WORLD_SIZE, RANK,
-// ...), this process is one rank of many (NCCL on GPUs). --device cuda alone is one rank on NCCL.
+// or with --device cuda sharing GPU 0). Started by a launcher (mpirun, srun, or torchrun's
+// variables), this process is one rank of many: NCCL on GPUs, MPI on the CPU (--backend picks
+// another). --device cuda alone is one rank on NCCL.
 // --batch is the global batch per step, split evenly over the ranks; the data of a step depends
 // only on (--seed, step), so runs at different world sizes and stages see the same data.
 #include <CLI/CLI.hpp>
@@ -121,8 +122,12 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
     std::printf("coshard-train: %lld-parameter GPT (%lld layers, dim %lld, %lld heads), %s\n",
                 static_cast<long long>(g.parameter_count()), static_cast<long long>(g.layers),
                 static_cast<long long>(g.dim), static_cast<long long>(g.heads), data.describe().c_str());
-    std::printf("  ZeRO-%d, %d rank(s) on %s, global batch %lld x %lld tokens, %zu fetch units%s\n",
-                o.train.zero_stage, world, o.device.c_str(), static_cast<long long>(o.batch),
+    const std::string ranks = o.launch.launcher == collectives::Launcher::none
+                                  ? "threads of this process"
+                                  : "processes started by " + std::string(collectives::to_string(o.launch.launcher));
+    std::printf("  ZeRO-%d, %d rank(s) on %s, %s backend (%s), global batch %lld x %lld tokens, %zu fetch units%s\n",
+                o.train.zero_stage, world, o.device.c_str(), std::string(comm.backend()).c_str(), ranks.c_str(),
+                static_cast<long long>(o.batch),
                 static_cast<long long>(o.seq), t.engine().units().size(),
                 first > 0 ? (", resumed at step " + std::to_string(first)).c_str() : "");
     std::fflush(stdout);
@@ -211,27 +216,44 @@ int run(const Options& o) {
   }
 
   Shared shared;
-  const bool torchrun = std::getenv("WORLD_SIZE") != nullptr;
-  // Ranks as threads share the cores: each gets its share of BLAS threads, not all of them.
+  const bool processes = o.launch.launcher != collectives::Launcher::none;
+  const auto backend = collectives::parse_backend(o.backend);
+  if (!backend) {
+    std::fprintf(stderr, "coshard-train: --backend: %s\n", backend.error().message().c_str());
+    return 2;
+  }
+  // One rank per process: started by a launcher, or one rank asked of NCCL or MPI.
+  const bool one_rank_per_process = processes || *backend == collectives::Backend::nccl ||
+                                    *backend == collectives::Backend::mpi ||
+                                    (o.device == "cuda" && o.world_size == 1 && *backend != collectives::Backend::local);
+  if (!processes && one_rank_per_process && o.world_size != 1) {
+    std::fprintf(stderr,
+                 "coshard-train: --backend %s with --world-size %d: ranks as threads of one process use the Local "
+                 "backend; start %d processes instead (mpirun -np %d coshard-train ...)\n",
+                 o.backend.c_str(), o.world_size, o.world_size, o.world_size);
+    return 2;
+  }
+  const auto timeout = std::chrono::milliseconds(static_cast<std::int64_t>(o.collective_timeout_s * 1000.0));
+  // Ranks share the cores of a machine: each gets its share of BLAS threads, not all of them.
   modules::set_cpu_math_threads(o.blas_threads > 0 ? o.blas_threads
-                                                   : modules::default_cpu_math_threads(torchrun ? 1 : o.world_size));
-  if (torchrun || (o.device == "cuda" && o.world_size == 1)) {
-    // One process per rank: NCCL on a GPU, or Local for a single CPU rank.
-    if (torchrun) {
-      if (const auto env = collectives::read_torchrun_env()) log::set_thread_rank(env->rank);
-    } else {
-      log::set_thread_rank(0);
-    }
+                                                   : modules::default_cpu_math_threads(processes ? o.launch.local_size
+                                                                                                 : o.world_size));
+  if (one_rank_per_process) {
+    // One process per rank: NCCL on a GPU, MPI on the CPU, or Local for a single CPU rank.
+    log::set_thread_rank(o.launch.rank);
     async::Runtime rt;
     collectives::FromEnvOptions env;
     env.force_cpu = o.device == "cpu";
+    env.backend = *backend;
+    if (timeout.count() > 0) env.nccl.timeout = env.mpi.timeout = timeout;
     auto comm = collectives::communicator_from_env(rt, env);
     if (!comm) {
-      std::fprintf(stderr, "coshard-train: %s\n", comm.error().message().c_str());
+      std::fprintf(stderr, "coshard-train: rank %d: %s\n", o.launch.rank, comm.error().message().c_str());
       return 2;
     }
     if (!(*comm)->stream().device().is_cuda() && o.device == "cuda") {
-      std::fprintf(stderr, "coshard-train: --device cuda: no CUDA device or no NCCL in this build\n");
+      std::fprintf(stderr, "coshard-train: --device cuda: the %s backend here moves host memory (no CUDA device or no "
+                   "NCCL in this build, or --backend %s)\n", std::string((*comm)->backend()).c_str(), o.backend.c_str());
       return 2;
     }
     std::optional<train_app::FlightDumps> dumps;
@@ -245,7 +267,9 @@ int run(const Options& o) {
   } else {
     // Ranks as threads: on the CPU, or sharing GPU 0 (the Local backend on device memory).
     const async::Device device = o.device == "cuda" ? async::Device::cuda(0) : async::Device::cpu();
-    auto comms = collectives::make_local_communicators(o.world_size, {.device = device});
+    collectives::LocalOptions local{.device = device};
+    if (timeout.count() > 0) local.timeout = timeout;
+    auto comms = collectives::make_local_communicators(o.world_size, local);
     if (!comms) {
       std::fprintf(stderr, "coshard-train: %s\n", comms.error().message().c_str());
       return 2;
@@ -291,8 +315,8 @@ int run(const Options& o) {
     std::fflush(stdout);
     for (const auto& e : shared.errors) std::fprintf(stderr, "coshard-train: %s\n", e.c_str());
     // What the communicators wrote as they failed (rank 0 of processes reads the shared folder).
-    if (!o.flight_recorder.empty() && (!torchrun || collectives::read_torchrun_env()->rank == 0))
-      train_app::print_flight_diagnosis(o.flight_recorder, torchrun ? collectives::read_torchrun_env()->world_size : o.world_size);
+    if (!o.flight_recorder.empty() && o.launch.rank == 0)
+      train_app::print_flight_diagnosis(o.flight_recorder, processes ? o.launch.world_size : o.world_size);
     return 1;
   }
   if (const int sig = g_stop_signal.load(); sig != 0 && shared.stopped_after >= 0) {
@@ -317,10 +341,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "coshard-train: %s\n", m.c_str());
     return 2;
   };
-  const auto env = collectives::read_torchrun_env();
-  if (!env) return usage(env.error().message());
-  const bool torchrun = std::getenv("WORLD_SIZE") != nullptr;
-  const int world = torchrun ? env->world_size : o.world_size;
+  const auto launch = collectives::read_launch_env();
+  if (!launch) return usage(launch.error().message());
+  o.launch = *launch;
+  const bool processes = o.launch.launcher != collectives::Launcher::none;
+  if (processes && o.world_size_given && o.world_size != o.launch.world_size)
+    return usage("--world-size " + std::to_string(o.world_size) + ": this process is " + o.launch.describe() +
+                 ", whose world is " + std::to_string(o.launch.world_size) + " (leave --world-size out under a launcher)");
+  const int world = processes ? o.launch.world_size : o.world_size;
   // DeepSpeed's batch sizes, if the config gives any, against each other and --batch.
   const bool config_batch = c.train_batch_size > 0 || c.train_micro_batch_size_per_gpu > 0;
   const auto batch = c.check_batch(world, o.batch_given || !config_batch ? o.batch : 0);
@@ -349,15 +377,16 @@ int main(int argc, char** argv) {
   shape.batch = o.batch;
   shape.seq = o.seq;
   shape.world = world;
-  shape.ranks_here = torchrun ? 1 : o.world_size;
-  shape.device = o.device == "cuda" ? async::Device::cuda(torchrun ? env->local_rank : 0) : async::Device::cpu();
+  // Ranks sharing this machine's memory: its processes on the CPU (one GPU each otherwise).
+  shape.ranks_here = processes ? (o.device == "cuda" ? 1 : o.launch.local_size) : o.world_size;
+  shape.device = o.device == "cuda" ? async::Device::cuda(processes ? o.launch.local_rank : 0) : async::Device::cpu();
   shape.checkpoints = !o.checkpoint_dir.empty();
   shape.export_model = !o.export_path.empty();
   auto memory = train_app::estimate_run(c, shape);
   if (!memory) return usage(memory.error().message());
   const auto fits = train_app::check_run(*memory, shape);
   if (o.estimate) {
-    if (env->rank == 0) {
+    if (o.launch.rank == 0) {
       std::fputs(train_app::describe_run(*memory, shape, c).c_str(), stdout);
       std::puts(fits ? "fits" : ("does not fit: " + fits.error().message()).c_str());
     }
@@ -383,7 +412,7 @@ int main(int argc, char** argv) {
   if (auto ok = train_app::check_run_paths(paths); !ok) return usage(ok.error().message());
   if (!o.flight_recorder.empty()) collectives::set_flight_recorder_dir(o.flight_recorder);
   if (!o.checkpoint_dir.empty()) {
-    if (auto ok = train_app::prepare_checkpoint_folder(o.checkpoint_dir, o.resume, o.start_over, env->rank == 0); !ok)
+    if (auto ok = train_app::prepare_checkpoint_folder(o.checkpoint_dir, o.resume, o.start_over, o.launch.rank == 0); !ok)
       return usage(ok.error().message());
   }
   // SIGINT/SIGTERM: the first finishes the step, saves, and exits; the second stops at once.

@@ -1,9 +1,10 @@
 // The communicator a process's environment asks for. Who started the process says its rank:
 //
-//   torchrun   RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (the torchrun convention)
-//   mpirun     OMPI_COMM_WORLD_RANK/_SIZE/_LOCAL_RANK (Open MPI); PMI_RANK, PMI_SIZE,
-//              MPI_LOCALRANKID (MPICH's Hydra)
-//   srun       SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID inside a job step (SLURM_STEP_ID)
+//   torchrun   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+//   mpirun     OMPI_COMM_WORLD_RANK/_SIZE/_LOCAL_RANK/_LOCAL_SIZE (Open MPI); PMI_RANK, PMI_SIZE,
+//              MPI_LOCALRANKID, MPI_LOCALNRANKS (MPICH's Hydra)
+//   srun       SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE inside a job
+//              step (SLURM_STEP_ID)
 //   none       one process, rank 0 of 1
 //
 // The backend, chosen by choose_backend (Backend::automatic) or asked for:
@@ -52,6 +53,7 @@ struct LaunchEnv {
   int rank = 0;
   int world_size = 1;
   int local_rank = 0;
+  int local_size = 1;  // processes of the job on this machine (they share its cores and memory)
   std::string master_addr = "127.0.0.1";  // torchrun's store (and NCCL's under srun without MPI)
   std::uint16_t master_port = 29500;
   // "mpirun (OMPI_COMM_WORLD_RANK=1, OMPI_COMM_WORLD_SIZE=2)": for messages and header lines.

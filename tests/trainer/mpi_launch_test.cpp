@@ -1,0 +1,295 @@
+// coshard-train started by mpirun (ranks as processes on the CPU, the MPI backend), as a user
+// does: the same losses as the same world as threads at every stage and with offload, a
+// process killed or stopped mid-run, and the launch errors.
+#include <gtest/gtest.h>
+
+#include <dirent.h>
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <thread>
+
+#include "binary_harness.hpp"
+#include "coshard/collectives/flight_recorder.hpp"
+
+namespace coshard::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// mpirun as the tests start it (also as root; more processes than cores; unbound: each rank runs threads).
+std::vector<std::string> mpirun(int np) {
+  ::setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+  ::setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+  ::setenv("OMPI_MCA_btl", "self,vader", 1);
+  return {COSHARD_MPIEXEC, "--oversubscribe", "--bind-to", "none", "-np", std::to_string(np), COSHARD_TRAIN_BIN};
+}
+
+pid_t spawn(std::vector<std::string> argv_strings, const fs::path& output) {
+  std::vector<char*> argv;
+  for (auto& a : argv_strings) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    const int fd = ::open(output.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(fd, 1);
+    ::dup2(fd, 2);
+    ::setenv("OPENBLAS_NUM_THREADS", "1", 1);
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  return pid;
+}
+
+int wait_exit(pid_t pid) {
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : (WIFSIGNALED(status) ? 128 + WTERMSIG(status) : -1);
+}
+
+// Waits up to `limit` for `pid`; the exit code, or nullopt (still running).
+std::optional<int> wait_exit_for(pid_t pid, std::chrono::seconds limit) {
+  const auto until = Clock::now() + limit;
+  while (Clock::now() < until) {
+    int status = 0;
+    if (::waitpid(pid, &status, WNOHANG) == pid) {
+      return WIFEXITED(status) ? WEXITSTATUS(status) : (WIFSIGNALED(status) ? 128 + WTERMSIG(status) : -1);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return std::nullopt;
+}
+
+Exit run_mpi(int np, const std::vector<std::string>& args, const fs::path& dir) {
+  const fs::path out = dir / "output.txt";
+  const pid_t pid = spawn(with(mpirun(np), args), out);
+  const int code = wait_exit(pid);
+  return {code, slurp(out)};
+}
+
+// The rank processes mpirun started: rank -> pid (from their environment).
+std::map<int, pid_t> rank_processes(pid_t mpirun_pid) {
+  std::map<int, pid_t> ranks;
+  DIR* proc = ::opendir("/proc");
+  if (proc == nullptr) return ranks;
+  while (dirent* e = ::readdir(proc)) {
+    const pid_t pid = static_cast<pid_t>(std::atoi(e->d_name));
+    if (pid <= 0) continue;
+    std::ifstream stat("/proc/" + std::string(e->d_name) + "/stat");
+    std::string line;
+    std::getline(stat, line);
+    const auto close = line.rfind(')');
+    if (close == std::string::npos) continue;
+    char state = 0;
+    int ppid = 0;
+    if (std::sscanf(line.c_str() + close + 1, " %c %d", &state, &ppid) != 2 || ppid != mpirun_pid) continue;
+    const std::string environ = slurp("/proc/" + std::string(e->d_name) + "/environ");
+    const std::string key = std::string("OMPI_COMM_WORLD_RANK=");
+    const auto at = environ.find(key);
+    if (at != std::string::npos) ranks[std::atoi(environ.c_str() + at + key.size())] = pid;
+  }
+  ::closedir(proc);
+  return ranks;
+}
+
+bool alive(pid_t pid) {
+  if (::kill(pid, 0) != 0) return false;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  std::getline(stat, line);
+  const auto close = line.rfind(')');
+  return close != std::string::npos && line.size() > close + 2 && line[close + 2] != 'Z';
+}
+
+// Waits until rank 0 has written at least `steps` lines of metrics.
+bool wait_for_steps(const fs::path& metrics, std::size_t steps, std::chrono::seconds limit) {
+  const auto until = Clock::now() + limit;
+  while (Clock::now() < until) {
+    std::ifstream in(metrics);
+    std::size_t lines = 0;
+    for (std::string line; std::getline(in, line);) ++lines;
+    if (lines >= steps) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return false;
+}
+
+void expect_same_losses(const std::vector<double>& a, const std::vector<double>& b, double rel, const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  ASSERT_FALSE(a.empty()) << what;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (rel == 0) {
+      EXPECT_EQ(a[i], b[i]) << what << " step " << i + 1;
+    } else {
+      EXPECT_LE(std::abs(a[i] - b[i]), rel * std::abs(b[i])) << what << " step " << i + 1;
+    }
+  }
+}
+
+// Processes through MPI against threads through the Local backend, at world sizes 2 and 4, at
+// stages 0-3 and with the optimizer and parameters offloaded: the same bits. Stage 0 against
+// stages 1-3: within 1e-6.
+TEST(MpiLaunch, ProcessesGiveTheLossesOfThreadsAtEveryStageAndWithOffload) {
+  const fs::path dir = scratch("mpi_losses");
+  const std::vector<std::string> common = with(kTiny, {"--steps", "12", "--quiet"});
+  struct Case {
+    std::string name;
+    std::vector<std::string> args;
+  };
+  const fs::path nvme = dir / "nvme";
+  const std::vector<Case> cases = {
+      {"stage0", {"--zero-stage", "0"}},
+      {"stage1", {"--zero-stage", "1"}},
+      {"stage2", {"--zero-stage", "2"}},
+      {"stage3", {"--zero-stage", "3"}},
+      {"stage3-offload-cpu", {"--zero-stage", "3", "--offload-optimizer", "cpu", "--offload-params", "cpu"}},
+      {"stage2-offload-nvme", {"--zero-stage", "2", "--offload-optimizer", "nvme:" + nvme.string()}},
+  };
+  for (const int np : {2, 4}) {
+    std::map<std::string, std::vector<double>> by_case;
+    for (const Case& c : cases) {
+      SCOPED_TRACE(c.name + " np " + std::to_string(np));
+      fs::remove_all(nvme);
+      const fs::path procs = dir / (c.name + "-np" + std::to_string(np) + "-mpi.jsonl");
+      const fs::path threads = dir / (c.name + "-np" + std::to_string(np) + "-threads.jsonl");
+      const Exit m = run_mpi(np, with(with(common, c.args), {"--metrics", procs.string()}), dir);
+      ASSERT_EQ(m.code, 0) << m.output;
+      fs::remove_all(nvme);
+      const Exit t = run(with(with(common, c.args), {"--world-size", std::to_string(np), "--metrics", threads.string()}), dir);
+      ASSERT_EQ(t.code, 0) << t.output;
+      expect_same_losses(losses_in(procs), losses_in(threads), 0, c.name + " processes vs threads");
+      by_case[c.name] = losses_in(procs);
+    }
+    for (const char* stage : {"stage1", "stage2", "stage3"}) {
+      expect_same_losses(by_case["stage0"], by_case[stage], 1e-6, std::string("stage 0 vs ") + stage);
+    }
+  }
+}
+
+TEST(MpiLaunch, TheHeaderNamesTheBackendAndTheLauncher) {
+  const fs::path dir = scratch("mpi_header");
+  const Exit m = run_mpi(2, with(kTiny, {"--steps", "2"}), dir);
+  ASSERT_EQ(m.code, 0) << m.output;
+  EXPECT_NE(m.output.find("2 rank(s) on cpu, mpi backend (processes started by mpirun)"), std::string::npos) << m.output;
+  const Exit t = run(with(kTiny, {"--steps", "2"}), dir);
+  ASSERT_EQ(t.code, 0) << t.output;
+  EXPECT_NE(t.output.find("2 rank(s) on cpu, local backend (threads of this process)"), std::string::npos) << t.output;
+}
+
+TEST(MpiLaunch, LaunchMistakesAreNamedErrors) {
+  const fs::path dir = scratch("mpi_mistakes");
+  // --world-size that disagrees with mpirun's.
+  const Exit world = run_mpi(2, with(kTiny, {"--steps", "2", "--world-size", "3"}), dir);
+  EXPECT_NE(world.code, 0);
+  EXPECT_NE(world.output.find("--world-size 3: this process is mpirun (rank"), std::string::npos) << world.output;
+  // Threads asked of a launcher's processes.
+  const Exit local = run_mpi(2, with(kTiny, {"--steps", "2", "--backend", "local"}), dir);
+  EXPECT_NE(local.code, 0);
+  EXPECT_NE(local.output.find("backend local runs every rank as a thread"), std::string::npos) << local.output;
+  // MPI asked of ranks as threads.
+  const Exit threads = run(with(kTiny, {"--steps", "2", "--backend", "mpi"}), dir);
+  EXPECT_EQ(threads.code, 2);
+  EXPECT_NE(threads.output.find("start 2 processes instead (mpirun -np 2"), std::string::npos) << threads.output;
+  // torchrun's variables without a GPU: start them with mpirun.
+  ::setenv("WORLD_SIZE", "2", 1);
+  ::setenv("RANK", "1", 1);
+  const Exit torchrun = run(with(kTiny, {"--steps", "2"}), dir);
+  ::unsetenv("WORLD_SIZE");
+  ::unsetenv("RANK");
+  EXPECT_EQ(torchrun.code, 2);
+  EXPECT_NE(torchrun.output.find("start them with mpirun -np 2"), std::string::npos) << torchrun.output;
+}
+
+// A rank's process killed mid-run: the job ends within the collective timeout, non-zero,
+// naming the rank, and no process of it is left.
+TEST(MpiLaunch, AKilledProcessEndsTheJobNamingItAndLeavesNoProcess) {
+  const fs::path dir = scratch("mpi_kill");
+  const fs::path metrics = dir / "m.jsonl";
+  const pid_t job = spawn(with(mpirun(2), with(kTiny, {"--steps", "1000000", "--quiet", "--collective-timeout", "20",
+                                                       "--metrics", metrics.string()})),
+                          dir / "output.txt");
+  ASSERT_TRUE(wait_for_steps(metrics, 3, std::chrono::seconds(120))) << slurp(dir / "output.txt");
+  const auto ranks = rank_processes(job);
+  ASSERT_EQ(ranks.size(), 2u);
+  const auto killed_at = Clock::now();
+  ASSERT_EQ(::kill(ranks.at(1), SIGKILL), 0);
+  const auto code = wait_exit_for(job, std::chrono::seconds(60));
+  if (!code) {
+    for (const auto& [rank, pid] : ranks) ::kill(pid, SIGKILL);
+    ::kill(job, SIGKILL);
+    wait_exit(job);
+    FAIL() << "mpirun still running 60 s after rank 1 was killed\n" << slurp(dir / "output.txt");
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - killed_at).count();
+  const std::string output = slurp(dir / "output.txt");
+  EXPECT_NE(*code, 0) << output;
+  EXPECT_LT(seconds, 20.0) << "within the collective timeout";
+  EXPECT_NE(output.find("rank 1"), std::string::npos) << output;
+  for (const auto& [rank, pid] : ranks) EXPECT_FALSE(alive(pid)) << "rank " << rank << " (pid " << pid << ") left running";
+  std::printf("killed rank 1: the job ended %.2f s later with exit code %d\n", seconds, *code);
+}
+
+// A rank's process stopped (SIGSTOP) mid-run: the other fails at the collective timeout naming
+// it, its flight record says so, rank 0 prints the diagnosis (the stopped rank and the last
+// group it completed), the job ends non-zero and no process is left.
+TEST(MpiLaunch, AStoppedProcessIsNamedByThePeersFlightRecords) {
+  const fs::path dir = scratch("mpi_stop");
+  const fs::path metrics = dir / "m.jsonl";
+  const fs::path records = dir / "flight";
+  const pid_t job = spawn(with(mpirun(2), with(kTiny, {"--steps", "1000000", "--quiet", "--collective-timeout", "3",
+                                                       "--metrics", metrics.string(), "--flight-recorder",
+                                                       records.string()})),
+                          dir / "output.txt");
+  ASSERT_TRUE(wait_for_steps(metrics, 3, std::chrono::seconds(120))) << slurp(dir / "output.txt");
+  const auto ranks = rank_processes(job);
+  ASSERT_EQ(ranks.size(), 2u);
+  const auto stopped_at = Clock::now();
+  ASSERT_EQ(::kill(ranks.at(1), SIGSTOP), 0);
+  const auto code = wait_exit_for(job, std::chrono::seconds(60));
+  const std::string output = slurp(dir / "output.txt");
+  std::map<int, bool> left;
+  for (const auto& [rank, pid] : ranks) {
+    for (int i = 0; i < 100 && alive(pid); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    left[rank] = alive(pid);
+    ::kill(pid, SIGKILL);  // whatever the verdict, nothing stays behind the test
+    ::kill(pid, SIGCONT);
+  }
+  if (!code) {
+    ::kill(job, SIGKILL);
+    wait_exit(job);
+    FAIL() << "mpirun still running 60 s after rank 1 was stopped\n" << output;
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - stopped_at).count();
+  EXPECT_NE(*code, 0) << output;
+  EXPECT_LT(seconds, 30.0) << output;
+  EXPECT_NE(output.find("timed out after 3000 ms waiting for rank 1 (the last group it reached here: #"),
+            std::string::npos)
+      << output;
+  auto read = collectives::read_flight_records(records);
+  ASSERT_TRUE(read.has_value()) << read.error().message();
+  // Rank 0's record; rank 1 writes one too if it ran again before mpirun's kill (mpirun sends
+  // SIGCONT, then SIGTERM, and rank 1 then hears rank 0's abort): the diagnosis is rank 0's.
+  auto rank0_record = std::find_if(read->begin(), read->end(), [](const auto& r) { return r.rank == 0; });
+  ASSERT_NE(rank0_record, read->end());
+  const collectives::FlightRecord rank0 = *rank0_record;
+  read->assign(1, rank0);
+  EXPECT_EQ(rank0.backend, "mpi");
+  ASSERT_NE(rank0.first_open(), nullptr);
+  EXPECT_EQ(rank0.first_open()->state, collectives::CollectiveState::failed);
+  const std::string diagnosis = collectives::diagnose(*read, 2);
+  const std::string last = "it completed #" + std::to_string(rank0.last_completed());
+  EXPECT_NE(diagnosis.find("rank 1: no record"), std::string::npos) << diagnosis;
+  EXPECT_NE(diagnosis.find(last), std::string::npos) << diagnosis;
+  EXPECT_NE(output.find("rank 1: no record"), std::string::npos) << "rank 0 prints the diagnosis\n" << output;
+  for (const auto& [rank, was_left] : left) EXPECT_FALSE(was_left) << "rank " << rank << " left running";
+  std::printf("stopped rank 1: the job ended %.2f s later; diagnosis:\n%s", seconds, diagnosis.c_str());
+}
+
+}  // namespace
+}  // namespace coshard::testing
