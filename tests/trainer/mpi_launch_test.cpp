@@ -164,6 +164,12 @@ TEST(MpiLaunch, ProcessesGiveTheLossesOfThreadsAtEveryStageAndWithOffload) {
       const Exit t = run(with(with(common, c.args), {"--world-size", std::to_string(np), "--metrics", threads.string()}), dir);
       ASSERT_EQ(t.code, 0) << t.output;
       expect_same_losses(losses_in(procs), losses_in(threads), 0, c.name + " processes vs threads");
+      // No host-blocking wait in a step under MPI: the counter (cumulative) stands still.
+      std::ifstream in(procs);
+      std::vector<std::uint64_t> waits;
+      for (std::string line; std::getline(in, line);) waits.push_back(nlohmann::json::parse(line)["blocking_waits"].get<std::uint64_t>());
+      ASSERT_GE(waits.size(), 4u);
+      EXPECT_EQ(waits.back(), waits[2]) << "blocking waits in steps 4-" << waits.size();
       by_case[c.name] = losses_in(procs);
     }
     for (const char* stage : {"stage1", "stage2", "stage3"}) {
@@ -242,7 +248,7 @@ TEST(MpiLaunch, AStoppedProcessIsNamedByThePeersFlightRecords) {
   const fs::path dir = scratch("mpi_stop");
   const fs::path metrics = dir / "m.jsonl";
   const fs::path records = dir / "flight";
-  const pid_t job = spawn(with(mpirun(2), with(kTiny, {"--steps", "1000000", "--quiet", "--collective-timeout", "3",
+  const pid_t job = spawn(with(mpirun(2), with(kTiny, {"--steps", "1000000", "--quiet", "--collective-timeout", "5",
                                                        "--metrics", metrics.string(), "--flight-recorder",
                                                        records.string()})),
                           dir / "output.txt");
@@ -268,7 +274,7 @@ TEST(MpiLaunch, AStoppedProcessIsNamedByThePeersFlightRecords) {
   const double seconds = std::chrono::duration<double>(Clock::now() - stopped_at).count();
   EXPECT_NE(*code, 0) << output;
   EXPECT_LT(seconds, 30.0) << output;
-  EXPECT_NE(output.find("timed out after 3000 ms waiting for rank 1 (the last group it reached here: #"),
+  EXPECT_NE(output.find("timed out after 5000 ms waiting for rank 1 (the last group it reached here: #"),
             std::string::npos)
       << output;
   auto read = collectives::read_flight_records(records);
