@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -46,6 +47,46 @@ TEST(CoshardTrain, MetricsHaveEveryKeyAndTheLossFalls) {
   EXPECT_GT(rows[5]["prefetch_hit_rate"].get<double>(), 0.5);  // the trace from step 1 is used
   EXPECT_EQ(rows[29]["blocking_waits"], 0);
   EXPECT_LT(rows[29]["loss"].get<double>(), 0.8 * rows[0]["loss"].get<double>());
+}
+
+// --data as token ids: llm.c's .bin (a 256-int32 header, uint16 ids) of a learnable sequence
+// trains and its loss falls; ids the model cannot embed are refused by name before training.
+TEST(CoshardTrain, TokenIdDataTrainsAndIdsPastTheVocabularyAreRefused) {
+  const fs::path dir = scratch("token_data");
+  constexpr int kVocab = 48;
+  std::vector<std::int32_t> header(256, 0);
+  std::vector<std::uint16_t> ids;
+  for (int i = 0; i < 4000; ++i) ids.push_back(static_cast<std::uint16_t>((i * 7 + i / 97) % kVocab));
+  header[0] = 20240520;
+  header[1] = 1;
+  header[2] = static_cast<std::int32_t>(ids.size());
+  {
+    std::ofstream out(dir / "tokens.bin", std::ios::binary);
+    out.write(reinterpret_cast<const char*>(header.data()), 1024);
+    out.write(reinterpret_cast<const char*>(ids.data()), static_cast<std::streamsize>(ids.size() * 2));
+  }
+  // kTiny with another --vocab.
+  auto tiny_with_vocab = [](int vocab) {
+    auto args = kTiny;
+    *(std::find(args.begin(), args.end(), "--vocab") + 1) = std::to_string(vocab);
+    return args;
+  };
+  const auto r = run(with(tiny_with_vocab(kVocab), {"--steps", "40", "--world-size", "2", "--data",
+                                  (dir / "tokens.bin").string(), "--metrics", (dir / "m.jsonl").string()}),
+                     dir);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("4000 tokens, uint16, llm.c header, vocab 48"), std::string::npos) << r.output;
+  const auto losses = losses_in(dir / "m.jsonl");
+  ASSERT_EQ(losses.size(), 40u);
+  EXPECT_LT(losses.back(), 0.7 * losses.front());
+  const auto small = run(with(tiny_with_vocab(40), {"--steps", "2", "--data", (dir / "tokens.bin").string()}), dir);
+  EXPECT_EQ(small.code, 2);
+  EXPECT_NE(small.output.find("not below the model's vocabulary of 40 (--vocab)"), std::string::npos) << small.output;
+  const auto wrong = run(with(tiny_with_vocab(kVocab), {"--steps", "2", "--data-format", "u32", "--data",
+                                      (dir / "tokens.bin").string()}),
+                         dir);
+  EXPECT_EQ(wrong.code, 2);
+  EXPECT_NE(wrong.output.find("--data-format u32 but its llm.c header (version 1)"), std::string::npos) << wrong.output;
 }
 
 // --step-in-backward steps each unit on the CPU during backward: the losses of stepping after

@@ -8,6 +8,7 @@
 #include <barrier>
 #include <csignal>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -644,6 +645,121 @@ TEST(HostBatch, TheGlobalBatchDoesNotDependOnTheWorldSize) {
   }
   // Targets are the next tokens.
   for (std::int64_t t = 0; t + 1 < kSeq; ++t) EXPECT_EQ(g.targets[static_cast<std::size_t>(t)], g.tokens[static_cast<std::size_t>(t + 1)]);
+}
+
+// llm.c's .bin: 256 int32 of header (magic, version, count), then the ids.
+std::vector<std::byte> llmc_file(int version, const std::vector<std::uint32_t>& ids, std::int32_t count = -1) {
+  std::vector<std::int32_t> header(256, 0);
+  header[0] = 20240520;
+  header[1] = version;
+  header[2] = count >= 0 ? count : static_cast<std::int32_t>(ids.size());
+  std::vector<std::byte> out(header.size() * 4);
+  std::memcpy(out.data(), header.data(), out.size());
+  for (const std::uint32_t id : ids) {
+    const std::size_t at = out.size();
+    if (version == 1) {
+      const auto v = static_cast<std::uint16_t>(id);
+      out.resize(at + 2);
+      std::memcpy(out.data() + at, &v, 2);
+    } else {
+      out.resize(at + 4);
+      std::memcpy(out.data() + at, &id, 4);
+    }
+  }
+  return out;
+}
+
+void write_bytes(const fs::path& p, const std::vector<std::byte>& b) {
+  std::ofstream(p, std::ios::binary).write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
+}
+
+// Every row's tokens are a window of the file and its targets the tokens after them.
+void expect_windows_of(const HostBatch& b, const std::vector<std::uint32_t>& ids) {
+  for (std::int64_t r = 0; r < b.rows; ++r) {
+    bool found = false;
+    for (std::size_t start = 0; !found && start + static_cast<std::size_t>(b.seq) < ids.size(); ++start) {
+      bool same = true;
+      for (std::int64_t t = 0; same && t < b.seq; ++t) {
+        const auto i = static_cast<std::size_t>(r * b.seq + t);
+        same = b.tokens[i] == static_cast<std::int32_t>(ids[start + static_cast<std::size_t>(t)]) &&
+               b.targets[i] == static_cast<std::int32_t>(ids[start + static_cast<std::size_t>(t) + 1]);
+      }
+      found = same;
+    }
+    EXPECT_TRUE(found) << "row " << r << " is not a window of the file";
+  }
+}
+
+TEST(TokenFile, ReadsLlmcHeadersAndRawIdsAsWindows) {
+  const fs::path dir = scratch("tokens");
+  std::vector<std::uint32_t> ids;
+  for (std::uint32_t i = 0; i < 500; ++i) ids.push_back((i * 37 + 11) % 1000);
+  // llm.c, version 1 (uint16) and 2 (uint32), found by its header whatever the name.
+  write_bytes(dir / "gpt2.data", llmc_file(1, ids));
+  write_bytes(dir / "llama.data", llmc_file(2, ids));
+  for (const char* name : {"gpt2.data", "llama.data"}) {
+    SCOPED_TRACE(name);
+    auto resolved = resolve_token_format(dir / name, TokenFormat::automatic);
+    ASSERT_TRUE(resolved.has_value());
+    EXPECT_EQ(*resolved, std::string(name) == "gpt2.data" ? TokenFormat::u16 : TokenFormat::u32);
+    auto f = open_data(dir / name, TokenFormat::automatic, 1000, 16, 7);
+    ASSERT_TRUE(f.has_value()) << f.error().message();
+    EXPECT_EQ((*f)->vocab(), 1000);
+    EXPECT_NE((*f)->describe().find("500 tokens"), std::string::npos) << (*f)->describe();
+    EXPECT_NE((*f)->describe().find("llm.c header"), std::string::npos);
+    expect_windows_of((*f)->batch(3, 8, 16), ids);
+  }
+  // The same tokens give the same data whatever the width or header (identity differs by width only).
+  auto a = open_data(dir / "gpt2.data", TokenFormat::automatic, 1000, 16, 7);
+  auto b = open_data(dir / "llama.data", TokenFormat::automatic, 1000, 16, 7);
+  EXPECT_EQ((*a)->batch(5, 4, 16).tokens, (*b)->batch(5, 4, 16).tokens);
+  // nanoGPT's train.bin: raw uint16, by its name; raw uint32 by the format.
+  std::vector<std::byte> raw16(ids.size() * 2), raw32(ids.size() * 4);
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    const auto v = static_cast<std::uint16_t>(ids[i]);
+    std::memcpy(raw16.data() + 2 * i, &v, 2);
+    std::memcpy(raw32.data() + 4 * i, &ids[i], 4);
+  }
+  write_bytes(dir / "train.bin", raw16);
+  write_bytes(dir / "ids32", raw32);
+  auto nano = open_data(dir / "train.bin", TokenFormat::automatic, 1000, 16, 7);
+  ASSERT_TRUE(nano.has_value()) << nano.error().message();
+  EXPECT_NE((*nano)->describe().find("uint16, raw"), std::string::npos) << (*nano)->describe();
+  EXPECT_EQ((*nano)->batch(5, 4, 16).tokens, (*a)->batch(5, 4, 16).tokens);
+  auto wide = open_data(dir / "ids32", TokenFormat::u32, 1000, 16, 7);
+  ASSERT_TRUE(wide.has_value()) << wide.error().message();
+  EXPECT_EQ((*wide)->batch(5, 4, 16).tokens, (*a)->batch(5, 4, 16).tokens);
+  // Text stays bytes.
+  std::ofstream(dir / "book.txt") << "some text that is long enough for a window";
+  auto text = open_data(dir / "book.txt", TokenFormat::automatic, 1000, 16, 7);
+  ASSERT_TRUE(text.has_value());
+  EXPECT_EQ((*text)->vocab(), 256);
+}
+
+TEST(TokenFile, DamagedFilesAndIdsTheModelCannotEmbedAreRefusedByName) {
+  const fs::path dir = scratch("tokens_bad");
+  const std::vector<std::uint32_t> ids = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
+  auto message = [&](const std::vector<std::byte>& bytes, TokenFormat format, std::int64_t vocab) {
+    auto f = TokenFile::from_bytes(bytes, "f.bin", format, vocab, 1);
+    return f ? std::string("accepted") : f.error().message();
+  };
+  EXPECT_NE(message(llmc_file(3, ids), TokenFormat::automatic, 100).find("llm.c header version 3"), std::string::npos);
+  EXPECT_NE(message(llmc_file(1, ids, 11), TokenFormat::automatic, 100).find("counts 11 tokens of 2 bytes, but 20 bytes"),
+            std::string::npos);
+  EXPECT_NE(message(llmc_file(2, ids), TokenFormat::u16, 100).find("--data-format u16 but its llm.c header (version 2)"),
+            std::string::npos);
+  std::vector<std::byte> odd(7);
+  EXPECT_NE(message(odd, TokenFormat::u16, 100).find("7 bytes is not a whole number of uint16"), std::string::npos);
+  EXPECT_NE(message(llmc_file(1, ids), TokenFormat::automatic, 8).find("token 7 is id 8, not below the model's vocabulary of 8"),
+            std::string::npos);
+  EXPECT_NE(message(llmc_file(1, ids), TokenFormat::automatic, 0).find("vocabulary 0"), std::string::npos);
+  write_bytes(dir / "short.bin", llmc_file(1, ids));
+  auto short_file = open_data(dir / "short.bin", TokenFormat::automatic, 100, 10, 1);
+  ASSERT_FALSE(short_file.has_value());
+  EXPECT_NE(short_file.error().message().find("10 tokens; a sequence length of 10 needs at least 11"), std::string::npos)
+      << short_file.error().message();
+  EXPECT_FALSE(open_data(dir / "missing.bin", TokenFormat::automatic, 100, 4, 1).has_value());
+  EXPECT_FALSE(parse_token_format("int16").has_value());
 }
 
 TEST(ByteCorpus, ReadsWindowsAndRefusesShortFiles) {

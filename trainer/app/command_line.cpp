@@ -59,8 +59,16 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   app.add_option("--layers", o.layers, "transformer blocks")->check(CLI::Range(std::int64_t{1}, std::int64_t{4096}));
   app.add_option("--dim", o.dim, "model width")->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20));
   app.add_option("--heads", o.heads, "attention heads")->check(CLI::Range(std::int64_t{1}, std::int64_t{4096}));
-  app.add_option("--vocab", o.vocab, "vocabulary of the synthetic task")->check(CLI::Range(std::int64_t{2}, std::int64_t{1} << 20));
-  app.add_option("--data", o.data, "a text file, trained on as bytes (default: the synthetic task)");
+  app.add_option("--vocab", o.vocab,
+                 "vocabulary: the synthetic task's, or the model's for a --data file of token ids (every id must be "
+                 "below it; GPT-2's tokenizer: 50257)")->check(CLI::Range(std::int64_t{2}, std::int64_t{1} << 20));
+  app.add_option("--data", o.data,
+                 "training data (default: the synthetic task): a text file, trained on as bytes, or a file of token "
+                 "ids (llm.c's .bin with its header, or raw uint16 as nanoGPT's train.bin; see --data-format)");
+  app.add_option("--data-format", o.data_format,
+                 "how --data holds its tokens: auto (llm.c's header, else uint16 for a .bin name, else bytes), bytes, "
+                 "u16 or u32 (little-endian ids)")
+      ->check(CLI::IsMember({"auto", "bytes", "u16", "u32"}));
   auto* lr = app.add_option("--lr", cli.lr, "learning rate (AdamW)");
   auto* warmup = app.add_option("--warmup", cli.warmup_steps, "linear warm-up steps (from --warmup-min-lr to --lr)");
   auto* warmup_min = app.add_option("--warmup-min-lr", cli.warmup_min_lr, "the learning rate the warm-up starts from");

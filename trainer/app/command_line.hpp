@@ -23,7 +23,8 @@ struct Options {
   std::int64_t layers = 4;
   std::int64_t dim = 128;
   std::int64_t heads = 4;
-  std::int64_t vocab = 256;  // synthetic task only; a --data file is bytes (256)
+  std::int64_t vocab = 256;  // the synthetic task's, or the model's for token ids; bytes are 256
+  std::string data_format = "auto";  // trainer::parse_token_format
   std::string data, config, init, metrics, trace, checkpoint_dir, export_path;
   std::string flight_recorder;  // folder of the collective flight recorder's dumps
   std::int64_t checkpoint_every = 0;

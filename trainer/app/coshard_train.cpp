@@ -203,16 +203,14 @@ int run(const Options& o) {
   if (o.data.empty()) {
     data = std::make_unique<trainer::SyntheticTask>(o.vocab, o.train.seed);
   } else {
-    auto corpus = trainer::ByteCorpus::open(o.data, o.train.seed);
-    if (!corpus) {
-      std::fprintf(stderr, "coshard-train: %s\n", corpus.error().message().c_str());
+    auto format = trainer::parse_token_format(o.data_format);
+    auto opened = format ? trainer::open_data(o.data, *format, o.vocab, o.seq, o.train.seed)
+                         : Result<std::unique_ptr<trainer::TokenSource>>(fail(std::move(format).error()));
+    if (!opened) {
+      std::fprintf(stderr, "coshard-train: --data: %s\n", opened.error().message().c_str());
       return 2;
     }
-    if (auto ok = (*corpus)->check(o.seq); !ok) {
-      std::fprintf(stderr, "coshard-train: %s\n", ok.error().message().c_str());
-      return 2;
-    }
-    data = std::move(*corpus);
+    data = std::move(*opened);
   }
 
   Shared shared;
@@ -373,7 +371,15 @@ int main(int argc, char** argv) {
   // Memory: what every rank will hold, against the machine (before anything is allocated or
   // created: --estimate leaves no folder behind).
   train_app::RunShape shape;
-  shape.gpt = {.vocab = o.data.empty() ? o.vocab : 256, .max_seq = o.seq, .dim = o.dim, .layers = o.layers, .heads = o.heads};
+  std::int64_t vocab = o.vocab;  // the synthetic task's, or the model's for token ids; bytes are 256
+  if (!o.data.empty()) {
+    const auto format = trainer::parse_token_format(o.data_format);
+    if (!format) return usage("--data-format: " + format.error().message());
+    const auto resolved = trainer::resolve_token_format(o.data, *format);
+    if (!resolved) return usage("--data: " + resolved.error().message());
+    if (*resolved == trainer::TokenFormat::bytes) vocab = 256;
+  }
+  shape.gpt = {.vocab = vocab, .max_seq = o.seq, .dim = o.dim, .layers = o.layers, .heads = o.heads};
   shape.batch = o.batch;
   shape.seq = o.seq;
   shape.world = world;

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "coshard/async/result.hpp"
@@ -78,5 +79,59 @@ class ByteCorpus final : public TokenSource {
   std::vector<std::byte> bytes_;
   std::uint64_t seed_ = 0;
 };
+
+// How a --data file holds its tokens.
+//   bytes  each byte is a token (vocabulary 256): text
+//   u16    token ids as little-endian uint16, or llm.c's .bin with its header (version 1)
+//   u32    token ids as little-endian uint32, or llm.c's .bin with its header (version 2)
+//   automatic  llm.c's header where the file starts with it (its version gives the width); else
+//              a name ending in .bin is raw uint16 (nanoGPT's train.bin); else bytes
+enum class TokenFormat : std::uint8_t { automatic, bytes, u16, u32 };
+std::string_view to_string(TokenFormat format) noexcept;
+// "auto", "bytes", "u16" or "u32".
+Result<TokenFormat> parse_token_format(std::string_view text);
+
+// A file of token ids for a model of `vocab` tokens. llm.c's .bin starts with 256 int32: the
+// magic 20240520, the version (1: uint16 tokens, 2: uint32) and the token count; raw files are
+// the ids alone. Every id is checked below `vocab` once, at open (an id the model cannot embed is
+// an error naming it and its position, never a wrong lookup); each row is a window at a position
+// drawn from (seed, step, row), as for bytes.
+class TokenFile final : public TokenSource {
+ public:
+  // `format`: u16, u32 or automatic (bytes is ByteCorpus's).
+  static Result<std::unique_ptr<TokenFile>> open(const std::filesystem::path& path, TokenFormat format,
+                                                 std::int64_t vocab, std::uint64_t seed);
+  // The same from bytes already read; `name` goes into the messages.
+  static Result<std::unique_ptr<TokenFile>> from_bytes(std::vector<std::byte> bytes, std::string name,
+                                                       TokenFormat format, std::int64_t vocab, std::uint64_t seed);
+  // The file must hold at least seq + 1 tokens.
+  Result<void> check(std::int64_t seq) const;
+  std::int64_t vocab() const noexcept override { return vocab_; }
+  std::int64_t tokens() const noexcept { return count_; }
+  std::string describe() const override;
+  std::string identity() const override;  // width, count and CRC-32 of the tokens
+  HostBatch batch(std::uint64_t step, std::int64_t rows, std::int64_t seq) const override;
+
+ private:
+  TokenFile() = default;
+  std::int32_t at(std::int64_t i) const noexcept;
+  std::string name_;
+  std::vector<std::byte> bytes_;  // the whole file; the tokens start at offset_
+  std::size_t offset_ = 0;
+  std::size_t width_ = 2;
+  bool header_ = false;
+  std::int64_t count_ = 0;
+  std::int64_t vocab_ = 0;
+  std::uint64_t seed_ = 0;
+};
+
+// What `automatic` means for this file: u16 or u32 from llm.c's header, u16 for a name ending in
+// .bin, else bytes (reads the first 8 bytes; any other format is returned as given).
+Result<TokenFormat> resolve_token_format(const std::filesystem::path& path, TokenFormat format);
+
+// The TokenSource a --data file is (TokenFormat above), checked for sequences of `seq`.
+// `vocab` is the model's (token files only; bytes are 256).
+Result<std::unique_ptr<TokenSource>> open_data(const std::filesystem::path& path, TokenFormat format,
+                                               std::int64_t vocab, std::int64_t seq, std::uint64_t seed);
 
 }  // namespace coshard::trainer
