@@ -11,6 +11,7 @@
 #include <numbers>
 #include <vector>
 
+#include "cpu_norm_kernels.hpp"
 #include "cpu_parallel.hpp"
 #include "half_convert.hpp"
 #include "kernels.hpp"
@@ -105,56 +106,6 @@ void gemm_one(const GemmArgs& g, const T* a, const T* b, T* c) {
   one.c = c;
   one.batch = 1;
   gemm_at<T>(one, 0);
-}
-
-template <class T>
-void layernorm_fwd(const T* x, const T* w, const T* b, T* out, T* mean, T* rstd, std::int64_t N, std::int64_t C,
-                   float eps) {
-  for (std::int64_t i = 0; i < N; ++i) {
-    const T* xi = x + i * C;
-    double m = 0;
-    for (std::int64_t j = 0; j < C; ++j) m += xi[j];
-    m /= static_cast<double>(C);
-    double var = 0;
-    for (std::int64_t j = 0; j < C; ++j) {
-      const double d = xi[j] - m;
-      var += d * d;
-    }
-    var /= static_cast<double>(C);
-    const double r = 1.0 / std::sqrt(var + eps);
-    T* oi = out + i * C;
-    for (std::int64_t j = 0; j < C; ++j) oi[j] = static_cast<T>((xi[j] - m) * r) * w[j] + b[j];
-    mean[i] = static_cast<T>(m);
-    rstd[i] = static_cast<T>(r);
-  }
-}
-
-template <class T>
-void layernorm_bwd(const T* dout, const T* x, const T* w, const T* mean, const T* rstd, T* dx, T* dw, T* db,
-                   std::int64_t N, std::int64_t C) {
-  for (std::int64_t i = 0; i < N; ++i) {
-    const T* xi = x + i * C;
-    const T* gi = dout + i * C;
-    const double m = mean[i];
-    const double r = rstd[i];
-    double mean_dxhat = 0, mean_dxhat_xhat = 0;
-    for (std::int64_t j = 0; j < C; ++j) {
-      const double xhat = (xi[j] - m) * r;
-      const double dxhat = static_cast<double>(gi[j]) * w[j];
-      mean_dxhat += dxhat;
-      mean_dxhat_xhat += dxhat * xhat;
-      db[j] += gi[j];
-      dw[j] += static_cast<T>(gi[j] * xhat);
-    }
-    mean_dxhat /= static_cast<double>(C);
-    mean_dxhat_xhat /= static_cast<double>(C);
-    T* dxi = dx + i * C;
-    for (std::int64_t j = 0; j < C; ++j) {
-      const double xhat = (xi[j] - m) * r;
-      const double dxhat = static_cast<double>(gi[j]) * w[j];
-      dxi[j] = static_cast<T>(r * (dxhat - mean_dxhat - xhat * mean_dxhat_xhat));
-    }
-  }
 }
 
 // GPT-2's tanh approximation of GELU.
@@ -447,6 +398,21 @@ class CpuKernels final : public Kernels {
     return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
       layernorm_bwd<T>(io.in(dout, N * C), io.in(x, N * C), io.in(w, C), io.stat(mean), io.stat(rstd),
                        io.inout(dx, N * C), io.inout(dw, C), io.inout(db, C), N, C);
+    });
+  }
+
+  Result<void> rmsnorm_forward(Stream& s, DataType dt, const void* x, const void* w, void* out, void* rstd,
+                               std::int64_t N, std::int64_t C, float eps) const override {
+    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
+      rmsnorm_fwd<T>(io.in(x, N * C), io.in(w, C), io.inout(out, N * C), io.stat(rstd), N, C, eps);
+    });
+  }
+
+  Result<void> rmsnorm_backward(Stream& s, DataType dt, const void* dout, const void* x, const void* w,
+                                const void* rstd, void* dx, void* dw, std::int64_t N, std::int64_t C) const override {
+    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
+      rmsnorm_bwd<T>(io.in(dout, N * C), io.in(x, N * C), io.in(w, C), io.stat(rstd), io.inout(dx, N * C),
+                     io.inout(dw, C), N, C);
     });
   }
 

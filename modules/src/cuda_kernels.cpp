@@ -151,6 +151,20 @@ class CudaKernels final : public Kernels {
                                                  dw, db, N, C),
                         "layernorm_backward", s);
   }
+  Result<void> rmsnorm_forward(Stream& s, DataType dt, const void* x, const void* w, void* out, void* rstd,
+                               std::int64_t N, std::int64_t C, float eps) const override {
+    COSHARD_TRY(check(dt));
+    return check_launch(
+        cuda::rmsnorm_forward(s.native_handle(), code(dt), x, w, out, static_cast<float*>(rstd), N, C, eps),
+        "rmsnorm_forward", s);
+  }
+  Result<void> rmsnorm_backward(Stream& s, DataType dt, const void* dout, const void* x, const void* w,
+                                const void* rstd, void* dx, void* dw, std::int64_t N, std::int64_t C) const override {
+    COSHARD_TRY(check(dt));
+    return check_launch(cuda::rmsnorm_backward(s.native_handle(), code(dt), dout, x, w, static_cast<const float*>(rstd),
+                                               dx, dw, N, C),
+                        "rmsnorm_backward", s);
+  }
   Result<void> gelu_forward(Stream& s, DataType dt, const void* x, void* out, std::int64_t n) const override {
     COSHARD_TRY(check(dt));
     return check_launch(cuda::gelu_forward(s.native_handle(), code(dt), x, out, n), "gelu_forward", s);

@@ -58,6 +58,12 @@ class Kernels {
                                           const void* w, const void* mean, const void* rstd, void* dx, void* dw,
                                           void* db, std::int64_t N, std::int64_t C) const = 0;
 
+  // RMSNorm (Llama): out = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps) per row (stat dtype).
+  virtual Result<void> rmsnorm_forward(async::Stream& s, DataType dt, const void* x, const void* w, void* out,
+                                       void* rstd, std::int64_t N, std::int64_t C, float eps) const = 0;
+  virtual Result<void> rmsnorm_backward(async::Stream& s, DataType dt, const void* dout, const void* x, const void* w,
+                                        const void* rstd, void* dx, void* dw, std::int64_t N, std::int64_t C) const = 0;
+
   virtual Result<void> gelu_forward(async::Stream& s, DataType dt, const void* x, void* out, std::int64_t n) const = 0;
   virtual Result<void> gelu_backward(async::Stream& s, DataType dt, const void* x, const void* dout, void* dx,
                                      std::int64_t n) const = 0;

@@ -192,6 +192,43 @@ async::Task<Result<Tensor>> LayerNorm::backward(Context& ctx, Tensor grad_output
   co_return dx;
 }
 
+// ---- RmsNorm ----
+
+RmsNorm::RmsNorm(std::int64_t dim, float eps) : dim_(dim), eps_(eps) {
+  register_parameter("weight", Shape{dim}, Init::ones());
+}
+
+async::Task<Result<Tensor>> RmsNorm::forward(Context& ctx, Tensor input) {
+  COSHARD_CO_TRY(check_activation(ctx, input, dim_, "RmsNorm"));
+  const DataType dt = input.dtype();
+  COSHARD_CO_TRY(check_param(*parameters()[0], dt, "RmsNorm"));
+  const std::int64_t rows = input.shape().rows();
+  COSHARD_CO_TRY_ASSIGN(Tensor out, ctx.empty(input.shape(), dt));
+  COSHARD_CO_TRY_ASSIGN(Tensor rstd, ctx.empty(Shape{rows}, detail::stat_dtype(dt)));
+  COSHARD_CO_TRY(ctx.kernels().rmsnorm_forward(ctx.stream(), dt, input.data(), parameters()[0]->value().data(),
+                                               out.data(), rstd.data(), rows, dim_, eps_));
+  input_ = std::move(input);
+  rstd_ = std::move(rstd);
+  co_return out;
+}
+
+async::Task<Result<Tensor>> RmsNorm::backward(Context& ctx, Tensor grad_output) {
+  COSHARD_CO_TRY(check_grad(input_, grad_output, "RmsNorm"));
+  const DataType dt = input_.dtype();
+  const std::int64_t rows = input_.shape().rows();
+  Parameter& w = *parameters()[0];
+  // A frozen RmsNorm still needs somewhere to put its weight's gradient.
+  Tensor dw = w.grad();
+  if (!trains(w)) {
+    COSHARD_CO_TRY_ASSIGN(dw, ctx.zeros(Shape{dim_}, dt));
+  }
+  COSHARD_CO_TRY_ASSIGN(Tensor dx, ctx.empty(input_.shape(), dt));
+  COSHARD_CO_TRY(ctx.kernels().rmsnorm_backward(ctx.stream(), dt, grad_output.data(), input_.data(), w.value().data(),
+                                                rstd_.data(), dx.data(), dw.data(), rows, dim_));
+  clear_saved();
+  co_return dx;
+}
+
 // ---- Gelu ----
 
 async::Task<Result<Tensor>> Gelu::forward(Context& ctx, Tensor input) {

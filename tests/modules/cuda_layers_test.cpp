@@ -124,6 +124,8 @@ std::vector<LayerCase> cases() {
       // more rows than a column sum's row lanes, and columns that end inside a tile
       {"LinearManyRows", [](Context&, DataType) { return std::make_unique<Linear>(48, 72); }, Shape{4, 50, 48}},
       {"LayerNormManyRows", [](Context&, DataType) { return std::make_unique<LayerNorm>(200); }, Shape{3, 70, 200}},
+      {"RmsNorm", [](Context&, DataType) { return std::make_unique<RmsNorm>(96); }, Shape{5, 96}},
+      {"RmsNormManyRows", [](Context&, DataType) { return std::make_unique<RmsNorm>(200); }, Shape{3, 70, 200}},
       {"Gelu", [](Context&, DataType) { return std::make_unique<Gelu>(); }, Shape{4, 50}},
       // a user's module written with the public ops (tests/support/gated_linear.hpp)
       {"GatedLinear", [](Context&, DataType) { return std::make_unique<::coshard::testing::GatedLinear>(24); },

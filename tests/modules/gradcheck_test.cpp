@@ -130,6 +130,11 @@ TEST_F(GradCheck, LayerNorm) {
   run_check(m, random_input(Shape{2, 3, 6}, 13));
 }
 
+TEST_F(GradCheck, RmsNorm) {
+  RmsNorm m(6);
+  run_check(m, random_input(Shape{2, 3, 6}, 16));
+}
+
 TEST_F(GradCheck, Gelu) {
   Gelu m;
   run_check(m, random_input(Shape{4, 5}, 14));

@@ -166,6 +166,38 @@ __global__ void layernorm_backward_dx_kernel(const T* dout, const T* x, const T*
   }
 }
 
+// ---- RMSNorm: one block per row ----
+
+template <class T>
+__global__ void rmsnorm_forward_kernel(const T* x, const T* w, T* out, float* rstd, std::int64_t C, float eps) {
+  const std::int64_t row = blockIdx.x;
+  const T* xr = x + row * C;
+  float s = 0;
+  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
+    const float v = load(xr, j);
+    s += v * v;
+  }
+  const float r = rsqrtf(block_sum(s) / static_cast<float>(C) + eps);
+  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) store(out + row * C, j, load(xr, j) * r * load(w, j));
+  if (threadIdx.x == 0) rstd[row] = r;
+}
+
+template <class T>
+__global__ void rmsnorm_backward_dx_kernel(const T* dout, const T* x, const T* w, const float* rstd, T* dx,
+                                           std::int64_t C) {
+  const std::int64_t row = blockIdx.x;
+  const float r = rstd[row];
+  float a = 0;
+  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
+    a += load(dout, row * C + j) * load(w, j) * load(x, row * C + j) * r;
+  }
+  const float mean_dxhat_xhat = block_sum(a) / static_cast<float>(C);
+  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
+    const float xhat = load(x, row * C + j) * r;
+    store(dx, row * C + j, r * (load(dout, row * C + j) * load(w, j) - xhat * mean_dxhat_xhat));
+  }
+}
+
 // ---- column sums of an N x C gradient: bias and LayerNorm parameter gradients ----
 
 // A block per tile of kColumnTile columns, kRowLanes rows of threads: lane l sums rows l,
@@ -174,9 +206,12 @@ __global__ void layernorm_backward_dx_kernel(const T* dout, const T* x, const T*
 // per column over all rows, before, took 77 of a 172 ms GPT-2-small step on an H100).
 constexpr int kColumnTile = 32, kRowLanes = 32;
 
-// db[j] += sum_i dout[i, j]; with kNorm also dw[j] += sum_i dout[i, j] * xhat[i, j], xhat the
-// LayerNorm's normalised input (x - mean) * rstd.
-template <class T, bool kNorm>
+// What a column sum computes: db[j] += sum_i dout[i, j] (bias); with a norm also dw[j] += sum_i
+// dout[i, j] * xhat[i, j], xhat the normalised input: (x - mean) * rstd (LayerNorm, with db) or
+// x * rstd (RMSNorm, no bias and no mean).
+enum class ColumnGrad { bias, layernorm, rmsnorm };
+
+template <class T, ColumnGrad kKind>
 __global__ void column_grad_kernel(const T* dout, const T* x, const float* mean, const float* rstd, T* dw, T* db,
                                    std::int64_t N, std::int64_t C) {
   __shared__ float part_w[kRowLanes][kColumnTile + 1];
@@ -189,8 +224,9 @@ __global__ void column_grad_kernel(const T* dout, const T* x, const float* mean,
     if (j < C)
       for (std::int64_t i = lane; i < N; i += kRowLanes) {
         const float g = load(dout, i * C + j);
-        if constexpr (kNorm) sw += g * (load(x, i * C + j) - mean[i]) * rstd[i];
-        sb += g;
+        if constexpr (kKind == ColumnGrad::layernorm) sw += g * (load(x, i * C + j) - mean[i]) * rstd[i];
+        if constexpr (kKind == ColumnGrad::rmsnorm) sw += g * load(x, i * C + j) * rstd[i];
+        if constexpr (kKind != ColumnGrad::rmsnorm) sb += g;
       }
     part_w[lane][col] = sw;
     part_b[lane][col] = sb;
@@ -201,19 +237,19 @@ __global__ void column_grad_kernel(const T* dout, const T* x, const float* mean,
         tw += part_w[l][col];
         tb += part_b[l][col];
       }
-      if constexpr (kNorm) store(dw, j, load(dw, j) + tw);
-      store(db, j, load(db, j) + tb);
+      if constexpr (kKind != ColumnGrad::bias) store(dw, j, load(dw, j) + tw);
+      if constexpr (kKind != ColumnGrad::rmsnorm) store(db, j, load(db, j) + tb);
     }
     __syncthreads();  // the partials are read before the next tile writes them
   }
 }
 
-template <class T, bool kNorm>
+template <class T, ColumnGrad kKind>
 void launch_column_grad(cudaStream_t s, const T* dout, const T* x, const float* mean, const float* rstd, T* dw,
                         T* db, std::int64_t N, std::int64_t C) {
   const std::int64_t tiles = (C + kColumnTile - 1) / kColumnTile;
   const auto grid = static_cast<unsigned>(tiles < 1 ? 1 : (tiles > 65535 ? 65535 : tiles));
-  column_grad_kernel<T, kNorm><<<grid, dim3(kColumnTile, kRowLanes), 0, s>>>(dout, x, mean, rstd, dw, db, N, C);
+  column_grad_kernel<T, kKind><<<grid, dim3(kColumnTile, kRowLanes), 0, s>>>(dout, x, mean, rstd, dw, db, N, C);
 }
 
 // ---- elementwise ----
@@ -481,8 +517,26 @@ int layernorm_backward(void* s, int dt, const void* dout, const void* x, const v
     layernorm_backward_dx_kernel<E><<<static_cast<unsigned>(N), kThreads, 0, as_stream(s)>>>(
         static_cast<const E*>(dout), static_cast<const E*>(x), static_cast<const E*>(w), mean, rstd,
         static_cast<E*>(dx), C);
-    launch_column_grad<E, true>(as_stream(s), static_cast<const E*>(dout), static_cast<const E*>(x), mean, rstd,
+    launch_column_grad<E, ColumnGrad::layernorm>(as_stream(s), static_cast<const E*>(dout), static_cast<const E*>(x), mean, rstd,
                                 static_cast<E*>(dw), static_cast<E*>(db), N, C);
+  });
+}
+
+int rmsnorm_forward(void* s, int dt, const void* x, const void* w, void* out, float* rstd, std::int64_t N,
+                    std::int64_t C, float eps) {
+  return with_type(dt, [&]<class E>() {
+    rmsnorm_forward_kernel<E><<<static_cast<unsigned>(N), kThreads, 0, as_stream(s)>>>(
+        static_cast<const E*>(x), static_cast<const E*>(w), static_cast<E*>(out), rstd, C, eps);
+  });
+}
+
+int rmsnorm_backward(void* s, int dt, const void* dout, const void* x, const void* w, const float* rstd, void* dx,
+                     void* dw, std::int64_t N, std::int64_t C) {
+  return with_type(dt, [&]<class E>() {
+    rmsnorm_backward_dx_kernel<E><<<static_cast<unsigned>(N), kThreads, 0, as_stream(s)>>>(
+        static_cast<const E*>(dout), static_cast<const E*>(x), static_cast<const E*>(w), rstd, static_cast<E*>(dx), C);
+    launch_column_grad<E, ColumnGrad::rmsnorm>(as_stream(s), static_cast<const E*>(dout), static_cast<const E*>(x),
+                                               nullptr, rstd, static_cast<E*>(dw), nullptr, N, C);
   });
 }
 
@@ -529,7 +583,7 @@ int bias_add(void* s, int dt, void* out, const void* bias, std::int64_t N, std::
 
 int bias_grad(void* s, int dt, const void* dout, void* dbias, std::int64_t N, std::int64_t C) {
   return with_type(dt, [&]<class E>() {
-    launch_column_grad<E, false>(as_stream(s), static_cast<const E*>(dout), nullptr, nullptr, nullptr, nullptr,
+    launch_column_grad<E, ColumnGrad::bias>(as_stream(s), static_cast<const E*>(dout), nullptr, nullptr, nullptr, nullptr,
                                  static_cast<E*>(dbias), N, C);
   });
 }

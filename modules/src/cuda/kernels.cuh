@@ -20,6 +20,11 @@ int layernorm_forward(void* stream, int dt, const void* x, const void* w, const 
                       float* rstd, std::int64_t N, std::int64_t C, float eps);
 int layernorm_backward(void* stream, int dt, const void* dout, const void* x, const void* w, const float* mean,
                        const float* rstd, void* dx, void* dw, void* db, std::int64_t N, std::int64_t C);
+// rstd is f32.
+int rmsnorm_forward(void* stream, int dt, const void* x, const void* w, void* out, float* rstd, std::int64_t N,
+                    std::int64_t C, float eps);
+int rmsnorm_backward(void* stream, int dt, const void* dout, const void* x, const void* w, const float* rstd, void* dx,
+                     void* dw, std::int64_t N, std::int64_t C);
 int gelu_forward(void* stream, int dt, const void* x, void* out, std::int64_t n);
 int gelu_backward(void* stream, int dt, const void* x, const void* dout, void* dx, std::int64_t n);
 int add(void* stream, int dt, const void* a, const void* b, void* out, std::int64_t n);

@@ -63,6 +63,25 @@ class LayerNorm final : public Module {
   Tensor input_, mean_, rstd_;
 };
 
+// RMSNorm (Llama): y = x / sqrt(mean(x^2) + eps) * weight over the last dimension; no bias and
+// no mean, as `transformers`' LlamaRMSNorm (its one parameter is "weight", ones at init).
+class RmsNorm final : public Module {
+ public:
+  explicit RmsNorm(std::int64_t dim, float eps = 1e-5f);
+  std::string_view type_name() const override { return "RmsNorm"; }
+  async::Task<Result<Tensor>> forward(Context& ctx, Tensor input) override;
+  async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
+  void clear_saved() override {
+    input_ = {};
+    rstd_ = {};
+  }
+
+ private:
+  std::int64_t dim_;
+  float eps_;
+  Tensor input_, rstd_;
+};
+
 // GELU, tanh approximation (GPT-2).
 class Gelu final : public Module {
  public:
