@@ -159,6 +159,38 @@ void gelu_bwd(const T* x, const T* dout, T* dx, std::int64_t n) {
 }
 
 template <class T>
+inline T sigmoid_of(T v) {
+  return T(1) / (T(1) + std::exp(-v));
+}
+
+template <class T>
+void swiglu_fwd(const T* gate_up, T* out, std::int64_t N, std::int64_t I) {
+  for (std::int64_t i = 0; i < N; ++i) {
+    const T* g = gate_up + i * 2 * I;
+    const T* u = g + I;
+    T* o = out + i * I;
+    for (std::int64_t j = 0; j < I; ++j) o[j] = g[j] * sigmoid_of(g[j]) * u[j];
+  }
+}
+
+// d gate = dout * up * silu'(gate), silu'(g) = s (1 + g (1 - s)); d up = dout * silu(gate).
+template <class T>
+void swiglu_bwd(const T* gate_up, const T* dout, T* dgate_up, std::int64_t N, std::int64_t I) {
+  for (std::int64_t i = 0; i < N; ++i) {
+    const T* g = gate_up + i * 2 * I;
+    const T* u = g + I;
+    const T* d = dout + i * I;
+    T* dg = dgate_up + i * 2 * I;
+    T* du = dg + I;
+    for (std::int64_t j = 0; j < I; ++j) {
+      const T sg = sigmoid_of(g[j]);
+      dg[j] = d[j] * u[j] * sg * (T(1) + g[j] * (T(1) - sg));
+      du[j] = d[j] * g[j] * sg;
+    }
+  }
+}
+
+template <class T>
 void attention_fwd(const T* qkv, T* out, T* probs, std::int64_t B, std::int64_t T_, std::int64_t H,
                    std::int64_t hd) {
   const std::int64_t C = H * hd;
@@ -424,6 +456,20 @@ class CpuKernels final : public Kernels {
                              std::int64_t n) const override {
     return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
       gelu_bwd<T>(io.in(x, n), io.in(dout, n), io.inout(dx, n), n);
+    });
+  }
+
+  Result<void> swiglu_forward(Stream& s, DataType dt, const void* gate_up, void* out, std::int64_t N,
+                              std::int64_t I) const override {
+    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
+      swiglu_fwd<T>(io.in(gate_up, N * 2 * I), io.inout(out, N * I), N, I);
+    });
+  }
+
+  Result<void> swiglu_backward(Stream& s, DataType dt, const void* gate_up, const void* dout, void* dgate_up,
+                               std::int64_t N, std::int64_t I) const override {
+    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
+      swiglu_bwd<T>(io.in(gate_up, N * 2 * I), io.in(dout, N * I), io.inout(dgate_up, N * 2 * I), N, I);
     });
   }
 

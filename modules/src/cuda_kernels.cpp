@@ -165,6 +165,17 @@ class CudaKernels final : public Kernels {
                                                dx, dw, N, C),
                         "rmsnorm_backward", s);
   }
+  Result<void> swiglu_forward(Stream& s, DataType dt, const void* gate_up, void* out, std::int64_t N,
+                              std::int64_t I) const override {
+    COSHARD_TRY(check(dt));
+    return check_launch(cuda::swiglu_forward(s.native_handle(), code(dt), gate_up, out, N, I), "swiglu_forward", s);
+  }
+  Result<void> swiglu_backward(Stream& s, DataType dt, const void* gate_up, const void* dout, void* dgate_up,
+                               std::int64_t N, std::int64_t I) const override {
+    COSHARD_TRY(check(dt));
+    return check_launch(cuda::swiglu_backward(s.native_handle(), code(dt), gate_up, dout, dgate_up, N, I),
+                        "swiglu_backward", s);
+  }
   Result<void> gelu_forward(Stream& s, DataType dt, const void* x, void* out, std::int64_t n) const override {
     COSHARD_TRY(check(dt));
     return check_launch(cuda::gelu_forward(s.native_handle(), code(dt), x, out, n), "gelu_forward", s);

@@ -68,6 +68,13 @@ class Kernels {
   virtual Result<void> gelu_backward(async::Stream& s, DataType dt, const void* x, const void* dout, void* dx,
                                      std::int64_t n) const = 0;
 
+  // SwiGLU (Llama's MLP): gate_up [N, 2I] holds gate | up per row; out [N, I] = silu(gate) * up,
+  // silu(g) = g * sigmoid(g). Backward overwrites dgate_up [N, 2I].
+  virtual Result<void> swiglu_forward(async::Stream& s, DataType dt, const void* gate_up, void* out, std::int64_t N,
+                                      std::int64_t I) const = 0;
+  virtual Result<void> swiglu_backward(async::Stream& s, DataType dt, const void* gate_up, const void* dout,
+                                       void* dgate_up, std::int64_t N, std::int64_t I) const = 0;
+
   // out = a + b (out may alias a or b).
   virtual Result<void> add(async::Stream& s, DataType dt, const void* a, const void* b, void* out,
                            std::int64_t n) const = 0;

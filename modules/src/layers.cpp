@@ -229,6 +229,33 @@ async::Task<Result<Tensor>> RmsNorm::backward(Context& ctx, Tensor grad_output) 
   co_return dx;
 }
 
+// ---- SwiGlu ----
+
+async::Task<Result<Tensor>> SwiGlu::forward(Context& ctx, Tensor input) {
+  COSHARD_CO_TRY(check_activation(ctx, input, 0, "SwiGlu"));
+  const std::int64_t width = input.shape().back();
+  if (width % 2 != 0) {
+    co_return fail(ErrorCode::invalid_argument, "SwiGlu: input ", input.describe(),
+                   ": its last dimension must be even (gate | up halves)");
+  }
+  const std::int64_t rows = input.shape().rows(), half = width / 2;
+  COSHARD_CO_TRY_ASSIGN(Tensor out, ctx.empty(input.shape().with_back(half), input.dtype()));
+  COSHARD_CO_TRY(ctx.kernels().swiglu_forward(ctx.stream(), input.dtype(), input.data(), out.data(), rows, half));
+  input_ = std::move(input);
+  co_return out;
+}
+
+async::Task<Result<Tensor>> SwiGlu::backward(Context& ctx, Tensor grad_output) {
+  if (!input_) co_return fail(ErrorCode::invalid_argument, "SwiGlu: backward without a forward (nothing saved)");
+  const std::int64_t rows = input_.shape().rows(), half = input_.shape().back() / 2;
+  COSHARD_CO_TRY(check_grad(grad_output, input_.shape().with_back(half), input_.dtype(), "SwiGlu"));
+  COSHARD_CO_TRY_ASSIGN(Tensor dx, ctx.empty(input_.shape(), input_.dtype()));
+  COSHARD_CO_TRY(ctx.kernels().swiglu_backward(ctx.stream(), input_.dtype(), input_.data(), grad_output.data(),
+                                               dx.data(), rows, half));
+  clear_saved();
+  co_return dx;
+}
+
 // ---- Gelu ----
 
 async::Task<Result<Tensor>> Gelu::forward(Context& ctx, Tensor input) {

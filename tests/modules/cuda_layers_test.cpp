@@ -127,6 +127,7 @@ std::vector<LayerCase> cases() {
       {"RmsNorm", [](Context&, DataType) { return std::make_unique<RmsNorm>(96); }, Shape{5, 96}},
       {"RmsNormManyRows", [](Context&, DataType) { return std::make_unique<RmsNorm>(200); }, Shape{3, 70, 200}},
       {"Gelu", [](Context&, DataType) { return std::make_unique<Gelu>(); }, Shape{4, 50}},
+      {"SwiGlu", [](Context&, DataType) { return std::make_unique<SwiGlu>(); }, Shape{3, 7, 64}},
       // a user's module written with the public ops (tests/support/gated_linear.hpp)
       {"GatedLinear", [](Context&, DataType) { return std::make_unique<::coshard::testing::GatedLinear>(24); },
        Shape{3, 5, 24}},

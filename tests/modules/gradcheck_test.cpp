@@ -135,6 +135,11 @@ TEST_F(GradCheck, RmsNorm) {
   run_check(m, random_input(Shape{2, 3, 6}, 16));
 }
 
+TEST_F(GradCheck, SwiGlu) {
+  SwiGlu m;
+  run_check(m, random_input(Shape{2, 3, 10}, 17));
+}
+
 TEST_F(GradCheck, Gelu) {
   Gelu m;
   run_check(m, random_input(Shape{4, 5}, 14));

@@ -257,6 +257,27 @@ void launch_column_grad(cudaStream_t s, const T* dout, const T* x, const float* 
 constexpr float kGeluScale = 0.7978845608028654f;
 constexpr float kGeluCube = 0.044715f;
 
+// SwiGLU over rows of gate | up: element k of the output is row k / I, column k % I.
+template <class T>
+__global__ void swiglu_forward_kernel(const T* gate_up, T* out, std::int64_t N, std::int64_t I) {
+  COSHARD_GRID_STRIDE(k, N * I) {
+    const std::int64_t row = k / I, j = k % I;
+    const float g = load(gate_up, row * 2 * I + j), u = load(gate_up, row * 2 * I + I + j);
+    store(out, k, g / (1.0f + __expf(-g)) * u);
+  }
+}
+
+template <class T>
+__global__ void swiglu_backward_kernel(const T* gate_up, const T* dout, T* dgate_up, std::int64_t N, std::int64_t I) {
+  COSHARD_GRID_STRIDE(k, N * I) {
+    const std::int64_t row = k / I, j = k % I;
+    const float g = load(gate_up, row * 2 * I + j), u = load(gate_up, row * 2 * I + I + j), d = load(dout, k);
+    const float sg = 1.0f / (1.0f + __expf(-g));
+    store(dgate_up, row * 2 * I + j, d * u * sg * (1.0f + g * (1.0f - sg)));
+    store(dgate_up, row * 2 * I + I + j, d * g * sg);
+  }
+}
+
 template <class T>
 __global__ void gelu_forward_kernel(const T* x, T* out, std::int64_t n) {
   COSHARD_GRID_STRIDE(i, n) {
@@ -537,6 +558,21 @@ int rmsnorm_backward(void* s, int dt, const void* dout, const void* x, const voi
         static_cast<const E*>(dout), static_cast<const E*>(x), static_cast<const E*>(w), rstd, static_cast<E*>(dx), C);
     launch_column_grad<E, ColumnGrad::rmsnorm>(as_stream(s), static_cast<const E*>(dout), static_cast<const E*>(x),
                                                nullptr, rstd, static_cast<E*>(dw), nullptr, N, C);
+  });
+}
+
+int swiglu_forward(void* s, int dt, const void* gate_up, void* out, std::int64_t N, std::int64_t I) {
+  return with_type(dt, [&]<class E>() {
+    swiglu_forward_kernel<E><<<grid_for(N * I), kThreads, 0, as_stream(s)>>>(static_cast<const E*>(gate_up),
+                                                                            static_cast<E*>(out), N, I);
+  });
+}
+
+int swiglu_backward(void* s, int dt, const void* gate_up, const void* dout, void* dgate_up, std::int64_t N,
+                    std::int64_t I) {
+  return with_type(dt, [&]<class E>() {
+    swiglu_backward_kernel<E><<<grid_for(N * I), kThreads, 0, as_stream(s)>>>(
+        static_cast<const E*>(gate_up), static_cast<const E*>(dout), static_cast<E*>(dgate_up), N, I);
   });
 }
 

@@ -94,6 +94,19 @@ class Gelu final : public Module {
   Tensor input_;
 };
 
+// SwiGLU, the activation of Llama's MLP: input [..., 2I] holds gate | up (the outputs of
+// transformers' gate_proj and up_proj, fused into one Linear); output [..., I] = silu(gate) * up.
+class SwiGlu final : public Module {
+ public:
+  std::string_view type_name() const override { return "SwiGlu"; }
+  async::Task<Result<Tensor>> forward(Context& ctx, Tensor input) override;
+  async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
+  void clear_saved() override { input_ = {}; }
+
+ private:
+  Tensor input_;
+};
+
 // Causal multi-head self-attention core: qkv [B, T, 3*dim] (queries | keys | values) ->
 // [B, T, dim]. The projections around it are Linear modules (see make_gpt), so each is its own
 // fetch unit and the core has no parameters.
