@@ -190,6 +190,34 @@ void swiglu_bwd(const T* gate_up, const T* dout, T* dgate_up, std::int64_t N, st
   }
 }
 
+// Angles in f32 as transformers computes them (position * inv_freq), in double for f64 models.
+template <class T>
+void rope_apply(const T* x, T* out, const float* inv_freq, std::int64_t B, std::int64_t T_, std::int64_t heads,
+                std::int64_t rotated, std::int64_t hd, bool inverse) {
+  using Angle = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  const std::int64_t half = hd / 2;
+  for (std::int64_t b = 0; b < B; ++b) {
+    for (std::int64_t t = 0; t < T_; ++t) {
+      const std::int64_t base = (b * T_ + t) * heads * hd;
+      for (std::int64_t h = 0; h < heads; ++h) {
+        const T* xi = x + base + h * hd;
+        T* oi = out + base + h * hd;
+        if (h >= rotated) {
+          for (std::int64_t i = 0; i < hd; ++i) oi[i] = xi[i];
+          continue;
+        }
+        for (std::int64_t i = 0; i < half; ++i) {
+          const Angle a = static_cast<Angle>(t) * static_cast<Angle>(inv_freq[i]);
+          const T c = static_cast<T>(std::cos(a)), sn = static_cast<T>(inverse ? -std::sin(a) : std::sin(a));
+          const T x1 = xi[i], x2 = xi[i + half];
+          oi[i] = x1 * c - x2 * sn;
+          oi[i + half] = x2 * c + x1 * sn;
+        }
+      }
+    }
+  }
+}
+
 template <class T>
 void attention_fwd(const T* qkv, T* out, T* probs, std::int64_t B, std::int64_t T_, std::int64_t H,
                    std::int64_t hd) {
@@ -470,6 +498,15 @@ class CpuKernels final : public Kernels {
                                std::int64_t N, std::int64_t I) const override {
     return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
       swiglu_bwd<T>(io.in(gate_up, N * 2 * I), io.in(dout, N * I), io.inout(dgate_up, N * 2 * I), N, I);
+    });
+  }
+
+  Result<void> rope(Stream& s, DataType dt, const void* x, void* out, const float* inv_freq, std::int64_t B,
+                    std::int64_t T, std::int64_t heads, std::int64_t rotated, std::int64_t hd,
+                    bool inverse) const override {
+    const std::int64_t n = B * T * heads * hd;
+    return dispatch(s, dt, [=]<class E>(Operands<E>& io) {
+      rope_apply<E>(io.in(x, n), io.inout(out, n), inv_freq, B, T, heads, rotated, hd, inverse);
     });
   }
 

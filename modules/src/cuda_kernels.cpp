@@ -176,6 +176,13 @@ class CudaKernels final : public Kernels {
     return check_launch(cuda::swiglu_backward(s.native_handle(), code(dt), gate_up, dout, dgate_up, N, I),
                         "swiglu_backward", s);
   }
+  Result<void> rope(Stream& s, DataType dt, const void* x, void* out, const float* inv_freq, std::int64_t B,
+                    std::int64_t T, std::int64_t heads, std::int64_t rotated, std::int64_t hd,
+                    bool inverse) const override {
+    COSHARD_TRY(check(dt));
+    return check_launch(cuda::rope(s.native_handle(), code(dt), x, out, inv_freq, B, T, heads, rotated, hd, inverse),
+                        "rope", s);
+  }
   Result<void> gelu_forward(Stream& s, DataType dt, const void* x, void* out, std::int64_t n) const override {
     COSHARD_TRY(check(dt));
     return check_launch(cuda::gelu_forward(s.native_handle(), code(dt), x, out, n), "gelu_forward", s);

@@ -75,6 +75,14 @@ class Kernels {
   virtual Result<void> swiglu_backward(async::Stream& s, DataType dt, const void* gate_up, const void* dout,
                                        void* dgate_up, std::int64_t N, std::int64_t I) const = 0;
 
+  // Rotary position embeddings in transformers' Llama convention (dimension i of a head pairs with
+  // i + hd/2): in x [B, T, heads * hd], the first `rotated` heads at position t turn by the angles
+  // t * inv_freq[i] (inv_freq: hd/2 f32, on the device); the other heads are copied. `inverse`
+  // turns the other way (the backward pass). out must not alias x.
+  virtual Result<void> rope(async::Stream& s, DataType dt, const void* x, void* out, const float* inv_freq,
+                            std::int64_t B, std::int64_t T, std::int64_t heads, std::int64_t rotated, std::int64_t hd,
+                            bool inverse) const = 0;
+
   // out = a + b (out may alias a or b).
   virtual Result<void> add(async::Stream& s, DataType dt, const void* a, const void* b, void* out,
                            std::int64_t n) const = 0;

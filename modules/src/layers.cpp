@@ -3,59 +3,18 @@
 #include <cmath>
 
 #include "kernels.hpp"
+#include "layer_checks.hpp"
 
 namespace coshard::modules {
 namespace {
 
+using detail::check_activation;
+using detail::check_grad;
+using detail::check_param;
+using detail::check_seed;
 using detail::check_supported;
 using detail::GemmArgs;
-
-// The input must be a floating tensor on the context's device, with `last` columns (0: any).
-Result<void> check_activation(const Context& ctx, const Tensor& x, std::int64_t last, std::string_view who) {
-  if (!x) return fail(ErrorCode::invalid_argument, who, ": input is empty");
-  if (!(x.device() == ctx.device()))
-    return fail(ErrorCode::invalid_argument, who, ": input ", x.describe(), " is not on the context's device ",
-                ctx.device().to_string());
-  if (x.shape().rank() < 1) return fail(ErrorCode::invalid_argument, who, ": input ", x.describe(), " has rank 0");
-  if (last > 0 && x.shape().back() != last)
-    return fail(ErrorCode::invalid_argument, who, ": input ", x.describe(), ", expected last dimension ", last);
-  return check_supported(ctx.kernels(), x.dtype(), ctx.device(), who);
-}
-
-Result<void> check_param(const Parameter& p, DataType dtype, std::string_view who) {
-  if (!p.bound())
-    return fail(ErrorCode::invalid_argument, who, ": parameter ", p.name(),
-                " is not bound to memory (create a ParameterStore or an engine for the model first)");
-  if (p.value().dtype() != dtype)
-    return fail(ErrorCode::invalid_argument, who, ": parameter ", p.name(), " is ",
-                async::to_string(p.value().dtype()), " but the input is ", async::to_string(dtype));
-  return {};
-}
-
-// A parameter's gradient takes part only when bound (an unbound gradient is a frozen parameter).
-bool trains(const Parameter& p) noexcept { return static_cast<bool>(p.grad()); }
-
-// The gradient given to backward must have the output's shape and dtype.
-Result<void> check_grad(const Tensor& grad, Shape expected, DataType dtype, std::string_view who) {
-  if (!grad || !(grad.shape() == expected) || grad.dtype() != dtype)
-    return fail(ErrorCode::invalid_argument, who, ": grad_output ", grad ? grad.describe() : std::string("empty"),
-                ", expected ", async::to_string(dtype), expected.to_string());
-  return {};
-}
-
-// For layers whose output has the saved input's shape and dtype.
-Result<void> check_grad(const Tensor& saved, const Tensor& grad, std::string_view who) {
-  if (!saved) return fail(ErrorCode::invalid_argument, who, ": backward without a forward (nothing saved)");
-  return check_grad(grad, saved.shape(), saved.dtype(), who);
-}
-
-// The seed of a loss's backward: one element of the loss's dtype, on the context's device.
-Result<void> check_seed(const Context& ctx, const Tensor& seed, DataType dt, std::string_view who) {
-  if (!seed || seed.numel() != 1 || seed.dtype() != detail::stat_dtype(dt) || !(seed.device() == ctx.device()))
-    return fail(ErrorCode::invalid_argument, who, ": seed ", seed ? seed.describe() : "empty", ", expected one ",
-                async::to_string(detail::stat_dtype(dt)), " on ", ctx.device().to_string());
-  return {};
-}
+using detail::trains;
 
 }  // namespace
 
@@ -188,70 +147,6 @@ async::Task<Result<Tensor>> LayerNorm::backward(Context& ctx, Tensor grad_output
   COSHARD_CO_TRY(ctx.kernels().layernorm_backward(ctx.stream(), dt, grad_output.data(), input_.data(),
                                                   w.value().data(), mean_.data(), rstd_.data(), dx.data(),
                                                   dw.data(), db.data(), rows, dim_));
-  clear_saved();
-  co_return dx;
-}
-
-// ---- RmsNorm ----
-
-RmsNorm::RmsNorm(std::int64_t dim, float eps) : dim_(dim), eps_(eps) {
-  register_parameter("weight", Shape{dim}, Init::ones());
-}
-
-async::Task<Result<Tensor>> RmsNorm::forward(Context& ctx, Tensor input) {
-  COSHARD_CO_TRY(check_activation(ctx, input, dim_, "RmsNorm"));
-  const DataType dt = input.dtype();
-  COSHARD_CO_TRY(check_param(*parameters()[0], dt, "RmsNorm"));
-  const std::int64_t rows = input.shape().rows();
-  COSHARD_CO_TRY_ASSIGN(Tensor out, ctx.empty(input.shape(), dt));
-  COSHARD_CO_TRY_ASSIGN(Tensor rstd, ctx.empty(Shape{rows}, detail::stat_dtype(dt)));
-  COSHARD_CO_TRY(ctx.kernels().rmsnorm_forward(ctx.stream(), dt, input.data(), parameters()[0]->value().data(),
-                                               out.data(), rstd.data(), rows, dim_, eps_));
-  input_ = std::move(input);
-  rstd_ = std::move(rstd);
-  co_return out;
-}
-
-async::Task<Result<Tensor>> RmsNorm::backward(Context& ctx, Tensor grad_output) {
-  COSHARD_CO_TRY(check_grad(input_, grad_output, "RmsNorm"));
-  const DataType dt = input_.dtype();
-  const std::int64_t rows = input_.shape().rows();
-  Parameter& w = *parameters()[0];
-  // A frozen RmsNorm still needs somewhere to put its weight's gradient.
-  Tensor dw = w.grad();
-  if (!trains(w)) {
-    COSHARD_CO_TRY_ASSIGN(dw, ctx.zeros(Shape{dim_}, dt));
-  }
-  COSHARD_CO_TRY_ASSIGN(Tensor dx, ctx.empty(input_.shape(), dt));
-  COSHARD_CO_TRY(ctx.kernels().rmsnorm_backward(ctx.stream(), dt, grad_output.data(), input_.data(), w.value().data(),
-                                                rstd_.data(), dx.data(), dw.data(), rows, dim_));
-  clear_saved();
-  co_return dx;
-}
-
-// ---- SwiGlu ----
-
-async::Task<Result<Tensor>> SwiGlu::forward(Context& ctx, Tensor input) {
-  COSHARD_CO_TRY(check_activation(ctx, input, 0, "SwiGlu"));
-  const std::int64_t width = input.shape().back();
-  if (width % 2 != 0) {
-    co_return fail(ErrorCode::invalid_argument, "SwiGlu: input ", input.describe(),
-                   ": its last dimension must be even (gate | up halves)");
-  }
-  const std::int64_t rows = input.shape().rows(), half = width / 2;
-  COSHARD_CO_TRY_ASSIGN(Tensor out, ctx.empty(input.shape().with_back(half), input.dtype()));
-  COSHARD_CO_TRY(ctx.kernels().swiglu_forward(ctx.stream(), input.dtype(), input.data(), out.data(), rows, half));
-  input_ = std::move(input);
-  co_return out;
-}
-
-async::Task<Result<Tensor>> SwiGlu::backward(Context& ctx, Tensor grad_output) {
-  if (!input_) co_return fail(ErrorCode::invalid_argument, "SwiGlu: backward without a forward (nothing saved)");
-  const std::int64_t rows = input_.shape().rows(), half = input_.shape().back() / 2;
-  COSHARD_CO_TRY(check_grad(grad_output, input_.shape().with_back(half), input_.dtype(), "SwiGlu"));
-  COSHARD_CO_TRY_ASSIGN(Tensor dx, ctx.empty(input_.shape(), input_.dtype()));
-  COSHARD_CO_TRY(ctx.kernels().swiglu_backward(ctx.stream(), input_.dtype(), input_.data(), grad_output.data(),
-                                               dx.data(), rows, half));
   clear_saved();
   co_return dx;
 }

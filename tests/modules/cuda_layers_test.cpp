@@ -20,6 +20,7 @@
 #include "coshard/collectives/local.hpp"
 #include "coshard/zero/engine.hpp"
 #include "coshard/modules/gpt.hpp"
+#include "coshard/modules/llama_layers.hpp"
 #include "coshard/modules/optimizer.hpp"
 #include "coshard/modules/parameter_store.hpp"
 #include "module_fixture.hpp"
@@ -128,6 +129,8 @@ std::vector<LayerCase> cases() {
       {"RmsNormManyRows", [](Context&, DataType) { return std::make_unique<RmsNorm>(200); }, Shape{3, 70, 200}},
       {"Gelu", [](Context&, DataType) { return std::make_unique<Gelu>(); }, Shape{4, 50}},
       {"SwiGlu", [](Context&, DataType) { return std::make_unique<SwiGlu>(); }, Shape{3, 7, 64}},
+      {"RotaryEmbedding", [](Context&, DataType) { return std::make_unique<RotaryEmbedding>(4, 2, 16); },
+       Shape{2, 9, (4 + 2 * 2) * 16}},
       // a user's module written with the public ops (tests/support/gated_linear.hpp)
       {"GatedLinear", [](Context&, DataType) { return std::make_unique<::coshard::testing::GatedLinear>(24); },
        Shape{3, 5, 24}},

@@ -14,6 +14,7 @@
 
 #include "coshard/modules/gpt.hpp"
 #include "coshard/modules/layers.hpp"
+#include "coshard/modules/llama_layers.hpp"
 #include "coshard/modules/parameter_store.hpp"
 #include "module_fixture.hpp"
 #include "../support/gated_linear.hpp"
@@ -105,6 +106,13 @@ class GradCheck : public testing::ModuleFixture {
     co_return Result<void>{};
   }
 
+  // The f64 output of one forward, read after the stream passed it.
+  async::Task<Result<std::vector<double>>> forward_values(Module& m, Tensor x) {
+    COSHARD_CO_TRY_ASSIGN(Tensor y, co_await ctx_->forward(m, x));
+    COSHARD_CO_TRY(co_await drained());
+    co_return std::vector<double>(y.span<double>().begin(), y.span<double>().end());
+  }
+
   void run_check(Module& m, Tensor x, std::uint64_t seed = 7) {
     auto r = rt_.block_on(check(m, std::move(x), seed));
     ASSERT_TRUE(r) << r.error().message();
@@ -138,6 +146,49 @@ TEST_F(GradCheck, RmsNorm) {
 TEST_F(GradCheck, SwiGlu) {
   SwiGlu m;
   run_check(m, random_input(Shape{2, 3, 10}, 17));
+}
+
+TEST_F(GradCheck, RotaryEmbeddingWithGroupedKeyValueHeads) {
+  RotaryEmbedding m(4, 2, 6, 10000.0);  // 4 query heads, 2 key/value heads of 6
+  run_check(m, random_input(Shape{2, 5, (4 + 2 * 2) * 6}, 18));
+}
+
+// transformers' convention by hand: at position t, dimension i of a query or key head pairs with
+// i + head_dim/2 and turns by t * theta^(-2i/head_dim); value heads and position 0 pass unchanged.
+TEST_F(GradCheck, RotaryTurnsQueryAndKeyHeadsInTransformersConvention) {
+  RotaryEmbedding m(1, 1, 4, 100.0);
+  ASSERT_EQ(m.inv_freq().size(), 2u);
+  EXPECT_FLOAT_EQ(m.inv_freq()[0], 1.0f);
+  EXPECT_FLOAT_EQ(m.inv_freq()[1], 0.1f);
+  std::vector<double> x(2 * 12);  // [1, 2, (1 + 2) * 4]
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = 1.0 + static_cast<double>(i);
+  auto y = rt_.block_on(forward_values(m, host_tensor(x, Shape{1, 2, 12}, DataType::f64)));
+  ASSERT_TRUE(y.has_value()) << y.error().message();
+  for (std::size_t i = 0; i < 12; ++i) EXPECT_DOUBLE_EQ((*y)[i], x[i]) << "position 0, element " << i;
+  for (std::size_t i = 20; i < 24; ++i) EXPECT_DOUBLE_EQ((*y)[i], x[i]) << "the value head at position 1";
+  for (std::size_t head = 0; head < 2; ++head) {  // the query head and the key head at position 1
+    const std::size_t at = 12 + head * 4;
+    for (std::size_t i = 0; i < 2; ++i) {
+      const double a = static_cast<double>(m.inv_freq()[i]);
+      EXPECT_NEAR((*y)[at + i], x[at + i] * std::cos(a) - x[at + i + 2] * std::sin(a), 1e-12);
+      EXPECT_NEAR((*y)[at + i + 2], x[at + i + 2] * std::cos(a) + x[at + i] * std::sin(a), 1e-12);
+    }
+  }
+}
+
+TEST(Rotary, Llama3ScalingStretchesLongWavelengthsOnlyAndBadShapesAreNamed) {
+  const RopeScaling llama3{.factor = 32, .low_freq_factor = 1, .high_freq_factor = 4, .original_max_positions = 8192};
+  RotaryEmbedding plain(32, 8, 64, 500000.0), scaled(32, 8, 64, 500000.0, llama3);
+  ASSERT_EQ(plain.inv_freq().size(), 32u);
+  EXPECT_EQ(scaled.inv_freq().front(), plain.inv_freq().front());  // the highest frequency: kept
+  EXPECT_NEAR(scaled.inv_freq().back(), plain.inv_freq().back() / 32, 1e-12);  // the lowest: stretched 32 times
+  for (std::size_t i = 0; i < 32; ++i) EXPECT_LE(scaled.inv_freq()[i], plain.inv_freq()[i]);
+  EXPECT_FALSE(RotaryEmbedding(6, 4, 64).check().has_value());  // 4 key/value heads do not divide 6
+  EXPECT_FALSE(RotaryEmbedding(4, 4, 7).check().has_value());   // odd head_dim
+  EXPECT_FALSE(RotaryEmbedding(4, 4, 8, 0.5).check().has_value());
+  EXPECT_FALSE(RotaryEmbedding(4, 4, 8, 1e4, RopeScaling{.factor = 8, .low_freq_factor = 4, .high_freq_factor = 1})
+                   .check()
+                   .has_value());
 }
 
 TEST_F(GradCheck, Gelu) {

@@ -278,6 +278,28 @@ __global__ void swiglu_backward_kernel(const T* gate_up, const T* dout, T* dgate
   }
 }
 
+// RoPE: one thread per (row, head, pair); heads past `rotated` are copied.
+template <class T>
+__global__ void rope_kernel(const T* x, T* out, const float* inv_freq, std::int64_t B, std::int64_t T_,
+                            std::int64_t heads, std::int64_t rotated, std::int64_t hd, bool inverse) {
+  const std::int64_t half = hd / 2;
+  COSHARD_GRID_STRIDE(k, B * T_ * heads * half) {
+    const std::int64_t i = k % half, h = (k / half) % heads, row = k / (half * heads), t = row % T_;
+    const std::int64_t at = (row * heads + h) * hd + i;
+    const float x1 = load(x, at), x2 = load(x, at + half);
+    if (h >= rotated) {
+      store(out, at, x1);
+      store(out, at + half, x2);
+    } else {
+      float sn = 0, c = 0;
+      sincosf(static_cast<float>(t) * inv_freq[i], &sn, &c);
+      if (inverse) sn = -sn;
+      store(out, at, x1 * c - x2 * sn);
+      store(out, at + half, x2 * c + x1 * sn);
+    }
+  }
+}
+
 template <class T>
 __global__ void gelu_forward_kernel(const T* x, T* out, std::int64_t n) {
   COSHARD_GRID_STRIDE(i, n) {
@@ -573,6 +595,14 @@ int swiglu_backward(void* s, int dt, const void* gate_up, const void* dout, void
   return with_type(dt, [&]<class E>() {
     swiglu_backward_kernel<E><<<grid_for(N * I), kThreads, 0, as_stream(s)>>>(
         static_cast<const E*>(gate_up), static_cast<const E*>(dout), static_cast<E*>(dgate_up), N, I);
+  });
+}
+
+int rope(void* s, int dt, const void* x, void* out, const float* inv_freq, std::int64_t B, std::int64_t T,
+         std::int64_t heads, std::int64_t rotated, std::int64_t hd, bool inverse) {
+  return with_type(dt, [&]<class E>() {
+    rope_kernel<E><<<grid_for(B * T * heads * (hd / 2)), kThreads, 0, as_stream(s)>>>(
+        static_cast<const E*>(x), static_cast<E*>(out), inv_freq, B, T, heads, rotated, hd, inverse);
   });
 }
 

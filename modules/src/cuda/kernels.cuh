@@ -26,6 +26,8 @@ int rmsnorm_forward(void* stream, int dt, const void* x, const void* w, void* ou
 int rmsnorm_backward(void* stream, int dt, const void* dout, const void* x, const void* w, const float* rstd, void* dx,
                      void* dw, std::int64_t N, std::int64_t C);
 int gelu_forward(void* stream, int dt, const void* x, void* out, std::int64_t n);
+int rope(void* stream, int dt, const void* x, void* out, const float* inv_freq, std::int64_t B, std::int64_t T,
+         std::int64_t heads, std::int64_t rotated, std::int64_t hd, bool inverse);
 int swiglu_forward(void* stream, int dt, const void* gate_up, void* out, std::int64_t N, std::int64_t I);
 int swiglu_backward(void* stream, int dt, const void* gate_up, const void* dout, void* dgate_up, std::int64_t N,
                     std::int64_t I);

@@ -63,42 +63,10 @@ class LayerNorm final : public Module {
   Tensor input_, mean_, rstd_;
 };
 
-// RMSNorm (Llama): y = x / sqrt(mean(x^2) + eps) * weight over the last dimension; no bias and
-// no mean, as `transformers`' LlamaRMSNorm (its one parameter is "weight", ones at init).
-class RmsNorm final : public Module {
- public:
-  explicit RmsNorm(std::int64_t dim, float eps = 1e-5f);
-  std::string_view type_name() const override { return "RmsNorm"; }
-  async::Task<Result<Tensor>> forward(Context& ctx, Tensor input) override;
-  async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
-  void clear_saved() override {
-    input_ = {};
-    rstd_ = {};
-  }
-
- private:
-  std::int64_t dim_;
-  float eps_;
-  Tensor input_, rstd_;
-};
-
 // GELU, tanh approximation (GPT-2).
 class Gelu final : public Module {
  public:
   std::string_view type_name() const override { return "Gelu"; }
-  async::Task<Result<Tensor>> forward(Context& ctx, Tensor input) override;
-  async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
-  void clear_saved() override { input_ = {}; }
-
- private:
-  Tensor input_;
-};
-
-// SwiGLU, the activation of Llama's MLP: input [..., 2I] holds gate | up (the outputs of
-// transformers' gate_proj and up_proj, fused into one Linear); output [..., I] = silu(gate) * up.
-class SwiGlu final : public Module {
- public:
-  std::string_view type_name() const override { return "SwiGlu"; }
   async::Task<Result<Tensor>> forward(Context& ctx, Tensor input) override;
   async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
   void clear_saved() override { input_ = {}; }

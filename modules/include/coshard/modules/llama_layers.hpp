@@ -1,0 +1,88 @@
+// The layers a Llama-family decoder adds to the GPT ones (layers.hpp): RMSNorm, the SwiGLU
+// activation of its MLP, and rotary position embeddings with grouped-query heads. Parameter
+// names and layouts are transformers' (LlamaRMSNorm's "weight"; q and k in its rotary convention,
+// dimension i of a head paired with i + head_dim/2).
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "coshard/modules/module.hpp"
+
+namespace coshard::modules {
+
+// RMSNorm (Llama): y = x / sqrt(mean(x^2) + eps) * weight over the last dimension; no bias and
+// no mean, as `transformers`' LlamaRMSNorm (its one parameter is "weight", ones at init).
+class RmsNorm final : public Module {
+ public:
+  explicit RmsNorm(std::int64_t dim, float eps = 1e-5f);
+  std::string_view type_name() const override { return "RmsNorm"; }
+  async::Task<Result<Tensor>> forward(Context& ctx, Tensor input) override;
+  async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
+  void clear_saved() override {
+    input_ = {};
+    rstd_ = {};
+  }
+
+ private:
+  std::int64_t dim_;
+  float eps_;
+  Tensor input_, rstd_;
+};
+
+// SwiGLU, the activation of Llama's MLP: input [..., 2I] holds gate | up (the outputs of
+// transformers' gate_proj and up_proj, fused into one Linear); output [..., I] = silu(gate) * up.
+class SwiGlu final : public Module {
+ public:
+  std::string_view type_name() const override { return "SwiGlu"; }
+  async::Task<Result<Tensor>> forward(Context& ctx, Tensor input) override;
+  async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
+  void clear_saved() override { input_ = {}; }
+
+ private:
+  Tensor input_;
+};
+
+// Llama 3's scaling of the rotary frequencies (transformers' rope_scaling with rope_type "llama3"):
+// wavelengths longer than original_max_positions / low_freq_factor are stretched by `factor`,
+// shorter than original_max_positions / high_freq_factor are kept, and those between are blended.
+// factor 0 (the default): no scaling.
+struct RopeScaling {
+  double factor = 0;
+  double low_freq_factor = 1;
+  double high_freq_factor = 4;
+  std::int64_t original_max_positions = 8192;
+};
+
+// Rotary position embeddings on the fused projection of queries, keys and values:
+// qkv [B, T, (n_heads + 2 n_kv_heads) * head_dim] (the query heads, then the key heads, then the
+// value heads). The query and key heads at position t turn by t * inv_freq[i] (inv_freq[i] =
+// theta^(-2i/head_dim), scaled); the value heads pass unchanged. No parameters.
+class RotaryEmbedding final : public Module {
+ public:
+  RotaryEmbedding(std::int64_t n_heads, std::int64_t n_kv_heads, std::int64_t head_dim, double theta = 500000.0,
+                  RopeScaling scaling = {});
+  std::string_view type_name() const override { return "RotaryEmbedding"; }
+  async::Task<Result<Tensor>> forward(Context& ctx, Tensor input) override;
+  async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
+  void clear_saved() override {
+    shape_ = {};
+    freq_ = {};
+  }
+  // The head_dim / 2 frequencies, in f32 as the kernels use them.
+  const std::vector<float>& inv_freq() const noexcept { return inv_freq_; }
+  // An error naming the first bad value (heads, head_dim odd, n_kv_heads not dividing n_heads,
+  // theta or the scaling out of range); the layer refuses to run until fixed.
+  Result<void> check() const;
+
+ private:
+  std::int64_t n_heads_, n_kv_heads_, head_dim_;
+  double theta_;
+  RopeScaling scaling_;
+  std::vector<float> inv_freq_;
+  Shape shape_;
+  Tensor freq_;  // inv_freq on the device, kept for backward
+};
+
+}  // namespace coshard::modules
