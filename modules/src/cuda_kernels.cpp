@@ -215,67 +215,79 @@ class CudaKernels final : public Kernels {
     return check_launch(cuda::bias_grad(s.native_handle(), code(dt), dout, dbias, N, C), "bias_grad", s);
   }
 
+  // Grouped-query attention as batched products: for each position r within a group of
+  // H / KVH query heads, one product per batch over the KVH groups (query head g * group + r
+  // with key/value head g). At KVH = H: one product over the heads, as before.
   Result<void> attention_forward(Stream& s, DataType dt, const void* qkv, void* out, void* probs, std::int64_t B,
-                                 std::int64_t T, std::int64_t H, std::int64_t hd) const override {
+                                 std::int64_t T, std::int64_t H, std::int64_t KVH, std::int64_t hd) const override {
     COSHARD_TRY(check(dt));
-    const std::int64_t C = H * hd;
+    const std::int64_t C = H * hd, W = (H + 2 * KVH) * hd, group = H / KVH;
     const ElementOffset at{size_of(dt)};
     const ElementOffset& at_mut = at;
     for (std::int64_t b = 0; b < B; ++b) {
-      const void* q = at(qkv, b * T * 3 * C);
-      // Raw scores S = Q K^T per head; the softmax applies the 1/sqrt(hd) scale.
-      GemmArgs scores{.trans_b = true, .m = T, .n = T, .k = hd, .a = q, .lda = 3 * C, .b = at(q, C), .ldb = 3 * C,
-                      .c = at_mut(probs, b * H * T * T), .ldc = T, .batch = H, .stride_a = hd, .stride_b = hd,
-                      .stride_c = T * T};
-      COSHARD_TRY(gemm(s, dt, scores));
+      for (std::int64_t r = 0; r < group; ++r) {
+        // Raw scores S = Q K^T per head; the softmax applies the 1/sqrt(hd) scale.
+        GemmArgs scores{.trans_b = true, .m = T, .n = T, .k = hd, .a = at(qkv, b * T * W + r * hd), .lda = W,
+                        .b = at(qkv, b * T * W + C), .ldb = W, .c = at_mut(probs, (b * H + r) * T * T), .ldc = T,
+                        .batch = KVH, .stride_a = group * hd, .stride_b = hd, .stride_c = group * T * T};
+        COSHARD_TRY(gemm(s, dt, scores));
+      }
     }
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
     COSHARD_TRY(check_launch(cuda::causal_softmax(s.native_handle(), code(dt), probs, B * H, T, scale),
                              "causal_softmax", s));
     for (std::int64_t b = 0; b < B; ++b) {
-      const void* v = at(qkv, b * T * 3 * C + 2 * C);
-      GemmArgs o{.m = T, .n = hd, .k = T, .a = at(probs, b * H * T * T), .lda = T, .b = v, .ldb = 3 * C,
-                 .c = at_mut(out, b * T * C), .ldc = C, .batch = H, .stride_a = T * T, .stride_b = hd,
-                 .stride_c = hd};
-      COSHARD_TRY(gemm(s, dt, o));
+      for (std::int64_t r = 0; r < group; ++r) {
+        GemmArgs o{.m = T, .n = hd, .k = T, .a = at(probs, (b * H + r) * T * T), .lda = T,
+                   .b = at(qkv, b * T * W + C + KVH * hd), .ldb = W, .c = at_mut(out, b * T * C + r * hd), .ldc = C,
+                   .batch = KVH, .stride_a = group * T * T, .stride_b = hd, .stride_c = group * hd};
+        COSHARD_TRY(gemm(s, dt, o));
+      }
     }
     return {};
   }
 
+  // dK and dV of a key/value head sum over its group's query heads in order: r = 0 writes, the
+  // others add (beta 1).
   Result<void> attention_backward(Stream& s, DataType dt, const void* dout, const void* qkv, const void* probs,
                                   void* dqkv, void* scratch, std::int64_t B, std::int64_t T, std::int64_t H,
-                                  std::int64_t hd) const override {
+                                  std::int64_t KVH, std::int64_t hd) const override {
     COSHARD_TRY(check(dt));
-    const std::int64_t C = H * hd;
+    const std::int64_t C = H * hd, W = (H + 2 * KVH) * hd, group = H / KVH;
     const ElementOffset at{size_of(dt)};
     const ElementOffset& at_mut = at;
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
     for (std::int64_t b = 0; b < B; ++b) {
-      const std::int64_t head = b * T * 3 * C;
-      const void* dO = at(dout, b * T * C);
-      const void* p = at(probs, b * H * T * T);
-      void* dp = at_mut(scratch, b * H * T * T);
-      GemmArgs g1{.trans_b = true, .m = T, .n = T, .k = hd, .a = dO, .lda = C, .b = at(qkv, head + 2 * C),
-                  .ldb = 3 * C, .c = dp, .ldc = T, .batch = H, .stride_a = hd, .stride_b = hd, .stride_c = T * T};
-      COSHARD_TRY(gemm(s, dt, g1));
-      GemmArgs g2{.trans_a = true, .m = T, .n = hd, .k = T, .a = p, .lda = T, .b = dO, .ldb = C,
-                  .c = at_mut(dqkv, head + 2 * C), .ldc = 3 * C, .batch = H, .stride_a = T * T, .stride_b = hd,
-                  .stride_c = hd};
-      COSHARD_TRY(gemm(s, dt, g2));
+      const std::int64_t row0 = b * T * W;
+      for (std::int64_t r = 0; r < group; ++r) {
+        const void* dO = at(dout, b * T * C + r * hd);
+        const void* p = at(probs, (b * H + r) * T * T);
+        void* dp = at_mut(scratch, (b * H + r) * T * T);
+        GemmArgs g1{.trans_b = true, .m = T, .n = T, .k = hd, .a = dO, .lda = C, .b = at(qkv, row0 + C + KVH * hd),
+                    .ldb = W, .c = dp, .ldc = T, .batch = KVH, .stride_a = group * hd, .stride_b = hd,
+                    .stride_c = group * T * T};
+        COSHARD_TRY(gemm(s, dt, g1));
+        GemmArgs g2{.trans_a = true, .m = T, .n = hd, .k = T, .a = p, .lda = T, .b = dO, .ldb = C,
+                    .c = at_mut(dqkv, row0 + C + KVH * hd), .ldc = W, .beta = r == 0 ? 0.0f : 1.0f, .batch = KVH,
+                    .stride_a = group * T * T, .stride_b = group * hd, .stride_c = hd};
+        COSHARD_TRY(gemm(s, dt, g2));
+      }
     }
     COSHARD_TRY(check_launch(cuda::causal_softmax_backward(s.native_handle(), code(dt), probs, scratch, B * H, T),
                              "causal_softmax_backward", s));
     for (std::int64_t b = 0; b < B; ++b) {
-      const std::int64_t head = b * T * 3 * C;
-      const void* dp = at(scratch, b * H * T * T);
-      GemmArgs g3{.m = T, .n = hd, .k = T, .a = dp, .lda = T, .b = at(qkv, head + C), .ldb = 3 * C,
-                  .c = at_mut(dqkv, head), .ldc = 3 * C, .alpha = scale, .batch = H, .stride_a = T * T,
-                  .stride_b = hd, .stride_c = hd};
-      COSHARD_TRY(gemm(s, dt, g3));
-      GemmArgs g4{.trans_a = true, .m = T, .n = hd, .k = T, .a = dp, .lda = T, .b = at(qkv, head), .ldb = 3 * C,
-                  .c = at_mut(dqkv, head + C), .ldc = 3 * C, .alpha = scale, .batch = H, .stride_a = T * T,
-                  .stride_b = hd, .stride_c = hd};
-      COSHARD_TRY(gemm(s, dt, g4));
+      const std::int64_t row0 = b * T * W;
+      for (std::int64_t r = 0; r < group; ++r) {
+        const void* dp = at(scratch, (b * H + r) * T * T);
+        GemmArgs g3{.m = T, .n = hd, .k = T, .a = dp, .lda = T, .b = at(qkv, row0 + C), .ldb = W,
+                    .c = at_mut(dqkv, row0 + r * hd), .ldc = W, .alpha = scale, .batch = KVH,
+                    .stride_a = group * T * T, .stride_b = hd, .stride_c = group * hd};
+        COSHARD_TRY(gemm(s, dt, g3));
+        GemmArgs g4{.trans_a = true, .m = T, .n = hd, .k = T, .a = dp, .lda = T, .b = at(qkv, row0 + r * hd),
+                    .ldb = W, .c = at_mut(dqkv, row0 + C), .ldc = W, .alpha = scale, .beta = r == 0 ? 0.0f : 1.0f,
+                    .batch = KVH, .stride_a = group * T * T, .stride_b = group * hd, .stride_c = hd};
+        COSHARD_TRY(gemm(s, dt, g4));
+      }
     }
     return {};
   }

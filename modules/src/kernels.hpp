@@ -97,14 +97,16 @@ class Kernels {
   virtual Result<void> bias_grad(async::Stream& s, DataType dt, const void* dout, void* dbias, std::int64_t N,
                                  std::int64_t C) const = 0;
 
-  // Causal attention over qkv [B,T,3C] (q | k | v, heads of hd = C/H columns each):
-  // out [B,T,C], probs [B,H,T,T] kept for backward. Backward needs `scratch` of B*H*T*T elements.
+  // Causal attention over qkv [B, T, (H + 2 KVH) * hd]: H query heads, then KVH key heads, then
+  // KVH value heads, hd columns each; query head h attends with key/value head h / (H / KVH)
+  // (grouped-query attention; KVH = H is multi-head). out [B, T, H * hd], probs [B, H, T, T]
+  // kept for backward. Backward needs `scratch` of B*H*T*T elements; it overwrites dqkv.
   virtual Result<void> attention_forward(async::Stream& s, DataType dt, const void* qkv, void* out, void* probs,
-                                         std::int64_t B, std::int64_t T, std::int64_t H,
+                                         std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t KVH,
                                          std::int64_t hd) const = 0;
   virtual Result<void> attention_backward(async::Stream& s, DataType dt, const void* dout, const void* qkv,
                                           const void* probs, void* dqkv, void* scratch, std::int64_t B,
-                                          std::int64_t T, std::int64_t H, std::int64_t hd) const = 0;
+                                          std::int64_t T, std::int64_t H, std::int64_t KVH, std::int64_t hd) const = 0;
 
   // loss (stat dtype, one element) = mean over rows of -log softmax(logits)[target], summed in
   // a fixed order; `scratch` holds N stat-dtype elements. Targets outside [0, V) fail a CPU

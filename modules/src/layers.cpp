@@ -172,22 +172,36 @@ async::Task<Result<Tensor>> Gelu::backward(Context& ctx, Tensor grad_output) {
 
 // ---- CausalSelfAttention ----
 
-CausalSelfAttention::CausalSelfAttention(std::int64_t dim, std::int64_t heads) : dim_(dim), heads_(heads) {}
+CausalSelfAttention::CausalSelfAttention(std::int64_t dim, std::int64_t heads)
+    : dim_(dim), heads_{heads, heads, heads > 0 ? dim / heads : 0} {}
+
+CausalSelfAttention::CausalSelfAttention(AttentionHeads heads) : dim_(0), heads_(heads) {}
+
+Result<void> CausalSelfAttention::check() const {
+  if (dim_ > 0 && (heads_.n_heads <= 0 || dim_ % heads_.n_heads != 0))
+    return fail(ErrorCode::invalid_argument, "CausalSelfAttention: dim ", dim_, " is not a multiple of heads ",
+                heads_.n_heads);
+  if (heads_.n_heads < 1 || heads_.n_kv_heads < 1 || heads_.n_heads % heads_.n_kv_heads != 0 || heads_.head_dim < 1)
+    return fail(ErrorCode::invalid_argument, "CausalSelfAttention: n_heads=", heads_.n_heads,
+                " n_kv_heads=", heads_.n_kv_heads, " head_dim=", heads_.head_dim,
+                ": expected n_kv_heads >= 1 dividing n_heads, and head_dim >= 1");
+  return {};
+}
 
 async::Task<Result<Tensor>> CausalSelfAttention::forward(Context& ctx, Tensor qkv) {
-  if (heads_ <= 0 || dim_ % heads_ != 0)
-    co_return fail(ErrorCode::invalid_argument, "CausalSelfAttention: dim ", dim_, " is not a multiple of heads ",
-                   heads_);
-  COSHARD_CO_TRY(check_activation(ctx, qkv, 3 * dim_, "CausalSelfAttention"));
+  COSHARD_CO_TRY(check());
+  const auto [H, KVH, hd] = heads_;
+  const std::int64_t width = (H + 2 * KVH) * hd;
+  COSHARD_CO_TRY(check_activation(ctx, qkv, width, "CausalSelfAttention"));
   if (qkv.shape().rank() != 3)
     co_return fail(ErrorCode::invalid_argument, "CausalSelfAttention: qkv ", qkv.describe(), ", expected [B, T, ",
-                   3 * dim_, "]");
+                   width, "]");
   const DataType dt = qkv.dtype();
   const std::int64_t B = qkv.shape()[0], T = qkv.shape()[1];
-  COSHARD_CO_TRY_ASSIGN(Tensor out, ctx.empty(Shape{B, T, dim_}, dt));
-  COSHARD_CO_TRY_ASSIGN(Tensor probs, ctx.empty(Shape{B, heads_, T, T}, dt));
-  COSHARD_CO_TRY(ctx.kernels().attention_forward(ctx.stream(), dt, qkv.data(), out.data(), probs.data(), B, T,
-                                                 heads_, dim_ / heads_));
+  COSHARD_CO_TRY_ASSIGN(Tensor out, ctx.empty(Shape{B, T, H * hd}, dt));
+  COSHARD_CO_TRY_ASSIGN(Tensor probs, ctx.empty(Shape{B, H, T, T}, dt));
+  COSHARD_CO_TRY(ctx.kernels().attention_forward(ctx.stream(), dt, qkv.data(), out.data(), probs.data(), B, T, H, KVH,
+                                                 hd));
   qkv_ = std::move(qkv);
   probs_ = std::move(probs);
   co_return out;
@@ -195,13 +209,14 @@ async::Task<Result<Tensor>> CausalSelfAttention::forward(Context& ctx, Tensor qk
 
 async::Task<Result<Tensor>> CausalSelfAttention::backward(Context& ctx, Tensor grad_output) {
   if (!qkv_) co_return fail(ErrorCode::invalid_argument, "CausalSelfAttention: backward without a forward");
+  const auto [H, KVH, hd] = heads_;
   const DataType dt = qkv_.dtype();
   const std::int64_t B = qkv_.shape()[0], T = qkv_.shape()[1];
-  COSHARD_CO_TRY(check_grad(grad_output, Shape{B, T, dim_}, dt, "CausalSelfAttention"));
+  COSHARD_CO_TRY(check_grad(grad_output, Shape{B, T, H * hd}, dt, "CausalSelfAttention"));
   COSHARD_CO_TRY_ASSIGN(Tensor dqkv, ctx.empty(qkv_.shape(), dt));
   COSHARD_CO_TRY_ASSIGN(Tensor scratch, ctx.empty(probs_.shape(), dt));
   COSHARD_CO_TRY(ctx.kernels().attention_backward(ctx.stream(), dt, grad_output.data(), qkv_.data(), probs_.data(),
-                                                  dqkv.data(), scratch.data(), B, T, heads_, dim_ / heads_));
+                                                  dqkv.data(), scratch.data(), B, T, H, KVH, hd));
   clear_saved();
   co_return dqkv;
 }

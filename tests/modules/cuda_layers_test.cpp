@@ -136,6 +136,9 @@ std::vector<LayerCase> cases() {
        Shape{3, 5, 24}},
       {"CausalSelfAttention", [](Context&, DataType) { return std::make_unique<CausalSelfAttention>(32, 4); },
        Shape{2, 9, 96}},
+      {"GroupedQueryAttention",
+       [](Context&, DataType) { return std::make_unique<CausalSelfAttention>(AttentionHeads{4, 2, 16}); },
+       Shape{2, 9, (4 + 2 * 2) * 16}},
       {"Embedding", [](Context&, DataType) { return std::make_unique<Embedding>(20, 8, 16); }, Shape{3, 8}, true, 20},
       {"CrossEntropyLoss",
        [targets](Context& ctx, DataType) {

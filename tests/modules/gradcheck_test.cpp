@@ -201,6 +201,23 @@ TEST_F(GradCheck, CausalSelfAttention) {
   run_check(m, random_input(Shape{2, 5, 24}, 15));
 }
 
+TEST_F(GradCheck, GroupedQueryAttention) {
+  CausalSelfAttention m(AttentionHeads{.n_heads = 4, .n_kv_heads = 2, .head_dim = 3});
+  run_check(m, random_input(Shape{2, 5, (4 + 2 * 2) * 3}, 19));
+}
+
+// With every query head its own key/value head, grouped-query attention is multi-head attention:
+// the same bits.
+TEST_F(GradCheck, GroupedQueryAttentionWithAHeadPerGroupIsMultiHead) {
+  CausalSelfAttention mha(12, 4), gqa(AttentionHeads{.n_heads = 4, .n_kv_heads = 4, .head_dim = 3});
+  const Tensor x = random_input(Shape{2, 5, 36}, 20);
+  auto a = rt_.block_on(forward_values(mha, x));
+  auto b = rt_.block_on(forward_values(gqa, x));
+  ASSERT_TRUE(a.has_value() && b.has_value());
+  EXPECT_EQ(*a, *b);
+  EXPECT_FALSE(rt_.block_on(forward_values(*std::make_unique<CausalSelfAttention>(AttentionHeads{4, 3, 2}), x)).has_value());
+}
+
 TEST_F(GradCheck, Embedding) {
   Embedding m(7, 6, 4);
   run_check(m, tokens({0, 3, 6, 3, 1, 2, 2, 5}, Shape{2, 4}));

@@ -75,12 +75,23 @@ class Gelu final : public Module {
   Tensor input_;
 };
 
-// Causal multi-head self-attention core: qkv [B, T, 3*dim] (queries | keys | values) ->
-// [B, T, dim]. The projections around it are Linear modules (see make_gpt), so each is its own
-// fetch unit and the core has no parameters.
+// The heads of an attention: n_heads query heads of head_dim, sharing n_kv_heads key/value heads
+// (grouped-query attention, as Llama's; n_kv_heads = n_heads is multi-head).
+struct AttentionHeads {
+  std::int64_t n_heads = 1;
+  std::int64_t n_kv_heads = 1;
+  std::int64_t head_dim = 1;
+};
+
+// Causal self-attention core: qkv [B, T, (n_heads + 2 n_kv_heads) * head_dim] (queries | keys |
+// values) -> [B, T, n_heads * head_dim]; query head h attends with key/value head
+// h / (n_heads / n_kv_heads). The projections around it are Linear modules (see make_gpt), so each
+// is its own fetch unit and the core has no parameters.
 class CausalSelfAttention final : public Module {
  public:
+  // Multi-head: qkv [B, T, 3 * dim], `heads` heads of dim / heads.
   CausalSelfAttention(std::int64_t dim, std::int64_t heads);
+  explicit CausalSelfAttention(AttentionHeads heads);
   std::string_view type_name() const override { return "CausalSelfAttention"; }
   async::Task<Result<Tensor>> forward(Context& ctx, Tensor qkv) override;
   async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
@@ -90,7 +101,9 @@ class CausalSelfAttention final : public Module {
   }
 
  private:
-  std::int64_t dim_, heads_;
+  Result<void> check() const;
+  std::int64_t dim_;  // multi-head form; 0 for AttentionHeads
+  AttentionHeads heads_;
   Tensor qkv_, probs_;
 };
 
