@@ -252,20 +252,30 @@ class NcclCommunicator final : public Communicator {
 
 }  // namespace
 
+namespace {
+
+// What both entry points check before any exchange: the rank, the device, the runtime.
+Result<async::Runtime*> check_nccl_rank(int rank, int world, async::Device device) {
+  if (world < 1 || rank < 0 || rank >= world) {
+    return fail(ErrorCode::invalid_argument, "make_nccl_communicator: rank=", rank, " world=", world,
+                ": expected 0 <= rank < world");
+  }
+  if (!device.is_cuda() || device.index() >= async::cuda_device_count()) {
+    return fail(ErrorCode::device, "make_nccl_communicator: ", device.to_string(), " is not a visible CUDA device (",
+                async::cuda_device_count(), " visible)");
+  }
+  async::Runtime* rt = async::Runtime::current();
+  if (rt == nullptr) return fail(ErrorCode::invalid_argument, "make_nccl_communicator: must be awaited on a Runtime");
+  return rt;
+}
+
+}  // namespace
+
 bool nccl_compiled() noexcept { return true; }
 
 async::Task<Result<std::unique_ptr<Communicator>>> make_nccl_communicator(TcpStore& store, int rank, int world,
                                                                           async::Device device, NcclOptions options) {
-  if (world < 1 || rank < 0 || rank >= world) {
-    co_return fail(ErrorCode::invalid_argument, "make_nccl_communicator: rank=", rank, " world=", world,
-                   ": expected 0 <= rank < world");
-  }
-  if (!device.is_cuda() || device.index() >= async::cuda_device_count()) {
-    co_return fail(ErrorCode::device, "make_nccl_communicator: ", device.to_string(), " is not a visible CUDA device (",
-                   async::cuda_device_count(), " visible)");
-  }
-  async::Runtime* rt = async::Runtime::current();
-  if (rt == nullptr) co_return fail(ErrorCode::invalid_argument, "make_nccl_communicator: must be awaited on a Runtime");
+  COSHARD_CO_TRY(check_nccl_rank(rank, world, device));
 
   // 1. The unique id, through the store.
   ncclUniqueId id{};
@@ -308,20 +318,11 @@ Result<std::vector<std::byte>> make_nccl_unique_id() {
 async::Task<Result<std::unique_ptr<Communicator>>> make_nccl_communicator(std::vector<std::byte> unique_id, int rank,
                                                                           int world, async::Device device,
                                                                           NcclOptions options) {
-  if (world < 1 || rank < 0 || rank >= world) {
-    co_return fail(ErrorCode::invalid_argument, "make_nccl_communicator: rank=", rank, " world=", world,
-                   ": expected 0 <= rank < world");
-  }
   if (unique_id.size() != sizeof(ncclUniqueId)) {
     co_return fail(ErrorCode::invalid_argument, "make_nccl_communicator: a unique id of ", unique_id.size(),
                    " bytes; NCCL's has ", sizeof(ncclUniqueId));
   }
-  if (!device.is_cuda() || device.index() >= async::cuda_device_count()) {
-    co_return fail(ErrorCode::device, "make_nccl_communicator: ", device.to_string(), " is not a visible CUDA device (",
-                   async::cuda_device_count(), " visible)");
-  }
-  async::Runtime* rt = async::Runtime::current();
-  if (rt == nullptr) co_return fail(ErrorCode::invalid_argument, "make_nccl_communicator: must be awaited on a Runtime");
+  COSHARD_CO_TRY_ASSIGN(async::Runtime* rt, check_nccl_rank(rank, world, device));
   ncclUniqueId id{};
   std::memcpy(&id, unique_id.data(), sizeof(id));
   auto comm = co_await rt->spawn_blocking([&]() -> Result<ncclComm_t> {
