@@ -416,14 +416,18 @@ class CpuKernels final : public Kernels {
       COSHARD_TRY(check_ids(tokens, B * T_, vocab, "tokens"));
       with_type(dt, [&]<class T>(Operands<T>& io) {
         const T* we = io.in(wte, vocab * C);
-        const T* wp = io.in(wpe, T_ * C);
+        const T* wp = wpe ? io.in(wpe, T_ * C) : nullptr;
         T* po = io.inout(out, B * T_ * C);
         for (std::int64_t b = 0; b < B; ++b)
           for (std::int64_t t = 0; t < T_; ++t) {
             const T* e = we + tokens[b * T_ + t] * C;
-            const T* p = wp + t * C;
             T* o = po + (b * T_ + t) * C;
-            for (std::int64_t c = 0; c < C; ++c) o[c] = e[c] + p[c];
+            if (wp) {
+              const T* p = wp + t * C;
+              for (std::int64_t c = 0; c < C; ++c) o[c] = e[c] + p[c];
+            } else {
+              for (std::int64_t c = 0; c < C; ++c) o[c] = e[c];
+            }
           }
       });
       return {};
@@ -438,15 +442,15 @@ class CpuKernels final : public Kernels {
       for (std::int64_t i = 0; i < B * T_; ++i) rows = std::max<std::int64_t>(rows, tokens[i] + 1);
       const T* pg = io.in(dout, B * T_ * C);
       T* pe = io.inout(dwte, rows * C);
-      T* pp = io.inout(dwpe, T_ * C);
+      T* pp = dwpe ? io.inout(dwpe, T_ * C) : nullptr;
       for (std::int64_t b = 0; b < B; ++b)
         for (std::int64_t t = 0; t < T_; ++t) {
           const T* g = pg + (b * T_ + t) * C;
           T* e = pe + tokens[b * T_ + t] * C;
-          T* p = pp + t * C;
-          for (std::int64_t c = 0; c < C; ++c) {
-            e[c] += g[c];
-            p[c] += g[c];
+          for (std::int64_t c = 0; c < C; ++c) e[c] += g[c];
+          if (pp) {
+            T* p = pp + t * C;
+            for (std::int64_t c = 0; c < C; ++c) p[c] += g[c];
           }
         }
     });

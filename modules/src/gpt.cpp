@@ -3,19 +3,17 @@
 #include <algorithm>
 #include <cmath>
 
+#include "config_checks.hpp"
+
 namespace coshard::modules {
 
 Result<void> GptConfig::validate() const {
-  auto positive = [](const char* name, std::int64_t v) -> Result<void> {
-    if (v <= 0) return fail(ErrorCode::invalid_argument, "GptConfig.", name, "=", v, ": expected > 0");
-    return {};
-  };
-  COSHARD_TRY(positive("vocab", vocab));
-  COSHARD_TRY(positive("max_seq", max_seq));
-  COSHARD_TRY(positive("dim", dim));
-  COSHARD_TRY(positive("layers", layers));
-  COSHARD_TRY(positive("heads", heads));
-  COSHARD_TRY(positive("mlp_ratio", mlp_ratio));
+  COSHARD_TRY(detail::check_positive("GptConfig", "vocab", vocab));
+  COSHARD_TRY(detail::check_positive("GptConfig", "max_seq", max_seq));
+  COSHARD_TRY(detail::check_positive("GptConfig", "dim", dim));
+  COSHARD_TRY(detail::check_positive("GptConfig", "layers", layers));
+  COSHARD_TRY(detail::check_positive("GptConfig", "heads", heads));
+  COSHARD_TRY(detail::check_positive("GptConfig", "mlp_ratio", mlp_ratio));
   if (dim % heads != 0)
     return fail(ErrorCode::invalid_argument, "GptConfig.dim=", dim, ": expected a multiple of heads=", heads);
   if (vocab > std::int64_t{1} << 31)

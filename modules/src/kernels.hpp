@@ -43,7 +43,8 @@ class Kernels {
 
   virtual Result<void> gemm(async::Stream& s, DataType dt, const GemmArgs& g) const = 0;
 
-  // out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:]; tokens outside [0, vocab) fail the stream.
+  // out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:] (wpe null: no position term, and dwpe null in
+  // backward); tokens outside [0, vocab) fail the stream.
   virtual Result<void> embedding_forward(async::Stream& s, DataType dt, const std::int32_t* tokens, const void* wte,
                                          const void* wpe, void* out, std::int64_t B, std::int64_t T,
                                          std::int64_t C, std::int64_t vocab) const = 0;

@@ -4,6 +4,7 @@
 
 #include "kernels.hpp"
 #include "layer_checks.hpp"
+#include "weight_products.hpp"
 
 namespace coshard::modules {
 namespace {
@@ -74,10 +75,7 @@ async::Task<Result<Tensor>> Linear::forward(Context& ctx, Tensor input) {
   COSHARD_CO_TRY(check_param(weight(), dt, "Linear"));
   if (bias()) COSHARD_CO_TRY(check_param(*bias(), dt, "Linear"));
   const std::int64_t rows = input.shape().rows();
-  COSHARD_CO_TRY_ASSIGN(Tensor out, ctx.empty(input.shape().with_back(out_), dt));
-  GemmArgs g{.trans_b = true, .m = rows, .n = out_, .k = in_, .a = input.data(), .lda = in_,
-             .b = weight().value().data(), .ldb = in_, .c = out.data(), .ldc = out_};
-  COSHARD_CO_TRY(ctx.kernels().gemm(ctx.stream(), dt, g));
+  COSHARD_CO_TRY_ASSIGN(Tensor out, detail::times_weight_transposed(ctx, input, weight(), in_, out_));
   if (bias()) COSHARD_CO_TRY(ctx.kernels().bias_add(ctx.stream(), dt, out.data(), bias()->value().data(), rows, out_));
   input_ = std::move(input);
   co_return out;
@@ -88,20 +86,9 @@ async::Task<Result<Tensor>> Linear::backward(Context& ctx, Tensor grad_output) {
   const DataType dt = input_.dtype();
   COSHARD_CO_TRY(check_grad(grad_output, input_.shape().with_back(out_), dt, "Linear"));
   const std::int64_t rows = input_.shape().rows();
-  auto& k = ctx.kernels();
-  COSHARD_CO_TRY_ASSIGN(Tensor dx, ctx.empty(input_.shape(), dt));
-  // dx = dy W
-  GemmArgs gx{.m = rows, .n = in_, .k = out_, .a = grad_output.data(), .lda = out_, .b = weight().value().data(),
-              .ldb = in_, .c = dx.data(), .ldc = in_};
-  COSHARD_CO_TRY(k.gemm(ctx.stream(), dt, gx));
-  // dW += dy^T x
-  if (trains(weight())) {
-    GemmArgs gw{.trans_a = true, .m = out_, .n = in_, .k = rows, .a = grad_output.data(), .lda = out_,
-                .b = input_.data(), .ldb = in_, .c = weight().grad().data(), .ldc = in_, .beta = 1.0f};
-    COSHARD_CO_TRY(k.gemm(ctx.stream(), dt, gw));
-  }
+  COSHARD_CO_TRY_ASSIGN(Tensor dx, detail::weight_product_backward(ctx, input_, grad_output, weight(), in_, out_));
   if (bias() && trains(*bias()))
-    COSHARD_CO_TRY(k.bias_grad(ctx.stream(), dt, grad_output.data(), bias()->grad().data(), rows, out_));
+    COSHARD_CO_TRY(ctx.kernels().bias_grad(ctx.stream(), dt, grad_output.data(), bias()->grad().data(), rows, out_));
   input_ = {};
   co_return dx;
 }

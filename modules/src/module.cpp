@@ -1,5 +1,6 @@
 #include "coshard/modules/module.hpp"
 
+#include <atomic>
 #include <cmath>
 #include <numbers>
 
@@ -124,12 +125,51 @@ Result<Context> Context::create(async::Stream& stream, async::CachingAllocator& 
   return Context(stream, allocator, *k);
 }
 
+// Atomic: tensors may be dropped on another thread than the one that made them.
+struct Context::ActivationMeter {
+  std::atomic<std::size_t> live{0};
+  std::atomic<std::size_t> peak{0};
+  void add(std::size_t bytes) noexcept {
+    const std::size_t now = live.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+    std::size_t seen = peak.load(std::memory_order_relaxed);
+    while (now > seen && !peak.compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
+    }
+  }
+};
+
+namespace {
+// A tensor's memory, counted in its context's meter while it lives.
+struct CountedBlock {
+  CountedBlock(async::Block b, std::size_t n, std::shared_ptr<Context::ActivationMeter> m)
+      : block(std::move(b)), bytes(n), meter(std::move(m)) {
+    meter->add(bytes);
+  }
+  CountedBlock(const CountedBlock&) = delete;
+  CountedBlock& operator=(const CountedBlock&) = delete;
+  ~CountedBlock() { meter->live.fetch_sub(bytes, std::memory_order_relaxed); }
+  async::Block block;
+  std::size_t bytes;
+  std::shared_ptr<Context::ActivationMeter> meter;
+};
+}  // namespace
+
+Context::Context(async::Stream& stream, async::CachingAllocator& allocator, const detail::Kernels& kernels)
+    : stream_(&stream), allocator_(&allocator), kernels_(&kernels), meter_(std::make_shared<ActivationMeter>()) {}
+
+Context::ActivationMemory Context::activation_memory() const noexcept {
+  return {meter_->live.load(std::memory_order_relaxed), meter_->peak.load(std::memory_order_relaxed)};
+}
+
+void Context::reset_activation_peak() noexcept {
+  meter_->peak.store(meter_->live.load(std::memory_order_relaxed), std::memory_order_relaxed);
+}
+
 Result<Tensor> Context::empty(Shape shape, DataType dtype) {
   const std::size_t bytes = static_cast<std::size_t>(shape.numel()) * size_of(dtype);
   COSHARD_TRY_ASSIGN(auto block, allocator_->allocate(bytes == 0 ? 1 : bytes, *stream_));
-  auto owner = std::make_shared<async::Block>(std::move(block));
-  void* data = owner->data();
-  return Tensor(std::move(owner), data, shape, dtype, device());
+  auto owner = std::make_shared<CountedBlock>(std::move(block), bytes, meter_);
+  void* data = owner->block.data();
+  return Tensor(std::shared_ptr<void>(std::move(owner)), data, shape, dtype, device());
 }
 
 Result<Tensor> Context::zeros(Shape shape, DataType dtype) {
@@ -219,6 +259,12 @@ std::int64_t Module::parameter_count() {
 void Module::clear_saved_recursive() {
   clear_saved();
   for (auto& c : children_) c.module->clear_saved_recursive();
+}
+
+void Sequential::wrap_child(std::size_t index,
+                            const std::function<std::unique_ptr<Module>(std::unique_ptr<Module>)>& wrapper) {
+  auto& child = mutable_children().at(index);
+  child.module = wrapper(std::move(child.module));
 }
 
 async::Task<Result<Tensor>> Sequential::forward(Context& ctx, Tensor input) {

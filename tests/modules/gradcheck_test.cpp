@@ -12,7 +12,9 @@
 #include <cmath>
 #include <random>
 
+#include "coshard/modules/checkpointing.hpp"
 #include "coshard/modules/gpt.hpp"
+#include "coshard/modules/llama.hpp"
 #include "coshard/modules/layers.hpp"
 #include "coshard/modules/llama_layers.hpp"
 #include "coshard/modules/parameter_store.hpp"
@@ -223,6 +225,31 @@ TEST_F(GradCheck, Embedding) {
   run_check(m, tokens({0, 3, 6, 3, 1, 2, 2, 5}, Shape{2, 4}));
 }
 
+TEST_F(GradCheck, TokenEmbedding) {
+  TokenEmbedding m(7, 4);
+  run_check(m, tokens({0, 3, 6, 3, 1, 2, 2, 5}, Shape{2, 4}));
+}
+
+// One table for the tokens in and the logits out: both uses add into its one gradient.
+TEST_F(GradCheck, TiedEmbeddingAndHead) {
+  Sequential m;
+  auto& table = m.add("embed", std::make_unique<TokenEmbedding>(7, 4));
+  m.add("norm", std::make_unique<RmsNorm>(4));
+  m.add("head", std::make_unique<TiedHead>(table));
+  run_check(m, tokens({0, 3, 6, 3, 1, 2, 2, 5}, Shape{2, 4}));
+}
+
+// A checkpointed block: forward keeps its input only, backward recomputes.
+TEST_F(GradCheck, CheckpointedBlock) {
+  auto inner = std::make_unique<Sequential>();
+  inner->add("norm", std::make_unique<RmsNorm>(4));
+  inner->add("fc", std::make_unique<Linear>(4, 8, false));
+  inner->add("swiglu", std::make_unique<SwiGlu>());
+  Sequential m;
+  m.add("block", std::make_unique<Checkpointed>(std::make_unique<Residual>(std::move(inner))));
+  run_check(m, random_input(Shape{3, 4}, 21));
+}
+
 TEST_F(GradCheck, ResidualAroundSequential) {
   auto inner = std::make_unique<Sequential>();
   inner->add("ln", std::make_unique<LayerNorm>(4));
@@ -293,6 +320,19 @@ TEST_F(GradCheck, TinyGptEndToEnd) {
   ASSERT_TRUE(gpt) << gpt.error().message();
   LossOfModel m(std::move(*gpt), tokens({1, 2, 3, 4, 5, 6, 7, 8}, Shape{2, 4}));
   run_check(m, tokens({0, 1, 2, 3, 10, 9, 8, 7}, Shape{2, 4}));
+}
+
+TEST_F(GradCheck, TinyLlamaEndToEnd) {
+  for (bool tied : {false, true}) {
+    SCOPED_TRACE(tied ? "tied embeddings" : "a head of its own");
+    LlamaConfig c{.vocab = 11, .max_seq = 5, .dim = 8, .layers = 2, .heads = 2, .kv_heads = 1, .head_dim = 4,
+                  .intermediate = 6, .rope_theta = 10000.0, .tie_embeddings = tied};
+    auto llama = make_llama(c);
+    ASSERT_TRUE(llama) << llama.error().message();
+    apply_activation_checkpointing(**llama, ActivationCheckpointing{2});  // the second block recomputes
+    LossOfModel m(std::move(*llama), tokens({1, 2, 3, 4, 5, 6, 7, 8}, Shape{2, 4}));
+    run_check(m, tokens({0, 1, 2, 3, 10, 9, 8, 7}, Shape{2, 4}));
+  }
 }
 
 }  // namespace

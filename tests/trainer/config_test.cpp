@@ -220,16 +220,42 @@ TEST(DeepSpeedJson, BareZeroSectionAndBaseValuesKept) {
   EXPECT_FLOAT_EQ(c->lr, 0.25f);
 }
 
+TEST(DeepSpeedJson, TheActivationCheckpointingSectionCheckpointsEveryBlock) {
+  std::vector<std::string> notes;
+  auto c = TrainerConfig::from_json(
+      R"({"activation_checkpointing": {"partition_activations": false, "contiguous_memory_optimization": false,
+                                       "number_checkpoints": 4, "synchronize_checkpoint_boundary": false,
+                                       "profile": false, "cpu_checkpointing": false}})",
+      TrainerConfig{}, &notes);
+  ASSERT_TRUE(c) << c.error().message();
+  EXPECT_EQ(c->activation_checkpointing.every, 1);
+  EXPECT_EQ(notes.size(), 5u);
+  // A base that picks every N-th block keeps it.
+  TrainerConfig base;
+  base.activation_checkpointing.every = 3;
+  auto kept = TrainerConfig::from_json(R"({"activation_checkpointing": {}})", base);
+  ASSERT_TRUE(kept) << kept.error().message();
+  EXPECT_EQ(kept->activation_checkpointing.every, 3);
+  auto host = TrainerConfig::from_json(R"({"activation_checkpointing": {"cpu_checkpointing": true}})", TrainerConfig{});
+  ASSERT_FALSE(host);
+  EXPECT_NE(host.error().message().find("activation_checkpointing.cpu_checkpointing=true"), std::string::npos)
+      << host.error().message();
+  auto not_object = TrainerConfig::from_json(R"({"activation_checkpointing": true})", TrainerConfig{});
+  ASSERT_FALSE(not_object);
+  EXPECT_FALSE(TrainerConfig::from_json(R"({"activation_checkpointing": {"number_checkpoints": -1}})", TrainerConfig{}));
+}
+
 TEST(DeepSpeedJson, EveryUnknownKeyIsListed) {
   auto c = TrainerConfig::from_json(
       R"({"zero_optimization": {"stage": 3, "stage3_magic": 1, "offload_param": {"device": "none", "nvme_speed": 9}},
-          "activation_checkpointing": {}})",
+          "activation_checkpointing": {"recompute_magic": true}, "pipeline": {}})",
       TrainerConfig{});
   ASSERT_FALSE(c);
   const auto& m = c.error().message();
   EXPECT_NE(m.find("zero_optimization.stage3_magic"), std::string::npos) << m;
   EXPECT_NE(m.find("zero_optimization.offload_param.nvme_speed"), std::string::npos) << m;
-  EXPECT_NE(m.find("activation_checkpointing"), std::string::npos) << m;
+  EXPECT_NE(m.find("activation_checkpointing.recompute_magic"), std::string::npos) << m;
+  EXPECT_NE(m.find("pipeline"), std::string::npos) << m;
 }
 
 TEST(DeepSpeedJson, BadValuesAreNamed) {

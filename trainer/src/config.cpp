@@ -49,6 +49,9 @@ Result<void> TrainerConfig::validate() const {
     return fail(ErrorCode::invalid_argument, "initial_loss_scale=", initial_loss_scale, ": expected > 0");
   if (keep_checkpoints < 0)
     return fail(ErrorCode::invalid_argument, "keep_checkpoints=", keep_checkpoints, ": expected >= 0 (0: keep all)");
+  if (activation_checkpointing.every < 0)
+    return fail(ErrorCode::invalid_argument, "activation_checkpointing.every=", activation_checkpointing.every,
+                ": expected 0 (none), 1 (every block) or N (every N-th block)");
   if (max_skipped_steps < 0)
     return fail(ErrorCode::invalid_argument, "max_skipped_steps=", max_skipped_steps, ": expected >= 0 (0: never stop)");
   if (zero_stage == 3 && max_live_bytes == 0)

@@ -113,6 +113,31 @@ void read_offload(Reader& r, const json& section, const std::string& prefix, Off
 //   WarmupCosineLR  warmup_min_ratio x lr -> lr over warmup_num_steps, then cosine to
 //                   cos_min_ratio x lr at total_num_steps (lr from the optimizer section)
 // warmup_type "log" (DeepSpeed's default) or "linear".
+// DeepSpeed's activation_checkpointing section: its presence checkpoints every block (as
+// transformers' gradient_checkpointing_enable does under DeepSpeed), unless the base config
+// already picks every N-th. What only shapes DeepSpeed's own buffers is accepted as a note;
+// cpu_checkpointing (inputs kept in host memory) is refused.
+void read_activation_checkpointing(Reader& r, const json& section, TrainerConfig& c) {
+  if (!r.object(section, "activation_checkpointing")) return;
+  for (const auto& [key, v] : section.items()) {
+    const std::string name = "activation_checkpointing." + key;
+    if (key == "cpu_checkpointing") {
+      if (auto b = r.boolean(v, name); b && *b)
+        r.bad.push_back(name + "=true (not supported: checkpointed inputs stay on the compute device)");
+    } else if (key == "partition_activations" || key == "contiguous_memory_optimization" ||
+               key == "synchronize_checkpoint_boundary" || key == "profile") {
+      if (r.boolean(v, name)) r.notes.push_back(name + ": accepted, no effect in coshard");
+    } else if (key == "number_checkpoints") {
+      if (r.count(v, name))
+        r.notes.push_back(name + ": accepted, no effect in coshard (every block is checkpointed; "
+                                 "--activation-checkpointing N picks every N-th)");
+    } else {
+      r.unknown.push_back(name);
+    }
+  }
+  if (!c.activation_checkpointing.enabled()) c.activation_checkpointing.every = 1;
+}
+
 // DeepSpeed's monitor section {"enabled": true, "output_path": "runs", "job_name": "gpt"}: event
 // files in output_path/job_name (job_name defaults to DeepSpeed's "DeepSpeedJobName").
 void read_tensorboard(Reader& r, const json& section, TrainerConfig& c) {
@@ -318,6 +343,8 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
         read_scheduler(r, v, c);
       } else if (key == "tensorboard") {
         read_tensorboard(r, v, c);
+      } else if (key == "activation_checkpointing") {
+        read_activation_checkpointing(r, v, c);
       } else if (key == "steps_per_print" || key == "wall_clock_breakdown" || key == "prescale_gradients" ||
                  key == "gradient_predivide_factor") {
         r.notes.push_back(key + ": accepted, no effect in coshard");

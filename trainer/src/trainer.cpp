@@ -7,6 +7,7 @@
 #include <chrono>
 #include <optional>
 
+#include "coshard/async/log.hpp"
 #include "coshard/async/runtime.hpp"
 #include "coshard/async/sync.hpp"
 #include "coshard/async/stream.hpp"
@@ -29,6 +30,7 @@ std::string to_json_line(const StepStats& s) {
   j["reduce_scattered_bytes"] = s.reduce_scattered_bytes;
   j["peak_gathered_bytes"] = s.peak_gathered_bytes;
   j["peak_prefetched_bytes"] = s.peak_prefetched_bytes;
+  j["peak_activation_bytes"] = s.peak_activation_bytes;
   j["peak_memory_bytes"] = s.peak_memory_bytes;
   j["blocking_waits"] = s.blocking_waits;
   j["swap_bytes"] = s.swap_bytes;
@@ -176,6 +178,7 @@ async::Task<Result<StepStats>> Trainer::Impl::step(std::span<const modules::Batc
   out.reduce_scattered_bytes = e.reduce_scattered_bytes;
   out.peak_gathered_bytes = e.peak_live_bytes;
   out.peak_prefetched_bytes = e.peak_prefetched_bytes;
+  out.peak_activation_bytes = e.peak_activation_bytes;
   out.peak_memory_bytes = s.allocator->stats().peak_in_use_bytes;
   out.blocking_waits = async::blocking_waits();
   out.swap_bytes = e.swap_bytes;
@@ -262,6 +265,16 @@ async::Task<Result<Trainer>> TrainerBuilder::build(modules::Module& model) const
     o.nesterov = c_.nesterov;
     o.weight_decay = c_.weight_decay.value_or(o.weight_decay);
     COSHARD_CO_TRY_ASSIGN(impl->optimizer, modules::Optimizer::sgd(o, control));
+  }
+  if (c_.activation_checkpointing.enabled()) {
+    auto* sequential = dynamic_cast<modules::Sequential*>(&model);
+    if (!sequential)
+      co_return fail(ErrorCode::invalid_argument, "activation checkpointing (", c_.activation_checkpointing.to_string(),
+                     "): the model is a ", model.type_name(),
+                     ", expected a Sequential of blocks (or wrap your blocks in modules::Checkpointed yourself)");
+    if (modules::apply_activation_checkpointing(*sequential, c_.activation_checkpointing) == 0)
+      COSHARD_LOG_WARN(trainer, "activation checkpointing ({}): the model has no block to checkpoint",
+                       c_.activation_checkpointing.to_string());
   }
   COSHARD_CO_TRY_ASSIGN(impl->engine, zero::Engine::create(*impl->ctx, *comm_, model, *impl->optimizer,
                                                               c_.engine_options()));

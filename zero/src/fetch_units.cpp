@@ -16,6 +16,7 @@ Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOp
     Module* module;
     std::size_t bytes;
     bool leaf;
+    bool alone;  // runs more than once a pass: its own unit
   };
   std::vector<Candidate> candidates;
   model.for_each_module([&](const std::string& path, Module& m) {
@@ -23,14 +24,14 @@ Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOp
     std::int64_t n = 0;
     for (const auto& p : m.parameters()) n += p->numel();
     candidates.push_back({path.empty() ? m.type_name().data() : path, &m, static_cast<std::size_t>(n) * element_size,
-                          m.children().empty()});
+                          m.children().empty(), m.runs_more_than_once_per_pass()});
   });
   if (candidates.empty()) return fail(ErrorCode::invalid_argument, "Engine: the model has no parameters");
   std::vector<std::vector<Candidate>> groups;
   std::size_t group_bytes = 0;
   for (const auto& c : candidates) {
-    const bool small = c.leaf && c.bytes < o.module_granularity_bytes;
-    const bool open = !groups.empty() && groups.back().back().leaf &&
+    const bool small = c.leaf && !c.alone && c.bytes < o.module_granularity_bytes;
+    const bool open = !groups.empty() && groups.back().back().leaf && !groups.back().back().alone &&
                       groups.back().back().bytes < o.module_granularity_bytes && group_bytes < o.module_granularity_bytes;
     if (small && open) {
       groups.back().push_back(c);

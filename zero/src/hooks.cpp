@@ -8,9 +8,15 @@ namespace coshard::zero {
 using namespace modules;
 using namespace detail;
 
-async::Task<Result<void>> Engine::before_forward(Context&, Module& module) {
+async::Task<Result<void>> Engine::before_forward(Context& ctx, Module& module) {
   State& s = *s_;
-  if (s.owns(module)) {
+  // A recompute (activation checkpointing) runs inside a backward: the unit is gathered again,
+  // in the trace's order, but it is not another use (as many backward passes as uses come).
+  const bool recompute = ctx.recomputing();
+  if (recompute && s.open != State::Open::step)
+    co_return fail(ErrorCode::invalid_argument, "Engine: a recompute of ", module.type_name(),
+                   " outside a step (activation checkpointing recomputes in backward only)");
+  if (s.owns(module) && !recompute) {
     if (s.open == State::Open::none)
       co_return fail(ErrorCode::invalid_argument, "Engine: forward of ", module.type_name(),
                      " outside a step or an inference pass (call begin_step or begin_inference first, or use "
@@ -22,7 +28,7 @@ async::Task<Result<void>> Engine::before_forward(Context&, Module& module) {
   }
   Unit* u = s.unit_for(module);
   if (!u || &module != u->modules.front()) co_return Result<void>{};
-  ++u->forward_uses;
+  if (!recompute) ++u->forward_uses;
   if (s.stage3()) COSHARD_CO_TRY(co_await s.fetch(*u));
   if (s.spans_on()) {
     COSHARD_CO_TRY_ASSIGN(u->compute_start, s.ctx->stream().record_timed());
@@ -30,13 +36,14 @@ async::Task<Result<void>> Engine::before_forward(Context&, Module& module) {
   co_return Result<void>{};
 }
 
-Result<void> Engine::after_forward(Context&, Module& module) {
+Result<void> Engine::after_forward(Context& ctx, Module& module) {
   State& s = *s_;
   Unit* u = s.unit_for(module);
   if (!u || &module != u->modules.back()) return {};
   if (s.spans_on()) {
     COSHARD_TRY_ASSIGN(auto end, s.ctx->stream().record_timed());
-    s.span(true, "forward", u->info.name, std::move(u->compute_start), std::move(end), u->fetch_pos);
+    s.span(true, ctx.recomputing() ? "recompute" : "forward", u->info.name, std::move(u->compute_start),
+           std::move(end), u->fetch_pos);
   }
   if (!s.stage3() || s.keep_after_use(*u)) return {};
   return s.release(*u);

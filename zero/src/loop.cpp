@@ -47,6 +47,7 @@ async::Task<Result<void>> Engine::begin_step(int micro_batches, float lr) {
   s.launches_before = s.comm->launches();
   s.begin_pass("train");
   s.open = State::Open::step;
+  ctx.reset_activation_peak();
   s.declared_micro_batches = micro_batches;
   s.model_forwards = s.model_backwards = s.losses_added = 0;
 
@@ -171,6 +172,7 @@ async::Task<Result<EngineStepStats>> Engine::finish_open_step(float lr) {
   stats.collective_launches = launches;
   stats.loss = host_loss[0];
   stats.optimizer = optimizer_stats;
+  stats.peak_activation_bytes = ctx.activation_memory().peak_bytes;
   co_return stats;
 }
 

@@ -97,7 +97,7 @@ __global__ void embedding_forward_kernel(const std::int32_t* tokens, const T* wt
     const std::int64_t row = i / C, c = i % C;
     const std::int32_t tok = tokens[row];
     const float e = (tok >= 0 && tok < vocab) ? load(wte, tok * C + c) : NAN;
-    store(out, i, e + load(wpe, (row % T_) * C + c));
+    store(out, i, wpe ? e + load(wpe, (row % T_) * C + c) : e);
   }
 }
 
@@ -540,8 +540,9 @@ int embedding_backward(void* s, int dt, const std::int32_t* tokens, const void* 
   return with_type(dt, [&]<class E>() {
     embedding_token_grad_kernel<E><<<grid_for(B * T * C), kThreads, 0, as_stream(s)>>>(
         tokens, static_cast<const E*>(dout), static_cast<E*>(dwte), B * T, C);
-    embedding_position_grad_kernel<E><<<grid_for(T * C), kThreads, 0, as_stream(s)>>>(
-        static_cast<const E*>(dout), static_cast<E*>(dwpe), B, T, C);
+    if (dwpe)
+      embedding_position_grad_kernel<E><<<grid_for(T * C), kThreads, 0, as_stream(s)>>>(
+          static_cast<const E*>(dout), static_cast<E*>(dwpe), B, T, C);
   });
 }
 

@@ -12,6 +12,46 @@
 
 namespace coshard::modules {
 
+// Token embeddings without positions (transformers' embed_tokens: rotary embeddings place the
+// tokens): tokens i32 [B, T] -> [B, T, dim]; its one parameter is "weight" [vocab, dim].
+// With tied output embeddings the same table also projects hidden states onto the vocabulary: a
+// TiedHead runs this module on floating [..., dim] activations, giving logits [..., vocab] =
+// x weight^T. Both uses go through this module's hooks, so an engine fetches its unit for each
+// and adds both gradients; backward undoes the uses in reverse order of their forwards.
+class TokenEmbedding final : public Module {
+ public:
+  TokenEmbedding(std::int64_t vocab, std::int64_t dim, Init init = Init::normal(0.02));
+  std::string_view type_name() const override { return "TokenEmbedding"; }
+  async::Task<Result<Tensor>> forward(Context& ctx, Tensor input) override;
+  // The gradient of the last use's input: empty for token ids, dL/dx for the projection.
+  async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
+  void clear_saved() override { saved_.clear(); }
+  bool runs_more_than_once_per_pass() const noexcept override { return true; }
+
+  std::int64_t vocab() const noexcept { return vocab_; }
+  std::int64_t dim() const noexcept { return dim_; }
+  Parameter& weight() const noexcept { return *parameters()[0]; }
+
+ private:
+  async::Task<Result<Tensor>> project(Context& ctx, Tensor hidden);
+  async::Task<Result<Tensor>> project_backward(Context& ctx, const Tensor& hidden, const Tensor& grad_output);
+  std::int64_t vocab_, dim_;
+  std::vector<Tensor> saved_;  // the inputs of uses whose backward is still to come, last on top
+};
+
+// The output layer of tied embeddings: logits = x embed^T through `table` (which another part
+// of the model owns and runs first). No parameters of its own.
+class TiedHead final : public Module {
+ public:
+  explicit TiedHead(TokenEmbedding& table) : table_(&table) {}
+  std::string_view type_name() const override { return "TiedHead"; }
+  async::Task<Result<Tensor>> forward(Context& ctx, Tensor input) override;
+  async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
+
+ private:
+  TokenEmbedding* table_;
+};
+
 // RMSNorm (Llama): y = x / sqrt(mean(x^2) + eps) * weight over the last dimension; no bias and
 // no mean, as `transformers`' LlamaRMSNorm (its one parameter is "weight", ones at init).
 class RmsNorm final : public Module {

@@ -108,6 +108,32 @@ class Context {
   void set_hooks(ModuleHooks* hooks) noexcept { hooks_ = hooks; }
   ModuleHooks* hooks() const noexcept { return hooks_; }
 
+  // Inside a recompute of activation checkpointing (checkpointing.hpp): forwards run again to
+  // rebuild what backward needs; hooks see it (an engine fetches without counting a use).
+  bool recomputing() const noexcept { return recompute_depth_ > 0; }
+  class RecomputeScope {
+   public:
+    explicit RecomputeScope(Context& ctx) noexcept : ctx_(&ctx) { ++ctx_->recompute_depth_; }
+    ~RecomputeScope() { --ctx_->recompute_depth_; }
+    RecomputeScope(const RecomputeScope&) = delete;
+    RecomputeScope& operator=(const RecomputeScope&) = delete;
+
+   private:
+    Context* ctx_;
+  };
+
+  // The bytes of the tensors this context made (empty, zeros, upload: activations, their
+  // gradients, the modules' temporaries) still held, and the most held at once since the last
+  // reset_activation_peak. Counted in program order as tensors are made and dropped (what was
+  // asked for, whichever cached block served it), so one program gives one peak.
+  struct ActivationMemory {
+    std::size_t live_bytes = 0;
+    std::size_t peak_bytes = 0;
+  };
+  ActivationMemory activation_memory() const noexcept;
+  struct ActivationMeter;  // (module.cpp)
+  void reset_activation_peak() noexcept;
+
   // A new tensor from the allocator, for use on this stream. Contents undefined.
   Result<Tensor> empty(Shape shape, DataType dtype);
   Result<Tensor> zeros(Shape shape, DataType dtype);
@@ -128,12 +154,13 @@ class Context {
   async::Task<Result<Tensor>> backward(Module& module, Tensor grad_output);
 
  private:
-  Context(async::Stream& stream, async::CachingAllocator& allocator, const detail::Kernels& kernels)
-      : stream_(&stream), allocator_(&allocator), kernels_(&kernels) {}
+  Context(async::Stream& stream, async::CachingAllocator& allocator, const detail::Kernels& kernels);
   async::Stream* stream_;
   async::CachingAllocator* allocator_;
   const detail::Kernels* kernels_;
   ModuleHooks* hooks_ = nullptr;
+  int recompute_depth_ = 0;
+  std::shared_ptr<ActivationMeter> meter_;  // shared with the tensors it counts, which may outlive it
 };
 
 class Module {
@@ -157,6 +184,9 @@ class Module {
   virtual async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) = 0;
   // Drops activations saved for backward (after backward, or when a pass is abandoned).
   virtual void clear_saved() {}
+  // A module that runs more than once in a pass (a table shared by the input embedding and the
+  // output layer) says so: an engine then makes it a fetch unit of its own, fetched for each use.
+  virtual bool runs_more_than_once_per_pass() const noexcept { return false; }
 
   std::span<const std::unique_ptr<Parameter>> parameters() const noexcept { return parameters_; }
   std::span<const Child> children() const noexcept { return children_; }
@@ -172,6 +202,7 @@ class Module {
 
  protected:
   Parameter& register_parameter(std::string name, Shape shape, Init init);
+  std::vector<Child>& mutable_children() noexcept { return children_; }
   template <class M>
   M& register_child(std::string name, std::unique_ptr<M> module) {
     M& ref = *module;
@@ -195,6 +226,9 @@ class Sequential final : public Module {
   std::string_view type_name() const override { return "Sequential"; }
   async::Task<Result<Tensor>> forward(Context& ctx, Tensor input) override;
   async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
+  // Replaces child `index` by wrapper(child), under the same name (activation checkpointing
+  // wraps blocks this way). Before any ParameterStore or engine is made for the model.
+  void wrap_child(std::size_t index, const std::function<std::unique_ptr<Module>(std::unique_ptr<Module>)>& wrapper);
 };
 
 // y = x + inner(x).

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "coshard/zero/engine.hpp"
+#include "coshard/modules/checkpointing.hpp"
 #include "coshard/modules/optimizer.hpp"
 
 namespace coshard::trainer {
@@ -63,6 +64,10 @@ struct TrainerConfig {
   modules::LossScaling loss_scaling = modules::LossScaling::none;  // dynamic is the usual for f16
   float initial_loss_scale = 65536.0f;
 
+  // Activation checkpointing of the model's blocks (modules/checkpointing.hpp): none, every
+  // block, or every N-th; applied to the model when the trainer is built. DeepSpeed's
+  // activation_checkpointing section turns it on.
+  modules::ActivationCheckpointing activation_checkpointing;
   // The step.
   int gradient_accumulation_steps = 1;  // micro-batches per step on each rank
   float max_grad_norm = 1.0f;           // 0: no clipping

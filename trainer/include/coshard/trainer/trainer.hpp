@@ -39,6 +39,7 @@ struct StepStats {
   std::uint64_t peak_gathered_bytes = 0;
   std::uint64_t peak_memory_bytes = 0;    // the trainer's device allocator: most bytes in use at once so far
   std::uint64_t peak_prefetched_bytes = 0;  // the prefetch depth: most bytes gathered ahead of use
+  std::uint64_t peak_activation_bytes = 0;  // the step's activation memory (zero::EngineStepStats)
   std::uint64_t blocking_waits = 0;    // the runtime's counter, cumulative, process-wide
   std::uint64_t swap_bytes = 0;        // optimizer offload: gradient shards out, parameter shards back
   double prefetch_hit_rate = 1;
@@ -158,6 +159,12 @@ class TrainerBuilder {
   TrainerBuilder& offload_optimizer(OffloadOptions v) { c_.offload_optimizer = std::move(v); return *this; }
   TrainerBuilder& offload_params(OffloadOptions v) { c_.offload_params = std::move(v); return *this; }
   TrainerBuilder& step_in_backward(bool on) { c_.step_in_backward = on; return *this; }
+  // Checkpoints the model's blocks (the container children of a Sequential model, such as
+  // make_gpt's and make_llama's layers): recomputed in backward, same losses, less memory.
+  TrainerBuilder& activation_checkpointing(modules::ActivationCheckpointing v) {
+    c_.activation_checkpointing = v;
+    return *this;
+  }
   // One field of the run's identity (TrainerConfig::run_identity): compared on resume.
   TrainerBuilder& run_identity(std::string key, std::string value) {
     c_.run_identity[std::move(key)] = std::move(value);

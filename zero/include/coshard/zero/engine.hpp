@@ -202,6 +202,10 @@ struct EngineStepStats {
   std::uint64_t stepped_in_backward = 0;    // step_in_backward: units stepped on the host during backward
   std::size_t peak_live_bytes = 0;    // most gathered bytes held at once (stage 3)
   std::size_t peak_prefetched_bytes = 0;  // most bytes gathered ahead of use at once (the prefetch depth)
+  // Activation memory: the most bytes of tensors the compute context made (activations, their
+  // gradients, the layers' temporaries) held at once during the step (Context::activation_memory;
+  // activation checkpointing lowers it).
+  std::size_t peak_activation_bytes = 0;
   bool trace_changed = false;         // the order departed from the recorded trace
   // Time the compute stream stood waiting on communication (gathers, and the reductions and
   // gathers at the end of the step), from device timestamps. Empty unless options.timing.

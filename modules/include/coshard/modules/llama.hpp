@@ -1,0 +1,65 @@
+// A Llama-family decoder built from the layers (llama_layers.hpp):
+//   embed -> layers x [attn: Residual(norm, qkv, rope, core, proj),
+//                      mlp:  Residual(norm, gate_up, swiglu, down)] -> norm -> head
+// RMSNorm, rotary position embeddings, grouped-query attention and a SwiGLU MLP, no biases;
+// the head is its own Linear or, with tied embeddings, the embedding table (TiedHead).
+// Parameter names follow the module paths ("embed.weight", "h0.attn.qkv.weight",
+// "h0.mlp.gate_up.weight", "norm.weight", "head.weight"); hf_llama.hpp maps them to and from
+// transformers' names (q, k and v fused into qkv, gate and up into gate_up, rows in that order).
+// Initialisation follows transformers: N(0, init_std) for every matrix, unit RMSNorm gains.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "coshard/modules/llama_layers.hpp"
+#include "coshard/modules/module.hpp"
+
+namespace coshard::modules {
+
+struct LlamaConfig {
+  std::int64_t vocab = 256;
+  std::int64_t max_seq = 64;       // the longest sequence a step may take (positions are rotary: no table)
+  std::int64_t dim = 64;           // hidden_size
+  std::int64_t layers = 2;         // num_hidden_layers
+  std::int64_t heads = 4;          // num_attention_heads
+  std::int64_t kv_heads = 2;       // num_key_value_heads (dividing heads)
+  std::int64_t head_dim = 0;       // 0: dim / heads
+  std::int64_t intermediate = 128; // intermediate_size of the MLP
+  double rope_theta = 500000.0;
+  RopeScaling rope_scaling{};
+  double norm_eps = 1e-5;          // rms_norm_eps
+  bool tie_embeddings = false;     // tie_word_embeddings
+  double init_std = 0.02;          // initializer_range
+
+  std::int64_t resolved_head_dim() const noexcept { return head_dim > 0 ? head_dim : heads > 0 ? dim / heads : 0; }
+  // The first bad value, named with what was expected.
+  Result<void> validate() const;
+  std::int64_t parameter_count() const noexcept;
+  std::string describe() const;  // "16 layers, dim 2048, 32 heads (8 key/value), MLP 8192, tied embeddings"
+};
+
+// Named shapes: those of Meta's Llama 3 releases (vocabulary, rotary base and scaling as
+// published in their config.json) and small ones for tests and CPU runs.
+struct LlamaPreset {
+  std::string_view name;
+  std::string_view summary;
+  LlamaConfig config;
+};
+std::span<const LlamaPreset> llama_presets();
+// The preset called `name` (case-insensitive), or an error listing the names.
+Result<LlamaConfig> llama_preset(std::string_view name);
+
+Result<std::unique_ptr<Sequential>> make_llama(const LlamaConfig& config);
+
+// Device bytes one forward and backward of `rows` sequences of `seq` tokens take in `dtype`
+// beyond the parameters and gradients, as gpt_activation_bytes: the activations each block saves,
+// the logits and backward's largest temporaries. With `checkpointed_blocks` of the layers
+// checkpointed, those keep their input only, and one block's activations come back at a time.
+std::size_t llama_activation_bytes(const LlamaConfig& config, std::int64_t rows, std::int64_t seq, DataType dtype,
+                                   std::int64_t checkpointed_blocks = 0);
+
+}  // namespace coshard::modules

@@ -1,0 +1,154 @@
+#include "coshard/modules/llama.hpp"
+
+#include <algorithm>
+#include <array>
+#include <cctype>
+#include <cmath>
+
+#include "config_checks.hpp"
+
+#include "coshard/modules/layers.hpp"
+
+namespace coshard::modules {
+namespace {
+
+// Llama 3.1's and 3.2's rope_scaling (rope_type "llama3").
+constexpr RopeScaling kLlama31Scaling{.factor = 8, .low_freq_factor = 1, .high_freq_factor = 4,
+                                      .original_max_positions = 8192};
+constexpr RopeScaling kLlama32Scaling{.factor = 32, .low_freq_factor = 1, .high_freq_factor = 4,
+                                      .original_max_positions = 8192};
+
+const std::array<LlamaPreset, 5> kPresets{{
+    {"llama-tiny", "for tests: 2 layers, dim 64",
+     LlamaConfig{.vocab = 256, .max_seq = 64, .dim = 64, .layers = 2, .heads = 4, .kv_heads = 2, .head_dim = 16,
+                 .intermediate = 128, .rope_theta = 10000.0}},
+    {"llama-100m", "a CPU-sized Llama: 12 layers, dim 768, vocabulary 32000, tied embeddings",
+     LlamaConfig{.vocab = 32000, .max_seq = 1024, .dim = 768, .layers = 12, .heads = 12, .kv_heads = 4,
+                 .head_dim = 64, .intermediate = 2048, .rope_theta = 10000.0, .tie_embeddings = true}},
+    {"Llama-3.2-1B", "meta-llama/Llama-3.2-1B's shape",
+     LlamaConfig{.vocab = 128256, .max_seq = 131072, .dim = 2048, .layers = 16, .heads = 32, .kv_heads = 8,
+                 .head_dim = 64, .intermediate = 8192, .rope_theta = 500000.0, .rope_scaling = kLlama32Scaling,
+                 .tie_embeddings = true}},
+    {"Llama-3.2-3B", "meta-llama/Llama-3.2-3B's shape",
+     LlamaConfig{.vocab = 128256, .max_seq = 131072, .dim = 3072, .layers = 28, .heads = 24, .kv_heads = 8,
+                 .head_dim = 128, .intermediate = 8192, .rope_theta = 500000.0, .rope_scaling = kLlama32Scaling,
+                 .tie_embeddings = true}},
+    {"Llama-3.1-8B", "meta-llama/Llama-3.1-8B's shape",
+     LlamaConfig{.vocab = 128256, .max_seq = 131072, .dim = 4096, .layers = 32, .heads = 32, .kv_heads = 8,
+                 .head_dim = 128, .intermediate = 14336, .rope_theta = 500000.0, .rope_scaling = kLlama31Scaling}},
+}};
+
+bool same_name(std::string_view a, std::string_view b) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
+           return std::tolower(static_cast<unsigned char>(x)) == std::tolower(static_cast<unsigned char>(y));
+         });
+}
+
+}  // namespace
+
+Result<void> LlamaConfig::validate() const {
+  COSHARD_TRY(detail::check_positive("LlamaConfig", "vocab", vocab));
+  COSHARD_TRY(detail::check_positive("LlamaConfig", "max_seq", max_seq));
+  COSHARD_TRY(detail::check_positive("LlamaConfig", "dim", dim));
+  COSHARD_TRY(detail::check_positive("LlamaConfig", "layers", layers));
+  COSHARD_TRY(detail::check_positive("LlamaConfig", "heads", heads));
+  COSHARD_TRY(detail::check_positive("LlamaConfig", "kv_heads", kv_heads));
+  COSHARD_TRY(detail::check_positive("LlamaConfig", "intermediate", intermediate));
+  if (head_dim < 0) return fail(ErrorCode::invalid_argument, "LlamaConfig.head_dim=", head_dim, ": expected >= 0 (0: dim / heads)");
+  if (head_dim == 0 && dim % heads != 0)
+    return fail(ErrorCode::invalid_argument, "LlamaConfig.dim=", dim, ": expected a multiple of heads=", heads,
+                " (or set head_dim)");
+  if (heads % kv_heads != 0)
+    return fail(ErrorCode::invalid_argument, "LlamaConfig.kv_heads=", kv_heads, ": expected a divisor of heads=", heads);
+  if (vocab > std::int64_t{1} << 31)
+    return fail(ErrorCode::invalid_argument, "LlamaConfig.vocab=", vocab, ": token ids are i32");
+  if (!(norm_eps > 0) || !std::isfinite(norm_eps))
+    return fail(ErrorCode::invalid_argument, "LlamaConfig.norm_eps=", norm_eps, ": expected a finite value > 0");
+  if (!(init_std >= 0) || !std::isfinite(init_std))
+    return fail(ErrorCode::invalid_argument, "LlamaConfig.init_std=", init_std, ": expected a finite value >= 0");
+  // The rotary layer names a bad theta, scaling or odd head_dim itself.
+  return RotaryEmbedding(heads, kv_heads, resolved_head_dim(), rope_theta, rope_scaling).check();
+}
+
+std::int64_t LlamaConfig::parameter_count() const noexcept {
+  const std::int64_t hd = resolved_head_dim();
+  const std::int64_t block = 2 * dim                                  // two RMSNorms
+                             + dim * (heads + 2 * kv_heads) * hd      // q, k, v
+                             + heads * hd * dim                       // o
+                             + 3 * dim * intermediate;                // gate, up, down
+  return vocab * dim + layers * block + dim + (tie_embeddings ? 0 : dim * vocab);
+}
+
+std::string LlamaConfig::describe() const {
+  std::string s = std::to_string(layers) + " layers, dim " + std::to_string(dim) + ", " + std::to_string(heads) +
+                  " heads (" + std::to_string(kv_heads) + " key/value) of " + std::to_string(resolved_head_dim()) +
+                  ", MLP " + std::to_string(intermediate) + ", vocabulary " + std::to_string(vocab);
+  if (tie_embeddings) s += ", tied embeddings";
+  return s;
+}
+
+std::span<const LlamaPreset> llama_presets() { return kPresets; }
+
+Result<LlamaConfig> llama_preset(std::string_view name) {
+  for (const auto& p : kPresets)
+    if (same_name(p.name, name)) return p.config;
+  std::string names;
+  for (const auto& p : kPresets) names += (names.empty() ? "" : ", ") + std::string(p.name);
+  return fail(ErrorCode::invalid_argument, "Llama preset \"", name, "\": expected one of ", names);
+}
+
+std::size_t llama_activation_bytes(const LlamaConfig& c, std::int64_t rows, std::int64_t seq, DataType dtype,
+                                   std::int64_t checkpointed_blocks) {
+  const auto e = static_cast<double>(size_of(dtype));
+  const double N = static_cast<double>(rows) * static_cast<double>(seq);  // tokens
+  const double D = static_cast<double>(c.dim), V = static_cast<double>(c.vocab);
+  const double I = static_cast<double>(c.intermediate);
+  const double hd = static_cast<double>(c.resolved_head_dim());
+  const double qkv = static_cast<double>(c.heads + 2 * c.kv_heads) * hd, attn = static_cast<double>(c.heads) * hd;
+  const double probs = static_cast<double>(rows) * static_cast<double>(c.heads) * static_cast<double>(seq) *
+                       static_cast<double>(seq);
+  const double stats = N * 4;  // an RMSNorm's rstd, f32 a row
+  // A block saves its input, the norm's output, qkv (before and after rotation), attention's
+  // output and probabilities, the residual's output, the norm's output, gate | up and SwiGLU's.
+  const double block = (4 * D + 2 * qkv + attn + 3 * I) * N * e + probs * e + 2 * stats;
+  const double kept = D * N * e;  // a checkpointed block keeps its input only
+  const auto L = static_cast<double>(c.layers), K = static_cast<double>(std::clamp<std::int64_t>(checkpointed_blocks, 0, c.layers));
+  const double saved = (L - K) * block + K * kept + (K > 0 ? block : 0) + (2 * D + V) * N * e + stats;
+  const double working = std::max({(V + D) * N * e, (2 * probs + 2 * qkv * N) * e, (4 * I + 2 * D) * N * e});
+  return static_cast<std::size_t>(saved + working);
+}
+
+Result<std::unique_ptr<Sequential>> make_llama(const LlamaConfig& c) {
+  COSHARD_TRY(c.validate());
+  const Init weight = Init::normal(c.init_std);
+  const std::int64_t hd = c.resolved_head_dim();
+  const auto eps = static_cast<float>(c.norm_eps);
+  auto model = std::make_unique<Sequential>();
+  auto& embed = model->add("embed", std::make_unique<TokenEmbedding>(c.vocab, c.dim, weight));
+  for (std::int64_t l = 0; l < c.layers; ++l) {
+    auto attn = std::make_unique<Sequential>();
+    attn->add("norm", std::make_unique<RmsNorm>(c.dim, eps));
+    attn->add("qkv", std::make_unique<Linear>(c.dim, (c.heads + 2 * c.kv_heads) * hd, false, weight));
+    attn->add("rope", std::make_unique<RotaryEmbedding>(c.heads, c.kv_heads, hd, c.rope_theta, c.rope_scaling));
+    attn->add("core", std::make_unique<CausalSelfAttention>(AttentionHeads{c.heads, c.kv_heads, hd}));
+    attn->add("proj", std::make_unique<Linear>(c.heads * hd, c.dim, false, weight));
+    auto mlp = std::make_unique<Sequential>();
+    mlp->add("norm", std::make_unique<RmsNorm>(c.dim, eps));
+    mlp->add("gate_up", std::make_unique<Linear>(c.dim, 2 * c.intermediate, false, weight));
+    mlp->add("swiglu", std::make_unique<SwiGlu>());
+    mlp->add("down", std::make_unique<Linear>(c.intermediate, c.dim, false, weight));
+    auto block = std::make_unique<Sequential>();
+    block->add("attn", std::make_unique<Residual>(std::move(attn)));
+    block->add("mlp", std::make_unique<Residual>(std::move(mlp)));
+    model->add("h" + std::to_string(l), std::move(block));
+  }
+  model->add("norm", std::make_unique<RmsNorm>(c.dim, eps));
+  if (c.tie_embeddings) {
+    model->add("head", std::make_unique<TiedHead>(embed));
+  } else {
+    model->add("head", std::make_unique<Linear>(c.dim, c.vocab, false, weight));
+  }
+  return model;
+}
+
+}  // namespace coshard::modules
