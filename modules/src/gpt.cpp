@@ -31,7 +31,8 @@ std::int64_t GptConfig::parameter_count() const noexcept {
   return vocab * dim + max_seq * dim + layers * block + 2 * dim + dim * vocab + vocab;
 }
 
-std::size_t gpt_activation_bytes(const GptConfig& c, std::int64_t rows, std::int64_t seq, DataType dtype) {
+std::size_t gpt_activation_bytes(const GptConfig& c, std::int64_t rows, std::int64_t seq, DataType dtype,
+                                 std::int64_t checkpointed_blocks) {
   const auto e = static_cast<double>(size_of(dtype));
   const double N = static_cast<double>(rows) * static_cast<double>(seq);  // tokens
   const double D = static_cast<double>(c.dim), V = static_cast<double>(c.vocab);
@@ -42,7 +43,10 @@ std::size_t gpt_activation_bytes(const GptConfig& c, std::int64_t rows, std::int
   // A block saves its input, ln's output, qkv's (3D), attention's output and probabilities, the
   // residual's output, ln's output, fc's and gelu's (hidden each); the next block's input is its.
   const double block = (6 * D + 2 * hidden) * N * e + probs * e + 2 * stats;
-  const double saved = static_cast<double>(c.layers) * block + (2 * D + V) * N * e + stats;  // ln_f, head's input, logits
+  // A checkpointed block keeps its input only; one block's activations come back in backward.
+  const auto L = static_cast<double>(c.layers), K = static_cast<double>(std::clamp<std::int64_t>(checkpointed_blocks, 0, c.layers));
+  const double blocks = (L - K) * block + K * D * N * e + (K > 0 ? block : 0);
+  const double saved = blocks + (2 * D + V) * N * e + stats;  // ln_f, head's input, logits
   // Backward's temporaries beside them: the logits' gradient with the head's input gradient, or
   // attention's scratch and its qkv gradient, or the MLP's.
   const double working = std::max({(V + D) * N * e, (2 * probs + 4 * D * N) * e, (2 * hidden + 2 * D) * N * e});

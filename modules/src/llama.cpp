@@ -89,9 +89,9 @@ std::string LlamaConfig::describe() const {
 
 std::span<const LlamaPreset> llama_presets() { return kPresets; }
 
-Result<LlamaConfig> llama_preset(std::string_view name) {
+Result<LlamaPreset> llama_preset(std::string_view name) {
   for (const auto& p : kPresets)
-    if (same_name(p.name, name)) return p.config;
+    if (same_name(p.name, name)) return p;
   std::string names;
   for (const auto& p : kPresets) names += (names.empty() ? "" : ", ") + std::string(p.name);
   return fail(ErrorCode::invalid_argument, "Llama preset \"", name, "\": expected one of ", names);

@@ -19,18 +19,20 @@ TEST(LlamaPresets, HaveThePublishedParameterCounts) {
   const std::pair<const char*, std::int64_t> published[] = {
       {"Llama-3.2-1B", 1'235'814'400}, {"Llama-3.2-3B", 3'212'749'824}, {"Llama-3.1-8B", 8'030'261'248}};
   for (const auto& [name, count] : published) {
-    auto c = llama_preset(name);
-    ASSERT_TRUE(c) << c.error().message();
-    EXPECT_TRUE(c->validate()) << name;
-    EXPECT_EQ(c->parameter_count(), count) << name;
+    auto p = llama_preset(name);
+    ASSERT_TRUE(p) << p.error().message();
+    EXPECT_EQ(p->name, name);
+    EXPECT_TRUE(p->config.validate()) << name;
+    EXPECT_EQ(p->config.parameter_count(), count) << name;
   }
   auto lower = llama_preset("llama-3.2-1b");
   ASSERT_TRUE(lower) << "names are case-insensitive";
-  EXPECT_TRUE(lower->tie_embeddings);
-  EXPECT_EQ(lower->rope_scaling.factor, 32);
+  EXPECT_EQ(lower->name, "Llama-3.2-1B");
+  EXPECT_TRUE(lower->config.tie_embeddings);
+  EXPECT_EQ(lower->config.rope_scaling.factor, 32);
   auto small = llama_preset("llama-100m");
   ASSERT_TRUE(small);
-  EXPECT_NEAR(static_cast<double>(small->parameter_count()), 100e6, 5e6);
+  EXPECT_NEAR(static_cast<double>(small->config.parameter_count()), 100e6, 5e6);
   auto missing = llama_preset("Llama-9000");
   ASSERT_FALSE(missing);
   EXPECT_NE(missing.error().message().find("Llama-9000"), std::string::npos);

@@ -29,7 +29,8 @@ acc.Reload()
 tags = set(acc.Tags()["scalars"])
 expected = {"train/loss", "train/lr", "train/grad_norm", "train/loss_scale", "perf/tokens_per_s", "perf/step_ms",
             "perf/exposed_comm_ms", "perf/blocking_waits", "zero/prefetch_hit_rate", "comm/gathered_bytes",
-            "comm/reduce_scattered_bytes", "offload/swap_bytes", "memory/peak_bytes", "memory/peak_gathered_bytes"}
+            "comm/reduce_scattered_bytes", "offload/swap_bytes", "memory/peak_bytes", "memory/peak_gathered_bytes",
+            "memory/peak_activation_bytes"}
 missing = expected - tags
 assert not missing, f"tags TensorBoard did not find: {sorted(missing)} (found {sorted(tags)})"
 for tag in expected:

@@ -207,7 +207,8 @@ TEST(TensorBoard, TheTrainerWritesEveryScalarOfEveryStep) {
   for (const StepStats& s : steps) {
     const auto expected = tensorboard_scalars(s);
     for (const char* tag : {"train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/step_ms",
-                            "perf/exposed_comm_ms", "zero/prefetch_hit_rate", "offload/swap_bytes", "memory/peak_bytes"})
+                            "perf/exposed_comm_ms", "zero/prefetch_hit_rate", "offload/swap_bytes", "memory/peak_bytes",
+                            "memory/peak_activation_bytes"})
       EXPECT_TRUE(std::any_of(expected.begin(), expected.end(), [&](const auto& e) { return e.first == tag; }))
           << tag;
     for (const auto& [tag, value] : expected) {

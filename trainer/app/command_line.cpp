@@ -12,7 +12,7 @@ namespace coshard::train_app {
 using trainer::TrainerConfig;
 
 std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
-  CLI::App app{"coshard-train: trains a GPT-style model with ZeRO stages 1-3 (coshard)"};
+  CLI::App app{"coshard-train: trains a GPT or a Llama with ZeRO stages 0-3 (coshard)"};
   app.option_defaults()->always_capture_default();
   auto size_option = [&](const std::string& name, std::size_t& target, const std::string& help) {
     return app.add_option_function<std::string>(
@@ -56,12 +56,42 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   auto* batch_option = app.add_option("--batch", o.batch, "global batch (sequences per step, split evenly over the ranks; default 16, or the config's train_batch_size)")
       ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 30));
   app.add_option("--seq", o.seq, "tokens per sequence")->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20));
-  app.add_option("--layers", o.layers, "transformer blocks")->check(CLI::Range(std::int64_t{1}, std::int64_t{4096}));
-  app.add_option("--dim", o.dim, "model width")->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20));
-  app.add_option("--heads", o.heads, "attention heads")->check(CLI::Range(std::int64_t{1}, std::int64_t{4096}));
-  app.add_option("--vocab", o.vocab,
+  std::string model = "gpt", preset;
+  app.add_option("--model", model, "gpt (GPT-2's shape: LayerNorm, learned positions, GELU) or llama (RMSNorm, rotary "
+                                   "positions, SwiGLU, grouped-query attention; see --preset)")
+      ->check(CLI::IsMember({"gpt", "llama"}));
+  auto* preset_option = app.add_option("--preset", preset,
+                                       "a Llama shape by name (implies --model llama; the shape flags given change it):" +
+                                           describe_presets());
+  modules::LlamaConfig llama_flags;
+  auto* layers = app.add_option("--layers", o.layers, "transformer blocks")->check(CLI::Range(std::int64_t{1}, std::int64_t{4096}));
+  auto* dim = app.add_option("--dim", o.dim, "model width")->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20));
+  auto* heads = app.add_option("--heads", o.heads, "attention heads")->check(CLI::Range(std::int64_t{1}, std::int64_t{4096}));
+  auto* kv_heads = app.add_option("--kv-heads", llama_flags.kv_heads,
+                                  "llama: key/value heads, dividing --heads (default: --heads, or the preset's)")
+                       ->check(CLI::Range(std::int64_t{1}, std::int64_t{4096}))
+                       ->default_str("");
+  auto* head_dim = app.add_option("--head-dim", llama_flags.head_dim, "llama: width of a head (default: dim / heads)")
+                       ->check(CLI::Range(std::int64_t{2}, std::int64_t{1} << 16))
+                       ->default_str("");
+  auto* intermediate = app.add_option("--intermediate", llama_flags.intermediate,
+                                      "llama: the MLP's hidden width (default: 8/3 x dim rounded up to 64, or the preset's)")
+                           ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 24))
+                           ->default_str("");
+  auto* rope_theta = app.add_option("--rope-theta", llama_flags.rope_theta, "llama: the rotary base (default 500000, or the preset's)")
+                         ->check(CLI::Range(1.0 + 1e-9, 1e12))
+                         ->default_str("");
+  bool tie = false, untie = false;
+  auto* tie_option = app.add_flag("--tie-embeddings", tie, "llama: the output layer uses the embedding table");
+  auto* untie_option = app.add_flag("--untie-embeddings", untie, "llama: an output layer of its own")->excludes(tie_option);
+  std::string checkpointing;
+  auto* checkpointing_option = app.add_option(
+      "--activation-checkpointing", checkpointing,
+      "recompute blocks' activations in backward instead of keeping them: none, full (every block) or N (every "
+      "N-th block); the same losses, less activation memory (over --config's activation_checkpointing)");
+  auto* vocab = app.add_option("--vocab", o.vocab,
                  "vocabulary: the synthetic task's, or the model's for a --data file of token ids (every id must be "
-                 "below it; GPT-2's tokenizer: 50257)")->check(CLI::Range(std::int64_t{2}, std::int64_t{1} << 20));
+                 "below it; GPT-2's tokenizer: 50257); a Llama preset's own by default")->check(CLI::Range(std::int64_t{2}, std::int64_t{1} << 20));
   app.add_option("--data", o.data,
                  "training data (default: the synthetic task): a text file, trained on as bytes, or a file of token "
                  "ids (llm.c's .bin with its header, or raw uint16 as nanoGPT's train.bin; see --data-format)");
@@ -236,6 +266,69 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   c.record_timeline = !o.trace.empty();
   if (tensorboard_option->count()) c.tensorboard_dir = tensorboard;
   if (skip_memory_check) c.check_memory = false;
+  if (checkpointing_option->count()) {
+    auto policy = modules::ActivationCheckpointing::parse(checkpointing);
+    if (!policy) {
+      std::fprintf(stderr, "coshard-train: --activation-checkpointing: %s\n", policy.error().message().c_str());
+      return 2;
+    }
+    c.activation_checkpointing = *policy;
+  }
+
+  // The model: a GPT from the shape flags, or a Llama from a preset (or the flags alone) with the
+  // flags given over it. The vocabulary is settled with the data, in main.
+  o.vocab_given = vocab->count() > 0;
+  ModelChoice& m = o.model;
+  if (model == "gpt" && preset_option->count() && app.get_option("--model")->count()) {
+    std::fprintf(stderr, "coshard-train: --preset %s: the presets are Llama shapes (use --model llama)\n", preset.c_str());
+    return 2;
+  }
+  if (model == "gpt" && !preset_option->count()) {
+    for (const CLI::Option* llama_only : {kv_heads, head_dim, intermediate, rope_theta, tie_option, untie_option})
+      if (llama_only->count()) {
+        std::fprintf(stderr, "coshard-train: %s is an option of --model llama\n", llama_only->get_name().c_str());
+        return 2;
+      }
+    m.kind = ModelChoice::Kind::gpt;
+    m.gpt = {.vocab = o.vocab, .max_seq = o.seq, .dim = o.dim, .layers = o.layers, .heads = o.heads};
+  } else {
+    m.kind = ModelChoice::Kind::llama;
+    if (preset_option->count()) {
+      auto p = modules::llama_preset(preset);
+      if (!p) {
+        std::fprintf(stderr, "coshard-train: --preset: %s\n", p.error().message().c_str());
+        return 2;
+      }
+      m.llama = p->config;
+      m.preset = std::string(p->name);
+    } else {
+      m.llama = {.vocab = o.vocab, .dim = o.dim, .layers = o.layers, .heads = o.heads, .kv_heads = o.heads,
+                 .intermediate = (8 * o.dim / 3 + 63) / 64 * 64};
+    }
+    auto& l = m.llama;
+    if (layers->count()) l.layers = o.layers;
+    if (dim->count()) l.dim = o.dim;
+    if (heads->count()) {
+      l.heads = o.heads;
+      if (!preset_option->count() && !kv_heads->count()) l.kv_heads = o.heads;
+    }
+    if (kv_heads->count()) l.kv_heads = llama_flags.kv_heads;
+    if (head_dim->count()) l.head_dim = llama_flags.head_dim;
+    if (intermediate->count()) l.intermediate = llama_flags.intermediate;
+    if (rope_theta->count()) l.rope_theta = llama_flags.rope_theta;
+    if (tie) l.tie_embeddings = true;
+    if (untie) l.tie_embeddings = false;
+    if (vocab->count()) l.vocab = o.vocab;
+    l.max_seq = std::max(l.max_seq, o.seq);
+    m.vocab_fixed = preset_option->count() > 0 || vocab->count() > 0;
+    if ((layers->count() || dim->count() || heads->count() || kv_heads->count() || head_dim->count() ||
+         intermediate->count() || vocab->count()) && !m.preset.empty())
+      m.preset += " (changed)";
+    if (auto ok = l.validate(); !ok) {
+      std::fprintf(stderr, "coshard-train: --model llama: %s\n", ok.error().message().c_str());
+      return 2;
+    }
+  }
   if (auto ok = c.validate(); !ok) {
     std::fprintf(stderr, "coshard-train: %s\n", ok.error().message().c_str());
     return 2;

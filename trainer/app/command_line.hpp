@@ -9,6 +9,7 @@
 
 #include "coshard/collectives/env.hpp"
 #include "coshard/trainer/config.hpp"
+#include "model_choice.hpp"
 
 namespace coshard::train_app {
 
@@ -24,6 +25,8 @@ struct Options {
   std::int64_t dim = 128;
   std::int64_t heads = 4;
   std::int64_t vocab = 256;  // the synthetic task's, or the model's for token ids; bytes are 256
+  bool vocab_given = false;
+  ModelChoice model;  // --model, --preset and the shape flags (its vocabulary settled in main)
   std::string data_format = "auto";  // trainer::parse_token_format
   std::string data, config, init, metrics, trace, checkpoint_dir, export_path;
   std::string flight_recorder;  // folder of the collective flight recorder's dumps

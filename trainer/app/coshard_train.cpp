@@ -96,19 +96,12 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
                                    Shared& shared, bool threads) {
   const int rank = comm.rank(), world = comm.size();
   const bool lead = rank == 0;
-  modules::GptConfig g;
-  g.vocab = data.vocab();
-  g.max_seq = o.seq;
-  g.dim = o.dim;
-  g.layers = o.layers;
-  g.heads = o.heads;
-  COSHARD_CO_TRY_ASSIGN(auto model, modules::make_gpt(g));
+  COSHARD_CO_TRY_ASSIGN(auto model, o.model.build());
   trainer::TrainerBuilder builder(o.train);
   builder.communicator(comm);
   // What defines this run beyond the parameters' shapes: a resume with another shape of attention
   // (--heads) or other data is refused.
-  builder.run_identity("model", "gpt layers " + std::to_string(o.layers) + " dim " + std::to_string(o.dim) + " heads " +
-                                    std::to_string(o.heads) + " seq " + std::to_string(o.seq));
+  builder.run_identity("model", o.model.identity(o.seq));
   builder.run_identity("data", data.identity());
   COSHARD_CO_TRY_ASSIGN(auto t, co_await builder.build(*model));
   if (shared.epoch.recorded()) COSHARD_CO_TRY(t.set_timeline_epoch(shared.epoch));
@@ -119,9 +112,10 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
   }
   const std::int64_t first = t.steps_done();
   if (lead && !o.quiet) {
-    std::printf("coshard-train: %lld-parameter GPT (%lld layers, dim %lld, %lld heads), %s\n",
-                static_cast<long long>(g.parameter_count()), static_cast<long long>(g.layers),
-                static_cast<long long>(g.dim), static_cast<long long>(g.heads), data.describe().c_str());
+    std::printf("coshard-train: %lld-parameter %s, %s\n", static_cast<long long>(o.model.parameter_count()),
+                o.model.describe().c_str(), data.describe().c_str());
+    if (o.train.activation_checkpointing.enabled())
+      std::printf("  activation checkpointing: %s\n", o.train.activation_checkpointing.to_string().c_str());
     const std::string ranks = o.launch.launcher == collectives::Launcher::none
                                   ? "threads of this process"
                                   : "processes started by " + std::string(collectives::to_string(o.launch.launcher));
@@ -362,7 +356,7 @@ int main(int argc, char** argv) {
                    std::to_string(static_cast<unsigned long long>(batch_bytes)) + " bytes a step, more than this machine's " +
                    std::to_string(static_cast<unsigned long long>(memory)) + " bytes of memory");
   }
-  if (o.dim % o.heads != 0)
+  if (o.model.kind == train_app::ModelChoice::Kind::gpt && o.dim % o.heads != 0)
     return usage("--dim " + std::to_string(o.dim) + " is not a multiple of --heads " + std::to_string(o.heads));
   if ((o.resume || o.checkpoint_every > 0) && o.checkpoint_dir.empty())
     return usage("--resume and --checkpoint-every need --checkpoint-dir");
@@ -371,15 +365,28 @@ int main(int argc, char** argv) {
   // Memory: what every rank will hold, against the machine (before anything is allocated or
   // created: --estimate leaves no folder behind).
   train_app::RunShape shape;
-  std::int64_t vocab = o.vocab;  // the synthetic task's, or the model's for token ids; bytes are 256
+  // The vocabulary: the data's (bytes 256, the synthetic task's --vocab, a token file's --vocab),
+  // unless the model fixes it (a Llama preset, or --vocab): then token files are read against it
+  // and other data must fit inside it.
+  bool bytes = false;
   if (!o.data.empty()) {
     const auto format = trainer::parse_token_format(o.data_format);
     if (!format) return usage("--data-format: " + format.error().message());
     const auto resolved = trainer::resolve_token_format(o.data, *format);
     if (!resolved) return usage("--data: " + resolved.error().message());
-    if (*resolved == trainer::TokenFormat::bytes) vocab = 256;
+    bytes = *resolved == trainer::TokenFormat::bytes;
   }
-  shape.gpt = {.vocab = vocab, .max_seq = o.seq, .dim = o.dim, .layers = o.layers, .heads = o.heads};
+  if (o.model.vocab_fixed) {
+    if (!o.data.empty() && !bytes) o.vocab = o.model.vocab();
+    else if (bytes) o.vocab = 256;
+    if (o.vocab > o.model.vocab())
+      return usage((bytes ? std::string("--data as bytes (vocabulary 256)") : "--vocab " + std::to_string(o.vocab)) +
+                   ": more tokens than the model's vocabulary of " + std::to_string(o.model.vocab()));
+  } else {
+    if (bytes) o.vocab = 256;
+    o.model.set_vocab(o.vocab);
+  }
+  shape.model = o.model;
   shape.batch = o.batch;
   shape.seq = o.seq;
   shape.world = world;

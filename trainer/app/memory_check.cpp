@@ -8,13 +8,13 @@ using zero::format_bytes;
 using zero::MemoryPlace;
 
 Result<RunMemory> estimate_run(const trainer::TrainerConfig& c, const RunShape& shape) {
-  COSHARD_TRY_ASSIGN(auto model, modules::make_gpt(shape.gpt));  // shapes only: no parameter memory yet
+  COSHARD_TRY_ASSIGN(auto model, shape.model.build());  // shapes only: no parameter memory yet
   const std::int64_t rows = shape.batch / shape.world;
   trainer::MemoryInputs in;
   in.rows_per_rank = rows;
   in.seq = shape.seq;
-  in.activation_bytes =
-      modules::gpt_activation_bytes(shape.gpt, rows / c.gradient_accumulation_steps, shape.seq, c.engine_options().dtype);
+  in.activation_bytes = shape.model.activation_bytes(rows / c.gradient_accumulation_steps, shape.seq,
+                                                     c.engine_options().dtype, c.activation_checkpointing);
   in.checkpoints = shape.checkpoints;
   in.export_model = shape.export_model;
   RunMemory out;
@@ -31,13 +31,13 @@ Result<RunMemory> estimate_run(const trainer::TrainerConfig& c, const RunShape& 
 }
 
 std::string describe_run(const RunMemory& m, const RunShape& shape, const trainer::TrainerConfig& c) {
-  const auto& g = shape.gpt;
-  std::string out = "memory estimate: " + std::to_string(g.parameter_count()) + "-parameter GPT (" +
-                    std::to_string(g.layers) + " layers, dim " + std::to_string(g.dim) + ", " + std::to_string(g.heads) +
-                    " heads, seq " + std::to_string(shape.seq) + "), ZeRO-" + std::to_string(c.zero_stage) + ", " +
-                    std::to_string(shape.world) + " rank(s) on " + shape.device.to_string() + ", " +
-                    std::string(collectives::to_string(c.engine_options().dtype)) + ", global batch " +
-                    std::to_string(shape.batch) + "\n";
+  std::string out = "memory estimate: " + std::to_string(shape.model.parameter_count()) + "-parameter " +
+                    shape.model.describe() + ", seq " + std::to_string(shape.seq) + ", ZeRO-" +
+                    std::to_string(c.zero_stage) + ", " + std::to_string(shape.world) + " rank(s) on " +
+                    shape.device.to_string() + ", " + std::string(collectives::to_string(c.engine_options().dtype)) +
+                    ", global batch " + std::to_string(shape.batch) +
+                    (c.activation_checkpointing.enabled() ? ", activation checkpointing " + c.activation_checkpointing.to_string() : "") +
+                    "\n";
   out += "per rank:\n" + m.per_rank.describe();
   const auto n = static_cast<std::size_t>(shape.ranks_here);
   out += "this process (" + std::to_string(n) + " rank" + (n == 1 ? "" : "s") + "):";

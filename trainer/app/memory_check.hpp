@@ -9,14 +9,14 @@
 #include <string>
 
 #include "coshard/async/device.hpp"
-#include "coshard/modules/gpt.hpp"
+#include "model_choice.hpp"
 #include "coshard/zero/memory_estimate.hpp"
 #include "coshard/trainer/config.hpp"
 
 namespace coshard::train_app {
 
 struct RunShape {
-  modules::GptConfig gpt;
+  ModelChoice model;
   std::int64_t batch = 0;  // global rows a step
   std::int64_t seq = 0;
   int world = 1;           // ranks in all

@@ -58,6 +58,7 @@ std::vector<std::pair<std::string, double>> tensorboard_scalars(const StepStats&
       {"offload/swap_bytes", static_cast<double>(s.swap_bytes)},
       {"memory/peak_bytes", static_cast<double>(s.peak_memory_bytes)},
       {"memory/peak_gathered_bytes", static_cast<double>(s.peak_gathered_bytes)},
+      {"memory/peak_activation_bytes", static_cast<double>(s.peak_activation_bytes)},
   };
   if (s.exposed_comm_ms) out.emplace_back("perf/exposed_comm_ms", *s.exposed_comm_ms);  // timing off: no point
   return out;

@@ -31,7 +31,9 @@ Result<std::unique_ptr<Sequential>> make_gpt(const GptConfig& config);
 // beyond the parameters and gradients: the activations every layer saves for backward (16 x dim
 // values a token a layer, the attention probabilities, LayerNorm statistics, the logits), and
 // backward's largest temporaries (the logits' gradient, or attention's). The activations item of
-// a memory estimate (memory_estimate.hpp).
-std::size_t gpt_activation_bytes(const GptConfig& config, std::int64_t rows, std::int64_t seq, DataType dtype);
+// a memory estimate (memory_estimate.hpp). With `checkpointed_blocks` of the layers checkpointed
+// (checkpointing.hpp), those keep their input only, and one block's activations come back at a time.
+std::size_t gpt_activation_bytes(const GptConfig& config, std::int64_t rows, std::int64_t seq, DataType dtype,
+                                 std::int64_t checkpointed_blocks = 0);
 
 }  // namespace coshard::modules

@@ -51,7 +51,7 @@ struct LlamaPreset {
 };
 std::span<const LlamaPreset> llama_presets();
 // The preset called `name` (case-insensitive), or an error listing the names.
-Result<LlamaConfig> llama_preset(std::string_view name);
+Result<LlamaPreset> llama_preset(std::string_view name);
 
 Result<std::unique_ptr<Sequential>> make_llama(const LlamaConfig& config);
 
