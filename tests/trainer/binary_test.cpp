@@ -245,6 +245,43 @@ TEST(CoshardTrain, LlamaPresetTrainsWithActivationCheckpointing) {
     EXPECT_NE(help.output.find(line), std::string::npos) << line;
 }
 
+// --export FOLDER writes a Hugging Face Llama folder; --init FOLDER takes the model's shape from its
+// config.json and its weights (an lr of 1e-30 keeps them: the second export holds the same tensors).
+TEST(CoshardTrain, HuggingFaceFoldersGoOutAndComeBackIn) {
+  const fs::path dir = scratch("hf");
+  const auto first = run({"--preset", "llama-tiny", "--layers", "1", "--dim", "32", "--heads", "4", "--seq", "16",
+                          "--batch", "4", "--steps", "3", "--world-size", "2", "--quiet", "--export", (dir / "out").string()},
+                         dir);
+  ASSERT_EQ(first.code, 0) << first.output;
+  ASSERT_TRUE(fs::exists(dir / "out" / "config.json"));
+  ASSERT_TRUE(fs::exists(dir / "out" / "model.safetensors"));
+  const auto second = run({"--init", (dir / "out").string(), "--seq", "16", "--steps", "1", "--lr", "1e-30", "--weight-decay", "0",
+                           "--world-size", "3", "--batch", "6", "--zero-stage", "1", "--export", (dir / "again").string()},
+                          dir);
+  ASSERT_EQ(second.code, 0) << second.output;
+  EXPECT_NE(second.output.find("Llama from " + (dir / "out").string() + " (1 layers, dim 32, 4 heads (2 key/value)"),
+            std::string::npos) << second.output;
+  auto read = [](const fs::path& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  EXPECT_EQ(read(dir / "again" / "config.json"), read(dir / "out" / "config.json"));
+  EXPECT_EQ(read(dir / "again" / "model.safetensors"), read(dir / "out" / "model.safetensors"));
+  // Mistakes, named before anything runs.
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--init", (dir / "out").string(), "--preset", "llama-tiny"}, "--preset with --init"},
+      {{"--init", (dir / "out").string(), "--dim", "64"}, "--dim with --init"},
+      {{"--export", dir.string()}, "--export " + dir.string() + ": is a folder"},  // a GPT: a file
+      {{"--init", (dir / "out").string(), "--export", (dir / "out").string()}, "lies inside --export"},
+      {{"--init", dir.string()}, "config.json"},
+  };
+  for (const auto& [args, expected] : cases) {
+    const auto r = run(with(args, {"--steps", "1"}), dir);
+    EXPECT_EQ(r.code, 2) << r.output;
+    EXPECT_NE(r.output.find(expected), std::string::npos) << r.output;
+  }
+}
+
 // --zero-stage 0 (plain data parallelism) trains as the sharded stages do, from the command line
 // and from a DeepSpeed config's "stage": 0.
 TEST(CoshardTrain, StageZeroTrainsLikeTheShardedStages) {

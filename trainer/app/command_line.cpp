@@ -1,11 +1,13 @@
 #include "command_line.hpp"
 
 #include "coshard/async/log.hpp"
+#include "coshard/zero/hf_llama.hpp"
 #include "flight_dumps.hpp"
 
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
+#include <filesystem>
 
 namespace coshard::train_app {
 
@@ -148,7 +150,10 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
                                   "pinned host memory the offload may use (default: exactly what it needs)");
   app.add_option("--config", o.config, "a DeepSpeed JSON config (its zero_optimization, fp16/bf16, optimizer, ...)")
       ->check(CLI::ExistingFile);
-  app.add_option("--init", o.init, "initial weights from a safetensors file")->check(CLI::ExistingFile);
+  app.add_option("--init", o.init,
+                 "initial weights: a safetensors file of coshard's names, or a Hugging Face Llama folder (its "
+                 "config.json gives the model's shape; model.safetensors, or shards with their index, the weights)")
+      ->check(CLI::ExistingPath);
   app.add_option("--metrics", o.metrics, "one JSON object per step (rank 0)");
   app.add_option("--trace", o.trace, "a Chrome-trace/Perfetto JSON timeline of every step, from device timestamps");
   bool no_timing = false;
@@ -165,7 +170,11 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   app.add_flag("--start-over", o.start_over,
                "a fresh run in a --checkpoint-dir that holds checkpoints: remove them first (without it, refused)")
       ->excludes("--resume");
-  app.add_option("--export", o.export_path, "write the consolidated model as safetensors at the end");
+  app.add_option("--export", o.export_path,
+                 "at the end, write the model: a GPT, or a path ending in .safetensors, as one safetensors file "
+                 "(coshard's names); a Llama otherwise as a FOLDER in Hugging Face's layout (config.json and "
+                 "model.safetensors, sharded above 5GB with its index; files of an earlier export there are "
+                 "replaced, others stay)");
   std::string tensorboard;
   auto* tensorboard_option = app.add_option(
       "--tensorboard", tensorboard,
@@ -329,6 +338,31 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
       return 2;
     }
   }
+  // A Hugging Face folder to start from gives the architecture and shape itself.
+  std::error_code ec;
+  o.init_is_folder = !o.init.empty() && std::filesystem::is_directory(o.init, ec);
+  if (o.init_is_folder) {
+    for (const CLI::Option* shape : {app.get_option("--model"), preset_option, layers, dim, heads, kv_heads, head_dim,
+                                     intermediate, rope_theta, tie_option, untie_option, vocab})
+      if (shape->count()) {
+        std::fprintf(stderr, "coshard-train: %s with --init %s: the folder's config.json gives the model's shape\n",
+                     shape->get_name().c_str(), o.init.c_str());
+        return 2;
+      }
+    auto config = zero::read_hf_llama_config(o.init);
+    if (!config) {
+      std::fprintf(stderr, "coshard-train: --init: %s\n", config.error().message().c_str());
+      return 2;
+    }
+    m.kind = ModelChoice::Kind::llama;
+    m.llama = *config;
+    m.llama.max_seq = std::max(m.llama.max_seq, o.seq);
+    m.preset = "Llama from " + o.init;
+    m.vocab_fixed = true;
+  }
+  // A Llama exports a Hugging Face folder unless the path names a .safetensors file; a GPT a file.
+  o.export_is_folder = m.kind == ModelChoice::Kind::llama && !o.export_path.empty() &&
+                       std::filesystem::path(o.export_path).extension() != ".safetensors";
   if (auto ok = c.validate(); !ok) {
     std::fprintf(stderr, "coshard-train: %s\n", ok.error().message().c_str());
     return 2;

@@ -32,7 +32,9 @@
 #include "coshard/collectives/local.hpp"
 #include "coshard/modules/cpu_threads.hpp"
 #include "coshard/modules/gpt.hpp"
+#include "coshard/modules/safetensors_folder.hpp"
 #include "coshard/trainer/trace.hpp"
+#include "coshard/zero/hf_llama.hpp"
 #include "coshard/trainer/trainer.hpp"
 #include "progress.hpp"
 #include "command_line.hpp"
@@ -105,7 +107,11 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
   builder.run_identity("data", data.identity());
   COSHARD_CO_TRY_ASSIGN(auto t, co_await builder.build(*model));
   if (shared.epoch.recorded()) COSHARD_CO_TRY(t.set_timeline_epoch(shared.epoch));
-  if (!o.init.empty()) COSHARD_CO_TRY(co_await t.load_safetensors(o.init));
+  if (o.init_is_folder) {
+    COSHARD_CO_TRY(co_await zero::load_hf_llama(t.engine(), o.init, o.model.llama));
+  } else if (!o.init.empty()) {
+    COSHARD_CO_TRY(co_await t.load_safetensors(o.init));
+  }
   if (o.resume) {
     auto loaded = co_await t.load_checkpoint(o.checkpoint_dir);
     if (!loaded) co_return fail(std::move(loaded).error().with_context("--resume"));
@@ -177,7 +183,12 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
     if (!o.quiet) std::printf("trace: %zu spans in %s\n", shared.trace.size(), o.trace.c_str());
   }
   if (!o.export_path.empty() && !stopped) {
-    COSHARD_CO_TRY(co_await t.export_safetensors(o.export_path));
+    if (o.export_is_folder) {
+      modules::SafetensorsFolderOptions shards;  // named: GCC 12 mishandles default arguments in co_await
+      COSHARD_CO_TRY(co_await zero::export_hf_llama(t.engine(), o.export_path, o.model.llama, std::move(shards)));
+    } else {
+      COSHARD_CO_TRY(co_await t.export_safetensors(o.export_path));
+    }
     if (lead && !o.quiet) std::printf("exported %s\n", o.export_path.c_str());
   }
   co_return Result<void>{};
@@ -410,10 +421,18 @@ int main(int argc, char** argv) {
   train_app::RunPaths paths;
   if (!o.data.empty()) paths.inputs.push_back({"--data", o.data});
   if (!o.config.empty()) paths.inputs.push_back({"--config", o.config});
-  if (!o.init.empty()) paths.inputs.push_back({"--init", o.init});
+  if (o.init_is_folder) {
+    auto weights = modules::SafetensorsFolder::load(o.init);  // checked whole now: a bad shard fails before any step
+    if (!weights) return usage("--init: " + weights.error().message());
+    paths.inputs.push_back({"--init", std::filesystem::path(o.init) / zero::kHfConfigName});
+    for (const auto& f : weights->files()) paths.inputs.push_back({"--init", f});
+  } else if (!o.init.empty()) {
+    paths.inputs.push_back({"--init", o.init});
+  }
   if (!o.metrics.empty()) paths.output_files.push_back({"--metrics", o.metrics});
   if (!o.trace.empty()) paths.output_files.push_back({"--trace", o.trace});
-  if (!o.export_path.empty()) paths.output_files.push_back({"--export", o.export_path});
+  if (o.export_is_folder) paths.output_folders.push_back({"--export", o.export_path});
+  else if (!o.export_path.empty()) paths.output_files.push_back({"--export", o.export_path});
   if (!o.checkpoint_dir.empty()) paths.output_folders.push_back({"--checkpoint-dir", o.checkpoint_dir});
   if (!c.tensorboard_dir.empty()) paths.output_folders.push_back({"--tensorboard", c.tensorboard_dir.string()});
   if (!o.flight_recorder.empty()) paths.output_folders.push_back({"--flight-recorder", o.flight_recorder});

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "engine_state.hpp"
+#include "parameter_decode.hpp"
 
 namespace coshard::zero {
 
@@ -19,46 +20,58 @@ Result<std::vector<GatheredParameter>> read_parameters(const fs::path& path, Dat
   COSHARD_TRY_ASSIGN(auto file, SafetensorsFile::load(path));
   std::vector<GatheredParameter> out;
   for (const auto& t : file.tensors()) {
-    const auto from = float_dtype_of(t.dtype);
-    if (!from)
-      return fail(ErrorCode::invalid_argument, path.string(), ": tensor ", t.name, " is ", to_string(t.dtype),
-                  "; expected a float dtype (F64, F32, BF16, F16)");
-    if (t.shape.size() > 4)
-      return fail(ErrorCode::invalid_argument, path.string(), ": tensor ", t.name, " has ", t.shape.size(),
-                  " dimensions (at most 4)");
-    const Shape shape = Shape::from(t.shape);
-    const auto values = decode_values(file.data(t), *from);
-    // Non-finite initial weights would only skip every step (inf/NaN gradients) and exit 0.
-    for (std::size_t i = 0; i < values.size(); ++i)
-      if (!std::isfinite(values[i]))
-        return fail(ErrorCode::invalid_argument, path.string(), ": tensor ", t.name, " element ", i, " is ", values[i],
-                    "; initial weights must be finite");
-    out.push_back({t.name, shape, encode_values(values, dtype)});
+    COSHARD_TRY_ASSIGN(auto p, decode_parameter(path.string(), t.name, t.dtype, t.shape, file.data(t), dtype));
+    out.push_back(std::move(p));
   }
   return out;
 }
 
 }  // namespace
 
+Result<GatheredParameter> detail::decode_parameter(std::string_view source, const std::string& name, SafeDType file_dtype,
+                                           const std::vector<std::int64_t>& dims, std::span<const std::byte> data,
+                                           DataType dtype) {
+  const auto from = float_dtype_of(file_dtype);
+  if (!from)
+    return fail(ErrorCode::invalid_argument, source, ": tensor ", name, " is ", to_string(file_dtype),
+                "; expected a float dtype (F64, F32, BF16, F16)");
+  if (dims.size() > 4)
+    return fail(ErrorCode::invalid_argument, source, ": tensor ", name, " has ", dims.size(), " dimensions (at most 4)");
+  const Shape shape = Shape::from(dims);
+  const auto values = decode_values(data, *from);
+  // Non-finite initial weights would only skip every step (inf/NaN gradients) and exit 0.
+  for (std::size_t i = 0; i < values.size(); ++i)
+    if (!std::isfinite(values[i]))
+      return fail(ErrorCode::invalid_argument, source, ": tensor ", name, " element ", i, " is ", values[i],
+                  "; initial weights must be finite");
+  return GatheredParameter{name, shape, encode_values(values, dtype)};
+}
+
+
 async::Task<Result<void>> Engine::export_safetensors(const fs::path& path) {
+  COSHARD_CO_TRY(s_->outside_loop("export_safetensors"));
+  COSHARD_CO_TRY_ASSIGN(const SafeDType dt, safe_dtype(s_->o.dtype));
+  auto write = [path, dt](const std::vector<GatheredParameter>& params) -> Result<void> {
+    std::vector<SafeTensorView> views;
+    for (const auto& p : params) {
+      const auto dims = p.shape.dims();
+      views.push_back({p.name, dt, std::vector<std::int64_t>(dims.begin(), dims.end()), p.bytes});
+    }
+    return save_safetensors(path, views, {{"format", "pt"}, {"producer", "coshard"}});
+  };
+  co_return co_await export_parameters("export to " + path.string(), std::move(write));
+}
+
+async::Task<Result<void>> Engine::export_parameters(std::string what, ParameterWriter write) {
   State& s = *s_;
-  COSHARD_CO_TRY(s.outside_loop("export_safetensors"));
+  COSHARD_CO_TRY(s.outside_loop(what));
   async::Runtime* rt = async::Runtime::current();
-  if (!rt) co_return fail(ErrorCode::invalid_argument, "export_safetensors: must be awaited on a coshard Runtime");
+  if (!rt) co_return fail(ErrorCode::invalid_argument, what, ": must be awaited on a coshard Runtime");
   COSHARD_CO_TRY_ASSIGN(auto params, co_await gather_parameters());
   std::int64_t ok = 1;
   std::string error;
   if (s.rank == 0) {
-    COSHARD_CO_TRY_ASSIGN(const SafeDType dt, safe_dtype(s.o.dtype));
-    auto write = [&]() -> Result<void> {
-      std::vector<SafeTensorView> views;
-      for (const auto& p : params) {
-        const auto dims = p.shape.dims();
-        views.push_back({p.name, dt, std::vector<std::int64_t>(dims.begin(), dims.end()), p.bytes});
-      }
-      return save_safetensors(path, views, {{"format", "pt"}, {"producer", "coshard"}});
-    };
-    auto done = co_await rt->spawn_blocking(std::move(write));
+    auto done = co_await rt->spawn_blocking([&write, &params]() { return write(params); });
     if (!done) {
       ok = 0;
       error = done.error().message();
@@ -66,24 +79,27 @@ async::Task<Result<void>> Engine::export_safetensors(const fs::path& path) {
   }
   std::vector<std::int64_t> outcome{ok};  // named: GCC 12 mishandles braced temporaries in co_await
   COSHARD_CO_TRY_ASSIGN(auto status, co_await s.all_ranks(std::move(outcome)));
-  if (status[0] != 1)
-    co_return fail(ErrorCode::io, "export to ", path.string(), " failed on rank 0", error.empty() ? "" : ": ", error);
+  if (status[0] != 1) co_return fail(ErrorCode::io, what, " failed on rank 0", error.empty() ? "" : ": ", error);
   co_return Result<void>{};
 }
 
 async::Task<Result<void>> Engine::load_safetensors(const fs::path& path) {
+  COSHARD_CO_TRY(s_->outside_loop("load_safetensors"));
+  auto read = [path, dtype = s_->o.dtype]() { return read_parameters(path, dtype); };
+  co_return co_await load_parameters_from("load_safetensors " + path.string(), std::move(read));
+}
+
+async::Task<Result<void>> Engine::load_parameters_from(std::string what, ParameterReader read) {
   State& s = *s_;
-  COSHARD_CO_TRY(s.outside_loop("load_safetensors"));
+  COSHARD_CO_TRY(s.outside_loop(what));
   async::Runtime* rt = async::Runtime::current();
-  if (!rt) co_return fail(ErrorCode::invalid_argument, "load_safetensors: must be awaited on a coshard Runtime");
-  auto read = [&path, dtype = s.o.dtype]() { return read_parameters(path, dtype); };
-  auto values = co_await rt->spawn_blocking(std::move(read));
+  if (!rt) co_return fail(ErrorCode::invalid_argument, what, ": must be awaited on a coshard Runtime");
+  auto values = co_await rt->spawn_blocking([&read]() { return read(); });
   Result<void> checked{};
   if (!values) checked = fail(std::move(values).error());
   else checked = s.check_values(*values);
   // Every rank read and checked the file, or none changes anything (the load's gathers would
   // wait for a rank that stopped).
-  std::string what = "load_safetensors " + path.string();  // named: GCC 12 destroys temporaries in co_await twice
   auto agreed = co_await s.every_rank_can_load(checked.has_value(), std::move(what));
   if (!checked) co_return fail(std::move(checked).error());
   COSHARD_CO_TRY(std::move(agreed));

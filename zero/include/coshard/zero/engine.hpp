@@ -296,6 +296,16 @@ class Engine final : public ModuleHooks {
   // load_parameters with the file's values.
   async::Task<Result<void>> load_safetensors(const std::filesystem::path& path);
 
+  // The same for a file format of your own. `write` gets every parameter's whole value (rank 0
+  // alone calls it, on the blocking pool; every rank returns its outcome). `read` gives whole
+  // values in the engine's dtype (every rank calls it, on the blocking pool); they are checked
+  // (names, shapes, finite) and loaded only when every rank's read and check passed. `what`
+  // names the operation in errors.
+  using ParameterWriter = std::function<Result<void>(const std::vector<GatheredParameter>&)>;
+  using ParameterReader = std::function<Result<std::vector<GatheredParameter>>()>;
+  async::Task<Result<void>> export_parameters(std::string what, ParameterWriter write);
+  async::Task<Result<void>> load_parameters_from(std::string what, ParameterReader read);
+
   // What checkpoints are made of (for a format of your own). `visit_shards` awaits `use` on this
   // rank's block of every unit in order, with its optimizer state: views of device memory, of
   // pinned memory (optimizer offload), or, with nvme offload, of a swap buffer read from the
