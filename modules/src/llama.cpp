@@ -62,6 +62,20 @@ Result<void> LlamaConfig::validate() const {
     return fail(ErrorCode::invalid_argument, "LlamaConfig.kv_heads=", kv_heads, ": expected a divisor of heads=", heads);
   if (vocab > std::int64_t{1} << 31)
     return fail(ErrorCode::invalid_argument, "LlamaConfig.vocab=", vocab, ": token ids are i32");
+  // Sizes a machine could hold, so that the counts below never overflow (configs come from files).
+  if (dim > std::int64_t{1} << 20 || intermediate > std::int64_t{1} << 24 || layers > std::int64_t{1} << 16 ||
+      heads > std::int64_t{1} << 16 || head_dim > std::int64_t{1} << 16)
+    return fail(ErrorCode::invalid_argument, "LlamaConfig: dim=", dim, " intermediate=", intermediate, " layers=", layers,
+                " heads=", heads, " head_dim=", head_dim,
+                ": expected dim <= 2^20, intermediate <= 2^24, layers, heads and head_dim <= 2^16");
+  {
+    const double D = static_cast<double>(dim), hd = static_cast<double>(head_dim > 0 ? head_dim : dim / heads);
+    const double block = 2 * D + D * static_cast<double>(heads + 2 * kv_heads) * hd + static_cast<double>(heads) * hd * D +
+                         3 * D * static_cast<double>(intermediate);
+    const double total = 2 * static_cast<double>(vocab) * D + static_cast<double>(layers) * block + D;
+    if (total > 1e15)
+      return fail(ErrorCode::invalid_argument, "LlamaConfig: ", total, " parameters (expected at most 1e15)");
+  }
   if (!(norm_eps > 0) || !std::isfinite(norm_eps))
     return fail(ErrorCode::invalid_argument, "LlamaConfig.norm_eps=", norm_eps, ": expected a finite value > 0");
   if (!(init_std >= 0) || !std::isfinite(init_std))

@@ -21,6 +21,8 @@
 #include "coshard/zero/engine.hpp"
 #include "coshard/modules/gpt.hpp"
 #include "coshard/modules/llama_layers.hpp"
+#include "coshard/modules/llama.hpp"
+#include "coshard/modules/checkpointing.hpp"
 #include "coshard/modules/optimizer.hpp"
 #include "coshard/modules/parameter_store.hpp"
 #include "module_fixture.hpp"
@@ -140,6 +142,16 @@ std::vector<LayerCase> cases() {
        [](Context&, DataType) { return std::make_unique<CausalSelfAttention>(AttentionHeads{4, 2, 16}); },
        Shape{2, 9, (4 + 2 * 2) * 16}},
       {"Embedding", [](Context&, DataType) { return std::make_unique<Embedding>(20, 8, 16); }, Shape{3, 8}, true, 20},
+      {"TokenEmbedding", [](Context&, DataType) { return std::make_unique<TokenEmbedding>(20, 16); }, Shape{3, 8}, true, 20},
+      // the whole Llama: tied embeddings (the table's two uses), every Llama layer, a checkpointed block
+      {"TinyLlamaCheckpointed",
+       [](Context&, DataType) -> std::unique_ptr<Module> {
+         auto m = make_llama({.vocab = 20, .max_seq = 8, .dim = 32, .layers = 2, .heads = 4, .kv_heads = 2,
+                              .intermediate = 48, .rope_theta = 10000.0, .tie_embeddings = true});
+         apply_activation_checkpointing(**m, ActivationCheckpointing{1});
+         return std::move(*m);
+       },
+       Shape{3, 8}, true, 20},
       {"CrossEntropyLoss",
        [targets](Context& ctx, DataType) {
          auto m = std::make_unique<CrossEntropyLoss>();
@@ -194,11 +206,14 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, CudaLayers, ::testing::Values(DataType::f32, Da
 // fp32 master weights; the loss must fall on a fixed batch.
 class CudaTraining : public CudaLayers {};
 
-async::Task<Result<std::pair<double, double>>> train_tiny_gpt(Context& ctx, DataType dt) {
+async::Task<Result<std::pair<double, double>>> train_tiny_gpt(Context& ctx, DataType dt, bool llama = false) {
   GptConfig config;
   config.vocab = 64;
   config.max_seq = 16;
-  COSHARD_CO_TRY_ASSIGN(auto model, make_gpt(config));
+  COSHARD_CO_TRY_ASSIGN(auto model, llama ? make_llama({.vocab = 64, .max_seq = 16, .dim = 64, .layers = 2, .heads = 4,
+                                                        .kv_heads = 2, .intermediate = 128, .tie_embeddings = true})
+                                          : make_gpt(config));
+  if (llama) apply_activation_checkpointing(*model, ActivationCheckpointing{2});
   COSHARD_CO_TRY_ASSIGN(auto store, ParameterStore::create(ctx, *model, dt));
   COSHARD_CO_TRY(co_await store.initialize(ctx, 1));
   StepControlOptions control;
@@ -231,6 +246,13 @@ async::Task<Result<std::pair<double, double>>> train_tiny_gpt(Context& ctx, Data
 
 TEST_P(CudaTraining, TinyGptLossFalls) {
   auto r = rt_.block_on(train_tiny_gpt(*gpu_.ctx, GetParam()));
+  ASSERT_TRUE(r) << r.error().message();
+  EXPECT_NEAR(r->first, std::log(64.0), 0.5);
+  EXPECT_LT(r->second, 0.5 * r->first);
+}
+
+TEST_P(CudaTraining, TinyLlamaWithCheckpointingLossFalls) {
+  auto r = rt_.block_on(train_tiny_gpt(*gpu_.ctx, GetParam(), true));
   ASSERT_TRUE(r) << r.error().message();
   EXPECT_NEAR(r->first, std::log(64.0), 0.5);
   EXPECT_LT(r->second, 0.5 * r->first);

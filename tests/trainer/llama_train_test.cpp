@@ -182,6 +182,18 @@ TEST(LlamaTraining, OffloadWithCheckpointingGivesTheSameLosses) {
   }
 }
 
+// Two micro-batches a step, each recomputed in its own backward: the whole batch's losses.
+TEST(LlamaTraining, GradientAccumulationWithCheckpointingGivesTheSameLosses) {
+  const auto reference = reference_losses(base_config());
+  TrainerConfig c = base_config();
+  c.zero_stage = 3;
+  c.gradient_accumulation_steps = 2;
+  c.activation_checkpointing = ActivationCheckpointing{1};
+  auto run = train(2, c);
+  ASSERT_TRUE(run) << run.error().message();
+  expect_matches_reference(losses_of(*run), reference, 2);
+}
+
 // Three fewer blocks' activations at full checkpointing: the measured peak falls by more than a
 // block's worth, and the stage-3 recompute gathers each checkpointed unit once more.
 TEST(LlamaTraining, CheckpointingRegathersItsUnitsInsideTheBudgetAtStageThree) {

@@ -144,6 +144,9 @@ Result<LlamaConfig> parse_hf_llama_config(std::string_view text, std::string_vie
       COSHARD_TRY_ASSIGN(c.rope_scaling.low_freq_factor, f.number(r, "low_freq_factor", 1.0));
       COSHARD_TRY_ASSIGN(c.rope_scaling.high_freq_factor, f.number(r, "high_freq_factor", 4.0));
       COSHARD_TRY_ASSIGN(const double original, f.number(r, "original_max_position_embeddings", 8192.0));
+      if (!(original >= 1 && original <= 1e12) || original != std::floor(original))
+        return fail(ErrorCode::invalid_argument, source, ": \"original_max_position_embeddings\"=", original,
+                    " (expected a whole number from 1 to 1e12)");
       c.rope_scaling.original_max_positions = static_cast<std::int64_t>(original);
     } else if (type != "default") {
       return fail(ErrorCode::unsupported, source, ": rope scaling \"", type,
