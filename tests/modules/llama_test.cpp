@@ -6,6 +6,7 @@
 #include <set>
 
 #include "coshard/modules/checkpointing.hpp"
+#include "coshard/modules/gpt.hpp"
 #include "coshard/modules/layers.hpp"
 #include "coshard/modules/llama.hpp"
 #include "coshard/modules/parameter_store.hpp"
@@ -159,6 +160,19 @@ TEST_F(LlamaMemory, CheckpointingLowersThePeakAndChangesNoBit) {
   EXPECT_LT(every_other.peak, none.peak);
   EXPECT_LT(full.peak, every_other.peak);
   RecordProperty("peak_ratio_full", std::to_string(static_cast<double>(full.peak) / static_cast<double>(none.peak)));
+}
+
+// The estimates the memory check uses follow the same policy: checkpointed blocks keep their input.
+TEST(ActivationEstimates, FallWithCheckpointedBlocks) {
+  auto preset = llama_preset("llama-100m");
+  ASSERT_TRUE(preset);
+  const auto none = llama_activation_bytes(preset->config, 4, 128, DataType::f32, 0);
+  const auto half = llama_activation_bytes(preset->config, 4, 128, DataType::f32, 6);
+  const auto full = llama_activation_bytes(preset->config, 4, 128, DataType::f32, 12);
+  EXPECT_LT(half, none);
+  EXPECT_LT(full, half);
+  const GptConfig gpt{.vocab = 50304, .max_seq = 1024, .dim = 768, .layers = 12, .heads = 12};
+  EXPECT_LT(gpt_activation_bytes(gpt, 8, 1024, DataType::bf16, 12), gpt_activation_bytes(gpt, 8, 1024, DataType::bf16));
 }
 
 TEST_F(LlamaMemory, TheMeterCountsTensorsUntilTheyAreDropped) {

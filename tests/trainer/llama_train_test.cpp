@@ -1,5 +1,5 @@
 // A Llama (make_llama, tied embeddings) through the Trainer on Local ranks (threads, CPU):
-// stages 1-3 at world sizes 1-4, with activation checkpointing on and off, the optimizer and the
+// stages 0-3 at world sizes 1-4, with activation checkpointing on and off, the optimizer and the
 // parameters offloaded. The losses are those of the unsharded model on the whole batch (the same
 // bits on one rank; within 1e-6 relative otherwise), checkpointing changes no bit, and it lowers
 // the activation memory each step reports.
@@ -163,7 +163,7 @@ TEST_P(LlamaStages, MatchTheUnshardedModelWithAndWithoutCheckpointing) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Stages, LlamaStages, ::testing::Values(1, 2, 3),
+INSTANTIATE_TEST_SUITE_P(Stages, LlamaStages, ::testing::Values(0, 1, 2, 3),
                          [](const auto& info) { return "Stage" + std::to_string(info.param); });
 
 // Stage 3 with the optimizer and the parameters in host memory, checkpointing every block.
