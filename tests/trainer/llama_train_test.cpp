@@ -212,5 +212,20 @@ TEST(LlamaTraining, CheckpointingRegathersItsUnitsInsideTheBudgetAtStageThree) {
   EXPECT_LE(with.peak_gathered_bytes, c.max_live_bytes);
 }
 
+// With a reuse distance the recomputed units stay gathered for their backward (budget allowing).
+TEST(LlamaTraining, AReuseDistanceKeepsRecomputedUnitsForTheirBackward) {
+  TrainerConfig c = base_config();
+  c.zero_stage = 3;
+  c.max_live_bytes = 1 << 20;
+  c.activation_checkpointing = ActivationCheckpointing{1};
+  auto regathered = train(2, c);
+  ASSERT_TRUE(regathered) << regathered.error().message();
+  c.max_reuse_distance = 16;
+  auto kept = train(2, c);
+  ASSERT_TRUE(kept) << kept.error().message();
+  EXPECT_EQ(losses_of(*kept), losses_of(*regathered));
+  EXPECT_LT(kept->stats.back().gathered_bytes, regathered->stats.back().gathered_bytes);
+}
+
 }  // namespace
 }  // namespace coshard::trainer
