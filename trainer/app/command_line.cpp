@@ -1,7 +1,6 @@
 #include "command_line.hpp"
 
 #include "coshard/async/log.hpp"
-#include "coshard/zero/hf_llama.hpp"
 #include "flight_dumps.hpp"
 
 #include <CLI/CLI.hpp>
@@ -286,80 +285,36 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
 
   // The model: a GPT from the shape flags, or a Llama from a preset (or the flags alone) with the
   // flags given over it. The vocabulary is settled with the data, in main.
-  o.vocab_given = vocab->count() > 0;
-  ModelChoice& m = o.model;
-  if (model == "gpt" && preset_option->count() && app.get_option("--model")->count()) {
-    std::fprintf(stderr, "coshard-train: --preset %s: the presets are Llama shapes (use --model llama)\n", preset.c_str());
-    return 2;
-  }
-  if (model == "gpt" && !preset_option->count()) {
-    for (const CLI::Option* llama_only : {kv_heads, head_dim, intermediate, rope_theta, tie_option, untie_option})
-      if (llama_only->count()) {
-        std::fprintf(stderr, "coshard-train: %s is an option of --model llama\n", llama_only->get_name().c_str());
-        return 2;
-      }
-    m.kind = ModelChoice::Kind::gpt;
-    m.gpt = {.vocab = o.vocab, .max_seq = o.seq, .dim = o.dim, .layers = o.layers, .heads = o.heads};
-  } else {
-    m.kind = ModelChoice::Kind::llama;
-    if (preset_option->count()) {
-      auto p = modules::llama_preset(preset);
-      if (!p) {
-        std::fprintf(stderr, "coshard-train: --preset: %s\n", p.error().message().c_str());
-        return 2;
-      }
-      m.llama = p->config;
-      m.preset = std::string(p->name);
-    } else {
-      m.llama = {.vocab = o.vocab, .dim = o.dim, .layers = o.layers, .heads = o.heads, .kv_heads = o.heads,
-                 .intermediate = (8 * o.dim / 3 + 63) / 64 * 64};
-    }
-    auto& l = m.llama;
-    if (layers->count()) l.layers = o.layers;
-    if (dim->count()) l.dim = o.dim;
-    if (heads->count()) {
-      l.heads = o.heads;
-      if (!preset_option->count() && !kv_heads->count()) l.kv_heads = o.heads;
-    }
-    if (kv_heads->count()) l.kv_heads = llama_flags.kv_heads;
-    if (head_dim->count()) l.head_dim = llama_flags.head_dim;
-    if (intermediate->count()) l.intermediate = llama_flags.intermediate;
-    if (rope_theta->count()) l.rope_theta = llama_flags.rope_theta;
-    if (tie) l.tie_embeddings = true;
-    if (untie) l.tie_embeddings = false;
-    if (vocab->count()) l.vocab = o.vocab;
-    l.max_seq = std::max(l.max_seq, o.seq);
-    m.vocab_fixed = preset_option->count() > 0 || vocab->count() > 0;
-    if ((layers->count() || dim->count() || heads->count() || kv_heads->count() || head_dim->count() ||
-         intermediate->count() || vocab->count()) && !m.preset.empty())
-      m.preset += " (changed)";
-    if (auto ok = l.validate(); !ok) {
-      std::fprintf(stderr, "coshard-train: --model llama: %s\n", ok.error().message().c_str());
-      return 2;
-    }
-  }
-  // A Hugging Face folder to start from gives the architecture and shape itself.
+  // The model: a GPT, or a Llama (a preset, a Hugging Face folder, or the flags alone).
   std::error_code ec;
   o.init_is_folder = !o.init.empty() && std::filesystem::is_directory(o.init, ec);
-  if (o.init_is_folder) {
-    for (const CLI::Option* shape : {app.get_option("--model"), preset_option, layers, dim, heads, kv_heads, head_dim,
-                                     intermediate, rope_theta, tie_option, untie_option, vocab})
-      if (shape->count()) {
-        std::fprintf(stderr, "coshard-train: %s with --init %s: the folder's config.json gives the model's shape\n",
-                     shape->get_name().c_str(), o.init.c_str());
-        return 2;
-      }
-    auto config = zero::read_hf_llama_config(o.init);
-    if (!config) {
-      std::fprintf(stderr, "coshard-train: --init: %s\n", config.error().message().c_str());
-      return 2;
-    }
-    m.kind = ModelChoice::Kind::llama;
-    m.llama = *config;
-    m.llama.max_seq = std::max(m.llama.max_seq, o.seq);
-    m.preset = "Llama from " + o.init;
-    m.vocab_fixed = true;
+  ModelFlags flags;
+  flags.model = model;
+  flags.model_given = app.get_option("--model")->count() > 0;
+  if (preset_option->count()) flags.preset = preset;
+  if (o.init_is_folder) flags.init_folder = o.init;
+  flags.vocab = o.vocab;
+  flags.layers = o.layers;
+  flags.dim = o.dim;
+  flags.heads = o.heads;
+  flags.seq = o.seq;
+  flags.vocab_given = vocab->count() > 0;
+  flags.layers_given = layers->count() > 0;
+  flags.dim_given = dim->count() > 0;
+  flags.heads_given = heads->count() > 0;
+  if (kv_heads->count()) flags.kv_heads = llama_flags.kv_heads;
+  if (head_dim->count()) flags.head_dim = llama_flags.head_dim;
+  if (intermediate->count()) flags.intermediate = llama_flags.intermediate;
+  if (rope_theta->count()) flags.rope_theta = llama_flags.rope_theta;
+  if (tie_option->count()) flags.tie_embeddings = tie;
+  if (untie_option->count()) flags.tie_embeddings = !untie;
+  auto resolved = resolve_model(flags);
+  if (!resolved) {
+    std::fprintf(stderr, "coshard-train: %s\n", resolved.error().message().c_str());
+    return 2;
   }
+  o.model = std::move(*resolved);
+  const ModelChoice& m = o.model;
   // A Llama exports a Hugging Face folder unless the path names a .safetensors file; a GPT a file.
   o.export_is_folder = m.kind == ModelChoice::Kind::llama && !o.export_path.empty() &&
                        std::filesystem::path(o.export_path).extension() != ".safetensors";

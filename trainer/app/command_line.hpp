@@ -25,7 +25,6 @@ struct Options {
   std::int64_t dim = 128;
   std::int64_t heads = 4;
   std::int64_t vocab = 256;  // the synthetic task's, or the model's for token ids; bytes are 256
-  bool vocab_given = false;
   bool init_is_folder = false;    // --init names a Hugging Face folder (else a safetensors file)
   bool export_is_folder = false;  // --export names a folder (else FILE.safetensors)
   ModelChoice model;  // --model, --preset and the shape flags (its vocabulary settled in main)

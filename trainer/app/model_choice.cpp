@@ -1,6 +1,9 @@
 #include "model_choice.hpp"
 
+#include <algorithm>
 #include <cstdio>
+
+#include "coshard/zero/hf_llama.hpp"
 
 namespace coshard::train_app {
 
@@ -56,6 +59,75 @@ std::size_t ModelChoice::activation_bytes(std::int64_t rows, std::int64_t seq, m
   if (kind == Kind::gpt)
     return modules::gpt_activation_bytes(gpt, rows, seq, dtype, checkpointed_blocks(gpt.layers, policy));
   return modules::llama_activation_bytes(llama, rows, seq, dtype, checkpointed_blocks(llama.layers, policy));
+}
+
+Result<ModelChoice> resolve_model(const ModelFlags& f) {
+  ModelChoice m;
+  const bool llama_shape_given = f.kv_heads || f.head_dim || f.intermediate || f.rope_theta || f.tie_embeddings;
+  if (!f.init_folder.empty()) {
+    // A Hugging Face folder gives the architecture and the shape itself.
+    const std::pair<bool, const char*> shape_flags[] = {
+        {f.model_given, "--model"}, {!f.preset.empty(), "--preset"}, {f.layers_given, "--layers"},
+        {f.dim_given, "--dim"}, {f.heads_given, "--heads"}, {f.kv_heads.has_value(), "--kv-heads"},
+        {f.head_dim.has_value(), "--head-dim"}, {f.intermediate.has_value(), "--intermediate"},
+        {f.rope_theta.has_value(), "--rope-theta"}, {f.tie_embeddings.has_value(), "--tie-embeddings/--untie-embeddings"},
+        {f.vocab_given, "--vocab"}};
+    for (const auto& [given, name] : shape_flags)
+      if (given)
+        return fail(ErrorCode::invalid_argument, name, " with --init ", f.init_folder,
+                    ": the folder's config.json gives the model's shape");
+    auto config = zero::read_hf_llama_config(f.init_folder);
+    if (!config) return fail(std::move(config).error().with_context("--init"));
+    m.kind = ModelChoice::Kind::llama;
+    m.llama = *config;
+    m.llama.max_seq = std::max(m.llama.max_seq, f.seq);
+    m.preset = "Llama from " + f.init_folder;
+    m.vocab_fixed = true;
+    return m;
+  }
+  if (f.model == "gpt" && f.model_given && !f.preset.empty())
+    return fail(ErrorCode::invalid_argument, "--preset ", f.preset, ": the presets are Llama shapes (use --model llama)");
+  if (f.model == "gpt" && f.preset.empty()) {
+    if (llama_shape_given) {
+      const char* name = f.kv_heads ? "--kv-heads" : f.head_dim ? "--head-dim" : f.intermediate ? "--intermediate"
+                         : f.rope_theta ? "--rope-theta" : "--tie-embeddings/--untie-embeddings";
+      return fail(ErrorCode::invalid_argument, name, " is an option of --model llama");
+    }
+    m.kind = ModelChoice::Kind::gpt;
+    m.gpt = {.vocab = f.vocab, .max_seq = f.seq, .dim = f.dim, .layers = f.layers, .heads = f.heads};
+    return m;
+  }
+  m.kind = ModelChoice::Kind::llama;
+  auto& l = m.llama;
+  if (!f.preset.empty()) {
+    auto p = modules::llama_preset(f.preset);
+    if (!p) return fail(std::move(p).error().with_context("--preset"));
+    l = p->config;
+    m.preset = std::string(p->name);
+  } else {
+    // From the flags alone: multi-head unless --kv-heads, SwiGLU's 8/3 x dim rounded up to 64.
+    l = {.vocab = f.vocab, .dim = f.dim, .layers = f.layers, .heads = f.heads, .kv_heads = f.heads,
+         .intermediate = (8 * f.dim / 3 + 63) / 64 * 64};
+  }
+  if (f.layers_given) l.layers = f.layers;
+  if (f.dim_given) l.dim = f.dim;
+  if (f.heads_given) {
+    l.heads = f.heads;
+    if (f.preset.empty()) l.kv_heads = f.heads;
+  }
+  if (f.kv_heads) l.kv_heads = *f.kv_heads;
+  if (f.head_dim) l.head_dim = *f.head_dim;
+  if (f.intermediate) l.intermediate = *f.intermediate;
+  if (f.rope_theta) l.rope_theta = *f.rope_theta;
+  if (f.tie_embeddings) l.tie_embeddings = *f.tie_embeddings;
+  if (f.vocab_given) l.vocab = f.vocab;
+  l.max_seq = std::max(l.max_seq, f.seq);
+  m.vocab_fixed = !f.preset.empty() || f.vocab_given;
+  const bool changed = f.layers_given || f.dim_given || f.heads_given || f.kv_heads || f.head_dim || f.intermediate ||
+                       f.vocab_given || f.rope_theta || f.tie_embeddings;
+  if (changed && !m.preset.empty()) m.preset += " (changed)";
+  if (auto ok = l.validate(); !ok) return fail(std::move(ok).error().with_context("--model llama"));
+  return m;
 }
 
 std::string describe_presets() {

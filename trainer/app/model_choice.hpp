@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "coshard/modules/checkpointing.hpp"
@@ -33,6 +34,23 @@ struct ModelChoice {
   std::size_t activation_bytes(std::int64_t rows, std::int64_t seq, modules::DataType dtype,
                                modules::ActivationCheckpointing policy) const;
 };
+
+// The model options of coshard-train as given (an unset optional: not given).
+struct ModelFlags {
+  std::string model = "gpt";
+  bool model_given = false;
+  std::string preset;          // "" when not given
+  std::string init_folder;     // --init when it names a folder: the shape comes from its config.json
+  std::int64_t vocab = 256, layers = 4, dim = 128, heads = 4, seq = 64;  // the values, given or default
+  bool vocab_given = false, layers_given = false, dim_given = false, heads_given = false;
+  std::optional<std::int64_t> kv_heads, head_dim, intermediate;
+  std::optional<double> rope_theta;
+  std::optional<bool> tie_embeddings;
+};
+
+// The model the flags ask for: a GPT; a Llama from a preset, a Hugging Face folder or the flags
+// alone, with the flags given over a preset. An error names the option and the value.
+Result<ModelChoice> resolve_model(const ModelFlags& flags);
 
 // --help's list of the presets: "llama-tiny (0.1M parameters): for tests ...", one a line.
 std::string describe_presets();
