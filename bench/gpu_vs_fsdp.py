@@ -1,17 +1,24 @@
 #!/usr/bin/env python3
 """coshard against PyTorch FSDP2 on the same GPU, the same model and the same batch, in one run.
 
-The model is coshard's GPT (modules/src/gpt.cpp): learned token and position embeddings, pre-LN
-blocks (LayerNorm, qkv Linear with bias, causal attention, projection; LayerNorm, fc 4x, GELU
-with GPT-2's tanh approximation, projection), a final LayerNorm and an untied head with bias.
-Both sides train it with bf16 compute over fp32 master weights and AdamW, at world size 1.
+Two model families, each written the same way on both sides:
+- GPT (coshard's make_gpt, modules/src/gpt.cpp): learned token and position embeddings, pre-LN
+  blocks (LayerNorm, qkv Linear with bias, causal attention, projection; LayerNorm, fc 4x, GELU
+  with GPT-2's tanh approximation, projection), a final LayerNorm and an untied head with bias.
+- Llama (coshard's make_llama, modules/src/llama.cpp; on the PyTorch side written as torchtitan
+  writes it): RMSNorm, rotary positions with Llama 3's frequency scaling, grouped-query attention
+  (SDPA), a SwiGLU MLP, no biases, tied embeddings where the shape has them.
+Both sides train with bf16 compute over fp32 master weights and AdamW, at world size 1;
+--checkpointing recomputes every block on both (coshard's --activation-checkpointing full,
+PyTorch's checkpoint_wrapper on each block).
 
-  python3 bench/gpu_vs_fsdp.py --preset gpt2-1.5b --coshard build/release/trainer/coshard-train \
-      --out results.json [--compile] [--steps 20]
+  python3 bench/gpu_vs_fsdp.py --preset llama-3.2-1b --coshard build/release/trainer/coshard-train \
+      --out results.json [--compile] [--steps 20] [--checkpointing] [--offload]
 
-Reports tokens/s, MFU (6*N*tokens plus attention's 12*L*T*D per token [PaLM's count], against
-989 TFLOP/s bf16 dense: H100 SXM and H200 alike) and peak device memory for each side, and the
-ratio coshard / PyTorch. --cpu runs both at toy size on the CPU (the harness itself, in CI).
+Reports tokens/s, MFU (6*N*tokens plus attention's 12*L*T*(heads*head_dim) per token [PaLM's
+count], against 989 TFLOP/s bf16 dense: H100 SXM and H200 alike) and peak device memory for each
+side, and the ratio coshard / PyTorch. --cpu runs both at toy size on the CPU (the harness itself,
+in CI).
 """
 import argparse
 import json
@@ -30,11 +37,24 @@ PRESETS = {
     "gpt2-124m": (12, 768, 12, 50257, 1024, 8),
     "toy": (2, 64, 4, 256, 32, 4),
 }
+# name: coshard's preset (or shape flags), seq, batch; the shape itself as LlamaConfig has it.
+LLAMA_PRESETS = {
+    "llama-3.2-1b": (["--preset", "Llama-3.2-1B"], 2048, 4,
+                     dict(layers=16, dim=2048, heads=32, kv_heads=8, head_dim=64, inter=8192, vocab=128256,
+                          theta=500000.0, scaling=(32.0, 1.0, 4.0, 8192), tied=True)),
+    "llama-3.1-8b": (["--preset", "Llama-3.1-8B"], 2048, 1,
+                     dict(layers=32, dim=4096, heads=32, kv_heads=8, head_dim=128, inter=14336, vocab=128256,
+                          theta=500000.0, scaling=(8.0, 1.0, 4.0, 8192), tied=False)),
+    "llama-toy": (["--model", "llama", "--layers", "2", "--dim", "64", "--heads", "4", "--kv-heads", "2",
+                   "--intermediate", "128", "--vocab", "256", "--rope-theta", "10000", "--tie-embeddings"], 32, 4,
+                  dict(layers=2, dim=64, heads=4, kv_heads=2, head_dim=16, inter=128, vocab=256, theta=10000.0,
+                       scaling=None, tied=True)),
+}
 PEAK_TFLOPS = 989.0
 
 
-def model_flops_per_token(layers, dim, vocab, seq, params):
-    return 6 * params + 12 * layers * seq * dim  # dense products plus attention's, unmasked (PaLM's count)
+def model_flops_per_token(layers, attn_width, seq, params):
+    return 6 * params + 12 * layers * seq * attn_width  # dense products plus attention's, unmasked (PaLM's count)
 
 
 def gpt_params(layers, dim, vocab, seq):
@@ -43,7 +63,95 @@ def gpt_params(layers, dim, vocab, seq):
     return vocab * dim + seq * dim + layers * block + 2 * dim + dim * vocab + vocab
 
 
-def run_torch(args, layers, dim, heads, vocab, seq, batch, compiled):
+def llama_params(c):
+    block = 2 * c["dim"] + c["dim"] * (c["heads"] + 2 * c["kv_heads"]) * c["head_dim"] + \
+        c["heads"] * c["head_dim"] * c["dim"] + 3 * c["dim"] * c["inter"]
+    return c["vocab"] * c["dim"] + c["layers"] * block + c["dim"] + (0 if c["tied"] else c["dim"] * c["vocab"])
+
+
+def torch_llama(c, seq):
+    """The Llama of coshard's make_llama in plain PyTorch, as torchtitan writes it."""
+    import math
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    def inv_freq():
+        f = 1.0 / (c["theta"] ** (torch.arange(0, c["head_dim"], 2, dtype=torch.float64) / c["head_dim"]))
+        if c["scaling"]:
+            factor, low, high, old = c["scaling"]
+            wavelen = 2 * math.pi / f
+            smooth = (old / wavelen - low) / (high - low)
+            scaled = torch.where(wavelen > old / low, f / factor, f)
+            medium = (wavelen <= old / low) & (wavelen >= old / high)
+            f = torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+        return f.float()
+
+    class RMSNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(c["dim"]))
+
+        def forward(self, x):
+            y = x.float()
+            y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5)
+            return self.weight * y.type_as(x)
+
+    def rotate(x, cos, sin):
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            hd, h, kv = c["head_dim"], c["heads"], c["kv_heads"]
+            self.attn_norm, self.mlp_norm = RMSNorm(), RMSNorm()
+            self.q = nn.Linear(c["dim"], h * hd, bias=False)
+            self.k = nn.Linear(c["dim"], kv * hd, bias=False)
+            self.v = nn.Linear(c["dim"], kv * hd, bias=False)
+            self.o = nn.Linear(h * hd, c["dim"], bias=False)
+            self.gate = nn.Linear(c["dim"], c["inter"], bias=False)
+            self.up = nn.Linear(c["dim"], c["inter"], bias=False)
+            self.down = nn.Linear(c["inter"], c["dim"], bias=False)
+
+        def forward(self, x, cos, sin):
+            b, t, _ = x.shape
+            hd, h, kv = c["head_dim"], c["heads"], c["kv_heads"]
+            y = self.attn_norm(x)
+            q = rotate(self.q(y).view(b, t, h, hd).transpose(1, 2), cos, sin)
+            k = rotate(self.k(y).view(b, t, kv, hd).transpose(1, 2), cos, sin)
+            v = self.v(y).view(b, t, kv, hd).transpose(1, 2)
+            k, v = k.repeat_interleave(h // kv, dim=1), v.repeat_interleave(h // kv, dim=1)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.o(a.transpose(1, 2).reshape(b, t, h * hd))
+            y = self.mlp_norm(x)
+            return x + self.down(F.silu(self.gate(y)) * self.up(y))
+
+    class Llama(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(c["vocab"], c["dim"])
+            self.blocks = nn.ModuleList(Block() for _ in range(c["layers"]))
+            self.norm = RMSNorm()
+            self.head = nn.Linear(c["dim"], c["vocab"], bias=False)
+            if c["tied"]:
+                self.head.weight = self.embed.weight
+            freqs = torch.outer(torch.arange(seq, dtype=torch.float32), inv_freq())
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self.register_buffer("cos", emb.cos(), persistent=False)
+            self.register_buffer("sin", emb.sin(), persistent=False)
+
+        def forward(self, idx):
+            x = self.embed(idx)
+            cos, sin = self.cos.to(x.dtype), self.sin.to(x.dtype)
+            for blk in self.blocks:
+                x = blk(x, cos, sin)
+            return self.head(self.norm(x))
+
+    return Llama()
+
+
+def run_torch(args, layers, dim, heads, vocab, seq, batch, compiled, llama=None):
     import torch
     import torch.distributed as dist
     import torch.nn as nn
@@ -90,8 +198,12 @@ def run_torch(args, layers, dim, heads, vocab, seq, batch, compiled):
             return self.head(self.ln_f(x))
 
     torch.manual_seed(1)
-    model = Gpt().to(device)
+    model = (torch_llama(llama, seq) if llama else Gpt()).to(device)
     params = sum(p.numel() for p in model.parameters())
+    if args.checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        for i, blk in enumerate(model.blocks):
+            model.blocks[i] = checkpoint_wrapper(blk)
     mp = MixedPrecisionPolicy(param_dtype=torch.float32 if args.cpu else torch.bfloat16, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy() if args.offload else OffloadPolicy()
     for blk in model.blocks:
@@ -161,13 +273,15 @@ class DeviceMemoryPoller:
             self._thread.join()
 
 
-def run_coshard(args, layers, dim, heads, vocab, seq, batch):
+def run_coshard(args, layers, dim, heads, vocab, seq, batch, model_flags=None):
     metrics = os.path.abspath(args.workdir + "/coshard_metrics.jsonl")
     steps = args.warmup + args.steps
-    cmd = [args.coshard, "--device", "cpu" if args.cpu else "cuda", "--world-size", "1", "--steps", str(steps),
-           "--layers", str(layers), "--dim", str(dim), "--heads", str(heads), "--vocab", str(vocab),
-           "--seq", str(seq), "--batch", str(batch), "--lr", "3e-4", "--clip", "1", "--zero-stage",
-           str(args.zero_stage), "--metrics", metrics, "--quiet"] + (["--dtype", "bf16"] if not args.cpu else [])
+    shape = model_flags or ["--layers", str(layers), "--dim", str(dim), "--heads", str(heads), "--vocab", str(vocab)]
+    cmd = [args.coshard, "--device", "cpu" if args.cpu else "cuda", "--world-size", "1", "--steps", str(steps)] + \
+        shape + ["--seq", str(seq), "--batch", str(batch), "--lr", "3e-4", "--clip", "1", "--zero-stage",
+                 str(args.zero_stage), "--metrics", metrics, "--quiet"] + (["--dtype", "bf16"] if not args.cpu else [])
+    if args.checkpointing:
+        cmd += ["--activation-checkpointing", "full"]
     if args.offload:
         cmd += ["--offload-optimizer", "cpu", "--offload-params", "cpu"]
     cmd += args.coshard_args
@@ -188,7 +302,9 @@ def run_coshard(args, layers, dim, heads, vocab, seq, batch):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="gpt2-1.5b", choices=sorted(PRESETS))
+    p.add_argument("--preset", default="gpt2-1.5b", choices=sorted(PRESETS) + sorted(LLAMA_PRESETS))
+    p.add_argument("--seq", type=int, help="tokens per sequence (default: the preset's)")
+    p.add_argument("--checkpointing", action="store_true", help="recompute every block in backward, both sides")
     p.add_argument("--batch", type=int, help="sequences per step (default: the preset's)")
     p.add_argument("--coshard", default="build/release/trainer/coshard-train")
     p.add_argument("--coshard-args", nargs=argparse.REMAINDER, default=[], help="passed on to coshard-train")
@@ -204,20 +320,32 @@ def main():
     p.add_argument("--workdir", default=".")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args()
-    layers, dim, heads, vocab, seq, batch = PRESETS[args.preset]
+    llama = None
+    model_flags = None
+    if args.preset in LLAMA_PRESETS:
+        model_flags, seq, batch, llama = LLAMA_PRESETS[args.preset]
+        layers, dim, heads, vocab = llama["layers"], llama["dim"], llama["heads"], llama["vocab"]
+        seq = args.seq or seq
+        params = llama_params(llama)
+        attn_width = llama["heads"] * llama["head_dim"]
+    else:
+        layers, dim, heads, vocab, seq, batch = PRESETS[args.preset]
+        seq = args.seq or seq
+        params = gpt_params(layers, dim, vocab, seq)
+        attn_width = dim
     batch = args.batch or batch
-    params = gpt_params(layers, dim, vocab, seq)
-    flops_per_token = model_flops_per_token(layers, dim, vocab, seq, params)
-    results = {"preset": args.preset, "offload": args.offload, "layers": layers, "dim": dim, "heads": heads, "vocab": vocab, "seq": seq,
-               "batch": batch, "params": params, "flops_per_token": flops_per_token, "runs": {}}
+    flops_per_token = model_flops_per_token(layers, attn_width, seq, params)
+    results = {"preset": args.preset, "offload": args.offload, "checkpointing": args.checkpointing, "layers": layers,
+               "dim": dim, "heads": heads, "vocab": vocab, "seq": seq, "batch": batch, "params": params,
+               "flops_per_token": flops_per_token, "runs": {}}
     if not args.cpu:
         import torch
         results["device"] = torch.cuda.get_device_name(0)
-    sides = [("coshard", lambda: run_coshard(args, layers, dim, heads, vocab, seq, batch))]
+    sides = [("coshard", lambda: run_coshard(args, layers, dim, heads, vocab, seq, batch, model_flags))]
     if not args.skip_torch:
-        sides.append(("fsdp2_eager", lambda: run_torch(args, layers, dim, heads, vocab, seq, batch, False)))
+        sides.append(("fsdp2_eager", lambda: run_torch(args, layers, dim, heads, vocab, seq, batch, False, llama)))
         if args.compile:
-            sides.append(("fsdp2_compile", lambda: run_torch(args, layers, dim, heads, vocab, seq, batch, True)))
+            sides.append(("fsdp2_compile", lambda: run_torch(args, layers, dim, heads, vocab, seq, batch, True, llama)))
     for name, run in sides:
         try:
             r = run()
