@@ -48,7 +48,6 @@ async::Task<Result<std::vector<double>>> train(collectives::Communicator& comm, 
 
 int main() {
   const auto folder = std::filesystem::temp_directory_path() / ("coshard_example_llama_" + std::to_string(::getpid()));
-  std::filesystem::create_directories(folder);
   auto comms = collectives::make_local_communicators(kWorld);
   if (!comms) return std::fprintf(stderr, "%s\n", comms.error().message().c_str()), 1;
   std::vector<Result<std::vector<double>>> results(kWorld, fail(ErrorCode::internal, "not run"));

@@ -294,6 +294,7 @@ async::Task<Result<void>> export_hf_llama(Engine& engine, const fs::path& folder
   auto write = [folder, config, dtype, file_dtype = *file_dtype,
                 options = std::move(options)](const std::vector<GatheredParameter>& params) -> Result<void> {
     COSHARD_TRY_ASSIGN(auto hf, to_hf_llama(config, params, size_of(dtype)));
+    COSHARD_TRY(async::check_output_folder(folder, "Hugging Face folder"));  // created when absent
     std::vector<SafeTensorView> views;
     for (const auto& t : hf) {
       const auto dims = t.shape.dims();

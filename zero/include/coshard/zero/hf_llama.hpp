@@ -45,8 +45,9 @@ Result<std::vector<GatheredParameter>> from_hf_llama(const modules::LlamaConfig&
 // Loads the weights of FOLDER (any float dtype, converted) into the engine's make_llama(config).
 async::Task<Result<void>> load_hf_llama(Engine& engine, const std::filesystem::path& folder,
                                         const modules::LlamaConfig& config);
-// Writes config.json and the weights (sharded above options.max_shard_bytes) into FOLDER (which
-// must exist; rank 0 writes, every rank gathers).
+// Writes config.json and the weights (sharded above options.max_shard_bytes) into FOLDER, created
+// when absent (rank 0 writes, every rank gathers). Weight files of an earlier export there that
+// the new set lacks are removed; other files stay.
 async::Task<Result<void>> export_hf_llama(Engine& engine, const std::filesystem::path& folder,
                                           const modules::LlamaConfig& config,
                                           modules::SafetensorsFolderOptions options = {});
