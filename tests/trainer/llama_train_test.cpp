@@ -212,6 +212,22 @@ TEST(LlamaTraining, CheckpointingRegathersItsUnitsInsideTheBudgetAtStageThree) {
   EXPECT_LE(with.peak_gathered_bytes, c.max_live_bytes);
 }
 
+// Small modules coalesced into units (module granularity): no unit spans a checkpointed block's
+// edge, so every recompute meets the first and last module of each unit it runs.
+TEST(LlamaTraining, CoalescedUnitsStopAtCheckpointedBlocks) {
+  const auto reference = reference_losses(base_config());
+  TrainerConfig c = base_config();
+  c.zero_stage = 3;
+  c.module_granularity_bytes = 16 << 10;  // norms and small projections share units
+  for (int every : {1, 2}) {
+    SCOPED_TRACE("checkpointing every " + std::to_string(every));
+    c.activation_checkpointing = ActivationCheckpointing{every};
+    auto run = train(2, c);
+    ASSERT_TRUE(run) << run.error().message();
+    expect_matches_reference(losses_of(*run), reference, 2);
+  }
+}
+
 // With a reuse distance the recomputed units stay gathered for their backward (budget allowing).
 TEST(LlamaTraining, AReuseDistanceKeepsRecomputedUnitsForTheirBackward) {
   TrainerConfig c = base_config();

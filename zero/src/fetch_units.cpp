@@ -1,6 +1,8 @@
 #include "fetch_units.hpp"
 
 #include <algorithm>
+#include <functional>
+#include <unordered_map>
 
 namespace coshard::zero::detail {
 
@@ -17,14 +19,25 @@ Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOp
     std::size_t bytes;
     bool leaf;
     bool alone;  // runs more than once a pass: its own unit
+    int region;  // the checkpointed block it lies in (0: none)
   };
+  // A unit never spans two checkpointed blocks, or one and the rest of the model: a recompute
+  // runs the block's modules alone, and must meet each of its units' first and last module.
+  std::unordered_map<const Module*, int> region;
+  int regions = 0;
+  std::function<void(Module&, int)> mark = [&](Module& m, int r) {
+    if (m.type_name() == "Checkpointed") r = ++regions;
+    region[&m] = r;
+    for (const auto& c : m.children()) mark(*c.module, r);
+  };
+  mark(model, 0);
   std::vector<Candidate> candidates;
   model.for_each_module([&](const std::string& path, Module& m) {
     if (m.parameters().empty()) return;
     std::int64_t n = 0;
     for (const auto& p : m.parameters()) n += p->numel();
     candidates.push_back({path.empty() ? m.type_name().data() : path, &m, static_cast<std::size_t>(n) * element_size,
-                          m.children().empty(), m.runs_more_than_once_per_pass()});
+                          m.children().empty(), m.runs_more_than_once_per_pass(), region.at(&m)});
   });
   if (candidates.empty()) return fail(ErrorCode::invalid_argument, "Engine: the model has no parameters");
   std::vector<std::vector<Candidate>> groups;
@@ -32,6 +45,7 @@ Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOp
   for (const auto& c : candidates) {
     const bool small = c.leaf && !c.alone && c.bytes < o.module_granularity_bytes;
     const bool open = !groups.empty() && groups.back().back().leaf && !groups.back().back().alone &&
+                      groups.back().back().region == c.region &&
                       groups.back().back().bytes < o.module_granularity_bytes && group_bytes < o.module_granularity_bytes;
     if (small && open) {
       groups.back().push_back(c);

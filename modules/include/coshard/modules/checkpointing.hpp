@@ -42,7 +42,8 @@ class Checkpointed final : public Module {
   Tensor input_;
 };
 
-// Wraps the blocks of `model` that `policy` picks in Checkpointed. The blocks are the children
+// Wraps the blocks of `model` that `policy` picks in Checkpointed (an engine then never puts
+// modules of a checkpointed block and modules outside it into one fetch unit). The blocks are the children
 // of `model` that are containers (the repeated layers of a GPT or a Llama: "h0", "h1", ...,
 // not the embedding, the final norm or the head), counted in order. Call it before an engine or
 // a ParameterStore is made for the model. Returns how many blocks were wrapped.
