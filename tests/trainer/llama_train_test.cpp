@@ -180,6 +180,12 @@ TEST(LlamaTraining, OffloadWithCheckpointingGivesTheSameLosses) {
     ASSERT_TRUE(run) << run.error().message();
     expect_matches_reference(losses_of(*run), reference, world);
   }
+  // Each unit stepped on the host as its last gradient comes out: a recompute is not a use, so
+  // the tied table waits for its two gradients and every block for its one.
+  c.step_in_backward = true;
+  auto stepped = train(2, c);
+  ASSERT_TRUE(stepped) << stepped.error().message();
+  expect_matches_reference(losses_of(*stepped), reference, 2);
 }
 
 // Two micro-batches a step, each recomputed in its own backward: the whole batch's losses.
