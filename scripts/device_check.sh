@@ -5,7 +5,9 @@
 # default gpt2-124m gpt2-1.5b; $COMPARE_FLAGS passed on, $COMPARE_NAME in the files' names;
 # COMPARE_TRACE=0 skips the traced run). Everything it writes is packed into $OUT/device-check.tar.gz at the
 # end (the device tool brings back few files), with summary.txt beside it.
-#   scripts/device_check.sh [tests|train|bench|compare]...   (default: tests train bench)
+# llama: the 100M Llama preset in bf16 with activation checkpointing off and on (losses, the
+# activation and allocator peaks, tokens/s, the device's peak as nvidia-smi sees it).
+#   scripts/device_check.sh [tests|train|llama|bench|compare]...   (default: tests train llama bench)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/device-out}
@@ -18,7 +20,7 @@ trap pack EXIT
 trap "exit 143" TERM INT
 exec > >(tee "$final/summary.txt") 2>&1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$out/gpu.txt"
-steps=${*:-tests train bench}
+steps=${*:-tests train llama bench}
 for step in $steps; do
   case $step in
     tests)
@@ -55,6 +57,29 @@ for step in $steps; do
         >"$out/train_params_nvme.log" 2>&1
       echo "train bf16 params_nvme rc $?"; tail -2 "$out/train_params_nvme.log"
       rm -rf "$out/swap" ;;
+    llama)
+      for policy in none full; do
+        nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 >"$out/llama_${policy}_smi.txt" &
+        smi=$!
+        timeout 300 build/release/trainer/coshard-train --device cuda --world-size 1 --preset llama-100m --dtype bf16 \
+          --seq 1024 --batch 8 --steps 40 --activation-checkpointing "$policy" --metrics "$out/llama_$policy.jsonl" \
+          >"$out/llama_$policy.log" 2>&1
+        echo "llama checkpointing $policy rc $?"; tail -2 "$out/llama_$policy.log"
+        kill "$smi" 2>/dev/null
+        echo "  device peak (nvidia-smi): $(sort -n "$out/llama_${policy}_smi.txt" | tail -1) MiB"
+      done
+      python3 - "$out/llama_none.jsonl" "$out/llama_full.jsonl" <<'PY'
+import json, statistics, sys
+runs = [[json.loads(l) for l in open(p)] for p in sys.argv[1:]]
+for name, rows in zip(("none", "full"), runs):
+    print(f"  {name}: loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}, peak activation "
+          f"{max(r['peak_activation_bytes'] for r in rows) / 2**20:.0f} MiB, allocator peak "
+          f"{max(r['peak_memory_bytes'] for r in rows) / 2**20:.0f} MiB, tokens/s {statistics.median(r['tokens_per_s'] for r in rows[5:]):.0f}")
+# (CUDA's token-embedding gradient adds with atomics: runs may differ in the last bits anyway)
+diff = max(abs(a["loss"] - b["loss"]) / abs(a["loss"]) for a, b in zip(*runs))
+print(f"  losses with and without checkpointing: largest relative difference {diff:.2e}")
+PY
+      ;;
     bench)
       for which in Gpu Nccl; do  # apart, so that one failing leaves the other's numbers
         timeout 240 build/release/bench/collectives_bench --benchmark_filter="$which" \
