@@ -35,6 +35,13 @@ inline Result<void> check_param(const Parameter& p, DataType dtype, std::string_
 // A parameter's gradient takes part only when bound (an unbound gradient is a frozen parameter).
 inline bool trains(const Parameter& p) noexcept { return static_cast<bool>(p.grad()); }
 
+// Where a kernel that always writes `p`'s gradient puts it: the bound gradient, or for a frozen
+// parameter a zeroed scratch tensor nobody reads.
+inline Result<Tensor> grad_or_scratch(Context& ctx, const Parameter& p, DataType dtype) {
+  if (trains(p)) return p.grad();
+  return ctx.zeros(p.shape(), dtype);
+}
+
 // The gradient given to backward must have the output's shape and dtype.
 inline Result<void> check_grad(const Tensor& grad, Shape expected, DataType dtype, std::string_view who) {
   if (!grad || !(grad.shape() == expected) || grad.dtype() != dtype)

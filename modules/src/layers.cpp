@@ -52,10 +52,11 @@ async::Task<Result<Tensor>> Embedding::backward(Context& ctx, Tensor grad_output
   const std::int64_t B = tokens_.shape()[0], T = tokens_.shape()[1];
   const DataType dt = token_weight().value().dtype();
   COSHARD_CO_TRY(check_grad(grad_output, Shape{B, T, dim_}, dt, "Embedding"));
-  if (trains(token_weight()) && trains(position_weight())) {
+  if (trains(token_weight()) || trains(position_weight())) {
+    COSHARD_CO_TRY_ASSIGN(Tensor dwte, detail::grad_or_scratch(ctx, token_weight(), dt));
+    void* dwpe = trains(position_weight()) ? position_weight().grad().data() : nullptr;  // null: none added
     COSHARD_CO_TRY(ctx.kernels().embedding_backward(ctx.stream(), dt, tokens_.data_as<std::int32_t>(),
-                                                    grad_output.data(), token_weight().grad().data(),
-                                                    position_weight().grad().data(), B, T, dim_));
+                                                    grad_output.data(), dwte.data(), dwpe, B, T, dim_));
   }
   tokens_ = {};
   co_return Tensor{};
@@ -124,12 +125,8 @@ async::Task<Result<Tensor>> LayerNorm::backward(Context& ctx, Tensor grad_output
   const std::int64_t rows = input_.shape().rows();
   Parameter& w = *parameters()[0];
   Parameter& b = *parameters()[1];
-  // A frozen LayerNorm still needs somewhere to put its parameter gradients.
-  Tensor dw = w.grad(), db = b.grad();
-  if (!trains(w) || !trains(b)) {
-    COSHARD_CO_TRY_ASSIGN(dw, ctx.zeros(Shape{dim_}, dt));
-    COSHARD_CO_TRY_ASSIGN(db, ctx.zeros(Shape{dim_}, dt));
-  }
+  COSHARD_CO_TRY_ASSIGN(Tensor dw, detail::grad_or_scratch(ctx, w, dt));
+  COSHARD_CO_TRY_ASSIGN(Tensor db, detail::grad_or_scratch(ctx, b, dt));
   COSHARD_CO_TRY_ASSIGN(Tensor dx, ctx.empty(input_.shape(), dt));
   COSHARD_CO_TRY(ctx.kernels().layernorm_backward(ctx.stream(), dt, grad_output.data(), input_.data(),
                                                   w.value().data(), mean_.data(), rstd_.data(), dx.data(),

@@ -12,7 +12,6 @@ namespace {
 using detail::check_activation;
 using detail::check_grad;
 using detail::check_param;
-using detail::trains;
 
 }  // namespace
 
@@ -41,11 +40,7 @@ async::Task<Result<Tensor>> RmsNorm::backward(Context& ctx, Tensor grad_output) 
   const DataType dt = input_.dtype();
   const std::int64_t rows = input_.shape().rows();
   Parameter& w = *parameters()[0];
-  // A frozen RmsNorm still needs somewhere to put its weight's gradient.
-  Tensor dw = w.grad();
-  if (!trains(w)) {
-    COSHARD_CO_TRY_ASSIGN(dw, ctx.zeros(Shape{dim_}, dt));
-  }
+  COSHARD_CO_TRY_ASSIGN(Tensor dw, detail::grad_or_scratch(ctx, w, dt));
   COSHARD_CO_TRY_ASSIGN(Tensor dx, ctx.empty(input_.shape(), dt));
   COSHARD_CO_TRY(ctx.kernels().rmsnorm_backward(ctx.stream(), dt, grad_output.data(), input_.data(), w.value().data(),
                                                 rstd_.data(), dx.data(), dw.data(), rows, dim_));

@@ -250,6 +250,50 @@ TEST_F(GradCheck, CheckpointedBlock) {
   run_check(m, random_input(Shape{3, 4}, 21));
 }
 
+// A layer with one parameter frozen (its gradient unbound) still adds the gradients of the others,
+// exactly those of the layer with every parameter training.
+TEST_F(GradCheck, APartlyFrozenLayerKeepsTheGradientsOfWhatTrains) {
+  auto grads_of = [&](Module& m, Tensor x, int frozen) -> std::vector<std::vector<double>> {
+    auto store = ParameterStore::create(*ctx_, m, DataType::f64);
+    EXPECT_TRUE(store) << store.error().message();
+    auto pv = random_values(static_cast<std::size_t>(store->numel()), 5, 0.5);
+    std::copy(pv.begin(), pv.end(), store->values().span<double>().begin());
+    if (frozen >= 0) {
+      Parameter& p = *store->entries()[static_cast<std::size_t>(frozen)].parameter;
+      EXPECT_TRUE(p.bind(p.value(), Tensor{}));
+    }
+    auto run = rt_.block_on([&]() -> async::Task<Result<void>> {
+      COSHARD_CO_TRY_ASSIGN(Tensor y, co_await ctx_->forward(m, x));
+      Tensor seed = host_tensor(random_values(static_cast<std::size_t>(y.numel()), 6), y.shape(), DataType::f64);
+      COSHARD_CO_TRY(co_await ctx_->backward(m, seed));
+      co_return co_await drained();
+    }());
+    EXPECT_TRUE(run) << run.error().message();
+    std::vector<std::vector<double>> out;
+    for (const auto& e : store->entries()) {
+      auto g = store->grads().slice(e.offset, Shape{e.parameter->numel()}).span<double>();
+      out.emplace_back(g.begin(), g.end());
+    }
+    return out;
+  };
+  LayerNorm norm(6);
+  Embedding embed(7, 4, 6);
+  const std::pair<Module*, Tensor> cases[] = {{&norm, random_input(Shape{3, 6}, 31)},
+                                              {&embed, tokens({0, 3, 6, 3, 1, 2, 2, 5}, Shape{2, 4})}};
+  for (const auto& [m, x] : cases) {
+    SCOPED_TRACE(std::string(m->type_name()));
+    const auto all = grads_of(*m, x, -1);
+    ASSERT_EQ(all.size(), 2u);
+    for (int frozen : {0, 1}) {
+      const auto some = grads_of(*m, x, frozen);
+      const int trained = 1 - frozen;
+      EXPECT_EQ(some[static_cast<std::size_t>(trained)], all[static_cast<std::size_t>(trained)])
+          << "parameter " << trained << " with parameter " << frozen << " frozen";
+      for (double g : some[static_cast<std::size_t>(frozen)]) EXPECT_EQ(g, 0.0) << "the frozen one gets nothing";
+    }
+  }
+}
+
 TEST_F(GradCheck, ResidualAroundSequential) {
   auto inner = std::make_unique<Sequential>();
   inner->add("ln", std::make_unique<LayerNorm>(4));
