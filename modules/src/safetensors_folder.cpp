@@ -29,10 +29,29 @@ bool is_weight_file_name(const std::string& name) {
          std::sscanf(name.c_str(), "model-%5u-of-%5u.%31s", &a, &b, tail) == 3 && std::string_view(tail) == "safetensors";
 }
 
-Result<json> read_index(const fs::path& path) {
+// What a folder's index says, checked: each weight file and the tensors it maps to that file
+// (one model.safetensors and no names when there is no index). Reads no shard.
+struct FolderLayout {
+  fs::path index;                                       // empty: no index
+  std::map<std::string, std::set<std::string>> files;  // file name -> the tensor names mapped to it
+};
+
+Result<FolderLayout> read_layout(const fs::path& folder) {
+  std::error_code ec;
+  if (!fs::is_directory(folder, ec)) return fail(ErrorCode::invalid_argument, folder.string(), ": not a folder");
+  FolderLayout layout;
+  const fs::path path = folder / kSafetensorsIndexName;
+  if (!fs::exists(path, ec)) {
+    if (!fs::exists(folder / kSafetensorsSingleName, ec))
+      return fail(ErrorCode::invalid_argument, folder.string(), ": holds neither ", kSafetensorsSingleName, " nor ",
+                  kSafetensorsIndexName);
+    layout.files[std::string(kSafetensorsSingleName)];
+    return layout;
+  }
+  layout.index = path;
   COSHARD_TRY_ASSIGN(auto bytes, async::read_regular_file(path, std::size_t{256} << 20, "safetensors index"));
   const std::string_view text(reinterpret_cast<const char*>(bytes.data()), bytes.size());
-  json doc = json::parse(text, nullptr, false);
+  const json doc = json::parse(text, nullptr, false);
   if (doc.is_discarded() || !doc.is_object())
     return fail(ErrorCode::invalid_argument, path.string(), ": not a JSON object");
   if (!doc.contains("weight_map") || !doc["weight_map"].is_object() || doc["weight_map"].empty())
@@ -44,48 +63,48 @@ Result<json> read_index(const fs::path& path) {
     if (f.empty() || f.has_parent_path() || f.filename() != f || f == "." || f == "..")
       return fail(ErrorCode::invalid_argument, path.string(), ": weight_map[\"", name, "\"]=\"", f.string(),
                   "\" (expected a file name in the index's own folder)");
+    layout.files[f.string()].insert(name);
   }
-  return doc;
+  return layout;
 }
 
 }  // namespace
 
+Result<std::vector<fs::path>> SafetensorsFolder::files_of(const fs::path& folder) {
+  COSHARD_TRY_ASSIGN(const FolderLayout layout, read_layout(folder));
+  std::vector<fs::path> out;
+  for (const auto& [name, tensors] : layout.files) out.push_back(folder / name);
+  return out;
+}
+
 Result<SafetensorsFolder> SafetensorsFolder::load(const fs::path& folder) {
-  std::error_code ec;
-  if (!fs::is_directory(folder, ec))
-    return fail(ErrorCode::invalid_argument, folder.string(), ": not a folder");
+  COSHARD_TRY_ASSIGN(const FolderLayout layout, read_layout(folder));
   SafetensorsFolder out;
-  const fs::path index_path = folder / kSafetensorsIndexName;
-  if (!fs::exists(index_path, ec)) {
-    const fs::path single = folder / kSafetensorsSingleName;
-    if (!fs::exists(single, ec))
-      return fail(ErrorCode::invalid_argument, folder.string(), ": holds neither ", kSafetensorsSingleName, " nor ",
-                  kSafetensorsIndexName);
-    COSHARD_TRY_ASSIGN(auto file, SafetensorsFile::load(single));
-    out.files_.push_back(std::make_unique<SafetensorsFile>(std::move(file)));
-    out.paths_.push_back(single);
-  } else {
-    COSHARD_TRY_ASSIGN(json index, read_index(index_path));
-    std::map<std::string, std::set<std::string>> by_file;  // file -> tensor names the index maps to it
-    for (const auto& [name, file] : index["weight_map"].items()) by_file[file.get<std::string>()].insert(name);
-    for (const auto& [file_name, names] : by_file) {
-      const fs::path path = folder / file_name;
-      auto file = SafetensorsFile::load(path);
-      if (!file) return fail(std::move(file).error().with_context(index_path.string() + " names " + file_name));
+  for (const auto& [file_name, names] : layout.files) {
+    const fs::path path = folder / file_name;
+    auto file = SafetensorsFile::load(path);
+    if (!file) {
+      if (layout.index.empty()) return fail(std::move(file).error());
+      return fail(std::move(file).error().with_context(layout.index.string() + " names " + file_name));
+    }
+    if (!layout.index.empty()) {  // the shard holds exactly what the index maps to it
       std::set<std::string> held;
       for (const auto& t : file->tensors()) {
-        if (!names.count(t.name))
-          return fail(ErrorCode::invalid_argument, path.string(), " holds tensor ", t.name, ", which ", index_path.string(),
-                      " maps ", index["weight_map"].contains(t.name) ? "to another file" : "nowhere");
+        if (!names.count(t.name)) {
+          bool elsewhere = false;
+          for (const auto& [other, its] : layout.files) elsewhere = elsewhere || its.count(t.name) > 0;
+          return fail(ErrorCode::invalid_argument, path.string(), " holds tensor ", t.name, ", which ",
+                      layout.index.string(), " maps ", elsewhere ? "to another file" : "nowhere");
+        }
         held.insert(t.name);
       }
       for (const auto& name : names)
         if (!held.count(name))
-          return fail(ErrorCode::invalid_argument, index_path.string(), " maps tensor ", name, " to ", file_name,
+          return fail(ErrorCode::invalid_argument, layout.index.string(), " maps tensor ", name, " to ", file_name,
                       ", which does not hold it");
-      out.files_.push_back(std::make_unique<SafetensorsFile>(std::move(*file)));
-      out.paths_.push_back(path);
     }
+    out.files_.push_back(std::make_unique<SafetensorsFile>(std::move(*file)));
+    out.paths_.push_back(path);
   }
   for (const auto& f : out.files_)
     for (const auto& t : f->tensors()) out.entries_.push_back({f.get(), &t});

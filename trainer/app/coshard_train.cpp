@@ -422,10 +422,11 @@ int main(int argc, char** argv) {
   if (!o.data.empty()) paths.inputs.push_back({"--data", o.data});
   if (!o.config.empty()) paths.inputs.push_back({"--config", o.config});
   if (o.init_is_folder) {
-    auto weights = modules::SafetensorsFolder::load(o.init);  // checked whole now: a bad shard fails before any step
+    // Named and checked now (the index, each file a regular one); the ranks read them once, at the load.
+    auto weights = modules::SafetensorsFolder::files_of(o.init);
     if (!weights) return usage("--init: " + weights.error().message());
     paths.inputs.push_back({"--init", std::filesystem::path(o.init) / zero::kHfConfigName});
-    for (const auto& f : weights->files()) paths.inputs.push_back({"--init", f});
+    for (const auto& f : *weights) paths.inputs.push_back({"--init", f});
   } else if (!o.init.empty()) {
     paths.inputs.push_back({"--init", o.init});
   }

@@ -29,6 +29,9 @@ class SafetensorsFolder {
  public:
   // The folder's weights: the index and its shards when there is an index, else model.safetensors.
   static Result<SafetensorsFolder> load(const std::filesystem::path& folder);
+  // The weight files `load` would read (the shards the index names, or model.safetensors), the
+  // index checked, without reading any of them.
+  static Result<std::vector<std::filesystem::path>> files_of(const std::filesystem::path& folder);
 
   struct Entry {
     const SafetensorsFile* file;
