@@ -52,7 +52,7 @@ std::int64_t apply_activation_checkpointing(Sequential& model, ActivationCheckpo
   const auto children = model.children();
   for (std::size_t i = 0; i < children.size(); ++i) {
     if (children[i].module->children().empty()) continue;  // a leaf: the embedding, a norm, the head
-    if (children[i].module->type_name() == "Checkpointed") {  // applied before: counted, not wrapped twice
+    if (dynamic_cast<const Checkpointed*>(children[i].module.get())) {  // applied before: counted, not wrapped twice
       ++block;
       continue;
     }

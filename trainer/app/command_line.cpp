@@ -283,9 +283,8 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
     c.activation_checkpointing = *policy;
   }
 
-  // The model: a GPT from the shape flags, or a Llama from a preset (or the flags alone) with the
-  // flags given over it. The vocabulary is settled with the data, in main.
-  // The model: a GPT, or a Llama (a preset, a Hugging Face folder, or the flags alone).
+  // The model: a GPT, or a Llama (a preset, a Hugging Face folder, or the flags alone, with the
+  // flags given over a preset). The vocabulary is settled with the data, in main.
   std::error_code ec;
   o.init_is_folder = !o.init.empty() && std::filesystem::is_directory(o.init, ec);
   ModelFlags flags;
@@ -314,9 +313,8 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
     return 2;
   }
   o.model = std::move(*resolved);
-  const ModelChoice& m = o.model;
   // A Llama exports a Hugging Face folder unless the path names a .safetensors file; a GPT a file.
-  o.export_is_folder = m.kind == ModelChoice::Kind::llama && !o.export_path.empty() &&
+  o.export_is_folder = o.model.kind == ModelChoice::Kind::llama && !o.export_path.empty() &&
                        std::filesystem::path(o.export_path).extension() != ".safetensors";
   if (auto ok = c.validate(); !ok) {
     std::fprintf(stderr, "coshard-train: %s\n", ok.error().message().c_str());

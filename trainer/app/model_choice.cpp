@@ -9,12 +9,6 @@ namespace coshard::train_app {
 
 namespace {
 
-std::int64_t checkpointed_blocks(std::int64_t layers, modules::ActivationCheckpointing policy) {
-  std::int64_t n = 0;
-  for (std::int64_t l = 0; l < layers; ++l) n += policy.checkpoints(l) ? 1 : 0;
-  return n;
-}
-
 std::string millions(std::int64_t n) {
   char text[32];
   std::snprintf(text, sizeof text, n >= 1'000'000'000 ? "%.2fB" : "%.1fM",
@@ -57,8 +51,8 @@ Result<std::unique_ptr<modules::Sequential>> ModelChoice::build() const {
 std::size_t ModelChoice::activation_bytes(std::int64_t rows, std::int64_t seq, modules::DataType dtype,
                                           modules::ActivationCheckpointing policy) const {
   if (kind == Kind::gpt)
-    return modules::gpt_activation_bytes(gpt, rows, seq, dtype, checkpointed_blocks(gpt.layers, policy));
-  return modules::llama_activation_bytes(llama, rows, seq, dtype, checkpointed_blocks(llama.layers, policy));
+    return modules::gpt_activation_bytes(gpt, rows, seq, dtype, policy.count(gpt.layers));
+  return modules::llama_activation_bytes(llama, rows, seq, dtype, policy.count(llama.layers));
 }
 
 Result<ModelChoice> resolve_model(const ModelFlags& f) {

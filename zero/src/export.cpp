@@ -47,7 +47,6 @@ Result<GatheredParameter> detail::decode_parameter(std::string_view source, cons
   return GatheredParameter{name, shape, encode_values(values, dtype)};
 }
 
-
 async::Task<Result<void>> Engine::export_safetensors(const fs::path& path) {
   COSHARD_CO_TRY(s_->outside_loop("export_safetensors"));
   COSHARD_CO_TRY_ASSIGN(const SafeDType dt, safe_dtype(s_->o.dtype));

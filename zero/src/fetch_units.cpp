@@ -1,5 +1,7 @@
 #include "fetch_units.hpp"
 
+#include "coshard/modules/checkpointing.hpp"
+
 #include <algorithm>
 #include <functional>
 #include <unordered_map>
@@ -26,7 +28,7 @@ Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOp
   std::unordered_map<const Module*, int> region;
   int regions = 0;
   std::function<void(Module&, int)> mark = [&](Module& m, int r) {
-    if (m.type_name() == "Checkpointed") r = ++regions;
+    if (dynamic_cast<const Checkpointed*>(&m)) r = ++regions;
     region[&m] = r;
     for (const auto& c : m.children()) mark(*c.module, r);
   };

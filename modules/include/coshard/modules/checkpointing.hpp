@@ -22,6 +22,8 @@ struct ActivationCheckpointing {
   int every = 0;
   bool enabled() const noexcept { return every > 0; }
   bool checkpoints(std::int64_t block) const noexcept { return every > 0 && (block + 1) % every == 0; }
+  // How many of `blocks` blocks it checkpoints.
+  std::int64_t count(std::int64_t blocks) const noexcept { return every > 0 ? blocks / every : 0; }
   // "none", "full", or a number N >= 1 ("1" is full).
   static Result<ActivationCheckpointing> parse(std::string_view text);
   std::string to_string() const;  // "none", "full", "every 2nd block"
