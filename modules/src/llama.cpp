@@ -69,7 +69,7 @@ Result<void> LlamaConfig::validate() const {
                 " heads=", heads, " head_dim=", head_dim,
                 ": expected dim <= 2^20, intermediate <= 2^24, layers, heads and head_dim <= 2^16");
   {
-    const double D = static_cast<double>(dim), hd = static_cast<double>(head_dim > 0 ? head_dim : dim / heads);
+    const double D = static_cast<double>(dim), hd = static_cast<double>(resolved_head_dim());
     const double block = 2 * D + D * static_cast<double>(heads + 2 * kv_heads) * hd + static_cast<double>(heads) * hd * D +
                          3 * D * static_cast<double>(intermediate);
     const double total = 2 * static_cast<double>(vocab) * D + static_cast<double>(layers) * block + D;
