@@ -580,9 +580,9 @@ class CpuKernels final : public Kernels {
     });
   }
 
-  Result<void> attention_backward(Stream& s, DataType dt, const void* dout, const void* qkv, const void* probs,
-                                  void* dqkv, void* scratch, std::int64_t B, std::int64_t T_, std::int64_t H,
-                                  std::int64_t KVH, std::int64_t hd) const override {
+  Result<void> attention_backward(Stream& s, DataType dt, const void* dout, const void* qkv, const void* /*out*/,
+                                  const void* probs, void* dqkv, void* scratch, std::int64_t B, std::int64_t T_,
+                                  std::int64_t H, std::int64_t KVH, std::int64_t hd) const override {
     return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
       const std::int64_t C = H * hd, W = (H + 2 * KVH) * hd;
       attention_bwd<T>(io.in(dout, B * T_ * C), io.in(qkv, B * T_ * W), io.in(probs, B * H * T_ * T_),
@@ -791,6 +791,11 @@ class CpuKernels final : public Kernels {
 const Kernels& cpu_kernels() noexcept {
   static const CpuKernels kernels;
   return kernels;
+}
+
+AttentionBuffers Kernels::attention_buffers(DataType dt, std::int64_t B, std::int64_t T, std::int64_t H,
+                                            std::int64_t /*KVH*/, std::int64_t /*hd*/) const {
+  return {.saved = Shape{B, H, T, T}, .saved_dtype = dt, .scratch = Shape{B, H, T, T}, .scratch_dtype = dt};
 }
 
 Result<void> check_supported(const Kernels& k, DataType dt, async::Device device, std::string_view what) {

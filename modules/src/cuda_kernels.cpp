@@ -1,6 +1,7 @@
 // CUDA kernels: matrix products through cuBLAS (cublasGemmStridedBatchedEx, f32 compute for
-// every storage type), the rest through the launchers in cuda/kernels.cu. Attention is cuBLAS
-// products per batch row (heads batched) around the causal softmax kernels.
+// every storage type), the rest through the launchers in cuda/kernels.cu. Attention is the fused kernels of
+// cuda/flash_attention.cu where they serve the dtype and head size, else cuBLAS products per batch
+// row (heads batched) around the causal softmax kernels (the materialized form).
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -9,6 +10,7 @@
 #include <memory>
 #include <mutex>
 
+#include "cuda/flash_attention.cuh"
 #include "cuda/kernels.cuh"
 #include "kernels.hpp"
 
@@ -215,12 +217,44 @@ class CudaKernels final : public Kernels {
     return check_launch(cuda::bias_grad(s.native_handle(), code(dt), dout, dbias, N, C), "bias_grad", s);
   }
 
+  AttentionBuffers attention_buffers(DataType dt, std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t KVH,
+                                     std::int64_t hd) const override {
+    if (!fused(dt, hd)) return Kernels::attention_buffers(dt, B, T, H, KVH, hd);
+    return {.saved = Shape{B, H, T},
+            .saved_dtype = DataType::f32,
+            .scratch = Shape{B, H, T},
+            .scratch_dtype = DataType::f32,
+            .backward_reads_output = true};
+  }
+
+  Result<void> attention_forward(Stream& s, DataType dt, const void* qkv, void* out, void* saved, std::int64_t B,
+                                 std::int64_t T, std::int64_t H, std::int64_t KVH, std::int64_t hd) const override {
+    COSHARD_TRY(check(dt));
+    COSHARD_TRY(check_attention_size(B, T, H, KVH));
+    if (!fused(dt, hd)) return materialized_attention_forward(s, dt, qkv, out, saved, B, T, H, KVH, hd);
+    return check_launch(cuda::flash_attention_forward(s.native_handle(), code(dt), qkv, out,
+                                                      static_cast<float*>(saved), B, T, H, KVH, hd),
+                        "flash_attention_forward", s);
+  }
+
+  Result<void> attention_backward(Stream& s, DataType dt, const void* dout, const void* qkv, const void* out,
+                                  const void* saved, void* dqkv, void* scratch, std::int64_t B, std::int64_t T,
+                                  std::int64_t H, std::int64_t KVH, std::int64_t hd) const override {
+    COSHARD_TRY(check(dt));
+    COSHARD_TRY(check_attention_size(B, T, H, KVH));
+    if (!fused(dt, hd)) return materialized_attention_backward(s, dt, dout, qkv, saved, dqkv, scratch, B, T, H, KVH, hd);
+    return check_launch(cuda::flash_attention_backward(s.native_handle(), code(dt), dout, qkv, out,
+                                                       static_cast<const float*>(saved), dqkv,
+                                                       static_cast<float*>(scratch), B, T, H, KVH, hd),
+                        "flash_attention_backward", s);
+  }
+
   // Grouped-query attention as batched products: for each position r within a group of
   // H / KVH query heads, one product per batch over the KVH groups (query head g * group + r
   // with key/value head g). At KVH = H: one product over the heads, as before.
-  Result<void> attention_forward(Stream& s, DataType dt, const void* qkv, void* out, void* probs, std::int64_t B,
-                                 std::int64_t T, std::int64_t H, std::int64_t KVH, std::int64_t hd) const override {
-    COSHARD_TRY(check(dt));
+  Result<void> materialized_attention_forward(Stream& s, DataType dt, const void* qkv, void* out, void* probs,
+                                              std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t KVH,
+                                              std::int64_t hd) const {
     const std::int64_t C = H * hd, W = (H + 2 * KVH) * hd, group = H / KVH;
     const ElementOffset at{size_of(dt)};
     const ElementOffset& at_mut = at;
@@ -249,10 +283,10 @@ class CudaKernels final : public Kernels {
 
   // dK and dV of a key/value head sum over its group's query heads in order: r = 0 writes, the
   // others add (beta 1).
-  Result<void> attention_backward(Stream& s, DataType dt, const void* dout, const void* qkv, const void* probs,
-                                  void* dqkv, void* scratch, std::int64_t B, std::int64_t T, std::int64_t H,
-                                  std::int64_t KVH, std::int64_t hd) const override {
-    COSHARD_TRY(check(dt));
+  Result<void> materialized_attention_backward(Stream& s, DataType dt, const void* dout, const void* qkv,
+                                               const void* probs, void* dqkv, void* scratch, std::int64_t B,
+                                               std::int64_t T, std::int64_t H, std::int64_t KVH,
+                                               std::int64_t hd) const {
     const std::int64_t C = H * hd, W = (H + 2 * KVH) * hd, group = H / KVH;
     const ElementOffset at{size_of(dt)};
     const ElementOffset& at_mut = at;
@@ -355,8 +389,22 @@ class CudaKernels final : public Kernels {
     return check_launch(cuda::step_end(s.native_handle(), state, args), "step_end", s);
   }
 
+  explicit CudaKernels(bool fused_attention) : fused_attention_(fused_attention) {}
+
  private:
   static int code(DataType dt) noexcept { return static_cast<int>(dt); }
+  bool fused(DataType dt, std::int64_t hd) const noexcept {
+    return fused_attention_ && cuda::flash_attention_supported(code(dt), hd);
+  }
+  // The fused kernels index rows and grid dimensions in 32 bits.
+  static Result<void> check_attention_size(std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t KVH) {
+    constexpr std::int64_t kGrid = 65535;
+    if (T > (std::int64_t{1} << 30) || H > kGrid || KVH > kGrid || B > kGrid)
+      return fail(ErrorCode::invalid_argument, "attention: B=", B, " T=", T, " H=", H, " KVH=", KVH,
+                  ": the CUDA kernels take T up to 2^30 and B, H, KVH up to ", kGrid);
+    return {};
+  }
+  bool fused_attention_;
   Result<void> check(DataType dt) const {
     if (!supports(dt))
       return fail(ErrorCode::unsupported, "dtype ", async::to_string(dt),
@@ -371,7 +419,12 @@ static_assert(static_cast<int>(DataType::f32) == 0 && static_cast<int>(DataType:
 }  // namespace
 
 const Kernels* cuda_kernels() noexcept {
-  static const CudaKernels kernels;
+  static const CudaKernels kernels(true);
+  return &kernels;
+}
+
+const Kernels* cuda_kernels_materialized_attention() noexcept {
+  static const CudaKernels kernels(false);
   return &kernels;
 }
 

@@ -36,6 +36,18 @@ struct GemmArgs {
   std::int64_t stride_a = 0, stride_b = 0, stride_c = 0;  // elements
 };
 
+// What causal attention keeps from its forward for its backward, and the scratch its backward
+// needs, as a backend chooses for a shape: the probabilities [B, H, T, T] in the activation dtype
+// and a scratch of that size (the materialized form), or one f32 log-sum-exp per query row
+// [B, H, T] and a scratch of that size, the backward recomputing from the output (the fused form).
+struct AttentionBuffers {
+  Shape saved;
+  DataType saved_dtype = DataType::f32;
+  Shape scratch;
+  DataType scratch_dtype = DataType::f32;
+  bool backward_reads_output = false;
+};
+
 class Kernels {
  public:
   virtual ~Kernels() = default;
@@ -100,14 +112,18 @@ class Kernels {
 
   // Causal attention over qkv [B, T, (H + 2 KVH) * hd]: H query heads, then KVH key heads, then
   // KVH value heads, hd columns each; query head h attends with key/value head h / (H / KVH)
-  // (grouped-query attention; KVH = H is multi-head). out [B, T, H * hd], probs [B, H, T, T]
-  // kept for backward. Backward needs `scratch` of B*H*T*T elements; it overwrites dqkv.
-  virtual Result<void> attention_forward(async::Stream& s, DataType dt, const void* qkv, void* out, void* probs,
+  // (grouped-query attention; KVH = H is multi-head). out [B, T, H * hd]; `saved` and `scratch`
+  // as attention_buffers says for the shape (the default: the materialized form). Backward
+  // overwrites dqkv; `out` is forward's output (read where backward_reads_output).
+  virtual AttentionBuffers attention_buffers(DataType dt, std::int64_t B, std::int64_t T, std::int64_t H,
+                                             std::int64_t KVH, std::int64_t hd) const;
+  virtual Result<void> attention_forward(async::Stream& s, DataType dt, const void* qkv, void* out, void* saved,
                                          std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t KVH,
                                          std::int64_t hd) const = 0;
   virtual Result<void> attention_backward(async::Stream& s, DataType dt, const void* dout, const void* qkv,
-                                          const void* probs, void* dqkv, void* scratch, std::int64_t B,
-                                          std::int64_t T, std::int64_t H, std::int64_t KVH, std::int64_t hd) const = 0;
+                                          const void* out, const void* saved, void* dqkv, void* scratch,
+                                          std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t KVH,
+                                          std::int64_t hd) const = 0;
 
   // loss (stat dtype, one element) = mean over rows of -log softmax(logits)[target], summed in
   // a fixed order; `scratch` holds N stat-dtype elements. Targets outside [0, V) fail a CPU
@@ -149,6 +165,9 @@ class Kernels {
 const Kernels& cpu_kernels() noexcept;
 // Null when this build has no CUDA backend.
 const Kernels* cuda_kernels() noexcept;
+// The CUDA backend with attention always in the materialized form (the fused kernels' reference
+// in tests); null without CUDA.
+const Kernels* cuda_kernels_materialized_attention() noexcept;
 
 // "f32 is not served by the cuda kernels" style check used by every layer.
 Result<void> check_supported(const Kernels& k, DataType dt, async::Device device, std::string_view what);

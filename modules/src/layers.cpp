@@ -182,12 +182,15 @@ async::Task<Result<Tensor>> CausalSelfAttention::forward(Context& ctx, Tensor qk
                    width, "]");
   const DataType dt = qkv.dtype();
   const std::int64_t B = qkv.shape()[0], T = qkv.shape()[1];
+  const detail::AttentionBuffers buffers = ctx.kernels().attention_buffers(dt, B, T, H, KVH, hd);
   COSHARD_CO_TRY_ASSIGN(Tensor out, ctx.empty(Shape{B, T, H * hd}, dt));
-  COSHARD_CO_TRY_ASSIGN(Tensor probs, ctx.empty(Shape{B, H, T, T}, dt));
-  COSHARD_CO_TRY(ctx.kernels().attention_forward(ctx.stream(), dt, qkv.data(), out.data(), probs.data(), B, T, H, KVH,
+  COSHARD_CO_TRY_ASSIGN(Tensor saved, ctx.empty(buffers.saved, buffers.saved_dtype));
+  COSHARD_CO_TRY(ctx.kernels().attention_forward(ctx.stream(), dt, qkv.data(), out.data(), saved.data(), B, T, H, KVH,
                                                  hd));
   qkv_ = std::move(qkv);
-  probs_ = std::move(probs);
+  saved_ = std::move(saved);
+  // The fused form recomputes from the output (which the projection after it keeps anyway).
+  if (buffers.backward_reads_output) out_ = out;
   co_return out;
 }
 
@@ -197,10 +200,14 @@ async::Task<Result<Tensor>> CausalSelfAttention::backward(Context& ctx, Tensor g
   const DataType dt = qkv_.dtype();
   const std::int64_t B = qkv_.shape()[0], T = qkv_.shape()[1];
   COSHARD_CO_TRY(check_grad(grad_output, Shape{B, T, H * hd}, dt, "CausalSelfAttention"));
+  const detail::AttentionBuffers buffers = ctx.kernels().attention_buffers(dt, B, T, H, KVH, hd);
+  if (buffers.backward_reads_output && !out_)
+    co_return fail(ErrorCode::invalid_argument, "CausalSelfAttention: backward without the forward's output");
   COSHARD_CO_TRY_ASSIGN(Tensor dqkv, ctx.empty(qkv_.shape(), dt));
-  COSHARD_CO_TRY_ASSIGN(Tensor scratch, ctx.empty(probs_.shape(), dt));
-  COSHARD_CO_TRY(ctx.kernels().attention_backward(ctx.stream(), dt, grad_output.data(), qkv_.data(), probs_.data(),
-                                                  dqkv.data(), scratch.data(), B, T, H, KVH, hd));
+  COSHARD_CO_TRY_ASSIGN(Tensor scratch, ctx.empty(buffers.scratch, buffers.scratch_dtype));
+  COSHARD_CO_TRY(ctx.kernels().attention_backward(ctx.stream(), dt, grad_output.data(), qkv_.data(),
+                                                  out_ ? out_.data() : nullptr, saved_.data(), dqkv.data(),
+                                                  scratch.data(), B, T, H, KVH, hd));
   clear_saved();
   co_return dqkv;
 }

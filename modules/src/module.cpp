@@ -113,12 +113,13 @@ Result<void> Parameter::bind(Tensor value, Tensor grad) {
   return {};
 }
 
-Result<Context> Context::create(async::Stream& stream, async::CachingAllocator& allocator) {
+Result<Context> Context::create(async::Stream& stream, async::CachingAllocator& allocator, ContextOptions options) {
   if (!(allocator.device() == stream.device()))
     return fail(ErrorCode::invalid_argument, "Context: allocator serves ", allocator.device().to_string(),
                 ", stream ", stream.name(), " runs on ", stream.device().to_string());
   if (stream.device().is_cpu()) return Context(stream, allocator, detail::cpu_kernels());
-  const detail::Kernels* k = detail::cuda_kernels();
+  const detail::Kernels* k = options.attention == AttentionKernels::fused ? detail::cuda_kernels()
+                                                                          : detail::cuda_kernels_materialized_attention();
   if (!k)
     return fail(ErrorCode::unsupported, "Context: stream ", stream.name(), " is on ", stream.device().to_string(),
                 " but this build has no CUDA kernels (configure with COSHARD_CUDA=ON)");

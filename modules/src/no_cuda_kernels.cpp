@@ -3,4 +3,5 @@
 
 namespace coshard::modules::detail {
 const Kernels* cuda_kernels() noexcept { return nullptr; }
+const Kernels* cuda_kernels_materialized_attention() noexcept { return nullptr; }
 }  // namespace coshard::modules::detail

@@ -141,6 +141,13 @@ std::vector<LayerCase> cases() {
       {"GroupedQueryAttention",
        [](Context&, DataType) { return std::make_unique<CausalSelfAttention>(AttentionHeads{4, 2, 16}); },
        Shape{2, 9, (4 + 2 * 2) * 16}},
+      // head sizes the fused kernels serve (bf16/f16 run fused, f32 materialized), past one tile
+      {"FusedSizeAttention",
+       [](Context&, DataType) { return std::make_unique<CausalSelfAttention>(AttentionHeads{4, 2, 64}); },
+       Shape{2, 70, (4 + 2 * 2) * 64}},
+      {"FusedSizeAttentionHd128",
+       [](Context&, DataType) { return std::make_unique<CausalSelfAttention>(AttentionHeads{2, 1, 128}); },
+       Shape{1, 90, (2 + 2 * 1) * 128}},
       {"Embedding", [](Context&, DataType) { return std::make_unique<Embedding>(20, 8, 16); }, Shape{3, 8}, true, 20},
       {"TokenEmbedding", [](Context&, DataType) { return std::make_unique<TokenEmbedding>(20, 16); }, Shape{3, 8}, true, 20},
       // the whole Llama: tied embeddings (the table's two uses), every Llama layer, a checkpointed block
@@ -210,9 +217,10 @@ async::Task<Result<std::pair<double, double>>> train_tiny_gpt(Context& ctx, Data
   GptConfig config;
   config.vocab = 64;
   config.max_seq = 16;
-  COSHARD_CO_TRY_ASSIGN(auto model, llama ? make_llama({.vocab = 64, .max_seq = 16, .dim = 64, .layers = 2, .heads = 4,
-                                                        .kv_heads = 2, .intermediate = 128, .tie_embeddings = true})
+  COSHARD_CO_TRY_ASSIGN(auto model, llama ? make_llama({.vocab = 64, .max_seq = 16, .dim = 128, .layers = 2, .heads = 2,
+                                                        .kv_heads = 1, .intermediate = 128, .tie_embeddings = true})
                                           : make_gpt(config));
+  // The Llama's head size is 64: bf16/f16 train through the fused attention.
   if (llama) apply_activation_checkpointing(*model, ActivationCheckpointing{2});
   COSHARD_CO_TRY_ASSIGN(auto store, ParameterStore::create(ctx, *model, dt));
   COSHARD_CO_TRY(co_await store.initialize(ctx, 1));

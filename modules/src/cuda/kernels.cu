@@ -9,6 +9,7 @@
 
 #include <cmath>
 
+#include "element.cuh"
 #include "kernels.cuh"
 
 namespace coshard::modules::cuda {
@@ -16,13 +17,6 @@ namespace {
 
 constexpr int kF32 = 0, kF16 = 2, kBF16 = 3;
 constexpr int kThreads = 256;
-
-__device__ __forceinline__ float load(const float* p, std::int64_t i) { return p[i]; }
-__device__ __forceinline__ float load(const __half* p, std::int64_t i) { return __half2float(p[i]); }
-__device__ __forceinline__ float load(const __nv_bfloat16* p, std::int64_t i) { return __bfloat162float(p[i]); }
-__device__ __forceinline__ void store(float* p, std::int64_t i, float v) { p[i] = v; }
-__device__ __forceinline__ void store(__half* p, std::int64_t i, float v) { p[i] = __float2half_rn(v); }
-__device__ __forceinline__ void store(__nv_bfloat16* p, std::int64_t i, float v) { p[i] = __float2bfloat16_rn(v); }
 
 __device__ __forceinline__ float load_any(int dt, const void* p, std::int64_t i) {
   switch (dt) {

@@ -97,14 +97,15 @@ class CausalSelfAttention final : public Module {
   async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
   void clear_saved() override {
     qkv_ = {};
-    probs_ = {};
+    saved_ = {};
+    out_ = {};
   }
 
  private:
   Result<void> check() const;
   std::int64_t dim_;  // multi-head form; 0 for AttentionHeads
   AttentionHeads heads_;
-  Tensor qkv_, probs_;
+  Tensor qkv_, saved_, out_;  // saved_: the probabilities, or the fused kernels' row statistics
 };
 
 // A loss: a module without parameters whose targets are set before its forward. Forward takes

@@ -92,13 +92,23 @@ namespace detail {
 class Kernels;
 }
 
+// How causal attention runs on CUDA: fused (flash-style kernels that keep one statistic per query
+// row, for bf16/f16 and head sizes 32, 64, 96, 128; other cases fall back), or materialized (the
+// T x T probabilities in device memory, as the CPU always does). The CPU ignores it.
+enum class AttentionKernels { fused, materialized };
+
+struct ContextOptions {
+  AttentionKernels attention = AttentionKernels::fused;
+};
+
 // Where modules run: a stream, the allocator activations come from, and the kernels for the
 // stream's device. Cheap to pass by reference; not thread-safe (one per compute stream).
 class Context {
  public:
   // Fails when the stream's device has no kernels in this build (CUDA without COSHARD_CUDA), or
   // the allocator serves another device.
-  static Result<Context> create(async::Stream& stream, async::CachingAllocator& allocator);
+  static Result<Context> create(async::Stream& stream, async::CachingAllocator& allocator,
+                                ContextOptions options = {});
 
   async::Stream& stream() const noexcept { return *stream_; }
   async::CachingAllocator& allocator() const noexcept { return *allocator_; }

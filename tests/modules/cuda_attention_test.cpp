@@ -1,0 +1,127 @@
+// The fused (flash-style) CUDA attention against the materialized CUDA attention, through the
+// public layer and Context options: output and qkv gradient within the dtype's tolerance, for
+// multi-head and grouped-query heads, every served head size, and sequences that end inside a
+// tile; the fused backward is deterministic; and the fused form never holds a T x T matrix (the
+// layer's activation peak). Skips without a GPU (these machines compile the kernels, CI included).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <ostream>
+#include <sstream>
+#include <tuple>
+
+#include "coshard/async/runtime.hpp"
+#include "coshard/modules/layers.hpp"
+#include "module_fixture.hpp"
+
+namespace coshard::modules {
+namespace {
+
+using testing::random_values;
+
+struct AttentionShape {
+  std::int64_t B, T, H, KVH, hd;
+  friend std::ostream& operator<<(std::ostream& os, const AttentionShape& s) {
+    return os << "B" << s.B << "_T" << s.T << "_H" << s.H << "_KVH" << s.KVH << "_hd" << s.hd;
+  }
+};
+
+struct AttentionRun {
+  std::vector<double> out, dqkv;
+  std::size_t peak_bytes = 0;
+};
+
+double normwise_error(const std::vector<double>& got, const std::vector<double>& want) {
+  if (got.size() != want.size()) return INFINITY;
+  double diff = 0, ref = 0;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    diff += (got[i] - want[i]) * (got[i] - want[i]);
+    ref += want[i] * want[i];
+  }
+  return std::sqrt(diff) / std::max(std::sqrt(ref), 1e-30);
+}
+
+// One forward and backward of a CausalSelfAttention on cuda:0 with the given attention kernels,
+// from inputs fixed by the shape (the same for every call).
+Result<AttentionRun> run_attention(async::Runtime& rt, AttentionKernels kernels, DataType dt, const AttentionShape& s) {
+  COSHARD_TRY_ASSIGN(auto stream, async::Stream::create(async::Device::cuda(0), {.name = "attention"}));
+  COSHARD_TRY_ASSIGN(auto allocator, async::CachingAllocator::create(async::Device::cuda(0)));
+  COSHARD_TRY_ASSIGN(Context ctx, Context::create(stream, *allocator, ContextOptions{.attention = kernels}));
+  CausalSelfAttention layer(AttentionHeads{s.H, s.KVH, s.hd});
+  const Shape qkv_shape{s.B, s.T, (s.H + 2 * s.KVH) * s.hd};
+  const auto x = random_values(static_cast<std::size_t>(qkv_shape.numel()), 11, 1.0);
+  const auto seed_values = random_values(static_cast<std::size_t>(s.B * s.T * s.H * s.hd), 12, 1.0);
+  auto body = [&]() -> async::Task<Result<AttentionRun>> {
+    const auto x_bytes = encode_values(x, dt);
+    COSHARD_CO_TRY_ASSIGN(Tensor qkv, ctx.upload(x_bytes, qkv_shape, dt));
+    const auto seed_bytes = encode_values(seed_values, dt);
+    COSHARD_CO_TRY_ASSIGN(Tensor seed, ctx.upload(seed_bytes, Shape{s.B, s.T, s.H * s.hd}, dt));
+    ctx.reset_activation_peak();
+    const std::size_t before = ctx.activation_memory().live_bytes;
+    COSHARD_CO_TRY_ASSIGN(Tensor out, co_await ctx.forward(layer, qkv));
+    COSHARD_CO_TRY_ASSIGN(Tensor dqkv, co_await ctx.backward(layer, seed));
+    AttentionRun run;
+    run.peak_bytes = ctx.activation_memory().peak_bytes - before;
+    COSHARD_CO_TRY_ASSIGN(run.out, co_await ctx.read(out));
+    COSHARD_CO_TRY_ASSIGN(run.dqkv, co_await ctx.read(dqkv));
+    co_return run;
+  };
+  return rt.block_on(body());
+}
+
+class FusedAttention : public ::testing::TestWithParam<std::tuple<DataType, AttentionShape>> {
+ protected:
+  void SetUp() override {
+    if (!async::cuda_compiled() || async::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  }
+  async::Runtime rt_;
+};
+
+TEST_P(FusedAttention, MatchesTheMaterializedKernelsAndIsDeterministic) {
+  const auto [dt, shape] = GetParam();
+  auto fused = run_attention(rt_, AttentionKernels::fused, dt, shape);
+  ASSERT_TRUE(fused.has_value()) << fused.error().message();
+  auto reference = run_attention(rt_, AttentionKernels::materialized, dt, shape);
+  ASSERT_TRUE(reference.has_value()) << reference.error().message();
+  const double tol = dt == DataType::bf16 ? 3e-2 : 5e-3;
+  EXPECT_LT(normwise_error(fused->out, reference->out), tol) << "output";
+  EXPECT_LT(normwise_error(fused->dqkv, reference->dqkv), tol) << "qkv gradient";
+  auto again = run_attention(rt_, AttentionKernels::fused, dt, shape);
+  ASSERT_TRUE(again.has_value()) << again.error().message();
+  EXPECT_EQ(again->out, fused->out) << "the fused forward gives the same bits run to run";
+  EXPECT_EQ(again->dqkv, fused->dqkv) << "the fused backward gives the same bits run to run (no atomics)";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, FusedAttention,
+    ::testing::Combine(::testing::Values(DataType::bf16, DataType::f16),
+                       ::testing::Values(AttentionShape{1, 1, 2, 2, 64},     // one row
+                                         AttentionShape{1, 64, 4, 4, 64},    // one whole tile
+                                         AttentionShape{2, 100, 4, 2, 64},   // grouped, ends inside a tile
+                                         AttentionShape{2, 130, 2, 1, 32},   // one key/value head
+                                         AttentionShape{1, 77, 3, 3, 96},    // odd head count
+                                         AttentionShape{1, 200, 8, 2, 128})),  // Llama-3's head size
+    [](const auto& info) {
+      std::ostringstream name;
+      name << async::to_string(std::get<0>(info.param)) << "_" << std::get<1>(info.param);
+      return name.str();
+    });
+
+TEST(FusedAttentionMemory, KeepsNoTimesTMatrix) {
+  if (!async::cuda_compiled() || async::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  async::Runtime rt_;
+  const AttentionShape shape{1, 512, 8, 4, 64};
+  const std::size_t probabilities = static_cast<std::size_t>(shape.B * shape.H * shape.T * shape.T) * 2;
+  auto fused = run_attention(rt_, AttentionKernels::fused, DataType::bf16, shape);
+  ASSERT_TRUE(fused.has_value()) << fused.error().message();
+  auto materialized = run_attention(rt_, AttentionKernels::materialized, DataType::bf16, shape);
+  ASSERT_TRUE(materialized.has_value()) << materialized.error().message();
+  EXPECT_GE(materialized->peak_bytes, probabilities);
+  EXPECT_LT(fused->peak_bytes, probabilities / 2) << "materialized peak " << materialized->peak_bytes;
+  std::printf("attention B1 T512 H8 KVH4 hd64 bf16: activation peak %zu bytes fused, %zu materialized\n",
+              fused->peak_bytes, materialized->peak_bytes);
+}
+
+}  // namespace
+}  // namespace coshard::modules
