@@ -32,13 +32,14 @@ std::int64_t GptConfig::parameter_count() const noexcept {
 }
 
 std::size_t gpt_activation_bytes(const GptConfig& c, std::int64_t rows, std::int64_t seq, DataType dtype,
-                                 std::int64_t checkpointed_blocks) {
+                                 std::int64_t checkpointed_blocks, bool fused_attention) {
   const auto e = static_cast<double>(size_of(dtype));
   const double N = static_cast<double>(rows) * static_cast<double>(seq);  // tokens
   const double D = static_cast<double>(c.dim), V = static_cast<double>(c.vocab);
   const double hidden = static_cast<double>(c.mlp_ratio) * D;
+  // Attention's saved probabilities (or the fused kernels' f32 row statistics), in elements of dtype.
   const double probs = static_cast<double>(rows) * static_cast<double>(c.heads) * static_cast<double>(seq) *
-                       static_cast<double>(seq);
+                       (fused_attention ? 4.0 / e : static_cast<double>(seq));
   const double stats = 2 * N * 4;  // a LayerNorm's mean and rstd, f32 a row
   // A block saves its input, ln's output, qkv's (3D), attention's output and probabilities, the
   // residual's output, ln's output, fc's and gelu's (hidden each); the next block's input is its.

@@ -161,6 +161,12 @@ CausalSelfAttention::CausalSelfAttention(std::int64_t dim, std::int64_t heads)
 
 CausalSelfAttention::CausalSelfAttention(AttentionHeads heads) : dim_(0), heads_(heads) {}
 
+bool attention_is_fused(async::Device device, DataType dtype, std::int64_t head_dim, AttentionKernels kernels) {
+  if (device.is_cpu()) return false;
+  const detail::Kernels* k = kernels == AttentionKernels::fused ? detail::cuda_kernels() : nullptr;
+  return k != nullptr && k->supports(dtype) && k->attention_buffers(dtype, 1, 1, 1, 1, head_dim).backward_reads_output;
+}
+
 Result<void> CausalSelfAttention::check() const {
   if (dim_ > 0 && (heads_.n_heads <= 0 || dim_ % heads_.n_heads != 0))
     return fail(ErrorCode::invalid_argument, "CausalSelfAttention: dim ", dim_, " is not a multiple of heads ",

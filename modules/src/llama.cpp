@@ -112,15 +112,16 @@ Result<LlamaPreset> llama_preset(std::string_view name) {
 }
 
 std::size_t llama_activation_bytes(const LlamaConfig& c, std::int64_t rows, std::int64_t seq, DataType dtype,
-                                   std::int64_t checkpointed_blocks) {
+                                   std::int64_t checkpointed_blocks, bool fused_attention) {
   const auto e = static_cast<double>(size_of(dtype));
   const double N = static_cast<double>(rows) * static_cast<double>(seq);  // tokens
   const double D = static_cast<double>(c.dim), V = static_cast<double>(c.vocab);
   const double I = static_cast<double>(c.intermediate);
   const double hd = static_cast<double>(c.resolved_head_dim());
   const double qkv = static_cast<double>(c.heads + 2 * c.kv_heads) * hd, attn = static_cast<double>(c.heads) * hd;
+  // Attention's saved probabilities (or the fused kernels' f32 row statistics), in elements of dtype.
   const double probs = static_cast<double>(rows) * static_cast<double>(c.heads) * static_cast<double>(seq) *
-                       static_cast<double>(seq);
+                       (fused_attention ? 4.0 / e : static_cast<double>(seq));
   const double stats = N * 4;  // an RMSNorm's rstd, f32 a row
   // A block saves its input, the norm's output, qkv (before and after rotation), attention's
   // output and probabilities, the residual's output, the norm's output, gate | up and SwiGLU's.

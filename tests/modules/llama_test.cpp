@@ -175,6 +175,26 @@ TEST(ActivationEstimates, FallWithCheckpointedBlocks) {
   EXPECT_LT(gpt_activation_bytes(gpt, 8, 1024, DataType::bf16, 12), gpt_activation_bytes(gpt, 8, 1024, DataType::bf16));
 }
 
+// Attention runs fused on CUDA in bf16/f16 for the head sizes the kernels serve (decided by the
+// kernels themselves, no device needed), and the estimates then drop the T x T probabilities.
+TEST(ActivationEstimates, FusedAttentionDropsTheProbabilities) {
+  const bool cuda = async::cuda_compiled();
+  EXPECT_EQ(attention_is_fused(async::Device::cuda(0), DataType::bf16, 64), cuda);
+  EXPECT_EQ(attention_is_fused(async::Device::cuda(0), DataType::f16, 128), cuda);
+  EXPECT_FALSE(attention_is_fused(async::Device::cuda(0), DataType::bf16, 64, AttentionKernels::materialized));
+  EXPECT_FALSE(attention_is_fused(async::Device::cuda(0), DataType::f32, 64));
+  EXPECT_FALSE(attention_is_fused(async::Device::cuda(0), DataType::bf16, 16));
+  EXPECT_FALSE(attention_is_fused(async::Device::cpu(), DataType::bf16, 64));
+  auto preset = llama_preset("Llama-3.2-1B");
+  ASSERT_TRUE(preset);
+  const auto materialized = llama_activation_bytes(preset->config, 1, 2048, DataType::bf16, 0, false);
+  const auto fused = llama_activation_bytes(preset->config, 1, 2048, DataType::bf16, 0, true);
+  // 16 blocks of 32 heads x 2048^2 bf16 probabilities: about 4 GiB.
+  EXPECT_GT(materialized - fused, std::size_t{3} << 30);
+  const GptConfig gpt{.vocab = 50304, .max_seq = 1024, .dim = 1600, .layers = 48, .heads = 25};
+  EXPECT_LT(gpt_activation_bytes(gpt, 4, 1024, DataType::bf16, 0, true), gpt_activation_bytes(gpt, 4, 1024, DataType::bf16));
+}
+
 TEST_F(LlamaMemory, TheMeterCountsTensorsUntilTheyAreDropped) {
   const auto before = ctx_->activation_memory();
   {

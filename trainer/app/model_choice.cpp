@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "coshard/modules/layers.hpp"
 #include "coshard/zero/hf_llama.hpp"
 
 namespace coshard::train_app {
@@ -49,10 +50,13 @@ Result<std::unique_ptr<modules::Sequential>> ModelChoice::build() const {
 }
 
 std::size_t ModelChoice::activation_bytes(std::int64_t rows, std::int64_t seq, modules::DataType dtype,
-                                          modules::ActivationCheckpointing policy) const {
-  if (kind == Kind::gpt)
-    return modules::gpt_activation_bytes(gpt, rows, seq, dtype, policy.count(gpt.layers));
-  return modules::llama_activation_bytes(llama, rows, seq, dtype, policy.count(llama.layers));
+                                          modules::ActivationCheckpointing policy, async::Device device) const {
+  if (kind == Kind::gpt) {
+    const bool fused = modules::attention_is_fused(device, dtype, gpt.dim / gpt.heads);
+    return modules::gpt_activation_bytes(gpt, rows, seq, dtype, policy.count(gpt.layers), fused);
+  }
+  const bool fused = modules::attention_is_fused(device, dtype, llama.resolved_head_dim());
+  return modules::llama_activation_bytes(llama, rows, seq, dtype, policy.count(llama.layers), fused);
 }
 
 Result<ModelChoice> resolve_model(const ModelFlags& f) {

@@ -33,7 +33,9 @@ Result<std::unique_ptr<Sequential>> make_gpt(const GptConfig& config);
 // backward's largest temporaries (the logits' gradient, or attention's). The activations item of
 // a memory estimate (memory_estimate.hpp). With `checkpointed_blocks` of the layers checkpointed
 // (checkpointing.hpp), those keep their input only, and one block's activations come back at a time.
+// With `fused_attention` (attention_is_fused, layers.hpp), attention keeps one f32 a query row
+// instead of its probabilities.
 std::size_t gpt_activation_bytes(const GptConfig& config, std::int64_t rows, std::int64_t seq, DataType dtype,
-                                 std::int64_t checkpointed_blocks = 0);
+                                 std::int64_t checkpointed_blocks = 0, bool fused_attention = false);
 
 }  // namespace coshard::modules

@@ -59,7 +59,8 @@ Result<std::unique_ptr<Sequential>> make_llama(const LlamaConfig& config);
 // beyond the parameters and gradients, as gpt_activation_bytes: the activations each block saves,
 // the logits and backward's largest temporaries. With `checkpointed_blocks` of the layers
 // checkpointed, those keep their input only, and one block's activations come back at a time.
+// With `fused_attention`, attention keeps one f32 a query row instead of its probabilities.
 std::size_t llama_activation_bytes(const LlamaConfig& config, std::int64_t rows, std::int64_t seq, DataType dtype,
-                                   std::int64_t checkpointed_blocks = 0);
+                                   std::int64_t checkpointed_blocks = 0, bool fused_attention = false);
 
 }  // namespace coshard::modules
