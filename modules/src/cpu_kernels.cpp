@@ -793,6 +793,20 @@ const Kernels& cpu_kernels() noexcept {
   return kernels;
 }
 
+Result<void> Kernels::grad_stats_multi(async::Stream& s, std::span<const OptimizerTensor> tensors,
+                                       StepState* state) const {
+  for (const auto& t : tensors) COSHARD_TRY(grad_stats(s, static_cast<DataType>(t.gdt), t.grad, t.n, state));
+  return {};
+}
+
+Result<void> Kernels::adamw_multi(async::Stream& s, std::span<const OptimizerTensor> tensors, const AdamArgs& args,
+                                  const StepState* state) const {
+  for (const auto& t : tensors)
+    COSHARD_TRY(adamw(s, t.master, static_cast<DataType>(t.gdt), t.grad, t.state1, t.state2,
+                      static_cast<DataType>(t.pdt), t.param_out, t.n, args, state));
+  return {};
+}
+
 AttentionBuffers Kernels::attention_buffers(DataType dt, std::int64_t B, std::int64_t T, std::int64_t H,
                                             std::int64_t /*KVH*/, std::int64_t /*hd*/) const {
   return {.saved = Shape{B, H, T, T}, .saved_dtype = dt, .scratch = Shape{B, H, T, T}, .scratch_dtype = dt};

@@ -378,6 +378,22 @@ class CudaKernels final : public Kernels {
         cuda::adamw(s.native_handle(), master, code(gdt), grad, m, v, code(pdt), param_out, n, args, state), "adamw",
         s);
   }
+  Result<void> grad_stats_multi(Stream& s, std::span<const OptimizerTensor> tensors,
+                                StepState* state) const override {
+    for (const auto& t : tensors) COSHARD_TRY(check(static_cast<DataType>(t.gdt)));
+    return check_launch(cuda::grad_stats_multi(s.native_handle(), tensors.data(), static_cast<int>(tensors.size()), state),
+                        "grad_stats_multi", s);
+  }
+  Result<void> adamw_multi(Stream& s, std::span<const OptimizerTensor> tensors, const AdamArgs& args,
+                           const StepState* state) const override {
+    for (const auto& t : tensors) {
+      COSHARD_TRY(check(static_cast<DataType>(t.gdt)));
+      if (t.param_out) COSHARD_TRY(check(static_cast<DataType>(t.pdt)));
+    }
+    return check_launch(
+        cuda::adamw_multi(s.native_handle(), tensors.data(), static_cast<int>(tensors.size()), args, state),
+        "adamw_multi", s);
+  }
   Result<void> sgd(Stream& s, float* master, DataType gdt, const void* grad, float* buf, DataType pdt,
                    void* param_out, std::int64_t n, const SgdArgs& args, const StepState* state) const override {
     COSHARD_TRY(check(gdt));

@@ -29,6 +29,21 @@ struct AdamArgs {
   float max_grad_norm = 0.0f;  // 0: no clipping
 };
 
+// One tensor of a multi-tensor optimizer launch: its fp32 master weights and state, its gradient
+// (dtype code `gdt`, as collectives::DataType), and where the updated weights go cast down (dtype
+// code `pdt`; null: the master weights are the parameters).
+struct OptimizerTensor {
+  float* master = nullptr;
+  const void* grad = nullptr;
+  float* state1 = nullptr;
+  float* state2 = nullptr;
+  void* param_out = nullptr;
+  std::int64_t n = 0;
+  std::int32_t gdt = 0;
+  std::int32_t pdt = 0;
+};
+static_assert(sizeof(OptimizerTensor) == 56);
+
 struct SgdArgs {
   float lr = 1e-2f;
   float momentum = 0.0f;

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 
 #include "coshard/async/result.hpp"
 #include "coshard/async/stream.hpp"
@@ -156,6 +157,13 @@ class Kernels {
   virtual Result<void> adamw(async::Stream& s, float* master, DataType gdt, const void* grad, float* m, float* v,
                              DataType pdt, void* param_out, std::int64_t n, const AdamArgs& args,
                              const StepState* state) const = 0;
+  // Multi-tensor forms of grad_stats and adamw: the same arithmetic per element over a list of
+  // tensors, in as few launches as the backend can (CUDA: one per 32 tensors or 20 Mi elements).
+  // The defaults call the one-tensor forms in order (the CPU's, so its bits do not change).
+  virtual Result<void> grad_stats_multi(async::Stream& s, std::span<const OptimizerTensor> tensors,
+                                        StepState* state) const;
+  virtual Result<void> adamw_multi(async::Stream& s, std::span<const OptimizerTensor> tensors, const AdamArgs& args,
+                                   const StepState* state) const;
   virtual Result<void> sgd(async::Stream& s, float* master, DataType gdt, const void* grad, float* momentum_buf,
                            DataType pdt, void* param_out, std::int64_t n, const SgdArgs& args,
                            const StepState* state) const = 0;

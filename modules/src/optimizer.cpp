@@ -1,6 +1,7 @@
 #include "coshard/modules/optimizer.hpp"
 
 #include <cstring>
+#include <vector>
 
 #include "kernels.hpp"
 
@@ -183,10 +184,14 @@ Result<void> Optimizer::reset_masters(Context& ctx) {
 Tensor Optimizer::loss_scale() const noexcept { return state_ ? state_.slice(2, Shape{1}) : Tensor{}; }
 Tensor Optimizer::grad_stats() const noexcept { return state_ ? state_.slice(0, Shape{2}) : Tensor{}; }
 
+// Every group's gradients in one multi-tensor call (the CPU adds them in group order as before).
 Result<void> Optimizer::compute_grad_stats(Context& ctx) {
   COSHARD_TRY(begin_grad_stats(ctx));
-  for (std::size_t i = 0; i < groups_.size(); ++i) COSHARD_TRY(add_grad_stats(ctx, i));
-  return {};
+  std::vector<detail::OptimizerTensor> tensors;
+  tensors.reserve(groups_.size());
+  for (const Group& g : groups_)
+    tensors.push_back({.grad = g.grads.data(), .n = g.grads.numel(), .gdt = static_cast<std::int32_t>(g.grads.dtype())});
+  return ctx.kernels().grad_stats_multi(ctx.stream(), tensors, state_.data_as<StepState>());
 }
 
 Result<void> Optimizer::begin_grad_stats(Context& ctx) {
@@ -231,7 +236,27 @@ Result<void> Optimizer::apply(Context& ctx, float lr) {
   for (const auto& g : groups_)
     if (!g.params)
       return fail(ErrorCode::invalid_argument, "Optimizer::apply: swapped groups are stepped with apply_group and finish_step");
-  for (std::size_t i = 0; i < groups_.size(); ++i) COSHARD_TRY(apply_one(ctx, i, lr));
+  if (impl_->adam) {
+    // One multi-tensor AdamW over every group (one launch a bucket of groups on CUDA).
+    std::vector<detail::OptimizerTensor> tensors;
+    tensors.reserve(groups_.size());
+    for (const Group& g : groups_) {
+      const bool cast_back = g.params.dtype() != DataType::f32;
+      tensors.push_back({.master = g.master.data_as<float>(),
+                         .grad = g.grads.data(),
+                         .state1 = g.state1.data_as<float>(),
+                         .state2 = g.state2.data_as<float>(),
+                         .param_out = cast_back ? g.params.data() : nullptr,
+                         .n = g.params.numel(),
+                         .gdt = static_cast<std::int32_t>(g.grads.dtype()),
+                         .pdt = static_cast<std::int32_t>(g.params.dtype())});
+    }
+    detail::AdamArgs a = impl_->adam_args;
+    a.lr = lr;
+    COSHARD_TRY(ctx.kernels().adamw_multi(ctx.stream(), tensors, a, state_.data_as<StepState>()));
+  } else {
+    for (std::size_t i = 0; i < groups_.size(); ++i) COSHARD_TRY(apply_one(ctx, i, lr));
+  }
   return finish_step(ctx);
 }
 

@@ -11,7 +11,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "element.cuh"
+#include "common.cuh"
 #include "flash_attention.cuh"
 
 namespace coshard::modules::cuda {
@@ -19,10 +19,9 @@ namespace {
 
 using namespace nvcuda;
 
-constexpr int kF16 = 2, kBF16 = 3;
 constexpr int kTile = 64;  // query rows and key rows per tile
 constexpr int kWarps = kTile / 16;
-constexpr int kThreads = kWarps * 32;
+constexpr int kFlashThreads = kWarps * 32;
 
 template <class E>
 using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, E, wmma::row_major>;
@@ -128,7 +127,7 @@ struct Carve {
 // ---- forward ----
 
 template <class E, int HD>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kFlashThreads)
     flash_forward_kernel(const E* qkv, E* out, float* lse, Heads heads, float scale, bool vec) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int T = heads.T, H = heads.H, KVH = heads.KVH;
@@ -248,7 +247,7 @@ __device__ void probabilities_and_score_grads(float* p, const float* dp, E* ps, 
 // dK and dV of one key/value tile of one (batch, key/value head): sums over the group's query
 // heads in order, and over the query tiles at or after it.
 template <class E, int HD>
-__global__ void __launch_bounds__(kThreads) flash_backward_kv_kernel(const E* dout, const E* qkv, const float* lse,
+__global__ void __launch_bounds__(kFlashThreads) flash_backward_kv_kernel(const E* dout, const E* qkv, const float* lse,
                                                                      const float* delta, E* dqkv, Heads heads,
                                                                      float scale, bool vec) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -317,7 +316,7 @@ __global__ void __launch_bounds__(kThreads) flash_backward_kv_kernel(const E* do
 
 // dQ of one query tile of one (batch, query head): sums over the key tiles at or before it.
 template <class E, int HD>
-__global__ void __launch_bounds__(kThreads) flash_backward_q_kernel(const E* dout, const E* qkv, const float* lse,
+__global__ void __launch_bounds__(kFlashThreads) flash_backward_q_kernel(const E* dout, const E* qkv, const float* lse,
                                                                     const float* delta, E* dqkv, Heads heads,
                                                                     float scale, bool vec) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -399,7 +398,7 @@ cudaError_t launch(Kernel kernel, dim3 grid, std::size_t smem, cudaStream_t stre
       e != cudaSuccess) {
     return e;
   }
-  kernel<<<grid, kThreads, smem, stream>>>(args...);
+  kernel<<<grid, kFlashThreads, smem, stream>>>(args...);
   return cudaGetLastError();
 }
 

@@ -9,66 +9,11 @@
 
 #include <cmath>
 
-#include "element.cuh"
+#include "common.cuh"
 #include "kernels.cuh"
 
 namespace coshard::modules::cuda {
 namespace {
-
-constexpr int kF32 = 0, kF16 = 2, kBF16 = 3;
-constexpr int kThreads = 256;
-
-__device__ __forceinline__ float load_any(int dt, const void* p, std::int64_t i) {
-  switch (dt) {
-    case kF16: return load(static_cast<const __half*>(p), i);
-    case kBF16: return load(static_cast<const __nv_bfloat16*>(p), i);
-    default: return load(static_cast<const float*>(p), i);
-  }
-}
-__device__ __forceinline__ void store_any(int dt, void* p, std::int64_t i, float v) {
-  switch (dt) {
-    case kF16: store(static_cast<__half*>(p), i, v); break;
-    case kBF16: store(static_cast<__nv_bfloat16*>(p), i, v); break;
-    default: store(static_cast<float*>(p), i, v); break;
-  }
-}
-
-unsigned grid_for(std::int64_t n, int threads = kThreads) {
-  const std::int64_t blocks = (n + threads - 1) / threads;
-  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > 65535 ? 65535 : blocks));
-}
-
-cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
-
-// Block-wide sum / max over kThreads threads (result valid in every thread).
-__device__ float block_sum(float v) {
-  __shared__ float shared[32];
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  __syncthreads();
-  if (lane == 0) shared[warp] = v;
-  __syncthreads();
-  float total = 0;
-  const int warps = (blockDim.x + 31) / 32;
-  for (int w = 0; w < warps; ++w) total += shared[w];
-  return total;
-}
-__device__ float block_max(float v) {
-  __shared__ float shared[32];
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  __syncthreads();
-  if (lane == 0) shared[warp] = v;
-  __syncthreads();
-  float m = -INFINITY;
-  const int warps = (blockDim.x + 31) / 32;
-  for (int w = 0; w < warps; ++w) m = fmaxf(m, shared[w]);
-  return m;
-}
-
-#define COSHARD_GRID_STRIDE(i, n) \
-  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < (n); \
-       i += static_cast<std::int64_t>(blockDim.x) * gridDim.x)
 
 // Runs `launch.template operator()<T>()` with T the storage type of dt.
 template <class Launch>
@@ -435,90 +380,6 @@ __global__ void cast_kernel(int from, const void* src, int to, void* dst, std::i
   COSHARD_GRID_STRIDE(i, n) { store_any(to, dst, i, load_any(from, src, i)); }
 }
 
-// ---- optimizer ----
-
-__global__ void step_begin_kernel(detail::StepState* st) {
-  st->grad_sumsq = 0;
-  st->found_inf = 0;
-}
-
-__global__ void grad_stats_kernel(int gdt, const void* grad, std::int64_t n, detail::StepState* st) {
-  float s = 0;
-  COSHARD_GRID_STRIDE(i, n) {
-    const float g = load_any(gdt, grad, i);
-    s += g * g;
-  }
-  s = block_sum(s);
-  if (threadIdx.x == 0) {
-    if (!isfinite(s)) st->found_inf = 1.0f;
-    atomicAdd(&st->grad_sumsq, s);
-  }
-}
-
-__device__ float grad_factor(const detail::StepState& st, float max_grad_norm) {
-  const float inv_scale = 1.0f / st.loss_scale;
-  float factor = inv_scale;
-  if (max_grad_norm > 0) {
-    const float norm = sqrtf(st.grad_sumsq) * inv_scale;
-    if (norm > max_grad_norm) factor *= max_grad_norm / (norm + 1e-6f);
-  }
-  return factor;
-}
-
-__global__ void adamw_kernel(float* master, int gdt, const void* grad, float* m, float* v, int pdt, void* param_out,
-                             std::int64_t n, detail::AdamArgs a, const detail::StepState* st) {
-  if (st->found_inf > 0) return;
-  const float factor = grad_factor(*st, a.max_grad_norm);
-  const float t = static_cast<float>(st->step + 1);
-  const float bc1 = 1.0f - powf(a.beta1, t);
-  const float bc2 = 1.0f - powf(a.beta2, t);
-  const float decay = 1.0f - a.lr * a.weight_decay;
-  COSHARD_GRID_STRIDE(i, n) {
-    const float g = load_any(gdt, grad, i) * factor;
-    const float mi = a.beta1 * m[i] + (1.0f - a.beta1) * g;
-    const float vi = a.beta2 * v[i] + (1.0f - a.beta2) * g * g;
-    m[i] = mi;
-    v[i] = vi;
-    const float w = master[i] * decay - a.lr * (mi / bc1) / (sqrtf(vi / bc2) + a.eps);
-    master[i] = w;
-    if (param_out) store_any(pdt, param_out, i, w);
-  }
-}
-
-__global__ void sgd_kernel(float* master, int gdt, const void* grad, float* buf, int pdt, void* param_out,
-                           std::int64_t n, detail::SgdArgs a, const detail::StepState* st) {
-  if (st->found_inf > 0) return;
-  const float factor = grad_factor(*st, a.max_grad_norm);
-  const bool first = st->step == 0;
-  COSHARD_GRID_STRIDE(i, n) {
-    float g = load_any(gdt, grad, i) * factor + a.weight_decay * master[i];
-    if (a.momentum != 0.0f) {
-      const float b = first ? g : a.momentum * buf[i] + g;
-      buf[i] = b;
-      g = a.nesterov ? g + a.momentum * b : b;
-    }
-    const float w = master[i] - a.lr * g;
-    master[i] = w;
-    if (param_out) store_any(pdt, param_out, i, w);
-  }
-}
-
-__global__ void step_end_kernel(detail::StepState* st, detail::LossScaleArgs a) {
-  st->last_grad_norm = sqrtf(st->grad_sumsq) / st->loss_scale;
-  st->last_skipped = st->found_inf > 0 ? 1 : 0;
-  if (st->found_inf > 0) {
-    ++st->skipped_steps;
-    st->good_steps = 0;
-    if (a.dynamic) st->loss_scale = fmaxf(a.min_scale, st->loss_scale * a.backoff_factor);
-    return;
-  }
-  ++st->step;
-  if (a.dynamic && ++st->good_steps >= a.growth_interval) {
-    st->loss_scale = fminf(a.max_scale, st->loss_scale * a.growth_factor);
-    st->good_steps = 0;
-  }
-}
-
 }  // namespace
 
 int embedding_forward(void* s, int dt, const std::int32_t* tokens, const void* wte, const void* wpe, void* out,
@@ -699,34 +560,6 @@ int mse_backward(void* s, int dt, const void* pred, const void* target, const fl
 
 int cast(void* s, int from, const void* src, int to, void* dst, std::int64_t n) {
   cast_kernel<<<grid_for(n), kThreads, 0, as_stream(s)>>>(from, src, to, dst, n);
-  return static_cast<int>(cudaGetLastError());
-}
-
-int step_begin(void* s, detail::StepState* state) {
-  step_begin_kernel<<<1, 1, 0, as_stream(s)>>>(state);
-  return static_cast<int>(cudaGetLastError());
-}
-
-int grad_stats(void* s, int gdt, const void* grad, std::int64_t n, detail::StepState* state) {
-  grad_stats_kernel<<<grid_for(n), kThreads, 0, as_stream(s)>>>(gdt, grad, n, state);
-  return static_cast<int>(cudaGetLastError());
-}
-
-int adamw(void* s, float* master, int gdt, const void* grad, float* m, float* v, int pdt, void* param_out,
-          std::int64_t n, detail::AdamArgs args, const detail::StepState* state) {
-  adamw_kernel<<<grid_for(n), kThreads, 0, as_stream(s)>>>(master, gdt, grad, m, v, pdt, param_out, n, args, state);
-  return static_cast<int>(cudaGetLastError());
-}
-
-int sgd(void* s, float* master, int gdt, const void* grad, float* momentum_buf, int pdt, void* param_out,
-        std::int64_t n, detail::SgdArgs args, const detail::StepState* state) {
-  sgd_kernel<<<grid_for(n), kThreads, 0, as_stream(s)>>>(master, gdt, grad, momentum_buf, pdt, param_out, n, args,
-                                                          state);
-  return static_cast<int>(cudaGetLastError());
-}
-
-int step_end(void* s, detail::StepState* state, detail::LossScaleArgs args) {
-  step_end_kernel<<<1, 1, 0, as_stream(s)>>>(state, args);
   return static_cast<int>(cudaGetLastError());
 }
 

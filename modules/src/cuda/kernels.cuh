@@ -58,6 +58,10 @@ int step_begin(void* stream, detail::StepState* state);
 int grad_stats(void* stream, int gdt, const void* grad, std::int64_t n, detail::StepState* state);
 int adamw(void* stream, float* master, int gdt, const void* grad, float* m, float* v, int pdt, void* param_out,
           std::int64_t n, detail::AdamArgs args, const detail::StepState* state);
+// Multi-tensor forms: one launch per list of up to 32 tensors and 320 chunks of 64 Ki elements.
+int grad_stats_multi(void* stream, const detail::OptimizerTensor* tensors, int count, detail::StepState* state);
+int adamw_multi(void* stream, const detail::OptimizerTensor* tensors, int count, detail::AdamArgs args,
+                const detail::StepState* state);
 int sgd(void* stream, float* master, int gdt, const void* grad, float* momentum_buf, int pdt, void* param_out,
         std::int64_t n, detail::SgdArgs args, const detail::StepState* state);
 int step_end(void* stream, detail::StepState* state, detail::LossScaleArgs args);
