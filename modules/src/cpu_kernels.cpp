@@ -793,6 +793,11 @@ const Kernels& cpu_kernels() noexcept {
   return kernels;
 }
 
+Result<void> Kernels::gemm_bias(async::Stream& s, DataType dt, const GemmArgs& g, const void* bias) const {
+  COSHARD_TRY(gemm(s, dt, g));
+  return bias_add(s, dt, g.c, bias, g.m, g.n);
+}
+
 Result<void> Kernels::grad_stats_multi(async::Stream& s, std::span<const OptimizerTensor> tensors,
                                        StepState* state) const {
   for (const auto& t : tensors) COSHARD_TRY(grad_stats(s, static_cast<DataType>(t.gdt), t.grad, t.n, state));

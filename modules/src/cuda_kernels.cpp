@@ -1,16 +1,12 @@
-// CUDA kernels: matrix products through cuBLAS (cublasGemmStridedBatchedEx, f32 compute for
-// every storage type), the rest through the launchers in cuda/kernels.cu. Attention is the fused kernels of
+// CUDA kernels: matrix products through cuBLAS and cuBLASLt (cuda_blas.cpp), the rest through the launchers in cuda/kernels.cu. Attention is the fused kernels of
 // cuda/flash_attention.cu where they serve the dtype and head size, else cuBLAS products per batch
 // row (heads batched) around the causal softmax kernels (the materialized form).
-#include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
-#include <map>
-#include <memory>
-#include <mutex>
 
 #include "cuda/flash_attention.cuh"
+#include "cuda_blas.hpp"
 #include "cuda/kernels.cuh"
 #include "kernels.hpp"
 
@@ -24,70 +20,6 @@ Result<void> check_launch(int code, std::string_view what, const Stream& s) {
   if (e == cudaSuccess) return {};
   return fail(ErrorCode::device, what, " on stream '", s.name(), "': ", cudaGetErrorName(e), " (",
               cudaGetErrorString(e), ")");
-}
-
-cudaDataType_t blas_type(DataType dt) {
-  switch (dt) {
-    case DataType::bf16: return CUDA_R_16BF;
-    case DataType::f16: return CUDA_R_16F;
-    default: return CUDA_R_32F;
-  }
-}
-
-// One cuBLAS handle per stream, created on the stream's first GEMM with the stream set once. A
-// handle's workspace serves whatever stream it was last set to, so two streams sharing a handle
-// (ranks that share a GPU, each with its compute stream) would let their GEMMs overwrite each
-// other's workspace while both run (cuBLAS documents a handle's workspace as shared by the
-// streams it is set to). Each entry's mutex
-// keeps one stream's calls from two threads apart. Entries live as long as the process (a
-// stream's address may come back for a new stream of the same device: the handle is set again).
-class BlasHandles {
- public:
-  ~BlasHandles() {
-    for (auto& [key, entry] : handles_) cublasDestroy(entry->handle);
-  }
-  template <class Fn>
-  Result<void> with(int device, void* stream, Fn&& fn) {
-    Entry* entry = nullptr;
-    {
-      std::lock_guard lock(mutex_);
-      auto& slot = handles_[{device, stream}];
-      if (!slot) {
-        int previous = 0;
-        cudaGetDevice(&previous);
-        cudaSetDevice(device);
-        cublasHandle_t h = nullptr;
-        const cublasStatus_t st = cublasCreate(&h);
-        cudaSetDevice(previous);
-        if (st != CUBLAS_STATUS_SUCCESS) {
-          handles_.erase({device, stream});
-          return fail(ErrorCode::device, "cublasCreate on cuda:", device, ": ", cublasGetStatusName(st));
-        }
-        slot = std::make_unique<Entry>();
-        slot->handle = h;
-      }
-      entry = slot.get();
-    }
-    std::lock_guard lock(entry->mutex);
-    if (const cublasStatus_t st = cublasSetStream(entry->handle, static_cast<cudaStream_t>(stream));
-        st != CUBLAS_STATUS_SUCCESS) {
-      return fail(ErrorCode::device, "cublasSetStream on cuda:", device, ": ", cublasGetStatusName(st));
-    }
-    return fn(entry->handle);
-  }
-
- private:
-  struct Entry {
-    cublasHandle_t handle = nullptr;
-    std::mutex mutex;
-  };
-  std::mutex mutex_;
-  std::map<std::pair<int, void*>, std::unique_ptr<Entry>> handles_;
-};
-
-BlasHandles& blas() {
-  static BlasHandles handles;
-  return handles;
 }
 
 // p + elements, for pointers to elements of a runtime size.
@@ -109,19 +41,13 @@ class CudaKernels final : public Kernels {
 
   Result<void> gemm(Stream& s, DataType dt, const GemmArgs& g) const override {
     COSHARD_TRY(check(dt));
-    return blas().with(s.device().index(), s.native_handle(), [&](cublasHandle_t h) -> Result<void> {
-      // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands.
-      const cudaDataType_t t = blas_type(dt);
-      const cublasStatus_t st = cublasGemmStridedBatchedEx(
-          h, g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(g.n),
-          static_cast<int>(g.m), static_cast<int>(g.k), &g.alpha, g.b, t, static_cast<int>(g.ldb), g.stride_b, g.a,
-          t, static_cast<int>(g.lda), g.stride_a, &g.beta, g.c, t, static_cast<int>(g.ldc), g.stride_c,
-          static_cast<int>(g.batch), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-      if (st != CUBLAS_STATUS_SUCCESS)
-        return fail(ErrorCode::device, "cublasGemmStridedBatchedEx(m=", g.m, ", n=", g.n, ", k=", g.k,
-                    ", batch=", g.batch, ") on stream '", s.name(), "': ", cublasGetStatusName(st));
-      return {};
-    });
+    return cuda_gemm(s, dt, g);
+  }
+  // The bias rides cuBLASLt's epilogue where it takes the product; else the product, then bias_add.
+  Result<void> gemm_bias(Stream& s, DataType dt, const GemmArgs& g, const void* bias) const override {
+    COSHARD_TRY(check(dt));
+    COSHARD_TRY_ASSIGN(const bool fused, cuda_gemm_bias(s, dt, g, bias));
+    return fused ? Result<void>{} : Kernels::gemm_bias(s, dt, g, bias);
   }
 
   Result<void> embedding_forward(Stream& s, DataType dt, const std::int32_t* tokens, const void* wte, const void* wpe,

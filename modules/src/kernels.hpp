@@ -55,6 +55,10 @@ class Kernels {
   virtual bool supports(DataType dt) const noexcept = 0;
 
   virtual Result<void> gemm(async::Stream& s, DataType dt, const GemmArgs& g) const = 0;
+  // The product, then bias [n] added to each of C's m rows (batch 1, ldc = n). The default is
+  // gemm then bias_add (the CPU's, so its bits do not change); CUDA fuses the bias into the
+  // product's epilogue where cuBLASLt can.
+  virtual Result<void> gemm_bias(async::Stream& s, DataType dt, const GemmArgs& g, const void* bias) const;
 
   // out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:] (wpe null: no position term, and dwpe null in
   // backward); tokens outside [0, vocab) fail the stream.

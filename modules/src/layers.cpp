@@ -75,9 +75,7 @@ async::Task<Result<Tensor>> Linear::forward(Context& ctx, Tensor input) {
   const DataType dt = input.dtype();
   COSHARD_CO_TRY(check_param(weight(), dt, "Linear"));
   if (bias()) COSHARD_CO_TRY(check_param(*bias(), dt, "Linear"));
-  const std::int64_t rows = input.shape().rows();
-  COSHARD_CO_TRY_ASSIGN(Tensor out, detail::times_weight_transposed(ctx, input, weight(), in_, out_));
-  if (bias()) COSHARD_CO_TRY(ctx.kernels().bias_add(ctx.stream(), dt, out.data(), bias()->value().data(), rows, out_));
+  COSHARD_CO_TRY_ASSIGN(Tensor out, detail::times_weight_transposed(ctx, input, weight(), in_, out_, bias()));
   input_ = std::move(input);
   co_return out;
 }

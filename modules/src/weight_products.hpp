@@ -7,14 +7,15 @@
 
 namespace coshard::modules::detail {
 
-// y [..., out] = x [..., in] W^T.
+// y [..., out] = x [..., in] W^T (+ bias [out] on every row, when given).
 inline Result<Tensor> times_weight_transposed(Context& ctx, const Tensor& x, const Parameter& w, std::int64_t in,
-                                              std::int64_t out) {
+                                              std::int64_t out, const Parameter* bias = nullptr) {
   const std::int64_t rows = x.shape().rows();
   COSHARD_TRY_ASSIGN(Tensor y, ctx.empty(x.shape().with_back(out), x.dtype()));
   GemmArgs g{.trans_b = true, .m = rows, .n = out, .k = in, .a = x.data(), .lda = in, .b = w.value().data(),
              .ldb = in, .c = y.data(), .ldc = out};
-  COSHARD_TRY(ctx.kernels().gemm(ctx.stream(), x.dtype(), g));
+  if (bias) COSHARD_TRY(ctx.kernels().gemm_bias(ctx.stream(), x.dtype(), g, bias->value().data()));
+  else COSHARD_TRY(ctx.kernels().gemm(ctx.stream(), x.dtype(), g));
   return y;
 }
 

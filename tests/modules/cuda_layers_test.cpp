@@ -123,6 +123,8 @@ std::vector<LayerCase> cases() {
   };
   return {
       {"Linear", [](Context&, DataType) { return std::make_unique<Linear>(48, 40); }, Shape{3, 7, 48}},
+      // a bias at an odd element offset: cuBLASLt's epilogue declines it, cuBLAS then bias_add serve
+      {"LinearUnalignedBias", [](Context&, DataType) { return std::make_unique<Linear>(13, 5); }, Shape{3, 13}},
       {"LayerNorm", [](Context&, DataType) { return std::make_unique<LayerNorm>(96); }, Shape{5, 96}},
       // more rows than a column sum's row lanes, and columns that end inside a tile
       {"LinearManyRows", [](Context&, DataType) { return std::make_unique<Linear>(48, 72); }, Shape{4, 50, 48}},
