@@ -14,6 +14,10 @@ PAIRS = {
     "BM_CpuStreamLaunchEventRoundTrip": ["BM_Baseline_ThreadPoolPostFuture", "BM_Baseline_StdAsyncFuture"],
     "BM_SemaphoreAcquireRelease": ["BM_Baseline_StdCountingSemaphore"],
     "BM_GptTrainingStep": ["BM_Baseline_SgemmOnly"],
+    "BM_FusedAttention_Gpt2XL": ["BM_Baseline_MaterializedAttention_Gpt2XL"],
+    "BM_FusedAttention_Llama1B": ["BM_Baseline_MaterializedAttention_Llama1B"],
+    "BM_FusedAttention_Llama8B": ["BM_Baseline_MaterializedAttention_Llama8B"],
+    "BM_MultiTensorAdamW": ["BM_Baseline_PerGroupAdamW"],
 }
 # Absolute targets (ns of host time), from issue #8: reported, never asserted in tests.
 TARGETS_NS = {"BM_SpawnJoin": 1000, "BM_CpuStreamLaunchEventRoundTrip": 1000}

@@ -85,7 +85,12 @@ PY
         timeout 240 build/release/bench/collectives_bench --benchmark_filter="$which" \
           --benchmark_out="$out/bench_$which.json" --benchmark_out_format=json >"$out/bench_$which.log" 2>&1
         echo "$which bench rc $?"; python3 bench/report.py "$out/bench_$which.json"
-      done ;;
+      done
+      # The fused attention and the multi-tensor AdamW against their unfused baselines.
+      timeout 300 build/release/bench/gpu_kernels_bench --benchmark_out="$out/bench_kernels.json" \
+        --benchmark_out_format=json >"$out/bench_kernels.log" 2>&1
+      echo "kernels bench rc $?"; python3 bench/report.py "$out/bench_kernels.json"
+      grep -E "^BM_" "$out/bench_kernels.log" ;;
     compare)
       for preset in ${COMPARE_PRESETS:-gpt2-124m gpt2-1.5b}; do
         name=$preset${COMPARE_NAME:+_$COMPARE_NAME}

@@ -1,0 +1,185 @@
+// The GPU kernels of issue #19 against their unfused baselines, in one process on one GPU:
+//   BM_FusedAttention_<shape> vs BM_Baseline_MaterializedAttention_<shape>: a causal attention
+//     layer's forward and backward in bf16 (the flash-style kernels against cuBLAS around the
+//     T x T softmax), at the attention shapes of GPT-2 1.5B (T 1024, 25 heads of 64), Llama-3.2-1B
+//     (T 2048, 32 query and 8 key/value heads of 64) and Llama-3.1-8B (T 2048, 32/8 heads of 128);
+//     counters: TFLOP/s (causal: 2 B H T^2 hd forward, 2.5 times that backward) and the layer's
+//     activation peak.
+//   BM_MultiTensorAdamW vs BM_Baseline_PerGroupAdamW: one optimizer step (statistics and update)
+//     of 400 groups of 256 Ki bf16 parameters with fp32 masters, multi-tensor against one launch
+//     per group.
+// Without a GPU every benchmark reports "no CUDA device" and skips. Times are wall time around
+// the enqueue and a stream synchronize (manual time).
+#include <benchmark/benchmark.h>
+
+#include <chrono>
+#include <memory>
+#include <vector>
+
+#include "coshard/async/runtime.hpp"
+#include "coshard/modules/layers.hpp"
+#include "coshard/modules/optimizer.hpp"
+
+namespace {
+
+using namespace coshard;
+using namespace coshard::modules;
+using Clock = std::chrono::steady_clock;
+
+bool have_gpu() { return async::cuda_compiled() && async::cuda_device_count() > 0; }
+
+struct Gpu {
+  async::Runtime rt;
+  std::unique_ptr<async::Stream> stream;
+  std::unique_ptr<async::CachingAllocator> allocator;
+  std::unique_ptr<Context> ctx;
+  static std::unique_ptr<Gpu> make(ContextOptions options = {}) {
+    auto g = std::make_unique<Gpu>();
+    auto s = async::Stream::create(async::Device::cuda(0), {.name = "bench"});
+    auto a = async::CachingAllocator::create(async::Device::cuda(0));
+    if (!s || !a) return nullptr;
+    g->stream = std::make_unique<async::Stream>(std::move(*s));
+    g->allocator = std::move(*a);
+    auto c = Context::create(*g->stream, *g->allocator, options);
+    if (!c) return nullptr;
+    g->ctx = std::make_unique<Context>(std::move(*c));
+    return g;
+  }
+};
+
+struct AttentionShape {
+  std::int64_t B, T, H, KVH, hd;
+};
+
+void attention(benchmark::State& state, AttentionKernels kernels, AttentionShape s) {
+  if (!have_gpu()) {
+    state.SkipWithError("no CUDA device");
+    return;
+  }
+  auto gpu = Gpu::make({.attention = kernels});
+  if (!gpu) {
+    state.SkipWithError("cannot make a CUDA context");
+    return;
+  }
+  Context& ctx = *gpu->ctx;
+  CausalSelfAttention layer(AttentionHeads{s.H, s.KVH, s.hd});
+  auto qkv = ctx.empty(Shape{s.B, s.T, (s.H + 2 * s.KVH) * s.hd}, DataType::bf16);
+  auto seed = ctx.empty(Shape{s.B, s.T, s.H * s.hd}, DataType::bf16);
+  if (!qkv || !seed) {
+    state.SkipWithError("out of device memory");
+    return;
+  }
+  // Zeros: the contents only need to be finite.
+  if (!ctx.copy_from_host(*qkv, std::vector<std::byte>(qkv->bytes())) ||
+      !ctx.copy_from_host(*seed, std::vector<std::byte>(seed->bytes()))) {
+    state.SkipWithError("cannot fill the inputs");
+    return;
+  }
+  auto once = [&]() -> async::Task<Result<void>> {
+    COSHARD_CO_TRY_ASSIGN(Tensor out, co_await ctx.forward(layer, *qkv));
+    COSHARD_CO_TRY_ASSIGN(Tensor dqkv, co_await ctx.backward(layer, *seed));
+    co_return Result<void>{};
+  };
+  ctx.reset_activation_peak();
+  for (auto _ : state) {
+    const auto start = Clock::now();
+    auto r = gpu->rt.block_on(once());
+    const bool synced = gpu->stream->synchronize().has_value();
+    state.SetIterationTime(std::chrono::duration<double>(Clock::now() - start).count());
+    if (!r || !synced) {
+      state.SkipWithError(r ? "stream failed" : r.error().message().c_str());
+      return;
+    }
+  }
+  const double forward = 2.0 * static_cast<double>(s.B * s.H * s.T) * static_cast<double>(s.T * s.hd);
+  state.counters["TFLOPs"] =
+      benchmark::Counter(3.5 * forward * static_cast<double>(state.iterations()) / 1e12, benchmark::Counter::kIsRate);
+  state.counters["peak_activation_MiB"] = static_cast<double>(ctx.activation_memory().peak_bytes) / (1 << 20);
+}
+
+void adamw(benchmark::State& state, bool multi_tensor) {
+  if (!have_gpu()) {
+    state.SkipWithError("no CUDA device");
+    return;
+  }
+  auto gpu = Gpu::make();
+  if (!gpu) {
+    state.SkipWithError("cannot make a CUDA context");
+    return;
+  }
+  Context& ctx = *gpu->ctx;
+  constexpr int kGroups = 400;
+  constexpr std::int64_t kElements = 256 * 1024;
+  auto opt = Optimizer::adamw({});
+  if (!opt) {
+    state.SkipWithError(opt.error().message().c_str());
+    return;
+  }
+  std::vector<Tensor> keep;
+  for (int i = 0; i < kGroups; ++i) {
+    auto p = ctx.empty(Shape{kElements}, DataType::bf16);
+    auto g = ctx.empty(Shape{kElements}, DataType::bf16);
+    if (!p || !g || !(*opt)->add_group(ctx, *p, *g)) {
+      state.SkipWithError("cannot allocate the groups");
+      return;
+    }
+    // Zero gradients: the statistics stay finite, so every step runs its update.
+    if (!ctx.copy_from_host(*g, std::vector<std::byte>(kElements * 2))) {
+      state.SkipWithError("cannot zero the gradients");
+      return;
+    }
+    keep.push_back(*p);
+    keep.push_back(*g);
+  }
+  for (auto _ : state) {
+    const auto start = Clock::now();
+    Result<void> r;
+    if (multi_tensor) {
+      r = (*opt)->step(ctx, 1e-4f);
+    } else {
+      r = (*opt)->begin_grad_stats(ctx);
+      for (int i = 0; i < kGroups && r; ++i) r = (*opt)->add_grad_stats(ctx, static_cast<std::size_t>(i));
+      for (int i = 0; i < kGroups && r; ++i) r = (*opt)->apply_one(ctx, static_cast<std::size_t>(i), 1e-4f);
+      if (r) r = (*opt)->finish_step(ctx);
+    }
+    const bool synced = gpu->stream->synchronize().has_value();
+    state.SetIterationTime(std::chrono::duration<double>(Clock::now() - start).count());
+    if (!r || !synced) {
+      state.SkipWithError(r ? "stream failed" : r.error().message().c_str());
+      return;
+    }
+  }
+  state.counters["groups"] = kGroups;
+  state.counters["GB/s"] = benchmark::Counter(  // master, m, v read and written; grad and params in bf16
+      static_cast<double>(kGroups * kElements) * (3 * 8 + 2 + 2) * static_cast<double>(state.iterations()) / 1e9,
+      benchmark::Counter::kIsRate);
+}
+
+const struct {
+  const char* name;
+  AttentionShape shape;
+} kShapes[] = {
+    {"Gpt2XL", {4, 1024, 25, 25, 64}},
+    {"Llama1B", {2, 2048, 32, 8, 64}},
+    {"Llama8B", {1, 2048, 32, 8, 128}},
+};
+
+[[maybe_unused]] const bool registered = [] {
+  for (const auto& s : kShapes) {
+    benchmark::RegisterBenchmark((std::string("BM_FusedAttention_") + s.name).c_str(), attention,
+                                 AttentionKernels::fused, s.shape)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark((std::string("BM_Baseline_MaterializedAttention_") + s.name).c_str(), attention,
+                                 AttentionKernels::materialized, s.shape)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+  }
+  benchmark::RegisterBenchmark("BM_MultiTensorAdamW", adamw, true)->UseManualTime()->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("BM_Baseline_PerGroupAdamW", adamw, false)->UseManualTime()->Unit(benchmark::kMillisecond);
+  return true;
+}();
+
+}  // namespace
+
+BENCHMARK_MAIN();
