@@ -314,16 +314,24 @@ __global__ void causal_softmax_backward_kernel(const T* probs, T* dprobs, std::i
 
 // ---- cross-entropy: one block per row ----
 
-// The row's max, and the sum of exp(x - max), over the block.
+// The row's max, and the sum of exp(x - max), over the block in one pass over the row (an online
+// softmax: each thread rescales its running sum when its maximum grows; the block then rescales
+// each thread's sum to the block's maximum). A vocabulary-wide row is read once here, not twice.
 template <class T>
 __device__ void row_max_and_exp_sum(const T* r, std::int64_t V, float& mx, float& sum) {
-  float m = -INFINITY;
-  for (std::int64_t j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, load(r, j));
-  m = block_max(m);
-  float s = 0;
-  for (std::int64_t j = threadIdx.x; j < V; j += blockDim.x) s += expf(load(r, j) - m);
-  mx = m;
-  sum = block_sum(s);
+  float m = -INFINITY, s = 0;
+  for (std::int64_t j = threadIdx.x; j < V; j += blockDim.x) {
+    const float x = load(r, j);
+    if (x > m) {
+      s = s * expf(m - x) + 1.0f;
+      m = x;
+    } else {
+      s += expf(x - m);
+    }
+  }
+  const float block_m = block_max(m);
+  mx = block_m;
+  sum = block_sum(m == -INFINITY ? 0.0f : s * expf(m - block_m));
 }
 
 template <class T>
