@@ -85,6 +85,12 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   bool tie = false, untie = false;
   auto* tie_option = app.add_flag("--tie-embeddings", tie, "llama: the output layer uses the embedding table");
   auto* untie_option = app.add_flag("--untie-embeddings", untie, "llama: an output layer of its own")->excludes(tie_option);
+  std::string attention;
+  auto* attention_option =
+      app.add_option("--attention", attention,
+                     "attention on CUDA: fused (flash-style kernels for bf16/f16 and head sizes 32/64/96/128, the "
+                     "default) or materialized (the T x T probabilities kept, as on the CPU)")
+          ->check(CLI::IsMember({"fused", "materialized"}));
   std::string checkpointing;
   auto* checkpointing_option = app.add_option(
       "--activation-checkpointing", checkpointing,
@@ -274,6 +280,8 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   c.record_timeline = !o.trace.empty();
   if (tensorboard_option->count()) c.tensorboard_dir = tensorboard;
   if (skip_memory_check) c.check_memory = false;
+  if (attention_option->count())
+    c.attention = attention == "materialized" ? modules::AttentionKernels::materialized : modules::AttentionKernels::fused;
   if (checkpointing_option->count()) {
     auto policy = modules::ActivationCheckpointing::parse(checkpointing);
     if (!policy) {

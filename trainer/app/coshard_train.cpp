@@ -32,6 +32,7 @@
 #include "coshard/collectives/local.hpp"
 #include "coshard/modules/cpu_threads.hpp"
 #include "coshard/modules/gpt.hpp"
+#include "coshard/modules/layers.hpp"
 #include "coshard/modules/safetensors_folder.hpp"
 #include "coshard/trainer/trace.hpp"
 #include "coshard/zero/hf_llama.hpp"
@@ -120,6 +121,12 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
   if (lead && !o.quiet) {
     std::printf("coshard-train: %lld-parameter %s, %s\n", static_cast<long long>(o.model.parameter_count()),
                 o.model.describe().c_str(), data.describe().c_str());
+    if (o.device == "cuda") {
+      const bool fused = modules::attention_is_fused(async::Device::cuda(0), o.train.engine_options().dtype,
+                                                     o.model.head_dim(), o.train.attention);
+      std::printf("  attention: %s\n", fused ? "fused kernels (one statistic a query row kept)"
+                                               : "materialized (the T x T probabilities kept)");
+    }
     if (o.train.activation_checkpointing.enabled())
       std::printf("  activation checkpointing: %s\n", o.train.activation_checkpointing.to_string().c_str());
     const std::string ranks = o.launch.launcher == collectives::Launcher::none

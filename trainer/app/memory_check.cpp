@@ -15,7 +15,7 @@ Result<RunMemory> estimate_run(const trainer::TrainerConfig& c, const RunShape& 
   in.seq = shape.seq;
   in.activation_bytes = shape.model.activation_bytes(rows / c.gradient_accumulation_steps, shape.seq,
                                                      c.engine_options().dtype, c.activation_checkpointing,
-                                                     shape.device);
+                                                     shape.device, c.attention);
   in.checkpoints = shape.checkpoints;
   in.export_model = shape.export_model;
   RunMemory out;

@@ -49,13 +49,15 @@ Result<std::unique_ptr<modules::Sequential>> ModelChoice::build() const {
   return kind == Kind::gpt ? modules::make_gpt(gpt) : modules::make_llama(llama);
 }
 
+std::int64_t ModelChoice::head_dim() const noexcept {
+  return kind == Kind::gpt ? gpt.dim / gpt.heads : llama.resolved_head_dim();
+}
+
 std::size_t ModelChoice::activation_bytes(std::int64_t rows, std::int64_t seq, modules::DataType dtype,
-                                          modules::ActivationCheckpointing policy, async::Device device) const {
-  if (kind == Kind::gpt) {
-    const bool fused = modules::attention_is_fused(device, dtype, gpt.dim / gpt.heads);
-    return modules::gpt_activation_bytes(gpt, rows, seq, dtype, policy.count(gpt.layers), fused);
-  }
-  const bool fused = modules::attention_is_fused(device, dtype, llama.resolved_head_dim());
+                                          modules::ActivationCheckpointing policy, async::Device device,
+                                          modules::AttentionKernels attention) const {
+  const bool fused = modules::attention_is_fused(device, dtype, head_dim(), attention);
+  if (kind == Kind::gpt) return modules::gpt_activation_bytes(gpt, rows, seq, dtype, policy.count(gpt.layers), fused);
   return modules::llama_activation_bytes(llama, rows, seq, dtype, policy.count(llama.layers), fused);
 }
 

@@ -30,10 +30,12 @@ struct ModelChoice {
   // What a resume must match beyond the parameters' shapes (heads, rotary base, ...).
   std::string identity(std::int64_t seq) const;
   Result<std::unique_ptr<modules::Sequential>> build() const;
+  std::int64_t head_dim() const noexcept;
   // One micro-batch's activations on `device` (modules' estimates), with `policy`'s blocks
   // checkpointed and attention fused where it runs fused.
   std::size_t activation_bytes(std::int64_t rows, std::int64_t seq, modules::DataType dtype,
-                               modules::ActivationCheckpointing policy, async::Device device) const;
+                               modules::ActivationCheckpointing policy, async::Device device,
+                               modules::AttentionKernels attention) const;
 };
 
 // The model options of coshard-train as given (an unset optional: not given).

@@ -248,7 +248,8 @@ async::Task<Result<Trainer>> TrainerBuilder::build(modules::Module& model) const
   COSHARD_CO_TRY_ASSIGN(auto stream, async::Stream::create(device, stream_options));
   impl->stream = std::make_unique<async::Stream>(std::move(stream));
   COSHARD_CO_TRY_ASSIGN(impl->allocator, async::CachingAllocator::create(device));
-  COSHARD_CO_TRY_ASSIGN(auto ctx, modules::Context::create(*impl->stream, *impl->allocator));
+  const modules::ContextOptions context_options{.attention = c_.attention};
+  COSHARD_CO_TRY_ASSIGN(auto ctx, modules::Context::create(*impl->stream, *impl->allocator, context_options));
   impl->ctx = std::make_unique<modules::Context>(std::move(ctx));
 
   const modules::StepControlOptions control = c_.step_control();

@@ -68,6 +68,9 @@ struct TrainerConfig {
   // block, or every N-th; applied to the model when the trainer is built. DeepSpeed's
   // activation_checkpointing section turns it on.
   modules::ActivationCheckpointing activation_checkpointing;
+  // How causal attention runs on CUDA (modules/module.hpp): the fused kernels where they serve
+  // the dtype and head size, or always materialized (to compare, or to rule the kernels out).
+  modules::AttentionKernels attention = modules::AttentionKernels::fused;
   // The step.
   int gradient_accumulation_steps = 1;  // micro-batches per step on each rank
   float max_grad_norm = 1.0f;           // 0: no clipping

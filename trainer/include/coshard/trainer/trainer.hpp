@@ -165,6 +165,11 @@ class TrainerBuilder {
     c_.activation_checkpointing = v;
     return *this;
   }
+  // Attention on CUDA: fused kernels (the default) or materialized (the CPU ignores it).
+  TrainerBuilder& attention(modules::AttentionKernels v) {
+    c_.attention = v;
+    return *this;
+  }
   // One field of the run's identity (TrainerConfig::run_identity): compared on resume.
   TrainerBuilder& run_identity(std::string key, std::string value) {
     c_.run_identity[std::move(key)] = std::move(value);
