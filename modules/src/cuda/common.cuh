@@ -16,6 +16,15 @@ __device__ __forceinline__ float load(const __nv_bfloat16* p, std::int64_t i) { 
 __device__ __forceinline__ void store(float* p, std::int64_t i, float v) { p[i] = v; }
 __device__ __forceinline__ void store(__half* p, std::int64_t i, float v) { p[i] = __float2half_rn(v); }
 __device__ __forceinline__ void store(__nv_bfloat16* p, std::int64_t i, float v) { p[i] = __float2bfloat16_rn(v); }
+// v as the storage type E holds it, read back as f32.
+template <class E>
+__device__ __forceinline__ float rounded(float v);
+template <>
+__device__ __forceinline__ float rounded<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float rounded<__half>(float v) { return __half2float(__float2half_rn(v)); }
+template <>
+__device__ __forceinline__ float rounded<__nv_bfloat16>(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 // dtype codes as collectives::DataType; kThreads: the elementwise kernels' block size.
 inline constexpr int kF32 = 0, kF16 = 2, kBF16 = 3;

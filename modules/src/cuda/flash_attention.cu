@@ -176,11 +176,8 @@ __global__ void __launch_bounds__(kFlashThreads)
       const float m_new = fmaxf(m_old, warp_max(fmaxf(s0, s1)));
       float p0 = 0.0f, p1 = 0.0f, alpha = 1.0f;
       if (m_new != -INFINITY) {
-        E rounded[2];
-        store(rounded, 0, __expf(s0 - m_new));
-        store(rounded, 1, __expf(s1 - m_new));
-        p0 = load(rounded, 0);
-        p1 = load(rounded, 1);
+        p0 = rounded<E>(__expf(s0 - m_new));
+        p1 = rounded<E>(__expf(s1 - m_new));
         alpha = __expf(m_old - m_new);
       }
       store(ps, r * kTile + lane, p0);
@@ -244,12 +241,55 @@ __device__ void probabilities_and_score_grads(float* p, const float* dp, E* ps, 
   }
 }
 
+// The shared memory both backward kernels work in (each carves its f32 accumulators after it),
+// and their common steps.
+template <class E, int HD>
+struct BackwardTiles {
+  E *qs, *dos, *ks, *vs, *ps, *dss;
+  float *p, *dp, *lse_rows, *delta_rows;
+  static constexpr std::size_t kBytes =
+      (4 * kTile * HD + 2 * kTile * kTile) * sizeof(E) + (2 * kTile * kTile + 2 * kTile) * sizeof(float);
+
+  __device__ explicit BackwardTiles(Carve& carve)
+      : qs(carve.take<E>(kTile * HD)),
+        dos(carve.take<E>(kTile * HD)),
+        ks(carve.take<E>(kTile * HD)),
+        vs(carve.take<E>(kTile * HD)),
+        ps(carve.take<E>(kTile * kTile)),
+        dss(carve.take<E>(kTile * kTile)),
+        p(carve.take<float>(kTile * kTile)),
+        dp(carve.take<float>(kTile * kTile)),
+        lse_rows(carve.take<float>(kTile)),
+        delta_rows(carve.take<float>(kTile)) {}
+
+  // A query tile of one head: its rows of Q (row stride W) and dO (row stride C) from row q0,
+  // and their log-sum-exps and deltas (rows past T: zeros, masked later).
+  __device__ void load_queries(const E* q, std::int64_t W, const E* dO, std::int64_t C, const float* lse_h,
+                               const float* delta_h, int q0, int rows_q, bool vec) {
+    load_tile<E, HD>(qs, q + q0 * W, W, rows_q, vec);
+    load_tile<E, HD>(dos, dO + q0 * C, C, rows_q, vec);
+    if (threadIdx.x < kTile) {
+      const bool valid = static_cast<int>(threadIdx.x) < rows_q;
+      lse_rows[threadIdx.x] = valid ? lse_h[q0 + threadIdx.x] : 0.0f;
+      delta_rows[threadIdx.x] = valid ? delta_h[q0 + threadIdx.x] : 0.0f;
+    }
+  }
+
+  // With Q, dO, K and V in place: S and dP = dO V^T of the warp's query rows, then their P and dS.
+  __device__ void score_grads(int q0, int k0, int T, float scale, int warp, int lane) {
+    product_abt<E, HD>(qs, ks, p, warp);
+    product_abt<E, HD>(dos, vs, dp, warp);
+    __syncwarp();
+    probabilities_and_score_grads<E>(p, dp, ps, dss, lse_rows, delta_rows, q0, k0, T, scale, warp, lane);
+  }
+};
+
 // dK and dV of one key/value tile of one (batch, key/value head): sums over the group's query
 // heads in order, and over the query tiles at or after it.
 template <class E, int HD>
 __global__ void __launch_bounds__(kFlashThreads) flash_backward_kv_kernel(const E* dout, const E* qkv, const float* lse,
-                                                                     const float* delta, E* dqkv, Heads heads,
-                                                                     float scale, bool vec) {
+                                                                         const float* delta, E* dqkv, Heads heads,
+                                                                         float scale, bool vec) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int T = heads.T, H = heads.H, KVH = heads.KVH, group = H / KVH;
   const int k0 = blockIdx.x * kTile, kvh = blockIdx.y, b = blockIdx.z;
@@ -257,51 +297,31 @@ __global__ void __launch_bounds__(kFlashThreads) flash_backward_kv_kernel(const 
   const std::int64_t row0 = static_cast<std::int64_t>(b) * T;
 
   Carve carve{smem};
-  E* ks = carve.take<E>(kTile * HD);
-  E* vs = carve.take<E>(kTile * HD);
-  E* qs = carve.take<E>(kTile * HD);
-  E* dos = carve.take<E>(kTile * HD);
-  E* ps = carve.take<E>(kTile * kTile);
-  E* dss = carve.take<E>(kTile * kTile);
-  float* p = carve.take<float>(kTile * kTile);
-  float* dp = carve.take<float>(kTile * kTile);
+  BackwardTiles<E, HD> tiles(carve);
   float* dk = carve.take<float>(kTile * HD);
   float* dv = carve.take<float>(kTile * HD);
-  float* lse_rows = carve.take<float>(kTile);
-  float* delta_rows = carve.take<float>(kTile);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int rows_k = min(kTile, T - k0);
   const E* k = qkv + row0 * W + C + kvh * HD;
   const E* v = qkv + row0 * W + C + KVH * HD + kvh * HD;
-  load_tile<E, HD>(ks, k + k0 * W, W, rows_k, vec);
-  load_tile<E, HD>(vs, v + k0 * W, W, rows_k, vec);
+  load_tile<E, HD>(tiles.ks, k + k0 * W, W, rows_k, vec);
+  load_tile<E, HD>(tiles.vs, v + k0 * W, W, rows_k, vec);
   for (int i = threadIdx.x; i < kTile * HD; i += blockDim.x) dk[i] = dv[i] = 0.0f;
 
   for (int r = 0; r < group; ++r) {
     const int h = kvh * group + r;
-    const E* q = qkv + row0 * W + h * HD;
-    const E* dO = dout + row0 * C + h * HD;
     const float* lse_h = lse + (static_cast<std::int64_t>(b) * H + h) * T;
     const float* delta_h = delta + (static_cast<std::int64_t>(b) * H + h) * T;
     for (int q0 = k0; q0 < T; q0 += kTile) {
       __syncthreads();  // every warp is done with the previous query tile
-      const int rows_q = min(kTile, T - q0);
-      load_tile<E, HD>(qs, q + q0 * W, W, rows_q, vec);
-      load_tile<E, HD>(dos, dO + q0 * C, C, rows_q, vec);
-      if (threadIdx.x < kTile) {
-        const bool valid = static_cast<int>(threadIdx.x) < rows_q;
-        lse_rows[threadIdx.x] = valid ? lse_h[q0 + threadIdx.x] : 0.0f;
-        delta_rows[threadIdx.x] = valid ? delta_h[q0 + threadIdx.x] : 0.0f;
-      }
+      tiles.load_queries(qkv + row0 * W + h * HD, W, dout + row0 * C + h * HD, C, lse_h, delta_h, q0,
+                         min(kTile, T - q0), vec);
       __syncthreads();
-      product_abt<E, HD>(qs, ks, p, warp);    // S (the warp's query rows)
-      product_abt<E, HD>(dos, vs, dp, warp);  // dP = dO V^T
-      __syncwarp();
-      probabilities_and_score_grads<E>(p, dp, ps, dss, lse_rows, delta_rows, q0, k0, T, scale, warp, lane);
+      tiles.score_grads(q0, k0, T, scale, warp, lane);
       __syncthreads();  // every query row's P and dS before the key-row products
-      accumulate_ab<E, HD, true>(ps, dos, dv, warp);  // dV += P^T dO (the warp's key rows)
-      accumulate_ab<E, HD, true>(dss, qs, dk, warp);  // dK += dS^T Q
+      accumulate_ab<E, HD, true>(tiles.ps, tiles.dos, dv, warp);  // dV += P^T dO (the warp's key rows)
+      accumulate_ab<E, HD, true>(tiles.dss, tiles.qs, dk, warp);  // dK += dS^T Q
     }
   }
   __syncthreads();
@@ -317,8 +337,8 @@ __global__ void __launch_bounds__(kFlashThreads) flash_backward_kv_kernel(const 
 // dQ of one query tile of one (batch, query head): sums over the key tiles at or before it.
 template <class E, int HD>
 __global__ void __launch_bounds__(kFlashThreads) flash_backward_q_kernel(const E* dout, const E* qkv, const float* lse,
-                                                                    const float* delta, E* dqkv, Heads heads,
-                                                                    float scale, bool vec) {
+                                                                        const float* delta, E* dqkv, Heads heads,
+                                                                        float scale, bool vec) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int T = heads.T, H = heads.H, KVH = heads.KVH;
   const int q0 = (gridDim.x - 1 - blockIdx.x) * kTile;  // the longest rows first
@@ -327,29 +347,14 @@ __global__ void __launch_bounds__(kFlashThreads) flash_backward_q_kernel(const E
   const std::int64_t row0 = static_cast<std::int64_t>(b) * T;
 
   Carve carve{smem};
-  E* qs = carve.take<E>(kTile * HD);
-  E* dos = carve.take<E>(kTile * HD);
-  E* ks = carve.take<E>(kTile * HD);
-  E* vs = carve.take<E>(kTile * HD);
-  E* ps = carve.take<E>(kTile * kTile);
-  E* dss = carve.take<E>(kTile * kTile);
-  float* p = carve.take<float>(kTile * kTile);
-  float* dp = carve.take<float>(kTile * kTile);
+  BackwardTiles<E, HD> tiles(carve);
   float* dq = carve.take<float>(kTile * HD);
-  float* lse_rows = carve.take<float>(kTile);
-  float* delta_rows = carve.take<float>(kTile);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int rows_q = min(kTile, T - q0);
-  const float* lse_h = lse + (static_cast<std::int64_t>(b) * H + h) * T;
-  const float* delta_h = delta + (static_cast<std::int64_t>(b) * H + h) * T;
-  load_tile<E, HD>(qs, qkv + row0 * W + h * HD + q0 * W, W, rows_q, vec);
-  load_tile<E, HD>(dos, dout + row0 * C + h * HD + q0 * C, C, rows_q, vec);
-  if (threadIdx.x < kTile) {
-    const bool valid = static_cast<int>(threadIdx.x) < rows_q;
-    lse_rows[threadIdx.x] = valid ? lse_h[q0 + threadIdx.x] : 0.0f;
-    delta_rows[threadIdx.x] = valid ? delta_h[q0 + threadIdx.x] : 0.0f;
-  }
+  tiles.load_queries(qkv + row0 * W + h * HD, W, dout + row0 * C + h * HD, C,
+                     lse + (static_cast<std::int64_t>(b) * H + h) * T,
+                     delta + (static_cast<std::int64_t>(b) * H + h) * T, q0, rows_q, vec);
   for (int i = threadIdx.x; i < kTile * HD; i += blockDim.x) dq[i] = 0.0f;
   const E* k = qkv + row0 * W + C + kvh * HD;
   const E* v = qkv + row0 * W + C + KVH * HD + kvh * HD;
@@ -357,15 +362,12 @@ __global__ void __launch_bounds__(kFlashThreads) flash_backward_q_kernel(const E
   for (int k0 = 0; k0 <= q_last; k0 += kTile) {
     __syncthreads();  // every warp is done with the previous K and V tiles
     const int rows_k = min(kTile, T - k0);
-    load_tile<E, HD>(ks, k + k0 * W, W, rows_k, vec);
-    load_tile<E, HD>(vs, v + k0 * W, W, rows_k, vec);
+    load_tile<E, HD>(tiles.ks, k + k0 * W, W, rows_k, vec);
+    load_tile<E, HD>(tiles.vs, v + k0 * W, W, rows_k, vec);
     __syncthreads();
-    product_abt<E, HD>(qs, ks, p, warp);
-    product_abt<E, HD>(dos, vs, dp, warp);
+    tiles.score_grads(q0, k0, T, scale, warp, lane);
     __syncwarp();
-    probabilities_and_score_grads<E>(p, dp, ps, dss, lse_rows, delta_rows, q0, k0, T, scale, warp, lane);
-    __syncwarp();
-    accumulate_ab<E, HD, false>(dss, ks, dq, warp);  // dQ += dS K (the warp's query rows)
+    accumulate_ab<E, HD, false>(tiles.dss, tiles.ks, dq, warp);  // dQ += dS K (the warp's query rows)
   }
   __syncwarp();
   E* dq_out = dqkv + row0 * W + h * HD;
@@ -379,14 +381,10 @@ __global__ void __launch_bounds__(kFlashThreads) flash_backward_q_kernel(const E
 std::size_t forward_smem(int hd, std::size_t element) {
   return 3 * kTile * hd * element + kTile * kTile * element + kTile * kTile * 4 + kTile * hd * 4 + 2 * 128 + 4 * 128;
 }
-std::size_t backward_kv_smem(int hd, std::size_t element) {
-  return 4 * kTile * hd * element + 2 * kTile * kTile * element + 2 * kTile * kTile * 4 + 2 * kTile * hd * 4 +
-         2 * 128 + 4 * 128;
-}
-std::size_t backward_q_smem(int hd, std::size_t element) {
-  return 4 * kTile * hd * element + 2 * kTile * kTile * element + 2 * kTile * kTile * 4 + kTile * hd * 4 + 2 * 128 +
-         4 * 128;
-}
+template <class E, int HD>
+constexpr std::size_t backward_kv_smem = BackwardTiles<E, HD>::kBytes + 2 * kTile * HD * sizeof(float);
+template <class E, int HD>
+constexpr std::size_t backward_q_smem = BackwardTiles<E, HD>::kBytes + kTile * HD * sizeof(float);
 
 bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
@@ -422,14 +420,14 @@ cudaError_t backward_as(cudaStream_t stream, const void* dout, const void* qkv, 
   const bool vec = aligned16(qkv) && aligned16(dout);
   const unsigned tiles = static_cast<unsigned>((heads.T + kTile - 1) / kTile);
   if (const cudaError_t e = launch(flash_backward_kv_kernel<E, HD>, dim3(tiles, heads.KVH, static_cast<unsigned>(B)),
-                                   backward_kv_smem(HD, sizeof(E)), stream, static_cast<const E*>(dout),
+                                   backward_kv_smem<E, HD>, stream, static_cast<const E*>(dout),
                                    static_cast<const E*>(qkv), lse, static_cast<const float*>(delta),
                                    static_cast<E*>(dqkv), heads, scale, vec);
       e != cudaSuccess) {
     return e;
   }
   return launch(flash_backward_q_kernel<E, HD>, dim3(tiles, heads.H, static_cast<unsigned>(B)),
-                backward_q_smem(HD, sizeof(E)), stream, static_cast<const E*>(dout), static_cast<const E*>(qkv), lse,
+                backward_q_smem<E, HD>, stream, static_cast<const E*>(dout), static_cast<const E*>(qkv), lse,
                 static_cast<const float*>(delta), static_cast<E*>(dqkv), heads, scale, vec);
 }
 
