@@ -182,7 +182,8 @@ __global__ void __launch_bounds__(kFlashThreads)
       }
       store(ps, r * kTile + lane, p0);
       store(ps, r * kTile + lane + 32, p1);
-      const float sum = warp_sum(p0 + p1);  // also orders every lane's read of row_max before the write
+      const float sum = warp_sum(p0 + p1);
+      __syncwarp();  // every lane has read row_max[r] before lane 0 writes it
       if (lane == 0) {
         row_max[r] = m_new;
         row_sum[r] = row_sum[r] * alpha + sum;

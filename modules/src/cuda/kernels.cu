@@ -325,7 +325,7 @@ __device__ void row_max_and_exp_sum(const T* r, std::int64_t V, float& mx, float
     if (x > m) {
       s = s * expf(m - x) + 1.0f;
       m = x;
-    } else {
+    } else if (!(x == -INFINITY && m == -INFINITY)) {  // a masked (-inf) logit adds 0; a NaN still spreads
       s += expf(x - m);
     }
   }
