@@ -157,6 +157,7 @@ class CudaKernels final : public Kernels {
                                  std::int64_t T, std::int64_t H, std::int64_t KVH, std::int64_t hd) const override {
     COSHARD_TRY(check(dt));
     COSHARD_TRY(check_attention_size(B, T, H, KVH));
+    if (B == 0 || T == 0) return {};  // nothing to attend (a grid of 0 blocks would fail the launch)
     if (!fused(dt, hd)) return materialized_attention_forward(s, dt, qkv, out, saved, B, T, H, KVH, hd);
     return check_launch(cuda::flash_attention_forward(s.native_handle(), code(dt), qkv, out,
                                                       static_cast<float*>(saved), B, T, H, KVH, hd),
@@ -168,6 +169,7 @@ class CudaKernels final : public Kernels {
                                   std::int64_t H, std::int64_t KVH, std::int64_t hd) const override {
     COSHARD_TRY(check(dt));
     COSHARD_TRY(check_attention_size(B, T, H, KVH));
+    if (B == 0 || T == 0) return {};
     if (!fused(dt, hd)) return materialized_attention_backward(s, dt, dout, qkv, saved, dqkv, scratch, B, T, H, KVH, hd);
     return check_launch(cuda::flash_attention_backward(s.native_handle(), code(dt), dout, qkv, out,
                                                        static_cast<const float*>(saved), dqkv,
