@@ -1,6 +1,7 @@
-// CUDA kernels: matrix products through cuBLAS and cuBLASLt (cuda_blas.cpp), the rest through the launchers in cuda/kernels.cu. Attention is the fused kernels of
-// cuda/flash_attention.cu where they serve the dtype and head size, else cuBLAS products per batch
-// row (heads batched) around the causal softmax kernels (the materialized form).
+// CUDA kernels: matrix products through cuBLAS and cuBLASLt (cuda_blas.cpp), the rest through
+// the launchers in cuda/. Attention is the fused kernels of cuda/flash_attention.cu where they
+// serve the dtype and head size, else cuBLAS products per batch row (heads batched) around the
+// causal softmax kernels (the materialized form).
 #include <cuda_runtime.h>
 
 #include <cmath>
