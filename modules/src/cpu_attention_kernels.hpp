@@ -1,0 +1,96 @@
+// The CPU kernels of causal self-attention (private), grouped-query included: the scores and
+// their softmax materialised per head (B x H x T x T), the products through cpu_blas.hpp.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "cpu_blas.hpp"
+
+namespace coshard::modules::detail {
+
+// Grouped-query attention (KVH = H: multi-head). Row stride W = (H + 2 KVH) hd; query head h
+// uses key/value head h / (H / KVH).
+template <class T>
+void attention_fwd(const T* qkv, T* out, T* probs, std::int64_t B, std::int64_t T_, std::int64_t H, std::int64_t KVH,
+                   std::int64_t hd) {
+  const std::int64_t W = (H + 2 * KVH) * hd, C = H * hd, group = H / KVH;
+  const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd)));
+  for (std::int64_t b = 0; b < B; ++b) {
+    for (std::int64_t h = 0; h < H; ++h) {
+      const T* row0 = qkv + b * T_ * W;
+      const T* q = row0 + h * hd;
+      const T* k = row0 + C + (h / group) * hd;
+      const T* v = row0 + C + KVH * hd + (h / group) * hd;
+      T* p = probs + (b * H + h) * T_ * T_;
+      // S = scale * Q K^T (full square; the masked half is overwritten below).
+      GemmArgs g{.trans_a = false, .trans_b = true, .m = T_, .n = T_, .k = hd, .lda = W, .ldb = W,
+                 .ldc = T_, .alpha = static_cast<float>(scale), .beta = 0.0f};
+      gemm_one<T>(g, q, k, p);
+      for (std::int64_t i = 0; i < T_; ++i) {
+        T* row = p + i * T_;
+        T mx = row[0];
+        for (std::int64_t j = 1; j <= i; ++j) mx = std::max(mx, row[j]);
+        T sum = 0;
+        for (std::int64_t j = 0; j <= i; ++j) {
+          row[j] = std::exp(row[j] - mx);
+          sum += row[j];
+        }
+        const T inv = T(1) / sum;
+        for (std::int64_t j = 0; j <= i; ++j) row[j] *= inv;
+        for (std::int64_t j = i + 1; j < T_; ++j) row[j] = 0;
+      }
+      // O = P V, written into the head's columns of out.
+      GemmArgs o{.m = T_, .n = hd, .k = T_, .lda = T_, .ldb = W, .ldc = C};
+      gemm_one<T>(o, p, v, out + b * T_ * C + h * hd);
+    }
+  }
+}
+
+// dK and dV of a key/value head sum over the query heads of its group, in head order: the first
+// writes (beta 0), the others add.
+template <class T>
+void attention_bwd(const T* dout, const T* qkv, const T* probs, T* dqkv, T* scratch, std::int64_t B,
+                   std::int64_t T_, std::int64_t H, std::int64_t KVH, std::int64_t hd) {
+  const std::int64_t W = (H + 2 * KVH) * hd, C = H * hd, group = H / KVH;
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
+  for (std::int64_t b = 0; b < B; ++b) {
+    for (std::int64_t h = 0; h < H; ++h) {
+      const std::int64_t row0 = b * T_ * W;
+      const std::int64_t kv = C + (h / group) * hd;
+      const float first = h % group == 0 ? 0.0f : 1.0f;  // beta of the group's sums
+      const T* q = qkv + row0 + h * hd;
+      const T* k = qkv + row0 + kv;
+      const T* v = qkv + row0 + kv + KVH * hd;
+      T* dq = dqkv + row0 + h * hd;
+      T* dk = dqkv + row0 + kv;
+      T* dv = dqkv + row0 + kv + KVH * hd;
+      const T* p = probs + (b * H + h) * T_ * T_;
+      const T* dO = dout + b * T_ * C + h * hd;
+      T* dp = scratch + (b * H + h) * T_ * T_;
+      // dP = dO V^T; dV (+)= P^T dO.
+      GemmArgs g1{.trans_b = true, .m = T_, .n = T_, .k = hd, .lda = C, .ldb = W, .ldc = T_};
+      gemm_one<T>(g1, dO, v, dp);
+      GemmArgs g2{.trans_a = true, .m = T_, .n = hd, .k = T_, .lda = T_, .ldb = C, .ldc = W, .beta = first};
+      gemm_one<T>(g2, p, dO, dv);
+      // dS = P * (dP - rowsum(P * dP)), zero above the diagonal (P is zero there).
+      for (std::int64_t i = 0; i < T_; ++i) {
+        const T* pr = p + i * T_;
+        T* dr = dp + i * T_;
+        T dot = 0;
+        for (std::int64_t j = 0; j <= i; ++j) dot += pr[j] * dr[j];
+        for (std::int64_t j = 0; j <= i; ++j) dr[j] = pr[j] * (dr[j] - dot);
+        for (std::int64_t j = i + 1; j < T_; ++j) dr[j] = 0;
+      }
+      // dQ = scale dS K; dK (+)= scale dS^T Q.
+      GemmArgs g3{.m = T_, .n = hd, .k = T_, .lda = T_, .ldb = W, .ldc = W, .alpha = scale};
+      gemm_one<T>(g3, dp, k, dq);
+      GemmArgs g4{.trans_a = true, .m = T_, .n = hd, .k = T_, .lda = T_, .ldb = W, .ldc = W, .alpha = scale,
+                  .beta = first};
+      gemm_one<T>(g4, dp, q, dk);
+    }
+  }
+}
+
+}  // namespace coshard::modules::detail

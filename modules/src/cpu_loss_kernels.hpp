@@ -1,0 +1,61 @@
+// The CPU kernels of the losses (private): cross-entropy over logits (log-sum-exp in double,
+// forward) and mean squared error, with their backward.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace coshard::modules::detail {
+
+template <class T>
+void cross_entropy_fwd(const T* logits, const std::int32_t* targets, T* loss, std::int64_t N, std::int64_t V) {
+  double total = 0;
+  for (std::int64_t i = 0; i < N; ++i) {
+    const T* row = logits + i * V;
+    double mx = row[0];
+    for (std::int64_t j = 1; j < V; ++j) mx = std::max(mx, static_cast<double>(row[j]));
+    double sum = 0;
+    for (std::int64_t j = 0; j < V; ++j) sum += std::exp(row[j] - mx);
+    total += std::log(sum) + mx - row[targets[i]];
+  }
+  loss[0] = static_cast<T>(total / static_cast<double>(N));
+}
+
+template <class T>
+void mse_fwd(const T* pred, const T* target, T* loss, std::int64_t n) {
+  double total = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const double d = static_cast<double>(pred[i]) - static_cast<double>(target[i]);
+    total += d * d;
+  }
+  loss[0] = static_cast<T>(total / static_cast<double>(n));
+}
+
+template <class T>
+void mse_bwd(const T* pred, const T* target, const T* seed, T* dpred, std::int64_t n) {
+  const T g = 2 * seed[0] / static_cast<T>(n);
+  for (std::int64_t i = 0; i < n; ++i) dpred[i] = (pred[i] - target[i]) * g;
+}
+
+template <class T>
+void cross_entropy_bwd(const T* logits, const std::int32_t* targets, const T* seed, T* dlogits, std::int64_t N,
+                       std::int64_t V) {
+  const T g = seed[0] / static_cast<T>(N);
+  for (std::int64_t i = 0; i < N; ++i) {
+    const T* row = logits + i * V;
+    T* drow = dlogits + i * V;
+    T mx = row[0];
+    for (std::int64_t j = 1; j < V; ++j) mx = std::max(mx, row[j]);
+    T sum = 0;
+    for (std::int64_t j = 0; j < V; ++j) {
+      drow[j] = std::exp(row[j] - mx);
+      sum += drow[j];
+    }
+    const T scale = g / sum;
+    for (std::int64_t j = 0; j < V; ++j) drow[j] *= scale;
+    drow[targets[i]] -= g;
+  }
+}
+
+}  // namespace coshard::modules::detail

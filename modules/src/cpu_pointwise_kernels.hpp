@@ -1,0 +1,123 @@
+// The CPU kernels of the element-wise layers (private): GELU (GPT), SwiGLU and rotary position
+// embeddings (Llama), in the element type T of the Operands (f32 or f64).
+#pragma once
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+namespace coshard::modules::detail {
+
+// GPT-2's tanh approximation of GELU.
+constexpr double kGeluScale = 0.7978845608028654;  // sqrt(2 / pi)
+constexpr double kGeluCube = 0.044715;
+
+// exp for floats, branch-free so that loops over it vectorise (std::exp/std::tanh are library
+// calls the compiler cannot vectorise without -ffast-math). Range reduction x = n ln2 + r with
+// the round-to-nearest done by the 1.5 * 2^23 trick, a degree-6 Taylor polynomial on
+// |r| <= ln2 / 2 (relative error ~2e-7), and 2^n built in the exponent bits. x is clamped to
+// [-80, 80], where the result stays a normal float.
+inline float exp_approx(float x) {
+  x = std::min(80.0f, std::max(-80.0f, x));
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
+  const float n = (x * 1.44269504088896341f + kRound) - kRound;
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  const float p =
+      1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+  const auto bits = static_cast<std::uint32_t>(static_cast<std::int32_t>(n) + 127) << 23;
+  return p * std::bit_cast<float>(bits);
+}
+
+// tanh through exp: 1 - 2 / (1 + e^(2u)). Absolute error ~2e-7, which is what GELU's
+// 1 + tanh and 1 - tanh^2 need (its relative error near 0 is larger; nothing here uses that).
+template <class T>
+inline T tanh_of(T u) {
+  if constexpr (std::is_same_v<T, float>)
+    return 1.0f - 2.0f / (1.0f + exp_approx(2.0f * u));
+  else
+    return std::tanh(u);
+}
+
+template <class T>
+void gelu_fwd(const T* x, T* out, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    const T v = x[i];
+    const T u = static_cast<T>(kGeluScale) * (v + static_cast<T>(kGeluCube) * v * v * v);
+    out[i] = T(0.5) * v * (T(1) + tanh_of(u));
+  }
+}
+
+template <class T>
+void gelu_bwd(const T* x, const T* dout, T* dx, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    const T v = x[i];
+    const T u = static_cast<T>(kGeluScale) * (v + static_cast<T>(kGeluCube) * v * v * v);
+    const T th = tanh_of(u);
+    const T du = static_cast<T>(kGeluScale) * (T(1) + T(3) * static_cast<T>(kGeluCube) * v * v);
+    dx[i] = dout[i] * (T(0.5) * (T(1) + th) + T(0.5) * v * (T(1) - th * th) * du);
+  }
+}
+
+template <class T>
+inline T sigmoid_of(T v) {
+  return T(1) / (T(1) + std::exp(-v));
+}
+
+template <class T>
+void swiglu_fwd(const T* gate_up, T* out, std::int64_t N, std::int64_t I) {
+  for (std::int64_t i = 0; i < N; ++i) {
+    const T* g = gate_up + i * 2 * I;
+    const T* u = g + I;
+    T* o = out + i * I;
+    for (std::int64_t j = 0; j < I; ++j) o[j] = g[j] * sigmoid_of(g[j]) * u[j];
+  }
+}
+
+// d gate = dout * up * silu'(gate), silu'(g) = s (1 + g (1 - s)); d up = dout * silu(gate).
+template <class T>
+void swiglu_bwd(const T* gate_up, const T* dout, T* dgate_up, std::int64_t N, std::int64_t I) {
+  for (std::int64_t i = 0; i < N; ++i) {
+    const T* g = gate_up + i * 2 * I;
+    const T* u = g + I;
+    const T* d = dout + i * I;
+    T* dg = dgate_up + i * 2 * I;
+    T* du = dg + I;
+    for (std::int64_t j = 0; j < I; ++j) {
+      const T sg = sigmoid_of(g[j]);
+      dg[j] = d[j] * u[j] * sg * (T(1) + g[j] * (T(1) - sg));
+      du[j] = d[j] * g[j] * sg;
+    }
+  }
+}
+
+// Angles in f32 as transformers computes them (position * inv_freq), in double for f64 models.
+template <class T>
+void rope_apply(const T* x, T* out, const float* inv_freq, std::int64_t B, std::int64_t T_, std::int64_t heads,
+                std::int64_t rotated, std::int64_t hd, bool inverse) {
+  using Angle = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  const std::int64_t half = hd / 2;
+  for (std::int64_t b = 0; b < B; ++b) {
+    for (std::int64_t t = 0; t < T_; ++t) {
+      const std::int64_t base = (b * T_ + t) * heads * hd;
+      for (std::int64_t h = 0; h < heads; ++h) {
+        const T* xi = x + base + h * hd;
+        T* oi = out + base + h * hd;
+        if (h >= rotated) {
+          for (std::int64_t i = 0; i < hd; ++i) oi[i] = xi[i];
+          continue;
+        }
+        for (std::int64_t i = 0; i < half; ++i) {
+          const Angle a = static_cast<Angle>(t) * static_cast<Angle>(inv_freq[i]);
+          const T c = static_cast<T>(std::cos(a)), sn = static_cast<T>(inverse ? -std::sin(a) : std::sin(a));
+          const T x1 = xi[i], x2 = xi[i + half];
+          oi[i] = x1 * c - x2 * sn;
+          oi[i + half] = x2 * c + x1 * sn;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace coshard::modules::detail

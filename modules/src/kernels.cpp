@@ -1,0 +1,40 @@
+// What every backend of Kernels shares: the default fused and multi-tensor entry points (the
+// one-tensor kernels in order, so a backend without its own gives the same bits) and the dtype
+// check the layers call.
+#include "kernels.hpp"
+
+namespace coshard::modules::detail {
+
+Result<void> Kernels::gemm_bias(async::Stream& s, DataType dt, const GemmArgs& g, const void* bias) const {
+  COSHARD_TRY(gemm(s, dt, g));
+  return bias_add(s, dt, g.c, bias, g.m, g.n);
+}
+
+Result<void> Kernels::grad_stats_multi(async::Stream& s, std::span<const OptimizerTensor> tensors,
+                                       StepState* state) const {
+  for (const auto& t : tensors) COSHARD_TRY(grad_stats(s, static_cast<DataType>(t.gdt), t.grad, t.n, state));
+  return {};
+}
+
+Result<void> Kernels::adamw_multi(async::Stream& s, std::span<const OptimizerTensor> tensors, const AdamArgs& args,
+                                  const StepState* state) const {
+  for (const auto& t : tensors)
+    COSHARD_TRY(adamw(s, t.master, static_cast<DataType>(t.gdt), t.grad, t.state1, t.state2,
+                      static_cast<DataType>(t.pdt), t.param_out, t.n, args, state));
+  return {};
+}
+
+AttentionBuffers Kernels::attention_buffers(DataType dt, std::int64_t B, std::int64_t T, std::int64_t H,
+                                            std::int64_t /*KVH*/, std::int64_t /*hd*/) const {
+  return {.saved = Shape{B, H, T, T}, .saved_dtype = dt, .scratch = Shape{B, H, T, T}, .scratch_dtype = dt};
+}
+
+Result<void> check_supported(const Kernels& k, DataType dt, async::Device device, std::string_view what) {
+  if (!k.supports(dt))
+    return fail(ErrorCode::unsupported, what, ": dtype ", async::to_string(dt), " is not served by the ",
+                device.is_cpu() ? "CPU kernels (f32, f64, bf16, f16)" : "CUDA kernels (f32, bf16, f16)");
+  return {};
+}
+
+
+}  // namespace coshard::modules::detail
