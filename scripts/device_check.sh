@@ -90,7 +90,11 @@ PY
       timeout 300 build/release/bench/gpu_kernels_bench --benchmark_out="$out/bench_kernels.json" \
         --benchmark_out_format=json >"$out/bench_kernels.log" 2>&1
       echo "kernels bench rc $?"; python3 bench/report.py "$out/bench_kernels.json"
-      grep -E "^BM_" "$out/bench_kernels.log" ;;
+      grep -E "^BM_" "$out/bench_kernels.log"
+      # The engine's parameter streaming from pinned memory against a plain pinned copy (#19 3b).
+      timeout 180 build/release/bench/offload_stream_bench --benchmark_out="$out/bench_stream.json" \
+        --benchmark_out_format=json >"$out/bench_stream.log" 2>&1
+      echo "stream bench rc $?"; python3 bench/report.py "$out/bench_stream.json" ;;
     compare)
       for preset in ${COMPARE_PRESETS:-gpt2-124m gpt2-1.5b}; do
         name=$preset${COMPARE_NAME:+_$COMPARE_NAME}
