@@ -15,7 +15,7 @@
 // units, so the harness runs anywhere. There the ratio is no streaming rate: the copy is a memcpy,
 // and each unit's product reads its weights at memory speed too, as long as the copy takes (on a
 // GPU it reads them from HBM, ~60x faster than they arrive). OpenBLAS gets one thread there: its
-// idle threads spin, and on few cores they starve the stream that copies (17x slower on 2 cores).
+// idle threads spin, and on a busy 2-core machine they starved the stream that copies (17x slower).
 // BENCH_STREAM_DIM and BENCH_STREAM_UNITS override the shape.
 #include <benchmark/benchmark.h>
 

@@ -239,11 +239,18 @@ void CachingAllocator::release(Block& block, std::optional<Event> last_use) noex
 }
 
 void CachingAllocator::sweep_locked() {
-  // Moves every returned block whose uses have all completed into the cache.
-  auto ready = std::stable_partition(pending_.begin(), pending_.end(),
-                                     [](const Pending& p) { return !all_ready(p.uses); });
-  for (auto it = ready; it != pending_.end(); ++it) cache_locked(*it);
-  pending_.erase(ready, pending_.end());
+  // Moves every returned block whose uses have all completed into the cache; the others keep
+  // their order, compacted in place (std::stable_partition took a heap buffer every sweep).
+  auto kept = pending_.begin();
+  for (auto it = pending_.begin(); it != pending_.end(); ++it) {
+    if (all_ready(it->uses)) {
+      cache_locked(*it);
+    } else {
+      if (kept != it) *kept = std::move(*it);
+      ++kept;
+    }
+  }
+  pending_.erase(kept, pending_.end());
 }
 
 void CachingAllocator::sweep_front_locked() {
