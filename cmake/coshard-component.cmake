@@ -4,6 +4,20 @@
 # public headers in NAME/include/coshard/NAME/ (installed), private code in NAME/src/. With no
 # sources yet the target is an INTERFACE library over its dependencies. With tests on, an object
 # library compiles every public header on its own (Seastar's check that headers stand alone).
+# The project's warnings on a target of its own (a component library or a program): -Wall -Wextra
+# -Wpedantic on C++, -Werror with COSHARD_WERROR.
+function(coshard_warnings target)
+  if(COSHARD_WERROR)
+    target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Werror>)
+  endif()
+  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wpedantic>)
+  # GCC 12's -Wrestrict misfires on std::string concatenation at -O3 (GCC bug 105329): the
+  # Release build printed pages of it from libstdc++'s own headers. Fixed in GCC 13.
+  if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU" AND CMAKE_CXX_COMPILER_VERSION VERSION_LESS 13)
+    target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Wno-restrict>)
+  endif()
+endfunction()
+
 function(coshard_component name)
   cmake_parse_arguments(C "" "" "SOURCES;CUDA_SOURCES;DEPS;PRIVATE_DEPS" ${ARGN})
   set(target coshard_${name})
@@ -17,15 +31,7 @@ function(coshard_component name)
     set(scope PUBLIC)
     target_link_libraries(${target} PRIVATE ${C_PRIVATE_DEPS})
     target_include_directories(${target} PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/src)
-    if(COSHARD_WERROR)
-      target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Werror>)
-    endif()
-    target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wpedantic>)
-    # GCC 12's -Wrestrict misfires on std::string concatenation at -O3 (GCC bug 105329): the
-    # Release build printed pages of it from libstdc++'s own headers. Fixed in GCC 13.
-    if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU" AND CMAKE_CXX_COMPILER_VERSION VERSION_LESS 13)
-      target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Wno-restrict>)
-    endif()
+    coshard_warnings(${target})
   else()
     add_library(${target} INTERFACE)
     set(scope INTERFACE)
