@@ -2,7 +2,7 @@
 # Packs a CUDA-enabled build for a lent GPU machine (a developer tool; CI never runs it):
 # the test build's binaries and CTest files, the release build's benchmarks and trainer, and the
 # shared libraries they need that a CUDA image may lack (OpenBLAS, liburing, ...), into
-# .device/bundle.tar.gz (ignored by git; carried by the device tool). scripts/device_run.sh
+# .device/bundle.tar.gz (ignored by git; carried by the device tool). scripts/device_check.sh
 # unpacks and runs it there.
 #   scripts/device_bundle.sh [TEST_BUILD=build/test] [RELEASE_BUILD=build/release]
 set -euo pipefail
