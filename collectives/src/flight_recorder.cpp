@@ -11,8 +11,8 @@
 #include <limits>
 #include <map>
 #include <optional>
-#include <regex>
 #include <sstream>
+#include <string_view>
 
 #include "coshard/async/log.hpp"
 
@@ -32,6 +32,22 @@ std::mutex g_dir_mutex;
 fs::path g_dir;
 
 std::string file_name(int rank, int size) { return "rank" + std::to_string(rank) + "-of" + std::to_string(size) + ".json"; }
+
+// Whether `name` has the form file_name gives: rank<digits>-of<digits>.json.
+bool is_record_name(std::string_view name) {
+  auto take_digits = [&name] {
+    std::size_t n = 0;
+    while (n < name.size() && name[n] >= '0' && name[n] <= '9') ++n;
+    name.remove_prefix(n);
+    return n > 0;
+  };
+  auto take = [&name](std::string_view word) {
+    if (!name.starts_with(word)) return false;
+    name.remove_prefix(word.size());
+    return true;
+  };
+  return take("rank") && take_digits() && take("-of") && take_digits() && name == ".json";
+}
 
 std::string describe_entry(const CollectiveRecord& e) {
   return "#" + std::to_string(e.seq) + " " + e.ops + " " + std::string(to_string(e.state));
@@ -309,10 +325,9 @@ Result<FlightRecord> parse_flight_record(std::string_view text, std::string_view
 Result<std::vector<FlightRecord>> read_flight_records(const fs::path& dir) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) return fail(ErrorCode::io, "flight recorder folder ", dir.string(), ": not a folder");
-  static const std::regex name(R"(rank([0-9]+)-of([0-9]+)\.json)");
   std::vector<FlightRecord> out;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    if (!std::regex_match(entry.path().filename().string(), name)) continue;
+    if (!is_record_name(entry.path().filename().string())) continue;
     std::ifstream in(entry.path());
     const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
     COSHARD_TRY_ASSIGN(auto record, parse_flight_record(text, entry.path().string()));

@@ -197,6 +197,13 @@ TEST(FlightRecorder, OnDemandDumpsRoundTripAndDamagedOnesAreRefused) {
   EXPECT_EQ((*records)[0].entries[4].stream, "comm rank 0/2");
   EXPECT_NE(diagnose(*records, 2).find("diagnosis: no rank is behind: every rank completed #4, none is in a collective"),
             std::string::npos);
+  // Files whose names are not a record's are no records, whatever they hold.
+  for (const char* other : {"rank1-of2.json.tmp", "rank-of2.json", "rank1-of.json", "rankA-of2.json", "xrank1-of2.json",
+                            "rank1-of2.jsonx", "notes.txt"})
+    std::ofstream(dir / other) << "not json";
+  auto with_others = read_flight_records(dir);
+  ASSERT_TRUE(with_others) << with_others.error().message();
+  EXPECT_EQ(with_others->size(), 2u);
 
   std::ofstream(dir / "rank3-of4.json") << "{\"format\": \"coshard.flight_record\", \"rank\": 3}";
   auto missing_field = read_flight_records(dir);
