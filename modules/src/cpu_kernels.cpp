@@ -140,8 +140,8 @@ class CpuKernels final : public Kernels {
   }
 
   Result<void> layernorm_backward(Stream& s, DataType dt, const void* dout, const void* x, const void* w,
-                                  const void* mean, const void* rstd, void* dx, void* dw, void* db, std::int64_t N,
-                                  std::int64_t C) const override {
+                                  const void* mean, const void* rstd, void* dx, void* dw, void* db, void* /*scratch*/,
+                                  std::int64_t N, std::int64_t C) const override {
     return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
       layernorm_bwd<T>(io.in(dout, N * C), io.in(x, N * C), io.in(w, C), io.stat(mean), io.stat(rstd),
                        io.inout(dx, N * C), io.inout(dw, C), io.inout(db, C), N, C);
@@ -156,7 +156,8 @@ class CpuKernels final : public Kernels {
   }
 
   Result<void> rmsnorm_backward(Stream& s, DataType dt, const void* dout, const void* x, const void* w,
-                                const void* rstd, void* dx, void* dw, std::int64_t N, std::int64_t C) const override {
+                                const void* rstd, void* dx, void* dw, void* /*scratch*/, std::int64_t N,
+                                std::int64_t C) const override {
     return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
       rmsnorm_bwd<T>(io.in(dout, N * C), io.in(x, N * C), io.in(w, C), io.stat(rstd), io.inout(dx, N * C),
                      io.inout(dw, C), N, C);

@@ -72,12 +72,12 @@ class CudaKernels final : public Kernels {
                         "layernorm_forward", s);
   }
   Result<void> layernorm_backward(Stream& s, DataType dt, const void* dout, const void* x, const void* w,
-                                  const void* mean, const void* rstd, void* dx, void* dw, void* db, std::int64_t N,
-                                  std::int64_t C) const override {
+                                  const void* mean, const void* rstd, void* dx, void* dw, void* db, void* scratch,
+                                  std::int64_t N, std::int64_t C) const override {
     COSHARD_TRY(check(dt));
     return check_launch(cuda::layernorm_backward(s.native_handle(), code(dt), dout, x, w,
                                                  static_cast<const float*>(mean), static_cast<const float*>(rstd), dx,
-                                                 dw, db, N, C),
+                                                 dw, db, static_cast<float*>(scratch), N, C),
                         "layernorm_backward", s);
   }
   Result<void> rmsnorm_forward(Stream& s, DataType dt, const void* x, const void* w, void* out, void* rstd,
@@ -88,11 +88,15 @@ class CudaKernels final : public Kernels {
         "rmsnorm_forward", s);
   }
   Result<void> rmsnorm_backward(Stream& s, DataType dt, const void* dout, const void* x, const void* w,
-                                const void* rstd, void* dx, void* dw, std::int64_t N, std::int64_t C) const override {
+                                const void* rstd, void* dx, void* dw, void* scratch, std::int64_t N,
+                                std::int64_t C) const override {
     COSHARD_TRY(check(dt));
     return check_launch(cuda::rmsnorm_backward(s.native_handle(), code(dt), dout, x, w, static_cast<const float*>(rstd),
-                                               dx, dw, N, C),
+                                               dx, dw, static_cast<float*>(scratch), N, C),
                         "rmsnorm_backward", s);
+  }
+  std::int64_t norm_backward_scratch(DataType dt, std::int64_t N, std::int64_t C, bool with_bias) const override {
+    return supports(dt) ? cuda::norm_backward_partials(N, C, with_bias) : 0;
   }
   Result<void> swiglu_forward(Stream& s, DataType dt, const void* gate_up, void* out, std::int64_t N,
                               std::int64_t I) const override {

@@ -24,6 +24,11 @@ Result<void> Kernels::adamw_multi(async::Stream& s, std::span<const OptimizerTen
   return {};
 }
 
+std::int64_t Kernels::norm_backward_scratch(DataType /*dt*/, std::int64_t /*N*/, std::int64_t /*C*/,
+                                            bool /*with_bias*/) const {
+  return 0;
+}
+
 AttentionBuffers Kernels::attention_buffers(DataType dt, std::int64_t B, std::int64_t T, std::int64_t H,
                                             std::int64_t /*KVH*/, std::int64_t /*hd*/) const {
   return {.saved = Shape{B, H, T, T}, .saved_dtype = dt, .scratch = Shape{B, H, T, T}, .scratch_dtype = dt};

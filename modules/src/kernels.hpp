@@ -72,15 +72,21 @@ class Kernels {
   virtual Result<void> layernorm_forward(async::Stream& s, DataType dt, const void* x, const void* w, const void* b,
                                          void* out, void* mean, void* rstd, std::int64_t N, std::int64_t C,
                                          float eps) const = 0;
+  // `scratch`: norm_backward_scratch(dt, N, C, true) f32 elements (null where that is 0).
   virtual Result<void> layernorm_backward(async::Stream& s, DataType dt, const void* dout, const void* x,
                                           const void* w, const void* mean, const void* rstd, void* dx, void* dw,
-                                          void* db, std::int64_t N, std::int64_t C) const = 0;
+                                          void* db, void* scratch, std::int64_t N, std::int64_t C) const = 0;
 
   // RMSNorm (Llama): out = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps) per row (stat dtype).
   virtual Result<void> rmsnorm_forward(async::Stream& s, DataType dt, const void* x, const void* w, void* out,
                                        void* rstd, std::int64_t N, std::int64_t C, float eps) const = 0;
+  // `scratch`: norm_backward_scratch(dt, N, C, false) f32 elements (null where that is 0).
   virtual Result<void> rmsnorm_backward(async::Stream& s, DataType dt, const void* dout, const void* x, const void* w,
-                                        const void* rstd, void* dx, void* dw, std::int64_t N, std::int64_t C) const = 0;
+                                        const void* rstd, void* dx, void* dw, void* scratch, std::int64_t N,
+                                        std::int64_t C) const = 0;
+  // The f32 scratch elements a norm's backward takes for N rows of C (LayerNorm with_bias); the
+  // default 0: none (the CPU). CUDA's fused backward keeps per-block partial sums there.
+  virtual std::int64_t norm_backward_scratch(DataType dt, std::int64_t N, std::int64_t C, bool with_bias) const;
 
   virtual Result<void> gelu_forward(async::Stream& s, DataType dt, const void* x, void* out, std::int64_t n) const = 0;
   virtual Result<void> gelu_backward(async::Stream& s, DataType dt, const void* x, const void* dout, void* dx,

@@ -42,6 +42,15 @@ inline Result<Tensor> grad_or_scratch(Context& ctx, const Parameter& p, DataType
   return ctx.zeros(p.shape(), dtype);
 }
 
+// The f32 scratch a norm's backward asks of the backend for `rows` rows of `dim` (an empty tensor
+// where it asks none: the CPU's).
+inline Result<Tensor> norm_backward_scratch(Context& ctx, DataType dtype, std::int64_t rows, std::int64_t dim,
+                                            bool with_bias) {
+  const std::int64_t n = ctx.kernels().norm_backward_scratch(dtype, rows, dim, with_bias);
+  if (n <= 0) return Tensor{};
+  return ctx.empty(Shape{n}, DataType::f32);
+}
+
 // The gradient given to backward must have the output's shape and dtype.
 inline Result<void> check_grad(const Tensor& grad, Shape expected, DataType dtype, std::string_view who) {
   if (!grad || !(grad.shape() == expected) || grad.dtype() != dtype)

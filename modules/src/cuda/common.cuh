@@ -52,6 +52,18 @@ inline unsigned grid_for(std::int64_t n, int threads = kThreads) {
 
 inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 
+// Runs `launch.template operator()<T>()` with T the storage type of dt; the launch's error.
+template <class Launch>
+int with_type(int dt, Launch&& launch) {
+  switch (dt) {
+    case kF32: launch.template operator()<float>(); break;
+    case kF16: launch.template operator()<__half>(); break;
+    case kBF16: launch.template operator()<__nv_bfloat16>(); break;
+    default: return static_cast<int>(cudaErrorInvalidValue);
+  }
+  return static_cast<int>(cudaGetLastError());
+}
+
 // Block-wide sum / max over kThreads threads (result valid in every thread).
 __device__ inline float block_sum(float v) {
   __shared__ float shared[32];

@@ -1,7 +1,7 @@
-// CUDA kernels for the layers and optimizers (the matrix products are cuBLAS, in
-// cuda_kernels.cpp). f32, bf16 and f16 storage; all arithmetic in f32. Reductions that feed
-// parameter gradients (bias, LayerNorm gains, position embeddings) add in a fixed order (see
-// column_grad_kernel), so they are deterministic; token-embedding gradients and the gradient
+// CUDA kernels for the layers (the matrix products are cuBLAS, in cuda_kernels.cpp; the norms
+// are in norm.cu, the fused attention in flash_attention.cu, the optimizers in optimizer.cu).
+// f32, bf16 and f16 storage; all arithmetic in f32. Reductions that feed parameter gradients
+// (bias, position embeddings) add in a fixed order (see column_sum.cuh), so they are deterministic; token-embedding gradients and the gradient
 // norm use atomics and are not bit-reproducible run to run.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -9,23 +9,12 @@
 
 #include <cmath>
 
+#include "column_sum.cuh"
 #include "common.cuh"
 #include "kernels.cuh"
 
 namespace coshard::modules::cuda {
 namespace {
-
-// Runs `launch.template operator()<T>()` with T the storage type of dt.
-template <class Launch>
-int with_type(int dt, Launch&& launch) {
-  switch (dt) {
-    case kF32: launch.template operator()<float>(); break;
-    case kF16: launch.template operator()<__half>(); break;
-    case kBF16: launch.template operator()<__nv_bfloat16>(); break;
-    default: return static_cast<int>(cudaErrorInvalidValue);
-  }
-  return static_cast<int>(cudaGetLastError());
-}
 
 // ---- embeddings ----
 
@@ -58,137 +47,6 @@ __global__ void embedding_position_grad_kernel(const T* dout, T* dwpe, std::int6
     for (std::int64_t b = 0; b < B; ++b) sum += load(dout, b * T_ * C + i);
     store(dwpe, i, load(dwpe, i) + sum);
   }
-}
-
-// ---- LayerNorm: one block per row ----
-
-template <class T>
-__global__ void layernorm_forward_kernel(const T* x, const T* w, const T* b, T* out, float* mean, float* rstd,
-                                         std::int64_t C, float eps) {
-  const std::int64_t row = blockIdx.x;
-  const T* xr = x + row * C;
-  float s = 0;
-  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) s += load(xr, j);
-  const float m = block_sum(s) / static_cast<float>(C);
-  float v = 0;
-  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
-    const float d = load(xr, j) - m;
-    v += d * d;
-  }
-  const float r = rsqrtf(block_sum(v) / static_cast<float>(C) + eps);
-  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x)
-    store(out + row * C, j, (load(xr, j) - m) * r * load(w, j) + load(b, j));
-  if (threadIdx.x == 0) {
-    mean[row] = m;
-    rstd[row] = r;
-  }
-}
-
-template <class T>
-__global__ void layernorm_backward_dx_kernel(const T* dout, const T* x, const T* w, const float* mean,
-                                             const float* rstd, T* dx, std::int64_t C) {
-  const std::int64_t row = blockIdx.x;
-  const float m = mean[row], r = rstd[row];
-  float a = 0, bsum = 0;
-  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
-    const float xhat = (load(x, row * C + j) - m) * r;
-    const float dxhat = load(dout, row * C + j) * load(w, j);
-    a += dxhat;
-    bsum += dxhat * xhat;
-  }
-  const float mean_dxhat = block_sum(a) / static_cast<float>(C);
-  const float mean_dxhat_xhat = block_sum(bsum) / static_cast<float>(C);
-  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
-    const float xhat = (load(x, row * C + j) - m) * r;
-    const float dxhat = load(dout, row * C + j) * load(w, j);
-    store(dx, row * C + j, r * (dxhat - mean_dxhat - xhat * mean_dxhat_xhat));
-  }
-}
-
-// ---- RMSNorm: one block per row ----
-
-template <class T>
-__global__ void rmsnorm_forward_kernel(const T* x, const T* w, T* out, float* rstd, std::int64_t C, float eps) {
-  const std::int64_t row = blockIdx.x;
-  const T* xr = x + row * C;
-  float s = 0;
-  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
-    const float v = load(xr, j);
-    s += v * v;
-  }
-  const float r = rsqrtf(block_sum(s) / static_cast<float>(C) + eps);
-  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) store(out + row * C, j, load(xr, j) * r * load(w, j));
-  if (threadIdx.x == 0) rstd[row] = r;
-}
-
-template <class T>
-__global__ void rmsnorm_backward_dx_kernel(const T* dout, const T* x, const T* w, const float* rstd, T* dx,
-                                           std::int64_t C) {
-  const std::int64_t row = blockIdx.x;
-  const float r = rstd[row];
-  float a = 0;
-  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
-    a += load(dout, row * C + j) * load(w, j) * load(x, row * C + j) * r;
-  }
-  const float mean_dxhat_xhat = block_sum(a) / static_cast<float>(C);
-  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
-    const float xhat = load(x, row * C + j) * r;
-    store(dx, row * C + j, r * (load(dout, row * C + j) * load(w, j) - xhat * mean_dxhat_xhat));
-  }
-}
-
-// ---- column sums of an N x C gradient: bias and LayerNorm parameter gradients ----
-
-// A block per tile of kColumnTile columns, kRowLanes rows of threads: lane l sums rows l,
-// l + kRowLanes, ... in order, then lane 0 adds the lanes' partials in lane order. Deterministic,
-// a warp reads consecutive columns, and a tile of rows keeps many multiprocessors busy (one thread
-// per column over all rows, before, took 77 of a 172 ms GPT-2-small step on an H100).
-constexpr int kColumnTile = 32, kRowLanes = 32;
-
-// What a column sum computes: db[j] += sum_i dout[i, j] (bias); with a norm also dw[j] += sum_i
-// dout[i, j] * xhat[i, j], xhat the normalised input: (x - mean) * rstd (LayerNorm, with db) or
-// x * rstd (RMSNorm, no bias and no mean).
-enum class ColumnGrad { bias, layernorm, rmsnorm };
-
-template <class T, ColumnGrad kKind>
-__global__ void column_grad_kernel(const T* dout, const T* x, const float* mean, const float* rstd, T* dw, T* db,
-                                   std::int64_t N, std::int64_t C) {
-  __shared__ float part_w[kRowLanes][kColumnTile + 1];
-  __shared__ float part_b[kRowLanes][kColumnTile + 1];
-  const int lane = static_cast<int>(threadIdx.y), col = static_cast<int>(threadIdx.x);
-  const std::int64_t tiles = (C + kColumnTile - 1) / kColumnTile;
-  for (std::int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const std::int64_t j = tile * kColumnTile + col;
-    float sw = 0, sb = 0;
-    if (j < C)
-      for (std::int64_t i = lane; i < N; i += kRowLanes) {
-        const float g = load(dout, i * C + j);
-        if constexpr (kKind == ColumnGrad::layernorm) sw += g * (load(x, i * C + j) - mean[i]) * rstd[i];
-        if constexpr (kKind == ColumnGrad::rmsnorm) sw += g * load(x, i * C + j) * rstd[i];
-        if constexpr (kKind != ColumnGrad::rmsnorm) sb += g;
-      }
-    part_w[lane][col] = sw;
-    part_b[lane][col] = sb;
-    __syncthreads();
-    if (lane == 0 && j < C) {
-      float tw = 0, tb = 0;
-      for (int l = 0; l < kRowLanes; ++l) {
-        tw += part_w[l][col];
-        tb += part_b[l][col];
-      }
-      if constexpr (kKind != ColumnGrad::bias) store(dw, j, load(dw, j) + tw);
-      if constexpr (kKind != ColumnGrad::rmsnorm) store(db, j, load(db, j) + tb);
-    }
-    __syncthreads();  // the partials are read before the next tile writes them
-  }
-}
-
-template <class T, ColumnGrad kKind>
-void launch_column_grad(cudaStream_t s, const T* dout, const T* x, const float* mean, const float* rstd, T* dw,
-                        T* db, std::int64_t N, std::int64_t C) {
-  const std::int64_t tiles = (C + kColumnTile - 1) / kColumnTile;
-  const auto grid = static_cast<unsigned>(tiles < 1 ? 1 : (tiles > 65535 ? 65535 : tiles));
-  column_grad_kernel<T, kKind><<<grid, dim3(kColumnTile, kRowLanes), 0, s>>>(dout, x, mean, rstd, dw, db, N, C);
 }
 
 // ---- elementwise ----
@@ -409,44 +267,6 @@ int embedding_backward(void* s, int dt, const std::int32_t* tokens, const void* 
   });
 }
 
-int layernorm_forward(void* s, int dt, const void* x, const void* w, const void* b, void* out, float* mean,
-                      float* rstd, std::int64_t N, std::int64_t C, float eps) {
-  return with_type(dt, [&]<class E>() {
-    layernorm_forward_kernel<E><<<static_cast<unsigned>(N), kThreads, 0, as_stream(s)>>>(
-        static_cast<const E*>(x), static_cast<const E*>(w), static_cast<const E*>(b), static_cast<E*>(out), mean,
-        rstd, C, eps);
-  });
-}
-
-int layernorm_backward(void* s, int dt, const void* dout, const void* x, const void* w, const float* mean,
-                       const float* rstd, void* dx, void* dw, void* db, std::int64_t N, std::int64_t C) {
-  return with_type(dt, [&]<class E>() {
-    layernorm_backward_dx_kernel<E><<<static_cast<unsigned>(N), kThreads, 0, as_stream(s)>>>(
-        static_cast<const E*>(dout), static_cast<const E*>(x), static_cast<const E*>(w), mean, rstd,
-        static_cast<E*>(dx), C);
-    launch_column_grad<E, ColumnGrad::layernorm>(as_stream(s), static_cast<const E*>(dout), static_cast<const E*>(x), mean, rstd,
-                                static_cast<E*>(dw), static_cast<E*>(db), N, C);
-  });
-}
-
-int rmsnorm_forward(void* s, int dt, const void* x, const void* w, void* out, float* rstd, std::int64_t N,
-                    std::int64_t C, float eps) {
-  return with_type(dt, [&]<class E>() {
-    rmsnorm_forward_kernel<E><<<static_cast<unsigned>(N), kThreads, 0, as_stream(s)>>>(
-        static_cast<const E*>(x), static_cast<const E*>(w), static_cast<E*>(out), rstd, C, eps);
-  });
-}
-
-int rmsnorm_backward(void* s, int dt, const void* dout, const void* x, const void* w, const float* rstd, void* dx,
-                     void* dw, std::int64_t N, std::int64_t C) {
-  return with_type(dt, [&]<class E>() {
-    rmsnorm_backward_dx_kernel<E><<<static_cast<unsigned>(N), kThreads, 0, as_stream(s)>>>(
-        static_cast<const E*>(dout), static_cast<const E*>(x), static_cast<const E*>(w), rstd, static_cast<E*>(dx), C);
-    launch_column_grad<E, ColumnGrad::rmsnorm>(as_stream(s), static_cast<const E*>(dout), static_cast<const E*>(x),
-                                               nullptr, rstd, static_cast<E*>(dw), nullptr, N, C);
-  });
-}
-
 int swiglu_forward(void* s, int dt, const void* gate_up, void* out, std::int64_t N, std::int64_t I) {
   return with_type(dt, [&]<class E>() {
     swiglu_forward_kernel<E><<<grid_for(N * I), kThreads, 0, as_stream(s)>>>(static_cast<const E*>(gate_up),
@@ -513,7 +333,7 @@ int bias_add(void* s, int dt, void* out, const void* bias, std::int64_t N, std::
 
 int bias_grad(void* s, int dt, const void* dout, void* dbias, std::int64_t N, std::int64_t C) {
   return with_type(dt, [&]<class E>() {
-    launch_column_grad<E, ColumnGrad::bias>(as_stream(s), static_cast<const E*>(dout), nullptr, nullptr, nullptr, nullptr,
+    launch_column_grad<E, E, ColumnGrad::bias>(as_stream(s), static_cast<const E*>(dout), nullptr, nullptr, nullptr, nullptr,
                                  static_cast<E*>(dbias), N, C);
   });
 }

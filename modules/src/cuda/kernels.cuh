@@ -11,6 +11,23 @@
 
 namespace coshard::modules::cuda {
 
+// The fused norm backward's shape: at most kNormBackwardBlocks blocks (rows split evenly, so the
+// partials stay small against the N x C inputs), each summing its rows' parameter-gradient terms
+// in kThreads' shared memory: C f32 (RMSNorm) or 2C (LayerNorm, with its bias). A row wider than
+// the 48 KiB a block has without opting in keeps the two-kernel form (count 0).
+inline constexpr std::int64_t kNormBackwardBlocks = 1024;
+inline constexpr std::int64_t kNormBackwardSharedBytes = 48 * 1024;
+inline std::int64_t norm_backward_rows_per_block(std::int64_t N) {
+  return N <= kNormBackwardBlocks ? 1 : (N + kNormBackwardBlocks - 1) / kNormBackwardBlocks;
+}
+// The f32 elements of a fused backward's partial sums for N rows of C (0: not fused).
+inline std::int64_t norm_backward_partials(std::int64_t N, std::int64_t C, bool with_bias) {
+  const std::int64_t grads = with_bias ? 2 : 1;
+  if (N <= 0 || C <= 0 || C * grads * 4 > kNormBackwardSharedBytes) return 0;
+  const std::int64_t rows = norm_backward_rows_per_block(N);
+  return (N + rows - 1) / rows * C * grads;
+}
+
 int embedding_forward(void* stream, int dt, const std::int32_t* tokens, const void* wte, const void* wpe, void* out,
                       std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t vocab);
 int embedding_backward(void* stream, int dt, const std::int32_t* tokens, const void* dout, void* dwte, void* dwpe,
@@ -18,13 +35,17 @@ int embedding_backward(void* stream, int dt, const std::int32_t* tokens, const v
 // mean/rstd are f32.
 int layernorm_forward(void* stream, int dt, const void* x, const void* w, const void* b, void* out, float* mean,
                       float* rstd, std::int64_t N, std::int64_t C, float eps);
+// `partials`: norm_backward_partials(N, C, true) f32 elements on the device for the fused
+// backward, or null (the two-kernel form; also where that count is 0).
 int layernorm_backward(void* stream, int dt, const void* dout, const void* x, const void* w, const float* mean,
-                       const float* rstd, void* dx, void* dw, void* db, std::int64_t N, std::int64_t C);
+                       const float* rstd, void* dx, void* dw, void* db, float* partials, std::int64_t N,
+                       std::int64_t C);
 // rstd is f32.
 int rmsnorm_forward(void* stream, int dt, const void* x, const void* w, void* out, float* rstd, std::int64_t N,
                     std::int64_t C, float eps);
+// `partials`: norm_backward_partials(N, C, false) elements, or null.
 int rmsnorm_backward(void* stream, int dt, const void* dout, const void* x, const void* w, const float* rstd, void* dx,
-                     void* dw, std::int64_t N, std::int64_t C);
+                     void* dw, float* partials, std::int64_t N, std::int64_t C);
 int gelu_forward(void* stream, int dt, const void* x, void* out, std::int64_t n);
 int rope(void* stream, int dt, const void* x, void* out, const float* inv_freq, std::int64_t B, std::int64_t T,
          std::int64_t heads, std::int64_t rotated, std::int64_t hd, bool inverse);

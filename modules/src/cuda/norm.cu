@@ -1,0 +1,220 @@
+// LayerNorm and RMSNorm on CUDA, f32/bf16/f16 storage with f32 arithmetic.
+// Forward: one block per row computes the row's statistics and writes the affine output.
+// Backward, fused (norm_backward_partials says where): one kernel reads each row of dout and x
+// once from memory, writes dx, and adds the row's parameter-gradient terms into shared memory;
+// a column sum then adds the blocks' partials in block order. Deterministic, and two passes over
+// the N x C inputs fewer than the two-kernel form (a dx kernel, then a column sum over dout and x
+// again), which still serves rows too wide for a block's shared memory.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "column_sum.cuh"
+#include "common.cuh"
+#include "kernels.cuh"
+
+namespace coshard::modules::cuda {
+namespace {
+
+// ---- LayerNorm: one block per row ----
+
+template <class T>
+__global__ void layernorm_forward_kernel(const T* x, const T* w, const T* b, T* out, float* mean, float* rstd,
+                                         std::int64_t C, float eps) {
+  const std::int64_t row = blockIdx.x;
+  const T* xr = x + row * C;
+  float s = 0;
+  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) s += load(xr, j);
+  const float m = block_sum(s) / static_cast<float>(C);
+  float v = 0;
+  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
+    const float d = load(xr, j) - m;
+    v += d * d;
+  }
+  const float r = rsqrtf(block_sum(v) / static_cast<float>(C) + eps);
+  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x)
+    store(out + row * C, j, (load(xr, j) - m) * r * load(w, j) + load(b, j));
+  if (threadIdx.x == 0) {
+    mean[row] = m;
+    rstd[row] = r;
+  }
+}
+
+template <class T>
+__global__ void layernorm_backward_dx_kernel(const T* dout, const T* x, const T* w, const float* mean,
+                                             const float* rstd, T* dx, std::int64_t C) {
+  const std::int64_t row = blockIdx.x;
+  const float m = mean[row], r = rstd[row];
+  float a = 0, bsum = 0;
+  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
+    const float xhat = (load(x, row * C + j) - m) * r;
+    const float dxhat = load(dout, row * C + j) * load(w, j);
+    a += dxhat;
+    bsum += dxhat * xhat;
+  }
+  const float mean_dxhat = block_sum(a) / static_cast<float>(C);
+  const float mean_dxhat_xhat = block_sum(bsum) / static_cast<float>(C);
+  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
+    const float xhat = (load(x, row * C + j) - m) * r;
+    const float dxhat = load(dout, row * C + j) * load(w, j);
+    store(dx, row * C + j, r * (dxhat - mean_dxhat - xhat * mean_dxhat_xhat));
+  }
+}
+
+// ---- RMSNorm: one block per row ----
+
+template <class T>
+__global__ void rmsnorm_forward_kernel(const T* x, const T* w, T* out, float* rstd, std::int64_t C, float eps) {
+  const std::int64_t row = blockIdx.x;
+  const T* xr = x + row * C;
+  float s = 0;
+  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
+    const float v = load(xr, j);
+    s += v * v;
+  }
+  const float r = rsqrtf(block_sum(s) / static_cast<float>(C) + eps);
+  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) store(out + row * C, j, load(xr, j) * r * load(w, j));
+  if (threadIdx.x == 0) rstd[row] = r;
+}
+
+template <class T>
+__global__ void rmsnorm_backward_dx_kernel(const T* dout, const T* x, const T* w, const float* rstd, T* dx,
+                                           std::int64_t C) {
+  const std::int64_t row = blockIdx.x;
+  const float r = rstd[row];
+  float a = 0;
+  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
+    a += load(dout, row * C + j) * load(w, j) * load(x, row * C + j) * r;
+  }
+  const float mean_dxhat_xhat = block_sum(a) / static_cast<float>(C);
+  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
+    const float xhat = load(x, row * C + j) * r;
+    store(dx, row * C + j, r * (load(dout, row * C + j) * load(w, j) - xhat * mean_dxhat_xhat));
+  }
+}
+
+// ---- fused backward ----
+
+// Block b takes rows [b * rows_per_block, ...) one at a time, as the dx kernels do (the same
+// arithmetic, so dx has the same bits); thread t owns columns t, t + blockDim.x, ... of the
+// shared sums (weight terms, then bias terms for LayerNorm), so they need no synchronisation. The
+// block's sums go to row b of `partials` (weight) and row gridDim.x + b (bias), both [.., C].
+template <class T, ColumnGrad kKind>
+__global__ void norm_backward_fused_kernel(const T* dout, const T* x, const T* w, const float* mean,
+                                           const float* rstd, T* dx, float* partials, std::int64_t N,
+                                           std::int64_t C, std::int64_t rows_per_block) {
+  constexpr bool kLayerNorm = kKind == ColumnGrad::layernorm;
+  extern __shared__ float sums[];
+  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
+    sums[j] = 0;
+    if constexpr (kLayerNorm) sums[C + j] = 0;
+  }
+  const std::int64_t first = blockIdx.x * rows_per_block;
+  const std::int64_t last = first + rows_per_block < N ? first + rows_per_block : N;
+  for (std::int64_t row = first; row < last; ++row) {
+    const T* xr = x + row * C;
+    const T* gr = dout + row * C;
+    T* dxr = dx + row * C;
+    const float r = rstd[row];
+    if constexpr (kLayerNorm) {
+      const float m = mean[row];
+      float a = 0, bsum = 0;
+      for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
+        const float xhat = (load(xr, j) - m) * r;
+        const float dxhat = load(gr, j) * load(w, j);
+        a += dxhat;
+        bsum += dxhat * xhat;
+      }
+      const float mean_dxhat = block_sum(a) / static_cast<float>(C);
+      const float mean_dxhat_xhat = block_sum(bsum) / static_cast<float>(C);
+      for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
+        const float g = load(gr, j);
+        const float xhat = (load(xr, j) - m) * r;
+        const float dxhat = g * load(w, j);
+        store(dxr, j, r * (dxhat - mean_dxhat - xhat * mean_dxhat_xhat));
+        sums[j] += g * xhat;
+        sums[C + j] += g;
+      }
+    } else {
+      float a = 0;
+      for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) a += load(gr, j) * load(w, j) * load(xr, j) * r;
+      const float mean_dxhat_xhat = block_sum(a) / static_cast<float>(C);
+      for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
+        const float g = load(gr, j);
+        const float xhat = load(xr, j) * r;
+        store(dxr, j, r * (g * load(w, j) - xhat * mean_dxhat_xhat));
+        sums[j] += g * xhat;
+      }
+    }
+  }
+  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
+    partials[blockIdx.x * C + j] = sums[j];
+    if constexpr (kLayerNorm) partials[(gridDim.x + blockIdx.x) * C + j] = sums[C + j];
+  }
+}
+
+// dx, and dw (and db) += the column sums: fused where `partials` is given and the row fits.
+template <class T, ColumnGrad kKind>
+void norm_backward(cudaStream_t s, const T* dout, const T* x, const T* w, const float* mean, const float* rstd, T* dx,
+                   T* dw, T* db, float* partials, std::int64_t N, std::int64_t C) {
+  constexpr bool kLayerNorm = kKind == ColumnGrad::layernorm;
+  if (partials == nullptr || norm_backward_partials(N, C, kLayerNorm) == 0) {
+    if constexpr (kLayerNorm)
+      layernorm_backward_dx_kernel<T><<<static_cast<unsigned>(N), kThreads, 0, s>>>(dout, x, w, mean, rstd, dx, C);
+    else
+      rmsnorm_backward_dx_kernel<T><<<static_cast<unsigned>(N), kThreads, 0, s>>>(dout, x, w, rstd, dx, C);
+    launch_column_grad<T, T, kKind>(s, dout, x, mean, rstd, dw, db, N, C);
+    return;
+  }
+  const std::int64_t rows_per_block = norm_backward_rows_per_block(N);
+  const std::int64_t blocks = (N + rows_per_block - 1) / rows_per_block;
+  const std::size_t shared = static_cast<std::size_t>(C) * (kLayerNorm ? 2 : 1) * sizeof(float);
+  norm_backward_fused_kernel<T, kKind><<<static_cast<unsigned>(blocks), kThreads, shared, s>>>(
+      dout, x, w, mean, rstd, dx, partials, N, C, rows_per_block);
+  launch_column_grad<float, T, ColumnGrad::bias>(s, partials, nullptr, nullptr, nullptr, nullptr, dw, blocks, C);
+  if constexpr (kLayerNorm)
+    launch_column_grad<float, T, ColumnGrad::bias>(s, partials + blocks * C, nullptr, nullptr, nullptr, nullptr, db,
+                                                   blocks, C);
+}
+
+}  // namespace
+
+int layernorm_forward(void* s, int dt, const void* x, const void* w, const void* b, void* out, float* mean,
+                      float* rstd, std::int64_t N, std::int64_t C, float eps) {
+  return with_type(dt, [&]<class E>() {
+    layernorm_forward_kernel<E><<<static_cast<unsigned>(N), kThreads, 0, as_stream(s)>>>(
+        static_cast<const E*>(x), static_cast<const E*>(w), static_cast<const E*>(b), static_cast<E*>(out), mean,
+        rstd, C, eps);
+  });
+}
+
+int layernorm_backward(void* s, int dt, const void* dout, const void* x, const void* w, const float* mean,
+                       const float* rstd, void* dx, void* dw, void* db, float* partials, std::int64_t N,
+                       std::int64_t C) {
+  return with_type(dt, [&]<class E>() {
+    norm_backward<E, ColumnGrad::layernorm>(as_stream(s), static_cast<const E*>(dout), static_cast<const E*>(x),
+                                            static_cast<const E*>(w), mean, rstd, static_cast<E*>(dx),
+                                            static_cast<E*>(dw), static_cast<E*>(db), partials, N, C);
+  });
+}
+
+int rmsnorm_forward(void* s, int dt, const void* x, const void* w, void* out, float* rstd, std::int64_t N,
+                    std::int64_t C, float eps) {
+  return with_type(dt, [&]<class E>() {
+    rmsnorm_forward_kernel<E><<<static_cast<unsigned>(N), kThreads, 0, as_stream(s)>>>(
+        static_cast<const E*>(x), static_cast<const E*>(w), static_cast<E*>(out), rstd, C, eps);
+  });
+}
+
+int rmsnorm_backward(void* s, int dt, const void* dout, const void* x, const void* w, const float* rstd, void* dx,
+                     void* dw, float* partials, std::int64_t N, std::int64_t C) {
+  return with_type(dt, [&]<class E>() {
+    norm_backward<E, ColumnGrad::rmsnorm>(as_stream(s), static_cast<const E*>(dout), static_cast<const E*>(x),
+                                          static_cast<const E*>(w), nullptr, rstd, static_cast<E*>(dx),
+                                          static_cast<E*>(dw), nullptr, partials, N, C);
+  });
+}
+
+}  // namespace coshard::modules::cuda
