@@ -8,6 +8,12 @@
 //   BM_MultiTensorAdamW vs BM_Baseline_PerGroupAdamW: one optimizer step (statistics and update)
 //     of 400 groups of 256 Ki bf16 parameters with fp32 masters, multi-tensor against one launch
 //     per group.
+//   BM_Norm_<shape> vs BM_Baseline_DeviceCopy_<shape>: a norm layer's forward and backward in
+//     bf16 over 16,384 rows (8 sequences of 2048) at GPT-2 1.5B's width (LayerNorm, 1600) and
+//     Llama-3.2-1B's and Llama-3.1-8B's (RMSNorm, 2048 and 4096), against a device-to-device copy
+//     of one N x C tensor; counter GBps: the fewest bytes each must move (the norm: x and out
+//     forward; dout, x and dx backward, five N x C tensors; the copy: two) per second, so the
+//     ratio of the two is the fraction of the card's achievable bandwidth the norm reaches.
 // Without a GPU every benchmark reports "no CUDA device" and skips. Times are wall time around
 // the enqueue and a stream synchronize (manual time).
 #include <benchmark/benchmark.h>
@@ -18,7 +24,10 @@
 
 #include "coshard/async/runtime.hpp"
 #include "coshard/modules/layers.hpp"
+#include "coshard/modules/llama_layers.hpp"
+#include "coshard/modules/ops.hpp"
 #include "coshard/modules/optimizer.hpp"
+#include "coshard/modules/parameter_store.hpp"
 
 namespace {
 
@@ -155,6 +164,77 @@ void adamw(benchmark::State& state, bool multi_tensor) {
       benchmark::Counter::kIsRate);
 }
 
+struct NormShape {
+  bool layer_norm;  // else RMSNorm
+  std::int64_t rows, dim;
+};
+
+// The norm's forward and backward (norm true), or a device copy of one rows x dim tensor.
+void norm(benchmark::State& state, NormShape s, bool norm) {
+  if (!have_gpu()) {
+    state.SkipWithError("no CUDA device");
+    return;
+  }
+  auto gpu = Gpu::make();
+  if (!gpu) {
+    state.SkipWithError("cannot make a CUDA context");
+    return;
+  }
+  Context& ctx = *gpu->ctx;
+  std::unique_ptr<Module> layer;
+  if (s.layer_norm)
+    layer = std::make_unique<LayerNorm>(s.dim);
+  else
+    layer = std::make_unique<RmsNorm>(s.dim);
+  auto store = ParameterStore::create(ctx, *layer, DataType::bf16);
+  auto x = ctx.empty(Shape{s.rows, s.dim}, DataType::bf16);
+  auto seed = ctx.empty(Shape{s.rows, s.dim}, DataType::bf16);
+  if (!store || !x || !seed) {
+    state.SkipWithError("out of device memory");
+    return;
+  }
+  // Zeros: the contents only need to be finite.
+  const std::vector<std::byte> zeros(x->bytes());
+  if (!ctx.copy_from_host(*x, zeros) || !ctx.copy_from_host(*seed, zeros) ||
+      !ctx.copy_from_host(store->values(), std::vector<std::byte>(store->values().bytes())) ||
+      !ctx.copy_from_host(store->grads(), std::vector<std::byte>(store->grads().bytes()))) {
+    state.SkipWithError("cannot fill the inputs");
+    return;
+  }
+  auto once = [&]() -> async::Task<Result<void>> {
+    if (!norm) {
+      COSHARD_CO_TRY_ASSIGN(Tensor copied, ops::copy(ctx, *x));
+      co_return Result<void>{};
+    }
+    COSHARD_CO_TRY_ASSIGN(Tensor out, co_await ctx.forward(*layer, *x));
+    COSHARD_CO_TRY_ASSIGN(Tensor dx, co_await ctx.backward(*layer, *seed));
+    co_return Result<void>{};
+  };
+  for (auto _ : state) {
+    const auto start = Clock::now();
+    auto r = gpu->rt.block_on(once());
+    const bool synced = gpu->stream->synchronize().has_value();
+    state.SetIterationTime(std::chrono::duration<double>(Clock::now() - start).count());
+    if (!r || !synced) {
+      state.SkipWithError(r ? "stream failed" : r.error().message().c_str());
+      return;
+    }
+  }
+  const double tensors = norm ? 5.0 : 2.0;
+  state.counters["GBps"] = benchmark::Counter(
+      tensors * static_cast<double>(x->bytes()) * static_cast<double>(state.iterations()) / 1e9,
+      benchmark::Counter::kIsRate);
+}
+
+const struct {
+  const char* name;
+  NormShape shape;
+} kNormShapes[] = {
+    {"Gpt2XL", {true, 16384, 1600}},
+    {"Llama1B", {false, 16384, 2048}},
+    {"Llama8B", {false, 16384, 4096}},
+};
+
 const struct {
   const char* name;
   AttentionShape shape;
@@ -174,6 +254,14 @@ const struct {
                                  AttentionKernels::materialized, s.shape)
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond);
+  }
+  for (const auto& s : kNormShapes) {
+    benchmark::RegisterBenchmark((std::string("BM_Norm_") + s.name).c_str(), norm, s.shape, true)
+        ->UseManualTime()
+        ->Unit(benchmark::kMicrosecond);
+    benchmark::RegisterBenchmark((std::string("BM_Baseline_DeviceCopy_") + s.name).c_str(), norm, s.shape, false)
+        ->UseManualTime()
+        ->Unit(benchmark::kMicrosecond);
   }
   benchmark::RegisterBenchmark("BM_MultiTensorAdamW", adamw, true)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("BM_Baseline_PerGroupAdamW", adamw, false)->UseManualTime()->Unit(benchmark::kMillisecond);

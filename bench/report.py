@@ -100,6 +100,22 @@ def parameter_streaming(data):
     return shown
 
 
+def norm_bandwidth(data):
+    """A norm's forward and backward against a device copy: the fraction of the copy's GB/s."""
+    rates = {}
+    for b in data["benchmarks"]:
+        name = b.get("run_name", b["name"]).split("/")[0]
+        if "GBps" in b and name.startswith(("BM_Norm_", "BM_Baseline_DeviceCopy_")):
+            rates[name] = b["GBps"]
+    shapes = sorted(n[len("BM_Norm_"):] for n in rates if n.startswith("BM_Norm_"))
+    if not shapes:
+        return
+    print(f"\n{'norm forward+backward':24} {'GB/s':>8} {'device copy GB/s':>17} {'fraction':>9}")
+    for shape in shapes:
+        ours, copy = rates[f"BM_Norm_{shape}"], rates.get(f"BM_Baseline_DeviceCopy_{shape}", float("nan"))
+        print(f"{shape:24} {ours:8.1f} {copy:17.1f} {ours / copy:9.2f}")
+
+
 def main(path):
     with open(path) as f:
         data = json.load(f)
@@ -121,6 +137,7 @@ def main(path):
         for base in baselines:
             if base in times:
                 print(f"{ours:36} {times[ours]:9.1f}   {base:36} {times[base]:10.1f} {times[ours] / times[base]:8.3f}")
+    norm_bandwidth(data)
     if "BM_GptTrainingStep" in times and "BM_Baseline_SgemmOnly" in times:
         fraction = times["BM_Baseline_SgemmOnly"] / times["BM_GptTrainingStep"]
         print(f"training step reaches {fraction:.2f} of the bare-sgemm matmul GFLOP/s at the same shapes")

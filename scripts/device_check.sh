@@ -86,7 +86,8 @@ PY
           --benchmark_out="$out/bench_$which.json" --benchmark_out_format=json >"$out/bench_$which.log" 2>&1
         echo "$which bench rc $?"; python3 bench/report.py "$out/bench_$which.json"
       done
-      # The fused attention and the multi-tensor AdamW against their unfused baselines.
+      # The fused attention and the multi-tensor AdamW against their unfused baselines, the norms
+      # against a device copy.
       timeout 300 build/release/bench/gpu_kernels_bench --benchmark_out="$out/bench_kernels.json" \
         --benchmark_out_format=json >"$out/bench_kernels.log" 2>&1
       echo "kernels bench rc $?"; python3 bench/report.py "$out/bench_kernels.json"
