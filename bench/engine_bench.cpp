@@ -31,6 +31,7 @@
 #include "coshard/modules/gpt.hpp"
 #include "coshard/modules/parameter_store.hpp"
 #include "coshard/offload/swapper.hpp"
+#include "bench_rank.hpp"
 
 namespace {
 
@@ -83,17 +84,14 @@ class DelayedCommunicator final : public collectives::Communicator {
   std::shared_ptr<Timing> timing_;
 };
 
-struct RankSetup {
+// A CPU rank; a benchmark cannot go on without one.
+struct RankSetup : bench::BenchRank {
   RankSetup() {
-    stream = std::make_unique<async::Stream>(std::move(*async::Stream::create(async::Device::cpu(), {.name = "compute"})));
-    allocator = std::move(*async::CachingAllocator::create(async::Device::cpu()));
-    ctx = std::make_unique<Context>(std::move(*Context::create(*stream, *allocator)));
+    if (auto opened = open(async::Device::cpu()); !opened) {
+      std::fprintf(stderr, "engine_bench: cannot open a CPU rank: %s\n", opened.error().message().c_str());
+      std::abort();
+    }
   }
-  ~RankSetup() { (void)stream->synchronize(); }
-  async::Runtime rt;
-  std::unique_ptr<async::Stream> stream;
-  std::unique_ptr<async::CachingAllocator> allocator;
-  std::unique_ptr<Context> ctx;
 };
 
 constexpr GptConfig kOverlapModel{.vocab = 512, .max_seq = 64, .dim = 128, .layers = 4, .heads = 4, .mlp_ratio = 4};

@@ -28,48 +28,54 @@
 #include "coshard/modules/ops.hpp"
 #include "coshard/modules/optimizer.hpp"
 #include "coshard/modules/parameter_store.hpp"
+#include "bench_rank.hpp"
 
 namespace {
 
 using namespace coshard;
 using namespace coshard::modules;
 using Clock = std::chrono::steady_clock;
+using bench::BenchRank;
+using bench::have_gpu;
 
-bool have_gpu() { return async::cuda_compiled() && async::cuda_device_count() > 0; }
-
-struct Gpu {
-  async::Runtime rt;
-  std::unique_ptr<async::Stream> stream;
-  std::unique_ptr<async::CachingAllocator> allocator;
-  std::unique_ptr<Context> ctx;
-  static std::unique_ptr<Gpu> make(ContextOptions options = {}) {
-    auto g = std::make_unique<Gpu>();
-    auto s = async::Stream::create(async::Device::cuda(0), {.name = "bench"});
-    auto a = async::CachingAllocator::create(async::Device::cuda(0));
-    if (!s || !a) return nullptr;
-    g->stream = std::make_unique<async::Stream>(std::move(*s));
-    g->allocator = std::move(*a);
-    auto c = Context::create(*g->stream, *g->allocator, options);
-    if (!c) return nullptr;
-    g->ctx = std::make_unique<Context>(std::move(*c));
-    return g;
+// A rank on cuda:0, or null with the benchmark skipped (no GPU, or the reason it failed).
+std::unique_ptr<BenchRank> gpu_rank(benchmark::State& state, ContextOptions options = {}) {
+  if (!have_gpu()) {
+    state.SkipWithError("no CUDA device");
+    return nullptr;
   }
-};
+  auto rank = BenchRank::make(async::Device::cuda(0), options);
+  if (!rank) {
+    state.SkipWithError(rank.error().message().c_str());
+    return nullptr;
+  }
+  return std::move(*rank);
+}
+
+// Times each iteration's once() from its first enqueue to the stream's end; false (the benchmark
+// skipped with the reason) where one fails.
+template <class Once>
+bool timed_passes(benchmark::State& state, BenchRank& rank, Once& once) {
+  for (auto _ : state) {
+    const auto start = Clock::now();
+    auto r = rank.rt.block_on(once());
+    const bool synced = rank.stream->synchronize().has_value();
+    state.SetIterationTime(std::chrono::duration<double>(Clock::now() - start).count());
+    if (!r || !synced) {
+      state.SkipWithError(r ? "stream failed" : r.error().message().c_str());
+      return false;
+    }
+  }
+  return true;
+}
 
 struct AttentionShape {
   std::int64_t B, T, H, KVH, hd;
 };
 
 void attention(benchmark::State& state, AttentionKernels kernels, AttentionShape s) {
-  if (!have_gpu()) {
-    state.SkipWithError("no CUDA device");
-    return;
-  }
-  auto gpu = Gpu::make({.attention = kernels});
-  if (!gpu) {
-    state.SkipWithError("cannot make a CUDA context");
-    return;
-  }
+  auto gpu = gpu_rank(state, {.attention = kernels});
+  if (!gpu) return;
   Context& ctx = *gpu->ctx;
   CausalSelfAttention layer(AttentionHeads{s.H, s.KVH, s.hd});
   auto qkv = ctx.empty(Shape{s.B, s.T, (s.H + 2 * s.KVH) * s.hd}, DataType::bf16);
@@ -90,16 +96,7 @@ void attention(benchmark::State& state, AttentionKernels kernels, AttentionShape
     co_return Result<void>{};
   };
   ctx.reset_activation_peak();
-  for (auto _ : state) {
-    const auto start = Clock::now();
-    auto r = gpu->rt.block_on(once());
-    const bool synced = gpu->stream->synchronize().has_value();
-    state.SetIterationTime(std::chrono::duration<double>(Clock::now() - start).count());
-    if (!r || !synced) {
-      state.SkipWithError(r ? "stream failed" : r.error().message().c_str());
-      return;
-    }
-  }
+  if (!timed_passes(state, *gpu, once)) return;
   const double forward = 2.0 * static_cast<double>(s.B * s.H * s.T) * static_cast<double>(s.T * s.hd);
   state.counters["TFLOPs"] =
       benchmark::Counter(3.5 * forward * static_cast<double>(state.iterations()) / 1e12, benchmark::Counter::kIsRate);
@@ -107,15 +104,8 @@ void attention(benchmark::State& state, AttentionKernels kernels, AttentionShape
 }
 
 void adamw(benchmark::State& state, bool multi_tensor) {
-  if (!have_gpu()) {
-    state.SkipWithError("no CUDA device");
-    return;
-  }
-  auto gpu = Gpu::make();
-  if (!gpu) {
-    state.SkipWithError("cannot make a CUDA context");
-    return;
-  }
+  auto gpu = gpu_rank(state);
+  if (!gpu) return;
   Context& ctx = *gpu->ctx;
   constexpr int kGroups = 400;
   constexpr std::int64_t kElements = 256 * 1024;
@@ -171,15 +161,8 @@ struct NormShape {
 
 // The norm's forward and backward (norm true), or a device copy of one rows x dim tensor.
 void norm(benchmark::State& state, NormShape s, bool norm) {
-  if (!have_gpu()) {
-    state.SkipWithError("no CUDA device");
-    return;
-  }
-  auto gpu = Gpu::make();
-  if (!gpu) {
-    state.SkipWithError("cannot make a CUDA context");
-    return;
-  }
+  auto gpu = gpu_rank(state);
+  if (!gpu) return;
   Context& ctx = *gpu->ctx;
   std::unique_ptr<Module> layer;
   if (s.layer_norm)
@@ -210,16 +193,7 @@ void norm(benchmark::State& state, NormShape s, bool norm) {
     COSHARD_CO_TRY_ASSIGN(Tensor dx, co_await ctx.backward(*layer, *seed));
     co_return Result<void>{};
   };
-  for (auto _ : state) {
-    const auto start = Clock::now();
-    auto r = gpu->rt.block_on(once());
-    const bool synced = gpu->stream->synchronize().has_value();
-    state.SetIterationTime(std::chrono::duration<double>(Clock::now() - start).count());
-    if (!r || !synced) {
-      state.SkipWithError(r ? "stream failed" : r.error().message().c_str());
-      return;
-    }
-  }
+  if (!timed_passes(state, *gpu, once)) return;
   const double tensors = norm ? 5.0 : 2.0;
   state.counters["GBps"] = benchmark::Counter(
       tensors * static_cast<double>(x->bytes()) * static_cast<double>(state.iterations()) / 1e9,

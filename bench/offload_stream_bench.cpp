@@ -31,6 +31,7 @@
 #include "coshard/modules/cpu_threads.hpp"
 #include "coshard/modules/layers.hpp"
 #include "coshard/zero/engine.hpp"
+#include "bench_rank.hpp"
 
 namespace {
 
@@ -38,8 +39,7 @@ using namespace coshard;
 using namespace coshard::modules;
 using namespace coshard::zero;
 using Clock = std::chrono::steady_clock;
-
-bool have_gpu() { return async::cuda_compiled() && async::cuda_device_count() > 0; }
+using bench::have_gpu;
 
 std::int64_t env_or(const char* name, std::int64_t fallback) {
   const char* v = std::getenv(name);
@@ -51,27 +51,20 @@ double median(std::vector<double> v) {
   return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
-struct Rank {
-  async::Runtime rt;
-  std::unique_ptr<async::Stream> stream;
-  std::unique_ptr<async::CachingAllocator> allocator;
-  std::unique_ptr<Context> ctx;
+// A rank with the communicator of communicator_from_env (the CPU's Local backend on the CPU).
+struct Rank : bench::BenchRank {
   std::unique_ptr<collectives::Communicator> comm;
 
   static Result<std::unique_ptr<Rank>> make(async::Device device) {
     auto r = std::make_unique<Rank>();
-    COSHARD_TRY_ASSIGN(auto stream, async::Stream::create(device, {.name = "compute"}));
-    r->stream = std::make_unique<async::Stream>(std::move(stream));
-    COSHARD_TRY_ASSIGN(r->allocator, async::CachingAllocator::create(device));
-    COSHARD_TRY_ASSIGN(auto ctx, Context::create(*r->stream, *r->allocator));
-    r->ctx = std::make_unique<Context>(std::move(ctx));
+    COSHARD_TRY(r->open(device));
     collectives::FromEnvOptions options;
     options.force_cpu = device.is_cpu();
     COSHARD_TRY_ASSIGN(r->comm, collectives::communicator_from_env(r->rt, options));
     return r;
   }
   ~Rank() {
-    if (stream) (void)stream->synchronize();
+    if (stream) (void)stream->synchronize();  // before the communicator goes
   }
 };
 
