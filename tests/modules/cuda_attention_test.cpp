@@ -18,6 +18,7 @@
 namespace coshard::modules {
 namespace {
 
+using testing::normwise_error;
 using testing::random_values;
 
 struct AttentionShape {
@@ -31,16 +32,6 @@ struct AttentionRun {
   std::vector<double> out, dqkv;
   std::size_t peak_bytes = 0;
 };
-
-double normwise_error(const std::vector<double>& got, const std::vector<double>& want) {
-  if (got.size() != want.size()) return INFINITY;
-  double diff = 0, ref = 0;
-  for (std::size_t i = 0; i < want.size(); ++i) {
-    diff += (got[i] - want[i]) * (got[i] - want[i]);
-    ref += want[i] * want[i];
-  }
-  return std::sqrt(diff) / std::max(std::sqrt(ref), 1e-30);
-}
 
 // One forward and backward of a CausalSelfAttention on cuda:0 with the given attention kernels,
 // from inputs fixed by the shape (the same for every call).
@@ -73,7 +64,7 @@ Result<AttentionRun> run_attention(async::Runtime& rt, AttentionKernels kernels,
 class FusedAttention : public ::testing::TestWithParam<std::tuple<DataType, AttentionShape>> {
  protected:
   void SetUp() override {
-    if (!async::cuda_compiled() || async::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+    COSHARD_SKIP_WITHOUT_CUDA();
   }
   async::Runtime rt_;
 };
@@ -109,7 +100,7 @@ INSTANTIATE_TEST_SUITE_P(
     });
 
 TEST(FusedAttentionMemory, KeepsNoTimesTMatrix) {
-  if (!async::cuda_compiled() || async::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  COSHARD_SKIP_WITHOUT_CUDA();
   async::Runtime rt_;
   const AttentionShape shape{1, 512, 8, 4, 64};
   const std::size_t probabilities = static_cast<std::size_t>(shape.B * shape.H * shape.T * shape.T) * 2;

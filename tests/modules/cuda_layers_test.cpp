@@ -32,17 +32,8 @@ namespace {
 
 using namespace coshard::zero;
 
+using testing::normwise_error;
 using testing::random_values;
-
-double normwise_error(const std::vector<double>& got, const std::vector<double>& want) {
-  double diff = 0, ref = 0;
-  for (std::size_t i = 0; i < want.size() && i < got.size(); ++i) {
-    diff += (got[i] - want[i]) * (got[i] - want[i]);
-    ref += want[i] * want[i];
-  }
-  if (got.size() != want.size()) return INFINITY;
-  return std::sqrt(diff) / std::max(std::sqrt(ref), 1e-30);
-}
 
 double tolerance(DataType dt) {
   switch (dt) {
@@ -107,7 +98,7 @@ async::Task<Result<LayerRun>> run_layer(Context& ctx, const LayerCase& c, DataTy
 class CudaLayers : public ::testing::TestWithParam<DataType> {
  protected:
   void SetUp() override {
-    if (!async::cuda_compiled() || async::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+    COSHARD_SKIP_WITHOUT_CUDA();
     cpu_ = Backend::make(async::Device::cpu());
     gpu_ = Backend::make(async::Device::cuda(0));
   }
@@ -380,7 +371,7 @@ using namespace coshard::zero;
 // same; only the order of the gradient-norm sums differs), with and without the optimizer
 // offloaded.
 TEST(CudaLocalRanks, TwoRanksSharingTheGpuTrainLikeOne) {
-  if (!async::cuda_compiled() || async::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  COSHARD_SKIP_WITHOUT_CUDA();
   const std::filesystem::path no_path;  // (an lvalue: see the GCC 12 coroutine trap in the README)
   for (OptimizerOffload offload : {OptimizerOffload::none, OptimizerOffload::cpu}) {
     std::vector<std::vector<double>> losses;

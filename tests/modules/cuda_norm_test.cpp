@@ -21,6 +21,7 @@
 namespace coshard::modules {
 namespace {
 
+using testing::normwise_error;
 using testing::random_values;
 
 enum class Norm { layer, rms };
@@ -36,16 +37,6 @@ struct NormShape {
 struct NormRun {
   std::vector<double> out, dx, dparams;
 };
-
-double normwise_error(const std::vector<double>& got, const std::vector<double>& want) {
-  if (got.size() != want.size()) return INFINITY;
-  double diff = 0, ref = 0;
-  for (std::size_t i = 0; i < want.size(); ++i) {
-    diff += (got[i] - want[i]) * (got[i] - want[i]);
-    ref += want[i] * want[i];
-  }
-  return std::sqrt(diff) / std::max(std::sqrt(ref), 1e-30);
-}
 
 // One forward and backward of the norm on `device` in `dt`, from inputs, weights and output
 // gradient fixed by the shape. The parameters' gradients start at a nonzero value, so that the
@@ -122,7 +113,7 @@ std::string shape_name(DataType dt, const NormShape& s) {
 class CudaNorm : public ::testing::TestWithParam<std::tuple<DataType, NormShape>> {
  protected:
   void SetUp() override {
-    if (!async::cuda_compiled() || async::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+    COSHARD_SKIP_WITHOUT_CUDA();
   }
   async::Runtime rt_;
 };

@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <memory>
 #include <random>
 #include <vector>
@@ -20,6 +22,25 @@ inline std::vector<double> random_values(std::size_t n, std::uint64_t seed, doub
   for (auto& x : v) x = d(rng);
   return v;
 }
+
+// ||got - want|| / ||want|| (infinite when the sizes differ): how the CUDA tests compare a
+// tensor with its reference within a dtype's tolerance.
+inline double normwise_error(const std::vector<double>& got, const std::vector<double>& want) {
+  if (got.size() != want.size()) return INFINITY;
+  double diff = 0, ref = 0;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    diff += (got[i] - want[i]) * (got[i] - want[i]);
+    ref += want[i] * want[i];
+  }
+  return std::sqrt(diff) / std::max(std::sqrt(ref), 1e-30);
+}
+
+// Skips the test where no CUDA device is present (CI and the build machines compile, never run).
+#define COSHARD_SKIP_WITHOUT_CUDA()                                                         \
+  do {                                                                                      \
+    if (!::coshard::async::cuda_compiled() || ::coshard::async::cuda_device_count() == 0) \
+      GTEST_SKIP() << "no CUDA device";                                                     \
+  } while (false)
 
 class ModuleFixture : public ::testing::Test {
  protected:
