@@ -16,8 +16,10 @@ PyTorch's checkpoint_wrapper on each block).
       --out results.json [--compile] [--steps 20] [--checkpointing] [--offload]
 
 Reports tokens/s, MFU (6*N*tokens plus attention's 12*L*T*(heads*head_dim) per token [PaLM's
-count], against 989 TFLOP/s bf16 dense: H100 SXM and H200 alike) and peak device memory for each
-side, and the ratio coshard / PyTorch. --cpu runs both at toy size on the CPU (the harness itself,
+count], against 989 TFLOP/s bf16 dense: H100 SXM and H200 alike), peak memory for each side
+(device_peak_bytes: nvidia-smi's rise over the side's run, context included; allocator_peak_bytes:
+live tensors at their peak), and the ratio coshard / PyTorch. Each side runs in a process of its
+own, so each starts from a clean device. --cpu runs both at toy size on the CPU (the harness itself,
 in CI).
 """
 import argparse
@@ -31,7 +33,8 @@ import time
 
 PRESETS = {
     # name: layers, dim, heads, vocab, seq, batch (sequences per step)
-    # coshard's attention keeps the T x T probabilities, so 8 sequences of 1024 do not fit 80 GB.
+    # 1.5B at batch 4: the tables of docs/performance.md were measured so (8 did not fit 80 GB while
+    # coshard's attention kept the T x T probabilities).
     "gpt2-1.5b": (48, 1600, 25, 50257, 1024, 4),
     "gpt2-350m": (24, 1024, 16, 50257, 1024, 8),
     "gpt2-124m": (12, 768, 12, 50257, 1024, 8),
@@ -156,7 +159,10 @@ def run_torch(args, layers, dim, heads, vocab, seq, batch, compiled, llama=None)
     import torch.distributed as dist
     import torch.nn as nn
     import torch.nn.functional as F
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    try:  # torch 2.6 and later
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    except ImportError:  # FSDP2 before it moved (torch 2.4 and 2.5)
+        from torch.distributed._composable.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     device = torch.device("cpu" if args.cpu else "cuda")
     if not dist.is_initialized():
@@ -227,7 +233,6 @@ def run_torch(args, layers, dim, heads, vocab, seq, batch, compiled, llama=None)
         step()
     if not args.cpu:
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
@@ -235,35 +240,45 @@ def run_torch(args, layers, dim, heads, vocab, seq, batch, compiled, llama=None)
         if not args.cpu:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    peak = 0 if args.cpu else torch.cuda.max_memory_reserved()
-    del model, opt, forward
-    if not args.cpu:
-        torch.cuda.empty_cache()
+    # live tensors at their peak, as coshard's allocator counts its peak_in_use (the whole run)
+    peak = 0 if args.cpu else torch.cuda.max_memory_allocated()
     med = statistics.median(times)
-    return {"params": params, "step_s": med, "tokens_per_s": batch * seq / med, "peak_bytes": peak}
+    return {"params": params, "step_s": med, "tokens_per_s": batch * seq / med, "allocator_peak_bytes": peak}
+
+
+def device_memory_used():
+    """The device's used memory in bytes as nvidia-smi reports it (None where it cannot)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=5).stdout
+        return int(out.split()[0]) * 1024 * 1024
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
 
 
 class DeviceMemoryPoller:
-    """Peak memory of the device as nvidia-smi sees it while a child process runs."""
+    """How far the device's used memory rose above where it stood before, while a child process
+    runs (its CUDA context, workspaces and allocator pools included: each side runs in a process of
+    its own, so both are counted alike)."""
 
     def __init__(self, enabled):
         self.peak = 0
         self.enabled = enabled
+        self._base = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
     def _poll(self):
         while not self._stop.is_set():
-            try:
-                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                                     capture_output=True, text=True, timeout=5).stdout
-                self.peak = max(self.peak, int(out.split()[0]) * 1024 * 1024)
-            except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+            used = device_memory_used()
+            if used is None:
                 return
+            self.peak = max(self.peak, used - self._base)
             self._stop.wait(0.25)
 
     def __enter__(self):
         if self.enabled:
+            self._base = device_memory_used() or 0
             self._thread.start()
         return self
 
@@ -295,9 +310,29 @@ def run_coshard(args, layers, dim, heads, vocab, seq, batch, model_flags=None):
         rows = [json.loads(line) for line in f if line.strip()]
     steady = rows[args.warmup:]
     med = statistics.median(r["step_ms"] for r in steady) / 1e3
-    return {"step_s": med, "tokens_per_s": batch * seq / med, "peak_bytes": poller.peak,
+    return {"step_s": med, "tokens_per_s": batch * seq / med, "device_peak_bytes": poller.peak,
+            "allocator_peak_bytes": max(r["peak_memory_bytes"] for r in rows),
             "blocking_waits": max(r["blocking_waits"] for r in steady),
             "exposed_comm_ms": statistics.median(r["exposed_comm_ms"] or 0 for r in steady), "cmd": " ".join(cmd)}
+
+
+TORCH_RESULT = "TORCH_RESULT "
+
+
+def run_torch_process(args, side):
+    """One PyTorch side in a process of its own (`--torch-side`), so that each side starts from a
+    clean device: no CUDA context, caching-allocator pool or compile cache left by the one before,
+    and the device peak counts each side's own context, as coshard's does."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--torch-side", side] + sys.argv[1:]
+    with DeviceMemoryPoller(not args.cpu) as poller:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(TORCH_RESULT)]
+    if proc.returncode != 0 or not lines:
+        return {"error": f"the {side} side exited {proc.returncode}: {proc.stderr.strip()[-2000:]}"}
+    r = json.loads(lines[-1][len(TORCH_RESULT):])
+    if "error" not in r:
+        r["device_peak_bytes"] = poller.peak
+    return r
 
 
 def main():
@@ -319,6 +354,7 @@ def main():
     p.add_argument("--cpu", action="store_true", help="both on the CPU (toy sizes: checks the harness)")
     p.add_argument("--workdir", default=".")
     p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--torch-side", choices=["eager", "compile"], help=argparse.SUPPRESS)  # run_torch_process's child
     args = p.parse_args()
     llama = None
     model_flags = None
@@ -338,14 +374,24 @@ def main():
     results = {"preset": args.preset, "offload": args.offload, "checkpointing": args.checkpointing, "layers": layers,
                "dim": dim, "heads": heads, "vocab": vocab, "seq": seq, "batch": batch, "params": params,
                "flops_per_token": flops_per_token, "runs": {}}
-    if not args.cpu:
-        import torch
-        results["device"] = torch.cuda.get_device_name(0)
+    if args.torch_side:
+        try:
+            r = run_torch(args, layers, dim, heads, vocab, seq, batch, args.torch_side == "compile", llama)
+        except Exception as e:  # noqa: BLE001 - reported to the parent as this side's result
+            r = {"error": f"{type(e).__name__}: {e}"}
+        print(TORCH_RESULT + json.dumps(r), flush=True)
+        return 0
+    if not args.cpu:  # nvidia-smi, not torch: this process keeps no CUDA context while the sides run
+        try:
+            results["device"] = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                               capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            results["device"] = "unknown"
     sides = [("coshard", lambda: run_coshard(args, layers, dim, heads, vocab, seq, batch, model_flags))]
     if not args.skip_torch:
-        sides.append(("fsdp2_eager", lambda: run_torch(args, layers, dim, heads, vocab, seq, batch, False, llama)))
+        sides.append(("fsdp2_eager", lambda: run_torch_process(args, "eager")))
         if args.compile:
-            sides.append(("fsdp2_compile", lambda: run_torch(args, layers, dim, heads, vocab, seq, batch, True, llama)))
+            sides.append(("fsdp2_compile", lambda: run_torch_process(args, "compile")))
     for name, run in sides:
         try:
             r = run()
