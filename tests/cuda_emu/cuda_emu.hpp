@@ -1,0 +1,270 @@
+// Enough of CUDA to run coshard's kernel files on the CPU, for tests of their logic on machines
+// without a GPU (CI among them). translate.py rewrites a .cu file's launches (kernel<<<...>>>(...))
+// and dynamic shared memory into calls of this header; include/ holds the toolkit's header names.
+//
+// What is emulated: a grid runs one block at a time, each block's threads as std::threads, with
+// __syncthreads and __syncwarp as barriers and __shfl_xor_sync through the warp's slots; a
+// kernel's static __shared__ arrays are statics (one block at a time shares them correctly);
+// f16 and bf16 storage rounds to nearest even like the hardware's conversions; WMMA fragments hold
+// whole 16x16 tiles, and lane 0 does a warp's loads, products and stores (the others hold
+// nothing: coshard's kernels reach fragments only through these), with the warp's barrier around
+// each load and store, as the *_sync operations order them.
+// What is not: timing, memory-model subtleties beyond barriers, the hardware's fragment layouts
+// (coshard's kernels touch fragments only through load/store/mma), special-function precision
+// (__expf is expf), and atomics.
+#pragma once
+
+#include <barrier>
+#include <bit>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <math.h>
+#include <memory>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+  dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+
+inline thread_local dim3 threadIdx{0, 0, 0};  // NOLINT: CUDA's names
+inline thread_local dim3 blockIdx{0, 0, 0};
+inline dim3 blockDim;
+inline dim3 gridDim;
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __align__(n) alignas(n)
+#define __shared__ static
+#define __restrict__ __restrict
+
+enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1 };
+using cudaStream_t = void*;
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize };
+inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+template <class Kernel>
+cudaError_t cudaFuncSetAttribute(Kernel, cudaFuncAttribute, int) {
+  return cudaSuccess;
+}
+
+// ---- f16 and bf16 storage ----
+
+struct __half {
+  std::uint16_t bits;
+};
+struct __nv_bfloat16 {
+  std::uint16_t bits;
+};
+
+inline __half __float2half_rn(float f) {
+  const std::uint32_t x = std::bit_cast<std::uint32_t>(f);
+  const auto sign = static_cast<std::uint16_t>((x >> 16) & 0x8000u);
+  const std::uint32_t exp = (x >> 23) & 0xffu, mant = x & 0x7fffffu;
+  if (exp == 0xffu) return {static_cast<std::uint16_t>(sign | 0x7c00u | (mant ? 0x200u : 0u))};
+  const int e = static_cast<int>(exp) - 127 + 15;
+  if (e >= 31) return {static_cast<std::uint16_t>(sign | 0x7c00u)};
+  if (e <= 0) {  // a subnormal half, or zero
+    if (e < -10) return {sign};
+    const std::uint32_t m = mant | 0x800000u;
+    const int shift = 14 - e;
+    std::uint32_t h = m >> shift;
+    const std::uint32_t rem = m & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+    if (rem > halfway || (rem == halfway && (h & 1u))) ++h;
+    return {static_cast<std::uint16_t>(sign | h)};
+  }
+  std::uint32_t h = (static_cast<std::uint32_t>(e) << 10) | (mant >> 13);
+  const std::uint32_t rem = mant & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // a carry into the exponent is right
+  return {static_cast<std::uint16_t>(sign | h)};
+}
+inline float __half2float(__half h) {
+  const std::uint32_t sign = (h.bits & 0x8000u) << 16, exp = (h.bits >> 10) & 0x1fu, mant = h.bits & 0x3ffu;
+  if (exp == 0) {
+    const float v = std::ldexp(static_cast<float>(mant), -24);
+    return sign ? -v : v;
+  }
+  if (exp == 31) return std::bit_cast<float>(sign | 0x7f800000u | (mant << 13));
+  return std::bit_cast<float>(sign | ((exp + 112) << 23) | (mant << 13));
+}
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+  const std::uint32_t x = std::bit_cast<std::uint32_t>(f);
+  if (std::isnan(f)) return {static_cast<std::uint16_t>(((x >> 16) & 0x8000u) | 0x7fc0u)};
+  return {static_cast<std::uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16)};
+}
+inline float __bfloat162float(__nv_bfloat16 b) { return std::bit_cast<float>(static_cast<std::uint32_t>(b.bits) << 16); }
+
+inline float emu_to_float(float v) { return v; }
+inline float emu_to_float(__half v) { return __half2float(v); }
+inline float emu_to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+inline float __expf(float x) { return std::exp(x); }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline std::int64_t min(std::int64_t a, std::int64_t b) { return a < b ? a : b; }
+inline std::int64_t max(std::int64_t a, std::int64_t b) { return a > b ? a : b; }
+
+// ---- blocks, warps and launches ----
+
+namespace emu {
+
+struct Block {
+  unsigned threads = 0;
+  std::unique_ptr<std::barrier<>> all;
+  std::vector<std::unique_ptr<std::barrier<>>> warps;
+  std::vector<float> slots;  // one per thread, for shuffles
+  std::vector<std::byte> dynamic_shared;
+};
+inline Block* current = nullptr;  // blocks run one at a time
+inline thread_local unsigned flat_thread = 0;
+
+inline unsigned lane() { return flat_thread % 32; }
+inline std::barrier<>& warp_barrier() { return *current->warps[flat_thread / 32]; }
+inline unsigned char* dynamic_shared() { return reinterpret_cast<unsigned char*>(current->dynamic_shared.data()); }
+
+// Runs body in every thread of every block of the grid: one std::thread per thread of a block,
+// going through the blocks in order with a barrier between them (so a block's statics and
+// shared memory are the next one's only after every thread is done with them).
+template <class Body>
+void run_grid(dim3 grid, dim3 block, std::size_t shared_bytes, Body& body) {
+  gridDim = grid;
+  blockDim = block;
+  const unsigned n = block.x * block.y * block.z;
+  Block b;
+  b.threads = n;
+  b.all = std::make_unique<std::barrier<>>(static_cast<std::ptrdiff_t>(n));
+  for (unsigned w = 0; w * 32 < n; ++w)
+    b.warps.push_back(std::make_unique<std::barrier<>>(static_cast<std::ptrdiff_t>(std::min(32u, n - w * 32))));
+  b.slots.assign(n, 0.0f);
+  b.dynamic_shared.assign(shared_bytes + 128, std::byte{0});  // aligned to 128 by emu_dynamic_shared
+  current = &b;
+  std::vector<std::thread> threads;
+  threads.reserve(n);
+  for (unsigned t = 0; t < n; ++t)
+    threads.emplace_back([&, t] {
+      threadIdx = dim3(t % block.x, (t / block.x) % block.y, t / (block.x * block.y));
+      flat_thread = t;
+      for (unsigned bz = 0; bz < grid.z; ++bz)
+        for (unsigned by = 0; by < grid.y; ++by)
+          for (unsigned bx = 0; bx < grid.x; ++bx) {
+            blockIdx = dim3(bx, by, bz);
+            body();
+            b.all->arrive_and_wait();
+          }
+    });
+  for (auto& th : threads) th.join();
+  current = nullptr;
+}
+
+template <class Kernel>
+struct Launch {
+  Kernel kernel;
+  dim3 grid, block;
+  std::size_t shared_bytes;
+  template <class... Args>
+  void operator()(Args... args) const {
+    auto body = [&] { kernel(args...); };
+    run_grid(grid, block, shared_bytes, body);
+  }
+};
+
+template <class Kernel>
+Launch<Kernel> launch(Kernel kernel, dim3 grid, dim3 block, std::size_t shared_bytes = 0, void* /*stream*/ = nullptr) {
+  return {kernel, grid, block, shared_bytes};
+}
+
+}  // namespace emu
+
+// The dynamic shared memory of the running block, 128-byte aligned.
+inline unsigned char* emu_dynamic_shared() {
+  auto p = reinterpret_cast<std::uintptr_t>(emu::dynamic_shared());
+  return reinterpret_cast<unsigned char*>((p + 127) / 128 * 128);
+}
+
+inline void __syncthreads() { emu::current->all->arrive_and_wait(); }
+inline void __syncwarp(unsigned /*mask*/ = 0xffffffffu) { emu::warp_barrier().arrive_and_wait(); }
+inline float __shfl_xor_sync(unsigned /*mask*/, float v, int offset) {
+  emu::warp_barrier().arrive_and_wait();  // every lane has read the slots of the shuffle before
+  emu::current->slots[emu::flat_thread] = v;
+  emu::warp_barrier().arrive_and_wait();
+  const unsigned base = emu::flat_thread & ~31u;
+  return emu::current->slots[base | ((emu::flat_thread & 31u) ^ static_cast<unsigned>(offset))];
+}
+
+// ---- WMMA ----
+
+namespace nvcuda::wmma {
+
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+
+// Element (i, j) of the tile (row i of A or of B = k, column j) at x[i * 16 + j], in f32.
+template <class Use, int M, int N, int K, class T, class Layout = void>
+struct fragment {
+  static_assert(M == 16 && N == 16 && K == 16, "the emulation serves 16x16x16 fragments");
+  float x[256];
+};
+
+template <class Use, class T, class Layout>
+void load_matrix_sync(fragment<Use, 16, 16, 16, T, Layout>& f, const T* p, unsigned ldm) {
+  __syncwarp();
+  if (emu::lane() == 0)
+    for (int i = 0; i < 16; ++i)
+      for (int j = 0; j < 16; ++j) {
+        const T v = std::is_same_v<Layout, row_major> ? p[i * ldm + j] : p[j * ldm + i];
+        f.x[i * 16 + j] = emu_to_float(v);
+      }
+  __syncwarp();
+}
+
+inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const float* p, unsigned ldm, layout_t l) {
+  __syncwarp();
+  if (emu::lane() == 0)
+    for (int i = 0; i < 16; ++i)
+      for (int j = 0; j < 16; ++j) f.x[i * 16 + j] = l == mem_row_major ? p[i * ldm + j] : p[j * ldm + i];
+  __syncwarp();
+}
+
+inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ldm, layout_t l) {
+  __syncwarp();
+  if (emu::lane() == 0)
+    for (int i = 0; i < 16; ++i)
+      for (int j = 0; j < 16; ++j) (l == mem_row_major ? p[i * ldm + j] : p[j * ldm + i]) = f.x[i * 16 + j];
+  __syncwarp();
+}
+
+template <class Use, class T, class Layout>
+void fill_fragment(fragment<Use, 16, 16, 16, T, Layout>& f, float v) {
+  for (float& e : f.x) e = v;
+}
+
+template <class T, class LA, class LB>
+void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix_a, 16, 16, 16, T, LA>& a,
+              const fragment<matrix_b, 16, 16, 16, T, LB>& b, const fragment<accumulator, 16, 16, 16, float>& c) {
+  if (emu::lane() != 0) return;  // only lane 0's fragments are ever stored (store_matrix_sync)
+  float out[256];
+  for (int m = 0; m < 16; ++m)
+    for (int n = 0; n < 16; ++n) {
+      float s = c.x[m * 16 + n];
+      for (int k = 0; k < 16; ++k) s += a.x[m * 16 + k] * b.x[k * 16 + n];
+      out[m * 16 + n] = s;
+    }
+  std::memcpy(d.x, out, sizeof out);
+}
+
+}  // namespace nvcuda::wmma
