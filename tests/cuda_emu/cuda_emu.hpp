@@ -11,7 +11,8 @@
 // each load and store, as the *_sync operations order them.
 // What is not: timing, memory-model subtleties beyond barriers, the hardware's fragment layouts
 // (coshard's kernels touch fragments only through load/store/mma), special-function precision
-// (__expf is expf), and atomics.
+// (__expf is expf), and the order of atomics (one lock; blocks run in order, so sums that the GPU
+// adds in any order come out in one).
 #pragma once
 
 #include <barrier>
@@ -22,6 +23,7 @@
 #include <cstring>
 #include <math.h>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -200,6 +202,30 @@ inline float __shfl_xor_sync(unsigned /*mask*/, float v, int offset) {
   emu::warp_barrier().arrive_and_wait();
   const unsigned base = emu::flat_thread & ~31u;
   return emu::current->slots[base | ((emu::flat_thread & 31u) ^ static_cast<unsigned>(offset))];
+}
+
+// ---- atomics: one lock for all (the emulation runs one block at a time anyway) ----
+
+namespace emu {
+inline std::mutex atomics;
+}
+inline float atomicAdd(float* p, float v) {
+  std::lock_guard lock(emu::atomics);
+  const float old = *p;
+  *p = old + v;
+  return old;
+}
+inline __half atomicAdd(__half* p, __half v) {
+  std::lock_guard lock(emu::atomics);
+  const __half old = *p;
+  *p = __float2half_rn(__half2float(old) + __half2float(v));
+  return old;
+}
+inline __nv_bfloat16 atomicAdd(__nv_bfloat16* p, __nv_bfloat16 v) {
+  std::lock_guard lock(emu::atomics);
+  const __nv_bfloat16 old = *p;
+  *p = __float2bfloat16_rn(__bfloat162float(old) + __bfloat162float(v));
+  return old;
 }
 
 // ---- WMMA ----

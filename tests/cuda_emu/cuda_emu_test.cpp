@@ -13,72 +13,19 @@
 #include <cmath>
 #include <cstdint>
 #include <ostream>
-#include <random>
 #include <sstream>
 #include <tuple>
 #include <vector>
 
 #include "cuda_emu.hpp"
+#include "emu_support.hpp"
 #include "flash_attention.cuh"
 #include "kernels.cuh"
 
 namespace {
 
 namespace cu = coshard::modules::cuda;
-constexpr int kF32 = 0, kF16 = 2, kBF16 = 3;
-
-std::vector<double> random_values(std::size_t n, std::uint64_t seed, double scale = 1.0) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> d(-scale, scale);
-  std::vector<double> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
-
-// Values held in the storage type of `dt` (f32, f16 or bf16), and read back as f64.
-struct Stored {
-  int dt;
-  std::vector<float> f32;
-  std::vector<__half> f16;
-  std::vector<__nv_bfloat16> bf16;
-
-  Stored(int dtype, const std::vector<double>& v) : dt(dtype) {
-    for (double x : v) {
-      if (dt == kF32) f32.push_back(static_cast<float>(x));
-      if (dt == kF16) f16.push_back(__float2half_rn(static_cast<float>(x)));
-      if (dt == kBF16) bf16.push_back(__float2bfloat16_rn(static_cast<float>(x)));
-    }
-  }
-  void* data() {
-    if (dt == kF16) return f16.data();
-    if (dt == kBF16) return bf16.data();
-    return f32.data();
-  }
-  std::vector<double> values() const {
-    std::vector<double> out;
-    if (dt == kF32)
-      for (float x : f32) out.push_back(x);
-    if (dt == kF16)
-      for (auto x : f16) out.push_back(__half2float(x));
-    if (dt == kBF16)
-      for (auto x : bf16) out.push_back(__bfloat162float(x));
-    return out;
-  }
-};
-
-double normwise_error(const std::vector<double>& got, const std::vector<double>& want) {
-  if (got.size() != want.size()) return INFINITY;
-  double diff = 0, ref = 0;
-  for (std::size_t i = 0; i < want.size(); ++i) {
-    diff += (got[i] - want[i]) * (got[i] - want[i]);
-    ref += want[i] * want[i];
-  }
-  return std::sqrt(diff) / std::max(std::sqrt(ref), 1e-30);
-}
-
-double tolerance(int dt) { return dt == kBF16 ? 3e-2 : dt == kF16 ? 5e-3 : 1e-5; }
-
-const char* dtype_name(int dt) { return dt == kBF16 ? "bf16" : dt == kF16 ? "f16" : "f32"; }
+using namespace coshard::cuda_emu_test;
 
 TEST(CudaEmulation, HalfConversionsRoundToNearestEven) {
   EXPECT_EQ(__float2half_rn(1.0f).bits, 0x3c00);

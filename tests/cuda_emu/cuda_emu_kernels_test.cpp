@@ -1,0 +1,203 @@
+// More of coshard's CUDA kernel files on the CPU through the emulation (see cuda_emu_test.cpp):
+// the ones no GPU had run when they were written. Against f64 references from the same stored
+// inputs:
+//   - the one-pass (online-softmax) cross-entropy (kernels.cu): loss and logits' gradient, a
+//     vocabulary that ends inside a thread stride, masked (-inf) logits, a target out of range;
+//   - SwiGLU and rotary embeddings (kernels.cu), forward and backward / inverse;
+//   - the multi-tensor AdamW and gradient statistics (optimizer.cu): the same bits as the
+//     one-tensor kernels, lists split at 32 tensors, tensors of several chunks, clipping.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "cuda_emu.hpp"
+#include "emu_support.hpp"
+#include "kernels.cuh"
+
+namespace {
+
+namespace cu = coshard::modules::cuda;
+namespace detail = coshard::modules::detail;
+using namespace coshard::cuda_emu_test;
+
+// ---- cross-entropy ----
+
+class EmulatedCrossEntropy : public ::testing::TestWithParam<int> {};
+
+TEST_P(EmulatedCrossEntropy, OnePassMatchesTheReference) {
+  const int dt = GetParam();
+  const std::int64_t N = 7, V = 1000;  // V: 3 strides of 256 threads and a part
+  auto lv = random_values(static_cast<std::size_t>(N * V), 31, 4.0);
+  lv[2 * V + 5] = 12.0;  // a row whose maximum comes late in a thread's slice
+  for (std::int64_t j = 0; j < V; j += 3) lv[3 * V + j] = -INFINITY;  // masked logits add nothing
+  Stored logits(dt, lv);
+  std::vector<std::int32_t> targets{0, 999, 5, 4, 500, 1, 256};
+  std::vector<float> loss(1), rows(N), seed{2.0f};
+  ASSERT_EQ(cu::cross_entropy_forward(nullptr, dt, logits.data(), targets.data(), loss.data(), rows.data(), N, V), 0);
+  Stored dlogits(dt, std::vector<double>(N * V, 9.0));
+  ASSERT_EQ(cu::cross_entropy_backward(nullptr, dt, logits.data(), targets.data(), seed.data(), dlogits.data(), N, V),
+            0);
+  const auto L = logits.values();
+  double want_loss = 0;
+  std::vector<double> want_d(N * V);
+  for (std::int64_t i = 0; i < N; ++i) {
+    double mx = -INFINITY, sum = 0;
+    for (std::int64_t j = 0; j < V; ++j) mx = std::max(mx, L[i * V + j]);
+    for (std::int64_t j = 0; j < V; ++j) sum += std::exp(L[i * V + j] - mx);
+    const double row = std::log(sum) + mx - L[i * V + targets[i]];
+    EXPECT_NEAR(rows[i], row, 1e-4 * std::max(1.0, std::abs(row))) << "row " << i;
+    want_loss += row / N;
+    for (std::int64_t j = 0; j < V; ++j)
+      want_d[i * V + j] = (std::exp(L[i * V + j] - mx) / sum - (j == targets[i] ? 1 : 0)) * seed[0] / N;
+  }
+  EXPECT_NEAR(loss[0], want_loss, 1e-4 * want_loss);
+  EXPECT_LT(normwise_error(dlogits.values(), want_d), tolerance(dt)) << "logits' gradient";
+  // a target outside [0, V) gives a NaN loss (documented in kernels.hpp)
+  targets[4] = static_cast<std::int32_t>(V);
+  ASSERT_EQ(cu::cross_entropy_forward(nullptr, dt, logits.data(), targets.data(), loss.data(), rows.data(), N, V), 0);
+  EXPECT_TRUE(std::isnan(loss[0]));
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, EmulatedCrossEntropy, ::testing::Values(kF32, kBF16),
+                         [](const auto& info) { return std::string(dtype_name(info.param)); });
+
+// ---- SwiGLU and rotary embeddings ----
+
+TEST(EmulatedLlamaKernels, SwiGluForwardAndBackward) {
+  const std::int64_t N = 5, I = 300;
+  Stored gate_up(kBF16, random_values(static_cast<std::size_t>(N * 2 * I), 41, 3.0));
+  Stored dout(kBF16, random_values(static_cast<std::size_t>(N * I), 42));
+  Stored out(kBF16, std::vector<double>(N * I)), dgu(kBF16, std::vector<double>(N * 2 * I, 9.0));
+  ASSERT_EQ(cu::swiglu_forward(nullptr, kBF16, gate_up.data(), out.data(), N, I), 0);
+  ASSERT_EQ(cu::swiglu_backward(nullptr, kBF16, gate_up.data(), dout.data(), dgu.data(), N, I), 0);
+  const auto GU = gate_up.values(), D = dout.values();
+  std::vector<double> want_out(N * I), want_d(N * 2 * I);
+  for (std::int64_t r = 0; r < N; ++r)
+    for (std::int64_t j = 0; j < I; ++j) {
+      const double g = GU[r * 2 * I + j], u = GU[r * 2 * I + I + j], sg = 1 / (1 + std::exp(-g));
+      want_out[r * I + j] = g * sg * u;
+      want_d[r * 2 * I + j] = D[r * I + j] * u * sg * (1 + g * (1 - sg));
+      want_d[r * 2 * I + I + j] = D[r * I + j] * g * sg;
+    }
+  EXPECT_LT(normwise_error(out.values(), want_out), tolerance(kBF16));
+  EXPECT_LT(normwise_error(dgu.values(), want_d), tolerance(kBF16));
+}
+
+TEST(EmulatedLlamaKernels, RotaryTurnsPairsByPositionAndBack) {
+  // transformers' convention: dimension i pairs with i + hd/2; the last head is not rotated
+  const std::int64_t B = 2, T = 9, heads = 3, rotated = 2, hd = 16, half = hd / 2;
+  Stored x(kF32, random_values(static_cast<std::size_t>(B * T * heads * hd), 51));
+  std::vector<float> inv_freq(half);
+  for (std::int64_t i = 0; i < half; ++i) inv_freq[i] = static_cast<float>(std::pow(10000.0, -2.0 * i / hd));
+  Stored turned(kF32, std::vector<double>(B * T * heads * hd)), back(kF32, std::vector<double>(B * T * heads * hd));
+  ASSERT_EQ(cu::rope(nullptr, kF32, x.data(), turned.data(), inv_freq.data(), B, T, heads, rotated, hd, false), 0);
+  ASSERT_EQ(cu::rope(nullptr, kF32, turned.data(), back.data(), inv_freq.data(), B, T, heads, rotated, hd, true), 0);
+  const auto X = x.values();
+  std::vector<double> want(X.size());
+  for (std::int64_t row = 0; row < B * T; ++row)
+    for (std::int64_t h = 0; h < heads; ++h)
+      for (std::int64_t i = 0; i < half; ++i) {
+        const std::int64_t at = (row * heads + h) * hd + i;
+        const double a = h < rotated ? static_cast<double>(row % T) * inv_freq[i] : 0.0;
+        want[at] = X[at] * std::cos(a) - X[at + half] * std::sin(a);
+        want[at + half] = X[at + half] * std::cos(a) + X[at] * std::sin(a);
+      }
+  EXPECT_LT(normwise_error(turned.values(), want), 1e-5);
+  EXPECT_LT(normwise_error(back.values(), X), 1e-5) << "the inverse turns back";
+}
+
+// ---- multi-tensor AdamW ----
+
+// One optimizer step over `sizes` tensors of bf16 gradients, from the same start: multi-tensor or
+// one launch a tensor. The masters, moments and bf16 parameters after it.
+struct AdamRun {
+  std::vector<std::vector<float>> master, m, v;
+  std::vector<Stored> params;
+  detail::StepState state;
+};
+
+AdamRun adam_step(const std::vector<std::int64_t>& sizes, bool multi, float max_grad_norm) {
+  AdamRun run;
+  std::vector<Stored> grads;
+  std::vector<detail::OptimizerTensor> list;
+  for (std::size_t k = 0; k < sizes.size(); ++k) {
+    const auto n = static_cast<std::size_t>(sizes[k]);
+    const auto w = random_values(n, 100 + k);
+    run.master.emplace_back(w.begin(), w.end());
+    const auto m0 = random_values(n, 200 + k, 0.1);
+    run.m.emplace_back(m0.begin(), m0.end());
+    auto v0 = random_values(n, 300 + k, 0.01);
+    for (auto& x : v0) x = std::abs(x);
+    run.v.emplace_back(v0.begin(), v0.end());
+    grads.emplace_back(kBF16, random_values(n, 400 + k, 0.5));
+    run.params.emplace_back(kBF16, std::vector<double>(n));
+  }
+  for (std::size_t k = 0; k < sizes.size(); ++k)
+    list.push_back({run.master[k].data(), grads[k].data(), run.m[k].data(), run.v[k].data(), run.params[k].data(),
+                    sizes[k], kBF16, kBF16});
+  detail::AdamArgs args{.lr = 1e-2f, .weight_decay = 0.1f, .max_grad_norm = max_grad_norm};
+  run.state.step = 3;
+  EXPECT_EQ(cu::step_begin(nullptr, &run.state), 0);
+  if (multi) {
+    EXPECT_EQ(cu::grad_stats_multi(nullptr, list.data(), static_cast<int>(list.size()), &run.state), 0);
+    EXPECT_EQ(cu::adamw_multi(nullptr, list.data(), static_cast<int>(list.size()), args, &run.state), 0);
+  } else {
+    for (const auto& t : list) EXPECT_EQ(cu::grad_stats(nullptr, t.gdt, t.grad, t.n, &run.state), 0);
+    for (const auto& t : list)
+      EXPECT_EQ(cu::adamw(nullptr, t.master, t.gdt, t.grad, t.state1, t.state2, t.pdt, t.param_out, t.n, args,
+                          &run.state),
+                0);
+  }
+  EXPECT_EQ(cu::step_end(nullptr, &run.state, {}), 0);
+  return run;
+}
+
+TEST(EmulatedMultiTensorAdamW, MatchesOneTensorLaunchesAndTheReference) {
+  // 40 tensors: two lists of at most 32; one of two chunks and a part (65,536 elements a chunk)
+  std::vector<std::int64_t> sizes{140000, 1, 300};
+  for (int k = 0; k < 37; ++k) sizes.push_back(17 + 5 * k);
+  const auto multi = adam_step(sizes, true, 0.0f);
+  const auto single = adam_step(sizes, false, 0.0f);
+  for (std::size_t k = 0; k < sizes.size(); ++k) {
+    ASSERT_EQ(multi.master[k], single.master[k]) << "tensor " << k << ": the same bits without clipping";
+    ASSERT_EQ(multi.m[k], single.m[k]) << "tensor " << k;
+    ASSERT_EQ(multi.v[k], single.v[k]) << "tensor " << k;
+    ASSERT_EQ(multi.params[k].values(), single.params[k].values()) << "tensor " << k;
+  }
+  EXPECT_EQ(multi.state.step, 4);
+  EXPECT_NEAR(multi.state.grad_sumsq, single.state.grad_sumsq, 1e-4 * single.state.grad_sumsq);
+
+  // Clipped to a norm below the gradients': against AdamW in f64.
+  const float clip = 1.0f;
+  const auto clipped = adam_step(sizes, true, clip);
+  double sumsq = 0;
+  std::vector<std::vector<double>> g;
+  for (std::size_t k = 0; k < sizes.size(); ++k) {
+    g.push_back(Stored(kBF16, random_values(static_cast<std::size_t>(sizes[k]), 400 + k, 0.5)).values());
+    for (double x : g.back()) sumsq += x * x;
+  }
+  const double norm = std::sqrt(sumsq), factor = norm > clip ? clip / (norm + 1e-6) : 1.0;
+  ASSERT_GT(norm, clip);
+  EXPECT_NEAR(clipped.state.last_grad_norm, norm, 1e-4 * norm);
+  const double lr = 1e-2, b1 = 0.9, b2 = 0.999, eps = 1e-8, wd = 0.1;
+  const double bc1 = 1 - std::pow(b1, 4), bc2 = 1 - std::pow(b2, 4);
+  double err = 0, ref = 0;
+  for (std::size_t k = 0; k < sizes.size(); ++k) {
+    const auto w = random_values(static_cast<std::size_t>(sizes[k]), 100 + k);
+    const auto m0 = random_values(static_cast<std::size_t>(sizes[k]), 200 + k, 0.1);
+    const auto v0 = random_values(static_cast<std::size_t>(sizes[k]), 300 + k, 0.01);
+    for (std::size_t i = 0; i < w.size(); ++i) {
+      const double gi = g[k][i] * factor;
+      const double mi = b1 * static_cast<float>(m0[i]) + (1 - b1) * gi;
+      const double vi = b2 * static_cast<float>(std::abs(v0[i])) + (1 - b2) * gi * gi;
+      const double want = static_cast<float>(w[i]) * (1 - lr * wd) - lr * (mi / bc1) / (std::sqrt(vi / bc2) + eps);
+      err += (clipped.master[k][i] - want) * (clipped.master[k][i] - want);
+      ref += want * want;
+    }
+  }
+  EXPECT_LT(std::sqrt(err / ref), 1e-6) << "the clipped step's masters against AdamW in f64";
+}
+
+}  // namespace
