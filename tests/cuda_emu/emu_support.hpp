@@ -7,18 +7,14 @@
 #include <vector>
 
 #include "cuda_emu.hpp"
+#include "support/reference_math.hpp"
 
 namespace coshard::cuda_emu_test {
 
-inline constexpr int kF32 = 0, kF16 = 2, kBF16 = 3;
+using coshard::testing::normwise_error;
+using coshard::testing::random_values;
 
-inline std::vector<double> random_values(std::size_t n, std::uint64_t seed, double scale = 1.0) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> d(-scale, scale);
-  std::vector<double> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
+inline constexpr int kF32 = 0, kF16 = 2, kBF16 = 3;
 
 // Values held in the storage type of `dt` (f32, f16 or bf16), and read back as f64.
 struct Stored {
@@ -50,16 +46,6 @@ struct Stored {
     return out;
   }
 };
-
-inline double normwise_error(const std::vector<double>& got, const std::vector<double>& want) {
-  if (got.size() != want.size()) return INFINITY;
-  double diff = 0, ref = 0;
-  for (std::size_t i = 0; i < want.size(); ++i) {
-    diff += (got[i] - want[i]) * (got[i] - want[i]);
-    ref += want[i] * want[i];
-  }
-  return std::sqrt(diff) / std::max(std::sqrt(ref), 1e-30);
-}
 
 inline double tolerance(int dt) { return dt == kBF16 ? 3e-2 : dt == kF16 ? 5e-3 : 1e-5; }
 

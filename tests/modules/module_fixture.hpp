@@ -11,29 +11,12 @@
 
 #include "coshard/async/runtime.hpp"
 #include "coshard/modules/module.hpp"
+#include "support/reference_math.hpp"
 
 namespace coshard::modules::testing {
 
-// Uniform values in [-scale, scale], the same for a given seed.
-inline std::vector<double> random_values(std::size_t n, std::uint64_t seed, double scale = 1.0) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> d(-scale, scale);
-  std::vector<double> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
-
-// ||got - want|| / ||want|| (infinite when the sizes differ): how the CUDA tests compare a
-// tensor with its reference within a dtype's tolerance.
-inline double normwise_error(const std::vector<double>& got, const std::vector<double>& want) {
-  if (got.size() != want.size()) return INFINITY;
-  double diff = 0, ref = 0;
-  for (std::size_t i = 0; i < want.size(); ++i) {
-    diff += (got[i] - want[i]) * (got[i] - want[i]);
-    ref += want[i] * want[i];
-  }
-  return std::sqrt(diff) / std::max(std::sqrt(ref), 1e-30);
-}
+using coshard::testing::normwise_error;
+using coshard::testing::random_values;
 
 // Skips the test where no CUDA device is present (CI and the build machines compile, never run).
 #define COSHARD_SKIP_WITHOUT_CUDA()                                                         \
