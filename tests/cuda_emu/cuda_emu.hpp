@@ -125,11 +125,12 @@ struct Block {
   unsigned threads = 0;
   std::unique_ptr<std::barrier<>> all;
   std::vector<std::unique_ptr<std::barrier<>>> warps;
-  std::vector<float> slots;  // one per thread, for shuffles
+  std::vector<float> slots;  // two sets of one per thread, for shuffles
   std::vector<std::byte> dynamic_shared;
 };
 inline Block* current = nullptr;  // blocks run one at a time
 inline thread_local unsigned flat_thread = 0;
+inline thread_local unsigned shuffle_set = 0;  // which set of slots the next shuffle uses
 
 inline unsigned lane() { return flat_thread % 32; }
 inline std::barrier<>& warp_barrier() { return *current->warps[flat_thread / 32]; }
@@ -148,7 +149,7 @@ void run_grid(dim3 grid, dim3 block, std::size_t shared_bytes, Body& body) {
   b.all = std::make_unique<std::barrier<>>(static_cast<std::ptrdiff_t>(n));
   for (unsigned w = 0; w * 32 < n; ++w)
     b.warps.push_back(std::make_unique<std::barrier<>>(static_cast<std::ptrdiff_t>(std::min(32u, n - w * 32))));
-  b.slots.assign(n, 0.0f);
+  b.slots.assign(2 * static_cast<std::size_t>(n), 0.0f);
   b.dynamic_shared.assign(shared_bytes + 128, std::byte{0});  // aligned to 128 by emu_dynamic_shared
   current = &b;
   std::vector<std::thread> threads;
@@ -157,6 +158,7 @@ void run_grid(dim3 grid, dim3 block, std::size_t shared_bytes, Body& body) {
     threads.emplace_back([&, t] {
       threadIdx = dim3(t % block.x, (t / block.x) % block.y, t / (block.x * block.y));
       flat_thread = t;
+      shuffle_set = 0;
       for (unsigned bz = 0; bz < grid.z; ++bz)
         for (unsigned by = 0; by < grid.y; ++by)
           for (unsigned bx = 0; bx < grid.x; ++bx) {
@@ -196,12 +198,16 @@ inline unsigned char* emu_dynamic_shared() {
 
 inline void __syncthreads() { emu::current->all->arrive_and_wait(); }
 inline void __syncwarp(unsigned /*mask*/ = 0xffffffffu) { emu::warp_barrier().arrive_and_wait(); }
+// Two sets of slots, used in turn: a lane writes one set while a slower lane may still read the
+// other, and the barrier of the shuffle between guarantees every lane is done with a set before
+// it is written again. One barrier a shuffle.
 inline float __shfl_xor_sync(unsigned /*mask*/, float v, int offset) {
-  emu::warp_barrier().arrive_and_wait();  // every lane has read the slots of the shuffle before
-  emu::current->slots[emu::flat_thread] = v;
+  const unsigned n = emu::current->threads, set = emu::shuffle_set ^= 1u;
+  float* slots = emu::current->slots.data() + set * n;
+  slots[emu::flat_thread] = v;
   emu::warp_barrier().arrive_and_wait();
   const unsigned base = emu::flat_thread & ~31u;
-  return emu::current->slots[base | ((emu::flat_thread & 31u) ^ static_cast<unsigned>(offset))];
+  return slots[base | ((emu::flat_thread & 31u) ^ static_cast<unsigned>(offset))];
 }
 
 // ---- atomics: one lock for all (the emulation runs one block at a time anyway) ----
