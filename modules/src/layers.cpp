@@ -129,8 +129,7 @@ async::Task<Result<Tensor>> LayerNorm::backward(Context& ctx, Tensor grad_output
   COSHARD_CO_TRY_ASSIGN(Tensor scratch, detail::norm_backward_scratch(ctx, dt, rows, dim_, true));
   COSHARD_CO_TRY(ctx.kernels().layernorm_backward(ctx.stream(), dt, grad_output.data(), input_.data(),
                                                   w.value().data(), mean_.data(), rstd_.data(), dx.data(),
-                                                  dw.data(), db.data(), scratch.data(), rows,
-                                                  dim_));
+                                                  dw.data(), db.data(), scratch.data(), rows, dim_));
   clear_saved();
   co_return dx;
 }

@@ -44,8 +44,7 @@ async::Task<Result<Tensor>> RmsNorm::backward(Context& ctx, Tensor grad_output) 
   COSHARD_CO_TRY_ASSIGN(Tensor dx, ctx.empty(input_.shape(), dt));
   COSHARD_CO_TRY_ASSIGN(Tensor scratch, detail::norm_backward_scratch(ctx, dt, rows, dim_, false));
   COSHARD_CO_TRY(ctx.kernels().rmsnorm_backward(ctx.stream(), dt, grad_output.data(), input_.data(), w.value().data(),
-                                                rstd_.data(), dx.data(), dw.data(),
-                                                scratch.data(), rows, dim_));
+                                                rstd_.data(), dx.data(), dw.data(), scratch.data(), rows, dim_));
   clear_saved();
   co_return dx;
 }

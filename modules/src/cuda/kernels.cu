@@ -1,8 +1,9 @@
 // CUDA kernels for the layers (the matrix products are cuBLAS, in cuda_kernels.cpp; the norms
 // are in norm.cu, the fused attention in flash_attention.cu, the optimizers in optimizer.cu).
 // f32, bf16 and f16 storage; all arithmetic in f32. Reductions that feed parameter gradients
-// (bias, position embeddings) add in a fixed order (see column_sum.cuh), so they are deterministic; token-embedding gradients and the gradient
-// norm use atomics and are not bit-reproducible run to run.
+// (bias, position embeddings) add in a fixed order (see column_sum.cuh), so they are
+// deterministic; token-embedding gradients and the gradient norm use atomics and are not
+// bit-reproducible run to run.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -333,8 +334,8 @@ int bias_add(void* s, int dt, void* out, const void* bias, std::int64_t N, std::
 
 int bias_grad(void* s, int dt, const void* dout, void* dbias, std::int64_t N, std::int64_t C) {
   return with_type(dt, [&]<class E>() {
-    launch_column_grad<E, E, ColumnGrad::bias>(as_stream(s), static_cast<const E*>(dout), nullptr, nullptr, nullptr, nullptr,
-                                 static_cast<E*>(dbias), N, C);
+    launch_column_grad<E, E, ColumnGrad::bias>(as_stream(s), static_cast<const E*>(dout), nullptr, nullptr, nullptr,
+                                               nullptr, static_cast<E*>(dbias), N, C);
   });
 }
 

@@ -18,14 +18,17 @@ namespace coshard::modules::cuda {
 inline constexpr std::int64_t kNormBackwardBlocks = 1024;
 inline constexpr std::int64_t kNormBackwardSharedBytes = 48 * 1024;
 inline std::int64_t norm_backward_rows_per_block(std::int64_t N) {
-  return N <= kNormBackwardBlocks ? 1 : (N + kNormBackwardBlocks - 1) / kNormBackwardBlocks;
+  return (N + kNormBackwardBlocks - 1) / kNormBackwardBlocks;
+}
+inline std::int64_t norm_backward_blocks(std::int64_t N) {
+  const std::int64_t rows = norm_backward_rows_per_block(N);
+  return (N + rows - 1) / rows;
 }
 // The f32 elements of a fused backward's partial sums for N rows of C (0: not fused).
 inline std::int64_t norm_backward_partials(std::int64_t N, std::int64_t C, bool with_bias) {
   const std::int64_t grads = with_bias ? 2 : 1;
   if (N <= 0 || C <= 0 || C * grads * 4 > kNormBackwardSharedBytes) return 0;
-  const std::int64_t rows = norm_backward_rows_per_block(N);
-  return (N + rows - 1) / rows * C * grads;
+  return norm_backward_blocks(N) * C * grads;
 }
 
 int embedding_forward(void* stream, int dt, const std::int32_t* tokens, const void* wte, const void* wpe, void* out,

@@ -42,27 +42,6 @@ __global__ void layernorm_forward_kernel(const T* x, const T* w, const T* b, T* 
   }
 }
 
-template <class T>
-__global__ void layernorm_backward_dx_kernel(const T* dout, const T* x, const T* w, const float* mean,
-                                             const float* rstd, T* dx, std::int64_t C) {
-  const std::int64_t row = blockIdx.x;
-  const float m = mean[row], r = rstd[row];
-  float a = 0, bsum = 0;
-  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
-    const float xhat = (load(x, row * C + j) - m) * r;
-    const float dxhat = load(dout, row * C + j) * load(w, j);
-    a += dxhat;
-    bsum += dxhat * xhat;
-  }
-  const float mean_dxhat = block_sum(a) / static_cast<float>(C);
-  const float mean_dxhat_xhat = block_sum(bsum) / static_cast<float>(C);
-  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
-    const float xhat = (load(x, row * C + j) - m) * r;
-    const float dxhat = load(dout, row * C + j) * load(w, j);
-    store(dx, row * C + j, r * (dxhat - mean_dxhat - xhat * mean_dxhat_xhat));
-  }
-}
-
 // ---- RMSNorm: one block per row ----
 
 template <class T>
@@ -79,28 +58,59 @@ __global__ void rmsnorm_forward_kernel(const T* x, const T* w, T* out, float* rs
   if (threadIdx.x == 0) rstd[row] = r;
 }
 
-template <class T>
-__global__ void rmsnorm_backward_dx_kernel(const T* dout, const T* x, const T* w, const float* rstd, T* dx,
-                                           std::int64_t C) {
-  const std::int64_t row = blockIdx.x;
-  const float r = rstd[row];
-  float a = 0;
-  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
-    a += load(dout, row * C + j) * load(w, j) * load(x, row * C + j) * r;
-  }
-  const float mean_dxhat_xhat = block_sum(a) / static_cast<float>(C);
-  for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
-    const float xhat = load(x, row * C + j) * r;
-    store(dx, row * C + j, r * (load(dout, row * C + j) * load(w, j) - xhat * mean_dxhat_xhat));
+// ---- backward ----
+
+// One row of a norm's backward (the row's dout, x and dx; its mean, unused by RMSNorm, and rstd):
+// writes dx, and with `sums` adds the row's weight terms into sums[0, C) and, for LayerNorm, its
+// bias terms into sums[C, 2C). Thread t owns columns t, t + blockDim.x, ... of the sums, so they
+// need no synchronisation. Both backward forms run this, so their dx has the same bits.
+template <class T, ColumnGrad kKind>
+__device__ void norm_backward_row(const T* gr, const T* xr, const T* w, float m, float r, T* dxr, std::int64_t C,
+                                  float* sums) {
+  if constexpr (kKind == ColumnGrad::layernorm) {
+    float a = 0, bsum = 0;
+    for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
+      const float xhat = (load(xr, j) - m) * r;
+      const float dxhat = load(gr, j) * load(w, j);
+      a += dxhat;
+      bsum += dxhat * xhat;
+    }
+    const float mean_dxhat = block_sum(a) / static_cast<float>(C);
+    const float mean_dxhat_xhat = block_sum(bsum) / static_cast<float>(C);
+    for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
+      const float g = load(gr, j);
+      const float xhat = (load(xr, j) - m) * r;
+      store(dxr, j, r * (g * load(w, j) - mean_dxhat - xhat * mean_dxhat_xhat));
+      if (sums) {
+        sums[j] += g * xhat;
+        sums[C + j] += g;
+      }
+    }
+  } else {
+    float a = 0;
+    for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) a += load(gr, j) * load(w, j) * load(xr, j) * r;
+    const float mean_dxhat_xhat = block_sum(a) / static_cast<float>(C);
+    for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
+      const float g = load(gr, j);
+      const float xhat = load(xr, j) * r;
+      store(dxr, j, r * (g * load(w, j) - xhat * mean_dxhat_xhat));
+      if (sums) sums[j] += g * xhat;
+    }
   }
 }
 
-// ---- fused backward ----
+// The two-kernel form's first kernel: dx, one block per row.
+template <class T, ColumnGrad kKind>
+__global__ void norm_backward_dx_kernel(const T* dout, const T* x, const T* w, const float* mean, const float* rstd,
+                                        T* dx, std::int64_t C) {
+  const std::int64_t row = blockIdx.x;
+  float m = 0;
+  if constexpr (kKind == ColumnGrad::layernorm) m = mean[row];
+  norm_backward_row<T, kKind>(dout + row * C, x + row * C, w, m, rstd[row], dx + row * C, C, nullptr);
+}
 
-// Block b takes rows [b * rows_per_block, ...) one at a time, as the dx kernels do (the same
-// arithmetic, so dx has the same bits); thread t owns columns t, t + blockDim.x, ... of the
-// shared sums (weight terms, then bias terms for LayerNorm), so they need no synchronisation. The
-// block's sums go to row b of `partials` (weight) and row gridDim.x + b (bias), both [.., C].
+// The fused form: block b takes rows [b * rows_per_block, ...) one at a time into its shared
+// sums, which go to row b of `partials` (weight) and row gridDim.x + b (bias), both [.., C].
 template <class T, ColumnGrad kKind>
 __global__ void norm_backward_fused_kernel(const T* dout, const T* x, const T* w, const float* mean,
                                            const float* rstd, T* dx, float* partials, std::int64_t N,
@@ -114,40 +124,9 @@ __global__ void norm_backward_fused_kernel(const T* dout, const T* x, const T* w
   const std::int64_t first = blockIdx.x * rows_per_block;
   const std::int64_t last = first + rows_per_block < N ? first + rows_per_block : N;
   for (std::int64_t row = first; row < last; ++row) {
-    const T* xr = x + row * C;
-    const T* gr = dout + row * C;
-    T* dxr = dx + row * C;
-    const float r = rstd[row];
-    if constexpr (kLayerNorm) {
-      const float m = mean[row];
-      float a = 0, bsum = 0;
-      for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
-        const float xhat = (load(xr, j) - m) * r;
-        const float dxhat = load(gr, j) * load(w, j);
-        a += dxhat;
-        bsum += dxhat * xhat;
-      }
-      const float mean_dxhat = block_sum(a) / static_cast<float>(C);
-      const float mean_dxhat_xhat = block_sum(bsum) / static_cast<float>(C);
-      for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
-        const float g = load(gr, j);
-        const float xhat = (load(xr, j) - m) * r;
-        const float dxhat = g * load(w, j);
-        store(dxr, j, r * (dxhat - mean_dxhat - xhat * mean_dxhat_xhat));
-        sums[j] += g * xhat;
-        sums[C + j] += g;
-      }
-    } else {
-      float a = 0;
-      for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) a += load(gr, j) * load(w, j) * load(xr, j) * r;
-      const float mean_dxhat_xhat = block_sum(a) / static_cast<float>(C);
-      for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
-        const float g = load(gr, j);
-        const float xhat = load(xr, j) * r;
-        store(dxr, j, r * (g * load(w, j) - xhat * mean_dxhat_xhat));
-        sums[j] += g * xhat;
-      }
-    }
+    float m = 0;
+    if constexpr (kLayerNorm) m = mean[row];
+    norm_backward_row<T, kKind>(dout + row * C, x + row * C, w, m, rstd[row], dx + row * C, C, sums);
   }
   for (std::int64_t j = threadIdx.x; j < C; j += blockDim.x) {
     partials[blockIdx.x * C + j] = sums[j];
@@ -161,15 +140,12 @@ void norm_backward(cudaStream_t s, const T* dout, const T* x, const T* w, const 
                    T* dw, T* db, float* partials, std::int64_t N, std::int64_t C) {
   constexpr bool kLayerNorm = kKind == ColumnGrad::layernorm;
   if (partials == nullptr || norm_backward_partials(N, C, kLayerNorm) == 0) {
-    if constexpr (kLayerNorm)
-      layernorm_backward_dx_kernel<T><<<static_cast<unsigned>(N), kThreads, 0, s>>>(dout, x, w, mean, rstd, dx, C);
-    else
-      rmsnorm_backward_dx_kernel<T><<<static_cast<unsigned>(N), kThreads, 0, s>>>(dout, x, w, rstd, dx, C);
+    norm_backward_dx_kernel<T, kKind><<<static_cast<unsigned>(N), kThreads, 0, s>>>(dout, x, w, mean, rstd, dx, C);
     launch_column_grad<T, T, kKind>(s, dout, x, mean, rstd, dw, db, N, C);
     return;
   }
   const std::int64_t rows_per_block = norm_backward_rows_per_block(N);
-  const std::int64_t blocks = (N + rows_per_block - 1) / rows_per_block;
+  const std::int64_t blocks = norm_backward_blocks(N);
   const std::size_t shared = static_cast<std::size_t>(C) * (kLayerNorm ? 2 : 1) * sizeof(float);
   norm_backward_fused_kernel<T, kKind><<<static_cast<unsigned>(blocks), kThreads, shared, s>>>(
       dout, x, w, mean, rstd, dx, partials, N, C, rows_per_block);
