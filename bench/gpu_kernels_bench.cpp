@@ -159,8 +159,8 @@ struct NormShape {
   std::int64_t rows, dim;
 };
 
-// The norm's forward and backward (norm true), or a device copy of one rows x dim tensor.
-void norm(benchmark::State& state, NormShape s, bool norm) {
+// The norm's forward and backward (with_norm), or a device copy of one rows x dim tensor.
+void norm_or_copy(benchmark::State& state, NormShape s, bool with_norm) {
   auto gpu = gpu_rank(state);
   if (!gpu) return;
   Context& ctx = *gpu->ctx;
@@ -185,7 +185,7 @@ void norm(benchmark::State& state, NormShape s, bool norm) {
     return;
   }
   auto once = [&]() -> async::Task<Result<void>> {
-    if (!norm) {
+    if (!with_norm) {
       COSHARD_CO_TRY_ASSIGN(Tensor copied, ops::copy(ctx, *x));
       co_return Result<void>{};
     }
@@ -194,7 +194,7 @@ void norm(benchmark::State& state, NormShape s, bool norm) {
     co_return Result<void>{};
   };
   if (!timed_passes(state, *gpu, once)) return;
-  const double tensors = norm ? 5.0 : 2.0;
+  const double tensors = with_norm ? 5.0 : 2.0;
   state.counters["GBps"] = benchmark::Counter(
       tensors * static_cast<double>(x->bytes()) * static_cast<double>(state.iterations()) / 1e9,
       benchmark::Counter::kIsRate);
@@ -230,10 +230,11 @@ const struct {
         ->Unit(benchmark::kMillisecond);
   }
   for (const auto& s : kNormShapes) {
-    benchmark::RegisterBenchmark((std::string("BM_Norm_") + s.name).c_str(), norm, s.shape, true)
+    benchmark::RegisterBenchmark((std::string("BM_Norm_") + s.name).c_str(), norm_or_copy, s.shape, true)
         ->UseManualTime()
         ->Unit(benchmark::kMicrosecond);
-    benchmark::RegisterBenchmark((std::string("BM_Baseline_DeviceCopy_") + s.name).c_str(), norm, s.shape, false)
+    benchmark::RegisterBenchmark((std::string("BM_Baseline_DeviceCopy_") + s.name).c_str(), norm_or_copy, s.shape,
+                                 false)
         ->UseManualTime()
         ->Unit(benchmark::kMicrosecond);
   }

@@ -246,14 +246,21 @@ def run_torch(args, layers, dim, heads, vocab, seq, batch, compiled, llama=None)
     return {"params": params, "step_s": med, "tokens_per_s": batch * seq / med, "allocator_peak_bytes": peak}
 
 
-def device_memory_used():
-    """The device's used memory in bytes as nvidia-smi reports it (None where it cannot)."""
+def nvidia_smi(field):
+    """The first GPU's `field` as nvidia-smi reports it (no header or units), or None where it
+    cannot. The script asks nvidia-smi, not torch, so that it holds no CUDA context itself."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=5).stdout
-        return int(out.split()[0]) * 1024 * 1024
-    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.splitlines()[0] if out else None
+    except (OSError, subprocess.SubprocessError):
         return None
+
+
+def device_memory_used():
+    """The device's used memory in bytes (None where nvidia-smi cannot say)."""
+    used = nvidia_smi("memory.used")
+    return int(used) * 1024 * 1024 if used and used.isdigit() else None
 
 
 class DeviceMemoryPoller:
@@ -381,12 +388,8 @@ def main():
             r = {"error": f"{type(e).__name__}: {e}"}
         print(TORCH_RESULT + json.dumps(r), flush=True)
         return 0
-    if not args.cpu:  # nvidia-smi, not torch: this process keeps no CUDA context while the sides run
-        try:
-            results["device"] = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                                               capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            results["device"] = "unknown"
+    if not args.cpu:
+        results["device"] = nvidia_smi("name") or "unknown"
     sides = [("coshard", lambda: run_coshard(args, layers, dim, heads, vocab, seq, batch, model_flags))]
     if not args.skip_torch:
         sides.append(("fsdp2_eager", lambda: run_torch_process(args, "eager")))
