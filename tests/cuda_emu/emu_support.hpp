@@ -1,9 +1,7 @@
 // What the emulated-kernel tests share: values held in a storage type, references' errors.
 #pragma once
 
-#include <cmath>
 #include <cstdint>
-#include <random>
 #include <vector>
 
 #include "cuda_emu.hpp"

@@ -75,7 +75,7 @@ TEST_P(FusedAttention, MatchesTheMaterializedKernelsAndIsDeterministic) {
   ASSERT_TRUE(fused.has_value()) << fused.error().message();
   auto reference = run_attention(rt_, AttentionKernels::materialized, dt, shape);
   ASSERT_TRUE(reference.has_value()) << reference.error().message();
-  const double tol = dt == DataType::bf16 ? 3e-2 : 5e-3;
+  const double tol = testing::dtype_tolerance(dt);
   EXPECT_LT(normwise_error(fused->out, reference->out), tol) << "output";
   EXPECT_LT(normwise_error(fused->dqkv, reference->dqkv), tol) << "qkv gradient";
   auto again = run_attention(rt_, AttentionKernels::fused, dt, shape);

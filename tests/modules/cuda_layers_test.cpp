@@ -35,13 +35,7 @@ using namespace coshard::zero;
 using testing::normwise_error;
 using testing::random_values;
 
-double tolerance(DataType dt) {
-  switch (dt) {
-    case DataType::bf16: return 3e-2;
-    case DataType::f16: return 5e-3;
-    default: return 1e-4;
-  }
-}
+using testing::dtype_tolerance;
 
 struct Backend {
   std::unique_ptr<async::Stream> stream;
@@ -189,7 +183,7 @@ void expect_layers_match(async::Runtime& rt, Context& want_ctx, DataType want_dt
 }
 
 TEST_P(CudaLayers, MatchTheCpuKernels) {
-  expect_layers_match(rt_, *cpu_.ctx, DataType::f32, *gpu_.ctx, GetParam(), tolerance(GetParam()));
+  expect_layers_match(rt_, *cpu_.ctx, DataType::f32, *gpu_.ctx, GetParam(), dtype_tolerance(GetParam()));
 }
 
 // The same comparison on the CPU alone (f32 against f64), so the harness itself runs everywhere.
@@ -415,7 +409,7 @@ TEST(CpuHalfPrecision, LayersMatchF32WithinTheirRounding) {
   async::Runtime rt;
   auto cpu = Backend::make(async::Device::cpu());
   for (const DataType dt : {DataType::bf16, DataType::f16})
-    expect_layers_match(rt, *cpu.ctx, DataType::f32, *cpu.ctx, dt, tolerance(dt));
+    expect_layers_match(rt, *cpu.ctx, DataType::f32, *cpu.ctx, dt, dtype_tolerance(dt));
 }
 
 TEST(CpuHalfPrecision, TinyGptLossFalls) {

@@ -79,14 +79,6 @@ Result<NormRun> run_norm(async::Runtime& rt, async::Device device, DataType dt, 
   return rt.block_on(body());
 }
 
-double tolerance(DataType dt) {
-  switch (dt) {
-    case DataType::bf16: return 3e-2;
-    case DataType::f16: return 5e-3;
-    default: return 1e-4;  // f32: rsqrtf and another order of sums
-  }
-}
-
 void expect_close(const NormRun& got, const NormRun& want, double tol) {
   EXPECT_FALSE(want.out.empty());
   EXPECT_LT(normwise_error(got.out, want.out), tol) << "output";
@@ -124,7 +116,7 @@ TEST_P(CudaNorm, MatchesTheCpuAndIsDeterministic) {
   ASSERT_TRUE(want.has_value()) << want.error().message();
   auto got = run_norm(rt_, async::Device::cuda(0), dt, shape);
   ASSERT_TRUE(got.has_value()) << got.error().message();
-  expect_close(*got, *want, tolerance(dt));
+  expect_close(*got, *want, testing::dtype_tolerance(dt));
   auto again = run_norm(rt_, async::Device::cuda(0), dt, shape);
   ASSERT_TRUE(again.has_value()) << again.error().message();
   EXPECT_EQ(again->dx, got->dx) << "the input gradient has the same bits run to run";

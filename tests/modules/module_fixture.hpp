@@ -18,6 +18,16 @@ namespace coshard::modules::testing {
 using coshard::testing::normwise_error;
 using coshard::testing::random_values;
 
+// The normwise tolerance of a layer's result computed in `dt` against an f32 reference: bf16's
+// and f16's rounding, or for f32 (on CUDA) another order of sums and rsqrtf.
+inline double dtype_tolerance(DataType dt) {
+  switch (dt) {
+    case DataType::bf16: return 3e-2;
+    case DataType::f16: return 5e-3;
+    default: return 1e-4;
+  }
+}
+
 // Skips the test where no CUDA device is present (CI and the build machines compile, never run).
 #define COSHARD_SKIP_WITHOUT_CUDA()                                                         \
   do {                                                                                      \
