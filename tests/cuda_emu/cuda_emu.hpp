@@ -106,9 +106,19 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
 }
 inline float __bfloat162float(__nv_bfloat16 b) { return std::bit_cast<float>(static_cast<std::uint32_t>(b.bits) << 16); }
 
+// A storage type's value as f32, and an f32 rounded to a storage type.
 inline float emu_to_float(float v) { return v; }
 inline float emu_to_float(__half v) { return __half2float(v); }
 inline float emu_to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <class T>
+T emu_from_float(float v) {
+  if constexpr (std::is_same_v<T, __half>)
+    return __float2half_rn(v);
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return __float2bfloat16_rn(v);
+  else
+    return v;
+}
 
 inline float __expf(float x) { return std::exp(x); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
@@ -134,7 +144,6 @@ inline thread_local unsigned shuffle_set = 0;  // which set of slots the next sh
 
 inline unsigned lane() { return flat_thread % 32; }
 inline std::barrier<>& warp_barrier() { return *current->warps[flat_thread / 32]; }
-inline unsigned char* dynamic_shared() { return reinterpret_cast<unsigned char*>(current->dynamic_shared.data()); }
 
 // Runs body in every thread of every block of the grid: one std::thread per thread of a block,
 // going through the blocks in order with a barrier between them (so a block's statics and
@@ -192,7 +201,7 @@ Launch<Kernel> launch(Kernel kernel, dim3 grid, dim3 block, std::size_t shared_b
 
 // The dynamic shared memory of the running block, 128-byte aligned.
 inline unsigned char* emu_dynamic_shared() {
-  auto p = reinterpret_cast<std::uintptr_t>(emu::dynamic_shared());
+  auto p = reinterpret_cast<std::uintptr_t>(emu::current->dynamic_shared.data());
   return reinterpret_cast<unsigned char*>((p + 127) / 128 * 128);
 }
 
@@ -210,27 +219,16 @@ inline float __shfl_xor_sync(unsigned /*mask*/, float v, int offset) {
   return slots[base | ((emu::flat_thread & 31u) ^ static_cast<unsigned>(offset))];
 }
 
-// ---- atomics: one lock for all (the emulation runs one block at a time anyway) ----
+// ---- atomics: one lock for all (a block's threads run at once; its blocks, in order) ----
 
 namespace emu {
 inline std::mutex atomics;
 }
-inline float atomicAdd(float* p, float v) {
+template <class T>
+T atomicAdd(T* p, T v) {
   std::lock_guard lock(emu::atomics);
-  const float old = *p;
-  *p = old + v;
-  return old;
-}
-inline __half atomicAdd(__half* p, __half v) {
-  std::lock_guard lock(emu::atomics);
-  const __half old = *p;
-  *p = __float2half_rn(__half2float(old) + __half2float(v));
-  return old;
-}
-inline __nv_bfloat16 atomicAdd(__nv_bfloat16* p, __nv_bfloat16 v) {
-  std::lock_guard lock(emu::atomics);
-  const __nv_bfloat16 old = *p;
-  *p = __float2bfloat16_rn(__bfloat162float(old) + __bfloat162float(v));
+  const T old = *p;
+  *p = emu_from_float<T>(emu_to_float(old) + emu_to_float(v));
   return old;
 }
 

@@ -24,8 +24,8 @@ struct Stored {
   Stored(int dtype, const std::vector<double>& v) : dt(dtype) {
     for (double x : v) {
       if (dt == kF32) f32.push_back(static_cast<float>(x));
-      if (dt == kF16) f16.push_back(__float2half_rn(static_cast<float>(x)));
-      if (dt == kBF16) bf16.push_back(__float2bfloat16_rn(static_cast<float>(x)));
+      if (dt == kF16) f16.push_back(emu_from_float<__half>(static_cast<float>(x)));
+      if (dt == kBF16) bf16.push_back(emu_from_float<__nv_bfloat16>(static_cast<float>(x)));
     }
   }
   void* data() {
@@ -35,12 +35,12 @@ struct Stored {
   }
   std::vector<double> values() const {
     std::vector<double> out;
-    if (dt == kF32)
-      for (float x : f32) out.push_back(x);
-    if (dt == kF16)
-      for (auto x : f16) out.push_back(__half2float(x));
-    if (dt == kBF16)
-      for (auto x : bf16) out.push_back(__bfloat162float(x));
+    auto read = [&out](const auto& held) {
+      for (auto x : held) out.push_back(emu_to_float(x));
+    };
+    read(f32);
+    read(f16);
+    read(bf16);
     return out;
   }
 };
