@@ -104,7 +104,9 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
   if (std::isnan(f)) return {static_cast<std::uint16_t>(((x >> 16) & 0x8000u) | 0x7fc0u)};
   return {static_cast<std::uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16)};
 }
-inline float __bfloat162float(__nv_bfloat16 b) { return std::bit_cast<float>(static_cast<std::uint32_t>(b.bits) << 16); }
+inline float __bfloat162float(__nv_bfloat16 b) {
+  return std::bit_cast<float>(static_cast<std::uint32_t>(b.bits) << 16);
+}
 
 // A storage type's value as f32, and an f32 rounded to a storage type.
 inline float emu_to_float(float v) { return v; }

@@ -118,21 +118,32 @@ struct AdamRun {
   detail::StepState state;
 };
 
+// Tensor k's start, fixed by k: f32 masters and moments (the second non-negative), bf16 gradients.
+struct AdamStart {
+  std::vector<float> master, m, v;
+  Stored grad;
+};
+
+AdamStart adam_start(std::size_t k, std::int64_t size) {
+  const auto n = static_cast<std::size_t>(size);
+  const auto w = random_values(n, 100 + k), m0 = random_values(n, 200 + k, 0.1);
+  auto v0 = random_values(n, 300 + k, 0.01);
+  for (auto& x : v0) x = std::abs(x);
+  return {{w.begin(), w.end()}, {m0.begin(), m0.end()}, {v0.begin(), v0.end()},
+          Stored(kBF16, random_values(n, 400 + k, 0.5))};
+}
+
 AdamRun adam_step(const std::vector<std::int64_t>& sizes, bool multi, float max_grad_norm) {
   AdamRun run;
   std::vector<Stored> grads;
   std::vector<detail::OptimizerTensor> list;
   for (std::size_t k = 0; k < sizes.size(); ++k) {
-    const auto n = static_cast<std::size_t>(sizes[k]);
-    const auto w = random_values(n, 100 + k);
-    run.master.emplace_back(w.begin(), w.end());
-    const auto m0 = random_values(n, 200 + k, 0.1);
-    run.m.emplace_back(m0.begin(), m0.end());
-    auto v0 = random_values(n, 300 + k, 0.01);
-    for (auto& x : v0) x = std::abs(x);
-    run.v.emplace_back(v0.begin(), v0.end());
-    grads.emplace_back(kBF16, random_values(n, 400 + k, 0.5));
-    run.params.emplace_back(kBF16, std::vector<double>(n));
+    AdamStart start = adam_start(k, sizes[k]);
+    run.master.push_back(std::move(start.master));
+    run.m.push_back(std::move(start.m));
+    run.v.push_back(std::move(start.v));
+    grads.push_back(std::move(start.grad));
+    run.params.emplace_back(kBF16, std::vector<double>(static_cast<std::size_t>(sizes[k])));
   }
   for (std::size_t k = 0; k < sizes.size(); ++k)
     list.push_back({run.master[k].data(), grads[k].data(), run.m[k].data(), run.v[k].data(), run.params[k].data(),
@@ -173,10 +184,10 @@ TEST(EmulatedMultiTensorAdamW, MatchesOneTensorLaunchesAndTheReference) {
   const float clip = 1.0f;
   const auto clipped = adam_step(sizes, true, clip);
   double sumsq = 0;
-  std::vector<std::vector<double>> g;
+  std::vector<AdamStart> starts;
   for (std::size_t k = 0; k < sizes.size(); ++k) {
-    g.push_back(Stored(kBF16, random_values(static_cast<std::size_t>(sizes[k]), 400 + k, 0.5)).values());
-    for (double x : g.back()) sumsq += x * x;
+    starts.push_back(adam_start(k, sizes[k]));
+    for (double x : starts.back().grad.values()) sumsq += x * x;
   }
   const double norm = std::sqrt(sumsq), factor = norm > clip ? clip / (norm + 1e-6) : 1.0;
   ASSERT_GT(norm, clip);
@@ -185,14 +196,13 @@ TEST(EmulatedMultiTensorAdamW, MatchesOneTensorLaunchesAndTheReference) {
   const double bc1 = 1 - std::pow(b1, 4), bc2 = 1 - std::pow(b2, 4);
   double err = 0, ref = 0;
   for (std::size_t k = 0; k < sizes.size(); ++k) {
-    const auto w = random_values(static_cast<std::size_t>(sizes[k]), 100 + k);
-    const auto m0 = random_values(static_cast<std::size_t>(sizes[k]), 200 + k, 0.1);
-    const auto v0 = random_values(static_cast<std::size_t>(sizes[k]), 300 + k, 0.01);
-    for (std::size_t i = 0; i < w.size(); ++i) {
-      const double gi = g[k][i] * factor;
-      const double mi = b1 * static_cast<float>(m0[i]) + (1 - b1) * gi;
-      const double vi = b2 * static_cast<float>(std::abs(v0[i])) + (1 - b2) * gi * gi;
-      const double want = static_cast<float>(w[i]) * (1 - lr * wd) - lr * (mi / bc1) / (std::sqrt(vi / bc2) + eps);
+    const AdamStart& start = starts[k];
+    const auto g = start.grad.values();
+    for (std::size_t i = 0; i < g.size(); ++i) {
+      const double gi = g[i] * factor;
+      const double mi = b1 * start.m[i] + (1 - b1) * gi;
+      const double vi = b2 * start.v[i] + (1 - b2) * gi * gi;
+      const double want = start.master[i] * (1 - lr * wd) - lr * (mi / bc1) / (std::sqrt(vi / bc2) + eps);
       err += (clipped.master[k][i] - want) * (clipped.master[k][i] - want);
       ref += want * want;
     }
