@@ -109,8 +109,38 @@ Result<void> Parameter::bind(Tensor value, Tensor grad) {
     return fail(ErrorCode::invalid_argument, "parameter ", name_, ": grad shape ", grad.shape().to_string(),
                 ", expected ", shape_.to_string());
   value_ = std::move(value);
-  grad_ = std::move(grad);
+  grad_ = trainable_ ? std::move(grad) : Tensor{};
   return {};
+}
+
+Result<void> Parameter::set_trainable(bool trainable) {
+  if (trainable == trainable_) return {};
+  if (bound())
+    return fail(ErrorCode::invalid_argument, "parameter ", name_, ": set_trainable(", trainable ? "true" : "false",
+                ") while bound to a ParameterStore or an engine (freeze before building them)");
+  trainable_ = trainable;
+  return {};
+}
+
+bool glob_matches(std::string_view pattern, std::string_view name) noexcept {
+  // Iterative, with one back-track point (the last '*'): linear in practice, never recursive.
+  std::size_t p = 0, n = 0, star = std::string_view::npos, resume = 0;
+  while (n < name.size()) {
+    if (p < pattern.size() && (pattern[p] == '?' || pattern[p] == name[n])) {
+      ++p;
+      ++n;
+    } else if (p < pattern.size() && pattern[p] == '*') {
+      star = p++;
+      resume = n;
+    } else if (star != std::string_view::npos) {
+      p = star + 1;
+      n = ++resume;
+    } else {
+      return false;
+    }
+  }
+  while (p < pattern.size() && pattern[p] == '*') ++p;
+  return p == pattern.size();
 }
 
 Result<Context> Context::create(async::Stream& stream, async::CachingAllocator& allocator, ContextOptions options) {
@@ -255,6 +285,29 @@ std::int64_t Module::parameter_count() {
   std::int64_t n = 0;
   for_each_parameter([&](const std::string&, Parameter& p) { n += p.numel(); });
   return n;
+}
+
+Result<void> Module::set_trainable(bool trainable) {
+  Result<void> outcome;
+  for_each_parameter([&](const std::string&, Parameter& p) {
+    if (auto r = p.set_trainable(trainable); !r && outcome) outcome = std::move(r);
+  });
+  return outcome;
+}
+
+Result<std::size_t> Module::set_trainable_matching(std::string_view pattern, bool trainable) {
+  std::size_t matched = 0;
+  Result<void> outcome;
+  for_each_parameter([&](const std::string& name, Parameter& p) {
+    if (!glob_matches(pattern, name)) return;
+    ++matched;
+    if (auto r = p.set_trainable(trainable); !r && outcome) outcome = std::move(r);
+  });
+  if (!outcome) return fail(std::move(outcome).error());
+  if (matched == 0)
+    return fail(ErrorCode::invalid_argument, "parameter pattern '", pattern,
+                "' matches no parameter of the model (names are dotted paths such as blocks.0.attn.qkv.weight)");
+  return matched;
 }
 
 void Module::clear_saved_recursive() {

@@ -1,7 +1,11 @@
 #include "coshard/modules/optimizer.hpp"
 
+#include <cmath>
 #include <cstring>
+#include <map>
 #include <vector>
+
+#include "coshard/modules/parameter_store.hpp"
 
 #include "kernels.hpp"
 
@@ -85,7 +89,7 @@ Result<void> Optimizer::ensure_state(Context& ctx) {
   return {};
 }
 
-Result<void> Optimizer::add_group(Context& ctx, Tensor params, Tensor grads) {
+Result<void> Optimizer::add_group(Context& ctx, Tensor params, Tensor grads, std::vector<Segment> segments) {
   if (!params || !grads || !(params.shape() == grads.shape()))
     return fail(ErrorCode::invalid_argument, "Optimizer: params ", params ? params.describe() : "empty",
                 " and grads ", grads ? grads.describe() : "empty", " must have one shape");
@@ -99,8 +103,9 @@ Result<void> Optimizer::add_group(Context& ctx, Tensor params, Tensor grads) {
                 "; the optimizers keep fp32 master weights for f32, bf16 or f16 parameters");
   COSHARD_TRY(detail::check_supported(k, pdt, ctx.device(), "Optimizer"));
   COSHARD_TRY(detail::check_supported(k, grads.dtype(), ctx.device(), "Optimizer"));
+  COSHARD_TRY_ASSIGN(auto runs, normalized(std::move(segments), params.numel()));
   COSHARD_TRY(ensure_state(ctx));
-  Group g{params, grads, {}, {}, {}};
+  Group g{params, grads, {}, {}, {}, std::move(runs), false};
   const Shape flat{params.numel()};
   if (pdt == DataType::f32) {
     g.master = params.view(flat);
@@ -118,17 +123,125 @@ Result<void> Optimizer::add_group(Context& ctx, Tensor params, Tensor grads) {
   return {};
 }
 
+Result<void> Optimizer::add_group(Context& ctx, const ParameterStore& store) {
+  std::vector<Segment> segments;
+  for (const auto& e : store.entries()) {
+    Segment seg = settings_for(e.name, *e.parameter);
+    seg.begin = e.offset;
+    seg.end = e.offset + e.parameter->numel();
+    segments.push_back(seg);
+  }
+  return add_group(ctx, store.values(), store.grads(), std::move(segments));
+}
+
+Result<void> Optimizer::set_group_skipped(std::size_t i, bool skipped) {
+  if (i >= groups_.size())
+    return fail(ErrorCode::out_of_range, "Optimizer::set_group_skipped(", i, "): ", groups_.size(), " groups");
+  groups_[i].skipped = skipped;
+  return {};
+}
+
+ParameterGroup ParameterGroup::by_name(std::string pattern, std::optional<float> weight_decay, float lr_scale) {
+  ParameterGroup g;
+  g.name = pattern;
+  g.matches = [pattern = std::move(pattern)](std::string_view full_name, const Parameter&) {
+    return glob_matches(pattern, full_name);
+  };
+  g.weight_decay = weight_decay;
+  g.lr_scale = lr_scale;
+  return g;
+}
+
+ParameterGroup ParameterGroup::no_decay_for_vectors() {
+  ParameterGroup g;
+  g.name = "no decay for vectors";
+  g.matches = [](std::string_view, const Parameter& p) { return p.shape().rank() <= 1; };
+  g.weight_decay = 0.0f;
+  return g;
+}
+
+Result<void> Optimizer::set_parameter_groups(std::vector<ParameterGroup> rules) {
+  if (!groups_.empty())
+    return fail(ErrorCode::invalid_argument, "Optimizer::set_parameter_groups: ", groups_.size(),
+                " groups are added already (set the rules before building a ParameterStore's group or an engine)");
+  for (const auto& r : rules) {
+    if (!r.matches) return fail(ErrorCode::invalid_argument, "parameter group '", r.name, "': no predicate (matches)");
+    if (r.weight_decay && !(*r.weight_decay >= 0 && std::isfinite(*r.weight_decay)))
+      return fail(ErrorCode::invalid_argument, "parameter group '", r.name, "': weight_decay=", *r.weight_decay,
+                  ", expected a finite value >= 0");
+    if (!(r.lr_scale >= 0 && std::isfinite(r.lr_scale)))
+      return fail(ErrorCode::invalid_argument, "parameter group '", r.name, "': lr_scale=", r.lr_scale,
+                  ", expected a finite value >= 0");
+  }
+  rules_ = std::move(rules);
+  return {};
+}
+
+Optimizer::Segment Optimizer::default_settings() const noexcept {
+  Segment seg;
+  seg.weight_decay = impl_->adam ? impl_->adam_args.weight_decay : impl_->sgd_args.weight_decay;
+  return seg;
+}
+
+Optimizer::Segment Optimizer::settings_for(std::string_view full_name, const Parameter& parameter) const {
+  Segment seg = default_settings();
+  if (!parameter.trainable()) {
+    seg.frozen = true;
+    return seg;
+  }
+  for (const auto& r : rules_) {
+    if (!r.matches(full_name, parameter)) continue;
+    if (r.weight_decay) seg.weight_decay = *r.weight_decay;
+    seg.lr_scale = r.lr_scale;
+    break;
+  }
+  return seg;
+}
+
+Result<std::vector<Optimizer::Segment>> Optimizer::normalized(std::vector<Segment> segments, std::int64_t n) const {
+  const Segment plain = default_settings();
+  std::vector<Segment> runs;
+  std::int64_t at = 0;
+  auto append = [&](Segment seg) {
+    if (seg.begin == seg.end) return;
+    if (!runs.empty() && runs.back().same_settings(seg)) {
+      runs.back().end = seg.end;
+      return;
+    }
+    runs.push_back(seg);
+  };
+  for (const auto& seg : segments) {
+    if (seg.begin < at || seg.end < seg.begin || seg.end > n)
+      return fail(ErrorCode::invalid_argument, "Optimizer: segment [", seg.begin, ", ", seg.end,
+                  ") overlaps the one before or leaves the group's ", n, " elements (expected sorted runs within it)");
+    Segment gap = plain;
+    gap.begin = at;
+    gap.end = seg.begin;
+    append(gap);
+    append(seg);
+    at = seg.end;
+  }
+  Segment tail = plain;
+  tail.begin = at;
+  tail.end = n;
+  append(tail);
+  // One run of the optimizer's own settings is no segment: the group steps as it always did.
+  if (runs.size() == 1 && runs.front().same_settings(plain)) runs.clear();
+  return runs;
+}
+
 void Optimizer::drop_groups_from(std::size_t first) noexcept {
   if (first < groups_.size()) groups_.resize(first);
   if (groups_.empty()) state_ = {};
 }
 
-Result<void> Optimizer::add_swapped_group(Context& ctx, Tensor grads) {
+Result<void> Optimizer::add_swapped_group(Context& ctx, Tensor grads, std::vector<Segment> segments) {
   if (!grads || grads.dtype() != DataType::f32 || !(grads.device() == ctx.device()))
     return fail(ErrorCode::invalid_argument, "Optimizer::add_swapped_group: grads ", grads ? grads.describe() : "empty",
                 ": expected f32 on ", ctx.device().to_string());
+  COSHARD_TRY_ASSIGN(auto runs, normalized(std::move(segments), grads.numel()));
   COSHARD_TRY(ensure_state(ctx));
-  groups_.push_back(Group{{}, grads, {}, {}, {}});
+  groups_.push_back(Group{{}, grads, {}, {}, {}, std::move(runs), false});
   return {};
 }
 
@@ -152,20 +265,41 @@ Result<void> Optimizer::apply_group(Context& ctx, std::size_t i, float lr, Tenso
   if (params_out && (params_out.numel() != n || !(params_out.device() == ctx.device())))
     return fail(ErrorCode::invalid_argument, "Optimizer::apply_group(", i, "): params_out ", params_out.describe(),
                 ": expected ", n, " elements on ", ctx.device().to_string());
+  const DataType pdt = params_out ? params_out.dtype() : DataType::f32;
+  return update(ctx, g, lr, master.data_as<float>(), state1 ? state1.data_as<float>() : nullptr,
+                state2 ? state2.data_as<float>() : nullptr, pdt, params_out ? params_out.data() : nullptr);
+}
+
+Result<void> Optimizer::update(Context& ctx, const Group& g, float lr, float* master, float* state1, float* state2,
+                               DataType pdt, void* params_out) const {
+  if (g.skipped) return {};
   const auto& k = ctx.kernels();
   auto* st = state_.data_as<StepState>();
-  const DataType pdt = params_out ? params_out.dtype() : DataType::f32;
-  void* out = params_out ? params_out.data() : nullptr;
-  if (impl_->adam) {
-    detail::AdamArgs a = impl_->adam_args;
-    a.lr = lr;
-    return k.adamw(ctx.stream(), master.data_as<float>(), g.grads.dtype(), g.grads.data(), state1.data_as<float>(),
-                   state2.data_as<float>(), pdt, out, n, a, st);
-  }
-  detail::SgdArgs a = impl_->sgd_args;
-  a.lr = lr;
-  return k.sgd(ctx.stream(), master.data_as<float>(), g.grads.dtype(), g.grads.data(),
-               state1 ? state1.data_as<float>() : nullptr, pdt, out, n, a, st);
+  const DataType gdt = g.grads.dtype();
+  auto* grads = static_cast<const std::byte*>(g.grads.data());
+  auto* out = static_cast<std::byte*>(params_out);
+  // One launch over elements [begin, end) with `seg`'s settings (the kernels are element-wise:
+  // a run steps each element exactly as a launch over the whole group would).
+  auto run = [&](std::int64_t begin, std::int64_t end, const Segment& seg) -> Result<void> {
+    const auto at = static_cast<std::size_t>(begin);
+    const std::int64_t n = end - begin;
+    const void* gi = grads + at * size_of(gdt);
+    void* oi = out ? out + at * size_of(pdt) : nullptr;
+    if (impl_->adam) {
+      detail::AdamArgs a = impl_->adam_args;
+      a.lr = lr * seg.lr_scale;
+      a.weight_decay = seg.weight_decay;
+      return k.adamw(ctx.stream(), master + at, gdt, gi, state1 + at, state2 + at, pdt, oi, n, a, st);
+    }
+    detail::SgdArgs a = impl_->sgd_args;
+    a.lr = lr * seg.lr_scale;
+    a.weight_decay = seg.weight_decay;
+    return k.sgd(ctx.stream(), master + at, gdt, gi, state1 ? state1 + at : nullptr, pdt, oi, n, a, st);
+  };
+  if (g.segments.empty()) return run(0, g.grads.numel(), default_settings());
+  for (const auto& seg : g.segments)
+    if (!seg.frozen) COSHARD_TRY(run(seg.begin, seg.end, seg));
+  return {};
 }
 
 Result<void> Optimizer::finish_step(Context& ctx) {
@@ -212,20 +346,9 @@ Result<void> Optimizer::apply_one(Context& ctx, std::size_t i, float lr) {
   const Group& g = groups_[i];
   if (!g.params)
     return fail(ErrorCode::invalid_argument, "Optimizer::apply: swapped groups are stepped with apply_group and finish_step");
-  const auto& k = ctx.kernels();
-  auto* st = state_.data_as<StepState>();
   const bool cast_back = g.params.dtype() != DataType::f32;
-  void* out = cast_back ? g.params.data() : nullptr;
-  if (impl_->adam) {
-    detail::AdamArgs a = impl_->adam_args;
-    a.lr = lr;
-    return k.adamw(ctx.stream(), g.master.data_as<float>(), g.grads.dtype(), g.grads.data(), g.state1.data_as<float>(),
-                   g.state2.data_as<float>(), g.params.dtype(), out, g.params.numel(), a, st);
-  }
-  detail::SgdArgs a = impl_->sgd_args;
-  a.lr = lr;
-  return k.sgd(ctx.stream(), g.master.data_as<float>(), g.grads.dtype(), g.grads.data(),
-               g.state1 ? g.state1.data_as<float>() : nullptr, g.params.dtype(), out, g.params.numel(), a, st);
+  return update(ctx, g, lr, g.master.data_as<float>(), g.state1 ? g.state1.data_as<float>() : nullptr,
+                g.state2 ? g.state2.data_as<float>() : nullptr, g.params.dtype(), cast_back ? g.params.data() : nullptr);
 }
 
 const StepControlOptions& Optimizer::control() const noexcept { return impl_->control; }
@@ -237,23 +360,35 @@ Result<void> Optimizer::apply(Context& ctx, float lr) {
     if (!g.params)
       return fail(ErrorCode::invalid_argument, "Optimizer::apply: swapped groups are stepped with apply_group and finish_step");
   if (impl_->adam) {
-    // One multi-tensor AdamW over every group (one launch a bucket of groups on CUDA).
-    std::vector<detail::OptimizerTensor> tensors;
-    tensors.reserve(groups_.size());
+    // One multi-tensor AdamW per distinct setting (one launch a bucket of tensors on CUDA): every
+    // group of the optimizer's own settings in one, each other setting's runs in another.
+    std::map<std::pair<float, float>, std::vector<detail::OptimizerTensor>> by_setting;
     for (const Group& g : groups_) {
+      if (g.skipped) continue;
       const bool cast_back = g.params.dtype() != DataType::f32;
-      tensors.push_back({.master = g.master.data_as<float>(),
-                         .grad = g.grads.data(),
-                         .state1 = g.state1.data_as<float>(),
-                         .state2 = g.state2.data_as<float>(),
-                         .param_out = cast_back ? g.params.data() : nullptr,
-                         .n = g.params.numel(),
-                         .gdt = static_cast<std::int32_t>(g.grads.dtype()),
-                         .pdt = static_cast<std::int32_t>(g.params.dtype())});
+      const std::size_t gsize = size_of(g.grads.dtype()), psize = size_of(g.params.dtype());
+      auto add = [&](std::int64_t begin, std::int64_t end, const Segment& seg) {
+        const auto at = static_cast<std::size_t>(begin);
+        by_setting[{seg.lr_scale, seg.weight_decay}].push_back(
+            {.master = g.master.data_as<float>() + at,
+             .grad = static_cast<const std::byte*>(g.grads.data()) + at * gsize,
+             .state1 = g.state1.data_as<float>() + at,
+             .state2 = g.state2.data_as<float>() + at,
+             .param_out = cast_back ? static_cast<std::byte*>(g.params.data()) + at * psize : nullptr,
+             .n = end - begin,
+             .gdt = static_cast<std::int32_t>(g.grads.dtype()),
+             .pdt = static_cast<std::int32_t>(g.params.dtype())});
+      };
+      if (g.segments.empty()) add(0, g.params.numel(), default_settings());
+      for (const auto& seg : g.segments)
+        if (!seg.frozen) add(seg.begin, seg.end, seg);
     }
-    detail::AdamArgs a = impl_->adam_args;
-    a.lr = lr;
-    COSHARD_TRY(ctx.kernels().adamw_multi(ctx.stream(), tensors, a, state_.data_as<StepState>()));
+    for (const auto& [setting, tensors] : by_setting) {
+      detail::AdamArgs a = impl_->adam_args;
+      a.lr = lr * setting.first;
+      a.weight_decay = setting.second;
+      COSHARD_TRY(ctx.kernels().adamw_multi(ctx.stream(), tensors, a, state_.data_as<StepState>()));
+    }
   } else {
     for (std::size_t i = 0; i < groups_.size(); ++i) COSHARD_TRY(apply_one(ctx, i, lr));
   }

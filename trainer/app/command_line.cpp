@@ -144,6 +144,11 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   float weight_decay = modules::AdamWOptions{}.weight_decay;
   auto* wd = app.add_option("--weight-decay", weight_decay,
                             "weight decay (default: the optimizer's own, AdamW 0.01 decoupled, SGD 0)");
+  app.add_option("--freeze", cli.freeze,
+                 "parameters that do not train, by glob over their full names (repeatable; e.g. 'blocks.0.*' or "
+                 "'model.embed_tokens.*'); each must match a parameter");
+  app.add_flag("--no-decay-vectors", cli.no_decay_for_vectors,
+               "no weight decay on parameters of one dimension (biases, norms' gains), as GPT-2's and Llama's recipes");
   auto* max_skipped = app.add_option("--max-skipped-steps", cli.max_skipped_steps,
                                      "stop after this many steps in a row skipped for inf/NaN gradients (0: never)")
                           ->check(CLI::Range(0, 1 << 30));
@@ -266,6 +271,8 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   if (accum->count()) c.gradient_accumulation_steps = cli.gradient_accumulation_steps;
   if (clip->count()) c.max_grad_norm = cli.max_grad_norm;
   if (wd->count()) c.weight_decay = weight_decay;
+  if (!cli.freeze.empty()) c.freeze = cli.freeze;
+  if (cli.no_decay_for_vectors) c.no_decay_for_vectors = true;
   if (max_skipped->count()) c.max_skipped_steps = cli.max_skipped_steps;
   if (precision->count())
     c.set_compute_dtype(dtype == "bf16"  ? modules::DataType::bf16

@@ -277,6 +277,15 @@ async::Task<Result<Trainer>> TrainerBuilder::build(modules::Module& model) const
       COSHARD_LOG_WARN(trainer, "activation checkpointing ({}): the model has no block to checkpoint",
                        c_.activation_checkpointing.to_string());
   }
+  std::vector<modules::ParameterGroup> groups;
+  if (c_.no_decay_for_vectors) groups.push_back(modules::ParameterGroup::no_decay_for_vectors());
+  groups.insert(groups.end(), c_.parameter_groups.begin(), c_.parameter_groups.end());
+  COSHARD_CO_TRY(impl->optimizer->set_parameter_groups(std::move(groups)));
+  for (const auto& pattern : c_.freeze) {
+    auto frozen = model.set_trainable_matching(pattern, false);
+    if (!frozen) co_return fail(std::move(frozen).error().with_context("freeze"));
+    COSHARD_LOG_INFO(trainer, "freeze '{}': {} parameters frozen", pattern, *frozen);
+  }
   COSHARD_CO_TRY_ASSIGN(impl->engine, zero::Engine::create(*impl->ctx, *comm_, model, *impl->optimizer,
                                                               c_.engine_options()));
   COSHARD_CO_TRY(co_await impl->engine->initialize(c_.seed));

@@ -134,6 +134,9 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     u->modules = std::move(planned.modules);
     for (const auto& p : planned.parameters) u->params.push_back({p.parameter, p.offset});
     u->index = s->units.size();
+    u->frozen = std::all_of(u->params.begin(), u->params.end(),
+                            [](const Unit::Param& p) { return !p.parameter->trainable(); });
+    for (const auto& p : u->params) s->planned_trainable.emplace_back(p.parameter, p.parameter->trainable());
     for (Module* m : u->modules) s->unit_of.emplace(m, u->index);
     s->units.push_back(std::move(u));
   }

@@ -48,6 +48,8 @@ struct Unit {
   };
   std::vector<Param> params;
   std::size_t index = 0;  // in the engine's unit list
+  // Every parameter of the unit is frozen: no gradient buffer, no reduction, never stepped.
+  bool frozen = false;
 
   // Persistent storage. Stage 3: `shard` is its own buffer. Stages 1-2: `full` holds the whole
   // unit and `shard` is this rank's block of it (in-place all-gather after the step).
@@ -295,6 +297,20 @@ struct Engine::State {
   }
 
   Result<void> bind_values(Unit& u, const Tensor& buffer);
+
+  // ---- trainable and frozen parameters, parameter groups, unused units (parameter_settings.cpp) ----
+
+  // The optimizer's segments of this rank's block of u: each parameter's run with its settings
+  // (frozen, or its parameter group's), clipped to the block.
+  std::vector<Optimizer::Segment> segments_of(const Unit& u) const;
+  // Whether each parameter trains as it did when the engine was made: a change since is refused,
+  // naming the parameter (the gradients, reductions and optimizer groups were planned for it).
+  Result<void> check_trainability() const;
+  std::vector<std::pair<const Parameter*, bool>> planned_trainable;
+  // Before the optimizer steps: units that got no gradient this step on any rank (stages 0, 2, 3:
+  // a unit reduced on one rank and not another is a collective mismatch, so the count agrees)
+  // are left untouched, as PyTorch leaves a parameter whose gradient is None.
+  Result<void> skip_units_without_gradients();
   const Tensor& values_of(const Unit& u) const { return stage3() ? u.gathered : u.full; }
 
   // ---- stage 3: gather and release (gather.cpp) ----

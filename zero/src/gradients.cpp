@@ -31,6 +31,7 @@ Result<void> Engine::State::allocate_gradients(Unit& u) {
 
 Result<void> Engine::State::begin_backward(Unit& u) {
   if (o.zero_stage == 1) return {};
+  if (u.frozen) return bind_values(u, values_of(u));  // values only: nothing to reduce
   COSHARD_TRY_ASSIGN(u.grad_full_block, ctx->allocator().allocate(u.info.padded_bytes, ctx->stream()));
   u.grad_full = Tensor(u.grad_full_block.data(), Shape{u.info.padded}, o.dtype, ctx->device());
   COSHARD_TRY(ctx->stream().fill(u.grad_full.data(), 0, u.info.padded_bytes));
@@ -44,7 +45,7 @@ Result<void> Engine::State::shard_from(const Unit& u, const Tensor& mine, const 
 }
 
 Result<void> Engine::State::reduce_gradients(Unit& u) {
-  if (o.zero_stage == 1) return {};
+  if (o.zero_stage == 1 || u.frozen) return {};
   auto& cs = comm->stream();
   COSHARD_TRY_ASSIGN(auto produced, ctx->stream().record());
   COSHARD_TRY(cs.wait(produced));

@@ -39,6 +39,7 @@ async::Task<Result<void>> Engine::begin_step(int micro_batches, float lr) {
                    s.open == State::Open::step ? "a step" : "an inference pass", " is open (finish it first)");
   if (micro_batches < 1)
     co_return fail(ErrorCode::invalid_argument, "Engine::begin_step(micro_batches=", micro_batches, "): expected >= 1");
+  COSHARD_CO_TRY(s.check_trainability());
   // A checkpoint saved before the last step is published now, its file written behind that step.
   if (s.checkpoint.pending && --s.checkpoint.pending->steps_left <= 0) COSHARD_CO_TRY(co_await s.publish_checkpoint());
   Context& ctx = *s.ctx;
@@ -69,6 +70,7 @@ async::Task<Result<void>> Engine::begin_step(int micro_batches, float lr) {
     u->grads_out = false;
     u->forward_uses = 0;
     u->stepped_early = false;
+    COSHARD_CO_TRY(s.optimizer->set_group_skipped(s.first_group + u->index, false));
     if (s.o.zero_stage == 1) COSHARD_CO_TRY(compute.fill(u->grad_full.data(), 0, u->info.padded_bytes));
   }
   if (s.offloaded()) {
@@ -140,6 +142,7 @@ async::Task<Result<EngineStepStats>> Engine::finish_open_step(float lr) {
   // nvme parameters: no read may be left over when the optimizer rewrites the swap files.
   COSHARD_CO_TRY(co_await s.shard_placement->settle(s));
   COSHARD_CO_TRY(co_await s.finish_gradients(micro_batches));
+  COSHARD_CO_TRY(s.skip_units_without_gradients());
   COSHARD_CO_TRY_ASSIGN(auto optimizer_started, s.mark(compute));
   COSHARD_CO_TRY(co_await s.optimizer_placement->step(s, lr));
   COSHARD_CO_TRY_ASSIGN(auto optimizer_finished, s.mark(compute));

@@ -16,7 +16,7 @@ class OptimizerOnNvme final : public HostOptimizer {
  public:
   Result<void> add_unit(Engine::State& s, Unit& u) override {
     COSHARD_TRY(add_host_grad(s, u));
-    return s.optimizer->add_swapped_group(*s.host_ctx, u.host_grad);
+    return s.optimizer->add_swapped_group(*s.host_ctx, u.host_grad, s.segments_of(u));
   }
 
   async::Task<Result<void>> step(Engine::State& s, float lr) override {

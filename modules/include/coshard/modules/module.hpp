@@ -43,6 +43,10 @@ struct Init {
   static Init uniform(double low, double high) { return {Kind::uniform, low, high}; }
 };
 
+// Whether `name` matches the glob `pattern`: `*` matches any run of characters (dots included),
+// `?` any one character; everything else matches itself.
+bool glob_matches(std::string_view pattern, std::string_view name) noexcept;
+
 // Fills `out` with the initial values of the parameter `full_name` (host memory, any length).
 void initial_values(const Init& init, std::string_view full_name, std::uint64_t seed, std::span<double> out);
 
@@ -59,8 +63,16 @@ class Parameter {
   const Tensor& grad() const noexcept { return grad_; }
   bool bound() const noexcept { return static_cast<bool>(value_); }
   // Points the parameter at memory owned elsewhere (shape must match; grad may be empty when
-  // only inference runs).
+  // only inference runs). A frozen parameter is bound without its gradient whatever is given, so
+  // layers never compute it.
   Result<void> bind(Tensor value, Tensor grad);
+
+  // Whether the parameter trains (PyTorch's requires_grad). A frozen one gets no gradient, no
+  // reduction and no update (no decay, no moments): it keeps its value bit for bit. Set it before
+  // a ParameterStore or engine is built for the model (an engine refuses a step after a change,
+  // naming the parameter); refused while the parameter is bound.
+  bool trainable() const noexcept { return trainable_; }
+  Result<void> set_trainable(bool trainable);
   void unbind() noexcept {
     value_ = {};
     grad_ = {};
@@ -70,6 +82,7 @@ class Parameter {
   std::string name_;
   Shape shape_;
   Init init_;
+  bool trainable_ = true;
   Tensor value_;
   Tensor grad_;
 };
@@ -207,6 +220,13 @@ class Module {
   void for_each_module(const std::function<void(const std::string& path, Module&)>& fn,
                        const std::string& prefix = "");
   std::int64_t parameter_count();  // recursive
+  // Freezes (false) or unfreezes (true) every parameter of this module and its children, for
+  // fine-tuning; the first refusal (a bound parameter) is returned.
+  Result<void> set_trainable(bool trainable);
+  // The same for the parameters whose full name (as for_each_parameter gives it) matches the glob
+  // `pattern` (`*` any run of characters, dots included; `?` one character): how many matched.
+  // A pattern that matches nothing is an error naming it (a typo must not freeze nothing).
+  Result<std::size_t> set_trainable_matching(std::string_view pattern, bool trainable);
   // Drops saved activations of this module and everything under it.
   void clear_saved_recursive();
 

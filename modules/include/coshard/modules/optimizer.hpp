@@ -11,13 +11,22 @@
 // shards). Parameters in f32 are their own master weights; bf16/f16 parameters get an fp32
 // master copy, and every step writes the updated weights back in the parameter dtype.
 //
+// Parameter groups (PyTorch's param_groups): rules chosen by a parameter's name or by a predicate
+// give it its own weight decay and learning-rate scale; frozen parameters (Parameter::trainable)
+// are never changed. A group of elements that holds several parameters carries segments, one run
+// of elements per setting; a group whose elements all take the optimizer's own settings has none
+// and steps exactly as before (one launch, the same bits). The clipping norm stays global.
+//
 // A step is `step(ctx, lr)`, or in two halves for sharded training: `compute_grad_stats(ctx)`,
 // then sum `grad_stats()` (two f32: sum of squares, overflow flag) across ranks, then
 // `apply(ctx, lr)`.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <optional>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -57,22 +66,68 @@ struct OptimizerStats {
   bool last_skipped = false;
 };
 
+// Settings for the parameters `matches` accepts (the first rule that matches a parameter wins;
+// parameters no rule matches take the optimizer's own).
+struct ParameterGroup {
+  std::string name;  // in messages
+  std::function<bool(std::string_view full_name, const Parameter& parameter)> matches;
+  std::optional<float> weight_decay;  // unset: the optimizer's
+  float lr_scale = 1.0f;              // the step's learning rate times this
+  // Parameters whose full name matches the glob `pattern` (glob_matches).
+  static ParameterGroup by_name(std::string pattern, std::optional<float> weight_decay, float lr_scale = 1.0f);
+  // The GPT-2 and Llama recipes' rule: no weight decay on parameters of one dimension (biases,
+  // norms' gains).
+  static ParameterGroup no_decay_for_vectors();
+};
+
+class ParameterStore;
+
 class Optimizer {
  public:
+  // How elements [begin, end) of a group step (group-relative; resolved settings).
+  struct Segment {
+    std::int64_t begin = 0;
+    std::int64_t end = 0;
+    float weight_decay = 0;
+    float lr_scale = 1.0f;
+    bool frozen = false;  // never changed
+    bool same_settings(const Segment& o) const noexcept {
+      return weight_decay == o.weight_decay && lr_scale == o.lr_scale && frozen == o.frozen;
+    }
+  };
+
   static Result<std::unique_ptr<Optimizer>> adamw(AdamWOptions options, StepControlOptions control = {});
   static Result<std::unique_ptr<Optimizer>> sgd(SgdOptions options, StepControlOptions control = {});
   virtual ~Optimizer();
   // "adamw" or "sgd": what a checkpoint records, and a load compares.
   std::string_view name() const noexcept;
 
+  // The rules of parameter groups, before any group is added (checked: a rule needs a predicate,
+  // weight_decay >= 0 and a finite lr_scale >= 0).
+  Result<void> set_parameter_groups(std::vector<ParameterGroup> rules);
+  const std::vector<ParameterGroup>& parameter_groups() const noexcept { return rules_; }
+  // The settings of one parameter's elements (begin and end left 0): frozen when it does not
+  // train, else its rule's, else the optimizer's.
+  Segment settings_for(std::string_view full_name, const Parameter& parameter) const;
+  // The optimizer's own settings (a segment of them is no segment).
+  Segment default_settings() const noexcept;
+
   // Adds a flat span of parameters and their gradients (same shape, on ctx's device). The master
   // copy and state are allocated here; the tensors must stay valid while the optimizer is used.
-  Result<void> add_group(Context& ctx, Tensor params, Tensor grads);
+  // `segments` (sorted, within the span, not overlapping; gaps take the optimizer's settings)
+  // give runs of elements settings of their own.
+  Result<void> add_group(Context& ctx, Tensor params, Tensor grads, std::vector<Segment> segments = {});
+  // A ParameterStore's whole span, each parameter with its settings (parameter groups, frozen
+  // parameters): the unsharded form of what the ZeRO engine does per shard.
+  Result<void> add_group(Context& ctx, const ParameterStore& store);
+  // Whether group i is left untouched by the coming steps (its parameters got no gradient this
+  // step: PyTorch leaves a parameter whose gradient is None as it is). Until changed.
+  Result<void> set_group_skipped(std::size_t group, bool skipped);
 
   // A group whose fp32 master and state live elsewhere (swapped in from NVMe for each step): only
   // its gradients are bound here (f32); apply_group supplies the rest. Such groups are stepped
   // with apply_group + finish_step, not apply.
-  Result<void> add_swapped_group(Context& ctx, Tensor grads);
+  Result<void> add_swapped_group(Context& ctx, Tensor grads, std::vector<Segment> segments = {});
   // The fp32 state tensors a group needs beside its master: 2 for AdamW, 1 for SGD with
   // momentum, 0 without.
   std::size_t state_tensors() const noexcept;
@@ -114,6 +169,8 @@ class Optimizer {
     Tensor master;  // fp32; aliases params when they are f32
     Tensor state1;  // Adam m / SGD momentum
     Tensor state2;  // Adam v
+    std::vector<Segment> segments;  // empty: the optimizer's settings throughout; else covering it
+    bool skipped = false;           // set_group_skipped
   };
   const std::vector<Group>& groups() const noexcept { return groups_; }
   // Forgets groups [first, end) (their owner is going away; the ZeRO engine's destructor calls
@@ -129,7 +186,12 @@ class Optimizer {
 
  private:
   Result<void> ensure_state(Context& ctx);
+  Result<std::vector<Segment>> normalized(std::vector<Segment> segments, std::int64_t n) const;
+  // One group's update from its master and state (every segment's run).
+  Result<void> update(Context& ctx, const Group& g, float lr, float* master, float* state1, float* state2,
+                      DataType pdt, void* params_out) const;
   std::unique_ptr<Impl> impl_;
+  std::vector<ParameterGroup> rules_;
   std::vector<Group> groups_;
   Tensor state_;  // the device step state (32 bytes)
 };

@@ -95,6 +95,14 @@ struct TrainerConfig {
   float beta1 = modules::AdamWOptions{}.beta1, beta2 = modules::AdamWOptions{}.beta2, eps = modules::AdamWOptions{}.eps;
   // Unset: the optimizer's default (AdamW: 0.01, decoupled; SGD: 0, L2).
   std::optional<float> weight_decay;
+  // Parameter groups: no weight decay on parameters of one dimension (biases, norms' gains: the
+  // GPT-2 and Llama recipes), then the rules of `parameter_groups` (the first match wins; see
+  // modules::ParameterGroup). Off and empty: one setting for every parameter (the default).
+  bool no_decay_for_vectors = false;
+  std::vector<modules::ParameterGroup> parameter_groups;
+  // Parameters that do not train (fine-tuning): globs over full names, such as
+  // "model.embed_tokens.*" or "blocks.0.*", frozen when the trainer is built. Each must match.
+  std::vector<std::string> freeze;
   float momentum = modules::SgdOptions{}.momentum;  // sgd
   bool nesterov = modules::SgdOptions{}.nesterov;   // sgd
   std::uint64_t seed = 1;               // initial weights

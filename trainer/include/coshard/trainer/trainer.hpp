@@ -149,6 +149,15 @@ class TrainerBuilder {
     return *this;
   }
   TrainerBuilder& warmup_steps(std::int64_t v) { c_.warmup_steps = v; return *this; }
+  // Parameters matching the glob `pattern` do not train (TrainerConfig::freeze).
+  TrainerBuilder& freeze(std::string pattern) { c_.freeze.push_back(std::move(pattern)); return *this; }
+  // No weight decay on parameters of one dimension (TrainerConfig::no_decay_for_vectors).
+  TrainerBuilder& no_decay_for_vectors(bool on = true) { c_.no_decay_for_vectors = on; return *this; }
+  // A parameter group of your own (weight decay, learning-rate scale), after the ones before.
+  TrainerBuilder& parameter_group(modules::ParameterGroup group) {
+    c_.parameter_groups.push_back(std::move(group));
+    return *this;
+  }
   // Rank 0 writes TensorBoard event files into `dir` (every scalar of every step; tensorboard.hpp).
   TrainerBuilder& tensorboard(std::filesystem::path dir) { c_.tensorboard_dir = std::move(dir); return *this; }
   TrainerBuilder& seed(std::uint64_t v) { c_.seed = v; return *this; }

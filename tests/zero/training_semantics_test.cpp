@@ -1,0 +1,427 @@
+// PyTorch's training semantics for a user's own model, checked against the unsharded model
+// (ParameterStore, one optimizer group over it) at every stage, world sizes 1-3 with uneven
+// splits, gradient accumulation, clipping, and the optimizer and parameters offloaded:
+// frozen parameters (bit for bit their initial values), parameter groups (weight decay and a
+// learning-rate scale per group), and a branch that does not run in some steps (left untouched).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "coshard/modules/parameter_store.hpp"
+#include "coshard/zero/engine.hpp"
+#include "../support/on_ranks.hpp"
+#include "../support/regression_mlp.hpp"
+
+namespace coshard::zero {
+namespace {
+
+using ::coshard::testing::kMlpHidden;
+using ::coshard::testing::kMlpRows;
+using modules::Init;
+using modules::ParameterGroup;
+
+constexpr int kSteps = 6;
+constexpr float kLr = 3e-2f;
+
+// Runs its child only in the steps `enabled` says, otherwise passes its input through: a branch
+// the model takes in some steps and not in others (its parameters get no gradient then).
+class Branch final : public Module {
+ public:
+  Branch(std::unique_ptr<Module> inner, const bool* enabled) : enabled_(enabled) {
+    register_child("inner", std::move(inner));
+  }
+  std::string_view type_name() const override { return "Branch"; }
+  async::Task<Result<Tensor>> forward(Context& ctx, Tensor x) override {
+    ran_ = *enabled_;
+    if (!ran_) co_return x;
+    co_return co_await ctx.forward(*children().front().module, std::move(x));
+  }
+  async::Task<Result<Tensor>> backward(Context& ctx, Tensor dy) override {
+    if (!ran_) co_return dy;
+    co_return co_await ctx.backward(*children().front().module, std::move(dy));
+  }
+
+ private:
+  const bool* enabled_;
+  bool ran_ = false;
+};
+
+enum class BranchRuns { always, some_steps, never };
+
+struct Semantics {
+  std::vector<std::string> frozen;  // globs
+  bool groups = false;              // no decay for vectors; fc2.weight at half the learning rate
+  BranchRuns branch = BranchRuns::always;
+};
+
+// some_steps: the branch runs in steps 0, 1 and 4 only.
+bool branch_runs(int step, BranchRuns runs) {
+  return runs == BranchRuns::always || (runs == BranchRuns::some_steps && (step < 2 || step == 4));
+}
+
+// The regression MLP with a branch (a Linear, near identity) between its activation and fc2.
+struct Model {
+  bool enabled = true;
+  std::unique_ptr<modules::Sequential> net;
+  static Result<std::unique_ptr<Model>> make(const Semantics& sem) {
+    auto m = std::make_unique<Model>();
+    m->net = std::make_unique<modules::Sequential>();
+    m->net->add("fc1", std::make_unique<modules::Linear>(6, kMlpHidden, true, Init::normal(0.3)));
+    m->net->add("act", std::make_unique<modules::Gelu>());
+    m->net->add("branch", std::make_unique<Branch>(
+                              std::make_unique<modules::Linear>(kMlpHidden, kMlpHidden, true, Init::normal(0.2)),
+                              &m->enabled));
+    m->net->add("fc2", std::make_unique<modules::Linear>(kMlpHidden, 2, true, Init::normal(0.3)));
+    for (const auto& pattern : sem.frozen) COSHARD_TRY(m->net->set_trainable_matching(pattern, false));
+    return m;
+  }
+};
+
+Result<std::unique_ptr<Optimizer>> make_optimizer(const Semantics& sem, float clip) {
+  modules::StepControlOptions control;
+  control.max_grad_norm = clip;
+  COSHARD_TRY_ASSIGN(auto opt, Optimizer::adamw({.weight_decay = 0.1f}, control));
+  if (sem.groups)
+    COSHARD_TRY(opt->set_parameter_groups(
+        {ParameterGroup::no_decay_for_vectors(), ParameterGroup::by_name("fc2.weight", std::nullopt, 0.5f)}));
+  return opt;
+}
+
+using Values = std::map<std::string, std::vector<float>>;
+
+struct RunResult {
+  std::vector<double> losses;
+  std::uint64_t reduced_bytes = 0;  // the last step's reduce_scattered_bytes (sharded runs)
+  Values initial, final;
+};
+
+Values values_of(const std::vector<double>& flat, const modules::ParameterStore& store) {
+  Values out;
+  for (const auto& e : store.entries())
+    out[e.name] = std::vector<float>(flat.begin() + e.offset, flat.begin() + e.offset + e.parameter->numel());
+  return out;
+}
+
+// The unsharded model on the whole batch. The branch's parameters are restored (values and
+// moments) after each step it did not run: "left untouched", written out by hand.
+RunResult reference(const Semantics& sem, float clip) {
+  async::Runtime rt;
+  auto stream = async::Stream::create(async::Device::cpu());
+  auto allocator = async::CachingAllocator::create(async::Device::cpu());
+  auto ctx = Context::create(*stream, **allocator);
+  RunResult run;
+  auto done = rt.block_on([&]() -> async::Task<Result<void>> {
+    COSHARD_CO_TRY_ASSIGN(auto model, Model::make(sem));
+    COSHARD_CO_TRY_ASSIGN(auto store, modules::ParameterStore::create(*ctx, *model->net, DataType::f32));
+    COSHARD_CO_TRY(co_await store.initialize(*ctx, 7));
+    COSHARD_CO_TRY_ASSIGN(auto opt, make_optimizer(sem, clip));
+    COSHARD_CO_TRY(opt->add_group(*ctx, store));
+    COSHARD_CO_TRY_ASSIGN(auto initial, co_await ctx->read(store.values()));
+    run.initial = values_of(initial, store);
+    const auto& g = opt->groups().front();
+    std::int64_t begin = 0, end = 0;  // the branch's elements
+    for (const auto& e : store.entries())
+      if (e.name.starts_with("branch.")) {
+        if (end == 0) begin = e.offset;
+        end = e.offset + e.parameter->numel();
+      }
+    modules::MeanSquaredErrorLoss loss;
+    for (int step = 0; step < kSteps; ++step) {
+      model->enabled = branch_runs(step, sem.branch);
+      COSHARD_CO_TRY_ASSIGN(auto b, ::coshard::testing::regression_rows(*ctx, step, 0, kMlpRows));
+      COSHARD_CO_TRY(store.zero_grad(*ctx));
+      std::vector<std::vector<double>> kept;
+      if (!model->enabled)
+        for (const Tensor& t : {g.master, g.state1, g.state2}) {
+          COSHARD_CO_TRY_ASSIGN(auto all, co_await ctx->read(t));
+          kept.push_back(std::move(all));
+        }
+      COSHARD_CO_TRY_ASSIGN(Tensor value, co_await modules::forward_backward(*ctx, *model->net, loss, b.inputs,
+                                                                            b.targets, opt->loss_scale()));
+      // A frozen parameter's gradient is never computed (its part of the flat buffer stays zero),
+      // so it adds nothing to the clipping norm either.
+      COSHARD_CO_TRY_ASSIGN(auto grads, co_await ctx->read(store.grads()));
+      for (const auto& e : store.entries())
+        if (!e.parameter->trainable())
+          for (std::int64_t i = 0; i < e.parameter->numel(); ++i)
+            if (grads[static_cast<std::size_t>(e.offset + i)] != 0.0)
+              co_return fail(ErrorCode::internal, "frozen ", e.name, " got a gradient");
+      COSHARD_CO_TRY(opt->step(*ctx, kLr));
+      if (!model->enabled) {
+        std::size_t i = 0;
+        for (const Tensor& t : {g.master, g.state1, g.state2}) {
+          std::vector<float> part(kept[i].begin() + begin, kept[i].begin() + end);
+          ++i;
+          COSHARD_CO_TRY(ctx->copy_from_host(t.slice(begin, Shape{end - begin}), std::as_bytes(std::span(part))));
+        }
+      }
+      COSHARD_CO_TRY_ASSIGN(auto host, co_await ctx->read(value));
+      run.losses.push_back(host[0]);
+    }
+    COSHARD_CO_TRY_ASSIGN(auto final, co_await ctx->read(store.values()));
+    run.final = values_of(final, store);
+    co_return Result<void>{};
+  }());
+  EXPECT_TRUE(done) << done.error().message();
+  (void)(*stream).synchronize();
+  return run;
+}
+
+struct Case {
+  int world = 1;
+  int stage = 3;
+  int micro_batches = 1;
+  OffloadTarget optimizer = OffloadTarget::none;
+  OffloadTarget params = OffloadTarget::none;
+  bool step_in_backward = false;
+  std::string name() const {
+    return "world " + std::to_string(world) + ", stage " + std::to_string(stage) + ", " +
+           std::to_string(micro_batches) + " micro-batches, optimizer " + std::string(to_string(optimizer)) +
+           ", parameters " + std::string(to_string(params)) + (step_in_backward ? ", step in backward" : "");
+  }
+};
+
+// The same model through the engine, in a loop of the test's own; rank 0's losses and the
+// gathered parameters.
+Result<RunResult> sharded(const Semantics& sem, const Case& k, float clip) {
+  const auto swap = std::filesystem::current_path() / "training_semantics_scratch";
+  std::filesystem::remove_all(swap);
+  RunResult run;
+  const auto errors = ::coshard::testing::on_ranks(k.world, [&](int r, collectives::Communicator& comm)
+                                                                -> async::Task<Result<void>> {
+    COSHARD_CO_TRY_ASSIGN(auto stream, async::Stream::create(async::Device::cpu()));
+    COSHARD_CO_TRY_ASSIGN(auto allocator, async::CachingAllocator::create(async::Device::cpu()));
+    COSHARD_CO_TRY_ASSIGN(auto ctx, Context::create(stream, *allocator));
+    COSHARD_CO_TRY_ASSIGN(auto model, Model::make(sem));
+    COSHARD_CO_TRY_ASSIGN(auto opt, make_optimizer(sem, clip));
+    EngineOptions o;
+    o.zero_stage = k.stage;
+    o.max_live_bytes = 8 << 10;  // stage 3: fewer units at once than the model has
+    o.offload_optimizer = k.optimizer;
+    o.offload_params = k.params;
+    o.step_in_backward = k.step_in_backward;
+    o.nvme_path = swap / ("rank" + std::to_string(r));
+    COSHARD_CO_TRY_ASSIGN(auto engine, Engine::create(ctx, comm, *model->net, *opt, o));
+    COSHARD_CO_TRY(co_await engine->initialize(7));
+    modules::MeanSquaredErrorLoss loss;
+    const std::int64_t rows = kMlpRows / k.world / k.micro_batches;
+    for (int step = 0; step < kSteps; ++step) {
+      model->enabled = branch_runs(step, sem.branch);
+      COSHARD_CO_TRY(co_await engine->begin_step(k.micro_batches, kLr));
+      for (int m = 0; m < k.micro_batches; ++m) {
+        COSHARD_CO_TRY_ASSIGN(auto mb, ::coshard::testing::regression_rows(ctx, step, (r * k.micro_batches + m) * rows, rows));
+        COSHARD_CO_TRY_ASSIGN(Tensor out, co_await ctx.forward(*model->net, mb.inputs));
+        loss.set_targets(mb.targets);
+        COSHARD_CO_TRY_ASSIGN(Tensor value, co_await ctx.forward(loss, out));
+        COSHARD_CO_TRY_ASSIGN(Tensor dout, co_await ctx.backward(loss, engine->backward_seed()));
+        COSHARD_CO_TRY(co_await ctx.backward(*model->net, dout));
+        COSHARD_CO_TRY(engine->add_loss(value));
+      }
+      COSHARD_CO_TRY_ASSIGN(auto stats, co_await engine->finish_step());
+      if (r == 0) run.losses.push_back(stats.loss);
+      if (r == 0) run.reduced_bytes = stats.reduce_scattered_bytes;
+    }
+    COSHARD_CO_TRY_ASSIGN(auto gathered, co_await engine->gather_parameters());
+    if (r == 0)
+      for (const auto& p : gathered) {
+        std::vector<float> v(p.bytes.size() / sizeof(float));
+        std::memcpy(v.data(), p.bytes.data(), p.bytes.size());
+        run.final[p.name] = std::move(v);
+      }
+    engine.reset();
+    COSHARD_CO_TRY(stream.synchronize());
+    co_return Result<void>{};
+  });
+  std::filesystem::remove_all(swap);
+  if (!errors.empty()) return fail(ErrorCode::internal, errors.front());
+  return run;
+}
+
+std::vector<Case> all_cases() {
+  std::vector<Case> cases;
+  for (int stage = 0; stage <= 3; ++stage)
+    for (int world = 1; world <= 3; ++world) cases.push_back({world, stage, world == 2 ? 2 : 1});
+  cases.push_back({3, 2, 1, OffloadTarget::cpu});
+  cases.push_back({2, 3, 2, OffloadTarget::cpu, OffloadTarget::cpu});
+  cases.push_back({3, 3, 1, OffloadTarget::nvme, OffloadTarget::nvme});
+  cases.push_back({2, 2, 1, OffloadTarget::cpu, OffloadTarget::none, true});
+  cases.push_back({3, 3, 1, OffloadTarget::nvme, OffloadTarget::none, true});
+  return cases;
+}
+
+// Every case against the reference: losses and final parameters within 1e-6 relative (the same
+// bits on one rank with one micro-batch), and `untouched` parameters bit for bit their values
+// at the start.
+void expect_matches(const Semantics& sem, float clip, const std::vector<std::string>& untouched,
+                    const std::vector<Case>& cases) {
+  const RunResult ref = reference(sem, clip);
+  ASSERT_EQ(ref.losses.size(), static_cast<std::size_t>(kSteps));
+  EXPECT_LT(ref.losses.back(), 0.8 * ref.losses.front()) << "the reference learns";
+  for (const auto& name : untouched) {
+    ASSERT_TRUE(ref.final.contains(name)) << name;
+    EXPECT_EQ(ref.final.at(name), ref.initial.at(name)) << name << " moved in the reference";
+  }
+  for (const Case& k : cases) {
+    if (k.step_in_backward && clip != 0.0f) continue;  // (refused: clipping needs the whole backward)
+    SCOPED_TRACE(k.name());
+    auto run = sharded(sem, k, clip);
+    ASSERT_TRUE(run) << run.error().message();
+    // (clipping's norm is summed in another order per unit: its factor may differ in the last bit)
+    const bool exact = k.world == 1 && k.micro_batches == 1 && clip == 0.0f;
+    ASSERT_EQ(run->losses.size(), ref.losses.size());
+    for (std::size_t i = 0; i < ref.losses.size(); ++i) {
+      if (exact) EXPECT_EQ(run->losses[i], ref.losses[i]) << "step " << i;
+      else EXPECT_NEAR(run->losses[i], ref.losses[i], 1e-6 * std::abs(ref.losses[i])) << "step " << i;
+    }
+    ASSERT_EQ(run->final.size(), ref.final.size());
+    for (const auto& [name, want] : ref.final) {
+      const auto& got = run->final.at(name);
+      ASSERT_EQ(got.size(), want.size()) << name;
+      const bool bitwise = exact || std::find(untouched.begin(), untouched.end(), name) != untouched.end();
+      for (std::size_t i = 0; i < want.size(); ++i) {
+        if (bitwise) {
+          ASSERT_EQ(got[i], want[i]) << name << "[" << i << "]";
+        } else {
+          ASSERT_NEAR(got[i], want[i], 1e-6 * std::max(1.0f, std::abs(want[i]))) << name << "[" << i << "]";
+        }
+      }
+    }
+  }
+}
+
+TEST(FrozenParameters, KeepTheirInitialBitsAndTheRestTrainsAsUnsharded) {
+  // fc1 whole (a unit of frozen parameters only) and fc2.bias (frozen beside a weight that trains).
+  Semantics sem{.frozen = {"fc1.*", "fc2.bias"}};
+  expect_matches(sem, 0.0f, {"fc1.weight", "fc1.bias", "fc2.bias"}, all_cases());
+}
+
+TEST(FrozenParameters, WithClippingTheNormCountsOnlyWhatTrains) {
+  Semantics sem{.frozen = {"fc1.weight", "branch.inner.bias"}};
+  expect_matches(sem, 0.05f, {"fc1.weight", "branch.inner.bias"},
+                 {{1, 3}, {3, 2}, {2, 3, 2}, {3, 3, 1, OffloadTarget::cpu, OffloadTarget::cpu}});
+}
+
+TEST(ParameterGroups, DecayAndLearningRatePerGroupMatchTheUnshardedModel) {
+  Semantics sem{.groups = true};
+  expect_matches(sem, 0.0f, {}, all_cases());
+}
+
+TEST(UnusedParameters, ABranchThatNeverRunsIsLeftUntouched) {
+  Semantics sem{.groups = true, .branch = BranchRuns::never};
+  std::vector<Case> cases;
+  for (const Case& k : all_cases())
+    if (k.stage != 1) cases.push_back(k);
+  expect_matches(sem, 0.0f, {"branch.inner.weight", "branch.inner.bias"}, cases);
+}
+
+TEST(UnusedParameters, ABranchSkippedInSomeStepsIsLeftAsItWasThere) {
+  Semantics sem{.frozen = {"fc2.bias"}, .branch = BranchRuns::some_steps};
+  std::vector<Case> cases;
+  for (const Case& k : all_cases())
+    if (k.stage != 1) cases.push_back(k);
+  expect_matches(sem, 0.05f, {"fc2.bias"}, cases);
+}
+
+// Stage 1 reduces every unit after backward, whatever ran: an unused unit there takes a step of
+// zero gradient (decay and momentum), as it always did; the header says so.
+TEST(UnusedParameters, AtStageOneAnUnusedBranchStillDecays) {
+  Semantics sem{.branch = BranchRuns::never};
+  const RunResult ref = reference(sem, 0.0f);
+  auto run = sharded(sem, {2, 1}, 0.0f);
+  ASSERT_TRUE(run) << run.error().message();
+  EXPECT_NE(run->final.at("branch.inner.weight"), ref.initial.at("branch.inner.weight"));
+}
+
+// A unit of frozen parameters only has no gradient to reduce: its collective is not issued.
+TEST(FrozenParameters, AWhollyFrozenUnitIsNotReduced) {
+  for (const int stage : {0, 2, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    auto all = sharded({}, {2, stage}, 0.0f);
+    auto frozen = sharded({.frozen = {"fc1.*"}}, {2, stage}, 0.0f);
+    ASSERT_TRUE(all && frozen);
+    const std::uint64_t fc1_bytes = (6 * kMlpHidden + kMlpHidden) * sizeof(float);  // even: no padding at 2 ranks
+    EXPECT_EQ(all->reduced_bytes - frozen->reduced_bytes, fc1_bytes);
+  }
+}
+
+TEST(FrozenParameters, AGlobThatMatchesNothingIsRefusedByName) {
+  auto model = Model::make({});
+  ASSERT_TRUE(model);
+  auto r = (*model)->net->set_trainable_matching("encoder.*", false);
+  ASSERT_FALSE(r);
+  EXPECT_NE(r.error().message().find("'encoder.*' matches no parameter"), std::string::npos) << r.error().message();
+}
+
+TEST(FrozenParameters, FreezingABoundParameterIsRefused) {
+  async::Runtime rt;
+  auto stream = async::Stream::create(async::Device::cpu());
+  auto allocator = async::CachingAllocator::create(async::Device::cpu());
+  auto ctx = Context::create(*stream, **allocator);
+  auto model = Model::make({});
+  ASSERT_TRUE(model);
+  auto store = modules::ParameterStore::create(*ctx, *(*model)->net, DataType::f32);
+  ASSERT_TRUE(store);
+  auto r = (*model)->net->set_trainable(false);
+  ASSERT_FALSE(r);
+  EXPECT_NE(r.error().message().find("while bound"), std::string::npos) << r.error().message();
+}
+
+TEST(FrozenParameters, FreezingAfterTheEngineWasBuiltIsRefusedAtTheNextStep) {
+  const auto errors = ::coshard::testing::on_ranks(1, [&](int, collectives::Communicator& comm)
+                                                         -> async::Task<Result<void>> {
+    COSHARD_CO_TRY_ASSIGN(auto stream, async::Stream::create(async::Device::cpu()));
+    COSHARD_CO_TRY_ASSIGN(auto allocator, async::CachingAllocator::create(async::Device::cpu()));
+    COSHARD_CO_TRY_ASSIGN(auto ctx, Context::create(stream, *allocator));
+    COSHARD_CO_TRY_ASSIGN(auto model, Model::make({}));
+    COSHARD_CO_TRY_ASSIGN(auto opt, make_optimizer({}, 0.0f));
+    COSHARD_CO_TRY_ASSIGN(auto engine, Engine::create(ctx, comm, *model->net, *opt, {.zero_stage = 3}));
+    COSHARD_CO_TRY(co_await engine->initialize(7));
+    // At stage 3 parameters are unbound between uses: the flag can change, and the step refuses.
+    COSHARD_CO_TRY(model->net->set_trainable_matching("fc1.weight", false));
+    auto begun = co_await engine->begin_step(1, kLr);
+    if (begun) co_return fail(ErrorCode::internal, "begin_step accepted a parameter frozen after the engine was built");
+    if (begun.error().message().find("fc1.weight was frozen after the engine was built") == std::string::npos)
+      co_return fail(ErrorCode::internal, "unexpected message: ", begun.error().message());
+    engine.reset();
+    COSHARD_CO_TRY(stream.synchronize());
+    co_return Result<void>{};
+  });
+  EXPECT_TRUE(errors.empty()) << errors.front();
+}
+
+TEST(ParameterGroups, BadRulesAreRefusedByName) {
+  auto opt = Optimizer::adamw({});
+  ASSERT_TRUE(opt);
+  auto negative = (*opt)->set_parameter_groups({ParameterGroup::by_name("*.bias", -1.0f)});
+  ASSERT_FALSE(negative);
+  EXPECT_NE(negative.error().message().find("parameter group '*.bias': weight_decay=-1"), std::string::npos)
+      << negative.error().message();
+  auto nan_scale = (*opt)->set_parameter_groups({ParameterGroup::by_name("x", std::nullopt, std::nanf(""))});
+  ASSERT_FALSE(nan_scale);
+  EXPECT_NE(nan_scale.error().message().find("lr_scale=nan"), std::string::npos) << nan_scale.error().message();
+  ParameterGroup none;
+  none.name = "empty";
+  auto no_predicate = (*opt)->set_parameter_groups({none});
+  ASSERT_FALSE(no_predicate);
+  EXPECT_NE(no_predicate.error().message().find("'empty': no predicate"), std::string::npos);
+}
+
+TEST(GlobMatches, StarsCrossDotsAndQuestionMarksTakeOneCharacter) {
+  EXPECT_TRUE(modules::glob_matches("model.embed_tokens.*", "model.embed_tokens.weight"));
+  EXPECT_TRUE(modules::glob_matches("*.bias", "blocks.0.attn.qkv.bias"));
+  EXPECT_TRUE(modules::glob_matches("blocks.?.mlp.*", "blocks.3.mlp.fc.weight"));
+  EXPECT_FALSE(modules::glob_matches("blocks.?.mlp.*", "blocks.12.mlp.fc.weight"));
+  EXPECT_FALSE(modules::glob_matches("*.bias", "blocks.0.attn.qkv.weight"));
+  EXPECT_TRUE(modules::glob_matches("*", ""));
+  EXPECT_FALSE(modules::glob_matches("a", ""));
+  EXPECT_TRUE(modules::glob_matches("a*b*c", "a.x.b.y.c"));
+}
+
+}  // namespace
+}  // namespace coshard::zero

@@ -1,0 +1,45 @@
+// Trainable and frozen parameters, parameter groups and unused units, as the engine sees them: the
+// optimizer gets each unit's block cut into runs of one setting (a frozen parameter's run is never
+// stepped), a unit whose parameters are all frozen has no gradient at all, and a unit that got no
+// gradient in a step is left as it is (PyTorch's rule for a parameter whose gradient is None).
+#include "engine_state.hpp"
+
+namespace coshard::zero {
+
+using namespace modules;
+using namespace detail;
+
+std::vector<Optimizer::Segment> Engine::State::segments_of(const Unit& u) const {
+  const std::int64_t begin = block_offset(u), end = begin + u.info.shard;
+  std::vector<Optimizer::Segment> segments;
+  for (const auto& p : u.params) {
+    const std::int64_t from = std::max(begin, p.offset), to = std::min(end, p.offset + p.parameter->numel());
+    if (from >= to) continue;
+    Optimizer::Segment seg = optimizer->settings_for(names.at(p.parameter), *p.parameter);
+    seg.begin = from - begin;
+    seg.end = to - begin;
+    segments.push_back(seg);
+  }
+  return segments;
+}
+
+Result<void> Engine::State::check_trainability() const {
+  for (const auto& [parameter, trainable] : planned_trainable)
+    if (parameter->trainable() != trainable)
+      return fail(ErrorCode::invalid_argument, "Engine: parameter ", names.at(parameter), " was ",
+                  trainable ? "frozen" : "unfrozen", " after the engine was built (its gradient, reduction and ",
+                  "optimizer state are planned when the engine is made: set trainable before Engine::create)");
+  return {};
+}
+
+Result<void> Engine::State::skip_units_without_gradients() {
+  // Stage 1 reduces every unit after backward whether it ran or not, and a rank-dependent branch
+  // is legal there: which units no rank used is not known to the host without a wait, so stage 1
+  // steps them (with a zero gradient, as before).
+  if (o.zero_stage == 1) return {};
+  for (const auto& u : units)
+    COSHARD_TRY(optimizer->set_group_skipped(first_group + u->index, u->grads_this_step == 0));
+  return {};
+}
+
+}  // namespace coshard::zero
