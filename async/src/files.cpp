@@ -1,5 +1,7 @@
 #include "coshard/async/files.hpp"
 
+#include "coshard/async/replacing_file.hpp"
+
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -161,27 +163,9 @@ Result<void> fsync_path(const fs::path& path, int flags) {
 }
 
 Result<void> write_file_atomic(const fs::path& path, std::string_view text) {
-  COSHARD_TRY(async::check_replaceable(path, "output"));
-  const fs::path tmp = path.string() + ".tmp";
-  auto cleanup = [&](Error e) -> Result<void> {
-    std::error_code ignored;
-    fs::remove(tmp, ignored);
-    return fail(std::move(e));
-  };
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) return fail(ErrorCode::io, tmp.string(), ": cannot create (", std::strerror(errno), ")");
-    out.write(text.data(), static_cast<std::streamsize>(text.size()));
-    out.close();
-    if (!out)
-      return cleanup(Error(ErrorCode::io, tmp.string() + ": write of " + std::to_string(text.size()) +
-                                              " bytes failed (" + std::strerror(errno) + ")"));
-  }
-  if (auto synced = fsync_path(tmp, O_RDONLY); !synced) return cleanup(synced.error());
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) return cleanup(Error(ErrorCode::io, "renaming " + tmp.string() + " to " + path.string() + ": " + ec.message()));
-  return fsync_path(path.parent_path().empty() ? fs::path(".") : path.parent_path(), O_RDONLY | O_DIRECTORY);
+  COSHARD_TRY_ASSIGN(auto file, ReplacingFile::create(path, "output"));
+  COSHARD_TRY(file.write(text));
+  return file.commit();
 }
 
 }  // namespace coshard::async

@@ -15,6 +15,7 @@
 #include <string_view>
 
 #include "coshard/async/log.hpp"
+#include "coshard/async/replacing_file.hpp"
 
 namespace coshard::collectives {
 
@@ -213,15 +214,11 @@ Result<fs::path> write_flight_record(const FlightRecord& r, const fs::path& dir)
   fs::create_directories(dir, ec);
   if (ec) return fail(ErrorCode::io, "flight recorder folder ", dir.string(), ": ", ec.message());
   const fs::path path = dir / file_name(r.rank, r.size);
-  const fs::path partial = path.string() + ".partial";
   {
-    std::ofstream out(partial, std::ios::trunc);
-    out << flight_record_json(r);
-    out.flush();
-    if (!out) return fail(ErrorCode::io, "flight recorder file ", partial.string(), ": write failed");
+    COSHARD_TRY_ASSIGN(auto file, async::ReplacingFile::create(path, "flight recorder file"));
+    COSHARD_TRY(file.write(flight_record_json(r)));
+    COSHARD_TRY(file.commit());
   }
-  fs::rename(partial, path, ec);
-  if (ec) return fail(ErrorCode::io, "flight recorder file ", path.string(), ": ", ec.message());
   // The last entries to the log as well: a run whose folder is lost still shows them.
   const std::size_t shown = std::min<std::size_t>(r.entries.size(), 4);
   std::string last;

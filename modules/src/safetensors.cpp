@@ -1,8 +1,5 @@
 #include "coshard/modules/safetensors.hpp"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -12,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "coshard/async/files.hpp"
+#include "coshard/async/replacing_file.hpp"
 
 namespace coshard::modules {
 namespace {
@@ -31,25 +29,6 @@ constexpr DTypeName kDTypes[] = {
     {SafeDType::bf16, "BF16", 2}, {SafeDType::i64, "I64", 8}, {SafeDType::i32, "I32", 4},
     {SafeDType::i16, "I16", 2}, {SafeDType::i8, "I8", 1}, {SafeDType::u8, "U8", 1}, {SafeDType::boolean, "BOOL", 1},
 };
-
-class UniqueFd {
- public:
-  explicit UniqueFd(int fd) : fd_(fd) {}
-  UniqueFd(const UniqueFd&) = delete;
-  UniqueFd& operator=(const UniqueFd&) = delete;
-  ~UniqueFd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  int get() const noexcept { return fd_; }
-  int release() noexcept { return std::exchange(fd_, -1); }
-
- private:
-  int fd_;
-};
-
-Unexpected io_error(std::string_view what, const std::filesystem::path& path, int err) {
-  return fail(ErrorCode::io, what, " '", path.string(), "': ", std::strerror(err));
-}
 
 // Multiplies shape dimensions and the element size, refusing negatives and overflow.
 Result<std::size_t> byte_count(const std::string& source, const std::string& name, const std::vector<std::int64_t>& shape,
@@ -267,38 +246,10 @@ Result<void> save_safetensors(const std::filesystem::path& path, std::span<const
   std::vector<SafeTensorLayout> layout;
   for (const auto& t : tensors) layout.push_back({t.name, t.dtype, t.shape, t.data.size()});
   COSHARD_TRY_ASSIGN(const auto prefix, safetensors_prefix(layout, metadata, path.string()));
-  COSHARD_TRY(async::check_replaceable(path, "save_safetensors"));
-
-  const std::filesystem::path tmp = path.string() + ".tmp." + std::to_string(::getpid());
-  UniqueFd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-  if (fd.get() < 0) return io_error("cannot create", tmp, errno);
-  auto write_all = [&](const void* p, std::size_t n) -> Result<void> {
-    const auto* b = static_cast<const std::byte*>(p);
-    while (n > 0) {
-      const ssize_t w = ::write(fd.get(), b, n);
-      if (w < 0 && errno == EINTR) continue;
-      if (w < 0) return io_error("cannot write", tmp, errno);
-      b += w;
-      n -= static_cast<std::size_t>(w);
-    }
-    return {};
-  };
-  auto cleanup = [&](Error e) -> Result<void> {
-    ::unlink(tmp.c_str());
-    return fail(std::move(e));
-  };
-  if (auto r = write_all(prefix.data(), prefix.size()); !r) return cleanup(r.error());
-  for (const auto& t : tensors) {
-    if (auto r = write_all(t.data.data(), t.data.size()); !r) return cleanup(r.error());
-  }
-  if (::fsync(fd.get()) != 0) return cleanup(io_error("cannot fsync", tmp, errno).error());
-  if (::close(fd.release()) != 0) return cleanup(io_error("cannot close", tmp, errno).error());
-  if (::rename(tmp.c_str(), path.c_str()) != 0) return cleanup(io_error("cannot rename into place", path, errno).error());
-  // Make the rename itself durable.
-  const auto dir = path.has_parent_path() ? path.parent_path() : std::filesystem::path(".");
-  UniqueFd dir_fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (dir_fd.get() >= 0) (void)::fsync(dir_fd.get());
-  return {};
+  COSHARD_TRY_ASSIGN(auto file, async::ReplacingFile::create(path, "save_safetensors"));
+  COSHARD_TRY(file.write(std::span<const std::byte>(prefix)));
+  for (const auto& t : tensors) COSHARD_TRY(file.write(t.data));
+  return file.commit();
 }
 
 }  // namespace coshard::modules

@@ -35,9 +35,10 @@ bool same_path(const std::filesystem::path& a, const std::filesystem::path& b);
 // as they exist).
 bool path_within(const std::filesystem::path& inner, const std::filesystem::path& outer);
 
-// Replaces `path` atomically: a temporary beside it, fsync, rename, fsync the folder. A failure
-// leaves no temporary behind and the old file untouched. Only a regular file is ever replaced
-// (a device, folder or fifo at `path` is refused by name).
+// Replaces `path` atomically through a ReplacingFile (replacing_file.hpp: a fresh temporary made
+// with O_EXCL beside it, fsync, rename, fsync the folder). A failure leaves no temporary behind
+// and the old file untouched. Only a regular file is ever replaced (a device, folder or fifo at
+// `path` is refused by name), and nothing planted beside it is ever opened.
 Result<void> write_file_atomic(const std::filesystem::path& path, std::string_view text);
 // fsync of a file or (flags with O_DIRECTORY) a folder.
 Result<void> fsync_path(const std::filesystem::path& path, int flags);
