@@ -2,7 +2,9 @@
 // asserting the named error, an exit status below 128, the inputs unchanged, and a time bound.
 #include <gtest/gtest.h>
 
+#include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 
 #include <chrono>
 #include <filesystem>
@@ -39,6 +41,46 @@ TEST(HardeningThree, ExportNeverWritesThroughAPlantedTemporary) {
   EXPECT_TRUE(fs::is_symlink(out / "config.json.tmp"));
   EXPECT_TRUE(fs::is_fifo(out / "model.safetensors.tmp"));
   EXPECT_NE(slurp(out / "config.json").find("hidden_size"), std::string::npos);
+}
+
+// Item 1: a second run on a live run's --checkpoint-dir (--start-over, or a second --resume) is
+// refused naming the holder; the first run's checkpoints stay, and it goes on and saves.
+TEST(HardeningThree, ASecondRunOnALiveCheckpointFolderIsRefused) {
+  const fs::path dir = scratch("h3_lock");
+  const fs::path ck = dir / "ck";
+  const pid_t first = start(with(kTiny, {"--steps", "100000", "--quiet", "--checkpoint-dir", ck.string(),
+                                         "--checkpoint-every", "1"}),
+                            dir / "first.txt");
+  ASSERT_GT(first, 0);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (!fs::exists(ck / "latest") && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ASSERT_TRUE(fs::exists(ck / "latest")) << slurp(dir / "first.txt");
+  ::kill(first, SIGSTOP);  // holds its lock, makes no progress: nothing here depends on timing
+  for (const char* mode : {"--start-over", "--resume"}) {
+    SCOPED_TRACE(mode);
+    const auto r = run(with(kTiny, {"--steps", "3", "--quiet", "--checkpoint-dir", ck.string(), mode}), dir);
+    EXPECT_EQ(r.code, 2) << r.output;
+    EXPECT_NE(r.output.find("--checkpoint-dir " + ck.string() + " is in use by coshard-train rank 0 (pid " +
+                            std::to_string(first)),
+              std::string::npos)
+        << r.output;
+    EXPECT_TRUE(fs::exists(ck / "latest"));
+  }
+  ::kill(first, SIGCONT);
+  ::kill(first, SIGTERM);  // finishes its step, saves, exits 143
+  int status = 0;
+  ::waitpid(first, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status)) << slurp(dir / "first.txt");
+  EXPECT_EQ(WEXITSTATUS(status), 143) << slurp(dir / "first.txt");
+  // Its checkpoints are whole: a resume from the last one runs a step more.
+  std::string latest = slurp(ck / "latest");
+  ASSERT_GT(latest.size(), 5u);
+  const long long saved = std::stoll(latest.substr(5));
+  const auto resumed = run(with(kTiny, {"--steps", std::to_string(saved + 1), "--quiet", "--checkpoint-dir", ck.string(),
+                                        "--resume"}),
+                           dir);
+  EXPECT_EQ(resumed.code, 0) << resumed.output;
 }
 
 }  // namespace

@@ -36,6 +36,11 @@ const CheckpointOptions kSinesKeepOne = with_run({{"data", "sines"}}, 1);
 const CheckpointOptions kSinesSeeded = with_run({{"data", "sines"}, {"seed", "11"}});
 const CheckpointOptions kCosines = with_run({{"data", "cosines"}});
 const CheckpointOptions kKeepNegative = with_run({}, -1);
+CheckpointOptions replacing(CheckpointOptions o) {
+  o.replace_other_run = true;
+  return o;
+}
+const CheckpointOptions kCosinesReplacing = replacing(kCosines);
 
 fs::path scratch(const std::string& name) {
   const fs::path dir = fs::current_path() / "zero_checkpoint_scratch" / name;
@@ -237,6 +242,50 @@ TEST(EngineCheckpoint, AWeightsFileOneRankCannotReadIsRefusedOnEveryRank) {
   ASSERT_TRUE(out) << out.error().message();
   EXPECT_NE(errors[0].find("rank 1 refused it"), std::string::npos) << errors[0];
   EXPECT_NE(errors[1].find("missing.safetensors"), std::string::npos) << errors[1];
+}
+
+// Another run's published checkpoint is never replaced in silence: a save of the same step, or
+// one that would supersede what `latest` names, by a run of another identity is refused on
+// every rank (rank 0 names the difference; the others name rank 0), nothing written; the same
+// run saves again freely, and replace_other_run says to replace.
+TEST(EngineCheckpoint, AnotherRunsCheckpointIsNotReplacedUnlessAskedTo) {
+  const fs::path dir = scratch("other_run");
+  const fs::path ck = dir / "ck";
+  auto first = on_ranks(2, [&](int, collectives::Communicator& comm) -> async::Task<Result<void>> {
+    COSHARD_CO_TRY_ASSIGN(auto e, RankEngine::make(comm, {2, 2}, dir / "swap"));
+    COSHARD_CO_TRY(co_await e.engine->initialize(kSeed));
+    COSHARD_CO_TRY(co_await e.train(0, 1));
+    COSHARD_CO_TRY(co_await e.engine->save_checkpoint(ck, kSines));
+    COSHARD_CO_TRY(co_await e.engine->finish_checkpoint());
+    // The same run saving its step again is its own business.
+    COSHARD_CO_TRY(co_await e.engine->save_checkpoint(ck, kSines));
+    co_return co_await e.engine->finish_checkpoint();
+  });
+  ASSERT_TRUE(first) << first.error().message();
+  std::vector<std::string> errors(2);
+  auto second = on_ranks(2, [&](int r, collectives::Communicator& comm) -> async::Task<Result<void>> {
+    COSHARD_CO_TRY_ASSIGN(auto e, RankEngine::make(comm, {2, 3}, dir / "swap2"));
+    COSHARD_CO_TRY(co_await e.engine->initialize(kSeed + 1));
+    for (int steps = 1; steps <= 2; ++steps) {  // the same step, then a later one (it would supersede `latest`)
+      COSHARD_CO_TRY(co_await e.train(steps - 1, 1));
+      auto saved = co_await e.engine->save_checkpoint(ck, kCosines);
+      if (saved) co_return fail(ErrorCode::internal, "a save over another run's checkpoint was accepted");
+      errors[static_cast<std::size_t>(r)] = saved.error().message();
+    }
+    if (fs::exists(ck / "step-00000002") || fs::exists(ck / "step-00000002.partial"))
+      co_return fail(ErrorCode::internal, "the refused save of step 2 wrote");
+    // Asked to: it replaces.
+    COSHARD_CO_TRY(co_await e.engine->save_checkpoint(ck, kCosinesReplacing));
+    co_return co_await e.engine->finish_checkpoint();
+  });
+  ASSERT_TRUE(second) << second.error().message();
+  EXPECT_NE(errors[0].find("step-00000001 was saved by another run (data: saved sines, this run cosines)"),
+            std::string::npos) << errors[0];
+  EXPECT_NE(errors[1].find("rank 0 refused it (its error says why); nothing was saved"), std::string::npos) << errors[1];
+  std::ifstream latest(ck / "latest");
+  std::string name;
+  latest >> name;
+  EXPECT_EQ(name, "step-00000002") << "the replacing save is published";
 }
 
 }  // namespace

@@ -34,6 +34,7 @@
 #include "coshard/modules/gpt.hpp"
 #include "coshard/modules/layers.hpp"
 #include "coshard/modules/safetensors_folder.hpp"
+#include "coshard/async/folder_lock.hpp"
 #include "coshard/trainer/trace.hpp"
 #include "coshard/zero/hf_llama.hpp"
 #include "coshard/trainer/trainer.hpp"
@@ -451,6 +452,16 @@ int main(int argc, char** argv) {
     paths.output_folders.push_back({"--offload-params nvme", c.offload_params.nvme_path});
   if (auto ok = train_app::check_run_paths(paths); !ok) return usage(ok.error().message());
   if (!o.flight_recorder.empty()) collectives::set_flight_recorder_dir(o.flight_recorder);
+  // Rank 0 claims the checkpoint folder for the whole run before it removes or reads anything
+  // there: a second run on the same folder (--start-over, or a second --resume) is refused by
+  // name while this one lives, instead of removing its checkpoints under it.
+  async::FolderLock checkpoint_lock;
+  if (!o.checkpoint_dir.empty() && o.launch.rank == 0) {
+    auto claimed = async::FolderLock::claim(o.checkpoint_dir, "--checkpoint-dir", "coshard-train rank 0",
+                                            async::FolderLock::Sharing::process);
+    if (!claimed) return usage(claimed.error().message());
+    checkpoint_lock = std::move(*claimed);
+  }
   if (!o.checkpoint_dir.empty()) {
     if (auto ok = train_app::prepare_checkpoint_folder(o.checkpoint_dir, o.resume, o.start_over, o.launch.rank == 0); !ok)
       return usage(ok.error().message());

@@ -5,12 +5,14 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "coshard/async/folder_lock.hpp"
 #include "coshard/async/join_handle.hpp"
 #include "coshard/async/memory.hpp"
 #include "coshard/modules/safetensors.hpp"
@@ -30,6 +32,9 @@ enum class BlockKind : std::uint8_t { param, master, state1, state2 };
 std::vector<BlockKind> block_kinds(ShardLayout kept);
 std::string_view name_of(BlockKind k) noexcept;
 const Tensor& tensor_of(const UnitShard& shard, BlockKind k) noexcept;
+
+// Every field of two run identities that differs, as "key: saved A, this run B; ..." (empty: the same).
+std::string run_differences(const std::map<std::string, std::string>& saved, const std::map<std::string, std::string>& mine);
 
 // The safetensors dtype of parameters in `t` (an error names a dtype that has none).
 Result<modules::SafeDType> safe_dtype(DataType t);
@@ -60,6 +65,9 @@ struct CheckpointState {
   // Checkpoint files go through the offload store (io_uring; O_DIRECT where the filesystem allows).
   std::shared_ptr<offload::NvmeStore> store;
   std::filesystem::path store_dir;
+  // Rank 0's claim of the folder it saves into (shared with the trainer binary's claim, if any):
+  // a second run saving there, or starting over there, is refused while this one lives.
+  async::FolderLock folder_lock;
 };
 
 }  // namespace coshard::zero::detail

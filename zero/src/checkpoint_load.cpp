@@ -18,6 +18,21 @@ using namespace modules;
 using namespace detail;
 namespace fs = std::filesystem;
 
+std::string detail::run_differences(const std::map<std::string, std::string>& saved, const std::map<std::string, std::string>& mine) {
+  std::string diffs;
+  auto add = [&](const std::string& key, const std::string& before, const std::string& now) {
+    diffs += (diffs.empty() ? "" : "; ") + key + ": saved " + before + ", this run " + now;
+  };
+  for (const auto& [key, value] : saved) {
+    auto it = mine.find(key);
+    if (it == mine.end()) add(key, value, "(not set)");
+    else if (it->second != value) add(key, value, it->second);
+  }
+  for (const auto& [key, now] : mine)
+    if (!saved.contains(key)) add(key, "(not set)", now);
+  return diffs;
+}
+
 namespace {
 
 Result<fs::path> resolve_checkpoint(const fs::path& dir) {
@@ -75,17 +90,7 @@ struct Loader {
 Result<void> check_identity(const CheckpointManifest& m, const std::map<std::string, std::string>& mine,
                             const std::string& where) {
   if (m.run.empty()) return {};  // saved without one
-  std::string diffs;
-  auto add = [&](const std::string& key, const std::string& saved, const std::string& now) {
-    diffs += (diffs.empty() ? "" : "; ") + key + ": saved " + saved + ", this run " + now;
-  };
-  for (const auto& [key, saved] : m.run) {
-    auto it = mine.find(key);
-    if (it == mine.end()) add(key, saved, "(not set)");
-    else if (it->second != saved) add(key, saved, it->second);
-  }
-  for (const auto& [key, now] : mine)
-    if (!m.run.contains(key)) add(key, "(not set)", now);
+  const std::string diffs = run_differences(m.run, mine);
   if (diffs.empty()) return {};
   return fail(ErrorCode::invalid_argument, where, ": a different run (", diffs,
               "); these define a run and cannot change on resume (docs/reliability.md lists what can)");

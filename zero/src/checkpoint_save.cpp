@@ -168,12 +168,51 @@ async::Task<Result<std::vector<std::int64_t>>> Engine::State::all_ranks(std::vec
 }
 
 async::Task<Result<void>> Engine::State::every_rank_can_load(bool ok, std::string what) {
+  co_return co_await every_rank_agrees(ok, std::move(what), "nothing was loaded");
+}
+
+async::Task<Result<void>> Engine::State::every_rank_agrees(bool ok, std::string what, std::string consequence) {
   std::vector<std::int64_t> outcome{ok ? 1 : 0};  // named: GCC 12 mishandles braced temporaries in co_await
   COSHARD_CO_TRY_ASSIGN(auto oks, co_await all_ranks(std::move(outcome)));
   for (int r = 0; r < world; ++r)
     if (oks[static_cast<std::size_t>(r)] != 1)
-      co_return fail(ErrorCode::invalid_argument, what, ": rank ", r, " refused it (its error says why); nothing was loaded");
+      co_return fail(ErrorCode::invalid_argument, what, ": rank ", r, " refused it (its error says why); ", consequence);
   co_return Result<void>{};
+}
+
+Result<void> Engine::State::claim_checkpoint_folder(const fs::path& dir, const CheckpointOptions& options) {
+  auto& lock = checkpoint.folder_lock;
+  if (!lock.held() || !async::same_path(lock.path(), dir)) {
+    lock.reset();
+    auto claimed = async::FolderLock::claim(dir, "checkpoint folder",
+                                            "coshard rank 0 of " + std::to_string(world) + " saving checkpoints",
+                                            async::FolderLock::Sharing::process);
+    if (!claimed) return fail(std::move(claimed).error().with_context("save_checkpoint"));
+    lock = std::move(*claimed);
+  }
+  if (options.replace_other_run) return {};
+  // The checkpoints this save would replace (the same step's) or supersede as `latest`.
+  std::vector<fs::path> published{dir / checkpoint_folder_name(steps_done)};
+  if (auto latest = async::read_regular_file(dir / "latest", 4096, "file")) {
+    std::string name(reinterpret_cast<const char*>(latest->data()), latest->size());
+    while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+    if (is_checkpoint_folder_name(name)) published.push_back(dir / name);
+  }
+  for (const auto& folder : published) {
+    std::error_code ec;
+    if (!fs::exists(folder / "manifest.json", ec)) continue;
+    auto bytes = async::read_regular_file(folder / "manifest.json", std::size_t{64} << 20, "file");
+    if (!bytes) continue;  // not one we can read: not one we could tell apart either (a load names it)
+    auto m = parse_checkpoint_manifest(std::string_view(reinterpret_cast<const char*>(bytes->data()), bytes->size()),
+                                       (folder / "manifest.json").string());
+    if (!m) continue;
+    const std::string diffs = run_differences(m->run, options.run);
+    if (!diffs.empty())
+      return fail(ErrorCode::invalid_argument, "save_checkpoint: ", folder.string(), " was saved by another run (",
+                  diffs, "); saving here would replace or supersede it (CheckpointOptions::replace_other_run says "
+                  "to, or save into a folder of this run's own)");
+  }
+  return {};
 }
 
 async::Task<Result<void>> Engine::save_checkpoint(const fs::path& dir, CheckpointOptions options) {
@@ -183,6 +222,15 @@ async::Task<Result<void>> Engine::save_checkpoint(const fs::path& dir, Checkpoin
     co_return fail(ErrorCode::invalid_argument, "save_checkpoint: keep=", options.keep,
                    ": expected >= 0 (0 keeps every checkpoint)");
   COSHARD_CO_TRY(co_await finish_checkpoint());
+  {
+    // Rank 0 claims the folder and checks whose checkpoints are there; every rank learns the outcome
+    // before anything is staged or written.
+    auto claimed = s.rank == 0 ? s.claim_checkpoint_folder(dir, options) : Result<void>{};
+    auto agreed = co_await s.every_rank_agrees(claimed.has_value(), "save_checkpoint into " + dir.string(),
+                                               "nothing was saved");
+    if (!claimed) co_return claimed;
+    COSHARD_CO_TRY(agreed);
+  }
   async::Runtime* rt = async::Runtime::current();
   if (!rt) co_return fail(ErrorCode::invalid_argument, "save_checkpoint: must be awaited on a coshard Runtime");
   COSHARD_CO_TRY_ASSIGN(const SafeDType param_dtype, safe_dtype(s.o.dtype));

@@ -444,6 +444,12 @@ struct Engine::State {
   // rank that could not (that rank's own error says why). A rank whose `ok` is false returns its
   // own error instead; either way, no rank goes on to change anything or wait for the others.
   async::Task<Result<void>> every_rank_can_load(bool ok, std::string what);
+  // The same for any operation: `consequence` ends the message ("nothing was saved").
+  async::Task<Result<void>> every_rank_agrees(bool ok, std::string what, std::string consequence);
+  // Rank 0, before a save into `dir`: the folder claimed for this run (a FolderLock shared within
+  // the process), and no published checkpoint of another run about to be replaced (the same
+  // step's, or the one `latest` names, saved with another run identity).
+  Result<void> claim_checkpoint_folder(const std::filesystem::path& dir, const CheckpointOptions& options);
   // Publishes the pending save (every rank calls it at the same point).
   async::Task<Result<void>> publish_checkpoint();
   // Whole values by name for load_parameters: a missing, extra, repeated or reshaped name refused (shards.cpp).

@@ -1,15 +1,16 @@
 // SwapFolder: the folder of one rank's swap files, owned by one engine for its life.
 //
 // Two runs pointed at one NVMe folder would overwrite each other's swap files and both train on
-// garbage without an error. So a rank's folder is claimed with an exclusive lock (flock on a
-// lock file, released by the kernel when the process dies, so a crash never leaves it held);
-// a second claim, from another run or another engine of this process, is refused naming the
-// holder. At a clean end the swap files go (they are scratch: checkpoints hold the state).
+// garbage without an error. So a rank's folder is claimed with an async::FolderLock (an flock the
+// kernel releases when the process dies), not shared even within this process: a second claim,
+// from another run or another engine of this process, is refused naming the holder. At a clean
+// end the swap files go (they are scratch: checkpoints hold the state).
 #pragma once
 
 #include <filesystem>
 #include <string>
 
+#include "coshard/async/folder_lock.hpp"
 #include "coshard/async/result.hpp"
 
 namespace coshard::offload {
@@ -21,7 +22,7 @@ class SwapFolder {
   static Result<SwapFolder> claim(const std::filesystem::path& dir, const std::string& owner);
 
   SwapFolder() = default;
-  SwapFolder(SwapFolder&& other) noexcept;
+  SwapFolder(SwapFolder&& other) noexcept = default;
   SwapFolder& operator=(SwapFolder&& other) noexcept;
   SwapFolder(const SwapFolder&) = delete;
   SwapFolder& operator=(const SwapFolder&) = delete;
@@ -29,13 +30,12 @@ class SwapFolder {
   // is empty, then lets the lock go.
   ~SwapFolder();
 
-  const std::filesystem::path& path() const noexcept { return dir_; }
-  static constexpr const char* kLockFile = ".coshard-lock";
+  const std::filesystem::path& path() const noexcept { return lock_.path(); }
+  static constexpr const char* kLockFile = async::FolderLock::kLockFile;
 
  private:
   void release() noexcept;
-  std::filesystem::path dir_;
-  int fd_ = -1;
+  async::FolderLock lock_;
 };
 
 }  // namespace coshard::offload

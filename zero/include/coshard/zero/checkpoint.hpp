@@ -42,6 +42,10 @@ struct CheckpointOptions {
   // Published checkpoints kept in DIR (save): after each publish the oldest beyond this many go,
   // never the one `latest` names. 0: all are kept.
   int keep = 0;
+  // save: a published checkpoint in DIR of the same step, or the one `latest` names, saved by a
+  // run of another identity (`run` differs) is another run's work: the save is refused, naming
+  // the differences, unless this is true.
+  bool replace_other_run = false;
 };
 
 struct CheckpointManifest {
