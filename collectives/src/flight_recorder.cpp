@@ -15,6 +15,7 @@
 #include <string_view>
 
 #include "coshard/async/log.hpp"
+#include "coshard/async/json_limits.hpp"
 #include "coshard/async/replacing_file.hpp"
 
 namespace coshard::collectives {
@@ -231,6 +232,8 @@ Result<fs::path> write_flight_record(const FlightRecord& r, const fs::path& dir)
 }
 
 Result<FlightRecord> parse_flight_record(std::string_view text, std::string_view name) {
+  if (auto nested = async::check_json_nesting(text, name); !nested)
+    return fail(std::move(nested).error().with_context("flight recorder file"));
   const json j = json::parse(text, nullptr, false);
   std::string why;  // the first field that is wrong
   auto note = [&](std::string what) {
@@ -255,7 +258,7 @@ Result<FlightRecord> parse_flight_record(std::string_view text, std::string_view
     } else if (it->is_number_integer()) {
       v = it->get<std::int64_t>();
     } else {
-      note(std::string("'") + key + "' is " + it->dump() + " (expected a whole number)");
+      note(std::string("'") + key + "' is " + async::bounded_echo(it->dump()) + " (expected a whole number)");
       return std::nullopt;
     }
     if (v < lo) {
@@ -295,7 +298,7 @@ Result<FlightRecord> parse_flight_record(std::string_view text, std::string_view
   const auto entries = j.find("entries");
   if (entries == j.end() || !entries->is_array()) return bad("'entries' is missing or not an array");
   for (const auto& e : *entries) {
-    if (!e.is_object()) return bad("an entry is " + e.dump() + " (expected an object)");
+    if (!e.is_object()) return bad("an entry is " + async::bounded_echo(e.dump()) + " (expected an object)");
     constexpr auto kAny = std::numeric_limits<std::int64_t>::min();
     const auto seq = integer(e, "seq", 0);
     const auto ops = string(e, "ops");

@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "coshard/async/json_limits.hpp"
 #include "coshard/async/files.hpp"
 #include "coshard/async/replacing_file.hpp"
 
@@ -96,6 +97,7 @@ Result<SafetensorsFile> SafetensorsFile::parse(std::vector<std::byte> bytes, std
                 bytes.size(), " bytes)");
   }
   const std::string_view header_text(reinterpret_cast<const char*>(bytes.data() + 8), static_cast<std::size_t>(header_len));
+  COSHARD_TRY(async::check_json_nesting(header_text, source));
   json header = json::parse(header_text, nullptr, /*allow_exceptions=*/false);
   if (header.is_discarded() || !header.is_object()) {
     return fail(ErrorCode::invalid_argument, source, ": the header is not a JSON object");

@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "coshard/async/json_limits.hpp"
 #include "coshard/async/files.hpp"
 
 namespace coshard::modules {
@@ -51,6 +52,7 @@ Result<FolderLayout> read_layout(const fs::path& folder) {
   layout.index = path;
   COSHARD_TRY_ASSIGN(auto bytes, async::read_regular_file(path, std::size_t{256} << 20, "safetensors index"));
   const std::string_view text(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  COSHARD_TRY(async::check_json_nesting(text, path.string()));
   const json doc = json::parse(text, nullptr, false);
   if (doc.is_discarded() || !doc.is_object())
     return fail(ErrorCode::invalid_argument, path.string(), ": not a JSON object");
@@ -58,10 +60,10 @@ Result<FolderLayout> read_layout(const fs::path& folder) {
     return fail(ErrorCode::invalid_argument, path.string(), ": expected a non-empty \"weight_map\" object of tensor name -> file");
   for (const auto& [name, file] : doc["weight_map"].items()) {
     if (!file.is_string())
-      return fail(ErrorCode::invalid_argument, path.string(), ": weight_map[\"", name, "\"]=", file.dump(), " (expected a file name)");
+      return fail(ErrorCode::invalid_argument, path.string(), ": weight_map[\"", async::bounded_echo(name), "\"]=", async::bounded_echo(file.dump()), " (expected a file name)");
     const fs::path f(file.get<std::string>());
     if (f.empty() || f.has_parent_path() || f.filename() != f || f == "." || f == "..")
-      return fail(ErrorCode::invalid_argument, path.string(), ": weight_map[\"", name, "\"]=\"", f.string(),
+      return fail(ErrorCode::invalid_argument, path.string(), ": weight_map[\"", async::bounded_echo(name), "\"]=\"", f.string(),
                   "\" (expected a file name in the index's own folder)");
     layout.files[f.string()].insert(name);
   }

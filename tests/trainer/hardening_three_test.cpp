@@ -43,6 +43,17 @@ TEST(HardeningThree, ExportNeverWritesThroughAPlantedTemporary) {
   EXPECT_NE(slurp(out / "config.json").find("hidden_size"), std::string::npos);
 }
 
+// Item 3, as reported: a DeepSpeed config of depth 200,000 ended the run with SIGSEGV.
+TEST(HardeningThree, ADeeplyNestedConfigIsRefusedNotACrash) {
+  const fs::path dir = scratch("h3_deep");
+  std::ofstream(dir / "d.json") << "{\"gradient_clipping\": " << std::string(200000, '[') << std::string(200000, ']') << "}";
+  const auto r = run(with(kQuick, {"--config", (dir / "d.json").string()}), dir);
+  EXPECT_GT(r.code, 0) << r.output.substr(0, 500);
+  EXPECT_LT(r.code, 128) << r.output.substr(0, 500);
+  EXPECT_NE(r.output.find("JSON nested deeper than 64 levels"), std::string::npos) << r.output.substr(0, 500);
+  EXPECT_LT(r.output.size(), 2000u);
+}
+
 // Item 1: a second run on a live run's --checkpoint-dir (--start-over, or a second --resume) is
 // refused naming the holder; the first run's checkpoints stay, and it goes on and saves.
 TEST(HardeningThree, ASecondRunOnALiveCheckpointFolderIsRefused) {

@@ -9,7 +9,8 @@
 #include <fstream>
 #include <sstream>
 
-#include "coshard/async/files.hpp"
+#include "coshard/async/json_limits.hpp"
+#include "coshard//async/files.hpp"
 #include "coshard/trainer/config.hpp"
 
 namespace coshard::trainer {
@@ -40,34 +41,34 @@ struct Reader {
       double d = 0;
       const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), d);
       if (ec == std::errc{} && end == s.data() + s.size()) return d;
-      bad.push_back(key + "=\"" + s + "\" (expected a number" + (s == "auto" ? "; 'auto' is not supported" : "") + ")");
+      bad.push_back(key + "=\"" + async::bounded_echo(s) + "\" (expected a number" + (s == "auto" ? "; 'auto' is not supported" : "") + ")");
       return std::nullopt;
     }
-    bad.push_back(key + "=" + v.dump() + " (expected a number)");
+    bad.push_back(key + "=" + async::bounded_echo(v.dump()) + " (expected a number)");
     return std::nullopt;
   }
   std::optional<std::size_t> count(const json& v, const std::string& key) {
     auto d = number(v, key);
     if (!d) return std::nullopt;
     if (*d < 0 || *d != std::floor(*d) || *d > 1.8e19) {
-      bad.push_back(key + "=" + v.dump() + " (expected a whole number >= 0)");
+      bad.push_back(key + "=" + async::bounded_echo(v.dump()) + " (expected a whole number >= 0)");
       return std::nullopt;
     }
     return static_cast<std::size_t>(*d);
   }
   std::optional<bool> boolean(const json& v, const std::string& key) {
     if (v.is_boolean()) return v.get<bool>();
-    bad.push_back(key + "=" + v.dump() + " (expected true or false)");
+    bad.push_back(key + "=" + async::bounded_echo(v.dump()) + " (expected true or false)");
     return std::nullopt;
   }
   std::optional<std::string> string(const json& v, const std::string& key) {
     if (v.is_string()) return v.get<std::string>();
-    bad.push_back(key + "=" + v.dump() + " (expected a string)");
+    bad.push_back(key + "=" + async::bounded_echo(v.dump()) + " (expected a string)");
     return std::nullopt;
   }
   bool object(const json& v, const std::string& key) {
     if (v.is_object()) return true;
-    bad.push_back(key + "=" + v.dump() + " (expected an object)");
+    bad.push_back(key + "=" + async::bounded_echo(v.dump()) + " (expected an object)");
     return false;
   }
 };
@@ -226,6 +227,7 @@ void read_scheduler(Reader& r, const json& section, TrainerConfig& c) {
 
 Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const TrainerConfig& base,
                                                std::vector<std::string>* notes) {
+  if (auto nested = async::check_json_nesting(text, "config"); !nested) return fail(std::move(nested).error());
   json doc = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false, /*ignore_comments=*/true);
   if (doc.is_discarded()) return fail(ErrorCode::invalid_argument, "config: not valid JSON");
   if (!doc.is_object()) return fail(ErrorCode::invalid_argument, "config: expected a JSON object, got ", doc.type_name());
@@ -318,7 +320,7 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
                 if (auto b = r.boolean(pv, pname)) c.nesterov = *b;
               } else if (pkey == "betas") {
                 if (!pv.is_array() || pv.size() != 2) {
-                  r.bad.push_back(pname + "=" + pv.dump() + " (expected [beta1, beta2])");
+                  r.bad.push_back(pname + "=" + async::bounded_echo(pv.dump()) + " (expected [beta1, beta2])");
                 } else {
                   auto b1 = r.number(pv[0], pname + "[0]");
                   auto b2 = r.number(pv[1], pname + "[1]");
@@ -355,7 +357,7 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
   }
 
   if (!zero.is_object()) {
-    r.bad.push_back("zero_optimization=" + zero.dump() + " (expected an object)");
+    r.bad.push_back("zero_optimization=" + async::bounded_echo(zero.dump()) + " (expected an object)");
   } else {
     const std::string z = whole ? "zero_optimization." : "";
     for (const auto& [key, v] : zero.items()) {

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "coshard/async/json_limits.hpp"
+
 namespace coshard::zero {
 
 using json = nlohmann::json;
@@ -39,12 +41,12 @@ struct Fields {
     const json* v = at(obj, key);
     if (!v) return std::nullopt;
     if (!v->is_number_integer()) {
-      error = std::string("field '") + key + "' is " + v->dump() + ", expected an integer";
+      error = std::string("field '") + key + "' is " + async::bounded_echo(v->dump()) + ", expected an integer";
       return std::nullopt;
     }
     // Unsigned values above INT64_MAX read as negative through get<int64_t>: refuse those too.
     if (v->is_number_unsigned() && v->get<std::uint64_t>() > static_cast<std::uint64_t>(hi)) {
-      error = std::string("field '") + key + "' is " + v->dump() + ", expected " + std::to_string(lo) + ".." + std::to_string(hi);
+      error = std::string("field '") + key + "' is " + async::bounded_echo(v->dump()) + ", expected " + std::to_string(lo) + ".." + std::to_string(hi);
       return std::nullopt;
     }
     const auto x = v->get<std::int64_t>();
@@ -59,7 +61,7 @@ struct Fields {
     const json* v = at(obj, key);
     if (!v) return std::nullopt;
     if (!v->is_string()) {
-      error = std::string("field '") + key + "' is " + v->dump() + ", expected a string";
+      error = std::string("field '") + key + "' is " + async::bounded_echo(v->dump()) + ", expected a string";
       return std::nullopt;
     }
     return v->get<std::string>();
@@ -88,6 +90,8 @@ Result<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, std:
   auto bad = [&](std::string_view what) {
     return fail(ErrorCode::invalid_argument, "checkpoint manifest ", source, ": ", what);
   };
+  if (auto nested = async::check_json_nesting(text, source); !nested)
+    return fail(std::move(nested).error().with_context("checkpoint manifest"));
   const json m = json::parse(text.begin(), text.end(), nullptr, false);
   if (m.is_discarded() || !m.is_object()) return bad("not a JSON object");
   Fields f{source, {}};
@@ -127,7 +131,7 @@ Result<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, std:
     if (!f.error.empty()) return bad(f.error);
     if (!params->is_array()) return bad("unit " + *name + ": 'parameters' is not an array");
     for (const auto& p : *params) {
-      if (!p.is_string()) return bad("unit " + *name + ": a parameter name is " + p.dump());
+      if (!p.is_string()) return bad("unit " + async::bounded_echo(*name) + ": a parameter name is " + async::bounded_echo(p.dump()));
       unit.parameters.push_back(p.get<std::string>());
     }
     unit.name = *name;

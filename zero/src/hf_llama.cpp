@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "coshard/async/json_limits.hpp"
 #include "coshard/async/files.hpp"
 #include "coshard/async/runtime.hpp"
 #include "parameter_decode.hpp"
@@ -65,7 +66,7 @@ struct Fields {
     }
     const json& v = doc[key];
     if (!v.is_number_integer() || v.get<std::int64_t>() < 0)
-      return fail(ErrorCode::invalid_argument, source, ": \"", key, "\"=", v.dump(), " (expected a whole number >= 0)");
+      return fail(ErrorCode::invalid_argument, source, ": \"", key, "\"=", async::bounded_echo(v.dump()), " (expected a whole number >= 0)");
     return v.get<std::int64_t>();
   }
   Result<double> number(const json& obj, const char* key, std::optional<double> fallback) const {
@@ -75,13 +76,13 @@ struct Fields {
     }
     const json& v = obj[key];
     if (!v.is_number())
-      return fail(ErrorCode::invalid_argument, source, ": \"", key, "\"=", v.dump(), " (expected a number)");
+      return fail(ErrorCode::invalid_argument, source, ": \"", key, "\"=", async::bounded_echo(v.dump()), " (expected a number)");
     return v.get<double>();
   }
   Result<bool> boolean(const char* key, bool fallback) const {
     if (!doc.contains(key) || doc[key].is_null()) return fallback;
     if (!doc[key].is_boolean())
-      return fail(ErrorCode::invalid_argument, source, ": \"", key, "\"=", doc[key].dump(), " (expected true or false)");
+      return fail(ErrorCode::invalid_argument, source, ": \"", key, "\"=", async::bounded_echo(doc[key].dump()), " (expected true or false)");
     return doc[key].get<bool>();
   }
 };
@@ -98,6 +99,7 @@ std::string_view torch_dtype_name(DataType dt) {
 }  // namespace
 
 Result<LlamaConfig> parse_hf_llama_config(std::string_view text, std::string_view source) {
+  COSHARD_TRY(async::check_json_nesting(text, source));
   const json doc = json::parse(text, nullptr, false);
   if (doc.is_discarded() || !doc.is_object()) return fail(ErrorCode::invalid_argument, source, ": not a JSON object");
   const Fields f{doc, source};
@@ -113,7 +115,7 @@ Result<LlamaConfig> parse_hf_llama_config(std::string_view text, std::string_vie
     if (on) return fail(ErrorCode::unsupported, source, ": \"", bias, "\"=true (coshard's Llama has no biases)");
   }
   if (doc.contains("hidden_act") && doc["hidden_act"] != "silu")
-    return fail(ErrorCode::unsupported, source, ": \"hidden_act\"=", doc["hidden_act"].dump(), " (expected \"silu\": SwiGLU)");
+    return fail(ErrorCode::unsupported, source, ": \"hidden_act\"=", async::bounded_echo(doc["hidden_act"].dump()), " (expected \"silu\": SwiGLU)");
   LlamaConfig c;
   COSHARD_TRY_ASSIGN(c.vocab, f.integer("vocab_size"));
   COSHARD_TRY_ASSIGN(c.dim, f.integer("hidden_size"));
@@ -132,7 +134,7 @@ Result<LlamaConfig> parse_hf_llama_config(std::string_view text, std::string_vie
   if (doc.contains("rope_parameters") && doc["rope_parameters"].is_object()) rope = &doc["rope_parameters"];
   else if (doc.contains("rope_scaling") && doc["rope_scaling"].is_object()) rope = &doc["rope_scaling"];
   else if (doc.contains("rope_scaling") && !doc["rope_scaling"].is_null())
-    return fail(ErrorCode::invalid_argument, source, ": \"rope_scaling\"=", doc["rope_scaling"].dump(), " (expected an object or null)");
+    return fail(ErrorCode::invalid_argument, source, ": \"rope_scaling\"=", async::bounded_echo(doc["rope_scaling"].dump()), " (expected an object or null)");
   COSHARD_TRY_ASSIGN(c.rope_theta, f.number(rope && rope->contains("rope_theta") ? *rope : doc, "rope_theta", 10000.0));
   if (rope) {
     const json& r = *rope;
