@@ -1,5 +1,6 @@
 #include "coshard/modules/module.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <numbers>
@@ -285,6 +286,18 @@ std::int64_t Module::parameter_count() {
   std::int64_t n = 0;
   for_each_parameter([&](const std::string&, Parameter& p) { n += p.numel(); });
   return n;
+}
+
+Result<void> Module::use_parameters_of(Module& owner) {
+  if (&owner == this)
+    return fail(ErrorCode::invalid_argument, type_name(), ": use_parameters_of itself (its own parameters are its own)");
+  if (owner.parameters().empty())
+    return fail(ErrorCode::invalid_argument, type_name(), ": use_parameters_of a ", owner.type_name(),
+                " that has no parameters of its own");
+  if (std::find(borrowed_.begin(), borrowed_.end(), &owner) != borrowed_.end())
+    return fail(ErrorCode::invalid_argument, type_name(), ": use_parameters_of the same ", owner.type_name(), " twice");
+  borrowed_.push_back(&owner);
+  return {};
 }
 
 Result<void> Module::set_trainable(bool trainable) {

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "coshard/modules/ops.hpp"
 #include "coshard/modules/parameter_store.hpp"
 #include "coshard/zero/engine.hpp"
 #include "../support/on_ranks.hpp"
@@ -53,11 +54,41 @@ class Branch final : public Module {
 };
 
 enum class BranchRuns { always, some_steps, never };
+// The shape of the model: the MLP with a branch, or with a readout of its own that reads fc1's
+// weight (declared, or not).
+enum class Tie { none, declared, undeclared };
 
 struct Semantics {
   std::vector<std::string> frozen;  // globs
   bool groups = false;              // no decay for vectors; fc2.weight at half the learning rate
   BranchRuns branch = BranchRuns::always;
+  Tie tie = Tie::none;
+};
+
+// y = h W, where W [32, 6] is another module's weight (fc1's): a layer tied to another's table,
+// written with the public ops the way a user writes one.
+class TiedReadout final : public Module {
+ public:
+  explicit TiedReadout(const Parameter& table) : table_(&table) {}
+  std::string_view type_name() const override { return "TiedReadout"; }
+  async::Task<Result<Tensor>> forward(Context& ctx, Tensor h) override {
+    COSHARD_CO_TRY_ASSIGN(Tensor y, modules::ops::matmul(ctx, h, table_->value()));
+    input_ = std::move(h);
+    co_return y;
+  }
+  // dh = dy W^T; dW += h^T dy.
+  async::Task<Result<Tensor>> backward(Context& ctx, Tensor dy) override {
+    COSHARD_CO_TRY_ASSIGN(Tensor dh, modules::ops::matmul(ctx, dy, table_->value(), {.trans_b = true}));
+    if (table_->grad())
+      COSHARD_CO_TRY(modules::ops::matmul_into(ctx, input_, dy, table_->grad(), {.trans_a = true, .beta = 1.0f}));
+    input_ = {};
+    co_return dh;
+  }
+  void clear_saved() override { input_ = {}; }
+
+ private:
+  const Parameter* table_;
+  Tensor input_;
 };
 
 // some_steps: the branch runs in steps 0, 1 and 4 only.
@@ -72,6 +103,15 @@ struct Model {
   static Result<std::unique_ptr<Model>> make(const Semantics& sem) {
     auto m = std::make_unique<Model>();
     m->net = std::make_unique<modules::Sequential>();
+    if (sem.tie != Tie::none) {
+      auto& fc1 = m->net->add("fc1", std::make_unique<modules::Linear>(6, kMlpHidden, true, Init::normal(0.3)));
+      m->net->add("act", std::make_unique<modules::Gelu>());
+      auto& readout = m->net->add("readout", std::make_unique<TiedReadout>(*fc1.parameters()[0]));
+      if (sem.tie == Tie::declared) COSHARD_TRY(readout.use_parameters_of(fc1));
+      m->net->add("fc2", std::make_unique<modules::Linear>(6, 2, true, Init::normal(0.3)));
+      for (const auto& pattern : sem.frozen) COSHARD_TRY(m->net->set_trainable_matching(pattern, false));
+      return m;
+    }
     m->net->add("fc1", std::make_unique<modules::Linear>(6, kMlpHidden, true, Init::normal(0.3)));
     m->net->add("act", std::make_unique<modules::Gelu>());
     m->net->add("branch", std::make_unique<Branch>(
@@ -348,6 +388,60 @@ TEST(FrozenParameters, AWhollyFrozenUnitIsNotReduced) {
     const std::uint64_t fc1_bytes = (6 * kMlpHidden + kMlpHidden) * sizeof(float);  // even: no padding at 2 ranks
     EXPECT_EQ(all->reduced_bytes - frozen->reduced_bytes, fc1_bytes);
   }
+}
+
+// A layer of one's own that reads another module's weight, declared with use_parameters_of:
+// the unsharded numbers at every stage (world size 3: an uneven split of fc1's 224 elements).
+TEST(SharedParameters, ADeclaredReadOfAnotherModulesWeightTrainsAsUnsharded) {
+  expect_matches({.tie = Tie::declared}, 0.0f, {}, all_cases());
+}
+
+// Undeclared, the reader's gradient would be lost at stages 0 and 2 (stage 1 keeps every
+// gradient bound; stage 3 cannot read the weight at all): the step is refused, naming it.
+TEST(SharedParameters, AnUndeclaredReadIsRefusedNamingTheParameter) {
+  for (const int stage : {0, 2}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    auto run = sharded({.tie = Tie::undeclared}, {2, stage}, 0.0f);
+    ASSERT_FALSE(run);
+    EXPECT_NE(run.error().message().find("the gradient of fc1.weight (unit fc1) was asked for while none was bound"),
+              std::string::npos)
+        << run.error().message();
+  }
+  const RunResult ref = reference({.tie = Tie::undeclared}, 0.0f);
+  auto stage1 = sharded({.tie = Tie::undeclared}, {2, 1}, 0.0f);
+  ASSERT_TRUE(stage1) << stage1.error().message();
+  for (std::size_t i = 0; i < ref.losses.size(); ++i)
+    EXPECT_NEAR(stage1->losses[i], ref.losses[i], 1e-6 * std::abs(ref.losses[i]));
+}
+
+TEST(SharedParameters, MisdeclaredUsesAreRefusedByName) {
+  modules::Linear a(2, 2), b(2, 2);
+  modules::Gelu g;
+  EXPECT_FALSE(a.use_parameters_of(a));
+  auto none = a.use_parameters_of(g);
+  ASSERT_FALSE(none);
+  EXPECT_NE(none.error().message().find("has no parameters of its own"), std::string::npos);
+  EXPECT_TRUE(a.use_parameters_of(b));
+  EXPECT_FALSE(a.use_parameters_of(b));
+  // An owner outside the model.
+  const auto errors = ::coshard::testing::on_ranks(1, [&](int, collectives::Communicator& comm)
+                                                         -> async::Task<Result<void>> {
+    COSHARD_CO_TRY_ASSIGN(auto stream, async::Stream::create(async::Device::cpu()));
+    COSHARD_CO_TRY_ASSIGN(auto allocator, async::CachingAllocator::create(async::Device::cpu()));
+    COSHARD_CO_TRY_ASSIGN(auto ctx, Context::create(stream, *allocator));
+    modules::Sequential model;
+    auto& inner = model.add("inner", std::make_unique<modules::Linear>(2, 2));
+    modules::Linear outside(2, 2);
+    COSHARD_CO_TRY(inner.use_parameters_of(outside));
+    COSHARD_CO_TRY_ASSIGN(auto opt, Optimizer::adamw({}));
+    auto engine = Engine::create(ctx, comm, model, *opt, {.zero_stage = 3});
+    if (engine) co_return fail(ErrorCode::internal, "an owner outside the model was accepted");
+    if (engine.error().message().find("module inner (Linear) uses the parameters of a Linear that is not part of the model") ==
+        std::string::npos)
+      co_return fail(ErrorCode::internal, "unexpected: ", engine.error().message());
+    co_return Result<void>{};
+  });
+  EXPECT_TRUE(errors.empty()) << errors.front();
 }
 
 TEST(FrozenParameters, AGlobThatMatchesNothingIsRefusedByName) {

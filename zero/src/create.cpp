@@ -140,6 +140,22 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     for (Module* m : u->modules) s->unit_of.emplace(m, u->index);
     s->units.push_back(std::move(u));
   }
+  // Declared uses of other modules' parameters: the owner's unit, which must be the model's.
+  Result<void> declared;
+  model.for_each_module([&](const std::string& path, Module& m) {
+    for (const Module* owner : m.borrowed()) {
+      const auto it = s->unit_of.find(owner);
+      if (it == s->unit_of.end()) {
+        if (declared)
+          declared = fail(ErrorCode::invalid_argument, "Engine: module ", path.empty() ? "(the model)" : path, " (",
+                          m.type_name(), ") uses the parameters of a ", owner->type_name(),
+                          " that is not part of the model");
+        continue;
+      }
+      s->borrowed_units[&m].push_back(it->second);
+    }
+  });
+  COSHARD_TRY(declared);
   std::vector<FetchUnitInfo> infos;  // (the memory check and the offload's pinned plan count from them)
   for (const auto& u : s->units) infos.push_back(u->info);
   s->budget = async::StreamBudget::create(o.max_live_bytes);

@@ -113,6 +113,9 @@ struct Engine::State {
   std::size_t element_size = 4;
   std::vector<std::unique_ptr<Unit>> units;
   std::unordered_map<const Module*, std::size_t> unit_of;
+  // Units of other modules a module declared it uses (Module::use_parameters_of): fetched, and
+  // their gradient taken and reduced, around it as if their owner ran.
+  std::unordered_map<const Module*, std::vector<std::size_t>> borrowed_units;
   std::unordered_map<const Parameter*, std::string> names;
   std::size_t largest_unit_bytes = 0;
   std::size_t first_group = 0;  // the optimizer's group of unit i is first_group + i
@@ -285,6 +288,11 @@ struct Engine::State {
   std::int64_t block_offset(const Unit& u) const noexcept {
     return stage0() ? 0 : static_cast<std::int64_t>(rank) * u.info.shard;
   }
+  const std::vector<std::size_t>* borrowed_of(const Module& m) const {
+    if (borrowed_units.empty()) return nullptr;
+    auto it = borrowed_units.find(&m);
+    return it == borrowed_units.end() ? nullptr : &it->second;
+  }
   Unit* unit_for(const Module& m) {
     auto it = unit_of.find(&m);
     return it == unit_of.end() ? nullptr : units[it->second].get();
@@ -311,6 +319,10 @@ struct Engine::State {
   // a unit reduced on one rank and not another is a collective mismatch, so the count agrees)
   // are left untouched, as PyTorch leaves a parameter whose gradient is None.
   Result<void> skip_units_without_gradients();
+  // Before a step ends: no parameter's gradient was asked for without one bound (an undeclared
+  // read of another module's parameter: Parameter::grad), else an error naming each.
+  Result<void> check_no_gradient_missed() const;
+  void clear_gradients_missed();
   const Tensor& values_of(const Unit& u) const { return stage3() ? u.gathered : u.full; }
 
   // ---- stage 3: gather and release (gather.cpp) ----

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <functional>
 #include <unordered_map>
+#include <unordered_set>
 
 namespace coshard::zero::detail {
 
@@ -33,13 +34,19 @@ Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOp
     for (const auto& c : m.children()) mark(*c.module, r);
   };
   mark(model, 0);
+  // A module whose parameters another one declares it uses is fetched for that one too: its own unit.
+  std::unordered_set<const Module*> borrowed;
+  model.for_each_module([&](const std::string&, Module& m) {
+    for (const Module* owner : m.borrowed()) borrowed.insert(owner);
+  });
   std::vector<Candidate> candidates;
   model.for_each_module([&](const std::string& path, Module& m) {
     if (m.parameters().empty()) return;
     std::int64_t n = 0;
     for (const auto& p : m.parameters()) n += p->numel();
     candidates.push_back({path.empty() ? m.type_name().data() : path, &m, static_cast<std::size_t>(n) * element_size,
-                          m.children().empty(), m.runs_more_than_once_per_pass(), region.at(&m)});
+                          m.children().empty(), m.runs_more_than_once_per_pass() || borrowed.contains(&m),
+                          region.at(&m)});
   });
   if (candidates.empty()) return fail(ErrorCode::invalid_argument, "Engine: the model has no parameters");
   std::vector<std::vector<Candidate>> groups;

@@ -26,6 +26,13 @@ async::Task<Result<void>> Engine::before_forward(Context& ctx, Module& module) {
                      " in a step begun with ", s.declared_micro_batches,
                      " (begin_step(micro_batches) declares the gradient accumulation up front)");
   }
+  // Units whose parameters this module declared it reads: used as if their owner ran here.
+  if (const auto* lent = s.borrowed_of(module))
+    for (const std::size_t i : *lent) {
+      Unit& b = *s.units[i];
+      if (!recompute) ++b.forward_uses;
+      if (s.stage3()) COSHARD_CO_TRY(co_await s.fetch(b));
+    }
   Unit* u = s.unit_for(module);
   if (!u || &module != u->modules.front()) co_return Result<void>{};
   if (!recompute) ++u->forward_uses;
@@ -38,6 +45,9 @@ async::Task<Result<void>> Engine::before_forward(Context& ctx, Module& module) {
 
 Result<void> Engine::after_forward(Context& ctx, Module& module) {
   State& s = *s_;
+  if (const auto* lent = s.borrowed_of(module))
+    for (const std::size_t i : *lent)
+      if (s.stage3() && !s.keep_after_use(*s.units[i])) COSHARD_TRY(s.release(*s.units[i]));
   Unit* u = s.unit_for(module);
   if (!u || &module != u->modules.back()) return {};
   if (s.spans_on()) {
@@ -57,6 +67,12 @@ async::Task<Result<void>> Engine::before_backward(Context&, Module& module) {
                      s.open == State::Open::inference ? " (in an inference pass: forward only)" : " (call begin_step first)");
     if (&module == s.model) ++s.model_backwards;
   }
+  if (const auto* lent = s.borrowed_of(module))
+    for (const std::size_t i : *lent) {
+      Unit& b = *s.units[i];
+      if (s.stage3()) COSHARD_CO_TRY(co_await s.fetch(b));
+      COSHARD_CO_TRY(s.begin_backward(b));
+    }
   Unit* u = s.unit_for(module);
   if (!u || &module != u->modules.back()) co_return Result<void>{};
   if (s.stage3()) COSHARD_CO_TRY(co_await s.fetch(*u));
@@ -69,6 +85,12 @@ async::Task<Result<void>> Engine::before_backward(Context&, Module& module) {
 
 Result<void> Engine::after_backward(Context&, Module& module) {
   State& s = *s_;
+  if (const auto* lent = s.borrowed_of(module))
+    for (const std::size_t i : *lent) {
+      Unit& b = *s.units[i];
+      COSHARD_TRY(s.reduce_gradients(b));
+      if (s.stage3() && !s.keep_after_use(b)) COSHARD_TRY(s.release(b));
+    }
   Unit* u = s.unit_for(module);
   if (!u || &module != u->modules.front()) return {};
   if (s.spans_on()) {

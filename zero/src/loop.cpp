@@ -40,6 +40,7 @@ async::Task<Result<void>> Engine::begin_step(int micro_batches, float lr) {
   if (micro_batches < 1)
     co_return fail(ErrorCode::invalid_argument, "Engine::begin_step(micro_batches=", micro_batches, "): expected >= 1");
   COSHARD_CO_TRY(s.check_trainability());
+  s.clear_gradients_missed();
   // A checkpoint saved before the last step is published now, its file written behind that step.
   if (s.checkpoint.pending && --s.checkpoint.pending->steps_left <= 0) COSHARD_CO_TRY(co_await s.publish_checkpoint());
   Context& ctx = *s.ctx;
@@ -123,6 +124,10 @@ async::Task<Result<EngineStepStats>> Engine::finish_step() {
     co_return fail(ErrorCode::invalid_argument, "Engine::finish_step: ", backwards == 0 ? "no backward in this step: " : "",
                    forwards, " forward and ", backwards, " backward passes of the model in a step begun with ", declared,
                    " micro-batches (each needs one of each); the step is abandoned, nothing updated");
+  }
+  if (auto clean = s.check_no_gradient_missed(); !clean) {
+    co_await abandon_step();
+    co_return fail(std::move(clean).error());
   }
   auto finished = co_await finish_open_step(s.step_lr);
   co_await end_swap_pass();

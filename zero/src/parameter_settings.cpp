@@ -42,4 +42,22 @@ Result<void> Engine::State::skip_units_without_gradients() {
   return {};
 }
 
+Result<void> Engine::State::check_no_gradient_missed() const {
+  std::string missed;
+  int count = 0;
+  for (const auto& u : units)
+    for (const auto& p : u->params)
+      if (p.parameter->gradient_missed() && ++count <= 4)
+        missed += (missed.empty() ? "" : ", ") + names.at(p.parameter) + " (unit " + u->info.name + ")";
+  if (count == 0) return {};
+  return fail(ErrorCode::invalid_argument, "Engine: the gradient of ", missed, count > 4 ? " and " + std::to_string(count - 4) + " more" : "",
+              " was asked for while none was bound: a module read a parameter it does not own (declare it: "
+              "reader.use_parameters_of(owner)), so its gradient would be lost; the step is abandoned, nothing updated");
+}
+
+void Engine::State::clear_gradients_missed() {
+  for (const auto& u : units)
+    for (const auto& p : u->params) p.parameter->clear_gradient_missed();
+}
+
 }  // namespace coshard::zero

@@ -60,7 +60,17 @@ class Parameter {
   const Init& init() const noexcept { return init_; }
 
   const Tensor& value() const noexcept { return value_; }
-  const Tensor& grad() const noexcept { return grad_; }
+  // The gradient to add into during backward: empty when the parameter is frozen (skip it).
+  // Asked for while the parameter trains but has no gradient bound (another module reads it
+  // without declaring it: Module::use_parameters_of), it is empty too, and the ask is recorded:
+  // an engine refuses the step naming the parameter, instead of losing the gradient in silence.
+  const Tensor& grad() const noexcept {
+    if (!grad_ && trainable_ && value_) gradient_missed_ = true;
+    return grad_;
+  }
+  // Whether grad() was asked for without a gradient bound since the last clear (an engine's check).
+  bool gradient_missed() const noexcept { return gradient_missed_; }
+  void clear_gradient_missed() noexcept { gradient_missed_ = false; }
   bool bound() const noexcept { return static_cast<bool>(value_); }
   // Points the parameter at memory owned elsewhere (shape must match; grad may be empty when
   // only inference runs). A frozen parameter is bound without its gradient whatever is given, so
@@ -83,6 +93,7 @@ class Parameter {
   Shape shape_;
   Init init_;
   bool trainable_ = true;
+  mutable bool gradient_missed_ = false;
   Tensor value_;
   Tensor grad_;
 };
@@ -211,6 +222,15 @@ class Module {
   // output layer) says so: an engine then makes it a fetch unit of its own, fetched for each use.
   virtual bool runs_more_than_once_per_pass() const noexcept { return false; }
 
+  // This module also reads the parameters of `owner`, another module of the same model (an output
+  // layer of one's own tied to the embedding's table, say): an engine gathers owner's unit
+  // whenever this module runs (stage 3) and adds this module's gradient into owner's before it is
+  // reduced, so the numbers are the unsharded model's at every stage. Reading another module's
+  // parameter without declaring it loses that gradient at stages 0, 2 and 3 (an engine then
+  // refuses the step, naming the parameter: Parameter::grad). Not itself, not twice.
+  Result<void> use_parameters_of(Module& owner);
+  std::span<Module* const> borrowed() const noexcept { return borrowed_; }
+
   std::span<const std::unique_ptr<Parameter>> parameters() const noexcept { return parameters_; }
   std::span<const Child> children() const noexcept { return children_; }
 
@@ -243,6 +263,7 @@ class Module {
  private:
   std::vector<std::unique_ptr<Parameter>> parameters_;
   std::vector<Child> children_;
+  std::vector<Module*> borrowed_;
 };
 
 // Runs its children in order (backward in reverse).
