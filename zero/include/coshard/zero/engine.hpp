@@ -161,8 +161,10 @@ struct FetchUnitInfo {
   std::string name;                     // the first module's path
   std::vector<std::string> parameters;  // full names, in buffer order
   std::int64_t numel = 0;               // parameters' elements
-  std::int64_t padded = 0;              // numel rounded up to a multiple of the world size
-  std::int64_t shard = 0;               // padded / world size
+  // Sharded stages (1-3): numel rounded up to a multiple of the world size, and padded / world
+  // size. Stage 0 shards nothing: padded == shard == numel on every rank.
+  std::int64_t padded = 0;
+  std::int64_t shard = 0;
   std::size_t padded_bytes = 0;
   bool persistent = false;
 };
