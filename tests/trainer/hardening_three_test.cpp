@@ -54,6 +54,42 @@ TEST(HardeningThree, ADeeplyNestedConfigIsRefusedNotACrash) {
   EXPECT_LT(r.output.size(), 2000u);
 }
 
+// Waits (up to two minutes) until a run publishes its first checkpoint.
+bool first_checkpoint_published(const fs::path& ck) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (!fs::exists(ck / "latest") && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  return fs::exists(ck / "latest");
+}
+
+// Item 6: SIGUSR1 without --flight-recorder is harmless (noted, the run goes on), and SIGHUP
+// (a closed terminal) ends a run as SIGTERM does: the step finished, a checkpoint saved.
+TEST(HardeningThree, SighupSavesLikeSigtermAndSigusr1WithoutARecorderIsHarmless) {
+  const fs::path dir = scratch("h3_signals");
+  const fs::path ck = dir / "ck";
+  const pid_t pid = start(with(kTiny, {"--steps", "100000", "--quiet", "--checkpoint-dir", ck.string(),
+                                       "--checkpoint-every", "1000000", "--metrics", (dir / "m.jsonl").string()}),
+                          dir / "out.txt");
+  ASSERT_GT(pid, 0);
+  // Under way (its handlers installed) once a step is in the metrics.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (slurp(dir / "m.jsonl").empty() && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ::kill(pid, SIGUSR1);
+  while (slurp(dir / "out.txt").find("SIGUSR1 ignored") == std::string::npos && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ::kill(pid, SIGHUP);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  const std::string out = slurp(dir / "out.txt");
+  ASSERT_TRUE(WIFEXITED(status)) << "ended by a signal: " << out;
+  EXPECT_EQ(WEXITSTATUS(status), 129) << out;
+  EXPECT_NE(out.find("SIGUSR1 ignored (no --flight-recorder folder"), std::string::npos) << out;
+  EXPECT_NE(out.find("stopped by SIGHUP after step"), std::string::npos) << out;
+  EXPECT_NE(out.find("its checkpoint is published"), std::string::npos) << out;
+  EXPECT_TRUE(fs::exists(ck / "latest"));
+}
+
 // Item 1: a second run on a live run's --checkpoint-dir (--start-over, or a second --resume) is
 // refused naming the holder; the first run's checkpoints stay, and it goes on and saves.
 TEST(HardeningThree, ASecondRunOnALiveCheckpointFolderIsRefused) {
@@ -63,10 +99,7 @@ TEST(HardeningThree, ASecondRunOnALiveCheckpointFolderIsRefused) {
                                          "--checkpoint-every", "1"}),
                             dir / "first.txt");
   ASSERT_GT(first, 0);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (!fs::exists(ck / "latest") && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  ASSERT_TRUE(fs::exists(ck / "latest")) << slurp(dir / "first.txt");
+  ASSERT_TRUE(first_checkpoint_published(ck)) << slurp(dir / "first.txt");
   ::kill(first, SIGSTOP);  // holds its lock, makes no progress: nothing here depends on timing
   for (const char* mode : {"--start-over", "--resume"}) {
     SCOPED_TRACE(mode);

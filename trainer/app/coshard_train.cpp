@@ -12,6 +12,7 @@
 // only on (--seed, step), so runs at different world sizes and stages see the same data.
 #include <CLI/CLI.hpp>
 #include <signal.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <csignal>
@@ -53,8 +54,9 @@ using trainer::TrainerConfig;
 using train_app::Options;
 
 // Rank 0 prints and writes; every rank reports its failure.
-// The first SIGINT/SIGTERM asks for a graceful stop (recorded here; lock-free, so safe in a
-// handler); a second one stops the process at once, the way the signal would have.
+// The first SIGINT/SIGTERM/SIGHUP (a closed terminal) asks for a graceful stop (recorded here;
+// lock-free, so safe in a handler); a second one stops the process at once, the way the signal
+// would have.
 std::atomic<int> g_stop_signal{0};
 static_assert(std::atomic<int>::is_always_lock_free);
 
@@ -64,6 +66,15 @@ extern "C" void on_stop_signal(int sig) {
     std::raise(sig);
   }
 }
+
+// SIGUSR1 asks for flight records; without --flight-recorder there is nowhere to write them, and
+// the signal's default action would end the run unsaved: say so and go on (write(2) is safe here).
+extern "C" void on_sigusr1_without_recorder(int) {
+  static constexpr char kNote[] = "coshard-train: SIGUSR1 ignored (no --flight-recorder folder to write records to)\n";
+  [[maybe_unused]] const ssize_t n = ::write(2, kNote, sizeof kNote - 1);
+}
+
+const char* signal_name(int sig) { return sig == SIGINT ? "SIGINT" : sig == SIGHUP ? "SIGHUP" : "SIGTERM"; }
 
 struct Shared {
   // Ranks as threads agree on the step to stop at through memory: the first rank to see the
@@ -332,7 +343,7 @@ int run(const Options& o) {
   }
   if (const int sig = g_stop_signal.load(); sig != 0 && shared.stopped_after >= 0) {
     std::fflush(stdout);
-    std::fprintf(stderr, "coshard-train: stopped by %s after step %lld%s%s\n", sig == SIGINT ? "SIGINT" : "SIGTERM",
+    std::fprintf(stderr, "coshard-train: stopped by %s after step %lld%s%s\n", signal_name(sig),
                  static_cast<long long>(shared.stopped_after.load()),
                  o.checkpoint_dir.empty() ? " (no --checkpoint-dir: nothing saved)" : "; its checkpoint is published",
                  o.export_path.empty() ? "" : "; --export skipped (training did not finish)");
@@ -466,15 +477,22 @@ int main(int argc, char** argv) {
     if (auto ok = train_app::prepare_checkpoint_folder(o.checkpoint_dir, o.resume, o.start_over, o.launch.rank == 0); !ok)
       return usage(ok.error().message());
   }
-  // SIGINT/SIGTERM: the first finishes the step, saves, and exits; the second stops at once.
+  // SIGINT/SIGTERM/SIGHUP: the first finishes the step, saves, and exits; the second stops at once.
   struct sigaction action{};
   action.sa_handler = on_stop_signal;
   action.sa_flags = SA_RESTART;  // system calls of the other threads go on
   sigemptyset(&action.sa_mask);
-  for (const int sig : {SIGINT, SIGTERM}) {
+  for (const int sig : {SIGINT, SIGTERM, SIGHUP}) {
     struct sigaction before{};
     sigaction(sig, nullptr, &before);
     if (before.sa_handler != SIG_IGN) sigaction(sig, &action, nullptr);  // ignored on purpose (nohup): stays so
+  }
+  if (o.flight_recorder.empty()) {  // (with a recorder, its FlightDumps answers SIGUSR1)
+    struct sigaction usr1{};
+    usr1.sa_handler = on_sigusr1_without_recorder;
+    usr1.sa_flags = SA_RESTART;
+    sigemptyset(&usr1.sa_mask);
+    sigaction(SIGUSR1, &usr1, nullptr);
   }
   const int code = run(o);
   if (code != 0) {
