@@ -230,7 +230,9 @@ struct Case {
 // The same model through the engine, in a loop of the test's own; rank 0's losses and the
 // gathered parameters.
 Result<RunResult> sharded(const Semantics& sem, const Case& k, float clip) {
-  const auto swap = std::filesystem::current_path() / "training_semantics_scratch";
+  // One folder per test: ctest runs the tests of this file side by side.
+  const auto swap = std::filesystem::current_path() / "training_semantics_scratch" /
+                    ::testing::UnitTest::GetInstance()->current_test_info()->name();
   std::filesystem::remove_all(swap);
   RunResult run;
   const auto errors = ::coshard::testing::on_ranks(k.world, [&](int r, collectives::Communicator& comm)
