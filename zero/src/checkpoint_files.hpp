@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -35,6 +36,12 @@ const Tensor& tensor_of(const UnitShard& shard, BlockKind k) noexcept;
 
 // Every field of two run identities that differs, as "key: saved A, this run B; ..." (empty: the same).
 std::string run_differences(const std::map<std::string, std::string>& saved, const std::map<std::string, std::string>& mine);
+
+// The checkpoint folder name `dir/latest` holds (a refusal names what it holds instead), and a
+// checkpoint folder's manifest, read and checked.
+Result<std::string> read_latest(const std::filesystem::path& dir);
+Result<CheckpointManifest> read_manifest(const std::filesystem::path& folder,
+                                         std::size_t max_bytes = std::numeric_limits<std::size_t>::max());
 
 // The safetensors dtype of parameters in `t` (an error names a dtype that has none).
 Result<modules::SafeDType> safe_dtype(DataType t);

@@ -33,14 +33,8 @@ std::string detail::run_differences(const std::map<std::string, std::string>& sa
   return diffs;
 }
 
-namespace {
-
-Result<fs::path> resolve_checkpoint(const fs::path& dir) {
-  std::error_code ec;
-  if (fs::exists(dir / "manifest.json", ec)) return dir;
+Result<std::string> detail::read_latest(const fs::path& dir) {
   const fs::path latest = dir / "latest";
-  if (!fs::exists(latest, ec))
-    return fail(ErrorCode::io, "checkpoint ", dir.string(), ": neither a manifest.json nor a 'latest' file there");
   // `latest` holds one short line; anything else (a folder, a link to some other file) is named
   // by what it is, never echoed.
   auto bytes = async::read_regular_file(latest, 4096, "file");
@@ -55,14 +49,25 @@ Result<fs::path> resolve_checkpoint(const fs::path& dir) {
                 printable ? "'" + name + "' is" : "holds " + std::to_string(bytes->size()) + " bytes,",
                 " not a checkpoint folder name (expected step-NNNNNNNN)");
   }
-  return dir / name;
+  return name;
 }
 
-Result<CheckpointManifest> read_manifest(const fs::path& folder) {
+Result<CheckpointManifest> detail::read_manifest(const fs::path& folder, std::size_t max_bytes) {
   const fs::path path = folder / "manifest.json";
-  COSHARD_TRY_ASSIGN(auto bytes, async::read_regular_file(path, std::numeric_limits<std::size_t>::max(), "file"));
+  COSHARD_TRY_ASSIGN(auto bytes, async::read_regular_file(path, max_bytes, "file"));
   return parse_checkpoint_manifest(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()),
                                    path.string());
+}
+
+namespace {
+
+Result<fs::path> resolve_checkpoint(const fs::path& dir) {
+  std::error_code ec;
+  if (fs::exists(dir / "manifest.json", ec)) return dir;
+  if (!fs::exists(dir / "latest", ec))
+    return fail(ErrorCode::io, "checkpoint ", dir.string(), ": neither a manifest.json nor a 'latest' file there");
+  COSHARD_TRY_ASSIGN(auto name, read_latest(dir));
+  return dir / name;
 }
 
 // Everything one rank needs from a checkpoint, read and checked, in host memory.

@@ -193,18 +193,13 @@ Result<void> Engine::State::claim_checkpoint_folder(const fs::path& dir, const C
   if (options.replace_other_run) return {};
   // The checkpoints this save would replace (the same step's) or supersede as `latest`.
   std::vector<fs::path> published{dir / checkpoint_folder_name(steps_done)};
-  if (auto latest = async::read_regular_file(dir / "latest", 4096, "file")) {
-    std::string name(reinterpret_cast<const char*>(latest->data()), latest->size());
-    while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
-    if (is_checkpoint_folder_name(name)) published.push_back(dir / name);
-  }
+  std::error_code ec;
+  if (fs::exists(dir / "latest", ec))
+    if (auto latest = read_latest(dir)) published.push_back(dir / *latest);
   for (const auto& folder : published) {
-    std::error_code ec;
     if (!fs::exists(folder / "manifest.json", ec)) continue;
-    auto bytes = async::read_regular_file(folder / "manifest.json", std::size_t{64} << 20, "file");
-    if (!bytes) continue;  // not one we can read: not one we could tell apart either (a load names it)
-    auto m = parse_checkpoint_manifest(std::string_view(reinterpret_cast<const char*>(bytes->data()), bytes->size()),
-                                       (folder / "manifest.json").string());
+    // One we cannot read is not one we could tell apart either (a load names what is wrong).
+    auto m = read_manifest(folder, std::size_t{64} << 20);
     if (!m) continue;
     const std::string diffs = run_differences(m->run, options.run);
     if (!diffs.empty())
