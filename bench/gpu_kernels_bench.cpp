@@ -8,6 +8,11 @@
 //   BM_MultiTensorAdamW vs BM_Baseline_PerGroupAdamW: one optimizer step (statistics and update)
 //     of 400 groups of 256 Ki bf16 parameters with fp32 masters, multi-tensor against one launch
 //     per group.
+//   BM_CrossEntropy_<shape> vs BM_Baseline_LogitsCopy_<shape>: the loss's forward and backward in
+//     bf16 over a step's logits (GPT-2 1.5B: 4 x 1024 rows of 50,257; Llama-3.2-1B: 4 x 2048 rows of
+//     128,256), against a device copy of the logits; counter GBps: the fewest bytes each must move
+//     (the loss: logits read forward, read again and dlogits written backward, three N x V tensors;
+//     the copy: two) per second.
 //   BM_Norm_<shape> vs BM_Baseline_DeviceCopy_<shape>: a norm layer's forward and backward in
 //     bf16 over 16,384 rows (8 sequences of 2048) at GPT-2 1.5B's width (LayerNorm, 1600) and
 //     Llama-3.2-1B's and Llama-3.1-8B's (RMSNorm, 2048 and 4096), against a device-to-device copy
@@ -15,11 +20,16 @@
 //     forward; dout, x and dx backward, five N x C tensors; the copy: two) per second, so the
 //     ratio of the two is the fraction of the card's achievable bandwidth the norm reaches.
 // Without a GPU every benchmark reports "no CUDA device" and skips. Times are wall time around
-// the enqueue and a stream synchronize (manual time).
+// the enqueue and a stream synchronize (manual time). Inputs are random (never zeros: a kernel can
+// run faster on zeros than on real data). bench/sdpa_baseline.py times PyTorch's SDPA at the same
+// attention shapes, counted the same way.
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <memory>
+#include <random>
 #include <vector>
 
 #include "coshard/async/runtime.hpp"
@@ -50,6 +60,24 @@ std::unique_ptr<BenchRank> gpu_rank(benchmark::State& state, ContextOptions opti
     return nullptr;
   }
   return std::move(*rank);
+}
+
+// `bytes` bytes of bf16 values drawn uniformly from [-scale, scale] (bf16 is a float's upper half):
+// a block of 1 Mi values drawn, then repeated (drawing a 2 GB tensor's worth would take seconds).
+std::vector<std::byte> random_bf16(std::size_t bytes, float scale, unsigned seed) {
+  std::vector<std::byte> out(bytes);
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> dist(-scale, scale);
+  const std::size_t block = std::min<std::size_t>(bytes, std::size_t{2} << 20);
+  for (std::size_t i = 0; i + 1 < block; i += 2) {
+    const float v = dist(gen);
+    std::uint32_t bits = 0;
+    std::memcpy(&bits, &v, sizeof bits);
+    const auto half = static_cast<std::uint16_t>(bits >> 16);
+    std::memcpy(out.data() + i, &half, sizeof half);
+  }
+  for (std::size_t i = block; i < bytes; i += block) std::memcpy(out.data() + i, out.data(), std::min(block, bytes - i));
+  return out;
 }
 
 // Times each iteration's once() from its first enqueue to the stream's end; false (the benchmark
@@ -84,9 +112,8 @@ void attention(benchmark::State& state, AttentionKernels kernels, AttentionShape
     state.SkipWithError("out of device memory");
     return;
   }
-  // Zeros: the contents only need to be finite.
-  if (!ctx.copy_from_host(*qkv, std::vector<std::byte>(qkv->bytes())) ||
-      !ctx.copy_from_host(*seed, std::vector<std::byte>(seed->bytes()))) {
+  if (!ctx.copy_from_host(*qkv, random_bf16(qkv->bytes(), 1.0f, 1)) ||
+      !ctx.copy_from_host(*seed, random_bf16(seed->bytes(), 1.0f, 2))) {
     state.SkipWithError("cannot fill the inputs");
     return;
   }
@@ -118,13 +145,15 @@ void adamw(benchmark::State& state, bool multi_tensor) {
   for (int i = 0; i < kGroups; ++i) {
     auto p = ctx.empty(Shape{kElements}, DataType::bf16);
     auto g = ctx.empty(Shape{kElements}, DataType::bf16);
-    if (!p || !g || !(*opt)->add_group(ctx, *p, *g)) {
+    if (!p || !g) {
       state.SkipWithError("cannot allocate the groups");
       return;
     }
-    // Zero gradients: the statistics stay finite, so every step runs its update.
-    if (!ctx.copy_from_host(*g, std::vector<std::byte>(kElements * 2))) {
-      state.SkipWithError("cannot zero the gradients");
+    // Random values (the masters start from them) and small random gradients: the statistics stay
+    // finite, so every step runs its update.
+    if (!ctx.copy_from_host(*p, random_bf16(kElements * 2, 1.0f, 3 * i + 1)) ||
+        !ctx.copy_from_host(*g, random_bf16(kElements * 2, 1e-3f, 3 * i + 2)) || !(*opt)->add_group(ctx, *p, *g)) {
+      state.SkipWithError("cannot fill the groups");
       return;
     }
     keep.push_back(*p);
@@ -176,10 +205,9 @@ void norm_or_copy(benchmark::State& state, NormShape s, bool with_norm) {
     state.SkipWithError("out of device memory");
     return;
   }
-  // Zeros: the contents only need to be finite.
-  const std::vector<std::byte> zeros(x->bytes());
-  if (!ctx.copy_from_host(*x, zeros) || !ctx.copy_from_host(*seed, zeros) ||
-      !ctx.copy_from_host(store->values(), std::vector<std::byte>(store->values().bytes())) ||
+  if (!ctx.copy_from_host(*x, random_bf16(x->bytes(), 1.0f, 1)) ||
+      !ctx.copy_from_host(*seed, random_bf16(seed->bytes(), 1.0f, 2)) ||
+      !ctx.copy_from_host(store->values(), random_bf16(store->values().bytes(), 1.0f, 3)) ||
       !ctx.copy_from_host(store->grads(), std::vector<std::byte>(store->grads().bytes()))) {
     state.SkipWithError("cannot fill the inputs");
     return;
@@ -199,6 +227,53 @@ void norm_or_copy(benchmark::State& state, NormShape s, bool with_norm) {
       tensors * static_cast<double>(x->bytes()) * static_cast<double>(state.iterations()) / 1e9,
       benchmark::Counter::kIsRate);
 }
+
+struct LogitsShape {
+  std::int64_t rows, vocab;
+};
+
+// The cross-entropy loss's forward and backward (with_loss), or a device copy of the logits.
+void cross_entropy_or_copy(benchmark::State& state, LogitsShape s, bool with_loss) {
+  auto gpu = gpu_rank(state);
+  if (!gpu) return;
+  Context& ctx = *gpu->ctx;
+  auto logits = ctx.empty(Shape{s.rows, s.vocab}, DataType::bf16);
+  std::vector<std::byte> ids(static_cast<std::size_t>(s.rows) * sizeof(std::int32_t));
+  std::mt19937 gen(4);
+  for (std::int64_t r = 0; r < s.rows; ++r) {
+    const auto id = static_cast<std::int32_t>(gen() % static_cast<std::uint32_t>(s.vocab));
+    std::memcpy(ids.data() + r * sizeof id, &id, sizeof id);
+  }
+  auto targets = ctx.upload(ids, Shape{s.rows}, DataType::i32);
+  if (!logits || !targets || !ctx.copy_from_host(*logits, random_bf16(logits->bytes(), 4.0f, 5))) {
+    state.SkipWithError("cannot make the logits and targets");
+    return;
+  }
+  CrossEntropyLoss loss;
+  loss.set_targets(*targets);
+  auto once = [&]() -> async::Task<Result<void>> {
+    if (!with_loss) {
+      COSHARD_CO_TRY_ASSIGN(Tensor copied, ops::copy(ctx, *logits));
+      co_return Result<void>{};
+    }
+    COSHARD_CO_TRY_ASSIGN(Tensor value, co_await loss.forward(ctx, *logits));
+    COSHARD_CO_TRY_ASSIGN(Tensor dlogits, co_await loss.backward(ctx, value));  // any finite seed
+    co_return Result<void>{};
+  };
+  if (!timed_passes(state, *gpu, once)) return;
+  const double tensors = with_loss ? 3.0 : 2.0;
+  state.counters["GBps"] = benchmark::Counter(
+      tensors * static_cast<double>(logits->bytes()) * static_cast<double>(state.iterations()) / 1e9,
+      benchmark::Counter::kIsRate);
+}
+
+const struct {
+  const char* name;
+  LogitsShape shape;
+} kLogitsShapes[] = {
+    {"Gpt2XL", {4 * 1024, 50257}},
+    {"Llama1B", {4 * 2048, 128256}},
+};
 
 const struct {
   const char* name;
@@ -237,6 +312,16 @@ const struct {
                                  false)
         ->UseManualTime()
         ->Unit(benchmark::kMicrosecond);
+  }
+  for (const auto& s : kLogitsShapes) {
+    benchmark::RegisterBenchmark((std::string("BM_CrossEntropy_") + s.name).c_str(), cross_entropy_or_copy, s.shape,
+                                 true)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark((std::string("BM_Baseline_LogitsCopy_") + s.name).c_str(), cross_entropy_or_copy,
+                                 s.shape, false)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
   }
   benchmark::RegisterBenchmark("BM_MultiTensorAdamW", adamw, true)->UseManualTime()->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("BM_Baseline_PerGroupAdamW", adamw, false)->UseManualTime()->Unit(benchmark::kMillisecond);

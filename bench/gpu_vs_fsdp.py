@@ -45,6 +45,11 @@ LLAMA_PRESETS = {
     "llama-3.2-1b": (["--preset", "Llama-3.2-1B"], 2048, 4,
                      dict(layers=16, dim=2048, heads=32, kv_heads=8, head_dim=64, inter=8192, vocab=128256,
                           theta=500000.0, scaling=(32.0, 1.0, 4.0, 8192), tied=True)),
+    # Offloaded at 3B on a 128 GiB host: the 8B's fp32 masters, moments and pinned copies need ~140 GiB
+    # of host memory on either side (coshard-train --estimate), more than the lent machines have.
+    "llama-3.2-3b": (["--preset", "Llama-3.2-3B"], 2048, 2,
+                     dict(layers=28, dim=3072, heads=24, kv_heads=8, head_dim=128, inter=8192, vocab=128256,
+                          theta=500000.0, scaling=(32.0, 1.0, 4.0, 8192), tied=True)),
     "llama-3.1-8b": (["--preset", "Llama-3.1-8B"], 2048, 1,
                      dict(layers=32, dim=4096, heads=32, kv_heads=8, head_dim=128, inter=14336, vocab=128256,
                           theta=500000.0, scaling=(8.0, 1.0, 4.0, 8192), tied=False)),

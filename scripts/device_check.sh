@@ -7,7 +7,10 @@
 # end (the device tool brings back few files), with summary.txt beside it.
 # llama: the 100M Llama preset in bf16 with activation checkpointing off and on (losses, the
 # activation and allocator peaks, tokens/s, the device's peak as nvidia-smi sees it).
-#   scripts/device_check.sh [tests|train|llama|bench|compare]...   (default: tests train llama bench)
+# offload: the offloaded table (parameters and optimizer in pinned memory against FSDP2's
+# CPUOffloadPolicy) at $OFFLOAD_PRESET (default llama-3.2-3b: the 8B needs ~140 GiB of host memory).
+# TEST_BUILD and RELEASE_BUILD (default build/test, build/release) may name one build for both.
+#   scripts/device_check.sh [tests|train|llama|bench|compare|offload]...   (default: tests train llama bench)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/device-out}
@@ -15,6 +18,15 @@ mkdir -p "$out/logs"
 final=$out
 out=$out/logs
 source scripts/device_env.sh
+# DEADLINE (seconds since the epoch, optional): every run is cut to end before it, and a step that
+# starts after it is skipped, so that one device call of a known length brings back all it did.
+cap() {  # cap N: N seconds, or what is left before DEADLINE if less (at least 1)
+  if [ -z "${DEADLINE:-}" ]; then echo "$1"; return; fi
+  local left=$((DEADLINE - $(date +%s)))
+  [ "$left" -lt "$1" ] && echo $((left > 1 ? left : 1)) || echo "$1"
+}
+tb=${TEST_BUILD:-build/test}
+rb=${RELEASE_BUILD:-build/release}
 pack() { tar -C "$final" -czf "$final/device-check.tar.gz" logs && rm -rf "$final/logs"; }
 trap pack EXIT
 trap "exit 143" TERM INT
@@ -22,22 +34,35 @@ exec > >(tee "$final/summary.txt") 2>&1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$out/gpu.txt"
 steps=${*:-tests train llama bench}
 for step in $steps; do
+  if [ -n "${DEADLINE:-}" ] && [ "$(date +%s)" -ge "$((DEADLINE - 5))" ]; then echo "step $step skipped: DEADLINE passed"; continue; fi
+  echo "== $step ($(date +%T)) =="
   case $step in
     tests)
       # install.consumer builds an outside project against the installed package: it needs the
-      # build machine's -dev packages, and CI runs it; everything else runs here.
-      (cd build/test && ctest -j12 --timeout 240 --output-on-failure -LE install ${CTEST_FLAGS:-} >"$out/ctest.log" 2>&1
+      # build machine's -dev packages, and CI runs it; everything else runs here. CTEST_FIRST (a
+      # regular expression: the tests that need the device) runs those first, into ctest_first.log,
+      # so that a DEADLINE cuts the CPU-only rest rather than them.
+      exclude=${CTEST_EXCLUDE:-install}
+      if [ -n "${CTEST_FIRST:-}" ]; then
+        (cd "$tb" && timeout $(cap ${TESTS_TIMEOUT:-900}) ctest -j12 --timeout $(cap 240) --output-on-failure \
+           -LE "$exclude" -R "$CTEST_FIRST" >"$out/ctest_first.log" 2>&1; echo "ctest (device tests) rc $?")
+        grep -E "tests passed|Failed|\*\*\*|Not Run" "$out/ctest_first.log" | head -40
+      fi
+      (cd "$tb" && timeout $(cap ${REST_TIMEOUT:-${TESTS_TIMEOUT:-900}}) ctest -j12 --timeout $(cap 240) --output-on-failure -LE "$exclude" \
+         ${CTEST_FIRST:+-E "$CTEST_FIRST"} ${CTEST_FLAGS:-} >"$out/ctest.log" 2>&1
        echo "ctest rc $?")
       grep -E "tests passed|Failed|\*\*\*|Not Run" "$out/ctest.log" | head -40
-      build/test/tests/modules/modules_cuda_test >"$out/cuda_test.log" 2>&1; echo "modules_cuda_test rc $?" ;;
+      if [ -z "${CTEST_FIRST:-}" ]; then
+        timeout $(cap 120) "$tb"/tests/modules/modules_cuda_test >"$out/cuda_test.log" 2>&1; echo "modules_cuda_test rc $?"
+      fi ;;
     train)
       for world in 2 4; do
-        timeout 180 build/release/trainer/coshard-train --device cuda --world-size "$world" --steps 300 \
+        timeout $(cap 180) "$rb"/trainer/coshard-train --device cuda --world-size "$world" --steps ${TRAIN_STEPS:-300} \
           --metrics "$out/train_w$world.jsonl" >"$out/train_w$world.log" 2>&1
         echo "train world $world rc $?"; tail -2 "$out/train_w$world.log"
       done
       for dtype in f32 bf16; do
-        timeout 180 build/release/trainer/coshard-train --device cuda --world-size 1 --steps 300 --dtype "$dtype" \
+        timeout $(cap 180) "$rb"/trainer/coshard-train --device cuda --world-size 1 --steps ${TRAIN_STEPS:-300} --dtype "$dtype" \
           --metrics "$out/train_$dtype.jsonl" >"$out/train_$dtype.log" 2>&1
         echo "train $dtype rc $?"; tail -4 "$out/train_$dtype.log"
       done
@@ -46,13 +71,13 @@ for step in $steps; do
         for extra in "" "--step-in-backward --clip 0"; do
           name="offload_${offload%%:*}${extra:+_sib}"
           # shellcheck disable=SC2086  # $extra is two options or none
-          timeout 180 build/release/trainer/coshard-train --device cuda --world-size 1 --steps 300 --dtype bf16 \
+          timeout $(cap 180) "$rb"/trainer/coshard-train --device cuda --world-size 1 --steps ${TRAIN_STEPS:-300} --dtype bf16 \
             --offload-optimizer "$offload" $extra --metrics "$out/train_$name.jsonl" >"$out/train_$name.log" 2>&1
           echo "train bf16 $name rc $?"; tail -2 "$out/train_$name.log"
         done
       done
       # ZeRO-Infinity in bf16: the optimizer and the parameters on NVMe (stage 3).
-      timeout 180 build/release/trainer/coshard-train --device cuda --world-size 1 --steps 300 --dtype bf16 \
+      timeout $(cap 180) "$rb"/trainer/coshard-train --device cuda --world-size 1 --steps ${TRAIN_STEPS:-300} --dtype bf16 \
         --offload-optimizer "nvme:$out/swap" --offload-params nvme --metrics "$out/train_params_nvme.jsonl" \
         >"$out/train_params_nvme.log" 2>&1
       echo "train bf16 params_nvme rc $?"; tail -2 "$out/train_params_nvme.log"
@@ -61,7 +86,7 @@ for step in $steps; do
       for policy in none full; do
         nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 >"$out/llama_${policy}_smi.txt" &
         smi=$!
-        timeout 300 build/release/trainer/coshard-train --device cuda --world-size 1 --preset llama-100m --dtype bf16 \
+        timeout $(cap 300) "$rb"/trainer/coshard-train --device cuda --world-size 1 --preset llama-100m --dtype bf16 \
           --seq 1024 --batch 8 --steps 40 --activation-checkpointing "$policy" --metrics "$out/llama_$policy.jsonl" \
           >"$out/llama_$policy.log" 2>&1
         echo "llama checkpointing $policy rc $?"; tail -2 "$out/llama_$policy.log"
@@ -81,32 +106,40 @@ print(f"  losses with and without checkpointing: largest relative difference {di
 PY
       ;;
     bench)
-      for which in Gpu Nccl; do  # apart, so that one failing leaves the other's numbers
-        timeout 240 build/release/bench/collectives_bench --benchmark_filter="$which" \
+      [ "${BENCH_COLLECTIVES:-1}" = 1 ] && for which in Gpu Nccl; do  # apart, so that one failing leaves the other's numbers
+        timeout $(cap 240) "$rb"/bench/collectives_bench --benchmark_filter="$which" \
           --benchmark_out="$out/bench_$which.json" --benchmark_out_format=json >"$out/bench_$which.log" 2>&1
         echo "$which bench rc $?"; python3 bench/report.py "$out/bench_$which.json"
       done
       # The fused attention and the multi-tensor AdamW against their unfused baselines, the norms
       # against a device copy.
-      timeout 300 build/release/bench/gpu_kernels_bench --benchmark_out="$out/bench_kernels.json" \
+      timeout $(cap 300) "$rb"/bench/gpu_kernels_bench --benchmark_out="$out/bench_kernels.json" \
         --benchmark_out_format=json >"$out/bench_kernels.log" 2>&1
       echo "kernels bench rc $?"; python3 bench/report.py "$out/bench_kernels.json"
       grep -E "^BM_" "$out/bench_kernels.log"
+      # PyTorch's SDPA at the same attention shapes (the fused attention's baseline).
+      timeout $(cap 120) python3 bench/sdpa_baseline.py --out "$out/bench_sdpa.json" >"$out/bench_sdpa.log" 2>&1
+      echo "sdpa baseline rc $?"; cat "$out/bench_sdpa.log"
       # The engine's parameter streaming from pinned memory against a plain pinned copy (#19 3b).
-      timeout 180 build/release/bench/offload_stream_bench --benchmark_out="$out/bench_stream.json" \
+      timeout $(cap 180) "$rb"/bench/offload_stream_bench --benchmark_out="$out/bench_stream.json" \
         --benchmark_out_format=json >"$out/bench_stream.log" 2>&1
       echo "stream bench rc $?"; python3 bench/report.py "$out/bench_stream.json" ;;
     compare)
       for preset in ${COMPARE_PRESETS:-gpt2-124m gpt2-1.5b}; do
         name=$preset${COMPARE_NAME:+_$COMPARE_NAME}
-        timeout 420 python3 bench/gpu_vs_fsdp.py --preset "$preset" --coshard build/release/trainer/coshard-train \
+        timeout $(cap 420) python3 bench/gpu_vs_fsdp.py --preset "$preset" --coshard "$rb"/trainer/coshard-train \
           --workdir "$out" --out "$out/compare_$name.json" ${COMPARE_FLAGS:-} >"$out/compare_$name.log" 2>&1
         echo "compare $name rc $?"; cat "$out/compare_$name.log"
       done
       # One traced run of the smaller GPT (its steps on a device timeline, for the overlap).
-      [ "${COMPARE_TRACE:-1}" = 1 ] && timeout 120 build/release/trainer/coshard-train --device cuda --world-size 1 --dtype bf16 --layers 12 \
+      [ "${COMPARE_TRACE:-1}" = 1 ] && timeout $(cap 120) "$rb"/trainer/coshard-train --device cuda --world-size 1 --dtype bf16 --layers 12 \
         --dim 768 --heads 12 --vocab 50257 --seq 1024 --batch 8 --steps 4 --quiet \
         --trace "$out/trace_gpt2-124m.json" >"$out/trace.log" 2>&1
       echo "traced run rc $?" ;;
+    offload)
+      preset=${OFFLOAD_PRESET:-llama-3.2-3b}
+      timeout $(cap "${OFFLOAD_TIMEOUT:-420}") python3 bench/gpu_vs_fsdp.py --preset "$preset" --offload --coshard "$rb"/trainer/coshard-train \
+        --workdir "$out" --out "$out/compare_${preset}_offload.json" ${OFFLOAD_FLAGS:-} >"$out/compare_${preset}_offload.log" 2>&1
+      echo "offload $preset rc $?"; cat "$out/compare_${preset}_offload.log" ;;
   esac
 done

@@ -3,7 +3,11 @@
 # were built with valid, and finds the CUDA and NCCL libraries the image has.
 #   source scripts/device_env.sh
 tar -xzf .device/bundle.tar.gz -C .
-if [ "$(pwd -P)" != /work/main ] && [ ! -e /work/main ]; then mkdir -p /work && ln -s "$(pwd -P)" /work/main; fi
+# The build's absolute paths name the folder it was made from (.device/source_dir): link it here.
+built_in=$(cat .device/source_dir 2>/dev/null || echo /work/main)
+if [ "$(pwd -P)" != "$built_in" ] && [ ! -e "$built_in" ]; then
+  mkdir -p "$(dirname "$built_in")" && ln -s "$(pwd -P)" "$built_in"
+fi
 libdirs=$(pwd -P)/.device/lib
 for name in libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libnccl.so.2; do
   found=$(find /usr/local /usr/lib /opt -name "$name" 2>/dev/null | head -1)
