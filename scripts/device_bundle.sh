@@ -2,7 +2,7 @@
 # Packs a CUDA-enabled build for a lent GPU machine (a developer tool; CI never runs it):
 # the test build's binaries and CTest files, the release build's benchmarks and trainer, and the
 # shared libraries they need that a CUDA image may lack (OpenBLAS, liburing, ...), into
-# .device/bundle.tar.gz (ignored by git; carried by the device tool). scripts/device_check.sh
+# .device/bundle.tar.xz (ignored by git; carried by the device tool). scripts/device_check.sh
 # unpacks and runs it there.
 #   scripts/device_bundle.sh [TEST_BUILD=build/test] [RELEASE_BUILD=build/release]
 # One build may serve as both (a test build configured with -DCOSHARD_BUILD_BENCH=ON), and it may
@@ -36,5 +36,7 @@ for bin in $(find "$stage" -type f -perm -u+x); do
 done | sort -u | grep -Ev '/(libc|libm|libdl|librt|libpthread|libgcc_s|libstdc\+\+)\.so|/usr/local/cuda' |
   while IFS= read -r lib; do cp -L "$lib" "$stage/.device/lib/"; done
 mkdir -p "$here/.device"
-tar -C "$stage" -czf "$here/.device/bundle.tar.gz" .
-ls -la "$here/.device/bundle.tar.gz"
+# xz: a test build with its libraries is ~75 MB gzipped, over what the device tool carries (64 MiB).
+rm -f "$here/.device/bundle.tar.gz"
+tar -C "$stage" -cf - . | xz -T0 -6 >"$here/.device/bundle.tar.xz"
+ls -la "$here/.device/bundle.tar.xz"

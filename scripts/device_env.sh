@@ -1,8 +1,10 @@
 # Sourced on a lent GPU machine, in the repository root, after scripts/device_bundle.sh made
-# .device/bundle.tar.gz here: unpacks the builds in place, makes the absolute paths the tests
+# .device/bundle.tar.xz here: unpacks the builds in place, makes the absolute paths the tests
 # were built with valid, and finds the CUDA and NCCL libraries the image has.
 #   source scripts/device_env.sh
-tar -xzf .device/bundle.tar.gz -C .
+# Python's tarfile reads xz where the image has no xz program.
+if command -v xz >/dev/null; then xz -dc .device/bundle.tar.xz | tar -xf - -C .
+else python3 -c "import tarfile; tarfile.open('.device/bundle.tar.xz').extractall('.', filter='fully_trusted')"; fi
 # The build's absolute paths name the folder it was made from (.device/source_dir): link it here.
 built_in=$(cat .device/source_dir 2>/dev/null || echo /work/main)
 if [ "$(pwd -P)" != "$built_in" ] && [ ! -e "$built_in" ]; then
