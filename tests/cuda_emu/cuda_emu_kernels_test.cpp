@@ -210,4 +210,57 @@ TEST(EmulatedMultiTensorAdamW, MatchesOneTensorLaunchesAndTheReference) {
   EXPECT_LT(std::sqrt(err / ref), 1e-6) << "the clipped step's masters against AdamW in f64";
 }
 
+// Segments of one flat buffer, as the engine hands a shard's parameter groups over: most start at
+// offsets that rule out four-element vector accesses, so the multi-tensor step mixes its vector
+// and element-by-element paths (and a tensor's tail after its last whole four).
+TEST(EmulatedMultiTensorAdamW, SegmentsOfAFlatBufferAtAnyOffsetMatchOneTensorLaunches) {
+  const std::vector<std::int64_t> lengths{5, 131075, 7, 65536, 2, 70001, 4};
+  std::int64_t total = 0;
+  for (auto n : lengths) total += n;
+  struct Flat {
+    std::vector<float> master, m, v;
+    Stored grad, params;
+    detail::StepState state;
+  };
+  auto run = [&](bool multi) {
+    const auto n = static_cast<std::size_t>(total);
+    const auto w = random_values(n, 11), m0 = random_values(n, 12, 0.1);
+    auto v0 = random_values(n, 13, 0.01);
+    for (auto& x : v0) x = std::abs(x);
+    Flat f{{w.begin(), w.end()}, {m0.begin(), m0.end()}, {v0.begin(), v0.end()},
+           Stored(kBF16, random_values(n, 14, 0.5)), Stored(kBF16, std::vector<double>(n)), {}};
+    std::vector<detail::OptimizerTensor> list;
+    std::int64_t at = 0;
+    for (auto len : lengths) {
+      list.push_back({f.master.data() + at, static_cast<std::uint16_t*>(f.grad.data()) + at, f.m.data() + at,
+                      f.v.data() + at, static_cast<std::uint16_t*>(f.params.data()) + at, len, kBF16, kBF16});
+      at += len;
+    }
+    const detail::AdamArgs args{.lr = 1e-2f, .weight_decay = 0.1f};
+    f.state.step = 2;
+    EXPECT_EQ(cu::step_begin(nullptr, &f.state), 0);
+    if (multi) {
+      EXPECT_EQ(cu::adamw_multi(nullptr, list.data(), static_cast<int>(list.size()), args, &f.state), 0);
+    } else {
+      for (const auto& t : list)
+        EXPECT_EQ(cu::adamw(nullptr, t.master, t.gdt, t.grad, t.state1, t.state2, t.pdt, t.param_out, t.n, args,
+                            &f.state),
+                  0);
+    }
+    return f;
+  };
+  const Flat multi = run(true), single = run(false);
+  EXPECT_EQ(multi.master, single.master);
+  EXPECT_EQ(multi.m, single.m);
+  EXPECT_EQ(multi.v, single.v);
+  EXPECT_EQ(multi.params.values(), single.params.values());
+  // Every element stepped (an element a path skipped would keep its start, and its copy zero).
+  const auto start = random_values(static_cast<std::size_t>(total), 11);
+  const auto params = multi.params.values();
+  for (std::size_t i = 0; i < start.size(); ++i) {
+    ASSERT_NE(multi.master[i], static_cast<float>(start[i])) << "element " << i;
+    ASSERT_NE(params[i], 0.0) << "element " << i;
+  }
+}
+
 }  // namespace
