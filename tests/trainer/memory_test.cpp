@@ -13,6 +13,7 @@
 #include "coshard/zero/memory_estimate.hpp"
 #include "coshard/trainer/memory.hpp"
 #include "coshard/trainer/trainer.hpp"
+#include "../../trainer/app/memory_check.hpp"  // coshard-train's attention choice
 
 namespace coshard::trainer {
 namespace {
@@ -267,6 +268,24 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"stage3_f32_offload_cpu", 3, DataType::f32, OffloadDevice::cpu, 1},
                       Case{"stage3_bf16_offload_cpu", 3, DataType::bf16, OffloadDevice::cpu, 2}),
     [](const auto& info) { return std::string(info.param.name); });
+
+// coshard-train keeps materialized attention only where the run leaves a tenth of the device's free
+// memory unclaimed (every rank of the process counted), and never where that memory is unknown.
+TEST(AttentionChoice, MaterializedOnlyWithATenthOfTheDeviceToSpare) {
+  constexpr std::size_t kGiB = std::size_t{1} << 30;
+  train_app::RunMemory m;
+  m.per_rank.add(MemoryPlace::device, "activations", 45 * kGiB);
+  EXPECT_FALSE(train_app::fits_with_headroom(m, 1)) << "no machine read";
+  m.machine = zero::MachineMemory{};
+  m.machine->host_bytes = 1000 * kGiB;
+  EXPECT_FALSE(train_app::fits_with_headroom(m, 1)) << "the CPU: no device memory of its own";
+  m.machine->device_bytes = 100 * kGiB;
+  EXPECT_TRUE(train_app::fits_with_headroom(m, 1));
+  EXPECT_TRUE(train_app::fits_with_headroom(m, 2)) << "90 GiB of 100";
+  EXPECT_FALSE(train_app::fits_with_headroom(m, 3)) << "135 GiB of 100";
+  m.per_rank.add(MemoryPlace::device, "one more byte", 1);
+  EXPECT_FALSE(train_app::fits_with_headroom(m, 2)) << "one byte past 90%";
+}
 
 }  // namespace
 }  // namespace coshard::trainer

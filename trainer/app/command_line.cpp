@@ -88,8 +88,10 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   std::string attention;
   auto* attention_option =
       app.add_option("--attention", attention,
-                     "attention on CUDA: fused (flash-style kernels for bf16/f16 and head sizes 32/64/96/128, the "
-                     "default) or materialized (the T x T probabilities kept, as on the CPU)")
+                     "attention on CUDA: fused (flash-style kernels for bf16/f16 and head sizes 32/64/96/128: one "
+                     "statistic a query row kept) or materialized (the T x T probabilities kept, as on the CPU). "
+                     "Default: materialized where the run fits with it and a tenth of the device's memory to spare "
+                     "(it runs faster than today's fused kernels) in a run of one process, fused otherwise")
           ->check(CLI::IsMember({"fused", "materialized"}));
   std::string checkpointing;
   auto* checkpointing_option = app.add_option(
@@ -287,6 +289,7 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   c.record_timeline = !o.trace.empty();
   if (tensorboard_option->count()) c.tensorboard_dir = tensorboard;
   if (skip_memory_check) c.check_memory = false;
+  o.attention_given = attention_option->count() > 0;
   if (attention_option->count())
     c.attention = attention == "materialized" ? modules::AttentionKernels::materialized : modules::AttentionKernels::fused;
   if (checkpointing_option->count()) {

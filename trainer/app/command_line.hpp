@@ -38,6 +38,8 @@ struct Options {
   bool start_over = false;
   bool quiet = false;
   bool estimate = false;  // print the memory estimate and exit
+  bool attention_given = false;   // --attention on the command line (else chosen by memory)
+  bool attention_chosen = false;  // materialized chosen because the run fits with it
   bool batch_given = false;
   bool world_size_given = false;  // --batch on the command line (else the config's batch sizes may set it)
   trainer::TrainerConfig train;

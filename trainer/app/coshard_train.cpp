@@ -136,8 +136,11 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
     if (o.device == "cuda") {
       const bool fused = modules::attention_is_fused(async::Device::cuda(0), o.train.engine_options().dtype,
                                                      o.model.head_dim(), o.train.attention);
-      std::printf("  attention: %s\n", fused ? "fused kernels (one statistic a query row kept)"
-                                               : "materialized (the T x T probabilities kept)");
+      std::printf("  attention: %s%s\n", fused ? "fused kernels (one statistic a query row kept)"
+                                                 : "materialized (the T x T probabilities kept)",
+                  o.attention_chosen ? ": the run fits with them, and they run faster than the fused kernels "
+                                       "(--attention fused keeps them off the device)"
+                                     : "");
     }
     if (o.train.activation_checkpointing.enabled())
       std::printf("  activation checkpointing: %s\n", o.train.activation_checkpointing.to_string().c_str());
@@ -427,6 +430,15 @@ int main(int argc, char** argv) {
   shape.export_model = !o.export_path.empty();
   auto memory = train_app::estimate_run(c, shape);
   if (!memory) return usage(memory.error().message());
+  // Chosen by memory only in one process: ranks in processes of their own could see different free
+  // memory and choose differently (the same kernels on every rank: --attention).
+  if (!o.attention_given && o.launch.launcher == collectives::Launcher::none) {
+    auto choice = train_app::choose_attention(c, shape, std::move(*memory));
+    if (!choice) return usage(choice.error().message());
+    o.attention_chosen = choice->kernels != c.attention;
+    o.train.attention = choice->kernels;
+    *memory = std::move(choice->memory);
+  }
   const auto fits = train_app::check_run(*memory, shape);
   if (o.estimate) {
     if (o.launch.rank == 0) {

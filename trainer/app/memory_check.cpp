@@ -55,4 +55,18 @@ Result<void> check_run(const RunMemory& m, const RunShape& shape) {
   return zero::check_fits(m.per_rank, shape.ranks_here, *m.machine);
 }
 
+Result<AttentionChoice> choose_attention(const trainer::TrainerConfig& config, const RunShape& shape,
+                                         RunMemory as_configured) {
+  AttentionChoice kept{config.attention, std::move(as_configured)};
+  if (shape.device.is_cpu() || config.attention != modules::AttentionKernels::fused ||
+      !modules::attention_is_fused(shape.device, config.engine_options().dtype, shape.model.head_dim(),
+                                   modules::AttentionKernels::fused))
+    return kept;
+  trainer::TrainerConfig materialized = config;
+  materialized.attention = modules::AttentionKernels::materialized;
+  COSHARD_TRY_ASSIGN(RunMemory memory, estimate_run(materialized, shape));
+  if (!fits_with_headroom(memory, shape.ranks_here) || !check_run(memory, shape)) return kept;
+  return AttentionChoice{modules::AttentionKernels::materialized, std::move(memory)};
+}
+
 }  // namespace coshard::train_app

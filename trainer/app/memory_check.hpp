@@ -4,6 +4,7 @@
 // is refused with the numbers instead of growing until the system stops it.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -37,5 +38,25 @@ Result<RunMemory> estimate_run(const trainer::TrainerConfig& config, const RunSh
 std::string describe_run(const RunMemory& memory, const RunShape& shape, const trainer::TrainerConfig& config);
 // Fails naming the first place that cannot hold the run (nothing to check without the machine).
 Result<void> check_run(const RunMemory& memory, const RunShape& shape);
+
+// Whether an estimate leaves a tenth of the device's free memory unclaimed (false where the
+// device's free memory is unknown: the CPU, or a machine that could not be read).
+inline bool fits_with_headroom(const RunMemory& memory, int ranks_here) {
+  if (!memory.machine || !memory.machine->device_bytes) return false;
+  const double need = static_cast<double>(memory.per_rank.bytes(zero::MemoryPlace::device)) * std::max(ranks_here, 1);
+  return need <= 0.9 * static_cast<double>(*memory.machine->device_bytes);
+}
+
+// coshard-train's attention when --attention is not given. On a GPU where the fused kernels would
+// run: materialized (the T x T probabilities kept) wherever the run fits with it, with headroom;
+// measured on an H200 (#37), that form ran a layer's forward and backward 3.3 to 9.4 times faster
+// than today's fused kernels, at the cost of the probabilities' memory. Elsewhere, and where it
+// would not fit: config.attention as it is. Returns the chosen kernels with their estimate.
+struct AttentionChoice {
+  modules::AttentionKernels kernels;
+  RunMemory memory;
+};
+Result<AttentionChoice> choose_attention(const trainer::TrainerConfig& config, const RunShape& shape,
+                                         RunMemory as_configured);
 
 }  // namespace coshard::train_app
