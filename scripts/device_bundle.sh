@@ -30,6 +30,9 @@ done < <(find $(for b in $builds; do realpath --relative-to="$source_dir" "$b"; 
 # Libraries outside glibc and the CUDA toolkit (which the image has).
 mkdir -p "$stage/.device/lib"
 echo "$source_dir" >"$stage/.device/source_dir"
+# The Python and CMake the tests name by absolute path (device_env.sh links the machine's own there).
+sed -n 's/^_Python3_EXECUTABLE:INTERNAL=//p' "$test_build/CMakeCache.txt" >"$stage/.device/python"
+sed -n 's/^CMAKE_COMMAND:INTERNAL=//p' "$test_build/CMakeCache.txt" >"$stage/.device/cmake"
 for bin in $(find "$stage" -type f -perm -u+x); do
   file -b "$bin" | grep -q ELF || continue
   ldd "$bin" 2>/dev/null | awk '/=> \//{print $3}'

@@ -10,6 +10,12 @@ built_in=$(cat .device/source_dir 2>/dev/null || echo /work/main)
 if [ "$(pwd -P)" != "$built_in" ] && [ ! -e "$built_in" ]; then
   mkdir -p "$(dirname "$built_in")" && ln -s "$(pwd -P)" "$built_in"
 fi
+# The Python and CMake named by the tests: the machine's own where those paths do not exist there.
+for tool in python:python3 cmake:cmake; do
+  named=$(cat ".device/${tool%%:*}" 2>/dev/null)
+  own=$(command -v "${tool##*:}")
+  if [ -n "$named" ] && [ ! -e "$named" ] && [ -n "$own" ]; then mkdir -p "$(dirname "$named")" && ln -s "$own" "$named"; fi
+done
 libdirs=$(pwd -P)/.device/lib
 for name in libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libnccl.so.2; do
   found=$(find /usr/local /usr/lib /opt -name "$name" 2>/dev/null | head -1)
