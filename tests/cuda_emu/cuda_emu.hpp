@@ -9,11 +9,16 @@
 // whole 16x16 tiles, and lane 0 does a warp's loads, products and stores (the others hold
 // nothing: coshard's kernels reach fragments only through these), with the warp's barrier around
 // each load and store, as the *_sync operations order them.
+// mma16816 (modules/src/cuda/mma.cuh, PTX's mma.m16n8k16) exchanges the warp's registers through
+// slots as the shuffles do, each lane computing its own accumulators from the layouts PTX fixes.
 // What is not: timing, memory-model subtleties beyond barriers, the hardware's fragment layouts
 // (coshard's kernels touch fragments only through load/store/mma), special-function precision
 // (__expf is expf), and the order of atomics (one lock; blocks run in order, so sums that the GPU
 // adds in any order come out in one).
 #pragma once
+
+// Kernel files choose their emulated forms of inline PTX by this (modules/src/cuda/mma.cuh).
+#define COSHARD_CUDA_EMU 1
 
 #include <barrier>
 #include <bit>
@@ -108,6 +113,9 @@ inline float __bfloat162float(__nv_bfloat16 b) {
   return std::bit_cast<float>(static_cast<std::uint32_t>(b.bits) << 16);
 }
 
+inline unsigned short __half_as_ushort(__half h) { return h.bits; }
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 b) { return b.bits; }
+
 // A storage type's value as f32, and an f32 rounded to a storage type.
 inline float emu_to_float(float v) { return v; }
 inline float emu_to_float(__half v) { return __half2float(v); }
@@ -138,11 +146,13 @@ struct Block {
   std::unique_ptr<std::barrier<>> all;
   std::vector<std::unique_ptr<std::barrier<>>> warps;
   std::vector<float> slots;  // two sets of one per thread, for shuffles
+  std::vector<std::uint32_t> mma_slots;  // two sets of six per thread (a[4], b[2]), for mma16816
   std::vector<std::byte> dynamic_shared;
 };
 inline Block* current = nullptr;  // blocks run one at a time
 inline thread_local unsigned flat_thread = 0;
 inline thread_local unsigned shuffle_set = 0;  // which set of slots the next shuffle uses
+inline thread_local unsigned mma_set = 0;      // likewise for mma16816
 
 inline unsigned lane() { return flat_thread % 32; }
 inline std::barrier<>& warp_barrier() { return *current->warps[flat_thread / 32]; }
@@ -161,6 +171,7 @@ void run_grid(dim3 grid, dim3 block, std::size_t shared_bytes, Body& body) {
   for (unsigned w = 0; w * 32 < n; ++w)
     b.warps.push_back(std::make_unique<std::barrier<>>(static_cast<std::ptrdiff_t>(std::min(32u, n - w * 32))));
   b.slots.assign(2 * static_cast<std::size_t>(n), 0.0f);
+  b.mma_slots.assign(2 * 6 * static_cast<std::size_t>(n), 0u);
   b.dynamic_shared.assign(shared_bytes + 128, std::byte{0});  // aligned to 128 by emu_dynamic_shared
   current = &b;
   std::vector<std::thread> threads;
@@ -170,6 +181,7 @@ void run_grid(dim3 grid, dim3 block, std::size_t shared_bytes, Body& body) {
       threadIdx = dim3(t % block.x, (t / block.x) % block.y, t / (block.x * block.y));
       flat_thread = t;
       shuffle_set = 0;
+      mma_set = 0;
       for (unsigned bz = 0; bz < grid.z; ++bz)
         for (unsigned by = 0; by < grid.y; ++by)
           for (unsigned bx = 0; bx < grid.x; ++bx) {
@@ -220,6 +232,37 @@ inline float __shfl_xor_sync(unsigned /*mask*/, float v, int offset) {
   const unsigned base = emu::flat_thread & ~31u;
   return slots[base | ((emu::flat_thread & 31u) ^ static_cast<unsigned>(offset))];
 }
+
+// mma.m16n8k16 with f32 accumulators over E (bf16 or f16) operands: every lane posts its a[4] and
+// b[2], then computes its own d[0..3] from the whole warp's (the register layouts of mma.cuh).
+// Products and sums in f32, in k order (the hardware's order is its own: tests allow rounding).
+namespace emu {
+template <class E>
+void mma16816(float (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2]) {
+  const unsigned n = current->threads, set = mma_set ^= 1u;
+  std::uint32_t* slots = current->mma_slots.data() + static_cast<std::size_t>(set) * 6 * n;
+  std::uint32_t* mine = slots + 6 * static_cast<std::size_t>(flat_thread);
+  for (int i = 0; i < 4; ++i) mine[i] = a[i];
+  mine[4] = b[0];
+  mine[5] = b[1];
+  warp_barrier().arrive_and_wait();
+  const unsigned base = flat_thread & ~31u, lane = flat_thread & 31u, g = lane / 4, t = lane % 4;
+  auto half = [&](unsigned from_lane, int reg, int high) {
+    const std::uint32_t w = slots[6 * static_cast<std::size_t>(base + from_lane) + static_cast<unsigned>(reg)];
+    return emu_to_float(E{static_cast<std::uint16_t>(high ? w >> 16 : w & 0xffffu)});
+  };
+  auto A = [&](unsigned r, unsigned k) {
+    return half((r % 8) * 4 + (k % 8) / 2, (r >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0), static_cast<int>(k % 2));
+  };
+  auto B = [&](unsigned k, unsigned c) { return half(c * 4 + (k % 8) / 2, 4 + (k >= 8 ? 1 : 0), static_cast<int>(k % 2)); };
+  for (unsigned q = 0; q < 4; ++q) {
+    const unsigned r = g + (q >= 2 ? 8 : 0), c = 2 * t + q % 2;
+    float s = d[q];
+    for (unsigned k = 0; k < 16; ++k) s += A(r, k) * B(k, c);
+    d[q] = s;
+  }
+}
+}  // namespace emu
 
 // ---- atomics: one lock for all (a block's threads run at once; its blocks, in order) ----
 
