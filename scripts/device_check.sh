@@ -126,7 +126,7 @@ PY
       timeout $(cap 120) python3 bench/sdpa_baseline.py --out "$out/bench_sdpa.json" >"$out/bench_sdpa.log" 2>&1
       echo "sdpa baseline rc $?"; cat "$out/bench_sdpa.log"
       # The engine's parameter streaming from pinned memory against a plain pinned copy (#19 3b).
-      timeout $(cap 180) "$rb"/bench/offload_stream_bench --benchmark_out="$out/bench_stream.json" \
+      [ "${BENCH_STREAM:-1}" = 1 ] && timeout $(cap 180) "$rb"/bench/offload_stream_bench --benchmark_out="$out/bench_stream.json" \
         --benchmark_out_format=json >"$out/bench_stream.log" 2>&1
       echo "stream bench rc $?"; python3 bench/report.py "$out/bench_stream.json" ;;
     compare)
@@ -135,6 +135,16 @@ PY
         timeout $(cap ${COMPARE_TIMEOUT:-420}) python3 bench/gpu_vs_fsdp.py --preset "$preset" --coshard "$rb"/trainer/coshard-train \
           --workdir "$out" --out "$out/compare_$name.json" ${COMPARE_FLAGS:-} >"$out/compare_$name.log" 2>&1
         echo "compare $name rc $?"; cat "$out/compare_$name.log"
+        # COMPARE_VARIANT="NAME ARGS...": coshard alone again with coshard-train ARGS (e.g.
+        # "fused --attention fused"), in the same run as the table it is set beside.
+        if [ -n "${COMPARE_VARIANT:-}" ]; then
+          read -r vname vargs <<<"$COMPARE_VARIANT"
+          # shellcheck disable=SC2086  # $vargs is several options
+          timeout $(cap ${COMPARE_TIMEOUT:-420}) python3 bench/gpu_vs_fsdp.py --preset "$preset" --skip-torch \
+            --coshard "$rb"/trainer/coshard-train --workdir "$out" --out "$out/compare_${name}_$vname.json" \
+            ${COMPARE_FLAGS:-} --coshard-args $vargs >"$out/compare_${name}_$vname.log" 2>&1
+          echo "compare $name $vname rc $?"; cat "$out/compare_${name}_$vname.log"
+        fi
       done
       # One traced run of the smaller GPT (its steps on a device timeline, for the overlap).
       [ "${COMPARE_TRACE:-1}" = 1 ] && timeout $(cap 120) "$rb"/trainer/coshard-train --device cuda --world-size 1 --dtype bf16 --layers 12 \
