@@ -56,15 +56,19 @@ struct AdamStep {
         bc2(1.0f - powf(a.beta2, static_cast<float>(st.step + 1))),
         decay(1.0f - a.lr * a.weight_decay) {}
   // One element: the gradient as stored (unscaled) and the element's moments and master in, the
-  // new master out (the moments updated in place).
+  // new master out (the moments updated in place). Every operation is an explicit round-to-nearest
+  // intrinsic, which the compiler never fuses or reorders: the vector and the element-by-element
+  // paths then give the same bits wherever they are inlined (with plain expressions, nvcc
+  // contracted them into different FMAs in the two, and the H200 saw last-bit differences).
   __device__ __forceinline__ float apply(const detail::AdamArgs& a, float stored_grad, float& m, float& v,
                                         float w) const {
-    const float g = stored_grad * factor;
-    const float mi = a.beta1 * m + (1.0f - a.beta1) * g;
-    const float vi = a.beta2 * v + (1.0f - a.beta2) * g * g;
+    const float g = __fmul_rn(stored_grad, factor);
+    const float mi = __fmaf_rn(a.beta1, m, __fmul_rn(1.0f - a.beta1, g));
+    const float vi = __fmaf_rn(a.beta2, v, __fmul_rn(__fmul_rn(1.0f - a.beta2, g), g));
     m = mi;
     v = vi;
-    return w * decay - a.lr * (mi / bc1) / (sqrtf(vi / bc2) + a.eps);
+    const float denominator = __fadd_rn(__fsqrt_rn(__fdiv_rn(vi, bc2)), a.eps);
+    return __fmaf_rn(w, decay, -__fdiv_rn(__fmul_rn(a.lr, __fdiv_rn(mi, bc1)), denominator));
   }
   __device__ void update(const detail::AdamArgs& a, float* master, int gdt, const void* grad, float* m, float* v,
                          int pdt, void* param_out, std::int64_t i) const {
