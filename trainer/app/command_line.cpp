@@ -90,8 +90,8 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
       app.add_option("--attention", attention,
                      "attention on CUDA: fused (flash-style kernels for bf16/f16 and head sizes 32/64/96/128: one "
                      "statistic a query row kept) or materialized (the T x T probabilities kept, as on the CPU). "
-                     "Default: materialized where the run fits with it and a tenth of the device's memory to spare "
-                     "(it runs faster than today's fused kernels) in a run of one process, fused otherwise")
+                     "Default: fused, except heads of 128 or more in a run of one process that fits with the "
+                     "probabilities and a tenth of the device's memory to spare: materialized (faster there today)")
           ->check(CLI::IsMember({"fused", "materialized"}));
   std::string checkpointing;
   auto* checkpointing_option = app.add_option(

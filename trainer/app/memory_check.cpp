@@ -59,6 +59,7 @@ Result<AttentionChoice> choose_attention(const trainer::TrainerConfig& config, c
                                          RunMemory as_configured) {
   AttentionChoice kept{config.attention, std::move(as_configured)};
   if (shape.device.is_cpu() || config.attention != modules::AttentionKernels::fused ||
+      shape.model.head_dim() < kMaterializedFromHeadSize ||
       !modules::attention_is_fused(shape.device, config.engine_options().dtype, shape.model.head_dim(),
                                    modules::AttentionKernels::fused))
     return kept;

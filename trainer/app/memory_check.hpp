@@ -48,10 +48,13 @@ inline bool fits_with_headroom(const RunMemory& memory, int ranks_here) {
 }
 
 // coshard-train's attention when --attention is not given. On a GPU where the fused kernels would
-// run: materialized (the T x T probabilities kept) wherever the run fits with it, with headroom;
-// measured on an H200 (#37), that form ran a layer's forward and backward 3.3 to 9.4 times faster
-// than today's fused kernels, at the cost of the probabilities' memory. Elsewhere, and where it
-// would not fit: config.attention as it is. Returns the chosen kernels with their estimate.
+// run, with heads of 128 or more: materialized (the T x T probabilities kept) wherever the run fits
+// with it, with headroom. Measured on an H200 (#37): at head size 128 the materialized form ran a
+// layer's forward and backward 2.7 times faster than the fused kernels; at 64 they were even (and
+// whole training steps of Llama-3.2-1B and GPT-2 1.5B ran as fast or faster fused, with 19-24 GB
+// less device memory), so smaller heads stay fused. Elsewhere, and where it would not fit:
+// config.attention as it is. Returns the chosen kernels with their estimate.
+inline constexpr std::int64_t kMaterializedFromHeadSize = 128;
 struct AttentionChoice {
   modules::AttentionKernels kernels;
   RunMemory memory;
