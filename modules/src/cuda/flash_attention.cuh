@@ -1,5 +1,5 @@
 // Fused causal attention for CUDA (flash-style: tiles of queries and keys in shared memory, an
-// online softmax, tensor-core products through WMMA with f32 accumulation), so no T x T matrix
+// online softmax, tensor-core products through PTX mma.m16n8k16 with f32 accumulation), so no T x T matrix
 // exists in device memory. Forward keeps one f32 per query row (the log-sum-exp of its scaled
 // scores); backward recomputes the probabilities tile by tile from it.
 //
