@@ -5,14 +5,10 @@
 // What is emulated: a grid runs one block at a time, each block's threads as std::threads, with
 // __syncthreads and __syncwarp as barriers and __shfl_xor_sync through the warp's slots; a
 // kernel's static __shared__ arrays are statics (one block at a time shares them correctly);
-// f16 and bf16 storage rounds to nearest even like the hardware's conversions; WMMA fragments hold
-// whole 16x16 tiles, and lane 0 does a warp's loads, products and stores (the others hold
-// nothing: coshard's kernels reach fragments only through these), with the warp's barrier around
-// each load and store, as the *_sync operations order them.
-// mma16816 (modules/src/cuda/mma.cuh, PTX's mma.m16n8k16) exchanges the warp's registers through
-// slots as the shuffles do, each lane computing its own accumulators from the layouts PTX fixes.
-// What is not: timing, memory-model subtleties beyond barriers, the hardware's fragment layouts
-// (coshard's kernels touch fragments only through load/store/mma), special-function precision
+// f16 and bf16 storage rounds to nearest even like the hardware's conversions; mma16816
+// (modules/src/cuda/mma.cuh, PTX's mma.m16n8k16) exchanges the warp's registers through slots as
+// the shuffles do, each lane computing its own accumulators from the register layouts PTX fixes.
+// What is not: timing, memory-model subtleties beyond barriers, special-function precision
 // (__expf is expf), and the order of atomics (one lock; blocks run in order, so sums that the GPU
 // adds in any order come out in one).
 #pragma once
@@ -283,69 +279,3 @@ T atomicAdd(T* p, T v) {
   return old;
 }
 
-// ---- WMMA ----
-
-namespace nvcuda::wmma {
-
-struct matrix_a {};
-struct matrix_b {};
-struct accumulator {};
-struct row_major {};
-struct col_major {};
-enum layout_t { mem_row_major, mem_col_major };
-
-// Element (i, j) of the tile (row i of A or of B = k, column j) at x[i * 16 + j], in f32.
-template <class Use, int M, int N, int K, class T, class Layout = void>
-struct fragment {
-  static_assert(M == 16 && N == 16 && K == 16, "the emulation serves 16x16x16 fragments");
-  float x[256];
-};
-
-template <class Use, class T, class Layout>
-void load_matrix_sync(fragment<Use, 16, 16, 16, T, Layout>& f, const T* p, unsigned ldm) {
-  __syncwarp();
-  if (emu::lane() == 0)
-    for (int i = 0; i < 16; ++i)
-      for (int j = 0; j < 16; ++j) {
-        const T v = std::is_same_v<Layout, row_major> ? p[i * ldm + j] : p[j * ldm + i];
-        f.x[i * 16 + j] = emu_to_float(v);
-      }
-  __syncwarp();
-}
-
-inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const float* p, unsigned ldm, layout_t l) {
-  __syncwarp();
-  if (emu::lane() == 0)
-    for (int i = 0; i < 16; ++i)
-      for (int j = 0; j < 16; ++j) f.x[i * 16 + j] = l == mem_row_major ? p[i * ldm + j] : p[j * ldm + i];
-  __syncwarp();
-}
-
-inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ldm, layout_t l) {
-  __syncwarp();
-  if (emu::lane() == 0)
-    for (int i = 0; i < 16; ++i)
-      for (int j = 0; j < 16; ++j) (l == mem_row_major ? p[i * ldm + j] : p[j * ldm + i]) = f.x[i * 16 + j];
-  __syncwarp();
-}
-
-template <class Use, class T, class Layout>
-void fill_fragment(fragment<Use, 16, 16, 16, T, Layout>& f, float v) {
-  for (float& e : f.x) e = v;
-}
-
-template <class T, class LA, class LB>
-void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix_a, 16, 16, 16, T, LA>& a,
-              const fragment<matrix_b, 16, 16, 16, T, LB>& b, const fragment<accumulator, 16, 16, 16, float>& c) {
-  if (emu::lane() != 0) return;  // only lane 0's fragments are ever stored (store_matrix_sync)
-  float out[256];
-  for (int m = 0; m < 16; ++m)
-    for (int n = 0; n < 16; ++n) {
-      float s = c.x[m * 16 + n];
-      for (int k = 0; k < 16; ++k) s += a.x[m * 16 + k] * b.x[k * 16 + n];
-      out[m * 16 + n] = s;
-    }
-  std::memcpy(d.x, out, sizeof out);
-}
-
-}  // namespace nvcuda::wmma
