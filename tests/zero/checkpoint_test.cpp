@@ -7,6 +7,8 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <string>
 
 #include "coshard/zero/engine.hpp"
 #include "../support/on_ranks.hpp"
@@ -217,6 +219,29 @@ TEST(EngineCheckpoint, MisuseIsNamedAndChangesNothing) {
     COSHARD_CO_TRY_ASSIGN(auto reloaded, co_await engine.gather_parameters());
     if (engine.steps_done() != 1 || reloaded[0].bytes != before[0].bytes)
       co_return fail(ErrorCode::internal, "the load did not restore step 1");
+    // A manifest whose step is not its folder's (edited, or copied from another checkpoint): refused
+    // by name, nothing loaded (it would resume at a step the run never reached).
+    const fs::path edited = dir / "edited" / "step-00000001";
+    fs::create_directories(edited.parent_path());
+    fs::copy(dir / "ck" / "step-00000001", edited);
+    {
+      std::ifstream in(edited / "manifest.json");
+      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      const auto at = text.find("\"step\":");
+      if (at == std::string::npos) co_return fail(ErrorCode::internal, "no step in the manifest: ", text.substr(0, 200));
+      const auto value = text.find_first_of("0123456789", at);
+      text.replace(value, text.find_first_not_of("0123456789", value) - value, "999");
+      std::ofstream(edited / "manifest.json", std::ios::trunc) << text;
+      std::ofstream(edited.parent_path() / "latest") << "step-00000001\n";
+    }
+    COSHARD_CO_TRY(co_await e.train(1, 1));
+    COSHARD_CO_TRY_ASSIGN(auto stepped, co_await engine.gather_parameters());
+    const fs::path edited_dir = edited.parent_path();  // named: GCC 12 destroys temporaries in co_await twice
+    COSHARD_CO_TRY(expect_error(co_await engine.load_checkpoint(edited_dir, kSinesSeeded),
+                                "its manifest says step 999, the folder's name step 00000001"));
+    COSHARD_CO_TRY_ASSIGN(auto kept, co_await engine.gather_parameters());
+    if (engine.steps_done() != 2 || kept[0].bytes != stepped[0].bytes)
+      co_return fail(ErrorCode::internal, "a refused load changed the engine");
     co_return Result<void>{};
   });
   EXPECT_TRUE(out) << out.error().message();

@@ -124,6 +124,16 @@ Result<Loaded> read_checkpoint(const fs::path& dir, const Loader& l) {
   COSHARD_TRY_ASSIGN(const fs::path folder, resolve_checkpoint(dir));
   COSHARD_TRY_ASSIGN(const CheckpointManifest m, read_manifest(folder));
   const std::string where = "checkpoint " + folder.string();
+  // A folder named for its step (as every save names it) must hold that step: a manifest edited or
+  // copied from another folder would resume the run at a step it never reached.
+  if (const std::string name = folder.filename().string(); is_checkpoint_folder_name(name)) {
+    const std::string digits = name.substr(5);
+    const bool same = digits.find_first_not_of('0') == std::string::npos ? m.step == 0
+                                                                          : digits.substr(digits.find_first_not_of('0')) == std::to_string(m.step);
+    if (!same)
+      return fail(ErrorCode::invalid_argument, where, ": its manifest says step ", m.step, ", the folder's name step ",
+                  digits, " (a manifest edited or copied from another checkpoint; nothing was loaded)");
+  }
   COSHARD_TRY(check_engine(m, l, where));
 
   const std::size_t elem = size_of(l.dtype);
