@@ -127,4 +127,36 @@ TEST(HardeningThree, ASecondRunOnALiveCheckpointFolderIsRefused) {
   EXPECT_EQ(resumed.code, 0) << resumed.output;
 }
 
+// Item 10: weights that are no longer finite stop the run at the step that shows it, named, and
+// are never exported; a run that ends on losses that are not finite (finite weights whose outputs
+// overflow) is an error too, with nothing exported.
+TEST(HardeningThree, NonFiniteWeightsStopTheRunAndAreNeverExported) {
+  const fs::path dir = scratch("h3_nonfinite");
+  const auto decayed = run(with(kTiny, {"--steps", "4", "--quiet", "--weight-decay", "inf", "--export",
+                                        (dir / "decayed.safetensors").string()}),
+                           dir);
+  EXPECT_GT(decayed.code, 0) << decayed.output;
+  EXPECT_LT(decayed.code, 128) << decayed.output;
+  EXPECT_NE(decayed.output.find("step 2: the loss is"), std::string::npos) << decayed.output;
+  EXPECT_NE(decayed.output.find("weights are not finite"), std::string::npos) << decayed.output;
+  EXPECT_FALSE(fs::exists(dir / "decayed.safetensors"));
+
+  std::vector<std::string> tiny_huge_lr = kTiny;
+  ASSERT_EQ(tiny_huge_lr[tiny_huge_lr.size() - 2], "--lr");
+  tiny_huge_lr.back() = "1e30";
+  const auto huge_lr = run(with(tiny_huge_lr, {"--steps", "6", "--quiet", "--export", (dir / "huge.safetensors").string()}),
+                           dir);
+  EXPECT_GT(huge_lr.code, 0) << huge_lr.output;
+  EXPECT_LT(huge_lr.code, 128) << huge_lr.output;
+  EXPECT_TRUE(huge_lr.output.find("the loss has not been finite since step") != std::string::npos ||
+              huge_lr.output.find("weights are not finite") != std::string::npos)
+      << huge_lr.output;
+  EXPECT_FALSE(fs::exists(dir / "huge.safetensors"));
+
+  // A sound run still exports.
+  const auto sound = run(with(kTiny, {"--steps", "2", "--quiet", "--export", (dir / "sound.safetensors").string()}), dir);
+  EXPECT_EQ(sound.code, 0) << sound.output;
+  EXPECT_TRUE(fs::exists(dir / "sound.safetensors"));
+}
+
 }  // namespace

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cmath>
 #include <csignal>
 #include <limits>
 #include <cstdio>
@@ -161,6 +162,9 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
   }
   trainer::Progress progress(first, o.steps, stdout);
   std::int64_t saved_at = first;
+  // The first step of the current run of steps whose loss was not finite (0: the last one's was).
+  std::int64_t nonfinite_since = 0;
+  double last_loss = 0;
   for (std::int64_t step = first; step < o.steps; ++step) {
     if (threads) {
       if (g_stop_signal.load() != 0) {
@@ -174,6 +178,12 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
     }
     const HostBatch global = data.batch(static_cast<std::uint64_t>(step), o.batch, o.seq);
     COSHARD_CO_TRY_ASSIGN(auto stats, co_await t.step(global.rank_rows(rank, world)));
+    if (!std::isfinite(stats.loss)) {
+      if (nonfinite_since == 0) nonfinite_since = stats.step;
+    } else {
+      nonfinite_since = 0;
+    }
+    last_loss = stats.loss;
     if (!o.trace.empty()) shared.trace.add(rank, stats.step, stats.timeline);
     if (lead) {
       if (!o.quiet) progress.update(stats);
@@ -204,6 +214,13 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
     COSHARD_CO_TRY(shared.trace.write(o.trace));
     if (!o.quiet) std::printf("trace: %zu spans in %s\n", shared.trace.size(), o.trace.c_str());
   }
+  // A run that ends on losses that are not finite learned nothing since they began, even with
+  // finite weights (the model's outputs overflow): an error, and nothing exported (the loss is
+  // averaged over ranks, so every rank says so).
+  if (nonfinite_since > 0)
+    co_return fail(ErrorCode::invalid_argument, "the loss has not been finite since step ", nonfinite_since, " (step ",
+                   t.steps_done(), ": ", last_loss, "; every such step is skipped): training diverged (a learning rate or ",
+                   "weight decay too large, or non-finite data)", o.export_path.empty() ? "" : "; --export skipped");
   if (!o.export_path.empty() && !stopped) {
     if (o.export_is_folder) {
       modules::SafetensorsFolderOptions shards;  // named: GCC 12 mishandles default arguments in co_await

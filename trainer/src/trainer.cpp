@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include <chrono>
+#include <cmath>
 #include <optional>
 
 #include "coshard/async/log.hpp"
@@ -191,6 +192,15 @@ async::Task<Result<StepStats>> Trainer::Impl::step(std::span<const modules::Batc
   out.exposed_comm_ms = e.exposed_comm_ms;
   out.timeline = std::move(e.timeline);
   if (s.tensorboard) COSHARD_CO_TRY(s.tensorboard->add_step(out));
+  // A loss that is not finite: are the weights still? (A gather of every parameter, so only then;
+  // the loss is averaged over ranks, so every rank checks.) Weights that are not stop the run here
+  // (the steps after could only be skipped, and an export would write them).
+  if (!std::isfinite(out.loss)) {
+    auto finite = co_await s.engine->check_parameters_finite();
+    if (!finite)
+      co_return fail(ErrorCode::invalid_argument, "step ", out.step, ": the loss is ", out.loss, " (",
+                     finite.error().message(), "); stopping");
+  }
   // Every rank reaches the same verdict (the skip is decided from all-reduced statistics).
   s.skipped_in_a_row = out.skipped ? s.skipped_in_a_row + 1 : 0;
   if (s.config.max_skipped_steps > 0 && s.skipped_in_a_row >= s.config.max_skipped_steps)

@@ -28,6 +28,21 @@ Result<std::vector<GatheredParameter>> read_parameters(const fs::path& path, Dat
 
 }  // namespace
 
+Result<void> detail::check_finite(const std::vector<GatheredParameter>& params, DataType dtype, std::string_view what) {
+  std::int64_t bad = 0, total = 0;
+  std::string first;
+  for (const auto& p : params) {
+    const auto values = decode_values(p.bytes, dtype);
+    total += static_cast<std::int64_t>(values.size());
+    for (std::size_t i = 0; i < values.size(); ++i)
+      if (!std::isfinite(values[i]) && bad++ == 0)
+        first = p.name + " element " + std::to_string(i) + " is " + std::to_string(values[i]);
+  }
+  if (bad == 0) return {};
+  return fail(ErrorCode::invalid_argument, what, ": ", bad, " of ", total, " weights are not finite (", first,
+              "): training diverged (a learning rate or weight decay too large, or non-finite data)");
+}
+
 Result<GatheredParameter> detail::decode_parameter(std::string_view source, const std::string& name, SafeDType file_dtype,
                                            const std::vector<std::int64_t>& dims, std::span<const std::byte> data,
                                            DataType dtype) {
@@ -61,6 +76,12 @@ async::Task<Result<void>> Engine::export_safetensors(const fs::path& path) {
   co_return co_await export_parameters("export to " + path.string(), std::move(write));
 }
 
+async::Task<Result<void>> Engine::check_parameters_finite() {
+  COSHARD_CO_TRY(s_->outside_loop("check_parameters_finite"));
+  COSHARD_CO_TRY_ASSIGN(auto params, co_await gather_parameters());  // the same values on every rank
+  co_return check_finite(params, s_->o.dtype, "Engine");
+}
+
 async::Task<Result<void>> Engine::export_parameters(std::string what, ParameterWriter write) {
   State& s = *s_;
   COSHARD_CO_TRY(s.outside_loop(what));
@@ -70,7 +91,11 @@ async::Task<Result<void>> Engine::export_parameters(std::string what, ParameterW
   std::int64_t ok = 1;
   std::string error;
   if (s.rank == 0) {
-    auto done = co_await rt->spawn_blocking([&write, &params]() { return write(params); });
+    // Weights that are no longer finite are never written: a file --init would refuse anyway.
+    auto done = co_await rt->spawn_blocking([&write, &params, &what, dtype = s.o.dtype]() -> Result<void> {
+      COSHARD_TRY(check_finite(params, dtype, what + ": nothing written"));
+      return write(params);
+    });
     if (!done) {
       ok = 0;
       error = done.error().message();

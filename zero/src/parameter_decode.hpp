@@ -18,4 +18,8 @@ Result<GatheredParameter> decode_parameter(std::string_view source, const std::s
                                            const std::vector<std::int64_t>& dims, std::span<const std::byte> data,
                                            modules::DataType dtype);
 
+// Fails naming how many of the values are not finite and the first one's parameter and element
+// (`what` leads the message); `dtype` is the values' encoding.
+Result<void> check_finite(const std::vector<GatheredParameter>& params, modules::DataType dtype, std::string_view what);
+
 }  // namespace coshard::zero::detail

@@ -321,6 +321,9 @@ class Engine final : public ModuleHooks {
   // Every parameter's whole value, unpadded, on every rank: one all-gather per unit (stage 3;
   // stages 1-2 hold the full values already). For exporting a consolidated model.
   async::Task<Result<std::vector<GatheredParameter>>> gather_parameters();
+  // Fails, on every rank alike, when a weight is no longer finite, naming how many and the first
+  // one's parameter and element (a gather of every parameter: for when a loss was not finite).
+  async::Task<Result<void>> check_parameters_finite();
   // Sets every parameter from whole values by name (each rank keeps its block); a missing,
   // extra or reshaped name is refused before anything changes. The fp32 masters follow.
   async::Task<Result<void>> load_parameters(const std::vector<GatheredParameter>& values);
