@@ -117,6 +117,7 @@ TEST(DeepSpeedJson, WholeConfigMapsEveryZeroKey) {
   EXPECT_EQ(c->zero_stage, 3);
   EXPECT_EQ(c->prefetch_bucket_bytes, 50'000'000u * 4);  // elements of f32
   EXPECT_EQ(c->max_live_bytes, 1'000'000'000ull * 4);
+  EXPECT_FALSE(c->max_live_follows_model) << "a budget the config names is exact";
   EXPECT_EQ(c->max_reuse_distance_elements, 1'000'000'000u);
   EXPECT_EQ(c->persistence_threshold_bytes, 400'000u);
   EXPECT_EQ(c->module_granularity_bytes, 4000u);
@@ -268,6 +269,12 @@ TEST(DeepSpeedJson, BadValuesAreNamed) {
       {R"({"stage": 3, "stage3_max_live_parameters": "auto"})", "'auto' is not supported"},
       {R"({"stage": 3, "overlap_comm": false})", "overlap_comm=false"},
       {R"({"stage": 3, "stage3_max_live_parameters": -5})", "stage3_max_live_parameters=-5"},
+      // Sizes and counts that would overflow are named as written, never by what they wrap to.
+      {R"({"stage": 3, "stage3_max_live_parameters": 4611686018427387904})",
+       "stage3_max_live_parameters=4611686018427387904 (4 bytes an element: more than 2^62 bytes)"},
+      {R"({"stage": 3, "stage3_prefetch_bucket_size": 1e300})", "stage3_prefetch_bucket_size=1e+300 (expected a whole number"},
+      {R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 1e19}}})",
+       "warmup_num_steps=1e+19 (expected a whole number from 0 to 2^62)"},
       {R"({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}})", "offload_param"},
       {R"({"stage": 3, "offload_optimizer": {"device": "tape"}})", "offload_optimizer.device=\"tape\""},
       {R"({"optimizer": {"type": "Lamb"}})", "optimizer.type=\"Lamb\""},

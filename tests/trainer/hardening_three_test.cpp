@@ -159,4 +159,25 @@ TEST(HardeningThree, NonFiniteWeightsStopTheRunAndAreNeverExported) {
   EXPECT_TRUE(fs::exists(dir / "sound.safetensors"));
 }
 
+// Item 13: --estimate works for every preset on its defaults (the gather budget follows the model
+// where 1 GiB cannot hold its largest unit: Llama-3.1-8B's head is 2 GiB in f32); a budget the user
+// names is exact, and refused by name when too small.
+TEST(HardeningThree, EstimateWorksForEveryPresetOnItsDefaults) {
+  const fs::path dir = scratch("h3_estimate");
+  for (const char* preset : {"llama-tiny", "llama-100m", "Llama-3.2-1B", "Llama-3.2-3B", "Llama-3.1-8B"}) {
+    const auto r = run({"--preset", preset, "--estimate"}, dir);
+    EXPECT_TRUE(r.code == 0 || r.code == 1) << preset << ": " << r.output;  // fits, or not on this machine
+    EXPECT_NE(r.output.find("gathered parameters (max_live_bytes)"), std::string::npos) << preset << ": " << r.output;
+    EXPECT_TRUE(r.output.find("\nfits") != std::string::npos || r.output.find("does not fit") != std::string::npos)
+        << preset << ": " << r.output;
+  }
+  const auto eight = run({"--preset", "Llama-3.1-8B", "--estimate"}, dir);
+  EXPECT_NE(eight.output.find("gathered parameters (max_live_bytes)               3.91 GiB"), std::string::npos)
+      << eight.output;
+  const auto exact = run({"--preset", "Llama-3.1-8B", "--estimate", "--max-live", "1GiB"}, dir);
+  EXPECT_EQ(exact.code, 2) << exact.output;
+  EXPECT_NE(exact.output.find("max_live_bytes=1073741824: must be at least the largest fetch unit"), std::string::npos)
+      << exact.output;
+}
+
 }  // namespace

@@ -137,7 +137,7 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
         cli.adaptive_prefetch = false;
       },
       "bytes gathered ahead of use (64MiB), or auto: measured from gather and compute times");
-  auto* live = size_option("--max-live", cli.max_live_bytes, "budget of gathered parameter bytes (1GiB)");
+  auto* live = size_option("--max-live", cli.max_live_bytes, "budget of gathered parameter bytes, exact (default: 1GiB, or twice the largest fetch unit where 1GiB cannot hold it)");
   auto* reuse = app.add_option("--max-reuse-distance", cli.max_reuse_distance, "keep a unit needed again within N fetches");
   auto* persist = size_option("--persistence-threshold", cli.persistence_threshold_bytes, "smaller units stay gathered");
   auto* granularity = size_option("--module-granularity", cli.module_granularity_bytes, "coalesce smaller leaf modules");
@@ -266,7 +266,10 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
     c.prefetch_bucket_bytes = cli.prefetch_bucket_bytes;
     c.adaptive_prefetch = cli.adaptive_prefetch;
   }
-  if (live->count()) c.max_live_bytes = cli.max_live_bytes;
+  if (live->count()) {
+    c.max_live_bytes = cli.max_live_bytes;
+    c.max_live_follows_model = false;
+  }
   if (reuse->count()) c.max_reuse_distance = cli.max_reuse_distance;
   if (persist->count()) c.persistence_threshold_bytes = cli.persistence_threshold_bytes;
   if (granularity->count()) c.module_granularity_bytes = cli.module_granularity_bytes;

@@ -1,6 +1,7 @@
 #include "coshard/trainer/config.hpp"
 
 #include "coshard/async/files.hpp"
+#include "coshard/zero/memory_estimate.hpp"
 
 #include <nlohmann/json.hpp>
 
@@ -9,6 +10,7 @@
 #include <charconv>
 #include <cmath>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 namespace coshard::trainer {
@@ -101,6 +103,19 @@ modules::StepControlOptions TrainerConfig::step_control() const {
   control.loss_scaling = loss_scaling;
   control.initial_loss_scale = initial_loss_scale;
   return control;
+}
+
+Result<zero::EngineOptions> TrainerConfig::engine_options_for(modules::Module& model, int world_size) const {
+  zero::EngineOptions o = engine_options();
+  if (!max_live_follows_model || zero_stage != 3) return o;
+  zero::EngineOptions unbounded = o;
+  unbounded.max_live_bytes = std::numeric_limits<std::size_t>::max();
+  COSHARD_TRY_ASSIGN(const auto units, zero::plan_units(model, world_size, unbounded));
+  std::size_t largest = 0;
+  for (const auto& u : units) largest = std::max(largest, u.padded_bytes);
+  if (largest > std::numeric_limits<std::size_t>::max() / 2) return o;  // let the engine name it
+  if (o.max_live_bytes < largest) o.max_live_bytes = 2 * largest;
+  return o;
 }
 
 zero::EngineOptions TrainerConfig::engine_options() const {

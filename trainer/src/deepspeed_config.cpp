@@ -47,11 +47,14 @@ struct Reader {
     bad.push_back(key + "=" + async::bounded_echo(v.dump()) + " (expected a number)");
     return std::nullopt;
   }
+  // A whole number in [0, 2^62] (every count and size here fits an int64 with room to multiply
+  // by an element size), named by the value as written when it is not one.
   std::optional<std::size_t> count(const json& v, const std::string& key) {
     auto d = number(v, key);
     if (!d) return std::nullopt;
-    if (*d < 0 || *d != std::floor(*d) || *d > 1.8e19) {
-      bad.push_back(key + "=" + async::bounded_echo(v.dump()) + " (expected a whole number >= 0)");
+    constexpr double kMax = 4611686018427387904.0;  // 2^62
+    if (*d < 0 || *d != std::floor(*d) || *d > kMax) {
+      bad.push_back(key + "=" + async::bounded_echo(v.dump()) + " (expected a whole number from 0 to 2^62)");
       return std::nullopt;
     }
     return static_cast<std::size_t>(*d);
@@ -281,7 +284,17 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
       r.bad.push_back("fp16.enabled=true and bf16.enabled=true (expected at most one of them)");
   }
   const std::size_t element = collectives::size_of(c.dtype);
-  auto bytes_of = [&](std::size_t elements) { return elements * element; };
+  // Elements as bytes; a count whose bytes would not fit 2^62 is named as written.
+  auto bytes_of = [&](const json& v, const std::string& name) -> std::optional<std::size_t> {
+    auto n = r.count(v, name);
+    if (!n) return std::nullopt;
+    if (*n > (std::size_t{1} << 62) / element) {
+      r.bad.push_back(name + "=" + async::bounded_echo(v.dump()) + " (" + std::to_string(element) +
+                      " bytes an element: more than 2^62 bytes)");
+      return std::nullopt;
+    }
+    return *n * element;
+  };
 
   if (whole) {
     for (const auto& [key, v] : doc.items()) {
@@ -371,18 +384,21 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
         if (v.is_string() && v.get<std::string>() == "auto") {
           c.adaptive_prefetch = true;  // measured, not hand-set
           c.prefetch_bucket_bytes = 0;
-        } else if (auto n = r.count(v, name)) {
-          c.prefetch_bucket_bytes = bytes_of(*n);
+        } else if (auto n = bytes_of(v, name)) {
+          c.prefetch_bucket_bytes = *n;
           c.adaptive_prefetch = false;
         }
       } else if (key == "stage3_max_live_parameters") {
-        if (auto n = r.count(v, name)) c.max_live_bytes = bytes_of(*n);
+        if (auto n = bytes_of(v, name)) {
+          c.max_live_bytes = *n;
+          c.max_live_follows_model = false;
+        }
       } else if (key == "stage3_max_reuse_distance") {
         if (auto n = r.count(v, name)) c.max_reuse_distance_elements = *n;
       } else if (key == "stage3_param_persistence_threshold") {
-        if (auto n = r.count(v, name)) c.persistence_threshold_bytes = bytes_of(*n);
+        if (auto n = bytes_of(v, name)) c.persistence_threshold_bytes = *n;
       } else if (key == "zero_module_granularity_threshold") {
-        if (auto n = r.count(v, name)) c.module_granularity_bytes = bytes_of(*n);
+        if (auto n = bytes_of(v, name)) c.module_granularity_bytes = *n;
       } else if (key == "stage3_use_all_reduce_for_fetch_params") {
         if (auto b = r.boolean(v, name)) c.fetch_mode = *b ? zero::FetchMode::all_reduce : zero::FetchMode::all_gather;
       } else if (key == "offload_optimizer") {

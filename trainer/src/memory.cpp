@@ -9,7 +9,7 @@ Result<zero::MemoryEstimate> estimate_memory(const TrainerConfig& c, modules::Mo
     return fail(ErrorCode::invalid_argument, "memory estimate: ", in.rows_per_rank, " rows of ", in.seq,
                 " tokens a rank: expected counts >= 0");
   const std::size_t states = c.optimizer == OptimizerKind::adamw ? 2 : c.momentum != 0 ? 1 : 0;
-  const zero::EngineOptions o = c.engine_options();
+  COSHARD_TRY_ASSIGN(const zero::EngineOptions o, c.engine_options_for(model, world_size));
   COSHARD_TRY_ASSIGN(auto m, zero::estimate_engine_memory(model, world_size, o, states));
   using P = zero::MemoryPlace;
   // Every micro-batch of the step is uploaded at once: token ids and targets, i32 each.

@@ -296,8 +296,8 @@ async::Task<Result<Trainer>> TrainerBuilder::build(modules::Module& model) const
     if (!frozen) co_return fail(std::move(frozen).error().with_context("freeze"));
     COSHARD_LOG_INFO(trainer, "freeze '{}': {} parameters frozen", pattern, *frozen);
   }
-  COSHARD_CO_TRY_ASSIGN(impl->engine, zero::Engine::create(*impl->ctx, *comm_, model, *impl->optimizer,
-                                                              c_.engine_options()));
+  COSHARD_CO_TRY_ASSIGN(const zero::EngineOptions engine_options, c_.engine_options_for(model, comm_->size()));
+  COSHARD_CO_TRY_ASSIGN(impl->engine, zero::Engine::create(*impl->ctx, *comm_, model, *impl->optimizer, engine_options));
   COSHARD_CO_TRY(co_await impl->engine->initialize(c_.seed));
   if (!c_.tensorboard_dir.empty() && comm_->rank() == 0) {
     COSHARD_CO_TRY_ASSIGN(auto writer, TensorBoardWriter::create(c_.tensorboard_dir));

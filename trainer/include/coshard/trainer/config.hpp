@@ -52,6 +52,11 @@ struct TrainerConfig {
   // above then caps it (0: no cap but the budget).
   bool adaptive_prefetch = false;
   std::size_t max_live_bytes = 1ull << 30;
+  // The budget follows the model: where max_live_bytes cannot hold the largest fetch unit (an
+  // 8B's 128,256-wide head alone is 2 GiB in f32), the engine gets twice that unit instead (one
+  // gathered, one prefetched), so a model's defaults always run. Setting max_live_bytes (the builder, --max-live, DeepSpeed's
+  // stage3_max_live_parameters) clears it: that budget is then exact, and refused if too small.
+  bool max_live_follows_model = true;
   std::size_t max_reuse_distance = 0;           // fetch units
   std::size_t max_reuse_distance_elements = 0;  // DeepSpeed's measure
   std::size_t persistence_threshold_bytes = 0;
@@ -147,6 +152,10 @@ struct TrainerConfig {
   Result<void> validate() const;
   // The engine's view of these settings.
   zero::EngineOptions engine_options() const;
+  // engine_options() for this model at world_size ranks: max_live_bytes raised to twice the
+  // largest fetch unit where it cannot hold that unit and max_live_follows_model says so (the
+  // units planned as the engine will plan them).
+  Result<zero::EngineOptions> engine_options_for(modules::Module& model, int world_size) const;
   // The optimizer's clipping and loss scaling, as the trainer builds it.
   modules::StepControlOptions step_control() const;
   // The learning rate of step `step` (0-based) under the schedule.

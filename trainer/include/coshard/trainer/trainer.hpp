@@ -118,7 +118,11 @@ class TrainerBuilder {
   TrainerBuilder& zero_stage(int v) { c_.zero_stage = v; return *this; }
   TrainerBuilder& fetch_mode(zero::FetchMode v) { c_.fetch_mode = v; return *this; }
   TrainerBuilder& prefetch_bucket_bytes(std::size_t v) { c_.prefetch_bucket_bytes = v; return *this; }
-  TrainerBuilder& max_live_bytes(std::size_t v) { c_.max_live_bytes = v; return *this; }
+  TrainerBuilder& max_live_bytes(std::size_t v) {
+    c_.max_live_bytes = v;
+    c_.max_live_follows_model = false;
+    return *this;
+  }
   TrainerBuilder& max_reuse_distance(std::size_t units) { c_.max_reuse_distance = units; return *this; }
   TrainerBuilder& persistence_threshold_bytes(std::size_t v) { c_.persistence_threshold_bytes = v; return *this; }
   TrainerBuilder& module_granularity_bytes(std::size_t v) { c_.module_granularity_bytes = v; return *this; }
