@@ -70,6 +70,16 @@ inline std::vector<std::string> with(std::vector<std::string> a, const std::vect
   return a;
 }
 
+// `a` without the option `name` and its value (text data takes no --vocab: bytes are 256).
+inline std::vector<std::string> without(std::vector<std::string> a, const std::string& name) {
+  for (auto it = a.begin(); it != a.end(); ++it)
+    if (*it == name) {
+      a.erase(it, it + 2 <= a.end() ? it + 2 : a.end());
+      break;
+    }
+  return a;
+}
+
 // The "loss" of every line of a metrics file.
 inline std::vector<double> losses_in(const fs::path& metrics) {
   std::ifstream in(metrics);

@@ -1,5 +1,7 @@
 #include "command_line.hpp"
 
+#include <charconv>
+
 #include "coshard/async/log.hpp"
 #include "flight_dumps.hpp"
 
@@ -117,7 +119,17 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   auto* decay_steps = app.add_option("--decay-steps", cli.decay_steps,
                                      "the step the decay reaches --min-lr (default: --steps)");
   auto* min_lr = app.add_option("--min-lr", cli.min_lr, "the learning rate the decay ends at");
-  auto* seed = app.add_option("--seed", cli.seed, "seed of the initial weights and of the data");
+  // A seed as written: digits that fit 64 bits (CLI11 turned -1 and 2^64 into 2^64 - 1).
+  const CLI::Validator seed_digits(
+      [](std::string& text) {
+        std::uint64_t value = 0;
+        const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+        if (text.empty() || ec != std::errc{} || end != text.data() + text.size())
+          return std::string("expected a whole number from 0 to 18446744073709551615");
+        return std::string();
+      },
+      "UINT64");
+  auto* seed = app.add_option("--seed", cli.seed, "seed of the initial weights and of the data")->check(seed_digits);
   auto* stage = app.add_option("--zero-stage", cli.zero_stage,
                                "0 (plain data parallelism: everything whole on every rank, gradients all-reduced), "
                                "1, 2 or 3 (ZeRO: optimizer state, + gradients, + parameters sharded)");
@@ -214,6 +226,13 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
                                     "log levels, over COSHARD_LOG: a level (trace, debug, info, warn, error, off) and/or "
                                     "component=level items, comma-separated; components: async, collectives, offload, "
                                     "modules, zero, trainer, app (e.g. warn,zero=debug)");
+  // A path given as '' would be ignored as if not given (--metrics '', --export ''): refused by name.
+  const CLI::Validator non_empty(
+      [](std::string& text) { return text.empty() ? std::string("an empty path (name a file or folder)") : std::string(); },
+      "PATH");
+  for (const char* name : {"--data", "--config", "--init", "--metrics", "--trace", "--checkpoint-dir", "--export",
+                           "--tensorboard", "--flight-recorder", "--flight-report"})
+    app.get_option(name)->check(non_empty);
   // Every command-line error exits 2 (CLI11's own codes vary with the kind of error); --help 0.
   try {
     app.parse(argc, argv);
@@ -293,6 +312,7 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   if (tensorboard_option->count()) c.tensorboard_dir = tensorboard;
   if (skip_memory_check) c.check_memory = false;
   o.attention_given = attention_option->count() > 0;
+  o.vocab_given = vocab->count() > 0;
   if (attention_option->count())
     c.attention = attention == "materialized" ? modules::AttentionKernels::materialized : modules::AttentionKernels::fused;
   if (checkpointing_option->count()) {

@@ -39,6 +39,7 @@ struct Options {
   bool quiet = false;
   bool estimate = false;  // print the memory estimate and exit
   bool attention_given = false;   // --attention on the command line (else chosen by memory)
+  bool vocab_given = false;       // --vocab on the command line
   bool attention_chosen = false;  // materialized chosen because the run fits with it
   bool batch_given = false;
   bool world_size_given = false;  // --batch on the command line (else the config's batch sizes may set it)

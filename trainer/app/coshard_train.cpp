@@ -131,6 +131,10 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
     if (!loaded) co_return fail(std::move(loaded).error().with_context("--resume"));
   }
   const std::int64_t first = t.steps_done();
+  // A resume that has nothing left to train would print "resumed" and exit 0 as if it had.
+  if (o.resume && first >= o.steps)
+    co_return fail(ErrorCode::invalid_argument, "--steps ", o.steps, ": the checkpoint in ", o.checkpoint_dir,
+                   " is at step ", first, " already, so there is nothing to train (give --steps above ", first, ")");
   if (lead && !o.quiet) {
     std::printf("coshard-train: %lld-parameter %s, %s\n", static_cast<long long>(o.model.parameter_count()),
                 o.model.describe().c_str(), data.describe().c_str());
@@ -419,6 +423,7 @@ int main(int argc, char** argv) {
   // unless the model fixes it (a Llama preset, or --vocab): then token files are read against it
   // and other data must fit inside it.
   bool bytes = false;
+  std::int64_t vocab_of_bytes = 0;  // a --vocab that bytes would replace
   if (!o.data.empty()) {
     const auto format = trainer::parse_token_format(o.data_format);
     if (!format) return usage("--data-format: " + format.error().message());
@@ -433,6 +438,7 @@ int main(int argc, char** argv) {
       return usage((bytes ? std::string("--data as bytes (vocabulary 256)") : "--vocab " + std::to_string(o.vocab)) +
                    ": more tokens than the model's vocabulary of " + std::to_string(o.model.vocab()));
   } else {
+    if (bytes && o.vocab_given && o.vocab != 256) vocab_of_bytes = o.vocab;  // refused once the paths are checked
     if (bytes) o.vocab = 256;
     o.model.set_vocab(o.vocab);
   }
@@ -491,6 +497,10 @@ int main(int argc, char** argv) {
       c.offload_params.nvme_path != c.offload_optimizer.nvme_path)
     paths.output_folders.push_back({"--offload-params nvme", c.offload_params.nvme_path});
   if (auto ok = train_app::check_run_paths(paths); !ok) return usage(ok.error().message());
+  if (vocab_of_bytes != 0)
+    return usage("--vocab " + std::to_string(vocab_of_bytes) + " with --data " + o.data +
+                 " read as bytes: bytes are a vocabulary of 256 (leave --vocab out, or --data-format u16/u32 for a "
+                 "file of token ids)");
   if (!o.flight_recorder.empty()) collectives::set_flight_recorder_dir(o.flight_recorder);
   // Rank 0 claims the checkpoint folder for the whole run before it removes or reads anything
   // there: a second run on the same folder (--start-over, or a second --resume) is refused by
