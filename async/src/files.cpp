@@ -91,6 +91,15 @@ Result<void> check_output_folder(const fs::path& path, std::string_view what) {
   return probe_folder(path, what, path);
 }
 
+Result<void> check_input_file(const fs::path& path, std::string_view what) {
+  struct stat st{};
+  if (::stat(path.c_str(), &st) != 0)
+    return fail(ErrorCode::io, what, " ", path.string(), ": cannot inspect (", std::strerror(errno), ")");
+  if (!S_ISREG(st.st_mode))
+    return fail(ErrorCode::invalid_argument, what, " ", path.string(), ": is ", kind_of(st), "; expected a regular file");
+  return {};
+}
+
 Result<std::vector<std::byte>> read_regular_file(const fs::path& path, std::size_t max_bytes, std::string_view what) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);  // a fifo must not block the open
   if (fd < 0) return fail(ErrorCode::io, what, " ", path.string(), ": cannot open (", std::strerror(errno), ")");

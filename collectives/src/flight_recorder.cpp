@@ -14,6 +14,7 @@
 #include <sstream>
 #include <string_view>
 
+#include "coshard/async/files.hpp"
 #include "coshard/async/log.hpp"
 #include "coshard/async/json_limits.hpp"
 #include "coshard/async/replacing_file.hpp"
@@ -322,14 +323,19 @@ Result<FlightRecord> parse_flight_record(std::string_view text, std::string_view
   return r;
 }
 
+// A record holds a ring of bounded entries and a reason: far below this.
+constexpr std::size_t kMaxFlightRecordBytes = std::size_t{64} << 20;
+
 Result<std::vector<FlightRecord>> read_flight_records(const fs::path& dir) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) return fail(ErrorCode::io, "flight recorder folder ", dir.string(), ": not a folder");
   std::vector<FlightRecord> out;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     if (!is_record_name(entry.path().filename().string())) continue;
-    std::ifstream in(entry.path());
-    const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+    // Only a regular file, of bounded size, is read: a folder or a fifo of a record's name, or a
+    // link to /dev/zero, is named (it aborted, hung, or read without end).
+    COSHARD_TRY_ASSIGN(const auto bytes, async::read_regular_file(entry.path(), kMaxFlightRecordBytes, "flight record"));
+    const std::string text(reinterpret_cast<const char*>(bytes.data()), bytes.size());
     COSHARD_TRY_ASSIGN(auto record, parse_flight_record(text, entry.path().string()));
     out.push_back(std::move(record));
   }

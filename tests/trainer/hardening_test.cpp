@@ -92,8 +92,10 @@ TEST(Hardening, OutputsNeverAliasInputs) {
 // Item 6: data must be a regular file; a folder or a device is refused by name, not read.
 TEST(Hardening, DataIsARegularFile) {
   const fs::path dir = scratch("hard_data");
-  EXPECT_TRUE(refused(run(with(kQuick, {"--data", dir.string()}), dir), 2, "--data " + dir.string() + ": not a regular file"));
-  EXPECT_TRUE(refused(run(with(kQuick, {"--data", "/dev/zero"}), dir), 2, "--data /dev/zero: not a regular file"));
+  EXPECT_TRUE(refused(run(with(kQuick, {"--data", dir.string()}), dir), 2,
+                      "--data " + dir.string() + ": is a folder; expected a regular file"));
+  EXPECT_TRUE(refused(run(with(kQuick, {"--data", "/dev/zero"}), dir), 2,
+                      "--data /dev/zero: is a character device; expected a regular file"));
   std::ofstream(dir / "small.txt") << "abc";
   EXPECT_TRUE(refused(run(with(without(kQuick, "--vocab"), {"--data", (dir / "small.txt").string()}), dir), 2,
                       "3 bytes; a sequence length of 8 needs at least 9"));

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <thread>
 
@@ -216,6 +217,43 @@ TEST(HardeningThree, SilentlyReplacedValuesAreRefusedByName) {
             std::string::npos)
       << done.output;
   EXPECT_EQ(run(with(kTiny, {"--steps", "3", "--quiet", "--checkpoint-dir", ck.string(), "--resume"}), dir).code, 0);
+}
+
+// Items 5 and 8: inputs that are not regular files never hang or crash a reader. --data as a fifo
+// with the default --data-format auto (the format probe opened it before any check) and a fifo,
+// a folder or a link to /dev/zero named like a flight record are refused by name, in bounded time.
+TEST(HardeningThree, FifosFoldersAndDevicesAsInputsAreNamedNeverReadForever) {
+  const fs::path dir = scratch("h3_inputs");
+  ASSERT_EQ(::mkfifo((dir / "data.fifo").c_str(), 0600), 0);
+  const auto start = std::chrono::steady_clock::now();
+  const auto fifo_data = run(with(without(kQuick, "--vocab"), {"--data", (dir / "data.fifo").string()}), dir);
+  EXPECT_EQ(fifo_data.code, 2) << fifo_data.output;
+  EXPECT_NE(fifo_data.output.find("--data " + (dir / "data.fifo").string() + ": is a fifo; expected a regular file"),
+            std::string::npos)
+      << fifo_data.output;
+
+  struct Case {
+    const char* what;
+    std::function<void(const fs::path&)> plant;
+    const char* expect;
+  };
+  const Case cases[] = {
+      {"a folder", [](const fs::path& p) { fs::create_directories(p); }, "is a folder; expected a regular file"},
+      {"a fifo", [](const fs::path& p) { ASSERT_EQ(::mkfifo(p.c_str(), 0600), 0); }, "is a fifo; expected a regular file"},
+      {"a link to /dev/zero", [](const fs::path& p) { fs::create_symlink("/dev/zero", p); },
+       "is a character device; expected a regular file"},
+  };
+  int n = 0;
+  for (const auto& c : cases) {
+    const fs::path folder = dir / ("records" + std::to_string(n++));
+    fs::create_directories(folder);
+    c.plant(folder / "rank0-of2.json");
+    const auto r = run({"--flight-report", folder.string()}, dir);
+    EXPECT_GT(r.code, 0) << c.what << ": " << r.output;
+    EXPECT_LT(r.code, 128) << c.what << ": " << r.output;
+    EXPECT_NE(r.output.find(c.expect), std::string::npos) << c.what << ": " << r.output;
+  }
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 60.0);
 }
 
 }  // namespace

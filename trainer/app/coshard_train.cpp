@@ -427,6 +427,8 @@ int main(int argc, char** argv) {
   if (!o.data.empty()) {
     const auto format = trainer::parse_token_format(o.data_format);
     if (!format) return usage("--data-format: " + format.error().message());
+    // Before the format probe opens it (a fifo would block that open).
+    if (auto ok = train_app::check_input_path({"--data", o.data}); !ok) return usage(ok.error().message());
     const auto resolved = trainer::resolve_token_format(o.data, *format);
     if (!resolved) return usage("--data: " + resolved.error().message());
     bytes = *resolved == trainer::TokenFormat::bytes;

@@ -31,14 +31,15 @@ CheckpointFolderContents checkpoint_folder_contents(const fs::path& dir) {
   return out;
 }
 
+Result<void> check_input_path(const NamedPath& in) {
+  std::error_code ec;
+  const auto st = fs::status(in.path, ec);
+  if (ec || !fs::exists(st)) return fail(ErrorCode::io, in.role, " ", in.path.string(), ": no such file");
+  return async::check_input_file(in.path, in.role);  // "is a fifo; expected a regular file", ...
+}
+
 Result<void> check_run_paths(const RunPaths& paths) {
-  for (const auto& in : paths.inputs) {
-    std::error_code ec;
-    const auto st = fs::status(in.path, ec);
-    if (ec || !fs::exists(st)) return fail(ErrorCode::io, in.role, " ", in.path.string(), ": no such file");
-    if (!fs::is_regular_file(st))
-      return fail(ErrorCode::invalid_argument, in.role, " ", in.path.string(), ": not a regular file");
-  }
+  for (const auto& in : paths.inputs) COSHARD_TRY(check_input_path(in));
   // Aliases: an output over an input, two outputs on one path, an output file inside an output
   // folder (where coshard writes files of its own), or two output folders nested.
   for (const auto& out : paths.output_files) {

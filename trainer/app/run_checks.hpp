@@ -26,6 +26,8 @@ struct RunPaths {
 };
 
 Result<void> check_run_paths(const RunPaths& paths);
+// One input: it exists and is a regular file (links followed), else named with what it is.
+Result<void> check_input_path(const NamedPath& input);
 
 // The checkpoint folder of a run: `resume` needs one to resume from (checked by the load); a
 // fresh run refuses a folder that holds checkpoints, unless `start_over`, which removes them

@@ -151,6 +151,8 @@ HostBatch TokenFile::batch(std::uint64_t step, std::int64_t rows, std::int64_t s
 
 Result<TokenFormat> resolve_token_format(const std::filesystem::path& path, TokenFormat format) {
   if (format != TokenFormat::automatic) return format;
+  // The probe opens the file itself: a fifo would block it, a device stream to it without end.
+  COSHARD_TRY(async::check_input_file(path, "data"));
   std::ifstream in(path, std::ios::binary);
   std::int32_t magic = 0;
   if (in.read(reinterpret_cast<char*>(&magic), sizeof(magic)) && magic == kLlmcMagic) {

@@ -25,6 +25,9 @@ Result<void> check_output_folder(const std::filesystem::path& path, std::string_
 // Refuses anything but a regular file (after links) just before it is replaced: the last guard
 // of a writer that renames a temporary over `path`.
 Result<void> check_replaceable(const std::filesystem::path& path, std::string_view what);
+// Refuses anything but an existing regular file (links followed), naming what it is: for a reader
+// that opens the path itself (a fifo would block its open, a device stream without end).
+Result<void> check_input_file(const std::filesystem::path& path, std::string_view what);
 // The whole content of a regular file of at most `max_bytes` bytes.
 Result<std::vector<std::byte>> read_regular_file(const std::filesystem::path& path, std::size_t max_bytes,
                                                  std::string_view what);
