@@ -221,6 +221,52 @@ TEST(Trainer, NonFiniteGradientsSkipTheStepAndSaySo) {
   EXPECT_TRUE(errors.empty()) << errors.front();
 }
 
+// Ranks built with different settings or models (#33 items 4 and 9: another --seed or --lr
+// trained in silence; another shape crashed rank 0 in the engine's first collective) fail when
+// the trainer is built, every rank naming each difference, before any collective of training.
+TEST(Trainer, RanksThatDisagreeFailAtBuildNamingEachDifference) {
+  struct Case {
+    std::function<void(int rank, TrainerConfig&, modules::GptConfig&)> change;
+    std::vector<std::string> expect;
+  };
+  const Case cases[] = {
+      {[](int rank, TrainerConfig& c, modules::GptConfig&) {
+         if (rank == 1) c.lr = 0.123f;
+         if (rank == 2) c.seed = 7;
+       },
+       {"lr (rank 1 unlike rank 0", "seed (rank 2 unlike rank 0"}},
+      {[](int rank, TrainerConfig&, modules::GptConfig& m) {
+         if (rank == 2) m.dim = 32;
+       },
+       {"the model's parameters (names and shapes) (rank 2 unlike rank 0"}},
+      {[](int rank, TrainerConfig& c, modules::GptConfig&) {
+         if (rank == 1) c.ranks_agree_on["--steps"] = "9";
+         else c.ranks_agree_on["--steps"] = "4";
+       },
+       {"--steps (rank 1 unlike rank 0"}},
+  };
+  for (const auto& k : cases) {
+    std::vector<std::string> messages(3);
+    auto errors = on_ranks(3, [&](int rank, collectives::Communicator& comm) -> async::Task<Result<void>> {
+      TrainerConfig config = small_config();
+      modules::GptConfig shape = kModel;
+      k.change(rank, config, shape);
+      COSHARD_CO_TRY_ASSIGN(auto model, modules::make_gpt(shape));
+      TrainerBuilder b(config);
+      b.communicator(comm);
+      auto built = co_await b.build(*model);
+      if (built) co_return fail(ErrorCode::internal, "rank ", rank, " built a trainer");
+      messages[static_cast<std::size_t>(rank)] = built.error().message();
+      co_return Result<void>{};
+    });
+    ASSERT_TRUE(errors.empty()) << errors.front();
+    for (int rank = 0; rank < 3; ++rank)
+      for (const auto& words : k.expect)
+        EXPECT_NE(messages[static_cast<std::size_t>(rank)].find(words), std::string::npos)
+            << "rank " << rank << ": " << messages[static_cast<std::size_t>(rank)];
+  }
+}
+
 TEST(Trainer, StepRefusesRowsThatDoNotSplitIntoMicroBatches) {
   auto errors = on_ranks(1, [](int, collectives::Communicator& comm) -> async::Task<Result<void>> {
     COSHARD_CO_TRY_ASSIGN(auto model, modules::make_gpt(kModel));

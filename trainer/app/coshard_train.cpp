@@ -119,6 +119,11 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
   // (--heads) or other data is refused.
   builder.run_identity("model", o.model.identity(o.seq));
   builder.run_identity("data", data.identity());
+  // What this binary does with every rank alike (a difference would hang or mismatch a collective).
+  builder.ranks_agree_on("--batch", std::to_string(o.batch));
+  builder.ranks_agree_on("--steps", std::to_string(o.steps));
+  builder.ranks_agree_on("--checkpoint-every", std::to_string(o.checkpoint_every) + (o.resume ? ", --resume" : ""));
+  builder.ranks_agree_on("--export", o.export_path.empty() ? "no" : "yes");
   COSHARD_CO_TRY_ASSIGN(auto t, co_await builder.build(*model));
   if (shared.epoch.recorded()) COSHARD_CO_TRY(t.set_timeline_epoch(shared.epoch));
   if (o.init_is_folder) {

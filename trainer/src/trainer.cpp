@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "coshard/async/log.hpp"
+#include "rank_agreement.hpp"
 #include "coshard/async/runtime.hpp"
 #include "coshard/async/sync.hpp"
 #include "coshard/async/stream.hpp"
@@ -296,6 +297,8 @@ async::Task<Result<Trainer>> TrainerBuilder::build(modules::Module& model) const
     if (!frozen) co_return fail(std::move(frozen).error().with_context("freeze"));
     COSHARD_LOG_INFO(trainer, "freeze '{}': {} parameters frozen", pattern, *frozen);
   }
+  // Before the engine's first collective: every rank with the same model and settings.
+  COSHARD_CO_TRY(co_await detail::check_ranks_agree(*impl->ctx, *comm_, detail::agreement_fields(c_, model)));
   COSHARD_CO_TRY_ASSIGN(const zero::EngineOptions engine_options, c_.engine_options_for(model, comm_->size()));
   COSHARD_CO_TRY_ASSIGN(impl->engine, zero::Engine::create(*impl->ctx, *comm_, model, *impl->optimizer, engine_options));
   COSHARD_CO_TRY(co_await impl->engine->initialize(c_.seed));

@@ -142,6 +142,11 @@ struct TrainerConfig {
   // resume, each difference refused with both values named. The seed is always part of it.
   // Values that may change on resume (lr, batch, world size, offload, ...) do not belong here.
   std::map<std::string, std::string> run_identity;
+  // More that every rank of the run must agree on, by name (coshard-train: the batch, the steps,
+  // when it checkpoints and exports), checked with the model and the settings above when the
+  // trainer is built: ranks that differ fail there, every one naming the difference. Not saved
+  // in checkpoints (unlike run_identity).
+  std::map<std::string, std::string> ranks_agree_on;
   // The run identity as checkpoints record it: run_identity plus the seed.
   std::map<std::string, std::string> identity() const;
 

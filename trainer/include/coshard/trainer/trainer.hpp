@@ -188,6 +188,11 @@ class TrainerBuilder {
     c_.run_identity[std::move(key)] = std::move(value);
     return *this;
   }
+  // One more thing every rank must agree on (TrainerConfig::ranks_agree_on): checked at build.
+  TrainerBuilder& ranks_agree_on(std::string key, std::string value) {
+    c_.ranks_agree_on[std::move(key)] = std::move(value);
+    return *this;
+  }
 
   const TrainerConfig& config() const noexcept { return c_; }
 

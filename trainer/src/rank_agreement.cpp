@@ -1,0 +1,131 @@
+#include "rank_agreement.hpp"
+
+#include <cstdio>
+#include <span>
+
+#include "coshard/async/json_limits.hpp"
+
+namespace coshard::trainer::detail {
+
+namespace {
+
+// Round-trips a float (9 significant digits) and reads as the user wrote it.
+std::string text_of(double v) {
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "%.9g", v);
+  return buf;
+}
+
+std::uint64_t fnv1a(std::string_view text) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (const char ch : text) {
+    h ^= static_cast<unsigned char>(ch);
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, std::string>> agreement_fields(const TrainerConfig& c, modules::Module& model) {
+  std::vector<std::pair<std::string, std::string>> f;
+  // The parameters: names, shapes, trainable, and the group each falls in (the first match).
+  std::vector<modules::ParameterGroup> groups;
+  if (c.no_decay_for_vectors) groups.push_back(modules::ParameterGroup::no_decay_for_vectors());
+  groups.insert(groups.end(), c.parameter_groups.begin(), c.parameter_groups.end());
+  std::string params;
+  std::size_t count = 0;
+  model.for_each_parameter([&](const std::string& name, modules::Parameter& p) {
+    ++count;
+    params += name + " " + p.shape().to_string() + (p.trainable() ? "" : " frozen");
+    for (std::size_t g = 0; g < groups.size(); ++g)
+      if (groups[g].matches && groups[g].matches(name, p)) {
+        params += " group " + std::to_string(g);
+        break;
+      }
+    params += ";";
+  });
+  f.emplace_back("the model's parameters (names and shapes)", std::to_string(count) + " parameters, " + params);
+  f.emplace_back("zero_stage", std::to_string(c.zero_stage));
+  f.emplace_back("dtype", std::string(collectives::to_string(c.dtype)) + ", reduced in " +
+                              std::string(collectives::to_string(c.reduce_dtype)));
+  f.emplace_back("loss scaling", std::to_string(static_cast<int>(c.loss_scaling)) + " from " + text_of(c.initial_loss_scale));
+  f.emplace_back("activation_checkpointing", c.activation_checkpointing.to_string());
+  f.emplace_back("attention", c.attention == modules::AttentionKernels::fused ? "fused" : "materialized");
+  f.emplace_back("gradient_accumulation_steps", std::to_string(c.gradient_accumulation_steps));
+  f.emplace_back("max_grad_norm", text_of(c.max_grad_norm));
+  f.emplace_back("optimizer", std::string(to_string(c.optimizer)));
+  f.emplace_back("lr", text_of(c.lr));
+  f.emplace_back("warm-up", std::to_string(c.warmup_steps) + " steps from " + text_of(c.warmup_min_lr) +
+                                (c.warmup_shape == WarmupShape::log ? ", log" : ", linear"));
+  f.emplace_back("lr decay", std::string(to_string(c.decay)) + " to " + text_of(c.min_lr) + " at step " +
+                                 std::to_string(c.decay_steps));
+  f.emplace_back("betas and eps", text_of(c.beta1) + " " + text_of(c.beta2) + " " + text_of(c.eps));
+  f.emplace_back("weight_decay", c.weight_decay ? text_of(*c.weight_decay) : "the optimizer's");
+  f.emplace_back("momentum", text_of(c.momentum) + (c.nesterov ? " nesterov" : ""));
+  std::string group_settings;
+  for (const auto& g : groups)
+    group_settings += g.name + " " + (g.weight_decay ? text_of(*g.weight_decay) : "-") + " " + text_of(g.lr_scale) + ";";
+  f.emplace_back("parameter groups", group_settings);
+  std::string frozen;
+  for (const auto& pattern : c.freeze) frozen += pattern + ";";
+  f.emplace_back("freeze", frozen);
+  f.emplace_back("seed", std::to_string(c.seed));
+  for (const auto& [key, value] : c.run_identity) f.emplace_back("the run's " + key, value);
+  f.emplace_back("max_skipped_steps", std::to_string(c.max_skipped_steps));
+  // What decides the sequence of collectives (a difference would mismatch or hang them).
+  f.emplace_back("fetch_mode", std::to_string(static_cast<int>(c.fetch_mode)));
+  f.emplace_back("prefetch", std::to_string(c.prefetch_bucket_bytes) + " bytes" + (c.adaptive_prefetch ? ", adaptive" : ""));
+  f.emplace_back("max_live_bytes", std::to_string(c.max_live_bytes) + (c.max_live_follows_model ? " (follows the model)" : ""));
+  f.emplace_back("max_reuse_distance", std::to_string(c.max_reuse_distance) + " units, " +
+                                           std::to_string(c.max_reuse_distance_elements) + " elements");
+  f.emplace_back("persistence_threshold_bytes", std::to_string(c.persistence_threshold_bytes));
+  f.emplace_back("module_granularity_bytes", std::to_string(c.module_granularity_bytes));
+  f.emplace_back("offload_optimizer", std::to_string(static_cast<int>(c.offload_optimizer.device)));
+  f.emplace_back("offload_params", std::to_string(static_cast<int>(c.offload_params.device)));
+  f.emplace_back("step_in_backward", c.step_in_backward ? "on" : "off");
+  f.emplace_back("timing", std::string(c.timing ? "on" : "off") + (c.record_timeline ? ", timeline" : ""));
+  for (const auto& [key, value] : c.ranks_agree_on) f.emplace_back(key, value);
+  return f;
+}
+
+async::Task<Result<void>> check_ranks_agree(modules::Context& ctx, collectives::Communicator& comm,
+                                            const std::vector<std::pair<std::string, std::string>>& fields) {
+  const int world = comm.size(), rank = comm.rank();
+  if (world == 1) co_return Result<void>{};
+  // Each field's hash as two i32 (the all-gather only copies), then the count of fields.
+  const std::size_t n = fields.size();
+  std::vector<std::int32_t> mine(2 * n + 1);
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::uint64_t h = fnv1a(fields[i].first + '\0' + fields[i].second);
+    mine[2 * i] = static_cast<std::int32_t>(h & 0xffffffffu);
+    mine[2 * i + 1] = static_cast<std::int32_t>(h >> 32);
+  }
+  mine[2 * n] = static_cast<std::int32_t>(n);
+  const std::size_t count = mine.size();
+  COSHARD_CO_TRY_ASSIGN(auto send, ctx.upload(std::as_bytes(std::span<const std::int32_t>(mine)),
+                                              modules::Shape{static_cast<std::int64_t>(count)}, modules::DataType::i32));
+  COSHARD_CO_TRY_ASSIGN(auto recv, ctx.empty(modules::Shape{static_cast<std::int64_t>(count) * world}, modules::DataType::i32));
+  COSHARD_CO_TRY_ASSIGN(auto uploaded, ctx.stream().record());
+  COSHARD_CO_TRY(comm.stream().wait(uploaded));
+  COSHARD_CO_TRY_ASSIGN(auto gathered, comm.all_gather(send.data(), recv.data(), count, modules::DataType::i32));
+  COSHARD_CO_TRY(ctx.stream().wait(gathered));
+  COSHARD_CO_TRY_ASSIGN(const auto all, co_await ctx.read(recv));
+  auto at = [&](int q, std::size_t i) { return all.at(static_cast<std::size_t>(q) * count + i); };
+  std::string differences;
+  for (std::size_t i = 0; i < n; ++i) {
+    std::string ranks;
+    for (int q = 1; q < world; ++q)
+      if (at(q, 2 * i) != at(0, 2 * i) || at(q, 2 * i + 1) != at(0, 2 * i + 1) || at(q, 2 * n) != at(0, 2 * n))
+        ranks += (ranks.empty() ? "" : ", ") + std::to_string(q);
+    if (ranks.empty()) continue;
+    if (!differences.empty()) differences += "; ";
+    differences += fields[i].first + " (rank" + (ranks.find(',') == std::string::npos ? " " : "s ") + ranks +
+                   " unlike rank 0; here " + async::bounded_echo(fields[i].second) + ")";
+  }
+  if (differences.empty()) co_return Result<void>{};
+  co_return fail(ErrorCode::invalid_argument, "the ranks of this run do not agree (rank ", rank, " of ", world, "): ",
+                 differences, "; every rank must run with the same model and settings");
+}
+
+}  // namespace coshard::trainer::detail
