@@ -223,6 +223,38 @@ TEST(MpiLaunch, LaunchMistakesAreNamedErrors) {
   EXPECT_NE(torchrun.output.find("start them with mpirun -np 2"), std::string::npos) << torchrun.output;
 }
 
+// Ranks of one job started with different settings (#33 items 4 and 9, as reported: mpirun's
+// MPMD form, one process with --dim 128): every rank names each difference when its trainer is
+// built, the job ends non-zero and by no signal (rank 0 died with SIGSEGV or "double free" in 13
+// of 24 tries; another --seed or --lr trained in silence).
+TEST(MpiLaunch, RanksStartedWithDifferentSettingsAreRefusedByName) {
+  const fs::path dir = scratch("mpi_disagree");
+  struct Case {
+    std::string option, value;
+    const char* expect;
+  };
+  const Case cases[] = {
+      {"--dim", "32", "the model's parameters (names and shapes) (rank 1 unlike rank 0"},
+      {"--seed", "9", "seed (rank 1 unlike rank 0; here 9)"},
+      {"--steps", "3", "--steps (rank 1 unlike rank 0; here 3)"},
+  };
+  const auto first = with(kTiny, {"--steps", "2", "--quiet"});
+  for (const auto& c : cases) {
+    std::vector<std::string> argv = with(mpirun(1), first);
+    argv.insert(argv.end(), {":", "-np", "1", COSHARD_TRAIN_BIN});
+    argv = with(argv, with(without(first, c.option), {c.option, c.value}));
+    const fs::path out = dir / "output.txt";
+    const pid_t pid = spawn(argv, out);
+    const auto code = wait_exit_for(pid, std::chrono::seconds(120));
+    ASSERT_TRUE(code.has_value()) << "the job did not end: " << slurp(out);
+    EXPECT_GT(*code, 0) << slurp(out);
+    EXPECT_LT(*code, 128) << slurp(out);
+    const std::string output = slurp(out);
+    EXPECT_NE(output.find(c.expect), std::string::npos) << output;
+    EXPECT_EQ(output.find("double free"), std::string::npos) << output;
+  }
+}
+
 // A rank's process killed mid-run: the job ends within the collective timeout, non-zero,
 // naming the rank, and no process of it is left.
 TEST(MpiLaunch, AKilledProcessEndsTheJobNamingItAndLeavesNoProcess) {
