@@ -100,25 +100,34 @@ def parameter_streaming(data):
     return shown
 
 
-def norm_bandwidth(data):
-    """A norm's forward and backward against a device copy: the fraction of the copy's GB/s."""
+def bandwidth_fractions(data, ours_prefix, copy_prefix, title):
+    """A bandwidth-bound kernel against a device copy of its data: the fraction of the copy's GB/s."""
     rates = {}
     for b in data["benchmarks"]:
         name = b.get("run_name", b["name"]).split("/")[0]
-        if "GBps" in b and name.startswith(("BM_Norm_", "BM_Baseline_DeviceCopy_")):
+        if "GBps" in b and not b.get("error_occurred") and name.startswith((ours_prefix, copy_prefix)):
             rates[name] = b["GBps"]
-    shapes = sorted(n[len("BM_Norm_"):] for n in rates if n.startswith("BM_Norm_"))
+    shapes = sorted(n[len(ours_prefix):] for n in rates if n.startswith(ours_prefix))
     if not shapes:
         return
-    print(f"\n{'norm forward+backward':24} {'GB/s':>8} {'device copy GB/s':>17} {'fraction':>9}")
+    print(f"\n{title:24} {'GB/s':>8} {'device copy GB/s':>17} {'fraction':>9}")
     for shape in shapes:
-        ours, copy = rates[f"BM_Norm_{shape}"], rates.get(f"BM_Baseline_DeviceCopy_{shape}", float("nan"))
+        ours, copy = rates[f"{ours_prefix}{shape}"], rates.get(f"{copy_prefix}{shape}", float("nan"))
         print(f"{shape:24} {ours:8.1f} {copy:17.1f} {ours / copy:9.2f}")
 
 
+def norm_bandwidth(data):
+    bandwidth_fractions(data, "BM_Norm_", "BM_Baseline_DeviceCopy_", "norm forward+backward")
+    bandwidth_fractions(data, "BM_CrossEntropy_", "BM_Baseline_LogitsCopy_", "cross-entropy fwd+bwd")
+
+
 def main(path):
-    with open(path) as f:
-        data = json.load(f)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"report.py: no results in {path} ({e}): the benchmark did not run or did not finish")
+        return 1
     if parameter_streaming(data):
         return
     shown = gpu_collectives(data)
@@ -128,6 +137,8 @@ def main(path):
     for b in data["benchmarks"]:
         name = b.get("run_name", b["name"]).split("/")[0]
         if b.get("run_type") == "aggregate" and b.get("aggregate_name") != "median":
+            continue
+        if b.get("error_occurred"):  # skipped (no GPU, say): no time to compare
             continue
         times[name] = median_ns(b)
     print(f"\n{'coshard':36} {'ns':>9}   {'baseline':36} {'ns':>10} {'ratio':>8}")
@@ -148,4 +159,4 @@ def main(path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "build/release/bench/runtime_bench.json")
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "build/release/bench/runtime_bench.json"))
