@@ -102,7 +102,9 @@ TEST(HardeningThree, ASecondRunOnALiveCheckpointFolderIsRefused) {
                             dir / "first.txt");
   ASSERT_GT(first, 0);
   ASSERT_TRUE(first_checkpoint_published(ck)) << slurp(dir / "first.txt");
-  ::kill(first, SIGSTOP);  // holds its lock, makes no progress: nothing here depends on timing
+  // It holds its lock for all of its 100,000 steps: nothing here depends on how far it gets. (Not
+  // stopped with SIGSTOP: under ThreadSanitizer a SIGTERM after SIGCONT was sometimes held by a
+  // thread parked in a futex wait and never handled, about one run in five.)
   for (const char* mode : {"--start-over", "--resume"}) {
     SCOPED_TRACE(mode);
     const auto r = run(with(kTiny, {"--steps", "3", "--quiet", "--checkpoint-dir", ck.string(), mode}), dir);
@@ -113,7 +115,6 @@ TEST(HardeningThree, ASecondRunOnALiveCheckpointFolderIsRefused) {
         << r.output;
     EXPECT_TRUE(fs::exists(ck / "latest"));
   }
-  ::kill(first, SIGCONT);
   ::kill(first, SIGTERM);  // finishes its step, saves, exits 143
   int status = 0;
   ::waitpid(first, &status, 0);
