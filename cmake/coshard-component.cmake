@@ -50,7 +50,7 @@ function(coshard_component name)
     ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
     LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
 
-  if(COSHARD_BUILD_TESTS AND EXISTS ${include_dir})
+  if(COSHARD_BUILD_TESTS AND COSHARD_HEADER_CHECKS AND EXISTS ${include_dir})
     file(GLOB_RECURSE headers RELATIVE ${include_dir} CONFIGURE_DEPENDS ${include_dir}/*.hpp)
     set(check_sources "")
     foreach(header IN LISTS headers)

@@ -5,7 +5,7 @@
 set -euo pipefail
 
 packages=(
-  build-essential cmake ninja-build pkg-config
+  build-essential cmake ninja-build pkg-config ccache
   libasio-dev liburing-dev nlohmann-json3-dev libopenblas-dev libcli11-dev zlib1g-dev
   libspdlog-dev libfmt-dev libprotobuf-dev protobuf-compiler
   libopenmpi-dev openmpi-bin

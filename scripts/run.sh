@@ -6,6 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash scripts/install-deps.sh
-cmake -S . -B build/release -G Ninja -DCMAKE_BUILD_TYPE=Release -DCOSHARD_BUILD_TESTS=OFF >/dev/null
+source scripts/ccache.sh
+cmake -S . -B build/release -G Ninja -DCMAKE_BUILD_TYPE=Release -DCOSHARD_BUILD_TESTS=OFF \
+  "${coshard_launcher_args[@]}" >/dev/null
 cmake --build build/release
 build/release/trainer/coshard-train --metrics build/release/metrics.jsonl "$@"
