@@ -2,6 +2,8 @@
 // coshard/async/log.hpp.
 #include "coshard/async/log.hpp"
 
+#include "coshard/async/json_limits.hpp"
+
 #include <spdlog/logger.h>
 #include <spdlog/pattern_formatter.h>
 #include <spdlog/sinks/base_sink.h>
@@ -106,8 +108,8 @@ Result<Level> parse_level(std::string_view text, std::string_view item) {
   for (std::size_t i = 0; i < kLevelNames.size(); ++i) {
     if (kLevelNames[i] == text) return static_cast<Level>(i);
   }
-  return fail(ErrorCode::invalid_argument, "COSHARD_LOG / --log-level item '", item, "': level '", text,
-              "' is not one of trace, debug, info, warn, error, off");
+  return fail(ErrorCode::invalid_argument, "COSHARD_LOG / --log-level item '", async::bounded_echo(item), "': level '",
+              async::bounded_echo(text), "' is not one of trace, debug, info, warn, error, off");
 }
 
 std::string_view trim(std::string_view s) {
@@ -159,8 +161,9 @@ Result<void> configure(std::string_view spec) {
     const std::string_view name = trim(item.substr(0, eq));
     const auto it = std::find(kComponentNames.begin(), kComponentNames.end(), name);
     if (it == kComponentNames.end()) {
-      return fail(ErrorCode::invalid_argument, "COSHARD_LOG / --log-level item '", item, "': component '", name,
-                  "' is not one of async, collectives, offload, modules, zero, trainer, app");
+      return fail(ErrorCode::invalid_argument, "COSHARD_LOG / --log-level item '", async::bounded_echo(item),
+                  "': component '", async::bounded_echo(name), "' is not one of async, collectives, offload, modules, zero, "
+                  "trainer, app");
     }
     auto level = parse_level(trim(item.substr(eq + 1)), item);
     if (!level) return fail(std::move(level).error());

@@ -292,8 +292,10 @@ Result<FlightRecord> parse_flight_record(std::string_view text, std::string_view
     return bad("rank " + std::to_string(*rank) + " of " + std::to_string(*size) + " (expected 0 <= rank < size <= 2^24)");
   r.rank = static_cast<int>(*rank);
   r.size = static_cast<int>(*size);
-  r.backend = *backend;
-  r.reason = *reason;
+  // Echoed in every diagnosis: a record's own reason is a failure message (a few lines); one of
+  // megabytes is cut, saying how long it was.
+  r.backend = async::bounded_echo(*backend);
+  r.reason = async::bounded_echo(*reason, 4096);
   r.written_us = *written;
   r.launched = static_cast<std::uint64_t>(*launched);
   const auto entries = j.find("entries");

@@ -11,6 +11,14 @@
 
 namespace coshard::modules::detail {
 
+// OpenBLAS maps a buffer for each thread that runs a product (128 MiB and a page in Debian's
+// x86-64 build), the first time it does, and retries forever when the mapping fails: under an
+// address-space limit (ulimit -v) a run would hang in the product, deaf to SIGTERM's graceful
+// stop. Each thread's first product first reserves that room for itself and OpenBLAS's workers
+// (then gives it back), and fails naming the need and the limit where there is none.
+inline constexpr std::size_t kBlasBufferBytes = (std::size_t{128} << 20) + (std::size_t{64} << 10);
+Result<void> reserve_blas_buffers() noexcept;
+
 // Elements a row-major matrix of `rows` x `cols` at leading dimension `ld` spans, over `batch`
 // matrices `stride` apart.
 inline std::int64_t extent(std::int64_t rows, std::int64_t cols, std::int64_t ld, std::int64_t batch,

@@ -73,7 +73,7 @@ class CpuKernels final : public Kernels {
   }
 
   Result<void> gemm(Stream& s, DataType dt, const GemmArgs& g) const override {
-    return dispatch(s, dt, [g]<class T>(Operands<T>& io) {
+    return dispatch_blas(s, dt, [g]<class T>(Operands<T>& io) {
       GemmArgs on = g;
       const bool ta = g.trans_a, tb = g.trans_b;
       on.a = io.in(g.a, extent(ta ? g.k : g.m, ta ? g.m : g.k, g.lda, g.batch, g.stride_a));
@@ -249,7 +249,7 @@ class CpuKernels final : public Kernels {
 
   Result<void> attention_forward(Stream& s, DataType dt, const void* qkv, void* out, void* probs, std::int64_t B,
                                  std::int64_t T_, std::int64_t H, std::int64_t KVH, std::int64_t hd) const override {
-    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
+    return dispatch_blas(s, dt, [=]<class T>(Operands<T>& io) {
       const std::int64_t C = H * hd, W = (H + 2 * KVH) * hd;
       attention_fwd<T>(io.in(qkv, B * T_ * W), io.inout(out, B * T_ * C), io.inout(probs, B * H * T_ * T_), B, T_,
                        H, KVH, hd);
@@ -259,7 +259,7 @@ class CpuKernels final : public Kernels {
   Result<void> attention_backward(Stream& s, DataType dt, const void* dout, const void* qkv, const void* /*out*/,
                                   const void* probs, void* dqkv, void* scratch, std::int64_t B, std::int64_t T_,
                                   std::int64_t H, std::int64_t KVH, std::int64_t hd) const override {
-    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
+    return dispatch_blas(s, dt, [=]<class T>(Operands<T>& io) {
       const std::int64_t C = H * hd, W = (H + 2 * KVH) * hd;
       attention_bwd<T>(io.in(dout, B * T_ * C), io.in(qkv, B * T_ * W), io.in(probs, B * H * T_ * T_),
                        io.inout(dqkv, B * T_ * W), io.inout(scratch, B * H * T_ * T_), B, T_, H, KVH, hd);
@@ -459,6 +459,16 @@ class CpuKernels final : public Kernels {
   Result<void> dispatch(Stream& s, DataType dt, Fn fn) const {
     COSHARD_TRY(check_dtype(dt));
     return s.launch([dt, fn = std::move(fn)]() mutable { with_type(dt, fn); });
+  }
+  // The same for kernels that call OpenBLAS: its buffers' room is checked first (cpu_blas.hpp).
+  template <class Fn>
+  Result<void> dispatch_blas(Stream& s, DataType dt, Fn fn) const {
+    COSHARD_TRY(check_dtype(dt));
+    return s.launch_fallible([dt, fn = std::move(fn)]() mutable -> Result<void> {
+      COSHARD_TRY(reserve_blas_buffers());
+      with_type(dt, fn);
+      return {};
+    });
   }
 };
 

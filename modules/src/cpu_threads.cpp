@@ -3,6 +3,8 @@
 #include "coshard/modules/cpu_threads.hpp"
 
 #include <cblas.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -13,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "cpu_blas.hpp"
 #include "cpu_parallel.hpp"
 
 namespace coshard::modules {
@@ -27,6 +30,32 @@ int default_cpu_math_threads(int ranks_in_process) noexcept {
 }
 
 namespace detail {
+
+Result<void> reserve_blas_buffers() noexcept {
+  thread_local bool reserved = false;
+  if (reserved) return {};
+  rlimit limit{};
+  if (getrlimit(RLIMIT_AS, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) {
+    reserved = true;  // no address-space limit: nothing OpenBLAS maps can fail for it
+    return {};
+  }
+  // Room for this thread's buffer and its workers', reserved (it counts against the limit as
+  // OpenBLAS's mapping will) and given back at once: the buffers are mapped by the product that
+  // follows, and kept for the process's life.
+  const int threads = std::max(1, openblas_get_num_threads());
+  const std::size_t bytes = static_cast<std::size_t>(threads) * kBlasBufferBytes;
+  void* room = ::mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (room == MAP_FAILED)
+    return fail(ErrorCode::out_of_memory, "out of host memory: OpenBLAS needs about ", bytes >> 20, " MiB for the buffers of ",
+                threads, " thread", threads == 1 ? "" : "s", " (", kBlasBufferBytes >> 20,
+                " MiB each) and the address-space limit (ulimit -v: ", limit.rlim_cur >> 20,
+                " MiB) leaves no room for them; OpenBLAS would retry forever: fewer BLAS threads, a smaller model or a "
+                "higher limit");
+  ::munmap(room, bytes);
+  reserved = true;
+  return {};
+}
+
 namespace {
 
 // Workers started on first need (never more than asked for), shared by every rank of the

@@ -249,6 +249,7 @@ async::Task<Result<std::vector<double>>> Context::read(Tensor tensor) {
 async::Task<Result<Tensor>> Context::forward(Module& module, Tensor input) {
   if (hooks_) COSHARD_CO_TRY(co_await hooks_->before_forward(*this, module));
   auto out = co_await module.forward(*this, std::move(input));
+  if (!out && hooks_) co_return fail(hooks_->explain_failure(module, std::move(out).error()));
   if (!out) co_return out;
   if (hooks_) COSHARD_CO_TRY(hooks_->after_forward(*this, module));
   co_return out;
@@ -257,6 +258,7 @@ async::Task<Result<Tensor>> Context::forward(Module& module, Tensor input) {
 async::Task<Result<Tensor>> Context::backward(Module& module, Tensor grad_output) {
   if (hooks_) COSHARD_CO_TRY(co_await hooks_->before_backward(*this, module));
   auto out = co_await module.backward(*this, std::move(grad_output));
+  if (!out && hooks_) co_return fail(hooks_->explain_failure(module, std::move(out).error()));
   if (!out) co_return out;
   if (hooks_) COSHARD_CO_TRY(hooks_->after_backward(*this, module));
   co_return out;

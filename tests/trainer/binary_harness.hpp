@@ -9,10 +9,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
 extern char** environ;
@@ -112,8 +114,17 @@ inline Exit run_with_limit(std::vector<std::string> args, const fs::path& dir, i
     ::execv(argv[0], argv.data());
     ::_exit(127);
   }
+  // Bounded: a run that hangs is killed after 10 minutes and reported as exit -2.
   int status = 0;
-  ::waitpid(pid, &status, 0);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(10);
+  while (::waitpid(pid, &status, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      return {-2, "(hung: killed after 10 minutes)\n" + slurp(out)};
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
   return {WIFEXITED(status) ? WEXITSTATUS(status) : (WIFSIGNALED(status) ? 128 + WTERMSIG(status) : -1), slurp(out)};
 }
 

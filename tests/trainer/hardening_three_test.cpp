@@ -165,6 +165,27 @@ TEST(HardeningThree, NonFiniteWeightsStopTheRunAndAreNeverExported) {
 // Item 13: --estimate works for every preset on its defaults (the gather budget follows the model
 // where 1 GiB cannot hold its largest unit: Llama-3.1-8B's head is 2 GiB in f32); a budget the user
 // names is exact, and refused by name when too small.
+// #33 item 7: under an address-space limit OpenBLAS could not map its buffer and retried
+// forever inside cblas_sgemm (SIGTERM unheard). Now every limit ends the run: trained (0) or a
+// named error (1), never a hang or a signal; some limits fail on OpenBLAS's buffers by name.
+TEST(HardeningThree, AnAddressSpaceLimitEndsTheRunWithANamedErrorNeverAHang) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "the sanitizers reserve more address space than the limits this test sets";
+#else
+  const fs::path dir = scratch("hard3_address_limit");
+  int blas_named = 0;
+  for (rlim_t mib = 400; mib <= 1600; mib += 100) {
+    SCOPED_TRACE("ulimit -v " + std::to_string(mib) + " MiB");
+    const auto r = run_with_limit(with(kQuick, {"--blas-threads", "1", "--skip-memory-check"}), dir, RLIMIT_AS,
+                                  mib << 20);
+    EXPECT_TRUE(r.code == 0 || r.code == 1) << "exit " << r.code << ": " << r.output;
+    if (r.code == 1) EXPECT_NE(r.output.find("out of host memory"), std::string::npos) << r.output;
+    if (r.output.find("OpenBLAS needs about 128 MiB for the buffers of 1 thread") != std::string::npos) ++blas_named;
+  }
+  EXPECT_GT(blas_named, 0) << "no limit failed on OpenBLAS's buffers: the sweep no longer covers the case";
+#endif
+}
+
 TEST(HardeningThree, EstimateWorksForEveryPresetOnItsDefaults) {
   const fs::path dir = scratch("h3_estimate");
   for (const char* preset : {"llama-tiny", "llama-100m", "Llama-3.2-1B", "Llama-3.2-3B", "Llama-3.1-8B"}) {
@@ -181,6 +202,40 @@ TEST(HardeningThree, EstimateWorksForEveryPresetOnItsDefaults) {
   EXPECT_EQ(exact.code, 2) << exact.output;
   EXPECT_NE(exact.output.find("max_live_bytes=1073741824: must be at least the largest fetch unit"), std::string::npos)
       << exact.output;
+}
+
+// Item 14: a value of megabytes is echoed cut (its length said), wherever it is refused: a
+// DeepSpeed config's string, a --log-level item, thousands of unknown keys; and a text file named
+// *.bin, read as uint16 ids by its name, fails with the hint to read it as bytes.
+TEST(HardeningThree, HugeValuesAreEchoedCutAndATextBinSaysHowItWasRead) {
+  const fs::path dir = scratch("h3_echo");
+  const std::string huge(15'000'000, 'A');
+  std::ofstream(dir / "big.json") << "{\"optimizer\": {\"type\": \"" << huge << "\"}}";
+  {
+    std::ofstream keys(dir / "keys.json");
+    keys << "{";
+    for (int i = 0; i < 5000; ++i) keys << (i ? "," : "") << "\"unknown_key_" << i << "\": 1";
+    keys << "}";
+  }
+  std::ofstream(dir / "text.bin") << "hello world, this is text, not token ids!\n";
+  struct Case {
+    std::vector<std::string> args;
+    std::vector<const char*> expect;
+  };
+  const Case cases[] = {
+      {{"--config", (dir / "big.json").string()}, {"optimizer.type=\"AAAA", "... (15000000 characters)"}},
+      {{"--log-level", std::string(100'000, 'x')}, {"--log-level item 'xxxx", "... (100000 characters)"}},
+      {{"--config", (dir / "keys.json").string()}, {", and 4980 more]"}},
+      {{"--data", (dir / "text.bin").string()},
+       {"not below the model's vocabulary", "read as raw uint16 token ids because the name ends in .bin",
+        "--data-format bytes"}},
+  };
+  for (const auto& c : cases) {
+    const auto r = run(with(with(kTiny, {"--steps", "1", "--quiet"}), c.args), dir);
+    EXPECT_TRUE(r.code == 1 || r.code == 2) << r.output.substr(0, 2000);
+    EXPECT_LT(r.output.size(), 8000u) << r.output.substr(0, 2000);
+    for (const char* e : c.expect) EXPECT_NE(r.output.find(e), std::string::npos) << e << ": " << r.output.substr(0, 2000);
+  }
 }
 
 // Item 12: values that were silently replaced or ignored are refused by name (exit 2 before

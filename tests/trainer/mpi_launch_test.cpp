@@ -341,5 +341,34 @@ TEST(MpiLaunch, AStoppedProcessIsNamedByThePeersFlightRecords) {
   std::printf("stopped rank 1: the job ended %.2f s later; diagnosis:\n%s", seconds, diagnosis.c_str());
 }
 
+// SIGTERM always ends a run: one stuck where no step boundary comes (its peer stopped, the
+// collective's timeout far off) exits --stop-timeout seconds after the signal, as the signal
+// would have ended it, saying why; no hang until the collective's timeout.
+TEST(MpiLaunch, SigtermEndsARunStuckInACollectiveAfterTheStopTimeout) {
+  const fs::path dir = scratch("mpi_stop_timeout");
+  const fs::path metrics = dir / "m.jsonl";
+  const pid_t job = spawn(with(mpirun(2), with(kTiny, {"--steps", "1000000", "--quiet", "--collective-timeout", "600",
+                                                       "--stop-timeout", "2", "--metrics", metrics.string()})),
+                          dir / "output.txt");
+  ASSERT_TRUE(wait_for_steps(metrics, 3, std::chrono::seconds(120))) << slurp(dir / "output.txt");
+  const auto ranks = rank_processes(job);
+  ASSERT_EQ(ranks.size(), 2u);
+  ASSERT_EQ(::kill(ranks.at(1), SIGSTOP), 0);  // rank 0 now waits in a collective for 600 s
+  const auto signalled_at = Clock::now();
+  ASSERT_EQ(::kill(ranks.at(0), SIGTERM), 0);
+  const bool rank0_ended = !alive_at(ranks.at(0), signalled_at + std::chrono::seconds(60));
+  const double seconds = std::chrono::duration<double>(Clock::now() - signalled_at).count();
+  ::kill(ranks.at(1), SIGKILL);
+  const auto code = wait_exit_for(job, std::chrono::seconds(60));
+  if (!code) {
+    ::kill(job, SIGKILL);
+    wait_exit(job);
+  }
+  const std::string output = slurp(dir / "output.txt");
+  EXPECT_TRUE(rank0_ended) << "rank 0 still running 60 s after SIGTERM\n" << output;
+  EXPECT_GE(seconds, 1.0) << "the step may finish within the timeout: not before it";
+  EXPECT_NE(output.find("did not stop within --stop-timeout after the signal"), std::string::npos) << output;
+}
+
 }  // namespace
 }  // namespace coshard::testing

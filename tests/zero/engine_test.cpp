@@ -598,9 +598,8 @@ TEST(Engine, TimelineNeverStartsBeforeALateEpoch) {
   }
 }
 
-// Adaptive prefetch: from its own measurements (device timestamps, one step behind) it gathers
-// deeper when the link is slow than when compute dominates, keeps the hit rate high, and changes
-// nothing in the math.
+// Adaptive prefetch end to end: from its own measurements (device timestamps, one step behind) it
+// keeps the hit rate high on a fast and a slow link and changes nothing in the math.
 TEST(Engine, AdaptivePrefetchFollowsTheMeasuredLink) {
   auto run_with = [](std::chrono::microseconds delay, bool adaptive) {
     ZeroSetup setup;
@@ -617,28 +616,14 @@ TEST(Engine, AdaptivePrefetchFollowsTheMeasuredLink) {
   ASSERT_TRUE(fast.error.empty()) << fast.error;
   ASSERT_TRUE(slow.error.empty()) << slow.error;
   ASSERT_TRUE(on_demand.error.empty()) << on_demand.error;
-  std::size_t largest = 0;
-  for (const auto& u : fast.units) largest = std::max(largest, u.padded_bytes);
   for (int step = 2; step < 5; ++step) {  // step 1 measures; step 2 on decides from measurements
     EXPECT_GT(fast.stats[0][static_cast<std::size_t>(step)].hit_rate(), 0.9) << "step " << step;
     EXPECT_GT(slow.stats[0][static_cast<std::size_t>(step)].hit_rate(), 0.9) << "step " << step;
     ASSERT_TRUE(slow.stats[0][static_cast<std::size_t>(step)].exposed_comm_ms.has_value());
   }
-  // The depth once the measurements have settled (the first step's include warm-up).
-  const std::size_t fast_depth = fast.stats[0][4].peak_prefetched_bytes;
-  const std::size_t slow_depth = slow.stats[0][4].peak_prefetched_bytes;
-  // A slow link: many units gathered ahead at once; compute-bound: a few ahead of use. Under a
-  // sanitizer the instrumented collectives are slower than the (uninstrumented) BLAS compute, so
-  // the "fast" link is slow too: there only the correctness half of this test applies.
-#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
-  constexpr bool kTimingMeaningful = false;
-#else
-  constexpr bool kTimingMeaningful = true;
-#endif
-  if (kTimingMeaningful) {
-    EXPECT_GE(slow_depth, 2 * fast_depth) << "fast " << fast_depth << " B, slow " << slow_depth << " B";
-    EXPECT_GE(slow_depth, 3 * largest) << "largest unit " << largest << " B";
-  }
+  // How far ahead it gathers for a given link is asserted on given measurements
+  // (prefetch_horizon_test.cpp), not from wall time here: under load a "fast" link measures slow.
+  // Whatever it decided, the numbers are on-demand fetching's.
   EXPECT_EQ(losses_of(fast), losses_of(on_demand));
   EXPECT_EQ(losses_of(slow), losses_of(on_demand));
 }

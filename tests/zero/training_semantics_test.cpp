@@ -53,7 +53,8 @@ class Branch final : public Module {
   bool ran_ = false;
 };
 
-enum class BranchRuns { always, some_steps, never };
+// on_rank_one: a rank-dependent branch (sharded runs only; stage 1 allows it).
+enum class BranchRuns { always, some_steps, never, on_rank_one };
 // The shape of the model: the MLP with a branch, or with a readout of its own that reads fc1's
 // weight (declared, or not).
 enum class Tie { none, declared, undeclared };
@@ -254,7 +255,7 @@ Result<RunResult> sharded(const Semantics& sem, const Case& k, float clip) {
     modules::MeanSquaredErrorLoss loss;
     const std::int64_t rows = kMlpRows / k.world / k.micro_batches;
     for (int step = 0; step < kSteps; ++step) {
-      model->enabled = branch_runs(step, sem.branch);
+      model->enabled = sem.branch == BranchRuns::on_rank_one ? r == 1 : branch_runs(step, sem.branch);
       COSHARD_CO_TRY(co_await engine->begin_step(k.micro_batches, kLr));
       for (int m = 0; m < k.micro_batches; ++m) {
         COSHARD_CO_TRY_ASSIGN(auto mb, ::coshard::testing::regression_rows(ctx, step, (r * k.micro_batches + m) * rows, rows));
@@ -356,28 +357,29 @@ TEST(ParameterGroups, DecayAndLearningRatePerGroupMatchTheUnshardedModel) {
 
 TEST(UnusedParameters, ABranchThatNeverRunsIsLeftUntouched) {
   Semantics sem{.groups = true, .branch = BranchRuns::never};
-  std::vector<Case> cases;
-  for (const Case& k : all_cases())
-    if (k.stage != 1) cases.push_back(k);
-  expect_matches(sem, 0.0f, {"branch.inner.weight", "branch.inner.bias"}, cases);
+  expect_matches(sem, 0.0f, {"branch.inner.weight", "branch.inner.bias"}, all_cases());
 }
 
 TEST(UnusedParameters, ABranchSkippedInSomeStepsIsLeftAsItWasThere) {
   Semantics sem{.frozen = {"fc2.bias"}, .branch = BranchRuns::some_steps};
-  std::vector<Case> cases;
-  for (const Case& k : all_cases())
-    if (k.stage != 1) cases.push_back(k);
-  expect_matches(sem, 0.05f, {"fc2.bias"}, cases);
+  expect_matches(sem, 0.05f, {"fc2.bias"}, all_cases());
 }
 
-// Stage 1 reduces every unit after backward, whatever ran: an unused unit there takes a step of
-// zero gradient (decay and momentum), as it always did; the header says so.
-TEST(UnusedParameters, AtStageOneAnUnusedBranchStillDecays) {
-  Semantics sem{.branch = BranchRuns::never};
-  const RunResult ref = reference(sem, 0.0f);
-  auto run = sharded(sem, {2, 1}, 0.0f);
-  ASSERT_TRUE(run) << run.error().message();
-  EXPECT_NE(run->final.at("branch.inner.weight"), ref.initial.at("branch.inner.weight"));
+// Stage 1 allows a rank-dependent branch (it reduces every unit after backward): a unit that one
+// rank used is stepped with the reduced gradient on every rank; one that no rank used is not (the
+// ranks agree on which through one all-reduce of a flag per unit).
+TEST(UnusedParameters, AtStageOneABranchRunOnOneRankTrainsAndOneRunOnNoneDoesNot) {
+  const RunResult ref = reference({.branch = BranchRuns::never}, 0.0f);
+  for (const int world : {2, 3}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    auto one = sharded({.branch = BranchRuns::on_rank_one}, {world, 1}, 0.0f);
+    ASSERT_TRUE(one) << one.error().message();
+    EXPECT_NE(one->final.at("branch.inner.weight"), ref.initial.at("branch.inner.weight"));
+    auto none = sharded({.branch = BranchRuns::never}, {world, 1}, 0.0f);
+    ASSERT_TRUE(none) << none.error().message();
+    EXPECT_EQ(none->final.at("branch.inner.weight"), ref.initial.at("branch.inner.weight"));
+    EXPECT_EQ(none->final.at("branch.inner.bias"), ref.initial.at("branch.inner.bias"));
+  }
 }
 
 // A unit of frozen parameters only has no gradient to reduce: its collective is not issued.
@@ -408,6 +410,20 @@ TEST(SharedParameters, AnUndeclaredReadIsRefusedNamingTheParameter) {
     EXPECT_NE(run.error().message().find("the gradient of fc1.weight (unit fc1) was asked for while none was bound"),
               std::string::npos)
         << run.error().message();
+  }
+  // Stage 3: fc1's unit is released when the readout runs (its values are empty): the failure
+  // names the reader, the parameter, its unit and its owner, before the op's own message.
+  for (const int world : {1, 2}) {
+    SCOPED_TRACE("stage 3, world " + std::to_string(world));
+    auto run = sharded({.tie = Tie::undeclared}, {world, 3}, 0.0f);
+    ASSERT_FALSE(run);
+    EXPECT_NE(run.error().message().find("module 'readout' (TiedReadout) read fc1.weight (unit fc1, owned by module "
+                                         "'fc1') while it was not gathered"),
+              std::string::npos)
+        << run.error().message();
+    EXPECT_NE(run.error().message().find("use_parameters_of"), std::string::npos) << run.error().message();
+    EXPECT_EQ(run.error().message().find("module 'readout' (TiedReadout) read", 10), std::string::npos)
+        << "named once, by the module that failed: " << run.error().message();
   }
   const RunResult ref = reference({.tie = Tie::undeclared}, 0.0f);
   auto stage1 = sharded({.tie = Tie::undeclared}, {2, 1}, 0.0f);

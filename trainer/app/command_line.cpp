@@ -54,6 +54,11 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
                  "seconds a collective may take before the run fails naming the ranks it waits for (0: the "
                  "backend's default: 60 for local, 300 for nccl and mpi)")
       ->check(CLI::Range(0.0, 1e7));
+  app.add_option("--stop-timeout", o.stop_timeout_s,
+                 "seconds the run may take, after the first SIGINT/SIGTERM/SIGHUP, to finish its step and save "
+                 "before it exits anyway (status 128 + the signal, no final save; the checkpoints already "
+                 "published stay); 0: no bound (default 300)")
+      ->check(CLI::Range(0, 1 << 24));
   app.add_option("--steps", o.steps, "optimizer steps in total (a resumed run continues to this)")
       ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 40));
   auto* batch_option = app.add_option("--batch", o.batch, "global batch (sequences per step, split evenly over the ranks; default 16, or the config's train_batch_size)")

@@ -18,6 +18,7 @@ struct Options {
   int world_size = 2;
   std::string backend = "auto";     // collectives::parse_backend
   double collective_timeout_s = 0;  // 0: the backend's default
+  int stop_timeout_s = 300;         // after the first stop signal, at most this long (0: no bound)
   std::int64_t steps = 400;
   std::int64_t batch = 16;
   std::int64_t seq = 64;

@@ -61,11 +61,29 @@ using train_app::Options;
 std::atomic<int> g_stop_signal{0};
 static_assert(std::atomic<int>::is_always_lock_free);
 
+// --stop-timeout: the first signal also sets an alarm; if the run has not ended when it rings
+// (stuck where no step boundary comes: a product that never returns, a peer that never answers),
+// the process ends as the signal would have, saying so.
+std::atomic<unsigned> g_stop_timeout_s{0};
+
 extern "C" void on_stop_signal(int sig) {
   if (g_stop_signal.exchange(sig) != 0) {
     std::signal(sig, SIG_DFL);
     std::raise(sig);
+    return;
   }
+  if (const unsigned seconds = g_stop_timeout_s.load(); seconds > 0) alarm(seconds);
+}
+
+extern "C" void on_stop_timeout(int) {
+  static constexpr char kNote[] =
+      "coshard-train: the run did not stop within --stop-timeout after the signal; exiting without a final save "
+      "(the checkpoints already published are intact)\n";
+  [[maybe_unused]] const ssize_t n = ::write(2, kNote, sizeof kNote - 1);
+  const int sig = g_stop_signal.load();
+  std::signal(sig, SIG_DFL);
+  std::raise(sig);
+  _exit(128 + sig);  // (if the signal is blocked in this thread)
 }
 
 // SIGUSR1 asks for flight records; without --flight-recorder there is nowhere to write them, and
@@ -528,6 +546,11 @@ int main(int argc, char** argv) {
   action.sa_handler = on_stop_signal;
   action.sa_flags = SA_RESTART;  // system calls of the other threads go on
   sigemptyset(&action.sa_mask);
+  g_stop_timeout_s.store(static_cast<unsigned>(o.stop_timeout_s));
+  struct sigaction alarm_action{};
+  alarm_action.sa_handler = on_stop_timeout;
+  sigemptyset(&alarm_action.sa_mask);
+  sigaction(SIGALRM, &alarm_action, nullptr);
   for (const int sig : {SIGINT, SIGTERM, SIGHUP}) {
     struct sigaction before{};
     sigaction(sig, nullptr, &before);

@@ -86,7 +86,7 @@ void read_offload(Reader& r, const json& section, const std::string& prefix, Off
         if (d == "none") out.device = OffloadDevice::none;
         else if (d == "cpu") out.device = OffloadDevice::cpu;
         else if (d == "nvme") out.device = OffloadDevice::nvme;
-        else r.bad.push_back(name + "=\"" + *s + "\" (expected none, cpu or nvme)");
+        else r.bad.push_back(name + "=\"" + async::bounded_echo(*s) + "\" (expected none, cpu or nvme)");
       }
     } else if (key == "nvme_path") {
       if (auto s = r.string(v, name)) out.nvme_path = *s;
@@ -164,7 +164,7 @@ void read_tensorboard(Reader& r, const json& section, TrainerConfig& c) {
   if (output_path.empty())
     r.bad.push_back("tensorboard.output_path: required when tensorboard.enabled is true (the folder of the event files)");
   else if (job_name.empty() || job_name == "." || job_name == ".." || job_name.find('/') != std::string::npos)
-    r.bad.push_back("tensorboard.job_name=\"" + job_name + "\" (expected a folder name, without '/')");
+    r.bad.push_back("tensorboard.job_name=\"" + async::bounded_echo(job_name) + "\" (expected a folder name, without '/')");
   else
     c.tensorboard_dir = std::filesystem::path(output_path) / job_name;
 }
@@ -181,7 +181,7 @@ void read_scheduler(Reader& r, const json& section, TrainerConfig& c) {
     if (key != "type" && key != "params") r.unknown.push_back("scheduler." + key);
   if (type.empty()) return;
   if (type != "WarmupLR" && type != "WarmupDecayLR" && type != "WarmupCosineLR") {
-    r.bad.push_back("scheduler.type=\"" + type + "\" (expected WarmupLR, WarmupDecayLR or WarmupCosineLR)");
+    r.bad.push_back("scheduler.type=\"" + async::bounded_echo(type) + "\" (expected WarmupLR, WarmupDecayLR or WarmupCosineLR)");
     return;
   }
   const bool cosine = type == "WarmupCosineLR";
@@ -203,7 +203,7 @@ void read_scheduler(Reader& r, const json& section, TrainerConfig& c) {
       if (auto s = r.string(v, name)) {
         if (*s == "linear") c.warmup_shape = WarmupShape::linear;
         else if (*s == "log") c.warmup_shape = WarmupShape::log;
-        else r.bad.push_back(name + "=\"" + *s + "\" (expected log or linear)");
+        else r.bad.push_back(name + "=\"" + async::bounded_echo(*s) + "\" (expected log or linear)");
       }
     } else r.unknown.push_back(name);
   }
@@ -315,7 +315,7 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
               const auto t = lower(*s);
               if (t == "adamw" || t == "adam") c.optimizer = OptimizerKind::adamw;
               else if (t == "sgd") c.optimizer = OptimizerKind::sgd;
-              else r.bad.push_back(name + "=\"" + *s + "\" (expected AdamW, Adam or SGD)");
+              else r.bad.push_back(name + "=\"" + async::bounded_echo(*s) + "\" (expected AdamW, Adam or SGD)");
             }
           } else if (okey == "params") {
             if (!r.object(ov, name)) continue;
@@ -431,14 +431,22 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
 
   if (!r.unknown.empty() || !r.bad.empty()) {
     std::string msg = "config:";
+    // Bounded whatever the file holds: each key cut to 128 characters, 20 entries of a kind
+    // named, the rest counted (values are cut where they are echoed).
+    constexpr std::size_t kListed = 20;
+    auto list = [&](const std::vector<std::string>& items, const char* separator) {
+      for (std::size_t i = 0; i < std::min(items.size(), kListed); ++i)
+        msg += (i ? separator : "") + async::bounded_echo(items[i], 512);
+      if (items.size() > kListed) msg += separator + ("and " + std::to_string(items.size() - kListed) + " more");
+    };
     if (!r.unknown.empty()) {
       msg += " unknown or unsupported keys [";
-      for (std::size_t i = 0; i < r.unknown.size(); ++i) msg += (i ? ", " : "") + r.unknown[i];
+      list(r.unknown, ", ");
       msg += "]";
     }
     if (!r.bad.empty()) {
       msg += r.unknown.empty() ? " bad values [" : "; bad values [";
-      for (std::size_t i = 0; i < r.bad.size(); ++i) msg += (i ? "; " : "") + r.bad[i];
+      list(r.bad, "; ");
       msg += "]";
     }
     return fail(ErrorCode::invalid_argument, msg);

@@ -65,6 +65,7 @@ Result<std::unique_ptr<TokenFile>> TokenFile::from_bytes(std::vector<std::byte> 
   f->seed_ = seed;
   const std::string& n = f->name_;
   std::size_t payload = bytes.size();
+  std::string read_as;
   if (has_llmc_header(bytes)) {
     const std::int32_t version = read_i32(bytes.data() + 4), count = read_i32(bytes.data() + 8);
     if (version != 1 && version != 2) {
@@ -85,9 +86,14 @@ Result<std::unique_ptr<TokenFile>> TokenFile::from_bytes(std::vector<std::byte> 
     }
   } else {
     f->width_ = format == TokenFormat::u32 ? 4 : 2;
+    // Chosen by the name alone (--data-format auto): say so, in case the file is text.
+    if (format == TokenFormat::automatic)
+      read_as = " (read as raw uint16 token ids because the name ends in .bin and there is no llm.c header; "
+                "if it is text, pass --data-format bytes)";
     if (payload % f->width_ != 0) {
       return fail(ErrorCode::invalid_argument, "data file ", n, ": ", payload, " bytes is not a whole number of ",
-                  f->width_ == 2 ? "uint16" : "uint32", " token ids (no llm.c header: magic ", kLlmcMagic, " not found)");
+                  f->width_ == 2 ? "uint16" : "uint32", " token ids (no llm.c header: magic ", kLlmcMagic, " not found)",
+                  read_as);
     }
   }
   f->count_ = static_cast<std::int64_t>(payload / f->width_);
@@ -97,7 +103,7 @@ Result<std::unique_ptr<TokenFile>> TokenFile::from_bytes(std::vector<std::byte> 
     const std::int64_t id = static_cast<std::uint32_t>(f->at(i));
     if (id >= vocab) {
       return fail(ErrorCode::invalid_argument, "data file ", n, ": token ", i, " is id ", id,
-                  ", not below the model's vocabulary of ", vocab, " (--vocab)");
+                  ", not below the model's vocabulary of ", vocab, " (--vocab)", read_as);
     }
   }
   return f;

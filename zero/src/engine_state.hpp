@@ -315,10 +315,9 @@ struct Engine::State {
   // naming the parameter (the gradients, reductions and optimizer groups were planned for it).
   Result<void> check_trainability() const;
   std::vector<std::pair<const Parameter*, bool>> planned_trainable;
-  // Before the optimizer steps: units that got no gradient this step on any rank (stages 0, 2, 3:
-  // a unit reduced on one rank and not another is a collective mismatch, so the count agrees)
-  // are left untouched, as PyTorch leaves a parameter whose gradient is None.
-  Result<void> skip_units_without_gradients();
+  // Before the optimizer steps: units that got no gradient this step on any rank are left
+  // untouched, as PyTorch leaves a parameter whose gradient is None (stage 1 asks the other ranks).
+  async::Task<Result<void>> skip_units_without_gradients();
   // Before a step ends: no parameter's gradient was asked for without one bound (an undeclared
   // read of another module's parameter: Parameter::grad), else an error naming each.
   Result<void> check_no_gradient_missed() const;

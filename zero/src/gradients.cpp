@@ -45,7 +45,11 @@ Result<void> Engine::State::shard_from(const Unit& u, const Tensor& mine, const 
 }
 
 Result<void> Engine::State::reduce_gradients(Unit& u) {
-  if (o.zero_stage == 1 || u.frozen) return {};
+  if (u.frozen) return {};
+  if (o.zero_stage == 1) {  // reduced after backward (finish_gradients); counted as used here
+    ++u.grads_this_step;
+    return {};
+  }
   auto& cs = comm->stream();
   COSHARD_TRY_ASSIGN(auto produced, ctx->stream().record());
   COSHARD_TRY(cs.wait(produced));

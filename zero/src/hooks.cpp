@@ -102,4 +102,27 @@ Result<void> Engine::after_backward(Context&, Module& module) {
   return s.release(*u);
 }
 
+Error Engine::explain_failure(Module& module, Error error) {
+  State& s = *s_;
+  std::string read;
+  for (const auto& u : s.units)
+    for (const auto& p : u->params) {
+      if (!p.parameter->value_missed()) continue;
+      const std::string& name = s.names.at(p.parameter);
+      const auto dot = name.rfind('.');
+      read += (read.empty() ? "" : ", ") + name + " (unit " + u->info.name + ", owned by module '" +
+              (dot == std::string::npos ? std::string() : name.substr(0, dot)) + "')";
+      p.parameter->clear_gradient_missed();  // explained once, by the innermost failing module
+    }
+  if (read.empty()) return error;
+  std::string path = "?";
+  s.model->for_each_module([&](const std::string& at, Module& m) {
+    if (&m == &module) path = at.empty() ? "(the model)" : at;
+  });
+  return Error(ErrorCode::invalid_argument,
+               ::coshard::detail::concat("Engine: module '", path, "' (", module.type_name(), ") read ", read,
+                              " while it was not gathered: a module that reads another module's parameter must "
+                              "declare it (reader.use_parameters_of(owner)); it failed with: ", error.message()));
+}
+
 }  // namespace coshard::zero

@@ -147,7 +147,7 @@ async::Task<Result<EngineStepStats>> Engine::finish_open_step(float lr) {
   // nvme parameters: no read may be left over when the optimizer rewrites the swap files.
   COSHARD_CO_TRY(co_await s.shard_placement->settle(s));
   COSHARD_CO_TRY(co_await s.finish_gradients(micro_batches));
-  COSHARD_CO_TRY(s.skip_units_without_gradients());
+  COSHARD_CO_TRY(co_await s.skip_units_without_gradients());
   COSHARD_CO_TRY_ASSIGN(auto optimizer_started, s.mark(compute));
   COSHARD_CO_TRY(co_await s.optimizer_placement->step(s, lr));
   COSHARD_CO_TRY_ASSIGN(auto optimizer_finished, s.mark(compute));
@@ -190,6 +190,7 @@ Result<void> Engine::begin_inference() {
     return fail(ErrorCode::invalid_argument, "Engine::begin_inference: ",
                 s.open == State::Open::step ? "a step" : "an inference pass", " is open (finish it first)");
   s.begin_pass("eval");
+  s.clear_gradients_missed();  // (and reads of unbound values: explain_failure names this pass's)
   s.open = State::Open::inference;
   return State::order(s.ctx->stream(), s.comm->stream());
 }

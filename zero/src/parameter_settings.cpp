@@ -32,14 +32,26 @@ Result<void> Engine::State::check_trainability() const {
   return {};
 }
 
-Result<void> Engine::State::skip_units_without_gradients() {
-  // Stage 1 reduces every unit after backward whether it ran or not, and a rank-dependent branch
-  // is legal there: which units no rank used is not known to the host without a wait, so stage 1
-  // steps them (with a zero gradient, as before).
-  if (o.zero_stage == 1) return {};
-  for (const auto& u : units)
-    COSHARD_TRY(optimizer->set_group_skipped(first_group + u->index, u->grads_this_step == 0));
-  return {};
+async::Task<Result<void>> Engine::State::skip_units_without_gradients() {
+  std::vector<double> used(units.size());
+  for (std::size_t i = 0; i < units.size(); ++i) used[i] = units[i]->grads_this_step > 0 ? 1.0 : 0.0;
+  // Stages 0, 2 and 3 reduce a unit only where it got a gradient (a unit reduced on one rank and
+  // not another is a collective mismatch), so the local count agrees across ranks. Stage 1 reduces
+  // every unit after backward and allows a rank-dependent branch: which units no rank used takes
+  // one all-reduce of a flag per unit, awaited (the only host wait it adds; the optimizer waits for
+  // the reduction anyway), and only with more than one rank.
+  if (o.zero_stage == 1 && comm->size() > 1) {
+    auto bytes = encode_values(used, DataType::f32);
+    COSHARD_CO_TRY_ASSIGN(Tensor t, ctx->upload(bytes, Shape{static_cast<std::int64_t>(used.size())}, DataType::f32));
+    COSHARD_CO_TRY(order(ctx->stream(), comm->stream()));
+    COSHARD_CO_TRY(comm->all_reduce(t.data(), t.data(), used.size(), DataType::f32, ReduceOp::sum));
+    COSHARD_CO_TRY(order(comm->stream(), ctx->stream()));
+    COSHARD_CO_TRY_ASSIGN(auto any_rank, co_await ctx->read(t));
+    std::copy(any_rank.begin(), any_rank.end(), used.begin());
+  }
+  for (std::size_t i = 0; i < units.size(); ++i)
+    COSHARD_CO_TRY(optimizer->set_group_skipped(first_group + i, used[i] == 0.0));
+  co_return Result<void>{};
 }
 
 Result<void> Engine::State::check_no_gradient_missed() const {

@@ -2,8 +2,24 @@
 // it within the bucket and the budget (adaptive: as far as the measured gather and compute times
 // need), and units kept after use when needed again soon.
 #include "engine_state.hpp"
+#include "prefetch_horizon.hpp"
 
 namespace coshard::zero {
+
+namespace detail {
+
+std::size_t prefetch_horizon(std::span<const std::size_t> trace, std::size_t pos, std::span<const double> gather_ms,
+                             std::span<const double> compute_ms) {
+  double queued_ms = 0, compute_before_ms = 0;
+  for (std::size_t i = pos; i < trace.size(); ++i) {
+    queued_ms += std::max(0.0, gather_ms[trace[i]]);
+    if (i > pos) compute_before_ms += std::max(0.0, compute_ms[i - 1]);
+    if (queued_ms * kPrefetchMargin < compute_before_ms) return i;
+  }
+  return trace.size();
+}
+
+}  // namespace detail
 
 using namespace modules;
 using namespace detail;
@@ -46,22 +62,14 @@ Result<void> Engine::State::abandon_trace() {
 Result<Engine::State::Awaiting> Engine::State::prefetch_ahead() {
   if (!trace || (o.prefetch_bucket_bytes == 0 && !o.adaptive_prefetch)) return Awaiting{};
   const std::size_t cap = o.prefetch_bucket_bytes == 0 ? std::numeric_limits<std::size_t>::max() : o.prefetch_bucket_bytes;
-  // Adaptive: gather a unit now when waiting for the next fetch would make it late, i.e. when
-  // the communication queued up to it (its gather and those before it in the trace) would
-  // outlast the compute between the next fetch and its use. Measured one step behind; before
-  // there are measurements, the bucket alone decides.
+  // Adaptive: as far ahead as the measured gathers and compute need (prefetch_horizon.hpp).
+  // Measured one step behind; before there are measurements, the bucket alone decides.
   const auto measured = compute_ms.find(phase);
   const bool adaptive = o.adaptive_prefetch && measured != compute_ms.end() &&
                         measured->second.size() >= trace->size() && !gather_ms.empty();
-  double queued_ms = 0, compute_before_ms = 0;
-  for (std::size_t i = trace_pos; i < trace->size(); ++i) {
+  const std::size_t end = adaptive ? prefetch_horizon(*trace, trace_pos, gather_ms, measured->second) : trace->size();
+  for (std::size_t i = trace_pos; i < end; ++i) {
     Unit& v = *units[(*trace)[i]];
-    if (adaptive) {
-      constexpr double kMargin = 1.5;  // measurements move from step to step
-      queued_ms += std::max(0.0, gather_ms[v.index]);
-      if (i > trace_pos) compute_before_ms += std::max(0.0, measured->second[i - 1]);
-      if (queued_ms * kMargin < compute_before_ms) break;
-    }
     if (v.gather != Gather::released) continue;
     if (prefetched_bytes + v.info.padded_bytes > cap) break;
     if (logical_live + v.info.padded_bytes > o.max_live_bytes) break;

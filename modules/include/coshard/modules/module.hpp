@@ -59,7 +59,13 @@ class Parameter {
   std::int64_t numel() const noexcept { return shape_.numel(); }
   const Init& init() const noexcept { return init_; }
 
-  const Tensor& value() const noexcept { return value_; }
+  // The values: empty while the parameter is not bound (at stage 3, while its unit is not
+  // gathered); an ask then is recorded, so an engine can name the parameter when the module that
+  // read it fails (a read of another module's parameter that was not declared).
+  const Tensor& value() const noexcept {
+    if (!value_) value_missed_ = true;
+    return value_;
+  }
   // The gradient to add into during backward: empty when the parameter is frozen (skip it).
   // Asked for while the parameter trains but has no gradient bound (another module reads it
   // without declaring it: Module::use_parameters_of), it is empty too, and the ask is recorded:
@@ -70,7 +76,12 @@ class Parameter {
   }
   // Whether grad() was asked for without a gradient bound since the last clear (an engine's check).
   bool gradient_missed() const noexcept { return gradient_missed_; }
-  void clear_gradient_missed() noexcept { gradient_missed_ = false; }
+  // Whether value() was asked for while unbound since the last clear.
+  bool value_missed() const noexcept { return value_missed_; }
+  void clear_gradient_missed() noexcept {
+    gradient_missed_ = false;
+    value_missed_ = false;
+  }
   bool bound() const noexcept { return static_cast<bool>(value_); }
   // Points the parameter at memory owned elsewhere (shape must match; grad may be empty when
   // only inference runs). A frozen parameter is bound without its gradient whatever is given, so
@@ -94,6 +105,7 @@ class Parameter {
   Init init_;
   bool trainable_ = true;
   mutable bool gradient_missed_ = false;
+  mutable bool value_missed_ = false;
   Tensor value_;
   Tensor grad_;
 };
@@ -110,6 +122,12 @@ class ModuleHooks {
   virtual Result<void> after_forward(Context& ctx, Module& module) = 0;
   virtual async::Task<Result<void>> before_backward(Context& ctx, Module& module) = 0;
   virtual Result<void> after_backward(Context& ctx, Module& module) = 0;
+  // `module`'s forward or backward failed with `error`: the hooks may explain it (an engine names
+  // a parameter the module read while it was not gathered). The default returns it unchanged.
+  virtual Error explain_failure(Module& module, Error error) {
+    (void)module;
+    return error;
+  }
 };
 
 namespace detail {

@@ -249,6 +249,11 @@ class Engine final : public ModuleHooks {
   // a backward for every micro-batch (the step is then abandoned: nothing updated), a second
   // begin_step while one is open. `abandon_step` drops an open step (after a failed forward,
   // say); the next begin_step starts clean.
+  //
+  // A unit whose parameters got no gradient on any rank in a step (a branch the model skipped)
+  // is left untouched by the optimizer: no decay, no moment update, as PyTorch leaves a parameter
+  // whose gradient is None. At stage 1, which allows a branch run by some ranks only, the ranks
+  // agree on which units none used through one all-reduce of a flag per unit.
   async::Task<Result<void>> begin_step(int micro_batches, float lr);
   // The seed of the loss's backward: the loss scale (one f32 on the device; 1 without scaling).
   Tensor backward_seed() const;
@@ -340,6 +345,9 @@ class Engine final : public ModuleHooks {
   Result<void> after_forward(Context& ctx, Module& module) override;
   async::Task<Result<void>> before_backward(Context& ctx, Module& module) override;
   Result<void> after_backward(Context& ctx, Module& module) override;
+  // Names the parameters `module` read while their unit was not gathered (an undeclared read of
+  // another module's parameter at stage 3), with both modules, before the error itself.
+  Error explain_failure(Module& module, Error error) override;
 
   struct State;
 
