@@ -6,7 +6,6 @@
 
 #include <cmath>
 #include <cstdio>
-#include <thread>
 #include <vector>
 
 namespace {
@@ -34,11 +33,11 @@ Result<modules::Batch> micro_batch(modules::Context& ctx, int step, int rank, in
   return modules::Batch{inputs, targets};
 }
 
-async::Task<Result<std::vector<double>>> train(collectives::Communicator& comm) {
-  // The device's stream, memory and context: everything runs in their order.
-  COSHARD_CO_TRY_ASSIGN(auto stream, async::Stream::create(comm.stream().device()));
-  COSHARD_CO_TRY_ASSIGN(auto memory, async::CachingAllocator::create(comm.stream().device()));
-  COSHARD_CO_TRY_ASSIGN(auto ctx, modules::Context::create(stream, *memory));
+// One rank's training: run_on_ranks made its stream, memory and context (everything runs in
+// their order) and keeps them in place until this returns.
+async::Task<Result<void>> train(zero::Rank& rank, std::vector<double>& losses) {
+  modules::Context& ctx = rank.ctx;
+  collectives::Communicator& comm = rank.comm;
 
   // Your model.
   modules::Sequential model;
@@ -58,7 +57,6 @@ async::Task<Result<std::vector<double>>> train(collectives::Communicator& comm) 
 
   // Your loop.
   modules::MeanSquaredErrorLoss loss;
-  std::vector<double> losses;
   for (int step = 0; step < kSteps; ++step) {
     COSHARD_CO_TRY(co_await engine->begin_step(kMicroBatches, /*lr=*/3e-3f));
     for (int m = 0; m < kMicroBatches; ++m) {
@@ -71,35 +69,23 @@ async::Task<Result<std::vector<double>>> train(collectives::Communicator& comm) 
       COSHARD_CO_TRY(engine->add_loss(value));
     }
     COSHARD_CO_TRY_ASSIGN(auto stats, co_await engine->finish_step());  // the mean loss over ranks
-    losses.push_back(stats.loss);
+    if (rank.rank == 0) losses.push_back(stats.loss);
   }
+  // The engine goes first (it refers to the context and the model); run_on_ranks then drains the
+  // streams before the context, the memory and the stream go.
   engine.reset();
-  COSHARD_CO_TRY(stream.synchronize());
-  co_return losses;
+  co_return Result<void>{};
 }
 
 }  // namespace
 
 int main() {
-  auto comms = collectives::make_local_communicators(kWorld);
-  if (!comms) {
-    std::fprintf(stderr, "custom_loop: %s\n", comms.error().message().c_str());
+  std::vector<double> losses;  // rank 0's
+  auto done = zero::run_on_ranks({.world = kWorld}, [&](zero::Rank& rank) { return train(rank, losses); });
+  if (!done) {
+    std::fprintf(stderr, "custom_loop: %s\n", done.error().message().c_str());
     return 1;
   }
-  std::vector<Result<std::vector<double>>> results(kWorld, fail(ErrorCode::internal, "not run"));
-  std::vector<std::thread> ranks;
-  for (int r = 0; r < kWorld; ++r)
-    ranks.emplace_back([&, r] {
-      async::Runtime rt;
-      results[static_cast<std::size_t>(r)] = rt.block_on(train(*(*comms)[static_cast<std::size_t>(r)]));
-    });
-  for (auto& t : ranks) t.join();
-  for (int r = 0; r < kWorld; ++r)
-    if (!results[static_cast<std::size_t>(r)]) {
-      std::fprintf(stderr, "custom_loop: rank %d: %s\n", r, results[static_cast<std::size_t>(r)].error().message().c_str());
-      return 1;
-    }
-  const auto& losses = *results[0];
   for (int step = 0; step < kSteps; step += 10) std::printf("step %2d  mse %.5f\n", step, losses[static_cast<std::size_t>(step)]);
   std::printf("step %2d  mse %.5f\n", kSteps - 1, losses.back());
   return losses.back() < 0.25 * losses.front() ? 0 : 1;

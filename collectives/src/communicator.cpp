@@ -36,7 +36,10 @@ std::string CollectiveOp::signature() const {
 
 std::string describe(std::span<const CollectiveOp> ops) {
   std::string s = "[";
-  for (std::size_t i = 0; i < ops.size(); ++i) s += (i ? ", " : "") + ops[i].signature();
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    s += (i ? ", " : "") + ops[i].signature();
+    if (!ops[i].purpose_text().empty()) s += " for " + std::string(ops[i].purpose_text());
+  }
   return s + "]";
 }
 

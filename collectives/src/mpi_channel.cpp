@@ -97,7 +97,12 @@ Result<void> MpiChannel::run(std::uint64_t seq, const std::vector<CollectiveOp>&
   const auto deadline = Clock::now() + options_.timeout;
   const int tag = kMpiFirstGroupTag + static_cast<int>(seq % static_cast<std::uint64_t>(process_->tag_ub() - kMpiFirstGroupTag + 1));
   Group group{seq, tag, ops, deadline};
-  const MpiGroupHeader mine{seq, signature_hash(ops)};
+  MpiGroupHeader mine{seq, signature_hash(ops), {}};
+  for (const CollectiveOp& op : ops)
+    if (!op.purpose_text().empty()) {
+      mine.purpose = op.purpose;
+      break;
+    }
   headers_.assign(static_cast<std::size_t>(size_), MpiGroupHeader{});
   for (int q = 0; q < size_; ++q) {
     if (q == rank_) continue;
@@ -333,7 +338,8 @@ Result<void> MpiChannel::check_header(Group& g, const MpiGroupHeader& mine, int 
                 "collective sequence mismatch: rank " + std::to_string(rank_) + " launched group #" +
                     std::to_string(mine.seq) + " " + describe(g.ops) + " but rank " + std::to_string(peer) +
                     " launched group #" + std::to_string(theirs.seq) +
-                    (theirs.seq == mine.seq ? " with other ops (another kind, count, type, reduction or root)" : ""));
+                    (theirs.seq == mine.seq ? " with other ops (another kind, count, type, reduction or root)" : "") +
+                    (theirs.purpose[0] != '\0' ? " for " + std::string(theirs.purpose.data(), strnlen(theirs.purpose.data(), theirs.purpose.size())) : ""));
 }
 
 Result<void> MpiChannel::hear_abort(Group& g) {

@@ -5,6 +5,7 @@
 
 #include <mpi.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -31,6 +32,7 @@ inline constexpr std::size_t kMpiMaxMessageBytes = std::size_t{1} << 30;
 struct MpiGroupHeader {
   std::uint64_t seq = 0;
   std::uint64_t signature = 0;  // a hash of what every rank must agree on (same_signature)
+  std::array<char, 48> purpose{};  // the first op's that has one: a mismatch names the peer's
 };
 
 // The state the stream's closures share with the communicator (a closure may still be queued

@@ -34,3 +34,4 @@
 #include "coshard/zero/engine.hpp"
 #include "coshard/zero/hf_llama.hpp"
 #include "coshard/zero/memory_estimate.hpp"
+#include "coshard/zero/ranks.hpp"

@@ -172,7 +172,7 @@ TEST(LocalCollectives, MismatchedSequencesFailEveryRankWithAClearError) {
   run_ranks(comms, [&](Communicator& c) {
     std::vector<float> a(8), b(16);
     const std::size_t n = c.rank() == 0 ? 4 : 5;  // rank 1 disagrees on the count
-    auto e = c.all_gather(a.data(), b.data(), n, DataType::f32);
+    auto e = c.all_gather(a.data(), b.data(), n, DataType::f32, c.rank() == 0 ? "unit a" : "unit b");
     ASSERT_TRUE(e.has_value());
     auto s = e->synchronize();
     ASSERT_FALSE(s.has_value());
@@ -181,8 +181,8 @@ TEST(LocalCollectives, MismatchedSequencesFailEveryRankWithAClearError) {
   });
   for (int r = 0; r < 2; ++r) {
     EXPECT_EQ(codes[static_cast<std::size_t>(r)], ErrorCode::invalid_argument);
-    EXPECT_NE(messages[static_cast<std::size_t>(r)].find("all_gather(count=4, f32)"), std::string::npos) << messages[static_cast<std::size_t>(r)];
-    EXPECT_NE(messages[static_cast<std::size_t>(r)].find("all_gather(count=5, f32)"), std::string::npos);
+    EXPECT_NE(messages[static_cast<std::size_t>(r)].find("all_gather(count=4, f32) for unit a"), std::string::npos) << messages[static_cast<std::size_t>(r)];
+    EXPECT_NE(messages[static_cast<std::size_t>(r)].find("all_gather(count=5, f32) for unit b"), std::string::npos);
   }
 }
 

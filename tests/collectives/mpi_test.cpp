@@ -244,9 +244,17 @@ TEST(Mpi, MismatchedSequencesFailEveryRankWithAClearError) {
   const int r = c->rank();
   std::vector<float> send(8, 1.0f), recv(8);
   const std::size_t n = r == 1 ? 8 : 4;
-  auto done = finish(c->all_reduce(send.data(), recv.data(), n, DataType::f32, ReduceOp::sum));
+  const std::string purpose = r == 1 ? "the branch only rank 1 runs" : "what the others run";
+  auto done = finish(c->all_reduce(send.data(), recv.data(), n, DataType::f32, ReduceOp::sum, purpose));
   ASSERT_FALSE(done.has_value());
   EXPECT_NE(done.error().message().find("collective sequence mismatch"), std::string::npos) << done.error().message();
+  // Each side's purpose: this rank's in its own ops, the peer's from its header.
+  EXPECT_NE(done.error().message().find("for " + purpose), std::string::npos) << done.error().message();
+  if (r == 0)
+    EXPECT_NE(done.error().message().find("with other ops (another kind, count, type, reduction or root) for the "
+                                          "branch only rank 1 runs"),
+              std::string::npos)
+        << done.error().message();
   EXPECT_FALSE(c->status().has_value());
   // A broken communicator refuses later launches at once.
   EXPECT_FALSE(c->barrier().has_value());

@@ -382,6 +382,21 @@ TEST(UnusedParameters, AtStageOneABranchRunOnOneRankTrainsAndOneRunOnNoneDoesNot
   }
 }
 
+// #32 item 6: a rank-dependent branch where it is not allowed (stages 0, 2, 3: the branch's unit
+// is gathered or reduced on one rank only) fails on every rank, naming what each rank's
+// collective was for, so the module and the ranks are named, not only the sizes; no hang.
+TEST(UnusedParameters, ARankDependentBranchIsNamedByItsUnitAndTheRanks) {
+  for (const int stage : {0, 2, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    auto run = sharded({.branch = BranchRuns::on_rank_one}, {2, stage}, 0.0f);
+    ASSERT_FALSE(run);
+    const std::string& m = run.error().message();
+    EXPECT_NE(m.find("collective sequence mismatch: rank 0 launched group #"), std::string::npos) << m;
+    EXPECT_NE(m.find("but rank 1 launched group #"), std::string::npos) << m;
+    EXPECT_NE(m.find("of unit branch.inner"), std::string::npos) << m;
+  }
+}
+
 // A unit of frozen parameters only has no gradient to reduce: its collective is not issued.
 TEST(FrozenParameters, AWhollyFrozenUnitIsNotReduced) {
   for (const int stage : {0, 2, 3}) {
@@ -422,7 +437,8 @@ TEST(SharedParameters, AnUndeclaredReadIsRefusedNamingTheParameter) {
               std::string::npos)
         << run.error().message();
     EXPECT_NE(run.error().message().find("use_parameters_of"), std::string::npos) << run.error().message();
-    EXPECT_EQ(run.error().message().find("module 'readout' (TiedReadout) read", 10), std::string::npos)
+    const auto first = run.error().message().find("module 'readout' (TiedReadout) read");
+    EXPECT_EQ(run.error().message().find("module 'readout' (TiedReadout) read", first + 1), std::string::npos)
         << "named once, by the module that failed: " << run.error().message();
   }
   const RunResult ref = reference({.tie = Tie::undeclared}, 0.0f);

@@ -123,7 +123,12 @@ async::Task<Result<void>> check_ranks_agree(modules::Context& ctx, collectives::
     differences += fields[i].first + " (rank" + (ranks.find(',') == std::string::npos ? " " : "s ") + ranks +
                    " unlike rank 0; here " + async::bounded_echo(fields[i].second) + ")";
   }
-  if (differences.empty()) co_return Result<void>{};
+  // Every rank has its verdict before any returns: a rank that fails aborts its communicator, and
+  // a peer still waiting for the gathered fingerprints would then report the abort instead of the
+  // differences (seen under mpirun). Past the barrier the verdict stands whatever it returns.
+  auto met = comm.barrier();
+  Result<void> passed = met ? co_await *met : Result<void>(fail(std::move(met).error()));
+  if (differences.empty()) co_return passed;
   co_return fail(ErrorCode::invalid_argument, "the ranks of this run do not agree (rank ", rank, " of ", world, "): ",
                  differences, "; every rank must run with the same model and settings");
 }

@@ -131,6 +131,8 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   for (auto& planned : plan.units) {
     auto u = std::make_unique<Unit>();
     u->info = std::move(planned.info);
+    u->gather_purpose = "the parameters of unit " + u->info.name;
+    u->reduce_purpose = "the gradients of unit " + u->info.name;
     u->modules = std::move(planned.modules);
     for (const auto& p : planned.parameters) u->params.push_back({p.parameter, p.offset});
     u->index = s->units.size();

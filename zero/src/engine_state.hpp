@@ -48,6 +48,8 @@ struct Unit {
   };
   std::vector<Param> params;
   std::size_t index = 0;  // in the engine's unit list
+  // What its collectives are for, in a mismatch's message (made once: no string per launch).
+  std::string gather_purpose, reduce_purpose;
   // Every parameter of the unit is frozen: no gradient buffer, no reduction, never stepped.
   bool frozen = false;
 

@@ -59,9 +59,9 @@ Result<void> Engine::State::reduce_gradients(Unit& u) {
   }
   Tensor mine = u.grad_full.slice(block_offset(u), Shape{u.info.shard});
   auto rs = stage0() ? comm->all_reduce(u.grad_full.data(), u.grad_full.data(), static_cast<std::size_t>(u.info.padded),
-                                        o.dtype, ReduceOp::avg)
+                                        o.dtype, ReduceOp::avg, u.reduce_purpose)
                      : comm->reduce_scatter(u.grad_full.data(), mine.data(), static_cast<std::size_t>(u.info.shard),
-                                            o.dtype, ReduceOp::avg);
+                                            o.dtype, ReduceOp::avg, u.reduce_purpose);
   stats.reduce_scattered_bytes += u.info.padded_bytes;
   if (!rs) return fail(std::move(rs).error().with_context("reducing the gradients of unit " + u.info.name));
   // Into the fp32 shard (bf16/f16 compute reduces in its own dtype, accumulates in fp32).
@@ -106,7 +106,8 @@ async::Task<Result<void>> Engine::State::finish_gradients(std::size_t micro_batc
     for (auto& u : units) {
       Tensor mine = u->grad_full.slice(block_offset(*u), Shape{u->info.shard});
       group.reduce_scatter(u->grad_full.data(), mine.data(), static_cast<std::size_t>(u->info.shard), o.dtype,
-                           ReduceOp::avg);
+                           ReduceOp::avg)
+          .purpose(u->reduce_purpose);
       stats.reduce_scattered_bytes += u->info.padded_bytes;
     }
     COSHARD_CO_TRY(comm->launch(group));

@@ -158,7 +158,7 @@ async::Task<Result<EngineStepStats>> Engine::finish_open_step(float lr) {
   const float added = static_cast<float>(std::max(s.losses_added, 1));
   if (added > 1) COSHARD_CO_TRY(k.scale(compute, DataType::f32, loss_sum.data(), 1.0f / added, 1));
   COSHARD_CO_TRY(State::order(compute, cs));
-  COSHARD_CO_TRY(s.comm->all_reduce(loss_sum.data(), loss_sum.data(), 1, DataType::f32, ReduceOp::avg));
+  COSHARD_CO_TRY(s.comm->all_reduce(loss_sum.data(), loss_sum.data(), 1, DataType::f32, ReduceOp::avg, "the step's loss"));
 
   // Stages 1-2: every rank gets the updated parameters, in one launch (stage 0 stepped them whole).
   if (!s.stage3() && !s.stage0()) COSHARD_CO_TRY(s.gather_full_copies());
@@ -216,7 +216,7 @@ async::Task<Result<double>> Engine::evaluate(Loss& loss, const Batch& batch) {
     loss.set_targets(batch.targets);
     COSHARD_CO_TRY_ASSIGN(Tensor v, co_await ctx.forward(loss, std::move(logits)));
     COSHARD_CO_TRY(State::order(ctx.stream(), s.comm->stream()));
-    COSHARD_CO_TRY(s.comm->all_reduce(v.data(), v.data(), 1, DataType::f32, ReduceOp::avg));
+    COSHARD_CO_TRY(s.comm->all_reduce(v.data(), v.data(), 1, DataType::f32, ReduceOp::avg, "the evaluated loss"));
     COSHARD_CO_TRY(State::order(s.comm->stream(), ctx.stream()));
     co_return v;
   }();

@@ -21,7 +21,8 @@ class OptimizerOnDevice final : public OptimizerPlacement {
     const Tensor grad_stats = s.optimizer->grad_stats();
     // Sharded: each rank's part of the norm, summed. Stage 0: every rank holds the whole gradient.
     if (!s.stage0())
-      COSHARD_CO_TRY(s.comm->all_reduce(grad_stats.data(), grad_stats.data(), 2, DataType::f32, ReduceOp::sum));
+      COSHARD_CO_TRY(s.comm->all_reduce(grad_stats.data(), grad_stats.data(), 2, DataType::f32, ReduceOp::sum,
+                                          "the gradients' norm"));
     COSHARD_CO_TRY(s.compute_waits_for_comm(kGradStats));
     co_return s.optimizer->apply(*s.ctx, lr);
   }

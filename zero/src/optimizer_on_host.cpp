@@ -43,7 +43,7 @@ async::Task<Result<void>> HostOptimizer::exchange_grad_stats(Engine::State& s) {
   COSHARD_CO_TRY(compute.copy(s.device_grad_stats.data(), host_stats.data(), host_stats.bytes()));
   COSHARD_CO_TRY(Engine::State::order(compute, s.comm->stream()));
   COSHARD_CO_TRY(s.comm->all_reduce(s.device_grad_stats.data(), s.device_grad_stats.data(), 2, DataType::f32,
-                                    ReduceOp::sum));
+                                    ReduceOp::sum, "the gradients' norm"));
   COSHARD_CO_TRY(s.compute_waits_for_comm(kGradStats));
   COSHARD_CO_TRY(compute.copy(s.grad_stats_back.data(), s.device_grad_stats.data(), host_stats.bytes()));
   COSHARD_CO_TRY_ASSIGN(auto stats_back, compute.record());

@@ -44,7 +44,8 @@ async::Task<Result<void>> Engine::State::skip_units_without_gradients() {
     auto bytes = encode_values(used, DataType::f32);
     COSHARD_CO_TRY_ASSIGN(Tensor t, ctx->upload(bytes, Shape{static_cast<std::int64_t>(used.size())}, DataType::f32));
     COSHARD_CO_TRY(order(ctx->stream(), comm->stream()));
-    COSHARD_CO_TRY(comm->all_reduce(t.data(), t.data(), used.size(), DataType::f32, ReduceOp::sum));
+    COSHARD_CO_TRY(comm->all_reduce(t.data(), t.data(), used.size(), DataType::f32, ReduceOp::sum,
+                                   "which units got gradients"));
     COSHARD_CO_TRY(order(comm->stream(), ctx->stream()));
     COSHARD_CO_TRY_ASSIGN(auto any_rank, co_await ctx->read(t));
     std::copy(any_rank.begin(), any_rank.end(), used.begin());

@@ -118,7 +118,8 @@ async::Task<Result<void>> Engine::State::agree_on_measurements() {
   auto bytes = encode_values(mine, DataType::f32);
   COSHARD_CO_TRY_ASSIGN(Tensor t, ctx->upload(bytes, Shape{static_cast<std::int64_t>(mine.size())}, DataType::f32));
   COSHARD_CO_TRY(order(ctx->stream(), comm->stream()));
-  COSHARD_CO_TRY(comm->all_reduce(t.data(), t.data(), mine.size(), DataType::f32, ReduceOp::avg));
+  COSHARD_CO_TRY(comm->all_reduce(t.data(), t.data(), mine.size(), DataType::f32, ReduceOp::avg,
+                                 "the prefetch's measurements"));
   COSHARD_CO_TRY(order(comm->stream(), ctx->stream()));
   COSHARD_CO_TRY_ASSIGN(auto agreed, co_await ctx->read(t));
   std::copy(agreed.begin(), agreed.begin() + static_cast<std::ptrdiff_t>(gather_ms.size()), gather_ms.begin());

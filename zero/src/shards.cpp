@@ -36,7 +36,8 @@ Result<void> Engine::State::gather_full_copies() {
   COSHARD_TRY_ASSIGN(auto started, mark(cs));
   Coalesced group;
   for (auto& u : units) {
-    group.all_gather(u->shard.data(), u->full.data(), static_cast<std::size_t>(u->info.shard), o.dtype);
+    group.all_gather(u->shard.data(), u->full.data(), static_cast<std::size_t>(u->info.shard), o.dtype)
+        .purpose(u->gather_purpose);
     stats.gathered_bytes += u->info.padded_bytes;
   }
   COSHARD_TRY(comm->launch(group));

@@ -21,6 +21,8 @@
 // sequence) fails its event after the backend's timeout, and the communicator stays failed.
 #pragma once
 
+#include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -47,6 +49,17 @@ struct CollectiveOp {
   DataType dtype = DataType::u8;
   ReduceOp op = ReduceOp::sum;
   int root = 0;
+  // What the collective is for ("the gradients of unit h.3"), for errors only: a mismatch names
+  // each rank's, so ranks that took different paths (a rank-dependent branch) are named by what
+  // they were doing, not only by sizes. Not part of the signature. Cut to fit; copied with the op.
+  std::array<char, 48> purpose{};
+
+  void set_purpose(std::string_view text) noexcept {
+    const std::size_t n = std::min(text.size(), purpose.size() - 1);
+    std::copy_n(text.begin(), n, purpose.begin());
+    purpose[n] = '\0';
+  }
+  std::string_view purpose_text() const noexcept { return purpose.data(); }
 
   // The part every rank must agree on ("all_gather(count=1024, f32)").
   std::string signature() const;
@@ -57,7 +70,8 @@ struct CollectiveOp {
   }
 };
 
-// "[all_gather(count=1024, f32), barrier()]": a group's ops, for errors and log lines.
+// "[all_gather(count=1024, f32) for the parameters of unit h.0, barrier()]": a group's ops, for
+// errors and log lines.
 std::string describe(std::span<const CollectiveOp> ops);
 
 // Collectives to launch together. Build it, then Communicator::launch(group).
@@ -68,6 +82,11 @@ class Coalesced {
   Coalesced& all_reduce(const void* send, void* recv, std::size_t count, DataType dtype, ReduceOp op);
   Coalesced& broadcast(const void* send, void* recv, std::size_t count, DataType dtype, int root);
   Coalesced& barrier();
+  // What the op added last is for (CollectiveOp::purpose).
+  Coalesced& purpose(std::string_view text) noexcept {
+    if (!ops_.empty()) ops_.back().set_purpose(text);
+    return *this;
+  }
 
   std::span<const CollectiveOp> ops() const noexcept { return ops_; }
   bool empty() const noexcept { return ops_.empty(); }
@@ -116,17 +135,22 @@ class Communicator {
   // that keeps none. The Local and NCCL backends keep one.
   virtual const FlightRecorder* flight_recorder() const noexcept { return nullptr; }
 
-  Result<async::Event> all_gather(const void* send, void* recv, std::size_t count, DataType dtype) {
-    return launch(Coalesced{}.all_gather(send, recv, count, dtype));
+  // One collective; `purpose` says what it is for in a mismatch's message (CollectiveOp::purpose).
+  Result<async::Event> all_gather(const void* send, void* recv, std::size_t count, DataType dtype,
+                                  std::string_view purpose = {}) {
+    return launch(Coalesced{}.all_gather(send, recv, count, dtype).purpose(purpose));
   }
-  Result<async::Event> reduce_scatter(const void* send, void* recv, std::size_t count, DataType dtype, ReduceOp op) {
-    return launch(Coalesced{}.reduce_scatter(send, recv, count, dtype, op));
+  Result<async::Event> reduce_scatter(const void* send, void* recv, std::size_t count, DataType dtype, ReduceOp op,
+                                      std::string_view purpose = {}) {
+    return launch(Coalesced{}.reduce_scatter(send, recv, count, dtype, op).purpose(purpose));
   }
-  Result<async::Event> all_reduce(const void* send, void* recv, std::size_t count, DataType dtype, ReduceOp op) {
-    return launch(Coalesced{}.all_reduce(send, recv, count, dtype, op));
+  Result<async::Event> all_reduce(const void* send, void* recv, std::size_t count, DataType dtype, ReduceOp op,
+                                  std::string_view purpose = {}) {
+    return launch(Coalesced{}.all_reduce(send, recv, count, dtype, op).purpose(purpose));
   }
-  Result<async::Event> broadcast(const void* send, void* recv, std::size_t count, DataType dtype, int root) {
-    return launch(Coalesced{}.broadcast(send, recv, count, dtype, root));
+  Result<async::Event> broadcast(const void* send, void* recv, std::size_t count, DataType dtype, int root,
+                                 std::string_view purpose = {}) {
+    return launch(Coalesced{}.broadcast(send, recv, count, dtype, root).purpose(purpose));
   }
   Result<async::Event> barrier() { return launch(Coalesced{}.barrier()); }
 };

@@ -148,7 +148,9 @@ struct ContextOptions {
 class Context {
  public:
   // Fails when the stream's device has no kernels in this build (CUDA without COSHARD_CUDA), or
-  // the allocator serves another device.
+  // the allocator serves another device. The context keeps pointers to `stream` and `allocator`:
+  // they must stay where they are (not moved) and outlive it and every tensor it made, and the
+  // stream must have passed its last use before they go (zero::run_on_ranks keeps all three).
   static Result<Context> create(async::Stream& stream, async::CachingAllocator& allocator,
                                 ContextOptions options = {});
 
