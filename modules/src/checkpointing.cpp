@@ -29,21 +29,20 @@ async::Task<Result<Tensor>> Checkpointed::forward(Context& ctx, Tensor input) {
   // Only the input stays (inside a recompute too: an enclosing checkpoint rebuilds this block's
   // input, and this block recomputes its own inside when its backward comes).
   inner().clear_saved_recursive();
-  input_ = std::move(input);
+  input_.push(std::move(input));
   co_return y;
 }
 
 async::Task<Result<Tensor>> Checkpointed::backward(Context& ctx, Tensor grad_output) {
-  if (!input_) co_return fail(ErrorCode::invalid_argument, "Checkpointed: backward without a forward (nothing saved)");
+  COSHARD_CO_TRY_ASSIGN(Tensor input, input_.pop("Checkpointed"));
   {
     Context::RecomputeScope recompute(ctx);
-    auto again = co_await ctx.forward(inner(), input_);
+    auto again = co_await ctx.forward(inner(), std::move(input));
     if (!again) {
       inner().clear_saved_recursive();
       co_return fail(std::move(again).error().with_context("recomputing a checkpointed block"));
     }
   }
-  input_ = {};
   co_return co_await ctx.backward(inner(), std::move(grad_output));
 }
 

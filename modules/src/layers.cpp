@@ -43,22 +43,21 @@ async::Task<Result<Tensor>> Embedding::forward(Context& ctx, Tensor tokens) {
   COSHARD_CO_TRY(ctx.kernels().embedding_forward(ctx.stream(), dt, tokens.data_as<std::int32_t>(),
                                                  token_weight().value().data(), position_weight().value().data(),
                                                  out.data(), B, T, dim_, vocab_));
-  tokens_ = std::move(tokens);
+  tokens_.push(std::move(tokens));
   co_return out;
 }
 
 async::Task<Result<Tensor>> Embedding::backward(Context& ctx, Tensor grad_output) {
-  if (!tokens_) co_return fail(ErrorCode::invalid_argument, "Embedding: backward without a forward");
-  const std::int64_t B = tokens_.shape()[0], T = tokens_.shape()[1];
+  COSHARD_CO_TRY_ASSIGN(const Tensor tokens, tokens_.pop("Embedding"));
+  const std::int64_t B = tokens.shape()[0], T = tokens.shape()[1];
   const DataType dt = token_weight().value().dtype();
   COSHARD_CO_TRY(check_grad(grad_output, Shape{B, T, dim_}, dt, "Embedding"));
   if (trains(token_weight()) || trains(position_weight())) {
     COSHARD_CO_TRY_ASSIGN(Tensor dwte, detail::grad_or_scratch(ctx, token_weight(), dt));
     void* dwpe = trains(position_weight()) ? position_weight().grad().data() : nullptr;  // null: none added
-    COSHARD_CO_TRY(ctx.kernels().embedding_backward(ctx.stream(), dt, tokens_.data_as<std::int32_t>(),
+    COSHARD_CO_TRY(ctx.kernels().embedding_backward(ctx.stream(), dt, tokens.data_as<std::int32_t>(),
                                                     grad_output.data(), dwte.data(), dwpe, B, T, dim_));
   }
-  tokens_ = {};
   co_return Tensor{};
 }
 
@@ -76,19 +75,18 @@ async::Task<Result<Tensor>> Linear::forward(Context& ctx, Tensor input) {
   COSHARD_CO_TRY(check_param(weight(), dt, "Linear"));
   if (bias()) COSHARD_CO_TRY(check_param(*bias(), dt, "Linear"));
   COSHARD_CO_TRY_ASSIGN(Tensor out, detail::times_weight_transposed(ctx, input, weight(), in_, out_, bias()));
-  input_ = std::move(input);
+  input_.push(std::move(input));
   co_return out;
 }
 
 async::Task<Result<Tensor>> Linear::backward(Context& ctx, Tensor grad_output) {
-  if (!input_) co_return fail(ErrorCode::invalid_argument, "Linear: backward without a forward");
-  const DataType dt = input_.dtype();
-  COSHARD_CO_TRY(check_grad(grad_output, input_.shape().with_back(out_), dt, "Linear"));
-  const std::int64_t rows = input_.shape().rows();
-  COSHARD_CO_TRY_ASSIGN(Tensor dx, detail::weight_product_backward(ctx, input_, grad_output, weight(), in_, out_));
+  COSHARD_CO_TRY_ASSIGN(const Tensor input, input_.pop("Linear"));
+  const DataType dt = input.dtype();
+  COSHARD_CO_TRY(check_grad(grad_output, input.shape().with_back(out_), dt, "Linear"));
+  const std::int64_t rows = input.shape().rows();
+  COSHARD_CO_TRY_ASSIGN(Tensor dx, detail::weight_product_backward(ctx, input, grad_output, weight(), in_, out_));
   if (bias() && trains(*bias()))
     COSHARD_CO_TRY(ctx.kernels().bias_grad(ctx.stream(), dt, grad_output.data(), bias()->grad().data(), rows, out_));
-  input_ = {};
   co_return dx;
 }
 
@@ -111,26 +109,25 @@ async::Task<Result<Tensor>> LayerNorm::forward(Context& ctx, Tensor input) {
   COSHARD_CO_TRY(ctx.kernels().layernorm_forward(ctx.stream(), dt, input.data(), parameters()[0]->value().data(),
                                                  parameters()[1]->value().data(), out.data(), mean.data(),
                                                  rstd.data(), rows, dim_, eps_));
-  input_ = std::move(input);
-  mean_ = std::move(mean);
-  rstd_ = std::move(rstd);
+  saved_.push({std::move(input), std::move(mean), std::move(rstd)});
   co_return out;
 }
 
 async::Task<Result<Tensor>> LayerNorm::backward(Context& ctx, Tensor grad_output) {
-  COSHARD_CO_TRY(check_grad(input_, grad_output, "LayerNorm"));
-  const DataType dt = input_.dtype();
-  const std::int64_t rows = input_.shape().rows();
+  COSHARD_CO_TRY_ASSIGN(const Saved saved, saved_.pop("LayerNorm"));
+  const Tensor& input = saved.input;
+  COSHARD_CO_TRY(check_grad(input, grad_output, "LayerNorm"));
+  const DataType dt = input.dtype();
+  const std::int64_t rows = input.shape().rows();
   Parameter& w = *parameters()[0];
   Parameter& b = *parameters()[1];
   COSHARD_CO_TRY_ASSIGN(Tensor dw, detail::grad_or_scratch(ctx, w, dt));
   COSHARD_CO_TRY_ASSIGN(Tensor db, detail::grad_or_scratch(ctx, b, dt));
-  COSHARD_CO_TRY_ASSIGN(Tensor dx, ctx.empty(input_.shape(), dt));
+  COSHARD_CO_TRY_ASSIGN(Tensor dx, ctx.empty(input.shape(), dt));
   COSHARD_CO_TRY_ASSIGN(Tensor scratch, detail::norm_backward_scratch(ctx, dt, rows, dim_, true));
-  COSHARD_CO_TRY(ctx.kernels().layernorm_backward(ctx.stream(), dt, grad_output.data(), input_.data(),
-                                                  w.value().data(), mean_.data(), rstd_.data(), dx.data(),
+  COSHARD_CO_TRY(ctx.kernels().layernorm_backward(ctx.stream(), dt, grad_output.data(), input.data(),
+                                                  w.value().data(), saved.mean.data(), saved.rstd.data(), dx.data(),
                                                   dw.data(), db.data(), scratch.data(), rows, dim_));
-  clear_saved();
   co_return dx;
 }
 
@@ -140,16 +137,16 @@ async::Task<Result<Tensor>> Gelu::forward(Context& ctx, Tensor input) {
   COSHARD_CO_TRY(check_activation(ctx, input, 0, "Gelu"));
   COSHARD_CO_TRY_ASSIGN(Tensor out, ctx.empty(input.shape(), input.dtype()));
   COSHARD_CO_TRY(ctx.kernels().gelu_forward(ctx.stream(), input.dtype(), input.data(), out.data(), input.numel()));
-  input_ = std::move(input);
+  input_.push(std::move(input));
   co_return out;
 }
 
 async::Task<Result<Tensor>> Gelu::backward(Context& ctx, Tensor grad_output) {
-  COSHARD_CO_TRY(check_grad(input_, grad_output, "Gelu"));
-  COSHARD_CO_TRY_ASSIGN(Tensor dx, ctx.empty(input_.shape(), input_.dtype()));
-  COSHARD_CO_TRY(ctx.kernels().gelu_backward(ctx.stream(), input_.dtype(), input_.data(), grad_output.data(),
+  COSHARD_CO_TRY_ASSIGN(const Tensor input, input_.pop("Gelu"));
+  COSHARD_CO_TRY(check_grad(input, grad_output, "Gelu"));
+  COSHARD_CO_TRY_ASSIGN(Tensor dx, ctx.empty(input.shape(), input.dtype()));
+  COSHARD_CO_TRY(ctx.kernels().gelu_backward(ctx.stream(), input.dtype(), input.data(), grad_output.data(),
                                              dx.data(), dx.numel()));
-  input_ = {};
   co_return dx;
 }
 
@@ -192,28 +189,26 @@ async::Task<Result<Tensor>> CausalSelfAttention::forward(Context& ctx, Tensor qk
   COSHARD_CO_TRY_ASSIGN(Tensor saved, ctx.empty(buffers.saved, buffers.saved_dtype));
   COSHARD_CO_TRY(ctx.kernels().attention_forward(ctx.stream(), dt, qkv.data(), out.data(), saved.data(), B, T, H, KVH,
                                                  hd));
-  qkv_ = std::move(qkv);
-  saved_ = std::move(saved);
   // The fused form recomputes from the output (which the projection after it keeps anyway).
-  if (buffers.backward_reads_output) out_ = out;
+  saved_.push({std::move(qkv), std::move(saved), buffers.backward_reads_output ? out : Tensor{}});
   co_return out;
 }
 
 async::Task<Result<Tensor>> CausalSelfAttention::backward(Context& ctx, Tensor grad_output) {
-  if (!qkv_) co_return fail(ErrorCode::invalid_argument, "CausalSelfAttention: backward without a forward");
+  COSHARD_CO_TRY_ASSIGN(const Saved saved, saved_.pop("CausalSelfAttention"));
+  const Tensor& qkv = saved.qkv;
   const auto [H, KVH, hd] = heads_;
-  const DataType dt = qkv_.dtype();
-  const std::int64_t B = qkv_.shape()[0], T = qkv_.shape()[1];
+  const DataType dt = qkv.dtype();
+  const std::int64_t B = qkv.shape()[0], T = qkv.shape()[1];
   COSHARD_CO_TRY(check_grad(grad_output, Shape{B, T, H * hd}, dt, "CausalSelfAttention"));
   const detail::AttentionBuffers buffers = ctx.kernels().attention_buffers(dt, B, T, H, KVH, hd);
-  if (buffers.backward_reads_output && !out_)
+  if (buffers.backward_reads_output && !saved.out)
     co_return fail(ErrorCode::invalid_argument, "CausalSelfAttention: backward without the forward's output");
-  COSHARD_CO_TRY_ASSIGN(Tensor dqkv, ctx.empty(qkv_.shape(), dt));
+  COSHARD_CO_TRY_ASSIGN(Tensor dqkv, ctx.empty(qkv.shape(), dt));
   COSHARD_CO_TRY_ASSIGN(Tensor scratch, ctx.empty(buffers.scratch, buffers.scratch_dtype));
-  COSHARD_CO_TRY(ctx.kernels().attention_backward(ctx.stream(), dt, grad_output.data(), qkv_.data(),
-                                                  out_ ? out_.data() : nullptr, saved_.data(), dqkv.data(),
-                                                  scratch.data(), B, T, H, KVH, hd));
-  clear_saved();
+  COSHARD_CO_TRY(ctx.kernels().attention_backward(ctx.stream(), dt, grad_output.data(), qkv.data(),
+                                                  saved.out ? saved.out.data() : nullptr, saved.stats.data(),
+                                                  dqkv.data(), scratch.data(), B, T, H, KVH, hd));
   co_return dqkv;
 }
 

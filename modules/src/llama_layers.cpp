@@ -30,22 +30,22 @@ async::Task<Result<Tensor>> RmsNorm::forward(Context& ctx, Tensor input) {
   COSHARD_CO_TRY_ASSIGN(Tensor rstd, ctx.empty(Shape{rows}, detail::stat_dtype(dt)));
   COSHARD_CO_TRY(ctx.kernels().rmsnorm_forward(ctx.stream(), dt, input.data(), parameters()[0]->value().data(),
                                                out.data(), rstd.data(), rows, dim_, eps_));
-  input_ = std::move(input);
-  rstd_ = std::move(rstd);
+  saved_.push({std::move(input), std::move(rstd)});
   co_return out;
 }
 
 async::Task<Result<Tensor>> RmsNorm::backward(Context& ctx, Tensor grad_output) {
-  COSHARD_CO_TRY(check_grad(input_, grad_output, "RmsNorm"));
-  const DataType dt = input_.dtype();
-  const std::int64_t rows = input_.shape().rows();
+  COSHARD_CO_TRY_ASSIGN(const Saved saved, saved_.pop("RmsNorm"));
+  const Tensor& input = saved.input;
+  COSHARD_CO_TRY(check_grad(input, grad_output, "RmsNorm"));
+  const DataType dt = input.dtype();
+  const std::int64_t rows = input.shape().rows();
   Parameter& w = *parameters()[0];
   COSHARD_CO_TRY_ASSIGN(Tensor dw, detail::grad_or_scratch(ctx, w, dt));
-  COSHARD_CO_TRY_ASSIGN(Tensor dx, ctx.empty(input_.shape(), dt));
+  COSHARD_CO_TRY_ASSIGN(Tensor dx, ctx.empty(input.shape(), dt));
   COSHARD_CO_TRY_ASSIGN(Tensor scratch, detail::norm_backward_scratch(ctx, dt, rows, dim_, false));
-  COSHARD_CO_TRY(ctx.kernels().rmsnorm_backward(ctx.stream(), dt, grad_output.data(), input_.data(), w.value().data(),
-                                                rstd_.data(), dx.data(), dw.data(), scratch.data(), rows, dim_));
-  clear_saved();
+  COSHARD_CO_TRY(ctx.kernels().rmsnorm_backward(ctx.stream(), dt, grad_output.data(), input.data(), w.value().data(),
+                                                saved.rstd.data(), dx.data(), dw.data(), scratch.data(), rows, dim_));
   co_return dx;
 }
 
@@ -61,18 +61,17 @@ async::Task<Result<Tensor>> SwiGlu::forward(Context& ctx, Tensor input) {
   const std::int64_t rows = input.shape().rows(), half = width / 2;
   COSHARD_CO_TRY_ASSIGN(Tensor out, ctx.empty(input.shape().with_back(half), input.dtype()));
   COSHARD_CO_TRY(ctx.kernels().swiglu_forward(ctx.stream(), input.dtype(), input.data(), out.data(), rows, half));
-  input_ = std::move(input);
+  input_.push(std::move(input));
   co_return out;
 }
 
 async::Task<Result<Tensor>> SwiGlu::backward(Context& ctx, Tensor grad_output) {
-  if (!input_) co_return fail(ErrorCode::invalid_argument, "SwiGlu: backward without a forward (nothing saved)");
-  const std::int64_t rows = input_.shape().rows(), half = input_.shape().back() / 2;
-  COSHARD_CO_TRY(check_grad(grad_output, input_.shape().with_back(half), input_.dtype(), "SwiGlu"));
-  COSHARD_CO_TRY_ASSIGN(Tensor dx, ctx.empty(input_.shape(), input_.dtype()));
-  COSHARD_CO_TRY(ctx.kernels().swiglu_backward(ctx.stream(), input_.dtype(), input_.data(), grad_output.data(),
+  COSHARD_CO_TRY_ASSIGN(const Tensor input, input_.pop("SwiGlu"));
+  const std::int64_t rows = input.shape().rows(), half = input.shape().back() / 2;
+  COSHARD_CO_TRY(check_grad(grad_output, input.shape().with_back(half), input.dtype(), "SwiGlu"));
+  COSHARD_CO_TRY_ASSIGN(Tensor dx, ctx.empty(input.shape(), input.dtype()));
+  COSHARD_CO_TRY(ctx.kernels().swiglu_backward(ctx.stream(), input.dtype(), input.data(), grad_output.data(),
                                                dx.data(), rows, half));
-  clear_saved();
   co_return dx;
 }
 
@@ -141,20 +140,19 @@ async::Task<Result<Tensor>> RotaryEmbedding::forward(Context& ctx, Tensor input)
   COSHARD_CO_TRY(ctx.kernels().rope(ctx.stream(), dt, input.data(), out.data(), static_cast<const float*>(freq.data()),
                                     input.shape()[0], input.shape()[1], heads, n_heads_ + n_kv_heads_, head_dim_,
                                     false));
-  shape_ = input.shape();
-  freq_ = std::move(freq);
+  saved_.push({input.shape(), std::move(freq)});
   co_return out;
 }
 
 async::Task<Result<Tensor>> RotaryEmbedding::backward(Context& ctx, Tensor grad_output) {
-  if (!freq_) co_return fail(ErrorCode::invalid_argument, "RotaryEmbedding: backward without a forward (nothing saved)");
-  COSHARD_CO_TRY(check_grad(grad_output, shape_, grad_output ? grad_output.dtype() : DataType::f32, "RotaryEmbedding"));
+  COSHARD_CO_TRY_ASSIGN(const Saved saved, saved_.pop("RotaryEmbedding"));
+  const Shape& shape = saved.shape;
+  COSHARD_CO_TRY(check_grad(grad_output, shape, grad_output ? grad_output.dtype() : DataType::f32, "RotaryEmbedding"));
   const std::int64_t heads = n_heads_ + 2 * n_kv_heads_;
-  COSHARD_CO_TRY_ASSIGN(Tensor dx, ctx.empty(shape_, grad_output.dtype()));
+  COSHARD_CO_TRY_ASSIGN(Tensor dx, ctx.empty(shape, grad_output.dtype()));
   COSHARD_CO_TRY(ctx.kernels().rope(ctx.stream(), grad_output.dtype(), grad_output.data(), dx.data(),
-                                    static_cast<const float*>(freq_.data()), shape_[0], shape_[1], heads,
+                                    static_cast<const float*>(saved.freq.data()), shape[0], shape[1], heads,
                                     n_heads_ + n_kv_heads_, head_dim_, true));
-  clear_saved();
   co_return dx;
 }
 

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "coshard/modules/checkpointing.hpp"
 #include "coshard/modules/ops.hpp"
 #include "coshard/modules/parameter_store.hpp"
 #include "coshard/zero/engine.hpp"
@@ -54,6 +55,26 @@ class Branch final : public Module {
 };
 
 // on_rank_one: a rank-dependent branch (sharded runs only; stage 1 allows it).
+// Runs its child twice in a row (backward: twice, in reverse order): one instance used twice in a
+// pass, as weight sharing across positions or a block applied twice.
+class Twice final : public Module {
+ public:
+  explicit Twice(std::unique_ptr<Module> inner) { register_child("inner", std::move(inner)); }
+  std::string_view type_name() const override { return "Twice"; }
+  async::Task<Result<Tensor>> forward(Context& ctx, Tensor x) override {
+    COSHARD_CO_TRY_ASSIGN(Tensor once, co_await ctx.forward(*children().front().module, std::move(x)));
+    co_return co_await ctx.forward(*children().front().module, std::move(once));
+  }
+  async::Task<Result<Tensor>> backward(Context& ctx, Tensor dy) override {
+    COSHARD_CO_TRY_ASSIGN(Tensor once, co_await ctx.backward(*children().front().module, std::move(dy)));
+    co_return co_await ctx.backward(*children().front().module, std::move(once));
+  }
+};
+
+// What runs twice: a Linear, a block (Linear, Gelu, Linear), the block checkpointed; declared,
+// or (undeclared_layer) a Linear that does not say so, coalesced with its neighbours.
+enum class Reuse { none, layer, block, checkpointed_block, undeclared_layer };
+
 enum class BranchRuns { always, some_steps, never, on_rank_one };
 // The shape of the model: the MLP with a branch, or with a readout of its own that reads fc1's
 // weight (declared, or not).
@@ -64,6 +85,7 @@ struct Semantics {
   bool groups = false;              // no decay for vectors; fc2.weight at half the learning rate
   BranchRuns branch = BranchRuns::always;
   Tie tie = Tie::none;
+  Reuse reuse = Reuse::none;
 };
 
 // y = h W, where W [32, 6] is another module's weight (fc1's): a layer tied to another's table,
@@ -104,6 +126,26 @@ struct Model {
   static Result<std::unique_ptr<Model>> make(const Semantics& sem) {
     auto m = std::make_unique<Model>();
     m->net = std::make_unique<modules::Sequential>();
+    if (sem.reuse != Reuse::none) {
+      m->net->add("fc1", std::make_unique<modules::Linear>(6, kMlpHidden, true, Init::normal(0.3)));
+      m->net->add("act", std::make_unique<modules::Gelu>());
+      std::unique_ptr<Module> inner;
+      if (sem.reuse == Reuse::layer || sem.reuse == Reuse::undeclared_layer) {
+        inner = std::make_unique<modules::Linear>(kMlpHidden, kMlpHidden, true, Init::normal(0.15));
+      } else {
+        auto block = std::make_unique<modules::Sequential>();
+        block->add("a", std::make_unique<modules::Linear>(kMlpHidden, kMlpHidden, true, Init::normal(0.15)));
+        block->add("g", std::make_unique<modules::Gelu>());
+        block->add("b", std::make_unique<modules::Linear>(kMlpHidden, kMlpHidden, true, Init::normal(0.15)));
+        inner = std::move(block);
+        if (sem.reuse == Reuse::checkpointed_block) inner = std::make_unique<modules::Checkpointed>(std::move(inner));
+      }
+      if (sem.reuse != Reuse::undeclared_layer) inner->set_runs_more_than_once_per_pass();
+      m->net->add("twice", std::make_unique<Twice>(std::move(inner)));
+      m->net->add("fc2", std::make_unique<modules::Linear>(kMlpHidden, 2, true, Init::normal(0.3)));
+      for (const auto& pattern : sem.frozen) COSHARD_TRY(m->net->set_trainable_matching(pattern, false));
+      return m;
+    }
     if (sem.tie != Tie::none) {
       auto& fc1 = m->net->add("fc1", std::make_unique<modules::Linear>(6, kMlpHidden, true, Init::normal(0.3)));
       m->net->add("act", std::make_unique<modules::Gelu>());
@@ -250,6 +292,9 @@ Result<RunResult> sharded(const Semantics& sem, const Case& k, float clip) {
     o.offload_params = k.params;
     o.step_in_backward = k.step_in_backward;
     o.nvme_path = swap / ("rank" + std::to_string(r));
+    // The undeclared case: units [fc1, twice.inner] and [fc2], so the reused Linear's unit closes
+    // after its first use (fc1 896 bytes, twice.inner 4,224, fc2 264).
+    if (sem.reuse == Reuse::undeclared_layer) o.module_granularity_bytes = 5000;
     COSHARD_CO_TRY_ASSIGN(auto engine, Engine::create(ctx, comm, *model->net, *opt, o));
     COSHARD_CO_TRY(co_await engine->initialize(7));
     modules::MeanSquaredErrorLoss loss;
@@ -394,6 +439,38 @@ TEST(UnusedParameters, ARankDependentBranchIsNamedByItsUnitAndTheRanks) {
     EXPECT_NE(m.find("collective sequence mismatch: rank 0 launched group #"), std::string::npos) << m;
     EXPECT_NE(m.find("but rank 1 launched group #"), std::string::npos) << m;
     EXPECT_NE(m.find("of unit branch.inner"), std::string::npos) << m;
+  }
+}
+
+// #32 item 4: one instance run twice in a pass (a layer, a block, a checkpointed block) gives the
+// unsharded model's numbers at every stage, world size, offload and with accumulation: each use's
+// backward has its own forward's activations, and the gradient is the sum over the uses.
+TEST(ModulesRunTwice, ALayerUsedTwiceTrainsAsUnsharded) {
+  expect_matches({.reuse = Reuse::layer}, 0.0f, {}, all_cases());
+}
+
+TEST(ModulesRunTwice, ABlockAppliedTwiceTrainsAsUnshardedCheckpointedOrNot) {
+  expect_matches({.reuse = Reuse::block}, 0.0f, {}, all_cases());
+  expect_matches({.reuse = Reuse::checkpointed_block}, 0.0f, {},
+                 {{1, 3}, {2, 0}, {3, 2}, {2, 3, 2}, {3, 3, 1, OffloadTarget::cpu, OffloadTarget::cpu}});
+}
+
+// Undeclared, and sharing a unit with its neighbours: at stages 0-2 the parameters stay bound,
+// and the second use's gradient is added into the same buffer before the unit is reduced (the
+// unsharded numbers); at stage 3 the unit is released after the first use, and the second is
+// named (never a wrong number).
+TEST(ModulesRunTwice, AnUndeclaredSecondUseTrainsWhereItCanAndIsNamedWhereItCannot) {
+  std::vector<Case> cases;
+  for (const Case& k : all_cases())
+    if (k.stage < 3) cases.push_back(k);
+  expect_matches({.reuse = Reuse::undeclared_layer}, 0.0f, {}, cases);
+  for (const int world : {1, 2}) {
+    SCOPED_TRACE("stage 3, world " + std::to_string(world));
+    auto run = sharded({.reuse = Reuse::undeclared_layer}, {world, 3}, 0.0f);
+    ASSERT_FALSE(run);
+    const std::string& m = run.error().message();
+    EXPECT_NE(m.find("module 'twice.inner' (Linear) ran while its unit fc1 was not gathered"), std::string::npos) << m;
+    EXPECT_NE(m.find("set_runs_more_than_once_per_pass()"), std::string::npos) << m;
   }
 }
 

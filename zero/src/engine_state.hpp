@@ -64,6 +64,11 @@ struct Unit {
   int grads_this_step = 0;  // backward passes reduced into grad_shard this step
   bool grads_out = false;   // optimizer offload: copied to host_grad during backward this step
   int forward_uses = 0;     // forward passes this step (as many backward passes will come)
+  // Uses whose backward has not come yet: a unit used more than once in a micro-batch (a module
+  // run twice, a declared reader) adds every use's gradient into one grad_full and is reduced
+  // once, after the last (fewer collectives, and the unsharded model's order of additions).
+  int uses_pending = 0;
+  int backwards_this_step = 0;
   bool stepped_early = false;  // step_in_backward: stepped on the host during backward
 
   // Optimizer offload: this rank's fp32 master and gradient shard in pinned host memory.

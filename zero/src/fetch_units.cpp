@@ -25,11 +25,13 @@ Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOp
     int region;  // the checkpointed block it lies in (0: none)
   };
   // A unit never spans two checkpointed blocks, or one and the rest of the model: a recompute
-  // runs the block's modules alone, and must meet each of its units' first and last module.
+  // runs the block's modules alone, and must meet each of its units' first and last module. The
+  // same holds for a container that runs more than once a pass: each use meets its units whole.
   std::unordered_map<const Module*, int> region;
   int regions = 0;
   std::function<void(Module&, int)> mark = [&](Module& m, int r) {
-    if (dynamic_cast<const Checkpointed*>(&m)) r = ++regions;
+    if (dynamic_cast<const Checkpointed*>(&m) || (!m.children().empty() && m.runs_more_than_once_per_pass()))
+      r = ++regions;
     region[&m] = r;
     for (const auto& c : m.children()) mark(*c.module, r);
   };

@@ -32,6 +32,7 @@ Result<void> Engine::State::allocate_gradients(Unit& u) {
 Result<void> Engine::State::begin_backward(Unit& u) {
   if (o.zero_stage == 1) return {};
   if (u.frozen) return bind_values(u, values_of(u));  // values only: nothing to reduce
+  if (u.grad_full) return bind_values(u, values_of(u));  // another use of this micro-batch: add to it
   COSHARD_TRY_ASSIGN(u.grad_full_block, ctx->allocator().allocate(u.info.padded_bytes, ctx->stream()));
   u.grad_full = Tensor(u.grad_full_block.data(), Shape{u.info.padded}, o.dtype, ctx->device());
   COSHARD_TRY(ctx->stream().fill(u.grad_full.data(), 0, u.info.padded_bytes));
@@ -50,6 +51,10 @@ Result<void> Engine::State::reduce_gradients(Unit& u) {
     ++u.grads_this_step;
     return {};
   }
+  ++u.backwards_this_step;
+  // Another use of this micro-batch is still to come backward: its gradient goes into the same
+  // buffer (kept; the parameters are rebound at that use), and the unit is reduced once after it.
+  if (--u.uses_pending > 0) return {};
   auto& cs = comm->stream();
   COSHARD_TRY_ASSIGN(auto produced, ctx->stream().record());
   COSHARD_TRY(cs.wait(produced));
@@ -82,7 +87,7 @@ Result<void> Engine::State::reduce_gradients(Unit& u) {
     COSHARD_TRY(cs.copy(u.host_grad.data(), u.grad_shard.data(), u.grad_shard.bytes()));
     stats.swap_bytes += u.grad_shard.bytes();
     u.grads_out = true;
-    if (stepping_in_backward && u.grads_this_step == u.forward_uses) COSHARD_TRY(step_on_host(u));
+    if (stepping_in_backward && u.backwards_this_step == u.forward_uses) COSHARD_TRY(step_on_host(u));
   }
   if (scratch) scratch.reset_after(reduced);
   span(false, stage0() ? "all_reduce" : "reduce_scatter", u.info.name, std::move(started), reduced);

@@ -1,6 +1,8 @@
 // The module hooks: every module of the model calls them around its forward and backward; a
 // unit's first module fetches it, its last releases it (stage 3), and a backward reduces it.
 // Misuse of the loop (a forward outside a step, too many micro-batches) is caught here.
+#include <algorithm>
+
 #include "engine_state.hpp"
 
 namespace coshard::zero {
@@ -30,12 +32,18 @@ async::Task<Result<void>> Engine::before_forward(Context& ctx, Module& module) {
   if (const auto* lent = s.borrowed_of(module))
     for (const std::size_t i : *lent) {
       Unit& b = *s.units[i];
-      if (!recompute) ++b.forward_uses;
+      if (!recompute) {
+        ++b.forward_uses;
+        ++b.uses_pending;
+      }
       if (s.stage3()) COSHARD_CO_TRY(co_await s.fetch(b));
     }
   Unit* u = s.unit_for(module);
   if (!u || &module != u->modules.front()) co_return Result<void>{};
-  if (!recompute) ++u->forward_uses;
+  if (!recompute) {
+    ++u->forward_uses;
+    ++u->uses_pending;
+  }
   if (s.stage3()) COSHARD_CO_TRY(co_await s.fetch(*u));
   if (s.spans_on()) {
     COSHARD_CO_TRY_ASSIGN(u->compute_start, s.ctx->stream().record_timed());
@@ -104,25 +112,38 @@ Result<void> Engine::after_backward(Context&, Module& module) {
 
 Error Engine::explain_failure(Module& module, Error error) {
   State& s = *s_;
-  std::string read;
+  std::string own, read;  // parameters asked for while not gathered: the module's own, another's
   for (const auto& u : s.units)
     for (const auto& p : u->params) {
-      if (!p.parameter->value_missed()) continue;
+      const bool mine = std::any_of(module.parameters().begin(), module.parameters().end(),
+                                    [&](const auto& q) { return q.get() == p.parameter; });
+      // (a layer checks its own parameters are bound before it reads them)
+      if (!p.parameter->value_missed() && !(mine && !p.parameter->bound())) continue;
       const std::string& name = s.names.at(p.parameter);
-      const auto dot = name.rfind('.');
-      read += (read.empty() ? "" : ", ") + name + " (unit " + u->info.name + ", owned by module '" +
-              (dot == std::string::npos ? std::string() : name.substr(0, dot)) + "')";
+      if (mine) {
+        if (own.empty()) own = u->info.name;
+      } else {
+        const auto dot = name.rfind('.');
+        read += (read.empty() ? "" : ", ") + name + " (unit " + u->info.name + ", owned by module '" +
+                (dot == std::string::npos ? std::string() : name.substr(0, dot)) + "')";
+      }
       p.parameter->clear_gradient_missed();  // explained once, by the innermost failing module
     }
-  if (read.empty()) return error;
+  if (own.empty() && read.empty()) return error;
   std::string path = "?";
   s.model->for_each_module([&](const std::string& at, Module& m) {
     if (&m == &module) path = at.empty() ? "(the model)" : at;
   });
+  const std::string who = "Engine: module '" + path + "' (" + std::string(module.type_name()) + ")";
+  if (!own.empty())  // it ran again after its unit was released: a second use in the pass
+    return Error(ErrorCode::invalid_argument,
+                 ::coshard::detail::concat(who, " ran while its unit ", own, " was not gathered: a module that runs "
+                                           "more than once in a pass must say so before the engine is built "
+                                           "(set_runs_more_than_once_per_pass()); it failed with: ", error.message()));
   return Error(ErrorCode::invalid_argument,
-               ::coshard::detail::concat("Engine: module '", path, "' (", module.type_name(), ") read ", read,
-                              " while it was not gathered: a module that reads another module's parameter must "
-                              "declare it (reader.use_parameters_of(owner)); it failed with: ", error.message()));
+               ::coshard::detail::concat(who, " read ", read, " while it was not gathered: a module that reads another "
+                                         "module's parameter must declare it (reader.use_parameters_of(owner)); it "
+                                         "failed with: ", error.message()));
 }
 
 }  // namespace coshard::zero

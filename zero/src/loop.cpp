@@ -70,7 +70,13 @@ async::Task<Result<void>> Engine::begin_step(int micro_batches, float lr) {
     u->grads_this_step = 0;
     u->grads_out = false;
     u->forward_uses = 0;
+    u->uses_pending = 0;
+    u->backwards_this_step = 0;
     u->stepped_early = false;
+    if (s.o.zero_stage != 1 && u->grad_full) {  // left by an abandoned step
+      u->grad_full_block.reset();
+      u->grad_full = {};
+    }
     COSHARD_CO_TRY(s.optimizer->set_group_skipped(s.first_group + u->index, false));
     if (s.o.zero_stage == 1) COSHARD_CO_TRY(compute.fill(u->grad_full.data(), 0, u->info.padded_bytes));
   }

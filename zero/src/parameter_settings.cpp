@@ -64,8 +64,9 @@ Result<void> Engine::State::check_no_gradient_missed() const {
         missed += (missed.empty() ? "" : ", ") + names.at(p.parameter) + " (unit " + u->info.name + ")";
   if (count == 0) return {};
   return fail(ErrorCode::invalid_argument, "Engine: the gradient of ", missed, count > 4 ? " and " + std::to_string(count - 4) + " more" : "",
-              " was asked for while none was bound: a module read a parameter it does not own (declare it: "
-              "reader.use_parameters_of(owner)), so its gradient would be lost; the step is abandoned, nothing updated");
+              " was asked for while none was bound, so it would be lost: a module read a parameter it does not own "
+              "(declare it: reader.use_parameters_of(owner)), or a module ran more than once in a pass (declare it: "
+              "module.set_runs_more_than_once_per_pass()); the step is abandoned, nothing updated");
 }
 
 void Engine::State::clear_gradients_missed() {

@@ -38,10 +38,10 @@ class Checkpointed final : public Module {
   Module& inner() const noexcept { return *children().front().module; }
   async::Task<Result<Tensor>> forward(Context& ctx, Tensor input) override;
   async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
-  void clear_saved() override { input_ = {}; }
+  void clear_saved() override { input_.clear(); }
 
  private:
-  Tensor input_;
+  SavedPerCall<Tensor> input_;
 };
 
 // Wraps the blocks of `model` that `policy` picks in Checkpointed (an engine then never puts

@@ -16,14 +16,14 @@ class Embedding final : public Module {
   async::Task<Result<Tensor>> forward(Context& ctx, Tensor tokens) override;
   // Returns an empty tensor: token ids have no gradient.
   async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
-  void clear_saved() override { tokens_ = {}; }
+  void clear_saved() override { tokens_.clear(); }
 
   Parameter& token_weight() const noexcept { return *parameters()[0]; }     // "wte" [vocab, dim]
   Parameter& position_weight() const noexcept { return *parameters()[1]; }  // "wpe" [max_positions, dim]
 
  private:
   std::int64_t vocab_, max_positions_, dim_;
-  Tensor tokens_;
+  SavedPerCall<Tensor> tokens_;
 };
 
 // y = x W^T (+ b), W [out, in] as in PyTorch.
@@ -33,7 +33,7 @@ class Linear final : public Module {
   std::string_view type_name() const override { return "Linear"; }
   async::Task<Result<Tensor>> forward(Context& ctx, Tensor input) override;
   async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
-  void clear_saved() override { input_ = {}; }
+  void clear_saved() override { input_.clear(); }
 
   std::int64_t in_features() const noexcept { return in_; }
   std::int64_t out_features() const noexcept { return out_; }
@@ -42,7 +42,7 @@ class Linear final : public Module {
 
  private:
   std::int64_t in_, out_;
-  Tensor input_;
+  SavedPerCall<Tensor> input_;
 };
 
 class LayerNorm final : public Module {
@@ -51,16 +51,15 @@ class LayerNorm final : public Module {
   std::string_view type_name() const override { return "LayerNorm"; }
   async::Task<Result<Tensor>> forward(Context& ctx, Tensor input) override;
   async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
-  void clear_saved() override {
-    input_ = {};
-    mean_ = {};
-    rstd_ = {};
-  }
+  void clear_saved() override { saved_.clear(); }
 
  private:
+  struct Saved {
+    Tensor input, mean, rstd;
+  };
   std::int64_t dim_;
   float eps_;
-  Tensor input_, mean_, rstd_;
+  SavedPerCall<Saved> saved_;
 };
 
 // GELU, tanh approximation (GPT-2).
@@ -69,10 +68,10 @@ class Gelu final : public Module {
   std::string_view type_name() const override { return "Gelu"; }
   async::Task<Result<Tensor>> forward(Context& ctx, Tensor input) override;
   async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
-  void clear_saved() override { input_ = {}; }
+  void clear_saved() override { input_.clear(); }
 
  private:
-  Tensor input_;
+  SavedPerCall<Tensor> input_;
 };
 
 // The heads of an attention: n_heads query heads of head_dim, sharing n_kv_heads key/value heads
@@ -101,17 +100,16 @@ class CausalSelfAttention final : public Module {
   std::string_view type_name() const override { return "CausalSelfAttention"; }
   async::Task<Result<Tensor>> forward(Context& ctx, Tensor qkv) override;
   async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
-  void clear_saved() override {
-    qkv_ = {};
-    saved_ = {};
-    out_ = {};
-  }
+  void clear_saved() override { saved_.clear(); }
 
  private:
+  struct Saved {
+    Tensor qkv, stats, out;  // stats: the probabilities, or the fused kernels' row statistics
+  };
   Result<void> check() const;
   std::int64_t dim_;  // multi-head form; 0 for AttentionHeads
   AttentionHeads heads_;
-  Tensor qkv_, saved_, out_;  // saved_: the probabilities, or the fused kernels' row statistics
+  SavedPerCall<Saved> saved_;
 };
 
 // A loss: a module without parameters whose targets are set before its forward. Forward takes

@@ -60,15 +60,15 @@ class RmsNorm final : public Module {
   std::string_view type_name() const override { return "RmsNorm"; }
   async::Task<Result<Tensor>> forward(Context& ctx, Tensor input) override;
   async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
-  void clear_saved() override {
-    input_ = {};
-    rstd_ = {};
-  }
+  void clear_saved() override { saved_.clear(); }
 
  private:
+  struct Saved {
+    Tensor input, rstd;
+  };
   std::int64_t dim_;
   float eps_;
-  Tensor input_, rstd_;
+  SavedPerCall<Saved> saved_;
 };
 
 // SwiGLU, the activation of Llama's MLP: input [..., 2I] holds gate | up (the outputs of
@@ -78,10 +78,10 @@ class SwiGlu final : public Module {
   std::string_view type_name() const override { return "SwiGlu"; }
   async::Task<Result<Tensor>> forward(Context& ctx, Tensor input) override;
   async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
-  void clear_saved() override { input_ = {}; }
+  void clear_saved() override { input_.clear(); }
 
  private:
-  Tensor input_;
+  SavedPerCall<Tensor> input_;
 };
 
 // Llama 3's scaling of the rotary frequencies (transformers' rope_scaling with rope_type "llama3"):
@@ -106,10 +106,7 @@ class RotaryEmbedding final : public Module {
   std::string_view type_name() const override { return "RotaryEmbedding"; }
   async::Task<Result<Tensor>> forward(Context& ctx, Tensor input) override;
   async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
-  void clear_saved() override {
-    shape_ = {};
-    freq_ = {};
-  }
+  void clear_saved() override { saved_.clear(); }
   // The head_dim / 2 frequencies, in f32 as the kernels use them.
   const std::vector<float>& inv_freq() const noexcept { return inv_freq_; }
   // An error naming the first bad value (heads, head_dim odd, n_kv_heads not dividing n_heads,
@@ -121,8 +118,11 @@ class RotaryEmbedding final : public Module {
   double theta_;
   RopeScaling scaling_;
   std::vector<float> inv_freq_;
-  Shape shape_;
-  Tensor freq_;  // inv_freq on the device, kept for backward
+  struct Saved {
+    Shape shape;
+    Tensor freq;  // inv_freq on the device, kept for backward
+  };
+  SavedPerCall<Saved> saved_;
 };
 
 }  // namespace coshard::modules

@@ -217,6 +217,29 @@ class Context {
   std::shared_ptr<ActivationMeter> meter_;  // shared with the tensors it counts, which may outlive it
 };
 
+// What a layer keeps from a forward for its backward, one entry per call: forward pushes, backward
+// takes the last one (a pass's backward undoes the uses in reverse order), so one instance may run
+// several times in a pass (weight sharing across positions, a block applied twice), each backward
+// with its own forward's activations.
+template <class Saved>
+class SavedPerCall {
+ public:
+  void push(Saved saved) { calls_.push_back(std::move(saved)); }
+  // The last call's, removed; an error naming `layer` when no forward is left to undo.
+  Result<Saved> pop(std::string_view layer) {
+    if (calls_.empty())
+      return fail(ErrorCode::invalid_argument, layer, ": backward without a forward (nothing saved)");
+    Saved saved = std::move(calls_.back());
+    calls_.pop_back();
+    return saved;
+  }
+  void clear() noexcept { calls_.clear(); }
+  std::size_t size() const noexcept { return calls_.size(); }
+
+ private:
+  std::vector<Saved> calls_;
+};
+
 class Module {
  public:
   struct Child {
@@ -239,8 +262,15 @@ class Module {
   // Drops activations saved for backward (after backward, or when a pass is abandoned).
   virtual void clear_saved() {}
   // A module that runs more than once in a pass (a table shared by the input embedding and the
-  // output layer) says so: an engine then makes it a fetch unit of its own, fetched for each use.
-  virtual bool runs_more_than_once_per_pass() const noexcept { return false; }
+  // output layer, a layer applied at several positions, a block applied twice) says so: an engine
+  // then fetches it for each use, as a unit of its own (a leaf) or as units that never reach
+  // outside it (a container), and reduces its gradient after each backward. Every built-in layer
+  // keeps what each call's backward needs (SavedPerCall), so the gradients are the sum over the
+  // uses. Undeclared, such a module fails by name where its parameters are not there for the
+  // second use (stages 0, 2, 3; stage 1 needs no declaration).
+  virtual bool runs_more_than_once_per_pass() const noexcept { return runs_more_than_once_; }
+  // Declares it for this instance; before an engine is built for the model.
+  void set_runs_more_than_once_per_pass(bool runs = true) noexcept { runs_more_than_once_ = runs; }
 
   // This module also reads the parameters of `owner`, another module of the same model (an output
   // layer of one's own tied to the embedding's table, say): an engine gathers owner's unit
@@ -284,6 +314,7 @@ class Module {
   std::vector<std::unique_ptr<Parameter>> parameters_;
   std::vector<Child> children_;
   std::vector<Module*> borrowed_;
+  bool runs_more_than_once_ = false;
 };
 
 // Runs its children in order (backward in reverse).
