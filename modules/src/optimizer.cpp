@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <tuple>
 #include <vector>
 
 #include "coshard/modules/parameter_store.hpp"
@@ -172,6 +173,16 @@ Result<void> Optimizer::set_parameter_groups(std::vector<ParameterGroup> rules) 
     if (!(r.lr_scale >= 0 && std::isfinite(r.lr_scale)))
       return fail(ErrorCode::invalid_argument, "parameter group '", r.name, "': lr_scale=", r.lr_scale,
                   ", expected a finite value >= 0");
+    if (!impl_->adam && (r.beta1 || r.beta2 || r.eps))
+      return fail(ErrorCode::invalid_argument, "parameter group '", r.name,
+                  "': beta1, beta2 and eps are AdamW's settings (this optimizer is SGD)");
+    for (const auto& [what, beta] : {std::pair{"beta1", r.beta1}, std::pair{"beta2", r.beta2}})
+      if (beta && !(*beta >= 0 && *beta < 1))
+        return fail(ErrorCode::invalid_argument, "parameter group '", r.name, "': ", what, "=", *beta,
+                    ", expected 0 <= beta < 1");
+    if (r.eps && !(*r.eps > 0 && std::isfinite(*r.eps)))
+      return fail(ErrorCode::invalid_argument, "parameter group '", r.name, "': eps=", *r.eps,
+                  ", expected a finite value > 0");
   }
   rules_ = std::move(rules);
   return {};
@@ -180,6 +191,11 @@ Result<void> Optimizer::set_parameter_groups(std::vector<ParameterGroup> rules) 
 Optimizer::Segment Optimizer::default_settings() const noexcept {
   Segment seg;
   seg.weight_decay = impl_->adam ? impl_->adam_args.weight_decay : impl_->sgd_args.weight_decay;
+  if (impl_->adam) {
+    seg.beta1 = impl_->adam_args.beta1;
+    seg.beta2 = impl_->adam_args.beta2;
+    seg.eps = impl_->adam_args.eps;
+  }
   return seg;
 }
 
@@ -193,6 +209,9 @@ Optimizer::Segment Optimizer::settings_for(std::string_view full_name, const Par
     if (!r.matches(full_name, parameter)) continue;
     if (r.weight_decay) seg.weight_decay = *r.weight_decay;
     seg.lr_scale = r.lr_scale;
+    if (r.beta1) seg.beta1 = *r.beta1;
+    if (r.beta2) seg.beta2 = *r.beta2;
+    if (r.eps) seg.eps = *r.eps;
     break;
   }
   return seg;
@@ -289,6 +308,9 @@ Result<void> Optimizer::update(Context& ctx, const Group& g, float lr, float* ma
       detail::AdamArgs a = impl_->adam_args;
       a.lr = lr * seg.lr_scale;
       a.weight_decay = seg.weight_decay;
+      a.beta1 = seg.beta1;
+      a.beta2 = seg.beta2;
+      a.eps = seg.eps;
       return k.adamw(ctx.stream(), master + at, gdt, gi, state1 + at, state2 + at, pdt, oi, n, a, st);
     }
     detail::SgdArgs a = impl_->sgd_args;
@@ -362,14 +384,15 @@ Result<void> Optimizer::apply(Context& ctx, float lr) {
   if (impl_->adam) {
     // One multi-tensor AdamW per distinct setting (one launch a bucket of tensors on CUDA): every
     // group of the optimizer's own settings in one, each other setting's runs in another.
-    std::map<std::pair<float, float>, std::vector<detail::OptimizerTensor>> by_setting;
+    using Setting = std::tuple<float, float, float, float, float>;  // lr scale, decay, beta1, beta2, eps
+    std::map<Setting, std::vector<detail::OptimizerTensor>> by_setting;
     for (const Group& g : groups_) {
       if (g.skipped) continue;
       const bool cast_back = g.params.dtype() != DataType::f32;
       const std::size_t gsize = size_of(g.grads.dtype()), psize = size_of(g.params.dtype());
       auto add = [&](std::int64_t begin, std::int64_t end, const Segment& seg) {
         const auto at = static_cast<std::size_t>(begin);
-        by_setting[{seg.lr_scale, seg.weight_decay}].push_back(
+        by_setting[{seg.lr_scale, seg.weight_decay, seg.beta1, seg.beta2, seg.eps}].push_back(
             {.master = g.master.data_as<float>() + at,
              .grad = static_cast<const std::byte*>(g.grads.data()) + at * gsize,
              .state1 = g.state1.data_as<float>() + at,
@@ -385,8 +408,11 @@ Result<void> Optimizer::apply(Context& ctx, float lr) {
     }
     for (const auto& [setting, tensors] : by_setting) {
       detail::AdamArgs a = impl_->adam_args;
-      a.lr = lr * setting.first;
-      a.weight_decay = setting.second;
+      a.lr = lr * std::get<0>(setting);
+      a.weight_decay = std::get<1>(setting);
+      a.beta1 = std::get<2>(setting);
+      a.beta2 = std::get<3>(setting);
+      a.eps = std::get<4>(setting);
       COSHARD_TRY(ctx.kernels().adamw_multi(ctx.stream(), tensors, a, state_.data_as<StepState>()));
     }
   } else {

@@ -170,9 +170,15 @@ Result<std::unique_ptr<Optimizer>> make_optimizer(const Semantics& sem, float cl
   modules::StepControlOptions control;
   control.max_grad_norm = clip;
   COSHARD_TRY_ASSIGN(auto opt, Optimizer::adamw({.weight_decay = 0.1f}, control));
-  if (sem.groups)
-    COSHARD_TRY(opt->set_parameter_groups(
-        {ParameterGroup::no_decay_for_vectors(), ParameterGroup::by_name("fc2.weight", std::nullopt, 0.5f)}));
+  if (sem.groups) {
+    // fc1.weight with AdamW moments and epsilon of its own.
+    ParameterGroup moments = ParameterGroup::by_name("fc1.weight", std::nullopt);
+    moments.beta1 = 0.8f;
+    moments.beta2 = 0.99f;
+    moments.eps = 1e-6f;
+    COSHARD_TRY(opt->set_parameter_groups({ParameterGroup::no_decay_for_vectors(),
+                                           ParameterGroup::by_name("fc2.weight", std::nullopt, 0.5f), moments}));
+  }
   return opt;
 }
 
@@ -615,6 +621,25 @@ TEST(ParameterGroups, BadRulesAreRefusedByName) {
   auto no_predicate = (*opt)->set_parameter_groups({none});
   ASSERT_FALSE(no_predicate);
   EXPECT_NE(no_predicate.error().message().find("'empty': no predicate"), std::string::npos);
+  ParameterGroup beta = ParameterGroup::by_name("h.*", std::nullopt);
+  beta.beta2 = 1.0f;
+  auto bad_beta = (*opt)->set_parameter_groups({beta});
+  ASSERT_FALSE(bad_beta);
+  EXPECT_NE(bad_beta.error().message().find("parameter group 'h.*': beta2=1, expected 0 <= beta < 1"), std::string::npos)
+      << bad_beta.error().message();
+  ParameterGroup eps = ParameterGroup::by_name("h.*", std::nullopt);
+  eps.eps = 0.0f;
+  auto bad_eps = (*opt)->set_parameter_groups({eps});
+  ASSERT_FALSE(bad_eps);
+  EXPECT_NE(bad_eps.error().message().find("eps=0, expected a finite value > 0"), std::string::npos);
+  auto sgd = Optimizer::sgd({});
+  ASSERT_TRUE(sgd);
+  ParameterGroup moments = ParameterGroup::by_name("h.*", std::nullopt);
+  moments.beta1 = 0.5f;
+  auto sgd_betas = (*sgd)->set_parameter_groups({moments});
+  ASSERT_FALSE(sgd_betas);
+  EXPECT_NE(sgd_betas.error().message().find("beta1, beta2 and eps are AdamW's settings (this optimizer is SGD)"),
+            std::string::npos);
 }
 
 TEST(GlobMatches, StarsCrossDotsAndQuestionMarksTakeOneCharacter) {

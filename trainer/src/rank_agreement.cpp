@@ -65,7 +65,9 @@ std::vector<std::pair<std::string, std::string>> agreement_fields(const TrainerC
   f.emplace_back("momentum", text_of(c.momentum) + (c.nesterov ? " nesterov" : ""));
   std::string group_settings;
   for (const auto& g : groups)
-    group_settings += g.name + " " + (g.weight_decay ? text_of(*g.weight_decay) : "-") + " " + text_of(g.lr_scale) + ";";
+    group_settings += g.name + " " + (g.weight_decay ? text_of(*g.weight_decay) : "-") + " " + text_of(g.lr_scale) +
+                      " " + (g.beta1 ? text_of(*g.beta1) : "-") + " " + (g.beta2 ? text_of(*g.beta2) : "-") + " " +
+                      (g.eps ? text_of(*g.eps) : "-") + ";";
   f.emplace_back("parameter groups", group_settings);
   std::string frozen;
   for (const auto& pattern : c.freeze) frozen += pattern + ";";
@@ -126,8 +128,15 @@ async::Task<Result<void>> check_ranks_agree(modules::Context& ctx, collectives::
   // Every rank has its verdict before any returns: a rank that fails aborts its communicator, and
   // a peer still waiting for the gathered fingerprints would then report the abort instead of the
   // differences (seen under mpirun). Past the barrier the verdict stands whatever it returns.
+  // (no co_await inside a conditional expression: GCC 12 destroyed its temporaries twice, a
+  // double free seen under load)
   auto met = comm.barrier();
-  Result<void> passed = met ? co_await *met : Result<void>(fail(std::move(met).error()));
+  Result<void> passed{};
+  if (met) {
+    passed = co_await *met;
+  } else {
+    passed = fail(std::move(met).error());
+  }
   if (differences.empty()) co_return passed;
   co_return fail(ErrorCode::invalid_argument, "the ranks of this run do not agree (rank ", rank, " of ", world, "): ",
                  differences, "; every rank must run with the same model and settings");

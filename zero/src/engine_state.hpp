@@ -325,6 +325,10 @@ struct Engine::State {
   // Before the optimizer steps: units that got no gradient this step on any rank are left
   // untouched, as PyTorch leaves a parameter whose gradient is None (stage 1 asks the other ranks).
   async::Task<Result<void>> skip_units_without_gradients();
+  // `values` reduced over the ranks (as f32) with `op`, back on the host: one small
+  // all-reduce, awaited (prefetch.cpp).
+  async::Task<Result<std::vector<double>>> all_reduce_values(std::span<const double> values,
+                                                            collectives::ReduceOp op, std::string_view purpose);
   // Before a step ends: no parameter's gradient was asked for without one bound (an undeclared
   // read of another module's parameter: Parameter::grad), else an error naming each.
   Result<void> check_no_gradient_missed() const;

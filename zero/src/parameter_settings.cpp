@@ -41,14 +41,7 @@ async::Task<Result<void>> Engine::State::skip_units_without_gradients() {
   // one all-reduce of a flag per unit, awaited (the only host wait it adds; the optimizer waits for
   // the reduction anyway), and only with more than one rank.
   if (o.zero_stage == 1 && comm->size() > 1) {
-    auto bytes = encode_values(used, DataType::f32);
-    COSHARD_CO_TRY_ASSIGN(Tensor t, ctx->upload(bytes, Shape{static_cast<std::int64_t>(used.size())}, DataType::f32));
-    COSHARD_CO_TRY(order(ctx->stream(), comm->stream()));
-    COSHARD_CO_TRY(comm->all_reduce(t.data(), t.data(), used.size(), DataType::f32, ReduceOp::sum,
-                                   "which units got gradients"));
-    COSHARD_CO_TRY(order(comm->stream(), ctx->stream()));
-    COSHARD_CO_TRY_ASSIGN(auto any_rank, co_await ctx->read(t));
-    std::copy(any_rank.begin(), any_rank.end(), used.begin());
+    COSHARD_CO_TRY_ASSIGN(used, co_await all_reduce_values(used, ReduceOp::sum, "which units got gradients"));
   }
   for (std::size_t i = 0; i < units.size(); ++i)
     COSHARD_CO_TRY(optimizer->set_group_skipped(first_group + i, used[i] == 0.0));

@@ -73,6 +73,8 @@ struct ParameterGroup {
   std::function<bool(std::string_view full_name, const Parameter& parameter)> matches;
   std::optional<float> weight_decay;  // unset: the optimizer's
   float lr_scale = 1.0f;              // the step's learning rate times this
+  // AdamW's moments and epsilon for this group (unset: the optimizer's; refused for SGD).
+  std::optional<float> beta1, beta2, eps;
   // Parameters whose full name matches the glob `pattern` (glob_matches).
   static ParameterGroup by_name(std::string pattern, std::optional<float> weight_decay, float lr_scale = 1.0f);
   // The GPT-2 and Llama recipes' rule: no weight decay on parameters of one dimension (biases,
@@ -90,9 +92,11 @@ class Optimizer {
     std::int64_t end = 0;
     float weight_decay = 0;
     float lr_scale = 1.0f;
+    float beta1 = 0, beta2 = 0, eps = 0;  // AdamW's (0 for SGD)
     bool frozen = false;  // never changed
     bool same_settings(const Segment& o) const noexcept {
-      return weight_decay == o.weight_decay && lr_scale == o.lr_scale && frozen == o.frozen;
+      return weight_decay == o.weight_decay && lr_scale == o.lr_scale && beta1 == o.beta1 && beta2 == o.beta2 &&
+             eps == o.eps && frozen == o.frozen;
     }
   };
 
@@ -103,7 +107,8 @@ class Optimizer {
   std::string_view name() const noexcept;
 
   // The rules of parameter groups, before any group is added (checked: a rule needs a predicate,
-  // weight_decay >= 0 and a finite lr_scale >= 0).
+  // weight_decay >= 0, a finite lr_scale >= 0, betas in [0, 1) and eps > 0, and betas or eps only
+  // for AdamW).
   Result<void> set_parameter_groups(std::vector<ParameterGroup> rules);
   const std::vector<ParameterGroup>& parameter_groups() const noexcept { return rules_; }
   // The settings of one parameter's elements (begin and end left 0): frozen when it does not
