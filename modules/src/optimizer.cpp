@@ -1,5 +1,6 @@
 #include "coshard/modules/optimizer.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -105,6 +106,11 @@ Result<void> Optimizer::add_group(Context& ctx, Tensor params, Tensor grads, std
   COSHARD_TRY(detail::check_supported(k, pdt, ctx.device(), "Optimizer"));
   COSHARD_TRY(detail::check_supported(k, grads.dtype(), ctx.device(), "Optimizer"));
   COSHARD_TRY_ASSIGN(auto runs, normalized(std::move(segments), params.numel()));
+  if (runs.size() == 1 && runs.front().frozen) {  // nothing here trains: no master, no state
+    COSHARD_TRY(add_frozen_group(ctx, params.numel()));
+    groups_.back().params = params;
+    return {};
+  }
   COSHARD_TRY(ensure_state(ctx));
   Group g{params, grads, {}, {}, {}, std::move(runs), false};
   const Shape flat{params.numel()};
@@ -120,6 +126,19 @@ Result<void> Optimizer::add_group(Context& ctx, Tensor params, Tensor grads, std
   if (impl_->adam) {
     COSHARD_TRY_ASSIGN(g.state2, ctx.zeros(flat, DataType::f32));
   }
+  groups_.push_back(std::move(g));
+  return {};
+}
+
+Result<void> Optimizer::add_frozen_group(Context& ctx, std::int64_t numel) {
+  if (numel < 0) return fail(ErrorCode::invalid_argument, "Optimizer::add_frozen_group: numel=", numel, ", expected >= 0");
+  COSHARD_TRY(ensure_state(ctx));  // (the step figures exist even when nothing trains)
+  Segment all = default_settings();
+  all.frozen = true;
+  all.end = numel;
+  Group g;
+  g.segments.push_back(all);
+  g.frozen = true;
   groups_.push_back(std::move(g));
   return {};
 }
@@ -255,6 +274,12 @@ void Optimizer::drop_groups_from(std::size_t first) noexcept {
 }
 
 Result<void> Optimizer::add_swapped_group(Context& ctx, Tensor grads, std::vector<Segment> segments) {
+  if (!grads && !segments.empty() &&
+      std::all_of(segments.begin(), segments.end(), [](const Segment& seg) { return seg.frozen; })) {
+    std::int64_t n = 0;  // (frozen segments cover the group: its length is their end)
+    for (const auto& seg : segments) n = std::max(n, seg.end);
+    return add_frozen_group(ctx, n);
+  }
   if (!grads || grads.dtype() != DataType::f32 || !(grads.device() == ctx.device()))
     return fail(ErrorCode::invalid_argument, "Optimizer::add_swapped_group: grads ", grads ? grads.describe() : "empty",
                 ": expected f32 on ", ctx.device().to_string());
@@ -276,6 +301,7 @@ Result<void> Optimizer::apply_group(Context& ctx, std::size_t i, float lr, Tenso
   if (i >= groups_.size()) return fail(ErrorCode::out_of_range, "Optimizer::apply_group(", i, "): ", groups_.size(), " groups");
   if (!(lr >= 0)) return fail(ErrorCode::invalid_argument, "lr=", lr, ": expected >= 0");
   const Group& g = groups_[i];
+  if (g.frozen) return {};  // nothing to step, nothing given
   const std::int64_t n = g.grads.numel();
   auto fits = [&](const Tensor& t) { return t && t.dtype() == DataType::f32 && t.numel() == n; };
   if (!fits(master) || (state_tensors() >= 1 && !fits(state1)) || (state_tensors() >= 2 && !fits(state2)))
@@ -291,7 +317,7 @@ Result<void> Optimizer::apply_group(Context& ctx, std::size_t i, float lr, Tenso
 
 Result<void> Optimizer::update(Context& ctx, const Group& g, float lr, float* master, float* state1, float* state2,
                                DataType pdt, void* params_out) const {
-  if (g.skipped) return {};
+  if (g.skipped || g.frozen) return {};
   const auto& k = ctx.kernels();
   auto* st = state_.data_as<StepState>();
   const DataType gdt = g.grads.dtype();
@@ -331,7 +357,7 @@ Result<void> Optimizer::finish_step(Context& ctx) {
 
 Result<void> Optimizer::reset_masters(Context& ctx) {
   for (const auto& g : groups_)
-    if (g.params && g.params.dtype() != DataType::f32)
+    if (g.params && g.master && g.params.dtype() != DataType::f32)
       COSHARD_TRY(ctx.kernels().cast(ctx.stream(), g.params.dtype(), g.params.data(), DataType::f32, g.master.data(),
                                      g.params.numel()));
   return {};
@@ -346,7 +372,7 @@ Result<void> Optimizer::compute_grad_stats(Context& ctx) {
   std::vector<detail::OptimizerTensor> tensors;
   tensors.reserve(groups_.size());
   for (const Group& g : groups_)
-    tensors.push_back({.grad = g.grads.data(), .n = g.grads.numel(), .gdt = static_cast<std::int32_t>(g.grads.dtype())});
+    if (!g.frozen) tensors.push_back({.grad = g.grads.data(), .n = g.grads.numel(), .gdt = static_cast<std::int32_t>(g.grads.dtype())});
   return ctx.kernels().grad_stats_multi(ctx.stream(), tensors, state_.data_as<StepState>());
 }
 
@@ -358,6 +384,7 @@ Result<void> Optimizer::begin_grad_stats(Context& ctx) {
 Result<void> Optimizer::add_grad_stats(Context& ctx, std::size_t i) {
   if (i >= groups_.size()) return fail(ErrorCode::out_of_range, "Optimizer::add_grad_stats(", i, "): ", groups_.size(), " groups");
   const Group& g = groups_[i];
+  if (g.frozen) return {};
   return ctx.kernels().grad_stats(ctx.stream(), g.grads.dtype(), g.grads.data(), g.grads.numel(),
                                   state_.data_as<StepState>());
 }
@@ -366,6 +393,7 @@ Result<void> Optimizer::apply_one(Context& ctx, std::size_t i, float lr) {
   if (i >= groups_.size()) return fail(ErrorCode::out_of_range, "Optimizer::apply_one(", i, "): ", groups_.size(), " groups");
   if (!(lr >= 0)) return fail(ErrorCode::invalid_argument, "lr=", lr, ": expected >= 0");
   const Group& g = groups_[i];
+  if (g.frozen) return {};
   if (!g.params)
     return fail(ErrorCode::invalid_argument, "Optimizer::apply: swapped groups are stepped with apply_group and finish_step");
   const bool cast_back = g.params.dtype() != DataType::f32;
@@ -379,7 +407,7 @@ Result<void> Optimizer::apply(Context& ctx, float lr) {
   if (groups_.empty()) return fail(ErrorCode::invalid_argument, "Optimizer: no parameter groups (call add_group)");
   if (!(lr >= 0)) return fail(ErrorCode::invalid_argument, "lr=", lr, ": expected >= 0");
   for (const auto& g : groups_)
-    if (!g.params)
+    if (!g.params && !g.frozen)
       return fail(ErrorCode::invalid_argument, "Optimizer::apply: swapped groups are stepped with apply_group and finish_step");
   if (impl_->adam) {
     // One multi-tensor AdamW per distinct setting (one launch a bucket of tensors on CUDA): every
@@ -387,7 +415,7 @@ Result<void> Optimizer::apply(Context& ctx, float lr) {
     using Setting = std::tuple<float, float, float, float, float>;  // lr scale, decay, beta1, beta2, eps
     std::map<Setting, std::vector<detail::OptimizerTensor>> by_setting;
     for (const Group& g : groups_) {
-      if (g.skipped) continue;
+      if (g.skipped || g.frozen) continue;
       const bool cast_back = g.params.dtype() != DataType::f32;
       const std::size_t gsize = size_of(g.grads.dtype()), psize = size_of(g.params.dtype());
       auto add = [&](std::int64_t begin, std::int64_t end, const Segment& seg) {

@@ -60,6 +60,26 @@ TEST(CoshardTrainFineTuning, FrozenParametersKeepTheirInitialBitsAndTheRestTrain
   }
 }
 
+// --estimate with --freeze counts the frozen units' parameters alone and says so.
+TEST(CoshardTrainFineTuning, TheEstimateCountsFrozenUnitsWithoutGradientsOrOptimizerState) {
+  const fs::path dir = scratch("freeze_estimate");
+  auto device_total = [](const std::string& output) -> std::string {
+    const auto at = output.find("  device");
+    return at == std::string::npos ? std::string() : output.substr(at, output.find('\n', at) - at);
+  };
+  const auto all = run(with(kTiny, {"--estimate"}), dir);
+  const auto half = run(with(kTiny, {"--estimate", "--freeze", "embed.*", "--freeze", "h0.*"}), dir);
+  ASSERT_EQ(all.code, 0) << all.output;
+  ASSERT_EQ(half.code, 0) << half.output;
+  EXPECT_EQ(all.output.find("frozen:"), std::string::npos) << all.output;
+  EXPECT_NE(half.output.find("frozen:"), std::string::npos) << half.output;
+  EXPECT_NE(device_total(all.output), device_total(half.output)) << all.output << half.output;
+  const auto typo = run(with(kTiny, {"--estimate", "--freeze", "encoder.*"}), dir);
+  EXPECT_GT(typo.code, 0) << typo.output;
+  EXPECT_LT(typo.code, 128) << typo.output;
+  EXPECT_NE(typo.output.find("'encoder.*' matches no parameter"), std::string::npos) << typo.output;
+}
+
 TEST(CoshardTrainFineTuning, APatternThatMatchesNothingIsNamed) {
   const fs::path dir = scratch("freeze_typo");
   const auto r = run(with(kTiny, {"--steps", "2", "--quiet", "--freeze", "encoder.*"}), dir);

@@ -17,6 +17,7 @@
 #include "coshard/modules/ops.hpp"
 #include "coshard/modules/parameter_store.hpp"
 #include "coshard/zero/engine.hpp"
+#include "coshard/zero/memory_estimate.hpp"
 #include "../support/on_ranks.hpp"
 #include "../support/regression_mlp.hpp"
 
@@ -188,6 +189,10 @@ struct RunResult {
   std::vector<double> losses;
   std::uint64_t reduced_bytes = 0;  // the last step's reduce_scattered_bytes (sharded runs)
   Values initial, final;
+  // Rank 0, sharded runs: the most bytes its device allocator was asked for at once (the order of
+  // requests decides it, not timing) and its optimizer's groups (frozen or not, tensors held).
+  std::size_t device_peak_bytes = 0;
+  std::vector<Optimizer::Group> groups;
 };
 
 Values values_of(const std::vector<double>& flat, const modules::ParameterStore& store) {
@@ -277,8 +282,11 @@ struct Case {
 };
 
 // The same model through the engine, in a loop of the test's own; rank 0's losses and the
-// gathered parameters.
-Result<RunResult> sharded(const Semantics& sem, const Case& k, float clip) {
+// gathered parameters. resume_at >= 0: after that many steps every rank saves a checkpoint, drops
+// its model, optimizer and engine, builds them anew and loads it (the rest of the run resumed).
+// `resumed_as`: the model of the resumed part, when not `sem`.
+Result<RunResult> sharded(const Semantics& sem, const Case& k, float clip, int resume_at = -1,
+                          const Semantics* resumed_as = nullptr) {
   // One folder per test: ctest runs the tests of this file side by side.
   const auto swap = std::filesystem::current_path() / "training_semantics_scratch" /
                     ::testing::UnitTest::GetInstance()->current_test_info()->name();
@@ -289,6 +297,7 @@ Result<RunResult> sharded(const Semantics& sem, const Case& k, float clip) {
     COSHARD_CO_TRY_ASSIGN(auto stream, async::Stream::create(async::Device::cpu()));
     COSHARD_CO_TRY_ASSIGN(auto allocator, async::CachingAllocator::create(async::Device::cpu()));
     COSHARD_CO_TRY_ASSIGN(auto ctx, Context::create(stream, *allocator));
+    auto checkpoints = swap / "checkpoints";
     COSHARD_CO_TRY_ASSIGN(auto model, Model::make(sem));
     COSHARD_CO_TRY_ASSIGN(auto opt, make_optimizer(sem, clip));
     EngineOptions o;
@@ -306,6 +315,15 @@ Result<RunResult> sharded(const Semantics& sem, const Case& k, float clip) {
     modules::MeanSquaredErrorLoss loss;
     const std::int64_t rows = kMlpRows / k.world / k.micro_batches;
     for (int step = 0; step < kSteps; ++step) {
+      if (step == resume_at) {
+        COSHARD_CO_TRY(co_await engine->save_checkpoint(checkpoints));
+        COSHARD_CO_TRY(co_await engine->finish_checkpoint());
+        engine.reset();
+        COSHARD_CO_TRY_ASSIGN(model, Model::make(resumed_as ? *resumed_as : sem));
+        COSHARD_CO_TRY_ASSIGN(opt, make_optimizer(resumed_as ? *resumed_as : sem, clip));
+        COSHARD_CO_TRY_ASSIGN(engine, Engine::create(ctx, comm, *model->net, *opt, o));
+        COSHARD_CO_TRY(co_await engine->load_checkpoint(checkpoints));
+      }
       model->enabled = sem.branch == BranchRuns::on_rank_one ? r == 1 : branch_runs(step, sem.branch);
       COSHARD_CO_TRY(co_await engine->begin_step(k.micro_batches, kLr));
       for (int m = 0; m < k.micro_batches; ++m) {
@@ -328,6 +346,11 @@ Result<RunResult> sharded(const Semantics& sem, const Case& k, float clip) {
         std::memcpy(v.data(), p.bytes.data(), p.bytes.size());
         run.final[p.name] = std::move(v);
       }
+    COSHARD_CO_TRY(stream.synchronize());
+    if (r == 0) {
+      run.device_peak_bytes = allocator->stats().peak_requested_bytes;
+      run.groups = opt->groups();
+    }
     engine.reset();
     COSHARD_CO_TRY(stream.synchronize());
     co_return Result<void>{};
@@ -482,7 +505,7 @@ TEST(ModulesRunTwice, AnUndeclaredSecondUseTrainsWhereItCanAndIsNamedWhereItCann
 
 // A unit of frozen parameters only has no gradient to reduce: its collective is not issued.
 TEST(FrozenParameters, AWhollyFrozenUnitIsNotReduced) {
-  for (const int stage : {0, 2, 3}) {
+  for (const int stage : {0, 1, 2, 3}) {
     SCOPED_TRACE("stage " + std::to_string(stage));
     auto all = sharded({}, {2, stage}, 0.0f);
     auto frozen = sharded({.frozen = {"fc1.*"}}, {2, stage}, 0.0f);
@@ -490,6 +513,99 @@ TEST(FrozenParameters, AWhollyFrozenUnitIsNotReduced) {
     const std::uint64_t fc1_bytes = (6 * kMlpHidden + kMlpHidden) * sizeof(float);  // even: no padding at 2 ranks
     EXPECT_EQ(all->reduced_bytes - frozen->reduced_bytes, fc1_bytes);
   }
+}
+
+// A unit of frozen parameters only holds its parameters: no gradient (shard or whole), no fp32
+// master, no optimizer state, on the device or offloaded; the device's peak falls by at least
+// what those would take, the estimate by exactly that, and the optimizer's group holds nothing.
+TEST(FrozenParameters, AWhollyFrozenUnitHoldsNoGradientMasterOrOptimizerState) {
+  const std::size_t fc1_elements = 6 * kMlpHidden + kMlpHidden;  // 224: 112 a rank at 2 ranks
+  for (const Case& k : {Case{2, 0}, Case{2, 1}, Case{2, 2}, Case{2, 3}, Case{2, 3, 1, OffloadTarget::cpu},
+                        Case{2, 3, 1, OffloadTarget::cpu, OffloadTarget::cpu},
+                        Case{2, 3, 1, OffloadTarget::nvme, OffloadTarget::nvme}}) {
+    SCOPED_TRACE(k.name());
+    auto all = sharded({}, k, 0.0f);
+    auto frozen = sharded({.frozen = {"fc1.*"}}, k, 0.0f);
+    ASSERT_TRUE(all) << all.error().message();
+    ASSERT_TRUE(frozen) << frozen.error().message();
+    // fc1 is the first unit: its group is frozen and holds no tensor; the others are as before.
+    ASSERT_EQ(frozen->groups.size(), all->groups.size());
+    const auto& g = frozen->groups.front();
+    EXPECT_TRUE(g.frozen);
+    EXPECT_FALSE(g.grads || g.master || g.state1 || g.state2);
+    for (std::size_t i = 1; i < frozen->groups.size(); ++i) EXPECT_FALSE(frozen->groups[i].frozen);
+    const std::size_t shard = (k.stage == 0 ? fc1_elements : fc1_elements / 2) * sizeof(float);
+    // On the device: its gradient shard (f32), and with the optimizer there its two moments.
+    const std::size_t saved = shard * (k.optimizer == OffloadTarget::none ? 3 : 1);
+    EXPECT_GE(all->device_peak_bytes, frozen->device_peak_bytes + saved)
+        << all->device_peak_bytes << " bytes at the peak trained, " << frozen->device_peak_bytes << " frozen";
+
+    // The estimate: the same saving, line by line (and a note that says so).
+    for (const DataType dtype : {DataType::f32, DataType::bf16}) {
+      EngineOptions o;
+      o.zero_stage = k.stage;
+      o.dtype = dtype;
+      o.max_live_bytes = 8 << 10;
+      o.offload_optimizer = k.optimizer;
+      o.offload_params = k.params;
+      auto trained = Model::make({});
+      auto half = Model::make({.frozen = {"fc1.*"}});
+      ASSERT_TRUE(trained && half);
+      auto e_all = estimate_engine_memory(*(*trained)->net, 2, o, 2);
+      auto e_frozen = estimate_engine_memory(*(*half)->net, 2, o, 2);
+      ASSERT_TRUE(e_all && e_frozen);
+      const std::size_t total_all = e_all->bytes(MemoryPlace::device) + e_all->bytes(MemoryPlace::pageable_host) +
+                                    e_all->bytes(MemoryPlace::pinned_host) + e_all->bytes(MemoryPlace::nvme);
+      const std::size_t total_frozen = e_frozen->bytes(MemoryPlace::device) + e_frozen->bytes(MemoryPlace::pageable_host) +
+                                       e_frozen->bytes(MemoryPlace::pinned_host) + e_frozen->bytes(MemoryPlace::nvme);
+      // gradient shard + moments (+ the master apart from bf16 parameters) leave; nvme keeps the
+      // frozen unit's master in its file, and its largest swap group may be another unit's.
+      EXPECT_GT(total_all, total_frozen) << e_all->describe() << e_frozen->describe();
+      if (k.optimizer == OffloadTarget::none) {
+        const std::size_t per = shard * (2 + (dtype == DataType::bf16 ? 1 : 0));  // moments (+ master)
+        const std::size_t grads = k.stage == 1 ? fc1_elements * size_of(dtype) : shard;  // (stage 1: whole)
+        EXPECT_GE(e_all->bytes(MemoryPlace::device) - e_frozen->bytes(MemoryPlace::device), per + grads)
+            << e_all->describe() << e_frozen->describe();
+      }
+      EXPECT_NE(e_frozen->describe().find("frozen:"), std::string::npos) << e_frozen->describe();
+      EXPECT_EQ(e_all->describe().find("frozen:"), std::string::npos);
+    }
+  }
+}
+
+// A checkpoint keeps a frozen unit's parameters only, and a run resumed from it continues as
+// the run that never stopped, on the device and offloaded to cpu and nvme (bf16 too).
+TEST(FrozenParameters, ACheckpointKeepsTheFrozenUnitsParametersAndResumesExactly) {
+  const Semantics sem{.frozen = {"fc1.*", "fc2.bias"}};
+  for (const Case& k : {Case{2, 2}, Case{3, 3}, Case{2, 3, 1, OffloadTarget::cpu, OffloadTarget::cpu},
+                        Case{2, 3, 1, OffloadTarget::nvme, OffloadTarget::nvme}, Case{2, 1, 2, OffloadTarget::nvme}}) {
+    SCOPED_TRACE(k.name());
+    auto straight = sharded(sem, k, 0.0f);
+    auto resumed = sharded(sem, k, 0.0f, 3);
+    ASSERT_TRUE(straight) << straight.error().message();
+    ASSERT_TRUE(resumed) << resumed.error().message();
+    EXPECT_EQ(resumed->losses, straight->losses);
+    EXPECT_EQ(resumed->final, straight->final);
+  }
+}
+
+// A unit saved frozen has no optimizer state to resume a run that trains it: refused by name. The
+// other way (a unit saved trained, resumed frozen) loads its parameters and leaves them be.
+TEST(FrozenParameters, ResumingAUnitSavedFrozenAsTrainedIsRefusedByName) {
+  const Semantics frozen{.frozen = {"fc1.*"}}, trained{};
+  const Case k{2, 3};
+  auto refused = sharded(frozen, k, 0.0f, 3, &trained);
+  ASSERT_FALSE(refused);
+  EXPECT_NE(refused.error().message().find("unit fc1 was frozen when saved"), std::string::npos)
+      << refused.error().message();
+  auto later = sharded(trained, k, 0.0f, 3, &frozen);
+  ASSERT_TRUE(later) << later.error().message();
+  auto straight = sharded(trained, k, 0.0f);
+  ASSERT_TRUE(straight);
+  // The same first three steps; then fc1 stays where the trained run had it (not 6 steps' worth).
+  ASSERT_EQ(later->losses.size(), straight->losses.size());
+  for (std::size_t i = 0; i < 3; ++i) EXPECT_EQ(later->losses[i], straight->losses[i]) << "step " << i;
+  EXPECT_NE(later->final.at("fc1.weight"), straight->final.at("fc1.weight"));
 }
 
 // A layer of one's own that reads another module's weight, declared with use_parameters_of:

@@ -9,6 +9,9 @@ using zero::MemoryPlace;
 
 Result<RunMemory> estimate_run(const trainer::TrainerConfig& c, const RunShape& shape) {
   COSHARD_TRY_ASSIGN(auto model, shape.model.build());  // shapes only: no parameter memory yet
+  for (const auto& pattern : c.freeze)  // (frozen units hold no gradient, master or state)
+    if (auto frozen = model->set_trainable_matching(pattern, false); !frozen)
+      return fail(std::move(frozen).error().with_context("freeze"));
   const std::int64_t rows = shape.batch / shape.world;
   trainer::MemoryInputs in;
   in.rows_per_rank = rows;

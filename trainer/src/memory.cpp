@@ -16,17 +16,19 @@ Result<zero::MemoryEstimate> estimate_memory(const TrainerConfig& c, modules::Mo
   m.add(P::device, "batch (token ids and targets)",
         static_cast<std::size_t>(in.rows_per_rank) * static_cast<std::size_t>(in.seq) * 2 * sizeof(std::int32_t));
   m.add(P::device, "activations (one micro-batch)", in.activation_bytes);
-  std::size_t shards = 0, numel = 0;
+  std::size_t shards = 0, trained_shards = 0, numel = 0;
   COSHARD_TRY_ASSIGN(const auto units, zero::plan_units(model, world_size, o));
   for (const auto& u : units) {
     shards += static_cast<std::size_t>(u.shard);
+    if (!u.frozen) trained_shards += static_cast<std::size_t>(u.shard);
     numel += static_cast<std::size_t>(u.numel);
   }
   const std::size_t e = modules::size_of(o.dtype);
   if (in.checkpoints) {
-    // A rank's file: its parameter blocks, the fp32 masters when apart from them, and the state.
+    // A rank's file: its parameter blocks, the fp32 masters when apart from them, and the state
+    // (frozen units: their parameters only).
     const bool master = o.dtype != modules::DataType::f32 || o.offload_optimizer != zero::OffloadTarget::none;
-    m.add(P::pinned_host, "checkpoint staging", shards * (e + (master ? 4 : 0) + 4 * states));
+    m.add(P::pinned_host, "checkpoint staging", shards * e + trained_shards * ((master ? 4 : 0) + 4 * states));
   }
   if (in.export_model) m.add(P::pageable_host, "export (the whole model, gathered)", numel * e);
   return m;

@@ -116,6 +116,10 @@ Result<void> check_engine(const CheckpointManifest& m, const Loader& l, const st
     if (a.parameters != b.parameters || a.numel != b.numel)
       return fail(ErrorCode::invalid_argument, where, ": unit ", i, " holds ", a.name, " (", a.numel,
                   " elements), this model's unit ", i, " is ", b.name, " (", b.numel, " elements)");
+    if (a.frozen && !b.frozen && l.kept.states + (l.kept.master ? 1 : 0) > 0)
+      return fail(ErrorCode::invalid_argument, where, ": unit ", b.name, " was frozen when saved, so the checkpoint ",
+                  "holds no optimizer state for it, and this run trains it; freeze the same parameters to resume, ",
+                  "or start a new run from the checkpoint's weights");
   }
   return {};
 }
@@ -182,6 +186,10 @@ Result<Loaded> read_checkpoint(const fs::path& dir, const Loader& l) {
       return {};
     };
     COSHARD_TRY(gather("param", elem, l.dtype, block.params));
+    if (info.frozen) {  // nothing else: a frozen unit has no master or state here
+      out.blocks.push_back(std::move(block));
+      continue;
+    }
     if (l.kept.master) {
       // An f32 run's master is its parameters: a checkpoint of a run that kept none (the
       // optimizer on the device) gives them.

@@ -134,6 +134,10 @@ Result<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, std:
       if (!p.is_string()) return bad("unit " + async::bounded_echo(*name) + ": a parameter name is " + async::bounded_echo(p.dump()));
       unit.parameters.push_back(p.get<std::string>());
     }
+    if (u.contains("frozen")) {  // (absent in checkpoints from before frozen units kept no state)
+      if (!u["frozen"].is_boolean()) return bad("unit " + async::bounded_echo(*name) + ": 'frozen' is not true or false");
+      unit.frozen = u["frozen"].get<bool>();
+    }
     unit.name = *name;
     unit.numel = *numel;
     unit.shard = *shard;

@@ -240,11 +240,12 @@ async::Task<Result<void>> Engine::save_checkpoint(const fs::path& dir, Checkpoin
     const auto n = static_cast<std::size_t>(info.shard);
     for (const BlockKind k : kinds) {
       const bool param = k == BlockKind::param;
+      if (info.frozen && !param) continue;  // a frozen unit: its parameters only
       layout.push_back({block_tensor_name(i, name_of(k)), param ? param_dtype : SafeDType::f32, {info.shard},
                         n * (param ? s.element_size : sizeof(float))});
     }
     unit_records.push_back({{"name", info.name}, {"parameters", info.parameters}, {"numel", info.numel},
-                     {"padded", info.padded}, {"shard", info.shard}});
+                            {"padded", info.padded}, {"shard", info.shard}, {"frozen", info.frozen}});
   }
   const std::string file_name = checkpoint_rank_file(s.rank);
   const std::map<std::string, std::string> file_metadata{{"format", std::string(CheckpointManifest::kFormat)},
@@ -265,6 +266,7 @@ async::Task<Result<void>> Engine::save_checkpoint(const fs::path& dir, Checkpoin
   std::size_t at = prefix.size();
   auto stage_unit = [&](const UnitShard& sh) -> async::Task<Result<void>> {
     for (const BlockKind k : kinds) {
+      if (sh.info.frozen && k != BlockKind::param) continue;
       const Tensor& source = tensor_of(sh, k);
       COSHARD_CO_TRY(compute.copy(staged.data() + at, source.data(), source.bytes()));
       at += source.bytes();

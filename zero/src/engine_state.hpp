@@ -146,6 +146,8 @@ struct Engine::State {
   std::shared_ptr<offload::NvmeStore> store;
   std::unique_ptr<offload::Swapper> swapper;
   std::vector<offload::SubGroup> subgroups;
+  // The units a step reads, steps and writes back (frozen ones never are), as unit indices.
+  std::vector<std::size_t> stepped_units;
   bool swapped() const noexcept { return o.offload_optimizer == OptimizerOffload::nvme; }
   Tensor device_loss_scale;  // f32[1]: the seed of backward
   Tensor device_grad_stats;  // f32[2]: summed across ranks on the communication stream

@@ -82,6 +82,8 @@ Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOp
         offset += p->numel();
       }
     }
+    u.info.frozen = std::all_of(u.parameters.begin(), u.parameters.end(),
+                                [](const PlannedParameter& p) { return !p.parameter->trainable(); });
     u.info.numel = offset;
     u.info.padded = (offset + W - 1) / W * W;
     u.info.shard = u.info.padded / W;
@@ -116,6 +118,11 @@ std::vector<std::size_t> offload_pinned_sizes(std::span<const FetchUnitInfo> uni
     largest_shard = std::max(largest_shard, shard_bytes);
     largest_master = std::max(largest_master, f32_bytes);
     if (o.offload_params == OffloadTarget::cpu && swapped) sizes.push_back(shard_bytes);  // the pinned shard
+    if (u.frozen) {  // never stepped: no gradient, master or state (its file holds the master only)
+      if (swapped) largest_group = std::max(largest_group, f32_bytes);
+      else if (o.offload_params == OffloadTarget::cpu) sizes.push_back(shard_bytes);  // the pinned shard
+      continue;
+    }
     if (swapped) {  // a resident gradient shard; master and state stream through buffers
       sizes.push_back(f32_bytes);
       largest_group = std::max(largest_group, static_cast<std::size_t>(u.shard) * per_element);

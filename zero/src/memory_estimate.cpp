@@ -69,6 +69,7 @@ std::string MemoryEstimate::describe() const {
     for (const auto& i : items)
       if (i.place == place) out += "    " + padded(i.what, 50) + " " + format_bytes(i.bytes) + "\n";
   }
+  for (const auto& note : notes) out += "  (" + note + ")\n";
   return out;
 }
 
@@ -91,13 +92,22 @@ Result<MemoryEstimate> estimate_engine_memory(Module& model, int world_size, con
 MemoryEstimate detail::estimate_for_units(std::span<const FetchUnitInfo> units, const EngineOptions& o,
                                           std::size_t optimizer_states) {
   const std::size_t e = size_of(o.dtype);
+  // (trained_*: the units that train; a frozen unit has no gradient, master or state)
   std::size_t whole = 0, shards = 0, shards_f32 = 0, largest_unit = 0, largest_padded = 0;
+  std::size_t trained_whole = 0, trained_f32 = 0, largest_trained = 0, frozen_f32 = 0;
   for (const auto& u : units) {
     whole += u.padded_bytes;
     shards += static_cast<std::size_t>(u.shard) * e;
     shards_f32 += static_cast<std::size_t>(u.shard) * sizeof(float);
     largest_unit = std::max(largest_unit, u.padded_bytes);
     largest_padded = std::max(largest_padded, static_cast<std::size_t>(u.padded));
+    if (u.frozen) {
+      frozen_f32 += static_cast<std::size_t>(u.shard) * sizeof(float);
+      continue;
+    }
+    trained_whole += u.padded_bytes;
+    trained_f32 += static_cast<std::size_t>(u.shard) * sizeof(float);
+    largest_trained = std::max(largest_trained, u.padded_bytes);
   }
   const bool stage3 = o.zero_stage == 3;
   const bool narrow = o.dtype != DataType::f32;
@@ -116,23 +126,27 @@ MemoryEstimate detail::estimate_for_units(std::span<const FetchUnitInfo> units, 
   // Gradients: whole and persistent at stage 1; at 2-3 a unit's whole gradient lives from its
   // backward until its reduce-scatter is done (one being produced, one being reduced); the
   // reduced shards are fp32.
-  if (o.zero_stage == 1) m.add(P::device, "gradients (" + dtype + ", whole)", whole);
-  else m.add(P::device, "gradients in flight (two largest units)", std::min(whole, 2 * largest_unit));
+  if (o.zero_stage == 1) m.add(P::device, "gradients (" + dtype + ", whole)", trained_whole);
+  else m.add(P::device, "gradients in flight (two largest units)", std::min(trained_whole, 2 * largest_trained));
   // (stage 0: the "shards" are whole units, every rank holds all of them)
   if (!(o.zero_stage == 1 && !narrow))
-    m.add(P::device, o.zero_stage == 0 ? "gradients (f32, whole)" : "gradient shards (f32)", shards_f32);
+    m.add(P::device, o.zero_stage == 0 ? "gradients (f32, whole)" : "gradient shards (f32)", trained_f32);
   // The optimizer: fp32 masters (apart from the parameters when bf16/f16) and its state.
   const std::string states = optimizer_states == 0 ? "" : " and " + std::to_string(optimizer_states) + " state tensor" +
                                                                (optimizer_states == 1 ? "" : "s");
   // (f32 on the device: the shard is its own master; offloaded to cpu in f32: the pinned master.)
   const std::string kept = narrow ? "fp32 masters" + states : "optimizer state (" + std::to_string(optimizer_states) + " tensors)";
   if (!offloaded) {
-    m.add(P::device, kept, (narrow ? shards_f32 : 0) + optimizer_states * shards_f32);
+    m.add(P::device, kept, (narrow ? trained_f32 : 0) + optimizer_states * trained_f32);
   } else if (!swapped) {
-    m.add(P::pageable_host, kept + " (offload cpu)", (narrow ? shards_f32 : 0) + optimizer_states * shards_f32);
+    m.add(P::pageable_host, kept + " (offload cpu)", (narrow ? trained_f32 : 0) + optimizer_states * trained_f32);
   } else {
-    m.add(P::nvme, "fp32 masters" + states + " (swap files)", (1 + optimizer_states) * shards_f32);
+    m.add(P::nvme, "fp32 masters" + states + " (swap files)", (1 + optimizer_states) * trained_f32 + frozen_f32);
   }
+  // Frozen units are in the parameters' lines only: the estimate says so.
+  if (frozen_f32 > 0)
+    m.notes.push_back("frozen: " + format_bytes(frozen_f32 / sizeof(float) * e) + " of parameter shards (" + dtype +
+                      ") without gradients, fp32 masters or optimizer state");
   if (offloaded) {
     std::size_t pinned = 0;
     for (const std::size_t b : detail::offload_pinned_sizes(units, o, optimizer_states)) pinned += offload::page_rounded(b);

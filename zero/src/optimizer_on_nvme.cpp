@@ -15,6 +15,7 @@ namespace {
 class OptimizerOnNvme final : public HostOptimizer {
  public:
   Result<void> add_unit(Engine::State& s, Unit& u) override {
+    if (u.frozen) return s.optimizer->add_frozen_group(*s.host_ctx, u.info.shard);  // its file: the master only
     COSHARD_TRY(add_host_grad(s, u));
     return s.optimizer->add_swapped_group(*s.host_ctx, u.host_grad, s.segments_of(u));
   }
@@ -36,10 +37,13 @@ class OptimizerOnNvme final : public HostOptimizer {
     // Each unit's master and state come in from NVMe (read ahead), are stepped on the host,
     // the new shard goes to the device, and the sub-group goes back (written behind).
     const auto read_before = s.swapper->stats().bytes_read, written_before = s.swapper->stats().bytes_written;
-    auto step_unit = [&](std::size_t k, std::span<std::byte> bytes) -> async::Task<Result<void>> {
-      return s.step_swapped_unit(k, bytes, lr, compute);
+    // (frozen units are never read nor written by a step)
+    std::vector<offload::SubGroup> stepped;
+    for (std::size_t k : s.stepped_units) stepped.push_back(s.subgroups[k]);
+    auto step_unit = [&](std::size_t i, std::span<std::byte> bytes) -> async::Task<Result<void>> {
+      return s.step_swapped_unit(s.stepped_units[i], bytes, lr, compute);
     };
-    COSHARD_CO_TRY(co_await s.swapper->for_each(s.subgroups, step_unit, true));
+    COSHARD_CO_TRY(co_await s.swapper->for_each(stepped, step_unit, true));
     COSHARD_CO_TRY(s.optimizer->finish_step(*s.host_ctx));
     COSHARD_CO_TRY_ASSIGN(auto finished, s.host_stream->record());
     COSHARD_CO_TRY(co_await Engine::State::after(compute, finished));
@@ -80,14 +84,23 @@ class OptimizerOnNvme final : public HostOptimizer {
   }
 
   async::Task<Result<void>> visit(Engine::State& s, const Engine::ShardVisitor& use, bool written) override {
-    auto visit_group = [&s, &use](std::size_t k, std::span<std::byte> bytes) -> async::Task<Result<void>> {
+    auto visit_group = [&s, &use, written](std::size_t k, std::span<std::byte> bytes) -> async::Task<Result<void>> {
       UnitShard shard = s.swapped_shard(k, bytes);
+      const Tensor master = shard.master;
+      const bool frozen = s.units[k]->frozen;
+      if (frozen) shard.master = {};  // a frozen unit is its parameters only
       if (s.params_on_nvme() && s.narrow()) {
         // bf16/f16 on nvme: the parameters are the master rounded, made for the visit (what a load
-        // writes there is dropped: the master it loads decides them).
+        // writes there is dropped: the master it loads decides them; a frozen unit has none, so
+        // its parameters written there are widened into the file).
         shard.params = s.staging_for(*s.units[k]);
-        COSHARD_CO_TRY(co_await s.cast_on_host(DataType::f32, shard.master.data(), s.o.dtype, shard.params.data(),
+        COSHARD_CO_TRY(co_await s.cast_on_host(DataType::f32, master.data(), s.o.dtype, shard.params.data(),
                                                shard.info.shard));
+        COSHARD_CO_TRY(co_await use(shard));
+        if (frozen && written)
+          COSHARD_CO_TRY(co_await s.cast_on_host(s.o.dtype, shard.params.data(), DataType::f32, master.data(),
+                                                 shard.info.shard));
+        co_return Result<void>{};
       }
       co_return co_await use(shard);
     };
@@ -110,6 +123,7 @@ UnitShard Engine::State::swapped_shard(std::size_t k, std::span<std::byte> bytes
   const auto len = static_cast<std::size_t>(u.info.shard) * sizeof(float);
   auto* base = bytes.data();
   auto view = [&](std::size_t i) { return Tensor(base + i * len, shape, DataType::f32, async::Device::cpu()); };
+  if (u.frozen) return {u.info, params_on_nvme() ? view(0) : u.shard, view(0), {}, {}};  // its file: the master only
   return {u.info, params_on_nvme() ? view(0) : u.shard, view(0), states >= 1 ? view(1) : Tensor{},
           states >= 2 ? view(2) : Tensor{}};
 }

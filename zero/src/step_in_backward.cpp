@@ -39,9 +39,8 @@ Result<void> Engine::State::hand_to_swap_step(const Unit& u) {
 
 async::Task<Result<void>> Engine::State::swapped_step_in_backward(async::Receiver<std::size_t> ready, float lr) {
   std::vector<std::size_t> order = backward_order;
-  if (order.size() != units.size()) {  // no step yet: backward goes roughly in reverse
-    order.clear();
-    for (std::size_t k = units.size(); k-- > 0;) order.push_back(k);
+  if (order.size() != stepped_units.size()) {  // no step yet: backward goes roughly in reverse
+    order.assign(stepped_units.rbegin(), stepped_units.rend());
   }
   std::vector<offload::SubGroup> groups;
   for (std::size_t k : order) groups.push_back(subgroups[k]);

@@ -125,6 +125,11 @@ class Optimizer {
   // A ParameterStore's whole span, each parameter with its settings (parameter groups, frozen
   // parameters): the unsharded form of what the ZeRO engine does per shard.
   Result<void> add_group(Context& ctx, const ParameterStore& store);
+  // A group of `numel` elements that are all frozen: it holds nothing (no master, no state, no
+  // gradient) and every step passes it by, so a frozen unit costs the optimizer no memory. It
+  // keeps its place in the numbering of groups. add_group makes one too when every element of the
+  // span it is given is frozen.
+  Result<void> add_frozen_group(Context& ctx, std::int64_t numel);
   // Whether group i is left untouched by the coming steps (its parameters got no gradient this
   // step: PyTorch leaves a parameter whose gradient is None as it is). Until changed.
   Result<void> set_group_skipped(std::size_t group, bool skipped);
@@ -176,6 +181,7 @@ class Optimizer {
     Tensor state2;  // Adam v
     std::vector<Segment> segments;  // empty: the optimizer's settings throughout; else covering it
     bool skipped = false;           // set_group_skipped
+    bool frozen = false;            // add_frozen_group: every element frozen, no tensors but params
   };
   const std::vector<Group>& groups() const noexcept { return groups_; }
   // Forgets groups [first, end) (their owner is going away; the ZeRO engine's destructor calls

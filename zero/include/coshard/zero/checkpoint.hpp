@@ -61,6 +61,9 @@ struct CheckpointManifest {
     std::string name;
     std::vector<std::string> parameters;
     std::int64_t numel = 0, shard = 0;  // rank i's file holds elements [i * shard, (i + 1) * shard)
+    // Every parameter frozen: the files hold its parameters only (no master, no state), so a run
+    // that trains it cannot resume from here (a run that freezes a unit saved trained can).
+    bool frozen = false;
   };
   std::vector<Unit> units;
   struct File {

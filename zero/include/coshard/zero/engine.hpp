@@ -167,6 +167,9 @@ struct FetchUnitInfo {
   std::int64_t shard = 0;
   std::size_t padded_bytes = 0;
   bool persistent = false;
+  // Every parameter of the unit is frozen (Parameter::trainable): it has no gradient, no
+  // reduction, no fp32 master and no optimizer state, and a checkpoint keeps its parameters only.
+  bool frozen = false;
 };
 
 // This rank's share of one unit, as views of the engine's state (valid while a visit_shards

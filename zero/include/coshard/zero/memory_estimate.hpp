@@ -40,10 +40,12 @@ struct MemoryItem {
 // Per rank.
 struct MemoryEstimate {
   std::vector<MemoryItem> items;
+  std::vector<std::string> notes;  // what the lines do not show (e.g. what frozen units leave out)
 
   void add(MemoryPlace place, std::string what, std::size_t bytes);
   std::size_t bytes(MemoryPlace place) const noexcept;
-  // One line per place with its total, its items indented below it (places with nothing left out).
+  // One line per place with its total, its items indented below it (places with nothing left out),
+  // then the notes.
   std::string describe() const;
 };
 
