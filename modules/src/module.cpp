@@ -311,9 +311,11 @@ Result<void> Module::set_trainable(bool trainable) {
 }
 
 Result<std::size_t> Module::set_trainable_matching(std::string_view pattern, bool trainable) {
-  std::size_t matched = 0;
+  std::size_t matched = 0, seen = 0;
+  std::string examples;  // this model's first names, for the message
   Result<void> outcome;
   for_each_parameter([&](const std::string& name, Parameter& p) {
+    if (++seen <= 3) examples += (examples.empty() ? "" : ", ") + name;
     if (!glob_matches(pattern, name)) return;
     ++matched;
     if (auto r = p.set_trainable(trainable); !r && outcome) outcome = std::move(r);
@@ -321,7 +323,8 @@ Result<std::size_t> Module::set_trainable_matching(std::string_view pattern, boo
   if (!outcome) return fail(std::move(outcome).error());
   if (matched == 0)
     return fail(ErrorCode::invalid_argument, "parameter pattern '", pattern,
-                "' matches no parameter of the model (names are dotted paths such as blocks.0.attn.qkv.weight)");
+                "' matches no parameter of the model (its names are dotted paths: ", examples,
+                seen > 3 ? ", ..." : "", ")");
   return matched;
 }
 

@@ -683,6 +683,9 @@ TEST(FrozenParameters, AGlobThatMatchesNothingIsRefusedByName) {
   auto r = (*model)->net->set_trainable_matching("encoder.*", false);
   ASSERT_FALSE(r);
   EXPECT_NE(r.error().message().find("'encoder.*' matches no parameter"), std::string::npos) << r.error().message();
+  // (and shows this model's own names, not another model's)
+  EXPECT_NE(r.error().message().find("fc1.weight, fc1.bias, branch.inner.weight, ..."), std::string::npos)
+      << r.error().message();
 }
 
 TEST(FrozenParameters, FreezingABoundParameterIsRefused) {
