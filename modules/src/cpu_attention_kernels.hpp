@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "cpu_blas.hpp"
 
@@ -44,6 +45,44 @@ void attention_fwd(const T* qkv, T* out, T* probs, std::int64_t B, std::int64_t 
       // O = P V, written into the head's columns of out.
       GemmArgs o{.m = T_, .n = hd, .k = T_, .lda = T_, .ldb = W, .ldc = C};
       gemm_one<T>(o, p, v, out + b * T_ * C + h * hd);
+    }
+  }
+}
+
+// Decoding (Kernels::attention_decode): new rows [first, first + Tn) of the cache attend over the
+// rows up to themselves; the scores of one query in scratch (f32, first + Tn of them).
+template <class T>
+void attention_decode_rows(const T* cache, T* out, float* scratch, std::int64_t B, std::int64_t Tmax, std::int64_t first,
+                           std::int64_t Tn, std::int64_t H, std::int64_t KVH, std::int64_t hd) {
+  const std::int64_t W = (H + 2 * KVH) * hd, C = H * hd, group = H / KVH;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  for (std::int64_t b = 0; b < B; ++b) {
+    const T* rows = cache + b * Tmax * W;
+    for (std::int64_t i = 0; i < Tn; ++i) {
+      const std::int64_t at = first + i;  // this query's position: keys 0..at
+      for (std::int64_t h = 0; h < H; ++h) {
+        const T* q = rows + at * W + h * hd;
+        const std::int64_t kv = C + (h / group) * hd;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (std::int64_t j = 0; j <= at; ++j) {
+          const T* k = rows + j * W + kv;
+          double dot = 0;
+          for (std::int64_t d = 0; d < hd; ++d) dot += static_cast<double>(q[d]) * static_cast<double>(k[d]);
+          scratch[j] = static_cast<float>(dot * scale);
+          mx = std::max(mx, scratch[j]);
+        }
+        double sum = 0;
+        for (std::int64_t j = 0; j <= at; ++j) {
+          scratch[j] = std::exp(scratch[j] - mx);
+          sum += scratch[j];
+        }
+        T* o = out + (b * Tn + i) * C + h * hd;
+        for (std::int64_t d = 0; d < hd; ++d) {
+          double acc = 0;
+          for (std::int64_t j = 0; j <= at; ++j) acc += static_cast<double>(scratch[j]) * static_cast<double>(rows[j * W + kv + KVH * hd + d]);
+          o[d] = static_cast<T>(acc / sum);
+        }
+      }
     }
   }
 }

@@ -190,11 +190,11 @@ class CpuKernels final : public Kernels {
   }
 
   Result<void> rope(Stream& s, DataType dt, const void* x, void* out, const float* inv_freq, std::int64_t B,
-                    std::int64_t T, std::int64_t heads, std::int64_t rotated, std::int64_t hd,
-                    bool inverse) const override {
+                    std::int64_t T, std::int64_t heads, std::int64_t rotated, std::int64_t hd, bool inverse,
+                    std::int64_t first) const override {
     const std::int64_t n = B * T * heads * hd;
     return dispatch(s, dt, [=]<class E>(Operands<E>& io) {
-      rope_apply<E>(io.in(x, n), io.inout(out, n), inv_freq, B, T, heads, rotated, hd, inverse);
+      rope_apply<E>(io.in(x, n), io.inout(out, n), inv_freq, B, T, heads, rotated, hd, inverse, first);
     });
   }
 
@@ -253,6 +253,16 @@ class CpuKernels final : public Kernels {
       const std::int64_t C = H * hd, W = (H + 2 * KVH) * hd;
       attention_fwd<T>(io.in(qkv, B * T_ * W), io.inout(out, B * T_ * C), io.inout(probs, B * H * T_ * T_), B, T_,
                        H, KVH, hd);
+    });
+  }
+
+  Result<void> attention_decode(Stream& s, DataType dt, const void* cache, void* out, float* scratch, std::int64_t B,
+                                std::int64_t Tmax, std::int64_t first, std::int64_t Tn, std::int64_t H, std::int64_t KVH,
+                                std::int64_t hd) const override {
+    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
+      const std::int64_t W = (H + 2 * KVH) * hd;
+      attention_decode_rows<T>(io.in(cache, B * Tmax * W), io.inout(out, B * Tn * H * hd), scratch, B, Tmax, first, Tn,
+                               H, KVH, hd);
     });
   }
 

@@ -95,7 +95,7 @@ void swiglu_bwd(const T* gate_up, const T* dout, T* dgate_up, std::int64_t N, st
 // Angles in f32 as transformers computes them (position * inv_freq), in double for f64 models.
 template <class T>
 void rope_apply(const T* x, T* out, const float* inv_freq, std::int64_t B, std::int64_t T_, std::int64_t heads,
-                std::int64_t rotated, std::int64_t hd, bool inverse) {
+                std::int64_t rotated, std::int64_t hd, bool inverse, std::int64_t first) {
   using Angle = std::conditional_t<std::is_same_v<T, double>, double, float>;
   const std::int64_t half = hd / 2;
   for (std::int64_t b = 0; b < B; ++b) {
@@ -109,7 +109,7 @@ void rope_apply(const T* x, T* out, const float* inv_freq, std::int64_t B, std::
           continue;
         }
         for (std::int64_t i = 0; i < half; ++i) {
-          const Angle a = static_cast<Angle>(t) * static_cast<Angle>(inv_freq[i]);
+          const Angle a = static_cast<Angle>(first + t) * static_cast<Angle>(inv_freq[i]);
           const T c = static_cast<T>(std::cos(a)), sn = static_cast<T>(inverse ? -std::sin(a) : std::sin(a));
           const T x1 = xi[i], x2 = xi[i + half];
           oi[i] = x1 * c - x2 * sn;

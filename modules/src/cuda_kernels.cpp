@@ -110,11 +110,19 @@ class CudaKernels final : public Kernels {
                         "swiglu_backward", s);
   }
   Result<void> rope(Stream& s, DataType dt, const void* x, void* out, const float* inv_freq, std::int64_t B,
-                    std::int64_t T, std::int64_t heads, std::int64_t rotated, std::int64_t hd,
-                    bool inverse) const override {
+                    std::int64_t T, std::int64_t heads, std::int64_t rotated, std::int64_t hd, bool inverse,
+                    std::int64_t first) const override {
     COSHARD_TRY(check(dt));
-    return check_launch(cuda::rope(s.native_handle(), code(dt), x, out, inv_freq, B, T, heads, rotated, hd, inverse),
-                        "rope", s);
+    return check_launch(
+        cuda::rope(s.native_handle(), code(dt), x, out, inv_freq, B, T, heads, rotated, hd, inverse, first), "rope", s);
+  }
+  Result<void> attention_decode(Stream& s, DataType dt, const void* cache, void* out, float* scratch, std::int64_t B,
+                                std::int64_t Tmax, std::int64_t first, std::int64_t Tn, std::int64_t H, std::int64_t KVH,
+                                std::int64_t hd) const override {
+    COSHARD_TRY(check(dt));
+    return check_launch(cuda::attention_decode(s.native_handle(), code(dt), cache, out, scratch, B, Tmax, first, Tn, H,
+                                               KVH, hd),
+                        "attention_decode", s);
   }
   Result<void> gelu_forward(Stream& s, DataType dt, const void* x, void* out, std::int64_t n) const override {
     COSHARD_TRY(check(dt));

@@ -100,12 +100,12 @@ class Kernels {
                                        void* dgate_up, std::int64_t N, std::int64_t I) const = 0;
 
   // Rotary position embeddings in transformers' Llama convention (dimension i of a head pairs with
-  // i + hd/2): in x [B, T, heads * hd], the first `rotated` heads at position t turn by the angles
-  // t * inv_freq[i] (inv_freq: hd/2 f32, on the device); the other heads are copied. `inverse`
-  // turns the other way (the backward pass). out must not alias x.
+  // i + hd/2): in x [B, T, heads * hd], the first `rotated` heads of row t (position first + t)
+  // turn by the angles (first + t) * inv_freq[i] (inv_freq: hd/2 f32, on the device); the other
+  // heads are copied. `inverse` turns the other way (the backward pass). out must not alias x.
   virtual Result<void> rope(async::Stream& s, DataType dt, const void* x, void* out, const float* inv_freq,
                             std::int64_t B, std::int64_t T, std::int64_t heads, std::int64_t rotated, std::int64_t hd,
-                            bool inverse) const = 0;
+                            bool inverse, std::int64_t first) const = 0;
 
   // out = a + b (out may alias a or b).
   virtual Result<void> add(async::Stream& s, DataType dt, const void* a, const void* b, void* out,
@@ -131,6 +131,13 @@ class Kernels {
   virtual Result<void> attention_forward(async::Stream& s, DataType dt, const void* qkv, void* out, void* saved,
                                          std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t KVH,
                                          std::int64_t hd) const = 0;
+  // Decoding with a key/value cache: cache [B, Tmax, (H + 2 KVH) * hd] holds rows laid out as
+  // attention_forward's qkv; rows [first, first + Tn) are the new tokens'. Each new row attends
+  // over the rows up to and including itself (causal, at its position first + i): out [B, Tn,
+  // H * hd]. scratch: B * Tn * H * (first + Tn) f32.
+  virtual Result<void> attention_decode(async::Stream& s, DataType dt, const void* cache, void* out, float* scratch,
+                                        std::int64_t B, std::int64_t Tmax, std::int64_t first, std::int64_t Tn,
+                                        std::int64_t H, std::int64_t KVH, std::int64_t hd) const = 0;
   virtual Result<void> attention_backward(async::Stream& s, DataType dt, const void* dout, const void* qkv,
                                           const void* out, const void* saved, void* dqkv, void* scratch,
                                           std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t KVH,

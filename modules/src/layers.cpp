@@ -1,5 +1,7 @@
 #include "coshard/modules/layers.hpp"
 
+#include "coshard/modules/decoding.hpp"
+
 #include <cmath>
 
 #include "kernels.hpp"
@@ -32,18 +34,24 @@ async::Task<Result<Tensor>> Embedding::forward(Context& ctx, Tensor tokens) {
     co_return fail(ErrorCode::invalid_argument, "Embedding: tokens ", tokens ? tokens.describe() : "empty",
                    ", expected i32[B, T] on ", ctx.device().to_string());
   const std::int64_t B = tokens.shape()[0], T = tokens.shape()[1];
-  if (T > max_positions_)
-    co_return fail(ErrorCode::invalid_argument, "Embedding: sequence length ", T, " exceeds max_positions ",
+  // Decoding: the tokens continue a sequence at position p (their positions' rows start there).
+  Decoding* decoding = ctx.decoding();
+  const std::int64_t p = decoding ? decoding->position() : 0;
+  if (decoding) COSHARD_CO_TRY(decoding->check(B, T, "Embedding"));
+  if (p + T > max_positions_)
+    co_return fail(ErrorCode::invalid_argument, "Embedding: sequence length ", p + T, " exceeds max_positions ",
                    max_positions_);
   const DataType dt = token_weight().bound() ? token_weight().value().dtype() : DataType::f32;
   COSHARD_CO_TRY(check_param(token_weight(), dt, "Embedding"));
   COSHARD_CO_TRY(check_param(position_weight(), dt, "Embedding"));
   COSHARD_CO_TRY(check_supported(ctx.kernels(), dt, ctx.device(), "Embedding"));
   COSHARD_CO_TRY_ASSIGN(Tensor out, ctx.empty(Shape{B, T, dim_}, dt));
+  const auto* positions = static_cast<const std::byte*>(position_weight().value().data()) +
+                         static_cast<std::size_t>(p * dim_) * size_of(dt);
   COSHARD_CO_TRY(ctx.kernels().embedding_forward(ctx.stream(), dt, tokens.data_as<std::int32_t>(),
-                                                 token_weight().value().data(), position_weight().value().data(),
-                                                 out.data(), B, T, dim_, vocab_));
-  tokens_.push(std::move(tokens));
+                                                 token_weight().value().data(), positions, out.data(), B, T, dim_,
+                                                 vocab_));
+  if (!decoding) tokens_.push(std::move(tokens));  // (decoding has no backward)
   co_return out;
 }
 
@@ -184,6 +192,7 @@ async::Task<Result<Tensor>> CausalSelfAttention::forward(Context& ctx, Tensor qk
                    width, "]");
   const DataType dt = qkv.dtype();
   const std::int64_t B = qkv.shape()[0], T = qkv.shape()[1];
+  if (Decoding* decoding = ctx.decoding()) co_return co_await decode(ctx, *decoding, std::move(qkv));
   const detail::AttentionBuffers buffers = ctx.kernels().attention_buffers(dt, B, T, H, KVH, hd);
   COSHARD_CO_TRY_ASSIGN(Tensor out, ctx.empty(Shape{B, T, H * hd}, dt));
   COSHARD_CO_TRY_ASSIGN(Tensor saved, ctx.empty(buffers.saved, buffers.saved_dtype));
@@ -191,6 +200,27 @@ async::Task<Result<Tensor>> CausalSelfAttention::forward(Context& ctx, Tensor qk
                                                  hd));
   // The fused form recomputes from the output (which the projection after it keeps anyway).
   saved_.push({std::move(qkv), std::move(saved), buffers.backward_reads_output ? out : Tensor{}});
+  co_return out;
+}
+
+// The new tokens' rows go into this layer's cache at the decoding's position; each attends over
+// the cache up to itself. Nothing is saved (no backward).
+async::Task<Result<Tensor>> CausalSelfAttention::decode(Context& ctx, Decoding& decoding, Tensor qkv) {
+  const auto [H, KVH, hd] = heads_;
+  const std::int64_t width = (H + 2 * KVH) * hd;
+  const DataType dt = qkv.dtype();
+  const std::int64_t B = qkv.shape()[0], T = qkv.shape()[1], p = decoding.position(), L = decoding.max_length();
+  COSHARD_CO_TRY(decoding.check(B, T, "CausalSelfAttention"));
+  COSHARD_CO_TRY_ASSIGN(Tensor cache, decoding.cache(ctx, *this, width, dt));
+  const std::size_t row = static_cast<std::size_t>(width) * size_of(dt);
+  for (std::int64_t b = 0; b < B; ++b)
+    COSHARD_CO_TRY(ctx.stream().copy(static_cast<std::byte*>(cache.data()) + static_cast<std::size_t>(b * L + p) * row,
+                                     static_cast<const std::byte*>(qkv.data()) + static_cast<std::size_t>(b * T) * row,
+                                     static_cast<std::size_t>(T) * row));
+  COSHARD_CO_TRY_ASSIGN(Tensor out, ctx.empty(Shape{B, T, H * hd}, dt));
+  COSHARD_CO_TRY_ASSIGN(Tensor scratch, ctx.empty(Shape{B * T * H * (p + T)}, DataType::f32));
+  COSHARD_CO_TRY(ctx.kernels().attention_decode(ctx.stream(), dt, cache.data(), out.data(),
+                                                static_cast<float*>(scratch.data()), B, L, p, T, H, KVH, hd));
   co_return out;
 }
 

@@ -1,5 +1,7 @@
 #include "coshard/modules/llama_layers.hpp"
 
+#include "coshard/modules/decoding.hpp"
+
 #include <cmath>
 #include <numbers>
 
@@ -137,10 +139,12 @@ async::Task<Result<Tensor>> RotaryEmbedding::forward(Context& ctx, Tensor input)
   COSHARD_CO_TRY_ASSIGN(Tensor freq, ctx.upload(std::as_bytes(std::span<const float>(inv_freq_)),
                                                 Shape{static_cast<std::int64_t>(inv_freq_.size())}, DataType::f32));
   COSHARD_CO_TRY_ASSIGN(Tensor out, ctx.empty(input.shape(), dt));
+  // Decoding: the rows continue a sequence at the decoding's position.
+  const Decoding* decoding = ctx.decoding();
   COSHARD_CO_TRY(ctx.kernels().rope(ctx.stream(), dt, input.data(), out.data(), static_cast<const float*>(freq.data()),
                                     input.shape()[0], input.shape()[1], heads, n_heads_ + n_kv_heads_, head_dim_,
-                                    false));
-  saved_.push({input.shape(), std::move(freq)});
+                                    false, decoding ? decoding->position() : 0));
+  if (!decoding) saved_.push({input.shape(), std::move(freq)});  // (decoding has no backward)
   co_return out;
 }
 
@@ -152,7 +156,7 @@ async::Task<Result<Tensor>> RotaryEmbedding::backward(Context& ctx, Tensor grad_
   COSHARD_CO_TRY_ASSIGN(Tensor dx, ctx.empty(shape, grad_output.dtype()));
   COSHARD_CO_TRY(ctx.kernels().rope(ctx.stream(), grad_output.dtype(), grad_output.data(), dx.data(),
                                     static_cast<const float*>(saved.freq.data()), shape[0], shape[1], heads,
-                                    n_heads_ + n_kv_heads_, head_dim_, true));
+                                    n_heads_ + n_kv_heads_, head_dim_, true, 0));
   co_return dx;
 }
 

@@ -3,7 +3,8 @@
 // inputs:
 //   - the one-pass (online-softmax) cross-entropy (kernels.cu): loss and logits' gradient, a
 //     vocabulary that ends inside a thread stride, masked (-inf) logits, a target out of range;
-//   - SwiGLU and rotary embeddings (kernels.cu), forward and backward / inverse;
+//   - SwiGLU and rotary embeddings (kernels.cu), forward and backward / inverse, from a first
+//     position; the decoding attention over a key/value cache;
 //   - the multi-tensor AdamW and gradient statistics (optimizer.cu): the same bits as the
 //     one-tensor kernels, lists split at 32 tensors, tensors of several chunks, clipping.
 #include <gtest/gtest.h>
@@ -107,6 +108,64 @@ TEST(EmulatedLlamaKernels, RotaryTurnsPairsByPositionAndBack) {
   EXPECT_LT(normwise_error(turned.values(), want), 1e-5);
   EXPECT_LT(normwise_error(back.values(), X), 1e-5) << "the inverse turns back";
 }
+
+// Decoding: rows of a sequence rotated from a first position equal the same rows of the whole
+// sequence rotated from 0.
+TEST(EmulatedLlamaKernels, RotaryFromAFirstPositionContinuesTheSequence) {
+  const std::int64_t T = 9, heads = 2, rotated = 2, hd = 8, first = 6, W = heads * hd;
+  Stored x(kF32, random_values(static_cast<std::size_t>(T * W), 52));
+  std::vector<float> inv_freq(hd / 2);
+  for (std::int64_t i = 0; i < hd / 2; ++i) inv_freq[i] = static_cast<float>(std::pow(10000.0, -2.0 * i / hd));
+  Stored whole(kF32, std::vector<double>(T * W)), tail(kF32, std::vector<double>((T - first) * W));
+  ASSERT_EQ(cu::rope(nullptr, kF32, x.data(), whole.data(), inv_freq.data(), 1, T, heads, rotated, hd, false), 0);
+  const auto X = x.values();
+  Stored rest(kF32, std::vector<double>(X.begin() + first * W, X.end()));
+  ASSERT_EQ(cu::rope(nullptr, kF32, rest.data(), tail.data(), inv_freq.data(), 1, T - first, heads, rotated, hd, false,
+                     first),
+            0);
+  const auto all = whole.values();
+  EXPECT_LT(normwise_error(tail.values(), std::vector<double>(all.begin() + first * W, all.end())), 1e-6);
+}
+
+// Decoding with a key/value cache (kernels.cu attention_decode): the new rows of a cache attend as
+// in a causal attention over the whole sequence (a f64 reference), grouped-query included, with
+// rows of the cache past the sequence left out.
+class EmulatedAttentionDecode : public ::testing::TestWithParam<int> {};
+
+TEST_P(EmulatedAttentionDecode, NewRowsAttendOverTheCacheUpToThemselves) {
+  const int dt = GetParam();
+  const std::int64_t B = 2, Tmax = 12, first = 5, Tn = 3, H = 4, KVH = 2, hd = 16;
+  const std::int64_t W = (H + 2 * KVH) * hd, C = H * hd, group = H / KVH;
+  auto values = random_values(static_cast<std::size_t>(B * Tmax * W), 53, 1.0);
+  Stored cache(dt, values);
+  const auto Q = cache.values();  // (as stored: bf16 rounds)
+  Stored out(dt, std::vector<double>(B * Tn * C, 7.0));
+  std::vector<float> scratch(static_cast<std::size_t>(B * Tn * H * (first + Tn)));
+  ASSERT_EQ(cu::attention_decode(nullptr, dt, cache.data(), out.data(), scratch.data(), B, Tmax, first, Tn, H, KVH, hd), 0);
+  std::vector<double> want(static_cast<std::size_t>(B * Tn * C));
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t i = 0; i < Tn; ++i)
+      for (std::int64_t h = 0; h < H; ++h) {
+        const std::int64_t at = first + i, kv = C + (h / group) * hd;
+        std::vector<double> p(static_cast<std::size_t>(at + 1));
+        double mx = -INFINITY, sum = 0;
+        for (std::int64_t j = 0; j <= at; ++j) {
+          double dot = 0;
+          for (std::int64_t d = 0; d < hd; ++d) dot += Q[(b * Tmax + at) * W + h * hd + d] * Q[(b * Tmax + j) * W + kv + d];
+          p[j] = dot / std::sqrt(static_cast<double>(hd));
+          mx = std::max(mx, p[j]);
+        }
+        for (auto& v : p) sum += (v = std::exp(v - mx));
+        for (std::int64_t d = 0; d < hd; ++d) {
+          double acc = 0;
+          for (std::int64_t j = 0; j <= at; ++j) acc += p[j] * Q[(b * Tmax + j) * W + kv + KVH * hd + d];
+          want[(b * Tn + i) * C + h * hd + d] = acc / sum;
+        }
+      }
+  EXPECT_LT(normwise_error(out.values(), want), tolerance(dt));
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, EmulatedAttentionDecode, ::testing::Values(kF32, kBF16, kF16));
 
 // ---- multi-tensor AdamW ----
 

@@ -1,14 +1,17 @@
 #include "command_line.hpp"
 
+#include <algorithm>
 #include <charconv>
 
 #include "coshard/async/log.hpp"
+#include "coshard/trainer/data.hpp"
 #include "flight_dumps.hpp"
 
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
 #include <filesystem>
+#include <tuple>
 
 namespace coshard::train_app {
 
@@ -59,8 +62,28 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
                  "before it exits anyway (status 128 + the signal, no final save; the checkpoints already "
                  "published stay); 0: no bound (default 300)")
       ->check(CLI::Range(0, 1 << 24));
-  app.add_option("--steps", o.steps, "optimizer steps in total (a resumed run continues to this)")
-      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 40));
+  app.add_option("--steps", o.steps,
+                 "optimizer steps in total (a resumed run continues to this); 0: no training, only a sample (with "
+                 "--prompt or --prompt-ids, from --init)")
+      ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40));
+  std::string prompt_text, prompt_ids;
+  auto* prompt_option = app.add_option("--prompt", prompt_text,
+                                       "text to continue in samples, its bytes as token ids (models trained on text as "
+                                       "bytes)");
+  auto* prompt_ids_option = app.add_option("--prompt-ids", prompt_ids,
+                                           "token ids to continue in samples, comma-separated (e.g. 50256,464)");
+  auto* sample_every = app.add_option("--sample-every", o.sample_every,
+                                      "a sample every N steps and after the last step (0: after the last step only, "
+                                      "when --prompt or --prompt-ids is given)")
+                           ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40));
+  app.add_option("--sample-tokens", o.sample.tokens, "new tokens in each sample")
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20));
+  app.add_option("--temperature", o.sample.temperature,
+                 "sampling temperature (0: greedy, the most likely token each time: the same text at any world size "
+                 "and stage)")
+      ->check(CLI::Range(0.0f, 1e6f));
+  app.add_option("--top-k", o.sample.top_k, "sample among the K most likely tokens (0: all)")
+      ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 31));
   auto* batch_option = app.add_option("--batch", o.batch, "global batch (sequences per step, split evenly over the ranks; default 16, or the config's train_batch_size)")
       ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 30));
   app.add_option("--seq", o.seq, "tokens per sequence")->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 20));
@@ -108,13 +131,24 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   auto* vocab = app.add_option("--vocab", o.vocab,
                  "vocabulary: the synthetic task's, or the model's for a --data file of token ids (every id must be "
                  "below it; GPT-2's tokenizer: 50257); a Llama preset's own by default")->check(CLI::Range(std::int64_t{2}, std::int64_t{1} << 20));
-  app.add_option("--data", o.data,
-                 "training data (default: the synthetic task): a text file, trained on as bytes, or a file of token "
-                 "ids (llm.c's .bin with its header, or raw uint16 as nanoGPT's train.bin; see --data-format)");
+  app.add_option("--data", o.data_specs,
+                 "training data (default: the synthetic task): a text file, trained on as bytes, or files of token "
+                 "ids (llm.c's .bin with its header, or raw uint16 as nanoGPT's train.bin; see --data-format): several "
+                 "files or a quoted glob ('fineweb_train_*.bin') are read in name order as one stream");
   app.add_option("--data-format", o.data_format,
                  "how --data holds its tokens: auto (llm.c's header, else uint16 for a .bin name, else bytes), bytes, "
                  "u16 or u32 (little-endian ids)")
       ->check(CLI::IsMember({"auto", "bytes", "u16", "u32"}));
+  app.add_option("--val-data", o.val_specs,
+                 "held-out data for the validation loss, in --data's formats (--data-format applies to both): its "
+                 "first --eval-batches batches of the step's shape, the same each time, every --eval-every steps and "
+                 "after the last step");
+  auto* eval_every = app.add_option("--eval-every", cli.eval_every,
+                                    "the validation loss every N steps (0: after the last step only); needs --val-data")
+                         ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40));
+  auto* eval_batches = app.add_option("--eval-batches", cli.eval_batches,
+                                      "global batches of --val-data each validation loss is the mean over")
+                           ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 30));
   auto* lr = app.add_option("--lr", cli.lr, "learning rate (AdamW)");
   auto* warmup = app.add_option("--warmup", cli.warmup_steps, "linear warm-up steps (from --warmup-min-lr to --lr)");
   auto* warmup_min = app.add_option("--warmup-min-lr", cli.warmup_min_lr, "the learning rate the warm-up starts from");
@@ -164,8 +198,8 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   auto* wd = app.add_option("--weight-decay", weight_decay,
                             "weight decay (default: the optimizer's own, AdamW 0.01 decoupled, SGD 0)");
   app.add_option("--freeze", cli.freeze,
-                 "parameters that do not train, by glob over their full names (repeatable; e.g. 'blocks.0.*' or "
-                 "'model.embed_tokens.*'); each must match a parameter");
+                 "parameters that do not train, by glob over their full names (repeatable; e.g. 'embed.*' or "
+                 "'h0.*', the embedding and the first block); each must match a parameter");
   app.add_flag("--no-decay-vectors", cli.no_decay_for_vectors,
                "no weight decay on parameters of one dimension (biases, norms' gains), as GPT-2's and Llama's recipes");
   auto* max_skipped = app.add_option("--max-skipped-steps", cli.max_skipped_steps,
@@ -235,7 +269,7 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   const CLI::Validator non_empty(
       [](std::string& text) { return text.empty() ? std::string("an empty path (name a file or folder)") : std::string(); },
       "PATH");
-  for (const char* name : {"--data", "--config", "--init", "--metrics", "--trace", "--checkpoint-dir", "--export",
+  for (const char* name : {"--data", "--val-data", "--config", "--init", "--metrics", "--trace", "--checkpoint-dir", "--export",
                            "--tensorboard", "--flight-recorder", "--flight-report"})
     app.get_option(name)->check(non_empty);
   // Every command-line error exits 2 (CLI11's own codes vary with the kind of error); --help 0.
@@ -301,6 +335,66 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   if (clip->count()) c.max_grad_norm = cli.max_grad_norm;
   if (wd->count()) c.weight_decay = weight_decay;
   if (!cli.freeze.empty()) c.freeze = cli.freeze;
+  if (eval_every->count()) c.eval_every = cli.eval_every;
+  if (eval_batches->count()) c.eval_batches = cli.eval_batches;
+  // Globs and lists into files, in order (each checked and opened later, before anything trains).
+  for (auto [specs, files, first, flag] : {std::tuple{&o.data_specs, &o.data_files, &o.data, "--data"},
+                                           std::tuple{&o.val_specs, &o.val_files, &o.val_data, "--val-data"}}) {
+    if (specs->empty()) continue;
+    auto expanded = trainer::expand_data_paths(*specs);
+    if (!expanded) {
+      std::fprintf(stderr, "coshard-train: %s: %s\n", flag, expanded.error().message().c_str());
+      return 2;
+    }
+    *files = std::move(*expanded);
+    *first = files->front().string();
+  }
+  // Samples: a prompt of bytes or of ids (not both), asked for by --sample-every or a prompt.
+  if (prompt_option->count() && prompt_ids_option->count()) {
+    std::fprintf(stderr, "coshard-train: --prompt and --prompt-ids: give one\n");
+    return 2;
+  }
+  if (prompt_option->count()) {
+    if (prompt_text.empty()) {
+      std::fprintf(stderr, "coshard-train: --prompt '': an empty prompt (give at least one character)\n");
+      return 2;
+    }
+    for (const unsigned char ch : prompt_text) o.prompt.push_back(static_cast<std::int32_t>(ch));
+    o.prompt_is_text = true;
+  }
+  if (prompt_ids_option->count()) {
+    std::size_t at = 0;
+    while (at <= prompt_ids.size()) {
+      const std::size_t end = std::min(prompt_ids.find(',', at), prompt_ids.size());
+      const std::string item = prompt_ids.substr(at, end - at);
+      std::int64_t id = -1;
+      const auto [stop, ec] = std::from_chars(item.data(), item.data() + item.size(), id);
+      if (item.empty() || ec != std::errc{} || stop != item.data() + item.size() || id < 0 || id > (std::int64_t{1} << 31) - 1) {
+        std::fprintf(stderr, "coshard-train: --prompt-ids: '%s' is not a token id (expected ids from 0, comma-separated)\n",
+                     item.substr(0, 64).c_str());
+        return 2;
+      }
+      o.prompt.push_back(static_cast<std::int32_t>(id));
+      at = end + 1;
+    }
+  }
+  o.sampling = sample_every->count() > 0 || !o.prompt.empty();
+  if (o.steps == 0 && o.prompt.empty()) {
+    std::fprintf(stderr, "coshard-train: --steps 0 trains nothing: it samples (give --prompt or --prompt-ids, and the "
+                         "weights with --init)\n");
+    return 2;
+  }
+  // (on the synthetic task, validation draws held-out sequences of the same task)
+  // (the config file's eval_every asks as --eval-every does)
+  const bool eval_asked = eval_every->count() || eval_batches->count() || c.eval_every > 0;
+  if (eval_asked && o.val_data.empty() && !o.data.empty()) {
+    std::fprintf(stderr, "coshard-train: %s without --val-data: name the held-out data to evaluate on\n",
+                 eval_every->count()     ? "--eval-every"
+                 : eval_batches->count() ? "--eval-batches"
+                                         : "the config's eval_every");
+    return 2;
+  }
+  o.validate = !o.val_data.empty() || eval_asked;
   if (cli.no_decay_for_vectors) c.no_decay_for_vectors = true;
   if (max_skipped->count()) c.max_skipped_steps = cli.max_skipped_steps;
   if (precision->count())

@@ -5,10 +5,13 @@
 
 #include <cstdint>
 #include <optional>
+#include <filesystem>
 #include <string>
+#include <vector>
 
 #include "coshard/collectives/env.hpp"
 #include "coshard/trainer/config.hpp"
+#include "coshard/trainer/sampling.hpp"
 #include "model_choice.hpp"
 
 namespace coshard::train_app {
@@ -31,6 +34,19 @@ struct Options {
   ModelChoice model;  // --model, --preset and the shape flags (its vocabulary settled in main)
   std::string data_format = "auto";  // trainer::parse_token_format
   std::string data, config, init, metrics, trace, checkpoint_dir, export_path;
+  std::string val_data;  // held-out data (--val-data), in --data-format: its first file
+  // --data and --val-data as given (paths or globs) and as files, in order (data and val_data
+  // name the first, for the kind of data and the messages).
+  std::vector<std::string> data_specs, val_specs;
+  std::vector<std::filesystem::path> data_files, val_files;
+  bool validate = false;  // --val-data, or --eval-every/--eval-batches on the synthetic task
+  // Samples (--sample-every, --prompt/--prompt-ids, --sample-tokens, --temperature, --top-k): every
+  // sample_every steps and after the last step when sampling is asked for; --steps 0 samples only.
+  std::int64_t sample_every = 0;
+  bool sampling = false;
+  std::vector<std::int32_t> prompt;  // empty: the first tokens of the data's first batch
+  bool prompt_is_text = false;       // --prompt (bytes), not --prompt-ids
+  trainer::SampleOptions sample;
   std::string flight_recorder;  // folder of the collective flight recorder's dumps
   std::int64_t checkpoint_every = 0;
   int keep_checkpoints = 0;

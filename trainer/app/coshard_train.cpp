@@ -41,6 +41,7 @@
 #include "coshard/zero/hf_llama.hpp"
 #include "coshard/trainer/trainer.hpp"
 #include "progress.hpp"
+#include "samples.hpp"
 #include "command_line.hpp"
 #include "flight_dumps.hpp"
 #include "memory_check.hpp"
@@ -126,8 +127,24 @@ async::Task<Result<bool>> any_rank_stopping(trainer::Trainer& t, collectives::Co
   co_return values.at(0) > 0;
 }
 
+// The synthetic task's validation data: its batches far past any step a run reaches, draws of
+// the same task that training never sees.
+class HeldOutDraws final : public trainer::TokenSource {
+ public:
+  explicit HeldOutDraws(const trainer::TokenSource& task) : task_(task) {}
+  std::int64_t vocab() const noexcept override { return task_.vocab(); }
+  std::string describe() const override { return "held-out draws of the same task"; }
+  std::string identity() const override { return "held-out draws of " + task_.identity(); }
+  trainer::HostBatch batch(std::uint64_t step, std::int64_t rows, std::int64_t seq) const override {
+    return task_.batch((std::uint64_t{1} << 62) + step, rows, seq);
+  }
+
+ private:
+  const trainer::TokenSource& task_;
+};
+
 async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& comm, const trainer::TokenSource& data,
-                                   Shared& shared, bool threads) {
+                                   const trainer::TokenSource* val, Shared& shared, bool threads) {
   const int rank = comm.rank(), world = comm.size();
   const bool lead = rank == 0;
   COSHARD_CO_TRY_ASSIGN(auto model, o.model.build());
@@ -142,6 +159,15 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
   builder.ranks_agree_on("--steps", std::to_string(o.steps));
   builder.ranks_agree_on("--checkpoint-every", std::to_string(o.checkpoint_every) + (o.resume ? ", --resume" : ""));
   builder.ranks_agree_on("--export", o.export_path.empty() ? "no" : "yes");
+  std::string prompt;
+  for (const std::int32_t id : o.prompt) prompt += std::to_string(id) + ",";
+  builder.ranks_agree_on("samples", o.sampling ? "every " + std::to_string(o.sample_every) + ", " +
+                                                     std::to_string(o.sample.tokens) + " tokens, temperature " +
+                                                     std::to_string(o.sample.temperature) + ", top-k " +
+                                                     std::to_string(o.sample.top_k) + ", prompt " + prompt
+                                               : "none");
+  builder.ranks_agree_on("--val-data", val ? val->identity() : "none");
+  if (val) builder.validation(*val, o.train.eval_every, o.train.eval_batches);
   COSHARD_CO_TRY_ASSIGN(auto t, co_await builder.build(*model));
   if (shared.epoch.recorded()) COSHARD_CO_TRY(t.set_timeline_epoch(shared.epoch));
   if (o.init_is_folder) {
@@ -155,12 +181,16 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
   }
   const std::int64_t first = t.steps_done();
   // A resume that has nothing left to train would print "resumed" and exit 0 as if it had.
-  if (o.resume && first >= o.steps)
+  if (o.resume && first >= o.steps && o.steps > 0)
     co_return fail(ErrorCode::invalid_argument, "--steps ", o.steps, ": the checkpoint in ", o.checkpoint_dir,
                    " is at step ", first, " already, so there is nothing to train (give --steps above ", first, ")");
   if (lead && !o.quiet) {
     std::printf("coshard-train: %lld-parameter %s, %s\n", static_cast<long long>(o.model.parameter_count()),
                 o.model.describe().c_str(), data.describe().c_str());
+    if (val)
+      std::printf("  validation: %s, %lld batches%s\n", val->describe().c_str(), static_cast<long long>(o.train.eval_batches),
+                  o.train.eval_every > 0 ? (", every " + std::to_string(o.train.eval_every) + " steps and after the last").c_str()
+                                         : ", after the last step");
     if (o.device == "cuda") {
       const bool fused = modules::attention_is_fused(async::Device::cuda(0), o.train.engine_options().dtype,
                                                      o.model.head_dim(), o.train.attention);
@@ -204,6 +234,7 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
       if (stopping) break;
     }
     const HostBatch global = data.batch(static_cast<std::uint64_t>(step), o.batch, o.seq);
+    if (val && step + 1 == o.steps) t.request_validation();  // (the last step: evaluated whatever --eval-every says)
     COSHARD_CO_TRY_ASSIGN(auto stats, co_await t.step(global.rank_rows(rank, world)));
     if (!std::isfinite(stats.loss)) {
       if (nonfinite_since == 0) nonfinite_since = stats.step;
@@ -219,6 +250,10 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
         metrics.flush();
         if (!metrics) co_return fail(ErrorCode::io, "--metrics ", o.metrics, ": write failed");
       }
+    }
+    if (o.sample_every > 0 && stats.step % o.sample_every == 0 && stats.step < o.steps) {
+      if (lead && !o.quiet) progress.finish();
+      COSHARD_CO_TRY(co_await train_app::sample_after(t, o, data, stats.step, o.quiet));
     }
     if (o.checkpoint_every > 0 && stats.step % o.checkpoint_every == 0) {
       COSHARD_CO_TRY(co_await t.save_checkpoint(o.checkpoint_dir));
@@ -236,6 +271,9 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
   COSHARD_CO_TRY_ASSIGN(auto all_done, comm.barrier());
   COSHARD_CO_TRY(co_await all_done);
   if (lead && !o.quiet) progress.finish();
+  // The sample after the last step (--steps 0: the only one, always shown).
+  if (o.sampling && !stopped && nonfinite_since == 0)
+    COSHARD_CO_TRY(co_await train_app::sample_after(t, o, data, t.steps_done(), o.quiet && o.steps > 0));
   if (lead && !o.trace.empty()) {
     // Local ranks: every rank added its spans before the barrier. Processes: this rank's own.
     COSHARD_CO_TRY(shared.trace.write(o.trace));
@@ -270,18 +308,26 @@ std::string thread_failure_hint(const std::exception& e) {
 }
 
 int run(const Options& o) {
-  std::unique_ptr<trainer::TokenSource> data;
+  auto open = [&o](const std::vector<std::filesystem::path>& files,
+                   std::string_view flag) -> std::unique_ptr<trainer::TokenSource> {
+    auto format = trainer::parse_token_format(o.data_format);
+    auto opened = format ? trainer::open_data(std::span<const std::filesystem::path>(files), *format, o.vocab, o.seq,
+                                              o.train.seed)
+                         : Result<std::unique_ptr<trainer::TokenSource>>(fail(std::move(format).error()));
+    if (opened) return std::move(*opened);
+    std::fprintf(stderr, "coshard-train: %s: %s\n", std::string(flag).c_str(), opened.error().message().c_str());
+    return nullptr;
+  };
+  std::unique_ptr<trainer::TokenSource> data, val;
   if (o.data.empty()) {
     data = std::make_unique<trainer::SyntheticTask>(o.vocab, o.train.seed);
-  } else {
-    auto format = trainer::parse_token_format(o.data_format);
-    auto opened = format ? trainer::open_data(o.data, *format, o.vocab, o.seq, o.train.seed)
-                         : Result<std::unique_ptr<trainer::TokenSource>>(fail(std::move(format).error()));
-    if (!opened) {
-      std::fprintf(stderr, "coshard-train: --data: %s\n", opened.error().message().c_str());
-      return 2;
-    }
-    data = std::move(*opened);
+  } else if (data = open(o.data_files, "--data"); !data) {
+    return 2;
+  }
+  if (!o.val_data.empty()) {
+    if (val = open(o.val_files, "--val-data"); !val) return 2;
+  } else if (o.validate) {
+    val = std::make_unique<HeldOutDraws>(*data);
   }
 
   Shared shared;
@@ -328,7 +374,7 @@ int run(const Options& o) {
     std::optional<train_app::FlightDumps> dumps;
     if (!o.flight_recorder.empty()) dumps.emplace(o.flight_recorder, std::vector<const collectives::Communicator*>{comm->get()},
                                                   (*comm)->size());
-    auto done = rt.block_on(run_rank(o, **comm, *data, shared, false));
+    auto done = rt.block_on(run_rank(o, **comm, *data, val.get(), shared, false));
     if (!done) {
       shared.error((*comm)->rank(), done.error().message());
       (*comm)->abort(done.error().message());
@@ -368,7 +414,7 @@ int run(const Options& o) {
           try {
             log::set_thread_rank(r);  // this thread's lines, and its runtime's, name the rank
             async::Runtime rt;
-            auto done = rt.block_on(run_rank(o, *(*comms)[static_cast<std::size_t>(r)], *data, shared, true));
+            auto done = rt.block_on(run_rank(o, *(*comms)[static_cast<std::size_t>(r)], *data, val.get(), shared, true));
             if (!done) rank_failed(r, done.error().message());
           } catch (const std::exception& e) {  // the runtime's own thread could not start, say
             rank_failed(r, std::string("cannot run: ") + e.what() + thread_failure_hint(e));
@@ -451,10 +497,27 @@ int main(int argc, char** argv) {
     const auto format = trainer::parse_token_format(o.data_format);
     if (!format) return usage("--data-format: " + format.error().message());
     // Before the format probe opens it (a fifo would block that open).
-    if (auto ok = train_app::check_input_path({"--data", o.data}); !ok) return usage(ok.error().message());
+    for (const auto& file : o.data_files)
+      if (auto ok = train_app::check_input_path({"--data", file.string()}); !ok) return usage(ok.error().message());
     const auto resolved = trainer::resolve_token_format(o.data, *format);
     if (!resolved) return usage("--data: " + resolved.error().message());
     bytes = *resolved == trainer::TokenFormat::bytes;
+  }
+  if (!o.val_data.empty()) {
+    if (o.data.empty())
+      return usage("--val-data without --data: the synthetic task validates on held-out draws of its own (give "
+                   "--eval-every alone)");
+    const auto format = trainer::parse_token_format(o.data_format);
+    if (!format) return usage("--data-format: " + format.error().message());
+    for (const auto& file : o.val_files)
+      if (auto ok = train_app::check_input_path({"--val-data", file.string()}); !ok) return usage(ok.error().message());
+    const auto resolved = trainer::resolve_token_format(o.val_data, *format);
+    if (!resolved) return usage("--val-data: " + resolved.error().message());
+    const bool val_bytes = *resolved == trainer::TokenFormat::bytes;
+    if (val_bytes != bytes)
+      return usage("--val-data " + o.val_data + " is read as " + (val_bytes ? "bytes" : "token ids") + " and --data " +
+                   o.data + " as " + (bytes ? "bytes" : "token ids") +
+                   ": validation needs data of the training data's kind (--data-format applies to both)");
   }
   if (o.model.vocab_fixed) {
     if (!o.data.empty() && !bytes) o.vocab = o.model.vocab();
@@ -466,6 +529,23 @@ int main(int argc, char** argv) {
     if (bytes && o.vocab_given && o.vocab != 256) vocab_of_bytes = o.vocab;  // refused once the paths are checked
     if (bytes) o.vocab = 256;
     o.model.set_vocab(o.vocab);
+  }
+  // A prompt the model can embed (checked now, not after the training it follows).
+  for (std::size_t i = 0; i < o.prompt.size(); ++i)
+    if (o.prompt[i] >= o.model.vocab())
+      return usage(std::string(o.prompt_is_text ? "--prompt: token " : "--prompt-ids: token ") + std::to_string(i) +
+                   " is " + (o.prompt_is_text ? "byte " : "id ") + std::to_string(o.prompt[i]) +
+                   ", not below the model's vocabulary of " + std::to_string(o.model.vocab()) +
+                   (o.prompt_is_text ? " (--prompt is for models of text read as bytes; --prompt-ids gives ids)" : ""));
+  // A GPT's learned positions bound a sample: its prompt (4 tokens of the data by default) and
+  // the tokens it adds.
+  if (o.sampling && o.model.kind == train_app::ModelChoice::Kind::gpt) {
+    const auto prompt = o.prompt.empty() ? std::min<std::int64_t>(4, o.seq) : static_cast<std::int64_t>(o.prompt.size());
+    if (prompt + o.sample.tokens > o.model.gpt.max_seq)
+      return usage("a sample of " + std::to_string(prompt) + " prompt tokens and --sample-tokens " +
+                   std::to_string(o.sample.tokens) + " needs " + std::to_string(prompt + o.sample.tokens) +
+                   " positions, and the GPT has " + std::to_string(o.model.gpt.max_seq) +
+                   " (--seq): a shorter prompt, fewer --sample-tokens, or a longer --seq");
   }
   shape.model = o.model;
   shape.batch = o.batch;
@@ -498,7 +578,8 @@ int main(int argc, char** argv) {
   if (!fits && c.check_memory) return usage(fits.error().message() + " (coshard-train --estimate shows each item; --skip-memory-check trains anyway)");
   // Every path, before anything is built or trained.
   train_app::RunPaths paths;
-  if (!o.data.empty()) paths.inputs.push_back({"--data", o.data});
+  for (const auto& file : o.data_files) paths.inputs.push_back({"--data", file.string()});
+  for (const auto& file : o.val_files) paths.inputs.push_back({"--val-data", file.string()});
   if (!o.config.empty()) paths.inputs.push_back({"--config", o.config});
   if (o.init_is_folder) {
     // Named and checked now (the index, each file a regular one); the ranks read them once, at the load.

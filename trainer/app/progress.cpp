@@ -23,11 +23,16 @@ void Progress::update(const StepStats& s) {
     std::fprintf(out_, "\r\033[Kstep %lld/%lld  loss %.4f  %.0f tok/s  %.1f ms/step  ETA %.0fs",
                  static_cast<long long>(s.step), static_cast<long long>(last_), s.loss, s.tokens_per_s, s.step_ms, eta);
     open_line_ = true;
-  } else if (s.step == first_ + 1 || s.step == last_ || (s.step - first_) % every_ == 0) {
+    if (s.val_loss) {  // kept: a line of its own under the step's
+      std::fprintf(out_, "\n  validation loss %.4f after step %lld\n", *s.val_loss, static_cast<long long>(s.step));
+      open_line_ = false;
+    }
+  } else if (s.step == first_ + 1 || s.step == last_ || (s.step - first_) % every_ == 0 || s.val_loss) {
     std::fprintf(out_, "step %lld/%lld  loss %.4f  %.0f tok/s  %.1f ms/step  hit rate %.2f  comm wait %s ms  ETA %.0fs\n",
                  static_cast<long long>(s.step), static_cast<long long>(last_), s.loss, s.tokens_per_s, s.step_ms,
                  s.prefetch_hit_rate, s.exposed_comm_ms ? std::to_string(*s.exposed_comm_ms).substr(0, 5).c_str() : "-",
                  eta);
+    if (s.val_loss) std::fprintf(out_, "  validation loss %.4f after step %lld\n", *s.val_loss, static_cast<long long>(s.step));
   }
   std::fflush(out_);
 }

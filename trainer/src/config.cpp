@@ -54,6 +54,9 @@ Result<void> TrainerConfig::validate() const {
   if (activation_checkpointing.every < 0)
     return fail(ErrorCode::invalid_argument, "activation_checkpointing.every=", activation_checkpointing.every,
                 ": expected 0 (none), 1 (every block) or N (every N-th block)");
+  if (eval_every < 0) return fail(ErrorCode::invalid_argument, "eval_every=", eval_every, ": expected >= 0 (0: only when asked)");
+  if (eval_batches < 1 || eval_batches > (std::int64_t{1} << 30))
+    return fail(ErrorCode::invalid_argument, "eval_batches=", eval_batches, ": expected 1 to 2^30");
   if (max_skipped_steps < 0)
     return fail(ErrorCode::invalid_argument, "max_skipped_steps=", max_skipped_steps, ": expected >= 0 (0: never stop)");
   if (zero_stage == 3 && max_live_bytes == 0)

@@ -99,19 +99,9 @@ std::string ByteCorpus::describe() const {
 }
 
 HostBatch ByteCorpus::batch(std::uint64_t step, std::int64_t rows, std::int64_t seq) const {
-  HostBatch b{rows, seq, {}, {}};
-  b.tokens.resize(static_cast<std::size_t>(rows * seq));
-  b.targets.resize(b.tokens.size());
-  const auto windows = static_cast<std::uint64_t>(static_cast<std::int64_t>(bytes_.size()) - seq);
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const auto start = static_cast<std::size_t>(mix(seed_, step, static_cast<std::uint64_t>(r)) % windows);
-    for (std::int64_t t = 0; t < seq; ++t) {
-      b.tokens[static_cast<std::size_t>(r * seq + t)] = std::to_integer<std::int32_t>(bytes_[start + static_cast<std::size_t>(t)]);
-      b.targets[static_cast<std::size_t>(r * seq + t)] =
-          std::to_integer<std::int32_t>(bytes_[start + static_cast<std::size_t>(t) + 1]);
-    }
-  }
-  return b;
+  return detail::window_batch(seed_, step, rows, seq, static_cast<std::int64_t>(bytes_.size()), [this](std::int64_t i) {
+    return std::to_integer<std::int32_t>(bytes_[static_cast<std::size_t>(i)]);
+  });
 }
 
 }  // namespace coshard::trainer

@@ -352,6 +352,13 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
         }
       } else if (key == "train_batch_size") {
         if (auto n = r.count(v, key)) c.train_batch_size = static_cast<std::int64_t>(*n);
+      } else if (key == "eval_every" || key == "eval_batches") {
+        // (coshard's own keys, beside DeepSpeed's: the held-out validation of TrainerConfig)
+        if (auto n = r.count(v, key)) {
+          if (key == "eval_every") c.eval_every = static_cast<std::int64_t>(std::min<std::size_t>(*n, std::size_t{1} << 40));
+          else if (*n < 1 || *n > (std::size_t{1} << 30)) r.bad.push_back(key + "=" + std::to_string(*n) + " (expected 1 to 2^30)");
+          else c.eval_batches = static_cast<std::int64_t>(*n);
+        }
       } else if (key == "train_micro_batch_size_per_gpu") {
         if (auto n = r.count(v, key)) c.train_micro_batch_size_per_gpu = static_cast<std::int64_t>(*n);
       } else if (key == "scheduler") {

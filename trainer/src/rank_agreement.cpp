@@ -75,6 +75,8 @@ std::vector<std::pair<std::string, std::string>> agreement_fields(const TrainerC
   f.emplace_back("seed", std::to_string(c.seed));
   for (const auto& [key, value] : c.run_identity) f.emplace_back("the run's " + key, value);
   f.emplace_back("max_skipped_steps", std::to_string(c.max_skipped_steps));
+  f.emplace_back("validation", "every " + std::to_string(c.eval_every) + " steps, " + std::to_string(c.eval_batches) +
+                                   " batches");
   // What decides the sequence of collectives (a difference would mismatch or hang them).
   f.emplace_back("fetch_mode", std::to_string(static_cast<int>(c.fetch_mode)));
   f.emplace_back("prefetch", std::to_string(c.prefetch_bucket_bytes) + " bytes" + (c.adaptive_prefetch ? ", adaptive" : ""));

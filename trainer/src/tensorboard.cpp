@@ -61,6 +61,7 @@ std::vector<std::pair<std::string, double>> tensorboard_scalars(const StepStats&
       {"memory/peak_activation_bytes", static_cast<double>(s.peak_activation_bytes)},
   };
   if (s.exposed_comm_ms) out.emplace_back("perf/exposed_comm_ms", *s.exposed_comm_ms);  // timing off: no point
+  if (s.val_loss) out.emplace_back("val/loss", *s.val_loss);  // (the steps that evaluate)
   return out;
 }
 

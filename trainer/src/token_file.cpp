@@ -141,18 +141,7 @@ std::string TokenFile::identity() const {
 }
 
 HostBatch TokenFile::batch(std::uint64_t step, std::int64_t rows, std::int64_t seq) const {
-  HostBatch b{rows, seq, {}, {}};
-  b.tokens.resize(static_cast<std::size_t>(rows * seq));
-  b.targets.resize(b.tokens.size());
-  const auto windows = static_cast<std::uint64_t>(count_ - seq);
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const auto start = static_cast<std::int64_t>(detail::mix(seed_, step, static_cast<std::uint64_t>(r)) % windows);
-    for (std::int64_t t = 0; t < seq; ++t) {
-      b.tokens[static_cast<std::size_t>(r * seq + t)] = at(start + t);
-      b.targets[static_cast<std::size_t>(r * seq + t)] = at(start + t + 1);
-    }
-  }
-  return b;
+  return detail::window_batch(seed_, step, rows, seq, count_, [this](std::int64_t i) { return at(i); });
 }
 
 Result<TokenFormat> resolve_token_format(const std::filesystem::path& path, TokenFormat format) {

@@ -10,6 +10,7 @@
 
 #include "coshard/async/log.hpp"
 #include "rank_agreement.hpp"
+#include "trainer_impl.hpp"
 #include "coshard/async/runtime.hpp"
 #include "coshard/async/sync.hpp"
 #include "coshard/async/stream.hpp"
@@ -44,37 +45,9 @@ std::string to_json_line(const StepStats& s) {
   j["loss_scale"] = s.loss_scale;
   j["skipped"] = s.skipped;
   j["trace_changed"] = s.trace_changed;
+  if (s.val_loss) j["val_loss"] = *s.val_loss;  // (only on the steps that evaluate)
   return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
-
-struct Trainer::Impl {
-  TrainerConfig config;
-  collectives::Communicator* comm = nullptr;
-  modules::Module* model = nullptr;
-  std::unique_ptr<async::Stream> stream;
-  std::unique_ptr<async::CachingAllocator> allocator;
-  std::unique_ptr<modules::Context> ctx;
-  std::unique_ptr<modules::Optimizer> optimizer;
-  std::unique_ptr<zero::Engine> engine;
-  modules::CrossEntropyLoss own_loss;      // the default
-  modules::Loss* loss = &own_loss;         // or the builder's
-  int skipped_in_a_row = 0;  // steps skipped for inf/NaN gradients, up to this one
-  std::optional<TensorBoardWriter> tensorboard;  // rank 0, with config.tensorboard_dir
-
-  ~Impl() {
-    engine.reset();  // a checkpoint write in flight runs on; it owns its data
-    optimizer.reset();
-    if (stream) (void)stream->synchronize();  // teardown: the blocks below go back to a quiet stream
-  }
-  // What a checkpoint records of this run and compares on resume.
-  zero::CheckpointOptions checkpoint_options() const {
-    return {.run = config.identity(), .keep = config.keep_checkpoints};
-  }
-  // One optimizer step over `micro` (this rank's micro-batches, on the device); `counted` is the
-  // global batch's tokens or samples for the statistics.
-  async::Task<Result<StepStats>> step(std::span<const modules::Batch> micro, std::int64_t counted,
-                                      std::chrono::steady_clock::time_point start);
-};
 
 Trainer::Trainer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Trainer::Trainer(Trainer&&) noexcept = default;
@@ -88,8 +61,6 @@ int Trainer::rank() const noexcept { return impl_->comm->rank(); }
 int Trainer::world_size() const noexcept { return impl_->comm->size(); }
 zero::Engine& Trainer::engine() noexcept { return *impl_->engine; }
 modules::Context& Trainer::context() noexcept { return *impl_->ctx; }
-
-namespace {
 
 Result<std::vector<modules::Batch>> upload_micro_batches(modules::Context& ctx, const HostBatch& rows, int k) {
   if (rows.rows <= 0 || rows.seq <= 0)
@@ -115,6 +86,8 @@ Result<std::vector<modules::Batch>> upload_micro_batches(modules::Context& ctx, 
   }
   return out;
 }
+
+namespace {
 
 // This rank's rows on the device, split along the first dimension into k micro-batches (views:
 // no copy).
@@ -151,7 +124,8 @@ async::Task<Result<StepStats>> Trainer::step(const HostBatch& rows) {
   Impl& s = *impl_;
   const auto start = std::chrono::steady_clock::now();
   COSHARD_CO_TRY_ASSIGN(auto micro, upload_micro_batches(*s.ctx, rows, s.config.gradient_accumulation_steps));
-  co_return co_await s.step(micro, rows.rows * rows.seq * s.comm->size(), start);
+  co_return co_await s.step(micro, rows.rows * rows.seq * s.comm->size(), start,
+                            std::pair{rows.rows * s.comm->size(), rows.seq});
 }
 
 async::Task<Result<StepStats>> Trainer::step(const modules::Batch& rows) {
@@ -160,11 +134,12 @@ async::Task<Result<StepStats>> Trainer::step(const modules::Batch& rows) {
   COSHARD_CO_TRY_ASSIGN(auto micro, split_micro_batches(*s.ctx, rows, s.config.gradient_accumulation_steps));
   // Token ids count as tokens; other inputs as samples (their first dimension).
   const std::int64_t counted = rows.inputs.dtype() == modules::DataType::i32 ? rows.inputs.numel() : rows.inputs.shape()[0];
-  co_return co_await s.step(micro, counted * s.comm->size(), start);
+  co_return co_await s.step(micro, counted * s.comm->size(), start, std::nullopt);
 }
 
 async::Task<Result<StepStats>> Trainer::Impl::step(std::span<const modules::Batch> micro, std::int64_t counted,
-                                                   std::chrono::steady_clock::time_point start) {
+                                                   std::chrono::steady_clock::time_point start,
+                                                   std::optional<std::pair<std::int64_t, std::int64_t>> eval_shape) {
   Impl& s = *this;
   const float lr = s.config.lr_at(s.engine->steps_done());
   COSHARD_CO_TRY_ASSIGN(auto e, co_await s.engine->step(*s.loss, micro, lr));
@@ -192,6 +167,11 @@ async::Task<Result<StepStats>> Trainer::Impl::step(std::span<const modules::Batc
   out.trace_changed = e.trace_changed;
   out.exposed_comm_ms = e.exposed_comm_ms;
   out.timeline = std::move(e.timeline);
+  const bool due = (s.config.eval_every > 0 && out.step % s.config.eval_every == 0) || s.validation_requested;
+  if (s.validation && eval_shape && due) {
+    s.validation_requested = false;
+    COSHARD_CO_TRY_ASSIGN(out.val_loss, co_await s.validation_loss(eval_shape->first, eval_shape->second));
+  }
   if (s.tensorboard) COSHARD_CO_TRY(s.tensorboard->add_step(out));
   // A loss that is not finite: are the weights still? (A gather of every parameter, so only then;
   // the loss is averaged over ranks, so every rank checks.) Weights that are not stop the run here
@@ -253,6 +233,7 @@ async::Task<Result<Trainer>> TrainerBuilder::build(modules::Module& model) const
   impl->comm = comm_;
   impl->model = &model;
   if (loss_) impl->loss = loss_;
+  impl->validation = validation_;
   const async::Device device = comm_->stream().device();
   async::StreamOptions stream_options;
   stream_options.name = "compute" + std::to_string(comm_->rank());

@@ -79,7 +79,7 @@ __global__ void swiglu_backward_kernel(const T* gate_up, const T* dout, T* dgate
 // RoPE: one thread per (row, head, pair); heads past `rotated` are copied.
 template <class T>
 __global__ void rope_kernel(const T* x, T* out, const float* inv_freq, std::int64_t B, std::int64_t T_,
-                            std::int64_t heads, std::int64_t rotated, std::int64_t hd, bool inverse) {
+                            std::int64_t heads, std::int64_t rotated, std::int64_t hd, bool inverse, std::int64_t first) {
   const std::int64_t half = hd / 2;
   COSHARD_GRID_STRIDE(k, B * T_ * heads * half) {
     const std::int64_t i = k % half, h = (k / half) % heads, row = k / (half * heads), t = row % T_;
@@ -90,11 +90,61 @@ __global__ void rope_kernel(const T* x, T* out, const float* inv_freq, std::int6
       store(out, at + half, x2);
     } else {
       float sn = 0, c = 0;
-      sincosf(static_cast<float>(t) * inv_freq[i], &sn, &c);
+      sincosf(static_cast<float>(first + t) * inv_freq[i], &sn, &c);
       if (inverse) sn = -sn;
       store(out, at, x1 * c - x2 * sn);
       store(out, at + half, x2 * c + x1 * sn);
     }
+  }
+}
+
+// Decoding with a key/value cache (Kernels::attention_decode): one block per (row b, new position
+// i, head h); its threads score the keys 0..first+i into scratch, the block reduces the maximum and
+// the sum, then each thread sums the values for its columns. Plain, not fast: one query a block.
+inline constexpr int kDecodeThreads = 128;
+
+template <class T>
+__global__ void attention_decode_kernel(const T* cache, T* out, float* scratch, std::int64_t Tmax, std::int64_t first,
+                                        std::int64_t Tn, std::int64_t H, std::int64_t KVH, std::int64_t hd) {
+  __shared__ float reduce[kDecodeThreads];
+  const std::int64_t h = blockIdx.x % H, i = (blockIdx.x / H) % Tn, b = blockIdx.x / (H * Tn);
+  const std::int64_t W = (H + 2 * KVH) * hd, C = H * hd, kv = C + (h / (H / KVH)) * hd, at = first + i;
+  const T* rows = cache + b * Tmax * W;
+  const T* q = rows + at * W + h * hd;
+  float* scores = scratch + static_cast<std::int64_t>(blockIdx.x) * (first + Tn);
+  const float scale = rsqrtf(static_cast<float>(hd));
+  float mx = -INFINITY;
+  for (std::int64_t j = threadIdx.x; j <= at; j += blockDim.x) {
+    float dot = 0;
+    for (std::int64_t d = 0; d < hd; ++d) dot += load(q, d) * load(rows, j * W + kv + d);
+    scores[j] = dot * scale;
+    mx = fmaxf(mx, scores[j]);
+  }
+  reduce[threadIdx.x] = mx;
+  __syncthreads();
+  for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) reduce[threadIdx.x] = fmaxf(reduce[threadIdx.x], reduce[threadIdx.x + stride]);
+    __syncthreads();
+  }
+  mx = reduce[0];
+  __syncthreads();
+  float sum = 0;
+  for (std::int64_t j = threadIdx.x; j <= at; j += blockDim.x) {
+    scores[j] = __expf(scores[j] - mx);
+    sum += scores[j];
+  }
+  reduce[threadIdx.x] = sum;
+  __syncthreads();
+  for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) reduce[threadIdx.x] += reduce[threadIdx.x + stride];
+    __syncthreads();
+  }
+  const float inv = 1.0f / reduce[0];
+  T* o = out + (b * Tn + i) * C + h * hd;
+  for (std::int64_t d = threadIdx.x; d < hd; d += blockDim.x) {
+    float acc = 0;
+    for (std::int64_t j = 0; j <= at; ++j) acc += scores[j] * load(rows, j * W + kv + KVH * hd + d);
+    store(o, d, acc * inv);
   }
 }
 
@@ -284,10 +334,19 @@ int swiglu_backward(void* s, int dt, const void* gate_up, const void* dout, void
 }
 
 int rope(void* s, int dt, const void* x, void* out, const float* inv_freq, std::int64_t B, std::int64_t T,
-         std::int64_t heads, std::int64_t rotated, std::int64_t hd, bool inverse) {
+         std::int64_t heads, std::int64_t rotated, std::int64_t hd, bool inverse, std::int64_t first) {
   return with_type(dt, [&]<class E>() {
     rope_kernel<E><<<grid_for(B * T * heads * (hd / 2)), kThreads, 0, as_stream(s)>>>(
-        static_cast<const E*>(x), static_cast<E*>(out), inv_freq, B, T, heads, rotated, hd, inverse);
+        static_cast<const E*>(x), static_cast<E*>(out), inv_freq, B, T, heads, rotated, hd, inverse, first);
+  });
+}
+
+int attention_decode(void* s, int dt, const void* cache, void* out, float* scratch, std::int64_t B, std::int64_t Tmax,
+                     std::int64_t first, std::int64_t Tn, std::int64_t H, std::int64_t KVH, std::int64_t hd) {
+  const auto blocks = static_cast<unsigned>(B * Tn * H);
+  return with_type(dt, [&]<class E>() {
+    attention_decode_kernel<E><<<blocks, kDecodeThreads, 0, as_stream(s)>>>(
+        static_cast<const E*>(cache), static_cast<E*>(out), scratch, Tmax, first, Tn, H, KVH, hd);
   });
 }
 

@@ -51,7 +51,11 @@ int rmsnorm_backward(void* stream, int dt, const void* dout, const void* x, cons
                      void* dw, float* partials, std::int64_t N, std::int64_t C);
 int gelu_forward(void* stream, int dt, const void* x, void* out, std::int64_t n);
 int rope(void* stream, int dt, const void* x, void* out, const float* inv_freq, std::int64_t B, std::int64_t T,
-         std::int64_t heads, std::int64_t rotated, std::int64_t hd, bool inverse);
+         std::int64_t heads, std::int64_t rotated, std::int64_t hd, bool inverse, std::int64_t first = 0);
+// Kernels::attention_decode: one block per (row, new position, head); scores in `scratch`.
+int attention_decode(void* stream, int dt, const void* cache, void* out, float* scratch, std::int64_t B,
+                     std::int64_t Tmax, std::int64_t first, std::int64_t Tn, std::int64_t H, std::int64_t KVH,
+                     std::int64_t hd);
 int swiglu_forward(void* stream, int dt, const void* gate_up, void* out, std::int64_t N, std::int64_t I);
 int swiglu_backward(void* stream, int dt, const void* gate_up, const void* dout, void* dgate_up, std::int64_t N,
                     std::int64_t I);

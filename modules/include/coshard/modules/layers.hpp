@@ -107,6 +107,8 @@ class CausalSelfAttention final : public Module {
     Tensor qkv, stats, out;  // stats: the probabilities, or the fused kernels' row statistics
   };
   Result<void> check() const;
+  // A forward while ctx.decoding() is set: through this layer's key/value cache (decoding.hpp).
+  async::Task<Result<Tensor>> decode(Context& ctx, Decoding& decoding, Tensor qkv);
   std::int64_t dim_;  // multi-head form; 0 for AttentionHeads
   AttentionHeads heads_;
   SavedPerCall<Saved> saved_;

@@ -143,6 +143,8 @@ struct ContextOptions {
   AttentionKernels attention = AttentionKernels::fused;
 };
 
+class Decoding;  // decoding.hpp
+
 // Where modules run: a stream, the allocator activations come from, and the kernels for the
 // stream's device. Cheap to pass by reference; not thread-safe (one per compute stream).
 class Context {
@@ -161,6 +163,11 @@ class Context {
 
   void set_hooks(ModuleHooks* hooks) noexcept { hooks_ = hooks; }
   ModuleHooks* hooks() const noexcept { return hooks_; }
+
+  // Incremental decoding (decoding.hpp): while one is set, forwards continue its sequences with
+  // a key/value cache (set it with Decoding::Scope; none: ordinary forwards).
+  Decoding* decoding() const noexcept { return decoding_; }
+  void set_decoding(Decoding* decoding) noexcept { decoding_ = decoding; }
 
   // Inside a recompute of activation checkpointing (checkpointing.hpp): forwards run again to
   // rebuild what backward needs; hooks see it (an engine fetches without counting a use).
@@ -213,6 +220,7 @@ class Context {
   async::CachingAllocator* allocator_;
   const detail::Kernels* kernels_;
   ModuleHooks* hooks_ = nullptr;
+  Decoding* decoding_ = nullptr;
   int recompute_depth_ = 0;
   std::shared_ptr<ActivationMeter> meter_;  // shared with the tensors it counts, which may outlive it
 };

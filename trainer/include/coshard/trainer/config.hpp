@@ -119,6 +119,13 @@ struct TrainerConfig {
   // this many are removed (never the one `latest` names); 0 keeps them all.
   int keep_checkpoints = 0;
 
+  // Held-out validation (TrainerBuilder::validation gives the data): every eval_every steps
+  // (0: only when asked, Trainer::validation_loss) the mean loss over the same eval_batches
+  // global batches of the validation data, each of the training step's shape, split over the
+  // ranks and into gradient_accumulation_steps forward passes like a step.
+  std::int64_t eval_every = 0;
+  std::int64_t eval_batches = 4;
+
   // Device-timestamp timing: exposed_comm_ms each step (a few timed events per unit).
   bool timing = true;
   // Also a timeline of every step (StepStats::timeline), for --trace.

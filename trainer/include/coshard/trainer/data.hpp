@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -111,6 +112,8 @@ class TokenFile final : public TokenSource {
   std::string describe() const override;
   std::string identity() const override;  // width, count and CRC-32 of the tokens
   HostBatch batch(std::uint64_t step, std::int64_t rows, std::int64_t seq) const override;
+  // Token i (0 <= i < tokens()), checked below the vocabulary at open.
+  std::int32_t token(std::int64_t i) const noexcept { return at(i); }
 
  private:
   TokenFile() = default;
@@ -125,6 +128,38 @@ class TokenFile final : public TokenSource {
   std::uint64_t seed_ = 0;
 };
 
+// Token data in several files (llm.c's fineweb_train_000001.bin, ...): the files in the order
+// given, read as one stream of tokens (a window may run from one file into the next), each file
+// opened and checked as a TokenFile (header, size, every id below the vocabulary). Each row is a
+// window at a position of the whole stream drawn from (seed, step, row), so a resumed run reads
+// exactly the batches it would have, and the identity (every file's tokens, in order) refuses a
+// resume over changed, missing or reordered files by name. The files are read into memory when
+// opened: a file changed afterwards does not change this run.
+class TokenShards final : public TokenSource {
+ public:
+  static Result<std::unique_ptr<TokenShards>> open(std::span<const std::filesystem::path> files, TokenFormat format,
+                                                   std::int64_t vocab, std::uint64_t seed);
+  Result<void> check(std::int64_t seq) const;
+  std::int64_t vocab() const noexcept override { return vocab_; }
+  std::int64_t tokens() const noexcept { return total_; }
+  std::string describe() const override;
+  std::string identity() const override;
+  HostBatch batch(std::uint64_t step, std::int64_t rows, std::int64_t seq) const override;
+
+ private:
+  TokenShards() = default;
+  std::int32_t at(std::int64_t i) const noexcept;
+  std::vector<std::unique_ptr<TokenFile>> files_;
+  std::vector<std::int64_t> starts_;  // each file's first token in the stream
+  std::int64_t total_ = 0;
+  std::int64_t vocab_ = 0;
+  std::uint64_t seed_ = 0;
+};
+
+// --data's files: each spec a path, or a glob (*, ?, [...]) expanded in name order; a glob that
+// matches nothing, or a file named twice, is an error naming it.
+Result<std::vector<std::filesystem::path>> expand_data_paths(std::span<const std::string> specs);
+
 // What `automatic` means for this file: u16 or u32 from llm.c's header, u16 for a name ending in
 // .bin, else bytes (reads the first 8 bytes; any other format is returned as given).
 Result<TokenFormat> resolve_token_format(const std::filesystem::path& path, TokenFormat format);
@@ -132,6 +167,9 @@ Result<TokenFormat> resolve_token_format(const std::filesystem::path& path, Toke
 // The TokenSource a --data file is (TokenFormat above), checked for sequences of `seq`.
 // `vocab` is the model's (token files only; bytes are 256).
 Result<std::unique_ptr<TokenSource>> open_data(const std::filesystem::path& path, TokenFormat format,
+                                               std::int64_t vocab, std::int64_t seq, std::uint64_t seed);
+// Several files: one is open_data's; more are TokenShards (token ids only: text files are one).
+Result<std::unique_ptr<TokenSource>> open_data(std::span<const std::filesystem::path> files, TokenFormat format,
                                                std::int64_t vocab, std::int64_t seq, std::uint64_t seed);
 
 }  // namespace coshard::trainer

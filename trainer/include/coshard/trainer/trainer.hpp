@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,7 @@
 #include "coshard/zero/engine.hpp"
 #include "coshard/trainer/config.hpp"
 #include "coshard/trainer/data.hpp"
+#include "coshard/trainer/sampling.hpp"
 
 namespace coshard::trainer {
 
@@ -51,6 +53,8 @@ struct StepStats {
   float loss_scale = 1;
   bool skipped = false;                // the optimizer skipped this step (inf/NaN gradients)
   bool trace_changed = false;
+  // The validation loss after this step (TrainerConfig::eval_every): absent on other steps.
+  std::optional<double> val_loss;
 };
 
 // One JSON object (one line, no newline) with the keys of StepStats (not the timeline).
@@ -71,6 +75,24 @@ class Trainer {
   // The mean loss over ranks of a forward pass (no update).
   async::Task<Result<double>> evaluate(const HostBatch& rows);
   async::Task<Result<double>> evaluate(const modules::Batch& rows);
+  // The validation loss: the mean over config().eval_batches global batches of the builder's
+  // validation data (batches 0, 1, ... of it: the same ones every time), each `global_rows`
+  // sequences of `seq` tokens, split over the ranks and into gradient_accumulation_steps
+  // forward passes; no gradient, no optimizer state touched, the same at any world size and
+  // stage. Every rank calls it. step(HostBatch) calls it every eval_every steps by itself.
+  async::Task<Result<double>> validation_loss(std::int64_t global_rows, std::int64_t seq);
+  bool has_validation() const noexcept;
+  // Continues `prompt` (token ids) by options.tokens tokens sampled from the model (sampling.hpp:
+  // greedy, or temperature and top-k, seeded), with a key/value cache per attention layer: the
+  // prompt in one forward, then one forward over each new token alone, each an inference pass
+  // (no gradient, no optimizer state touched; at stage 3 the units are gathered for it). Every
+  // rank calls it with the same prompt and options, between steps; every rank gets rank 0's
+  // tokens. A GPT's learned positions bound prompt + tokens by its max_seq (named).
+  async::Task<Result<std::vector<std::int32_t>>> generate(std::span<const std::int32_t> prompt,
+                                                          const SampleOptions& options);
+  // The next step(HostBatch) takes the validation loss too, whatever eval_every says (the last
+  // step of a run, say); every rank asks alike.
+  void request_validation() noexcept;
 
   // Sharded checkpoints under `dir` (every rank the same dir, at the same step): Engine's
   // save_checkpoint, finish_checkpoint and load_checkpoint with this run's identity.
@@ -162,6 +184,15 @@ class TrainerBuilder {
     c_.parameter_groups.push_back(std::move(group));
     return *this;
   }
+  // Held-out data for the validation loss (Trainer::validation_loss), every `every` steps of
+  // step(HostBatch) (0: only when asked) over `batches` batches of the training step's shape.
+  // `data` must outlive the trainer.
+  TrainerBuilder& validation(const TokenSource& data, std::int64_t every = 0, std::int64_t batches = 4) {
+    validation_ = &data;
+    c_.eval_every = every;
+    c_.eval_batches = batches;
+    return *this;
+  }
   // Rank 0 writes TensorBoard event files into `dir` (every scalar of every step; tensorboard.hpp).
   TrainerBuilder& tensorboard(std::filesystem::path dir) { c_.tensorboard_dir = std::move(dir); return *this; }
   TrainerBuilder& seed(std::uint64_t v) { c_.seed = v; return *this; }
@@ -205,6 +236,7 @@ class TrainerBuilder {
   TrainerConfig c_;
   collectives::Communicator* comm_ = nullptr;
   modules::Loss* loss_ = nullptr;
+  const TokenSource* validation_ = nullptr;
 };
 
 }  // namespace coshard::trainer

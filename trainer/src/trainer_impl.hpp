@@ -1,0 +1,55 @@
+// The Trainer's state, shared by its sources (trainer.cpp: the step, the builder; validation.cpp:
+// the validation loss).
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <span>
+#include <utility>
+
+#include "coshard/trainer/tensorboard.hpp"
+#include "coshard/trainer/trainer.hpp"
+
+namespace coshard::trainer {
+
+struct Trainer::Impl {
+  TrainerConfig config;
+  collectives::Communicator* comm = nullptr;
+  modules::Module* model = nullptr;
+  std::unique_ptr<async::Stream> stream;
+  std::unique_ptr<async::CachingAllocator> allocator;
+  std::unique_ptr<modules::Context> ctx;
+  std::unique_ptr<modules::Optimizer> optimizer;
+  std::unique_ptr<zero::Engine> engine;
+  modules::CrossEntropyLoss own_loss;      // the default
+  modules::Loss* loss = &own_loss;         // or the builder's
+  int skipped_in_a_row = 0;  // steps skipped for inf/NaN gradients, up to this one
+  std::optional<TensorBoardWriter> tensorboard;  // rank 0, with config.tensorboard_dir
+
+  ~Impl() {
+    engine.reset();  // a checkpoint write in flight runs on; it owns its data
+    optimizer.reset();
+    if (stream) (void)stream->synchronize();  // teardown: the blocks below go back to a quiet stream
+  }
+  // What a checkpoint records of this run and compares on resume.
+  zero::CheckpointOptions checkpoint_options() const {
+    return {.run = config.identity(), .keep = config.keep_checkpoints};
+  }
+  // One optimizer step over `micro` (this rank's micro-batches, on the device); `counted` is the
+  // global batch's tokens or samples for the statistics. eval_shape: the global batch's (rows,
+  // seq), for the validation loss every eval_every steps (absent: a batch not of tokens).
+  async::Task<Result<StepStats>> step(std::span<const modules::Batch> micro, std::int64_t counted,
+                                      std::chrono::steady_clock::time_point start,
+                                      std::optional<std::pair<std::int64_t, std::int64_t>> eval_shape);
+  const TokenSource* validation = nullptr;  // the builder's, or none
+  bool validation_requested = false;         // request_validation: after the next step
+  async::Task<Result<double>> validation_loss(std::int64_t global_rows, std::int64_t seq);
+  async::Task<Result<std::vector<std::int32_t>>> generate(std::span<const std::int32_t> prompt,
+                                                          const SampleOptions& options);
+};
+
+// This rank's rows as k micro-batches on the device (token ids and targets, i32).
+Result<std::vector<modules::Batch>> upload_micro_batches(modules::Context& ctx, const HostBatch& rows, int k);
+
+}  // namespace coshard::trainer
