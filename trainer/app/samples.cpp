@@ -39,8 +39,9 @@ async::Task<Result<void>> sample_after(trainer::Trainer& t, const Options& o, co
   options.vocab = o.model.vocab();
   COSHARD_CO_TRY_ASSIGN(auto tokens, co_await t.generate(prompt, options));
   if (t.rank() == 0 && !quiet) {
-    // Text (data read as bytes) in quotes; ids as ids: the prompt, then what the model added.
-    const bool bytes = dynamic_cast<const trainer::ByteCorpus*>(&data) != nullptr;
+    // Text (data read as bytes, or a --prompt) in quotes; ids as ids: the prompt, then what the
+    // model added.
+    const bool bytes = dynamic_cast<const trainer::ByteCorpus*>(&data) != nullptr || o.prompt_is_text;
     std::string how = options.temperature == 0.0f ? "greedy" : "temperature " + std::to_string(options.temperature).substr(0, 4);
     if (options.top_k > 0 && options.temperature != 0.0f) how += ", top-k " + std::to_string(options.top_k);
     const std::string line = bytes ? "\"" + render_tokens(prompt, true) + "\" -> \"" + render_tokens(tokens, true) + "\""
