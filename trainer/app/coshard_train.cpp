@@ -41,6 +41,7 @@
 #include "coshard/zero/hf_llama.hpp"
 #include "coshard/trainer/trainer.hpp"
 #include "progress.hpp"
+#include "run_data.hpp"
 #include "samples.hpp"
 #include "command_line.hpp"
 #include "flight_dumps.hpp"
@@ -126,22 +127,6 @@ async::Task<Result<bool>> any_rank_stopping(trainer::Trainer& t, collectives::Co
   COSHARD_CO_TRY_ASSIGN(auto values, co_await ctx.read(tensor));
   co_return values.at(0) > 0;
 }
-
-// The synthetic task's validation data: its batches far past any step a run reaches, draws of
-// the same task that training never sees.
-class HeldOutDraws final : public trainer::TokenSource {
- public:
-  explicit HeldOutDraws(const trainer::TokenSource& task) : task_(task) {}
-  std::int64_t vocab() const noexcept override { return task_.vocab(); }
-  std::string describe() const override { return "held-out draws of the same task"; }
-  std::string identity() const override { return "held-out draws of " + task_.identity(); }
-  trainer::HostBatch batch(std::uint64_t step, std::int64_t rows, std::int64_t seq) const override {
-    return task_.batch((std::uint64_t{1} << 62) + step, rows, seq);
-  }
-
- private:
-  const trainer::TokenSource& task_;
-};
 
 async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& comm, const trainer::TokenSource& data,
                                    const trainer::TokenSource* val, Shared& shared, bool threads) {
@@ -308,27 +293,12 @@ std::string thread_failure_hint(const std::exception& e) {
 }
 
 int run(const Options& o) {
-  auto open = [&o](const std::vector<std::filesystem::path>& files,
-                   std::string_view flag) -> std::unique_ptr<trainer::TokenSource> {
-    auto format = trainer::parse_token_format(o.data_format);
-    auto opened = format ? trainer::open_data(std::span<const std::filesystem::path>(files), *format, o.vocab, o.seq,
-                                              o.train.seed)
-                         : Result<std::unique_ptr<trainer::TokenSource>>(fail(std::move(format).error()));
-    if (opened) return std::move(*opened);
-    std::fprintf(stderr, "coshard-train: %s: %s\n", std::string(flag).c_str(), opened.error().message().c_str());
-    return nullptr;
-  };
-  std::unique_ptr<trainer::TokenSource> data, val;
-  if (o.data.empty()) {
-    data = std::make_unique<trainer::SyntheticTask>(o.vocab, o.train.seed);
-  } else if (data = open(o.data_files, "--data"); !data) {
+  auto opened = train_app::open_run_data(o);
+  if (!opened) {
+    std::fprintf(stderr, "coshard-train: %s\n", opened.error().message().c_str());
     return 2;
   }
-  if (!o.val_data.empty()) {
-    if (val = open(o.val_files, "--val-data"); !val) return 2;
-  } else if (o.validate) {
-    val = std::make_unique<HeldOutDraws>(*data);
-  }
+  const std::unique_ptr<trainer::TokenSource> data = std::move(opened->train), val = std::move(opened->validation);
 
   Shared shared;
   const bool processes = o.launch.launcher != collectives::Launcher::none;
