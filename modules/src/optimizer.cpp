@@ -1,6 +1,5 @@
 #include "coshard/modules/optimizer.hpp"
 
-#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -274,12 +273,6 @@ void Optimizer::drop_groups_from(std::size_t first) noexcept {
 }
 
 Result<void> Optimizer::add_swapped_group(Context& ctx, Tensor grads, std::vector<Segment> segments) {
-  if (!grads && !segments.empty() &&
-      std::all_of(segments.begin(), segments.end(), [](const Segment& seg) { return seg.frozen; })) {
-    std::int64_t n = 0;  // (frozen segments cover the group: its length is their end)
-    for (const auto& seg : segments) n = std::max(n, seg.end);
-    return add_frozen_group(ctx, n);
-  }
   if (!grads || grads.dtype() != DataType::f32 || !(grads.device() == ctx.device()))
     return fail(ErrorCode::invalid_argument, "Optimizer::add_swapped_group: grads ", grads ? grads.describe() : "empty",
                 ": expected f32 on ", ctx.device().to_string());

@@ -136,7 +136,6 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     u->modules = std::move(planned.modules);
     for (const auto& p : planned.parameters) u->params.push_back({p.parameter, p.offset});
     u->index = s->units.size();
-    u->frozen = u->info.frozen;
     for (const auto& p : u->params) s->planned_trainable.emplace_back(p.parameter, p.parameter->trainable());
     for (Module* m : u->modules) s->unit_of.emplace(m, u->index);
     s->units.push_back(std::move(u));
@@ -230,8 +229,8 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
       // (a frozen unit's file holds its master only: the parameters, with them on nvme)
       for (const auto& u : s->units) {
         s->subgroups.push_back({folder + std::to_string(u->index),
-                                static_cast<std::size_t>(u->info.shard) * (u->frozen ? sizeof(float) : per_element)});
-        if (!u->frozen) s->stepped_units.push_back(u->index);
+                                static_cast<std::size_t>(u->info.shard) * (u->info.frozen ? sizeof(float) : per_element)});
+        if (!u->info.frozen) s->stepped_units.push_back(u->index);
       }
     }
   }

@@ -50,8 +50,8 @@ struct Unit {
   std::size_t index = 0;  // in the engine's unit list
   // What its collectives are for, in a mismatch's message (made once: no string per launch).
   std::string gather_purpose, reduce_purpose;
-  // Every parameter of the unit is frozen: no gradient buffer, no reduction, never stepped.
-  bool frozen = false;
+  // (info.frozen: every parameter of the unit is frozen, so no gradient buffer, no reduction,
+  // never stepped)
 
   // Persistent storage. Stage 3: `shard` is its own buffer. Stages 1-2: `full` holds the whole
   // unit and `shard` is this rank's block of it (in-place all-gather after the step).

@@ -15,7 +15,7 @@ Result<void> Engine::State::allocate_gradients(Unit& u) {
   const Shape shard_shape{u.info.shard};
   // Gradient shards are fp32 whatever the compute dtype (the optimizer reads them as they are).
   const auto grad_shard_bytes = static_cast<std::size_t>(u.info.shard) * sizeof(float);
-  if (u.frozen) return {};  // no gradient at all
+  if (u.info.frozen) return {};  // no gradient at all
   if (o.zero_stage == 1) {
     COSHARD_TRY_ASSIGN(u.grad_full_block, alloc.allocate(u.info.padded_bytes, stream));
     u.grad_full = Tensor(u.grad_full_block.data(), Shape{u.info.padded}, o.dtype, ctx->device());
@@ -32,7 +32,7 @@ Result<void> Engine::State::allocate_gradients(Unit& u) {
 
 Result<void> Engine::State::begin_backward(Unit& u) {
   if (o.zero_stage == 1) return {};
-  if (u.frozen) return bind_values(u, values_of(u));  // values only: nothing to reduce
+  if (u.info.frozen) return bind_values(u, values_of(u));  // values only: nothing to reduce
   if (u.grad_full) return bind_values(u, values_of(u));  // another use of this micro-batch: add to it
   COSHARD_TRY_ASSIGN(u.grad_full_block, ctx->allocator().allocate(u.info.padded_bytes, ctx->stream()));
   u.grad_full = Tensor(u.grad_full_block.data(), Shape{u.info.padded}, o.dtype, ctx->device());
@@ -47,7 +47,7 @@ Result<void> Engine::State::shard_from(const Unit& u, const Tensor& mine, const 
 }
 
 Result<void> Engine::State::reduce_gradients(Unit& u) {
-  if (u.frozen) return {};
+  if (u.info.frozen) return {};
   if (o.zero_stage == 1) {  // reduced after backward (finish_gradients); counted as used here
     ++u.grads_this_step;
     return {};
@@ -110,7 +110,7 @@ async::Task<Result<void>> Engine::State::finish_gradients(std::size_t micro_batc
     COSHARD_CO_TRY_ASSIGN(auto started, mark(cs));
     Coalesced group;
     for (auto& u : units) {
-      if (u->frozen) continue;
+      if (u->info.frozen) continue;
       Tensor mine = u->grad_full.slice(block_offset(*u), Shape{u->info.shard});
       group.reduce_scatter(u->grad_full.data(), mine.data(), static_cast<std::size_t>(u->info.shard), o.dtype,
                            ReduceOp::avg)
@@ -120,17 +120,17 @@ async::Task<Result<void>> Engine::State::finish_gradients(std::size_t micro_batc
     COSHARD_CO_TRY(comm->launch(group));
     if (o.dtype != DataType::f32)  // bf16/f16: the reduced blocks into the fp32 shards
       for (auto& u : units)
-        if (!u->frozen) COSHARD_CO_TRY(shard_from(*u, u->grad_full.slice(block_offset(*u), Shape{u->info.shard}), u->grad_shard));
+        if (!u->info.frozen) COSHARD_CO_TRY(shard_from(*u, u->grad_full.slice(block_offset(*u), Shape{u->info.shard}), u->grad_shard));
     COSHARD_CO_TRY_ASSIGN(auto finished, mark(cs));
     span(false, "reduce_scatter", kAllUnits, std::move(started), std::move(finished));
   } else {
     for (auto& u : units)  // units without a backward this step (unused parameters)
-      if (u->grads_this_step == 0 && !u->frozen) COSHARD_CO_TRY(cs.fill(u->grad_shard.data(), 0, u->grad_shard.bytes()));
+      if (u->grads_this_step == 0 && !u->info.frozen) COSHARD_CO_TRY(cs.fill(u->grad_shard.data(), 0, u->grad_shard.bytes()));
   }
   const auto K = static_cast<float>(micro_batches);
   if (micro_batches > 1)
     for (auto& u : units)
-      if (!u->frozen) COSHARD_CO_TRY(k.scale(cs, DataType::f32, u->grad_shard.data(), 1.0f / K, u->info.shard));
+      if (!u->info.frozen) COSHARD_CO_TRY(k.scale(cs, DataType::f32, u->grad_shard.data(), 1.0f / K, u->info.shard));
   COSHARD_CO_TRY(compute_waits_for_comm(kGradients));
   co_return Result<void>{};
 }

@@ -78,7 +78,7 @@ async::Task<Result<void>> Engine::begin_step(int micro_batches, float lr) {
       u->grad_full = {};
     }
     COSHARD_CO_TRY(s.optimizer->set_group_skipped(s.first_group + u->index, false));
-    if (s.o.zero_stage == 1 && !u->frozen) COSHARD_CO_TRY(compute.fill(u->grad_full.data(), 0, u->info.padded_bytes));
+    if (s.o.zero_stage == 1 && !u->info.frozen) COSHARD_CO_TRY(compute.fill(u->grad_full.data(), 0, u->info.padded_bytes));
   }
   if (s.offloaded()) {
     // Backward is seeded with the loss scale the host optimizer holds (it may have changed at the

@@ -13,7 +13,7 @@ namespace {
 class OptimizerOnDevice final : public OptimizerPlacement {
  public:
   Result<void> add_unit(Engine::State& s, Unit& u) override {
-    if (u.frozen) return s.optimizer->add_frozen_group(*s.ctx, u.info.shard);  // no master, no state
+    if (u.info.frozen) return s.optimizer->add_frozen_group(*s.ctx, u.info.shard);  // no master, no state
     return s.optimizer->add_group(*s.ctx, u.shard, u.grad_shard, s.segments_of(u));
   }
 

@@ -21,7 +21,7 @@ async::Task<Result<void>> HostOptimizer::exchange_grad_stats(Engine::State& s) {
   auto& compute = s.ctx->stream();
   auto& host = *s.host_stream;
   for (auto& u : s.units) {
-    if (u->grads_out || u->frozen) continue;  // out during backward (the compute stream has waited for it)
+    if (u->grads_out || u->info.frozen) continue;  // out during backward (the compute stream has waited for it)
     COSHARD_CO_TRY(compute.copy(u->host_grad.data(), u->grad_shard.data(), u->grad_shard.bytes()));
     s.stats.swap_bytes += u->grad_shard.bytes();
   }
@@ -29,7 +29,7 @@ async::Task<Result<void>> HostOptimizer::exchange_grad_stats(Engine::State& s) {
   COSHARD_CO_TRY(host.wait(grads_out));
   if (s.stepping_in_backward) {  // the units not stepped yet add their share
     for (auto& u : s.units) {
-      if (u->stepped_early || u->frozen) continue;
+      if (u->stepped_early || u->info.frozen) continue;
       COSHARD_CO_TRY(s.optimizer->add_grad_stats(*s.host_ctx, s.first_group + u->index));
       COSHARD_CO_TRY(hand_over_late(s, *u));
     }
@@ -58,7 +58,7 @@ class OptimizerOnHost final : public HostOptimizer {
   Result<void> add_unit(Engine::State& s, Unit& u) override {
     const Shape shard_shape{u.info.shard};
     const auto shard_bytes = static_cast<std::size_t>(u.info.shard) * s.element_size;
-    if (u.frozen) {
+    if (u.info.frozen) {
       // Nothing to step: no gradient, master or state; with the parameters offloaded, the pinned
       // shard alone (in the compute dtype).
       if (s.params_offloaded()) {
@@ -96,7 +96,7 @@ class OptimizerOnHost final : public HostOptimizer {
     COSHARD_CO_TRY_ASSIGN(auto stepped, s.host_stream->record());
     COSHARD_CO_TRY(co_await Engine::State::after(compute, stepped));
     for (auto& u : s.units) {
-      if (u->frozen) continue;  // never stepped
+      if (u->info.frozen) continue;  // never stepped
       // (bf16/f16: the optimizer wrote the pinned copy in the compute dtype)
       const Tensor& stepped_shard = s.narrow() ? u->host_param : u->host_master;
       if (u->shard.data() == stepped_shard.data()) continue;  // parameters offloaded: it is the shard
@@ -110,14 +110,14 @@ class OptimizerOnHost final : public HostOptimizer {
     // (with cpu parameter offload the shard is the master, or its pinned bf16/f16 copy, already)
     const Tensor Unit::*host = s.narrow() ? &Unit::host_param : &Unit::host_master;
     for (auto& u : s.units)
-      if (!u->frozen && u->shard.data() != ((*u).*host).data())
+      if (!u->info.frozen && u->shard.data() != ((*u).*host).data())
         COSHARD_CO_TRY(s.ctx->stream().copy(((*u).*host).data(), u->shard.data(), u->shard.bytes()));
     COSHARD_CO_TRY_ASSIGN(auto copied, s.ctx->stream().record());
     COSHARD_CO_TRY(co_await Engine::State::after(*s.host_stream, copied));
     if (s.narrow()) {  // the fp32 masters from the bf16/f16 copies, on the host
       const auto& groups = s.optimizer->groups();
       for (const auto& u : s.units) {
-        if (u->frozen) continue;
+        if (u->info.frozen) continue;
         const auto& g = groups[s.first_group + u->index];
         COSHARD_CO_TRY(s.host_ctx->kernels().cast(*s.host_stream, s.o.dtype, u->host_param.data(), DataType::f32,
                                                   g.master.data(), u->info.shard));

@@ -15,7 +15,7 @@ namespace {
 class OptimizerOnNvme final : public HostOptimizer {
  public:
   Result<void> add_unit(Engine::State& s, Unit& u) override {
-    if (u.frozen) return s.optimizer->add_frozen_group(*s.host_ctx, u.info.shard);  // its file: the master only
+    if (u.info.frozen) return s.optimizer->add_frozen_group(*s.host_ctx, u.info.shard);  // its file: the master only
     COSHARD_TRY(add_host_grad(s, u));
     return s.optimizer->add_swapped_group(*s.host_ctx, u.host_grad, s.segments_of(u));
   }
@@ -87,7 +87,7 @@ class OptimizerOnNvme final : public HostOptimizer {
     auto visit_group = [&s, &use, written](std::size_t k, std::span<std::byte> bytes) -> async::Task<Result<void>> {
       UnitShard shard = s.swapped_shard(k, bytes);
       const Tensor master = shard.master;
-      const bool frozen = s.units[k]->frozen;
+      const bool frozen = s.units[k]->info.frozen;
       if (frozen) shard.master = {};  // a frozen unit is its parameters only
       if (s.params_on_nvme() && s.narrow()) {
         // bf16/f16 on nvme: the parameters are the master rounded, made for the visit (what a load
@@ -123,7 +123,7 @@ UnitShard Engine::State::swapped_shard(std::size_t k, std::span<std::byte> bytes
   const auto len = static_cast<std::size_t>(u.info.shard) * sizeof(float);
   auto* base = bytes.data();
   auto view = [&](std::size_t i) { return Tensor(base + i * len, shape, DataType::f32, async::Device::cpu()); };
-  if (u.frozen) return {u.info, params_on_nvme() ? view(0) : u.shard, view(0), {}, {}};  // its file: the master only
+  if (u.info.frozen) return {u.info, params_on_nvme() ? view(0) : u.shard, view(0), {}, {}};  // its file: the master only
   return {u.info, params_on_nvme() ? view(0) : u.shard, view(0), states >= 1 ? view(1) : Tensor{},
           states >= 2 ? view(2) : Tensor{}};
 }
