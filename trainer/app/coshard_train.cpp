@@ -464,26 +464,17 @@ int main(int argc, char** argv) {
   bool bytes = false;
   std::int64_t vocab_of_bytes = 0;  // a --vocab that bytes would replace
   if (!o.data.empty()) {
-    const auto format = trainer::parse_token_format(o.data_format);
-    if (!format) return usage("--data-format: " + format.error().message());
-    // Before the format probe opens it (a fifo would block that open).
-    for (const auto& file : o.data_files)
-      if (auto ok = train_app::check_input_path({"--data", file.string()}); !ok) return usage(ok.error().message());
-    const auto resolved = trainer::resolve_token_format(o.data, *format);
-    if (!resolved) return usage("--data: " + resolved.error().message());
-    bytes = *resolved == trainer::TokenFormat::bytes;
+    const auto read_as_bytes = train_app::data_read_as_bytes(o, o.data_files, "--data");
+    if (!read_as_bytes) return usage(read_as_bytes.error().message());
+    bytes = *read_as_bytes;
   }
   if (!o.val_data.empty()) {
     if (o.data.empty())
       return usage("--val-data without --data: the synthetic task validates on held-out draws of its own (give "
                    "--eval-every alone)");
-    const auto format = trainer::parse_token_format(o.data_format);
-    if (!format) return usage("--data-format: " + format.error().message());
-    for (const auto& file : o.val_files)
-      if (auto ok = train_app::check_input_path({"--val-data", file.string()}); !ok) return usage(ok.error().message());
-    const auto resolved = trainer::resolve_token_format(o.val_data, *format);
-    if (!resolved) return usage("--val-data: " + resolved.error().message());
-    const bool val_bytes = *resolved == trainer::TokenFormat::bytes;
+    const auto read_as_bytes = train_app::data_read_as_bytes(o, o.val_files, "--val-data");
+    if (!read_as_bytes) return usage(read_as_bytes.error().message());
+    const bool val_bytes = *read_as_bytes;
     if (val_bytes != bytes)
       return usage("--val-data " + o.val_data + " is read as " + (val_bytes ? "bytes" : "token ids") + " and --data " +
                    o.data + " as " + (bytes ? "bytes" : "token ids") +

@@ -1,5 +1,7 @@
 #include "run_data.hpp"
 
+#include "run_checks.hpp"
+
 namespace coshard::train_app {
 namespace {
 
@@ -29,6 +31,16 @@ Result<std::unique_ptr<trainer::TokenSource>> open_files(const Options& o, const
 }
 
 }  // namespace
+
+Result<bool> data_read_as_bytes(const Options& o, const std::vector<std::filesystem::path>& files,
+                                std::string_view flag) {
+  auto format = trainer::parse_token_format(o.data_format);
+  if (!format) return fail(std::move(format).error().with_context("--data-format"));
+  for (const auto& file : files) COSHARD_TRY(check_input_path({std::string(flag), file}));
+  auto resolved = trainer::resolve_token_format(files.front(), *format);
+  if (!resolved) return fail(std::move(resolved).error().with_context(flag));
+  return *resolved == trainer::TokenFormat::bytes;
+}
 
 Result<RunData> open_run_data(const Options& o) {
   RunData d;

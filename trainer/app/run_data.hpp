@@ -3,7 +3,10 @@
 // start.
 #pragma once
 
+#include <filesystem>
 #include <memory>
+#include <string_view>
+#include <vector>
 
 #include "coshard/trainer/data.hpp"
 #include "command_line.hpp"
@@ -17,5 +20,10 @@ struct RunData {
 
 // The data `o` names; an error names the flag and the file.
 Result<RunData> open_run_data(const Options& o);
+
+// Whether `files` (those of `flag`) are text read as bytes (else token ids), as --data-format
+// resolves for the first; each file's path checked first (a fifo would block the format probe).
+Result<bool> data_read_as_bytes(const Options& o, const std::vector<std::filesystem::path>& files,
+                                std::string_view flag);
 
 }  // namespace coshard::train_app
