@@ -271,9 +271,9 @@ Result<OffloadRun> offload_run(const std::filesystem::path& folder, OffloadTarge
     o.prefetch_bucket_bytes = 8 << 20;
     o.offload_optimizer = optimizer;
     o.offload_params = params;
-    o.nvme_path = folder;
+    o.offload_optimizer.nvme_path = folder;
     o.step_in_backward = step_in_backward;
-    if (const char* b = std::getenv("ENGINE_BENCH_SWAP_BUFFERS")) o.swap_buffer_count = std::atoi(b);
+    if (const char* b = std::getenv("ENGINE_BENCH_SWAP_BUFFERS")) o.offload_optimizer.buffer_count = std::atoi(b);
     COSHARD_CO_TRY_ASSIGN(auto engine, Engine::create(*r.ctx, *(*comms)[0], *model, *opt, o));
     COSHARD_CO_TRY(co_await engine->initialize(1));
     OffloadRun run;

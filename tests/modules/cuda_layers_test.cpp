@@ -290,7 +290,7 @@ async::Task<Result<std::vector<double>>> train_zero(Context& ctx, collectives::C
   o.timing = true;
   o.offload_optimizer = offload;
   o.offload_params = params;
-  o.nvme_path = nvme_path;
+  o.offload_optimizer.nvme_path = nvme_path;
   COSHARD_CO_TRY_ASSIGN(auto engine, Engine::create(ctx, comm, *model, *opt, o));
   COSHARD_CO_TRY(co_await engine->initialize(1));
   std::vector<double> tok(4 * 16), tgt(4 * 16);

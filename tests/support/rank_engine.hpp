@@ -58,7 +58,7 @@ struct RankEngine {
     o.offload_optimizer = plan.optimizer;
     o.offload_params = plan.params;
     o.prefetch_bucket_bytes = plan.prefetch_bucket_bytes;
-    o.nvme_path = swap / ("rank" + std::to_string(comm.rank()));
+    o.offload_optimizer.nvme_path = swap / ("rank" + std::to_string(comm.rank()));
     COSHARD_TRY_ASSIGN(e.engine, Engine::create(*e.ctx, comm, *e.model, *e.optimizer, o));
     return e;
   }

@@ -188,8 +188,8 @@ TEST(DeepSpeedJson, NvmeParameterOffloadIsTaken) {
   ASSERT_TRUE(c->validate()) << c->validate().error().message();
   const auto o = c->engine_options();
   EXPECT_EQ(o.offload_params, zero::OffloadTarget::nvme);
-  EXPECT_EQ(o.param_buffer_count, 5);
-  EXPECT_EQ(o.nvme_path, "/local_nvme");
+  EXPECT_EQ(o.offload_params.buffer_count, 5);
+  EXPECT_EQ(o.offload_optimizer.nvme_path, "/local_nvme");
 }
 
 TEST(DeepSpeedJson, Bf16SizesAreTwoBytesAnElement) {

@@ -454,7 +454,7 @@ TEST(Engine, RejectsBadOptionsWithClearErrors) {
     bad.zero_stage = c.stage;
     bad.offload_optimizer = c.optimizer;
     bad.offload_params = c.params;
-    bad.nvme_path = "unused";
+    bad.offload_optimizer.nvme_path = "unused";
     e = Engine::create(*r.ctx, *(*comms)[0], **model, **opt, bad);
     ASSERT_FALSE(e) << c.expect;
     EXPECT_NE(e.error().message().find(c.expect), std::string::npos) << e.error().message();
@@ -477,7 +477,7 @@ TEST(Engine, RejectsBadOptionsWithClearErrors) {
     EngineOptions bad;
     bad.zero_stage = c.stage;
     bad.offload_optimizer = c.optimizer;
-    bad.nvme_path = "unused";
+    bad.offload_optimizer.nvme_path = "unused";
     bad.step_in_backward = true;
     e = Engine::create(*r.ctx, *(*comms)[0], **model, **controlled, bad);
     ASSERT_FALSE(e) << c.expect;
@@ -687,8 +687,8 @@ TEST(Engine, StepInBackwardGivesTheBitsOfSteppingAfterIt) {
     setup.options.zero_stage = c.stage;
     setup.options.offload_optimizer = c.optimizer;
     setup.options.offload_params = c.params;
-    setup.options.nvme_path = folder;
-    setup.options.swap_buffer_count = 2;
+    setup.options.offload_optimizer.nvme_path = folder;
+    setup.options.offload_optimizer.buffer_count = 2;
     const auto after = run_zero(setup);
     setup.options.step_in_backward = true;
     setup.strict_after_first = true;
@@ -757,7 +757,7 @@ TEST(Engine, StepInBackwardOnNvmeFailsEveryRankOnAnIoFaultNamingTheFile) {
   setup.steps = 3;
   setup.options.zero_stage = 3;
   setup.options.offload_optimizer = OptimizerOffload::nvme;
-  setup.options.nvme_path = folder;
+  setup.options.offload_optimizer.nvme_path = folder;
   setup.options.step_in_backward = true;
   setup.before_step = [&](int rank, int step) {
     if (step != 2) return;  // each rank cuts its own files, its last step's writes done
@@ -792,8 +792,8 @@ TEST(Engine, NvmeOptimizerOffloadGivesTheSameLosses) {
       setup.options.zero_stage = stage;
       const auto device = run_zero(setup);
       setup.options.offload_optimizer = OptimizerOffload::nvme;
-      setup.options.nvme_path = folder;
-      setup.options.swap_buffer_count = 3;
+      setup.options.offload_optimizer.nvme_path = folder;
+      setup.options.offload_optimizer.buffer_count = 3;
       bool saw_swap_file = false;
       const std::filesystem::path rank0 = folder / ("rank0-of-" + std::to_string(world));
       setup.before_step = [&](int rank, int step) {
@@ -840,9 +840,9 @@ TEST(Engine, ParameterOffloadGivesTheSameLossesAndFreesTheDeviceShards) {
       setup.options.zero_stage = 3;
       setup.options.prefetch_bucket_bytes = 16 << 10;
       setup.options.offload_optimizer = c.optimizer;
-      setup.options.nvme_path = folder;
-      setup.options.swap_buffer_count = 3;
-      setup.options.param_buffer_count = 3;
+      setup.options.offload_optimizer.nvme_path = folder;
+      setup.options.offload_optimizer.buffer_count = 3;
+      setup.options.offload_params.buffer_count = 3;
       const auto resident = run_zero(setup);
       setup.options.offload_params = c.params;
       setup.strict_after_first = true;

@@ -306,7 +306,7 @@ Result<RunResult> sharded(const Semantics& sem, const Case& k, float clip, int r
     o.offload_optimizer = k.optimizer;
     o.offload_params = k.params;
     o.step_in_backward = k.step_in_backward;
-    o.nvme_path = swap / ("rank" + std::to_string(r));
+    o.offload_optimizer.nvme_path = swap / ("rank" + std::to_string(r));
     // The undeclared case: units [fc1, twice.inner] and [fc2], so the reused Linear's unit closes
     // after its first use (fc1 896 bytes, twice.inner 4,224, fc2 264).
     if (sem.reuse == Reuse::undeclared_layer) o.module_granularity_bytes = 5000;

@@ -5,6 +5,7 @@
 
 #include "coshard/async/log.hpp"
 #include "coshard/trainer/data.hpp"
+#include "coshard/trainer/settings.hpp"
 #include "flight_dumps.hpp"
 
 #include <CLI/CLI.hpp>
@@ -20,29 +21,6 @@ using trainer::TrainerConfig;
 std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   CLI::App app{"coshard-train: trains a GPT or a Llama with ZeRO stages 0-3 (coshard)"};
   app.option_defaults()->always_capture_default();
-  auto size_option = [&](const std::string& name, std::size_t& target, const std::string& help) {
-    return app.add_option_function<std::string>(
-        name,
-        [&target, name](const std::string& text) {
-          auto v = trainer::parse_size(text);
-          if (!v) throw CLI::ValidationError(name, v.error().message());
-          target = *v;
-        },
-        help);
-  };
-  auto offload_option = [&](const std::string& name, trainer::OffloadOptions& target, const std::string& help) {
-    return app.add_option_function<std::string>(
-        name,
-        [&target, name](const std::string& text) {
-          auto v = trainer::parse_offload(text);
-          if (!v) throw CLI::ValidationError(name, v.error().message());
-          target = *v;
-        },
-        help);
-  };
-  TrainerConfig cli;  // the command line's ZeRO and optimizer values, applied over --config
-  std::string fetch_mode = "all_gather";
-  std::string dtype = "f32";
   app.add_option("--device", o.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   auto* world_option =
       app.add_option("--world-size", o.world_size,
@@ -115,19 +93,6 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   bool tie = false, untie = false;
   auto* tie_option = app.add_flag("--tie-embeddings", tie, "llama: the output layer uses the embedding table");
   auto* untie_option = app.add_flag("--untie-embeddings", untie, "llama: an output layer of its own")->excludes(tie_option);
-  std::string attention;
-  auto* attention_option =
-      app.add_option("--attention", attention,
-                     "attention on CUDA: fused (flash-style kernels for bf16/f16 and head sizes 32/64/96/128: one "
-                     "statistic a query row kept) or materialized (the T x T probabilities kept, as on the CPU). "
-                     "Default: fused, except heads of 128 or more in a run of one process that fits with the "
-                     "probabilities and a tenth of the device's memory to spare: materialized (faster there today)")
-          ->check(CLI::IsMember({"fused", "materialized"}));
-  std::string checkpointing;
-  auto* checkpointing_option = app.add_option(
-      "--activation-checkpointing", checkpointing,
-      "recompute blocks' activations in backward instead of keeping them: none, full (every block) or N (every "
-      "N-th block); the same losses, less activation memory (over --config's activation_checkpointing)");
   auto* vocab = app.add_option("--vocab", o.vocab,
                  "vocabulary: the synthetic task's, or the model's for a --data file of token ids (every id must be "
                  "below it; GPT-2's tokenizer: 50257); a Llama preset's own by default")->check(CLI::Range(std::int64_t{2}, std::int64_t{1} << 20));
@@ -143,74 +108,39 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
                  "held-out data for the validation loss, in --data's formats (--data-format applies to both): its "
                  "first --eval-batches batches of the step's shape, the same each time, every --eval-every steps and "
                  "after the last step");
-  auto* eval_every = app.add_option("--eval-every", cli.eval_every,
-                                    "the validation loss every N steps (0: after the last step only); needs --val-data")
-                         ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40));
-  auto* eval_batches = app.add_option("--eval-batches", cli.eval_batches,
-                                      "global batches of --val-data each validation loss is the mean over")
-                           ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 30));
-  auto* lr = app.add_option("--lr", cli.lr, "learning rate (AdamW)");
-  auto* warmup = app.add_option("--warmup", cli.warmup_steps, "linear warm-up steps (from --warmup-min-lr to --lr)");
-  auto* warmup_min = app.add_option("--warmup-min-lr", cli.warmup_min_lr, "the learning rate the warm-up starts from");
-  std::string lr_decay = "none";
-  auto* decay = app.add_option("--lr-decay", lr_decay, "after the warm-up: none, linear or cosine (to --min-lr at --decay-steps)")
-                    ->check(CLI::IsMember({"none", "linear", "cosine"}));
-  auto* decay_steps = app.add_option("--decay-steps", cli.decay_steps,
-                                     "the step the decay reaches --min-lr (default: --steps)");
-  auto* min_lr = app.add_option("--min-lr", cli.min_lr, "the learning rate the decay ends at");
-  // A seed as written: digits that fit 64 bits (CLI11 turned -1 and 2^64 into 2^64 - 1).
-  const CLI::Validator seed_digits(
-      [](std::string& text) {
-        std::uint64_t value = 0;
-        const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-        if (text.empty() || ec != std::errc{} || end != text.data() + text.size())
-          return std::string("expected a whole number from 0 to 18446744073709551615");
-        return std::string();
-      },
-      "UINT64");
-  auto* seed = app.add_option("--seed", cli.seed, "seed of the initial weights and of the data")->check(seed_digits);
-  auto* stage = app.add_option("--zero-stage", cli.zero_stage,
-                               "0 (plain data parallelism: everything whole on every rank, gradients all-reduced), "
-                               "1, 2 or 3 (ZeRO: optimizer state, + gradients, + parameters sharded)");
-  auto* fetch = app.add_option("--fetch-mode", fetch_mode, "stage-3 fetch collective")
-                    ->check(CLI::IsMember({"all_gather", "all_reduce"}));
-  auto* prefetch = app.add_option_function<std::string>(
-      "--prefetch-bucket",
-      [&cli](const std::string& text) {
-        if (text == "auto") {
-          cli.adaptive_prefetch = true;
-          cli.prefetch_bucket_bytes = 0;
-          return;
-        }
-        auto v = trainer::parse_size(text);
-        if (!v) throw CLI::ValidationError("--prefetch-bucket", v.error().message());
-        cli.prefetch_bucket_bytes = *v;
-        cli.adaptive_prefetch = false;
-      },
-      "bytes gathered ahead of use (64MiB), or auto: measured from gather and compute times");
-  auto* live = size_option("--max-live", cli.max_live_bytes, "budget of gathered parameter bytes, exact (default: 1GiB, or twice the largest fetch unit where 1GiB cannot hold it)");
-  auto* reuse = app.add_option("--max-reuse-distance", cli.max_reuse_distance, "keep a unit needed again within N fetches");
-  auto* persist = size_option("--persistence-threshold", cli.persistence_threshold_bytes, "smaller units stay gathered");
-  auto* granularity = size_option("--module-granularity", cli.module_granularity_bytes, "coalesce smaller leaf modules");
-  auto* accum = app.add_option("--grad-accum", cli.gradient_accumulation_steps, "micro-batches per step on each rank");
-  auto* clip = app.add_option("--clip", cli.max_grad_norm, "global gradient-norm clipping (0: off)");
-  float weight_decay = modules::AdamWOptions{}.weight_decay;
-  auto* wd = app.add_option("--weight-decay", weight_decay,
-                            "weight decay (default: the optimizer's own, AdamW 0.01 decoupled, SGD 0)");
-  app.add_option("--freeze", cli.freeze,
+  // The trainer's settings (trainer/settings.hpp): an option each, made from the table, checked
+  // as given and applied over --config in the order given.
+  std::vector<std::pair<const trainer::Setting*, std::string>> given;
+  for (const auto& setting : trainer::settings()) {
+    if (setting.flag.empty()) continue;
+    const trainer::Setting* s = &setting;
+    const std::string flag(s->flag);
+    auto take = [&given, s, flag](const std::string& text) {
+      TrainerConfig scratch;
+      if (auto ok = s->parse(*s, scratch, text); !ok) throw CLI::ValidationError(flag, ok.error().message());
+      if (auto ok = s->validate(scratch); !ok) throw CLI::ValidationError(flag, ok.error().message());
+      given.emplace_back(s, text);
+    };
+    if (s->kind == trainer::SettingKind::boolean) {
+      app.add_flag_callback(flag, [take, s] { take(s->switch_sets ? "true" : "false"); }, std::string(s->help));
+      continue;
+    }
+    auto* option = app.add_option_function<std::string>(flag, take, std::string(s->help));
+    if (const auto shown = s->value(TrainerConfig{}); !shown.empty()) option->default_str(shown);
+    option->type_name(s->kind == trainer::SettingKind::integer ? "INT"
+                      : s->kind == trainer::SettingKind::bytes ? "SIZE"
+                      : s->kind == trainer::SettingKind::real  ? "FLOAT"
+                                                               : "TEXT");
+    if (s->kind == trainer::SettingKind::choice && !s->choices.empty())
+      option->check(CLI::IsMember(std::vector<std::string>(s->choices.begin(), s->choices.end())));
+  }
+  auto given_on_command_line = [&given](std::string_view name) {
+    return std::any_of(given.begin(), given.end(), [name](const auto& g) { return g.first->name == name; });
+  };
+  std::vector<std::string> freeze;
+  app.add_option("--freeze", freeze,
                  "parameters that do not train, by glob over their full names (repeatable; e.g. 'embed.*' or "
                  "'h0.*', the embedding and the first block); each must match a parameter");
-  app.add_flag("--no-decay-vectors", cli.no_decay_for_vectors,
-               "no weight decay on parameters of one dimension (biases, norms' gains), as GPT-2's and Llama's recipes");
-  auto* max_skipped = app.add_option("--max-skipped-steps", cli.max_skipped_steps,
-                                     "stop after this many steps in a row skipped for inf/NaN gradients (0: never)")
-                          ->check(CLI::Range(0, 1 << 30));
-  auto* precision = app.add_option("--dtype", dtype, "compute dtype (bf16/f16 on the CPU compute in f32 on copies: slower than f32, for trying a setup)")
-                        ->check(CLI::IsMember({"f32", "bf16", "f16"}));
-  auto* off_opt = offload_option("--offload-optimizer", cli.offload_optimizer, "none, cpu or nvme:PATH");
-  auto* off_par = offload_option("--offload-params", cli.offload_params, "none, cpu or nvme (stage 3, with --offload-optimizer; nvme: its folder)");
-  auto* host_budget = size_option("--host-memory-budget", cli.host_memory_budget,
-                                  "pinned host memory the offload may use (default: exactly what it needs)");
   app.add_option("--config", o.config, "a DeepSpeed JSON config (its zero_optimization, fp16/bf16, optimizer, ...)")
       ->check(CLI::ExistingFile);
   app.add_option("--init", o.init,
@@ -219,17 +149,10 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
       ->check(CLI::ExistingPath);
   app.add_option("--metrics", o.metrics, "one JSON object per step (rank 0)");
   app.add_option("--trace", o.trace, "a Chrome-trace/Perfetto JSON timeline of every step, from device timestamps");
-  bool no_timing = false;
-  app.add_flag("--no-timing", no_timing, "no device-timestamp timing (exposed_comm_ms becomes null)");
-  bool step_in_backward = false;
-  app.add_flag("--step-in-backward", step_in_backward,
-               "with --offload-optimizer cpu or nvme: step each unit on the CPU while backward goes on (needs --clip 0)");
   app.add_option("--checkpoint-dir", o.checkpoint_dir, "folder of sharded checkpoints");
   app.add_option("--checkpoint-every", o.checkpoint_every, "save every N steps (0: never)")
       ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40));
   app.add_flag("--resume", o.resume, "continue from the latest checkpoint in --checkpoint-dir");
-  app.add_option("--keep-checkpoints", o.keep_checkpoints, "keep the newest N checkpoints, remove older ones (0: keep all)")
-      ->check(CLI::Range(0, 1 << 30));
   app.add_flag("--start-over", o.start_over,
                "a fresh run in a --checkpoint-dir that holds checkpoints: remove them first (without it, refused)")
       ->excludes("--resume");
@@ -244,9 +167,9 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
       "write TensorBoard event files into this folder (rank 0; loss, lr, grad norm, tokens/s, step time, exposed "
       "communication, hit rate, swap bytes, peak memory each step): tensorboard --logdir FOLDER");
   app.add_flag("--quiet", o.quiet, "no progress output");
-  bool skip_memory_check = false;
-  app.add_flag("--skip-memory-check", skip_memory_check,
-               "train even when the memory estimate says this machine cannot hold the run");
+  app.add_flag("--print-config", o.print_config,
+               "print every trainer setting of this run (--config's, with the command line's over them) as JSON under "
+               "coshard's names, and exit: a file --config reads back");
   app.add_flag("--estimate", o.estimate,
                "print the memory each rank will hold (device, pinned and pageable host, NVMe) against this machine's, and "
                "exit without training: 0 when it fits, 1 when not (a run that cannot fit is refused up front anyway)");
@@ -302,41 +225,17 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
       return 2;
     }
     c = *from;
-    if (!o.quiet)
-      for (const auto& n : notes) std::printf("config note: %s\n", n.c_str());
+    if (!o.quiet)  // (on stderr under --print-config, whose stdout is the JSON)
+      for (const auto& n : notes) std::fprintf(o.print_config ? stderr : stdout, "config note: %s\n", n.c_str());
   }
-  if (lr->count()) c.lr = cli.lr;
-  if (warmup->count()) {
-    c.warmup_steps = cli.warmup_steps;
-    c.warmup_shape = trainer::WarmupShape::linear;
-  }
-  if (warmup_min->count()) c.warmup_min_lr = cli.warmup_min_lr;
-  if (decay->count())
-    c.decay = lr_decay == "cosine" ? trainer::LrDecay::cosine : lr_decay == "linear" ? trainer::LrDecay::linear : trainer::LrDecay::none;
-  if (decay_steps->count()) c.decay_steps = cli.decay_steps;
-  else if (c.decay != trainer::LrDecay::none && c.decay_steps == 0) c.decay_steps = o.steps;
-  if (min_lr->count()) c.min_lr = cli.min_lr;
-  if (seed->count()) c.seed = cli.seed;
-  if (stage->count()) c.zero_stage = cli.zero_stage;
-  if (fetch->count())
-    c.fetch_mode = fetch_mode == "all_reduce" ? zero::FetchMode::all_reduce : zero::FetchMode::all_gather;
-  if (prefetch->count()) {
-    c.prefetch_bucket_bytes = cli.prefetch_bucket_bytes;
-    c.adaptive_prefetch = cli.adaptive_prefetch;
-  }
-  if (live->count()) {
-    c.max_live_bytes = cli.max_live_bytes;
-    c.max_live_follows_model = false;
-  }
-  if (reuse->count()) c.max_reuse_distance = cli.max_reuse_distance;
-  if (persist->count()) c.persistence_threshold_bytes = cli.persistence_threshold_bytes;
-  if (granularity->count()) c.module_granularity_bytes = cli.module_granularity_bytes;
-  if (accum->count()) c.gradient_accumulation_steps = cli.gradient_accumulation_steps;
-  if (clip->count()) c.max_grad_norm = cli.max_grad_norm;
-  if (wd->count()) c.weight_decay = weight_decay;
-  if (!cli.freeze.empty()) c.freeze = cli.freeze;
-  if (eval_every->count()) c.eval_every = cli.eval_every;
-  if (eval_batches->count()) c.eval_batches = cli.eval_batches;
+  for (const auto& [setting, text] : given)
+    if (auto ok = setting->set(c, text, setting->flag); !ok) {  // (each was checked as it was given)
+      std::fprintf(stderr, "coshard-train: %s\n", ok.error().message().c_str());
+      return 2;
+    }
+  if (!given_on_command_line("decay_steps") && c.decay != trainer::LrDecay::none && c.decay_steps == 0)
+    c.decay_steps = o.steps;
+  if (!freeze.empty()) c.freeze = freeze;
   // Globs and lists into files, in order (each checked and opened later, before anything trains).
   for (auto [specs, files, first, flag] : {std::tuple{&o.data_specs, &o.data_files, &o.data, "--data"},
                                            std::tuple{&o.val_specs, &o.val_files, &o.val_data, "--val-data"}}) {
@@ -386,42 +285,19 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   }
   // (on the synthetic task, validation draws held-out sequences of the same task)
   // (the config file's eval_every asks as --eval-every does)
-  const bool eval_asked = eval_every->count() || eval_batches->count() || c.eval_every > 0;
+  const bool eval_asked = given_on_command_line("eval_every") || given_on_command_line("eval_batches") || c.eval_every > 0;
   if (eval_asked && o.val_data.empty() && !o.data.empty()) {
     std::fprintf(stderr, "coshard-train: %s without --val-data: name the held-out data to evaluate on\n",
-                 eval_every->count()     ? "--eval-every"
-                 : eval_batches->count() ? "--eval-batches"
-                                         : "the config's eval_every");
+                 given_on_command_line("eval_every")     ? "--eval-every"
+                 : given_on_command_line("eval_batches") ? "--eval-batches"
+                                                         : "the config's eval_every");
     return 2;
   }
   o.validate = !o.val_data.empty() || eval_asked;
-  if (cli.no_decay_for_vectors) c.no_decay_for_vectors = true;
-  if (max_skipped->count()) c.max_skipped_steps = cli.max_skipped_steps;
-  if (precision->count())
-    c.set_compute_dtype(dtype == "bf16"  ? modules::DataType::bf16
-                        : dtype == "f16" ? modules::DataType::f16
-                                         : modules::DataType::f32);
-  if (off_opt->count()) c.offload_optimizer = cli.offload_optimizer;
-  if (off_par->count()) c.offload_params = cli.offload_params;
-  if (host_budget->count()) c.host_memory_budget = cli.host_memory_budget;
-  c.timing = !no_timing;
-  c.keep_checkpoints = o.keep_checkpoints;
-  if (step_in_backward) c.step_in_backward = true;
   c.record_timeline = !o.trace.empty();
   if (tensorboard_option->count()) c.tensorboard_dir = tensorboard;
-  if (skip_memory_check) c.check_memory = false;
-  o.attention_given = attention_option->count() > 0;
+  o.attention_given = given_on_command_line("attention");
   o.vocab_given = vocab->count() > 0;
-  if (attention_option->count())
-    c.attention = attention == "materialized" ? modules::AttentionKernels::materialized : modules::AttentionKernels::fused;
-  if (checkpointing_option->count()) {
-    auto policy = modules::ActivationCheckpointing::parse(checkpointing);
-    if (!policy) {
-      std::fprintf(stderr, "coshard-train: --activation-checkpointing: %s\n", policy.error().message().c_str());
-      return 2;
-    }
-    c.activation_checkpointing = *policy;
-  }
 
   // The model: a GPT, or a Llama (a preset, a Hugging Face folder, or the flags alone, with the
   // flags given over a preset). The vocabulary is settled with the data, in main.
@@ -461,6 +337,10 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
     return 2;
   }
   o.train = c;
+  if (o.print_config) {
+    std::printf("%s\n", trainer::settings_json(c).c_str());
+    return 0;
+  }
   o.batch_given = batch_option->count() > 0;
   o.world_size_given = world_option->count() > 0;
   return std::nullopt;

@@ -49,12 +49,12 @@ struct Options {
   trainer::SampleOptions sample;
   std::string flight_recorder;  // folder of the collective flight recorder's dumps
   std::int64_t checkpoint_every = 0;
-  int keep_checkpoints = 0;
   int blas_threads = 0;  // 0: cores / ranks in this process
   bool resume = false;
   bool start_over = false;
   bool quiet = false;
   bool estimate = false;  // print the memory estimate and exit
+  bool print_config = false;  // print the settings as JSON and exit
   bool attention_given = false;   // --attention on the command line (else chosen by memory)
   bool vocab_given = false;       // --vocab on the command line
   bool attention_chosen = false;  // materialized chosen because the run fits with it

@@ -27,7 +27,7 @@ Result<RunMemory> estimate_run(const trainer::TrainerConfig& c, const RunShape& 
   out.per_rank.add(MemoryPlace::pageable_host, "host batches (the global batch, this rank's rows)",
                    static_cast<std::size_t>(shape.batch + rows) * static_cast<std::size_t>(shape.seq) * 8);
   auto machine = zero::machine_memory(shape.device, c.engine_options().offload_optimizer == zero::OffloadTarget::nvme
-                                                           ? c.engine_options().nvme_path
+                                                           ? c.offload_optimizer.nvme_path
                                                            : std::filesystem::path());
   if (machine) out.machine = std::move(*machine);
   else out.machine_error = machine.error().message();

@@ -11,9 +11,9 @@ Progress::Progress(std::int64_t first_step, std::int64_t last_step, std::FILE* o
       out_(out), tty_(::isatty(::fileno(out)) != 0) {}
 
 void Progress::update(const StepStats& s) {
-  if (s.skipped) {  // always said, on a terminal or not
+  if (s.optimizer.last_skipped) {  // always said, on a terminal or not
     std::fprintf(out_, "%sstep %lld skipped: non-finite gradients (norm %g, loss scale %g)\n", tty_ && open_line_ ? "\n" : "",
-                 static_cast<long long>(s.step), static_cast<double>(s.grad_norm), static_cast<double>(s.loss_scale));
+                 static_cast<long long>(s.step), static_cast<double>(s.optimizer.grad_norm), static_cast<double>(s.optimizer.loss_scale));
     open_line_ = false;
   }
   const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
@@ -30,7 +30,7 @@ void Progress::update(const StepStats& s) {
   } else if (s.step == first_ + 1 || s.step == last_ || (s.step - first_) % every_ == 0 || s.val_loss) {
     std::fprintf(out_, "step %lld/%lld  loss %.4f  %.0f tok/s  %.1f ms/step  hit rate %.2f  comm wait %s ms  ETA %.0fs\n",
                  static_cast<long long>(s.step), static_cast<long long>(last_), s.loss, s.tokens_per_s, s.step_ms,
-                 s.prefetch_hit_rate, s.exposed_comm_ms ? std::to_string(*s.exposed_comm_ms).substr(0, 5).c_str() : "-",
+                 s.hit_rate(), s.exposed_comm_ms ? std::to_string(*s.exposed_comm_ms).substr(0, 5).c_str() : "-",
                  eta);
     if (s.val_loss) std::fprintf(out_, "  validation loss %.4f after step %lld\n", *s.val_loss, static_cast<long long>(s.step));
   }

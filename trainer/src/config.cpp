@@ -1,4 +1,5 @@
 #include "coshard/trainer/config.hpp"
+#include "coshard/trainer/settings.hpp"
 
 #include "coshard/async/files.hpp"
 #include "coshard/zero/memory_estimate.hpp"
@@ -40,63 +41,27 @@ Result<void> check_offload(const OffloadOptions& o, std::string_view what, bool 
 }  // namespace
 
 Result<void> TrainerConfig::validate() const {
-  if (zero_stage < 0 || zero_stage > 3)
-    return fail(ErrorCode::invalid_argument, "zero_stage=", zero_stage, ": expected 0, 1, 2 or 3");
-  if (dtype != DataType::f32 && dtype != DataType::bf16 && dtype != DataType::f16)
-    return fail(ErrorCode::invalid_argument, "dtype=", collectives::to_string(dtype), ": expected f32, bf16 or f16");
+  // Each setting's own range (settings.hpp), then what holds between settings.
+  for (const auto& s : settings()) COSHARD_TRY(s.validate(*this));
   if (reduce_dtype != dtype)
     return fail(ErrorCode::unsupported, "reduce_dtype=", collectives::to_string(reduce_dtype),
                 ": gradients are reduced in the compute dtype (expected ", collectives::to_string(dtype), ")");
-  if (loss_scaling != modules::LossScaling::none && !(initial_loss_scale > 0))
-    return fail(ErrorCode::invalid_argument, "initial_loss_scale=", initial_loss_scale, ": expected > 0");
-  if (keep_checkpoints < 0)
-    return fail(ErrorCode::invalid_argument, "keep_checkpoints=", keep_checkpoints, ": expected >= 0 (0: keep all)");
-  if (activation_checkpointing.every < 0)
-    return fail(ErrorCode::invalid_argument, "activation_checkpointing.every=", activation_checkpointing.every,
-                ": expected 0 (none), 1 (every block) or N (every N-th block)");
-  if (eval_every < 0) return fail(ErrorCode::invalid_argument, "eval_every=", eval_every, ": expected >= 0 (0: only when asked)");
-  if (eval_batches < 1 || eval_batches > (std::int64_t{1} << 30))
-    return fail(ErrorCode::invalid_argument, "eval_batches=", eval_batches, ": expected 1 to 2^30");
-  if (max_skipped_steps < 0)
-    return fail(ErrorCode::invalid_argument, "max_skipped_steps=", max_skipped_steps, ": expected >= 0 (0: never stop)");
   if (zero_stage == 3 && max_live_bytes == 0)
     return fail(ErrorCode::invalid_argument, "max_live_bytes=0: expected at least the largest fetch unit");
-  if (gradient_accumulation_steps < 1)
-    return fail(ErrorCode::invalid_argument, "gradient_accumulation_steps=", gradient_accumulation_steps,
-                ": expected >= 1");
-  if (!(max_grad_norm >= 0))
-    return fail(ErrorCode::invalid_argument, "max_grad_norm=", max_grad_norm, ": expected >= 0 (0: no clipping)");
-  if (!(lr > 0) || !std::isfinite(lr)) return fail(ErrorCode::invalid_argument, "lr=", lr, ": expected > 0");
-  if (warmup_steps < 0) return fail(ErrorCode::invalid_argument, "warmup_steps=", warmup_steps, ": expected >= 0");
-  if (!(warmup_min_lr >= 0 && warmup_min_lr <= lr))
+  if (!(warmup_min_lr <= lr))
     return fail(ErrorCode::invalid_argument, "warmup_min_lr=", warmup_min_lr, ": expected in [0, lr=", lr, "]");
   if (decay != LrDecay::none) {
     if (decay_steps <= warmup_steps)
       return fail(ErrorCode::invalid_argument, "decay_steps=", decay_steps, " with lr decay ", to_string(decay),
                   ": expected more than warmup_steps=", warmup_steps, " (the step the decay reaches min_lr)");
-    if (!(min_lr >= 0 && min_lr <= lr))
+    if (!(min_lr <= lr))
       return fail(ErrorCode::invalid_argument, "min_lr=", min_lr, ": expected in [0, lr=", lr, "]");
   }
-  if (train_batch_size < 0 || train_micro_batch_size_per_gpu < 0)
-    return fail(ErrorCode::invalid_argument, "train_batch_size=", train_batch_size, ", train_micro_batch_size_per_gpu=",
-                train_micro_batch_size_per_gpu, ": expected >= 0 (0: not given)");
-  if (!(beta1 >= 0 && beta1 < 1)) return fail(ErrorCode::invalid_argument, "beta1=", beta1, ": expected in [0, 1)");
-  if (!(beta2 >= 0 && beta2 < 1)) return fail(ErrorCode::invalid_argument, "beta2=", beta2, ": expected in [0, 1)");
-  if (!(eps > 0)) return fail(ErrorCode::invalid_argument, "eps=", eps, ": expected > 0");
-  if (weight_decay && !(*weight_decay >= 0))
-    return fail(ErrorCode::invalid_argument, "weight_decay=", *weight_decay, ": expected >= 0");
-  if (optimizer == OptimizerKind::sgd && !(momentum >= 0 && momentum < 1))
-    return fail(ErrorCode::invalid_argument, "momentum=", momentum, ": expected in [0, 1)");
   COSHARD_TRY(check_offload(offload_optimizer, "offload_optimizer", true));
   // (offload_params=nvme keeps its shards in the optimizer's swap files: its own path is optional)
   COSHARD_TRY(check_offload(offload_params, "offload_params", false));
   COSHARD_TRY(zero::check_offload_placement(engine_options()));
   COSHARD_TRY(zero::check_step_in_backward(engine_options(), step_control()));
-  if (offload_params.device == OffloadDevice::nvme && !offload_params.nvme_path.empty() &&
-      offload_params.nvme_path != offload_optimizer.nvme_path)
-    return fail(ErrorCode::invalid_argument, "offload_params.nvme_path=", offload_params.nvme_path.string(),
-                ": the parameter shards live in the optimizer's swap files, in offload_optimizer.nvme_path=",
-                offload_optimizer.nvme_path.string(), " (give the same folder, or none)");
   return {};
 }
 
@@ -118,31 +83,6 @@ Result<zero::EngineOptions> TrainerConfig::engine_options_for(modules::Module& m
   for (const auto& u : units) largest = std::max(largest, u.padded_bytes);
   if (largest > std::numeric_limits<std::size_t>::max() / 2) return o;  // let the engine name it
   if (o.max_live_bytes < largest) o.max_live_bytes = 2 * largest;
-  return o;
-}
-
-zero::EngineOptions TrainerConfig::engine_options() const {
-  zero::EngineOptions o;
-  o.zero_stage = zero_stage;
-  o.dtype = dtype;
-  o.module_granularity_bytes = module_granularity_bytes;
-  o.max_live_bytes = max_live_bytes;
-  o.prefetch_bucket_bytes = prefetch_bucket_bytes;
-  o.max_reuse_distance = max_reuse_distance;
-  o.max_reuse_distance_elements = max_reuse_distance_elements;
-  o.persistence_threshold_bytes = persistence_threshold_bytes;
-  o.fetch_mode = fetch_mode;
-  o.adaptive_prefetch = adaptive_prefetch;
-  o.offload_optimizer = offload_optimizer.device;
-  o.nvme_path = offload_optimizer.nvme_path;
-  o.swap_buffer_count = offload_optimizer.buffer_count;
-  o.offload_params = offload_params.device;
-  o.param_buffer_count = offload_params.buffer_count;
-  o.host_memory_budget = host_memory_budget;
-  o.step_in_backward = step_in_backward;
-  o.check_memory = check_memory;
-  o.timing = timing;
-  o.record_timeline = record_timeline;
   return o;
 }
 

@@ -10,8 +10,9 @@
 #include <sstream>
 
 #include "coshard/async/json_limits.hpp"
-#include "coshard//async/files.hpp"
+#include "coshard/async/files.hpp"
 #include "coshard/trainer/config.hpp"
+#include "coshard/trainer/settings.hpp"
 
 namespace coshard::trainer {
 
@@ -50,6 +51,12 @@ struct Reader {
   // A whole number in [0, 2^62] (every count and size here fits an int64 with room to multiply
   // by an element size), named by the value as written when it is not one.
   std::optional<std::size_t> count(const json& v, const std::string& key) {
+    if (v.is_number_unsigned() || v.is_number_integer()) {  // exactly, where a double would round past 2^53
+      const bool fits = v.is_number_unsigned() ? v.get<std::uint64_t>() <= (std::uint64_t{1} << 62) : v.get<std::int64_t>() >= 0;
+      if (fits) return static_cast<std::size_t>(v.is_number_unsigned() ? v.get<std::uint64_t>() : static_cast<std::uint64_t>(v.get<std::int64_t>()));
+      bad.push_back(key + "=" + async::bounded_echo(v.dump()) + " (expected a whole number from 0 to 2^62)");
+      return std::nullopt;
+    }
     auto d = number(v, key);
     if (!d) return std::nullopt;
     constexpr double kMax = 4611686018427387904.0;  // 2^62
@@ -74,7 +81,76 @@ struct Reader {
     bad.push_back(key + "=" + async::bounded_echo(v.dump()) + " (expected an object)");
     return false;
   }
+  // A key of the settings table (settings.hpp), named `key` as written: its value read by the
+  // setting's kind (numbers also as strings, as DeepSpeed allows; sizes also with units under
+  // coshard's own names), DeepSpeed's element counts turned into bytes of `element` each.
+  void setting(const Setting& s, const json& v, const std::string& key, TrainerConfig& c, std::size_t element,
+               bool in_elements) {
+    std::string text;
+    switch (s.kind) {
+      case SettingKind::integer: {
+        auto n = count(v, key);
+        if (!n) return;
+        text = std::to_string(*n);
+        break;
+      }
+      case SettingKind::bytes: {
+        if (v.is_string()) {
+          // A size with its unit under coshard's own name; under DeepSpeed's, a count, or "auto"
+          // where the setting takes it (the prefetch).
+          TrainerConfig scratch = c;
+          const auto given = v.get<std::string>();
+          if (!in_elements || (given == "auto" && s.parse(s, scratch, given))) {
+            text = given;
+            break;
+          }
+        }
+        auto n = count(v, key);
+        if (!n) return;
+        if (in_elements && *n > (std::size_t{1} << 62) / element) {
+          bad.push_back(key + "=" + async::bounded_echo(v.dump()) + " (" + std::to_string(element) +
+                        " bytes an element: more than 2^62 bytes)");
+          return;
+        }
+        text = std::to_string(in_elements ? *n * element : *n);
+        break;
+      }
+      case SettingKind::real: {
+        auto d = number(v, key);
+        if (!d) return;
+        char buffer[64];
+        const auto end = std::to_chars(buffer, buffer + sizeof buffer, *d).ptr;
+        text.assign(buffer, end);
+        break;
+      }
+      case SettingKind::boolean: {
+        auto b = boolean(v, key);
+        if (!b) return;
+        text = *b ? "true" : "false";
+        break;
+      }
+      case SettingKind::choice: {
+        auto t = string(v, key);
+        if (!t) return;
+        text = *t;
+        break;
+      }
+    }
+    if (auto ok = s.set(c, text, key); !ok) bad.push_back(ok.error().message());
+  }
 };
+
+// The table's entry for DeepSpeed's key `path` (dotted), or for coshard's own name when `own`.
+const Setting* deepspeed_setting(std::string_view path) {
+  for (const auto& s : settings())
+    if (s.deepspeed == path) return &s;
+  return nullptr;
+}
+const Setting* own_setting(std::string_view name) {
+  for (const auto& s : settings())
+    if (s.name == name) return &s;
+  return nullptr;
+}
 
 void read_offload(Reader& r, const json& section, const std::string& prefix, OffloadOptions& out) {
   if (!r.object(section, prefix)) return;
@@ -284,28 +360,16 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
       r.bad.push_back("fp16.enabled=true and bf16.enabled=true (expected at most one of them)");
   }
   const std::size_t element = collectives::size_of(c.dtype);
-  // Elements as bytes; a count whose bytes would not fit 2^62 is named as written.
-  auto bytes_of = [&](const json& v, const std::string& name) -> std::optional<std::size_t> {
-    auto n = r.count(v, name);
-    if (!n) return std::nullopt;
-    if (*n > (std::size_t{1} << 62) / element) {
-      r.bad.push_back(name + "=" + async::bounded_echo(v.dump()) + " (" + std::to_string(element) +
-                      " bytes an element: more than 2^62 bytes)");
-      return std::nullopt;
-    }
-    return *n * element;
-  };
+  // (the table's DeepSpeed sizes are counts of these; Reader::setting turns them into bytes)
 
   if (whole) {
     for (const auto& [key, v] : doc.items()) {
       if (key == "zero_optimization" || key == "fp16" || key == "bf16") continue;
-      if (key == "gradient_accumulation_steps") {
-        if (auto n = r.count(v, key)) {
-          if (*n < 1 || *n > 1'000'000) r.bad.push_back(key + "=" + std::to_string(*n) + " (expected 1..1000000)");
-          else c.gradient_accumulation_steps = static_cast<int>(*n);
-        }
-      } else if (key == "gradient_clipping") {
-        if (auto d = r.number(v, key)) c.max_grad_norm = static_cast<float>(*d);
+      // DeepSpeed's sections are objects; coshard's settings of the same name ("optimizer":
+      // "sgd", "activation_checkpointing": "full") are not.
+      const Setting* own = v.is_object() ? nullptr : own_setting(key);
+      if (const Setting* setting = own ? own : deepspeed_setting(key)) {
+        r.setting(*setting, v, key, c, element, !own && setting->deepspeed_elements);
       } else if (key == "optimizer") {
         if (!r.object(v, key)) continue;
         for (const auto& [okey, ov] : v.items()) {
@@ -321,16 +385,8 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
             if (!r.object(ov, name)) continue;
             for (const auto& [pkey, pv] : ov.items()) {
               const std::string pname = name + "." + pkey;
-              if (pkey == "lr") {
-                if (auto d = r.number(pv, pname)) c.lr = static_cast<float>(*d);
-              } else if (pkey == "eps") {
-                if (auto d = r.number(pv, pname)) c.eps = static_cast<float>(*d);
-              } else if (pkey == "weight_decay") {
-                if (auto d = r.number(pv, pname)) c.weight_decay = static_cast<float>(*d);
-              } else if (pkey == "momentum") {
-                if (auto d = r.number(pv, pname)) c.momentum = static_cast<float>(*d);
-              } else if (pkey == "nesterov") {
-                if (auto b = r.boolean(pv, pname)) c.nesterov = *b;
+              if (const Setting* setting = deepspeed_setting(pname)) {
+                r.setting(*setting, pv, pname, c, element, false);
               } else if (pkey == "betas") {
                 if (!pv.is_array() || pv.size() != 2) {
                   r.bad.push_back(pname + "=" + async::bounded_echo(pv.dump()) + " (expected [beta1, beta2])");
@@ -350,17 +406,6 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
             r.unknown.push_back(name);
           }
         }
-      } else if (key == "train_batch_size") {
-        if (auto n = r.count(v, key)) c.train_batch_size = static_cast<std::int64_t>(*n);
-      } else if (key == "eval_every" || key == "eval_batches") {
-        // (coshard's own keys, beside DeepSpeed's: the held-out validation of TrainerConfig)
-        if (auto n = r.count(v, key)) {
-          if (key == "eval_every") c.eval_every = static_cast<std::int64_t>(std::min<std::size_t>(*n, std::size_t{1} << 40));
-          else if (*n < 1 || *n > (std::size_t{1} << 30)) r.bad.push_back(key + "=" + std::to_string(*n) + " (expected 1 to 2^30)");
-          else c.eval_batches = static_cast<std::int64_t>(*n);
-        }
-      } else if (key == "train_micro_batch_size_per_gpu") {
-        if (auto n = r.count(v, key)) c.train_micro_batch_size_per_gpu = static_cast<std::int64_t>(*n);
       } else if (key == "scheduler") {
         read_scheduler(r, v, c);
       } else if (key == "tensorboard") {
@@ -370,6 +415,8 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
       } else if (key == "steps_per_print" || key == "wall_clock_breakdown" || key == "prescale_gradients" ||
                  key == "gradient_predivide_factor") {
         r.notes.push_back(key + ": accepted, no effect in coshard");
+      } else if (const Setting* setting = own_setting(key)) {
+        r.setting(*setting, v, key, c, element, false);  // coshard's own name for a setting
       } else {
         r.unknown.push_back(key);
       }
@@ -382,30 +429,8 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
     const std::string z = whole ? "zero_optimization." : "";
     for (const auto& [key, v] : zero.items()) {
       const std::string name = z + key;
-      if (key == "stage") {
-        if (auto n = r.count(v, name)) {
-          if (*n > 3) r.bad.push_back(name + "=" + std::to_string(*n) + " (expected 0, 1, 2 or 3)");
-          else c.zero_stage = static_cast<int>(*n);
-        }
-      } else if (key == "stage3_prefetch_bucket_size") {
-        if (v.is_string() && v.get<std::string>() == "auto") {
-          c.adaptive_prefetch = true;  // measured, not hand-set
-          c.prefetch_bucket_bytes = 0;
-        } else if (auto n = bytes_of(v, name)) {
-          c.prefetch_bucket_bytes = *n;
-          c.adaptive_prefetch = false;
-        }
-      } else if (key == "stage3_max_live_parameters") {
-        if (auto n = bytes_of(v, name)) {
-          c.max_live_bytes = *n;
-          c.max_live_follows_model = false;
-        }
-      } else if (key == "stage3_max_reuse_distance") {
-        if (auto n = r.count(v, name)) c.max_reuse_distance_elements = *n;
-      } else if (key == "stage3_param_persistence_threshold") {
-        if (auto n = bytes_of(v, name)) c.persistence_threshold_bytes = *n;
-      } else if (key == "zero_module_granularity_threshold") {
-        if (auto n = bytes_of(v, name)) c.module_granularity_bytes = *n;
+      if (const Setting* setting = deepspeed_setting("zero_optimization." + key)) {
+        r.setting(*setting, v, name, c, element, setting->deepspeed_elements);
       } else if (key == "stage3_use_all_reduce_for_fetch_params") {
         if (auto b = r.boolean(v, name)) c.fetch_mode = *b ? zero::FetchMode::all_reduce : zero::FetchMode::all_gather;
       } else if (key == "offload_optimizer") {

@@ -14,6 +14,7 @@
 #include <fstream>
 #include <iterator>
 
+#include "step_metrics.hpp"
 #include "tensorboard_event.pb.h"
 
 namespace coshard::trainer {
@@ -44,24 +45,13 @@ struct FileCloser {
 }  // namespace
 
 std::vector<std::pair<std::string, double>> tensorboard_scalars(const StepStats& s) {
-  std::vector<std::pair<std::string, double>> out{
-      {"train/loss", s.loss},
-      {"train/lr", s.lr},
-      {"train/grad_norm", s.grad_norm},
-      {"train/loss_scale", s.loss_scale},
-      {"perf/tokens_per_s", s.tokens_per_s},
-      {"perf/step_ms", s.step_ms},
-      {"perf/blocking_waits", static_cast<double>(s.blocking_waits)},
-      {"zero/prefetch_hit_rate", s.prefetch_hit_rate},
-      {"comm/gathered_bytes", static_cast<double>(s.gathered_bytes)},
-      {"comm/reduce_scattered_bytes", static_cast<double>(s.reduce_scattered_bytes)},
-      {"offload/swap_bytes", static_cast<double>(s.swap_bytes)},
-      {"memory/peak_bytes", static_cast<double>(s.peak_memory_bytes)},
-      {"memory/peak_gathered_bytes", static_cast<double>(s.peak_gathered_bytes)},
-      {"memory/peak_activation_bytes", static_cast<double>(s.peak_activation_bytes)},
-  };
-  if (s.exposed_comm_ms) out.emplace_back("perf/exposed_comm_ms", *s.exposed_comm_ms);  // timing off: no point
-  if (s.val_loss) out.emplace_back("val/loss", *s.val_loss);  // (the steps that evaluate)
+  std::vector<std::pair<std::string, double>> out;
+  for (const auto& m : step_metrics()) {
+    if (m.tag.empty()) continue;
+    const auto value = m.value(s);
+    if (value.is_null()) continue;  // absent: timing off, a step that does not evaluate
+    out.emplace_back(std::string(m.tag), value.get<double>());
+  }
   return out;
 }
 

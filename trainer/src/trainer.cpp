@@ -8,8 +8,11 @@
 #include <cmath>
 #include <optional>
 
+#include "coshard/async/json_limits.hpp"
 #include "coshard/async/log.hpp"
 #include "rank_agreement.hpp"
+#include "step_metrics.hpp"
+#include "coshard/trainer/settings.hpp"
 #include "trainer_impl.hpp"
 #include "coshard/async/runtime.hpp"
 #include "coshard/async/sync.hpp"
@@ -21,31 +24,46 @@ using modules::DataType;
 using modules::Shape;
 using modules::Tensor;
 
+std::span<const StepMetric> step_metrics() noexcept {
+  using json = nlohmann::json;
+  static constexpr StepMetric metrics[] = {
+      {"step", "", false, [](const StepStats& s) { return json(s.step); }},
+      {"loss", "train/loss", false, [](const StepStats& s) { return json(s.loss); }},
+      {"tokens_per_s", "perf/tokens_per_s", false, [](const StepStats& s) { return json(s.tokens_per_s); }},
+      {"step_ms", "perf/step_ms", false, [](const StepStats& s) { return json(s.step_ms); }},
+      {"tokens", "", false, [](const StepStats& s) { return json(s.tokens); }},
+      {"lr", "train/lr", false, [](const StepStats& s) { return json(s.lr); }},
+      {"gathered_bytes", "comm/gathered_bytes", false, [](const StepStats& s) { return json(s.gathered_bytes); }},
+      {"reduce_scattered_bytes", "comm/reduce_scattered_bytes", false,
+       [](const StepStats& s) { return json(s.reduce_scattered_bytes); }},
+      {"peak_gathered_bytes", "memory/peak_gathered_bytes", false, [](const StepStats& s) { return json(s.peak_live_bytes); }},
+      {"peak_prefetched_bytes", "", false, [](const StepStats& s) { return json(s.peak_prefetched_bytes); }},
+      {"peak_activation_bytes", "memory/peak_activation_bytes", false,
+       [](const StepStats& s) { return json(s.peak_activation_bytes); }},
+      {"peak_memory_bytes", "memory/peak_bytes", false, [](const StepStats& s) { return json(s.peak_memory_bytes); }},
+      {"blocking_waits", "perf/blocking_waits", false, [](const StepStats& s) { return json(s.blocking_waits); }},
+      {"swap_bytes", "offload/swap_bytes", false, [](const StepStats& s) { return json(s.swap_bytes); }},
+      {"prefetch_hit_rate", "zero/prefetch_hit_rate", false, [](const StepStats& s) { return json(s.hit_rate()); }},
+      // timing off: unknown, never a made-up 0
+      {"exposed_comm_ms", "perf/exposed_comm_ms", true,
+       [](const StepStats& s) { return s.exposed_comm_ms ? json(*s.exposed_comm_ms) : json(); }},
+      {"collective_launches", "", false, [](const StepStats& s) { return json(s.collective_launches); }},
+      {"grad_norm", "train/grad_norm", false, [](const StepStats& s) { return json(s.optimizer.grad_norm); }},
+      {"loss_scale", "train/loss_scale", false, [](const StepStats& s) { return json(s.optimizer.loss_scale); }},
+      {"skipped", "", false, [](const StepStats& s) { return json(s.optimizer.last_skipped); }},
+      {"trace_changed", "", false, [](const StepStats& s) { return json(s.trace_changed); }},
+      // (only on the steps that evaluate)
+      {"val_loss", "val/loss", false, [](const StepStats& s) { return s.val_loss ? json(*s.val_loss) : json(); }},
+  };
+  return metrics;
+}
+
 std::string to_json_line(const StepStats& s) {
   nlohmann::ordered_json j;
-  j["step"] = s.step;
-  j["loss"] = s.loss;
-  j["tokens_per_s"] = s.tokens_per_s;
-  j["step_ms"] = s.step_ms;
-  j["tokens"] = s.tokens;
-  j["lr"] = s.lr;
-  j["gathered_bytes"] = s.gathered_bytes;
-  j["reduce_scattered_bytes"] = s.reduce_scattered_bytes;
-  j["peak_gathered_bytes"] = s.peak_gathered_bytes;
-  j["peak_prefetched_bytes"] = s.peak_prefetched_bytes;
-  j["peak_activation_bytes"] = s.peak_activation_bytes;
-  j["peak_memory_bytes"] = s.peak_memory_bytes;
-  j["blocking_waits"] = s.blocking_waits;
-  j["swap_bytes"] = s.swap_bytes;
-  j["prefetch_hit_rate"] = s.prefetch_hit_rate;
-  if (s.exposed_comm_ms) j["exposed_comm_ms"] = *s.exposed_comm_ms;
-  else j["exposed_comm_ms"] = nullptr;  // timing off: unknown, never a made-up 0
-  j["collective_launches"] = s.collective_launches;
-  j["grad_norm"] = s.grad_norm;
-  j["loss_scale"] = s.loss_scale;
-  j["skipped"] = s.skipped;
-  j["trace_changed"] = s.trace_changed;
-  if (s.val_loss) j["val_loss"] = *s.val_loss;  // (only on the steps that evaluate)
+  for (const auto& m : step_metrics()) {
+    auto value = m.value(s);
+    if (!value.is_null() || m.null_when_absent) j[std::string(m.key)] = std::move(value);
+  }
   return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
@@ -145,28 +163,14 @@ async::Task<Result<StepStats>> Trainer::Impl::step(std::span<const modules::Batc
   COSHARD_CO_TRY_ASSIGN(auto e, co_await s.engine->step(*s.loss, micro, lr));
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   StepStats out;
+  static_cast<zero::EngineStepStats&>(out) = std::move(e);
   out.step = s.engine->steps_done();
-  out.loss = e.loss;
   out.step_ms = seconds * 1e3;
   out.tokens = counted;
   out.tokens_per_s = seconds > 0 ? static_cast<double>(out.tokens) / seconds : 0;
   out.lr = lr;
-  out.gathered_bytes = e.gathered_bytes;
-  out.reduce_scattered_bytes = e.reduce_scattered_bytes;
-  out.peak_gathered_bytes = e.peak_live_bytes;
-  out.peak_prefetched_bytes = e.peak_prefetched_bytes;
-  out.peak_activation_bytes = e.peak_activation_bytes;
   out.peak_memory_bytes = s.allocator->stats().peak_in_use_bytes;
   out.blocking_waits = async::blocking_waits();
-  out.swap_bytes = e.swap_bytes;
-  out.prefetch_hit_rate = e.hit_rate();
-  out.collective_launches = e.collective_launches;
-  out.grad_norm = e.optimizer.grad_norm;
-  out.loss_scale = e.optimizer.loss_scale;
-  out.skipped = e.optimizer.last_skipped;
-  out.trace_changed = e.trace_changed;
-  out.exposed_comm_ms = e.exposed_comm_ms;
-  out.timeline = std::move(e.timeline);
   const bool due = (s.config.eval_every > 0 && out.step % s.config.eval_every == 0) || s.validation_requested;
   if (s.validation && eval_shape && due) {
     s.validation_requested = false;
@@ -183,10 +187,10 @@ async::Task<Result<StepStats>> Trainer::Impl::step(std::span<const modules::Batc
                      finite.error().message(), "); stopping");
   }
   // Every rank reaches the same verdict (the skip is decided from all-reduced statistics).
-  s.skipped_in_a_row = out.skipped ? s.skipped_in_a_row + 1 : 0;
+  s.skipped_in_a_row = out.optimizer.last_skipped ? s.skipped_in_a_row + 1 : 0;
   if (s.config.max_skipped_steps > 0 && s.skipped_in_a_row >= s.config.max_skipped_steps)
     co_return fail(ErrorCode::invalid_argument, "step ", out.step, ": ", s.skipped_in_a_row,
-                   " steps in a row skipped for inf/NaN gradients (loss ", out.loss, ", loss scale ", out.loss_scale,
+                   " steps in a row skipped for inf/NaN gradients (loss ", out.loss, ", loss scale ", out.optimizer.loss_scale,
                    "); stopping (max_skipped_steps=", s.config.max_skipped_steps,
                    "): a learning rate too high, or non-finite weights or data");
   co_return out;
@@ -224,7 +228,24 @@ async::Task<Result<void>> Trainer::load_safetensors(const std::filesystem::path&
   co_return co_await impl_->engine->load_safetensors(path);
 }
 
+TrainerBuilder& TrainerBuilder::set(std::string_view name, std::string_view value) {
+  if (error_) return *this;  // the first one is the one named
+  const Setting* setting = nullptr;
+  for (const auto& s : settings())
+    if (s.name == name) setting = &s;
+  if (!setting) {
+    std::string names;
+    for (const auto& s : settings()) names += (names.empty() ? "" : ", ") + std::string(s.name);
+    error_ = Error(ErrorCode::invalid_argument,
+                   "TrainerBuilder::set(\"" + async::bounded_echo(name) + "\"): no such setting (expected one of " + names + ")");
+  } else if (auto ok = setting->set(c_, value); !ok) {
+    error_ = std::move(ok).error().with_context("TrainerBuilder::set");
+  }
+  return *this;
+}
+
 async::Task<Result<Trainer>> TrainerBuilder::build(modules::Module& model) const {
+  if (error_) co_return fail(*error_);
   if (!comm_)
     co_return fail(ErrorCode::invalid_argument, "TrainerBuilder: no communicator (call .communicator(comm))");
   COSHARD_CO_TRY(c_.validate());

@@ -64,8 +64,13 @@ Result<void> check_offload_placement(const EngineOptions& o) {
     return fail(ErrorCode::invalid_argument, "offload_params=nvme with offload_optimizer=", to_string(o.offload_optimizer),
                 ": the shards on NVMe are the masters in the optimizer's swap files (expected offload_optimizer=nvme; "
                 "with cpu, the masters hold the parameters in host memory already: use offload_params=cpu)");
-  if (o.param_buffer_count < 1)
-    return fail(ErrorCode::invalid_argument, "param_buffer_count=", o.param_buffer_count, ": expected >= 1");
+  if (o.offload_params.buffer_count < 1)
+    return fail(ErrorCode::invalid_argument, "offload_params.buffer_count=", o.offload_params.buffer_count, ": expected >= 1");
+  if (o.offload_params == OffloadTarget::nvme && !o.offload_params.nvme_path.empty() &&
+      o.offload_params.nvme_path != o.offload_optimizer.nvme_path)
+    return fail(ErrorCode::invalid_argument, "offload_params.nvme_path=", o.offload_params.nvme_path.string(),
+                ": the parameter shards live in the optimizer's swap files, in offload_optimizer.nvme_path=",
+                o.offload_optimizer.nvme_path.string(), " (give the same folder, or none)");
   return {};
 }
 
@@ -170,8 +175,8 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     case OffloadTarget::nvme: s->shard_placement = make_shards_on_nvme(); break;
   }
   if (!s->optimizer_placement || !s->shard_placement)
-    return fail(ErrorCode::invalid_argument, "offload_optimizer=", static_cast<int>(o.offload_optimizer),
-                ", offload_params=", static_cast<int>(o.offload_params), ": expected none, cpu or nvme for each");
+    return fail(ErrorCode::invalid_argument, "offload_optimizer=", static_cast<int>(o.offload_optimizer.device),
+                ", offload_params=", static_cast<int>(o.offload_params.device), ": expected none, cpu or nvme for each");
 
   COSHARD_TRY(check_offload_placement(o));
   COSHARD_TRY(check_step_in_backward(o, optimizer.control()));
@@ -179,7 +184,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   // (activations come on top: a trainer checks those with the rest).
   if (o.check_memory) {
     const MemoryEstimate estimate = detail::estimate_for_units(infos, o, optimizer.state_tensors());
-    COSHARD_TRY_ASSIGN(auto machine, machine_memory(ctx.device(), o.offload_optimizer == OffloadTarget::nvme ? o.nvme_path
+    COSHARD_TRY_ASSIGN(auto machine, machine_memory(ctx.device(), o.offload_optimizer == OffloadTarget::nvme ? o.offload_optimizer.nvme_path
                                                                                                             : std::filesystem::path()));
     COSHARD_TRY(check_fits(estimate, 1, machine));
   }
@@ -191,9 +196,9 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     const std::size_t per_element = 4 * (1 + optimizer.state_tensors());  // master and state, f32
     for (const auto& u : s->units)
       largest_shard = std::max(largest_shard, static_cast<std::size_t>(u->info.shard) * s->element_size);
-    if (s->swapped() && o.nvme_path.empty())
+    if (s->swapped() && o.offload_optimizer.nvme_path.empty())
       return fail(ErrorCode::invalid_argument, "offload_optimizer=nvme: needs a folder (nvme_path)");
-    if (s->params_on_nvme()) s->read_slots = async::StreamBudget::create(static_cast<std::size_t>(o.param_buffer_count));
+    if (s->params_on_nvme()) s->read_slots = async::StreamBudget::create(static_cast<std::size_t>(o.offload_params.buffer_count));
     for (std::size_t b : sizes) needed += offload::page_rounded(b);
     offload::PinnedPoolOptions pool_options;
     pool_options.host_memory_budget = o.host_memory_budget == 0 ? needed : o.host_memory_budget;
@@ -214,16 +219,16 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     }
     if (s->swapped()) {
       const std::string rank_folder = "rank" + std::to_string(s->rank) + "-of-" + std::to_string(s->world);
-      auto claimed = offload::SwapFolder::claim(o.nvme_path / rank_folder, "coshard rank " + std::to_string(s->rank) +
+      auto claimed = offload::SwapFolder::claim(o.offload_optimizer.nvme_path / rank_folder, "coshard rank " + std::to_string(s->rank) +
                                                                                " of " + std::to_string(s->world));
       if (!claimed) return fail(std::move(claimed).error().with_context("offload_optimizer=nvme"));
       s->swap_folder = std::move(*claimed);
       offload::NvmeStoreOptions store_options;
-      store_options.directory = o.nvme_path;
-      store_options.direct = offload::NvmeStore::supports_direct_io(o.nvme_path);
+      store_options.directory = o.offload_optimizer.nvme_path;
+      store_options.direct = offload::NvmeStore::supports_direct_io(o.offload_optimizer.nvme_path);
       COSHARD_TRY_ASSIGN(s->store, offload::NvmeStore::open(store_options));
       offload::SwapperOptions swap_options;
-      swap_options.buffer_count = o.swap_buffer_count;
+      swap_options.buffer_count = o.offload_optimizer.buffer_count;
       COSHARD_TRY_ASSIGN(s->swapper, offload::Swapper::create(*s->store, s->pinned, swap_options));
       const std::string folder = rank_folder + "/unit";
       // (a frozen unit's file holds its master only: the parameters, with them on nvme)

@@ -168,7 +168,7 @@ struct Engine::State {
   Tensor staging_for(const Unit& u) const {
     return Tensor(staging.data(), Shape{u.info.shard}, o.dtype, async::Device::cpu());
   }
-  // nvme parameters: param_buffer_count slots, one per shard read from its start to its gather
+  // nvme parameters: offload_params.buffer_count slots, one per shard read from its start to its gather
   // (a slot comes back once the gather that copied out of its buffer has passed).
   std::shared_ptr<async::StreamBudget> read_slots;
   // nvme parameters: values for the swap files that initialize/load_parameters computed on the

@@ -136,9 +136,9 @@ std::vector<std::size_t> offload_pinned_sizes(std::span<const FetchUnitInfo> uni
   }
   if (staged) sizes.push_back(largest_shard);
   if (swapped)
-    for (int b = 0; b < o.swap_buffer_count; ++b) sizes.push_back(largest_group);
+    for (int b = 0; b < o.offload_optimizer.buffer_count; ++b) sizes.push_back(largest_group);
   if (o.offload_params == OffloadTarget::nvme)  // the read-ahead buffers, read as the fp32 master
-    for (int b = 0; b < o.param_buffer_count; ++b) sizes.push_back(largest_master);
+    for (int b = 0; b < o.offload_params.buffer_count; ++b) sizes.push_back(largest_master);
   sizes.push_back(2 * sizeof(float));  // the summed gradient statistics coming back
   return sizes;
 }

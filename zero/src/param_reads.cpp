@@ -1,5 +1,5 @@
 // Parameters on NVMe: each shard is its master at the head of its unit's swap file, read ahead
-// along the trace into a pinned buffer (param_buffer_count slots), rounded to bf16/f16 on the host
+// along the trace into a pinned buffer (offload_params.buffer_count slots), rounded to bf16/f16 on the host
 // stream, and its buffer and slot handed back once the gather that copied out of it has passed.
 #include "engine_state.hpp"
 

@@ -22,18 +22,13 @@
 
 namespace coshard::trainer {
 
-// Where offloaded state lives: the engine's own enum (none, cpu, nvme), with its to_string.
+// Where offloaded state lives: the engine's own enum (none, cpu, nvme) and options (the folder
+// and buffers of nvme). Offloaded memory is always pinned (every host<->device copy needs it, and
+// the budget is host_memory_budget), and a swap buffer is always the size of the largest unit's
+// state: DeepSpeed's pin_memory and buffer_size are read and reported as notes.
 using OffloadDevice = zero::OffloadTarget;
+using OffloadOptions = zero::OffloadOptions;
 using zero::to_string;
-
-struct OffloadOptions {
-  OffloadDevice device = OffloadDevice::none;
-  std::filesystem::path nvme_path;        // nvme only
-  int buffer_count = 4;                   // swap buffers in flight (nvme)
-  // Not here, on purpose: offloaded memory is always pinned (every host<->device copy needs it,
-  // and the budget is host_memory_budget), and a swap buffer is always the size of the largest
-  // unit's state. DeepSpeed's pin_memory and buffer_size are read and reported as notes.
-};
 
 enum class OptimizerKind : std::uint8_t { adamw, sgd };
 
@@ -43,28 +38,28 @@ enum class WarmupShape : std::uint8_t { linear, log };  // log: DeepSpeed's defa
 std::string_view to_string(LrDecay d) noexcept;
 std::string_view to_string(OptimizerKind k) noexcept;
 
-struct TrainerConfig {
-  // ZeRO (see EngineOptions for their meaning).
-  int zero_stage = 3;
-  zero::FetchMode fetch_mode = zero::FetchMode::all_gather;
-  std::size_t prefetch_bucket_bytes = 64ull << 20;
-  // Prefetch depth from measured gather and compute times (DeepSpeed's "auto"); the bucket
-  // above then caps it (0: no cap but the budget).
-  bool adaptive_prefetch = false;
-  std::size_t max_live_bytes = 1ull << 30;
+// The engine's options (zero::EngineOptions: the stage, the fetch and prefetch budgets, the
+// compute dtype, offload, timing, ...) with the trainer's own beside them. Each scalar setting is
+// declared once, in settings.hpp's table, which the command line, the JSON config, the builder
+// and validate() are made from.
+struct TrainerConfig : zero::EngineOptions {
+  // The trainer's defaults where they differ from a bare engine's: a 1 GiB budget of gathered
+  // parameters, 64 MiB gathered ahead of use, and device-timestamp timing on.
+  TrainerConfig() noexcept {
+    max_live_bytes = 1ull << 30;
+    prefetch_bucket_bytes = 64ull << 20;
+    timing = true;
+  }
+
   // The budget follows the model: where max_live_bytes cannot hold the largest fetch unit (an
   // 8B's 128,256-wide head alone is 2 GiB in f32), the engine gets twice that unit instead (one
-  // gathered, one prefetched), so a model's defaults always run. Setting max_live_bytes (the builder, --max-live, DeepSpeed's
-  // stage3_max_live_parameters) clears it: that budget is then exact, and refused if too small.
+  // gathered, one prefetched), so a model's defaults always run. Setting max_live_bytes (the
+  // builder, --max-live, DeepSpeed's stage3_max_live_parameters) clears it: that budget is then
+  // exact, and refused if too small.
   bool max_live_follows_model = true;
-  std::size_t max_reuse_distance = 0;           // fetch units
-  std::size_t max_reuse_distance_elements = 0;  // DeepSpeed's measure
-  std::size_t persistence_threshold_bytes = 0;
-  std::size_t module_granularity_bytes = 0;
 
-  // Precision: parameters, activations and gradients in `dtype` (fp32 masters in the optimizer);
-  // gradients are reduced in `reduce_dtype`, which must be `dtype` for now.
-  modules::DataType dtype = modules::DataType::f32;
+  // Precision: parameters, activations and gradients in `dtype` (EngineOptions; fp32 masters in
+  // the optimizer); gradients are reduced in `reduce_dtype`, which must be `dtype` for now.
   modules::DataType reduce_dtype = modules::DataType::f32;
   modules::LossScaling loss_scaling = modules::LossScaling::none;  // dynamic is the usual for f16
   float initial_loss_scale = 65536.0f;
@@ -126,23 +121,9 @@ struct TrainerConfig {
   std::int64_t eval_every = 0;
   std::int64_t eval_batches = 4;
 
-  // Device-timestamp timing: exposed_comm_ms each step (a few timed events per unit).
-  bool timing = true;
-  // Also a timeline of every step (StepStats::timeline), for --trace.
-  bool record_timeline = false;
   // Rank 0 writes TensorBoard event files here (tensorboard.hpp), one event per step; empty:
   // none. DeepSpeed's "tensorboard" section sets it to output_path/job_name.
   std::filesystem::path tensorboard_dir;
-
-  OffloadOptions offload_optimizer;  // none, cpu or nvme (path, buffer_count)
-  OffloadOptions offload_params;     // none, cpu or nvme (stage 3, with offload_optimizer; nvme: in its swap files)
-  std::size_t host_memory_budget = 0;  // pinned bytes the offload may use; 0: exactly what it needs
-  // offload_optimizer=cpu or nvme: step each unit on the CPU while backward goes on (EngineOptions::
-  // step_in_backward; needs max_grad_norm=0 and no loss scaling).
-  bool step_in_backward = false;
-  // Refuse a plan whose memory estimate (memory.hpp) the machine cannot hold, before building
-  // (EngineOptions::check_memory). Off: train anyway, for a user who knows the estimate is wrong.
-  bool check_memory = true;
 
   // What defines this run beyond the model and these settings (the data, the model's shape where
   // the parameters do not show it, ...), by name: saved in every checkpoint and compared on
@@ -162,8 +143,8 @@ struct TrainerConfig {
 
   // Every value and combination checked; the error names the first bad one and what is allowed.
   Result<void> validate() const;
-  // The engine's view of these settings.
-  zero::EngineOptions engine_options() const;
+  // The engine's view of these settings: the EngineOptions this config is.
+  const zero::EngineOptions& engine_options() const noexcept { return *this; }
   // engine_options() for this model at world_size ranks: max_live_bytes raised to twice the
   // largest fetch unit where it cannot hold that unit and max_live_follows_model says so (the
   // units planned as the engine will plan them).

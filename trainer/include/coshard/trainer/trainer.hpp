@@ -13,12 +13,15 @@
 // (TrainerConfig::identity) and keep_checkpoints.
 #pragma once
 
+#include <charconv>
 #include <cstdint>
 #include <filesystem>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "coshard/collectives/communicator.hpp"
@@ -29,30 +32,18 @@
 
 namespace coshard::trainer {
 
-struct StepStats {
+// A step as the engine saw it (zero::EngineStepStats: loss, bytes gathered, reduced and
+// swapped, peaks, exposed communication, the timeline, the optimizer's grad norm, loss scale and
+// skip) and what the trainer adds. The metrics file and TensorBoard take their values from one
+// list (step_metrics.hpp), not from copies.
+struct StepStats : zero::EngineStepStats {
   std::int64_t step = 0;               // 1-based: the number of optimizer steps taken, this one included
-  double loss = 0;                     // mean over the whole global batch (all micro-batches, all ranks)
   double step_ms = 0;                  // host wall time from the call to the loss being known
   std::int64_t tokens = 0;             // tokens in the global batch (a modules::Batch of float inputs: its rows)
   double tokens_per_s = 0;
   float lr = 0;
-  std::uint64_t gathered_bytes = 0;    // this rank's all-gather traffic for parameters
-  std::uint64_t reduce_scattered_bytes = 0;
-  std::uint64_t peak_gathered_bytes = 0;
-  std::uint64_t peak_memory_bytes = 0;    // the trainer's device allocator: most bytes in use at once so far
-  std::uint64_t peak_prefetched_bytes = 0;  // the prefetch depth: most bytes gathered ahead of use
-  std::uint64_t peak_activation_bytes = 0;  // the step's activation memory (zero::EngineStepStats)
-  std::uint64_t blocking_waits = 0;    // the runtime's counter, cumulative, process-wide
-  std::uint64_t swap_bytes = 0;        // optimizer offload: gradient shards out, parameter shards back
-  double prefetch_hit_rate = 1;
-  // Time the compute stream waited on communication, from device timestamps (config.timing).
-  std::optional<double> exposed_comm_ms;
-  std::vector<zero::TimelineSpan> timeline;  // config.record_timeline
-  std::uint64_t collective_launches = 0;
-  float grad_norm = 0;
-  float loss_scale = 1;
-  bool skipped = false;                // the optimizer skipped this step (inf/NaN gradients)
-  bool trace_changed = false;
+  std::uint64_t peak_memory_bytes = 0;  // the trainer's device allocator: most bytes in use at once so far
+  std::uint64_t blocking_waits = 0;     // the runtime's counter, cumulative, process-wide
   // The validation loss after this step (TrainerConfig::eval_every): absent on other steps.
   std::optional<double> val_loss;
 };
@@ -137,6 +128,22 @@ class TrainerBuilder {
   // the trainer. modules::MeanSquaredErrorLoss, or a Loss of your own.
   TrainerBuilder& loss(modules::Loss& loss) { loss_ = &loss; return *this; }
   TrainerBuilder& config(TrainerConfig c) { c_ = std::move(c); return *this; }
+  // Any setting of the table (settings.hpp) by name, in its own form: set("zero_stage", 2),
+  // set("max_live_bytes", "512MiB"), set("prefetch_bucket_bytes", "auto"), set("lr", 3e-4). A
+  // bad name or value is kept and returned by build(), naming it (the first one given).
+  TrainerBuilder& set(std::string_view name, std::string_view value);
+  TrainerBuilder& set(std::string_view name, const char* value) { return set(name, std::string_view(value)); }
+  template <class Value>
+    requires std::is_arithmetic_v<Value>
+  TrainerBuilder& set(std::string_view name, Value value) {
+    if constexpr (std::is_same_v<Value, bool>) {
+      return set(name, std::string_view(value ? "true" : "false"));
+    } else {
+      char text[64];
+      const auto end = std::to_chars(text, text + sizeof text, value).ptr;
+      return set(name, std::string_view(text, static_cast<std::size_t>(end - text)));
+    }
+  }
   TrainerBuilder& zero_stage(int v) { c_.zero_stage = v; return *this; }
   TrainerBuilder& fetch_mode(zero::FetchMode v) { c_.fetch_mode = v; return *this; }
   TrainerBuilder& prefetch_bucket_bytes(std::size_t v) { c_.prefetch_bucket_bytes = v; return *this; }
@@ -237,6 +244,7 @@ class TrainerBuilder {
   collectives::Communicator* comm_ = nullptr;
   modules::Loss* loss_ = nullptr;
   const TokenSource* validation_ = nullptr;
+  std::optional<Error> error_;  // the first bad set()
 };
 
 }  // namespace coshard::trainer

@@ -77,6 +77,24 @@ enum class OffloadTarget : std::uint8_t {
 using OptimizerOffload = OffloadTarget;
 std::string_view to_string(OffloadTarget t) noexcept;
 
+// Where one kind of state is offloaded, with what that place needs. It reads as its target
+// (compared, switched on, printed) and assigning a target keeps the rest.
+struct OffloadOptions {
+  OffloadTarget device = OffloadTarget::none;
+  // nvme: the folder of the swap files (each rank its own). The parameters' shards live in the
+  // optimizer's swap files: their own path, when given, must be the same folder.
+  std::filesystem::path nvme_path;
+  // nvme: pinned buffers streamed through (optimizer: >= 2, one in use, reads ahead, writes
+  // behind; parameters: reads ahead along the trace).
+  int buffer_count = 4;
+
+  OffloadOptions& operator=(OffloadTarget target) noexcept {
+    device = target;
+    return *this;
+  }
+  operator OffloadTarget() const noexcept { return device; }  // NOLINT(google-explicit-constructor)
+};
+
 struct EngineOptions {
   // 0: plain data parallelism (parameters, gradients and optimizer state whole on every rank,
   // each unit's gradient all-reduced as its backward ends); 1, 2, 3: ZeRO's stages.
@@ -108,22 +126,19 @@ struct EngineOptions {
   // create() gets host groups. bf16/f16 parameters: the host step writes them, cast down from the
   // fp32 masters (which stay in ordinary host memory: they never cross), into pinned memory, and
   // half the bytes go back to the device.
-  OptimizerOffload offload_optimizer = OptimizerOffload::none;
+  // nvme: the swapped state in offload_optimizer.nvme_path, streamed through buffer_count pinned
+  // buffers.
+  OffloadOptions offload_optimizer;
   // Pinned host memory the offload may use; 0: exactly what it needs. Too small: create() fails.
   std::size_t host_memory_budget = 0;
-  // nvme: the folder of the swapped optimizer state (each rank its own files) and the pinned
-  // buffers it streams through (>= 2: one in use, reads ahead, writes behind).
-  std::filesystem::path nvme_path;
-  int swap_buffer_count = 4;
   // Parameter offload (ZeRO-Infinity; stage 3, with the optimizer offloaded): this rank's
   // parameter shards leave the device. cpu: a shard is its fp32 master in pinned memory (bf16/f16,
   // or with the optimizer on nvme: a pinned copy in the compute dtype each step refreshes); nvme
   // (needs the optimizer on nvme): a shard is the master at the head of its unit's swap file,
   // rounded to bf16/f16 on the host as its read lands. A gather copies the shard into its place
   // in the gathered buffer and gathers in place; nvme reads run ahead along the trace, at most
-  // param_buffer_count at once (pinned buffers of the largest fp32 master, under the budget).
-  OffloadTarget offload_params = OffloadTarget::none;
-  int param_buffer_count = 4;
+  // offload_params.buffer_count at once (pinned buffers of the largest fp32 master, under the budget).
+  OffloadOptions offload_params;
   // With offload_optimizer=cpu or nvme at stages 2-3: each unit's shard is stepped on the CPU
   // stream as soon as its last gradient shard of the step is out, while backward goes on, instead
   // of after the whole backward. cpu: the updated shards go back to the device after backward.

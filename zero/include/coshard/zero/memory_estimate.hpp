@@ -6,7 +6,7 @@
 //
 //   auto estimate = estimate_engine_memory(model, world, options, optimizer.state_tensors());
 //   estimate->add(MemoryPlace::device, "activations", gpt_activation_bytes(gpt, rows, dtype));
-//   auto machine = machine_memory(device, options.nvme_path);
+//   auto machine = machine_memory(device, options.offload_optimizer.nvme_path);
 //   if (auto ok = check_fits(*estimate, ranks_in_this_process, *machine); !ok) ...
 #pragma once
 
