@@ -200,25 +200,28 @@ class CpuStream final : public StreamImpl {
         try {
           op.fn();
         } catch (...) {
-          error_ = std::make_shared<const Error>(
-              ErrorCode::device, ::coshard::detail::concat("CPU stream '", options().name, "': a launched closure threw: ",
-                                        describe_exception(std::current_exception())));
+          set_error([&] {
+            return std::make_shared<const Error>(
+                ErrorCode::device, ::coshard::detail::concat("CPU stream '", options().name, "': a launched closure threw: ",
+                                                             describe_exception(std::current_exception())));
+          });
         }
         op.fn = nullptr;  // free captures now, in stream order
         return;
       case Op::Kind::run_fallible: {
         if (error_) return;
-        Result<void> r = [&]() -> Result<void> {
-          try {
-            return op.fallible();
-          } catch (...) {
-            return fail(ErrorCode::device, "a launched closure threw: ", describe_exception(std::current_exception()));
-          }
-        }();
-        if (!r) {
-          error_ = std::make_shared<const Error>(
+        set_error([&]() -> std::shared_ptr<const Error> {
+          Result<void> r = [&]() -> Result<void> {
+            try {
+              return op.fallible();
+            } catch (...) {
+              return fail(ErrorCode::device, "a launched closure threw: ", describe_exception(std::current_exception()));
+            }
+          }();
+          if (r) return nullptr;
+          return std::make_shared<const Error>(
               std::move(r).error().with_context(::coshard::detail::concat("CPU stream '", options().name, "'")));
-        }
+        });
         op.fallible = nullptr;
         return;
       }
@@ -230,9 +233,11 @@ class CpuStream final : public StreamImpl {
         // The worker is the device: its waits are not host syncs and are not counted.
         Result<void> s = op.wait_on->wait_blocking();
         if (!s && !error_) {
-          error_ = std::make_shared<const Error>(
-              ErrorCode::device, ::coshard::detail::concat("CPU stream '", options().name,
-                                        "' waited on an event of a failed stream: ", s.error().message()));
+          set_error([&] {
+            return std::make_shared<const Error>(
+                ErrorCode::device, ::coshard::detail::concat("CPU stream '", options().name,
+                                                             "' waited on an event of a failed stream: ", s.error().message()));
+          });
         }
         op.wait_on.reset();
         return;
@@ -248,7 +253,20 @@ class CpuStream final : public StreamImpl {
     std::atomic<std::uint32_t> wake_seq{0};
     std::vector<Op> ops;
   } q_;
+  // The stream's sticky error, as `make` makes it; where that runs out of memory, the one made
+  // with the stream (a throw here would end the worker thread in std::terminate).
+  template <class Make>
+  void set_error(Make make) noexcept {
+    try {
+      error_ = make();
+    } catch (...) {
+      error_ = out_of_memory_;
+    }
+  }
+
   std::shared_ptr<const Error> error_;  // worker thread only
+  const std::shared_ptr<const Error> out_of_memory_ = std::make_shared<const Error>(
+      ErrorCode::out_of_memory, "CPU stream: out of host memory (and too little left to say more)");
   std::thread worker_;
 };
 

@@ -23,6 +23,7 @@
 #include <system_error>
 #include <fstream>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <thread>
 
@@ -292,6 +293,25 @@ std::string thread_failure_hint(const std::exception& e) {
          "fewer --blas-threads start fewer)";
 }
 
+// A rank that could not run, reported and its communicator aborted; where even that runs out of
+// memory (the message, the abort's own), the process says so in a fixed text and exits 1: a
+// named error, never std::terminate's abort, and no rank left waiting on this one.
+template <class Report>
+void report_rank_failure(int rank, const char* what, const std::exception& e, Report& report) noexcept {
+  try {
+    const bool memory = dynamic_cast<const std::bad_alloc*>(&e) != nullptr;
+    report(rank, std::string(what) + (memory ? "out of host memory (std::bad_alloc)" : e.what()) + thread_failure_hint(e));
+  } catch (...) {
+    char text[256];
+    const int n = std::snprintf(text, sizeof text,
+                                "coshard-train: rank %d: out of host memory (%s%s), with too little left to stop the other "
+                                "ranks in order; exiting\n",
+                                rank, what, e.what());
+    if (n > 0) (void)!::write(2, text, static_cast<std::size_t>(std::min<int>(n, sizeof text - 1)));
+    std::_Exit(1);
+  }
+}
+
 int run(const Options& o) {
   auto opened = train_app::open_run_data(o);
   if (!opened) {
@@ -387,11 +407,11 @@ int run(const Options& o) {
             auto done = rt.block_on(run_rank(o, *(*comms)[static_cast<std::size_t>(r)], *data, val.get(), shared, true));
             if (!done) rank_failed(r, done.error().message());
           } catch (const std::exception& e) {  // the runtime's own thread could not start, say
-            rank_failed(r, std::string("cannot run: ") + e.what() + thread_failure_hint(e));
+            report_rank_failure(r, "cannot run: ", e, rank_failed);
           }
         });
       } catch (const std::exception& e) {
-        rank_failed(r, std::string("cannot start its thread: ") + e.what() + thread_failure_hint(e));
+        report_rank_failure(r, "cannot start its thread: ", e, rank_failed);
       }
     }
     for (auto& t : threads) t.join();

@@ -4,6 +4,7 @@
 #include <span>
 
 #include "coshard/async/json_limits.hpp"
+#include "coshard/trainer/settings.hpp"
 
 namespace coshard::trainer::detail {
 
@@ -46,23 +47,13 @@ std::vector<std::pair<std::string, std::string>> agreement_fields(const TrainerC
     params += ";";
   });
   f.emplace_back("the model's parameters (names and shapes)", std::to_string(count) + " parameters, " + params);
-  f.emplace_back("zero_stage", std::to_string(c.zero_stage));
-  f.emplace_back("dtype", std::string(collectives::to_string(c.dtype)) + ", reduced in " +
-                              std::string(collectives::to_string(c.reduce_dtype)));
-  f.emplace_back("loss scaling", std::to_string(static_cast<int>(c.loss_scaling)) + " from " + text_of(c.initial_loss_scale));
-  f.emplace_back("activation_checkpointing", c.activation_checkpointing.to_string());
-  f.emplace_back("attention", c.attention == modules::AttentionKernels::fused ? "fused" : "materialized");
-  f.emplace_back("gradient_accumulation_steps", std::to_string(c.gradient_accumulation_steps));
-  f.emplace_back("max_grad_norm", text_of(c.max_grad_norm));
-  f.emplace_back("optimizer", std::string(to_string(c.optimizer)));
-  f.emplace_back("lr", text_of(c.lr));
-  f.emplace_back("warm-up", std::to_string(c.warmup_steps) + " steps from " + text_of(c.warmup_min_lr) +
-                                (c.warmup_shape == WarmupShape::log ? ", log" : ", linear"));
-  f.emplace_back("lr decay", std::string(to_string(c.decay)) + " to " + text_of(c.min_lr) + " at step " +
-                                 std::to_string(c.decay_steps));
-  f.emplace_back("betas and eps", text_of(c.beta1) + " " + text_of(c.beta2) + " " + text_of(c.eps));
-  f.emplace_back("weight_decay", c.weight_decay ? text_of(*c.weight_decay) : "the optimizer's");
-  f.emplace_back("momentum", text_of(c.momentum) + (c.nesterov ? " nesterov" : ""));
+  // Every setting of the table but the ones a rank may hold its own of (settings.hpp), by name.
+  for (const auto& s : settings())
+    if (!s.per_rank) f.emplace_back(std::string(s.name), s.value(c));
+  f.emplace_back("reduce_dtype", std::string(collectives::to_string(c.reduce_dtype)));
+  f.emplace_back("max_live_follows_model", c.max_live_follows_model ? "yes" : "no");
+  f.emplace_back("offload_optimizer", std::string(to_string(c.offload_optimizer.device)));
+  f.emplace_back("offload_params", std::string(to_string(c.offload_params.device)));
   std::string group_settings;
   for (const auto& g : groups)
     group_settings += g.name + " " + (g.weight_decay ? text_of(*g.weight_decay) : "-") + " " + text_of(g.lr_scale) +
@@ -72,23 +63,7 @@ std::vector<std::pair<std::string, std::string>> agreement_fields(const TrainerC
   std::string frozen;
   for (const auto& pattern : c.freeze) frozen += pattern + ";";
   f.emplace_back("freeze", frozen);
-  f.emplace_back("seed", std::to_string(c.seed));
   for (const auto& [key, value] : c.run_identity) f.emplace_back("the run's " + key, value);
-  f.emplace_back("max_skipped_steps", std::to_string(c.max_skipped_steps));
-  f.emplace_back("validation", "every " + std::to_string(c.eval_every) + " steps, " + std::to_string(c.eval_batches) +
-                                   " batches");
-  // What decides the sequence of collectives (a difference would mismatch or hang them).
-  f.emplace_back("fetch_mode", std::to_string(static_cast<int>(c.fetch_mode)));
-  f.emplace_back("prefetch", std::to_string(c.prefetch_bucket_bytes) + " bytes" + (c.adaptive_prefetch ? ", adaptive" : ""));
-  f.emplace_back("max_live_bytes", std::to_string(c.max_live_bytes) + (c.max_live_follows_model ? " (follows the model)" : ""));
-  f.emplace_back("max_reuse_distance", std::to_string(c.max_reuse_distance) + " units, " +
-                                           std::to_string(c.max_reuse_distance_elements) + " elements");
-  f.emplace_back("persistence_threshold_bytes", std::to_string(c.persistence_threshold_bytes));
-  f.emplace_back("module_granularity_bytes", std::to_string(c.module_granularity_bytes));
-  f.emplace_back("offload_optimizer", std::to_string(static_cast<int>(c.offload_optimizer.device)));
-  f.emplace_back("offload_params", std::to_string(static_cast<int>(c.offload_params.device)));
-  f.emplace_back("step_in_backward", c.step_in_backward ? "on" : "off");
-  f.emplace_back("timing", std::string(c.timing ? "on" : "off") + (c.record_timeline ? ", timeline" : ""));
   for (const auto& [key, value] : c.ranks_agree_on) f.emplace_back(key, value);
   return f;
 }

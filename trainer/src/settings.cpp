@@ -386,7 +386,7 @@ std::vector<Setting> make_table() {
       0, 1 << 30));
   t.push_back(integer<&T::keep_checkpoints>({.name = "keep_checkpoints", .flag = "--keep-checkpoints",
                                              .help = "keep the newest N checkpoints, remove older ones (0: keep all)",
-                                             .expected = "0 to 2^30 (0: keep all)"},
+                                             .expected = "0 to 2^30 (0: keep all)", .per_rank = true},
                                             0, 1 << 30));
   // Validation
   t.push_back(integer<&T::eval_every>(
@@ -424,17 +424,18 @@ std::vector<Setting> make_table() {
       return {};
     };
     s.check = no_check;  // (TrainerConfig::validate checks the placement)
+    s.per_rank = true;   // (the folder may differ by machine: rank agreement compares the device)
     t.push_back(s);
   }
   t.push_back(bytes<&T::host_memory_budget>({.name = "host_memory_budget", .flag = "--host-memory-budget",
                                              .help = "pinned host memory the offload may use (default: exactly what it needs)",
-                                             .expected = "a size"}));
+                                             .expected = "a size", .per_rank = true}));
   t.push_back(boolean<&T::step_in_backward>(
       {.name = "step_in_backward", .flag = "--step-in-backward",
        .help = "with --offload-optimizer cpu or nvme: step each unit on the CPU while backward goes on (needs --clip 0)"}));
   t.push_back(boolean<&T::check_memory>({.name = "check_memory", .flag = "--skip-memory-check",
                                          .help = "train even when the memory estimate says this machine cannot hold the run",
-                                         .switch_sets = false}));
+                                         .switch_sets = false, .per_rank = true}));
   return t;
 }
 

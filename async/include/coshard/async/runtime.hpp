@@ -204,8 +204,14 @@ RootPromise::RootTask run_root(Runtime& runtime, Task<T> task,
       result.emplace(Result<T>(co_await std::move(task)));
     }
   } catch (...) {
-    result.emplace(fail(ErrorCode::task_failed,
-                        "task ended with an exception: ", describe_exception(std::current_exception())));
+    try {
+      result.emplace(fail(ErrorCode::task_failed,
+                          "task ended with an exception: ", describe_exception(std::current_exception())));
+    } catch (...) {
+      // Not even the message fits (std::bad_alloc at an address-space limit): a text short
+      // enough to need no allocation (the string's own buffer), never std::terminate.
+      result.emplace(fail(Error(ErrorCode::out_of_memory, "out of memory")));
+    }
   }
   // The finished frame still holds the task's parameters (a coroutine's by-value arguments live
   // until its frame goes): destroy it before the result is published, or a block_on caller on

@@ -42,6 +42,9 @@ struct Setting {
   bool switch_sets = true;
   // DeepSpeed counts this size in elements of the compute dtype (stage3_prefetch_bucket_size)
   bool deepspeed_elements = false;
+  // Ranks may run with different values (a machine's own budget, a folder of its own); every
+  // other setting is compared across ranks when the trainer is built (a difference is named).
+  bool per_rank = false;
   std::span<const std::string_view> choices = {};  // choice: the values (empty: a form of its own)
   // integer, bytes, real: the range (an open end excludes its bound)
   long double min = 0, max = 0;
