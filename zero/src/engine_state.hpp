@@ -21,6 +21,7 @@
 #include "kernels.hpp"
 #include "optimizer_placement.hpp"
 #include "shard_placement.hpp"
+#include "gradient_reduction.hpp"
 
 namespace coshard::zero {
 namespace detail {
@@ -140,6 +141,8 @@ struct Engine::State {
   std::unique_ptr<OptimizerPlacement> optimizer_placement;
   // Where this rank's parameter shards live (device, pinned host memory, NVMe), chosen once.
   std::unique_ptr<ShardPlacement> shard_placement;
+  // How gradients are reduced over the ranks (by stage; chosen once in create).
+  std::unique_ptr<GradientReduction> reduction;
   // nvme: each unit's master and state, one sub-group file each, streamed by the swapper. The
   // rank's folder is claimed (locked against a second run) first and let go last.
   offload::SwapFolder swap_folder;
@@ -400,20 +403,7 @@ struct Engine::State {
   // Before the optimizer rewrites the swap files: every read finished, unused buffers back.
   async::Task<Result<void>> drain_reads();
 
-  // ---- gradients (gradients.cpp) ----
-
-  // u's gradient storage when the engine is made: at stage 1 the whole unit's (the shard a view
-  // of it in f32), and an fp32 shard the reductions add into.
-  Result<void> allocate_gradients(Unit& u);
-
-  Result<void> begin_backward(Unit& u);
-
-  // The reduced block `mine` (compute dtype) into an fp32 tensor, on the communication stream.
-  Result<void> shard_from(const Unit& u, const Tensor& mine, const Tensor& out);
-
-  // Stages 2-3: reduce-scatter (average) the unit's gradient into this rank's block, in place,
-  // then add it into the shard, all on the communication stream; the full buffer goes behind it.
-  Result<void> reduce_gradients(Unit& u);
+  // ---- gradients: the reduction (gradient_reduction.hpp, gradients.cpp) ----
 
   // ---- stepping during backward (step_in_backward.cpp) ----
 

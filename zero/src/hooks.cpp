@@ -79,12 +79,12 @@ async::Task<Result<void>> Engine::before_backward(Context&, Module& module) {
     for (const std::size_t i : *lent) {
       Unit& b = *s.units[i];
       if (s.stage3()) COSHARD_CO_TRY(co_await s.fetch(b));
-      COSHARD_CO_TRY(s.begin_backward(b));
+      COSHARD_CO_TRY(s.reduction->begin_backward(s, b));
     }
   Unit* u = s.unit_for(module);
   if (!u || &module != u->modules.back()) co_return Result<void>{};
   if (s.stage3()) COSHARD_CO_TRY(co_await s.fetch(*u));
-  COSHARD_CO_TRY(s.begin_backward(*u));
+  COSHARD_CO_TRY(s.reduction->begin_backward(s, *u));
   if (s.spans_on()) {
     COSHARD_CO_TRY_ASSIGN(u->compute_start, s.ctx->stream().record_timed());
   }
@@ -96,7 +96,7 @@ Result<void> Engine::after_backward(Context&, Module& module) {
   if (const auto* lent = s.borrowed_of(module))
     for (const std::size_t i : *lent) {
       Unit& b = *s.units[i];
-      COSHARD_TRY(s.reduce_gradients(b));
+      COSHARD_TRY(s.reduction->after_backward(s, b));
       if (s.stage3() && !s.keep_after_use(b)) COSHARD_TRY(s.release(b));
     }
   Unit* u = s.unit_for(module);
@@ -105,7 +105,7 @@ Result<void> Engine::after_backward(Context&, Module& module) {
     COSHARD_TRY_ASSIGN(auto end, s.ctx->stream().record_timed());
     s.span(true, "backward", u->info.name, std::move(u->compute_start), std::move(end), u->fetch_pos);
   }
-  COSHARD_TRY(s.reduce_gradients(*u));
+  COSHARD_TRY(s.reduction->after_backward(s, *u));
   if (!s.stage3() || s.keep_after_use(*u)) return {};
   return s.release(*u);
 }

@@ -55,7 +55,7 @@ async::Task<Result<void>> Engine::begin_step(int micro_batches, float lr) {
 
   // The communication stream goes after the last step's optimizer (it reads the shards).
   COSHARD_CO_TRY(State::order(compute, cs));
-  s.grads_out_in_backward = s.offloaded() && s.o.zero_stage >= 2 && micro_batches == 1;
+  s.grads_out_in_backward = s.offloaded() && s.reduction->complete_per_unit() && micro_batches == 1;
   s.stepping_in_backward = s.o.step_in_backward && s.grads_out_in_backward;
   s.step_lr = lr;
   if (s.stepping_in_backward) {
@@ -73,12 +73,8 @@ async::Task<Result<void>> Engine::begin_step(int micro_batches, float lr) {
     u->uses_pending = 0;
     u->backwards_this_step = 0;
     u->stepped_early = false;
-    if (s.o.zero_stage != 1 && u->grad_full) {  // left by an abandoned step
-      u->grad_full_block.reset();
-      u->grad_full = {};
-    }
+    COSHARD_CO_TRY(s.reduction->begin_step(s, *u));
     COSHARD_CO_TRY(s.optimizer->set_group_skipped(s.first_group + u->index, false));
-    if (s.o.zero_stage == 1 && !u->info.frozen) COSHARD_CO_TRY(compute.fill(u->grad_full.data(), 0, u->info.padded_bytes));
   }
   if (s.offloaded()) {
     // Backward is seeded with the loss scale the host optimizer holds (it may have changed at the

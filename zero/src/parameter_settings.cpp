@@ -35,12 +35,12 @@ Result<void> Engine::State::check_trainability() const {
 async::Task<Result<void>> Engine::State::skip_units_without_gradients() {
   std::vector<double> used(units.size());
   for (std::size_t i = 0; i < units.size(); ++i) used[i] = units[i]->grads_this_step > 0 ? 1.0 : 0.0;
-  // Stages 0, 2 and 3 reduce a unit only where it got a gradient (a unit reduced on one rank and
-  // not another is a collective mismatch), so the local count agrees across ranks. Stage 1 reduces
-  // every unit after backward and allows a rank-dependent branch: which units no rank used takes
+  // A reduction per unit reduces a unit only where it got a gradient (a unit reduced on one rank
+  // and not another is a collective mismatch), so the local count agrees across ranks. One that
+  // reduces every unit after backward (stage 1) allows a rank-dependent branch: which units no rank used takes
   // one all-reduce of a flag per unit, awaited (the only host wait it adds; the optimizer waits for
   // the reduction anyway), and only with more than one rank.
-  if (o.zero_stage == 1 && comm->size() > 1) {
+  if (reduction->reduces_every_unit() && comm->size() > 1) {
     COSHARD_CO_TRY_ASSIGN(used, co_await all_reduce_values(used, ReduceOp::sum, "which units got gradients"));
   }
   for (std::size_t i = 0; i < units.size(); ++i)

@@ -1,0 +1,54 @@
+// How the gradients are reduced over the ranks, chosen once when the engine is made (by stage):
+// one interface, three implementations, instead of `zero_stage` branches through the step.
+//
+// - all-reduced per unit (stage 0): each unit's whole gradient averaged over the ranks into its
+//   fp32 copy as soon as its backward is done (a unit is the bucket, overlapped with the backward
+//   of the units before it);
+// - reduce-scattered per unit (stages 2-3): the same, each rank keeping its block, added into its
+//   fp32 shard;
+// - coalesced after backward (stage 1): every unit's whole gradient kept through the step and
+//   reduce-scattered in one launch after the last micro-batch.
+//
+// Each owns the gradient storage it needs (the fp32 shard the optimizer reads, and any whole
+// buffer), made in `allocate` and kept ready for each step in `begin_step`.
+#pragma once
+
+#include <memory>
+
+#include "coshard/async/task.hpp"
+#include "coshard/zero/engine.hpp"
+
+namespace coshard::zero {
+
+namespace detail {
+struct Unit;
+}
+
+class GradientReduction {
+ public:
+  virtual ~GradientReduction() = default;
+  // u's gradient storage when the engine is made.
+  virtual Result<void> allocate(Engine::State& s, detail::Unit& u) = 0;
+  // A new step: storage kept across steps made ready (zeroed, or what an abandoned step left).
+  virtual Result<void> begin_step(Engine::State& s, detail::Unit& u) = 0;
+  // u's backward is about to run: the buffer its parameters' gradients go into, bound.
+  virtual Result<void> begin_backward(Engine::State& s, detail::Unit& u) = 0;
+  // u's backward is done (one use of it): reduced now, or counted for after backward.
+  virtual Result<void> after_backward(Engine::State& s, detail::Unit& u) = 0;
+  // After the last micro-batch, on the communication stream: what is left to reduce, into the
+  // fp32 shards (their scaling by the micro-batch count and the compute stream's wait follow).
+  virtual async::Task<Result<void>> finish(Engine::State& s) = 0;
+  // Whether a unit's shard is complete when its last backward of the step is done (so it may go
+  // to the host, or be stepped, during backward).
+  virtual bool complete_per_unit() const noexcept = 0;
+  // Whether a unit may go unreduced on one rank and reduced on another within a step (the
+  // reduction takes every unit after backward): then which units no rank used takes an
+  // all-reduce of flags.
+  virtual bool reduces_every_unit() const noexcept = 0;
+};
+
+std::unique_ptr<GradientReduction> make_all_reduce_per_unit();
+std::unique_ptr<GradientReduction> make_reduce_scatter_per_unit();
+std::unique_ptr<GradientReduction> make_coalesced_after_backward();
+
+}  // namespace coshard::zero
