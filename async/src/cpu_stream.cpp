@@ -157,8 +157,23 @@ class CpuStream final : public StreamImpl {
     {
       std::lock_guard lock(q_.lock);
       q_.ops.push_back(std::move(op));
+      ++q_.submitted;
     }
     poke();
+  }
+
+  Result<void> drain() noexcept override {
+    std::uint64_t target = 0;
+    {
+      std::lock_guard lock(q_.lock);
+      target = q_.submitted;
+    }
+    draining_.fetch_add(1, std::memory_order_seq_cst);
+    for (auto done = completed_.load(std::memory_order_acquire); done < target;
+         done = completed_.load(std::memory_order_acquire))
+      completed_.wait(done, std::memory_order_acquire);
+    draining_.fetch_sub(1, std::memory_order_relaxed);
+    return {};
   }
 
   void poke() {
@@ -181,7 +196,11 @@ class CpuStream final : public StreamImpl {
         park(seen);
         continue;
       }
-      for (Op& op : batch) execute(op);
+      for (Op& op : batch) {
+        execute(op);
+        completed_.fetch_add(1, std::memory_order_release);
+        if (draining_.load(std::memory_order_seq_cst) > 0) completed_.notify_all();
+      }
       batch.clear();
     }
   }
@@ -252,7 +271,10 @@ class CpuStream final : public StreamImpl {
     std::atomic<bool> sleeping{false};
     std::atomic<std::uint32_t> wake_seq{0};
     std::vector<Op> ops;
+    std::uint64_t submitted = 0;  // ops enqueued so far
   } q_;
+  std::atomic<std::uint64_t> completed_{0};  // ops the worker has run (drain waits on it)
+  std::atomic<int> draining_{0};             // drains waiting (the worker wakes them)
   // The stream's sticky error, as `make` makes it; where that runs out of memory, the one made
   // with the stream (a throw here would end the worker thread in std::terminate).
   template <class Make>

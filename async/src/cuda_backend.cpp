@@ -219,6 +219,12 @@ class CudaStream final : public StreamImpl {
       : StreamImpl(device, std::move(options)), stream_(stream) {}
   ~CudaStream() override { cudaStreamDestroy(stream_); }  // returns at once; work completes
 
+  Result<void> drain() noexcept override {
+    if (const cudaError_t e = cudaStreamSynchronize(stream_); e != cudaSuccess)
+      return fail(Error(ErrorCode::device, "cudaStreamSynchronize"));  // (short: no allocation)
+    return {};
+  }
+
   Result<void> launch(detail::UniqueFunction<void()> fn) override {
     auto heap = std::make_unique<detail::UniqueFunction<void()>>(std::move(fn));
     if (auto e = cudaLaunchHostFunc(stream_, run_host_function, heap.get()); e != cudaSuccess) {

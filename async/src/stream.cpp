@@ -56,9 +56,13 @@ Result<void> Stream::wait(const Event& event) { return impl_->wait(event); }
 
 Result<void> Stream::synchronize() {
   return detail::blocking_wait("Stream::synchronize", [&]() -> Result<void> {
-    auto e = impl_->record();
-    if (!e) return fail(std::move(e).error());
-    return e->fence()->wait_blocking();
+    try {
+      auto e = impl_->record();
+      if (!e) return fail(std::move(e).error());
+      return e->fence()->wait_blocking();
+    } catch (const std::bad_alloc&) {
+      return impl_->drain();  // no memory for an event (teardown at a limit): wait without one
+    }
   });
 }
 

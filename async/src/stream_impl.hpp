@@ -26,6 +26,10 @@ class StreamImpl {
   virtual Result<Event> record_timed() = 0;
   virtual Result<void> wait(const Event& event) = 0;
   virtual void* native_handle() const noexcept = 0;
+  // Waits until everything enqueued before it has run, without allocating: synchronize's way
+  // where an event cannot be made (out of memory at teardown). Not counted as a host sync here:
+  // synchronize counts it.
+  virtual Result<void> drain() noexcept = 0;
 
  private:
   Device device_;

@@ -13,6 +13,7 @@
 #include "coshard/async/runtime.hpp"
 #include "coshard/async/sync.hpp"
 #include "coshard/async/when_all.hpp"
+#include "stream_impl.hpp"  // (private: CpuStreamDrain)
 
 namespace coshard::async {
 namespace {
@@ -323,3 +324,20 @@ TEST(CpuStream, AFailedFallibleClosureKeepsItsErrorCodeOnLaterEvents) {
 
 }  // namespace
 }  // namespace coshard::async
+
+// synchronize's way without an event (out of memory at teardown): drain waits, allocating
+// nothing, for everything enqueued before it, a slow closure and a copy behind it included.
+TEST(CpuStreamDrain, WaitsForEverythingEnqueuedBefore) {
+  auto stream = coshard::async::detail::make_cpu_stream({.name = "drained"});
+  std::atomic<bool> ran{false};
+  int source = 7, target = 0;
+  ASSERT_TRUE(stream->launch([&ran] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    ran.store(true);
+  }));
+  ASSERT_TRUE(stream->copy(&target, &source, sizeof source));
+  ASSERT_TRUE(stream->drain());
+  EXPECT_TRUE(ran.load());
+  EXPECT_EQ(target, 7);
+  ASSERT_TRUE(stream->drain());  // nothing left: returns at once
+}
