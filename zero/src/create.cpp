@@ -174,9 +174,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     case OffloadTarget::cpu: s->shard_placement = make_shards_on_host(); break;
     case OffloadTarget::nvme: s->shard_placement = make_shards_on_nvme(); break;
   }
-  s->reduction = o.zero_stage == 0   ? make_all_reduce_per_unit()
-                 : o.zero_stage == 1 ? make_coalesced_after_backward()
-                                     : make_reduce_scatter_per_unit();
+  s->reduction = make_gradient_reduction(o.zero_stage);
   if (!s->optimizer_placement || !s->shard_placement)
     return fail(ErrorCode::invalid_argument, "offload_optimizer=", static_cast<int>(o.offload_optimizer.device),
                 ", offload_params=", static_cast<int>(o.offload_params.device), ": expected none, cpu or nvme for each");

@@ -17,6 +17,7 @@
 
 #include "coshard/async/task.hpp"
 #include "coshard/zero/engine.hpp"
+#include "coshard/zero/memory_estimate.hpp"
 
 namespace coshard::zero {
 
@@ -24,9 +25,18 @@ namespace detail {
 struct Unit;
 }
 
+// The trained units' sizes the gradients' memory follows (memory_estimate.cpp).
+struct GradientSizes {
+  std::size_t whole = 0;          // every trained unit's padded bytes, in the compute dtype
+  std::size_t largest_whole = 0;  // the largest trained unit's
+  std::size_t shards_f32 = 0;     // this rank's fp32 shards of them (whole units at stage 0)
+};
+
 class GradientReduction {
  public:
   virtual ~GradientReduction() = default;
+  // Its lines of the memory estimate: the gradient storage `allocate` makes and a step holds.
+  virtual void estimate(MemoryEstimate& m, const GradientSizes& g, DataType dtype) const = 0;
   // u's gradient storage when the engine is made.
   virtual Result<void> allocate(Engine::State& s, detail::Unit& u) = 0;
   // A new step: storage kept across steps made ready (zeroed, or what an abandoned step left).
@@ -50,5 +60,7 @@ class GradientReduction {
 std::unique_ptr<GradientReduction> make_all_reduce_per_unit();
 std::unique_ptr<GradientReduction> make_reduce_scatter_per_unit();
 std::unique_ptr<GradientReduction> make_coalesced_after_backward();
+// The one a stage uses (0: all-reduce per unit, 1: coalesced, 2-3: reduce-scatter per unit).
+std::unique_ptr<GradientReduction> make_gradient_reduction(int zero_stage);
 
 }  // namespace coshard::zero

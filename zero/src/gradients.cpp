@@ -107,7 +107,15 @@ class PerUnit : public GradientReduction {
   bool complete_per_unit() const noexcept override { return true; }
   bool reduces_every_unit() const noexcept override { return false; }
 
+  // A unit's whole gradient lives from its backward until its reduction is done (one being
+  // produced, one being reduced); the reduced shards are fp32.
+  void estimate(MemoryEstimate& m, const GradientSizes& g, DataType) const override {
+    m.add(MemoryPlace::device, "gradients in flight (two largest units)", std::min(g.whole, 2 * g.largest_whole));
+    m.add(MemoryPlace::device, shard_label(), g.shards_f32);
+  }
+
  protected:
+  virtual const char* shard_label() const noexcept = 0;
   // The collective over u's whole gradient that leaves this rank's block `mine` averaged.
   virtual Result<async::Event> reduce(Engine::State& s, Unit& u, const Tensor& mine) = 0;
   virtual const char* span_name() const noexcept = 0;
@@ -119,6 +127,7 @@ class AllReducePerUnit final : public PerUnit {
                               ReduceOp::avg, u.reduce_purpose);
   }
   const char* span_name() const noexcept override { return "all_reduce"; }
+  const char* shard_label() const noexcept override { return "gradients (f32, whole)"; }  // (every rank all of it)
 };
 
 class ReduceScatterPerUnit final : public PerUnit {
@@ -127,6 +136,7 @@ class ReduceScatterPerUnit final : public PerUnit {
                                   ReduceOp::avg, u.reduce_purpose);
   }
   const char* span_name() const noexcept override { return "reduce_scatter"; }
+  const char* shard_label() const noexcept override { return "gradient shards (f32)"; }
 };
 
 // Stage 1: each unit's whole gradient is kept (and bound) through the step; after the last
@@ -180,6 +190,12 @@ class CoalescedAfterBackward final : public GradientReduction {
 
   bool complete_per_unit() const noexcept override { return false; }
   bool reduces_every_unit() const noexcept override { return true; }
+
+  // Whole and persistent through the step; fp32 shards apart only in bf16/f16.
+  void estimate(MemoryEstimate& m, const GradientSizes& g, DataType dtype) const override {
+    m.add(MemoryPlace::device, "gradients (" + std::string(collectives::to_string(dtype)) + ", whole)", g.whole);
+    if (dtype != DataType::f32) m.add(MemoryPlace::device, "gradient shards (f32)", g.shards_f32);
+  }
 };
 
 }  // namespace
@@ -187,6 +203,12 @@ class CoalescedAfterBackward final : public GradientReduction {
 std::unique_ptr<GradientReduction> make_all_reduce_per_unit() { return std::make_unique<AllReducePerUnit>(); }
 std::unique_ptr<GradientReduction> make_reduce_scatter_per_unit() { return std::make_unique<ReduceScatterPerUnit>(); }
 std::unique_ptr<GradientReduction> make_coalesced_after_backward() { return std::make_unique<CoalescedAfterBackward>(); }
+
+std::unique_ptr<GradientReduction> make_gradient_reduction(int zero_stage) {
+  if (zero_stage == 0) return make_all_reduce_per_unit();
+  if (zero_stage == 1) return make_coalesced_after_backward();
+  return make_reduce_scatter_per_unit();
+}
 
 // After the last micro-batch: what is left reduced, the shards scaled by the micro-batch count,
 // and the compute stream waits for them.

@@ -1,5 +1,7 @@
 #include "coshard/zero/memory_estimate.hpp"
 
+#include "gradient_reduction.hpp"
+
 #include <algorithm>
 #include <cstdio>
 #include <system_error>
@@ -123,14 +125,8 @@ MemoryEstimate detail::estimate_for_units(std::span<const FetchUnitInfo> units, 
   if (!stage3) m.add(P::device, "parameters (" + dtype + ", whole)", whole);
   else if (!params_offloaded) m.add(P::device, "parameter shards (" + dtype + ")", shards);
   if (stage3) m.add(P::device, "gathered parameters (max_live_bytes)", std::min(whole, o.max_live_bytes));
-  // Gradients: whole and persistent at stage 1; at 2-3 a unit's whole gradient lives from its
-  // backward until its reduce-scatter is done (one being produced, one being reduced); the
-  // reduced shards are fp32.
-  if (o.zero_stage == 1) m.add(P::device, "gradients (" + dtype + ", whole)", trained_whole);
-  else m.add(P::device, "gradients in flight (two largest units)", std::min(trained_whole, 2 * largest_trained));
-  // (stage 0: the "shards" are whole units, every rank holds all of them)
-  if (!(o.zero_stage == 1 && !narrow))
-    m.add(P::device, o.zero_stage == 0 ? "gradients (f32, whole)" : "gradient shards (f32)", trained_f32);
+  // Gradients: the reduction's own lines (gradients.cpp), as the engine it would make holds them.
+  make_gradient_reduction(o.zero_stage)->estimate(m, {trained_whole, largest_trained, trained_f32}, o.dtype);
   // The optimizer: fp32 masters (apart from the parameters when bf16/f16) and its state.
   const std::string states = optimizer_states == 0 ? "" : " and " + std::to_string(optimizer_states) + " state tensor" +
                                                                (optimizer_states == 1 ? "" : "s");
