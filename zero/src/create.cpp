@@ -175,6 +175,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     case OffloadTarget::nvme: s->shard_placement = make_shards_on_nvme(); break;
   }
   s->reduction = make_gradient_reduction(o.zero_stage);
+  s->residence = make_parameter_residence(o.zero_stage);
   if (!s->optimizer_placement || !s->shard_placement)
     return fail(ErrorCode::invalid_argument, "offload_optimizer=", static_cast<int>(o.offload_optimizer.device),
                 ", offload_params=", static_cast<int>(o.offload_params.device), ": expected none, cpu or nvme for each");
@@ -247,7 +248,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     Unit& u = *up;
     COSHARD_TRY(s->shard_placement->allocate(*s, u));
     COSHARD_TRY(s->reduction->allocate(*s, u));
-    if (!s->stage3()) COSHARD_TRY(s->bind_values(u, u.full));
+    COSHARD_TRY(s->residence->bind_at_creation(*s, u));
     COSHARD_TRY(s->optimizer_placement->add_unit(*s, u));
   }
   auto& stream = ctx.stream();

@@ -22,6 +22,7 @@
 #include "optimizer_placement.hpp"
 #include "shard_placement.hpp"
 #include "gradient_reduction.hpp"
+#include "parameter_residence.hpp"
 
 namespace coshard::zero {
 namespace detail {
@@ -143,6 +144,8 @@ struct Engine::State {
   std::unique_ptr<ShardPlacement> shard_placement;
   // How gradients are reduced over the ranks (by stage; chosen once in create).
   std::unique_ptr<GradientReduction> reduction;
+  // Where whole parameters reside: unsharded, whole and gathered after steps, or gathered on use.
+  std::unique_ptr<ParameterResidence> residence;
   // nvme: each unit's master and state, one sub-group file each, streamed by the swapper. The
   // rank's folder is claimed (locked against a second run) first and let go last.
   offload::SwapFolder swap_folder;
@@ -338,7 +341,7 @@ struct Engine::State {
   // read of another module's parameter: Parameter::grad), else an error naming each.
   Result<void> check_no_gradient_missed() const;
   void clear_gradients_missed();
-  const Tensor& values_of(const Unit& u) const { return stage3() ? u.gathered : u.full; }
+  const Tensor& values_of(const Unit& u) const { return residence->values(u); }
 
   // ---- stage 3: gather and release (gather.cpp) ----
 

@@ -1,5 +1,6 @@
 // The module hooks: every module of the model calls them around its forward and backward; a
-// unit's first module fetches it, its last releases it (stage 3), and a backward reduces it.
+// unit's first module acquires it, its last gives it back (the residence: fetch and release at
+// stage 3), and a backward reduces it (the gradient reduction).
 // Misuse of the loop (a forward outside a step, too many micro-batches) is caught here.
 #include <algorithm>
 
@@ -36,7 +37,7 @@ async::Task<Result<void>> Engine::before_forward(Context& ctx, Module& module) {
         ++b.forward_uses;
         ++b.uses_pending;
       }
-      if (s.stage3()) COSHARD_CO_TRY(co_await s.fetch(b));
+      COSHARD_CO_TRY(co_await s.residence->acquire(s, b));
     }
   Unit* u = s.unit_for(module);
   if (!u || &module != u->modules.front()) co_return Result<void>{};
@@ -44,7 +45,7 @@ async::Task<Result<void>> Engine::before_forward(Context& ctx, Module& module) {
     ++u->forward_uses;
     ++u->uses_pending;
   }
-  if (s.stage3()) COSHARD_CO_TRY(co_await s.fetch(*u));
+  COSHARD_CO_TRY(co_await s.residence->acquire(s, *u));
   if (s.spans_on()) {
     COSHARD_CO_TRY_ASSIGN(u->compute_start, s.ctx->stream().record_timed());
   }
@@ -55,7 +56,7 @@ Result<void> Engine::after_forward(Context& ctx, Module& module) {
   State& s = *s_;
   if (const auto* lent = s.borrowed_of(module))
     for (const std::size_t i : *lent)
-      if (s.stage3() && !s.keep_after_use(*s.units[i])) COSHARD_TRY(s.release(*s.units[i]));
+      COSHARD_TRY(s.residence->after_use(s, *s.units[i]));
   Unit* u = s.unit_for(module);
   if (!u || &module != u->modules.back()) return {};
   if (s.spans_on()) {
@@ -63,8 +64,7 @@ Result<void> Engine::after_forward(Context& ctx, Module& module) {
     s.span(true, ctx.recomputing() ? "recompute" : "forward", u->info.name, std::move(u->compute_start),
            std::move(end), u->fetch_pos);
   }
-  if (!s.stage3() || s.keep_after_use(*u)) return {};
-  return s.release(*u);
+  return s.residence->after_use(s, *u);
 }
 
 async::Task<Result<void>> Engine::before_backward(Context&, Module& module) {
@@ -78,12 +78,12 @@ async::Task<Result<void>> Engine::before_backward(Context&, Module& module) {
   if (const auto* lent = s.borrowed_of(module))
     for (const std::size_t i : *lent) {
       Unit& b = *s.units[i];
-      if (s.stage3()) COSHARD_CO_TRY(co_await s.fetch(b));
+      COSHARD_CO_TRY(co_await s.residence->acquire(s, b));
       COSHARD_CO_TRY(s.reduction->begin_backward(s, b));
     }
   Unit* u = s.unit_for(module);
   if (!u || &module != u->modules.back()) co_return Result<void>{};
-  if (s.stage3()) COSHARD_CO_TRY(co_await s.fetch(*u));
+  COSHARD_CO_TRY(co_await s.residence->acquire(s, *u));
   COSHARD_CO_TRY(s.reduction->begin_backward(s, *u));
   if (s.spans_on()) {
     COSHARD_CO_TRY_ASSIGN(u->compute_start, s.ctx->stream().record_timed());
@@ -97,7 +97,7 @@ Result<void> Engine::after_backward(Context&, Module& module) {
     for (const std::size_t i : *lent) {
       Unit& b = *s.units[i];
       COSHARD_TRY(s.reduction->after_backward(s, b));
-      if (s.stage3() && !s.keep_after_use(b)) COSHARD_TRY(s.release(b));
+      COSHARD_TRY(s.residence->after_use(s, b));
     }
   Unit* u = s.unit_for(module);
   if (!u || &module != u->modules.front()) return {};
@@ -106,8 +106,7 @@ Result<void> Engine::after_backward(Context&, Module& module) {
     s.span(true, "backward", u->info.name, std::move(u->compute_start), std::move(end), u->fetch_pos);
   }
   COSHARD_TRY(s.reduction->after_backward(s, *u));
-  if (!s.stage3() || s.keep_after_use(*u)) return {};
-  return s.release(*u);
+  return s.residence->after_use(s, *u);
 }
 
 Error Engine::explain_failure(Module& module, Error error) {

@@ -37,8 +37,7 @@ void Engine::State::begin_pass(std::string_view name) {
 }
 
 Result<void> Engine::State::end_pass() {
-  if (stage3())
-    for (auto& u : units) COSHARD_TRY(release(*u));
+  COSHARD_TRY(residence->end_pass(*this));
   const auto it = traces.find(phase);
   if (it == traces.end() || it->second != recording) {
     if (it != traces.end()) stats.trace_changed = true;

@@ -21,15 +21,7 @@ async::Task<Result<void>> Engine::State::cast_on_host(DataType from, const void*
   co_return co_await cast;
 }
 
-async::Task<Result<void>> Engine::State::full_copies_from_shards() {
-  if (stage3() || stage0()) co_return Result<void>{};  // stage 0: the block is the full copy
-  auto& compute = ctx->stream();
-  auto& cs = comm->stream();
-  COSHARD_CO_TRY(order(compute, cs));
-  COSHARD_CO_TRY(gather_full_copies());
-  COSHARD_CO_TRY(order(cs, compute));
-  co_return Result<void>{};
-}
+async::Task<Result<void>> Engine::State::full_copies_from_shards() { co_return co_await residence->follow_shards(*this); }
 
 Result<void> Engine::State::gather_full_copies() {
   auto& cs = comm->stream();

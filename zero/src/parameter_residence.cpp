@@ -1,0 +1,72 @@
+// The three residences of parameter_residence.hpp.
+#include "parameter_residence.hpp"
+
+#include "engine_state.hpp"
+
+namespace coshard::zero {
+
+using namespace modules;
+using namespace detail;
+
+namespace {
+
+// Stages 0-2: the whole unit is on every rank for the engine's life; its modules stay bound to it.
+class Whole : public ParameterResidence {
+ public:
+  Result<void> bind_at_creation(Engine::State& s, Unit& u) override { return s.bind_values(u, u.full); }
+  async::Task<Result<void>> acquire(Engine::State&, Unit&) override { co_return Result<void>{}; }
+  Result<void> after_use(Engine::State&, Unit&) override { return {}; }
+  Result<void> end_pass(Engine::State&) override { return {}; }
+  const Tensor& values(const Unit& u) const override { return u.full; }
+};
+
+class WholeUnsharded final : public Whole {
+ public:
+  Result<void> after_step(Engine::State&) override { return {}; }  // stepped whole
+  async::Task<Result<void>> follow_shards(Engine::State&) override { co_return Result<void>{}; }  // the block is the copy
+};
+
+class WholeGatheredAfterStep final : public Whole {
+ public:
+  // Every rank gets the updated parameters, in one launch.
+  Result<void> after_step(Engine::State& s) override { return s.gather_full_copies(); }
+  async::Task<Result<void>> follow_shards(Engine::State& s) override {
+    auto& compute = s.ctx->stream();
+    auto& cs = s.comm->stream();
+    COSHARD_CO_TRY(Engine::State::order(compute, cs));
+    COSHARD_CO_TRY(s.gather_full_copies());
+    COSHARD_CO_TRY(Engine::State::order(cs, compute));
+    co_return Result<void>{};
+  }
+};
+
+class GatheredOnUse final : public ParameterResidence {
+ public:
+  Result<void> bind_at_creation(Engine::State&, Unit&) override { return {}; }  // bound when gathered
+  async::Task<Result<void>> acquire(Engine::State& s, Unit& u) override { co_return co_await s.fetch(u); }
+  Result<void> after_use(Engine::State& s, Unit& u) override {
+    if (s.keep_after_use(u)) return {};
+    return s.release(u);
+  }
+  Result<void> end_pass(Engine::State& s) override {
+    for (auto& u : s.units) COSHARD_TRY(s.release(*u));
+    return {};
+  }
+  Result<void> after_step(Engine::State&) override { return {}; }  // gathered at the next use
+  async::Task<Result<void>> follow_shards(Engine::State&) override { co_return Result<void>{}; }
+  const Tensor& values(const Unit& u) const override { return u.gathered; }
+};
+
+}  // namespace
+
+std::unique_ptr<ParameterResidence> make_whole_unsharded() { return std::make_unique<WholeUnsharded>(); }
+std::unique_ptr<ParameterResidence> make_whole_gathered_after_step() { return std::make_unique<WholeGatheredAfterStep>(); }
+std::unique_ptr<ParameterResidence> make_gathered_on_use() { return std::make_unique<GatheredOnUse>(); }
+
+std::unique_ptr<ParameterResidence> make_parameter_residence(int zero_stage) {
+  if (zero_stage == 0) return make_whole_unsharded();
+  if (zero_stage == 3) return make_gathered_on_use();
+  return make_whole_gathered_after_step();
+}
+
+}  // namespace coshard::zero

@@ -1,0 +1,48 @@
+// Where a unit's whole parameters reside, chosen once when the engine is made (by stage): one
+// interface, three implementations, instead of `stage3()` tests through the hooks and the loop.
+//
+// - whole and unsharded (stage 0): the unit's buffer is its shard; nothing to gather, ever;
+// - whole, gathered after each step (stages 1-2): every rank keeps the whole unit; the optimizer
+//   steps this rank's shard and the whole copies follow in one all-gather after the step;
+// - gathered on use (stage 3): only the shard stays; the unit is fetched before a module of it
+//   (or one lent it) runs and released after, unless kept (persistence, reuse distance).
+#pragma once
+
+#include <memory>
+
+#include "coshard/async/task.hpp"
+#include "coshard/zero/engine.hpp"
+
+namespace coshard::zero {
+
+namespace detail {
+struct Unit;
+}
+
+class ParameterResidence {
+ public:
+  virtual ~ParameterResidence() = default;
+  // When the engine is made, after u's shard has storage: the parameters bound where they live.
+  virtual Result<void> bind_at_creation(Engine::State& s, detail::Unit& u) = 0;
+  // Before a module of u (or one lent u) computes: u's whole parameters there.
+  virtual async::Task<Result<void>> acquire(Engine::State& s, detail::Unit& u) = 0;
+  // After such a use: given back, unless kept.
+  virtual Result<void> after_use(Engine::State& s, detail::Unit& u) = 0;
+  // The end of a pass: whatever is still gathered, given back.
+  virtual Result<void> end_pass(Engine::State& s) = 0;
+  // After the optimizer stepped the shards, on the communication stream: the whole copies follow.
+  virtual Result<void> after_step(Engine::State& s) = 0;
+  // Outside a step (initialisation, a load), once the shards were written: the whole copies
+  // follow, and the compute stream is ordered after them.
+  virtual async::Task<Result<void>> follow_shards(Engine::State& s) = 0;
+  // The buffer the unit's parameters are bound to while it computes.
+  virtual const modules::Tensor& values(const detail::Unit& u) const = 0;
+};
+
+std::unique_ptr<ParameterResidence> make_whole_unsharded();
+std::unique_ptr<ParameterResidence> make_whole_gathered_after_step();
+std::unique_ptr<ParameterResidence> make_gathered_on_use();
+// The one a stage uses (0: whole and unsharded, 1-2: whole, gathered after each step, 3: gathered on use).
+std::unique_ptr<ParameterResidence> make_parameter_residence(int zero_stage);
+
+}  // namespace coshard::zero
