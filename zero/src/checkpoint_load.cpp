@@ -220,7 +220,7 @@ async::Task<Result<void>> Engine::load_checkpoint(const fs::path& dir, const Che
   if (!rt) co_return fail(ErrorCode::invalid_argument, "load_checkpoint: must be awaited on a coshard Runtime");
   // Stage 0 loads the whole of every unit (its block starts at 0 on every rank). A stage-0
   // checkpoint's blocks are whole units (shard = numel), so its rank 0 file alone serves any run.
-  Loader loader{units(), shard_layout(), s.stage0() ? 0 : s.rank, s.o.dtype, std::string(s.optimizer->name()),
+  Loader loader{units(), shard_layout(), s.residence->sharded() ? s.rank : 0, s.o.dtype, std::string(s.optimizer->name()),
                 options.run};
   COSHARD_LOG_DEBUG(zero, "load_checkpoint {}: reading and checking this rank's part", dir.string());
   auto read = [&dir, &loader]() { return read_checkpoint(dir, loader); };

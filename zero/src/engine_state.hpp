@@ -296,12 +296,10 @@ struct Engine::State {
   // After the step's last event has passed: the waits' total and the timeline.
   void collect_timing();
 
-  bool stage3() const noexcept { return o.zero_stage == 3; }
-  bool stage0() const noexcept { return o.zero_stage == 0; }
-  // Where this rank's block of a unit starts: rank x shard when sharded; at stage 0 the block is
-  // the whole unit on every rank.
+  // Where this rank's block of a unit starts: rank x shard when sharded; unsharded (stage 0) the
+  // block is the whole unit on every rank.
   std::int64_t block_offset(const Unit& u) const noexcept {
-    return stage0() ? 0 : static_cast<std::int64_t>(rank) * u.info.shard;
+    return residence->sharded() ? static_cast<std::int64_t>(rank) * u.info.shard : 0;
   }
   const std::vector<std::size_t>* borrowed_of(const Module& m) const {
     if (borrowed_units.empty()) return nullptr;

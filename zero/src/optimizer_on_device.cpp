@@ -22,8 +22,8 @@ class OptimizerOnDevice final : public OptimizerPlacement {
     COSHARD_CO_TRY(s.optimizer->compute_grad_stats(*s.ctx));
     COSHARD_CO_TRY(Engine::State::order(compute, s.comm->stream()));
     const Tensor grad_stats = s.optimizer->grad_stats();
-    // Sharded: each rank's part of the norm, summed. Stage 0: every rank holds the whole gradient.
-    if (!s.stage0())
+    // Sharded: each rank's part of the norm, summed. Unsharded: every rank holds the whole gradient.
+    if (s.residence->sharded())
       COSHARD_CO_TRY(s.comm->all_reduce(grad_stats.data(), grad_stats.data(), 2, DataType::f32, ReduceOp::sum,
                                           "the gradients' norm"));
     COSHARD_CO_TRY(s.compute_waits_for_comm(kGradStats));

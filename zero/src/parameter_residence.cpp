@@ -18,12 +18,22 @@ class Whole : public ParameterResidence {
   Result<void> after_use(Engine::State&, Unit&) override { return {}; }
   Result<void> end_pass(Engine::State&) override { return {}; }
   const Tensor& values(const Unit& u) const override { return u.full; }
+  Result<void> allocate_on_device(Engine::State& s, Unit& u) override {
+    auto& stream = s.ctx->stream();
+    COSHARD_TRY_ASSIGN(u.full_block, s.ctx->allocator().allocate(u.info.padded_bytes, stream));
+    u.full = Tensor(u.full_block.data(), Shape{u.info.padded}, s.o.dtype, s.ctx->device());
+    COSHARD_TRY(stream.fill(u.full.data(), 0, u.info.padded_bytes));
+    u.shard = u.full.slice(s.block_offset(u), Shape{u.info.shard});  // unsharded: the whole unit
+    return {};
+  }
+  bool holds_whole() const noexcept override { return true; }
 };
 
 class WholeUnsharded final : public Whole {
  public:
   Result<void> after_step(Engine::State&) override { return {}; }  // stepped whole
   async::Task<Result<void>> follow_shards(Engine::State&) override { co_return Result<void>{}; }  // the block is the copy
+  bool sharded() const noexcept override { return false; }
 };
 
 class WholeGatheredAfterStep final : public Whole {
@@ -38,6 +48,7 @@ class WholeGatheredAfterStep final : public Whole {
     COSHARD_CO_TRY(Engine::State::order(cs, compute));
     co_return Result<void>{};
   }
+  bool sharded() const noexcept override { return true; }
 };
 
 class GatheredOnUse final : public ParameterResidence {
@@ -55,6 +66,14 @@ class GatheredOnUse final : public ParameterResidence {
   Result<void> after_step(Engine::State&) override { return {}; }  // gathered at the next use
   async::Task<Result<void>> follow_shards(Engine::State&) override { co_return Result<void>{}; }
   const Tensor& values(const Unit& u) const override { return u.gathered; }
+  Result<void> allocate_on_device(Engine::State& s, Unit& u) override {
+    const auto bytes = static_cast<std::size_t>(u.info.shard) * s.element_size;
+    COSHARD_TRY_ASSIGN(u.shard_block, s.ctx->allocator().allocate(bytes, s.ctx->stream()));
+    u.shard = Tensor(u.shard_block.data(), Shape{u.info.shard}, s.o.dtype, s.ctx->device());
+    return {};
+  }
+  bool holds_whole() const noexcept override { return false; }
+  bool sharded() const noexcept override { return true; }
 };
 
 }  // namespace

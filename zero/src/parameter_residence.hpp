@@ -37,6 +37,14 @@ class ParameterResidence {
   virtual async::Task<Result<void>> follow_shards(Engine::State& s) = 0;
   // The buffer the unit's parameters are bound to while it computes.
   virtual const modules::Tensor& values(const detail::Unit& u) const = 0;
+  // u's parameters on the device when the engine is made: its shard alone (gathered on use), or
+  // the whole unit with the shard a view of this rank's block.
+  virtual Result<void> allocate_on_device(Engine::State& s, detail::Unit& u) = 0;
+  // Whether every rank holds the whole unit between uses (initial values and an export are then
+  // written and read there, not through the shard).
+  virtual bool holds_whole() const noexcept = 0;
+  // Whether each rank's block is its own (else every rank's block is the whole unit, at 0).
+  virtual bool sharded() const noexcept = 0;
 };
 
 std::unique_ptr<ParameterResidence> make_whole_unsharded();

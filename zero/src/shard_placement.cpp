@@ -25,18 +25,7 @@ class ShardsInMemory final : public ShardPlacement {
       u.shard = Tensor(u.host_param_block.data(), shard_shape, s.o.dtype, async::Device::cpu());
       return {};
     }
-    auto& stream = s.ctx->stream();
-    auto& alloc = s.ctx->allocator();
-    if (s.stage3()) {
-      COSHARD_TRY_ASSIGN(u.shard_block, alloc.allocate(shard_bytes, stream));
-      u.shard = Tensor(u.shard_block.data(), shard_shape, s.o.dtype, s.ctx->device());
-      return {};
-    }
-    COSHARD_TRY_ASSIGN(u.full_block, alloc.allocate(u.info.padded_bytes, stream));
-    u.full = Tensor(u.full_block.data(), Shape{u.info.padded}, s.o.dtype, s.ctx->device());
-    COSHARD_TRY(stream.fill(u.full.data(), 0, u.info.padded_bytes));
-    u.shard = u.full.slice(s.block_offset(u), shard_shape);  // stage 0: the whole unit
-    return {};
+    return s.residence->allocate_on_device(s, u);
   }
   Result<const void*> source(const Unit& u) const override { return static_cast<const void*>(u.shard.data()); }
   bool on_device() const noexcept override { return device_; }

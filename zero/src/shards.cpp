@@ -63,7 +63,7 @@ async::Task<Result<std::vector<GatheredParameter>>> Engine::gather_parameters() 
   for (auto& up : s.units) {
     Unit& u = *up;
     Tensor whole = u.full;
-    if (s.stage3()) {
+    if (!s.residence->holds_whole()) {
       // One unit at a time: a consolidated export must not need the whole model on one rank's device.
       COSHARD_CO_TRY_ASSIGN(whole, ctx.empty(Shape{u.info.padded}, s.o.dtype));
       COSHARD_CO_TRY(co_await s.shard_placement->make_ready(s, u));
@@ -143,14 +143,15 @@ async::Task<Result<void>> Engine::initialize(std::uint64_t seed) {
                                                    static_cast<std::size_t>(p.parameter->numel()));
       initial_values(p.parameter->init(), s.names.at(p.parameter), seed, part);
     }
-    // Stages 1-2 hold the whole unit; stage 3 only this rank's block.
-    const auto first = s.stage3() ? static_cast<std::size_t>(s.rank * u.info.shard) : 0;
-    const auto count = static_cast<std::size_t>(s.stage3() ? u.info.shard : u.info.padded);
+    // The whole unit where every rank holds it; else only this rank's block, through the shard.
+    const bool whole = s.residence->holds_whole();
+    const auto first = whole ? 0 : static_cast<std::size_t>(s.rank * u.info.shard);
+    const auto count = static_cast<std::size_t>(whole ? u.info.padded : u.info.shard);
     auto bytes = encode_values(std::span<const double>(values).subspan(first, count), s.o.dtype);
-    if (s.stage3()) {
-      COSHARD_CO_TRY(s.shard_placement->write(s, u, bytes));
-    } else {
+    if (whole) {
       COSHARD_CO_TRY(s.ctx->copy_from_host(u.full, bytes));
+    } else {
+      COSHARD_CO_TRY(s.shard_placement->write(s, u, bytes));
     }
   }
   // The optimizer's fp32 masters (bf16/f16, or offloaded) follow the new parameters.
