@@ -1,6 +1,7 @@
 #include "coshard/zero/memory_estimate.hpp"
 
 #include "gradient_reduction.hpp"
+#include "parameter_residence.hpp"
 
 #include <algorithm>
 #include <cstdio>
@@ -111,21 +112,16 @@ MemoryEstimate detail::estimate_for_units(std::span<const FetchUnitInfo> units, 
     trained_f32 += static_cast<std::size_t>(u.shard) * sizeof(float);
     largest_trained = std::max(largest_trained, u.padded_bytes);
   }
-  const bool stage3 = o.zero_stage == 3;
   const bool narrow = o.dtype != DataType::f32;
   const bool offloaded = o.offload_optimizer != OffloadTarget::none;
   const bool swapped = o.offload_optimizer == OffloadTarget::nvme;
-  const bool params_offloaded = o.offload_params != OffloadTarget::none;
   const std::string dtype(collectives::to_string(o.dtype));
 
   MemoryEstimate m;
   using P = MemoryPlace;
-  // Parameters: whole at stages 1-2, this rank's shards at 3 (unless offloaded), and at stage 3
-  // the gathered units, never more than max_live_bytes.
-  if (!stage3) m.add(P::device, "parameters (" + dtype + ", whole)", whole);
-  else if (!params_offloaded) m.add(P::device, "parameter shards (" + dtype + ")", shards);
-  if (stage3) m.add(P::device, "gathered parameters (max_live_bytes)", std::min(whole, o.max_live_bytes));
-  // Gradients: the reduction's own lines (gradients.cpp), as the engine it would make holds them.
+  // Parameters and gradients: the residence's and the reduction's own lines, as the engine they
+  // would make holds them.
+  make_parameter_residence(o.zero_stage)->estimate(m, {whole, shards}, o);
   make_gradient_reduction(o.zero_stage)->estimate(m, {trained_whole, largest_trained, trained_f32}, o.dtype);
   // The optimizer: fp32 masters (apart from the parameters when bf16/f16) and its state.
   const std::string states = optimizer_states == 0 ? "" : " and " + std::to_string(optimizer_states) + " state tensor" +

@@ -1,6 +1,8 @@
 // The three residences of parameter_residence.hpp.
 #include "parameter_residence.hpp"
 
+#include <algorithm>
+
 #include "engine_state.hpp"
 
 namespace coshard::zero {
@@ -13,6 +15,9 @@ namespace {
 // Stages 0-2: the whole unit is on every rank for the engine's life; its modules stay bound to it.
 class Whole : public ParameterResidence {
  public:
+  void estimate(MemoryEstimate& m, const ParameterSizes& p, const EngineOptions& o) const override {
+    m.add(MemoryPlace::device, "parameters (" + std::string(collectives::to_string(o.dtype)) + ", whole)", p.whole);
+  }
   Result<void> bind_at_creation(Engine::State& s, Unit& u) override { return s.bind_values(u, u.full); }
   async::Task<Result<void>> acquire(Engine::State&, Unit&) override { co_return Result<void>{}; }
   Result<void> after_use(Engine::State&, Unit&) override { return {}; }
@@ -53,6 +58,12 @@ class WholeGatheredAfterStep final : public Whole {
 
 class GatheredOnUse final : public ParameterResidence {
  public:
+  // This rank's shards (unless offloaded), and the gathered units, never more than max_live_bytes.
+  void estimate(MemoryEstimate& m, const ParameterSizes& p, const EngineOptions& o) const override {
+    if (o.offload_params == OffloadTarget::none)
+      m.add(MemoryPlace::device, "parameter shards (" + std::string(collectives::to_string(o.dtype)) + ")", p.shards);
+    m.add(MemoryPlace::device, "gathered parameters (max_live_bytes)", std::min(p.whole, o.max_live_bytes));
+  }
   Result<void> bind_at_creation(Engine::State&, Unit&) override { return {}; }  // bound when gathered
   async::Task<Result<void>> acquire(Engine::State& s, Unit& u) override { co_return co_await s.fetch(u); }
   Result<void> after_use(Engine::State& s, Unit& u) override {

@@ -12,6 +12,7 @@
 
 #include "coshard/async/task.hpp"
 #include "coshard/zero/engine.hpp"
+#include "coshard/zero/memory_estimate.hpp"
 
 namespace coshard::zero {
 
@@ -19,9 +20,18 @@ namespace detail {
 struct Unit;
 }
 
+// The units' sizes the parameters' memory follows (memory_estimate.cpp), in the compute dtype.
+struct ParameterSizes {
+  std::size_t whole = 0;   // every unit's padded bytes
+  std::size_t shards = 0;  // this rank's shards of them
+};
+
 class ParameterResidence {
  public:
   virtual ~ParameterResidence() = default;
+  // Its lines of the memory estimate for the options `o` (the shards' own line only where they
+  // stay on the device).
+  virtual void estimate(MemoryEstimate& m, const ParameterSizes& p, const EngineOptions& o) const = 0;
   // When the engine is made, after u's shard has storage: the parameters bound where they live.
   virtual Result<void> bind_at_creation(Engine::State& s, detail::Unit& u) = 0;
   // Before a module of u (or one lent u) computes: u's whole parameters there.
