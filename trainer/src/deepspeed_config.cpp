@@ -140,18 +140,6 @@ struct Reader {
   }
 };
 
-// The table's entry for DeepSpeed's key `path` (dotted), or for coshard's own name when `own`.
-const Setting* deepspeed_setting(std::string_view path) {
-  for (const auto& s : settings())
-    if (s.deepspeed == path) return &s;
-  return nullptr;
-}
-const Setting* own_setting(std::string_view name) {
-  for (const auto& s : settings())
-    if (s.name == name) return &s;
-  return nullptr;
-}
-
 void read_offload(Reader& r, const json& section, const std::string& prefix, OffloadOptions& out) {
   if (!r.object(section, prefix)) return;
   for (const auto& [key, v] : section.items()) {
@@ -367,8 +355,8 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
       if (key == "zero_optimization" || key == "fp16" || key == "bf16") continue;
       // DeepSpeed's sections are objects; coshard's settings of the same name ("optimizer":
       // "sgd", "activation_checkpointing": "full") are not.
-      const Setting* own = v.is_object() ? nullptr : own_setting(key);
-      if (const Setting* setting = own ? own : deepspeed_setting(key)) {
+      const Setting* own = v.is_object() ? nullptr : setting_named(key);
+      if (const Setting* setting = own ? own : setting_for_deepspeed(key)) {
         r.setting(*setting, v, key, c, element, !own && setting->deepspeed_elements);
       } else if (key == "optimizer") {
         if (!r.object(v, key)) continue;
@@ -385,7 +373,7 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
             if (!r.object(ov, name)) continue;
             for (const auto& [pkey, pv] : ov.items()) {
               const std::string pname = name + "." + pkey;
-              if (const Setting* setting = deepspeed_setting(pname)) {
+              if (const Setting* setting = setting_for_deepspeed(pname)) {
                 r.setting(*setting, pv, pname, c, element, false);
               } else if (pkey == "betas") {
                 if (!pv.is_array() || pv.size() != 2) {
@@ -415,7 +403,7 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
       } else if (key == "steps_per_print" || key == "wall_clock_breakdown" || key == "prescale_gradients" ||
                  key == "gradient_predivide_factor") {
         r.notes.push_back(key + ": accepted, no effect in coshard");
-      } else if (const Setting* setting = own_setting(key)) {
+      } else if (const Setting* setting = setting_named(key)) {
         r.setting(*setting, v, key, c, element, false);  // coshard's own name for a setting
       } else {
         r.unknown.push_back(key);
@@ -429,7 +417,7 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
     const std::string z = whole ? "zero_optimization." : "";
     for (const auto& [key, v] : zero.items()) {
       const std::string name = z + key;
-      if (const Setting* setting = deepspeed_setting("zero_optimization." + key)) {
+      if (const Setting* setting = setting_for_deepspeed("zero_optimization." + key)) {
         r.setting(*setting, v, name, c, element, setting->deepspeed_elements);
       } else if (key == "stage3_use_all_reduce_for_fetch_params") {
         if (auto b = r.boolean(v, name)) c.fetch_mode = *b ? zero::FetchMode::all_reduce : zero::FetchMode::all_gather;

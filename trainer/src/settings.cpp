@@ -471,6 +471,18 @@ std::span<const Setting> settings() noexcept {
   return table;
 }
 
+const Setting* setting_named(std::string_view name) noexcept {
+  for (const auto& s : settings())
+    if (s.name == name) return &s;
+  return nullptr;
+}
+
+const Setting* setting_for_deepspeed(std::string_view key) noexcept {
+  for (const auto& s : settings())
+    if (!s.deepspeed.empty() && s.deepspeed == key) return &s;
+  return nullptr;
+}
+
 const Setting* find_setting(std::string_view key) noexcept {
   for (const auto& s : settings())
     if (s.name == key || (!s.flag.empty() && s.flag == key) || (!s.deepspeed.empty() && s.deepspeed == key)) return &s;

@@ -230,9 +230,7 @@ async::Task<Result<void>> Trainer::load_safetensors(const std::filesystem::path&
 
 TrainerBuilder& TrainerBuilder::set(std::string_view name, std::string_view value) {
   if (error_) return *this;  // the first one is the one named
-  const Setting* setting = nullptr;
-  for (const auto& s : settings())
-    if (s.name == name) setting = &s;
+  const Setting* setting = setting_named(name);
   if (!setting) {
     std::string names;
     for (const auto& s : settings()) names += (names.empty() ? "" : ", ") + std::string(s.name);

@@ -79,5 +79,8 @@ std::span<const Setting> settings() noexcept;
 // By name ("max_live_bytes"), flag ("--max-live") or DeepSpeed key ("zero_optimization.stage");
 // null when none.
 const Setting* find_setting(std::string_view key) noexcept;
+// By its name only, or by its DeepSpeed key only (dotted); null when none.
+const Setting* setting_named(std::string_view name) noexcept;
+const Setting* setting_for_deepspeed(std::string_view key) noexcept;
 
 }  // namespace coshard::trainer
