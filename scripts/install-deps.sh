@@ -9,6 +9,7 @@ packages=(
   libasio-dev liburing-dev nlohmann-json3-dev libopenblas-dev libcli11-dev zlib1g-dev
   libspdlog-dev libfmt-dev libprotobuf-dev protobuf-compiler
   libopenmpi-dev openmpi-bin
+  iproute2 util-linux  # the simulated cluster of the tests (scripts/netns_cluster.sh: ip, tc, unshare)
   libgtest-dev libgmock-dev libbenchmark-dev
   clang-19 libclang-rt-19-dev
   python3

@@ -131,8 +131,7 @@ class LocalGroup {
   const LocalOptions& options() const noexcept { return options_; }
   Result<void> status() { return rendezvous_.status(); }
   void abort(int rank, const std::string& reason) {
-    rendezvous_.break_with(ErrorCode::closed, "rank " + std::to_string(rank) + " of Local group of " +
-                                                  std::to_string(size_) + " failed: " + reason);
+    break_with_children("rank " + std::to_string(rank) + " of Local group of " + std::to_string(size_) + " failed: " + reason);
   }
 
   using Ops = std::shared_ptr<const std::vector<CollectiveOp>>;
@@ -207,6 +206,19 @@ class LocalGroup {
     return stream.record();
   }
 
+  // A failed rank breaks the groups split from this one too: a peer waiting in a sub-group's
+  // collective (a shard group's gather) learns at once, not at the timeout.
+  void break_with_children(const std::string& why) {
+    rendezvous_.break_with(ErrorCode::closed, why);
+    std::vector<std::shared_ptr<LocalGroup>> children;
+    {
+      std::lock_guard lock(split_mutex_);
+      for (const auto& c : children_)
+        if (auto child = c.lock()) children.push_back(std::move(child));
+    }
+    for (const auto& child : children) child->break_with_children(why);
+  }
+
   // Host-side collective: ranks of one color form a new group. Returns (group, new rank), or
   // (null, -1) for a negative color.
   Result<std::pair<std::shared_ptr<LocalGroup>, int>> split(int rank, int color, int key) {
@@ -225,6 +237,8 @@ class LocalGroup {
       for (auto& [c, ranks] : members) {
         std::sort(ranks.begin(), ranks.end());
         auto group = std::make_shared<LocalGroup>(static_cast<int>(ranks.size()), options_);
+        std::erase_if(children_, [](const std::weak_ptr<LocalGroup>& c) { return c.expired(); });
+        children_.push_back(group);
         for (std::size_t i = 0; i < ranks.size(); ++i) {
           split_results_[static_cast<std::size_t>(ranks[i].second)] = {group, static_cast<int>(i)};
         }
@@ -361,6 +375,7 @@ class LocalGroup {
   std::vector<std::pair<int, int>> split_posts_;
   std::vector<bool> split_present_;
   std::vector<std::pair<std::shared_ptr<LocalGroup>, int>> split_results_;
+  std::vector<std::weak_ptr<LocalGroup>> children_;  // split from this one (under split_mutex_)
 };
 
 class LocalCommunicator final : public Communicator {

@@ -33,6 +33,15 @@ class MpiCommunicator final : public Communicator {
 
   void abort(const std::string& reason) override {
     if (channel_->abort(reason)) recorder_->dump_on_failure(rank(), size(), "mpi", "this rank failed: " + reason);
+    // The communicators split from this one too: a peer waiting in a sub-group's collective (a
+    // shard group's gather) hears of it on that group's channel, at once.
+    std::vector<std::shared_ptr<detail::MpiChannel>> children;
+    {
+      std::lock_guard lock(children_mutex_);
+      for (const auto& c : children_)
+        if (auto child = c.lock()) children.push_back(std::move(child));
+    }
+    for (const auto& child : children) child->abort(reason);
   }
 
   Result<async::Event> launch(const Coalesced& group) override {
@@ -82,6 +91,8 @@ class MpiCommunicator final : public Communicator {
   std::uint64_t next_seq_ = 0;
   std::atomic<std::uint64_t> launches_{0};
   std::shared_ptr<FlightRecorder> recorder_ = std::make_shared<FlightRecorder>(stream_.name());
+  std::mutex children_mutex_;
+  std::vector<std::weak_ptr<detail::MpiChannel>> children_;  // of the communicators split from this one
 };
 
 Result<std::unique_ptr<Communicator>> MpiCommunicator::split(int color, int key) {
@@ -97,7 +108,11 @@ Result<std::unique_ptr<Communicator>> MpiCommunicator::split(int color, int key)
     return {};
   }));
   if (child == MPI_COMM_NULL) return std::unique_ptr<Communicator>();
-  return wrap(std::move(*process), child, channel_->options());
+  COSHARD_TRY_ASSIGN(auto made, wrap(std::move(*process), child, channel_->options()));
+  std::lock_guard lock(children_mutex_);
+  std::erase_if(children_, [](const std::weak_ptr<detail::MpiChannel>& c) { return c.expired(); });
+  children_.push_back(static_cast<MpiCommunicator&>(*made).channel());
+  return made;
 }
 
 }  // namespace

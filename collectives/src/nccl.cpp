@@ -52,6 +52,15 @@ ncclRedOp_t nccl_op(ReduceOp op) {
   return ncclSum;
 }
 
+class NcclCommunicator;
+// How a communicator split from another is reached by its parent's abort while it lives (the
+// engine owns it; the parent may outlive it, or not).
+struct AbortTarget {
+  explicit AbortTarget(NcclCommunicator* c) : comm(c) {}
+  std::mutex mutex;
+  NcclCommunicator* comm;  // null once it is gone
+};
+
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(ncclComm_t comm, int rank, int size, async::Device device, async::Stream stream, void* barrier_word,
@@ -67,6 +76,10 @@ class NcclCommunicator final : public Communicator {
   }
 
   ~NcclCommunicator() override {
+    {
+      std::lock_guard lock(self_->mutex);
+      self_->comm = nullptr;
+    }
     {
       std::lock_guard lock(mutex_);
       stop_ = true;
@@ -103,6 +116,18 @@ class NcclCommunicator final : public Communicator {
     }
     (void)ncclCommAbort(comm_);  // its kernels exit; the peers' watchdogs find this rank gone
     recorder_.dump_on_failure(rank_, size_, "nccl", "this rank failed: " + reason);
+    // The communicators split from this one too (a shard group's): their peers' watchdogs then
+    // find this rank gone there as well, instead of a collective left waiting in a sub-group.
+    std::vector<std::shared_ptr<AbortTarget>> children;
+    {
+      std::lock_guard lock(mutex_);
+      for (const auto& c : children_)
+        if (auto child = c.lock()) children.push_back(std::move(child));
+    }
+    for (const auto& child : children) {
+      std::lock_guard lock(child->mutex);
+      if (child->comm) child->comm->abort(reason);
+    }
   }
 
   Result<async::Event> launch(const Coalesced& group) override {
@@ -142,7 +167,11 @@ class NcclCommunicator final : public Communicator {
       return {};
     }));
     if (child == nullptr) return std::unique_ptr<Communicator>();
-    return wrap(child, device_, options_);
+    COSHARD_TRY_ASSIGN(auto made, wrap(child, device_, options_));
+    std::lock_guard lock(mutex_);
+    std::erase_if(children_, [](const std::weak_ptr<AbortTarget>& c) { return c.expired(); });
+    children_.push_back(static_cast<NcclCommunicator&>(*made).self_);
+    return made;
   }
 
   // Wraps a fresh NCCL communicator: its rank and size, a stream, the barrier scratch word.
@@ -247,6 +276,8 @@ class NcclCommunicator final : public Communicator {
   std::string abort_reason_;
   std::atomic<bool> aborted_{false};
   bool stop_ = false;
+  std::vector<std::weak_ptr<AbortTarget>> children_;  // split from this one
+  std::shared_ptr<AbortTarget> self_ = std::make_shared<AbortTarget>(this);
   std::thread watchdog_;
 };
 

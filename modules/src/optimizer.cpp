@@ -160,6 +160,13 @@ Result<void> Optimizer::set_group_skipped(std::size_t i, bool skipped) {
   return {};
 }
 
+Result<void> Optimizer::set_group_in_norm(std::size_t i, bool counted) {
+  if (i >= groups_.size())
+    return fail(ErrorCode::out_of_range, "Optimizer::set_group_in_norm(", i, "): ", groups_.size(), " groups");
+  groups_[i].in_norm = counted;
+  return {};
+}
+
 ParameterGroup ParameterGroup::by_name(std::string pattern, std::optional<float> weight_decay, float lr_scale) {
   ParameterGroup g;
   g.name = pattern;
@@ -365,7 +372,7 @@ Result<void> Optimizer::compute_grad_stats(Context& ctx) {
   std::vector<detail::OptimizerTensor> tensors;
   tensors.reserve(groups_.size());
   for (const Group& g : groups_)
-    if (!g.frozen) tensors.push_back({.grad = g.grads.data(), .n = g.grads.numel(), .gdt = static_cast<std::int32_t>(g.grads.dtype())});
+    if (!g.frozen && g.in_norm) tensors.push_back({.grad = g.grads.data(), .n = g.grads.numel(), .gdt = static_cast<std::int32_t>(g.grads.dtype())});
   return ctx.kernels().grad_stats_multi(ctx.stream(), tensors, state_.data_as<StepState>());
 }
 
@@ -377,7 +384,7 @@ Result<void> Optimizer::begin_grad_stats(Context& ctx) {
 Result<void> Optimizer::add_grad_stats(Context& ctx, std::size_t i) {
   if (i >= groups_.size()) return fail(ErrorCode::out_of_range, "Optimizer::add_grad_stats(", i, "): ", groups_.size(), " groups");
   const Group& g = groups_[i];
-  if (g.frozen) return {};
+  if (g.frozen || !g.in_norm) return {};
   return ctx.kernels().grad_stats(ctx.stream(), g.grads.dtype(), g.grads.data(), g.grads.numel(),
                                   state_.data_as<StepState>());
 }

@@ -256,6 +256,34 @@ TEST(LocalCollectives, AnAbortedRankFailsThePeersAtOnceNamingIt) {
   EXPECT_FALSE(comms[2]->status().has_value());
 }
 
+// A rank that fails while its pair waits for it in a collective of a group split from the world
+// (a shard group's gather): aborting the world reaches the split groups, so the peer fails at
+// once, naming it, not at the timeout.
+TEST(LocalCollectives, AnAbortedRankBreaksTheGroupsSplitFromIt) {
+  Comms comms = make(4, LocalOptions{.timeout = std::chrono::hours(1)});
+  std::vector<std::unique_ptr<Communicator>> pairs(4);
+  {
+    std::vector<std::thread> splitting;
+    for (int r = 0; r < 4; ++r)
+      splitting.emplace_back([&, r] {
+        auto sub = comms[static_cast<std::size_t>(r)]->split(r / 2, r);
+        ASSERT_TRUE(sub.has_value()) << sub.error().message();
+        pairs[static_cast<std::size_t>(r)] = std::move(*sub);
+      });
+    for (auto& t : splitting) t.join();
+  }
+  std::vector<float> data(64), out(64);
+  auto e = pairs[0]->all_reduce(data.data(), out.data(), 64, DataType::f32, ReduceOp::sum);  // rank 1 never comes
+  ASSERT_TRUE(e.has_value());
+  comms[1]->abort("its data file vanished");
+  auto s = e->synchronize();
+  ASSERT_FALSE(s.has_value());
+  EXPECT_EQ(s.error().code(), ErrorCode::closed);
+  EXPECT_NE(s.error().message().find("rank 1 of Local group of 4 failed: its data file vanished"), std::string::npos)
+      << s.error().message();
+  EXPECT_FALSE(pairs[2]->status().has_value());  // the other pair's group too: the run is over
+}
+
 TEST(LocalCollectives, SplitFormsSubgroupsOrderedByKey) {
   constexpr int kWorld = 6;
   Comms comms = make(kWorld);

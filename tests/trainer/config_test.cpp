@@ -3,6 +3,7 @@
 
 #include "coshard/trainer/config.hpp"
 #include "coshard/trainer/trainer.hpp"
+#include "../support/regression_mlp.hpp"
 
 namespace coshard::trainer {
 namespace {
@@ -368,6 +369,47 @@ TEST(BatchSizes, AreCheckedAgainstEachOtherAndTheWorld) {
   TrainerConfig plain;
   EXPECT_EQ(plain.check_batch(2, 16).value_or(-1), 16);
   EXPECT_FALSE(plain.check_batch(3, 16));
+}
+
+}  // namespace
+}  // namespace coshard::trainer
+
+namespace coshard::trainer {
+namespace {
+
+// MiCS's shard size is hybrid sharding's shard group size (-1, DeepSpeed's default: the whole
+// world); hpZ's secondary partition is not built: any size but its default 1 is refused by name.
+TEST(DeepSpeedJson, MicsShardSizeIsTheShardGroupAndHpzIsRefused) {
+  auto c = TrainerConfig::from_json(R"({"stage": 3, "mics_shard_size": 2, "zero_hpz_partition_size": 1})", TrainerConfig{});
+  ASSERT_TRUE(c) << c.error().message();
+  EXPECT_EQ(c->shard_group_size, 2);
+  EXPECT_EQ(c->engine_options().shard_group_size, 2);
+  auto off = TrainerConfig::from_json(R"({"stage": 3, "mics_shard_size": -1})", *c);
+  ASSERT_TRUE(off) << off.error().message();
+  EXPECT_EQ(off->shard_group_size, 0);
+  auto own = TrainerConfig::from_json(R"({"shard_group_size": "local"})", TrainerConfig{});
+  ASSERT_TRUE(own) << own.error().message();
+  EXPECT_TRUE(own->shard_group_local);
+  auto hpz = TrainerConfig::from_json(R"({"stage": 3, "zero_hpz_partition_size": 8})", TrainerConfig{});
+  ASSERT_FALSE(hpz);
+  EXPECT_NE(hpz.error().message().find("zero_hpz_partition_size=8 (hpZ's node-local secondary partition is not built"),
+            std::string::npos)
+      << hpz.error().message();
+  auto bad = TrainerConfig::from_json(R"({"stage": 3, "mics_shard_size": -3})", TrainerConfig{});
+  ASSERT_FALSE(bad);
+  EXPECT_NE(bad.error().message().find("mics_shard_size"), std::string::npos) << bad.error().message();
+}
+
+// "local": the ranks of one node, resolved when the engine's options are made (ranks as threads
+// of one process are one node: the whole world).
+TEST(TrainerConfig, LocalShardGroupsAreTheRanksOfOneNode) {
+  TrainerConfig c;
+  c.shard_group_local = true;
+  auto model = coshard::testing::make_regression_mlp();
+  ASSERT_TRUE(model);
+  auto o = c.engine_options_for(**model, 4);
+  ASSERT_TRUE(o) << o.error().message();
+  EXPECT_EQ(o->shard_group_size, 4);
 }
 
 }  // namespace

@@ -370,5 +370,36 @@ TEST(MpiLaunch, SigtermEndsARunStuckInACollectiveAfterTheStopTimeout) {
   EXPECT_NE(output.find("did not stop within --stop-timeout after the signal"), std::string::npos) << output;
 }
 
+// A simulated cluster (scripts/netns_cluster.sh: two network namespaces as nodes, TCP between
+// them, two ranks each): hybrid sharding with the shard groups the launcher's nodes give
+// (--shard-group-size local) has the losses of the same groups as threads, to the bit, and those
+// of full sharding within 1e-6. Needs root (namespaces, veth links): skipped without.
+TEST(MpiLaunch, ASimulatedTwoNodeClusterGivesTheLossesOfThreads) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root for network namespaces";
+  const fs::path dir = scratch("mpi_netns_cluster");
+  const std::vector<std::string> common = with(kTiny, {"--steps", "8", "--quiet", "--zero-stage", "3"});
+  const fs::path procs = dir / "cluster.jsonl", threads = dir / "threads.jsonl", full = dir / "full.jsonl";
+  const fs::path bytes = dir / "bytes.json";
+  mpirun(4);  // (the environment mpirun needs as root)
+  std::vector<std::string> cluster = {"/bin/bash", COSHARD_NETNS_CLUSTER, "--nodes", "2", "--ranks-per-node", "2",
+                                      "--bytes", bytes.string(), "--", COSHARD_TRAIN_BIN};
+  const pid_t pid = spawn(with(with(cluster, common), {"--shard-group-size", "local", "--metrics", procs.string()}),
+                          dir / "output.txt");
+  const int code = wait_exit(pid);
+  const std::string output = slurp(dir / "output.txt");
+  ASSERT_EQ(code, 0) << output;
+  const Exit t = run(with(common, {"--world-size", "4", "--shard-group-size", "2", "--metrics", threads.string()}), dir);
+  ASSERT_EQ(t.code, 0) << t.output;
+  const Exit f = run(with(common, {"--world-size", "4", "--metrics", full.string()}), dir);
+  ASSERT_EQ(f.code, 0) << f.output;
+  expect_same_losses(losses_in(procs), losses_in(threads), 0, "2 nodes x 2 ranks vs 4 threads in pairs");
+  expect_same_losses(losses_in(procs), losses_in(full), 1e-6, "hybrid vs full sharding");
+  // The run went over the nodes' link (the launch alone sends a few KiB).
+  std::ifstream in(bytes);
+  const auto sent = nlohmann::json::parse(in)["sent_bytes"];
+  ASSERT_EQ(sent.size(), 2u);
+  EXPECT_GT(sent[0].get<double>() + sent[1].get<double>(), 20000.0);
+}
+
 }  // namespace
 }  // namespace coshard::testing

@@ -2,6 +2,7 @@
 #include "coshard/trainer/settings.hpp"
 
 #include "coshard/async/files.hpp"
+#include "coshard/collectives/env.hpp"
 #include "coshard/zero/memory_estimate.hpp"
 
 #include <nlohmann/json.hpp>
@@ -75,6 +76,11 @@ modules::StepControlOptions TrainerConfig::step_control() const {
 
 Result<zero::EngineOptions> TrainerConfig::engine_options_for(modules::Module& model, int world_size) const {
   zero::EngineOptions o = engine_options();
+  if (shard_group_local) {
+    // Under a launcher its count of ranks on this machine; ranks as threads share one machine.
+    COSHARD_TRY_ASSIGN(const auto env, collectives::read_launch_env());
+    o.shard_group_size = env.launcher == collectives::Launcher::none ? world_size : env.local_size;
+  }
   if (!max_live_follows_model || zero_stage != 3) return o;
   zero::EngineOptions unbounded = o;
   unbounded.max_live_bytes = std::numeric_limits<std::size_t>::max();

@@ -89,6 +89,17 @@ struct Reader {
     std::string text;
     switch (s.kind) {
       case SettingKind::integer: {
+        if (v.is_string()) {
+          // A word the setting takes for a number ("local" for shard_group_size); a number must
+          // be written as one.
+          TrainerConfig scratch = c;
+          const auto given = v.get<std::string>();
+          const bool numeric = !given.empty() && (std::isdigit(static_cast<unsigned char>(given[0])) || given[0] == '-');
+          if (!numeric && s.parse(s, scratch, given)) {
+            text = given;
+            break;
+          }
+        }
         auto n = count(v, key);
         if (!n) return;
         text = std::to_string(*n);
@@ -419,6 +430,23 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
       const std::string name = z + key;
       if (const Setting* setting = setting_for_deepspeed("zero_optimization." + key)) {
         r.setting(*setting, v, name, c, element, setting->deepspeed_elements);
+      } else if (key == "mics_shard_size") {
+        // MiCS: parameters sharded within groups of this many ranks, replicated across them
+        // (-1, DeepSpeed's default: off, the whole world).
+        if (v.is_number_integer() && v.get<std::int64_t>() == -1) {
+          c.shard_group_size = 0;
+          c.shard_group_local = false;
+        } else {
+          r.setting(*setting_named("shard_group_size"), v, name, c, element, false);
+        }
+      } else if (key == "zero_hpz_partition_size") {
+        // hpZ's secondary copy within the node is not built: only its default (1, off) is taken.
+        if (auto n = r.count(v, name); n && *n != 1)
+          r.bad.push_back(name + "=" + std::to_string(*n) + " (hpZ's node-local secondary partition is not built in "
+                                                           "coshard; expected 1; mics_shard_size gives hybrid sharding)");
+      } else if (key == "mics_hierarchical_params_gather") {
+        if (r.boolean(v, name))
+          r.notes.push_back(name + ": accepted, no effect (a shard group's gather is one collective within the group)");
       } else if (key == "stage3_use_all_reduce_for_fetch_params") {
         if (auto b = r.boolean(v, name)) c.fetch_mode = *b ? zero::FetchMode::all_reduce : zero::FetchMode::all_gather;
       } else if (key == "offload_optimizer") {

@@ -255,6 +255,32 @@ std::vector<Setting> make_table() {
       {.name = "module_granularity_bytes", .flag = "--module-granularity",
        .deepspeed = "zero_optimization.zero_module_granularity_threshold", .help = "coalesce smaller leaf modules",
        .expected = "a size", .deepspeed_elements = true}));
+  {
+    Setting s = integer<&T::shard_group_size>(
+        {.name = "shard_group_size", .flag = "--shard-group-size",
+         .help = "hybrid sharding (HSDP, MiCS): shard each unit over groups of N consecutive ranks and replicate "
+                 "across the groups; local: the ranks of one node; 0: the whole world (full sharding)",
+         .expected = "a whole number that divides the world size, 0 (the whole world) or local"},
+        0, 1 << 24);
+    s.get = [](const Setting&, const TrainerConfig& c) {
+      return c.shard_group_local ? std::string("local") : std::to_string(c.shard_group_size);
+    };
+    s.parse = [](const Setting& self, TrainerConfig& c, std::string_view text) -> Result<void> {
+      if (text == "local") {  // the launcher's ranks per node, known when the engine is made
+        c.shard_group_local = true;
+        c.shard_group_size = 0;
+        return {};
+      }
+      int v = 0;
+      const auto [stop, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+      if (text.empty() || ec != std::errc{} || stop != text.data() + text.size())
+        return fail(ErrorCode::invalid_argument, "expected ", self.expected);
+      c.shard_group_local = false;
+      c.shard_group_size = v;  // (a negative one is refused by the range)
+      return {};
+    };
+    t.push_back(s);
+  }
   // Precision
   {
     Setting s{.name = "dtype", .flag = "--dtype",

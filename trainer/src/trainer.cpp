@@ -170,7 +170,7 @@ async::Task<Result<StepStats>> Trainer::Impl::step(std::span<const modules::Batc
   out.tokens_per_s = seconds > 0 ? static_cast<double>(out.tokens) / seconds : 0;
   out.lr = lr;
   out.peak_memory_bytes = s.allocator->stats().peak_in_use_bytes;
-  out.blocking_waits = async::blocking_waits();
+  out.blocking_waits = async::blocking_waits() - s.blocking_waits_at_start;
   const bool due = (s.config.eval_every > 0 && out.step % s.config.eval_every == 0) || s.validation_requested;
   if (s.validation && eval_shape && due) {
     s.validation_requested = false;
@@ -301,6 +301,7 @@ async::Task<Result<Trainer>> TrainerBuilder::build(modules::Module& model) const
   COSHARD_CO_TRY(co_await detail::check_ranks_agree(*impl->ctx, *comm_, detail::agreement_fields(c_, model)));
   COSHARD_CO_TRY_ASSIGN(const zero::EngineOptions engine_options, c_.engine_options_for(model, comm_->size()));
   COSHARD_CO_TRY_ASSIGN(impl->engine, zero::Engine::create(*impl->ctx, *comm_, model, *impl->optimizer, engine_options));
+  impl->blocking_waits_at_start = async::blocking_waits();
   COSHARD_CO_TRY(co_await impl->engine->initialize(c_.seed));
   if (!c_.tensorboard_dir.empty() && comm_->rank() == 0) {
     COSHARD_CO_TRY_ASSIGN(auto writer, TensorBoardWriter::create(c_.tensorboard_dir));

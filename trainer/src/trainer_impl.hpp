@@ -26,6 +26,9 @@ struct Trainer::Impl {
   modules::Loss* loss = &own_loss;         // or the builder's
   int skipped_in_a_row = 0;  // steps skipped for inf/NaN gradients, up to this one
   std::optional<TensorBoardWriter> tensorboard;  // rank 0, with config.tensorboard_dir
+  // The process's blocking waits once the engine was made (its setup may split the communicator
+  // for shard groups, a counted wait): the steps report those since.
+  std::uint64_t blocking_waits_at_start = 0;
 
   ~Impl() {
     engine.reset();  // a checkpoint write in flight runs on; it owns its data

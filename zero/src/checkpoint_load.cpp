@@ -85,7 +85,7 @@ struct Loaded {
 struct Loader {
   std::vector<FetchUnitInfo> units;
   ShardLayout kept;
-  int rank = 0;
+  std::vector<std::int64_t> block_offsets;  // per unit: where this rank's block starts (0: stage 0, the whole unit)
   DataType dtype = DataType::f32;
   std::string optimizer;
   std::map<std::string, std::string> run;
@@ -163,7 +163,7 @@ Result<Loaded> read_checkpoint(const fs::path& dir, const Loader& l) {
     const auto& info = l.units[i];
     const auto& mu = m.units[i];
     Loaded::Block block;
-    const std::int64_t lo = l.rank * info.shard, hi = lo + info.shard;  // this rank's new block
+    const std::int64_t lo = l.block_offsets[i], hi = lo + info.shard;  // this rank's new block
     // One kind of tensor: copy [lo, min(hi, numel)) from the old files; padding stays zero.
     auto gather = [&](std::string_view kind, std::size_t size, DataType expect,
                       std::vector<std::byte>& dst) -> Result<void> {
@@ -219,8 +219,11 @@ async::Task<Result<void>> Engine::load_checkpoint(const fs::path& dir, const Che
   async::Runtime* rt = async::Runtime::current();
   if (!rt) co_return fail(ErrorCode::invalid_argument, "load_checkpoint: must be awaited on a coshard Runtime");
   // Stage 0 loads the whole of every unit (its block starts at 0 on every rank). A stage-0
-  // checkpoint's blocks are whole units (shard = numel), so its rank 0 file alone serves any run.
-  Loader loader{units(), shard_layout(), s.residence->sharded() ? s.rank : 0, s.o.dtype, std::string(s.optimizer->name()),
+  // checkpoint's blocks are whole units (shard = numel), so its rank 0 file alone serves any run;
+  // likewise a hybrid one's blocks of a unit are in the files of its first shard group.
+  std::vector<std::int64_t> block_offsets;
+  for (const auto& u : s.units) block_offsets.push_back(s.block_offset(*u));
+  Loader loader{units(), shard_layout(), std::move(block_offsets), s.o.dtype, std::string(s.optimizer->name()),
                 options.run};
   COSHARD_LOG_DEBUG(zero, "load_checkpoint {}: reading and checking this rank's part", dir.string());
   auto read = [&dir, &loader]() { return read_checkpoint(dir, loader); };

@@ -141,9 +141,15 @@ Result<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, std:
     unit.name = *name;
     unit.numel = *numel;
     unit.shard = *shard;
-    if (unit.shard * out.world < unit.numel)
-      return bad("unit " + unit.name + ": shard " + std::to_string(unit.shard) + " x world " + std::to_string(out.world) +
-                 " does not cover numel " + std::to_string(unit.numel));
+    unit.shard_ranks = out.world;
+    if (u.contains("shard_ranks")) {  // (absent before hybrid sharding: the whole world)
+      const auto ranks = f.integer(u, "shard_ranks", 1, out.world);
+      if (!ranks) return bad(f.error);
+      unit.shard_ranks = static_cast<int>(*ranks);
+    }
+    if (unit.shard * unit.shard_ranks < unit.numel)
+      return bad("unit " + unit.name + ": shard " + std::to_string(unit.shard) + " x shard_ranks " +
+                 std::to_string(unit.shard_ranks) + " does not cover numel " + std::to_string(unit.numel));
     out.units.push_back(std::move(unit));
   }
 

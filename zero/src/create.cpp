@@ -163,6 +163,18 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   COSHARD_TRY(declared);
   std::vector<FetchUnitInfo> infos;  // (the memory check and the offload's pinned plan count from them)
   for (const auto& u : s->units) infos.push_back(u->info);
+  // With shard groups asked for: every rank planned the same units and groups, or none goes on
+  // (a setup collective: a rank asking for none skips it, as it makes no groups); then the shard
+  // groups' communicators, before anything is allocated.
+  if (o.shard_group_size != 0 || o.shard_group_size_of) COSHARD_TRY(detail::check_ranks_agree(comm, infos));
+  {
+    std::vector<int> sizes;
+    for (const auto& u : infos) sizes.push_back(u.shard_ranks);
+    std::sort(sizes.begin(), sizes.end());
+    sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+    COSHARD_TRY_ASSIGN(s->shard_groups, detail::ShardGroups::create(comm, sizes, o.zero_stage != 0));
+    for (auto& u : s->units) u->group = &s->shard_groups->of(u->info.shard_ranks);
+  }
   s->budget = async::StreamBudget::create(o.max_live_bytes);
   switch (o.offload_optimizer) {  // chosen here once: the rest of the engine asks the placement
     case OffloadTarget::none: s->optimizer_placement = make_optimizer_on_device(); break;
@@ -250,6 +262,10 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     COSHARD_TRY(s->reduction->allocate(*s, u));
     COSHARD_TRY(s->residence->bind_at_creation(*s, u));
     COSHARD_TRY(s->optimizer_placement->add_unit(*s, u));
+    // A copy of a block another rank holds too (hybrid sharding) is stepped, but the norm's sum
+    // across ranks counts it once: on its copy 0.
+    if (s->residence->sharded() && u.group->replica != 0)
+      COSHARD_TRY(optimizer.set_group_in_norm(s->first_group + u.index, false));
   }
   auto& stream = ctx.stream();
   if (s->offloaded()) {

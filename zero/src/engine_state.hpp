@@ -23,6 +23,7 @@
 #include "shard_placement.hpp"
 #include "gradient_reduction.hpp"
 #include "parameter_residence.hpp"
+#include "shard_groups.hpp"
 
 namespace coshard::zero {
 namespace detail {
@@ -50,6 +51,7 @@ struct Unit {
   };
   std::vector<Param> params;
   std::size_t index = 0;  // in the engine's unit list
+  const ShardGroup* group = nullptr;  // the ranks it is sharded over, and the copies of its blocks
   // What its collectives are for, in a mismatch's message (made once: no string per launch).
   std::string gather_purpose, reduce_purpose;
   // (info.frozen: every parameter of the unit is frozen, so no gradient buffer, no reduction,
@@ -146,6 +148,32 @@ struct Engine::State {
   std::unique_ptr<GradientReduction> reduction;
   // Where whole parameters reside: unsharded, whole and gathered after steps, or gathered on use.
   std::unique_ptr<ParameterResidence> residence;
+  // The communicators of the units' shard groups and copies (hybrid sharding; the world's own
+  // when every unit is sharded over the whole world).
+  std::unique_ptr<detail::ShardGroups> shard_groups;
+  // Unit u's collectives within its shard group, and across the copies of its blocks, ordered
+  // within the communication stream (comm->stream()) like every other collective.
+  Result<async::Event> launch_in_group(const Unit& u, const collectives::Coalesced& group) {
+    return detail::launch_within(*comm, *u.group->shard, group);
+  }
+  Result<async::Event> launch_across_copies(const Unit& u, const collectives::Coalesced& group) {
+    return detail::launch_within(*comm, *u.group->replicate, group);
+  }
+  // Collective launches so far, the shard groups' included.
+  std::uint64_t launches() const noexcept { return comm->launches() + shard_groups->launches(); }
+  // What `add(unit, group)` puts in for every unit, one launch per shard group (or, across_copies,
+  // per group of copies; none where a block has one copy), in the same order on every rank.
+  template <class Add>
+  Result<void> launch_by_group(bool across_copies, Add add) {
+    std::map<int, collectives::Coalesced> by_size;  // (the groups' order: their size, alike on every rank)
+    for (auto& u : units) add(*u, by_size[u->info.shard_ranks]);
+    for (const auto& [size, group] : by_size) {
+      const auto& g = shard_groups->of(size);
+      collectives::Communicator* over = across_copies ? g.replicate : g.shard;
+      if (over && !group.empty()) COSHARD_TRY(detail::launch_within(*comm, *over, group));
+    }
+    return {};
+  }
   // nvme: each unit's master and state, one sub-group file each, streamed by the swapper. The
   // rank's folder is claimed (locked against a second run) first and let go last.
   offload::SwapFolder swap_folder;
@@ -296,10 +324,10 @@ struct Engine::State {
   // After the step's last event has passed: the waits' total and the timeline.
   void collect_timing();
 
-  // Where this rank's block of a unit starts: rank x shard when sharded; unsharded (stage 0) the
-  // block is the whole unit on every rank.
+  // Where this rank's block of a unit starts: its place in the unit's shard group x shard when
+  // sharded; unsharded (stage 0) the block is the whole unit on every rank.
   std::int64_t block_offset(const Unit& u) const noexcept {
-    return residence->sharded() ? static_cast<std::int64_t>(rank) * u.info.shard : 0;
+    return residence->sharded() ? static_cast<std::int64_t>(u.group->rank) * u.info.shard : 0;
   }
   const std::vector<std::size_t>* borrowed_of(const Module& m) const {
     if (borrowed_units.empty()) return nullptr;

@@ -11,6 +11,15 @@ namespace coshard::zero::detail {
 
 using namespace modules;
 
+Result<int> shard_group_size(const EngineOptions& o, int world_size, std::string_view module_path) {
+  const int asked = o.shard_group_size_of ? o.shard_group_size_of(module_path) : 0;
+  const int size = asked != 0 ? asked : o.shard_group_size != 0 ? o.shard_group_size : world_size;
+  if (size >= 1 && size <= world_size && world_size % size == 0) return size;
+  const std::string where = asked != 0 ? "shard_group_size_of(\"" + std::string(module_path) + "\")=" : "shard_group_size=";
+  return fail(ErrorCode::invalid_argument, where, size, ": expected a divisor of the world size ", world_size,
+              " (the ranks a unit is sharded over, in world / size groups of consecutive ranks; 0: the whole world)");
+}
+
 Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOptions& o) {
   FetchPlan plan;
   const std::size_t element_size = size_of(o.dtype);
@@ -23,6 +32,7 @@ Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOp
     bool leaf;
     bool alone;  // runs more than once a pass: its own unit
     int region;  // the checkpointed block it lies in (0: none)
+    int shard_ranks;  // its shard group's size
   };
   // A unit never spans two checkpointed blocks, or one and the rest of the model: a recompute
   // runs the block's modules alone, and must meet each of its units' first and last module. The
@@ -42,21 +52,28 @@ Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOp
     for (const Module* owner : m.borrowed()) borrowed.insert(owner);
   });
   std::vector<Candidate> candidates;
+  Result<void> sized;
   model.for_each_module([&](const std::string& path, Module& m) {
     if (m.parameters().empty()) return;
     std::int64_t n = 0;
     for (const auto& p : m.parameters()) n += p->numel();
+    auto ranks = shard_group_size(o, world_size, path);
+    if (!ranks) {
+      if (sized) sized = fail(std::move(ranks).error());
+      return;
+    }
     candidates.push_back({path.empty() ? m.type_name().data() : path, &m, static_cast<std::size_t>(n) * element_size,
                           m.children().empty(), m.runs_more_than_once_per_pass() || borrowed.contains(&m),
-                          region.at(&m)});
+                          region.at(&m), o.zero_stage == 0 ? 1 : *ranks});
   });
+  COSHARD_TRY(sized);
   if (candidates.empty()) return fail(ErrorCode::invalid_argument, "Engine: the model has no parameters");
   std::vector<std::vector<Candidate>> groups;
   std::size_t group_bytes = 0;
   for (const auto& c : candidates) {
     const bool small = c.leaf && !c.alone && c.bytes < o.module_granularity_bytes;
     const bool open = !groups.empty() && groups.back().back().leaf && !groups.back().back().alone &&
-                      groups.back().back().region == c.region &&
+                      groups.back().back().region == c.region && groups.back().back().shard_ranks == c.shard_ranks &&
                       groups.back().back().bytes < o.module_granularity_bytes && group_bytes < o.module_granularity_bytes;
     if (small && open) {
       groups.back().push_back(c);
@@ -67,12 +84,13 @@ Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOp
     }
   }
 
-  // Stage 0 keeps each unit whole on every rank: no padding to the world size, one block.
-  const auto W = o.zero_stage == 0 ? std::int64_t{1} : static_cast<std::int64_t>(world_size);
+  // Stage 0 keeps each unit whole on every rank: no padding, one block (shard_ranks 1).
   const bool stage3 = o.zero_stage == 3;
   for (const auto& g : groups) {
     PlannedUnit u;
     u.info.name = g.front().path;
+    u.info.shard_ranks = g.front().shard_ranks;
+    const std::int64_t W = u.info.shard_ranks;
     std::int64_t offset = 0;
     for (const auto& c : g) {
       u.modules.push_back(c.module);

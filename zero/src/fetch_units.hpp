@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <span>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -30,6 +31,10 @@ struct FetchPlan {
   std::vector<PlannedUnit> units;
   std::size_t largest_unit_bytes = 0;
 };
+
+// The shard group size of the module at `module_path` (EngineOptions::shard_group_size_of, else
+// shard_group_size, else the world), or an error naming the value when it does not divide the world.
+Result<int> shard_group_size(const EngineOptions& o, int world_size, std::string_view module_path);
 
 // Units: modules with direct parameters, in execution (pre-order) order; consecutive small leaves
 // merge (module_granularity_bytes). Fails on a model without parameters, and at stage 3 when

@@ -21,18 +21,18 @@ Result<async::Event> Engine::State::gather_unit(Unit& u, const Tensor& whole) {
   const auto shard = static_cast<std::size_t>(u.info.shard);
   COSHARD_TRY_ASSIGN(const void* source, shard_placement->source(u));
   void* mine = whole.slice(block_offset(u), Shape{u.info.shard}).data();
-  Result<async::Event> done = async::Event{};
+  Coalesced group;
   if (o.fetch_mode == FetchMode::all_gather && shard_placement->on_device()) {
-    done = comm->all_gather(source, whole.data(), shard, o.dtype, u.gather_purpose);
+    group.all_gather(source, whole.data(), shard, o.dtype);
   } else if (o.fetch_mode == FetchMode::all_gather) {
     COSHARD_TRY(cs.copy(mine, source, shard * element_size));
-    done = comm->all_gather(mine, whole.data(), shard, o.dtype, u.gather_purpose);
+    group.all_gather(mine, whole.data(), shard, o.dtype);
   } else {
     COSHARD_TRY(cs.fill(whole.data(), 0, u.info.padded_bytes));
     COSHARD_TRY(cs.copy(mine, source, shard * element_size));
-    done = comm->all_reduce(whole.data(), whole.data(), static_cast<std::size_t>(u.info.padded), o.dtype,
-                            ReduceOp::sum, u.gather_purpose);
+    group.all_reduce(whole.data(), whole.data(), static_cast<std::size_t>(u.info.padded), o.dtype, ReduceOp::sum);
   }
+  auto done = launch_in_group(u, group.purpose(u.gather_purpose));
   if (done) COSHARD_TRY(shard_placement->gathered(*this, u, *done));
   return done;
 }

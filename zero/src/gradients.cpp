@@ -130,10 +130,16 @@ class AllReducePerUnit final : public PerUnit {
   const char* shard_label() const noexcept override { return "gradients (f32, whole)"; }  // (every rank all of it)
 };
 
+// Within the unit's shard group; with several copies of each block (hybrid sharding), the
+// reduced block is then averaged across them: the only collective that leaves the group.
 class ReduceScatterPerUnit final : public PerUnit {
   Result<async::Event> reduce(Engine::State& s, Unit& u, const Tensor& mine) override {
-    return s.comm->reduce_scatter(u.grad_full.data(), mine.data(), static_cast<std::size_t>(u.info.shard), s.o.dtype,
-                                  ReduceOp::avg, u.reduce_purpose);
+    const auto n = static_cast<std::size_t>(u.info.shard);
+    auto done = s.launch_in_group(
+        u, Coalesced{}.reduce_scatter(u.grad_full.data(), mine.data(), n, s.o.dtype, ReduceOp::avg).purpose(u.reduce_purpose));
+    if (!done || !u.group->replicate) return done;
+    return s.launch_across_copies(
+        u, Coalesced{}.all_reduce(mine.data(), mine.data(), n, s.o.dtype, ReduceOp::avg).purpose(u.reduce_purpose));
   }
   const char* span_name() const noexcept override { return "reduce_scatter"; }
   const char* shard_label() const noexcept override { return "gradient shards (f32)"; }
@@ -170,15 +176,20 @@ class CoalescedAfterBackward final : public GradientReduction {
   async::Task<Result<void>> finish(Engine::State& s) override {
     auto& cs = s.comm->stream();
     COSHARD_CO_TRY_ASSIGN(auto started, s.mark(cs));
-    Coalesced group;
-    for (auto& u : s.units) {
-      if (u->info.frozen) continue;
-      Tensor mine = u->grad_full.slice(s.block_offset(*u), Shape{u->info.shard});
-      group.reduce_scatter(u->grad_full.data(), mine.data(), static_cast<std::size_t>(u->info.shard), s.o.dtype, ReduceOp::avg)
-          .purpose(u->reduce_purpose);
-      s.stats.reduce_scattered_bytes += u->info.padded_bytes;
-    }
-    COSHARD_CO_TRY(s.comm->launch(group));
+    // Within each shard group, then (hybrid sharding) across the copies of each block.
+    COSHARD_CO_TRY(s.launch_by_group(false, [&](Unit& u, Coalesced& group) {
+      if (u.info.frozen) return;
+      Tensor mine = u.grad_full.slice(s.block_offset(u), Shape{u.info.shard});
+      group.reduce_scatter(u.grad_full.data(), mine.data(), static_cast<std::size_t>(u.info.shard), s.o.dtype, ReduceOp::avg)
+          .purpose(u.reduce_purpose);
+      s.stats.reduce_scattered_bytes += u.info.padded_bytes;
+    }));
+    COSHARD_CO_TRY(s.launch_by_group(true, [&](Unit& u, Coalesced& group) {
+      if (u.info.frozen) return;
+      Tensor mine = u.grad_full.slice(s.block_offset(u), Shape{u.info.shard});
+      group.all_reduce(mine.data(), mine.data(), static_cast<std::size_t>(u.info.shard), s.o.dtype, ReduceOp::avg)
+          .purpose(u.reduce_purpose);
+    }));
     if (s.o.dtype != DataType::f32)  // bf16/f16: the reduced blocks into the fp32 shards
       for (auto& u : s.units)
         if (!u->info.frozen)

@@ -46,7 +46,7 @@ async::Task<Result<void>> Engine::begin_step(int micro_batches, float lr) {
   Context& ctx = *s.ctx;
   auto& compute = ctx.stream();
   auto& cs = s.comm->stream();
-  s.launches_before = s.comm->launches();
+  s.launches_before = s.launches();
   s.begin_pass("train");
   s.open = State::Open::step;
   ctx.reset_activation_peak();
@@ -167,7 +167,7 @@ async::Task<Result<EngineStepStats>> Engine::finish_open_step(float lr) {
   COSHARD_CO_TRY(s.compute_waits_for_comm(kParameters));
   COSHARD_CO_TRY(s.end_pass());
 
-  const std::uint64_t launches = s.comm->launches() - s.launches_before;
+  const std::uint64_t launches = s.launches() - s.launches_before;
   COSHARD_CO_TRY_ASSIGN(auto host_loss, co_await ctx.read(loss_sum));
   COSHARD_CO_TRY_ASSIGN(auto optimizer_stats, co_await s.optimizer->read_stats(s.optimizer_ctx()));
   if (s.stepping_in_backward && optimizer_stats.last_skipped) {

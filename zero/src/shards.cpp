@@ -26,13 +26,10 @@ async::Task<Result<void>> Engine::State::full_copies_from_shards() { co_return c
 Result<void> Engine::State::gather_full_copies() {
   auto& cs = comm->stream();
   COSHARD_TRY_ASSIGN(auto started, mark(cs));
-  Coalesced group;
-  for (auto& u : units) {
-    group.all_gather(u->shard.data(), u->full.data(), static_cast<std::size_t>(u->info.shard), o.dtype)
-        .purpose(u->gather_purpose);
-    stats.gathered_bytes += u->info.padded_bytes;
-  }
-  COSHARD_TRY(comm->launch(group));
+  COSHARD_TRY(launch_by_group(false, [&](Unit& u, Coalesced& group) {
+    group.all_gather(u.shard.data(), u.full.data(), static_cast<std::size_t>(u.info.shard), o.dtype).purpose(u.gather_purpose);
+    stats.gathered_bytes += u.info.padded_bytes;
+  }));
   COSHARD_TRY_ASSIGN(auto finished, mark(cs));
   span(false, "all_gather", kParameters, std::move(started), std::move(finished));
   return {};
@@ -121,7 +118,7 @@ async::Task<Result<void>> Engine::load_parameters(const std::vector<GatheredPara
       std::copy(v.bytes.begin(), v.bytes.end(), unit_bytes.begin() + static_cast<std::ptrdiff_t>(p.offset) * static_cast<std::ptrdiff_t>(s.element_size));
     }
     const auto shard_bytes = static_cast<std::size_t>(u.info.shard) * s.element_size;
-    const auto first = static_cast<std::size_t>(s.rank) * shard_bytes;
+    const auto first = static_cast<std::size_t>(s.block_offset(u)) * s.element_size;
     const auto mine = std::span<const std::byte>(unit_bytes).subspan(first, shard_bytes);
     COSHARD_CO_TRY(s.shard_placement->write(s, u, mine));
   }
@@ -145,7 +142,7 @@ async::Task<Result<void>> Engine::initialize(std::uint64_t seed) {
     }
     // The whole unit where every rank holds it; else only this rank's block, through the shard.
     const bool whole = s.residence->holds_whole();
-    const auto first = whole ? 0 : static_cast<std::size_t>(s.rank * u.info.shard);
+    const auto first = whole ? 0 : static_cast<std::size_t>(s.block_offset(u));
     const auto count = static_cast<std::size_t>(whole ? u.info.padded : u.info.shard);
     auto bytes = encode_values(std::span<const double>(values).subspan(first, count), s.o.dtype);
     if (whole) {

@@ -133,6 +133,10 @@ class Optimizer {
   // Whether group i is left untouched by the coming steps (its parameters got no gradient this
   // step: PyTorch leaves a parameter whose gradient is None as it is). Until changed.
   Result<void> set_group_skipped(std::size_t group, bool skipped);
+  // Whether group i's gradient counts in the norm and overflow flag this optimizer computes
+  // (true until changed). A copy of a block another rank counts (hybrid sharding's replicas) is
+  // left out, so the sum across ranks counts each element once; it is still stepped.
+  Result<void> set_group_in_norm(std::size_t group, bool counted);
 
   // A group whose fp32 master and state live elsewhere (swapped in from NVMe for each step): only
   // its gradients are bound here (f32); apply_group supplies the rest. Such groups are stepped
@@ -182,6 +186,7 @@ class Optimizer {
     std::vector<Segment> segments;  // empty: the optimizer's settings throughout; else covering it
     bool skipped = false;           // set_group_skipped
     bool frozen = false;            // add_frozen_group: every element frozen, no tensors but params
+    bool in_norm = true;            // set_group_in_norm
   };
   const std::vector<Group>& groups() const noexcept { return groups_; }
   // Forgets groups [first, end) (their owner is going away; the ZeRO engine's destructor calls

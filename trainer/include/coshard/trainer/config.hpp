@@ -57,6 +57,9 @@ struct TrainerConfig : zero::EngineOptions {
   // builder, --max-live, DeepSpeed's stage3_max_live_parameters) clears it: that budget is then
   // exact, and refused if too small.
   bool max_live_follows_model = true;
+  // shard_group_size "local": the ranks of one node (the launcher's local size; all of them when
+  // the ranks are threads of one process), resolved by engine_options_for.
+  bool shard_group_local = false;
 
   // Precision: parameters, activations and gradients in `dtype` (EngineOptions; fp32 masters in
   // the optimizer); gradients are reduced in `reduce_dtype`, which must be `dtype` for now.
@@ -147,7 +150,7 @@ struct TrainerConfig : zero::EngineOptions {
   const zero::EngineOptions& engine_options() const noexcept { return *this; }
   // engine_options() for this model at world_size ranks: max_live_bytes raised to twice the
   // largest fetch unit where it cannot hold that unit and max_live_follows_model says so (the
-  // units planned as the engine will plan them).
+  // units planned as the engine will plan them); a "local" shard group size made the ranks per node.
   Result<zero::EngineOptions> engine_options_for(modules::Module& model, int world_size) const;
   // The optimizer's clipping and loss scaling, as the trainer builds it.
   modules::StepControlOptions step_control() const;

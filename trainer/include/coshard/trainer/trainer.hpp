@@ -43,7 +43,7 @@ struct StepStats : zero::EngineStepStats {
   double tokens_per_s = 0;
   float lr = 0;
   std::uint64_t peak_memory_bytes = 0;  // the trainer's device allocator: most bytes in use at once so far
-  std::uint64_t blocking_waits = 0;     // the runtime's counter, cumulative, process-wide
+  std::uint64_t blocking_waits = 0;     // the runtime's counter, process-wide, since the engine was made
   // The validation loss after this step (TrainerConfig::eval_every): absent on other steps.
   std::optional<double> val_loss;
 };

@@ -8,9 +8,10 @@
 //   DIR/step-00000042/rank-00001.safetensors   rank 1's blocks: u<i>.param (dtype), u<i>.master (f32,
 //                                              when kept apart), u<i>.state1, u<i>.state2 (f32)
 //   DIR/latest                                 "step-00000042"
-// Rank i's file holds elements [i * shard, (i + 1) * shard) of each padded unit, so a load at
-// another world size reads, for each unit, the elements of its new block from whichever old files
-// hold them.
+// Rank i's file holds elements [i * shard, (i + 1) * shard) of each padded unit, for the ranks i of
+// the unit's first shard group (every rank, unless hybrid sharding shards it over fewer; rank 0
+// alone at stage 0), so a load at another world size, stage or shard group size reads, for each
+// unit, the elements of its new block from whichever old files hold them.
 //
 // A save stages this rank's blocks in a pinned buffer (the host awaits the copies' events; it
 // never blocks) and writes its file behind training into DIR/step-N.partial/. Publishing (the
@@ -61,6 +62,9 @@ struct CheckpointManifest {
     std::string name;
     std::vector<std::string> parameters;
     std::int64_t numel = 0, shard = 0;  // rank i's file holds elements [i * shard, (i + 1) * shard)
+    // The ranks whose files hold its blocks, [0, shard_ranks): its shard group's size when saved
+    // (hybrid sharding writes each block once, from the first group; 1 at stage 0).
+    int shard_ranks = 0;
     // Every parameter frozen: the files hold its parameters only (no master, no state), so a run
     // that trains it cannot resume from here (a run that freezes a unit saved trained can).
     bool frozen = false;

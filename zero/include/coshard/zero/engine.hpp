@@ -18,6 +18,14 @@
 // gradient buffer goes behind that collective's event); 3 also shards parameters (a unit is
 // gathered when a module of it is about to run, and released after its last use).
 //
+// Hybrid sharding (shard_group_size, shard_group_size_of; stages 1-3): a unit is sharded over a
+// group of consecutive ranks instead of the world, and each group holds a copy of every block.
+// The groups' communicators are split from the world's once, in create; their collectives are
+// ordered within the world communicator's stream, so everything below holds unchanged: within
+// a group for gathers and reduce-scatters, across the copies for one all-reduce of each reduced
+// block. The optimizer steps every copy alike; the norm counts copy 0 only; a checkpoint writes
+// copy 0 only.
+//
 // Stage 3 in detail: `before_forward` awaits the unit's fetch: nothing if it is gathered; if its
 // gather is in flight the compute stream waits on its event (the host does not); otherwise it
 // takes the unit's bytes from the max_live_bytes budget (an async semaphore: waits, never
@@ -154,6 +162,19 @@ struct EngineOptions {
   // optimizer state, offload buffers, swap files) this machine cannot hold now, naming the bytes,
   // before it allocates anything. Off: build anyway (the estimate is a model of what is held).
   bool check_memory = true;
+  // Hybrid sharding (PyTorch's HSDP, DeepSpeed's MiCS), stages 1-3: each unit is sharded over a
+  // group of this many consecutive ranks (ranks [g * size, (g + 1) * size)) and replicated
+  // across the world / size groups. Gathers stay within the group; a gradient is
+  // reduce-scattered within it, then all-reduced across the copies (ranks holding the same
+  // block); each rank steps its block. A size that fills one node keeps every gather on the
+  // node's links and sends each gradient shard once across nodes. 0: the whole world (full
+  // sharding, the default); it must divide the world size. Stage 0 shards nothing: any
+  // valid size gives the same training.
+  int shard_group_size = 0;
+  // Per module: the shard group size for the parameters of the module at this path ("" is the
+  // model itself), 0 for shard_group_size. Units never mix sizes (experts over 2 ranks and the
+  // dense layers over 8, say). Every rank must answer alike: create() checks that they do.
+  std::function<int(std::string_view module_path)> shard_group_size_of;
 };
 
 // Where parameters may be offloaded given the rest (Engine::create checks it; a configuration
@@ -176,8 +197,8 @@ struct FetchUnitInfo {
   std::string name;                     // the first module's path
   std::vector<std::string> parameters;  // full names, in buffer order
   std::int64_t numel = 0;               // parameters' elements
-  // Sharded stages (1-3): numel rounded up to a multiple of the world size, and padded / world
-  // size. Stage 0 shards nothing: padded == shard == numel on every rank.
+  // Sharded stages (1-3): numel rounded up to a multiple of shard_ranks, and padded /
+  // shard_ranks. Stage 0 shards nothing: padded == shard == numel on every rank.
   std::int64_t padded = 0;
   std::int64_t shard = 0;
   std::size_t padded_bytes = 0;
@@ -185,13 +206,16 @@ struct FetchUnitInfo {
   // Every parameter of the unit is frozen (Parameter::trainable): it has no gradient, no
   // reduction, no fp32 master and no optimizer state, and a checkpoint keeps its parameters only.
   bool frozen = false;
+  // The ranks it is sharded over (its shard group: the world unless hybrid sharding says less;
+  // 1 at stage 0). Each of the world / shard_ranks groups holds a copy of every block.
+  int shard_ranks = 1;
 };
 
 // This rank's share of one unit, as views of the engine's state (valid while a visit_shards
 // visitor runs): what a sharded checkpoint saves and loads.
 struct UnitShard {
   FetchUnitInfo info;
-  Tensor params;  // this rank's block of the unit, elements [rank * shard, (rank + 1) * shard)
+  Tensor params;  // this rank's block of the unit, elements [b * shard, (b + 1) * shard), b its place in the shard group
   Tensor master;  // its fp32 master (the same memory as params when the dtype is f32 on the device)
   Tensor state1;  // Adam's first moment / SGD's momentum (empty when the optimizer keeps none)
   Tensor state2;  // Adam's second moment (empty for SGD)

@@ -1,0 +1,59 @@
+// Shard groups (hybrid sharding): the ranks a unit is sharded over and the ranks holding the same
+// block, as communicators split from the world once, at create. Their collectives are ordered
+// within the world communicator's stream, so the rest of the engine keeps one communication
+// stream and one order of collectives. Private: not installed.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "coshard/collectives/communicator.hpp"
+#include "coshard/zero/engine.hpp"
+
+namespace coshard::zero::detail {
+
+struct ShardGroup {
+  int ranks = 1;     // the ranks a unit is sharded over
+  int rank = 0;      // this rank's block among them
+  int replicas = 1;  // the groups holding a copy of every block (world / ranks)
+  int replica = 0;   // this rank's copy: copy 0 is the one a checkpoint writes and the norm counts
+  collectives::Communicator* shard = nullptr;      // the group (the world itself when it is the world)
+  collectives::Communicator* replicate = nullptr;  // the holders of the same block; null with one copy
+};
+
+class ShardGroups {
+ public:
+  // The groups for these sizes (each dividing the world; every rank passes the same): the world
+  // is split once for each size below it, into its shard groups and, with several copies, the
+  // copies. `sharded` false (stage 0): nothing is split; a unit is whole on every rank (one
+  // block, as many copies as ranks).
+  static Result<std::unique_ptr<ShardGroups>> create(collectives::Communicator& world, std::span<const int> sizes,
+                                                     bool sharded);
+  const ShardGroup& of(int ranks) const { return groups_.at(ranks); }
+  bool hybrid() const noexcept { return hybrid_; }
+  // Groups launched on the split communicators so far (the world's own are the world's).
+  std::uint64_t launches() const noexcept {
+    std::uint64_t n = 0;
+    for (const auto& c : split_) n += c->launches();
+    return n;
+  }
+
+ private:
+  std::vector<std::unique_ptr<collectives::Communicator>> split_;
+  std::map<int, ShardGroup> groups_;
+  bool hybrid_ = false;  // some unit is sharded over fewer ranks than the world
+};
+
+// `group` enqueued on `sub`, ordered within `world`'s stream: after what that stream holds, and
+// what is enqueued there next waits for it. Launched as it is when sub is the world.
+Result<async::Event> launch_within(collectives::Communicator& world, collectives::Communicator& sub,
+                                   const collectives::Coalesced& group);
+
+// Whether every rank planned the same units (names, sizes, shard groups), before anything is
+// allocated: a split by a hash of the plan (a setup collective), and an error on every rank
+// naming how many ranks share this one's plan when they do not all agree.
+Result<void> check_ranks_agree(collectives::Communicator& world, std::span<const FetchUnitInfo> units);
+
+}  // namespace coshard::zero::detail
