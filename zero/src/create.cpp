@@ -176,11 +176,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     for (auto& u : s->units) u->group = &s->shard_groups->of(u->info.shard_ranks);
   }
   s->budget = async::StreamBudget::create(o.max_live_bytes);
-  switch (o.offload_optimizer) {  // chosen here once: the rest of the engine asks the placement
-    case OffloadTarget::none: s->optimizer_placement = make_optimizer_on_device(); break;
-    case OffloadTarget::cpu: s->optimizer_placement = make_optimizer_on_host(); break;
-    case OffloadTarget::nvme: s->optimizer_placement = make_optimizer_on_nvme(); break;
-  }
+  s->optimizer_placement = make_optimizer_placement(o.offload_optimizer);  // chosen here once: the engine asks it
   switch (o.offload_params) {
     case OffloadTarget::none: s->shard_placement = make_shards_on_device(); break;
     case OffloadTarget::cpu: s->shard_placement = make_shards_on_host(); break;
@@ -203,56 +199,10 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     COSHARD_TRY(check_fits(estimate, 1, machine));
   }
 
-  // Optimizer offload: its stream, context and pinned memory (checked against the budget now).
-  if (s->offloaded()) {
-    const std::vector<std::size_t> sizes = detail::offload_pinned_sizes(infos, o, optimizer.state_tensors());
-    std::size_t needed = 0, largest_shard = 0;
-    const std::size_t per_element = 4 * (1 + optimizer.state_tensors());  // master and state, f32
-    for (const auto& u : s->units)
-      largest_shard = std::max(largest_shard, static_cast<std::size_t>(u->info.shard) * s->element_size);
-    if (s->swapped() && o.offload_optimizer.nvme_path.empty())
-      return fail(ErrorCode::invalid_argument, "offload_optimizer=nvme: needs a folder (nvme_path)");
-    if (s->params_on_nvme()) s->read_slots = async::StreamBudget::create(static_cast<std::size_t>(o.offload_params.buffer_count));
-    for (std::size_t b : sizes) needed += offload::page_rounded(b);
-    offload::PinnedPoolOptions pool_options;
-    pool_options.host_memory_budget = o.host_memory_budget == 0 ? needed : o.host_memory_budget;
-    COSHARD_TRY_ASSIGN(s->pinned, offload::PinnedPool::create(pool_options));
-    if (auto fits = s->pinned->reserve(sizes); !fits)
-      return fail(std::move(fits).error().with_context(
-          std::string(s->swapped() ? "offload_optimizer=nvme (gradient shards and swap buffers" : "offload_optimizer=cpu (fp32 master and gradient shards") +
-          (s->params_on_nvme() ? ", parameter read buffers)" : o.offload_params == OffloadTarget::cpu && s->swapped() ? ", pinned parameter shards)" : ")")));
-    async::StreamOptions host_options;
-    host_options.name = "optimizer" + std::to_string(s->rank);
-    COSHARD_TRY_ASSIGN(auto host_stream, async::Stream::create(async::Device::cpu(), host_options));
-    s->host_stream = std::make_unique<async::Stream>(std::move(host_stream));
-    COSHARD_TRY_ASSIGN(s->host_allocator, async::CachingAllocator::create(async::Device::cpu()));
-    COSHARD_TRY_ASSIGN(auto host_ctx, Context::create(*s->host_stream, *s->host_allocator));
-    s->host_ctx = std::make_unique<Context>(std::move(host_ctx));
-    if (s->staged()) {
-      COSHARD_TRY_ASSIGN(s->staging, s->pinned->acquire(largest_shard));
-    }
-    if (s->swapped()) {
-      const std::string rank_folder = "rank" + std::to_string(s->rank) + "-of-" + std::to_string(s->world);
-      auto claimed = offload::SwapFolder::claim(o.offload_optimizer.nvme_path / rank_folder, "coshard rank " + std::to_string(s->rank) +
-                                                                               " of " + std::to_string(s->world));
-      if (!claimed) return fail(std::move(claimed).error().with_context("offload_optimizer=nvme"));
-      s->swap_folder = std::move(*claimed);
-      offload::NvmeStoreOptions store_options;
-      store_options.directory = o.offload_optimizer.nvme_path;
-      store_options.direct = offload::NvmeStore::supports_direct_io(o.offload_optimizer.nvme_path);
-      COSHARD_TRY_ASSIGN(s->store, offload::NvmeStore::open(store_options));
-      offload::SwapperOptions swap_options;
-      swap_options.buffer_count = o.offload_optimizer.buffer_count;
-      COSHARD_TRY_ASSIGN(s->swapper, offload::Swapper::create(*s->store, s->pinned, swap_options));
-      const std::string folder = rank_folder + "/unit";
-      // (a frozen unit's file holds its master only: the parameters, with them on nvme)
-      for (const auto& u : s->units) {
-        s->subgroups.push_back({folder + std::to_string(u->index),
-                                static_cast<std::size_t>(u->info.shard) * (u->info.frozen ? sizeof(float) : per_element)});
-        if (!u->info.frozen) s->stepped_units.push_back(u->index);
-      }
-    }
-  }
+  // The placements' own setup (the offloaded optimizer's stream, context, pinned memory and swap
+  // files; the parameters' read slots), before any unit gets storage.
+  COSHARD_TRY(s->optimizer_placement->setup(*s, infos));
+  COSHARD_TRY(s->shard_placement->setup(*s));
 
   // Storage: each placement makes its own, in this order (the host optimizer's pinned buffer may
   // become the shard).
@@ -267,12 +217,8 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     if (s->residence->sharded() && u.group->replica != 0)
       COSHARD_TRY(optimizer.set_group_in_norm(s->first_group + u.index, false));
   }
+  COSHARD_TRY(s->optimizer_placement->after_units(*s));
   auto& stream = ctx.stream();
-  if (s->offloaded()) {
-    COSHARD_TRY_ASSIGN(s->device_loss_scale, ctx.zeros(Shape{1}, DataType::f32));
-    COSHARD_TRY_ASSIGN(s->device_grad_stats, ctx.zeros(Shape{2}, DataType::f32));
-    COSHARD_TRY_ASSIGN(s->grad_stats_back, s->pinned->acquire(2 * sizeof(float)));
-  }
   if (s->timing()) {
     COSHARD_TRY_ASSIGN(s->epoch, stream.record_timed());
     COSHARD_TRY(s->streams_after_epoch());

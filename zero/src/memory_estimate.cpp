@@ -1,6 +1,7 @@
 #include "coshard/zero/memory_estimate.hpp"
 
 #include "gradient_reduction.hpp"
+#include "optimizer_placement.hpp"
 #include "parameter_residence.hpp"
 
 #include <algorithm>
@@ -112,9 +113,6 @@ MemoryEstimate detail::estimate_for_units(std::span<const FetchUnitInfo> units, 
     trained_f32 += static_cast<std::size_t>(u.shard) * sizeof(float);
     largest_trained = std::max(largest_trained, u.padded_bytes);
   }
-  const bool narrow = o.dtype != DataType::f32;
-  const bool offloaded = o.offload_optimizer != OffloadTarget::none;
-  const bool swapped = o.offload_optimizer == OffloadTarget::nvme;
   const std::string dtype(collectives::to_string(o.dtype));
 
   MemoryEstimate m;
@@ -123,31 +121,13 @@ MemoryEstimate detail::estimate_for_units(std::span<const FetchUnitInfo> units, 
   // would make holds them.
   make_parameter_residence(o.zero_stage)->estimate(m, {whole, shards}, o);
   make_gradient_reduction(o.zero_stage)->estimate(m, {trained_whole, largest_trained, trained_f32}, o.dtype);
-  // The optimizer: fp32 masters (apart from the parameters when bf16/f16) and its state.
-  const std::string states = optimizer_states == 0 ? "" : " and " + std::to_string(optimizer_states) + " state tensor" +
-                                                               (optimizer_states == 1 ? "" : "s");
-  // (f32 on the device: the shard is its own master; offloaded to cpu in f32: the pinned master.)
-  const std::string kept = narrow ? "fp32 masters" + states : "optimizer state (" + std::to_string(optimizer_states) + " tensors)";
-  if (!offloaded) {
-    m.add(P::device, kept, (narrow ? trained_f32 : 0) + optimizer_states * trained_f32);
-  } else if (!swapped) {
-    m.add(P::pageable_host, kept + " (offload cpu)", (narrow ? trained_f32 : 0) + optimizer_states * trained_f32);
-  } else {
-    m.add(P::nvme, "fp32 masters" + states + " (swap files)", (1 + optimizer_states) * trained_f32 + frozen_f32);
-  }
+  // The optimizer's: its masters and state, and the pinned pool of an offloaded one.
+  if (auto placement = make_optimizer_placement(o.offload_optimizer))
+    placement->estimate(m, {trained_f32, frozen_f32}, units, o, optimizer_states);
   // Frozen units are in the parameters' lines only: the estimate says so.
   if (frozen_f32 > 0)
     m.notes.push_back("frozen: " + format_bytes(frozen_f32 / sizeof(float) * e) + " of parameter shards (" + dtype +
                       ") without gradients, fp32 masters or optimizer state");
-  if (offloaded) {
-    std::size_t pinned = 0;
-    for (const std::size_t b : detail::offload_pinned_sizes(units, o, optimizer_states)) pinned += offload::page_rounded(b);
-    // (host_memory_budget caps the pool; only what the plan reserves is allocated.)
-    m.add(P::pinned_host, swapped  ? "gradient shards and swap buffers"
-                                : narrow ? "gradient shards and " + dtype + " parameter copies"
-                                         : "fp32 masters and gradient shards",
-          pinned);
-  }
   // initialize(): a unit's values in double, then encoded (nvme parameters: every shard at once).
   const std::size_t encoded = o.offload_params == OffloadTarget::nvme ? shards : largest_unit;
   m.add(P::pageable_host, "initial values (at start)", largest_padded * sizeof(double) + encoded);

@@ -12,6 +12,13 @@ namespace {
 
 class OptimizerOnDevice final : public OptimizerPlacement {
  public:
+  // Beside the shards: fp32 masters apart from them only in bf16/f16.
+  void estimate(MemoryEstimate& m, const OptimizerSizes& z, std::span<const FetchUnitInfo>, const EngineOptions& o,
+                std::size_t states) const override {
+    const bool narrow = o.dtype != DataType::f32;
+    m.add(MemoryPlace::device, optimizer_state_label(o.dtype, states), (narrow ? z.trained_f32 : 0) + states * z.trained_f32);
+  }
+
   Result<void> add_unit(Engine::State& s, Unit& u) override {
     if (u.info.frozen) return s.optimizer->add_frozen_group(*s.ctx, u.info.shard);  // no master, no state
     return s.optimizer->add_group(*s.ctx, u.shard, u.grad_shard, s.segments_of(u));
@@ -58,5 +65,19 @@ async::Task<Result<void>> visit_optimizer_groups(Engine::State& s, const Engine:
 }
 
 std::unique_ptr<OptimizerPlacement> make_optimizer_on_device() { return std::make_unique<OptimizerOnDevice>(); }
+
+std::unique_ptr<OptimizerPlacement> make_optimizer_placement(OffloadTarget where) {
+  switch (where) {
+    case OffloadTarget::none: return make_optimizer_on_device();
+    case OffloadTarget::cpu: return make_optimizer_on_host();
+    case OffloadTarget::nvme: return make_optimizer_on_nvme();
+  }
+  return nullptr;
+}
+
+std::string optimizer_state_label(DataType dtype, std::size_t states) {
+  const std::string tensors = states == 0 ? "" : " and " + std::to_string(states) + " state tensor" + (states == 1 ? "" : "s");
+  return dtype != DataType::f32 ? "fp32 masters" + tensors : "optimizer state (" + std::to_string(states) + " tensors)";
+}
 
 }  // namespace coshard::zero

@@ -5,11 +5,61 @@
 // bytes). With the parameters offloaded too, the pinned master (or copy) is the shard: nothing
 // goes back. Also the first half of every offloaded step (HostOptimizer), shared with NVMe.
 #include "engine_state.hpp"
+#include "fetch_units.hpp"
 
 namespace coshard::zero {
 
 using namespace modules;
 using namespace detail;
+
+// The CPU stream and context the optimizer steps on, and the pinned pool of the plan (reserved
+// now: a budget too small fails here, naming what it holds).
+Result<void> HostOptimizer::setup(Engine::State& s, std::span<const FetchUnitInfo> units) {
+  const EngineOptions& o = s.o;
+  const std::vector<std::size_t> sizes = detail::offload_pinned_sizes(units, o, s.optimizer->state_tensors());
+  std::size_t needed = 0, largest_shard = 0;
+  for (const auto& u : units) largest_shard = std::max(largest_shard, static_cast<std::size_t>(u.shard) * s.element_size);
+  for (std::size_t b : sizes) needed += offload::page_rounded(b);
+  offload::PinnedPoolOptions pool_options;
+  pool_options.host_memory_budget = o.host_memory_budget == 0 ? needed : o.host_memory_budget;
+  COSHARD_TRY_ASSIGN(s.pinned, offload::PinnedPool::create(pool_options));
+  if (auto fits = s.pinned->reserve(sizes); !fits)
+    return fail(std::move(fits).error().with_context(
+        std::string(s.swapped() ? "offload_optimizer=nvme (gradient shards and swap buffers" : "offload_optimizer=cpu (fp32 master and gradient shards") +
+        (s.params_on_nvme() ? ", parameter read buffers)" : o.offload_params == OffloadTarget::cpu && s.swapped() ? ", pinned parameter shards)" : ")")));
+  async::StreamOptions host_options;
+  host_options.name = "optimizer" + std::to_string(s.rank);
+  COSHARD_TRY_ASSIGN(auto host_stream, async::Stream::create(async::Device::cpu(), host_options));
+  s.host_stream = std::make_unique<async::Stream>(std::move(host_stream));
+  COSHARD_TRY_ASSIGN(s.host_allocator, async::CachingAllocator::create(async::Device::cpu()));
+  COSHARD_TRY_ASSIGN(auto host_ctx, Context::create(*s.host_stream, *s.host_allocator));
+  s.host_ctx = std::make_unique<Context>(std::move(host_ctx));
+  if (s.staged()) {
+    COSHARD_TRY_ASSIGN(s.staging, s.pinned->acquire(largest_shard));
+  }
+  return {};
+}
+
+void HostOptimizer::estimate_pinned(MemoryEstimate& m, std::span<const FetchUnitInfo> units, const EngineOptions& o,
+                                    std::size_t states) {
+  std::size_t pinned = 0;
+  for (const std::size_t b : detail::offload_pinned_sizes(units, o, states)) pinned += offload::page_rounded(b);
+  // (host_memory_budget caps the pool; only what the plan reserves is allocated.)
+  const bool narrow = o.dtype != DataType::f32;
+  m.add(MemoryPlace::pinned_host, o.offload_optimizer == OffloadTarget::nvme ? "gradient shards and swap buffers"
+                                  : narrow ? "gradient shards and " + std::string(collectives::to_string(o.dtype)) + " parameter copies"
+                                           : "fp32 masters and gradient shards",
+        pinned);
+}
+
+// The loss scale seeding backward and the statistics summed across ranks live on the device; the
+// sums come back through pinned memory.
+Result<void> HostOptimizer::after_units(Engine::State& s) {
+  COSHARD_TRY_ASSIGN(s.device_loss_scale, s.ctx->zeros(Shape{1}, DataType::f32));
+  COSHARD_TRY_ASSIGN(s.device_grad_stats, s.ctx->zeros(Shape{2}, DataType::f32));
+  COSHARD_TRY_ASSIGN(s.grad_stats_back, s.pinned->acquire(2 * sizeof(float)));
+  return {};
+}
 
 Result<void> HostOptimizer::add_host_grad(Engine::State& s, Unit& u) {
   COSHARD_TRY_ASSIGN(u.host_grad_block, s.pinned->acquire(static_cast<std::size_t>(u.info.shard) * sizeof(float)));
@@ -55,6 +105,16 @@ namespace {
 
 class OptimizerOnHost final : public HostOptimizer {
  public:
+  // Masters apart from the parameters (bf16/f16) and the state in ordinary host memory; the
+  // pinned pool beside them.
+  void estimate(MemoryEstimate& m, const OptimizerSizes& z, std::span<const FetchUnitInfo> units, const EngineOptions& o,
+                std::size_t states) const override {
+    const bool narrow = o.dtype != DataType::f32;
+    m.add(MemoryPlace::pageable_host, optimizer_state_label(o.dtype, states) + " (offload cpu)",
+          (narrow ? z.trained_f32 : 0) + states * z.trained_f32);
+    estimate_pinned(m, units, o, states);
+  }
+
   Result<void> add_unit(Engine::State& s, Unit& u) override {
     const Shape shard_shape{u.info.shard};
     const auto shard_bytes = static_cast<std::size_t>(u.info.shard) * s.element_size;

@@ -14,6 +14,44 @@ namespace {
 
 class OptimizerOnNvme final : public HostOptimizer {
  public:
+  // Masters and state in the swap files (a frozen unit's master too); the pinned pool beside.
+  void estimate(MemoryEstimate& m, const OptimizerSizes& z, std::span<const FetchUnitInfo> units, const EngineOptions& o,
+                std::size_t states) const override {
+    const std::string tensors = states == 0 ? "" : " and " + std::to_string(states) + " state tensor" + (states == 1 ? "" : "s");
+    m.add(MemoryPlace::nvme, "fp32 masters" + tensors + " (swap files)", (1 + states) * z.trained_f32 + z.frozen_f32);
+    estimate_pinned(m, units, o, states);
+  }
+
+  // The host placement's setup, then the rank's swap folder (claimed: a second run there is
+  // refused), its store and swapper, and one sub-group file per unit.
+  Result<void> setup(Engine::State& s, std::span<const FetchUnitInfo> units) override {
+    const EngineOptions& o = s.o;
+    if (o.offload_optimizer.nvme_path.empty())
+      return fail(ErrorCode::invalid_argument, "offload_optimizer=nvme: needs a folder (nvme_path)");
+    COSHARD_TRY(HostOptimizer::setup(s, units));
+    const std::string rank_folder = "rank" + std::to_string(s.rank) + "-of-" + std::to_string(s.world);
+    auto claimed = offload::SwapFolder::claim(o.offload_optimizer.nvme_path / rank_folder,
+                                              "coshard rank " + std::to_string(s.rank) + " of " + std::to_string(s.world));
+    if (!claimed) return fail(std::move(claimed).error().with_context("offload_optimizer=nvme"));
+    s.swap_folder = std::move(*claimed);
+    offload::NvmeStoreOptions store_options;
+    store_options.directory = o.offload_optimizer.nvme_path;
+    store_options.direct = offload::NvmeStore::supports_direct_io(o.offload_optimizer.nvme_path);
+    COSHARD_TRY_ASSIGN(s.store, offload::NvmeStore::open(store_options));
+    offload::SwapperOptions swap_options;
+    swap_options.buffer_count = o.offload_optimizer.buffer_count;
+    COSHARD_TRY_ASSIGN(s.swapper, offload::Swapper::create(*s.store, s.pinned, swap_options));
+    const std::string folder = rank_folder + "/unit";
+    const std::size_t per_element = 4 * (1 + s.optimizer->state_tensors());  // master and state, f32
+    // (a frozen unit's file holds its master only: the parameters, with them on nvme)
+    for (std::size_t k = 0; k < units.size(); ++k) {
+      const auto& u = units[k];
+      s.subgroups.push_back({folder + std::to_string(k), static_cast<std::size_t>(u.shard) * (u.frozen ? sizeof(float) : per_element)});
+      if (!u.frozen) s.stepped_units.push_back(k);
+    }
+    return {};
+  }
+
   Result<void> add_unit(Engine::State& s, Unit& u) override {
     if (u.info.frozen) return s.optimizer->add_frozen_group(*s.host_ctx, u.info.shard);  // its file: the master only
     COSHARD_TRY(add_host_grad(s, u));

@@ -12,8 +12,11 @@
 // flag summed over ranks on the device and brought back): HostOptimizer::exchange_grad_stats.
 #pragma once
 
+#include <span>
+
 #include "coshard/async/task.hpp"
 #include "coshard/zero/engine.hpp"
+#include "coshard/zero/memory_estimate.hpp"
 
 namespace coshard::zero {
 
@@ -21,9 +24,25 @@ namespace detail {
 struct Unit;
 }
 
+// The trained units' sizes the optimizer's memory follows (memory_estimate.cpp).
+struct OptimizerSizes {
+  std::size_t trained_f32 = 0;  // this rank's shards of the trained units, in fp32
+  std::size_t frozen_f32 = 0;   // of the frozen ones (NVMe keeps their masters in the swap files)
+};
+
 class OptimizerPlacement {
  public:
   virtual ~OptimizerPlacement() = default;
+  // Its lines of the memory estimate: the masters and state where they live, and the pinned pool
+  // the host placements reserve (the same plan as setup's).
+  virtual void estimate(MemoryEstimate& m, const OptimizerSizes& z, std::span<const FetchUnitInfo> units,
+                        const EngineOptions& o, std::size_t states) const = 0;
+  // What the placement needs before any unit gets storage (the host placements: a CPU stream
+  // and context, and the pinned pool reserved for the plan, checked against the budget; NVMe:
+  // the rank's claimed swap folder, its store and swapper), and after every unit has (the device
+  // copies of the loss scale and statistics the host placements exchange).
+  virtual Result<void> setup(Engine::State&, std::span<const FetchUnitInfo>) { return {}; }
+  virtual Result<void> after_units(Engine::State&) { return {}; }
   // u's optimizer group when the engine is made (after its shard and gradients have storage):
   // on the device over the shard; in host memory over a pinned master (f32) or a pinned copy in
   // the compute dtype (bf16/f16), which is also the shard when the parameters are offloaded; on
@@ -44,7 +63,14 @@ class OptimizerPlacement {
 
 // The first half of an offloaded step, shared by the two host placements.
 class HostOptimizer : public OptimizerPlacement {
+ public:
+  Result<void> setup(Engine::State& s, std::span<const FetchUnitInfo> units) override;
+  Result<void> after_units(Engine::State& s) override;
+
  protected:
+  // The pinned pool's line of the estimate (offload_pinned_sizes, page-rounded).
+  static void estimate_pinned(MemoryEstimate& m, std::span<const FetchUnitInfo> units, const EngineOptions& o,
+                              std::size_t states);
   // u's gradient shard in pinned memory (f32), where the host steps it from.
   static Result<void> add_host_grad(Engine::State& s, detail::Unit& u);
   // Gradient shards not out yet go to pinned memory; the host computes the norm and overflow
@@ -59,6 +85,12 @@ class HostOptimizer : public OptimizerPlacement {
 // shard with its group's master and state.
 async::Task<Result<void>> visit_optimizer_groups(Engine::State& s, const Engine::ShardVisitor& use);
 
+// "fp32 masters and 2 state tensors" (bf16/f16) or "optimizer state (2 tensors)" (f32: the shard
+// is its own master): what a placement's estimate line holds.
+std::string optimizer_state_label(DataType dtype, std::size_t states);
+
+// The placement for `where` (EngineOptions::offload_optimizer); null for a value out of range.
+std::unique_ptr<OptimizerPlacement> make_optimizer_placement(OffloadTarget where);
 std::unique_ptr<OptimizerPlacement> make_optimizer_on_device();
 std::unique_ptr<OptimizerPlacement> make_optimizer_on_host();
 std::unique_ptr<OptimizerPlacement> make_optimizer_on_nvme();

@@ -39,6 +39,11 @@ class ShardsInMemory final : public ShardPlacement {
 
 class ShardsOnNvme final : public ShardPlacement {
  public:
+  // offload_params.buffer_count slots, one per shard read from its start to its gather.
+  Result<void> setup(Engine::State& s) override {
+    s.read_slots = async::StreamBudget::create(static_cast<std::size_t>(s.o.offload_params.buffer_count));
+    return {};
+  }
   Result<void> allocate(Engine::State&, Unit&) override { return {}; }  // the shard is in its swap file
   bool ready(const Unit& u) const override { return static_cast<bool>(u.read_block); }
   async::Task<Result<void>> make_ready(Engine::State& s, Unit& u) override { co_return co_await s.ensure_read(u); }

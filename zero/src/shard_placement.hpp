@@ -25,6 +25,8 @@ struct Unit;
 class ShardPlacement {
  public:
   virtual ~ShardPlacement() = default;
+  // What the placement needs before any unit gets storage (NVMe: the read slots).
+  virtual Result<void> setup(Engine::State&) { return {}; }
   // u's storage when the engine is made: on the device its shard (stage 3) or its full copy with
   // the shard a view of it (stages 1-2); in host memory a pinned copy in the compute dtype when
   // the optimizer is on NVMe (otherwise the shard is the optimizer placement's pinned buffer); on
