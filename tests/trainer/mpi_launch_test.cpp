@@ -377,7 +377,7 @@ TEST(MpiLaunch, SigtermEndsARunStuckInACollectiveAfterTheStopTimeout) {
 TEST(MpiLaunch, ASimulatedTwoNodeClusterGivesTheLossesOfThreads) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root for network namespaces";
   const fs::path dir = scratch("mpi_netns_cluster");
-  const std::vector<std::string> common = with(kTiny, {"--steps", "8", "--quiet", "--zero-stage", "3"});
+  const std::vector<std::string> common = with(kTiny, {"--steps", "8", "--zero-stage", "3"});  // (the header line shows the groups)
   const fs::path procs = dir / "cluster.jsonl", threads = dir / "threads.jsonl", full = dir / "full.jsonl";
   const fs::path bytes = dir / "bytes.json";
   mpirun(4);  // (the environment mpirun needs as root)
@@ -388,6 +388,8 @@ TEST(MpiLaunch, ASimulatedTwoNodeClusterGivesTheLossesOfThreads) {
   const int code = wait_exit(pid);
   const std::string output = slurp(dir / "output.txt");
   ASSERT_EQ(code, 0) << output;
+  EXPECT_NE(output.find("hybrid sharding: units sharded over groups of 2 consecutive rank(s), 2 copies"), std::string::npos)
+      << output;
   const Exit t = run(with(common, {"--world-size", "4", "--shard-group-size", "2", "--metrics", threads.string()}), dir);
   ASSERT_EQ(t.code, 0) << t.output;
   const Exit f = run(with(common, {"--world-size", "4", "--metrics", full.string()}), dir);

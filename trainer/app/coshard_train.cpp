@@ -25,6 +25,7 @@
 #include <mutex>
 #include <new>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include "coshard/async/log.hpp"
@@ -196,6 +197,13 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
                 static_cast<long long>(o.batch),
                 static_cast<long long>(o.seq), t.engine().units().size(),
                 first > 0 ? (", resumed at step " + std::to_string(first)).c_str() : "");
+    // Hybrid sharding: the groups the units are sharded over (each a copy of every block).
+    std::set<int> groups;
+    for (const auto& u : t.engine().units())
+      if (o.train.zero_stage > 0 && u.shard_ranks < world) groups.insert(u.shard_ranks);
+    for (const int g : groups)
+      std::printf("  hybrid sharding: units sharded over groups of %d consecutive rank(s), %d copies (across them: one "
+                  "all-reduce of each gradient shard)\n", g, world / g);
     std::fflush(stdout);
   }
   std::ofstream metrics;
