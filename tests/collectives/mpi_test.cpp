@@ -284,6 +284,31 @@ TEST(Mpi, AnAbortedRankFailsThePeersAtOnceNamingIt) {
   EXPECT_NE(done.error().message().find("injected failure in the test"), std::string::npos) << done.error().message();
 }
 
+// A rank that fails while its pair waits for it in a communicator split from the world (a shard
+// group's collective): aborting the world reaches the split communicators too, so the peer fails
+// at once, naming the reason, not at the timeout.
+TEST(Mpi, AnAbortedRankBreaksTheCommunicatorsSplitFromIt) {
+  auto c = make(std::chrono::minutes(5));
+  ASSERT_NE(c, nullptr);
+  const int r = c->rank();
+  auto pair = c->split(r / 2, r);
+  ASSERT_TRUE(pair.has_value()) << pair.error().message();
+  ASSERT_NE(*pair, nullptr);
+  if (r == 1) {
+    c->abort("injected failure in a shard group");
+    EXPECT_FALSE((*pair)->status().has_value());
+    return;
+  }
+  if (r != 0) return;  // (the other pairs have no part in it)
+  const auto start = Clock::now();
+  float x = 1, y = 0;
+  auto done = finish((*pair)->all_reduce(&x, &y, 1, DataType::f32, ReduceOp::sum));
+  ASSERT_FALSE(done.has_value());
+  EXPECT_LT(Clock::now() - start, std::chrono::minutes(1));
+  EXPECT_EQ(done.error().code(), ErrorCode::closed);
+  EXPECT_NE(done.error().message().find("injected failure in a shard group"), std::string::npos) << done.error().message();
+}
+
 // The last rank never launches: the others fail within the timeout, naming it and the last
 // group it reached; the flight recorder's record says the same.
 TEST(Mpi, AMissingPeerFailsTheOthersWithinTheTimeoutNamingIt) {
