@@ -60,6 +60,7 @@ struct RunPlan {
   OffloadTarget optimizer = OffloadTarget::none;
   OffloadTarget params = OffloadTarget::none;
   DataType dtype = DataType::f32;
+  bool step_in_backward = false;  // (needs clipping off: max_grad_norm 0 then)
   int first_step = 0, steps = 6;
   fs::path load;   // a checkpoint loaded before the first step
   fs::path save;   // a checkpoint saved after the last step
@@ -67,7 +68,8 @@ struct RunPlan {
     return "world " + std::to_string(world) + ", stage " + std::to_string(stage) + ", shard groups of " +
            std::to_string(shard_group_size) + (group_of ? " (per module)" : "") + ", " + std::to_string(micro_batches) +
            " micro-batches, fetch " + (fetch == FetchMode::all_gather ? "all_gather" : "all_reduce") + ", optimizer " +
-           std::string(to_string(optimizer)) + ", parameters " + std::string(to_string(params));
+           std::string(to_string(optimizer)) + ", parameters " + std::string(to_string(params)) +
+           (step_in_backward ? ", step in backward" : "");
   }
 };
 
@@ -108,13 +110,14 @@ Result<Run> train(const RunPlan& k) {
     COSHARD_CO_TRY_ASSIGN(auto ctx, Context::create(stream, *allocator));
     COSHARD_CO_TRY_ASSIGN(auto model, make_model());
     modules::StepControlOptions control;
-    control.max_grad_norm = 0.5f;  // clips in every step here: the norm must count each element once
+    control.max_grad_norm = k.step_in_backward ? 0.0f : 0.5f;  // clips in every step here: the norm must count each element once
     COSHARD_CO_TRY_ASSIGN(auto opt, Optimizer::adamw({.weight_decay = 0.1f}, control));
     EngineOptions o;
     o.zero_stage = k.stage;
     o.max_live_bytes = 12 << 10;  // stage 3: fewer units at once than the model has
     o.fetch_mode = k.fetch;
     o.dtype = k.dtype;
+    o.step_in_backward = k.step_in_backward;
     o.offload_optimizer = k.optimizer;
     o.offload_params = k.params;
     o.offload_optimizer.nvme_path = swap / ("rank" + std::to_string(r));
@@ -202,6 +205,8 @@ TEST(HybridSharding, LossesAndParametersMatchFullShardingAtEveryStage) {
                    .params = OffloadTarget::cpu});
   cases.push_back({.world = 4, .stage = 3, .shard_group_size = 2, .optimizer = OffloadTarget::nvme,
                    .params = OffloadTarget::nvme});
+  cases.push_back({.world = 4, .stage = 2, .shard_group_size = 2, .optimizer = OffloadTarget::cpu, .step_in_backward = true});
+  cases.push_back({.world = 6, .stage = 3, .shard_group_size = 3, .optimizer = OffloadTarget::nvme, .step_in_backward = true});
   double worst = 0;
   for (const auto& hybrid : cases) {
     RunPlan full = hybrid;
