@@ -73,7 +73,7 @@ struct RunPlan {
   }
 };
 
-struct Run {
+struct RunResult {
   std::vector<double> losses;           // rank 0's, per step
   std::vector<std::uint64_t> launches;  // rank 0's collective launches, per step
   Values loaded, final;                 // gathered after the load (if any) and at the end
@@ -99,10 +99,10 @@ Values values_of(const std::vector<GatheredParameter>& gathered, DataType dtype)
   return out;
 }
 
-Result<Run> train(const RunPlan& k) {
+Result<RunResult> train(const RunPlan& k) {
   const auto swap = fs::current_path() / "hybrid_sharding_scratch" /
                     ::testing::UnitTest::GetInstance()->current_test_info()->name();
-  Run run;
+  RunResult run;
   const auto errors = ::coshard::testing::on_ranks(k.world, [&](int r, collectives::Communicator& comm)
                                                                 -> async::Task<Result<void>> {
     COSHARD_CO_TRY_ASSIGN(auto stream, async::Stream::create(async::Device::cpu()));
@@ -172,7 +172,7 @@ Result<Run> train(const RunPlan& k) {
 // zero is what AdamW's normalized steps made of gradients that differ in their last bits).
 double relative(double a, double b) { return std::abs(a - b) / std::max({std::abs(a), std::abs(b), 1.0}); }
 
-void expect_close(const Run& got, const Run& want, const std::string& what, double* worst = nullptr) {
+void expect_close(const RunResult& got, const RunResult& want, const std::string& what, double* worst = nullptr) {
   ASSERT_EQ(got.losses.size(), want.losses.size()) << what;
   for (std::size_t i = 0; i < want.losses.size(); ++i)
     EXPECT_LE(relative(got.losses[i], want.losses[i]), 1e-6) << what << ": step " << i << " loss " << got.losses[i]
@@ -188,6 +188,18 @@ void expect_close(const Run& got, const Run& want, const std::string& what, doub
   // unsharded model, and three micro-batches 1.7e-6 from one: the order of additions.)
   EXPECT_LE(most, 1e-5) << what << ": final parameters differ by " << most << " relative";
   if (worst) *worst = std::max(*worst, most);
+}
+
+// `hybrid` and the same run with full sharding (`want`), each required to succeed.
+void train_against_full(const RunPlan& hybrid, RunResult& got, RunResult& want) {
+  RunPlan full = hybrid;
+  full.shard_group_size = 0;
+  auto f = train(full);
+  ASSERT_TRUE(f) << full.name() << ": " << f.error().message();
+  auto h = train(hybrid);
+  ASSERT_TRUE(h) << hybrid.name() << ": " << h.error().message();
+  want = std::move(*f);
+  got = std::move(*h);
 }
 
 TEST(HybridSharding, LossesAndParametersMatchFullShardingAtEveryStage) {
@@ -209,15 +221,11 @@ TEST(HybridSharding, LossesAndParametersMatchFullShardingAtEveryStage) {
   cases.push_back({.world = 6, .stage = 3, .shard_group_size = 3, .optimizer = OffloadTarget::nvme, .step_in_backward = true});
   double worst = 0;
   for (const auto& hybrid : cases) {
-    RunPlan full = hybrid;
-    full.shard_group_size = 0;
-    auto want = train(full);
-    ASSERT_TRUE(want) << full.name() << ": " << want.error().message();
-    auto got = train(hybrid);
-    ASSERT_TRUE(got) << hybrid.name() << ": " << got.error().message();
-    expect_close(*got, *want, hybrid.name(), &worst);
+    RunResult got, want;
+    ASSERT_NO_FATAL_FAILURE(train_against_full(hybrid, got, want));
+    expect_close(got, want, hybrid.name(), &worst);
     // The losses fall: the runs train.
-    EXPECT_LT(got->losses.back(), got->losses.front()) << hybrid.name();
+    EXPECT_LT(got.losses.back(), got.losses.front()) << hybrid.name();
   }
   std::printf("hybrid against full sharding: final parameters within %.3g relative\n", worst);
 }
@@ -227,19 +235,15 @@ TEST(HybridSharding, LossesAndParametersMatchFullShardingAtEveryStage) {
 TEST(HybridSharding, Bf16AgreesWithFullShardingToItsPrecision) {
   for (int stage = 1; stage <= 3; ++stage) {
     const RunPlan hybrid{.world = 4, .stage = stage, .shard_group_size = 2, .dtype = DataType::bf16};
-    RunPlan full = hybrid;
-    full.shard_group_size = 0;
-    auto want = train(full);
-    ASSERT_TRUE(want) << full.name() << ": " << want.error().message();
-    auto got = train(hybrid);
-    ASSERT_TRUE(got) << hybrid.name() << ": " << got.error().message();
-    ASSERT_EQ(got->losses.size(), want->losses.size());
+    RunResult got, want;
+    ASSERT_NO_FATAL_FAILURE(train_against_full(hybrid, got, want));
+    ASSERT_EQ(got.losses.size(), want.losses.size());
     double worst = 0;
-    for (std::size_t i = 0; i < want->losses.size(); ++i) {
-      EXPECT_LE(relative(got->losses[i], want->losses[i]), 1e-2) << hybrid.name() << ": step " << i;
-      worst = std::max(worst, std::abs(got->losses[i] - want->losses[i]) / std::abs(want->losses[i]));
+    for (std::size_t i = 0; i < want.losses.size(); ++i) {
+      EXPECT_LE(relative(got.losses[i], want.losses[i]), 1e-2) << hybrid.name() << ": step " << i;
+      worst = std::max(worst, std::abs(got.losses[i] - want.losses[i]) / std::abs(want.losses[i]));
     }
-    EXPECT_LT(got->losses.back(), got->losses.front()) << hybrid.name();
+    EXPECT_LT(got.losses.back(), got.losses.front()) << hybrid.name();
     std::printf("bf16, stage %d: hybrid losses within %.3g relative of full sharding's\n", stage, worst);
   }
 }

@@ -262,8 +262,8 @@ std::vector<Setting> make_table() {
                  "across the groups; local: the ranks of one node; 0: the whole world (full sharding)",
          .expected = "a whole number that divides the world size, 0 (the whole world) or local"},
         0, 1 << 24);
-    s.get = [](const Setting&, const TrainerConfig& c) {
-      return c.shard_group_local ? std::string("local") : std::to_string(c.shard_group_size);
+    s.get = [](const Setting& self, const TrainerConfig& c) {
+      return c.shard_group_local ? std::string("local") : get_value<&T::shard_group_size>(self, c);
     };
     s.parse = [](const Setting& self, TrainerConfig& c, std::string_view text) -> Result<void> {
       if (text == "local") {  // the launcher's ranks per node, known when the engine is made
@@ -271,12 +271,8 @@ std::vector<Setting> make_table() {
         c.shard_group_size = 0;
         return {};
       }
-      int v = 0;
-      const auto [stop, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-      if (text.empty() || ec != std::errc{} || stop != text.data() + text.size())
-        return fail(ErrorCode::invalid_argument, "expected ", self.expected);
+      COSHARD_TRY(parse_number<&T::shard_group_size>(self, c, text));  // (a negative one is refused by the range)
       c.shard_group_local = false;
-      c.shard_group_size = v;  // (a negative one is refused by the range)
       return {};
     };
     t.push_back(s);

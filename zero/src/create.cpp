@@ -167,14 +167,8 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   // (a setup collective: a rank asking for none skips it, as it makes no groups); then the shard
   // groups' communicators, before anything is allocated.
   if (o.shard_group_size != 0 || o.shard_group_size_of) COSHARD_TRY(detail::check_ranks_agree(comm, infos));
-  {
-    std::vector<int> sizes;
-    for (const auto& u : infos) sizes.push_back(u.shard_ranks);
-    std::sort(sizes.begin(), sizes.end());
-    sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
-    COSHARD_TRY_ASSIGN(s->shard_groups, detail::ShardGroups::create(comm, sizes, o.zero_stage != 0));
-    for (auto& u : s->units) u->group = &s->shard_groups->of(u->info.shard_ranks);
-  }
+  COSHARD_TRY_ASSIGN(s->shard_groups, detail::ShardGroups::create(comm, infos, o.zero_stage != 0));
+  for (auto& u : s->units) u->group = &s->shard_groups->of(u->info.shard_ranks);
   s->budget = async::StreamBudget::create(o.max_live_bytes);
   s->optimizer_placement = make_optimizer_placement(o.offload_optimizer);  // chosen here once: the engine asks it
   switch (o.offload_params) {

@@ -75,9 +75,13 @@ std::unique_ptr<OptimizerPlacement> make_optimizer_placement(OffloadTarget where
   return nullptr;
 }
 
+std::string fp32_masters_label(std::size_t states) {
+  return "fp32 masters" +
+         (states == 0 ? std::string() : " and " + std::to_string(states) + " state tensor" + (states == 1 ? "" : "s"));
+}
+
 std::string optimizer_state_label(DataType dtype, std::size_t states) {
-  const std::string tensors = states == 0 ? "" : " and " + std::to_string(states) + " state tensor" + (states == 1 ? "" : "s");
-  return dtype != DataType::f32 ? "fp32 masters" + tensors : "optimizer state (" + std::to_string(states) + " tensors)";
+  return dtype != DataType::f32 ? fp32_masters_label(states) : "optimizer state (" + std::to_string(states) + " tensors)";
 }
 
 }  // namespace coshard::zero

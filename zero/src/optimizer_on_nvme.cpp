@@ -17,8 +17,7 @@ class OptimizerOnNvme final : public HostOptimizer {
   // Masters and state in the swap files (a frozen unit's master too); the pinned pool beside.
   void estimate(MemoryEstimate& m, const OptimizerSizes& z, std::span<const FetchUnitInfo> units, const EngineOptions& o,
                 std::size_t states) const override {
-    const std::string tensors = states == 0 ? "" : " and " + std::to_string(states) + " state tensor" + (states == 1 ? "" : "s");
-    m.add(MemoryPlace::nvme, "fp32 masters" + tensors + " (swap files)", (1 + states) * z.trained_f32 + z.frozen_f32);
+    m.add(MemoryPlace::nvme, fp32_masters_label(states) + " (swap files)", (1 + states) * z.trained_f32 + z.frozen_f32);
     estimate_pinned(m, units, o, states);
   }
 

@@ -88,6 +88,8 @@ async::Task<Result<void>> visit_optimizer_groups(Engine::State& s, const Engine:
 // "fp32 masters and 2 state tensors" (bf16/f16) or "optimizer state (2 tensors)" (f32: the shard
 // is its own master): what a placement's estimate line holds.
 std::string optimizer_state_label(DataType dtype, std::size_t states);
+// "fp32 masters and 2 state tensors": the masters apart from the parameters, with their state.
+std::string fp32_masters_label(std::size_t states);
 
 // The placement for `where` (EngineOptions::offload_optimizer); null for a value out of range.
 std::unique_ptr<OptimizerPlacement> make_optimizer_placement(OffloadTarget where);

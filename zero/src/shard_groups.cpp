@@ -1,14 +1,17 @@
 #include "shard_groups.hpp"
 
 #include <algorithm>
+#include <set>
 #include <string>
 
 namespace coshard::zero::detail {
 
-Result<std::unique_ptr<ShardGroups>> ShardGroups::create(collectives::Communicator& world, std::span<const int> sizes,
-                                                         bool sharded) {
+Result<std::unique_ptr<ShardGroups>> ShardGroups::create(collectives::Communicator& world,
+                                                         std::span<const FetchUnitInfo> units, bool sharded) {
   auto groups = std::make_unique<ShardGroups>();
   const int rank = world.rank(), n = world.size();
+  std::set<int> sizes;  // (in order: every rank splits alike)
+  for (const auto& u : units) sizes.insert(u.shard_ranks);
   for (const int size : sizes) {
     if (size < 1 || n % size != 0)
       return fail(ErrorCode::invalid_argument, "shard group size ", size, ": expected a divisor of the world size ", n);
@@ -25,7 +28,6 @@ Result<std::unique_ptr<ShardGroups>> ShardGroups::create(collectives::Communicat
       COSHARD_TRY_ASSIGN(auto shard, world.split(rank / size, rank));
       g.shard = shard.get();
       groups->split_.push_back(std::move(shard));
-      groups->hybrid_ = true;
     }
     if (g.replicas > 1) {
       COSHARD_TRY_ASSIGN(auto copies, world.split(rank % size, rank));

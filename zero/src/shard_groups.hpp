@@ -25,14 +25,13 @@ struct ShardGroup {
 
 class ShardGroups {
  public:
-  // The groups for these sizes (each dividing the world; every rank passes the same): the world
-  // is split once for each size below it, into its shard groups and, with several copies, the
-  // copies. `sharded` false (stage 0): nothing is split; a unit is whole on every rank (one
-  // block, as many copies as ranks).
-  static Result<std::unique_ptr<ShardGroups>> create(collectives::Communicator& world, std::span<const int> sizes,
-                                                     bool sharded);
+  // The groups of these units' sizes (FetchUnitInfo::shard_ranks, each dividing the world; every
+  // rank plans the same): the world is split once for each size below it, into its shard groups
+  // and, with several copies, the copies. `sharded` false (stage 0): nothing is split; a unit is
+  // whole on every rank (one block, as many copies as ranks).
+  static Result<std::unique_ptr<ShardGroups>> create(collectives::Communicator& world,
+                                                     std::span<const FetchUnitInfo> units, bool sharded);
   const ShardGroup& of(int ranks) const { return groups_.at(ranks); }
-  bool hybrid() const noexcept { return hybrid_; }
   // Groups launched on the split communicators so far (the world's own are the world's).
   std::uint64_t launches() const noexcept {
     std::uint64_t n = 0;
@@ -43,7 +42,6 @@ class ShardGroups {
  private:
   std::vector<std::unique_ptr<collectives::Communicator>> split_;
   std::map<int, ShardGroup> groups_;
-  bool hybrid_ = false;  // some unit is sharded over fewer ranks than the world
 };
 
 // `group` enqueued on `sub`, ordered within `world`'s stream: after what that stream holds, and
