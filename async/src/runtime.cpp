@@ -339,6 +339,17 @@ std::coroutine_handle<> RootPromise::FinalAwaiter::await_suspend(
 }  // namespace coshard::async
 
 namespace coshard {
+namespace detail {
+namespace {
+// Made during static initialisation, while there is memory.
+const std::shared_ptr<const std::string> kMessageLost = std::make_shared<const std::string>(
+    "out of host memory: there was not enough left to keep this error's message");
+const std::string kEmptyMessage;
+}  // namespace
+const std::shared_ptr<const std::string>& message_lost_for_memory() noexcept { return kMessageLost; }
+const std::string& empty_message() noexcept { return kEmptyMessage; }
+}  // namespace detail
+
 std::string_view to_string(ErrorCode code) noexcept {
   switch (code) {
     case ErrorCode::invalid_argument: return "invalid_argument";

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -41,23 +42,45 @@ enum class ErrorCode : std::uint8_t {
 
 std::string_view to_string(ErrorCode code) noexcept;
 
+namespace detail {
+// What an Error says when there was not even the memory to keep its own message, and an empty
+// one (a moved-from Error); both made before main, so that reporting an error never allocates.
+const std::shared_ptr<const std::string>& message_lost_for_memory() noexcept;
+const std::string& empty_message() noexcept;
+}  // namespace detail
+
+// Copying an Error never allocates (the message is shared, and immutable), and making one never
+// throws: a thread that reports an out-of-memory error (a stream's worker) must not die of it.
 class Error {
  public:
-  Error(ErrorCode code, std::string message) : code_(code), message_(std::move(message)) {}
+  Error(ErrorCode code, std::string message) noexcept : code_(code), message_(share(std::move(message))) {}
 
   ErrorCode code() const noexcept { return code_; }
-  const std::string& message() const noexcept { return message_; }
+  const std::string& message() const noexcept { return message_ ? *message_ : detail::empty_message(); }
 
   // Prefixes context ("while fetching unit 3: ...") and returns the error, for propagation.
-  Error&& with_context(std::string_view context) && {
-    message_.insert(0, ": ");
-    message_.insert(0, context);
+  // Without the memory for the longer message, the message stays as it was.
+  Error&& with_context(std::string_view context) && noexcept {
+    try {
+      std::string longer;
+      longer.reserve(context.size() + 2 + message().size());
+      longer.append(context).append(": ").append(message());
+      message_ = std::make_shared<const std::string>(std::move(longer));
+    } catch (...) {
+    }
     return std::move(*this);
   }
 
  private:
+  static std::shared_ptr<const std::string> share(std::string&& message) noexcept {
+    try {
+      return std::make_shared<const std::string>(std::move(message));
+    } catch (...) {
+      return detail::message_lost_for_memory();
+    }
+  }
   ErrorCode code_;
-  std::string message_;
+  std::shared_ptr<const std::string> message_;
 };
 
 // The error side of a Result: what fail() returns; converts into any Result<T>.
