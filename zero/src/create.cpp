@@ -125,6 +125,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   s->model = &model;
   s->optimizer = &optimizer;
   s->o = o;
+  s->timeline = detail::StepTimeline(o.timing, o.record_timeline, o.adaptive_prefetch);
   s->rank = comm.rank();
   s->world = comm.size();
   s->element_size = size_of(o.dtype);
@@ -213,11 +214,8 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   }
   COSHARD_TRY(s->optimizer_placement->after_units(*s));
   auto& stream = ctx.stream();
-  if (s->timing()) {
-    COSHARD_TRY_ASSIGN(s->epoch, stream.record_timed());
-    COSHARD_TRY(s->streams_after_epoch());
-  }
-  s->gather_ms.assign(s->units.size(), -1.0);
+  COSHARD_TRY(s->timeline.start(stream, s->comm->stream()));
+  s->timeline.gather_ms.assign(s->units.size(), -1.0);
   COSHARD_LOG_INFO(zero, "engine: stage {}, {} of {} ranks on {} ({}), {} fetch units, max_live_bytes {}, optimizer on {}, "
                    "parameters on {}", o.zero_stage, s->rank, s->world, ctx.device().to_string(), comm.backend(),
                    s->units.size(), o.max_live_bytes, to_string(o.offload_optimizer), to_string(o.offload_params));

@@ -24,6 +24,8 @@
 #include "gradient_reduction.hpp"
 #include "parameter_residence.hpp"
 #include "shard_groups.hpp"
+#include "step_timeline.hpp"
+#include "fetch_trace.hpp"
 #include "unit.hpp"
 
 namespace coshard::zero {
@@ -141,9 +143,6 @@ struct Engine::State {
   Tensor staging_for(const Unit& u) const {
     return Tensor(staging.data(), Shape{u.info.shard}, o.dtype, async::Device::cpu());
   }
-  // nvme parameters: offload_params.buffer_count slots, one per shard read from its start to its gather
-  // (a slot comes back once the gather that copied out of its buffer has passed).
-  std::shared_ptr<async::StreamBudget> read_slots;
   // nvme parameters: values for the swap files that initialize/load_parameters computed on the
   // host (there is no shard to copy them from), taken by the placement's masters_from_shards.
   std::vector<std::vector<std::byte>> pending_shards;
@@ -199,69 +198,30 @@ struct Engine::State {
   // nvme: unit k's shard with its master and state as views of the swap buffer holding them.
   UnitShard swapped_shard(std::size_t k, std::span<std::byte> bytes) const;
 
-  // Traces of fetch order, per phase.
-  std::string phase = "train";
-  std::map<std::string, std::vector<std::size_t>> traces;
-  std::vector<std::size_t> recording;
-  const std::vector<std::size_t>* trace = nullptr;  // null: none yet, or departed from this step
-  std::size_t trace_pos = 0;
+  // The order of fetches, per phase: recorded in each pass, followed in the next (fetch_trace.hpp).
+  detail::FetchTrace trace;
   std::size_t prefetched_bytes = 0;
   // Bytes of units gathered or in flight as the host has issued them (released ones excluded at
   // once): the same on every rank, unlike the device-paced budget semaphore.
   std::size_t logical_live = 0;
   EngineStepStats stats;
 
-  // Timing (options.timing / record_timeline): the step's waits of compute on communication and
-  // its timeline, as event pairs read once the step is over.
-  struct Span {
-    bool compute;
-    const char* category;
-    const std::string* name;  // a unit's name, or a static phase name
-    async::Event start, end;
-    std::size_t pos;   // compute spans of stage 3: the fetch's position in the pass's order
-    std::size_t unit;  // gathers: the unit
-  };
-  static constexpr std::size_t kNone = std::numeric_limits<std::size_t>::max();
-  std::vector<Span> spans;
-  std::vector<std::pair<async::Event, async::Event>> waits;
-  async::Event epoch;
-
-  // Adaptive prefetch: measured milliseconds (device timestamps, a moving average over steps) of
-  // each unit's gather, and of the compute at each position of each phase's fetch order.
-  std::vector<double> gather_ms;                          // per unit; < 0: not measured yet
-  std::map<std::string, std::vector<double>> compute_ms;  // per phase, per trace position
-  static void learn(double& average, double sample) { average = average < 0 ? sample : 0.5 * average + 0.5 * sample; }
-  // A gather's span also holds time spent waiting for peers and for a busy host: the estimate
-  // follows the fastest recent sample, rising by at most a quarter a step when the link slows.
-  static void learn_gather(double& estimate, double sample) {
-    estimate = estimate < 0 ? sample : std::min(sample, 1.25 * estimate);
-  }
-
+  // The step's timeline, its waits of compute on communication, and adaptive prefetch's
+  // measurements (step_timeline.hpp).
+  detail::StepTimeline timeline;
   // The ranks average their measurements (one small all-reduce at the end of a pass), so every
   // rank makes the same prefetch decisions and issues its collectives in the same order.
   async::Task<Result<void>> agree_on_measurements();
-
-  bool timing() const noexcept { return o.timing || spans_on(); }
-  // Spans are kept for the timeline, and for adaptive prefetch (its measurements).
-  bool spans_on() const noexcept { return o.record_timeline || o.adaptive_prefetch; }
-  Result<async::Event> mark(async::Stream& stream) const { return timing() ? stream.record_timed() : stream.record(); }
-  void span(bool compute, const char* category, const std::string& name, async::Event start, async::Event end,
-            std::size_t pos = kNone, std::size_t unit = kNone) {
-    if (spans_on()) spans.push_back({compute, category, &name, std::move(start), std::move(end), pos, unit});
+  // The compute stream waits for `event` (of the communication stream), timed with the timeline.
+  Result<void> compute_waits(const async::Event& event, const std::string& what) {
+    return timeline.wait(ctx->stream(), event, what);
   }
-  // The compute stream waits for `event` of the communication stream; with timing, the time it
-  // stands there is measured (a timed event on each side of the wait).
-  Result<void> compute_waits(const async::Event& event, const std::string& what);
   Result<void> compute_waits_for_comm(const std::string& what) {
     COSHARD_TRY_ASSIGN(auto ev, comm->stream().record());
     return compute_waits(ev, what);
   }
-  // Spans are stamped by the streams when they pass their events, so a span can only be
-  // trusted to start after the epoch if both streams are ordered after it: under load a stream
-  // (or another rank's clock stream) may stamp the epoch later than the host recorded it.
-  Result<void> streams_after_epoch();
-  // After the step's last event has passed: the waits' total and the timeline.
-  void collect_timing();
+  // After the pass's last event has passed: the waits' total, the timeline, the measurements.
+  void collect_timing() { timeline.collect(stats, trace.phase(), trace.recorded()); }
 
   // Where this rank's block of a unit starts: its place in the unit's shard group x shard when
   // sharded; unsharded (stage 0) the block is the whole unit on every rank.
@@ -356,20 +316,6 @@ struct Engine::State {
   // Keep a unit gathered after its use when it is small, or needed again soon (and the budget
   // keeps room for the largest unit, so keeping never starves an on-demand fetch).
   bool keep_after_use(const Unit& u) const;
-
-  // ---- nvme parameters: reads ahead along the trace (param_reads.cpp) ----
-
-  static async::Task<Result<offload::PinnedBlock>> read_shard(std::shared_ptr<offload::NvmeStore> store,
-                                                              std::shared_ptr<offload::PinnedPool> pool,
-                                                              std::string file, std::size_t bytes);
-  Result<void> start_read(Unit& u, async::Semaphore::Permit slot);
-  // Unit u's shard in u.read_block: the read started ahead, or one now.
-  async::Task<Result<void>> ensure_read(Unit& u);
-  // Starts reads for the units next in the trace that are neither gathered nor read, while slots
-  // are free (never waits: a read that must happen now is ensure_read's).
-  Result<void> read_ahead();
-  // Before the optimizer rewrites the swap files: every read finished, unused buffers back.
-  async::Task<Result<void>> drain_reads();
 
   // ---- gradients: the reduction (gradient_reduction.hpp, gradients.cpp) ----
 

@@ -40,7 +40,7 @@ Result<async::Event> Engine::State::gather_unit(Unit& u, const Tensor& whole) {
 Result<void> Engine::State::issue_gather(Unit& u, async::Semaphore::Permit permit, bool ahead) {
   auto& cs = comm->stream();
   async::Event started;
-  if (spans_on()) {
+  if (timeline.spans_on()) {
     COSHARD_TRY_ASSIGN(started, cs.record_timed());
   }
   // Allocated for the compute stream (its last user); the gather's own use is recorded below,
@@ -50,9 +50,9 @@ Result<void> Engine::State::issue_gather(Unit& u, async::Semaphore::Permit permi
   auto done = gather_unit(u, u.gathered);
   if (!done) return fail(std::move(done).error().with_context("gathering unit " + u.info.name));
   u.gathered_event = std::move(*done);
-  if (spans_on()) {
+  if (timeline.spans_on()) {
     COSHARD_TRY_ASSIGN(auto finished, cs.record_timed());
-    span(false, ahead ? "prefetch" : "fetch", u.info.name, std::move(started), std::move(finished), kNone, u.index);
+    timeline.span(false, ahead ? "prefetch" : "fetch", u.info.name, std::move(started), std::move(finished), StepTimeline::kNone, u.index);
   }
   u.gathered_block.record_use(u.gathered_event);
   u.gather = Gather::in_flight;
@@ -70,8 +70,8 @@ Result<void> Engine::State::issue_gather(Unit& u, async::Semaphore::Permit permi
 
 Result<void> Engine::State::release(Unit& u) {
   if (u.gather == Gather::released) return {};
-  COSHARD_TRY_ASSIGN(auto last_use, spans_on() ? ctx->stream().record_timed() : ctx->stream().record());
-  span(true, "release", u.info.name, last_use, last_use);
+  COSHARD_TRY_ASSIGN(auto last_use, timeline.span_mark(ctx->stream()));
+  timeline.span(true, "release", u.info.name, last_use, last_use);
   // The block's uses: the gather (recorded at issue, so a stale prefetch's memory still waits
   // for it) and the compute stream up to `last_use`.
   u.gathered_block.reset_after(last_use);
@@ -89,16 +89,11 @@ Result<void> Engine::State::release(Unit& u) {
 
 async::Task<Result<void>> Engine::State::fetch(Unit& u) {
   ++stats.fetches;
-  u.fetch_pos = recording.size();
-  recording.push_back(u.index);
-  if (trace) {
-    if (trace_pos < trace->size() && (*trace)[trace_pos] == u.index)
-      ++trace_pos;
-    else
-      COSHARD_CO_TRY(abandon_trace());
-  }
+  bool on_trace = true;
+  u.fetch_pos = trace.record(u.index, on_trace);
+  if (!on_trace) COSHARD_CO_TRY(abandon_trace());
   if (u.gather != Gather::released) ++stats.prefetch_hits;
-  COSHARD_LOG_DEBUG(zero, "fetch unit {} ({}) in {}: {}", u.index, u.info.name, phase,
+  COSHARD_LOG_DEBUG(zero, "fetch unit {} ({}) in {}: {}", u.index, u.info.name, trace.phase(),
                     u.gather == Gather::released ? "not resident, gathering now" : "resident (prefetched or kept)");
   settle_prefetch(u);
   if (u.gather == Gather::released) {

@@ -61,7 +61,7 @@ class PerUnit : public GradientReduction {
     COSHARD_TRY_ASSIGN(auto produced, s.ctx->stream().record());
     COSHARD_TRY(cs.wait(produced));
     async::Event started;
-    if (s.spans_on()) {
+    if (s.timeline.spans_on()) {
       COSHARD_TRY_ASSIGN(started, cs.record_timed());
     }
     Tensor mine = u.grad_full.slice(s.block_offset(u), Shape{u.info.shard});
@@ -82,7 +82,7 @@ class PerUnit : public GradientReduction {
       COSHARD_TRY(s.ctx->kernels().add(cs, DataType::f32, u.grad_shard.data(), widened.data(), u.grad_shard.data(), u.info.shard));
     }
     ++u.grads_this_step;
-    COSHARD_TRY_ASSIGN(auto reduced, s.spans_on() ? cs.record_timed() : cs.record());
+    COSHARD_TRY_ASSIGN(auto reduced, s.timeline.span_mark(cs));
     if (s.grads_out_in_backward) {  // (a unit with two backward passes is copied again: the last copy wins)
       COSHARD_TRY(cs.copy(u.host_grad.data(), u.grad_shard.data(), u.grad_shard.bytes()));
       s.stats.swap_bytes += u.grad_shard.bytes();
@@ -90,7 +90,7 @@ class PerUnit : public GradientReduction {
       if (s.stepping_in_backward && u.backwards_this_step == u.forward_uses) COSHARD_TRY(s.step_on_host(u));
     }
     if (scratch) scratch.reset_after(reduced);
-    s.span(false, span_name(), u.info.name, std::move(started), reduced);
+    s.timeline.span(false, span_name(), u.info.name, std::move(started), reduced);
     u.grad_full_block.record_use(reduced);
     u.grad_full_block.reset();
     u.grad_full = {};
@@ -175,7 +175,7 @@ class CoalescedAfterBackward final : public GradientReduction {
 
   async::Task<Result<void>> finish(Engine::State& s) override {
     auto& cs = s.comm->stream();
-    COSHARD_CO_TRY_ASSIGN(auto started, s.mark(cs));
+    COSHARD_CO_TRY_ASSIGN(auto started, s.timeline.mark(cs));
     // Within each shard group, then (hybrid sharding) across the copies of each block.
     COSHARD_CO_TRY(s.launch_by_group(false, [&](Unit& u, Coalesced& group) {
       if (u.info.frozen) return;
@@ -194,8 +194,8 @@ class CoalescedAfterBackward final : public GradientReduction {
       for (auto& u : s.units)
         if (!u->info.frozen)
           COSHARD_CO_TRY(shard_from(s, *u, u->grad_full.slice(s.block_offset(*u), Shape{u->info.shard}), u->grad_shard));
-    COSHARD_CO_TRY_ASSIGN(auto finished, s.mark(cs));
-    s.span(false, "reduce_scatter", kAllUnits, std::move(started), std::move(finished));
+    COSHARD_CO_TRY_ASSIGN(auto finished, s.timeline.mark(cs));
+    s.timeline.span(false, "reduce_scatter", kAllUnits, std::move(started), std::move(finished));
     co_return Result<void>{};
   }
 

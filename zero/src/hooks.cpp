@@ -46,7 +46,7 @@ async::Task<Result<void>> Engine::before_forward(Context& ctx, Module& module) {
     ++u->uses_pending;
   }
   COSHARD_CO_TRY(co_await s.residence->acquire(s, *u));
-  if (s.spans_on()) {
+  if (s.timeline.spans_on()) {
     COSHARD_CO_TRY_ASSIGN(u->compute_start, s.ctx->stream().record_timed());
   }
   co_return Result<void>{};
@@ -59,9 +59,9 @@ Result<void> Engine::after_forward(Context& ctx, Module& module) {
       COSHARD_TRY(s.residence->after_use(s, *s.units[i]));
   Unit* u = s.unit_for(module);
   if (!u || &module != u->modules.back()) return {};
-  if (s.spans_on()) {
+  if (s.timeline.spans_on()) {
     COSHARD_TRY_ASSIGN(auto end, s.ctx->stream().record_timed());
-    s.span(true, ctx.recomputing() ? "recompute" : "forward", u->info.name, std::move(u->compute_start),
+    s.timeline.span(true, ctx.recomputing() ? "recompute" : "forward", u->info.name, std::move(u->compute_start),
            std::move(end), u->fetch_pos);
   }
   return s.residence->after_use(s, *u);
@@ -85,7 +85,7 @@ async::Task<Result<void>> Engine::before_backward(Context&, Module& module) {
   if (!u || &module != u->modules.back()) co_return Result<void>{};
   COSHARD_CO_TRY(co_await s.residence->acquire(s, *u));
   COSHARD_CO_TRY(s.reduction->begin_backward(s, *u));
-  if (s.spans_on()) {
+  if (s.timeline.spans_on()) {
     COSHARD_CO_TRY_ASSIGN(u->compute_start, s.ctx->stream().record_timed());
   }
   co_return Result<void>{};
@@ -101,9 +101,9 @@ Result<void> Engine::after_backward(Context&, Module& module) {
     }
   Unit* u = s.unit_for(module);
   if (!u || &module != u->modules.front()) return {};
-  if (s.spans_on()) {
+  if (s.timeline.spans_on()) {
     COSHARD_TRY_ASSIGN(auto end, s.ctx->stream().record_timed());
-    s.span(true, "backward", u->info.name, std::move(u->compute_start), std::move(end), u->fetch_pos);
+    s.timeline.span(true, "backward", u->info.name, std::move(u->compute_start), std::move(end), u->fetch_pos);
   }
   COSHARD_TRY(s.reduction->after_backward(s, *u));
   return s.residence->after_use(s, *u);

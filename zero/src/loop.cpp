@@ -150,10 +150,10 @@ async::Task<Result<EngineStepStats>> Engine::finish_open_step(float lr) {
   COSHARD_CO_TRY(co_await s.shard_placement->settle(s));
   COSHARD_CO_TRY(co_await s.finish_gradients(micro_batches));
   COSHARD_CO_TRY(co_await s.skip_units_without_gradients());
-  COSHARD_CO_TRY_ASSIGN(auto optimizer_started, s.mark(compute));
+  COSHARD_CO_TRY_ASSIGN(auto optimizer_started, s.timeline.mark(compute));
   COSHARD_CO_TRY(co_await s.optimizer_placement->step(s, lr));
-  COSHARD_CO_TRY_ASSIGN(auto optimizer_finished, s.mark(compute));
-  s.span(true, "optimizer", kOptimizer, std::move(optimizer_started), std::move(optimizer_finished));
+  COSHARD_CO_TRY_ASSIGN(auto optimizer_finished, s.timeline.mark(compute));
+  s.timeline.span(true, "optimizer", kOptimizer, std::move(optimizer_started), std::move(optimizer_finished));
 
   // The loss, averaged over micro-batches and ranks.
   // (the losses the loop added: when it added fewer than its micro-batches, their mean still)
@@ -231,6 +231,13 @@ async::Task<Result<double>> Engine::evaluate(Loss& loss, const Batch& batch) {
   s.stats = {};
   COSHARD_CO_TRY(co_await s.agree_on_measurements());
   co_return host[0];
+}
+
+Result<void> Engine::set_timeline_epoch(async::Event epoch) {
+  if (!epoch.timed() || !(epoch.device() == s_->ctx->device()))
+    return fail(ErrorCode::invalid_argument, "set_timeline_epoch: expected a timed event (Stream::record_timed) on ",
+                s_->ctx->device().to_string());
+  return s_->timeline.set_epoch(std::move(epoch), s_->ctx->stream(), s_->comm->stream());
 }
 
 }  // namespace coshard::zero

@@ -25,33 +25,22 @@ using namespace modules;
 using namespace detail;
 
 void Engine::State::begin_pass(std::string_view name) {
-  phase = std::string(name);
-  auto it = traces.find(phase);
-  trace = it == traces.end() ? nullptr : &it->second;
-  trace_pos = 0;
-  recording.clear();
+  trace.begin(name);
   prefetched_bytes = 0;
   stats = {};
-  spans.clear();
-  waits.clear();
+  timeline.begin_pass();
 }
 
 Result<void> Engine::State::end_pass() {
   COSHARD_TRY(residence->end_pass(*this));
-  const auto it = traces.find(phase);
-  if (it == traces.end() || it->second != recording) {
-    if (it != traces.end()) stats.trace_changed = true;
-    COSHARD_LOG_DEBUG(zero, "{}: trace of {} fetches recorded", phase, recording.size());
-    traces[phase] = recording;
-  }
-  trace = nullptr;
+  if (trace.end()) stats.trace_changed = true;
   return {};
 }
 
 Result<void> Engine::State::abandon_trace() {
   COSHARD_LOG_DEBUG(zero, "{}: the fetch order left the recorded trace at position {} of {}; prefetched units released",
-                    phase, trace_pos, trace ? trace->size() : 0);
-  trace = nullptr;
+                    trace.phase(), trace.pos(), trace.order().size());
+  trace.abandon();
   stats.trace_changed = true;
   for (auto& u : units)
     if (u->prefetched) COSHARD_TRY(release(*u));
@@ -59,16 +48,17 @@ Result<void> Engine::State::abandon_trace() {
 }
 
 Result<Engine::State::Awaiting> Engine::State::prefetch_ahead() {
-  if (!trace || (o.prefetch_bucket_bytes == 0 && !o.adaptive_prefetch)) return Awaiting{};
+  if (!trace.following() || (o.prefetch_bucket_bytes == 0 && !o.adaptive_prefetch)) return Awaiting{};
+  const auto order = trace.order();
   const std::size_t cap = o.prefetch_bucket_bytes == 0 ? std::numeric_limits<std::size_t>::max() : o.prefetch_bucket_bytes;
   // Adaptive: as far ahead as the measured gathers and compute need (prefetch_horizon.hpp).
   // Measured one step behind; before there are measurements, the bucket alone decides.
-  const auto measured = compute_ms.find(phase);
-  const bool adaptive = o.adaptive_prefetch && measured != compute_ms.end() &&
-                        measured->second.size() >= trace->size() && !gather_ms.empty();
-  const std::size_t end = adaptive ? prefetch_horizon(*trace, trace_pos, gather_ms, measured->second) : trace->size();
-  for (std::size_t i = trace_pos; i < end; ++i) {
-    Unit& v = *units[(*trace)[i]];
+  const auto measured = timeline.compute_ms.find(trace.phase());
+  const bool adaptive = o.adaptive_prefetch && measured != timeline.compute_ms.end() &&
+                        measured->second.size() >= order.size() && !timeline.gather_ms.empty();
+  const std::size_t end = adaptive ? prefetch_horizon(order, trace.pos(), timeline.gather_ms, measured->second) : order.size();
+  for (std::size_t i = trace.pos(); i < end; ++i) {
+    Unit& v = *units[order[i]];
     if (v.gather != Gather::released) continue;
     if (prefetched_bytes + v.info.padded_bytes > cap) break;
     if (logical_live + v.info.padded_bytes > o.max_live_bytes) break;
@@ -95,12 +85,14 @@ Result<Engine::State::Awaiting> Engine::State::prefetch_ahead() {
 
 bool Engine::State::keep_after_use(const Unit& u) const {
   if (u.info.persistent) return true;
-  if ((o.max_reuse_distance == 0 && o.max_reuse_distance_elements == 0) || !trace) return false;
+  if ((o.max_reuse_distance == 0 && o.max_reuse_distance_elements == 0) || !trace.following()) return false;
+  const auto order = trace.order();
+  const std::size_t pos = trace.pos();
   bool soon = false;
   std::size_t elements = 0;
-  for (std::size_t i = trace_pos; i < trace->size() && !soon; ++i) {
-    const Unit& next = *units[(*trace)[i]];
-    const bool by_count = i - trace_pos < o.max_reuse_distance;
+  for (std::size_t i = pos; i < order.size() && !soon; ++i) {
+    const Unit& next = *units[order[i]];
+    const bool by_count = i - pos < o.max_reuse_distance;
     const bool by_elements = elements < o.max_reuse_distance_elements;
     if (!by_count && !by_elements) break;
     soon = next.index == u.index;
@@ -122,12 +114,12 @@ async::Task<Result<std::vector<double>>> Engine::State::all_reduce_values(std::s
 
 async::Task<Result<void>> Engine::State::agree_on_measurements() {
   if (!o.adaptive_prefetch) co_return Result<void>{};
-  auto& positions = compute_ms[phase];
-  std::vector<double> mine(gather_ms);
+  auto& positions = timeline.compute_ms[trace.phase()];
+  std::vector<double> mine(timeline.gather_ms);
   mine.insert(mine.end(), positions.begin(), positions.end());
   COSHARD_CO_TRY_ASSIGN(auto agreed, co_await all_reduce_values(mine, ReduceOp::avg, "the prefetch's measurements"));
-  std::copy(agreed.begin(), agreed.begin() + static_cast<std::ptrdiff_t>(gather_ms.size()), gather_ms.begin());
-  std::copy(agreed.begin() + static_cast<std::ptrdiff_t>(gather_ms.size()), agreed.end(), positions.begin());
+  std::copy(agreed.begin(), agreed.begin() + static_cast<std::ptrdiff_t>(timeline.gather_ms.size()), timeline.gather_ms.begin());
+  std::copy(agreed.begin() + static_cast<std::ptrdiff_t>(timeline.gather_ms.size()), agreed.end(), positions.begin());
   co_return Result<void>{};
 }
 

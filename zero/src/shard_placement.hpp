@@ -6,7 +6,7 @@
 //   in the compute dtype; a gather first copies it into its place in the gathered buffer on the
 //   communication stream, then gathers in place (NCCL reads device memory only).
 // - on NVMe: the shard is the fp32 master at the head of its unit's swap file, read ahead along
-//   the trace into a pinned buffer (param_reads.cpp) and rounded to the compute dtype as it lands;
+//   the trace into a pinned buffer (shards_on_nvme.cpp) and rounded to the compute dtype as it lands;
 //   the buffer and its read slot come back once the gather that copied out of it has passed.
 #pragma once
 
