@@ -134,6 +134,31 @@ TEST(CoshardTrain, HalfPrecisionOffloadedTrainsLikeResident) {
   }
 }
 
+// --device-memory-budget with --offload-params cpu: --estimate names the split, and a run with part
+// of the shards on the device gives the losses of all of them offloaded, bit for bit.
+TEST(CoshardTrain, DeviceMemoryBudgetSplitsTheShardsWithTheSameLosses) {
+  const fs::path dir = scratch("device_budget");
+  const std::vector<std::string> offload = {"--steps", "4", "--world-size", "2", "--zero-stage", "3",
+                                            "--offload-optimizer", "cpu", "--offload-params", "cpu"};
+  const auto estimate = run(with(with(kTiny, offload), {"--device-memory-budget", "1MiB", "--estimate"}), dir);
+  ASSERT_EQ(estimate.code, 0) << estimate.output;
+  EXPECT_NE(estimate.output.find("(device_memory_budget 1.00 MiB: the parameter shards of "), std::string::npos)
+      << estimate.output;
+  const auto too_small = run(with(with(kTiny, offload), {"--device-memory-budget", "1KiB"}), dir);
+  EXPECT_EQ(too_small.code, 2) << too_small.output;  // (a configuration refused before the run)
+  EXPECT_NE(too_small.output.find("device_memory_budget=1024 (1.00 KiB): the plan needs"), std::string::npos)
+      << too_small.output;
+  std::vector<std::vector<double>> losses;
+  for (const std::string budget : {"0", "1MiB"}) {
+    const fs::path metrics = dir / ("budget" + budget + ".jsonl");
+    const auto r = run(with(with(kTiny, offload), {"--device-memory-budget", budget, "--metrics", metrics.string()}), dir);
+    ASSERT_EQ(r.code, 0) << r.output;
+    losses.push_back(losses_in(metrics));
+  }
+  ASSERT_EQ(losses[0].size(), 4u);
+  EXPECT_EQ(losses[1], losses[0]);
+}
+
 // --trace: valid Chrome-trace JSON with spans on both streams of every rank, from device
 // timestamps, and exposed communication in the metrics.
 TEST(CoshardTrain, TraceHasSpansOnEveryStreamOfEveryRank) {

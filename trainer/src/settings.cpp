@@ -452,6 +452,11 @@ std::vector<Setting> make_table() {
   t.push_back(bytes<&T::host_memory_budget>({.name = "host_memory_budget", .flag = "--host-memory-budget",
                                              .help = "pinned host memory the offload may use (default: exactly what it needs)",
                                              .expected = "a size", .per_rank = true}));
+  t.push_back(bytes<&T::device_memory_budget>(
+      {.name = "device_memory_budget", .flag = "--device-memory-budget",
+       .help = "with --offload-params cpu: device memory for the engine's state; the parameter shards of as many units "
+               "as fit stay on the device, the rest in pinned memory (default: every shard offloaded)",
+       .expected = "a size", .per_rank = true}));
   t.push_back(boolean<&T::step_in_backward>(
       {.name = "step_in_backward", .flag = "--step-in-backward",
        .help = "with --offload-optimizer cpu or nvme: step each unit on the CPU while backward goes on (needs --clip 0)"}));

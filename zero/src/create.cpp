@@ -173,8 +173,8 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   s->budget = async::StreamBudget::create(o.max_live_bytes);
   s->optimizer_placement = make_optimizer_placement(o.offload_optimizer);  // chosen here once: the engine asks it
   switch (o.offload_params) {
-    case OffloadTarget::none: s->shard_placement = make_shards_on_device(); break;
-    case OffloadTarget::cpu: s->shard_placement = make_shards_on_host(); break;
+    case OffloadTarget::none:
+    case OffloadTarget::cpu: s->shard_placement = make_shards_in_memory(); break;
     case OffloadTarget::nvme: s->shard_placement = make_shards_on_nvme(); break;
   }
   s->reduction = make_gradient_reduction(o.zero_stage);

@@ -130,7 +130,6 @@ struct Engine::State {
   // pageable memory returns only once done: a hidden host wait for the whole step so far.
   offload::PinnedBlock grad_stats_back;
   bool offloaded() const noexcept { return o.offload_optimizer != OptimizerOffload::none; }
-  bool params_offloaded() const noexcept { return o.offload_params != OffloadTarget::none; }
   bool params_on_nvme() const noexcept { return o.offload_params == OffloadTarget::nvme; }
   // bf16/f16 parameters: the host step writes them from the fp32 masters (half the bytes to the
   // device); with the optimizer on nvme and the shards on the device, through `staging`, one unit
@@ -138,7 +137,10 @@ struct Engine::State {
   // parameters on nvme a shard is its master rounded as it is read, and `staging` holds a unit's
   // rounded master while a checkpoint visits it.
   bool narrow() const noexcept { return o.dtype != DataType::f32; }
-  bool staged() const noexcept { return swapped() && narrow() && o.offload_params != OffloadTarget::cpu; }
+  bool staged() const noexcept {
+    return swapped() && narrow() &&
+           (params_on_nvme() || std::any_of(units.begin(), units.end(), [](const auto& u) { return !u->info.shard_offloaded; }));
+  }
   offload::PinnedBlock staging;
   Tensor staging_for(const Unit& u) const {
     return Tensor(staging.data(), Shape{u.info.shard}, o.dtype, async::Device::cpu());

@@ -110,6 +110,7 @@ Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOp
     plan.largest_unit_bytes = std::max(plan.largest_unit_bytes, u.info.padded_bytes);
     plan.units.push_back(std::move(u));
   }
+  COSHARD_TRY(place_shards(plan.units, o));
   if (stage3 && o.max_live_bytes < plan.largest_unit_bytes) {
     std::string largest;
     for (const auto& u : plan.units)
@@ -120,13 +121,18 @@ Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOp
   return plan;
 }
 
+bool shards_staged(std::span<const FetchUnitInfo> units, const EngineOptions& o) {
+  if (o.offload_params == OffloadTarget::nvme) return true;
+  return std::any_of(units.begin(), units.end(), [](const FetchUnitInfo& u) { return !u.shard_offloaded; });
+}
+
 std::vector<std::size_t> offload_pinned_sizes(std::span<const FetchUnitInfo> units, const EngineOptions& o,
                                               std::size_t optimizer_states) {
   std::vector<std::size_t> sizes;
   if (o.offload_optimizer == OffloadTarget::none) return sizes;
   const bool swapped = o.offload_optimizer == OffloadTarget::nvme;
   const bool narrow = o.dtype != DataType::f32;
-  const bool staged = swapped && narrow && o.offload_params != OffloadTarget::cpu;
+  const bool staged = swapped && narrow && shards_staged(units, o);
   const std::size_t element_size = size_of(o.dtype);
   std::size_t largest_group = 0, largest_shard = 0, largest_master = 0;
   const std::size_t per_element = 4 * (1 + optimizer_states);  // master and state, f32
@@ -135,10 +141,11 @@ std::vector<std::size_t> offload_pinned_sizes(std::span<const FetchUnitInfo> uni
     const auto f32_bytes = static_cast<std::size_t>(u.shard) * sizeof(float);
     largest_shard = std::max(largest_shard, shard_bytes);
     largest_master = std::max(largest_master, f32_bytes);
-    if (o.offload_params == OffloadTarget::cpu && swapped) sizes.push_back(shard_bytes);  // the pinned shard
+    const bool pinned_shard = o.offload_params == OffloadTarget::cpu && u.shard_offloaded;
+    if (pinned_shard && swapped) sizes.push_back(shard_bytes);  // the pinned shard
     if (u.frozen) {  // never stepped: no gradient, master or state (its file holds the master only)
       if (swapped) largest_group = std::max(largest_group, f32_bytes);
-      else if (o.offload_params == OffloadTarget::cpu) sizes.push_back(shard_bytes);  // the pinned shard
+      else if (pinned_shard) sizes.push_back(shard_bytes);  // the pinned shard
       continue;
     }
     if (swapped) {  // a resident gradient shard; master and state stream through buffers

@@ -41,6 +41,14 @@ Result<int> shard_group_size(const EngineOptions& o, int world_size, std::string
 // max_live_bytes cannot hold the largest unit.
 Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOptions& o);
 
+// Where each unit's shard lives (FetchUnitInfo::shard_offloaded): off the device with parameter
+// offload, and with a device_memory_budget, on the device for as many units as fit (device_budget.cpp).
+Result<void> place_shards(std::vector<PlannedUnit>& units, const EngineOptions& o);
+
+// With the optimizer on nvme and a bf16/f16 dtype: whether the step rounds into a pinned staging
+// buffer (a shard on the device, or a shard on nvme that a checkpoint visits).
+bool shards_staged(std::span<const FetchUnitInfo> units, const EngineOptions& o);
+
 // The pinned buffers an offloaded optimizer (and offloaded parameters) take, in bytes, each as
 // the pool reserves it (optimizer_states: Optimizer::state_tensors()). Empty without offload.
 std::vector<std::size_t> offload_pinned_sizes(std::span<const FetchUnitInfo> units, const EngineOptions& o,

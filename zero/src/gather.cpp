@@ -22,7 +22,7 @@ Result<async::Event> Engine::State::gather_unit(Unit& u, const Tensor& whole) {
   COSHARD_TRY_ASSIGN(const void* source, shard_placement->source(u));
   void* mine = whole.slice(block_offset(u), Shape{u.info.shard}).data();
   Coalesced group;
-  if (o.fetch_mode == FetchMode::all_gather && shard_placement->on_device()) {
+  if (o.fetch_mode == FetchMode::all_gather && shard_placement->on_device(u)) {
     group.all_gather(source, whole.data(), shard, o.dtype);
   } else if (o.fetch_mode == FetchMode::all_gather) {
     COSHARD_TRY(cs.copy(mine, source, shard * element_size));

@@ -99,9 +99,14 @@ MemoryEstimate detail::estimate_for_units(std::span<const FetchUnitInfo> units, 
   // (trained_*: the units that train; a frozen unit has no gradient, master or state)
   std::size_t whole = 0, shards = 0, shards_f32 = 0, largest_unit = 0, largest_padded = 0;
   std::size_t trained_whole = 0, trained_f32 = 0, largest_trained = 0, frozen_f32 = 0;
+  std::size_t shards_on_device = 0, units_on_device = 0;
   for (const auto& u : units) {
     whole += u.padded_bytes;
     shards += static_cast<std::size_t>(u.shard) * e;
+    if (!u.shard_offloaded) {
+      shards_on_device += static_cast<std::size_t>(u.shard) * e;
+      ++units_on_device;
+    }
     shards_f32 += static_cast<std::size_t>(u.shard) * sizeof(float);
     largest_unit = std::max(largest_unit, u.padded_bytes);
     largest_padded = std::max(largest_padded, static_cast<std::size_t>(u.padded));
@@ -119,7 +124,11 @@ MemoryEstimate detail::estimate_for_units(std::span<const FetchUnitInfo> units, 
   using P = MemoryPlace;
   // Parameters and gradients: the residence's and the reduction's own lines, as the engine they
   // would make holds them.
-  make_parameter_residence(o.zero_stage)->estimate(m, {whole, shards}, o);
+  make_parameter_residence(o.zero_stage)->estimate(m, {whole, shards, shards_on_device}, o);
+  if (o.device_memory_budget > 0 && o.offload_params == OffloadTarget::cpu)
+    m.notes.push_back("device_memory_budget " + format_bytes(o.device_memory_budget) + ": the parameter shards of " +
+                      std::to_string(units_on_device) + " of " + std::to_string(units.size()) +
+                      " units on the device, the rest in pinned host memory");
   make_gradient_reduction(o.zero_stage)->estimate(m, {trained_whole, largest_trained, trained_f32}, o.dtype);
   // The optimizer's: its masters and state, and the pinned pool of an offloaded one.
   if (auto placement = make_optimizer_placement(o.offload_optimizer))

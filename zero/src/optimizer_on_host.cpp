@@ -121,7 +121,7 @@ class OptimizerOnHost final : public HostOptimizer {
     if (u.info.frozen) {
       // Nothing to step: no gradient, master or state; with the parameters offloaded, the pinned
       // shard alone (in the compute dtype).
-      if (s.params_offloaded()) {
+      if (u.info.shard_offloaded) {
         COSHARD_TRY_ASSIGN(u.host_param_block, s.pinned->acquire(shard_bytes));
         u.host_param = Tensor(u.host_param_block.data(), shard_shape, s.o.dtype, async::Device::cpu());
         u.shard = u.host_param;
@@ -134,12 +134,12 @@ class OptimizerOnHost final : public HostOptimizer {
       // when the parameters are offloaded); the optimizer makes the fp32 master.
       COSHARD_TRY_ASSIGN(u.host_param_block, s.pinned->acquire(shard_bytes));
       u.host_param = Tensor(u.host_param_block.data(), shard_shape, s.o.dtype, async::Device::cpu());
-      if (s.params_offloaded()) u.shard = u.host_param;
+      if (u.info.shard_offloaded) u.shard = u.host_param;
       return s.optimizer->add_group(*s.host_ctx, u.host_param, u.host_grad, s.segments_of(u));
     }
     COSHARD_TRY_ASSIGN(u.host_master_block, s.pinned->acquire(shard_bytes));
     u.host_master = Tensor(u.host_master_block.data(), shard_shape, DataType::f32, async::Device::cpu());
-    if (s.params_offloaded()) u.shard = u.host_master;  // f32: the master is the parameter
+    if (u.info.shard_offloaded) u.shard = u.host_master;  // f32: the master is the parameter
     return s.optimizer->add_group(*s.host_ctx, u.host_master, u.host_grad, s.segments_of(u));
   }
 

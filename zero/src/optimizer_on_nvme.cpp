@@ -107,7 +107,7 @@ class OptimizerOnNvme final : public HostOptimizer {
       }
       // bf16/f16: the shard (through the staging buffer when on the device) widened on the host.
       Tensor source = u.shard;
-      if (!s.params_offloaded()) {
+      if (!u.info.shard_offloaded) {
         source = s.staging_for(u);
         COSHARD_CO_TRY(s.ctx->stream().copy(source.data(), u.shard.data(), u.shard.bytes()));
       }
@@ -172,13 +172,13 @@ async::Task<Result<void>> Engine::State::step_swapped_unit(std::size_t k, std::s
   // bf16/f16: cast down in the same pass, into the pinned shard itself (parameters offloaded to
   // cpu: nothing left to copy) or into the staging buffer on its way to the device.
   Tensor narrowed;
-  if (narrow() && !params_on_nvme()) narrowed = params_offloaded() ? u.shard : staging_for(u);
+  if (narrow() && !params_on_nvme()) narrowed = u.info.shard_offloaded ? u.shard : staging_for(u);
   COSHARD_CO_TRY(optimizer->apply_group(*host_ctx, first_group + k, lr, master, shard.state1, shard.state2, narrowed));
   COSHARD_CO_TRY_ASSIGN(auto stepped, host_stream->record());
   if (params_on_nvme() || (narrowed && narrowed.data() == u.shard.data())) co_return co_await stepped;
   COSHARD_CO_TRY(co_await after(to, stepped));
   COSHARD_CO_TRY(to.copy(u.shard.data(), narrowed ? narrowed.data() : master.data(), u.shard.bytes()));
-  if (!params_offloaded()) stats.swap_bytes += u.shard.bytes();
+  if (!u.info.shard_offloaded) stats.swap_bytes += u.shard.bytes();
   COSHARD_CO_TRY_ASSIGN(auto copied, to.record());
   co_return co_await copied;
 }

@@ -60,8 +60,7 @@ class GatheredOnUse final : public ParameterResidence {
  public:
   // This rank's shards (unless offloaded), and the gathered units, never more than max_live_bytes.
   void estimate(MemoryEstimate& m, const ParameterSizes& p, const EngineOptions& o) const override {
-    if (o.offload_params == OffloadTarget::none)
-      m.add(MemoryPlace::device, "parameter shards (" + std::string(collectives::to_string(o.dtype)) + ")", p.shards);
+    m.add(MemoryPlace::device, "parameter shards (" + std::string(collectives::to_string(o.dtype)) + ")", p.shards_on_device);
     m.add(MemoryPlace::device, "gathered parameters (max_live_bytes)", std::min(p.whole, o.max_live_bytes));
   }
   Result<void> bind_at_creation(Engine::State&, Unit&) override { return {}; }  // bound when gathered

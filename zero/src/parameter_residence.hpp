@@ -24,6 +24,7 @@ struct Unit;
 struct ParameterSizes {
   std::size_t whole = 0;   // every unit's padded bytes
   std::size_t shards = 0;  // this rank's shards of them
+  std::size_t shards_on_device = 0;  // of those, the ones not offloaded (FetchUnitInfo::shard_offloaded)
 };
 
 class ParameterResidence {

@@ -12,14 +12,14 @@ async::Task<Result<void>> ShardPlacement::settle(Engine::State&) { co_return Res
 
 namespace {
 
-// On the device or in pinned host memory: the shard is a tensor of the unit.
+// On the device or in pinned host memory, unit by unit (FetchUnitInfo::shard_offloaded: all
+// alike, or split by a device_memory_budget): the shard is a tensor of the unit.
 class ShardsInMemory final : public ShardPlacement {
  public:
-  explicit ShardsInMemory(bool device) : device_(device) {}
   Result<void> allocate(Engine::State& s, Unit& u) override {
     const Shape shard_shape{u.info.shard};
     const auto shard_bytes = static_cast<std::size_t>(u.info.shard) * s.element_size;
-    if (!device_) {
+    if (u.info.shard_offloaded) {
       if (!s.swapped()) return {};  // the optimizer placement's pinned master or copy is the shard
       COSHARD_TRY_ASSIGN(u.host_param_block, s.pinned->acquire(shard_bytes));
       u.shard = Tensor(u.host_param_block.data(), shard_shape, s.o.dtype, async::Device::cpu());
@@ -28,18 +28,14 @@ class ShardsInMemory final : public ShardPlacement {
     return s.residence->allocate_on_device(s, u);
   }
   Result<const void*> source(const Unit& u) const override { return static_cast<const void*>(u.shard.data()); }
-  bool on_device() const noexcept override { return device_; }
+  bool on_device(const Unit& u) const noexcept override { return !u.info.shard_offloaded; }
   Result<void> write(Engine::State& s, Unit& u, std::span<const std::byte> mine) override {
     return s.ctx->copy_from_host(u.shard, mine);
   }
-
- private:
-  bool device_;
 };
 
 }  // namespace
 
-std::unique_ptr<ShardPlacement> make_shards_on_device() { return std::make_unique<ShardsInMemory>(true); }
-std::unique_ptr<ShardPlacement> make_shards_on_host() { return std::make_unique<ShardsInMemory>(false); }
+std::unique_ptr<ShardPlacement> make_shards_in_memory() { return std::make_unique<ShardsInMemory>(); }
 
 }  // namespace coshard::zero

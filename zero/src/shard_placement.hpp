@@ -1,7 +1,8 @@
 // Where this rank's parameter shards live (EngineOptions::offload_params, stage 3), chosen once
 // when the engine is made: one interface, three implementations.
 //
-// - on the device: the shard is its own device buffer; a gather reads it in place.
+// - on the device: the shard is its own device buffer; a gather reads it in place. With a
+//   device_memory_budget, some units' shards are on the device and the rest in pinned memory.
 // - in pinned host memory (cpu): the shard is the optimizer's pinned fp32 master, or a pinned copy
 //   in the compute dtype; a gather first copies it into its place in the gathered buffer on the
 //   communication stream, then gathers in place (NCCL reads device memory only).
@@ -38,7 +39,7 @@ class ShardPlacement {
   virtual async::Task<Result<void>> make_ready(Engine::State&, detail::Unit&);
   // Where a gather reads this rank's shard, and whether that is device memory.
   virtual Result<const void*> source(const detail::Unit& u) const = 0;
-  virtual bool on_device() const noexcept = 0;
+  virtual bool on_device(const detail::Unit& u) const noexcept = 0;
   // A gather that read `source` is enqueued, `done` its event.
   virtual Result<void> gathered(Engine::State&, detail::Unit&, const async::Event&) { return {}; }
   // This rank's block of u, in the compute dtype, from host bytes (initialisation, a load).
@@ -49,8 +50,8 @@ class ShardPlacement {
   virtual async::Task<Result<void>> settle(Engine::State&);
 };
 
-std::unique_ptr<ShardPlacement> make_shards_on_device();
-std::unique_ptr<ShardPlacement> make_shards_on_host();
+// On the device or in pinned host memory, as each unit's FetchUnitInfo::shard_offloaded says.
+std::unique_ptr<ShardPlacement> make_shards_in_memory();
 std::unique_ptr<ShardPlacement> make_shards_on_nvme();
 
 }  // namespace coshard::zero

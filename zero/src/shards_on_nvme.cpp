@@ -36,7 +36,7 @@ class ShardsOnNvme final : public ShardPlacement {
       return fail(ErrorCode::internal, "Engine: unit ", u.info.name, " gathered before its shard was read");
     return static_cast<const void*>(u.read_block.data());
   }
-  bool on_device() const noexcept override { return false; }
+  bool on_device(const Unit&) const noexcept override { return false; }
   // The read buffer and its slot come back once the copy out of it has passed.
   Result<void> gathered(Engine::State&, Unit& u, const async::Event& done) override {
     u.read_block.release_after(done);

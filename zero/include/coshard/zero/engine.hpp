@@ -147,6 +147,14 @@ struct EngineOptions {
   // in the gathered buffer and gathers in place; nvme reads run ahead along the trace, at most
   // offload_params.buffer_count at once (pinned buffers of the largest fp32 master, under the budget).
   OffloadOptions offload_params;
+  // With offload_params=cpu: the device memory the engine's state may take, in bytes (the memory
+  // estimate's device lines: gathered parameters, gradient buffers, parameter shards). The shards
+  // of as many units as fit stay on the device, the rest in pinned host memory, in an order that
+  // pays: the first and the last units first (alternating inwards), whose gathers open forward
+  // and backward with no compute before them to hide behind; the rest are prefetched behind
+  // compute. 0: every shard offloaded. Activations come on top. A budget the rest of the plan
+  // already exceeds is refused, naming both.
+  std::size_t device_memory_budget = 0;
   // With offload_optimizer=cpu or nvme at stages 2-3: each unit's shard is stepped on the CPU
   // stream as soon as its last gradient shard of the step is out, while backward goes on, instead
   // of after the whole backward. cpu: the updated shards go back to the device after backward.
@@ -209,6 +217,9 @@ struct FetchUnitInfo {
   // The ranks it is sharded over (its shard group: the world unless hybrid sharding says less;
   // 1 at stage 0). Each of the world / shard_ranks groups holds a copy of every block.
   int shard_ranks = 1;
+  // This rank's shard lives off the device (offload_params; with a device_memory_budget, only the
+  // units whose shards did not fit on the device).
+  bool shard_offloaded = false;
 };
 
 // This rank's share of one unit, as views of the engine's state (valid while a visit_shards
