@@ -102,7 +102,14 @@ async::Task<Result<void>> Swapper::run(std::span<const SubGroup> groups, Use use
       ++held;
       stats_.peak_buffers = std::max(stats_.peak_buffers, held);
     }
-    note(co_await use(k, block.bytes().first(groups[k].bytes)));
+    // An exception out of `use` must not unwind this frame past the transfers in flight below.
+    try {
+      note(co_await use(k, block.bytes().first(groups[k].bytes)));
+    } catch (const std::bad_alloc&) {
+      note(fail(Error(ErrorCode::out_of_memory, "out of memory")));  // (short texts need no allocation)
+    } catch (...) {
+      note(fail(Error(ErrorCode::task_failed, "a use threw")));
+    }
     if (failure) {
       block.reset();
       --held;

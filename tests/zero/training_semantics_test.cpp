@@ -535,8 +535,10 @@ TEST(FrozenParameters, AWhollyFrozenUnitHoldsNoGradientMasterOrOptimizerState) {
     EXPECT_FALSE(g.grads || g.master || g.state1 || g.state2);
     for (std::size_t i = 1; i < frozen->groups.size(); ++i) EXPECT_FALSE(frozen->groups[i].frozen);
     const std::size_t shard = (k.stage == 0 ? fc1_elements : fc1_elements / 2) * sizeof(float);
-    // On the device: its gradient shard (f32), and with the optimizer there its two moments.
-    const std::size_t saved = shard * (k.optimizer == OffloadTarget::none ? 3 : 1);
+    // On the device: its gradient shard (f32) and its two moments, with the optimizer there.
+    // (Offloaded, a gradient shard is on the device only from its reduction until it is out, a
+    // few at a time: freezing a unit lowers the peak by none of them for certain.)
+    const std::size_t saved = k.optimizer == OffloadTarget::none ? shard * 3 : 0;
     EXPECT_GE(all->device_peak_bytes, frozen->device_peak_bytes + saved)
         << all->device_peak_bytes << " bytes at the peak trained, " << frozen->device_peak_bytes << " frozen";
 

@@ -76,6 +76,7 @@ modules::StepControlOptions TrainerConfig::step_control() const {
 
 Result<zero::EngineOptions> TrainerConfig::engine_options_for(modules::Module& model, int world_size) const {
   zero::EngineOptions o = engine_options();
+  o.expected_micro_batches = gradient_accumulation_steps;
   if (shard_group_local) {
     // Under a launcher its count of ranks on this machine; ranks as threads share one machine.
     COSHARD_TRY_ASSIGN(const auto env, collectives::read_launch_env());

@@ -145,9 +145,10 @@ struct Engine::State {
   Tensor staging_for(const Unit& u) const {
     return Tensor(staging.data(), Shape{u.info.shard}, o.dtype, async::Device::cpu());
   }
-  // nvme parameters: values for the swap files that initialize/load_parameters computed on the
-  // host (there is no shard to copy them from), taken by the placement's masters_from_shards.
-  std::vector<std::vector<std::byte>> pending_shards;
+  // nvme parameters: this rank's block of a unit for its swap file, made on the host by
+  // initialize/load_parameters as masters_from_shards writes the file (there is no shard to copy
+  // from), one unit at a time.
+  ShardPlacement::BlockSource shard_values;
   // Optimizer offload at stages 2-3 with one micro-batch: each gradient shard goes out to pinned
   // memory on the communication stream right after its reduction, overlapped with the rest of
   // backward (with more micro-batches the shards are scaled after the last one first).

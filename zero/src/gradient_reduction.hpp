@@ -30,6 +30,10 @@ struct GradientSizes {
   std::size_t whole = 0;          // every trained unit's padded bytes, in the compute dtype
   std::size_t largest_whole = 0;  // the largest trained unit's
   std::size_t shards_f32 = 0;     // this rank's fp32 shards of them (whole units at stage 0)
+  std::size_t largest_shard_f32 = 0;
+  // The optimizer is offloaded and steps have one micro-batch: a shard is on the device only from
+  // its reduction until it is out (stages 0, 2-3).
+  bool shards_in_flight = false;
 };
 
 class GradientReduction {

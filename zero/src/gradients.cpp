@@ -30,16 +30,28 @@ Result<void> shard_from(Engine::State& s, const Unit& u, const Tensor& mine, con
 // Stages 0 and 2-3: each unit's whole gradient lives from its backward to its reduction, which
 // runs on the communication stream as soon as the unit's last use of the micro-batch is done;
 // the reduced block is added into the fp32 shard. The collective is the subclass's.
+//
+// With the optimizer offloaded the fp32 shard is not kept between steps: with one micro-batch it
+// is made at the unit's reduction and given back once it is out in pinned memory (so the device
+// holds a few, not the model's), with several it is made at the start of the step and given back
+// when the step copies the shards out (HostOptimizer::exchange_grad_stats).
 class PerUnit : public GradientReduction {
  public:
-  Result<void> allocate(Engine::State& s, Unit& u) override { return u.info.frozen ? Result<void>{} : allocate_shard(s, u); }
+  Result<void> allocate(Engine::State& s, Unit& u) override {
+    return u.info.frozen || s.offloaded() ? Result<void>{} : allocate_shard(s, u);
+  }
 
-  Result<void> begin_step(Engine::State&, Unit& u) override {
+  Result<void> begin_step(Engine::State& s, Unit& u) override {
     if (u.grad_full) {  // left by an abandoned step
       u.grad_full_block.reset();
       u.grad_full = {};
     }
-    return {};
+    if (!s.offloaded() || u.info.frozen) return {};
+    if (u.grad_shard) {  // left by an abandoned step
+      u.grad_shard_block.reset();
+      u.grad_shard = {};
+    }
+    return s.grads_out_in_backward ? Result<void>{} : allocate_shard(s, u);
   }
 
   Result<void> begin_backward(Engine::State& s, Unit& u) override {
@@ -71,6 +83,10 @@ class PerUnit : public GradientReduction {
       return fail(std::move(reduced_launch).error().with_context("reducing the gradients of unit " + u.info.name));
     // Into the fp32 shard (bf16/f16 compute reduces in its own dtype, accumulates in fp32).
     async::Block scratch;
+    if (!u.grad_shard) {  // offloaded, one micro-batch: made for this reduction (overwritten below)
+      COSHARD_TRY_ASSIGN(u.grad_shard_block, s.ctx->allocator().allocate(static_cast<std::size_t>(u.info.shard) * sizeof(float), cs));
+      u.grad_shard = Tensor(u.grad_shard_block.data(), Shape{u.info.shard}, DataType::f32, s.ctx->device());
+    }
     if (u.grads_this_step == 0) {
       COSHARD_TRY(shard_from(s, u, mine, u.grad_shard));
     } else if (s.o.dtype == DataType::f32) {
@@ -88,6 +104,11 @@ class PerUnit : public GradientReduction {
       s.stats.swap_bytes += u.grad_shard.bytes();
       u.grads_out = true;
       if (s.stepping_in_backward && u.backwards_this_step == u.forward_uses) COSHARD_TRY(s.step_on_host(u));
+      if (u.backwards_this_step == u.forward_uses) {  // its last of the step: back once the copy has passed
+        COSHARD_TRY_ASSIGN(auto out, cs.record());
+        u.grad_shard_block.reset_after(out);
+        u.grad_shard = {};
+      }
     }
     if (scratch) scratch.reset_after(reduced);
     s.timeline.span(false, span_name(), u.info.name, std::move(started), reduced);
@@ -99,8 +120,15 @@ class PerUnit : public GradientReduction {
 
   async::Task<Result<void>> finish(Engine::State& s) override {
     auto& cs = s.comm->stream();
-    for (auto& u : s.units)  // units without a backward this step (unused parameters)
-      if (u->grads_this_step == 0 && !u->info.frozen) COSHARD_CO_TRY(cs.fill(u->grad_shard.data(), 0, u->grad_shard.bytes()));
+    for (auto& u : s.units) {  // units without a backward this step (unused parameters)
+      if (u->grads_this_step != 0 || u->info.frozen) continue;
+      if (!u->grad_shard) {  // offloaded, one micro-batch: made zero, then copied out with the rest
+        const auto bytes = static_cast<std::size_t>(u->info.shard) * sizeof(float);
+        COSHARD_CO_TRY_ASSIGN(u->grad_shard_block, s.ctx->allocator().allocate(bytes, cs));
+        u->grad_shard = Tensor(u->grad_shard_block.data(), Shape{u->info.shard}, DataType::f32, s.ctx->device());
+      }
+      COSHARD_CO_TRY(cs.fill(u->grad_shard.data(), 0, u->grad_shard.bytes()));
+    }
     co_return Result<void>{};
   }
 
@@ -111,7 +139,10 @@ class PerUnit : public GradientReduction {
   // produced, one being reduced); the reduced shards are fp32.
   void estimate(MemoryEstimate& m, const GradientSizes& g, DataType) const override {
     m.add(MemoryPlace::device, "gradients in flight (two largest units)", std::min(g.whole, 2 * g.largest_whole));
-    m.add(MemoryPlace::device, shard_label(), g.shards_f32);
+    if (g.shards_in_flight)
+      m.add(MemoryPlace::device, std::string(shard_label()) + ", two largest in flight", std::min(g.shards_f32, 2 * g.largest_shard_f32));
+    else
+      m.add(MemoryPlace::device, shard_label(), g.shards_f32);
   }
 
  protected:

@@ -99,7 +99,7 @@ MemoryEstimate detail::estimate_for_units(std::span<const FetchUnitInfo> units, 
   // (trained_*: the units that train; a frozen unit has no gradient, master or state)
   std::size_t whole = 0, shards = 0, shards_f32 = 0, largest_unit = 0, largest_padded = 0;
   std::size_t trained_whole = 0, trained_f32 = 0, largest_trained = 0, frozen_f32 = 0;
-  std::size_t shards_on_device = 0, units_on_device = 0;
+  std::size_t shards_on_device = 0, units_on_device = 0, largest_trained_f32 = 0;
   for (const auto& u : units) {
     whole += u.padded_bytes;
     shards += static_cast<std::size_t>(u.shard) * e;
@@ -116,6 +116,7 @@ MemoryEstimate detail::estimate_for_units(std::span<const FetchUnitInfo> units, 
     }
     trained_whole += u.padded_bytes;
     trained_f32 += static_cast<std::size_t>(u.shard) * sizeof(float);
+    largest_trained_f32 = std::max(largest_trained_f32, static_cast<std::size_t>(u.shard) * sizeof(float));
     largest_trained = std::max(largest_trained, u.padded_bytes);
   }
   const std::string dtype(collectives::to_string(o.dtype));
@@ -129,7 +130,9 @@ MemoryEstimate detail::estimate_for_units(std::span<const FetchUnitInfo> units, 
     m.notes.push_back("device_memory_budget " + format_bytes(o.device_memory_budget) + ": the parameter shards of " +
                       std::to_string(units_on_device) + " of " + std::to_string(units.size()) +
                       " units on the device, the rest in pinned host memory");
-  make_gradient_reduction(o.zero_stage)->estimate(m, {trained_whole, largest_trained, trained_f32}, o.dtype);
+  const bool in_flight = o.offload_optimizer != OffloadTarget::none && o.expected_micro_batches == 1;
+  make_gradient_reduction(o.zero_stage)->estimate(
+      m, {trained_whole, largest_trained, trained_f32, largest_trained_f32, in_flight}, o.dtype);
   // The optimizer's: its masters and state, and the pinned pool of an offloaded one.
   if (auto placement = make_optimizer_placement(o.offload_optimizer))
     placement->estimate(m, {trained_f32, frozen_f32}, units, o, optimizer_states);
@@ -137,9 +140,9 @@ MemoryEstimate detail::estimate_for_units(std::span<const FetchUnitInfo> units, 
   if (frozen_f32 > 0)
     m.notes.push_back("frozen: " + format_bytes(frozen_f32 / sizeof(float) * e) + " of parameter shards (" + dtype +
                       ") without gradients, fp32 masters or optimizer state");
-  // initialize(): a unit's values in double, then encoded (nvme parameters: every shard at once).
-  const std::size_t encoded = o.offload_params == OffloadTarget::nvme ? shards : largest_unit;
-  m.add(P::pageable_host, "initial values (at start)", largest_padded * sizeof(double) + encoded);
+  // initialize(): a unit's values in double, then encoded (one unit at a time, whatever the
+  // shards' place: nvme parameters are made unit by unit as their swap files are written).
+  m.add(P::pageable_host, "initial values (at start)", largest_padded * sizeof(double) + largest_unit);
   return m;
 }
 

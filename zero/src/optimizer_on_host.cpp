@@ -77,6 +77,13 @@ async::Task<Result<void>> HostOptimizer::exchange_grad_stats(Engine::State& s) {
   }
   COSHARD_CO_TRY_ASSIGN(auto grads_out, compute.record());
   COSHARD_CO_TRY(host.wait(grads_out));
+  // Reduced per unit, the device's gradient shards are not kept between steps (gradients.cpp):
+  // back once copied. (Stage 1 keeps its whole gradients, and the shards in them, for good.)
+  for (auto& u : s.units) {
+    if (!u->grad_shard || !s.reduction->complete_per_unit()) continue;
+    u->grad_shard_block.reset_after(grads_out);
+    u->grad_shard = {};
+  }
   if (s.stepping_in_backward) {  // the units not stepped yet add their share
     for (auto& u : s.units) {
       if (u->stepped_early || u->info.frozen) continue;

@@ -93,7 +93,8 @@ class OptimizerOnNvme final : public HostOptimizer {
     auto fill = [&s](std::size_t k, std::span<std::byte> bytes) -> async::Task<Result<void>> {
       const Unit& u = *s.units[k];
       if (s.params_on_nvme()) {  // the values were computed on the host, in the compute dtype
-        const auto& values = s.pending_shards.at(k);
+        if (!s.shard_values) co_return fail(ErrorCode::internal, "Engine: no values for the swap file of unit ", u.info.name);
+        COSHARD_CO_TRY_ASSIGN(const auto values, s.shard_values(u));
         if (!s.narrow()) {
           std::copy(values.begin(), values.end(), bytes.begin());
           co_return Result<void>{};
@@ -116,7 +117,7 @@ class OptimizerOnNvme final : public HostOptimizer {
       co_return co_await s.cast_on_host(s.o.dtype, source.data(), DataType::f32, bytes.data(), u.info.shard);
     };
     auto written = co_await s.swapper->initialize(s.subgroups, fill);
-    s.pending_shards.clear();
+    s.shard_values = nullptr;
     co_return written;
   }
 

@@ -29,8 +29,12 @@ class ShardsInMemory final : public ShardPlacement {
   }
   Result<const void*> source(const Unit& u) const override { return static_cast<const void*>(u.shard.data()); }
   bool on_device(const Unit& u) const noexcept override { return !u.info.shard_offloaded; }
-  Result<void> write(Engine::State& s, Unit& u, std::span<const std::byte> mine) override {
-    return s.ctx->copy_from_host(u.shard, mine);
+  Result<void> write_all(Engine::State& s, BlockSource block_of) override {
+    for (auto& u : s.units) {
+      COSHARD_TRY_ASSIGN(const auto bytes, block_of(*u));
+      COSHARD_TRY(s.ctx->copy_from_host(u->shard, bytes));
+    }
+    return {};
   }
 };
 

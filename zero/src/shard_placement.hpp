@@ -11,7 +11,9 @@
 //   the buffer and its read slot come back once the gather that copied out of it has passed.
 #pragma once
 
+#include <functional>
 #include <span>
+#include <vector>
 
 #include "coshard/async/event.hpp"
 #include "coshard/async/task.hpp"
@@ -42,8 +44,12 @@ class ShardPlacement {
   virtual bool on_device(const detail::Unit& u) const noexcept = 0;
   // A gather that read `source` is enqueued, `done` its event.
   virtual Result<void> gathered(Engine::State&, detail::Unit&, const async::Event&) { return {}; }
-  // This rank's block of u, in the compute dtype, from host bytes (initialisation, a load).
-  virtual Result<void> write(Engine::State& s, detail::Unit& u, std::span<const std::byte> mine) = 0;
+  // This rank's block of every unit, in the compute dtype, from `block_of` (initialisation, a
+  // load): written now (in memory), or called unit by unit as the optimizer placement's
+  // masters_from_shards writes the swap files (NVMe: one unit's values in host memory at a time,
+  // not the model's). `block_of` lives until masters_from_shards has returned.
+  using BlockSource = std::function<Result<std::vector<std::byte>>(const detail::Unit&)>;
+  virtual Result<void> write_all(Engine::State& s, BlockSource block_of) = 0;
   // Reads for the units next along the trace, while there is room (never waits).
   virtual Result<void> read_ahead(Engine::State&) { return {}; }
   // Nothing read ahead is left in flight (a pass ends; the swap files are about to be rewritten).

@@ -101,6 +101,28 @@ Result<void> Engine::State::check_values(const std::vector<GatheredParameter>& v
   return {};
 }
 
+namespace {
+
+// A unit's values are made in host memory, which may run out: an error naming the unit, never an
+// exception through the swapper's pass (its writes in flight would outlive their buffers).
+template <class Make>
+ShardPlacement::BlockSource without_throwing(Make make) {
+  return [make = std::move(make)](const Unit& u) -> Result<std::vector<std::byte>> {
+    try {
+      return make(u);
+    } catch (const std::bad_alloc&) {
+      try {
+        return fail(ErrorCode::out_of_memory, "out of host memory for the values of unit ", u.info.name, " (",
+                    u.info.padded, " elements)");
+      } catch (const std::bad_alloc&) {
+        return fail(Error(ErrorCode::out_of_memory, "out of memory"));  // (a short text needs no allocation)
+      }
+    }
+  };
+}
+
+}  // namespace
+
 async::Task<Result<void>> Engine::load_parameters(const std::vector<GatheredParameter>& values) {
   State& s = *s_;
   COSHARD_CO_TRY(s.outside_loop("load_parameters"));
@@ -109,20 +131,19 @@ async::Task<Result<void>> Engine::load_parameters(const std::vector<GatheredPara
   for (const auto& v : values) by_name.emplace(v.name, &v);
   // Everything checked: now each rank writes its block of every unit.
   COSHARD_CO_TRY(co_await s.compute_after_host());
-  s.pending_shards.clear();
-  for (auto& up : s.units) {
-    Unit& u = *up;
+  COSHARD_CO_TRY(s.shard_placement->write_all(s, without_throwing([&s, &by_name](const Unit& u) -> Result<std::vector<std::byte>> {
     std::vector<std::byte> unit_bytes(u.info.padded_bytes, std::byte{0});
     for (const auto& p : u.params) {
       const auto& v = *by_name.at(s.names.at(p.parameter));
       std::copy(v.bytes.begin(), v.bytes.end(), unit_bytes.begin() + static_cast<std::ptrdiff_t>(p.offset) * static_cast<std::ptrdiff_t>(s.element_size));
     }
     const auto shard_bytes = static_cast<std::size_t>(u.info.shard) * s.element_size;
-    const auto first = static_cast<std::size_t>(s.block_offset(u)) * s.element_size;
-    const auto mine = std::span<const std::byte>(unit_bytes).subspan(first, shard_bytes);
-    COSHARD_CO_TRY(s.shard_placement->write(s, u, mine));
-  }
-  COSHARD_CO_TRY(co_await s.optimizer_placement->masters_from_shards(s));
+    const auto first = static_cast<std::ptrdiff_t>(s.block_offset(u)) * static_cast<std::ptrdiff_t>(s.element_size);
+    return std::vector<std::byte>(unit_bytes.begin() + first, unit_bytes.begin() + first + static_cast<std::ptrdiff_t>(shard_bytes));
+  })));
+  auto masters = co_await s.optimizer_placement->masters_from_shards(s);
+  s.shard_values = nullptr;  // (it may refer to this frame's values)
+  COSHARD_CO_TRY(masters);
   s.has_values = true;
   co_return co_await s.full_copies_from_shards();
 }
@@ -131,28 +152,32 @@ async::Task<Result<void>> Engine::initialize(std::uint64_t seed) {
   State& s = *s_;
   COSHARD_CO_TRY(s.outside_loop("initialize"));
   COSHARD_CO_TRY(co_await s.compute_after_host());
-  s.pending_shards.clear();
-  for (auto& up : s.units) {
-    Unit& u = *up;
+  // The whole unit where every rank holds it; else only this rank's block, through the shard
+  // placement (on NVMe: made unit by unit as the swap files are written).
+  const bool whole = s.residence->holds_whole();
+  auto block_of = without_throwing([&s, seed, whole](const Unit& u) -> Result<std::vector<std::byte>> {
     std::vector<double> values(static_cast<std::size_t>(u.info.padded), 0.0);
     for (const auto& p : u.params) {
       auto part = std::span<double>(values).subspan(static_cast<std::size_t>(p.offset),
                                                    static_cast<std::size_t>(p.parameter->numel()));
       initial_values(p.parameter->init(), s.names.at(p.parameter), seed, part);
     }
-    // The whole unit where every rank holds it; else only this rank's block, through the shard.
-    const bool whole = s.residence->holds_whole();
     const auto first = whole ? 0 : static_cast<std::size_t>(s.block_offset(u));
     const auto count = static_cast<std::size_t>(whole ? u.info.padded : u.info.shard);
-    auto bytes = encode_values(std::span<const double>(values).subspan(first, count), s.o.dtype);
-    if (whole) {
-      COSHARD_CO_TRY(s.ctx->copy_from_host(u.full, bytes));
-    } else {
-      COSHARD_CO_TRY(s.shard_placement->write(s, u, bytes));
+    return encode_values(std::span<const double>(values).subspan(first, count), s.o.dtype);
+  });
+  if (whole) {
+    for (auto& u : s.units) {
+      COSHARD_CO_TRY_ASSIGN(const auto bytes, block_of(*u));
+      COSHARD_CO_TRY(s.ctx->copy_from_host(u->full, bytes));
     }
+  } else {
+    COSHARD_CO_TRY(s.shard_placement->write_all(s, block_of));
   }
   // The optimizer's fp32 masters (bf16/f16, or offloaded) follow the new parameters.
-  COSHARD_CO_TRY(co_await s.optimizer_placement->masters_from_shards(s));
+  auto masters = co_await s.optimizer_placement->masters_from_shards(s);
+  s.shard_values = nullptr;  // (it may refer to this frame's values)
+  COSHARD_CO_TRY(masters);
   s.has_values = true;
   co_return Result<void>{};
 }

@@ -42,9 +42,10 @@ class ShardsOnNvme final : public ShardPlacement {
     u.read_block.release_after(done);
     return read_slots_->release_after(done, std::move(u.read_slot));
   }
-  // Straight into the swap files: the optimizer placement's masters_from_shards takes them.
-  Result<void> write(Engine::State& s, Unit&, std::span<const std::byte> mine) override {
-    s.pending_shards.emplace_back(mine.begin(), mine.end());
+  // Straight into the swap files, unit by unit: the optimizer placement's masters_from_shards
+  // calls it as it writes each.
+  Result<void> write_all(Engine::State& s, BlockSource block_of) override {
+    s.shard_values = std::move(block_of);
     return {};
   }
   // Starts reads for the units next in the trace that are neither gathered nor read, while slots

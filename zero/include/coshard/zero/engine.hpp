@@ -155,6 +155,12 @@ struct EngineOptions {
   // compute. 0: every shard offloaded. Activations come on top. A budget the rest of the plan
   // already exceeds is refused, naming both.
   std::size_t device_memory_budget = 0;
+  // The micro-batches each step will declare, when known ahead (a trainer's gradient
+  // accumulation); 0: not known. Only the memory estimate reads it: with the optimizer offloaded,
+  // a unit's fp32 gradient shard is on the device only from its reduction until it is out in
+  // pinned memory when a step has one micro-batch (the estimate counts the two largest), and for
+  // the whole step otherwise (every shard).
+  int expected_micro_batches = 0;
   // With offload_optimizer=cpu or nvme at stages 2-3: each unit's shard is stepped on the CPU
   // stream as soon as its last gradient shard of the step is out, while backward goes on, instead
   // of after the whole backward. cpu: the updated shards go back to the device after backward.
