@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""Out of core on this machine: a Llama preset trained with its parameters and optimizer state on
+NVMe (ZeRO-Infinity's mode), its peak resident memory against the machine's and the estimate's,
+the bytes it reads and writes per step, and its step time against the disk-bound floor, in one run:
+
+  python3 bench/out_of_core.py --coshard build/release/trainer/coshard-train --swap /work/swap \
+      [--preset Llama-3.2-1B] [--seq 256] [--steps 4] [--buffers 2] [--out results.json]
+
+It measures the disk first (fio: 1 MiB blocks, O_DIRECT, in the swap folder, reads and writes),
+then asks coshard-train for its memory estimate (--estimate) and trains --steps steps, polling
+the process's /proc/PID/io (bytes the block layer read and wrote for it) and marking each step
+as its metrics line appears: the bytes of step k are the counters' growth between lines k-1 and k
+(the first step also writes nothing new: the files were written at start). The floor of a step is
+(bytes read + bytes written) / the disk's measured rate for each; the ratio step time / floor says
+how much beyond the disk's pace the step costs (compute and waits; the time split is future work).
+Peak resident memory is getrusage's of the process. PyTorch's need is the arithmetic of its
+resident AdamW training (fp32 parameters, gradients and two moments: 16 bytes a parameter), without
+activations.
+"""
+import argparse
+import json
+import os
+import re
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def fio_rate(folder, rw, size="2g"):
+    out = subprocess.run(["fio", "--name=disk", f"--directory={folder}", f"--rw={rw}", "--bs=1m", "--direct=1",
+                          "--ioengine=io_uring", "--iodepth=8", f"--size={size}", "--output-format=json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, check=True).stdout
+    job = json.loads(out)["jobs"][0]
+    side = job["read" if "read" in rw else "write"]
+    for f in os.listdir(folder):
+        if f.startswith("disk."):
+            os.remove(os.path.join(folder, f))
+    return side["bw_bytes"]
+
+
+def io_counters(pid):
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            fields = dict(line.split(": ") for line in f.read().splitlines())
+        return int(fields["read_bytes"]), int(fields["write_bytes"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--coshard", required=True)
+    p.add_argument("--swap", required=True, help="a folder on the disk to swap to (made, and emptied after)")
+    p.add_argument("--preset", default="Llama-3.2-1B")
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--buffers", type=int, default=2, help="swap and read-ahead buffers (buffer_count)")
+    p.add_argument("--out")
+    a = p.parse_args()
+    os.makedirs(a.swap, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="out_of_core_")
+    config = os.path.join(work, "ds.json")
+    with open(config, "w") as f:
+        json.dump({"zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": a.swap, "buffer_count": a.buffers},
+            "offload_param": {"device": "nvme", "nvme_path": a.swap, "buffer_count": a.buffers}}}, f)
+    common = ["--preset", a.preset, "--seq", str(a.seq), "--batch", "1", "--world-size", "1", "--config", config]
+
+    disk = {"read_bytes_per_s": fio_rate(a.swap, "read"), "write_bytes_per_s": fio_rate(a.swap, "write")}
+    est = subprocess.run([a.coshard] + common + ["--estimate"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    m = re.search(r"this process \(1 rank\): (.*)", est.stdout)
+    estimate_host = 0
+    units = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+    params = int(re.search(r"(\d+)-parameter", est.stdout).group(1))
+    for place, amount, unit in re.findall(r"(device|pinned host|pageable host|nvme) ([\d.]+) (\w+)", m.group(1) if m else ""):
+        if place != "nvme":  # (the device is the CPU: its memory is the host's)
+            estimate_host += int(float(amount) * units[unit])
+
+    metrics = os.path.join(work, "m.jsonl")
+    start = time.time()
+    child = subprocess.Popen([a.coshard] + common + ["--steps", str(a.steps), "--quiet", "--metrics", metrics,
+                                                     "--skip-memory-check"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    marks = []  # the io counters when each step's line appeared
+    last = io_counters(child.pid)
+    lines = 0
+    while child.poll() is None:
+        now = io_counters(child.pid) or last
+        last = now
+        if os.path.exists(metrics):
+            with open(metrics) as f:
+                n = sum(1 for _ in f)
+            while lines < n:
+                marks.append(now)
+                lines += 1
+        time.sleep(0.2)
+    output = child.stdout.read()
+    peak_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    if child.returncode != 0:
+        sys.exit(f"out_of_core: coshard-train failed ({child.returncode}):\n{output[-4000:]}")
+    with open(metrics) as f:
+        rows = [json.loads(line) for line in f]
+    steps = []
+    for k, row in enumerate(rows):
+        read = written = None
+        if 0 < k < len(marks) and marks[k] and marks[k - 1]:
+            read, written = marks[k][0] - marks[k - 1][0], marks[k][1] - marks[k - 1][1]
+        floor = None if read is None else read / disk["read_bytes_per_s"] + written / disk["write_bytes_per_s"]
+        steps.append({"step": row["step"], "loss": row["loss"], "step_s": row["step_ms"] / 1000, "read_bytes": read,
+                      "written_bytes": written, "disk_floor_s": floor,
+                      "vs_floor": None if not floor else row["step_ms"] / 1000 / floor})
+    total_mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    result = {
+        "machine": {"cores": os.cpu_count(), "memory_bytes": total_mem},
+        "preset": a.preset, "parameters": params, "seq": a.seq, "buffers": a.buffers, "disk": disk,
+        "estimate_host_bytes": estimate_host, "peak_rss_bytes": peak_rss, "wall_s": time.time() - start,
+        "steps": steps,
+        "pytorch_resident_adamw_bytes": 16 * params,
+    }
+    shutil.rmtree(a.swap, ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
