@@ -21,14 +21,14 @@ std::vector<std::size_t> keep_order(std::size_t n) {
   return order;
 }
 
-std::vector<FetchUnitInfo> infos_of(const std::vector<PlannedUnit>& units) {
+}  // namespace
+
+std::vector<FetchUnitInfo> infos_of(std::span<const PlannedUnit> units) {
   std::vector<FetchUnitInfo> infos;
   infos.reserve(units.size());
   for (const auto& u : units) infos.push_back(u.info);
   return infos;
 }
-
-}  // namespace
 
 Result<void> place_shards(std::vector<PlannedUnit>& units, const EngineOptions& o) {
   for (auto& u : units) u.info.shard_offloaded = o.offload_params != OffloadTarget::none;

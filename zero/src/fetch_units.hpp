@@ -41,6 +41,9 @@ Result<int> shard_group_size(const EngineOptions& o, int world_size, std::string
 // max_live_bytes cannot hold the largest unit.
 Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOptions& o);
 
+// The units' descriptions alone.
+std::vector<FetchUnitInfo> infos_of(std::span<const PlannedUnit> units);
+
 // Where each unit's shard lives (FetchUnitInfo::shard_offloaded): off the device with parameter
 // offload, and with a device_memory_budget, on the device for as many units as fit (device_budget.cpp).
 Result<void> place_shards(std::vector<PlannedUnit>& units, const EngineOptions& o);

@@ -11,14 +11,15 @@ using namespace detail;
 
 namespace {
 
-// u's fp32 gradient shard, zeroed (the optimizer reads it whatever the compute dtype).
-Result<void> allocate_shard(Engine::State& s, Unit& u) {
-  auto& stream = s.ctx->stream();
+// u's fp32 gradient shard (the optimizer reads it whatever the compute dtype), for use on
+// `stream`; zeroed there unless the caller writes all of it first.
+Result<void> allocate_shard(Engine::State& s, Unit& u, async::Stream& stream, bool zeroed = true) {
   const auto bytes = static_cast<std::size_t>(u.info.shard) * sizeof(float);
   COSHARD_TRY_ASSIGN(u.grad_shard_block, s.ctx->allocator().allocate(bytes, stream));
   u.grad_shard = Tensor(u.grad_shard_block.data(), Shape{u.info.shard}, DataType::f32, s.ctx->device());
-  return stream.fill(u.grad_shard.data(), 0, bytes);
+  return zeroed ? stream.fill(u.grad_shard.data(), 0, bytes) : Result<void>{};
 }
+Result<void> allocate_shard(Engine::State& s, Unit& u) { return allocate_shard(s, u, s.ctx->stream()); }
 
 // The reduced block `mine` (compute dtype) into an fp32 tensor, on the communication stream.
 Result<void> shard_from(Engine::State& s, const Unit& u, const Tensor& mine, const Tensor& out) {
@@ -83,10 +84,8 @@ class PerUnit : public GradientReduction {
       return fail(std::move(reduced_launch).error().with_context("reducing the gradients of unit " + u.info.name));
     // Into the fp32 shard (bf16/f16 compute reduces in its own dtype, accumulates in fp32).
     async::Block scratch;
-    if (!u.grad_shard) {  // offloaded, one micro-batch: made for this reduction (overwritten below)
-      COSHARD_TRY_ASSIGN(u.grad_shard_block, s.ctx->allocator().allocate(static_cast<std::size_t>(u.info.shard) * sizeof(float), cs));
-      u.grad_shard = Tensor(u.grad_shard_block.data(), Shape{u.info.shard}, DataType::f32, s.ctx->device());
-    }
+    // Offloaded, one micro-batch: made for this reduction (the first writes all of it, below).
+    if (!u.grad_shard) COSHARD_TRY(allocate_shard(s, u, cs, false));
     if (u.grads_this_step == 0) {
       COSHARD_TRY(shard_from(s, u, mine, u.grad_shard));
     } else if (s.o.dtype == DataType::f32) {
@@ -123,11 +122,10 @@ class PerUnit : public GradientReduction {
     for (auto& u : s.units) {  // units without a backward this step (unused parameters)
       if (u->grads_this_step != 0 || u->info.frozen) continue;
       if (!u->grad_shard) {  // offloaded, one micro-batch: made zero, then copied out with the rest
-        const auto bytes = static_cast<std::size_t>(u->info.shard) * sizeof(float);
-        COSHARD_CO_TRY_ASSIGN(u->grad_shard_block, s.ctx->allocator().allocate(bytes, cs));
-        u->grad_shard = Tensor(u->grad_shard_block.data(), Shape{u->info.shard}, DataType::f32, s.ctx->device());
+        COSHARD_CO_TRY(allocate_shard(s, *u, cs));
+      } else {
+        COSHARD_CO_TRY(cs.fill(u->grad_shard.data(), 0, u->grad_shard.bytes()));
       }
-      COSHARD_CO_TRY(cs.fill(u->grad_shard.data(), 0, u->grad_shard.bytes()));
     }
     co_return Result<void>{};
   }

@@ -79,10 +79,8 @@ std::string MemoryEstimate::describe() const {
 
 Result<std::vector<FetchUnitInfo>> plan_units(Module& model, int world_size, const EngineOptions& o) {
   if (world_size < 1) return fail(ErrorCode::invalid_argument, "plan_units: world_size=", world_size, ": expected >= 1");
-  COSHARD_TRY_ASSIGN(auto plan, detail::plan_fetch_units(model, world_size, o));
-  std::vector<FetchUnitInfo> units;
-  for (auto& u : plan.units) units.push_back(std::move(u.info));
-  return units;
+  COSHARD_TRY_ASSIGN(const auto plan, detail::plan_fetch_units(model, world_size, o));
+  return detail::infos_of(plan.units);
 }
 
 Result<MemoryEstimate> estimate_engine_memory(Module& model, int world_size, const EngineOptions& o,
@@ -97,12 +95,11 @@ MemoryEstimate detail::estimate_for_units(std::span<const FetchUnitInfo> units, 
                                           std::size_t optimizer_states) {
   const std::size_t e = size_of(o.dtype);
   // (trained_*: the units that train; a frozen unit has no gradient, master or state)
-  std::size_t whole = 0, shards = 0, shards_f32 = 0, largest_unit = 0, largest_padded = 0;
+  std::size_t whole = 0, shards_f32 = 0, largest_unit = 0, largest_padded = 0;
   std::size_t trained_whole = 0, trained_f32 = 0, largest_trained = 0, frozen_f32 = 0;
   std::size_t shards_on_device = 0, units_on_device = 0, largest_trained_f32 = 0;
   for (const auto& u : units) {
     whole += u.padded_bytes;
-    shards += static_cast<std::size_t>(u.shard) * e;
     if (!u.shard_offloaded) {
       shards_on_device += static_cast<std::size_t>(u.shard) * e;
       ++units_on_device;
@@ -125,7 +122,7 @@ MemoryEstimate detail::estimate_for_units(std::span<const FetchUnitInfo> units, 
   using P = MemoryPlace;
   // Parameters and gradients: the residence's and the reduction's own lines, as the engine they
   // would make holds them.
-  make_parameter_residence(o.zero_stage)->estimate(m, {whole, shards, shards_on_device}, o);
+  make_parameter_residence(o.zero_stage)->estimate(m, {whole, shards_on_device}, o);
   if (o.device_memory_budget > 0 && o.offload_params == OffloadTarget::cpu)
     m.notes.push_back("device_memory_budget " + format_bytes(o.device_memory_budget) + ": the parameter shards of " +
                       std::to_string(units_on_device) + " of " + std::to_string(units.size()) +

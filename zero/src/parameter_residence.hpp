@@ -22,9 +22,8 @@ struct Unit;
 
 // The units' sizes the parameters' memory follows (memory_estimate.cpp), in the compute dtype.
 struct ParameterSizes {
-  std::size_t whole = 0;   // every unit's padded bytes
-  std::size_t shards = 0;  // this rank's shards of them
-  std::size_t shards_on_device = 0;  // of those, the ones not offloaded (FetchUnitInfo::shard_offloaded)
+  std::size_t whole = 0;             // every unit's padded bytes
+  std::size_t shards_on_device = 0;  // this rank's shards of them not offloaded (FetchUnitInfo::shard_offloaded)
 };
 
 class ParameterResidence {

@@ -132,14 +132,18 @@ async::Task<Result<void>> Engine::load_parameters(const std::vector<GatheredPara
   // Everything checked: now each rank writes its block of every unit.
   COSHARD_CO_TRY(co_await s.compute_after_host());
   COSHARD_CO_TRY(s.shard_placement->write_all(s, without_throwing([&s, &by_name](const Unit& u) -> Result<std::vector<std::byte>> {
-    std::vector<std::byte> unit_bytes(u.info.padded_bytes, std::byte{0});
+    // This rank's block only: each parameter's part inside it (the padding stays zero).
+    const auto es = static_cast<std::int64_t>(s.element_size);
+    const std::int64_t first = s.block_offset(u), last = first + u.info.shard;
+    std::vector<std::byte> block(static_cast<std::size_t>(u.info.shard * es), std::byte{0});
     for (const auto& p : u.params) {
+      const std::int64_t lo = std::max(p.offset, first), hi = std::min(p.offset + p.parameter->numel(), last);
+      if (lo >= hi) continue;
       const auto& v = *by_name.at(s.names.at(p.parameter));
-      std::copy(v.bytes.begin(), v.bytes.end(), unit_bytes.begin() + static_cast<std::ptrdiff_t>(p.offset) * static_cast<std::ptrdiff_t>(s.element_size));
+      std::copy(v.bytes.begin() + (lo - p.offset) * es, v.bytes.begin() + (hi - p.offset) * es,
+                block.begin() + (lo - first) * es);
     }
-    const auto shard_bytes = static_cast<std::size_t>(u.info.shard) * s.element_size;
-    const auto first = static_cast<std::ptrdiff_t>(s.block_offset(u)) * static_cast<std::ptrdiff_t>(s.element_size);
-    return std::vector<std::byte>(unit_bytes.begin() + first, unit_bytes.begin() + first + static_cast<std::ptrdiff_t>(shard_bytes));
+    return block;
   })));
   auto masters = co_await s.optimizer_placement->masters_from_shards(s);
   s.shard_values = nullptr;  // (it may refer to this frame's values)
