@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "coshard/modules/ops.hpp"
 #include "coshard/zero/engine.hpp"
 #include "regression_mlp.hpp"
 
@@ -33,6 +34,23 @@ struct Plan {
            std::string(zero::to_string(optimizer)) + ", parameters " + std::string(zero::to_string(params));
   }
 };
+
+// One micro-batch of a step under `engine`: forward and backward through `model` and `loss`
+// (the batch cast to `dtype` first, as the model computes in the engine's), its loss added.
+inline async::Task<Result<void>> add_micro_batch(Context& ctx, Engine& engine, modules::Module& model,
+                                                 modules::MeanSquaredErrorLoss& loss, modules::Batch mb,
+                                                 modules::DataType dtype = modules::DataType::f32) {
+  if (dtype != modules::DataType::f32) {
+    COSHARD_CO_TRY_ASSIGN(mb.inputs, modules::ops::cast(ctx, mb.inputs, dtype));
+    COSHARD_CO_TRY_ASSIGN(mb.targets, modules::ops::cast(ctx, mb.targets, dtype));
+  }
+  COSHARD_CO_TRY_ASSIGN(Tensor out, co_await ctx.forward(model, mb.inputs));
+  loss.set_targets(mb.targets);
+  COSHARD_CO_TRY_ASSIGN(Tensor value, co_await ctx.forward(loss, out));
+  COSHARD_CO_TRY_ASSIGN(Tensor dout, co_await ctx.backward(loss, engine.backward_seed()));
+  COSHARD_CO_TRY(co_await ctx.backward(model, dout));
+  co_return engine.add_loss(value);
+}
 
 // One rank's model, optimizer and engine on a CPU stream of its own.
 struct RankEngine {
@@ -79,12 +97,7 @@ struct RankEngine {
     for (int step = first; step < first + count; ++step) {
       COSHARD_CO_TRY(co_await engine->begin_step(1, kLr));
       COSHARD_CO_TRY_ASSIGN(auto mb, regression_rows(*ctx, step, engine->rank() * rows, rows));
-      COSHARD_CO_TRY_ASSIGN(Tensor out, co_await ctx->forward(*model, mb.inputs));
-      loss.set_targets(mb.targets);
-      COSHARD_CO_TRY_ASSIGN(Tensor value, co_await ctx->forward(loss, out));
-      COSHARD_CO_TRY_ASSIGN(Tensor dout, co_await ctx->backward(loss, engine->backward_seed()));
-      COSHARD_CO_TRY(co_await ctx->backward(*model, dout));
-      COSHARD_CO_TRY(engine->add_loss(value));
+      COSHARD_CO_TRY(co_await add_micro_batch(*ctx, *engine, *model, loss, std::move(mb)));
       COSHARD_CO_TRY_ASSIGN(auto stats, co_await engine->finish_step());
       losses.push_back(stats.loss);
     }

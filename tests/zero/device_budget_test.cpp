@@ -14,10 +14,10 @@
 #include <string>
 #include <vector>
 
-#include "coshard/modules/ops.hpp"
 #include "coshard/zero/engine.hpp"
 #include "coshard/zero/memory_estimate.hpp"
 #include "../support/on_ranks.hpp"
+#include "../support/rank_engine.hpp"
 #include "../support/regression_mlp.hpp"
 
 namespace coshard::zero {
@@ -84,16 +84,7 @@ Result<Outcome> train(EngineOptions o, const std::string& tag) {
     for (int step = 0; step < 4; ++step) {
       COSHARD_CO_TRY(co_await engine->begin_step(1, 3e-2f));
       COSHARD_CO_TRY_ASSIGN(auto mb, ::coshard::testing::regression_rows(ctx, step, r * rows, rows));
-      if (o.dtype != DataType::f32) {
-        COSHARD_CO_TRY_ASSIGN(mb.inputs, modules::ops::cast(ctx, mb.inputs, o.dtype));
-        COSHARD_CO_TRY_ASSIGN(mb.targets, modules::ops::cast(ctx, mb.targets, o.dtype));
-      }
-      COSHARD_CO_TRY_ASSIGN(Tensor y, co_await ctx.forward(*model, mb.inputs));
-      loss.set_targets(mb.targets);
-      COSHARD_CO_TRY_ASSIGN(Tensor value, co_await ctx.forward(loss, y));
-      COSHARD_CO_TRY_ASSIGN(Tensor dy, co_await ctx.backward(loss, engine->backward_seed()));
-      COSHARD_CO_TRY(co_await ctx.backward(*model, dy));
-      COSHARD_CO_TRY(engine->add_loss(value));
+      COSHARD_CO_TRY(co_await ::coshard::testing::add_micro_batch(ctx, *engine, *model, loss, std::move(mb), o.dtype));
       COSHARD_CO_TRY_ASSIGN(auto stats, co_await engine->finish_step());
       if (r == 0) out.losses.push_back(stats.loss);
     }

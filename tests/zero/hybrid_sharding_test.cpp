@@ -18,10 +18,10 @@
 #include <string>
 #include <vector>
 
-#include "coshard/modules/ops.hpp"
 #include "coshard/zero/engine.hpp"
 #include "coshard/zero/memory_estimate.hpp"
 #include "../support/on_ranks.hpp"
+#include "../support/rank_engine.hpp"
 #include "../support/regression_mlp.hpp"
 
 namespace coshard::zero {
@@ -136,16 +136,7 @@ Result<RunResult> train(const RunPlan& k) {
       COSHARD_CO_TRY(co_await engine->begin_step(k.micro_batches, kLr));
       for (int m = 0; m < k.micro_batches; ++m) {
         COSHARD_CO_TRY_ASSIGN(auto mb, ::coshard::testing::regression_rows(ctx, step, (r * k.micro_batches + m) * rows, rows));
-        if (k.dtype != DataType::f32) {  // (the model computes in the engine's dtype)
-          COSHARD_CO_TRY_ASSIGN(mb.inputs, modules::ops::cast(ctx, mb.inputs, k.dtype));
-          COSHARD_CO_TRY_ASSIGN(mb.targets, modules::ops::cast(ctx, mb.targets, k.dtype));
-        }
-        COSHARD_CO_TRY_ASSIGN(Tensor out, co_await ctx.forward(*model, mb.inputs));
-        loss.set_targets(mb.targets);
-        COSHARD_CO_TRY_ASSIGN(Tensor value, co_await ctx.forward(loss, out));
-        COSHARD_CO_TRY_ASSIGN(Tensor dout, co_await ctx.backward(loss, engine->backward_seed()));
-        COSHARD_CO_TRY(co_await ctx.backward(*model, dout));
-        COSHARD_CO_TRY(engine->add_loss(value));
+        COSHARD_CO_TRY(co_await ::coshard::testing::add_micro_batch(ctx, *engine, *model, loss, std::move(mb), k.dtype));
       }
       COSHARD_CO_TRY_ASSIGN(auto stats, co_await engine->finish_step());
       if (r == 0) {
