@@ -225,17 +225,44 @@ Result<Block> CachingAllocator::allocate(std::size_t bytes, Stream& stream) {
 
 void CachingAllocator::release(Block& block, std::optional<Event> last_use) noexcept {
   auto last = last_use ? Result<Event>(std::move(*last_use)) : block.stream_->record();
-  std::lock_guard lock(mutex_);
-  stats_.in_use_bytes -= block.size_;
-  stats_.requested_in_use_bytes -= block.requested_;
-  if (!last) {
-    // Without an event we cannot know when the stream is done with it: never hand it out again.
-    leaked_.emplace_back(block.ptr_, block.size_);
-    return;
+  bool last_moved = false;
+  {
+    std::lock_guard lock(mutex_);
+    stats_.in_use_bytes -= block.size_;
+    stats_.requested_in_use_bytes -= block.requested_;
+    try {
+      if (!last) {
+        // Without an event we cannot know when the stream is done with it: never hand it out again.
+        leaked_.emplace_back(block.ptr_, block.size_);
+        return;
+      }
+      block.uses_.reserve(block.uses_.size() + 1);
+      block.uses_.push_back(std::move(*last));
+      last_moved = true;
+      Pending pending{block.ptr_, block.size_, std::move(block.uses_)};
+      try {
+        pending_.push_back(std::move(pending));
+      } catch (const std::bad_alloc&) {
+        block.uses_ = std::move(pending.uses);  // the deque did not take it: the events are still here
+        throw;
+      }
+      stats_.pending_bytes += block.size_;
+      return;
+    } catch (const std::bad_alloc&) {
+      // No memory to remember the block by (a release runs in destructors: it must not throw).
+    }
   }
-  block.uses_.push_back(std::move(*last));
-  stats_.pending_bytes += block.size_;
-  pending_.push_back(Pending{block.ptr_, block.size_, std::move(block.uses_)});
+  if (!last) return;  // leaked, unrecorded
+  // Its memory goes back to the system once every use has passed; a wait that fails leaves it
+  // leaked rather than reused under a stream still writing it.
+  bool passed = true;
+  auto wait = [&passed](const Event& e) {
+    (void)e.synchronize();
+    passed = passed && e.ready();  // not passed: strict mode refused to wait
+  };
+  for (const Event& e : block.uses_) wait(e);
+  if (!last_moved) wait(*last);
+  if (passed) free_idle(block.ptr_);
 }
 
 void CachingAllocator::sweep_locked() {

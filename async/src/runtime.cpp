@@ -4,12 +4,18 @@
 
 #include <asio/executor_work_guard.hpp>
 #include <asio/io_context.hpp>
+#include <asio/posix/stream_descriptor.hpp>
 #include <asio/post.hpp>
 #include <asio/thread_pool.hpp>
+#include <sys/eventfd.h>
 
 #include <atomic>
 #include <cassert>
+#include <cstdio>
+#include <cstdlib>
 #include <mutex>
+#include <new>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -27,10 +33,24 @@ namespace detail {
 
 class RuntimeImpl {
  public:
-  explicit RuntimeImpl(RuntimeOptions opts) : options(opts) {}
+  explicit RuntimeImpl(RuntimeOptions opts) : options(opts) {
+    const int fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (fd < 0) throw std::system_error(errno, std::generic_category(), "eventfd");
+    wake.assign(fd);
+    local.reserve(kQueueCapacity);
+    remote.queue.reserve(kQueueCapacity);
+  }
+
+  // Both queues hold this many handles without allocating (they swap, keeping their capacity):
+  // a wake-up from another thread never allocates unless more are pending at once.
+  static constexpr std::size_t kQueueCapacity = 1024;
 
   RuntimeOptions options;
   asio::io_context io{1};  // declared first: destroyed last, after every frame that uses it
+  // Remote wake-ups of a parked reactor: an eventfd write, which cannot fail for memory (a posted
+  // handler is allocated, and a std::bad_alloc thrown on a stream's worker ended the process).
+  asio::posix::stream_descriptor wake{io};
+  bool wake_armed = false;  // reactor thread only: an async_wait on `wake` is pending
 
   // Reactor-thread-only state.
   std::vector<std::coroutine_handle<>> local;
@@ -65,7 +85,6 @@ class RuntimeImpl {
 }  // namespace detail
 
 Runtime::Runtime(RuntimeOptions options) : impl_(std::make_unique<detail::RuntimeImpl>(options)) {
-  impl_->local.reserve(1024);
   // The reactor writes log lines as the creating thread's rank.
   impl_->thread = std::thread([this, rank = log::thread_rank()] {
     t_current = this;
@@ -88,9 +107,20 @@ Runtime::Runtime(RuntimeOptions options) : impl_(std::make_unique<detail::Runtim
 
       if (s.remote.pending.load(std::memory_order_acquire)) {
         std::lock_guard lock(s.remote.lock);
-        s.remote.pending.store(false, std::memory_order_relaxed);
-        s.local.insert(s.local.end(), s.remote.queue.begin(), s.remote.queue.end());
-        s.remote.queue.clear();
+        if (s.local_head == s.local.size()) {  // the usual case: a swap, nothing allocated
+          s.local.clear();
+          s.local_head = 0;
+          std::swap(s.local, s.remote.queue);
+          s.remote.pending.store(false, std::memory_order_relaxed);
+        } else {
+          try {
+            s.local.insert(s.local.end(), s.remote.queue.begin(), s.remote.queue.end());
+            s.remote.queue.clear();
+            s.remote.pending.store(false, std::memory_order_relaxed);
+          } catch (const std::bad_alloc&) {
+            // Left pending: swapped in once the local queue has run dry.
+          }
+        }
       }
 
       std::size_t resumed = 0;
@@ -145,7 +175,19 @@ Runtime::Runtime(RuntimeOptions options) : impl_(std::make_unique<detail::Runtim
         s.remote.sleeping.store(false, std::memory_order_relaxed);
         continue;
       }
-      if (poller_pending) {
+      if (!s.wake_armed) {
+        try {
+          s.wake.async_wait(asio::posix::stream_descriptor::wait_read, [&s](const std::error_code& ec) {
+            s.wake_armed = false;
+            eventfd_t count = 0;
+            if (!ec) (void)::eventfd_read(s.wake.native_handle(), &count);
+          });
+          s.wake_armed = true;
+        } catch (const std::bad_alloc&) {
+          // No memory to arm it: park in short naps instead.
+        }
+      }
+      if (poller_pending || !s.wake_armed) {
         s.io.run_one_for(std::chrono::microseconds(50));
       } else {
         s.io.run_one();
@@ -163,7 +205,7 @@ Runtime::~Runtime() {
   assert(!on_reactor_thread() && "a Runtime cannot be destroyed from its own reactor thread");
   s.stopping.store(true, std::memory_order_relaxed);
   s.stop.store(true, std::memory_order_release);
-  asio::post(s.io, [] {});  // wakes a parked reactor
+  (void)::eventfd_write(s.wake.native_handle(), 1);  // wakes a parked reactor
   s.thread.join();
 
   // Blocking jobs write into awaiters that live in task frames: finish them before the frames go.
@@ -195,21 +237,46 @@ Runtime::~Runtime() {
 
 Runtime* Runtime::current() noexcept { return t_current; }
 
-void Runtime::schedule(std::coroutine_handle<> handle) {
+void Runtime::schedule(std::coroutine_handle<> handle) noexcept {
   auto& s = *impl_;
   if (t_current == this) {
-    s.local.push_back(handle);
-    return;
+    try {
+      s.local.push_back(handle);
+      return;
+    } catch (const std::bad_alloc&) {
+      // Past the reserved capacity with no memory to grow: the remote queue may have room.
+    }
+    std::lock_guard lock(s.remote.lock);
+    try {
+      s.remote.queue.push_back(handle);
+      s.remote.pending.store(true, std::memory_order_seq_cst);
+      return;
+    } catch (const std::bad_alloc&) {
+      // Neither queue can take it and nothing else can drain them: losing it would hang the run.
+      std::fputs("coshard: out of host memory in the scheduler (more than 1024 tasks ready at once)\n", stderr);
+      std::abort();
+    }
   }
   // Everything, the eventfd wake-up included, happens inside the critical section: the reactor
   // drains under the same lock, so `handle` cannot run (and finish, and let its Runtime be
   // destroyed) while this thread still touches the runtime. TSan caught the post racing with
   // ~Runtime when it came after the unlock.
-  std::lock_guard lock(s.remote.lock);
-  s.remote.queue.push_back(handle);
-  s.remote.pending.store(true, std::memory_order_seq_cst);
-  if (s.remote.sleeping.load(std::memory_order_seq_cst)) {
-    asio::post(s.io, [] {});
+  for (;;) {
+    {
+      std::lock_guard lock(s.remote.lock);
+      bool queued = false;
+      try {
+        s.remote.queue.push_back(handle);
+        queued = true;
+      } catch (const std::bad_alloc&) {
+        // The queue is full and cannot grow: wake the reactor to drain it (a swap, which
+        // allocates nothing), then try again.
+      }
+      s.remote.pending.store(true, std::memory_order_seq_cst);
+      if (s.remote.sleeping.load(std::memory_order_seq_cst)) (void)::eventfd_write(s.wake.native_handle(), 1);
+      if (queued) return;
+    }
+    std::this_thread::yield();
   }
 }
 

@@ -35,24 +35,52 @@ Stream::~Stream() = default;
 
 Device Stream::device() const noexcept { return impl_->device(); }
 const std::string& Stream::name() const noexcept { return impl_->options().name; }
-Result<void> Stream::launch(detail::UniqueFunction<void()> fn) { return impl_->launch(std::move(fn)); }
-Result<void> Stream::launch_fallible(detail::UniqueFunction<Result<void>()> fn) {
-  return impl_->launch_fallible(std::move(fn));
+namespace {
+
+// A CPU stream's queue, fences and closures are heap memory: an operation that cannot get it is
+// an out_of_memory error, never an exception out of the API (a destructor releasing a block
+// records an event).
+template <class F>
+auto or_out_of_memory(const Stream& stream, const char* what, F&& f) noexcept -> decltype(f()) {
+  try {
+    return f();
+  } catch (const std::bad_alloc&) {
+    return fail(ErrorCode::out_of_memory, "stream '", stream.name(), "': out of host memory to ", what);
+  }
 }
-Result<void> Stream::copy(void* dst, const void* src, std::size_t bytes) { return impl_->copy(dst, src, bytes); }
-Result<void> Stream::fill(void* dst, std::uint8_t value, std::size_t bytes) { return impl_->fill(dst, value, bytes); }
-Result<Event> Stream::record() { return impl_->record(); }
-Result<Event> Stream::record_timed() { return impl_->record_timed(); }
+
+}  // namespace
+
+Result<void> Stream::launch(detail::UniqueFunction<void()> fn) {
+  return or_out_of_memory(*this, "queue a kernel", [&] { return impl_->launch(std::move(fn)); });
+}
+Result<void> Stream::launch_fallible(detail::UniqueFunction<Result<void>()> fn) {
+  return or_out_of_memory(*this, "queue a kernel", [&] { return impl_->launch_fallible(std::move(fn)); });
+}
+Result<void> Stream::copy(void* dst, const void* src, std::size_t bytes) {
+  return or_out_of_memory(*this, "queue a copy", [&] { return impl_->copy(dst, src, bytes); });
+}
+Result<void> Stream::fill(void* dst, std::uint8_t value, std::size_t bytes) {
+  return or_out_of_memory(*this, "queue a fill", [&] { return impl_->fill(dst, value, bytes); });
+}
+Result<Event> Stream::record() {
+  return or_out_of_memory(*this, "record an event", [&] { return impl_->record(); });
+}
+Result<Event> Stream::record_timed() {
+  return or_out_of_memory(*this, "record an event", [&] { return impl_->record_timed(); });
+}
 void* Stream::native_handle() const noexcept { return impl_->native_handle(); }
 
 Result<void> Stream::record(Event& event) {
-  auto e = impl_->record();
+  auto e = record();
   if (!e) return fail(std::move(e).error());
   event = std::move(*e);
   return {};
 }
 
-Result<void> Stream::wait(const Event& event) { return impl_->wait(event); }
+Result<void> Stream::wait(const Event& event) {
+  return or_out_of_memory(*this, "queue a wait", [&] { return impl_->wait(event); });
+}
 
 Result<void> Stream::synchronize() {
   return detail::blocking_wait("Stream::synchronize", [&]() -> Result<void> {

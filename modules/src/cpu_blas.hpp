@@ -5,6 +5,7 @@
 #include <cblas.h>
 
 #include <cstdint>
+#include <shared_mutex>
 #include <type_traits>
 
 #include "kernels.hpp"
@@ -14,10 +15,12 @@ namespace coshard::modules::detail {
 // OpenBLAS maps a buffer for each thread that runs a product (128 MiB and a page in Debian's
 // x86-64 build), the first time it does, and retries forever when the mapping fails: under an
 // address-space limit (ulimit -v) a run would hang in the product, deaf to SIGTERM's graceful
-// stop. Each thread's first product first reserves that room for itself and OpenBLAS's workers
-// (then gives it back), and fails naming the need and the limit where there is none.
+// stop. Each thread's first product first checks the room for itself and OpenBLAS's workers,
+// and has the buffers mapped while it is there (failing, naming the need and the limit, where
+// there is none). Products hold blas_products() shared; the reservation holds it alone.
 inline constexpr std::size_t kBlasBufferBytes = (std::size_t{128} << 20) + (std::size_t{64} << 10);
 Result<void> reserve_blas_buffers() noexcept;
+std::shared_mutex& blas_products() noexcept;
 
 // Elements a row-major matrix of `rows` x `cols` at leading dimension `ld` spans, over `batch`
 // matrices `stride` apart.

@@ -476,6 +476,7 @@ class CpuKernels final : public Kernels {
     COSHARD_TRY(check_dtype(dt));
     return s.launch_fallible([dt, fn = std::move(fn)]() mutable -> Result<void> {
       COSHARD_TRY(reserve_blas_buffers());
+      std::shared_lock product(blas_products());
       with_type(dt, fn);
       return {};
     });

@@ -11,12 +11,19 @@
 #include <deque>
 #include <latch>
 #include <mutex>
+#include <shared_mutex>
+#include <new>
 #include <system_error>
 #include <thread>
 #include <vector>
 
 #include "cpu_blas.hpp"
 #include "cpu_parallel.hpp"
+
+// OpenBLAS's own pool of buffers (exported; declared weak so that another BLAS still links):
+// blas_memory_alloc maps a free slot's buffer the first time the slot is taken, and keeps it.
+extern "C" __attribute__((weak)) void* blas_memory_alloc(int procpos);
+extern "C" __attribute__((weak)) void blas_memory_free(void* buffer);
 
 namespace coshard::modules {
 
@@ -31,6 +38,19 @@ int default_cpu_math_threads(int ranks_in_process) noexcept {
 
 namespace detail {
 
+namespace {
+
+// A malloc arena (64 MiB of address space) that another thread may map between the check below
+// and OpenBLAS's mapping: room is checked for this much beyond the buffers.
+constexpr std::size_t kRoomBeyondBlasBuffers = std::size_t{64} << 20;
+
+}  // namespace
+
+std::shared_mutex& blas_products() noexcept {
+  static std::shared_mutex products;
+  return products;
+}
+
 Result<void> reserve_blas_buffers() noexcept {
   thread_local bool reserved = false;
   if (reserved) return {};
@@ -39,19 +59,37 @@ Result<void> reserve_blas_buffers() noexcept {
     reserved = true;  // no address-space limit: nothing OpenBLAS maps can fail for it
     return {};
   }
+  // One thread at a time, and no product running meanwhile (each holds a slot of OpenBLAS's pool,
+  // which would make the slots taken below more than the ones needed): two ranks' threads each
+  // finding room for one buffer, then both mapping one, was the hang this guards against.
+  static int threads_reserved = 0;  // threads that run products, each may hold a slot at once
+  std::unique_lock lock(blas_products());
   // Room for this thread's buffer and its workers', reserved (it counts against the limit as
-  // OpenBLAS's mapping will) and given back at once: the buffers are mapped by the product that
-  // follows, and kept for the process's life.
+  // OpenBLAS's mapping will) and given back at once, then the buffers mapped at once, while the
+  // room is still there.
   const int threads = std::max(1, openblas_get_num_threads());
   const std::size_t bytes = static_cast<std::size_t>(threads) * kBlasBufferBytes;
-  void* room = ::mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  void* room = ::mmap(nullptr, bytes + kRoomBeyondBlasBuffers, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (room == MAP_FAILED)
     return fail(ErrorCode::out_of_memory, "out of host memory: OpenBLAS needs about ", bytes >> 20, " MiB for the buffers of ",
                 threads, " thread", threads == 1 ? "" : "s", " (", kBlasBufferBytes >> 20,
                 " MiB each) and the address-space limit (ulimit -v: ", limit.rlim_cur >> 20,
                 " MiB) leaves no room for them; OpenBLAS would retry forever: fewer BLAS threads, a smaller model or a "
                 "higher limit");
-  ::munmap(room, bytes);
+  ::munmap(room, bytes + kRoomBeyondBlasBuffers);
+  ++threads_reserved;
+  if (blas_memory_alloc != nullptr && blas_memory_free != nullptr) {
+    // Every thread that has reserved may run a product at the same moment, each holding a slot:
+    // taking that many at once maps the slots not mapped yet (the pool hands out the lowest).
+    std::vector<void*> slots;
+    try {
+      slots.reserve(static_cast<std::size_t>(threads_reserved));
+    } catch (const std::bad_alloc&) {
+      return fail(ErrorCode::out_of_memory, "out of host memory reserving OpenBLAS's buffers");
+    }
+    for (int i = 0; i < threads_reserved; ++i) slots.push_back(blas_memory_alloc(0));
+    for (void* slot : slots) blas_memory_free(slot);
+  }
   reserved = true;
   return {};
 }

@@ -320,6 +320,10 @@ void report_rank_failure(int rank, const char* what, const std::exception& e, Re
   }
 }
 
+// Exit status of a failure to set up the ranks: 2 for what the user asked (a refusal), 1 for what
+// the machine could not give (memory, a thread), as for the same failure later in the run.
+int setup_failure_status(const Error& e) { return e.code() == ErrorCode::out_of_memory ? 1 : 2; }
+
 int run(const Options& o) {
   auto opened = train_app::open_run_data(o);
   if (!opened) {
@@ -362,7 +366,7 @@ int run(const Options& o) {
     auto comm = collectives::communicator_from_env(rt, env);
     if (!comm) {
       std::fprintf(stderr, "coshard-train: rank %d: %s\n", o.launch.rank, comm.error().message().c_str());
-      return 2;
+      return setup_failure_status(comm.error());
     }
     if (!(*comm)->stream().device().is_cuda() && o.device == "cuda") {
       std::fprintf(stderr, "coshard-train: --device cuda: the %s backend here moves host memory (no CUDA device or no "
@@ -385,7 +389,7 @@ int run(const Options& o) {
     auto comms = collectives::make_local_communicators(o.world_size, local);
     if (!comms) {
       std::fprintf(stderr, "coshard-train: %s\n", comms.error().message().c_str());
-      return 2;
+      return setup_failure_status(comms.error());
     }
     // One epoch for every rank's timeline (CPU streams share steady_clock; the streams of one
     // GPU share its clock). Never waited for: it passes at once, long before any timing is read.

@@ -93,8 +93,9 @@ class Runtime {
   template <class F>
   Task<join_result_t<std::invoke_result_t<F&>>> spawn_blocking(F fn);
 
-  // Resumes `handle` on the reactor thread. Callable from any thread.
-  void schedule(std::coroutine_handle<> handle);
+  // Resumes `handle` on the reactor thread. Callable from any thread; never allocates from
+  // another thread unless more than 1024 handles are pending at once.
+  void schedule(std::coroutine_handle<> handle) noexcept;
 
   void add_poller(Poller* poller);     // reactor thread only
   void remove_poller(Poller* poller);  // reactor thread only
