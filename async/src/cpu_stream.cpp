@@ -32,6 +32,10 @@ class CpuFence final : public Fence {
   explicit CpuFence(bool timed = false) : Fence(Device::cpu()), timed_(timed) {}
 
   bool timed() const noexcept override { return timed_; }
+  std::optional<std::chrono::steady_clock::time_point> host_time() const noexcept override {
+    if (!timed_ || done_.load(std::memory_order_acquire) == 0) return std::nullopt;
+    return at_;
+  }
   double elapsed_ms_since(Fence& start) override {
     // Both passed (checked by Event): their times were written before done_ was released.
     const auto& s = static_cast<CpuFence&>(start);
@@ -143,6 +147,9 @@ class CpuStream final : public StreamImpl {
   }
 
   void* native_handle() const noexcept override { return nullptr; }
+  std::optional<double> busy_ms() const noexcept override {
+    return static_cast<double>(busy_ns_.load(std::memory_order_relaxed)) * 1e-6;
+  }
 
  private:
   struct Op {
@@ -197,7 +204,14 @@ class CpuStream final : public StreamImpl {
         continue;
       }
       for (Op& op : batch) {
-        execute(op);
+        if (op.kind == Op::Kind::run || op.kind == Op::Kind::run_fallible) {
+          const auto start = std::chrono::steady_clock::now();
+          execute(op);
+          busy_ns_.fetch_add(static_cast<std::uint64_t>((std::chrono::steady_clock::now() - start).count()),
+                             std::memory_order_relaxed);
+        } else {
+          execute(op);
+        }
         completed_.fetch_add(1, std::memory_order_release);
         if (draining_.load(std::memory_order_seq_cst) > 0) completed_.notify_all();
       }
@@ -274,6 +288,7 @@ class CpuStream final : public StreamImpl {
     std::uint64_t submitted = 0;  // ops enqueued so far
   } q_;
   std::atomic<std::uint64_t> completed_{0};  // ops the worker has run (drain waits on it)
+  std::atomic<std::uint64_t> busy_ns_{0};    // time running closures, copies and fills (busy_ms)
   std::atomic<int> draining_{0};             // drains waiting (the worker wakes them)
   // The stream's sticky error, as `make` makes it; where that runs out of memory, the one made
   // with the stream (a throw here would end the worker thread in std::terminate).

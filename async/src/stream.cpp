@@ -70,6 +70,7 @@ Result<Event> Stream::record_timed() {
   return or_out_of_memory(*this, "record an event", [&] { return impl_->record_timed(); });
 }
 void* Stream::native_handle() const noexcept { return impl_->native_handle(); }
+std::optional<double> Stream::busy_ms() const noexcept { return impl_->busy_ms(); }
 
 Result<void> Stream::record(Event& event) {
   auto e = record();

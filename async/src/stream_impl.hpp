@@ -3,6 +3,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "coshard/async/event.hpp"
@@ -26,6 +27,7 @@ class StreamImpl {
   virtual Result<Event> record_timed() = 0;
   virtual Result<void> wait(const Event& event) = 0;
   virtual void* native_handle() const noexcept = 0;
+  virtual std::optional<double> busy_ms() const noexcept { return std::nullopt; }
   // Waits until everything enqueued before it has run, without allocating: synchronize's way
   // where an event cannot be made (out of memory at teardown). Not counted as a host sync here:
   // synchronize counts it.

@@ -12,7 +12,9 @@
 #include <atomic>
 #include <cstring>
 #include <map>
+#include <new>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "coshard/async/detail/asio_op.hpp"
@@ -38,6 +40,44 @@ struct NvmeStore::Impl {
   std::map<std::string, std::unique_ptr<asio::random_access_file>> files;
   std::atomic<std::uint64_t> written{0};
   std::atomic<std::uint64_t> read{0};
+
+  // Busy time, on the runtime's thread: a clock per direction and one for either, each running
+  // while its count of transfers in flight is above zero.
+  struct BusyClock {
+    int in_flight = 0;
+    std::chrono::steady_clock::time_point since;
+    std::chrono::nanoseconds total{0};
+    void start(std::chrono::steady_clock::time_point now) {
+      if (in_flight++ == 0) since = now;
+    }
+    void stop(std::chrono::steady_clock::time_point now) {
+      if (--in_flight == 0) total += now - since;
+    }
+    std::chrono::nanoseconds at(std::chrono::steady_clock::time_point now) const {
+      return in_flight > 0 ? total + (now - since) : total;
+    }
+  };
+  BusyClock reading, writing_clock, either;
+  bool record_spans = false;
+  std::vector<NvmeTransferSpan> spans;
+
+  // Counts a transfer in flight while it lives.
+  struct InFlight {
+    Impl& store;
+    bool writing;
+    std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+    InFlight(Impl& s, bool w) : store(s), writing(w) {
+      (writing ? store.writing_clock : store.reading).start(start);
+      store.either.start(start);
+    }
+    ~InFlight() {
+      const auto now = std::chrono::steady_clock::now();
+      (writing ? store.writing_clock : store.reading).stop(now);
+      store.either.stop(now);
+    }
+    InFlight(const InFlight&) = delete;
+    InFlight& operator=(const InFlight&) = delete;
+  };
 
   Result<asio::random_access_file*> file(const std::string& name, bool create) {
     async::Runtime* rt = async::Runtime::current();
@@ -115,6 +155,8 @@ struct NvmeStore::Impl {
                       (options.directory / name).string(), offset, blocks, options.block_bytes, options.queue_depth);
     std::size_t next = 0;          // the reactor runs every worker: no atomics needed
     std::optional<Error> failure;  // the first error; the others stop taking blocks
+    std::optional<InFlight> in_flight;
+    in_flight.emplace(*this, writing);
     auto worker = [&]() -> Task<void> {
       while (!failure && next < blocks) {
         const std::size_t b = next++;
@@ -128,8 +170,17 @@ struct NvmeStore::Impl {
     std::vector<Task<void>> workers;
     for (std::size_t w = 0; w < std::min(options.queue_depth, blocks); ++w) workers.push_back(worker());
     co_await async::when_all(std::move(workers));
+    const auto started = in_flight->start;
+    in_flight.reset();
     if (failure) co_return fail(std::move(*failure));
     (writing ? written : read).fetch_add(required, std::memory_order_relaxed);
+    if (record_spans) {
+      try {
+        spans.push_back({writing, name, required, started, std::chrono::steady_clock::now()});
+      } catch (const std::bad_alloc&) {
+        // a span lost for memory: the totals still hold it
+      }
+    }
     co_return Result<void>{};
   }
 };
@@ -167,6 +218,18 @@ NvmeStore::~NvmeStore() = default;
 const NvmeStoreOptions& NvmeStore::options() const noexcept { return impl_->options; }
 std::uint64_t NvmeStore::bytes_written() const noexcept { return impl_->written.load(std::memory_order_relaxed); }
 std::uint64_t NvmeStore::bytes_read() const noexcept { return impl_->read.load(std::memory_order_relaxed); }
+
+NvmeStoreStats NvmeStore::stats() const noexcept {
+  const auto now = std::chrono::steady_clock::now();
+  return {bytes_read(), bytes_written(), impl_->reading.at(now), impl_->writing_clock.at(now), impl_->either.at(now)};
+}
+
+void NvmeStore::record_spans(bool on) {
+  impl_->record_spans = on;
+  if (!on) impl_->spans.clear();
+}
+
+std::vector<NvmeTransferSpan> NvmeStore::take_spans() noexcept { return std::exchange(impl_->spans, {}); }
 
 Task<Result<void>> NvmeStore::write(std::string name, std::uint64_t offset, std::span<const std::byte> data) {
   if (offset % kAlignment != 0) {

@@ -14,6 +14,7 @@
 
 #include "coshard/async/memory.hpp"
 #include "coshard/async/runtime.hpp"
+#include "coshard/async/when_all.hpp"
 
 namespace coshard::offload {
 namespace {
@@ -176,6 +177,55 @@ TEST(NvmeStore, AFullDiskFailsTheWriteAndKeepsWhatWasWritten) {
   EXPECT_NE(r->find("opt"), std::string::npos) << *r;
   EXPECT_NE(r->find("offset"), std::string::npos) << *r;
   std::printf("full-disk error: %s\n", r->c_str());
+  fs::remove_all(dir);
+}
+
+// The store's own account of a step's disk time: bytes and busy time per direction, where a
+// direction is busy while any of its transfers is in flight (two reads at once count once), and
+// each transfer's span while spans are on.
+TEST(NvmeStore, CountsBytesAndBusyTimePerDirectionAndKeepsSpansWhenAsked) {
+  const fs::path dir = fresh_dir("stats");
+  async::Runtime rt;
+  auto store = open_store(dir);
+  const auto data = random_bytes(1 << 20, 5);
+  const NvmeStoreStats zero = store->stats();
+  EXPECT_EQ(zero.bytes_read + zero.bytes_written, 0u);
+  EXPECT_EQ(zero.busy.count(), 0);
+  auto r = rt.block_on([](NvmeStore& store, const std::vector<std::byte>& data) -> Task<Result<void>> {
+    COSHARD_CO_TRY(co_await store.write("a", 0, data));  // before spans are on: counted, no span
+    store.record_spans(true);
+    COSHARD_CO_TRY(co_await store.write("b", 0, data));
+    std::vector<std::byte> one(data.size()), two(data.size());
+    // Two reads in flight at once.
+    std::vector<Task<Result<void>>> reads;
+    reads.push_back(store.read("a", 0, one));
+    reads.push_back(store.read("b", 0, two));
+    for (auto& done : co_await async::when_all(std::move(reads))) COSHARD_CO_TRY(std::move(done));
+    if (one != data || two != data) co_return fail(ErrorCode::internal, "read back differs");
+    co_return Result<void>{};
+  }(*store, data));
+  ASSERT_TRUE(r) << r.error().message();
+  const NvmeStoreStats after = store->stats();
+  EXPECT_EQ(after.bytes_written, 2u << 20);
+  EXPECT_EQ(after.bytes_read, 2u << 20);
+  EXPECT_GT(after.read_busy.count(), 0);
+  EXPECT_GT(after.write_busy.count(), 0);
+  // Nothing overlapped reads with writes here: either's time is their sum.
+  EXPECT_EQ(after.busy, after.read_busy + after.write_busy);
+  const auto spans = store->take_spans();
+  ASSERT_EQ(spans.size(), 3u);  // b's write and both reads, not a's write
+  EXPECT_TRUE(spans[0].writing);
+  EXPECT_EQ(spans[0].file, "b");
+  std::chrono::nanoseconds reads_summed{0};
+  for (const auto& sp : spans) {
+    EXPECT_EQ(sp.bytes, 1u << 20);
+    EXPECT_LE(sp.start, sp.end);
+    if (!sp.writing) reads_summed += sp.end - sp.start;
+  }
+  // The reads overlapped: their busy time is at most the sum of their spans.
+  EXPECT_LE(after.read_busy, reads_summed);
+  EXPECT_TRUE(store->take_spans().empty());  // taken
+  store->record_spans(false);
   fs::remove_all(dir);
 }
 

@@ -724,6 +724,64 @@ TEST(Engine, StepInBackwardGivesTheBitsOfSteppingAfterIt) {
   EXPECT_EQ(run.stats[0].back().stepped_in_backward, 0u);
 }
 
+// Where each step's time went (StepTimeSplit): the CPU streams' busy time, the host optimizer's
+// only when it is offloaded, and with anything on NVMe the disk's bytes and busy time, each
+// direction within the wall time and `busy` between the larger direction and their sum. The
+// optimizer alone on NVMe reads and writes back the same swap files every steady step.
+TEST(Engine, EachStepsTimeIsSplitIntoComputeOptimizerAndTheDisk) {
+  const auto folder = std::filesystem::current_path() / ("engine_split_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(folder);
+  struct Case {
+    OffloadTarget optimizer, params;
+  };
+  constexpr auto none = OffloadTarget::none, cpu = OffloadTarget::cpu, nvme = OffloadTarget::nvme;
+  for (const Case& c : {Case{none, none}, Case{cpu, cpu}, Case{nvme, none}, Case{nvme, nvme}}) {
+    SCOPED_TRACE("optimizer " + std::string(to_string(c.optimizer)) + ", params " + std::string(to_string(c.params)));
+    ZeroSetup setup;
+    setup.world = 2;
+    setup.steps = 4;
+    setup.options.zero_stage = 3;
+    setup.options.offload_optimizer = c.optimizer;
+    setup.options.offload_params = c.params;
+    setup.options.offload_optimizer.nvme_path = folder;
+    const auto run = run_zero(setup);
+    ASSERT_TRUE(run.error.empty()) << run.error;
+    const bool on_nvme = c.optimizer == nvme || c.params == nvme;
+    for (int rank = 0; rank < setup.world; ++rank) {
+      const auto& steps = run.stats[static_cast<std::size_t>(rank)];
+      for (std::size_t step = 0; step < steps.size(); ++step) {
+        const StepTimeSplit& t = steps[step].time_split;
+        EXPECT_GT(t.wall_ms, 0.0);
+        ASSERT_TRUE(t.compute_ms.has_value());
+        EXPECT_GT(*t.compute_ms, 0.0);
+        ASSERT_TRUE(t.compute_idle_ms().has_value());
+        EXPECT_GE(*t.compute_idle_ms(), 0.0);
+        EXPECT_EQ(t.optimizer_ms.has_value(), c.optimizer != none);
+        if (t.optimizer_ms) EXPECT_GT(*t.optimizer_ms, 0.0);
+        EXPECT_EQ(t.nvme, on_nvme);
+        if (!on_nvme) {
+          EXPECT_EQ(t.nvme_read_bytes + t.nvme_written_bytes, 0u);
+          continue;
+        }
+        EXPECT_GT(t.nvme_read_bytes, 0u);
+        EXPECT_GT(t.nvme_written_bytes, 0u);
+        EXPECT_GT(t.nvme_read_ms, 0.0);
+        EXPECT_GT(t.nvme_write_ms, 0.0);
+        EXPECT_LE(t.nvme_busy_ms, t.nvme_read_ms + t.nvme_write_ms + 1e-6);
+        EXPECT_GE(t.nvme_busy_ms, std::max(t.nvme_read_ms, t.nvme_write_ms) - 1e-6);
+        EXPECT_LE(t.nvme_busy_ms, t.wall_ms + 1e-6);
+        // (With the parameters on NVMe a read ahead may finish on either side of a step's end.)
+        if (step > 0 && c.params == none) {
+          const StepTimeSplit& first = steps[1].time_split;
+          EXPECT_EQ(t.nvme_read_bytes, first.nvme_read_bytes) << "steady steps move the same bytes";
+          EXPECT_EQ(t.nvme_read_bytes, t.nvme_written_bytes) << "each swap file read and written back";
+        }
+      }
+    }
+  }
+  std::filesystem::remove_all(folder);
+}
+
 // A non-finite gradient: stepping after backward skips the step; with step_in_backward the units
 // already stepped cannot be skipped, so the step fails on every rank, saying so. (A huge learning
 // rate makes the parameters overflow at the first step, so the second step's gradients are not

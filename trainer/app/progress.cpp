@@ -32,6 +32,14 @@ void Progress::update(const StepStats& s) {
                  static_cast<long long>(s.step), static_cast<long long>(last_), s.loss, s.tokens_per_s, s.step_ms,
                  s.hit_rate(), s.exposed_comm_ms ? std::to_string(*s.exposed_comm_ms).substr(0, 5).c_str() : "-",
                  eta);
+    if (s.time_split.nvme) {  // out of core: where the step went, against what the disk moved
+      const auto& t = s.time_split;
+      std::fprintf(out_, "  compute %s ms, optimizer %s ms, nvme read %.2f GB in %.0f ms, written %.2f GB in %.0f ms, busy %.0f ms\n",
+                   t.compute_ms ? std::to_string(static_cast<long long>(*t.compute_ms)).c_str() : "-",
+                   t.optimizer_ms ? std::to_string(static_cast<long long>(*t.optimizer_ms)).c_str() : "-",
+                   static_cast<double>(t.nvme_read_bytes) * 1e-9, t.nvme_read_ms, static_cast<double>(t.nvme_written_bytes) * 1e-9,
+                   t.nvme_write_ms, t.nvme_busy_ms);
+    }
     if (s.val_loss) std::fprintf(out_, "  validation loss %.4f after step %lld\n", *s.val_loss, static_cast<long long>(s.step));
   }
   std::fflush(out_);

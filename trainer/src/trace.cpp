@@ -22,7 +22,11 @@ std::size_t TraceWriter::size() const {
 std::string TraceWriter::json() const {
   std::lock_guard lock(mutex_);
   nlohmann::json events = nlohmann::json::array();
-  auto tid_of = [](const std::string& track) { return track == "compute" ? 1 : 2; };
+  auto tid_of = [](const std::string& track) {
+    if (track == "compute") return 1;
+    if (track == "comm") return 2;
+    return track == "nvme read" ? 3 : 4;  // the NVMe store's transfers
+  };
   std::set<std::pair<int, std::string>> threads;
   for (const auto& e : entries_) {
     nlohmann::json ev;
@@ -46,7 +50,7 @@ std::string TraceWriter::json() const {
   for (const auto& [rank, track] : threads) {
     ranks.insert(rank);
     events.push_back({{"ph", "M"}, {"name", "thread_name"}, {"pid", rank}, {"tid", tid_of(track)},
-                      {"args", {{"name", track + " stream"}}}});
+                      {"args", {{"name", tid_of(track) <= 2 ? track + " stream" : track}}}});
   }
   for (int rank : ranks)
     events.push_back({{"ph", "M"}, {"name", "process_name"}, {"pid", rank}, {"args", {{"name", "rank " + std::to_string(rank)}}}});

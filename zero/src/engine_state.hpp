@@ -24,6 +24,7 @@
 #include "gradient_reduction.hpp"
 #include "parameter_residence.hpp"
 #include "shard_groups.hpp"
+#include "step_clock.hpp"
 #include "step_timeline.hpp"
 #include "fetch_trace.hpp"
 #include "unit.hpp"
@@ -212,6 +213,11 @@ struct Engine::State {
   // The step's timeline, its waits of compute on communication, and adaptive prefetch's
   // measurements (step_timeline.hpp).
   detail::StepTimeline timeline;
+  // Where each step's time went (StepTimeSplit), from counters read at the steps' ends.
+  detail::StepClock step_clock;
+  detail::StepClock::Sources clock_sources() const noexcept {
+    return {&ctx->stream(), host_stream.get(), store.get()};
+  }
   // The ranks average their measurements (one small all-reduce at the end of a pass), so every
   // rank makes the same prefetch decisions and issues its collectives in the same order.
   async::Task<Result<void>> agree_on_measurements();

@@ -47,6 +47,7 @@ async::Task<Result<void>> Engine::begin_step(int micro_batches, float lr) {
   auto& compute = ctx.stream();
   auto& cs = s.comm->stream();
   s.launches_before = s.launches();
+  s.step_clock.start(s.clock_sources());
   s.begin_pass("train");
   s.open = State::Open::step;
   ctx.reset_activation_peak();
@@ -134,7 +135,11 @@ async::Task<Result<EngineStepStats>> Engine::finish_step() {
   auto finished = co_await finish_open_step(s.step_lr);
   co_await end_swap_pass();
   s.open = State::Open::none;
-  if (finished) ++s.steps_done;
+  if (finished) {
+    ++s.steps_done;
+    finished->time_split = s.step_clock.lap(s.clock_sources());
+    if (s.store) s.timeline.add_nvme_spans(*finished, s.store->take_spans());
+  }
   co_return finished;
 }
 

@@ -18,6 +18,7 @@ Result<void> StepTimeline::wait(async::Stream& compute, const async::Event& even
 
 Result<void> StepTimeline::set_epoch(async::Event epoch, async::Stream& compute, async::Stream& comm) {
   epoch_ = std::move(epoch);
+  host_epoch_ = std::chrono::steady_clock::now();
   COSHARD_TRY(compute.wait(epoch_));
   return comm.wait(epoch_);
 }
@@ -54,6 +55,19 @@ void StepTimeline::collect(EngineStepStats& stats, const std::string& phase, std
     if (a && b) stats.timeline.push_back({sp.compute ? "compute" : "comm", sp.category, *sp.name, *a, *b});
   }
   spans_.clear();
+}
+
+void StepTimeline::add_nvme_spans(EngineStepStats& stats, std::vector<offload::NvmeTransferSpan> spans) const {
+  if (!record_) return;
+  std::optional<std::chrono::steady_clock::time_point> passed;
+  if (epoch_.fence()) passed = epoch_.fence()->host_time();
+  const auto epoch = passed.value_or(host_epoch_);
+  auto ms = [epoch](std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration<double, std::milli>(t - epoch).count();
+  };
+  for (auto& sp : spans)
+    stats.timeline.push_back({sp.writing ? "nvme write" : "nvme read", sp.writing ? "write" : "read", std::move(sp.file),
+                              ms(sp.start), ms(sp.end)});
 }
 
 }  // namespace coshard::zero::detail

@@ -5,6 +5,7 @@
 // last event has passed, never by a synchronize. Private: not installed.
 #pragma once
 
+#include <chrono>
 #include <limits>
 #include <map>
 #include <string>
@@ -12,6 +13,7 @@
 
 #include "coshard/async/event.hpp"
 #include "coshard/async/stream.hpp"
+#include "coshard/offload/nvme_store.hpp"
 #include "coshard/zero/engine.hpp"
 
 namespace coshard::zero::detail {
@@ -59,6 +61,10 @@ class StepTimeline {
   // After the pass's last event has passed: the waits' total and the timeline into `stats`, and
   // the measurements learnt (`phase` with `positions` fetches).
   void collect(EngineStepStats& stats, const std::string& phase, std::size_t positions);
+  // The NVMe store's transfers on the timeline's "nvme read" and "nvme write" tracks. They are timed on the host's
+  // clock: a CPU epoch carries its own time on that clock; a GPU's epoch is placed at the host's
+  // time when it was set (a launch's latency apart, or more).
+  void add_nvme_spans(EngineStepStats& stats, std::vector<offload::NvmeTransferSpan> spans) const;
 
   // Adaptive prefetch: measured milliseconds (device timestamps, a moving average over steps) of
   // each unit's gather (< 0: not measured yet), and of the compute at each position of each
@@ -84,6 +90,7 @@ class StepTimeline {
   std::vector<Span> spans_;
   std::vector<std::pair<async::Event, async::Event>> waits_;
   async::Event epoch_;
+  std::chrono::steady_clock::time_point host_epoch_ = std::chrono::steady_clock::now();
 };
 
 }  // namespace coshard::zero::detail

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "coshard/async/device.hpp"
@@ -75,6 +76,10 @@ class Stream {
 
   // cudaStream_t for CUDA streams, null for CPU streams.
   void* native_handle() const noexcept;
+  // Milliseconds the stream has spent running its work (launched closures, copies, fills; not
+  // its waits) since it was made: CPU streams measure it on the worker; CUDA streams do not
+  // (nullopt: time them with record_timed).
+  std::optional<double> busy_ms() const noexcept;
 
  private:
   explicit Stream(std::unique_ptr<detail::StreamImpl> impl);

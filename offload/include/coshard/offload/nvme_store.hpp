@@ -15,14 +15,19 @@
 //   (at open), a file that is missing or shorter than asked (truncated behind our back), a full
 //   disk or a file-size limit. Data written before the failure stays readable.
 // - Calls run on the Runtime they are awaited on; a file is opened once and kept.
+// - Time is kept per direction: a direction is busy while any of its transfers is in flight
+//   (the disk's share of a step, against what it moved); with spans on, each transfer's start
+//   and end (steady_clock) are kept until taken.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "coshard/async/result.hpp"
 #include "coshard/async/task.hpp"
@@ -34,6 +39,22 @@ struct NvmeStoreOptions {
   std::size_t block_bytes = std::size_t{1} << 20;  // a multiple of 4 KiB
   std::size_t queue_depth = 16;                     // blocks in flight per transfer
   bool direct = true;                               // O_DIRECT (off: page cache, e.g. tmpfs)
+};
+
+// Totals since the store opened; read them twice and subtract for an interval.
+struct NvmeStoreStats {
+  std::uint64_t bytes_read = 0, bytes_written = 0;
+  // Time with at least one read (write, transfer of either kind) in flight, the open interval
+  // up to now included.
+  std::chrono::nanoseconds read_busy{0}, write_busy{0}, busy{0};
+};
+
+// One read or write of a file, as its caller asked for it (its blocks together).
+struct NvmeTransferSpan {
+  bool writing = false;
+  std::string file;
+  std::uint64_t bytes = 0;
+  std::chrono::steady_clock::time_point start, end;
 };
 
 class NvmeStore {
@@ -58,6 +79,11 @@ class NvmeStore {
   const NvmeStoreOptions& options() const noexcept;
   std::uint64_t bytes_written() const noexcept;
   std::uint64_t bytes_read() const noexcept;
+  // On the runtime's thread (where the transfers run).
+  NvmeStoreStats stats() const noexcept;
+  // Keeps each transfer's span from now on (off: drops them), until taken.
+  void record_spans(bool on);
+  std::vector<NvmeTransferSpan> take_spans() noexcept;
 
   struct Impl;
   explicit NvmeStore(std::unique_ptr<Impl> impl);

@@ -200,7 +200,7 @@ Result<void> check_step_in_backward(const EngineOptions& o, const StepControlOpt
 
 // One span of a step's timeline, in milliseconds from the engine's timeline epoch.
 struct TimelineSpan {
-  std::string track;     // "compute" or "comm"
+  std::string track;     // "compute", "comm", or (NVMe offload) "nvme read" and "nvme write"
   std::string category;  // forward, backward, wait, release, fetch, prefetch, reduce_scatter, ...
   std::string name;      // the unit, or the step phase
   double start_ms = 0;
@@ -251,6 +251,25 @@ struct GatheredParameter {
   std::vector<std::byte> bytes;
 };
 
+// Where a step's time went, from the end of the previous finish_step (the first step: from its
+// begin_step) to the end of this one. Read from counters the streams and the store keep: no wait.
+struct StepTimeSplit {
+  double wall_ms = 0;  // the interval, on the host's clock
+  // The compute stream running the model's kernels, and with the optimizer offloaded the host
+  // stream running its step: CPU streams measure it; CUDA streams do not (nullopt).
+  std::optional<double> compute_ms, optimizer_ms;
+  // NVMe offload (parameters or optimizer state): bytes read and written, and how long reads,
+  // writes, and either were in flight (reads and writes overlap: busy_ms <= read_ms + write_ms).
+  bool nvme = false;
+  std::uint64_t nvme_read_bytes = 0, nvme_written_bytes = 0;
+  double nvme_read_ms = 0, nvme_write_ms = 0, nvme_busy_ms = 0;
+  // The compute stream idle: waiting for reads, gathers, the optimizer or the host.
+  std::optional<double> compute_idle_ms() const noexcept {
+    if (!compute_ms) return std::nullopt;
+    return wall_ms > *compute_ms ? wall_ms - *compute_ms : 0.0;
+  }
+};
+
 struct EngineStepStats {
   double loss = 0;                    // mean over micro-batches and ranks
   std::uint64_t fetches = 0;          // stage 3: units awaited by a module
@@ -272,6 +291,7 @@ struct EngineStepStats {
   // gathers at the end of the step), from device timestamps. Empty unless options.timing.
   std::optional<double> exposed_comm_ms;
   std::vector<TimelineSpan> timeline;  // options.record_timeline
+  StepTimeSplit time_split;
   OptimizerStats optimizer;
   double hit_rate() const noexcept {
     return fetches == 0 ? 1.0 : static_cast<double>(prefetch_hits) / static_cast<double>(fetches);

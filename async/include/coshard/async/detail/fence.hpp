@@ -2,6 +2,9 @@
 // (CPU: an atomic flag completed by the stream's worker; CUDA: a timing-disabled cudaEvent_t).
 #pragma once
 
+#include <chrono>
+#include <optional>
+
 #include "coshard/async/detail/wait_list.hpp"
 #include "coshard/async/device.hpp"
 #include "coshard/async/result.hpp"
@@ -32,6 +35,9 @@ class Fence {
   // fence of the same backend and device; both have passed (Event checks all of that).
   virtual bool timed() const noexcept { return false; }
   virtual double elapsed_ms_since(Fence& start) = 0;
+  // A timed fence that has passed, where the device's clock is the host's steady_clock (CPU
+  // streams): the time it passed; otherwise nullopt.
+  virtual std::optional<std::chrono::steady_clock::time_point> host_time() const noexcept { return std::nullopt; }
 
  private:
   Device device_;
