@@ -12,7 +12,11 @@ the process's /proc/PID/io (bytes the block layer read and wrote for it) and mar
 as its metrics line appears: the bytes of step k are the counters' growth between lines k-1 and k
 (the first step also writes nothing new: the files were written at start). The floor of a step is
 (bytes read + bytes written) / the disk's measured rate for each; the ratio step time / floor says
-how much beyond the disk's pace the step costs (compute and waits; the time split is future work).
+how much beyond the disk's pace the step costs. Each step's time split comes from its metrics
+(zero::StepTimeSplit): the compute stream's and the host optimizer's busy time, the NVMe store's
+bytes and how long its reads and writes were in flight. The bound a step is held to is
+max(compute + optimizer, store bytes read / fio's read rate + store bytes written / fio's write
+rate): the two cores run both the model and the optimizer, and the one disk both directions.
 Peak resident memory is getrusage's of the process. PyTorch's need is the arithmetic of its
 resident AdamW training (fp32 parameters, gradients and two moments: 16 bytes a parameter), without
 activations.
@@ -111,9 +115,22 @@ def main():
         if 0 < k < len(marks) and marks[k] and marks[k - 1]:
             read, written = marks[k][0] - marks[k - 1][0], marks[k][1] - marks[k - 1][1]
         floor = None if read is None else read / disk["read_bytes_per_s"] + written / disk["write_bytes_per_s"]
-        steps.append({"step": row["step"], "loss": row["loss"], "step_s": row["step_ms"] / 1000, "read_bytes": read,
+        step_s = row["step_ms"] / 1000
+        split = {key[:-3] + "_s": row[key] / 1000 for key in
+                 ("compute_ms", "compute_idle_ms", "optimizer_ms", "nvme_read_ms", "nvme_write_ms", "nvme_busy_ms")
+                 if row.get(key) is not None}
+        store_read, store_written = row.get("nvme_read_bytes", 0), row.get("nvme_written_bytes", 0)
+        disk_s = store_read / disk["read_bytes_per_s"] + store_written / disk["write_bytes_per_s"]
+        bound = max(split.get("compute_s", 0) + split.get("optimizer_s", 0), disk_s)
+        steps.append({"step": row["step"], "loss": row["loss"], "step_s": step_s, "read_bytes": read,
                       "written_bytes": written, "disk_floor_s": floor,
-                      "vs_floor": None if not floor else row["step_ms"] / 1000 / floor})
+                      "vs_floor": None if not floor else step_s / floor,
+                      "split": split, "store_read_bytes": store_read, "store_written_bytes": store_written,
+                      "store_read_rate_vs_fio": (store_read / split["nvme_read_s"] / disk["read_bytes_per_s"])
+                      if split.get("nvme_read_s") else None,
+                      "store_write_rate_vs_fio": (store_written / split["nvme_write_s"] / disk["write_bytes_per_s"])
+                      if split.get("nvme_write_s") else None,
+                      "bound_s": bound, "vs_bound": step_s / bound if bound else None})
     total_mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     result = {
         "machine": {"cores": os.cpu_count(), "memory_bytes": total_mem},
