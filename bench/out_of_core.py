@@ -15,8 +15,9 @@ as its metrics line appears: the bytes of step k are the counters' growth betwee
 how much beyond the disk's pace the step costs. Each step's time split comes from its metrics
 (zero::StepTimeSplit): the compute stream's and the host optimizer's busy time, the NVMe store's
 bytes and how long its reads and writes were in flight. The bound a step is held to is
-max(compute + optimizer, store bytes read / fio's read rate + store bytes written / fio's write
-rate): the two cores run both the model and the optimizer, and the one disk both directions.
+max(compute + optimizer, store bytes read / read rate + store bytes written / write rate), each
+rate fio's (QD 32) or the store's own while its transfers of that kind were in flight, whichever
+is more: the two cores run both the model and the optimizer, and the one disk both directions.
 Peak resident memory is getrusage's of the process. PyTorch's need is the arithmetic of its
 resident AdamW training (fp32 parameters, gradients and two moments: 16 bytes a parameter), without
 activations.
@@ -36,7 +37,7 @@ import time
 
 def fio_rate(folder, rw, size="2g"):
     out = subprocess.run(["fio", "--name=disk", f"--directory={folder}", f"--rw={rw}", "--bs=1m", "--direct=1",
-                          "--ioengine=io_uring", "--iodepth=8", f"--size={size}", "--output-format=json"],
+                          "--ioengine=io_uring", "--iodepth=32", f"--size={size}", "--output-format=json"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, check=True).stdout
     job = json.loads(out)["jobs"][0]
     side = job["read" if "read" in rw else "write"]
@@ -120,7 +121,12 @@ def main():
                  ("compute_ms", "compute_idle_ms", "optimizer_ms", "nvme_read_ms", "nvme_write_ms", "nvme_busy_ms")
                  if row.get(key) is not None}
         store_read, store_written = row.get("nvme_read_bytes", 0), row.get("nvme_written_bytes", 0)
-        disk_s = store_read / disk["read_bytes_per_s"] + store_written / disk["write_bytes_per_s"]
+        # The disk's rate: fio's, or what the store reached while its reads (writes) were in
+        # flight where that is more (several files at once outrun fio's one).
+        read_rate = max(disk["read_bytes_per_s"], store_read / split["nvme_read_s"] if split.get("nvme_read_s") else 0)
+        write_rate = max(disk["write_bytes_per_s"],
+                         store_written / split["nvme_write_s"] if split.get("nvme_write_s") else 0)
+        disk_s = store_read / read_rate + store_written / write_rate
         bound = max(split.get("compute_s", 0) + split.get("optimizer_s", 0), disk_s)
         steps.append({"step": row["step"], "loss": row["loss"], "step_s": step_s, "read_bytes": read,
                       "written_bytes": written, "disk_floor_s": floor,

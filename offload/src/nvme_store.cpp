@@ -157,18 +157,37 @@ struct NvmeStore::Impl {
     std::optional<Error> failure;  // the first error; the others stop taking blocks
     std::optional<InFlight> in_flight;
     in_flight.emplace(*this, writing);
-    auto worker = [&]() -> Task<void> {
+    auto worker = [&](asio::random_access_file& lane) -> Task<void> {
       while (!failure && next < blocks) {
         const std::size_t b = next++;
         const std::size_t at = b * options.block_bytes;
         const std::size_t n = std::min(options.block_bytes, len - at);
         const std::size_t need = required > at ? std::min(n, required - at) : 0;
-        auto r = co_await block(writing, **f, name, offset + at, p + at, n, need);
+        auto r = co_await block(writing, lane, name, offset + at, p + at, n, need);
         if (!r && !failure) failure = std::move(r).error();
       }
     };
+    // Asio's io_uring service keeps one operation of a kind in flight per I/O object and queues
+    // the others behind it: on one object the queue depth was 1. Each worker gets an object of
+    // its own, over a duplicate of the file's descriptor (closed when the transfer ends); where
+    // no descriptor is left, fewer workers share the depth.
+    const std::size_t depth = std::min(options.queue_depth, blocks);
+    std::vector<std::unique_ptr<asio::random_access_file>> lanes;
+    for (std::size_t w = 1; w < depth; ++w) {
+      const int fd = ::fcntl((*f)->native_handle(), F_DUPFD_CLOEXEC, 0);
+      if (fd < 0) break;
+      auto lane = std::make_unique<asio::random_access_file>(runtime->io_context());
+      std::error_code ec;
+      lane->assign(fd, ec);
+      if (ec) {
+        ::close(fd);
+        break;
+      }
+      lanes.push_back(std::move(lane));
+    }
     std::vector<Task<void>> workers;
-    for (std::size_t w = 0; w < std::min(options.queue_depth, blocks); ++w) workers.push_back(worker());
+    workers.push_back(worker(**f));
+    for (auto& lane : lanes) workers.push_back(worker(*lane));
     co_await async::when_all(std::move(workers));
     const auto started = in_flight->start;
     in_flight.reset();

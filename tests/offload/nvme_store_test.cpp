@@ -6,6 +6,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -177,6 +178,42 @@ TEST(NvmeStore, AFullDiskFailsTheWriteAndKeepsWhatWasWritten) {
   EXPECT_NE(r->find("opt"), std::string::npos) << *r;
   EXPECT_NE(r->find("offset"), std::string::npos) << *r;
   std::printf("full-disk error: %s\n", r->c_str());
+  fs::remove_all(dir);
+}
+
+// Each of a transfer's workers has its own duplicate of the file's descriptor (Asio keeps one
+// operation in flight per I/O object); with no descriptor left to duplicate, the transfer still
+// runs, on fewer of them, bit-exact.
+TEST(NvmeStore, WithNoDescriptorLeftATransferRunsOnFewerWorkers) {
+  const fs::path dir = fresh_dir("lanes");
+  async::Runtime rt;
+  auto store = open_store(dir, 64 << 10, 8);
+  const auto data = random_bytes((1 << 20) + 123, 21);
+  auto round_trip = [&]() -> Result<void> {
+    return rt.block_on([](NvmeStore& store, const std::vector<std::byte>& data) -> Task<Result<void>> {
+      COSHARD_CO_TRY(co_await store.write("lanes", 0, data));
+      std::vector<std::byte> back(data.size());
+      COSHARD_CO_TRY(co_await store.read("lanes", 0, back));
+      if (back != data) co_return fail(ErrorCode::internal, "read back differs");
+      co_return Result<void>{};
+    }(*store, data));
+  };
+  ASSERT_TRUE(round_trip());  // the file is open now
+  int highest = 0;
+  for (const auto& entry : fs::directory_iterator("/proc/self/fd")) highest = std::max(highest, std::stoi(entry.path().filename()));
+  rlimit old{};
+  ::getrlimit(RLIMIT_NOFILE, &old);
+  rlimit tight = old;
+  tight.rlim_cur = static_cast<rlim_t>(highest) + 1;  // (the iterator's own descriptor is closed again)
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &tight), 0);
+  std::vector<int> fillers;  // the free numbers below the limit, taken
+  for (int fd = ::dup(0); fd >= 0; fd = ::dup(0)) fillers.push_back(fd);
+  const bool none_left = errno == EMFILE;
+  auto r = round_trip();
+  for (int fd : fillers) ::close(fd);
+  ::setrlimit(RLIMIT_NOFILE, &old);
+  EXPECT_TRUE(none_left) << std::strerror(errno);
+  EXPECT_TRUE(r) << r.error().message();
   fs::remove_all(dir);
 }
 

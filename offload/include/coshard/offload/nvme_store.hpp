@@ -10,7 +10,9 @@
 //   4 KiB goes through an aligned bounce buffer (a write then pads the file to the next 4 KiB).
 // - A transfer is cut into `block_bytes` pieces with `queue_depth` in flight (a sliding window),
 //   each one a loop over Asio's async_*_some_at (the composed async_*_at would cut it to 64 KiB pieces);
-//   short transfers continue where they stopped, EINTR/EAGAIN are retried.
+//   short transfers continue where they stopped, EINTR/EAGAIN are retried. Asio's io_uring
+//   service keeps one operation of a kind in flight per I/O object, so each worker of a transfer
+//   uses its own object over a duplicate of the file's descriptor.
 // - Failures come back as Result errors naming the file, offset and size: a missing directory
 //   (at open), a file that is missing or shorter than asked (truncated behind our back), a full
 //   disk or a file-size limit. Data written before the failure stays readable.
