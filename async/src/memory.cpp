@@ -225,7 +225,7 @@ Result<Block> CachingAllocator::allocate(std::size_t bytes, Stream& stream) {
 
 void CachingAllocator::release(Block& block, std::optional<Event> last_use) noexcept {
   auto last = last_use ? Result<Event>(std::move(*last_use)) : block.stream_->record();
-  bool last_moved = false;
+  bool slot = false;  // a place in pending_ is taken for it
   {
     std::lock_guard lock(mutex_);
     stats_.in_use_bytes -= block.size_;
@@ -236,23 +236,21 @@ void CachingAllocator::release(Block& block, std::optional<Event> last_use) noex
         leaked_.emplace_back(block.ptr_, block.size_);
         return;
       }
+      // The memory first (a release runs in destructors: it must not throw), then the moves.
       block.uses_.reserve(block.uses_.size() + 1);
+      pending_.emplace_back();
+      slot = true;
+    } catch (const std::bad_alloc&) {
+      if (!last) return;  // leaked, unrecorded
+      // No memory to remember the block by: handled below, outside the lock.
+    }
+    if (slot) {
       block.uses_.push_back(std::move(*last));
-      last_moved = true;
-      Pending pending{block.ptr_, block.size_, std::move(block.uses_)};
-      try {
-        pending_.push_back(std::move(pending));
-      } catch (const std::bad_alloc&) {
-        block.uses_ = std::move(pending.uses);  // the deque did not take it: the events are still here
-        throw;
-      }
+      pending_.back() = Pending{block.ptr_, block.size_, std::move(block.uses_)};
       stats_.pending_bytes += block.size_;
       return;
-    } catch (const std::bad_alloc&) {
-      // No memory to remember the block by (a release runs in destructors: it must not throw).
     }
   }
-  if (!last) return;  // leaked, unrecorded
   // Its memory goes back to the system once every use has passed; a wait that fails leaves it
   // leaked rather than reused under a stream still writing it.
   bool passed = true;
@@ -261,7 +259,7 @@ void CachingAllocator::release(Block& block, std::optional<Event> last_use) noex
     passed = passed && e.ready();  // not passed: strict mode refused to wait
   };
   for (const Event& e : block.uses_) wait(e);
-  if (!last_moved) wait(*last);
+  wait(*last);
   if (passed) free_idle(block.ptr_);
 }
 

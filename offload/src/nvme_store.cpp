@@ -57,7 +57,7 @@ struct NvmeStore::Impl {
       return in_flight > 0 ? total + (now - since) : total;
     }
   };
-  BusyClock reading, writing_clock, either;
+  BusyClock read_clock, write_clock, either_clock;
   bool record_spans = false;
   std::vector<NvmeTransferSpan> spans;
 
@@ -67,13 +67,13 @@ struct NvmeStore::Impl {
     bool writing;
     std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
     InFlight(Impl& s, bool w) : store(s), writing(w) {
-      (writing ? store.writing_clock : store.reading).start(start);
-      store.either.start(start);
+      (writing ? store.write_clock : store.read_clock).start(start);
+      store.either_clock.start(start);
     }
     ~InFlight() {
       const auto now = std::chrono::steady_clock::now();
-      (writing ? store.writing_clock : store.reading).stop(now);
-      store.either.stop(now);
+      (writing ? store.write_clock : store.read_clock).stop(now);
+      store.either_clock.stop(now);
     }
     InFlight(const InFlight&) = delete;
     InFlight& operator=(const InFlight&) = delete;
@@ -240,7 +240,7 @@ std::uint64_t NvmeStore::bytes_read() const noexcept { return impl_->read.load(s
 
 NvmeStoreStats NvmeStore::stats() const noexcept {
   const auto now = std::chrono::steady_clock::now();
-  return {bytes_read(), bytes_written(), impl_->reading.at(now), impl_->writing_clock.at(now), impl_->either.at(now)};
+  return {bytes_read(), bytes_written(), impl_->read_clock.at(now), impl_->write_clock.at(now), impl_->either_clock.at(now)};
 }
 
 void NvmeStore::record_spans(bool on) {

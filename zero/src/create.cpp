@@ -198,7 +198,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   // files; the parameters' read slots), before any unit gets storage.
   COSHARD_TRY(s->optimizer_placement->setup(*s, infos));
   COSHARD_TRY(s->shard_placement->setup(*s));
-  if (s->store && o.record_timeline) s->store->record_spans(true);  // the timeline's "nvme" track
+  if (s->store && o.record_timeline) s->store->record_spans(true);  // the timeline's "nvme read" and "nvme write" tracks
 
   // Storage: each placement makes its own, in this order (the host optimizer's pinned buffer may
   // become the shard).
