@@ -298,11 +298,23 @@ std::size_t Optimizer::state_tensors() const noexcept {
 
 Result<void> Optimizer::apply_group(Context& ctx, std::size_t i, float lr, Tensor master, Tensor state1, Tensor state2,
                                     Tensor params_out) {
+  if (i < groups_.size() && !groups_[i].frozen && master && master.numel() != groups_[i].grads.numel())
+    return fail(ErrorCode::invalid_argument, "Optimizer::apply_group(", i, "): master and ", state_tensors(),
+                " state tensors of f32[", groups_[i].grads.numel(), "] expected");
+  return apply_group_range(ctx, i, 0, lr, std::move(master), std::move(state1), std::move(state2), std::move(params_out));
+}
+
+Result<void> Optimizer::apply_group_range(Context& ctx, std::size_t i, std::int64_t begin, float lr, Tensor master,
+                                          Tensor state1, Tensor state2, Tensor params_out) {
   if (i >= groups_.size()) return fail(ErrorCode::out_of_range, "Optimizer::apply_group(", i, "): ", groups_.size(), " groups");
   if (!(lr >= 0)) return fail(ErrorCode::invalid_argument, "lr=", lr, ": expected >= 0");
   const Group& g = groups_[i];
   if (g.frozen) return {};  // nothing to step, nothing given
-  const std::int64_t n = g.grads.numel();
+  const std::int64_t total = g.grads.numel();
+  const std::int64_t n = master ? master.numel() : total;
+  if (master && (begin < 0 || n <= 0 || begin + n > total))
+    return fail(ErrorCode::invalid_argument, "Optimizer::apply_group(", i, "): elements [", begin, ", ", begin + n,
+                ") of a group of ", total, ": expected a non-empty range within it");
   auto fits = [&](const Tensor& t) { return t && t.dtype() == DataType::f32 && t.numel() == n; };
   if (!fits(master) || (state_tensors() >= 1 && !fits(state1)) || (state_tensors() >= 2 && !fits(state2)))
     return fail(ErrorCode::invalid_argument, "Optimizer::apply_group(", i, "): master and ", state_tensors(),
@@ -311,25 +323,30 @@ Result<void> Optimizer::apply_group(Context& ctx, std::size_t i, float lr, Tenso
     return fail(ErrorCode::invalid_argument, "Optimizer::apply_group(", i, "): params_out ", params_out.describe(),
                 ": expected ", n, " elements on ", ctx.device().to_string());
   const DataType pdt = params_out ? params_out.dtype() : DataType::f32;
-  return update(ctx, g, lr, master.data_as<float>(), state1 ? state1.data_as<float>() : nullptr,
+  return update(ctx, g, begin, n, lr, master.data_as<float>(), state1 ? state1.data_as<float>() : nullptr,
                 state2 ? state2.data_as<float>() : nullptr, pdt, params_out ? params_out.data() : nullptr);
 }
 
-Result<void> Optimizer::update(Context& ctx, const Group& g, float lr, float* master, float* state1, float* state2,
-                               DataType pdt, void* params_out) const {
+Result<void> Optimizer::update(Context& ctx, const Group& g, std::int64_t first, std::int64_t count, float lr,
+                               float* master, float* state1, float* state2, DataType pdt, void* params_out) const {
   if (g.skipped || g.frozen) return {};
   const auto& k = ctx.kernels();
   auto* st = state_.data_as<StepState>();
   const DataType gdt = g.grads.dtype();
   auto* grads = static_cast<const std::byte*>(g.grads.data());
   auto* out = static_cast<std::byte*>(params_out);
-  // One launch over elements [begin, end) with `seg`'s settings (the kernels are element-wise:
-  // a run steps each element exactly as a launch over the whole group would).
+  const std::int64_t last = first + count;
+  // One launch over elements [begin, end) with `seg`'s settings, cut to [first, last) (the kernels
+  // are element-wise: a run steps each element exactly as a launch over the whole group would).
   auto run = [&](std::int64_t begin, std::int64_t end, const Segment& seg) -> Result<void> {
+    begin = std::max(begin, first);
+    end = std::min(end, last);
+    if (begin >= end) return {};
     const auto at = static_cast<std::size_t>(begin);
+    const auto local = static_cast<std::size_t>(begin - first);
     const std::int64_t n = end - begin;
     const void* gi = grads + at * size_of(gdt);
-    void* oi = out ? out + at * size_of(pdt) : nullptr;
+    void* oi = out ? out + local * size_of(pdt) : nullptr;
     if (impl_->adam) {
       detail::AdamArgs a = impl_->adam_args;
       a.lr = lr * seg.lr_scale;
@@ -337,12 +354,12 @@ Result<void> Optimizer::update(Context& ctx, const Group& g, float lr, float* ma
       a.beta1 = seg.beta1;
       a.beta2 = seg.beta2;
       a.eps = seg.eps;
-      return k.adamw(ctx.stream(), master + at, gdt, gi, state1 + at, state2 + at, pdt, oi, n, a, st);
+      return k.adamw(ctx.stream(), master + local, gdt, gi, state1 + local, state2 + local, pdt, oi, n, a, st);
     }
     detail::SgdArgs a = impl_->sgd_args;
     a.lr = lr * seg.lr_scale;
     a.weight_decay = seg.weight_decay;
-    return k.sgd(ctx.stream(), master + at, gdt, gi, state1 ? state1 + at : nullptr, pdt, oi, n, a, st);
+    return k.sgd(ctx.stream(), master + local, gdt, gi, state1 ? state1 + local : nullptr, pdt, oi, n, a, st);
   };
   if (g.segments.empty()) return run(0, g.grads.numel(), default_settings());
   for (const auto& seg : g.segments)
@@ -397,7 +414,7 @@ Result<void> Optimizer::apply_one(Context& ctx, std::size_t i, float lr) {
   if (!g.params)
     return fail(ErrorCode::invalid_argument, "Optimizer::apply: swapped groups are stepped with apply_group and finish_step");
   const bool cast_back = g.params.dtype() != DataType::f32;
-  return update(ctx, g, lr, g.master.data_as<float>(), g.state1 ? g.state1.data_as<float>() : nullptr,
+  return update(ctx, g, 0, g.params.numel(), lr, g.master.data_as<float>(), g.state1 ? g.state1.data_as<float>() : nullptr,
                 g.state2 ? g.state2.data_as<float>() : nullptr, g.params.dtype(), cast_back ? g.params.data() : nullptr);
 }
 

@@ -12,13 +12,43 @@ namespace {
 
 // Each transfer owns its buffer while the store works on it. Whole pages go to the disk (O_DIRECT
 // wants them); the file of a sub-group is therefore page-rounded, and reads take whole pages.
-async::Task<Result<PinnedBlock>> read_into(NvmeStore& store, std::string name, PinnedBlock block, std::size_t bytes) {
-  COSHARD_CO_TRY(co_await store.read(name, 0, block.pages().first(page_rounded(bytes))));
+// With extents, one transfer each (they run at once), placed one after another in the buffer.
+async::Task<Result<PinnedBlock>> read_into(NvmeStore& store, const SubGroup& group, PinnedBlock block) {
+  if (group.extents.empty()) {
+    COSHARD_CO_TRY(co_await store.read(group.name, 0, block.pages().first(page_rounded(group.bytes))));
+    co_return std::move(block);
+  }
+  async::Runtime* rt = async::Runtime::current();
+  std::vector<async::JoinHandle<Result<void>>> parts;
+  std::size_t at = 0;
+  for (const auto& e : group.extents) {
+    parts.push_back(rt->spawn(store.read(group.name, e.offset, block.pages().subspan(at, page_rounded(e.bytes)))));
+    at += page_rounded(e.bytes);
+  }
+  Result<void> first{};
+  for (auto& part : parts) {
+    auto r = co_await part;
+    if (!r && first) first = std::move(r);
+  }
+  if (!first) co_return fail(std::move(first).error());
   co_return std::move(block);
 }
 
-async::Task<Result<void>> write_from(NvmeStore& store, std::string name, PinnedBlock block, std::size_t bytes) {
-  co_return co_await store.write(name, 0, block.pages().first(page_rounded(bytes)));
+async::Task<Result<void>> write_from(NvmeStore& store, const SubGroup& group, PinnedBlock block) {
+  if (group.extents.empty()) co_return co_await store.write(group.name, 0, block.pages().first(page_rounded(group.bytes)));
+  async::Runtime* rt = async::Runtime::current();
+  std::vector<async::JoinHandle<Result<void>>> parts;
+  std::size_t at = 0;
+  for (const auto& e : group.extents) {
+    parts.push_back(rt->spawn(store.write(group.name, e.offset, block.pages().subspan(at, page_rounded(e.bytes)))));
+    at += page_rounded(e.bytes);
+  }
+  Result<void> first{};
+  for (auto& part : parts) {
+    auto r = co_await part;
+    if (!r && first) first = std::move(r);
+  }
+  co_return first;
 }
 
 }  // namespace
@@ -45,7 +75,19 @@ async::Task<Result<void>> Swapper::run(std::span<const SubGroup> groups, Use use
   if (!rt) co_return fail(ErrorCode::invalid_argument, "Swapper: must be awaited on a coshard Runtime");
   // The plan fits the budget before anything moves.
   std::size_t largest = 0;
-  for (const auto& g : groups) largest = std::max(largest, g.bytes);
+  for (const auto& g : groups) {
+    largest = std::max(largest, g.bytes);
+    std::size_t placed = 0;
+    for (const auto& e : g.extents) {
+      if (e.offset % page_rounded(1) != 0)
+        co_return fail(ErrorCode::invalid_argument, "Swapper: sub-group ", g.name, ": an extent at offset ", e.offset,
+                       ": expected a multiple of ", page_rounded(1), " (a page)");
+      placed += page_rounded(e.bytes);
+    }
+    if (placed > page_rounded(g.bytes))
+      co_return fail(ErrorCode::invalid_argument, "Swapper: sub-group ", g.name, ": extents of ", placed,
+                     " bytes in a ", g.bytes, "-byte sub-group");
+  }
   const std::vector<std::size_t> buffers(static_cast<std::size_t>(options_.buffer_count), largest);
   if (!groups.empty()) COSHARD_CO_TRY(pool_->reserve(buffers));
 
@@ -64,7 +106,7 @@ async::Task<Result<void>> Swapper::run(std::span<const SubGroup> groups, Use use
   };
   auto start_read = [&](std::size_t k) -> Result<void> {
     COSHARD_TRY_ASSIGN(auto block, pool_->acquire(largest));  // one size: every buffer is reused
-    reads.push_back(rt->spawn(read_into(store_, groups[k].name, std::move(block), groups[k].bytes)));
+    reads.push_back(rt->spawn(read_into(store_, groups[k], std::move(block))));
     ++held;
     stats_.peak_buffers = std::max(stats_.peak_buffers, held);
     return {};
@@ -116,7 +158,7 @@ async::Task<Result<void>> Swapper::run(std::span<const SubGroup> groups, Use use
       break;
     }
     if (write_back) {
-      writes.push_back(rt->spawn(write_from(store_, groups[k].name, std::move(block), groups[k].bytes)));
+      writes.push_back(rt->spawn(write_from(store_, groups[k], std::move(block))));
       stats_.bytes_written += groups[k].bytes;
     } else {
       block.reset();

@@ -79,6 +79,68 @@ TEST(Swapper, RoundTripsEveryGroupBitExactInBoundedBuffers) {
   fs::remove_all(dir);
 }
 
+// Sub-groups as extents of one file (a piece of each of three arrays kept from page boundaries):
+// each pass sees its own pieces and writes only them back; the whole file, read at the end, holds
+// every piece where it belongs. An extent off a page boundary is refused by name.
+TEST(Swapper, ExtentsOfOneFileRoundTripInPlace) {
+  const fs::path dir = fresh_dir("extents");
+  async::Runtime rt;
+  auto store = NvmeStore::open({.directory = dir}).value();
+  auto pool = PinnedPool::create({.host_memory_budget = 8 << 20}).value();
+  auto swapper = Swapper::create(*store, pool, {.buffer_count = 2}).value();
+  const std::size_t page = page_rounded(1), array = 5 * page;  // each array: 5 pages; pieces of 2 pages and a last of 1 + 100 bytes
+  const std::size_t used = 4 * page + 100;
+  std::vector<SubGroup> whole{{"state", 3 * array}};
+  std::vector<SubGroup> pieces;
+  for (std::size_t begin = 0; begin < used; begin += 2 * page) {
+    const std::size_t len = std::min(2 * page, used - begin);
+    SubGroup g{"state", 3 * page_rounded(len)};
+    for (std::size_t a = 0; a < 3; ++a) g.extents.push_back({a * array + begin, len});
+    pieces.push_back(std::move(g));
+  }
+  // The byte at `i` of array `a` (i < used) after pass `pass`.
+  auto expected = [](std::size_t a, std::size_t i, int pass) {
+    return static_cast<std::byte>((a * 53 + i * 3 + static_cast<std::size_t>(pass) * 17) & 0xff);
+  };
+  auto r = rt.block_on([&](Swapper& sw) -> Task<Result<void>> {
+    COSHARD_CO_TRY(co_await sw.initialize(whole, [&](std::size_t, std::span<std::byte> b) -> Task<Result<void>> {
+      for (std::size_t a = 0; a < 3; ++a)
+        for (std::size_t i = 0; i < used; ++i) b[a * array + i] = expected(a, i, 0);
+      co_return Result<void>{};
+    }));
+    COSHARD_CO_TRY(co_await sw.for_each(pieces, [&](std::size_t k, std::span<std::byte> b) -> Task<Result<void>> {
+      const std::size_t begin = k * 2 * page, len = std::min(2 * page, used - begin);
+      for (std::size_t a = 0; a < 3; ++a)
+        for (std::size_t i = 0; i < len; ++i) {
+          std::byte& at = b[a * page_rounded(len) + i];
+          if (at != expected(a, begin + i, 0))
+            co_return fail(ErrorCode::internal, "piece ", k, " array ", a, " byte ", i, " differs");
+          at = expected(a, begin + i, 1);
+        }
+      co_return Result<void>{};
+    }));
+    COSHARD_CO_TRY(co_await sw.for_each(whole, [&](std::size_t, std::span<std::byte> b) -> Task<Result<void>> {
+      for (std::size_t a = 0; a < 3; ++a)
+        for (std::size_t i = 0; i < used; ++i)
+          if (b[a * array + i] != expected(a, i, 1))
+            co_return fail(ErrorCode::internal, "array ", a, " byte ", i, " differs after the pieces' pass");
+      co_return Result<void>{};
+    }, false));
+    co_return Result<void>{};
+  }(*swapper));
+  ASSERT_TRUE(r) << r.error().message();
+
+  std::vector<SubGroup> crooked{{"state", 2 * page, {{100, page}}}};
+  auto refused = rt.block_on([](Swapper& sw, const std::vector<SubGroup>& g) -> Task<Result<void>> {
+    co_return co_await sw.for_each(g, [](std::size_t, std::span<std::byte>) -> Task<Result<void>> {
+      co_return Result<void>{};
+    });
+  }(*swapper, crooked));
+  ASSERT_FALSE(refused);
+  EXPECT_NE(refused.error().message().find("an extent at offset 100"), std::string::npos) << refused.error().message();
+  fs::remove_all(dir);
+}
+
 // While group k is in use (a slow step), group k+1 is read: the read of the next group has
 // finished before the use of the current one ends.
 TEST(Swapper, ReadsRunAheadOfUse) {

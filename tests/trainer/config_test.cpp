@@ -179,6 +179,18 @@ TEST(DeepSpeedJson, CpuOptimizerOffloadIsTaken) {
   EXPECT_EQ(c->engine_options().offload_optimizer, zero::OptimizerOffload::cpu);
 }
 
+// DeepSpeed's sub_group_size (elements) is coshard's: the swap buffers follow it; a value that is
+// no count is named.
+TEST(DeepSpeedJson, SubGroupSizeIsTaken) {
+  auto c = TrainerConfig::from_json(R"({"zero_optimization": {"stage": 3, "sub_group_size": 1e8,
+      "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"}}})", TrainerConfig{});
+  ASSERT_TRUE(c) << c.error().message();
+  EXPECT_EQ(c->engine_options().sub_group_size, 100'000'000u);
+  auto bad = TrainerConfig::from_json(R"({"zero_optimization": {"sub_group_size": -5}})", TrainerConfig{});
+  ASSERT_FALSE(bad);
+  EXPECT_NE(bad.error().message().find("sub_group_size"), std::string::npos) << bad.error().message();
+}
+
 // ZeRO-Infinity's usual section: parameters and optimizer state on NVMe, in one folder.
 TEST(DeepSpeedJson, NvmeParameterOffloadIsTaken) {
   auto c = TrainerConfig::from_json(R"({"stage": 3,

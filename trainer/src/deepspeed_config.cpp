@@ -176,7 +176,7 @@ void read_offload(Reader& r, const json& section, const std::string& prefix, Off
       }
     } else if (key == "buffer_size") {
       if (r.count(v, name))
-        r.notes.push_back(name + ": no effect, a swap buffer is the size of the largest fetch unit's state in coshard");
+        r.notes.push_back(name + ": no effect, a swap buffer is the size of the largest sub-group (sub_group_size) in coshard");
     } else if (key == "ratio" || key == "fast_init" || key == "pipeline_read" || key == "pipeline_write" ||
                key == "max_in_cpu") {
       r.notes.push_back(name + ": accepted, no effect in coshard");
@@ -468,7 +468,7 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
                                                                  : "all-gathers partitions") +
                             "; expected true)");
         }
-      } else if (key == "sub_group_size" || key == "stage3_gather_16bit_weights_on_model_save" ||
+      } else if (key == "stage3_gather_16bit_weights_on_model_save" ||
                  key == "round_robin_gradients" || key == "memory_efficient_linear") {
         r.notes.push_back(name + ": accepted, no effect in coshard");
       } else {

@@ -449,6 +449,12 @@ std::vector<Setting> make_table() {
     s.per_rank = true;   // (the folder may differ by machine: rank agreement compares the device)
     t.push_back(s);
   }
+  t.push_back(integer<&T::sub_group_size>(
+      {.name = "sub_group_size", .flag = "--sub-group-size", .deepspeed = "zero_optimization.sub_group_size",
+       .help = "with --offload-optimizer nvme: stream each unit's master and state in pieces of at most N elements, "
+               "so the pinned swap buffers follow N, not the largest unit (0: whole units)",
+       .expected = "a whole number from 0 to 2^62"},
+      0, kCountMax));
   t.push_back(bytes<&T::host_memory_budget>({.name = "host_memory_budget", .flag = "--host-memory-budget",
                                              .help = "pinned host memory the offload may use (default: exactly what it needs)",
                                              .expected = "a size", .per_rank = true}));

@@ -44,6 +44,12 @@ inline const std::string kParameters = "parameters";
 using collectives::Coalesced;
 using collectives::ReduceOp;
 
+// nvme: one sub-group of the swap files, elements [begin, begin + count) of unit `unit`'s shard.
+struct SwapPiece {
+  std::size_t unit = 0;
+  std::int64_t begin = 0, count = 0;
+};
+
 }  // namespace detail
 
 struct Engine::State {
@@ -121,9 +127,14 @@ struct Engine::State {
   offload::SwapFolder swap_folder;
   std::shared_ptr<offload::NvmeStore> store;
   std::unique_ptr<offload::Swapper> swapper;
+  // A unit's file holds its master, then each state tensor, each from a page boundary; a sub-group
+  // (swap_pieces: sub_group_size elements at most) is one piece of each, read and written as one.
   std::vector<offload::SubGroup> subgroups;
-  // The units a step reads, steps and writes back (frozen ones never are), as unit indices.
-  std::vector<std::size_t> stepped_units;
+  std::vector<detail::SwapPiece> swap_pieces;            // what each sub-group is
+  std::vector<std::size_t> first_piece;            // unit k's sub-groups: [first_piece[k], first_piece[k + 1])
+  std::vector<std::string> swap_files;             // unit k's file
+  // The sub-groups a step reads, steps and writes back (frozen units' never are).
+  std::vector<std::size_t> stepped_pieces;
   bool swapped() const noexcept { return o.offload_optimizer == OptimizerOffload::nvme; }
   Tensor device_loss_scale;  // f32[1]: the seed of backward
   Tensor device_grad_stats;  // f32[2]: summed across ranks on the communication stream
@@ -199,8 +210,9 @@ struct Engine::State {
   // Stages 1-2: every rank's block of every unit into the full copies, after the blocks changed
   // outside a step (a load). Stage 3 keeps no full copies.
   async::Task<Result<void>> full_copies_from_shards();
-  // nvme: unit k's shard with its master and state as views of the swap buffer holding them.
-  UnitShard swapped_shard(std::size_t k, std::span<std::byte> bytes) const;
+  // nvme: sub-group i's piece of its unit's shard (params: the shard's piece, or the master on
+  // nvme) with its master and state, as views of the swap buffer holding them.
+  UnitShard swapped_shard(std::size_t i, std::span<std::byte> bytes) const;
 
   // The order of fetches, per phase: recorded in each pass, followed in the next (fetch_trace.hpp).
   detail::FetchTrace trace;
@@ -347,10 +359,10 @@ struct Engine::State {
 
   // ---- the optimizer step on NVMe (optimizer_on_nvme.cpp) ----
 
-  // nvme: unit k's sub-group (master and state, in `bytes`) stepped on the host stream, and the
-  // new shard copied to the device on `to` (the buffer goes back to the swapper, to be written
+  // nvme: sub-group i (a piece of a unit's master and state, in `bytes`) stepped on the host
+  // stream, and the new piece of the shard copied to the device on `to` (the buffer goes back to the swapper, to be written
   // and reused, only after that copy). nvme parameters: the master in the file is the shard.
-  async::Task<Result<void>> step_swapped_unit(std::size_t k, std::span<std::byte> bytes, float lr, async::Stream& to);
+  async::Task<Result<void>> step_swapped_piece(std::size_t i, std::span<std::byte> bytes, float lr, async::Stream& to);
 
   // step_in_backward with the optimizer on nvme: one pass of the swapper over every sub-group,
   // beside forward and backward. Each is read ahead (from the start of the step) and stepped

@@ -1,9 +1,11 @@
 #include "fetch_units.hpp"
 
 #include "coshard/modules/checkpointing.hpp"
+#include "coshard/offload/pinned_pool.hpp"
 
 #include <algorithm>
 #include <functional>
+#include <limits>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -126,6 +128,17 @@ bool shards_staged(std::span<const FetchUnitInfo> units, const EngineOptions& o)
   return std::any_of(units.begin(), units.end(), [](const FetchUnitInfo& u) { return !u.shard_offloaded; });
 }
 
+std::int64_t swap_piece_elements(const EngineOptions& o) {
+  const std::size_t page_floats = offload::page_rounded(1) / sizeof(float);
+  if (o.sub_group_size == 0 || o.sub_group_size > static_cast<std::size_t>(std::numeric_limits<std::int64_t>::max() / 2))
+    return std::numeric_limits<std::int64_t>::max();
+  return static_cast<std::int64_t>((o.sub_group_size + page_floats - 1) / page_floats * page_floats);
+}
+
+std::size_t swap_piece_bytes(std::int64_t count, std::size_t regions) {
+  return regions * offload::page_rounded(static_cast<std::size_t>(count) * sizeof(float));
+}
+
 std::vector<std::size_t> offload_pinned_sizes(std::span<const FetchUnitInfo> units, const EngineOptions& o,
                                               std::size_t optimizer_states) {
   std::vector<std::size_t> sizes;
@@ -135,7 +148,6 @@ std::vector<std::size_t> offload_pinned_sizes(std::span<const FetchUnitInfo> uni
   const bool staged = swapped && narrow && shards_staged(units, o);
   const std::size_t element_size = size_of(o.dtype);
   std::size_t largest_group = 0, largest_shard = 0, largest_master = 0;
-  const std::size_t per_element = 4 * (1 + optimizer_states);  // master and state, f32
   for (const auto& u : units) {
     const auto shard_bytes = static_cast<std::size_t>(u.shard) * element_size;
     const auto f32_bytes = static_cast<std::size_t>(u.shard) * sizeof(float);
@@ -143,14 +155,15 @@ std::vector<std::size_t> offload_pinned_sizes(std::span<const FetchUnitInfo> uni
     largest_master = std::max(largest_master, f32_bytes);
     const bool pinned_shard = o.offload_params == OffloadTarget::cpu && u.shard_offloaded;
     if (pinned_shard && swapped) sizes.push_back(shard_bytes);  // the pinned shard
+    const std::int64_t piece = std::min<std::int64_t>(u.shard, swap_piece_elements(o));
     if (u.frozen) {  // never stepped: no gradient, master or state (its file holds the master only)
-      if (swapped) largest_group = std::max(largest_group, f32_bytes);
+      if (swapped) largest_group = std::max(largest_group, swap_piece_bytes(piece, 1));
       else if (pinned_shard) sizes.push_back(shard_bytes);  // the pinned shard
       continue;
     }
     if (swapped) {  // a resident gradient shard; master and state stream through buffers
       sizes.push_back(f32_bytes);
-      largest_group = std::max(largest_group, static_cast<std::size_t>(u.shard) * per_element);
+      largest_group = std::max(largest_group, swap_piece_bytes(piece, 1 + optimizer_states));
     } else if (narrow) {
       // The gradient shard and the bf16/f16 copy the step writes; the fp32 master never goes to
       // the device, so the optimizer keeps it in ordinary host memory.

@@ -52,6 +52,13 @@ Result<void> place_shards(std::vector<PlannedUnit>& units, const EngineOptions& 
 // buffer (a shard on the device, or a shard on nvme that a checkpoint visits).
 bool shards_staged(std::span<const FetchUnitInfo> units, const EngineOptions& o);
 
+// offload_optimizer=nvme: the most elements of a unit's shard one sub-group holds
+// (EngineOptions::sub_group_size rounded up to whole pages of fp32; 0: a whole shard).
+std::int64_t swap_piece_elements(const EngineOptions& o);
+// The pinned bytes of a sub-group of `count` elements: each of its `regions` arrays (the master
+// and the optimizer's state tensors; a frozen unit's master alone) from a page boundary.
+std::size_t swap_piece_bytes(std::int64_t count, std::size_t regions);
+
 // The pinned buffers an offloaded optimizer (and offloaded parameters) take, in bytes, each as
 // the pool reserves it (optimizer_states: Optimizer::state_tensors()). Empty without offload.
 std::vector<std::size_t> offload_pinned_sizes(std::span<const FetchUnitInfo> units, const EngineOptions& o,

@@ -1,9 +1,14 @@
-// The optimizer's state on NVMe (ZeRO-Infinity): each unit's fp32 master and state is one
-// sub-group file of the rank's claimed folder, streamed through pinned buffers by the swapper:
-// read ahead, stepped on the host stream, the new shard sent to the device, written back behind.
+// The optimizer's state on NVMe (ZeRO-Infinity): each unit's fp32 master and state is one file of
+// the rank's claimed folder, streamed through pinned buffers by the swapper in sub-groups of at
+// most sub_group_size elements (a piece of the master and of each state tensor): read ahead,
+// stepped on the host stream, the new piece of the shard sent to the device, written back behind.
 // With the parameters on NVMe too, the master at the head of the file is the shard. bf16/f16
 // shards on the device take the master cast down through the staging buffer, one unit at a time.
+#include <cstring>
+#include <functional>
+
 #include "engine_state.hpp"
+#include "fetch_units.hpp"
 
 namespace coshard::zero {
 
@@ -11,6 +16,48 @@ using namespace modules;
 using namespace detail;
 
 namespace {
+
+using UnitVisit = std::function<async::Task<Result<void>>(UnitShard)>;
+
+// A unit in several sub-groups: its master and state put together in host memory for the visit
+// (read piece by piece), and written back the same way when the visit wrote them.
+async::Task<Result<void>> visit_pieced_unit(Engine::State& s, std::size_t k, const UnitVisit& visit_unit, bool written) {
+  const Unit& u = *s.units[k];
+  const std::size_t regions = u.info.frozen ? 1 : 1 + s.optimizer->state_tensors();
+  const auto n = static_cast<std::size_t>(u.info.shard);
+  const std::size_t first = s.first_piece[k];
+  const std::span<const offload::SubGroup> groups(s.subgroups.data() + first, s.first_piece[k + 1] - first);
+  std::vector<float> whole;
+  try {
+    whole.resize(regions * n);
+  } catch (const std::bad_alloc&) {
+    co_return fail(ErrorCode::out_of_memory, "visiting unit ", u.info.name, ": no host memory for its master and state (",
+                   regions * n * sizeof(float), " bytes)");
+  }
+  auto copy = [&](bool in) {
+    return [&, in](std::size_t j, std::span<std::byte> bytes) -> async::Task<Result<void>> {
+      const SwapPiece& p = s.swap_pieces[first + j];
+      const std::size_t stride = offload::page_rounded(static_cast<std::size_t>(p.count) * sizeof(float));
+      const std::size_t length = static_cast<std::size_t>(p.count) * sizeof(float);
+      for (std::size_t r = 0; r < regions; ++r) {
+        auto* array = reinterpret_cast<std::byte*>(whole.data() + r * n + static_cast<std::size_t>(p.begin));
+        std::byte* piece = bytes.data() + r * stride;
+        if (in)
+          std::memcpy(array, piece, length);
+        else
+          std::memcpy(piece, array, length);
+      }
+      co_return Result<void>{};
+    };
+  };
+  COSHARD_CO_TRY(co_await s.swapper->for_each(groups, copy(true), false));
+  auto view = [&](std::size_t r) { return Tensor(whole.data() + r * n, Shape{u.info.shard}, DataType::f32, async::Device::cpu()); };
+  UnitShard shard{u.info, s.params_on_nvme() ? view(0) : u.shard, view(0), regions >= 2 ? view(1) : Tensor{},
+                  regions >= 3 ? view(2) : Tensor{}};
+  COSHARD_CO_TRY(co_await visit_unit(std::move(shard)));
+  if (written) COSHARD_CO_TRY(co_await s.swapper->initialize(groups, copy(false)));
+  co_return Result<void>{};
+}
 
 class OptimizerOnNvme final : public HostOptimizer {
  public:
@@ -41,13 +88,28 @@ class OptimizerOnNvme final : public HostOptimizer {
     swap_options.buffer_count = o.offload_optimizer.buffer_count;
     COSHARD_TRY_ASSIGN(s.swapper, offload::Swapper::create(*s.store, s.pinned, swap_options));
     const std::string folder = rank_folder + "/unit";
-    const std::size_t per_element = 4 * (1 + s.optimizer->state_tensors());  // master and state, f32
+    const std::size_t states = s.optimizer->state_tensors();
+    const std::int64_t most = detail::swap_piece_elements(o);
     // (a frozen unit's file holds its master only: the parameters, with them on nvme)
     for (std::size_t k = 0; k < units.size(); ++k) {
       const auto& u = units[k];
-      s.subgroups.push_back({folder + std::to_string(k), static_cast<std::size_t>(u.shard) * (u.frozen ? sizeof(float) : per_element)});
-      if (!u.frozen) s.stepped_units.push_back(k);
+      const std::size_t regions = u.frozen ? 1 : 1 + states;
+      const std::uint64_t stride = offload::page_rounded(static_cast<std::size_t>(u.shard) * sizeof(float));
+      s.swap_files.push_back(folder + std::to_string(k));
+      s.first_piece.push_back(s.subgroups.size());
+      for (std::int64_t begin = 0; begin < u.shard; begin += most) {
+        const std::int64_t count = std::min<std::int64_t>(most, u.shard - begin);
+        offload::SubGroup group{s.swap_files.back(), detail::swap_piece_bytes(count, regions)};
+        if (count < u.shard)  // a piece of each array (a whole shard is the file's head: no extents)
+          for (std::size_t r = 0; r < regions; ++r)
+            group.extents.push_back({r * stride + static_cast<std::uint64_t>(begin) * sizeof(float),
+                                     static_cast<std::size_t>(count) * sizeof(float)});
+        if (!u.frozen) s.stepped_pieces.push_back(s.subgroups.size());
+        s.subgroups.push_back(std::move(group));
+        s.swap_pieces.push_back({k, begin, count});
+      }
     }
+    s.first_piece.push_back(s.subgroups.size());
     return {};
   }
 
@@ -76,9 +138,9 @@ class OptimizerOnNvme final : public HostOptimizer {
     const auto read_before = s.swapper->stats().bytes_read, written_before = s.swapper->stats().bytes_written;
     // (frozen units are never read nor written by a step)
     std::vector<offload::SubGroup> stepped;
-    for (std::size_t k : s.stepped_units) stepped.push_back(s.subgroups[k]);
+    for (std::size_t i : s.stepped_pieces) stepped.push_back(s.subgroups[i]);
     auto step_unit = [&](std::size_t i, std::span<std::byte> bytes) -> async::Task<Result<void>> {
-      return s.step_swapped_unit(s.stepped_units[i], bytes, lr, compute);
+      return s.step_swapped_piece(s.stepped_pieces[i], bytes, lr, compute);
     };
     COSHARD_CO_TRY(co_await s.swapper->for_each(stepped, step_unit, true));
     COSHARD_CO_TRY(s.optimizer->finish_step(*s.host_ctx));
@@ -90,48 +152,64 @@ class OptimizerOnNvme final : public HostOptimizer {
 
   // Every sub-group written anew: the master from the shard, the state zero.
   async::Task<Result<void>> masters_from_shards(Engine::State& s) override {
-    auto fill = [&s](std::size_t k, std::span<std::byte> bytes) -> async::Task<Result<void>> {
-      const Unit& u = *s.units[k];
+    // nvme parameters: a unit's values are made once, for its first piece, and kept for the rest.
+    std::size_t values_of = s.units.size();
+    std::vector<std::byte> values;
+    auto fill = [&](std::size_t i, std::span<std::byte> bytes) -> async::Task<Result<void>> {
+      const SwapPiece& p = s.swap_pieces[i];
+      const Unit& u = *s.units[p.unit];
+      const std::size_t esize = s.element_size;
       if (s.params_on_nvme()) {  // the values were computed on the host, in the compute dtype
         if (!s.shard_values) co_return fail(ErrorCode::internal, "Engine: no values for the swap file of unit ", u.info.name);
-        COSHARD_CO_TRY_ASSIGN(const auto values, s.shard_values(u));
+        if (values_of != p.unit) {
+          values.clear();
+          values.shrink_to_fit();
+          COSHARD_CO_TRY_ASSIGN(values, s.shard_values(u));
+          values_of = p.unit;
+        }
+        const std::byte* from = values.data() + static_cast<std::size_t>(p.begin) * esize;
+        if (p.begin + p.count == u.info.shard) values_of = s.units.size();  // (freed with the next unit's)
         if (!s.narrow()) {
-          std::copy(values.begin(), values.end(), bytes.begin());
+          std::copy(from, from + static_cast<std::size_t>(p.count) * esize, bytes.begin());
           co_return Result<void>{};
         }
-        co_return co_await s.cast_on_host(s.o.dtype, values.data(), DataType::f32, bytes.data(), u.info.shard);
+        co_return co_await s.cast_on_host(s.o.dtype, from, DataType::f32, bytes.data(), p.count);
       }
+      const auto offset = static_cast<std::size_t>(p.begin) * esize, length = static_cast<std::size_t>(p.count) * esize;
       if (!s.narrow()) {
-        COSHARD_CO_TRY(s.ctx->stream().copy(bytes.data(), u.shard.data(), u.shard.bytes()));
+        COSHARD_CO_TRY(s.ctx->stream().copy(bytes.data(), static_cast<const std::byte*>(u.shard.data()) + offset, length));
         COSHARD_CO_TRY_ASSIGN(auto copied, s.ctx->stream().record());
         co_return co_await copied;
       }
       // bf16/f16: the shard (through the staging buffer when on the device) widened on the host.
-      Tensor source = u.shard;
+      const std::byte* source = static_cast<const std::byte*>(u.shard.data()) + offset;
       if (!u.info.shard_offloaded) {
-        source = s.staging_for(u);
-        COSHARD_CO_TRY(s.ctx->stream().copy(source.data(), u.shard.data(), u.shard.bytes()));
+        auto* staged = static_cast<std::byte*>(s.staging.data());
+        COSHARD_CO_TRY(s.ctx->stream().copy(staged, source, length));
+        source = staged;
       }
       COSHARD_CO_TRY_ASSIGN(auto copied, s.ctx->stream().record());
       COSHARD_CO_TRY(co_await Engine::State::after(*s.host_stream, copied));
-      co_return co_await s.cast_on_host(s.o.dtype, source.data(), DataType::f32, bytes.data(), u.info.shard);
+      co_return co_await s.cast_on_host(s.o.dtype, source, DataType::f32, bytes.data(), p.count);
     };
     auto written = co_await s.swapper->initialize(s.subgroups, fill);
     s.shard_values = nullptr;
     co_return written;
   }
 
+  // Unit by unit: a run of units of one sub-group each in one pass of the swapper (read ahead,
+  // the visit on its buffer); a unit in several sub-groups is put together in host memory first
+  // (its master and state whole, for the visit) and, when written, written back piece by piece.
   async::Task<Result<void>> visit(Engine::State& s, const Engine::ShardVisitor& use, bool written) override {
-    auto visit_group = [&s, &use, written](std::size_t k, std::span<std::byte> bytes) -> async::Task<Result<void>> {
-      UnitShard shard = s.swapped_shard(k, bytes);
+    UnitVisit visit_unit = [&s, &use, written](UnitShard shard) -> async::Task<Result<void>> {
       const Tensor master = shard.master;
-      const bool frozen = s.units[k]->info.frozen;
+      const bool frozen = shard.info.frozen;
       if (frozen) shard.master = {};  // a frozen unit is its parameters only
       if (s.params_on_nvme() && s.narrow()) {
         // bf16/f16 on nvme: the parameters are the master rounded, made for the visit (what a load
         // writes there is dropped: the master it loads decides them; a frozen unit has none, so
         // its parameters written there are widened into the file).
-        shard.params = s.staging_for(*s.units[k]);
+        shard.params = Tensor(s.staging.data(), Shape{shard.info.shard}, s.o.dtype, async::Device::cpu());
         COSHARD_CO_TRY(co_await s.cast_on_host(DataType::f32, master.data(), s.o.dtype, shard.params.data(),
                                                shard.info.shard));
         COSHARD_CO_TRY(co_await use(shard));
@@ -142,7 +220,29 @@ class OptimizerOnNvme final : public HostOptimizer {
       }
       co_return co_await use(shard);
     };
-    co_return co_await s.swapper->for_each(s.subgroups, visit_group, written);
+    std::vector<offload::SubGroup> run;  // units of one sub-group each, in order
+    std::vector<std::size_t> run_pieces;
+    auto visit_run = [&]() -> async::Task<Result<void>> {
+      auto visit_piece = [&](std::size_t j, std::span<std::byte> bytes) -> async::Task<Result<void>> {
+        return visit_unit(s.swapped_shard(run_pieces[j], bytes));
+      };
+      auto visited = co_await s.swapper->for_each(run, visit_piece, written);
+      run.clear();
+      run_pieces.clear();
+      co_return visited;
+    };
+    for (std::size_t k = 0; k < s.units.size(); ++k) {
+      const std::size_t first = s.first_piece[k], end = s.first_piece[k + 1];
+      if (end - first == 1) {
+        run.push_back(s.subgroups[first]);
+        run_pieces.push_back(first);
+        continue;
+      }
+      if (!run.empty()) COSHARD_CO_TRY(co_await visit_run());
+      COSHARD_CO_TRY(co_await visit_pieced_unit(s, k, visit_unit, written));
+    }
+    if (!run.empty()) COSHARD_CO_TRY(co_await visit_run());
+    co_return Result<void>{};
   }
 
   // The swapper's pass beside backward steps the unit when its sub-group is in.
@@ -154,32 +254,39 @@ class OptimizerOnNvme final : public HostOptimizer {
 
 }  // namespace
 
-UnitShard Engine::State::swapped_shard(std::size_t k, std::span<std::byte> bytes) const {
-  const Unit& u = *units[k];
-  const Shape shape{u.info.shard};
+UnitShard Engine::State::swapped_shard(std::size_t i, std::span<std::byte> bytes) const {
+  const SwapPiece& p = swap_pieces[i];
+  const Unit& u = *units[p.unit];
+  const Shape shape{p.count};
   const std::size_t states = optimizer->state_tensors();
-  const auto len = static_cast<std::size_t>(u.info.shard) * sizeof(float);
+  const std::size_t stride = offload::page_rounded(static_cast<std::size_t>(p.count) * sizeof(float));
   auto* base = bytes.data();
-  auto view = [&](std::size_t i) { return Tensor(base + i * len, shape, DataType::f32, async::Device::cpu()); };
-  if (u.info.frozen) return {u.info, params_on_nvme() ? view(0) : u.shard, view(0), {}, {}};  // its file: the master only
-  return {u.info, params_on_nvme() ? view(0) : u.shard, view(0), states >= 1 ? view(1) : Tensor{},
-          states >= 2 ? view(2) : Tensor{}};
+  auto view = [&](std::size_t r) { return Tensor(base + r * stride, shape, DataType::f32, async::Device::cpu()); };
+  const Tensor params = params_on_nvme() ? view(0) : u.shard.slice(p.begin, shape);
+  if (u.info.frozen) return {u.info, params, view(0), {}, {}};  // its file: the master only
+  return {u.info, params, view(0), states >= 1 ? view(1) : Tensor{}, states >= 2 ? view(2) : Tensor{}};
 }
 
-async::Task<Result<void>> Engine::State::step_swapped_unit(std::size_t k, std::span<std::byte> bytes, float lr, async::Stream& to) {
-  Unit& u = *units[k];
-  const UnitShard shard = swapped_shard(k, bytes);
+async::Task<Result<void>> Engine::State::step_swapped_piece(std::size_t i, std::span<std::byte> bytes, float lr,
+                                                            async::Stream& to) {
+  const SwapPiece& p = swap_pieces[i];
+  Unit& u = *units[p.unit];
+  const UnitShard shard = swapped_shard(i, bytes);
   const Tensor& master = shard.master;
   // bf16/f16: cast down in the same pass, into the pinned shard itself (parameters offloaded to
   // cpu: nothing left to copy) or into the staging buffer on its way to the device.
   Tensor narrowed;
-  if (narrow() && !params_on_nvme()) narrowed = u.info.shard_offloaded ? u.shard : staging_for(u);
-  COSHARD_CO_TRY(optimizer->apply_group(*host_ctx, first_group + k, lr, master, shard.state1, shard.state2, narrowed));
+  const bool into_shard = narrow() && u.info.shard_offloaded;
+  if (narrow() && !params_on_nvme())
+    narrowed = into_shard ? u.shard.slice(p.begin, Shape{p.count}) : Tensor(staging.data(), Shape{p.count}, o.dtype, async::Device::cpu());
+  COSHARD_CO_TRY(optimizer->apply_group_range(*host_ctx, first_group + p.unit, p.begin, lr, master, shard.state1,
+                                              shard.state2, narrowed));
   COSHARD_CO_TRY_ASSIGN(auto stepped, host_stream->record());
-  if (params_on_nvme() || (narrowed && narrowed.data() == u.shard.data())) co_return co_await stepped;
+  if (params_on_nvme() || into_shard) co_return co_await stepped;
   COSHARD_CO_TRY(co_await after(to, stepped));
-  COSHARD_CO_TRY(to.copy(u.shard.data(), narrowed ? narrowed.data() : master.data(), u.shard.bytes()));
-  if (!u.info.shard_offloaded) stats.swap_bytes += u.shard.bytes();
+  const Tensor target = u.shard.slice(p.begin, Shape{p.count});
+  COSHARD_CO_TRY(to.copy(target.data(), narrowed ? narrowed.data() : master.data(), target.bytes()));
+  if (!u.info.shard_offloaded) stats.swap_bytes += target.bytes();
   COSHARD_CO_TRY_ASSIGN(auto copied, to.record());
   co_return co_await copied;
 }

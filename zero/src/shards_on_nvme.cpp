@@ -63,7 +63,7 @@ Result<void> ShardsOnNvme::start_read(Engine::State& s, Unit& u, async::Semaphor
   async::Runtime* rt = async::Runtime::current();
   if (!rt) return fail(ErrorCode::internal, "Engine: a parameter read outside a runtime");
   const auto bytes = static_cast<std::size_t>(u.info.shard) * sizeof(float);  // the fp32 master
-  u.read = rt->spawn(read_shard(s.store, s.pinned, s.subgroups[u.index].name, bytes));
+  u.read = rt->spawn(read_shard(s.store, s.pinned, s.swap_files[u.index], bytes));
   u.read_slot = std::move(slot);
   return {};
 }

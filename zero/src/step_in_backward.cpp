@@ -38,16 +38,20 @@ Result<void> Engine::State::hand_to_swap_step(const Unit& u) {
 }
 
 async::Task<Result<void>> Engine::State::swapped_step_in_backward(async::Receiver<std::size_t> ready, float lr) {
-  std::vector<std::size_t> order = backward_order;
-  if (order.size() != stepped_units.size()) {  // no step yet: backward goes roughly in reverse
-    order.assign(stepped_units.rbegin(), stepped_units.rend());
-  }
+  std::vector<std::size_t> order = backward_order;  // units
+  std::vector<std::size_t> trained;
+  for (std::size_t k = 0; k < units.size(); ++k)
+    if (!units[k]->info.frozen) trained.push_back(k);
+  if (order.size() != trained.size()) order.assign(trained.rbegin(), trained.rend());  // no step yet: backward goes roughly in reverse
+  std::vector<std::size_t> pieces;  // each unit's sub-groups in turn
+  for (std::size_t k : order)
+    for (std::size_t i = first_piece[k]; i < first_piece[k + 1]; ++i) pieces.push_back(i);
   std::vector<offload::SubGroup> groups;
-  for (std::size_t k : order) groups.push_back(subgroups[k]);
+  for (std::size_t i : pieces) groups.push_back(subgroups[i]);
   std::vector<bool> arrived(units.size(), false);
   const auto read_before = swapper->stats().bytes_read, written_before = swapper->stats().bytes_written;
-  auto step_when_ready = [&](std::size_t i, std::span<std::byte> bytes) -> async::Task<Result<void>> {
-    const std::size_t k = order[i];
+  auto step_when_ready = [&](std::size_t j, std::span<std::byte> bytes) -> async::Task<Result<void>> {
+    const std::size_t k = swap_pieces[pieces[j]].unit;
     while (!arrived[k]) {
       auto next = co_await ready.recv();
       if (!next)
@@ -55,7 +59,7 @@ async::Task<Result<void>> Engine::State::swapped_step_in_backward(async::Receive
                        " was stepped");
       arrived.at(*next) = true;
     }
-    co_return co_await step_swapped_unit(k, bytes, lr, comm->stream());
+    co_return co_await step_swapped_piece(pieces[j], bytes, lr, comm->stream());
   };
   auto passed = co_await swapper->for_each(groups, step_when_ready, true);
   stats.swap_bytes += (swapper->stats().bytes_read - read_before) + (swapper->stats().bytes_written - written_before);

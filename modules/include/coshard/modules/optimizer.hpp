@@ -151,6 +151,11 @@ class Optimizer {
   // (bf16/f16 parameters of an fp32 master), in the same pass.
   Result<void> apply_group(Context& ctx, std::size_t group, float lr, Tensor master, Tensor state1, Tensor state2,
                            Tensor params_out = {});
+  // apply_group over elements [begin, begin + n) of the group only, n being master's length (and
+  // the state's and params_out's): a piece of a swapped group, streamed in pieces (the ZeRO
+  // engine's sub_group_size). The kernels are element-wise: pieces give the whole's bits.
+  Result<void> apply_group_range(Context& ctx, std::size_t group, std::int64_t begin, float lr, Tensor master,
+                                 Tensor state1, Tensor state2, Tensor params_out = {});
   // Ends a step made of apply_group calls: the step count, the overflow skip, the loss scale.
   Result<void> finish_step(Context& ctx);
 
@@ -204,7 +209,9 @@ class Optimizer {
   Result<void> ensure_state(Context& ctx);
   Result<std::vector<Segment>> normalized(std::vector<Segment> segments, std::int64_t n) const;
   // One group's update from its master and state (every segment's run).
-  Result<void> update(Context& ctx, const Group& g, float lr, float* master, float* state1, float* state2,
+  // Elements [begin, begin + count) of g; master, state and params_out point at element begin.
+  Result<void> update(Context& ctx, const Group& g, std::int64_t begin, std::int64_t count, float lr, float* master,
+                      float* state1, float* state2,
                       DataType pdt, void* params_out) const;
   std::unique_ptr<Impl> impl_;
   std::vector<ParameterGroup> rules_;

@@ -31,9 +31,19 @@ struct SwapperOptions {
   int buffer_count = 4;  // >= 2: one in use, one reading ahead (3+ adds writing behind)
 };
 
+// Where a sub-group's bytes lie in its file when not at its head: each extent is page-aligned in
+// the file, and its bytes follow the last extent's in the buffer from the next page on (a piece of
+// each of several arrays kept apart in one file: DeepSpeed's sub_group_size over a unit's master and
+// state). Writing an extent whose length is not whole pages writes the rest of its last page too.
+struct SwapExtent {
+  std::uint64_t offset = 0;  // in the file, a multiple of 4 KiB
+  std::size_t bytes = 0;
+};
+
 struct SubGroup {
   std::string name;   // a file of the store
-  std::size_t bytes;  // its size
+  std::size_t bytes;  // its size (with extents: their page-rounded lengths, summed)
+  std::vector<SwapExtent> extents = {};  // empty: the file's first `bytes`
 };
 
 struct SwapStats {

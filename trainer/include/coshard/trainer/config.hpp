@@ -24,8 +24,8 @@ namespace coshard::trainer {
 
 // Where offloaded state lives: the engine's own enum (none, cpu, nvme) and options (the folder
 // and buffers of nvme). Offloaded memory is always pinned (every host<->device copy needs it, and
-// the budget is host_memory_budget), and a swap buffer is always the size of the largest unit's
-// state: DeepSpeed's pin_memory and buffer_size are read and reported as notes.
+// the budget is host_memory_budget), and a swap buffer is the size of the largest sub-group
+// (sub_group_size): DeepSpeed's pin_memory and buffer_size are read and reported as notes.
 using OffloadDevice = zero::OffloadTarget;
 using OffloadOptions = zero::OffloadOptions;
 using zero::to_string;

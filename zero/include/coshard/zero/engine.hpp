@@ -137,6 +137,12 @@ struct EngineOptions {
   // nvme: the swapped state in offload_optimizer.nvme_path, streamed through buffer_count pinned
   // buffers.
   OffloadOptions offload_optimizer;
+  // offload_optimizer=nvme: each unit's master and state stream through the swapper in sub-groups
+  // of at most this many elements (DeepSpeed's sub_group_size), so the pinned swap buffers are
+  // sized by it rather than by the largest unit (a large vocabulary's embedding: 4.4 GiB of
+  // master and AdamW state for Llama-3.2-3B's); rounded up to whole pages of fp32. 0: one
+  // sub-group per unit. The same bits whatever the size.
+  std::size_t sub_group_size = std::size_t{1} << 26;
   // Pinned host memory the offload may use; 0: exactly what it needs. Too small: create() fails.
   std::size_t host_memory_budget = 0;
   // Parameter offload (ZeRO-Infinity; stage 3, with the optimizer offloaded): this rank's

@@ -1,0 +1,204 @@
+// The optimizer on NVMe in sub-groups (EngineOptions::sub_group_size): each unit's master and
+// state streamed in pieces of at most sub_group_size elements gives the bits of whole units, with
+// the parameters on the device, in pinned memory or on NVMe, in f32 and bf16, stepped after
+// backward or during it, with a frozen unit; a checkpoint saved in pieces loads into whole units
+// and back, continuing the same losses; the pinned swap buffers follow the sub-group, not the
+// largest unit (the estimate and the pool alike).
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "coshard/zero/engine.hpp"
+#include "coshard/offload/pinned_pool.hpp"
+#include "coshard/zero/memory_estimate.hpp"
+#include "../support/on_ranks.hpp"
+#include "../support/rank_engine.hpp"
+#include "../support/regression_mlp.hpp"
+
+namespace coshard::zero {
+namespace {
+
+using ::coshard::testing::kMlpFeatures;
+using ::coshard::testing::kMlpOutputs;
+using ::coshard::testing::kMlpRows;
+using modules::Init;
+namespace fs = std::filesystem;
+
+constexpr int kWorld = 2;
+constexpr std::int64_t kWide = 96;  // a hidden layer's shard (4656 elements) spans five 1024-element pieces
+
+// fc1 (frozen), three wide layers and a head: units of one piece and of several.
+Result<std::unique_ptr<modules::Sequential>> make_model() {
+  auto net = std::make_unique<modules::Sequential>();
+  net->add("fc1", std::make_unique<modules::Linear>(kMlpFeatures, kWide, true, Init::normal(0.3)));
+  net->add("act1", std::make_unique<modules::Gelu>());
+  for (int i = 2; i <= 4; ++i) {
+    net->add("fc" + std::to_string(i), std::make_unique<modules::Linear>(kWide, kWide, true, Init::normal(0.1)));
+    net->add("act" + std::to_string(i), std::make_unique<modules::Gelu>());
+  }
+  net->add("head", std::make_unique<modules::Linear>(kWide, kMlpOutputs, true, Init::normal(0.3)));
+  return net;
+}
+
+struct Case {
+  OffloadTarget params = OffloadTarget::none;
+  DataType dtype = DataType::f32;
+  bool step_in_backward = false;
+  bool frozen = false;
+  std::string name() const {
+    return "parameters " + std::string(to_string(params)) + ", " + std::string(collectives::to_string(dtype)) +
+           (step_in_backward ? ", step in backward" : "") + (frozen ? ", fc3 frozen" : "");
+  }
+};
+
+EngineOptions options(const Case& c, std::size_t sub_group_size) {
+  EngineOptions o;
+  o.zero_stage = 3;
+  o.max_live_bytes = 160 << 10;
+  o.dtype = c.dtype;
+  o.offload_optimizer = OffloadTarget::nvme;
+  o.offload_optimizer.buffer_count = 2;
+  o.offload_params = c.params;
+  o.offload_params.buffer_count = 2;
+  o.step_in_backward = c.step_in_backward;
+  o.sub_group_size = sub_group_size;
+  return o;
+}
+
+struct Outcome {
+  std::vector<double> losses;
+  std::map<std::string, std::vector<std::byte>> final;
+};
+
+// Steps [first, first + count) under `o`, from the seed or from `load_from`; with `save_to`, a
+// checkpoint after the last step.
+Result<Outcome> train(const Case& c, EngineOptions o, const std::string& tag, int first = 0, int count = 4,
+                      const fs::path& load_from = {}, const fs::path& save_to = {}) {
+  const auto swap = fs::current_path() / "sub_groups_scratch" / tag;
+  Outcome out;
+  const auto errors = ::coshard::testing::on_ranks(kWorld, [&](int r, collectives::Communicator& comm)
+                                                                -> async::Task<Result<void>> {
+    COSHARD_CO_TRY_ASSIGN(auto stream, async::Stream::create(async::Device::cpu()));
+    COSHARD_CO_TRY_ASSIGN(auto allocator, async::CachingAllocator::create(async::Device::cpu()));
+    COSHARD_CO_TRY_ASSIGN(auto ctx, Context::create(stream, *allocator));
+    COSHARD_CO_TRY_ASSIGN(auto model, make_model());
+    if (c.frozen) {
+      COSHARD_CO_TRY_ASSIGN(const std::size_t matched, model->set_trainable_matching("fc3.*", false));
+      (void)matched;
+    }
+    modules::StepControlOptions control;
+    control.max_grad_norm = c.step_in_backward ? 0.0f : 0.5f;  // (step_in_backward needs clipping off)
+    COSHARD_CO_TRY_ASSIGN(auto opt, Optimizer::adamw({.weight_decay = 0.1f}, control));
+    EngineOptions mine = o;
+    mine.offload_optimizer.nvme_path = swap / ("rank" + std::to_string(r));
+    COSHARD_CO_TRY_ASSIGN(auto engine, Engine::create(ctx, comm, *model, *opt, mine));
+    if (load_from.empty()) {
+      COSHARD_CO_TRY(co_await engine->initialize(11));
+    } else {
+      COSHARD_CO_TRY(co_await engine->load_checkpoint(load_from));
+    }
+    modules::MeanSquaredErrorLoss loss;
+    const std::int64_t rows = kMlpRows / kWorld;
+    for (int step = first; step < first + count; ++step) {
+      COSHARD_CO_TRY(co_await engine->begin_step(1, 3e-2f));
+      COSHARD_CO_TRY_ASSIGN(auto mb, ::coshard::testing::regression_rows(ctx, step, r * rows, rows));
+      COSHARD_CO_TRY(co_await ::coshard::testing::add_micro_batch(ctx, *engine, *model, loss, std::move(mb), o.dtype));
+      COSHARD_CO_TRY_ASSIGN(auto stats, co_await engine->finish_step());
+      if (r == 0) out.losses.push_back(stats.loss);
+    }
+    if (!save_to.empty()) {
+      COSHARD_CO_TRY(co_await engine->save_checkpoint(save_to));
+      COSHARD_CO_TRY(co_await engine->finish_checkpoint());
+    }
+    COSHARD_CO_TRY_ASSIGN(auto gathered, co_await engine->gather_parameters());
+    if (r == 0)
+      for (auto& p : gathered) out.final[p.name] = std::move(p.bytes);
+    engine.reset();
+    COSHARD_CO_TRY(stream.synchronize());
+    co_return Result<void>{};
+  });
+  fs::remove_all(swap);
+  if (!errors.empty()) return fail(ErrorCode::internal, errors.front());
+  return out;
+}
+
+TEST(SubGroups, PiecesGiveTheBitsOfWholeUnits) {
+  for (const Case& c : {Case{}, Case{OffloadTarget::cpu}, Case{OffloadTarget::nvme}, Case{OffloadTarget::none, DataType::bf16},
+                        Case{OffloadTarget::cpu, DataType::bf16}, Case{OffloadTarget::nvme, DataType::bf16},
+                        Case{OffloadTarget::none, DataType::f32, true}, Case{OffloadTarget::nvme, DataType::f32, true},
+                        Case{OffloadTarget::none, DataType::f32, false, true},
+                        Case{OffloadTarget::nvme, DataType::bf16, true, true}}) {
+    SCOPED_TRACE(c.name());
+    auto whole = train(c, options(c, 0), "whole");
+    ASSERT_TRUE(whole) << whole.error().message();
+    // 1000 rounds up to 1024 (whole pages of fp32): pieces of 1024 and a shorter last one.
+    for (const std::size_t pieces : {std::size_t{1000}, std::size_t{2048}}) {
+      auto split = train(c, options(c, pieces), "pieces");
+      ASSERT_TRUE(split) << split.error().message();
+      EXPECT_EQ(split->losses, whole->losses) << "sub_group_size " << pieces;
+      EXPECT_EQ(split->final, whole->final) << "sub_group_size " << pieces;
+    }
+  }
+}
+
+TEST(SubGroups, ACheckpointInPiecesLoadsIntoWholeUnitsAndBack) {
+  const fs::path dir = fs::current_path() / "sub_groups_scratch" / "checkpoints";
+  fs::remove_all(dir);
+  for (const OffloadTarget params : {OffloadTarget::none, OffloadTarget::nvme}) {
+    const Case c{params, DataType::f32, false, true};
+    SCOPED_TRACE(c.name());
+    auto straight = train(c, options(c, 0), "straight", 0, 6);
+    ASSERT_TRUE(straight) << straight.error().message();
+    for (const auto& [saved_in, loaded_in] : {std::pair<std::size_t, std::size_t>{1024, 0}, {0, 1024}, {1024, 2048}}) {
+      SCOPED_TRACE("saved with sub_group_size " + std::to_string(saved_in) + ", loaded with " + std::to_string(loaded_in));
+      fs::remove_all(dir);
+      auto before = train(c, options(c, saved_in), "before", 0, 3, {}, dir);
+      ASSERT_TRUE(before) << before.error().message();
+      auto after = train(c, options(c, loaded_in), "after", 3, 3, dir);
+      ASSERT_TRUE(after) << after.error().message();
+      std::vector<double> resumed = before->losses;
+      resumed.insert(resumed.end(), after->losses.begin(), after->losses.end());
+      EXPECT_EQ(resumed, straight->losses);
+      EXPECT_EQ(after->final, straight->final);
+    }
+  }
+  fs::remove_all(dir);
+}
+
+// The estimate's pinned line and the pool the engine reserves alike: a pinned budget of the
+// pieces' plan holds a run in pieces and refuses one of whole units.
+TEST(SubGroups, TheSwapBuffersFollowTheSubGroup) {
+  auto model = make_model();
+  ASSERT_TRUE(model);
+  const Case c;
+  auto whole = estimate_engine_memory(**model, kWorld, options(c, 0), 2);
+  auto split = estimate_engine_memory(**model, kWorld, options(c, 1024), 2);
+  ASSERT_TRUE(whole) << whole.error().message();
+  ASSERT_TRUE(split) << split.error().message();
+  // The widest unit's shard (4656 elements) against a 1024-element piece: master and two moments
+  // from page boundaries, in each of buffer_count (2) buffers.
+  const std::size_t page = offload::page_rounded(1);
+  auto rounded = [page](std::size_t b) { return (b + page - 1) / page * page; };
+  const std::size_t widest = static_cast<std::size_t>((kWide * kWide + kWide) / kWorld);
+  const std::size_t saved = 2 * (3 * rounded(widest * 4) - 3 * rounded(1024 * 4));
+  EXPECT_EQ(whole->bytes(MemoryPlace::pinned_host) - split->bytes(MemoryPlace::pinned_host), saved)
+      << whole->describe() << "\n" << split->describe();
+  EXPECT_EQ(whole->bytes(MemoryPlace::nvme), split->bytes(MemoryPlace::nvme));
+
+  EngineOptions budgeted = options(c, 1024);
+  budgeted.host_memory_budget = split->bytes(MemoryPlace::pinned_host);
+  auto fits = train(c, budgeted, "budget");
+  ASSERT_TRUE(fits) << fits.error().message();
+  budgeted.sub_group_size = 0;
+  auto refused = train(c, budgeted, "budget");
+  ASSERT_FALSE(refused);
+  EXPECT_NE(refused.error().message().find("gradient shards and swap buffers"), std::string::npos)
+      << refused.error().message();
+}
+
+}  // namespace
+}  // namespace coshard::zero
