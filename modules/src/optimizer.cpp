@@ -289,6 +289,15 @@ Result<void> Optimizer::add_swapped_group(Context& ctx, Tensor grads, std::vecto
   return {};
 }
 
+Result<void> Optimizer::add_swapped_group(Context& ctx, std::int64_t numel, std::vector<Segment> segments) {
+  if (numel <= 0) return fail(ErrorCode::invalid_argument, "Optimizer::add_swapped_group: numel=", numel, ": expected > 0");
+  COSHARD_TRY_ASSIGN(auto runs, normalized(std::move(segments), numel));
+  COSHARD_TRY(ensure_state(ctx));
+  // (no gradient memory: a shape over no data, so every size reads as the group's)
+  groups_.push_back(Group{{}, Tensor(nullptr, Shape{numel}, DataType::f32, ctx.device()), {}, {}, {}, std::move(runs), false});
+  return {};
+}
+
 std::string_view Optimizer::name() const noexcept { return impl_->adam ? "adamw" : "sgd"; }
 
 std::size_t Optimizer::state_tensors() const noexcept {
@@ -305,7 +314,7 @@ Result<void> Optimizer::apply_group(Context& ctx, std::size_t i, float lr, Tenso
 }
 
 Result<void> Optimizer::apply_group_range(Context& ctx, std::size_t i, std::int64_t begin, float lr, Tensor master,
-                                          Tensor state1, Tensor state2, Tensor params_out) {
+                                          Tensor state1, Tensor state2, Tensor params_out, Tensor grads) {
   if (i >= groups_.size()) return fail(ErrorCode::out_of_range, "Optimizer::apply_group(", i, "): ", groups_.size(), " groups");
   if (!(lr >= 0)) return fail(ErrorCode::invalid_argument, "lr=", lr, ": expected >= 0");
   const Group& g = groups_[i];
@@ -322,17 +331,23 @@ Result<void> Optimizer::apply_group_range(Context& ctx, std::size_t i, std::int6
   if (params_out && (params_out.numel() != n || !(params_out.device() == ctx.device())))
     return fail(ErrorCode::invalid_argument, "Optimizer::apply_group(", i, "): params_out ", params_out.describe(),
                 ": expected ", n, " elements on ", ctx.device().to_string());
+  if (grads ? !fits(grads) || !(grads.device() == ctx.device()) : !g.grads.data())
+    return fail(ErrorCode::invalid_argument, "Optimizer::apply_group(", i, "): grads ",
+                grads ? grads.describe() : std::string("none"), ": expected f32[", n, "] on ", ctx.device().to_string(),
+                grads ? "" : " (the group was added without gradients)");
   const DataType pdt = params_out ? params_out.dtype() : DataType::f32;
   return update(ctx, g, begin, n, lr, master.data_as<float>(), state1 ? state1.data_as<float>() : nullptr,
-                state2 ? state2.data_as<float>() : nullptr, pdt, params_out ? params_out.data() : nullptr);
+                state2 ? state2.data_as<float>() : nullptr, pdt, params_out ? params_out.data() : nullptr,
+                grads ? grads.data_as<float>() : nullptr);
 }
 
 Result<void> Optimizer::update(Context& ctx, const Group& g, std::int64_t first, std::int64_t count, float lr,
-                               float* master, float* state1, float* state2, DataType pdt, void* params_out) const {
+                               float* master, float* state1, float* state2, DataType pdt, void* params_out,
+                               const float* own_grads) const {
   if (g.skipped || g.frozen) return {};
   const auto& k = ctx.kernels();
   auto* st = state_.data_as<StepState>();
-  const DataType gdt = g.grads.dtype();
+  const DataType gdt = own_grads ? DataType::f32 : g.grads.dtype();
   auto* grads = static_cast<const std::byte*>(g.grads.data());
   auto* out = static_cast<std::byte*>(params_out);
   const std::int64_t last = first + count;
@@ -345,7 +360,7 @@ Result<void> Optimizer::update(Context& ctx, const Group& g, std::int64_t first,
     const auto at = static_cast<std::size_t>(begin);
     const auto local = static_cast<std::size_t>(begin - first);
     const std::int64_t n = end - begin;
-    const void* gi = grads + at * size_of(gdt);
+    const void* gi = own_grads ? static_cast<const void*>(own_grads + local) : grads + at * size_of(gdt);
     void* oi = out ? out + local * size_of(pdt) : nullptr;
     if (impl_->adam) {
       detail::AdamArgs a = impl_->adam_args;
@@ -388,8 +403,13 @@ Result<void> Optimizer::compute_grad_stats(Context& ctx) {
   COSHARD_TRY(begin_grad_stats(ctx));
   std::vector<detail::OptimizerTensor> tensors;
   tensors.reserve(groups_.size());
-  for (const Group& g : groups_)
-    if (!g.frozen && g.in_norm) tensors.push_back({.grad = g.grads.data(), .n = g.grads.numel(), .gdt = static_cast<std::int32_t>(g.grads.dtype())});
+  for (const Group& g : groups_) {
+    if (g.frozen || !g.in_norm) continue;
+    if (!g.grads.data())
+      return fail(ErrorCode::invalid_argument, "Optimizer::compute_grad_stats: a group added without gradients (give "
+                  "them with each piece: add_grad_stats)");
+    tensors.push_back({.grad = g.grads.data(), .n = g.grads.numel(), .gdt = static_cast<std::int32_t>(g.grads.dtype())});
+  }
   return ctx.kernels().grad_stats_multi(ctx.stream(), tensors, state_.data_as<StepState>());
 }
 
@@ -402,8 +422,21 @@ Result<void> Optimizer::add_grad_stats(Context& ctx, std::size_t i) {
   if (i >= groups_.size()) return fail(ErrorCode::out_of_range, "Optimizer::add_grad_stats(", i, "): ", groups_.size(), " groups");
   const Group& g = groups_[i];
   if (g.frozen || !g.in_norm) return {};
+  if (!g.grads.data())
+    return fail(ErrorCode::invalid_argument, "Optimizer::add_grad_stats(", i, "): the group was added without gradients: "
+                "give them with each piece");
   return ctx.kernels().grad_stats(ctx.stream(), g.grads.dtype(), g.grads.data(), g.grads.numel(),
                                   state_.data_as<StepState>());
+}
+
+Result<void> Optimizer::add_grad_stats(Context& ctx, std::size_t i, const Tensor& grads) {
+  if (i >= groups_.size()) return fail(ErrorCode::out_of_range, "Optimizer::add_grad_stats(", i, "): ", groups_.size(), " groups");
+  const Group& g = groups_[i];
+  if (g.frozen || !g.in_norm) return {};
+  if (!grads || grads.dtype() != DataType::f32 || grads.numel() > g.grads.numel() || !(grads.device() == ctx.device()))
+    return fail(ErrorCode::invalid_argument, "Optimizer::add_grad_stats(", i, "): grads ", grads ? grads.describe() : "empty",
+                ": expected f32, at most ", g.grads.numel(), " elements, on ", ctx.device().to_string());
+  return ctx.kernels().grad_stats(ctx.stream(), DataType::f32, grads.data(), grads.numel(), state_.data_as<StepState>());
 }
 
 Result<void> Optimizer::apply_one(Context& ctx, std::size_t i, float lr) {

@@ -12,6 +12,14 @@ namespace {
 
 // Each transfer owns its buffer while the store works on it. Whole pages go to the disk (O_DIRECT
 // wants them); the file of a sub-group is therefore page-rounded, and reads take whole pages.
+// The bytes a read or write of the group moves (with extents, theirs: the buffer may hold more).
+std::size_t moved_bytes(const SubGroup& group) {
+  if (group.extents.empty()) return group.bytes;
+  std::size_t moved = 0;
+  for (const auto& e : group.extents) moved += page_rounded(e.bytes);
+  return moved;
+}
+
 // With extents, one transfer each (they run at once), placed one after another in the buffer.
 async::Task<Result<PinnedBlock>> read_into(NvmeStore& store, const SubGroup& group, PinnedBlock block) {
   if (group.extents.empty()) {
@@ -130,7 +138,7 @@ async::Task<Result<void>> Swapper::run(std::span<const SubGroup> groups, Use use
         break;
       }
       block = std::move(*got);
-      stats_.bytes_read += groups[k].bytes;
+      stats_.bytes_read += moved_bytes(groups[k]);
     } else {
       if (held == cap) co_await finish_oldest_write();
       if (failure) break;
@@ -159,7 +167,7 @@ async::Task<Result<void>> Swapper::run(std::span<const SubGroup> groups, Use use
     }
     if (write_back) {
       writes.push_back(rt->spawn(write_from(store_, groups[k], std::move(block))));
-      stats_.bytes_written += groups[k].bytes;
+      stats_.bytes_written += moved_bytes(groups[k]);
     } else {
       block.reset();
       --held;

@@ -136,6 +136,11 @@ struct Engine::State {
   // The sub-groups a step reads, steps and writes back (frozen units' never are).
   std::vector<std::size_t> stepped_pieces;
   bool swapped() const noexcept { return o.offload_optimizer == OptimizerOffload::nvme; }
+  // nvme with step_in_backward: no gradient shard in pinned memory. A unit's shard stays on the
+  // device until the swapper's pass steps it: each sub-group's buffer has a gradient piece after
+  // its master and state (never read from nor written to the file), copied from the device shard
+  // just before the piece is stepped, its statistics added there; the shard goes after its last piece.
+  bool grads_through_pass() const noexcept { return swapped() && o.step_in_backward; }
   Tensor device_loss_scale;  // f32[1]: the seed of backward
   Tensor device_grad_stats;  // f32[2]: summed across ranks on the communication stream
   // f32[2] in pinned memory: the summed stats come back through it. A copy from the device into

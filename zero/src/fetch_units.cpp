@@ -161,7 +161,9 @@ std::vector<std::size_t> offload_pinned_sizes(std::span<const FetchUnitInfo> uni
       else if (pinned_shard) sizes.push_back(shard_bytes);  // the pinned shard
       continue;
     }
-    if (swapped) {  // a resident gradient shard; master and state stream through buffers
+    if (swapped && o.step_in_backward) {  // the gradient goes through the swap buffer (grads_through_pass)
+      largest_group = std::max(largest_group, swap_piece_bytes(piece, 2 + optimizer_states));
+    } else if (swapped) {  // a resident gradient shard; master and state stream through buffers
       sizes.push_back(f32_bytes);
       largest_group = std::max(largest_group, swap_piece_bytes(piece, 1 + optimizer_states));
     } else if (narrow) {

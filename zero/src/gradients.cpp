@@ -98,7 +98,10 @@ class PerUnit : public GradientReduction {
     }
     ++u.grads_this_step;
     COSHARD_TRY_ASSIGN(auto reduced, s.timeline.span_mark(cs));
-    if (s.grads_out_in_backward) {  // (a unit with two backward passes is copied again: the last copy wins)
+    if (s.grads_out_in_backward && s.grads_through_pass()) {  // on the device until the pass steps it
+      u.grads_out = true;
+      if (s.stepping_in_backward && u.backwards_this_step == u.forward_uses) COSHARD_TRY(s.step_on_host(u));
+    } else if (s.grads_out_in_backward) {  // (a unit with two backward passes is copied again: the last copy wins)
       COSHARD_TRY(cs.copy(u.host_grad.data(), u.grad_shard.data(), u.grad_shard.bytes()));
       s.stats.swap_bytes += u.grad_shard.bytes();
       u.grads_out = true;

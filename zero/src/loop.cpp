@@ -175,7 +175,7 @@ async::Task<Result<EngineStepStats>> Engine::finish_open_step(float lr) {
   const std::uint64_t launches = s.launches() - s.launches_before;
   COSHARD_CO_TRY_ASSIGN(auto host_loss, co_await ctx.read(loss_sum));
   COSHARD_CO_TRY_ASSIGN(auto optimizer_stats, co_await s.optimizer->read_stats(s.optimizer_ctx()));
-  if (s.stepping_in_backward && optimizer_stats.last_skipped) {
+  if ((s.stepping_in_backward || s.grads_through_pass()) && optimizer_stats.last_skipped) {
     auto refused = s.step_in_backward_saw_non_finite();
     co_return fail(std::move(refused).error());
   }

@@ -46,7 +46,9 @@ void HostOptimizer::estimate_pinned(MemoryEstimate& m, std::span<const FetchUnit
   for (const std::size_t b : detail::offload_pinned_sizes(units, o, states)) pinned += offload::page_rounded(b);
   // (host_memory_budget caps the pool; only what the plan reserves is allocated.)
   const bool narrow = o.dtype != DataType::f32;
-  m.add(MemoryPlace::pinned_host, o.offload_optimizer == OffloadTarget::nvme ? "gradient shards and swap buffers"
+  const bool through_pass = o.offload_optimizer == OffloadTarget::nvme && o.step_in_backward;
+  m.add(MemoryPlace::pinned_host, through_pass ? "swap buffers (the gradients through them: step_in_backward)"
+                                  : o.offload_optimizer == OffloadTarget::nvme ? "gradient shards and swap buffers"
                                   : narrow ? "gradient shards and " + std::string(collectives::to_string(o.dtype)) + " parameter copies"
                                            : "fp32 masters and gradient shards",
         pinned);
@@ -68,8 +70,21 @@ Result<void> HostOptimizer::add_host_grad(Engine::State& s, Unit& u) {
 }
 
 async::Task<Result<void>> HostOptimizer::exchange_grad_stats(Engine::State& s) {
+  COSHARD_CO_TRY(co_await local_grad_stats(s));
+  co_return co_await sum_grad_stats(s);
+}
+
+async::Task<Result<void>> HostOptimizer::local_grad_stats(Engine::State& s) {
   auto& compute = s.ctx->stream();
   auto& host = *s.host_stream;
+  if (s.grads_through_pass()) {
+    // The shards stay on the device for the swapper's pass, which adds each piece's statistics.
+    if (!s.stepping_in_backward) co_return s.optimizer->begin_grad_stats(*s.host_ctx);
+    for (auto& u : s.units)
+      if (!u->stepped_early && !u->info.frozen) COSHARD_CO_TRY(hand_over_late(s, *u));
+    s.grads_ready.reset();  // every unit is handed over
+    co_return Result<void>{};
+  }
   for (auto& u : s.units) {
     if (u->grads_out || u->info.frozen) continue;  // out during backward (the compute stream has waited for it)
     COSHARD_CO_TRY(compute.copy(u->host_grad.data(), u->grad_shard.data(), u->grad_shard.bytes()));
@@ -94,6 +109,12 @@ async::Task<Result<void>> HostOptimizer::exchange_grad_stats(Engine::State& s) {
   } else {
     COSHARD_CO_TRY(s.optimizer->compute_grad_stats(*s.host_ctx));
   }
+  co_return Result<void>{};
+}
+
+async::Task<Result<void>> HostOptimizer::sum_grad_stats(Engine::State& s) {
+  auto& compute = s.ctx->stream();
+  auto& host = *s.host_stream;
   COSHARD_CO_TRY_ASSIGN(auto stats_ready, host.record());
   COSHARD_CO_TRY(co_await Engine::State::after(compute, stats_ready));
   const Tensor host_stats = s.optimizer->grad_stats();

@@ -91,16 +91,18 @@ class OptimizerOnNvme final : public HostOptimizer {
     const std::size_t states = s.optimizer->state_tensors();
     const std::int64_t most = detail::swap_piece_elements(o);
     // (a frozen unit's file holds its master only: the parameters, with them on nvme)
+    const bool grad_region = s.grads_through_pass();  // (in the buffer only: never in the file)
     for (std::size_t k = 0; k < units.size(); ++k) {
       const auto& u = units[k];
       const std::size_t regions = u.frozen ? 1 : 1 + states;
+      const bool with_grads = grad_region && !u.frozen;
       const std::uint64_t stride = offload::page_rounded(static_cast<std::size_t>(u.shard) * sizeof(float));
       s.swap_files.push_back(folder + std::to_string(k));
       s.first_piece.push_back(s.subgroups.size());
       for (std::int64_t begin = 0; begin < u.shard; begin += most) {
         const std::int64_t count = std::min<std::int64_t>(most, u.shard - begin);
-        offload::SubGroup group{s.swap_files.back(), detail::swap_piece_bytes(count, regions)};
-        if (count < u.shard)  // a piece of each array (a whole shard is the file's head: no extents)
+        offload::SubGroup group{s.swap_files.back(), detail::swap_piece_bytes(count, regions + (with_grads ? 1 : 0))};
+        if (count < u.shard || with_grads)  // a piece of each array (a whole shard is the file's head: no extents)
           for (std::size_t r = 0; r < regions; ++r)
             group.extents.push_back({r * stride + static_cast<std::uint64_t>(begin) * sizeof(float),
                                      static_cast<std::size_t>(count) * sizeof(float)});
@@ -115,38 +117,43 @@ class OptimizerOnNvme final : public HostOptimizer {
 
   Result<void> add_unit(Engine::State& s, Unit& u) override {
     if (u.info.frozen) return s.optimizer->add_frozen_group(*s.host_ctx, u.info.shard);  // its file: the master only
+    if (s.grads_through_pass()) return s.optimizer->add_swapped_group(*s.host_ctx, u.info.shard, s.segments_of(u));
     COSHARD_TRY(add_host_grad(s, u));
     return s.optimizer->add_swapped_group(*s.host_ctx, u.host_grad, s.segments_of(u));
   }
 
   async::Task<Result<void>> step(Engine::State& s, float lr) override {
     auto& compute = s.ctx->stream();
-    COSHARD_CO_TRY(co_await exchange_grad_stats(s));
+    // Gradients through the pass: it adds the statistics as it steps, so their sum comes after it.
+    const bool through_pass = s.grads_through_pass();
+    if (through_pass)
+      COSHARD_CO_TRY(co_await local_grad_stats(s));
+    else
+      COSHARD_CO_TRY(co_await exchange_grad_stats(s));
     if (s.stepping_in_backward) {
       // The swapper's pass has every unit now; its last copies to the device are on the
       // communication stream, which the compute stream waits for below.
       auto handle = std::move(s.swap_step);
       COSHARD_CO_TRY(co_await handle);
       s.backward_order = s.handed_order;
-      COSHARD_CO_TRY(s.optimizer->finish_step(*s.host_ctx));
-      COSHARD_CO_TRY_ASSIGN(auto finished, s.host_stream->record());
-      COSHARD_CO_TRY(co_await Engine::State::after(compute, finished));
-      co_return Engine::State::order(s.comm->stream(), compute);
+    } else {
+      // Each unit's master and state come in from NVMe (read ahead), are stepped on the host,
+      // the new shard goes to the device, and the sub-group goes back (written behind).
+      const auto read_before = s.swapper->stats().bytes_read, written_before = s.swapper->stats().bytes_written;
+      // (frozen units are never read nor written by a step)
+      std::vector<offload::SubGroup> stepped;
+      for (std::size_t i : s.stepped_pieces) stepped.push_back(s.subgroups[i]);
+      auto step_unit = [&](std::size_t i, std::span<std::byte> bytes) -> async::Task<Result<void>> {
+        return s.step_swapped_piece(s.stepped_pieces[i], bytes, lr, compute);
+      };
+      COSHARD_CO_TRY(co_await s.swapper->for_each(stepped, step_unit, true));
+      s.stats.swap_bytes += (s.swapper->stats().bytes_read - read_before) + (s.swapper->stats().bytes_written - written_before);
     }
-    // Each unit's master and state come in from NVMe (read ahead), are stepped on the host,
-    // the new shard goes to the device, and the sub-group goes back (written behind).
-    const auto read_before = s.swapper->stats().bytes_read, written_before = s.swapper->stats().bytes_written;
-    // (frozen units are never read nor written by a step)
-    std::vector<offload::SubGroup> stepped;
-    for (std::size_t i : s.stepped_pieces) stepped.push_back(s.subgroups[i]);
-    auto step_unit = [&](std::size_t i, std::span<std::byte> bytes) -> async::Task<Result<void>> {
-      return s.step_swapped_piece(s.stepped_pieces[i], bytes, lr, compute);
-    };
-    COSHARD_CO_TRY(co_await s.swapper->for_each(stepped, step_unit, true));
+    if (through_pass) COSHARD_CO_TRY(co_await sum_grad_stats(s));
     COSHARD_CO_TRY(s.optimizer->finish_step(*s.host_ctx));
     COSHARD_CO_TRY_ASSIGN(auto finished, s.host_stream->record());
     COSHARD_CO_TRY(co_await Engine::State::after(compute, finished));
-    s.stats.swap_bytes += (s.swapper->stats().bytes_read - read_before) + (s.swapper->stats().bytes_written - written_before);
+    if (s.stepping_in_backward) co_return Engine::State::order(s.comm->stream(), compute);
     co_return Result<void>{};
   }
 
@@ -275,12 +282,29 @@ async::Task<Result<void>> Engine::State::step_swapped_piece(std::size_t i, std::
   const Tensor& master = shard.master;
   // bf16/f16: cast down in the same pass, into the pinned shard itself (parameters offloaded to
   // cpu: nothing left to copy) or into the staging buffer on its way to the device.
+  Tensor grads;  // grads_through_pass: the piece's gradient, from the device shard into the buffer
+  if (grads_through_pass()) {
+    if (!u.grad_shard) co_return fail(ErrorCode::internal, "Engine: unit ", u.info.name, " stepped without its gradient shard");
+    const std::size_t stride = offload::page_rounded(static_cast<std::size_t>(p.count) * sizeof(float));
+    grads = Tensor(bytes.data() + (1 + optimizer->state_tensors()) * stride, Shape{p.count}, DataType::f32,
+                   async::Device::cpu());
+    auto& cs = comm->stream();
+    COSHARD_CO_TRY(cs.copy(grads.data(), u.grad_shard.slice(p.begin, Shape{p.count}).data(), grads.bytes()));
+    COSHARD_CO_TRY_ASSIGN(auto copied, cs.record());
+    COSHARD_CO_TRY(host_stream->wait(copied));
+    stats.swap_bytes += grads.bytes();
+    if (p.begin + p.count == u.info.shard && reduction->complete_per_unit()) {  // its last piece: the shard goes
+      u.grad_shard_block.reset_after(copied);
+      u.grad_shard = {};
+    }
+    COSHARD_CO_TRY(optimizer->add_grad_stats(*host_ctx, first_group + p.unit, grads));
+  }
   Tensor narrowed;
   const bool into_shard = narrow() && u.info.shard_offloaded;
   if (narrow() && !params_on_nvme())
     narrowed = into_shard ? u.shard.slice(p.begin, Shape{p.count}) : Tensor(staging.data(), Shape{p.count}, o.dtype, async::Device::cpu());
   COSHARD_CO_TRY(optimizer->apply_group_range(*host_ctx, first_group + p.unit, p.begin, lr, master, shard.state1,
-                                              shard.state2, narrowed));
+                                              shard.state2, narrowed, grads));
   COSHARD_CO_TRY_ASSIGN(auto stepped, host_stream->record());
   if (params_on_nvme() || into_shard) co_return co_await stepped;
   COSHARD_CO_TRY(co_await after(to, stepped));

@@ -77,6 +77,10 @@ class HostOptimizer : public OptimizerPlacement {
   // flag (with step_in_backward, the units not stepped during backward add their share and go to
   // `hand_over_late`); the sums over ranks come back to the host stream through pinned memory.
   async::Task<Result<void>> exchange_grad_stats(Engine::State& s);
+  // Its two halves: this rank's statistics (with grads_through_pass: the late units handed over,
+  // the pass adding the statistics as it steps), then their sum over the ranks, back on the host.
+  async::Task<Result<void>> local_grad_stats(Engine::State& s);
+  async::Task<Result<void>> sum_grad_stats(Engine::State& s);
   // step_in_backward: a unit not stepped during backward, its statistics added after it.
   virtual Result<void> hand_over_late(Engine::State&, detail::Unit&) { return {}; }
 };

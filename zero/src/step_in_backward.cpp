@@ -1,6 +1,7 @@
 // Stepping during backward (step_in_backward): with the optimizer offloaded, each unit is stepped
 // on the host as soon as its last gradient shard of the step is out, while backward goes on
-// (nvme: through one pass of the swapper beside forward and backward).
+// (nvme: through one pass of the swapper beside forward and backward, which also takes each
+// piece's gradient from the device shard: grads_through_pass).
 #include "engine_state.hpp"
 
 namespace coshard::zero {
@@ -11,6 +12,11 @@ using namespace detail;
 Result<void> Engine::State::step_in_backward_saw_non_finite() const {
   std::size_t stepped = 0;
   for (const auto& u : units) stepped += u->stepped_early ? 1 : 0;
+  if (!stepping_in_backward)  // (more than one micro-batch: stepped after backward, through the swapper's pass)
+    return fail(ErrorCode::unsupported, "Engine::step: a non-finite gradient with step_in_backward and the optimizer ",
+                "on nvme: each unit was stepped as its gradient came through the swapper, before the sum over the ranks ",
+                "was known, and cannot be skipped, so the parameters are no longer trustworthy. Restore the last ",
+                "checkpoint; without step_in_backward, such a step is skipped");
   return fail(ErrorCode::unsupported, "Engine::step: a non-finite gradient with step_in_backward: ", stepped,
               " of ", units.size(), " units on this rank were stepped during backward and cannot be skipped, so ",
               "the parameters are no longer trustworthy. Restore the last checkpoint; without step_in_backward, ",
@@ -20,7 +26,7 @@ Result<void> Engine::State::step_in_backward_saw_non_finite() const {
 Result<void> Engine::State::step_on_host(Unit& u) {
   COSHARD_TRY_ASSIGN(auto out, comm->stream().record());
   COSHARD_TRY(host_stream->wait(out));
-  COSHARD_TRY(optimizer->add_grad_stats(*host_ctx, first_group + u.index));
+  if (!grads_through_pass()) COSHARD_TRY(optimizer->add_grad_stats(*host_ctx, first_group + u.index));
   COSHARD_TRY(optimizer_placement->step_in_backward(*this, u));
   u.stepped_early = true;
   ++stats.stepped_in_backward;

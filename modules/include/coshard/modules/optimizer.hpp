@@ -142,6 +142,9 @@ class Optimizer {
   // its gradients are bound here (f32); apply_group supplies the rest. Such groups are stepped
   // with apply_group + finish_step, not apply.
   Result<void> add_swapped_group(Context& ctx, Tensor grads, std::vector<Segment> segments = {});
+  // A swapped group of `numel` elements whose gradients are not bound either: they come with each
+  // piece (apply_group_range's and add_grad_stats's `grads`), from wherever the caller keeps them.
+  Result<void> add_swapped_group(Context& ctx, std::int64_t numel, std::vector<Segment> segments = {});
   // The fp32 state tensors a group needs beside its master: 2 for AdamW, 1 for SGD with
   // momentum, 0 without.
   std::size_t state_tensors() const noexcept;
@@ -154,8 +157,9 @@ class Optimizer {
   // apply_group over elements [begin, begin + n) of the group only, n being master's length (and
   // the state's and params_out's): a piece of a swapped group, streamed in pieces (the ZeRO
   // engine's sub_group_size). The kernels are element-wise: pieces give the whole's bits.
+  // `grads` (f32, n elements): the piece's gradients, for a group added without them.
   Result<void> apply_group_range(Context& ctx, std::size_t group, std::int64_t begin, float lr, Tensor master,
-                                 Tensor state1, Tensor state2, Tensor params_out = {});
+                                 Tensor state1, Tensor state2, Tensor params_out = {}, Tensor grads = {});
   // Ends a step made of apply_group calls: the step count, the overflow skip, the loss scale.
   Result<void> finish_step(Context& ctx);
 
@@ -171,6 +175,8 @@ class Optimizer {
   // ZeRO engine's step_in_backward): begin, then each group's share, in any order.
   Result<void> begin_grad_stats(Context& ctx);
   Result<void> add_grad_stats(Context& ctx, std::size_t group);
+  // A piece of group i's gradients (f32, on ctx's device), for a group added without them.
+  Result<void> add_grad_stats(Context& ctx, std::size_t group, const Tensor& grads);
   // One bound group's update (apply() is every group's, then finish_step).
   Result<void> apply_one(Context& ctx, std::size_t group, float lr);
   const StepControlOptions& control() const noexcept;
@@ -210,9 +216,9 @@ class Optimizer {
   Result<std::vector<Segment>> normalized(std::vector<Segment> segments, std::int64_t n) const;
   // One group's update from its master and state (every segment's run).
   // Elements [begin, begin + count) of g; master, state and params_out point at element begin.
+  // `grads` (optional): the piece's own gradients, element begin first (else the group's).
   Result<void> update(Context& ctx, const Group& g, std::int64_t begin, std::int64_t count, float lr, float* master,
-                      float* state1, float* state2,
-                      DataType pdt, void* params_out) const;
+                      float* state1, float* state2, DataType pdt, void* params_out, const float* grads = nullptr) const;
   std::unique_ptr<Impl> impl_;
   std::vector<ParameterGroup> rules_;
   std::vector<Group> groups_;

@@ -42,7 +42,7 @@ struct SwapExtent {
 
 struct SubGroup {
   std::string name;   // a file of the store
-  std::size_t bytes;  // its size (with extents: their page-rounded lengths, summed)
+  std::size_t bytes;  // its buffer's size (with extents: at least their page-rounded lengths, summed)
   std::vector<SwapExtent> extents = {};  // empty: the file's first `bytes`
 };
 

@@ -172,7 +172,9 @@ struct EngineOptions {
   // of after the whole backward. cpu: the updated shards go back to the device after backward.
   // nvme: one pass of the swapper runs beside forward and backward, reading each sub-group ahead
   // in the order the units' gradients came last step and writing it back once stepped; the new
-  // shard goes to the device on the communication stream as soon as it is stepped. It
+  // shard goes to the device on the communication stream as soon as it is stepped; no gradient
+  // shard is kept in pinned memory: each stays on the device until the pass copies its pieces into
+  // their swap buffers (also when a step of several micro-batches steps after backward). It
   // needs gradient clipping off and no loss scaling (each update then depends on its own unit's
   // gradients alone), and gives the same bits. A step with more than one micro-batch steps after
   // backward. A non-finite gradient cannot skip units already stepped: such a step fails on
