@@ -4,7 +4,8 @@ NVMe (ZeRO-Infinity's mode), its peak resident memory against the machine's and 
 the bytes it reads and writes per step, and its step time against the disk-bound floor, in one run:
 
   python3 bench/out_of_core.py --coshard build/release/trainer/coshard-train --swap /work/swap \
-      [--preset Llama-3.2-1B] [--seq 256] [--steps 4] [--buffers 2] [--out results.json]
+      [--preset Llama-3.2-1B] [--seq 256] [--steps 4] [--buffers 2] [--step-in-backward] \
+      [--sub-group-size N] [--out results.json]
 
 It measures the disk first (fio: 1 MiB blocks, O_DIRECT, in the swap folder, reads and writes),
 then asks coshard-train for its memory estimate (--estimate) and trains --steps steps, polling
@@ -64,6 +65,9 @@ def main():
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--buffers", type=int, default=2, help="swap and read-ahead buffers (buffer_count)")
+    p.add_argument("--step-in-backward", action="store_true",
+                   help="step each unit during backward (gradient clipping off): no gradient shard in pinned memory")
+    p.add_argument("--sub-group-size", type=int, help="elements per swapped sub-group (coshard's default otherwise)")
     p.add_argument("--out")
     a = p.parse_args()
     os.makedirs(a.swap, exist_ok=True)
@@ -75,6 +79,10 @@ def main():
             "offload_optimizer": {"device": "nvme", "nvme_path": a.swap, "buffer_count": a.buffers},
             "offload_param": {"device": "nvme", "nvme_path": a.swap, "buffer_count": a.buffers}}}, f)
     common = ["--preset", a.preset, "--seq", str(a.seq), "--batch", "1", "--world-size", "1", "--config", config]
+    if a.step_in_backward:
+        common += ["--step-in-backward", "--clip", "0"]
+    if a.sub_group_size is not None:
+        common += ["--sub-group-size", str(a.sub_group_size)]
 
     disk = {"read_bytes_per_s": fio_rate(a.swap, "read"), "write_bytes_per_s": fio_rate(a.swap, "write")}
     est = subprocess.run([a.coshard] + common + ["--estimate"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -141,6 +149,7 @@ def main():
     result = {
         "machine": {"cores": os.cpu_count(), "memory_bytes": total_mem},
         "preset": a.preset, "parameters": params, "seq": a.seq, "buffers": a.buffers, "disk": disk,
+        "step_in_backward": a.step_in_backward, "estimate": est.stdout,
         "estimate_host_bytes": estimate_host, "peak_rss_bytes": peak_rss, "wall_s": time.time() - start,
         "steps": steps,
         "pytorch_resident_adamw_bytes": 16 * params,

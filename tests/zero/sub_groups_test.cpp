@@ -76,6 +76,7 @@ EngineOptions options(const Case& c, std::size_t sub_group_size) {
 struct Outcome {
   std::vector<double> losses;
   std::map<std::string, std::vector<std::byte>> final;
+  std::size_t peak_device_bytes = 0;  // rank 0's compute allocator: peak_in_use_bytes
 };
 
 // Steps [first, first + count) under `o`, from the seed or from `load_from`; with `save_to`, a
@@ -122,8 +123,10 @@ Result<Outcome> train(const Case& c, EngineOptions o, const std::string& tag, in
       COSHARD_CO_TRY(co_await engine->finish_checkpoint());
     }
     COSHARD_CO_TRY_ASSIGN(auto gathered, co_await engine->gather_parameters());
-    if (r == 0)
+    if (r == 0) {
       for (auto& p : gathered) out.final[p.name] = std::move(p.bytes);
+      out.peak_device_bytes = allocator->stats().peak_in_use_bytes;
+    }
     engine.reset();
     COSHARD_CO_TRY(stream.synchronize());
     co_return Result<void>{};
@@ -234,6 +237,9 @@ TEST(SubGroups, WithStepInBackwardNoGradientShardIsPinned) {
   budgeted.host_memory_budget = through_pass->bytes(MemoryPlace::pinned_host);
   auto fits = train(during, budgeted, "budget");
   ASSERT_TRUE(fits) << fits.error().message();
+  // The shards waiting for the pass stay within the estimate's two largest: backward waits for
+  // the pass beyond that (the device's peak within the estimate's device lines).
+  EXPECT_LE(fits->peak_device_bytes, through_pass->bytes(MemoryPlace::device)) << through_pass->describe();
   auto stepped_after = train(after, options(after, 1024), "after");
   ASSERT_TRUE(stepped_after) << stepped_after.error().message();
   EXPECT_EQ(fits->losses, stepped_after->losses);

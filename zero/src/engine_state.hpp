@@ -181,6 +181,14 @@ struct Engine::State {
   std::optional<async::Sender<std::size_t>> grads_ready;
   async::JoinHandle<Result<void>> swap_step;
   std::vector<std::size_t> backward_order, handed_order;
+  // With grads_through_pass the shards handed to the pass wait on the device until it steps
+  // them: a unit's backward waits (wait_for_the_pass) while those pending would pass the two
+  // largest units' shards, for the pass's next tick (a piece stepped, or an arrival awaited).
+  // It never waits while the pass awaits an arrival (that could be this very unit).
+  std::size_t grads_pending_bytes = 0, grads_pending_limit = 0;
+  bool pass_awaits_arrival = false;
+  std::optional<async::Receiver<char>> pass_ticks;
+  async::Task<Result<void>> wait_for_the_pass(const Unit& u);
   Context& optimizer_ctx() const noexcept { return offloaded() ? *host_ctx : *ctx; }
   Tensor backward_seed() const { return offloaded() ? device_loss_scale : optimizer->loss_scale(); }
 
@@ -360,7 +368,7 @@ struct Engine::State {
   // that failed (an I/O error) is gone: backward goes on regardless, so that the step fails
   // where stepping after backward would, with every rank's collectives launched alike, when the
   // pass is awaited (with its error).
-  Result<void> hand_to_swap_step(const Unit& u);
+  Result<void> hand_to_swap_step(Unit& u);
 
   // ---- the optimizer step on NVMe (optimizer_on_nvme.cpp) ----
 
@@ -374,7 +382,8 @@ struct Engine::State {
   // once its unit arrives through `ready`; its new shard goes to the device on the communication
   // stream, which has passed the unit's last backward (its reduction came after it). The
   // channel closing before a unit arrives (backward failed) ends the pass with an error.
-  async::Task<Result<void>> swapped_step_in_backward(async::Receiver<std::size_t> ready, float lr);
+  async::Task<Result<void>> swapped_step_in_backward(async::Receiver<std::size_t> ready, float lr,
+                                                     async::Sender<char> ticks);
 
   // Stages 1-2: every rank's shard into every rank's full copy, in one launch on the
   // communication stream (after what is enqueued there).

@@ -83,6 +83,7 @@ async::Task<Result<void>> Engine::before_backward(Context&, Module& module) {
     }
   Unit* u = s.unit_for(module);
   if (!u || &module != u->modules.back()) co_return Result<void>{};
+  COSHARD_CO_TRY(co_await s.wait_for_the_pass(*u));  // (gradient shards waiting for the swapper's pass)
   COSHARD_CO_TRY(co_await s.residence->acquire(s, *u));
   COSHARD_CO_TRY(s.reduction->begin_backward(s, *u));
   if (s.timeline.spans_on()) {

@@ -90,7 +90,12 @@ async::Task<Result<void>> Engine::begin_step(int micro_batches, float lr) {
     if (!rt) co_return fail(ErrorCode::invalid_argument, "Engine::step: must be awaited on a coshard Runtime");
     COSHARD_CO_TRY_ASSIGN(auto channel, async::make_channel<std::size_t>(s.units.size() + 1));
     s.grads_ready.emplace(std::move(channel.first));
-    s.swap_step = rt->spawn(s.swapped_step_in_backward(std::move(channel.second), lr));
+    COSHARD_CO_TRY_ASSIGN(auto ticks, async::make_channel<char>(1));
+    s.pass_ticks.emplace(std::move(ticks.second));
+    s.grads_pending_bytes = 0;
+    s.pass_awaits_arrival = false;
+    for (auto& u : s.units) u->grad_pending = false;
+    s.swap_step = rt->spawn(s.swapped_step_in_backward(std::move(channel.second), lr, std::move(ticks.first)));
   }
   COSHARD_CO_TRY_ASSIGN(s.loss_sum, ctx.zeros(Shape{1}, DataType::f32));
   co_return Result<void>{};

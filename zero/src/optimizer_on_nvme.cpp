@@ -92,6 +92,19 @@ class OptimizerOnNvme final : public HostOptimizer {
     const std::int64_t most = detail::swap_piece_elements(o);
     // (a frozen unit's file holds its master only: the parameters, with them on nvme)
     const bool grad_region = s.grads_through_pass();  // (in the buffer only: never in the file)
+    // (as the estimate's "two largest in flight")
+    std::size_t largest = 0, second = 0;
+    for (const auto& u : units) {
+      if (u.frozen) continue;
+      const std::size_t b = static_cast<std::size_t>(u.shard) * sizeof(float);
+      if (b > largest) {
+        second = largest;
+        largest = b;
+      } else {
+        second = std::max(second, b);
+      }
+    }
+    s.grads_pending_limit = largest + second;
     for (std::size_t k = 0; k < units.size(); ++k) {
       const auto& u = units[k];
       const std::size_t regions = u.frozen ? 1 : 1 + states;
@@ -134,7 +147,9 @@ class OptimizerOnNvme final : public HostOptimizer {
       // The swapper's pass has every unit now; its last copies to the device are on the
       // communication stream, which the compute stream waits for below.
       auto handle = std::move(s.swap_step);
-      COSHARD_CO_TRY(co_await handle);
+      auto passed = co_await handle;
+      s.pass_ticks.reset();
+      COSHARD_CO_TRY(std::move(passed));
       s.backward_order = s.handed_order;
     } else {
       // Each unit's master and state come in from NVMe (read ahead), are stepped on the host,
@@ -296,6 +311,8 @@ async::Task<Result<void>> Engine::State::step_swapped_piece(std::size_t i, std::
     if (p.begin + p.count == u.info.shard && reduction->complete_per_unit()) {  // its last piece: the shard goes
       u.grad_shard_block.reset_after(copied);
       u.grad_shard = {};
+      if (u.grad_pending) grads_pending_bytes -= static_cast<std::size_t>(u.info.shard) * sizeof(float);
+      u.grad_pending = false;
     }
     COSHARD_CO_TRY(optimizer->add_grad_stats(*host_ctx, first_group + p.unit, grads));
   }

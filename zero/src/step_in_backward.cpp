@@ -33,8 +33,12 @@ Result<void> Engine::State::step_on_host(Unit& u) {
   return {};
 }
 
-Result<void> Engine::State::hand_to_swap_step(const Unit& u) {
+Result<void> Engine::State::hand_to_swap_step(Unit& u) {
   std::size_t index = u.index;
+  if (grads_through_pass() && !u.grad_pending) {
+    u.grad_pending = true;
+    grads_pending_bytes += static_cast<std::size_t>(u.info.shard) * sizeof(float);
+  }
   if (!grads_ready) return fail(ErrorCode::internal, "Engine: unit ", u.info.name, " handed to no swapped step");
   auto sent = grads_ready->try_send(index);
   if (!sent && sent.error().code() != ErrorCode::closed)
@@ -43,7 +47,18 @@ Result<void> Engine::State::hand_to_swap_step(const Unit& u) {
   return {};
 }
 
-async::Task<Result<void>> Engine::State::swapped_step_in_backward(async::Receiver<std::size_t> ready, float lr) {
+async::Task<Result<void>> Engine::State::wait_for_the_pass(const Unit& u) {
+  if (!stepping_in_backward || !grads_through_pass() || !pass_ticks || u.info.frozen) co_return Result<void>{};
+  const std::size_t bytes = static_cast<std::size_t>(u.info.shard) * sizeof(float);
+  while (grads_pending_bytes > 0 && grads_pending_bytes + bytes > grads_pending_limit && !pass_awaits_arrival) {
+    auto tick = co_await pass_ticks->recv();
+    if (!tick) break;  // the pass has ended (its error, if any, comes with the step)
+  }
+  co_return Result<void>{};
+}
+
+async::Task<Result<void>> Engine::State::swapped_step_in_backward(async::Receiver<std::size_t> ready, float lr,
+                                                                  async::Sender<char> ticks) {
   std::vector<std::size_t> order = backward_order;  // units
   std::vector<std::size_t> trained;
   for (std::size_t k = 0; k < units.size(); ++k)
@@ -58,14 +73,27 @@ async::Task<Result<void>> Engine::State::swapped_step_in_backward(async::Receive
   const auto read_before = swapper->stats().bytes_read, written_before = swapper->stats().bytes_written;
   auto step_when_ready = [&](std::size_t j, std::span<std::byte> bytes) -> async::Task<Result<void>> {
     const std::size_t k = swap_pieces[pieces[j]].unit;
+    auto tick = [&ticks] {  // (one pending is enough: the waiter looks again)
+      char t = 't';
+      (void)ticks.try_send(t);
+    };
+    if (!arrived[k]) {
+      pass_awaits_arrival = true;
+      tick();
+    }
     while (!arrived[k]) {
       auto next = co_await ready.recv();
-      if (!next)
+      if (!next) {
+        pass_awaits_arrival = false;
         co_return fail(ErrorCode::closed, "step_in_backward: the step ended before unit ", units[k]->info.name,
                        " was stepped");
+      }
       arrived.at(*next) = true;
     }
-    co_return co_await step_swapped_piece(pieces[j], bytes, lr, comm->stream());
+    pass_awaits_arrival = false;
+    auto stepped = co_await step_swapped_piece(pieces[j], bytes, lr, comm->stream());
+    tick();
+    co_return stepped;
   };
   auto passed = co_await swapper->for_each(groups, step_when_ready, true);
   stats.swap_bytes += (swapper->stats().bytes_read - read_before) + (swapper->stats().bytes_written - written_before);
@@ -82,6 +110,7 @@ async::Task<void> Engine::end_swap_pass() {
     (void)co_await handle;  // (its error, if any, follows from the step's)
   }
   s.grads_ready.reset();
+  s.pass_ticks.reset();
 }
 
 }  // namespace coshard::zero

@@ -56,6 +56,7 @@ struct Unit {
   int uses_pending = 0;
   int backwards_this_step = 0;
   bool stepped_early = false;  // step_in_backward: stepped on the host during backward
+  bool grad_pending = false;   // grads_through_pass: handed to the pass, its shard not stepped yet
 
   // Optimizer offload: this rank's fp32 master and gradient shard in pinned host memory.
   offload::PinnedBlock host_master_block, host_grad_block;
