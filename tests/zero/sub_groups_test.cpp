@@ -233,6 +233,17 @@ TEST(SubGroups, WithStepInBackwardNoGradientShardIsPinned) {
             shards - 2 * offload::page_rounded(1024 * sizeof(float)))
       << pinned_grads->describe() << "\n" << through_pass->describe();
 
+  // Without it, the estimate says what it would save; a machine too small names the largest line.
+  EXPECT_NE(pinned_grads->describe().find("with step_in_backward (gradient clipping off) no gradient shard is kept"),
+            std::string::npos) << pinned_grads->describe();
+  EXPECT_EQ(through_pass->describe().find("with step_in_backward"), std::string::npos) << through_pass->describe();
+  MachineMemory small;
+  small.host_bytes = 1;
+  small.device = "cpu";
+  auto refused_here = check_fits(*pinned_grads, 1, small);
+  ASSERT_FALSE(refused_here);
+  EXPECT_NE(refused_here.error().message().find("the largest line: "), std::string::npos) << refused_here.error().message();
+
   EngineOptions budgeted = options(during, 1024);
   budgeted.host_memory_budget = through_pass->bytes(MemoryPlace::pinned_host);
   auto fits = train(during, budgeted, "budget");

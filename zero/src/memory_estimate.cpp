@@ -172,6 +172,21 @@ Result<MachineMemory> machine_memory(async::Device device, const std::filesystem
   return m;
 }
 
+namespace {
+
+// ", the largest line: what (bytes)" among `places`, for a refusal to point at.
+std::string largest_line(const MemoryEstimate& m, std::initializer_list<MemoryPlace> places) {
+  const MemoryItem* largest = nullptr;
+  for (const auto& item : m.items)
+    if (std::find(places.begin(), places.end(), item.place) != places.end() && (!largest || item.bytes > largest->bytes))
+      largest = &item;
+  if (!largest) return "";
+  return "; the largest line: " + largest->what + " (" + std::string(to_string(largest->place)) + ", " +
+         format_bytes(largest->bytes) + " a rank)";
+}
+
+}  // namespace
+
 Result<void> check_fits(const MemoryEstimate& per_rank, int ranks, const MachineMemory& machine) {
   const auto n = static_cast<std::size_t>(std::max(ranks, 1));
   const std::string who = n == 1 ? "one rank" : std::to_string(n) + " ranks of this process";
@@ -181,12 +196,15 @@ Result<void> check_fits(const MemoryEstimate& per_rank, int ranks, const Machine
   if (machine.device_bytes && device > *machine.device_bytes)
     return fail(ErrorCode::out_of_memory, "memory estimate: ", who, " need ", format_bytes(device), " (", device,
                 " bytes) on ", machine.device, ", which has ", format_bytes(*machine.device_bytes), " (",
-                *machine.device_bytes, " bytes) free");
+                *machine.device_bytes, " bytes) free", largest_line(per_rank, {MemoryPlace::device}));
   const std::size_t host_total = machine.device_bytes ? host : host + device;
   if (host_total > machine.host_bytes)
     return fail(ErrorCode::out_of_memory, "memory estimate: ", who, " need ", format_bytes(host_total), " (", host_total,
                 " bytes) of host memory", machine.device_bytes ? "" : " (the device is the CPU: its memory counted too)",
-                ", and this process may take ", format_bytes(machine.host_bytes), " (", machine.host_bytes, " bytes)");
+                ", and this process may take ", format_bytes(machine.host_bytes), " (", machine.host_bytes, " bytes)",
+                machine.device_bytes ? largest_line(per_rank, {MemoryPlace::pinned_host, MemoryPlace::pageable_host})
+                                     : largest_line(per_rank, {MemoryPlace::device, MemoryPlace::pinned_host,
+                                                               MemoryPlace::pageable_host}));
   if (nvme > 0 && machine.nvme_free_bytes && nvme > *machine.nvme_free_bytes)
     return fail(ErrorCode::out_of_memory, "memory estimate: ", who, " need ", format_bytes(nvme), " (", nvme,
                 " bytes) of swap files under ", machine.nvme_path.string(), ", which has ",

@@ -66,6 +66,9 @@ class OptimizerOnNvme final : public HostOptimizer {
                 std::size_t states) const override {
     m.add(MemoryPlace::nvme, fp32_masters_label(states) + " (swap files)", (1 + states) * z.trained_f32 + z.frozen_f32);
     estimate_pinned(m, units, o, states);
+    if (!o.step_in_backward && z.trained_f32 > 0)
+      m.notes.push_back("with step_in_backward (gradient clipping off) no gradient shard is kept in pinned memory: " +
+                        format_bytes(z.trained_f32) + " of this rank's fp32 gradient shards would stay out of it");
   }
 
   // The host placement's setup, then the rank's swap folder (claimed: a second run there is
