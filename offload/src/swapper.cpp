@@ -10,8 +10,6 @@ namespace coshard::offload {
 
 namespace {
 
-// Each transfer owns its buffer while the store works on it. Whole pages go to the disk (O_DIRECT
-// wants them); the file of a sub-group is therefore page-rounded, and reads take whole pages.
 // The bytes a read or write of the group moves (with extents, theirs: the buffer may hold more).
 std::size_t moved_bytes(const SubGroup& group) {
   if (group.extents.empty()) return group.bytes;
@@ -20,35 +18,17 @@ std::size_t moved_bytes(const SubGroup& group) {
   return moved;
 }
 
-// With extents, one transfer each (they run at once), placed one after another in the buffer.
-async::Task<Result<PinnedBlock>> read_into(NvmeStore& store, const SubGroup& group, PinnedBlock block) {
-  if (group.extents.empty()) {
-    COSHARD_CO_TRY(co_await store.read(group.name, 0, block.pages().first(page_rounded(group.bytes))));
-    co_return std::move(block);
-  }
+// Each transfer owns its buffer while the store works on it. Whole pages go to the disk (O_DIRECT
+// wants them); the file of a sub-group is therefore page-rounded, and reads take whole pages.
+// With extents, one transfer each (they run at once), placed one after another in the buffer;
+// `transfer` is the store's read or write of one extent. The first error, once all have ended.
+template <class Transfer>
+async::Task<Result<void>> each_extent(const SubGroup& group, PinnedBlock& block, Transfer transfer) {
   async::Runtime* rt = async::Runtime::current();
   std::vector<async::JoinHandle<Result<void>>> parts;
   std::size_t at = 0;
   for (const auto& e : group.extents) {
-    parts.push_back(rt->spawn(store.read(group.name, e.offset, block.pages().subspan(at, page_rounded(e.bytes)))));
-    at += page_rounded(e.bytes);
-  }
-  Result<void> first{};
-  for (auto& part : parts) {
-    auto r = co_await part;
-    if (!r && first) first = std::move(r);
-  }
-  if (!first) co_return fail(std::move(first).error());
-  co_return std::move(block);
-}
-
-async::Task<Result<void>> write_from(NvmeStore& store, const SubGroup& group, PinnedBlock block) {
-  if (group.extents.empty()) co_return co_await store.write(group.name, 0, block.pages().first(page_rounded(group.bytes)));
-  async::Runtime* rt = async::Runtime::current();
-  std::vector<async::JoinHandle<Result<void>>> parts;
-  std::size_t at = 0;
-  for (const auto& e : group.extents) {
-    parts.push_back(rt->spawn(store.write(group.name, e.offset, block.pages().subspan(at, page_rounded(e.bytes)))));
+    parts.push_back(rt->spawn(transfer(e.offset, block.pages().subspan(at, page_rounded(e.bytes)))));
     at += page_rounded(e.bytes);
   }
   Result<void> first{};
@@ -57,6 +37,22 @@ async::Task<Result<void>> write_from(NvmeStore& store, const SubGroup& group, Pi
     if (!r && first) first = std::move(r);
   }
   co_return first;
+}
+
+async::Task<Result<PinnedBlock>> read_into(NvmeStore& store, const SubGroup& group, PinnedBlock block) {
+  if (group.extents.empty()) {
+    COSHARD_CO_TRY(co_await store.read(group.name, 0, block.pages().first(page_rounded(group.bytes))));
+    co_return std::move(block);
+  }
+  auto read = [&](std::uint64_t offset, std::span<std::byte> pages) { return store.read(group.name, offset, pages); };
+  COSHARD_CO_TRY(co_await each_extent(group, block, read));  // (named: GCC 12 and temporaries in co_await)
+  co_return std::move(block);
+}
+
+async::Task<Result<void>> write_from(NvmeStore& store, const SubGroup& group, PinnedBlock block) {
+  if (group.extents.empty()) co_return co_await store.write(group.name, 0, block.pages().first(page_rounded(group.bytes)));
+  auto write = [&](std::uint64_t offset, std::span<std::byte> pages) { return store.write(group.name, offset, pages); };
+  co_return co_await each_extent(group, block, write);
 }
 
 }  // namespace

@@ -159,8 +159,9 @@ struct Engine::State {
            (params_on_nvme() || std::any_of(units.begin(), units.end(), [](const auto& u) { return !u->info.shard_offloaded; }));
   }
   offload::PinnedBlock staging;
-  Tensor staging_for(const Unit& u) const {
-    return Tensor(staging.data(), Shape{u.info.shard}, o.dtype, async::Device::cpu());
+  // The staging buffer as `count` elements of the compute dtype (a shard, or a piece of one).
+  Tensor staging_for(std::int64_t count) const {
+    return Tensor(staging.data(), Shape{count}, o.dtype, async::Device::cpu());
   }
   // nvme parameters: this rank's block of a unit for its swap file, made on the host by
   // initialize/load_parameters as masters_from_shards writes the file (there is no shard to copy

@@ -37,7 +37,7 @@ async::Task<Result<void>> visit_pieced_unit(Engine::State& s, std::size_t k, con
   auto copy = [&](bool in) {
     return [&, in](std::size_t j, std::span<std::byte> bytes) -> async::Task<Result<void>> {
       const SwapPiece& p = s.swap_pieces[first + j];
-      const std::size_t stride = offload::page_rounded(static_cast<std::size_t>(p.count) * sizeof(float));
+      const std::size_t stride = detail::swap_piece_bytes(p.count, 1);
       const std::size_t length = static_cast<std::size_t>(p.count) * sizeof(float);
       for (std::size_t r = 0; r < regions; ++r) {
         auto* array = reinterpret_cast<std::byte*>(whole.data() + r * n + static_cast<std::size_t>(p.begin));
@@ -177,8 +177,8 @@ class OptimizerOnNvme final : public HostOptimizer {
 
   // Every sub-group written anew: the master from the shard, the state zero.
   async::Task<Result<void>> masters_from_shards(Engine::State& s) override {
-    // nvme parameters: a unit's values are made once, for its first piece, and kept for the rest.
-    std::size_t values_of = s.units.size();
+    // nvme parameters: a unit's values are made at its first piece (the pieces come in order) and
+    // kept for the rest.
     std::vector<std::byte> values;
     auto fill = [&](std::size_t i, std::span<std::byte> bytes) -> async::Task<Result<void>> {
       const SwapPiece& p = s.swap_pieces[i];
@@ -186,14 +186,11 @@ class OptimizerOnNvme final : public HostOptimizer {
       const std::size_t esize = s.element_size;
       if (s.params_on_nvme()) {  // the values were computed on the host, in the compute dtype
         if (!s.shard_values) co_return fail(ErrorCode::internal, "Engine: no values for the swap file of unit ", u.info.name);
-        if (values_of != p.unit) {
-          values.clear();
-          values.shrink_to_fit();
+        if (p.begin == 0) {
+          values = {};  // (the last unit's go first)
           COSHARD_CO_TRY_ASSIGN(values, s.shard_values(u));
-          values_of = p.unit;
         }
         const std::byte* from = values.data() + static_cast<std::size_t>(p.begin) * esize;
-        if (p.begin + p.count == u.info.shard) values_of = s.units.size();  // (freed with the next unit's)
         if (!s.narrow()) {
           std::copy(from, from + static_cast<std::size_t>(p.count) * esize, bytes.begin());
           co_return Result<void>{};
@@ -234,7 +231,7 @@ class OptimizerOnNvme final : public HostOptimizer {
         // bf16/f16 on nvme: the parameters are the master rounded, made for the visit (what a load
         // writes there is dropped: the master it loads decides them; a frozen unit has none, so
         // its parameters written there are widened into the file).
-        shard.params = Tensor(s.staging.data(), Shape{shard.info.shard}, s.o.dtype, async::Device::cpu());
+        shard.params = s.staging_for(shard.info.shard);
         COSHARD_CO_TRY(co_await s.cast_on_host(DataType::f32, master.data(), s.o.dtype, shard.params.data(),
                                                shard.info.shard));
         COSHARD_CO_TRY(co_await use(shard));
@@ -284,7 +281,7 @@ UnitShard Engine::State::swapped_shard(std::size_t i, std::span<std::byte> bytes
   const Unit& u = *units[p.unit];
   const Shape shape{p.count};
   const std::size_t states = optimizer->state_tensors();
-  const std::size_t stride = offload::page_rounded(static_cast<std::size_t>(p.count) * sizeof(float));
+  const std::size_t stride = detail::swap_piece_bytes(p.count, 1);
   auto* base = bytes.data();
   auto view = [&](std::size_t r) { return Tensor(base + r * stride, shape, DataType::f32, async::Device::cpu()); };
   const Tensor params = params_on_nvme() ? view(0) : u.shard.slice(p.begin, shape);
@@ -303,9 +300,8 @@ async::Task<Result<void>> Engine::State::step_swapped_piece(std::size_t i, std::
   Tensor grads;  // grads_through_pass: the piece's gradient, from the device shard into the buffer
   if (grads_through_pass()) {
     if (!u.grad_shard) co_return fail(ErrorCode::internal, "Engine: unit ", u.info.name, " stepped without its gradient shard");
-    const std::size_t stride = offload::page_rounded(static_cast<std::size_t>(p.count) * sizeof(float));
-    grads = Tensor(bytes.data() + (1 + optimizer->state_tensors()) * stride, Shape{p.count}, DataType::f32,
-                   async::Device::cpu());
+    grads = Tensor(bytes.data() + detail::swap_piece_bytes(p.count, 1 + optimizer->state_tensors()), Shape{p.count},
+                   DataType::f32, async::Device::cpu());
     auto& cs = comm->stream();
     COSHARD_CO_TRY(cs.copy(grads.data(), u.grad_shard.slice(p.begin, Shape{p.count}).data(), grads.bytes()));
     COSHARD_CO_TRY_ASSIGN(auto copied, cs.record());
@@ -322,7 +318,7 @@ async::Task<Result<void>> Engine::State::step_swapped_piece(std::size_t i, std::
   Tensor narrowed;
   const bool into_shard = narrow() && u.info.shard_offloaded;
   if (narrow() && !params_on_nvme())
-    narrowed = into_shard ? u.shard.slice(p.begin, Shape{p.count}) : Tensor(staging.data(), Shape{p.count}, o.dtype, async::Device::cpu());
+    narrowed = into_shard ? u.shard.slice(p.begin, Shape{p.count}) : staging_for(p.count);
   COSHARD_CO_TRY(optimizer->apply_group_range(*host_ctx, first_group + p.unit, p.begin, lr, master, shard.state1,
                                               shard.state2, narrowed, grads));
   COSHARD_CO_TRY_ASSIGN(auto stepped, host_stream->record());
