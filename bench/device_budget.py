@@ -1,14 +1,20 @@
 #!/usr/bin/env python3
-"""Parameter shards placed by a device-memory budget, against every shard offloaded and none, in
-one run (ZeRO-3, the optimizer in pinned memory, --offload-params cpu):
+"""What a device-memory budget places, against both ends, in one run (ZeRO-3):
 
-  python3 bench/device_budget.py --coshard build/release/trainer/coshard-train [--repeats 3] [-- extra flags]
+  python3 bench/device_budget.py --coshard build/release/trainer/coshard-train [--what shards|state] [--repeats 3] [-- extra flags]
 
-The budget is the engine's device estimate with every shard offloaded plus half the shards'
-bytes (read from --estimate), so about half the units keep their shards on the device. The three
-modes run in turn, --repeats times (alternating, so a slow moment of the machine falls on all of
-them); the step time is the median over the steps after --warmup of every run of a mode. Losses
-must agree bit for bit.
+--what shards (default): parameter shards, the optimizer in pinned memory (--offload-params cpu):
+every shard offloaded, none, and a budget of the engine's device estimate with every shard
+offloaded plus half the shards' bytes (read from --estimate), so about half the units keep their
+shards on the device.
+--what state: optimizer state, the parameters on the device (--offload-optimizer cpu, Twin-Flow):
+the optimizer on the device, on the host, and a budget halfway between the two ends' engine
+device estimates, so about half the state steps on the device (--clip 0: with clipping the
+gradient norm is summed in two parts and may differ in its last bit).
+
+The three modes run in turn, --repeats times (alternating, so a slow moment of the machine falls
+on all of them); the step time is the median over the steps after --warmup of every run of a
+mode. Losses must agree bit for bit.
 """
 import argparse
 import json
@@ -20,7 +26,8 @@ import sys
 import tempfile
 
 SHAPE = ["--layers", "4", "--dim", "256", "--heads", "4", "--seq", "64", "--batch", "8", "--vocab", "256",
-         "--world-size", "2", "--zero-stage", "3", "--offload-optimizer", "cpu"]
+         "--world-size", "2", "--zero-stage", "3"]
+ACTIVATIONS = r"(?:batch \(token ids and targets\)|activations \(one micro-batch\))\s+([\d.]+) (\w+)"
 UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 
@@ -37,24 +44,39 @@ def device_bytes(a, extra):
     return total, shards, out
 
 
+def engine_device(a, flags):
+    """The engine's device lines of the estimate: the trainer's total less the batch and activations."""
+    total, _, text = device_bytes(a, flags)
+    return total - sum(float(m.group(1)) * UNITS[m.group(2)] for m in re.finditer(ACTIVATIONS, text))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--coshard", required=True)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--what", choices=("shards", "state"), default="shards")
     p.add_argument("extra", nargs="*")
     a = p.parse_args()
-    _, shards, _ = device_bytes(a, ["--offload-params", "none"])
-    offloaded, _, text = device_bytes(a, ["--offload-params", "cpu"])
-    # (the trainer's device total includes the batch and activations: the budget is the engine's
-    # lines, so take them off again through the difference of two estimates)
-    rest_engine = offloaded - sum(float(m.group(1)) * UNITS[m.group(2)] for m in
-                                  re.finditer(r"(?:batch \(token ids and targets\)|activations \(one micro-batch\))\s+([\d.]+) (\w+)", text))
-    budget = int(rest_engine + shards / 2)
-    modes = {"none offloaded": ["--offload-params", "none"],
-             "budget": ["--offload-params", "cpu", "--device-memory-budget", str(budget)],
-             "all offloaded": ["--offload-params", "cpu"]}
+    if a.what == "shards":
+        base_flags = ["--offload-optimizer", "cpu"]
+        _, shards, _ = device_bytes(a, base_flags + ["--offload-params", "none"])
+        rest_engine = engine_device(a, base_flags + ["--offload-params", "cpu"])
+        budget = int(rest_engine + shards / 2)
+        placed = shards
+        modes = {"none offloaded": base_flags + ["--offload-params", "none"],
+                 "budget": base_flags + ["--offload-params", "cpu", "--device-memory-budget", str(budget)],
+                 "all offloaded": base_flags + ["--offload-params", "cpu"]}
+    else:
+        base_flags = ["--clip", "0"]
+        rest_engine = engine_device(a, base_flags + ["--offload-optimizer", "cpu"])
+        full_engine = engine_device(a, base_flags + ["--offload-optimizer", "cpu", "--device-memory-budget", str(1 << 40)])
+        budget = int(rest_engine + (full_engine - rest_engine) / 2)
+        placed = full_engine - rest_engine
+        modes = {"none offloaded": base_flags + ["--offload-optimizer", "none"],
+                 "budget": base_flags + ["--offload-optimizer", "cpu", "--device-memory-budget", str(budget)],
+                 "all offloaded": base_flags + ["--offload-optimizer", "cpu"]}
     times = {m: [] for m in modes}
     losses = {}
     work = tempfile.mkdtemp(prefix="device_budget_")
@@ -70,7 +92,7 @@ def main():
             losses.setdefault(name, [row["loss"] for row in rows])
     same = all(v == losses["none offloaded"] for v in losses.values())
     base = statistics.median(times["all offloaded"])
-    result = {"budget_bytes": budget, "shard_bytes": shards, "losses_identical": same,
+    result = {"what": a.what, "budget_bytes": budget, "placed_bytes": placed, "losses_identical": same,
               "median_step_ms": {m: statistics.median(t) for m, t in times.items()},
               "vs_all_offloaded": {m: statistics.median(t) / base for m, t in times.items()}}
     print(json.dumps(result, indent=2))

@@ -50,6 +50,12 @@ Result<void> check_control(const StepControlOptions& c) {
 Optimizer::Optimizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Optimizer::~Optimizer() = default;
 
+Result<std::unique_ptr<Optimizer>> Optimizer::empty_like() const {
+  auto twin = std::unique_ptr<Optimizer>(new Optimizer(std::make_unique<Impl>(*impl_)));
+  twin->rules_ = rules_;
+  return twin;
+}
+
 Result<std::unique_ptr<Optimizer>> Optimizer::adamw(AdamWOptions o, StepControlOptions control) {
   if (!(o.beta1 >= 0 && o.beta1 < 1)) return fail(ErrorCode::invalid_argument, "beta1=", o.beta1, ": expected in [0, 1)");
   if (!(o.beta2 >= 0 && o.beta2 < 1)) return fail(ErrorCode::invalid_argument, "beta2=", o.beta2, ": expected in [0, 1)");

@@ -112,9 +112,23 @@ TEST(CoshardTrain, HalfPrecisionOffloadedTrainsLikeResident) {
 }
 
 // --device-memory-budget with --offload-params cpu: --estimate names the split, and a run with part
-// of the shards on the device gives the losses of all of them offloaded, bit for bit.
+// of the shards on the device gives the losses of all of them offloaded, bit for bit. With the
+// parameters on the device and the optimizer offloaded, the budget keeps the optimizer state of
+// some units there (Twin-Flow), with the losses of the optimizer all on the host (--clip 0: with
+// clipping the norm is summed in two parts, its last bit may differ).
 TEST(CoshardTrain, DeviceMemoryBudgetSplitsTheShardsWithTheSameLosses) {
   const fs::path dir = scratch("device_budget");
+  // Rank 0's losses under `flags` with each of `budgets`, one run each.
+  auto losses_with = [&](const std::vector<std::string>& flags, const std::vector<std::string>& budgets) {
+    std::vector<std::vector<double>> losses;
+    for (const std::string& budget : budgets) {
+      const fs::path metrics = dir / ("budget" + std::to_string(losses.size()) + budget + ".jsonl");
+      const auto r = run(with(with(kTiny, flags), {"--device-memory-budget", budget, "--metrics", metrics.string()}), dir);
+      EXPECT_EQ(r.code, 0) << r.output;
+      losses.push_back(r.code == 0 ? losses_in(metrics) : std::vector<double>{});
+    }
+    return losses;
+  };
   const std::vector<std::string> offload = {"--steps", "4", "--world-size", "2", "--zero-stage", "3",
                                             "--offload-optimizer", "cpu", "--offload-params", "cpu"};
   const auto estimate = run(with(with(kTiny, offload), {"--device-memory-budget", "1MiB", "--estimate"}), dir);
@@ -125,15 +139,22 @@ TEST(CoshardTrain, DeviceMemoryBudgetSplitsTheShardsWithTheSameLosses) {
   EXPECT_EQ(too_small.code, 2) << too_small.output;  // (a configuration refused before the run)
   EXPECT_NE(too_small.output.find("device_memory_budget=1024 (1.00 KiB): the plan needs"), std::string::npos)
       << too_small.output;
-  std::vector<std::vector<double>> losses;
-  for (const std::string budget : {"0", "1MiB"}) {
-    const fs::path metrics = dir / ("budget" + budget + ".jsonl");
-    const auto r = run(with(with(kTiny, offload), {"--device-memory-budget", budget, "--metrics", metrics.string()}), dir);
-    ASSERT_EQ(r.code, 0) << r.output;
-    losses.push_back(losses_in(metrics));
-  }
-  ASSERT_EQ(losses[0].size(), 4u);
-  EXPECT_EQ(losses[1], losses[0]);
+  const auto shard_losses = losses_with(offload, {"0", "1MiB"});
+  ASSERT_EQ(shard_losses[0].size(), 4u);
+  EXPECT_EQ(shard_losses[1], shard_losses[0]);
+
+  const std::vector<std::string> state = {"--steps", "4", "--world-size", "2", "--zero-stage", "3",
+                                          "--offload-optimizer", "cpu", "--clip", "0"};
+  const auto split = run(with(with(kTiny, state), {"--device-memory-budget", "8MiB", "--estimate"}), dir);
+  ASSERT_EQ(split.code, 0) << split.output;
+  EXPECT_NE(split.output.find("units on the device (stepped there), the rest stepped on the host"), std::string::npos)
+      << split.output;
+  EXPECT_EQ(split.output.find("the optimizer state of 0 of"), std::string::npos) << split.output;
+  EXPECT_NE(split.output.find("optimizer state (2 tensors) of the units stepped on the device"), std::string::npos)
+      << split.output;
+  const auto state_losses = losses_with(state, {"0", "8MiB"});
+  ASSERT_EQ(state_losses[0].size(), 4u);
+  EXPECT_EQ(state_losses[1], state_losses[0]);
 }
 
 TEST(CoshardTrain, BadCommandLinesAreNamed) {

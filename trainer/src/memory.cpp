@@ -17,7 +17,7 @@ Result<zero::MemoryEstimate> estimate_memory(const TrainerConfig& c, modules::Mo
         static_cast<std::size_t>(in.rows_per_rank) * static_cast<std::size_t>(in.seq) * 2 * sizeof(std::int32_t));
   m.add(P::device, "activations (one micro-batch)", in.activation_bytes);
   std::size_t shards = 0, trained_shards = 0, numel = 0;
-  COSHARD_TRY_ASSIGN(const auto units, zero::plan_units(model, world_size, o));
+  COSHARD_TRY_ASSIGN(const auto units, zero::plan_units(model, world_size, o, states));
   for (const auto& u : units) {
     shards += static_cast<std::size_t>(u.shard);
     if (!u.frozen) trained_shards += static_cast<std::size_t>(u.shard);

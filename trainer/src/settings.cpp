@@ -460,8 +460,9 @@ std::vector<Setting> make_table() {
                                              .expected = "a size", .per_rank = true}));
   t.push_back(bytes<&T::device_memory_budget>(
       {.name = "device_memory_budget", .flag = "--device-memory-budget",
-       .help = "with --offload-params cpu: device memory for the engine's state; the parameter shards of as many units "
-               "as fit stay on the device, the rest in pinned memory (default: every shard offloaded)",
+       .help = "with --offload-params cpu or --offload-optimizer cpu: device memory for the engine's state; the parameter "
+               "shards of as many units as fit stay on the device, the rest in pinned memory, then (optimizer cpu) the "
+               "optimizer state of as many units, stepped on the device (default: everything offloaded)",
        .expected = "a size", .per_rank = true}));
   t.push_back(boolean<&T::step_in_backward>(
       {.name = "step_in_backward", .flag = "--step-in-backward",

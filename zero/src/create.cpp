@@ -131,7 +131,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   s->element_size = size_of(o.dtype);
   s->first_group = optimizer.groups().size();
   // Units: modules with direct parameters, in execution (pre-order) order; small leaves merge.
-  COSHARD_TRY_ASSIGN(auto plan, detail::plan_fetch_units(model, s->world, o));
+  COSHARD_TRY_ASSIGN(auto plan, detail::plan_fetch_units(model, s->world, o, optimizer.state_tensors()));
   s->names = std::move(plan.names);
   s->largest_unit_bytes = plan.largest_unit_bytes;
   for (auto& planned : plan.units) {
@@ -211,7 +211,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     // A copy of a block another rank holds too (hybrid sharding) is stepped, but the norm's sum
     // across ranks counts it once: on its copy 0.
     if (s->residence->sharded() && u.group->replica != 0)
-      COSHARD_TRY(optimizer.set_group_in_norm(s->first_group + u.index, false));
+      COSHARD_TRY(s->group_of(u).optimizer.set_group_in_norm(s->group_of(u).index, false));
   }
   COSHARD_TRY(s->optimizer_placement->after_units(*s));
   auto& stream = ctx.stream();

@@ -1,5 +1,5 @@
-// Where each unit's parameter shard lives: off the device with parameter offload, and with a
-// device_memory_budget, on the device for as many units as fit beside the rest of the plan
+// Where each unit's parameter shard and optimizer state live: off the device with offload, and
+// with a device_memory_budget, on the device for as many units as fit beside the rest of the plan
 // (EngineOptions::device_memory_budget). Decided with the units, before anything is allocated,
 // so the memory estimate, the pinned plan and the engine see one placement.
 #include <algorithm>
@@ -30,29 +30,53 @@ std::vector<FetchUnitInfo> infos_of(std::span<const PlannedUnit> units) {
   return infos;
 }
 
-Result<void> place_shards(std::vector<PlannedUnit>& units, const EngineOptions& o) {
-  for (auto& u : units) u.info.shard_offloaded = o.offload_params != OffloadTarget::none;
+Result<void> place_by_budget(std::vector<PlannedUnit>& units, const EngineOptions& o, std::size_t optimizer_states) {
+  for (auto& u : units) {
+    u.info.shard_offloaded = o.offload_params != OffloadTarget::none;
+    u.info.optimizer_offloaded = o.offload_optimizer != OffloadTarget::none;
+  }
   if (o.device_memory_budget == 0) return {};
-  if (o.offload_params != OffloadTarget::cpu)
+  const bool places_shards = o.offload_params == OffloadTarget::cpu;
+  const bool places_state = o.offload_optimizer == OffloadTarget::cpu;
+  if (!places_shards && !places_state)
     return fail(ErrorCode::invalid_argument, "device_memory_budget=", o.device_memory_budget, " with offload_params=",
-                to_string(o.offload_params),
-                ": the budget places parameter shards between the device and pinned host memory "
-                "(expected offload_params=cpu)");
-  // Everything else the plan keeps on the device, with every shard offloaded (the optimizer is
-  // offloaded too, so its state count does not matter here).
-  const std::size_t rest = estimate_for_units(infos_of(units), o, 0).bytes(MemoryPlace::device);
+                to_string(o.offload_params), " and offload_optimizer=", to_string(o.offload_optimizer),
+                ": the budget places parameter shards and optimizer state between the device and pinned host "
+                "memory (expected offload_params=cpu, or offload_optimizer=cpu)");
+  // Everything else the plan keeps on the device, with everything offloaded that may be.
+  auto infos = infos_of(units);
+  const auto device_bytes = [&] { return estimate_for_units(infos, o, optimizer_states).bytes(MemoryPlace::device); };
+  const std::size_t rest = device_bytes();
   if (rest > o.device_memory_budget)
     return fail(ErrorCode::out_of_memory, "device_memory_budget=", o.device_memory_budget, " (",
                 format_bytes(o.device_memory_budget), "): the plan needs ", rest, " bytes (", format_bytes(rest),
-                ") on the device with every parameter shard offloaded (gathered parameters, gradient buffers); "
-                "raise the budget, or lower max_live_bytes");
+                ") on the device with every parameter shard and optimizer state offloaded that may be (gathered "
+                "parameters, gradient buffers", places_shards ? "" : ", parameter shards",
+                "); raise the budget, or lower max_live_bytes");
+  // Shards first: their bytes are the same in every line but their own.
   std::size_t used = rest;
   const std::size_t element_size = size_of(o.dtype);
-  for (const std::size_t i : keep_order(units.size())) {
-    const auto bytes = static_cast<std::size_t>(units[i].info.shard) * element_size;
-    if (used + bytes > o.device_memory_budget) continue;  // a smaller one further in may still fit
-    used += bytes;
-    units[i].info.shard_offloaded = false;
+  if (places_shards) {
+    for (const std::size_t i : keep_order(units.size())) {
+      const auto bytes = static_cast<std::size_t>(units[i].info.shard) * element_size;
+      if (used + bytes > o.device_memory_budget) continue;  // a smaller one further in may still fit
+      used += bytes;
+      units[i].info.shard_offloaded = infos[i].shard_offloaded = false;
+    }
+  }
+  // Then the optimizer state of units whose shards are on the device: what keeping one adds (its
+  // state, master and resident gradient shard, less what the gradients in flight no longer hold)
+  // is the estimate's own difference.
+  if (places_state) {
+    for (const std::size_t i : keep_order(units.size())) {
+      if (infos[i].shard_offloaded || infos[i].frozen) continue;
+      infos[i].optimizer_offloaded = false;
+      if (device_bytes() > o.device_memory_budget) {
+        infos[i].optimizer_offloaded = true;
+        continue;
+      }
+      units[i].info.optimizer_offloaded = false;
+    }
   }
   return {};
 }

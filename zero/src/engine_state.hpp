@@ -147,6 +147,23 @@ struct Engine::State {
   // pageable memory returns only once done: a hidden host wait for the whole step so far.
   offload::PinnedBlock grad_stats_back;
   bool offloaded() const noexcept { return o.offload_optimizer != OptimizerOffload::none; }
+  // offload_optimizer=cpu with a device_memory_budget (Twin-Flow): the units whose optimizer state
+  // the budget keeps on the device (FetchUnitInfo::optimizer_offloaded false) step with this part
+  // of the optimizer (Optimizer::empty_like), on the compute stream, their fp32 gradient shards
+  // resident; the user's optimizer holds an empty frozen group in each one's place. Its step
+  // state is the host's, copied in through `step_state_out` (pinned) at each step's start; its
+  // gradient statistics join the host's before the sum over ranks, and come back summed.
+  std::unique_ptr<Optimizer> device_optimizer;
+  offload::PinnedBlock step_state_out;
+  // Where unit u's optimizer group is: the device part's for a unit stepped on the device.
+  struct GroupRef {
+    Optimizer& optimizer;
+    std::size_t index;
+  };
+  GroupRef group_of(const Unit& u) const noexcept {
+    if (device_optimizer && !u.info.optimizer_offloaded && !u.info.frozen) return {*device_optimizer, u.device_group};
+    return {*optimizer, first_group + u.index};
+  }
   bool params_on_nvme() const noexcept { return o.offload_params == OffloadTarget::nvme; }
   // bf16/f16 parameters: the host step writes them from the fp32 masters (half the bytes to the
   // device); with the optimizer on nvme and the shards on the device, through `staging`, one unit

@@ -22,7 +22,7 @@ Result<int> shard_group_size(const EngineOptions& o, int world_size, std::string
               " (the ranks a unit is sharded over, in world / size groups of consecutive ranks; 0: the whole world)");
 }
 
-Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOptions& o) {
+Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOptions& o, std::size_t optimizer_states) {
   FetchPlan plan;
   const std::size_t element_size = size_of(o.dtype);
   model.for_each_parameter([&](const std::string& name, Parameter& p) { plan.names.emplace(&p, name); });
@@ -112,7 +112,7 @@ Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOp
     plan.largest_unit_bytes = std::max(plan.largest_unit_bytes, u.info.padded_bytes);
     plan.units.push_back(std::move(u));
   }
-  COSHARD_TRY(place_shards(plan.units, o));
+  COSHARD_TRY(place_by_budget(plan.units, o, optimizer_states));
   if (stage3 && o.max_live_bytes < plan.largest_unit_bytes) {
     std::string largest;
     for (const auto& u : plan.units)
@@ -155,6 +155,7 @@ std::vector<std::size_t> offload_pinned_sizes(std::span<const FetchUnitInfo> uni
     largest_master = std::max(largest_master, f32_bytes);
     const bool pinned_shard = o.offload_params == OffloadTarget::cpu && u.shard_offloaded;
     if (pinned_shard && swapped) sizes.push_back(shard_bytes);  // the pinned shard
+    if (!u.frozen && !u.optimizer_offloaded) continue;  // stepped on the device (a budget kept it there)
     const std::int64_t piece = std::min<std::int64_t>(u.shard, swap_piece_elements(o));
     if (u.frozen) {  // never stepped: no gradient, master or state (its file holds the master only)
       if (swapped) largest_group = std::max(largest_group, swap_piece_bytes(piece, 1));
@@ -180,6 +181,8 @@ std::vector<std::size_t> offload_pinned_sizes(std::span<const FetchUnitInfo> uni
   if (o.offload_params == OffloadTarget::nvme)  // the read-ahead buffers, read as the fp32 master
     for (int b = 0; b < o.offload_params.buffer_count; ++b) sizes.push_back(largest_master);
   sizes.push_back(2 * sizeof(float));  // the summed gradient statistics coming back
+  if (std::any_of(units.begin(), units.end(), [](const FetchUnitInfo& u) { return !u.frozen && !u.optimizer_offloaded; }))
+    sizes.push_back(kStepStateBytes);  // the host's step state on its way to the device part of the optimizer
   return sizes;
 }
 

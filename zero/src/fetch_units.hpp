@@ -39,14 +39,16 @@ Result<int> shard_group_size(const EngineOptions& o, int world_size, std::string
 // Units: modules with direct parameters, in execution (pre-order) order; consecutive small leaves
 // merge (module_granularity_bytes). Fails on a model without parameters, and at stage 3 when
 // max_live_bytes cannot hold the largest unit.
-Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOptions& o);
+// optimizer_states (Optimizer::state_tensors()) sizes the optimizer state a device budget places.
+Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOptions& o, std::size_t optimizer_states);
 
 // The units' descriptions alone.
 std::vector<FetchUnitInfo> infos_of(std::span<const PlannedUnit> units);
 
-// Where each unit's shard lives (FetchUnitInfo::shard_offloaded): off the device with parameter
-// offload, and with a device_memory_budget, on the device for as many units as fit (device_budget.cpp).
-Result<void> place_shards(std::vector<PlannedUnit>& units, const EngineOptions& o);
+// Where each unit's shard and optimizer state live (FetchUnitInfo::shard_offloaded,
+// optimizer_offloaded): off the device with offload, and with a device_memory_budget, on the
+// device for as many units as fit (device_budget.cpp; optimizer_states: Optimizer::state_tensors()).
+Result<void> place_by_budget(std::vector<PlannedUnit>& units, const EngineOptions& o, std::size_t optimizer_states);
 
 // With the optimizer on nvme and a bf16/f16 dtype: whether the step rounds into a pinned staging
 // buffer (a shard on the device, or a shard on nvme that a checkpoint visits).
@@ -58,6 +60,10 @@ std::int64_t swap_piece_elements(const EngineOptions& o);
 // The pinned bytes of a sub-group of `count` elements: each of its `regions` arrays (the master
 // and the optimizer's state tensors; a frozen unit's master alone) from a page boundary.
 std::size_t swap_piece_bytes(std::int64_t count, std::size_t regions);
+
+// The optimizer's step state (Optimizer::step_state(): f32[8]), which the host's placement sends
+// to the device part of the optimizer each step when a budget keeps units on the device.
+inline constexpr std::size_t kStepStateBytes = 8 * sizeof(float);
 
 // The pinned buffers an offloaded optimizer (and offloaded parameters) take, in bytes, each as
 // the pool reserves it (optimizer_states: Optimizer::state_tensors()). Empty without offload.

@@ -31,6 +31,9 @@ struct GradientSizes {
   std::size_t largest_whole = 0;  // the largest trained unit's
   std::size_t shards_f32 = 0;     // this rank's fp32 shards of them (whole units at stage 0)
   std::size_t largest_shard_f32 = 0;
+  // With the optimizer offloaded: the fp32 shards of the units a device budget steps on the device,
+  // kept there for good (shards_f32 and largest_shard_f32 are then the other units').
+  std::size_t resident_shards_f32 = 0;
   // The optimizer is offloaded and steps have one micro-batch: a shard is on the device only from
   // its reduction until it is out (stages 0, 2-3).
   bool shards_in_flight = false;

@@ -32,14 +32,15 @@ Result<void> shard_from(Engine::State& s, const Unit& u, const Tensor& mine, con
 // runs on the communication stream as soon as the unit's last use of the micro-batch is done;
 // the reduced block is added into the fp32 shard. The collective is the subclass's.
 //
-// With the optimizer offloaded the fp32 shard is not kept between steps: with one micro-batch it
+// With the optimizer offloaded the fp32 shard is not kept between steps (but for the units a device
+// budget steps on the device): with one micro-batch it
 // is made at the unit's reduction and given back once it is out in pinned memory (so the device
 // holds a few, not the model's), with several it is made at the start of the step and given back
 // when the step copies the shards out (HostOptimizer::exchange_grad_stats).
 class PerUnit : public GradientReduction {
  public:
   Result<void> allocate(Engine::State& s, Unit& u) override {
-    return u.info.frozen || s.offloaded() ? Result<void>{} : allocate_shard(s, u);
+    return u.info.frozen || u.info.optimizer_offloaded ? Result<void>{} : allocate_shard(s, u);
   }
 
   Result<void> begin_step(Engine::State& s, Unit& u) override {
@@ -47,7 +48,7 @@ class PerUnit : public GradientReduction {
       u.grad_full_block.reset();
       u.grad_full = {};
     }
-    if (!s.offloaded() || u.info.frozen) return {};
+    if (!u.info.optimizer_offloaded || u.info.frozen) return {};
     if (u.grad_shard) {  // left by an abandoned step
       u.grad_shard_block.reset();
       u.grad_shard = {};
@@ -98,7 +99,7 @@ class PerUnit : public GradientReduction {
     }
     ++u.grads_this_step;
     COSHARD_TRY_ASSIGN(auto reduced, s.timeline.span_mark(cs));
-    if (s.grads_out_in_backward) {
+    if (s.grads_out_in_backward && u.info.optimizer_offloaded) {
       // (a unit with two backward passes is copied again: the last copy wins; through the pass, the
       // shard stays on the device until the pass steps it)
       const bool copied_out = !s.grads_through_pass();
@@ -142,10 +143,12 @@ class PerUnit : public GradientReduction {
   // produced, one being reduced); the reduced shards are fp32.
   void estimate(MemoryEstimate& m, const GradientSizes& g, DataType) const override {
     m.add(MemoryPlace::device, "gradients in flight (two largest units)", std::min(g.whole, 2 * g.largest_whole));
-    if (g.shards_in_flight)
+    if (g.shards_in_flight) {
       m.add(MemoryPlace::device, std::string(shard_label()) + ", two largest in flight", std::min(g.shards_f32, 2 * g.largest_shard_f32));
-    else
-      m.add(MemoryPlace::device, shard_label(), g.shards_f32);
+      m.add(MemoryPlace::device, std::string(shard_label()) + " of the units stepped on the device", g.resident_shards_f32);
+    } else {
+      m.add(MemoryPlace::device, shard_label(), g.shards_f32 + g.resident_shards_f32);
+    }
   }
 
  protected:
@@ -239,7 +242,7 @@ class CoalescedAfterBackward final : public GradientReduction {
   // Whole and persistent through the step; fp32 shards apart only in bf16/f16.
   void estimate(MemoryEstimate& m, const GradientSizes& g, DataType dtype) const override {
     m.add(MemoryPlace::device, "gradients (" + std::string(collectives::to_string(dtype)) + ", whole)", g.whole);
-    if (dtype != DataType::f32) m.add(MemoryPlace::device, "gradient shards (f32)", g.shards_f32);
+    if (dtype != DataType::f32) m.add(MemoryPlace::device, "gradient shards (f32)", g.shards_f32 + g.resident_shards_f32);
   }
 };
 

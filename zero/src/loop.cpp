@@ -75,15 +75,23 @@ async::Task<Result<void>> Engine::begin_step(int micro_batches, float lr) {
     u->backwards_this_step = 0;
     u->stepped_early = false;
     COSHARD_CO_TRY(s.reduction->begin_step(s, *u));
-    COSHARD_CO_TRY(s.optimizer->set_group_skipped(s.first_group + u->index, false));
+    const auto group = s.group_of(*u);
+    COSHARD_CO_TRY(group.optimizer.set_group_skipped(group.index, false));
   }
   if (s.offloaded()) {
     // Backward is seeded with the loss scale the host optimizer holds (it may have changed at the
-    // last step, or with a checkpoint load).
+    // last step, or with a checkpoint load); the device part of the optimizer takes its step state.
+    const Tensor host_state = s.optimizer->step_state();
+    if (s.device_optimizer) {  // (after a checkpoint's load wrote it on the compute stream)
+      COSHARD_CO_TRY(State::order(compute, *s.host_stream));
+      COSHARD_CO_TRY(s.host_stream->copy(s.step_state_out.data(), host_state.data(), host_state.bytes()));
+    }
     COSHARD_CO_TRY_ASSIGN(auto host_done, s.host_stream->record());
     COSHARD_CO_TRY(co_await State::after(compute, host_done));
     const Tensor scale = s.optimizer->loss_scale();
     COSHARD_CO_TRY(compute.copy(s.device_loss_scale.data(), scale.data(), scale.bytes()));
+    if (s.device_optimizer)
+      COSHARD_CO_TRY(compute.copy(s.device_optimizer->step_state().data(), s.step_state_out.data(), host_state.bytes()));
   }
   if (s.stepping_in_backward && s.swapped()) {  // the swapper's pass starts reading now
     async::Runtime* rt = async::Runtime::current();

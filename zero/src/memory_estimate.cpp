@@ -77,9 +77,10 @@ std::string MemoryEstimate::describe() const {
   return out;
 }
 
-Result<std::vector<FetchUnitInfo>> plan_units(Module& model, int world_size, const EngineOptions& o) {
+Result<std::vector<FetchUnitInfo>> plan_units(Module& model, int world_size, const EngineOptions& o,
+                                              std::size_t optimizer_states) {
   if (world_size < 1) return fail(ErrorCode::invalid_argument, "plan_units: world_size=", world_size, ": expected >= 1");
-  COSHARD_TRY_ASSIGN(const auto plan, detail::plan_fetch_units(model, world_size, o));
+  COSHARD_TRY_ASSIGN(const auto plan, detail::plan_fetch_units(model, world_size, o, optimizer_states));
   return detail::infos_of(plan.units);
 }
 
@@ -87,7 +88,7 @@ Result<MemoryEstimate> estimate_engine_memory(Module& model, int world_size, con
                                               std::size_t optimizer_states) {
   if (o.zero_stage < 0 || o.zero_stage > 3)
     return fail(ErrorCode::invalid_argument, "memory estimate: zero_stage=", o.zero_stage, ": expected 0, 1, 2 or 3");
-  COSHARD_TRY_ASSIGN(const auto units, plan_units(model, world_size, o));
+  COSHARD_TRY_ASSIGN(const auto units, plan_units(model, world_size, o, optimizer_states));
   return detail::estimate_for_units(units, o, optimizer_states);
 }
 
@@ -98,6 +99,10 @@ MemoryEstimate detail::estimate_for_units(std::span<const FetchUnitInfo> units, 
   std::size_t whole = 0, shards_f32 = 0, largest_unit = 0, largest_padded = 0;
   std::size_t trained_whole = 0, trained_f32 = 0, largest_trained = 0, frozen_f32 = 0;
   std::size_t shards_on_device = 0, units_on_device = 0, largest_trained_f32 = 0;
+  // With the optimizer offloaded and a device budget: the units stepped on the device all the
+  // same (their gradient shards resident, their state beside them), and the largest of the rest.
+  const bool offloaded = o.offload_optimizer != OffloadTarget::none;
+  std::size_t kept_f32 = 0, units_kept = 0, largest_offloaded_f32 = 0;
   for (const auto& u : units) {
     whole += u.padded_bytes;
     if (!u.shard_offloaded) {
@@ -111,10 +116,17 @@ MemoryEstimate detail::estimate_for_units(std::span<const FetchUnitInfo> units, 
       frozen_f32 += static_cast<std::size_t>(u.shard) * sizeof(float);
       continue;
     }
+    const auto f32_bytes = static_cast<std::size_t>(u.shard) * sizeof(float);
     trained_whole += u.padded_bytes;
-    trained_f32 += static_cast<std::size_t>(u.shard) * sizeof(float);
-    largest_trained_f32 = std::max(largest_trained_f32, static_cast<std::size_t>(u.shard) * sizeof(float));
+    trained_f32 += f32_bytes;
+    largest_trained_f32 = std::max(largest_trained_f32, f32_bytes);
     largest_trained = std::max(largest_trained, u.padded_bytes);
+    if (offloaded && !u.optimizer_offloaded) {
+      kept_f32 += f32_bytes;
+      ++units_kept;
+    } else {
+      largest_offloaded_f32 = std::max(largest_offloaded_f32, f32_bytes);
+    }
   }
   const std::string dtype(collectives::to_string(o.dtype));
 
@@ -127,12 +139,25 @@ MemoryEstimate detail::estimate_for_units(std::span<const FetchUnitInfo> units, 
     m.notes.push_back("device_memory_budget " + format_bytes(o.device_memory_budget) + ": the parameter shards of " +
                       std::to_string(units_on_device) + " of " + std::to_string(units.size()) +
                       " units on the device, the rest in pinned host memory");
-  const bool in_flight = o.offload_optimizer != OffloadTarget::none && o.expected_micro_batches == 1;
-  make_gradient_reduction(o.zero_stage)->estimate(
-      m, {trained_whole, largest_trained, trained_f32, largest_trained_f32, in_flight}, o.dtype);
+  if (o.device_memory_budget > 0 && o.offload_optimizer == OffloadTarget::cpu)
+    m.notes.push_back("device_memory_budget " + format_bytes(o.device_memory_budget) + ": the optimizer state of " +
+                      std::to_string(units_kept) + " of " + std::to_string(units.size()) +
+                      " units on the device (stepped there), the rest stepped on the host");
+  const bool in_flight = offloaded && o.expected_micro_batches == 1;
+  GradientSizes gradients{.whole = trained_whole,
+                          .largest_whole = largest_trained,
+                          .shards_f32 = trained_f32,
+                          .largest_shard_f32 = largest_trained_f32,
+                          .shards_in_flight = in_flight};
+  if (offloaded) {  // (the units stepped on the device keep theirs apart)
+    gradients.shards_f32 = trained_f32 - kept_f32;
+    gradients.largest_shard_f32 = largest_offloaded_f32;
+    gradients.resident_shards_f32 = kept_f32;
+  }
+  make_gradient_reduction(o.zero_stage)->estimate(m, gradients, o.dtype);
   // The optimizer's: its masters and state, and the pinned pool of an offloaded one.
   if (auto placement = make_optimizer_placement(o.offload_optimizer))
-    placement->estimate(m, {trained_f32, frozen_f32}, units, o, optimizer_states);
+    placement->estimate(m, {trained_f32, frozen_f32, kept_f32}, units, o, optimizer_states);
   // Frozen units are in the parameters' lines only: the estimate says so.
   if (frozen_f32 > 0)
     m.notes.push_back("frozen: " + format_bytes(frozen_f32 / sizeof(float) * e) + " of parameter shards (" + dtype +

@@ -55,9 +55,9 @@ class OptimizerOnDevice final : public OptimizerPlacement {
 
 // The optimizer's groups hold the master and state of each unit (device, or pinned memory).
 async::Task<Result<void>> visit_optimizer_groups(Engine::State& s, const Engine::ShardVisitor& use) {
-  const auto& groups = s.optimizer->groups();
   for (const auto& u : s.units) {
-    const auto& g = groups[s.first_group + u->index];
+    const auto group = s.group_of(*u);
+    const auto& g = group.optimizer.groups()[group.index];
     const UnitShard shard{u->info, u->shard, g.master, g.state1, g.state2};
     COSHARD_CO_TRY(co_await use(shard));
   }

@@ -86,7 +86,8 @@ async::Task<Result<void>> HostOptimizer::local_grad_stats(Engine::State& s) {
     co_return Result<void>{};
   }
   for (auto& u : s.units) {
-    if (u->grads_out || u->info.frozen) continue;  // out during backward (the compute stream has waited for it)
+    // (out during backward: the compute stream has waited for it; stepped on the device: stays)
+    if (u->grads_out || u->info.frozen || !u->info.optimizer_offloaded) continue;
     COSHARD_CO_TRY(compute.copy(u->host_grad.data(), u->grad_shard.data(), u->grad_shard.bytes()));
     s.stats.swap_bytes += u->grad_shard.bytes();
   }
@@ -95,13 +96,13 @@ async::Task<Result<void>> HostOptimizer::local_grad_stats(Engine::State& s) {
   // Reduced per unit, the device's gradient shards are not kept between steps (gradients.cpp):
   // back once copied. (Stage 1 keeps its whole gradients, and the shards in them, for good.)
   for (auto& u : s.units) {
-    if (!u->grad_shard || !s.reduction->complete_per_unit()) continue;
+    if (!u->grad_shard || !s.reduction->complete_per_unit() || !u->info.optimizer_offloaded) continue;
     u->grad_shard_block.reset_after(grads_out);
     u->grad_shard = {};
   }
   if (s.stepping_in_backward) {  // the units not stepped yet add their share
     for (auto& u : s.units) {
-      if (u->stepped_early || u->info.frozen) continue;
+      if (u->stepped_early || u->info.frozen || !u->info.optimizer_offloaded) continue;
       COSHARD_CO_TRY(s.optimizer->add_grad_stats(*s.host_ctx, s.first_group + u->index));
       COSHARD_CO_TRY(hand_over_late(s, *u));
     }
@@ -116,13 +117,24 @@ async::Task<Result<void>> HostOptimizer::sum_grad_stats(Engine::State& s) {
   auto& compute = s.ctx->stream();
   auto& host = *s.host_stream;
   COSHARD_CO_TRY_ASSIGN(auto stats_ready, host.record());
+  // The units stepped on the device: their statistics on the compute stream, the device part's.
+  if (s.device_optimizer) COSHARD_CO_TRY(s.device_optimizer->compute_grad_stats(*s.ctx));
   COSHARD_CO_TRY(co_await Engine::State::after(compute, stats_ready));
   const Tensor host_stats = s.optimizer->grad_stats();
   COSHARD_CO_TRY(compute.copy(s.device_grad_stats.data(), host_stats.data(), host_stats.bytes()));
+  if (s.device_optimizer) {  // (the overflow flags add up as the sums do: > 0 is an overflow)
+    const Tensor device_stats = s.device_optimizer->grad_stats();
+    COSHARD_CO_TRY(s.ctx->kernels().add(compute, DataType::f32, s.device_grad_stats.data(), device_stats.data(),
+                                        s.device_grad_stats.data(), 2));
+  }
   COSHARD_CO_TRY(Engine::State::order(compute, s.comm->stream()));
   COSHARD_CO_TRY(s.comm->all_reduce(s.device_grad_stats.data(), s.device_grad_stats.data(), 2, DataType::f32,
                                     ReduceOp::sum, "the gradients' norm"));
   COSHARD_CO_TRY(s.compute_waits_for_comm(kGradStats));
+  if (s.device_optimizer) {  // the device part steps with the sums too
+    const Tensor device_stats = s.device_optimizer->grad_stats();
+    COSHARD_CO_TRY(compute.copy(device_stats.data(), s.device_grad_stats.data(), device_stats.bytes()));
+  }
   COSHARD_CO_TRY(compute.copy(s.grad_stats_back.data(), s.device_grad_stats.data(), host_stats.bytes()));
   COSHARD_CO_TRY_ASSIGN(auto stats_back, compute.record());
   COSHARD_CO_TRY(host.wait(stats_back));
@@ -138,14 +150,35 @@ class OptimizerOnHost final : public HostOptimizer {
   void estimate(MemoryEstimate& m, const OptimizerSizes& z, std::span<const FetchUnitInfo> units, const EngineOptions& o,
                 std::size_t states) const override {
     const bool narrow = o.dtype != DataType::f32;
+    const std::size_t offloaded = z.trained_f32 - z.kept_f32;
     m.add(MemoryPlace::pageable_host, optimizer_state_label(o.dtype, states) + " (offload cpu)",
-          (narrow ? z.trained_f32 : 0) + states * z.trained_f32);
+          (narrow ? offloaded : 0) + states * offloaded);
+    m.add(MemoryPlace::device, optimizer_state_label(o.dtype, states) + " of the units stepped on the device",
+          (narrow ? z.kept_f32 : 0) + states * z.kept_f32);
     estimate_pinned(m, units, o, states);
+  }
+
+  // With units a device budget keeps on the device: the optimizer's device part, and the pinned
+  // block its step state comes in through.
+  Result<void> setup(Engine::State& s, std::span<const FetchUnitInfo> units) override {
+    COSHARD_TRY(HostOptimizer::setup(s, units));
+    if (std::none_of(units.begin(), units.end(), [](const FetchUnitInfo& u) { return !u.frozen && !u.optimizer_offloaded; }))
+      return {};
+    COSHARD_TRY_ASSIGN(s.device_optimizer, s.optimizer->empty_like());
+    COSHARD_TRY_ASSIGN(s.step_state_out, s.pinned->acquire(detail::kStepStateBytes));
+    return {};
   }
 
   Result<void> add_unit(Engine::State& s, Unit& u) override {
     const Shape shard_shape{u.info.shard};
     const auto shard_bytes = static_cast<std::size_t>(u.info.shard) * s.element_size;
+    if (!u.info.frozen && !u.info.optimizer_offloaded) {
+      // Stepped on the device: its group in the device part, over the shard and its resident
+      // gradient shard; an empty frozen group keeps its place in the user's optimizer.
+      u.device_group = s.device_optimizer->groups().size();
+      COSHARD_TRY(s.device_optimizer->add_group(*s.ctx, u.shard, u.grad_shard, s.segments_of(u)));
+      return s.optimizer->add_frozen_group(*s.host_ctx, u.info.shard);
+    }
     if (u.info.frozen) {
       // Nothing to step: no gradient, master or state; with the parameters offloaded, the pinned
       // shard alone (in the compute dtype).
@@ -174,6 +207,8 @@ class OptimizerOnHost final : public HostOptimizer {
   async::Task<Result<void>> step(Engine::State& s, float lr) override {
     auto& compute = s.ctx->stream();
     COSHARD_CO_TRY(co_await exchange_grad_stats(s));
+    // The units kept on the device step there, while the host steps the rest.
+    if (s.device_optimizer) COSHARD_CO_TRY(s.device_optimizer->apply(*s.ctx, lr));
     if (s.stepping_in_backward) {
       for (auto& u : s.units)
         if (!u->stepped_early) COSHARD_CO_TRY(s.optimizer->apply_one(*s.host_ctx, s.first_group + u->index, lr));
@@ -184,7 +219,7 @@ class OptimizerOnHost final : public HostOptimizer {
     COSHARD_CO_TRY_ASSIGN(auto stepped, s.host_stream->record());
     COSHARD_CO_TRY(co_await Engine::State::after(compute, stepped));
     for (auto& u : s.units) {
-      if (u->info.frozen) continue;  // never stepped
+      if (u->info.frozen || !u->info.optimizer_offloaded) continue;  // never stepped, or stepped on the device
       // (bf16/f16: the optimizer wrote the pinned copy in the compute dtype)
       const Tensor& stepped_shard = s.narrow() ? u->host_param : u->host_master;
       if (u->shard.data() == stepped_shard.data()) continue;  // parameters offloaded: it is the shard
@@ -198,14 +233,16 @@ class OptimizerOnHost final : public HostOptimizer {
     // (with cpu parameter offload the shard is the master, or its pinned bf16/f16 copy, already)
     const Tensor Unit::*host = s.narrow() ? &Unit::host_param : &Unit::host_master;
     for (auto& u : s.units)
-      if (!u->info.frozen && u->shard.data() != ((*u).*host).data())
+      if (!u->info.frozen && u->info.optimizer_offloaded && u->shard.data() != ((*u).*host).data())
         COSHARD_CO_TRY(s.ctx->stream().copy(((*u).*host).data(), u->shard.data(), u->shard.bytes()));
+    // (the device part's masters from its shards, on the compute stream)
+    if (s.device_optimizer) COSHARD_CO_TRY(s.device_optimizer->reset_masters(*s.ctx));
     COSHARD_CO_TRY_ASSIGN(auto copied, s.ctx->stream().record());
     COSHARD_CO_TRY(co_await Engine::State::after(*s.host_stream, copied));
     if (s.narrow()) {  // the fp32 masters from the bf16/f16 copies, on the host
       const auto& groups = s.optimizer->groups();
       for (const auto& u : s.units) {
-        if (u->info.frozen) continue;
+        if (u->info.frozen || !u->info.optimizer_offloaded) continue;
         const auto& g = groups[s.first_group + u->index];
         COSHARD_CO_TRY(s.host_ctx->kernels().cast(*s.host_stream, s.o.dtype, u->host_param.data(), DataType::f32,
                                                   g.master.data(), u->info.shard));

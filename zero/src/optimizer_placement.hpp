@@ -28,6 +28,8 @@ struct Unit;
 struct OptimizerSizes {
   std::size_t trained_f32 = 0;  // this rank's shards of the trained units, in fp32
   std::size_t frozen_f32 = 0;   // of the frozen ones (NVMe keeps their masters in the swap files)
+  // Of the trained units whose optimizer state a device budget keeps on the device (offload cpu).
+  std::size_t kept_f32 = 0;
 };
 
 class OptimizerPlacement {

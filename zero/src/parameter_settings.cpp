@@ -43,8 +43,10 @@ async::Task<Result<void>> Engine::State::skip_units_without_gradients() {
   if (reduction->reduces_every_unit() && comm->size() > 1) {
     COSHARD_CO_TRY_ASSIGN(used, co_await all_reduce_values(used, ReduceOp::sum, "which units got gradients"));
   }
-  for (std::size_t i = 0; i < units.size(); ++i)
-    COSHARD_CO_TRY(optimizer->set_group_skipped(first_group + i, used[i] == 0.0));
+  for (std::size_t i = 0; i < units.size(); ++i) {
+    const auto group = group_of(*units[i]);
+    COSHARD_CO_TRY(group.optimizer.set_group_skipped(group.index, used[i] == 0.0));
+  }
   co_return Result<void>{};
 }
 

@@ -58,6 +58,9 @@ struct Unit {
   bool stepped_early = false;  // step_in_backward: stepped on the host during backward
   bool grad_pending = false;   // grads_through_pass: handed to the pass, its shard not stepped yet
 
+  // Stepped on the device under offload_optimizer=cpu (a device budget kept its state there): its
+  // group in the engine's device part of the optimizer (State::device_optimizer).
+  std::size_t device_group = 0;
   // Optimizer offload: this rank's fp32 master and gradient shard in pinned host memory.
   offload::PinnedBlock host_master_block, host_grad_block;
   Tensor host_master, host_grad;

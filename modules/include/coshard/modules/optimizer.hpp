@@ -103,6 +103,10 @@ class Optimizer {
   static Result<std::unique_ptr<Optimizer>> adamw(AdamWOptions options, StepControlOptions control = {});
   static Result<std::unique_ptr<Optimizer>> sgd(SgdOptions options, StepControlOptions control = {});
   virtual ~Optimizer();
+  // An optimizer of the same kind, settings and parameter-group rules, with no groups and a fresh
+  // step state: a part of one model's optimizer that lives on another device (the ZeRO engine
+  // steps the units a device budget keeps on the device with one, the rest on the host).
+  Result<std::unique_ptr<Optimizer>> empty_like() const;
   // "adamw" or "sgd": what a checkpoint records, and a load compares.
   std::string_view name() const noexcept;
 

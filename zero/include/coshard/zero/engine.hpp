@@ -153,13 +153,21 @@ struct EngineOptions {
   // in the gathered buffer and gathers in place; nvme reads run ahead along the trace, at most
   // offload_params.buffer_count at once (pinned buffers of the largest fp32 master, under the budget).
   OffloadOptions offload_params;
-  // With offload_params=cpu: the device memory the engine's state may take, in bytes (the memory
-  // estimate's device lines: gathered parameters, gradient buffers, parameter shards). The shards
-  // of as many units as fit stay on the device, the rest in pinned host memory, in an order that
-  // pays: the first and the last units first (alternating inwards), whose gathers open forward
-  // and backward with no compute before them to hide behind; the rest are prefetched behind
-  // compute. 0: every shard offloaded. Activations come on top. A budget the rest of the plan
-  // already exceeds is refused, naming both.
+  // With offload_params=cpu or offload_optimizer=cpu: the device memory the engine's state may
+  // take, in bytes (the memory estimate's device lines: gathered parameters, gradient buffers,
+  // parameter shards, optimizer state). Placed unit by unit, in an order that pays: the first and
+  // the last units first (alternating inwards), whose gathers open forward and backward with no
+  // compute before them to hide behind; the rest are prefetched behind compute.
+  // - offload_params=cpu: the shards of as many units as fit stay on the device, the rest in
+  //   pinned host memory.
+  // - offload_optimizer=cpu (DeepSpeed's Twin-Flow): then, with what is left, the optimizer state
+  //   of as many units whose shards are on the device: their fp32 gradient shards, masters and
+  //   state stay on the device and they step there, on the compute stream; the rest step on the
+  //   host as before. (Shards first: a byte of shard kept saves a copy at every gather, a byte of
+  //   state one copy each way a step.) The same bits as either end, but for the gradient norm's
+  //   last bit when clipping (its sum is added in two parts).
+  // 0: everything offloaded as offload_params and offload_optimizer say. Activations come on top.
+  // A budget the rest of the plan already exceeds is refused, naming both.
   std::size_t device_memory_budget = 0;
   // The micro-batches each step will declare, when known ahead (a trainer's gradient
   // accumulation); 0: not known. Only the memory estimate reads it: with the optimizer offloaded,
@@ -234,6 +242,10 @@ struct FetchUnitInfo {
   // This rank's shard lives off the device (offload_params; with a device_memory_budget, only the
   // units whose shards did not fit on the device).
   bool shard_offloaded = false;
+  // This rank's optimizer state of the unit lives off the device and steps on the host
+  // (offload_optimizer; with a device_memory_budget and offload_optimizer=cpu, only the units
+  // whose state did not fit on the device). Frozen units have none: as offload_optimizer says.
+  bool optimizer_offloaded = false;
 };
 
 // This rank's share of one unit, as views of the engine's state (valid while a visit_shards

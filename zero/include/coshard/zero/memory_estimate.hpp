@@ -49,9 +49,11 @@ struct MemoryEstimate {
   std::string describe() const;
 };
 
-// The fetch units Engine::create would make of `model` (the same names, sizes and padding),
-// without making anything.
-Result<std::vector<FetchUnitInfo>> plan_units(Module& model, int world_size, const EngineOptions& options);
+// The fetch units Engine::create would make of `model` (the same names, sizes and padding, and
+// with a device_memory_budget the same placement), without making anything. optimizer_states:
+// the optimizer's state tensors (Optimizer::state_tensors(): 2 for AdamW), which a budget places.
+Result<std::vector<FetchUnitInfo>> plan_units(Module& model, int world_size, const EngineOptions& options,
+                                              std::size_t optimizer_states = 2);
 
 // The engine's own holdings for `model` at `world_size` ranks with `options`: parameters (whole
 // or shards), gathered parameters within max_live_bytes, gradients (whole, in flight, shards),
