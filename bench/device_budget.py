@@ -25,8 +25,7 @@ import subprocess
 import sys
 import tempfile
 
-SHAPE = ["--layers", "4", "--dim", "256", "--heads", "4", "--seq", "64", "--batch", "8", "--vocab", "256",
-         "--world-size", "2", "--zero-stage", "3"]
+SHAPE = ["--layers", "4", "--heads", "4", "--vocab", "256", "--zero-stage", "3"]
 ACTIVATIONS = r"(?:batch \(token ids and targets\)|activations \(one micro-batch\))\s+([\d.]+) (\w+)"
 UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
@@ -57,8 +56,14 @@ def main():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--what", choices=("shards", "state"), default="shards")
+    # The GPT's width and a step's tokens: a smaller step makes the optimizer's share larger.
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--world-size", type=int, default=2)
     p.add_argument("extra", nargs="*")
     a = p.parse_args()
+    SHAPE.extend(["--dim", str(a.dim), "--seq", str(a.seq), "--batch", str(a.batch), "--world-size", str(a.world_size)])
     if a.what == "shards":
         base_flags = ["--offload-optimizer", "cpu"]
         _, shards, _ = device_bytes(a, base_flags + ["--offload-params", "none"])
