@@ -10,11 +10,18 @@ namespace coshard::offload {
 
 namespace {
 
+// The extents a write of the group moves (the read-only ones are left out).
+std::span<const SwapExtent> written_extents(const SubGroup& group) {
+  const std::span<const SwapExtent> all(group.extents);
+  return all.first(all.size() - std::min(all.size(), group.read_only_extents));
+}
+
 // The bytes a read or write of the group moves (with extents, theirs: the buffer may hold more).
-std::size_t moved_bytes(const SubGroup& group) {
+std::size_t moved_bytes(const SubGroup& group, bool writing) {
   if (group.extents.empty()) return group.bytes;
   std::size_t moved = 0;
-  for (const auto& e : group.extents) moved += page_rounded(e.bytes);
+  for (const auto& e : writing ? written_extents(group) : std::span<const SwapExtent>(group.extents))
+    moved += page_rounded(e.bytes);
   return moved;
 }
 
@@ -23,11 +30,11 @@ std::size_t moved_bytes(const SubGroup& group) {
 // With extents, one transfer each (they run at once), placed one after another in the buffer;
 // `transfer` is the store's read or write of one extent. The first error, once all have ended.
 template <class Transfer>
-async::Task<Result<void>> each_extent(const SubGroup& group, PinnedBlock& block, Transfer transfer) {
+async::Task<Result<void>> each_extent(std::span<const SwapExtent> extents, PinnedBlock& block, Transfer transfer) {
   async::Runtime* rt = async::Runtime::current();
   std::vector<async::JoinHandle<Result<void>>> parts;
   std::size_t at = 0;
-  for (const auto& e : group.extents) {
+  for (const auto& e : extents) {
     parts.push_back(rt->spawn(transfer(e.offset, block.pages().subspan(at, page_rounded(e.bytes)))));
     at += page_rounded(e.bytes);
   }
@@ -45,14 +52,16 @@ async::Task<Result<PinnedBlock>> read_into(NvmeStore& store, const SubGroup& gro
     co_return std::move(block);
   }
   auto read = [&](std::uint64_t offset, std::span<std::byte> pages) { return store.read(group.name, offset, pages); };
-  COSHARD_CO_TRY(co_await each_extent(group, block, read));  // (named: GCC 12 and temporaries in co_await)
+  const std::span<const SwapExtent> extents(group.extents);
+  COSHARD_CO_TRY(co_await each_extent(extents, block, read));  // (named: GCC 12 and temporaries in co_await)
   co_return std::move(block);
 }
 
 async::Task<Result<void>> write_from(NvmeStore& store, const SubGroup& group, PinnedBlock block) {
   if (group.extents.empty()) co_return co_await store.write(group.name, 0, block.pages().first(page_rounded(group.bytes)));
   auto write = [&](std::uint64_t offset, std::span<std::byte> pages) { return store.write(group.name, offset, pages); };
-  co_return co_await each_extent(group, block, write);
+  const std::span<const SwapExtent> extents = written_extents(group);  // (its leading extents: their places in the buffer hold)
+  co_return co_await each_extent(extents, block, write);
 }
 
 }  // namespace
@@ -134,7 +143,7 @@ async::Task<Result<void>> Swapper::run(std::span<const SubGroup> groups, Use use
         break;
       }
       block = std::move(*got);
-      stats_.bytes_read += moved_bytes(groups[k]);
+      stats_.bytes_read += moved_bytes(groups[k], false);
     } else {
       if (held == cap) co_await finish_oldest_write();
       if (failure) break;
@@ -163,7 +172,7 @@ async::Task<Result<void>> Swapper::run(std::span<const SubGroup> groups, Use use
     }
     if (write_back) {
       writes.push_back(rt->spawn(write_from(store_, groups[k], std::move(block))));
-      stats_.bytes_written += moved_bytes(groups[k]);
+      stats_.bytes_written += moved_bytes(groups[k], true);
     } else {
       block.reset();
       --held;

@@ -170,6 +170,7 @@ TEST(CoshardTrain, BadCommandLinesAreNamed) {
       {{"--offload-params", "cpu"}, "offload_params=cpu with offload_optimizer=none"},
       {{"--offload-optimizer", "cpu", "--step-in-backward"}, "step_in_backward with max_grad_norm=1"},
       {{"--step-in-backward", "--clip", "0"}, "step_in_backward with offload_optimizer=none"},
+      {{"--swap-gradients", "--offload-optimizer", "cpu"}, "swap_gradients with offload_optimizer=cpu"},
       {{"--checkpoint-every", "5"}, "need --checkpoint-dir"},
       {{"--dim", "30", "--heads", "4"}, "--dim 30 is not a multiple of --heads 4"},
       {{"--data", (dir / "absent.txt").string()}, "absent.txt"},

@@ -29,6 +29,7 @@ const std::map<std::string, std::vector<std::pair<std::string, std::string>>> kC
     {"step_in_backward", {{"offload_optimizer", "cpu"}, {"max_grad_norm", "0"}}},
     {"decay", {{"decay_steps", "10"}}},
     {"offload_params", {{"offload_optimizer", "cpu"}}},
+    {"swap_gradients", {{"offload_optimizer", "nvme:swap"}}},
 };
 
 TrainerConfig base_for(const Setting& s) {

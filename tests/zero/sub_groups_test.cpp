@@ -3,8 +3,11 @@
 // the parameters on the device, in pinned memory or on NVMe, in f32 and bf16, stepped after
 // backward or during it, with a frozen unit; a checkpoint saved in pieces loads into whole units
 // and back, continuing the same losses; the pinned swap buffers follow the sub-group, not the
-// largest unit (the estimate and the pool alike).
+// largest unit (the estimate and the pool alike). With swap_gradients the gradient shards go to the
+// swap files as backward reduces them: none in pinned memory, the losses of keeping them there.
 #include <gtest/gtest.h>
+
+#include <cmath>
 
 #include <filesystem>
 #include <map>
@@ -52,10 +55,12 @@ struct Case {
   int micro_batches = 1;
   float lr = 3e-2f;
   bool clip = true;  // at norm 0.5 (never with step_in_backward: refused)
+  bool swap_gradients = false;
   std::string name() const {
     return "parameters " + std::string(to_string(params)) + ", " + std::string(collectives::to_string(dtype)) +
            (step_in_backward ? ", step in backward" : "") + (frozen ? ", fc3 frozen" : "") +
-           (micro_batches > 1 ? ", " + std::to_string(micro_batches) + " micro-batches" : "");
+           (micro_batches > 1 ? ", " + std::to_string(micro_batches) + " micro-batches" : "") +
+           (clip ? "" : ", no clipping") + (swap_gradients ? ", gradients swapped" : "");
   }
 };
 
@@ -69,6 +74,7 @@ EngineOptions options(const Case& c, std::size_t sub_group_size) {
   o.offload_params = c.params;
   o.offload_params.buffer_count = 2;
   o.step_in_backward = c.step_in_backward;
+  o.swap_gradients = c.swap_gradients;
   o.sub_group_size = sub_group_size;
   return o;
 }
@@ -136,6 +142,13 @@ Result<Outcome> train(const Case& c, EngineOptions o, const std::string& tag, in
   return out;
 }
 
+// The losses of a run and of the run that resumed from its checkpoint, one after the other.
+std::vector<double> joined(const Outcome& before, const Outcome& after) {
+  std::vector<double> losses = before.losses;
+  losses.insert(losses.end(), after.losses.begin(), after.losses.end());
+  return losses;
+}
+
 TEST(SubGroups, PiecesGiveTheBitsOfWholeUnits) {
   for (const Case& c : {Case{}, Case{OffloadTarget::cpu}, Case{OffloadTarget::nvme}, Case{OffloadTarget::none, DataType::bf16},
                         Case{OffloadTarget::cpu, DataType::bf16}, Case{OffloadTarget::nvme, DataType::bf16},
@@ -170,9 +183,7 @@ TEST(SubGroups, ACheckpointInPiecesLoadsIntoWholeUnitsAndBack) {
       ASSERT_TRUE(before) << before.error().message();
       auto after = train(c, options(c, loaded_in), "after", 3, 3, dir);
       ASSERT_TRUE(after) << after.error().message();
-      std::vector<double> resumed = before->losses;
-      resumed.insert(resumed.end(), after->losses.begin(), after->losses.end());
-      EXPECT_EQ(resumed, straight->losses);
+      EXPECT_EQ(joined(*before, *after), straight->losses);
       EXPECT_TRUE(after->final == straight->final);
     }
   }
@@ -234,7 +245,8 @@ TEST(SubGroups, WithStepInBackwardNoGradientShardIsPinned) {
       << pinned_grads->describe() << "\n" << through_pass->describe();
 
   // Without it, the estimate says what it would save; a machine too small names the largest line.
-  EXPECT_NE(pinned_grads->describe().find("with step_in_backward (gradient clipping off) no gradient shard is kept"),
+  EXPECT_NE(pinned_grads->describe().find("with swap_gradients (or step_in_backward, gradient clipping off) no gradient "
+                                          "shard is kept"),
             std::string::npos) << pinned_grads->describe();
   EXPECT_EQ(through_pass->describe().find("with step_in_backward"), std::string::npos) << through_pass->describe();
   MachineMemory small;
@@ -278,6 +290,120 @@ TEST(SubGroups, WithStepInBackwardNoGradientShardIsPinned) {
   EXPECT_NE(overflowed.error().message().find("a non-finite gradient with step_in_backward and the optimizer on nvme"),
             std::string::npos)
       << overflowed.error().message();
+}
+
+// swap_gradients: each gradient shard goes into its swap file as backward reduces it, and the
+// step's pass reads it back beside the master and state. Without clipping the bits of gradients
+// kept in pinned memory; with clipping the norm is summed in another order (piece by piece as the
+// units come), so within its rounding. Parameters on the device, pinned or on NVMe; f32 and bf16;
+// whole units and pieces; a frozen unit; two micro-batches (written out at the step).
+TEST(SubGroups, SwappedGradientsGiveTheLossesOfPinnedOnes) {
+  std::vector<Case> cases = {Case{}, Case{OffloadTarget::cpu, DataType::bf16}, Case{OffloadTarget::nvme},
+                             Case{OffloadTarget::nvme, DataType::bf16}, Case{OffloadTarget::none, DataType::f32, false, true},
+                             Case{OffloadTarget::none, DataType::f32, false, false, 2}};
+  for (std::size_t k = 0; k < cases.size(); ++k) {
+    Case c = cases[k];
+    for (const bool clip : {false, true}) {
+      if (clip && k != 0 && k != 3) continue;  // (clipping: parameters on the device in f32, on NVMe in bf16)
+      c.clip = clip;
+      c.swap_gradients = false;
+      SCOPED_TRACE(c.name());
+      auto pinned = train(c, options(c, 1000), "swapped_pinned");
+      ASSERT_TRUE(pinned) << pinned.error().message();
+      c.swap_gradients = true;
+      for (const std::size_t pieces : {std::size_t{0}, std::size_t{1000}}) {
+        auto swapped = train(c, options(c, pieces), "swapped_swapped");
+        ASSERT_TRUE(swapped) << swapped.error().message();
+        if (!clip) {
+          EXPECT_EQ(swapped->losses, pinned->losses) << "sub_group_size " << pieces;
+          EXPECT_TRUE(swapped->final == pinned->final) << "sub_group_size " << pieces;
+          continue;
+        }
+        ASSERT_EQ(swapped->losses.size(), pinned->losses.size());
+        for (std::size_t i = 0; i < pinned->losses.size(); ++i)
+          EXPECT_NEAR(swapped->losses[i], pinned->losses[i], 1e-5 * std::abs(pinned->losses[i]))
+              << "step " << i << ", sub_group_size " << pieces;
+      }
+    }
+  }
+}
+
+// No gradient shard in pinned memory with swap_gradients (the estimate and the pool: a budget of
+// that plan holds the run and refuses one without it); the swap files grow by the gradients; the
+// shards waiting to be written stay within the estimate's device lines; a checkpoint saved before
+// the first step (no gradient written yet) and one saved after, loaded with or without it, resume
+// with the same losses; a non-finite gradient is skipped as without it (nothing was stepped before
+// the sum); asked for without the optimizer on NVMe, it is refused by name.
+TEST(SubGroups, SwappedGradientsLeavePinnedMemory) {
+  auto model = make_model();
+  ASSERT_TRUE(model);
+  Case kept{OffloadTarget::nvme}, swapped{OffloadTarget::nvme};
+  swapped.swap_gradients = true;
+  auto pinned_grads = estimate_engine_memory(**model, kWorld, options(kept, 1024), 2);
+  EngineOptions in_flight = options(swapped, 1024);
+  in_flight.expected_micro_batches = 1;
+  auto written_out = estimate_engine_memory(**model, kWorld, in_flight, 2);
+  ASSERT_TRUE(pinned_grads && written_out);
+  std::size_t shards = 0, trained = 0;
+  for (std::int64_t numel : {kMlpFeatures * kWide + kWide, kWide * kWide + kWide, kWide * kWide + kWide,
+                             kWide * kWide + kWide, kWide * kMlpOutputs + kMlpOutputs}) {
+    shards += offload::page_rounded(static_cast<std::size_t>(numel / kWorld) * sizeof(float));
+    trained += static_cast<std::size_t>(numel / kWorld) * sizeof(float);
+  }
+  EXPECT_EQ(pinned_grads->bytes(MemoryPlace::pinned_host) - written_out->bytes(MemoryPlace::pinned_host),
+            shards - 2 * offload::page_rounded(1024 * sizeof(float)))
+      << pinned_grads->describe() << "\n" << written_out->describe();
+  EXPECT_EQ(written_out->bytes(MemoryPlace::nvme) - pinned_grads->bytes(MemoryPlace::nvme), trained)
+      << written_out->describe();
+  EXPECT_NE(written_out->describe().find("gradient shards (swap files)"), std::string::npos) << written_out->describe();
+
+  EngineOptions budgeted = options(swapped, 1024);
+  budgeted.host_memory_budget = written_out->bytes(MemoryPlace::pinned_host);
+  auto fits = train(swapped, budgeted, "swapped_budget");
+  ASSERT_TRUE(fits) << fits.error().message();
+  EXPECT_LE(fits->peak_device_bytes, written_out->bytes(MemoryPlace::device)) << written_out->describe();
+  budgeted.swap_gradients = false;
+  auto refused = train(kept, budgeted, "swapped_budget");
+  ASSERT_FALSE(refused);
+  EXPECT_NE(refused.error().message().find("gradient shards and swap buffers"), std::string::npos)
+      << refused.error().message();
+
+  // Checkpoints: before any gradient was written, and after; loaded with and without it.
+  const fs::path dir = fs::current_path() / "sub_groups_scratch" / "swapped_checkpoints";
+  kept.clip = swapped.clip = false;
+  auto straight = train(kept, options(kept, 1024), "swapped_straight", 0, 5);
+  ASSERT_TRUE(straight) << straight.error().message();
+  for (const int saved_at : {0, 2}) {
+    for (const bool loaded_swapped : {true, false}) {
+      SCOPED_TRACE("saved after step " + std::to_string(saved_at) + (loaded_swapped ? ", loaded swapped" : ", loaded kept"));
+      fs::remove_all(dir);
+      auto before = train(swapped, options(swapped, 1024), "swapped_before", 0, saved_at, {}, dir);
+      ASSERT_TRUE(before) << before.error().message();
+      const Case& next = loaded_swapped ? swapped : kept;
+      auto after = train(next, options(next, 1024), "swapped_after", saved_at, 5 - saved_at, dir);
+      ASSERT_TRUE(after) << after.error().message();
+      EXPECT_EQ(joined(*before, *after), straight->losses);
+      EXPECT_TRUE(after->final == straight->final);
+    }
+  }
+  fs::remove_all(dir);
+
+  // A step whose gradients overflow is skipped, not failed.
+  Case overflowing = swapped;
+  overflowing.lr = 1e38f;
+  auto skipped = train(overflowing, options(overflowing, 1024), "swapped_overflow");
+  ASSERT_TRUE(skipped) << skipped.error().message();
+
+  Case device_params;
+  device_params.swap_gradients = true;
+  EngineOptions on_host = options(device_params, 1024);
+  on_host.offload_optimizer = OffloadTarget::cpu;
+  auto not_nvme = estimate_engine_memory(**model, kWorld, on_host, 2);
+  ASSERT_TRUE(not_nvme);  // (the estimate takes what it is given; creating the engine refuses it)
+  auto refused_cpu = train(device_params, on_host, "swapped_cpu");
+  ASSERT_FALSE(refused_cpu);
+  EXPECT_NE(refused_cpu.error().message().find("swap_gradients with offload_optimizer=cpu"), std::string::npos)
+      << refused_cpu.error().message();
 }
 
 }  // namespace

@@ -467,6 +467,10 @@ std::vector<Setting> make_table() {
   t.push_back(boolean<&T::step_in_backward>(
       {.name = "step_in_backward", .flag = "--step-in-backward",
        .help = "with --offload-optimizer cpu or nvme: step each unit on the CPU while backward goes on (needs --clip 0)"}));
+  t.push_back(boolean<&T::swap_gradients>(
+      {.name = "swap_gradients", .flag = "--swap-gradients",
+       .help = "with --offload-optimizer nvme: write each gradient shard to its swap file as backward reduces it, "
+               "instead of keeping it in pinned memory until the step (gradient clipping and loss scaling as without)"}));
   t.push_back(boolean<&T::check_memory>({.name = "check_memory", .flag = "--skip-memory-check",
                                          .help = "train even when the memory estimate says this machine cannot hold the run",
                                          .switch_sets = false, .per_rank = true}));

@@ -74,6 +74,12 @@ Result<void> check_offload_placement(const EngineOptions& o) {
   return {};
 }
 
+Result<void> check_swap_gradients(const EngineOptions& o) {
+  if (!o.swap_gradients || o.offload_optimizer == OffloadTarget::nvme) return {};
+  return fail(ErrorCode::invalid_argument, "swap_gradients with offload_optimizer=", to_string(o.offload_optimizer),
+              ": the gradients are swapped into the optimizer's swap files (expected offload_optimizer=nvme)");
+}
+
 Result<void> check_step_in_backward(const EngineOptions& o, const StepControlOptions& control) {
   if (!o.step_in_backward) return {};
   if (o.offload_optimizer == OffloadTarget::none)
@@ -185,6 +191,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
 
   COSHARD_TRY(check_offload_placement(o));
   COSHARD_TRY(check_step_in_backward(o, optimizer.control()));
+  COSHARD_TRY(check_swap_gradients(o));
   // A plan this machine cannot hold is refused with the numbers before anything is allocated
   // (activations come on top: a trainer checks those with the rest).
   if (o.check_memory) {

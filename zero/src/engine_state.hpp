@@ -141,6 +141,29 @@ struct Engine::State {
   // its master and state (never read from nor written to the file), copied from the device shard
   // just before the piece is stepped, its statistics added there; the shard goes after its last piece.
   bool grads_through_pass() const noexcept { return swapped() && o.step_in_backward; }
+  // nvme with swap_gradients (and no step_in_backward): no gradient shard in pinned memory either.
+  // A pass of the swapper beside backward (swap_step, fed through grads_ready like the one above)
+  // writes each unit's shard into its swap file's gradient region as soon as the unit is handed
+  // over, adding its statistics; the shard leaves the device after its last piece. The step's
+  // pass then reads each sub-group's gradient piece (a read-only extent) with its master and state.
+  bool grads_to_nvme() const noexcept { return swapped() && o.swap_gradients && !o.step_in_backward; }
+  // Either way the device shard waits for a pass of the swapper (and backward for it, when the
+  // shards pending would pass grads_pending_limit).
+  bool grads_wait_for_a_pass() const noexcept { return grads_through_pass() || grads_to_nvme(); }
+  // grads_to_nvme: per sub-group, the piece of its unit's gradient region the writing pass fills.
+  std::vector<offload::SubGroup> grad_subgroups;
+  // The order of the units' arrivals a pass beside backward expects: last step's, or the units'
+  // reverse order at first (backward goes roughly that way). Trained units only.
+  std::vector<std::size_t> expected_arrivals() const;
+  // A piece of unit u's gradient shard from the device into `piece` (pinned, f32) on the
+  // communication stream, after its reduction; the host stream after the copy, the piece's
+  // statistics added there; the device shard given back after its last piece.
+  Result<void> take_gradient_piece(Unit& u, const detail::SwapPiece& p, const Tensor& piece);
+  // Spawns the swapper's pass fed by grads_ready (swap_step): stepping each unit as it comes
+  // (stepping_in_backward), or writing its gradient out (grads_to_nvme).
+  Result<void> start_swap_pass(float lr);
+  // grads_to_nvme: the pass that writes the gradient shards out (step_in_backward.cpp).
+  async::Task<Result<void>> swap_gradients_out(async::Receiver<std::size_t> ready, async::Sender<char> ticks);
   Tensor device_loss_scale;  // f32[1]: the seed of backward
   Tensor device_grad_stats;  // f32[2]: summed across ranks on the communication stream
   // f32[2] in pinned memory: the summed stats come back through it. A copy from the device into
@@ -207,6 +230,11 @@ struct Engine::State {
   bool pass_awaits_arrival = false;
   std::optional<async::Receiver<char>> pass_ticks;
   async::Task<Result<void>> wait_for_the_pass(const Unit& u);
+  // A pass beside backward awaits unit k's arrival through `ready` (noting in `arrived` every unit
+  // that comes meanwhile), telling a waiting backward through `ticks`; fails when `ready` closes
+  // first (the step ended before the unit came).
+  async::Task<Result<void>> await_arrival(std::size_t k, async::Receiver<std::size_t>& ready, std::vector<bool>& arrived,
+                                          async::Sender<char>& ticks);
   Context& optimizer_ctx() const noexcept { return offloaded() ? *host_ctx : *ctx; }
   Tensor backward_seed() const { return offloaded() ? device_loss_scale : optimizer->loss_scale(); }
 

@@ -162,7 +162,7 @@ std::vector<std::size_t> offload_pinned_sizes(std::span<const FetchUnitInfo> uni
       else if (pinned_shard) sizes.push_back(shard_bytes);  // the pinned shard
       continue;
     }
-    if (swapped && o.step_in_backward) {  // the gradient goes through the swap buffer (grads_through_pass)
+    if (swapped && (o.step_in_backward || o.swap_gradients)) {  // the gradient goes through the swap buffer
       largest_group = std::max(largest_group, swap_piece_bytes(piece, 2 + optimizer_states));
     } else if (swapped) {  // a resident gradient shard; master and state stream through buffers
       sizes.push_back(f32_bytes);

@@ -100,15 +100,17 @@ class PerUnit : public GradientReduction {
     ++u.grads_this_step;
     COSHARD_TRY_ASSIGN(auto reduced, s.timeline.span_mark(cs));
     if (s.grads_out_in_backward && u.info.optimizer_offloaded) {
-      // (a unit with two backward passes is copied again: the last copy wins; through the pass, the
-      // shard stays on the device until the pass steps it)
-      const bool copied_out = !s.grads_through_pass();
+      // (a unit with two backward passes is copied again: the last copy wins; through a pass of the
+      // swapper, the shard stays on the device until the pass steps it or swaps it out)
+      const bool copied_out = !s.grads_wait_for_a_pass();
       if (copied_out) {
         COSHARD_TRY(cs.copy(u.host_grad.data(), u.grad_shard.data(), u.grad_shard.bytes()));
         s.stats.swap_bytes += u.grad_shard.bytes();
       }
       u.grads_out = true;
-      if (s.stepping_in_backward && u.backwards_this_step == u.forward_uses) COSHARD_TRY(s.step_on_host(u));
+      const bool last = u.backwards_this_step == u.forward_uses;
+      if (s.stepping_in_backward && last) COSHARD_TRY(s.step_on_host(u));
+      if (s.grads_to_nvme() && last) COSHARD_TRY(s.hand_to_swap_step(u));  // to the pass writing it out
       if (copied_out && u.backwards_this_step == u.forward_uses) {  // its last of the step: back once the copy has passed
         COSHARD_TRY_ASSIGN(auto out, cs.record());
         u.grad_shard_block.reset_after(out);

@@ -93,18 +93,12 @@ async::Task<Result<void>> Engine::begin_step(int micro_batches, float lr) {
     if (s.device_optimizer)
       COSHARD_CO_TRY(compute.copy(s.device_optimizer->step_state().data(), s.step_state_out.data(), host_state.bytes()));
   }
-  if (s.stepping_in_backward && s.swapped()) {  // the swapper's pass starts reading now
-    async::Runtime* rt = async::Runtime::current();
-    if (!rt) co_return fail(ErrorCode::invalid_argument, "Engine::step: must be awaited on a coshard Runtime");
-    COSHARD_CO_TRY_ASSIGN(auto channel, async::make_channel<std::size_t>(s.units.size() + 1));
-    s.grads_ready.emplace(std::move(channel.first));
-    COSHARD_CO_TRY_ASSIGN(auto ticks, async::make_channel<char>(1));
-    s.pass_ticks.emplace(std::move(ticks.second));
-    s.grads_pending_bytes = 0;
-    s.pass_awaits_arrival = false;
-    for (auto& u : s.units) u->grad_pending = false;
-    s.swap_step = rt->spawn(s.swapped_step_in_backward(std::move(channel.second), lr, std::move(ticks.first)));
+  const bool pass_beside_backward = (s.stepping_in_backward && s.swapped()) || (s.grads_to_nvme() && s.grads_out_in_backward);
+  if (s.grads_to_nvme()) {  // (the pass writing the gradients out adds each piece's statistics)
+    COSHARD_CO_TRY(s.optimizer->begin_grad_stats(*s.host_ctx));
+    s.handed_order.clear();
   }
+  if (pass_beside_backward) COSHARD_CO_TRY(s.start_swap_pass(lr));  // reading ahead to step, or writing gradients out
   COSHARD_CO_TRY_ASSIGN(s.loss_sum, ctx.zeros(Shape{1}, DataType::f32));
   co_return Result<void>{};
 }

@@ -46,8 +46,9 @@ void HostOptimizer::estimate_pinned(MemoryEstimate& m, std::span<const FetchUnit
   for (const std::size_t b : detail::offload_pinned_sizes(units, o, states)) pinned += offload::page_rounded(b);
   // (host_memory_budget caps the pool; only what the plan reserves is allocated.)
   const bool narrow = o.dtype != DataType::f32;
-  const bool through_pass = o.offload_optimizer == OffloadTarget::nvme && o.step_in_backward;
-  m.add(MemoryPlace::pinned_host, through_pass ? "swap buffers (the gradients through them: step_in_backward)"
+  const bool through_pass = o.offload_optimizer == OffloadTarget::nvme && (o.step_in_backward || o.swap_gradients);
+  m.add(MemoryPlace::pinned_host, through_pass ? std::string("swap buffers (the gradients through them: ") +
+                                                     (o.step_in_backward ? "step_in_backward)" : "swap_gradients)")
                                   : o.offload_optimizer == OffloadTarget::nvme ? "gradient shards and swap buffers"
                                   : narrow ? "gradient shards and " + std::string(collectives::to_string(o.dtype)) + " parameter copies"
                                            : "fp32 masters and gradient shards",

@@ -65,10 +65,11 @@ class OptimizerOnNvme final : public HostOptimizer {
   void estimate(MemoryEstimate& m, const OptimizerSizes& z, std::span<const FetchUnitInfo> units, const EngineOptions& o,
                 std::size_t states) const override {
     m.add(MemoryPlace::nvme, fp32_masters_label(states) + " (swap files)", (1 + states) * z.trained_f32 + z.frozen_f32);
+    if (o.swap_gradients && !o.step_in_backward) m.add(MemoryPlace::nvme, "gradient shards (swap files)", z.trained_f32);
     estimate_pinned(m, units, o, states);
-    if (!o.step_in_backward && z.trained_f32 > 0)
-      m.notes.push_back("with step_in_backward (gradient clipping off) no gradient shard is kept in pinned memory: " +
-                        format_bytes(z.trained_f32) + " of this rank's fp32 gradient shards would stay out of it");
+    if (!o.step_in_backward && !o.swap_gradients && z.trained_f32 > 0)
+      m.notes.push_back("with swap_gradients (or step_in_backward, gradient clipping off) no gradient shard is kept in "
+                        "pinned memory: " + format_bytes(z.trained_f32) + " of this rank's fp32 gradient shards would stay out of it");
   }
 
   // The host placement's setup, then the rank's swap folder (claimed: a second run there is
@@ -94,7 +95,10 @@ class OptimizerOnNvme final : public HostOptimizer {
     const std::size_t states = s.optimizer->state_tensors();
     const std::int64_t most = detail::swap_piece_elements(o);
     // (a frozen unit's file holds its master only: the parameters, with them on nvme)
-    const bool grad_region = s.grads_through_pass();  // (in the buffer only: never in the file)
+    // A gradient piece in each buffer after the master and state: copied from the device just
+    // before its step (grads_through_pass: never in the file), or read from the file's gradient
+    // region after the state, where the pass beside backward wrote it (grads_to_nvme).
+    const bool grad_region = s.grads_wait_for_a_pass();
     // (as the estimate's "two largest in flight")
     std::size_t largest = 0, second = 0;
     for (const auto& u : units) {
@@ -123,6 +127,13 @@ class OptimizerOnNvme final : public HostOptimizer {
             group.extents.push_back({r * stride + static_cast<std::uint64_t>(begin) * sizeof(float),
                                      static_cast<std::size_t>(count) * sizeof(float)});
         if (!u.frozen) s.stepped_pieces.push_back(s.subgroups.size());
+        offload::SubGroup gradient{s.swap_files.back(), 0};  // (a frozen unit's: never used)
+        if (with_grads && s.grads_to_nvme()) {
+          const std::size_t bytes = static_cast<std::size_t>(count) * sizeof(float);
+          gradient = {s.swap_files.back(), offload::page_rounded(bytes),
+                      {{regions * stride + static_cast<std::uint64_t>(begin) * sizeof(float), bytes}}};
+        }
+        s.grad_subgroups.push_back(std::move(gradient));
         s.subgroups.push_back(std::move(group));
         s.swap_pieces.push_back({k, begin, count});
       }
@@ -133,7 +144,7 @@ class OptimizerOnNvme final : public HostOptimizer {
 
   Result<void> add_unit(Engine::State& s, Unit& u) override {
     if (u.info.frozen) return s.optimizer->add_frozen_group(*s.host_ctx, u.info.shard);  // its file: the master only
-    if (s.grads_through_pass()) return s.optimizer->add_swapped_group(*s.host_ctx, u.info.shard, s.segments_of(u));
+    if (s.grads_wait_for_a_pass()) return s.optimizer->add_swapped_group(*s.host_ctx, u.info.shard, s.segments_of(u));
     COSHARD_TRY(add_host_grad(s, u));
     return s.optimizer->add_swapped_group(*s.host_ctx, u.host_grad, s.segments_of(u));
   }
@@ -144,6 +155,8 @@ class OptimizerOnNvme final : public HostOptimizer {
     const bool through_pass = s.grads_through_pass();
     if (through_pass)
       COSHARD_CO_TRY(co_await local_grad_stats(s));
+    else if (s.grads_to_nvme())
+      COSHARD_CO_TRY(co_await gradients_out(s));
     else
       COSHARD_CO_TRY(co_await exchange_grad_stats(s));
     if (s.stepping_in_backward) {
@@ -160,7 +173,13 @@ class OptimizerOnNvme final : public HostOptimizer {
       const auto read_before = s.swapper->stats().bytes_read, written_before = s.swapper->stats().bytes_written;
       // (frozen units are never read nor written by a step)
       std::vector<offload::SubGroup> stepped;
-      for (std::size_t i : s.stepped_pieces) stepped.push_back(s.subgroups[i]);
+      for (std::size_t i : s.stepped_pieces) {
+        stepped.push_back(s.subgroups[i]);
+        if (!s.grads_to_nvme()) continue;
+        // its gradient piece, read beside the master and state into the buffer's gradient region
+        stepped.back().extents.push_back(s.grad_subgroups[i].extents.front());
+        stepped.back().read_only_extents = 1;
+      }
       auto step_unit = [&](std::size_t i, std::span<std::byte> bytes) -> async::Task<Result<void>> {
         return s.step_swapped_piece(s.stepped_pieces[i], bytes, lr, compute);
       };
@@ -272,6 +291,23 @@ class OptimizerOnNvme final : public HostOptimizer {
 
  protected:
   Result<void> hand_over_late(Engine::State& s, Unit& u) override { return s.hand_to_swap_step(u); }
+
+ private:
+  // grads_to_nvme: every gradient shard written out and its statistics added (the units not
+  // handed over during backward now: unused this step, or every unit after several
+  // micro-batches, whose pass starts here), then their sums over the ranks, before any unit steps.
+  async::Task<Result<void>> gradients_out(Engine::State& s) {
+    if (!s.swap_step.valid()) COSHARD_CO_TRY(s.start_swap_pass(0.0f));
+    for (auto& u : s.units)
+      if (!u->info.frozen && !u->grads_out) COSHARD_CO_TRY(s.hand_to_swap_step(*u));
+    s.grads_ready.reset();  // every unit is handed over
+    auto handle = std::move(s.swap_step);
+    auto written = co_await handle;
+    s.pass_ticks.reset();
+    COSHARD_CO_TRY(std::move(written));
+    s.backward_order = s.handed_order;
+    co_return co_await sum_grad_stats(s);
+  }
 };
 
 }  // namespace
@@ -302,18 +338,10 @@ async::Task<Result<void>> Engine::State::step_swapped_piece(std::size_t i, std::
     if (!u.grad_shard) co_return fail(ErrorCode::internal, "Engine: unit ", u.info.name, " stepped without its gradient shard");
     grads = Tensor(bytes.data() + detail::swap_piece_bytes(p.count, 1 + optimizer->state_tensors()), Shape{p.count},
                    DataType::f32, async::Device::cpu());
-    auto& cs = comm->stream();
-    COSHARD_CO_TRY(cs.copy(grads.data(), u.grad_shard.slice(p.begin, Shape{p.count}).data(), grads.bytes()));
-    COSHARD_CO_TRY_ASSIGN(auto copied, cs.record());
-    COSHARD_CO_TRY(host_stream->wait(copied));
-    stats.swap_bytes += grads.bytes();
-    if (p.begin + p.count == u.info.shard && reduction->complete_per_unit()) {  // its last piece: the shard goes
-      u.grad_shard_block.reset_after(copied);
-      u.grad_shard = {};
-      if (u.grad_pending) grads_pending_bytes -= static_cast<std::size_t>(u.info.shard) * sizeof(float);
-      u.grad_pending = false;
-    }
-    COSHARD_CO_TRY(optimizer->add_grad_stats(*host_ctx, first_group + p.unit, grads));
+    COSHARD_CO_TRY(take_gradient_piece(u, p, grads));
+  } else if (grads_to_nvme()) {  // read from the file's gradient region beside the master and state
+    grads = Tensor(bytes.data() + detail::swap_piece_bytes(p.count, 1 + optimizer->state_tensors()), Shape{p.count},
+                   DataType::f32, async::Device::cpu());
   }
   Tensor narrowed;
   const bool into_shard = narrow() && u.info.shard_offloaded;

@@ -35,7 +35,7 @@ Result<void> Engine::State::step_on_host(Unit& u) {
 
 Result<void> Engine::State::hand_to_swap_step(Unit& u) {
   std::size_t index = u.index;
-  if (grads_through_pass() && !u.grad_pending) {
+  if (grads_wait_for_a_pass() && !u.grad_pending) {
     u.grad_pending = true;
     grads_pending_bytes += static_cast<std::size_t>(u.info.shard) * sizeof(float);
   }
@@ -48,7 +48,7 @@ Result<void> Engine::State::hand_to_swap_step(Unit& u) {
 }
 
 async::Task<Result<void>> Engine::State::wait_for_the_pass(const Unit& u) {
-  if (!stepping_in_backward || !grads_through_pass() || !pass_ticks || u.info.frozen) co_return Result<void>{};
+  if (!pass_ticks || !grads_wait_for_a_pass() || u.info.frozen) co_return Result<void>{};
   const std::size_t bytes = static_cast<std::size_t>(u.info.shard) * sizeof(float);
   while (grads_pending_bytes > 0 && grads_pending_bytes + bytes > grads_pending_limit && !pass_awaits_arrival) {
     auto tick = co_await pass_ticks->recv();
@@ -57,47 +57,121 @@ async::Task<Result<void>> Engine::State::wait_for_the_pass(const Unit& u) {
   co_return Result<void>{};
 }
 
-async::Task<Result<void>> Engine::State::swapped_step_in_backward(async::Receiver<std::size_t> ready, float lr,
-                                                                  async::Sender<char> ticks) {
-  std::vector<std::size_t> order = backward_order;  // units
+std::vector<std::size_t> Engine::State::expected_arrivals() const {
   std::vector<std::size_t> trained;
   for (std::size_t k = 0; k < units.size(); ++k)
     if (!units[k]->info.frozen) trained.push_back(k);
-  if (order.size() != trained.size()) order.assign(trained.rbegin(), trained.rend());  // no step yet: backward goes roughly in reverse
+  if (backward_order.size() == trained.size()) return backward_order;
+  return {trained.rbegin(), trained.rend()};  // no step yet: backward goes roughly in reverse
+}
+
+namespace {
+
+// Tells a backward waiting in wait_for_the_pass to look again (one pending tick is enough).
+void tick(async::Sender<char>& ticks) {
+  char t = 't';
+  (void)ticks.try_send(t);
+}
+
+}  // namespace
+
+async::Task<Result<void>> Engine::State::await_arrival(std::size_t k, async::Receiver<std::size_t>& ready,
+                                                       std::vector<bool>& arrived, async::Sender<char>& ticks) {
+  if (!arrived[k]) {
+    pass_awaits_arrival = true;
+    tick(ticks);
+  }
+  while (!arrived[k]) {
+    auto next = co_await ready.recv();
+    if (!next) {
+      pass_awaits_arrival = false;
+      co_return fail(ErrorCode::closed, "the step ended before the gradient of unit ", units[k]->info.name,
+                     " came to the swapper's pass");
+    }
+    arrived.at(*next) = true;
+  }
+  pass_awaits_arrival = false;
+  co_return Result<void>{};
+}
+
+Result<void> Engine::State::take_gradient_piece(Unit& u, const SwapPiece& p, const Tensor& piece) {
+  auto& cs = comm->stream();
+  COSHARD_TRY(cs.copy(piece.data(), u.grad_shard.slice(p.begin, Shape{p.count}).data(), piece.bytes()));
+  COSHARD_TRY_ASSIGN(auto copied, cs.record());
+  COSHARD_TRY(host_stream->wait(copied));
+  stats.swap_bytes += piece.bytes();
+  if (p.begin + p.count == u.info.shard && reduction->complete_per_unit()) {  // its last piece: the shard goes
+    u.grad_shard_block.reset_after(copied);
+    u.grad_shard = {};
+    if (u.grad_pending) grads_pending_bytes -= static_cast<std::size_t>(u.info.shard) * sizeof(float);
+    u.grad_pending = false;
+  }
+  return optimizer->add_grad_stats(*host_ctx, first_group + p.unit, piece);
+}
+
+Result<void> Engine::State::start_swap_pass(float lr) {
+  async::Runtime* rt = async::Runtime::current();
+  if (!rt) return fail(ErrorCode::invalid_argument, "Engine::step: must be awaited on a coshard Runtime");
+  COSHARD_TRY_ASSIGN(auto channel, async::make_channel<std::size_t>(units.size() + 1));
+  grads_ready.emplace(std::move(channel.first));
+  COSHARD_TRY_ASSIGN(auto ticks, async::make_channel<char>(1));
+  pass_ticks.emplace(std::move(ticks.second));
+  grads_pending_bytes = 0;
+  pass_awaits_arrival = false;
+  for (auto& u : units) u->grad_pending = false;
+  if (stepping_in_backward)
+    swap_step = rt->spawn(swapped_step_in_backward(std::move(channel.second), lr, std::move(ticks.first)));
+  else
+    swap_step = rt->spawn(swap_gradients_out(std::move(channel.second), std::move(ticks.first)));
+  return {};
+}
+
+async::Task<Result<void>> Engine::State::swapped_step_in_backward(async::Receiver<std::size_t> ready, float lr,
+                                                                  async::Sender<char> ticks) {
   std::vector<std::size_t> pieces;  // each unit's sub-groups in turn
-  for (std::size_t k : order)
+  for (std::size_t k : expected_arrivals())
     for (std::size_t i = first_piece[k]; i < first_piece[k + 1]; ++i) pieces.push_back(i);
   std::vector<offload::SubGroup> groups;
   for (std::size_t i : pieces) groups.push_back(subgroups[i]);
   std::vector<bool> arrived(units.size(), false);
   const auto read_before = swapper->stats().bytes_read, written_before = swapper->stats().bytes_written;
   auto step_when_ready = [&](std::size_t j, std::span<std::byte> bytes) -> async::Task<Result<void>> {
-    const std::size_t k = swap_pieces[pieces[j]].unit;
-    auto tick = [&ticks] {  // (one pending is enough: the waiter looks again)
-      char t = 't';
-      (void)ticks.try_send(t);
-    };
-    if (!arrived[k]) {
-      pass_awaits_arrival = true;
-      tick();
-    }
-    while (!arrived[k]) {
-      auto next = co_await ready.recv();
-      if (!next) {
-        pass_awaits_arrival = false;
-        co_return fail(ErrorCode::closed, "step_in_backward: the step ended before unit ", units[k]->info.name,
-                       " was stepped");
-      }
-      arrived.at(*next) = true;
-    }
-    pass_awaits_arrival = false;
+    COSHARD_CO_TRY(co_await await_arrival(swap_pieces[pieces[j]].unit, ready, arrived, ticks));
     auto stepped = co_await step_swapped_piece(pieces[j], bytes, lr, comm->stream());
-    tick();
+    tick(ticks);
     co_return stepped;
   };
   auto passed = co_await swapper->for_each(groups, step_when_ready, true);
   stats.swap_bytes += (swapper->stats().bytes_read - read_before) + (swapper->stats().bytes_written - written_before);
   co_return passed;
+}
+
+async::Task<Result<void>> Engine::State::swap_gradients_out(async::Receiver<std::size_t> ready, async::Sender<char> ticks) {
+  std::vector<std::size_t> pieces;  // each unit's sub-groups in turn
+  for (std::size_t k : expected_arrivals())
+    for (std::size_t i = first_piece[k]; i < first_piece[k + 1]; ++i) pieces.push_back(i);
+  std::vector<offload::SubGroup> groups;
+  for (std::size_t i : pieces) groups.push_back(grad_subgroups[i]);
+  std::vector<bool> arrived(units.size(), false);
+  const auto written_before = swapper->stats().bytes_written;
+  // Each piece from the device shard into the buffer (after the unit's reduction, on the
+  // communication stream), its statistics added on the host stream, then written behind.
+  auto write_when_ready = [&](std::size_t j, std::span<std::byte> bytes) -> async::Task<Result<void>> {
+    const SwapPiece& p = swap_pieces[pieces[j]];
+    Unit& u = *units[p.unit];
+    COSHARD_CO_TRY(co_await await_arrival(p.unit, ready, arrived, ticks));
+    if (!u.grad_shard) co_return fail(ErrorCode::internal, "Engine: unit ", u.info.name, " has no gradient shard to swap out");
+    const Tensor piece(bytes.data(), Shape{p.count}, DataType::f32, async::Device::cpu());
+    COSHARD_CO_TRY(take_gradient_piece(u, p, piece));
+    // (the buffer is written, then reused, only once the statistics have read it)
+    COSHARD_CO_TRY_ASSIGN(auto added, host_stream->record());
+    COSHARD_CO_TRY(co_await added);
+    tick(ticks);
+    co_return Result<void>{};
+  };
+  auto written = co_await swapper->initialize(groups, write_when_ready);
+  stats.swap_bytes += swapper->stats().bytes_written - written_before;
+  co_return written;
 }
 
 async::Task<void> Engine::end_swap_pass() {

@@ -44,6 +44,9 @@ struct SubGroup {
   std::string name;   // a file of the store
   std::size_t bytes;  // its buffer's size (with extents: at least their page-rounded lengths, summed)
   std::vector<SwapExtent> extents = {};  // empty: the file's first `bytes`
+  // The last this many extents are read and never written back (a piece of an array the pass only
+  // reads: the ZeRO engine's gradients swapped to NVMe, read beside the master and state they step).
+  std::size_t read_only_extents = 0;
 };
 
 struct SwapStats {

@@ -210,6 +210,7 @@ class TrainerBuilder {
   TrainerBuilder& offload_optimizer(OffloadOptions v) { c_.offload_optimizer = std::move(v); return *this; }
   TrainerBuilder& offload_params(OffloadOptions v) { c_.offload_params = std::move(v); return *this; }
   TrainerBuilder& step_in_backward(bool on) { c_.step_in_backward = on; return *this; }
+  TrainerBuilder& swap_gradients(bool on) { c_.swap_gradients = on; return *this; }
   TrainerBuilder& sub_group_size(std::size_t elements) { c_.sub_group_size = elements; return *this; }
   // Checkpoints the model's blocks (the container children of a Sequential model, such as
   // make_gpt's and make_llama's layers): recomputed in backward, same losses, less memory.

@@ -188,6 +188,16 @@ struct EngineOptions {
   // backward. A non-finite gradient cannot skip units already stepped: such a step fails on
   // every rank, naming it, instead of being skipped (restore a checkpoint).
   bool step_in_backward = false;
+  // With offload_optimizer=nvme and without step_in_backward: the gradient shards are swapped to
+  // NVMe (DeepSpeed ZeRO-Infinity's gradient swapping) instead of kept in pinned memory until the
+  // optimizer's pass: each unit's shard is written into its swap file (a region after the master
+  // and state) by a pass of the swapper beside backward as soon as it is reduced, its statistics
+  // added there, and leaves the device; after backward the norm is summed over the ranks and the
+  // optimizer's pass reads each sub-group's gradient with its master and state. Gradient clipping
+  // and loss scaling work as without it. Costs the gradients' bytes written and read once a step;
+  // saves their pinned memory (this rank's fp32 shards). With step_in_backward the gradients
+  // already skip pinned memory (through the swapper's pass): it has no effect there.
+  bool swap_gradients = false;
   // create() refuses a plan whose memory estimate (memory_estimate.hpp: parameters, gradients,
   // optimizer state, offload buffers, swap files) this machine cannot hold now, naming the bytes,
   // before it allocates anything. Off: build anyway (the estimate is a model of what is held).
@@ -213,6 +223,8 @@ Result<void> check_offload_placement(const EngineOptions& o);
 // Whether step_in_backward can go with the rest (the optimizer's clipping and loss scaling among
 // them): the first rule broken, named. Engine::create checks it; so can a configuration layer.
 Result<void> check_step_in_backward(const EngineOptions& o, const StepControlOptions& control);
+// Whether swap_gradients can go with the offload asked for (offload_optimizer=nvme).
+Result<void> check_swap_gradients(const EngineOptions& o);
 
 // One span of a step's timeline, in milliseconds from the engine's timeline epoch.
 struct TimelineSpan {
