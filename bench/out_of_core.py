@@ -4,7 +4,7 @@ NVMe (ZeRO-Infinity's mode), its peak resident memory against the machine's and 
 the bytes it reads and writes per step, and its step time against the disk-bound floor, in one run:
 
   python3 bench/out_of_core.py --coshard build/release/trainer/coshard-train --swap /work/swap \
-      [--preset Llama-3.2-1B] [--seq 256] [--steps 4] [--buffers 2] [--step-in-backward] \
+      [--preset Llama-3.2-1B] [--seq 256] [--steps 4] [--buffers 2] [--step-in-backward | --swap-gradients] \
       [--sub-group-size N] [--out results.json]
 
 It measures the disk first (fio: 1 MiB blocks, O_DIRECT, in the swap folder, reads and writes),
@@ -67,6 +67,8 @@ def main():
     p.add_argument("--buffers", type=int, default=2, help="swap and read-ahead buffers (buffer_count)")
     p.add_argument("--step-in-backward", action="store_true",
                    help="step each unit during backward (gradient clipping off): no gradient shard in pinned memory")
+    p.add_argument("--swap-gradients", action="store_true",
+                   help="write the gradient shards to the swap files (gradient clipping kept): none in pinned memory")
     p.add_argument("--sub-group-size", type=int, help="elements per swapped sub-group (coshard's default otherwise)")
     p.add_argument("--out")
     a = p.parse_args()
@@ -81,6 +83,8 @@ def main():
     common = ["--preset", a.preset, "--seq", str(a.seq), "--batch", "1", "--world-size", "1", "--config", config]
     if a.step_in_backward:
         common += ["--step-in-backward", "--clip", "0"]
+    if a.swap_gradients:
+        common += ["--swap-gradients"]
     if a.sub_group_size is not None:
         common += ["--sub-group-size", str(a.sub_group_size)]
 
@@ -149,7 +153,7 @@ def main():
     result = {
         "machine": {"cores": os.cpu_count(), "memory_bytes": total_mem},
         "preset": a.preset, "parameters": params, "seq": a.seq, "buffers": a.buffers, "disk": disk,
-        "step_in_backward": a.step_in_backward, "estimate": est.stdout,
+        "step_in_backward": a.step_in_backward, "swap_gradients": a.swap_gradients, "estimate": est.stdout,
         "estimate_host_bytes": estimate_host, "peak_rss_bytes": peak_rss, "wall_s": time.time() - start,
         "steps": steps,
         "pytorch_resident_adamw_bytes": 16 * params,
