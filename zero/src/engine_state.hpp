@@ -166,17 +166,19 @@ struct Engine::State {
   async::Task<Result<void>> swap_gradients_out(async::Receiver<std::size_t> ready, async::Sender<char> ticks);
   Tensor device_loss_scale;  // f32[1]: the seed of backward
   Tensor device_grad_stats;  // f32[2]: summed across ranks on the communication stream
-  // f32[2] in pinned memory: the summed stats come back through it. A copy from the device into
-  // pageable memory returns only once done: a hidden host wait for the whole step so far.
+  // f32[2] in pinned memory: the stats go to the device and the sums come back through it. A copy
+  // between the device and pageable memory waits for its stream: a hidden host wait.
   offload::PinnedBlock grad_stats_back;
   bool offloaded() const noexcept { return o.offload_optimizer != OptimizerOffload::none; }
   // offload_optimizer=cpu with a device_memory_budget (Twin-Flow): the units whose optimizer state
   // the budget keeps on the device (FetchUnitInfo::optimizer_offloaded false) step with this part
   // of the optimizer (Optimizer::empty_like), on the compute stream, their fp32 gradient shards
   // resident; the user's optimizer holds an empty frozen group in each one's place. Its step
-  // state is the host's, copied in through `step_state_out` (pinned) at each step's start; its
-  // gradient statistics join the host's before the sum over ranks, and come back summed.
+  // state is the host's, copied in through `step_state_out` at each step's start; its gradient
+  // statistics join the host's before the sum over ranks, and come back summed.
   std::unique_ptr<Optimizer> device_optimizer;
+  // Offloaded: the host's step state on its way to the device at each step's start (pinned: the
+  // loss scale that seeds backward, and the device part's state).
   offload::PinnedBlock step_state_out;
   // Where unit u's optimizer group is: the device part's for a unit stepped on the device.
   struct GroupRef {

@@ -180,9 +180,8 @@ std::vector<std::size_t> offload_pinned_sizes(std::span<const FetchUnitInfo> uni
     for (int b = 0; b < o.offload_optimizer.buffer_count; ++b) sizes.push_back(largest_group);
   if (o.offload_params == OffloadTarget::nvme)  // the read-ahead buffers, read as the fp32 master
     for (int b = 0; b < o.offload_params.buffer_count; ++b) sizes.push_back(largest_master);
-  sizes.push_back(2 * sizeof(float));  // the summed gradient statistics coming back
-  if (std::any_of(units.begin(), units.end(), [](const FetchUnitInfo& u) { return !u.frozen && !u.optimizer_offloaded; }))
-    sizes.push_back(kStepStateBytes);  // the host's step state on its way to the device part of the optimizer
+  sizes.push_back(2 * sizeof(float));  // the gradient statistics on their way to the device and back
+  sizes.push_back(kStepStateBytes);    // the host's step state on its way to the device (the loss scale)
   return sizes;
 }
 

@@ -61,8 +61,9 @@ std::int64_t swap_piece_elements(const EngineOptions& o);
 // and the optimizer's state tensors; a frozen unit's master alone) from a page boundary.
 std::size_t swap_piece_bytes(std::int64_t count, std::size_t regions);
 
-// The optimizer's step state (Optimizer::step_state(): f32[8]), which the host's placement sends
-// to the device part of the optimizer each step when a budget keeps units on the device.
+// The optimizer's step state (Optimizer::step_state(): f32[8]), which an offloaded optimizer
+// sends to the device through pinned memory at each step's start (the loss scale; the device part
+// of the optimizer when a budget keeps units on the device).
 inline constexpr std::size_t kStepStateBytes = 8 * sizeof(float);
 
 // The pinned buffers an offloaded optimizer (and offloaded parameters) take, in bytes, each as

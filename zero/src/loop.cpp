@@ -81,15 +81,17 @@ async::Task<Result<void>> Engine::begin_step(int micro_batches, float lr) {
   if (s.offloaded()) {
     // Backward is seeded with the loss scale the host optimizer holds (it may have changed at the
     // last step, or with a checkpoint load); the device part of the optimizer takes its step state.
+    // Through pinned memory (a device's copy from pageable memory waits for its stream), after a
+    // checkpoint's load wrote the state on the compute stream.
     const Tensor host_state = s.optimizer->step_state();
-    if (s.device_optimizer) {  // (after a checkpoint's load wrote it on the compute stream)
-      COSHARD_CO_TRY(State::order(compute, *s.host_stream));
-      COSHARD_CO_TRY(s.host_stream->copy(s.step_state_out.data(), host_state.data(), host_state.bytes()));
-    }
+    COSHARD_CO_TRY(State::order(compute, *s.host_stream));
+    COSHARD_CO_TRY(s.host_stream->copy(s.step_state_out.data(), host_state.data(), host_state.bytes()));
     COSHARD_CO_TRY_ASSIGN(auto host_done, s.host_stream->record());
     COSHARD_CO_TRY(co_await State::after(compute, host_done));
     const Tensor scale = s.optimizer->loss_scale();
-    COSHARD_CO_TRY(compute.copy(s.device_loss_scale.data(), scale.data(), scale.bytes()));
+    const auto scale_at = static_cast<std::size_t>(static_cast<const std::byte*>(scale.data()) -
+                                                   static_cast<const std::byte*>(host_state.data()));
+    COSHARD_CO_TRY(compute.copy(s.device_loss_scale.data(), s.step_state_out.data() + scale_at, scale.bytes()));
     if (s.device_optimizer)
       COSHARD_CO_TRY(compute.copy(s.device_optimizer->step_state().data(), s.step_state_out.data(), host_state.bytes()));
   }

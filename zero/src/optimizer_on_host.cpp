@@ -61,6 +61,7 @@ Result<void> HostOptimizer::after_units(Engine::State& s) {
   COSHARD_TRY_ASSIGN(s.device_loss_scale, s.ctx->zeros(Shape{1}, DataType::f32));
   COSHARD_TRY_ASSIGN(s.device_grad_stats, s.ctx->zeros(Shape{2}, DataType::f32));
   COSHARD_TRY_ASSIGN(s.grad_stats_back, s.pinned->acquire(2 * sizeof(float)));
+  COSHARD_TRY_ASSIGN(s.step_state_out, s.pinned->acquire(detail::kStepStateBytes));
   return {};
 }
 
@@ -117,12 +118,14 @@ async::Task<Result<void>> HostOptimizer::local_grad_stats(Engine::State& s) {
 async::Task<Result<void>> HostOptimizer::sum_grad_stats(Engine::State& s) {
   auto& compute = s.ctx->stream();
   auto& host = *s.host_stream;
+  // (through pinned memory both ways: a device's copy from pageable memory waits for its stream)
+  const Tensor host_stats = s.optimizer->grad_stats();
+  COSHARD_CO_TRY(host.copy(s.grad_stats_back.data(), host_stats.data(), host_stats.bytes()));
   COSHARD_CO_TRY_ASSIGN(auto stats_ready, host.record());
   // The units stepped on the device: their statistics on the compute stream, the device part's.
   if (s.device_optimizer) COSHARD_CO_TRY(s.device_optimizer->compute_grad_stats(*s.ctx));
   COSHARD_CO_TRY(co_await Engine::State::after(compute, stats_ready));
-  const Tensor host_stats = s.optimizer->grad_stats();
-  COSHARD_CO_TRY(compute.copy(s.device_grad_stats.data(), host_stats.data(), host_stats.bytes()));
+  COSHARD_CO_TRY(compute.copy(s.device_grad_stats.data(), s.grad_stats_back.data(), host_stats.bytes()));
   if (s.device_optimizer) {  // (the overflow flags add up as the sums do: > 0 is an overflow)
     const Tensor device_stats = s.device_optimizer->grad_stats();
     COSHARD_CO_TRY(s.ctx->kernels().add(compute, DataType::f32, s.device_grad_stats.data(), device_stats.data(),
@@ -159,14 +162,12 @@ class OptimizerOnHost final : public HostOptimizer {
     estimate_pinned(m, units, o, states);
   }
 
-  // With units a device budget keeps on the device: the optimizer's device part, and the pinned
-  // block its step state comes in through.
+  // With units a device budget keeps on the device: the optimizer's device part.
   Result<void> setup(Engine::State& s, std::span<const FetchUnitInfo> units) override {
     COSHARD_TRY(HostOptimizer::setup(s, units));
     if (std::none_of(units.begin(), units.end(), [](const FetchUnitInfo& u) { return !u.frozen && !u.optimizer_offloaded; }))
       return {};
     COSHARD_TRY_ASSIGN(s.device_optimizer, s.optimizer->empty_like());
-    COSHARD_TRY_ASSIGN(s.step_state_out, s.pinned->acquire(detail::kStepStateBytes));
     return {};
   }
 
