@@ -217,8 +217,10 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     COSHARD_TRY(s->optimizer_placement->add_unit(*s, u));
     // A copy of a block another rank holds too (hybrid sharding) is stepped, but the norm's sum
     // across ranks counts it once: on its copy 0.
-    if (s->residence->sharded() && u.group->replica != 0)
-      COSHARD_TRY(s->group_of(u).optimizer.set_group_in_norm(s->group_of(u).index, false));
+    if (s->residence->sharded() && u.group->replica != 0) {
+      const auto group = s->group_of(u);
+      COSHARD_TRY(group.optimizer.set_group_in_norm(group.index, false));
+    }
   }
   COSHARD_TRY(s->optimizer_placement->after_units(*s));
   auto& stream = ctx.stream();

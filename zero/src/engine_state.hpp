@@ -133,8 +133,10 @@ struct Engine::State {
   std::vector<detail::SwapPiece> swap_pieces;            // what each sub-group is
   std::vector<std::size_t> first_piece;            // unit k's sub-groups: [first_piece[k], first_piece[k + 1])
   std::vector<std::string> swap_files;             // unit k's file
-  // The sub-groups a step reads, steps and writes back (frozen units' never are).
+  // The sub-groups a step reads, steps and writes back (frozen units' never are), and their
+  // descriptions for its pass (grads_to_nvme: each with its gradient piece, read only).
   std::vector<std::size_t> stepped_pieces;
+  std::vector<offload::SubGroup> stepped_subgroups;
   bool swapped() const noexcept { return o.offload_optimizer == OptimizerOffload::nvme; }
   // nvme with step_in_backward: no gradient shard in pinned memory. A unit's shard stays on the
   // device until the swapper's pass steps it: each sub-group's buffer has a gradient piece after
@@ -152,9 +154,10 @@ struct Engine::State {
   bool grads_wait_for_a_pass() const noexcept { return grads_through_pass() || grads_to_nvme(); }
   // grads_to_nvme: per sub-group, the piece of its unit's gradient region the writing pass fills.
   std::vector<offload::SubGroup> grad_subgroups;
-  // The order of the units' arrivals a pass beside backward expects: last step's, or the units'
-  // reverse order at first (backward goes roughly that way). Trained units only.
-  std::vector<std::size_t> expected_arrivals() const;
+  // The sub-groups of a pass beside backward, in the order it expects their units to arrive:
+  // last step's, or the units' reverse order at first (backward goes roughly that way). Trained
+  // units only.
+  std::vector<std::size_t> pieces_in_expected_order() const;
   // A piece of unit u's gradient shard from the device into `piece` (pinned, f32) on the
   // communication stream, after its reduction; the host stream after the copy, the piece's
   // statistics added there; the device shard given back after its last piece.
@@ -162,6 +165,9 @@ struct Engine::State {
   // Spawns the swapper's pass fed by grads_ready (swap_step): stepping each unit as it comes
   // (stepping_in_backward), or writing its gradient out (grads_to_nvme).
   Result<void> start_swap_pass(float lr);
+  // Awaits the pass once every unit is handed over (its error, if any), and keeps the order the
+  // units came in for the next step's.
+  async::Task<Result<void>> finish_swap_pass();
   // grads_to_nvme: the pass that writes the gradient shards out (step_in_backward.cpp).
   async::Task<Result<void>> swap_gradients_out(async::Receiver<std::size_t> ready, async::Sender<char> ticks);
   Tensor device_loss_scale;  // f32[1]: the seed of backward

@@ -65,7 +65,6 @@ async::Task<Result<void>> Engine::begin_step(int micro_batches, float lr) {
       co_return fail(ErrorCode::invalid_argument, "lr=", lr, ": expected >= 0");
     }
     COSHARD_CO_TRY(s.optimizer->begin_grad_stats(*s.host_ctx));
-    s.handed_order.clear();
   }
   for (auto& u : s.units) {
     u->grads_this_step = 0;
@@ -96,10 +95,8 @@ async::Task<Result<void>> Engine::begin_step(int micro_batches, float lr) {
       COSHARD_CO_TRY(compute.copy(s.device_optimizer->step_state().data(), s.step_state_out.data(), host_state.bytes()));
   }
   const bool pass_beside_backward = (s.stepping_in_backward && s.swapped()) || (s.grads_to_nvme() && s.grads_out_in_backward);
-  if (s.grads_to_nvme()) {  // (the pass writing the gradients out adds each piece's statistics)
-    COSHARD_CO_TRY(s.optimizer->begin_grad_stats(*s.host_ctx));
-    s.handed_order.clear();
-  }
+  // (the pass writing the gradients out adds each piece's statistics)
+  if (s.grads_to_nvme()) COSHARD_CO_TRY(s.optimizer->begin_grad_stats(*s.host_ctx));
   if (pass_beside_backward) COSHARD_CO_TRY(s.start_swap_pass(lr));  // reading ahead to step, or writing gradients out
   COSHARD_CO_TRY_ASSIGN(s.loss_sum, ctx.zeros(Shape{1}, DataType::f32));
   co_return Result<void>{};

@@ -126,12 +126,19 @@ class OptimizerOnNvme final : public HostOptimizer {
           for (std::size_t r = 0; r < regions; ++r)
             group.extents.push_back({r * stride + static_cast<std::uint64_t>(begin) * sizeof(float),
                                      static_cast<std::size_t>(count) * sizeof(float)});
-        if (!u.frozen) s.stepped_pieces.push_back(s.subgroups.size());
         offload::SubGroup gradient{s.swap_files.back(), 0};  // (a frozen unit's: never used)
         if (with_grads && s.grads_to_nvme()) {
           const std::size_t bytes = static_cast<std::size_t>(count) * sizeof(float);
           gradient = {s.swap_files.back(), offload::page_rounded(bytes),
                       {{regions * stride + static_cast<std::uint64_t>(begin) * sizeof(float), bytes}}};
+        }
+        if (!u.frozen) {
+          s.stepped_pieces.push_back(s.subgroups.size());
+          s.stepped_subgroups.push_back(group);
+          if (with_grads && s.grads_to_nvme()) {  // its gradient piece, read beside the master and state
+            s.stepped_subgroups.back().extents.push_back(gradient.extents.front());
+            s.stepped_subgroups.back().read_only_extents = 1;
+          }
         }
         s.grad_subgroups.push_back(std::move(gradient));
         s.subgroups.push_back(std::move(group));
@@ -162,28 +169,15 @@ class OptimizerOnNvme final : public HostOptimizer {
     if (s.stepping_in_backward) {
       // The swapper's pass has every unit now; its last copies to the device are on the
       // communication stream, which the compute stream waits for below.
-      auto handle = std::move(s.swap_step);
-      auto passed = co_await handle;
-      s.pass_ticks.reset();
-      COSHARD_CO_TRY(std::move(passed));
-      s.backward_order = s.handed_order;
+      COSHARD_CO_TRY(co_await s.finish_swap_pass());
     } else {
       // Each unit's master and state come in from NVMe (read ahead), are stepped on the host,
       // the new shard goes to the device, and the sub-group goes back (written behind).
       const auto read_before = s.swapper->stats().bytes_read, written_before = s.swapper->stats().bytes_written;
-      // (frozen units are never read nor written by a step)
-      std::vector<offload::SubGroup> stepped;
-      for (std::size_t i : s.stepped_pieces) {
-        stepped.push_back(s.subgroups[i]);
-        if (!s.grads_to_nvme()) continue;
-        // its gradient piece, read beside the master and state into the buffer's gradient region
-        stepped.back().extents.push_back(s.grad_subgroups[i].extents.front());
-        stepped.back().read_only_extents = 1;
-      }
       auto step_unit = [&](std::size_t i, std::span<std::byte> bytes) -> async::Task<Result<void>> {
         return s.step_swapped_piece(s.stepped_pieces[i], bytes, lr, compute);
       };
-      COSHARD_CO_TRY(co_await s.swapper->for_each(stepped, step_unit, true));
+      COSHARD_CO_TRY(co_await s.swapper->for_each(s.stepped_subgroups, step_unit, true));
       s.stats.swap_bytes += (s.swapper->stats().bytes_read - read_before) + (s.swapper->stats().bytes_written - written_before);
     }
     if (through_pass) COSHARD_CO_TRY(co_await sum_grad_stats(s));
@@ -301,11 +295,7 @@ class OptimizerOnNvme final : public HostOptimizer {
     for (auto& u : s.units)
       if (!u->info.frozen && !u->grads_out) COSHARD_CO_TRY(s.hand_to_swap_step(*u));
     s.grads_ready.reset();  // every unit is handed over
-    auto handle = std::move(s.swap_step);
-    auto written = co_await handle;
-    s.pass_ticks.reset();
-    COSHARD_CO_TRY(std::move(written));
-    s.backward_order = s.handed_order;
+    COSHARD_CO_TRY(co_await s.finish_swap_pass());
     co_return co_await sum_grad_stats(s);
   }
 };
@@ -333,15 +323,15 @@ async::Task<Result<void>> Engine::State::step_swapped_piece(std::size_t i, std::
   const Tensor& master = shard.master;
   // bf16/f16: cast down in the same pass, into the pinned shard itself (parameters offloaded to
   // cpu: nothing left to copy) or into the staging buffer on its way to the device.
-  Tensor grads;  // grads_through_pass: the piece's gradient, from the device shard into the buffer
+  // The piece's gradient in the buffer's region after the master and state: taken from the
+  // device shard now (grads_through_pass), or read there from the file (grads_to_nvme).
+  Tensor grads;
+  if (grads_wait_for_a_pass())
+    grads = Tensor(bytes.data() + detail::swap_piece_bytes(p.count, 1 + optimizer->state_tensors()), Shape{p.count},
+                   DataType::f32, async::Device::cpu());
   if (grads_through_pass()) {
     if (!u.grad_shard) co_return fail(ErrorCode::internal, "Engine: unit ", u.info.name, " stepped without its gradient shard");
-    grads = Tensor(bytes.data() + detail::swap_piece_bytes(p.count, 1 + optimizer->state_tensors()), Shape{p.count},
-                   DataType::f32, async::Device::cpu());
     COSHARD_CO_TRY(take_gradient_piece(u, p, grads));
-  } else if (grads_to_nvme()) {  // read from the file's gradient region beside the master and state
-    grads = Tensor(bytes.data() + detail::swap_piece_bytes(p.count, 1 + optimizer->state_tensors()), Shape{p.count},
-                   DataType::f32, async::Device::cpu());
   }
   Tensor narrowed;
   const bool into_shard = narrow() && u.info.shard_offloaded;

@@ -57,12 +57,16 @@ async::Task<Result<void>> Engine::State::wait_for_the_pass(const Unit& u) {
   co_return Result<void>{};
 }
 
-std::vector<std::size_t> Engine::State::expected_arrivals() const {
+std::vector<std::size_t> Engine::State::pieces_in_expected_order() const {
   std::vector<std::size_t> trained;
   for (std::size_t k = 0; k < units.size(); ++k)
     if (!units[k]->info.frozen) trained.push_back(k);
-  if (backward_order.size() == trained.size()) return backward_order;
-  return {trained.rbegin(), trained.rend()};  // no step yet: backward goes roughly in reverse
+  std::vector<std::size_t> order = backward_order;
+  if (order.size() != trained.size()) order.assign(trained.rbegin(), trained.rend());  // no step yet: backward goes roughly in reverse
+  std::vector<std::size_t> pieces;  // each unit's sub-groups in turn
+  for (std::size_t k : order)
+    for (std::size_t i = first_piece[k]; i < first_piece[k + 1]; ++i) pieces.push_back(i);
+  return pieces;
 }
 
 namespace {
@@ -118,6 +122,7 @@ Result<void> Engine::State::start_swap_pass(float lr) {
   pass_ticks.emplace(std::move(ticks.second));
   grads_pending_bytes = 0;
   pass_awaits_arrival = false;
+  handed_order.clear();
   for (auto& u : units) u->grad_pending = false;
   if (stepping_in_backward)
     swap_step = rt->spawn(swapped_step_in_backward(std::move(channel.second), lr, std::move(ticks.first)));
@@ -126,11 +131,18 @@ Result<void> Engine::State::start_swap_pass(float lr) {
   return {};
 }
 
+async::Task<Result<void>> Engine::State::finish_swap_pass() {
+  auto handle = std::move(swap_step);
+  auto passed = co_await handle;
+  pass_ticks.reset();
+  COSHARD_CO_TRY(std::move(passed));
+  backward_order = handed_order;  // (the order the next step's pass expects)
+  co_return Result<void>{};
+}
+
 async::Task<Result<void>> Engine::State::swapped_step_in_backward(async::Receiver<std::size_t> ready, float lr,
                                                                   async::Sender<char> ticks) {
-  std::vector<std::size_t> pieces;  // each unit's sub-groups in turn
-  for (std::size_t k : expected_arrivals())
-    for (std::size_t i = first_piece[k]; i < first_piece[k + 1]; ++i) pieces.push_back(i);
+  const std::vector<std::size_t> pieces = pieces_in_expected_order();
   std::vector<offload::SubGroup> groups;
   for (std::size_t i : pieces) groups.push_back(subgroups[i]);
   std::vector<bool> arrived(units.size(), false);
@@ -147,9 +159,7 @@ async::Task<Result<void>> Engine::State::swapped_step_in_backward(async::Receive
 }
 
 async::Task<Result<void>> Engine::State::swap_gradients_out(async::Receiver<std::size_t> ready, async::Sender<char> ticks) {
-  std::vector<std::size_t> pieces;  // each unit's sub-groups in turn
-  for (std::size_t k : expected_arrivals())
-    for (std::size_t i = first_piece[k]; i < first_piece[k + 1]; ++i) pieces.push_back(i);
+  const std::vector<std::size_t> pieces = pieces_in_expected_order();
   std::vector<offload::SubGroup> groups;
   for (std::size_t i : pieces) groups.push_back(grad_subgroups[i]);
   std::vector<bool> arrived(units.size(), false);
