@@ -83,6 +83,13 @@ Result<FolderLock> FolderLock::claim(const fs::path& dir, std::string_view what,
       return fail(ErrorCode::invalid_argument, what, " ", dir.string(), ": its lock file ", lock.string(),
                   " is not a regular file");
     }
+    // A hard link planted under the lock file's name: writing the owner into it would rewrite
+    // another file (the claim truncates it).
+    if (opened.st_nlink > 1) {
+      ::close(fd);
+      return fail(ErrorCode::invalid_argument, what, " ", dir.string(), ": its lock file ", lock.string(), " has ",
+                  opened.st_nlink, " names (a hard link to another file): it is left as it is; remove it");
+    }
     const std::pair<dev_t, ino_t> key{opened.st_dev, opened.st_ino};
     std::unique_lock guard(reg.mutex);
     if (auto it = reg.held.find(key); it != reg.held.end()) {

@@ -9,6 +9,7 @@
 #include "coshard/collectives/nccl.hpp"
 #include "coshard/collectives/store.hpp"
 #include "coshard/modules/checkpointing.hpp"
+#include "coshard/modules/cpu_blas_kernels.hpp"
 #include "coshard/modules/cpu_threads.hpp"
 #include "coshard/modules/gpt.hpp"
 #include "coshard/modules/layers.hpp"

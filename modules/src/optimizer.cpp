@@ -96,7 +96,8 @@ Result<void> Optimizer::ensure_state(Context& ctx) {
   return {};
 }
 
-Result<void> Optimizer::add_group(Context& ctx, Tensor params, Tensor grads, std::vector<Segment> segments) {
+Result<void> Optimizer::add_group(Context& ctx, Tensor params, Tensor grads, std::vector<Segment> segments,
+                                  AllFrozen all_frozen) {
   if (!params || !grads || !(params.shape() == grads.shape()))
     return fail(ErrorCode::invalid_argument, "Optimizer: params ", params ? params.describe() : "empty",
                 " and grads ", grads ? grads.describe() : "empty", " must have one shape");
@@ -111,7 +112,7 @@ Result<void> Optimizer::add_group(Context& ctx, Tensor params, Tensor grads, std
   COSHARD_TRY(detail::check_supported(k, pdt, ctx.device(), "Optimizer"));
   COSHARD_TRY(detail::check_supported(k, grads.dtype(), ctx.device(), "Optimizer"));
   COSHARD_TRY_ASSIGN(auto runs, normalized(std::move(segments), params.numel()));
-  if (runs.size() == 1 && runs.front().frozen) {  // nothing here trains: no master, no state
+  if (runs.size() == 1 && runs.front().frozen && all_frozen == AllFrozen::hold_nothing) {  // no master, no state
     COSHARD_TRY(add_frozen_group(ctx, params.numel()));
     groups_.back().params = params;
     return {};
@@ -163,6 +164,42 @@ Result<void> Optimizer::set_group_skipped(std::size_t i, bool skipped) {
   if (i >= groups_.size())
     return fail(ErrorCode::out_of_range, "Optimizer::set_group_skipped(", i, "): ", groups_.size(), " groups");
   groups_[i].skipped = skipped;
+  return {};
+}
+
+Result<void> Optimizer::set_group_skipped_runs(std::size_t i, std::vector<std::pair<std::int64_t, std::int64_t>> runs) {
+  if (i >= groups_.size())
+    return fail(ErrorCode::out_of_range, "Optimizer::set_group_skipped_runs(", i, "): ", groups_.size(), " groups");
+  // (a swapped group's gradients may be a shape over no data: its size all the same)
+  const std::int64_t n = groups_[i].frozen ? 0 : groups_[i].grads.numel();
+  std::int64_t end = 0;
+  for (const auto& [b, e] : runs) {
+    if (b < end || e <= b || e > n)
+      return fail(ErrorCode::invalid_argument, "Optimizer::set_group_skipped_runs(", i, "): run [", b, ", ", e,
+                  "): expected sorted, non-empty runs apart from each other within the group's ", n, " elements");
+    end = e;
+  }
+  groups_[i].skipped_runs = std::move(runs);
+  return {};
+}
+
+template <class Step>
+Result<void> Optimizer::for_each_stepped_run(const Group& g, Step step) const {
+  const std::int64_t n = g.grads.numel();
+  // Each segment's elements less the skipped runs within it.
+  auto stepped = [&](std::int64_t begin, std::int64_t end, const Segment& seg) -> Result<void> {
+    for (const auto& [b, e] : g.skipped_runs) {
+      if (e <= begin) continue;
+      if (b >= end) break;
+      if (b > begin) COSHARD_TRY(step(begin, b, seg));
+      begin = std::max(begin, e);
+    }
+    if (begin < end) COSHARD_TRY(step(begin, end, seg));
+    return {};
+  };
+  if (g.segments.empty()) return stepped(0, n, default_settings());
+  for (const auto& seg : g.segments)
+    if (!seg.frozen) COSHARD_TRY(stepped(seg.begin, seg.end, seg));
   return {};
 }
 
@@ -382,10 +419,7 @@ Result<void> Optimizer::update(Context& ctx, const Group& g, std::int64_t first,
     a.weight_decay = seg.weight_decay;
     return k.sgd(ctx.stream(), master + local, gdt, gi, state1 ? state1 + local : nullptr, pdt, oi, n, a, st);
   };
-  if (g.segments.empty()) return run(0, g.grads.numel(), default_settings());
-  for (const auto& seg : g.segments)
-    if (!seg.frozen) COSHARD_TRY(run(seg.begin, seg.end, seg));
-  return {};
+  return for_each_stepped_run(g, run);
 }
 
 Result<void> Optimizer::finish_step(Context& ctx) {
@@ -474,7 +508,7 @@ Result<void> Optimizer::apply(Context& ctx, float lr) {
       if (g.skipped || g.frozen) continue;
       const bool cast_back = g.params.dtype() != DataType::f32;
       const std::size_t gsize = size_of(g.grads.dtype()), psize = size_of(g.params.dtype());
-      auto add = [&](std::int64_t begin, std::int64_t end, const Segment& seg) {
+      auto add = [&](std::int64_t begin, std::int64_t end, const Segment& seg) -> Result<void> {
         const auto at = static_cast<std::size_t>(begin);
         by_setting[{seg.lr_scale, seg.weight_decay, seg.beta1, seg.beta2, seg.eps}].push_back(
             {.master = g.master.data_as<float>() + at,
@@ -485,10 +519,9 @@ Result<void> Optimizer::apply(Context& ctx, float lr) {
              .n = end - begin,
              .gdt = static_cast<std::int32_t>(g.grads.dtype()),
              .pdt = static_cast<std::int32_t>(g.params.dtype())});
+        return {};
       };
-      if (g.segments.empty()) add(0, g.params.numel(), default_settings());
-      for (const auto& seg : g.segments)
-        if (!seg.frozen) add(seg.begin, seg.end, seg);
+      COSHARD_TRY(for_each_stepped_run(g, add));
     }
     for (const auto& [setting, tensors] : by_setting) {
       detail::AdamArgs a = impl_->adam_args;

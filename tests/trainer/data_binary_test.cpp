@@ -194,6 +194,47 @@ TEST(CoshardTrainShards, AResumeMidShardIsExactAndChangedOrMissingShardsAreNamed
   EXPECT_NE(none.output.find("matches no file"), std::string::npos) << none.output;
 }
 
+// #48 item 8: 3,000 shards (the data's identity listed every file and passed what a checkpoint's
+// run identity may hold, so every checkpoint was written and then refused by --resume): the
+// checkpoint resumes exactly, and a shard changed in the middle of the list is still a different run.
+TEST(CoshardTrainShards, ThreeThousandShardsResumeAndAChangedOneIsStillNamed) {
+  const fs::path dir = scratch("many_shards");
+  for (int k = 0; k < 3000; ++k) {
+    std::vector<std::uint16_t> ids;
+    for (int i = 0; i < 40; ++i) ids.push_back(static_cast<std::uint16_t>((k * 13 + i * 7) % 32));
+    char name[32];
+    std::snprintf(name, sizeof name, "train_%05d.bin", k);
+    write_llmc(dir / name, ids);
+  }
+  const std::string glob = (dir / "train_*.bin").string();
+  const auto straight = run(with(kTiny, {"--steps", "4", "--data", glob, "--metrics", (dir / "straight.jsonl").string(),
+                                         "--quiet"}),
+                            dir);
+  ASSERT_EQ(straight.code, 0) << straight.output;
+  const std::string ck = (dir / "ck").string();
+  const auto first = run(with(kTiny, {"--steps", "2", "--data", glob, "--checkpoint-dir", ck, "--checkpoint-every", "2",
+                                      "--metrics", (dir / "resumed.jsonl").string(), "--quiet"}),
+                         dir);
+  ASSERT_EQ(first.code, 0) << first.output;
+  const auto second = run(with(kTiny, {"--steps", "4", "--data", glob, "--checkpoint-dir", ck, "--resume", "--metrics",
+                                       (dir / "resumed.jsonl").string(), "--quiet"}),
+                          dir);
+  ASSERT_EQ(second.code, 0) << second.output;
+  EXPECT_EQ(losses_in(dir / "resumed.jsonl"), losses_in(dir / "straight.jsonl"));
+  {
+    std::fstream f(dir / "train_01500.bin", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(1024 + 10);
+    const std::uint16_t other = 31;
+    f.write(reinterpret_cast<const char*>(&other), 2);
+  }
+  const auto changed = run(with(kTiny, {"--steps", "6", "--data", glob, "--checkpoint-dir", ck, "--resume", "--quiet"}),
+                           dir);
+  EXPECT_GT(changed.code, 0) << changed.output;
+  EXPECT_LT(changed.code, 128) << changed.output;
+  EXPECT_NE(changed.output.find("a different run (data"), std::string::npos) << changed.output;
+  fs::remove_all(dir);
+}
+
 // Samples: every N steps and after the last, greedy the same at another world size and stage,
 // --steps 0 from --init; misuse named.
 TEST(CoshardTrainSamples, EveryNStepsAfterTheLastAndFromInitWithStepsZero) {

@@ -313,5 +313,56 @@ TEST(EngineCheckpoint, AnotherRunsCheckpointIsNotReplacedUnlessAskedTo) {
   EXPECT_EQ(name, "step-00000002") << "the replacing save is published";
 }
 
+// #48 item 9: ranks given different folders (a folder local to each node) each write their file
+// into their own; rank 0 publishes nothing rather than a checkpoint of its file alone, every rank
+// fails naming the ranks whose files it cannot see, and no `latest` appears anywhere.
+TEST(EngineCheckpoint, RanksSavingIntoDifferentFoldersPublishNothingAndSayWhy) {
+  const fs::path dir = scratch("folder_per_rank");
+  std::vector<std::string> errors(3);
+  auto saved = on_ranks(3, [&](int r, collectives::Communicator& comm) -> async::Task<Result<void>> {
+    COSHARD_CO_TRY_ASSIGN(auto e, RankEngine::make(comm, {3, 3}, dir / "swap"));
+    COSHARD_CO_TRY(co_await e.engine->initialize(kSeed));
+    COSHARD_CO_TRY(co_await e.train(0, 1));
+    const fs::path mine = dir / ("node" + std::to_string(r == 2 ? 1 : r));  // ranks 1 and 2 share node1's
+    COSHARD_CO_TRY(co_await e.engine->save_checkpoint(mine, kSines));
+    auto published = co_await e.engine->finish_checkpoint();
+    if (published) co_return fail(ErrorCode::internal, "a checkpoint of rank 0's file alone was published");
+    errors[static_cast<std::size_t>(r)] = published.error().message();
+    co_return Result<void>{};
+  });
+  ASSERT_TRUE(saved) << saved.error().message();
+  EXPECT_NE(errors[0].find("the files of 2 rank(s) (1, 2) are not in"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find("every rank must save into one folder that all of them see"), std::string::npos) << errors[0];
+  for (int r = 1; r < 3; ++r)
+    EXPECT_NE(errors[static_cast<std::size_t>(r)].find("rank 0 could not publish it"), std::string::npos) << errors[r];
+  EXPECT_FALSE(fs::exists(dir / "node0" / "latest"));
+  EXPECT_FALSE(fs::exists(dir / "node1" / "latest"));
+  EXPECT_FALSE(fs::exists(dir / "node0" / "step-00000001"));
+}
+
+// #48 item 8: a run identity a load would refuse (a field past 4096 characters) is refused by the
+// save, naming the field, before anything is written; one at the bound saves and loads.
+TEST(EngineCheckpoint, ARunIdentityTheLoadWouldRefuseIsRefusedBySave) {
+  const fs::path dir = scratch("long_identity");
+  const CheckpointOptions too_long = with_run({{"data", std::string(4097, 'x')}});
+  const CheckpointOptions at_bound = with_run({{"data", std::string(4096, 'x')}});
+  std::string error;
+  auto saved = on_ranks(2, [&](int r, collectives::Communicator& comm) -> async::Task<Result<void>> {
+    COSHARD_CO_TRY_ASSIGN(auto e, RankEngine::make(comm, {2, 2}, dir / "swap"));
+    COSHARD_CO_TRY(co_await e.engine->initialize(kSeed));
+    auto refused = co_await e.engine->save_checkpoint(dir / "ck", too_long);
+    if (refused) co_return fail(ErrorCode::internal, "a run identity past the bound was saved");
+    // (rank 0 alone creates the folder, at a save's claim: looked at before its next save)
+    if (r == 0) error = refused.error().message();
+    if (r == 0 && fs::exists(dir / "ck")) co_return fail(ErrorCode::internal, "the refused save wrote");
+    COSHARD_CO_TRY(co_await e.engine->save_checkpoint(dir / "ck", at_bound));
+    COSHARD_CO_TRY(co_await e.engine->finish_checkpoint());
+    COSHARD_CO_TRY_ASSIGN(auto again, RankEngine::make(comm, {2, 3}, dir / "swap2"));
+    co_return co_await again.engine->load_checkpoint(dir / "ck", at_bound);
+  });
+  ASSERT_TRUE(saved) << saved.error().message();
+  EXPECT_NE(error.find("'run' field 'data' is 4097 characters long: at most 4096"), std::string::npos) << error;
+}
+
 }  // namespace
 }  // namespace coshard::zero

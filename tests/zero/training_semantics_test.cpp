@@ -274,10 +274,12 @@ struct Case {
   OffloadTarget optimizer = OffloadTarget::none;
   OffloadTarget params = OffloadTarget::none;
   bool step_in_backward = false;
+  std::size_t coalesce = 0;  // module_granularity_bytes
   std::string name() const {
     return "world " + std::to_string(world) + ", stage " + std::to_string(stage) + ", " +
            std::to_string(micro_batches) + " micro-batches, optimizer " + std::string(to_string(optimizer)) +
-           ", parameters " + std::string(to_string(params)) + (step_in_backward ? ", step in backward" : "");
+           ", parameters " + std::string(to_string(params)) + (step_in_backward ? ", step in backward" : "") +
+           (coalesce ? ", module_granularity_bytes " + std::to_string(coalesce) : "");
   }
 };
 
@@ -285,8 +287,14 @@ struct Case {
 // gathered parameters. resume_at >= 0: after that many steps every rank saves a checkpoint, drops
 // its model, optimizer and engine, builds them anew and loads it (the rest of the run resumed).
 // `resumed_as`: the model of the resumed part, when not `sem`.
+// `across` (a checkpoint moving between layouts): save_to saves after `at` steps and ends the run
+// there; load_from starts the run at step `at` from the checkpoint there.
+struct Across {
+  int at = -1;
+  std::filesystem::path save_to, load_from;
+};
 Result<RunResult> sharded(const Semantics& sem, const Case& k, float clip, int resume_at = -1,
-                          const Semantics* resumed_as = nullptr) {
+                          const Semantics* resumed_as = nullptr, const Across& across = {}) {
   // One folder per test: ctest runs the tests of this file side by side.
   const auto swap = std::filesystem::current_path() / "training_semantics_scratch" /
                     ::testing::UnitTest::GetInstance()->current_test_info()->name();
@@ -310,11 +318,18 @@ Result<RunResult> sharded(const Semantics& sem, const Case& k, float clip, int r
     // The undeclared case: units [fc1, twice.inner] and [fc2], so the reused Linear's unit closes
     // after its first use (fc1 896 bytes, twice.inner 4,224, fc2 264).
     if (sem.reuse == Reuse::undeclared_layer) o.module_granularity_bytes = 5000;
+    if (k.coalesce) o.module_granularity_bytes = k.coalesce;
     COSHARD_CO_TRY_ASSIGN(auto engine, Engine::create(ctx, comm, *model->net, *opt, o));
     COSHARD_CO_TRY(co_await engine->initialize(7));
     modules::MeanSquaredErrorLoss loss;
     const std::int64_t rows = kMlpRows / k.world / k.micro_batches;
-    for (int step = 0; step < kSteps; ++step) {
+    if (!across.load_from.empty()) COSHARD_CO_TRY(co_await engine->load_checkpoint(across.load_from));
+    for (int step = across.load_from.empty() ? 0 : across.at; step < kSteps; ++step) {
+      if (step == across.at && !across.save_to.empty()) {
+        COSHARD_CO_TRY(co_await engine->save_checkpoint(across.save_to));
+        COSHARD_CO_TRY(co_await engine->finish_checkpoint());
+        break;
+      }
       if (step == resume_at) {
         COSHARD_CO_TRY(co_await engine->save_checkpoint(checkpoints));
         COSHARD_CO_TRY(co_await engine->finish_checkpoint());
@@ -437,6 +452,51 @@ TEST(UnusedParameters, ABranchThatNeverRunsIsLeftUntouched) {
 TEST(UnusedParameters, ABranchSkippedInSomeStepsIsLeftAsItWasThere) {
   Semantics sem{.frozen = {"fc2.bias"}, .branch = BranchRuns::some_steps};
   expect_matches(sem, 0.05f, {"fc2.bias"}, all_cases());
+}
+
+// #48 item 1: the branch's Linear coalesced with its neighbours (module_granularity_bytes, a
+// performance setting): units [fc1, branch.inner] + [fc2] (the skipped module is its unit's last)
+// and [fc1, branch.inner, fc2] (in its middle). Untouched when unused holds per parameter, not per
+// unit: the skipped Linear keeps its values and moments while the rest of its unit steps, at every
+// stage, world size and offload, with accumulation and stepping in backward.
+std::vector<Case> coalesced_cases() {
+  std::vector<Case> cases;
+  for (const std::size_t bytes : {5000u, 8000u})
+    for (Case k : all_cases()) {
+      k.coalesce = bytes;
+      cases.push_back(k);
+    }
+  return cases;
+}
+
+TEST(UnusedParameters, AModuleSkippedInsideACoalescedUnitIsLeftAsItWasThere) {
+  expect_matches({.frozen = {"fc2.bias"}, .branch = BranchRuns::some_steps}, 0.0f, {"fc2.bias"}, coalesced_cases());
+  expect_matches({.groups = true, .branch = BranchRuns::never}, 0.0f, {"branch.inner.weight", "branch.inner.bias"},
+                 coalesced_cases());
+}
+
+TEST(UnusedParameters, AModuleSkippedInsideACoalescedUnitWithClippingCountsOnlyWhatRan) {
+  expect_matches({.branch = BranchRuns::some_steps}, 0.05f, {},
+                 {{1, 3, 1, {}, {}, false, 5000}, {3, 2, 1, {}, {}, false, 8000}, {2, 3, 2, {}, {}, false, 5000},
+                  {2, 1, 1, OffloadTarget::cpu, {}, false, 8000}});
+}
+
+// Inside a coalesced unit a rank-dependent branch is allowed at every stage (the unit is reduced
+// on every rank either way): a module one rank used trains, one no rank used does not (the ranks
+// agree through one all-reduce of a flag per module).
+TEST(UnusedParameters, InsideACoalescedUnitABranchRunOnOneRankTrainsAndOneRunOnNoneDoesNot) {
+  const RunResult ref = reference({.branch = BranchRuns::never}, 0.0f);
+  for (const int stage : {0, 1, 2, 3})
+    for (const std::size_t bytes : {5000u, 8000u}) {
+      SCOPED_TRACE("stage " + std::to_string(stage) + ", module_granularity_bytes " + std::to_string(bytes));
+      auto one = sharded({.branch = BranchRuns::on_rank_one}, {2, stage, 1, {}, {}, false, bytes}, 0.0f);
+      ASSERT_TRUE(one) << one.error().message();
+      EXPECT_NE(one->final.at("branch.inner.weight"), ref.initial.at("branch.inner.weight"));
+      auto none = sharded({.branch = BranchRuns::never}, {3, stage, 1, {}, {}, false, bytes}, 0.0f);
+      ASSERT_TRUE(none) << none.error().message();
+      EXPECT_EQ(none->final.at("branch.inner.weight"), ref.initial.at("branch.inner.weight"));
+      EXPECT_EQ(none->final.at("branch.inner.bias"), ref.initial.at("branch.inner.bias"));
+    }
 }
 
 // Stage 1 allows a rank-dependent branch (it reduces every unit after backward): a unit that one
@@ -589,6 +649,43 @@ TEST(FrozenParameters, ACheckpointKeepsTheFrozenUnitsParametersAndResumesExactly
     EXPECT_EQ(resumed->losses, straight->losses);
     EXPECT_EQ(resumed->final, straight->final);
   }
+}
+
+// #48 item 7: a unit frozen in part (fc1.weight frozen, fc1.bias trained) has a block that is
+// frozen throughout on some ranks (rank 0's of 2: elements [0, 112) of fc1.weight). Every block of
+// the unit still has its master and state, so a checkpoint saves (it crashed on the missing ones)
+// and moves to another layout: saved at one world size, stage and offload, resumed at another, the
+// run goes on as the unsharded model does, and the frozen weight keeps its initial bits.
+TEST(FrozenParameters, ACheckpointOfAUnitFrozenInPartSavesAndMovesBetweenLayouts) {
+  const Semantics sem{.frozen = {"fc1.weight"}};
+  const RunResult ref = reference(sem, 0.0f);
+  const auto dir = std::filesystem::current_path() / "training_semantics_scratch" / "partly_frozen_checkpoint";
+  const std::vector<std::pair<Case, Case>> moves{
+      {{2, 1}, {3, 3}},
+      {{2, 2, 2}, {1, 3}},
+      {{3, 3}, {2, 1, 1, OffloadTarget::cpu}},
+      {{2, 3, 1, OffloadTarget::cpu, OffloadTarget::cpu}, {3, 2}},
+      {{2, 3, 1, OffloadTarget::nvme, OffloadTarget::nvme}, {2, 3, 1, OffloadTarget::cpu}},
+      {{1, 3, 1, OffloadTarget::nvme}, {2, 2}},
+  };
+  for (const auto& [from, to] : moves) {
+    SCOPED_TRACE(from.name() + " -> " + to.name());
+    std::filesystem::remove_all(dir);
+    auto saved = sharded(sem, from, 0.0f, -1, nullptr, {.at = 3, .save_to = dir});
+    ASSERT_TRUE(saved) << saved.error().message();
+    ASSERT_EQ(saved->losses.size(), 3u);
+    auto resumed = sharded(sem, to, 0.0f, -1, nullptr, {.at = 3, .load_from = dir});
+    ASSERT_TRUE(resumed) << resumed.error().message();
+    ASSERT_EQ(resumed->losses.size(), static_cast<std::size_t>(kSteps - 3));
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_NEAR(saved->losses[i], ref.losses[i], 1e-6 * ref.losses[i]) << "step " << i;
+      EXPECT_NEAR(resumed->losses[i], ref.losses[3 + i], 1e-6 * ref.losses[3 + i]) << "step " << 3 + i;
+    }
+    EXPECT_EQ(resumed->final.at("fc1.weight"), ref.initial.at("fc1.weight"));
+    for (std::size_t i = 0; i < ref.final.at("fc1.bias").size(); ++i)
+      EXPECT_NEAR(resumed->final.at("fc1.bias")[i], ref.final.at("fc1.bias")[i], 1e-6) << i;
+  }
+  std::filesystem::remove_all(dir);
 }
 
 // A unit saved frozen has no optimizer state to resume a run that trains it: refused by name. The

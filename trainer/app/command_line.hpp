@@ -30,6 +30,7 @@ struct Options {
   std::int64_t heads = 4;
   std::int64_t vocab = 256;  // the synthetic task's, or the model's for token ids; bytes are 256
   bool init_is_folder = false;    // --init names a Hugging Face folder (else a safetensors file)
+  std::string init_fingerprint;   // of --init's files (run_checks.hpp): every rank must load the same
   bool export_is_folder = false;  // --export names a folder (else FILE.safetensors)
   ModelChoice model;  // --model, --preset and the shape flags (its vocabulary settled in main)
   std::string data_format = "auto";  // trainer::parse_token_format

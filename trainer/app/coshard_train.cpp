@@ -34,6 +34,7 @@
 #include "coshard/collectives/env.hpp"
 #include "coshard/collectives/flight_recorder.hpp"
 #include "coshard/collectives/local.hpp"
+#include "coshard/modules/cpu_blas_kernels.hpp"
 #include "coshard/modules/cpu_threads.hpp"
 #include "coshard/modules/gpt.hpp"
 #include "coshard/modules/layers.hpp"
@@ -70,7 +71,18 @@ static_assert(std::atomic<int>::is_always_lock_free);
 // the process ends as the signal would have, saying so.
 std::atomic<unsigned> g_stop_timeout_s{0};
 
+// Set once the run has saved and exported everything (its closing sample is all that is left): a
+// stop signal then ends the process at once instead of waiting for the sample.
+std::atomic<bool> g_nothing_to_lose{false};
+
 extern "C" void on_stop_signal(int sig) {
+  if (g_nothing_to_lose.load()) {
+    static constexpr char kNote[] = "coshard-train: stopped during the closing sample (everything was saved)\n";
+    [[maybe_unused]] const ssize_t n = ::write(2, kNote, sizeof kNote - 1);
+    std::signal(sig, SIG_DFL);
+    std::raise(sig);
+    _exit(128 + sig);
+  }
   if (g_stop_signal.exchange(sig) != 0) {
     std::signal(sig, SIG_DFL);
     std::raise(sig);
@@ -154,6 +166,9 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
                                                      std::to_string(o.sample.top_k) + ", prompt " + prompt
                                                : "none");
   builder.ranks_agree_on("--val-data", val ? val->identity() : "none");
+  // Ranks starting from different weights would each keep their own blocks of them: one model of
+  // several files, trained without a word.
+  builder.ranks_agree_on("--init", o.init.empty() ? "none" : o.init_fingerprint);
   if (val) builder.validation(*val, o.train.eval_every, o.train.eval_batches);
   COSHARD_CO_TRY_ASSIGN(auto t, co_await builder.build(*model));
   if (shared.epoch.recorded()) COSHARD_CO_TRY(t.set_timeline_epoch(shared.epoch));
@@ -189,6 +204,7 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
     }
     if (o.train.activation_checkpointing.enabled())
       std::printf("  activation checkpointing: %s\n", o.train.activation_checkpointing.to_string().c_str());
+    if (o.device == "cpu") std::printf("  matrix products: %s\n", modules::cpu_blas_kernels().describe().c_str());
     const std::string ranks = o.launch.launcher == collectives::Launcher::none
                                   ? "threads of this process"
                                   : "processes started by " + std::string(collectives::to_string(o.launch.launcher));
@@ -265,9 +281,6 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
   COSHARD_CO_TRY_ASSIGN(auto all_done, comm.barrier());
   COSHARD_CO_TRY(co_await all_done);
   if (lead && !o.quiet) progress.finish();
-  // The sample after the last step (--steps 0: the only one, always shown).
-  if (o.sampling && !stopped && nonfinite_since == 0)
-    COSHARD_CO_TRY(co_await train_app::sample_after(t, o, data, t.steps_done(), o.quiet && o.steps > 0));
   if (lead && !o.trace.empty()) {
     // Local ranks: every rank added its spans before the barrier. Processes: this rank's own.
     COSHARD_CO_TRY(shared.trace.write(o.trace));
@@ -288,6 +301,16 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
       COSHARD_CO_TRY(co_await t.export_safetensors(o.export_path));
     }
     if (lead && !o.quiet) std::printf("exported %s\n", o.export_path.c_str());
+  }
+  // The sample after the last step (--steps 0: the only one, always shown), once everything is
+  // saved and exported on every rank: a stop signal during it has nothing left to lose, and ends
+  // the process at once.
+  if (o.sampling && !stopped) {
+    COSHARD_CO_TRY_ASSIGN(auto exported, comm.barrier());
+    COSHARD_CO_TRY(co_await exported);
+    g_nothing_to_lose.store(true);
+    if (g_stop_signal.load() != 0) co_return Result<void>{};  // (it came before: no sample)
+    COSHARD_CO_TRY(co_await train_app::sample_after(t, o, data, t.steps_done(), o.quiet && o.steps > 0));
   }
   co_return Result<void>{};
 }
@@ -450,6 +473,9 @@ int run(const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The best OpenBLAS kernels this CPU runs, chosen before anything starts (OpenBLAS reads its
+  // choice when it loads: a restart of this program when it chose weaker ones).
+  modules::choose_blas_kernels_and_restart(argv);
   train_app::Options o;
   if (auto done = train_app::parse_command_line(argc, argv, o)) return *done;
   const TrainerConfig& c = o.train;
@@ -596,6 +622,12 @@ int main(int argc, char** argv) {
       c.offload_params.nvme_path != c.offload_optimizer.nvme_path)
     paths.output_folders.push_back({"--offload-params nvme", c.offload_params.nvme_path});
   if (auto ok = train_app::check_run_paths(paths); !ok) return usage(ok.error().message());
+  for (const auto& input : paths.inputs) {
+    if (input.role != "--init") continue;
+    auto fingerprint = train_app::file_fingerprint(input.path);
+    if (!fingerprint) return usage("--init: " + fingerprint.error().message());
+    o.init_fingerprint += (o.init_fingerprint.empty() ? "" : "; ") + *fingerprint;
+  }
   if (vocab_of_bytes != 0)
     return usage("--vocab " + std::to_string(vocab_of_bytes) + " with --data " + o.data +
                  " read as bytes: bytes are a vocabulary of 256 (leave --vocab out, or --data-format u16/u32 for a "

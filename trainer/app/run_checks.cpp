@@ -1,7 +1,10 @@
 #include "run_checks.hpp"
 
 #include <algorithm>
+#include <fstream>
+#include <span>
 #include <system_error>
+#include <vector>
 
 #include "coshard/async/files.hpp"
 #include "coshard/zero/checkpoint.hpp"
@@ -111,6 +114,29 @@ Result<void> prepare_checkpoint_folder(const fs::path& dir, bool resume, bool st
     if (ec) return fail(ErrorCode::io, "--start-over: removing ", p.string(), ": ", ec.message());
   }
   return {};
+}
+
+Result<std::string> file_fingerprint(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::error_code ec;
+  const auto size = std::filesystem::file_size(path, ec);
+  if (!in || ec) return fail(ErrorCode::io, "cannot read ", path.string(), ec ? ": " + ec.message() : std::string());
+  constexpr std::uint64_t kHead = 64 << 10, kPiece = 4 << 10, kPieces = 64;
+  std::vector<char> bytes;
+  auto take = [&](std::uint64_t at, std::uint64_t n) {
+    n = std::min(n, size > at ? size - at : 0);
+    const auto before = bytes.size();
+    bytes.resize(before + n);
+    in.seekg(static_cast<std::streamoff>(at));
+    in.read(bytes.data() + before, static_cast<std::streamsize>(n));
+    bytes.resize(before + static_cast<std::size_t>(in.gcount()));
+    in.clear();
+  };
+  take(0, kHead);
+  if (size > kHead)
+    for (std::uint64_t k = 0; k < kPieces; ++k) take(kHead + (size - kHead) / kPieces * k, kPiece);
+  const auto crc = async::crc32_of(std::as_bytes(std::span<const char>(bytes.data(), bytes.size())));
+  return std::to_string(size) + " bytes, sampled crc32 " + std::to_string(crc);
 }
 
 }  // namespace coshard::train_app

@@ -29,6 +29,11 @@ Result<void> check_run_paths(const RunPaths& paths);
 // One input: it exists and is a regular file (links followed), else named with what it is.
 Result<void> check_input_path(const NamedPath& input);
 
+// A file's fingerprint for ranks to compare (every rank given the same --init): its size and the
+// CRC-32 of its first 64 KiB and of 64 pieces of 4 KiB spread over the rest. Files of other weights
+// differ in all of them; reading the whole file would cost every rank a model's size.
+Result<std::string> file_fingerprint(const std::filesystem::path& path);
+
 // The checkpoint folder of a run: `resume` needs one to resume from (checked by the load); a
 // fresh run refuses a folder that holds checkpoints, unless `start_over`, which removes them
 // (only the checkpoint folders and `latest`: nothing else in the folder). Leftovers of saves

@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <set>
 
+#include "coshard/async/files.hpp"
 #include "coshard/async/json_limits.hpp"
 #include "coshard/async/memory.hpp"
 #include "coshard/trainer/data.hpp"
@@ -56,8 +57,15 @@ std::string TokenShards::describe() const {
 
 std::string TokenShards::identity() const {
   std::string id = "shards " + std::to_string(files_.size());
-  for (const auto& f : files_) id += "; " + f->identity();
-  return id;
+  std::string each;
+  for (const auto& f : files_) each += "; " + f->identity();
+  // A checkpoint's run identity holds a field of at most 4096 characters (about 100 files listed):
+  // a longer list is its CRC-32, with the first and last file named (a changed, missing or
+  // reordered file still changes it).
+  if (id.size() + each.size() <= 2048) return id + each;
+  const auto crc = async::crc32_of(std::as_bytes(std::span<const char>(each.data(), each.size())));
+  return id + ", every file's tokens in order crc32 " + std::to_string(crc) + "; first " + files_.front()->identity() +
+         "; last " + files_.back()->identity();
 }
 
 std::int32_t TokenShards::at(std::int64_t i) const noexcept {

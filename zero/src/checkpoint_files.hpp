@@ -37,6 +37,12 @@ const Tensor& tensor_of(const UnitShard& shard, BlockKind k) noexcept;
 // Every field of two run identities that differs, as "key: saved A, this run B; ..." (empty: the same).
 std::string run_differences(const std::map<std::string, std::string>& saved, const std::map<std::string, std::string>& mine);
 
+// The bounds a run identity is held to, on save (a refusal before anything is written) and on load
+// alike, so that whatever is saved loads: at most kRunFields fields, each key at most kRunKeyChars
+// characters and each value at most kRunValueChars. The error text names the field (empty: fits).
+inline constexpr std::size_t kRunFields = 256, kRunKeyChars = 256, kRunValueChars = 4096;
+std::string run_identity_error(const std::map<std::string, std::string>& run);
+
 // The checkpoint folder name `dir/latest` holds (a refusal names what it holds instead), and a
 // checkpoint folder's manifest, read and checked.
 Result<std::string> read_latest(const std::filesystem::path& dir);

@@ -6,6 +6,7 @@
 #include <cstdio>
 
 #include "coshard/async/json_limits.hpp"
+#include "checkpoint_files.hpp"
 
 namespace coshard::zero {
 
@@ -170,14 +171,29 @@ Result<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, std:
   }
   if (m.contains("run")) {
     const json& run = m["run"];
-    if (!run.is_object() || run.size() > 256) return bad("'run' is not an object of at most 256 strings");
+    if (!run.is_object() || run.size() > detail::kRunFields)
+      return bad("'run' is not an object of at most " + std::to_string(detail::kRunFields) + " strings");
     for (const auto& [key, value] : run.items()) {
-      if (!value.is_string() || key.size() > 256 || value.get<std::string>().size() > 4096)
-        return bad("'run' field '" + key.substr(0, 64) + "' is not a string of at most 4096 characters");
+      if (!value.is_string()) return bad("'run' field '" + key.substr(0, 64) + "' is not a string");
       out.run.emplace(key, value.get<std::string>());
     }
+    if (auto error = detail::run_identity_error(out.run); !error.empty()) return bad(error);
   }
   return out;
+}
+
+std::string detail::run_identity_error(const std::map<std::string, std::string>& run) {
+  if (run.size() > kRunFields)
+    return "'run' has " + std::to_string(run.size()) + " fields: at most " + std::to_string(kRunFields);
+  for (const auto& [key, value] : run) {
+    if (key.size() > kRunKeyChars)
+      return "'run' field '" + key.substr(0, 64) + "...' has a name of " + std::to_string(key.size()) +
+             " characters: at most " + std::to_string(kRunKeyChars);
+    if (value.size() > kRunValueChars)
+      return "'run' field '" + key + "' is " + std::to_string(value.size()) + " characters long: at most " +
+             std::to_string(kRunValueChars);
+  }
+  return {};
 }
 
 }  // namespace coshard::zero

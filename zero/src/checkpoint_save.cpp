@@ -129,8 +129,25 @@ void remove_oldest_checkpoints(const fs::path& dir, const std::string& latest, s
 // Rank 0's half of a publish, on the blocking pool: the manifest into the partial folder, the
 // folder renamed into place (an older one of the same step moved aside first), `latest`
 // replaced, the oldest beyond `keep` removed.
-Result<void> publish_files(const fs::path& dir, const std::string& name, const std::string& manifest, int keep) {
+Result<void> publish_files(const fs::path& dir, const std::string& name, const std::string& manifest, int keep,
+                           const std::vector<std::uint64_t>& rank_bytes) {
   const fs::path partial = dir / (name + ".partial"), final_dir = dir / name;
+  // Every rank's file must be in the folder published: ranks given different folders (a folder
+  // local to each node) each wrote into their own, and a checkpoint of rank 0's file alone loads
+  // nowhere.
+  std::string unseen;
+  int unseen_count = 0;
+  for (std::size_t r = 0; r < rank_bytes.size(); ++r) {
+    std::error_code ec;
+    const auto size = fs::file_size(partial / checkpoint_rank_file(static_cast<int>(r)), ec);
+    if (!ec && size == rank_bytes[r]) continue;
+    if (++unseen_count <= 8) unseen += (unseen.empty() ? "" : ", ") + std::to_string(r);
+  }
+  if (unseen_count > 0)
+    return fail(ErrorCode::io, "the files of ", unseen_count, " rank(s) (", unseen, unseen_count > 8 ? ", ..." : "",
+                ") are not in ", partial.string(), " as they reported them written: every rank must save into one "
+                "folder that all of them see (a shared filesystem; each rank's own --checkpoint-dir does not make a "
+                "checkpoint); nothing is published");
   COSHARD_TRY(async::write_file_atomic(partial / "manifest.json", manifest));
   std::error_code ec;
   if (fs::exists(final_dir, ec)) {  // a checkpoint of this step already (a resumed run saving again)
@@ -216,6 +233,10 @@ async::Task<Result<void>> Engine::save_checkpoint(const fs::path& dir, Checkpoin
   if (options.keep < 0)
     co_return fail(ErrorCode::invalid_argument, "save_checkpoint: keep=", options.keep,
                    ": expected >= 0 (0 keeps every checkpoint)");
+  // A run identity the load would refuse is refused here, before anything is written.
+  if (auto error = run_identity_error(options.run); !error.empty())
+    co_return fail(ErrorCode::invalid_argument, "save_checkpoint: CheckpointOptions::run: ", error,
+                   " (a checkpoint saved with it could not be loaded)");
   COSHARD_CO_TRY(co_await finish_checkpoint());
   {
     // Rank 0 claims the folder and checks whose checkpoints are there; every rank learns the outcome
@@ -352,13 +373,15 @@ async::Task<Result<void>> Engine::State::publish_checkpoint() {
   if (rank == 0) {
     auto manifest = json::parse(p.manifest);
     json files = json::array();
+    std::vector<std::uint64_t> rank_bytes;
+    for (int r = 0; r < world; ++r) rank_bytes.push_back(static_cast<std::uint64_t>(all[static_cast<std::size_t>(3 * r + 1)]));
     for (int r = 0; r < world; ++r)
       files.push_back({{"rank", r}, {"name", checkpoint_rank_file(r)}, {"bytes", all[static_cast<std::size_t>(3 * r + 1)]},
                        {"crc32", all[static_cast<std::size_t>(3 * r + 2)]}});
     manifest["files"] = std::move(files);
     // Named, not a temporary in the co_await (GCC 12 destroys such temporaries twice).
-    auto publish = [dir = p.dir, name = p.name, text = manifest.dump(1), keep = p.keep]() {
-      return publish_files(dir, name, text, keep);
+    auto publish = [dir = p.dir, name = p.name, text = manifest.dump(1), keep = p.keep, rank_bytes]() {
+      return publish_files(dir, name, text, keep, rank_bytes);
     };
     auto done = co_await async::Runtime::current()->spawn_blocking(std::move(publish));
     if (!done) {

@@ -1,6 +1,10 @@
 // Building an engine: options checked, fetch units planned and sharded, the memory estimate
 // checked, the optimizer offload's stream, pinned pool and swap files made, each unit's storage
 // (shard, full copy, gradients) placed, and the engine installed as the context's hooks.
+#include <limits>
+#include <mutex>
+
+#include "coshard/modules/cpu_blas_kernels.hpp"
 #include "coshard/zero/memory_estimate.hpp"
 #include "engine_state.hpp"
 #include "fetch_units.hpp"
@@ -150,6 +154,18 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     u->index = s->units.size();
     for (const auto& p : u->params) s->planned_trainable.emplace_back(p.parameter, p.parameter->trainable());
     for (Module* m : u->modules) s->unit_of.emplace(m, u->index);
+    if (u->coalesced())
+      for (std::size_t k = 0; k < u->modules.size(); ++k) {
+        Unit::ModuleRun run{std::numeric_limits<std::int64_t>::max(), 0};
+        for (const auto& p : u->params)
+          if (std::any_of(u->modules[k]->parameters().begin(), u->modules[k]->parameters().end(),
+                          [&](const auto& q) { return q.get() == p.parameter; })) {
+            run.begin = std::min(run.begin, p.offset);
+            run.end = std::max(run.end, p.offset + p.parameter->numel());
+          }
+        s->position_in_unit.emplace(u->modules[k], k);
+        u->module_runs.push_back(run);
+      }
     s->units.push_back(std::move(u));
   }
   // Declared uses of other modules' parameters: the owner's unit, which must be the model's.
@@ -229,6 +245,14 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   COSHARD_LOG_INFO(zero, "engine: stage {}, {} of {} ranks on {} ({}), {} fetch units, max_live_bytes {}, optimizer on {}, "
                    "parameters on {}", o.zero_stage, s->rank, s->world, ctx.device().to_string(), comm.backend(),
                    s->units.size(), o.max_live_bytes, to_string(o.offload_optimizer), to_string(o.offload_params));
+  // The CPU's matrix products on weaker OpenBLAS kernels than the CPU runs: said once a process.
+  if (ctx.device().is_cpu()) {
+    static std::once_flag said;
+    std::call_once(said, [] {
+      if (const std::string warning = modules::cpu_blas_kernels().warning(); !warning.empty())
+        COSHARD_LOG_WARN(modules, "{}", warning);
+    });
+  }
   auto engine = std::unique_ptr<Engine>(new Engine(std::move(s)));
   ctx.set_hooks(engine.get());
   return engine;

@@ -72,6 +72,18 @@ struct Engine::State {
   std::size_t element_size = 4;
   std::vector<std::unique_ptr<Unit>> units;
   std::unordered_map<const Module*, std::size_t> unit_of;
+  // A coalesced unit's modules: where each is in its unit's modules (Unit::module_runs).
+  std::unordered_map<const Module*, std::size_t> position_in_unit;
+  // The coalesced unit open in forward (its last module to run unknown until another unit's
+  // module starts, or the pass ends): closed by close_open_forward (hooks.cpp).
+  Unit* open_forward = nullptr;
+  Result<void> close_open_forward(Context& ctx);
+  // A unit's forward use is done: its timeline span, and the residence's after_use (stage 3: released).
+  Result<void> finish_forward(Context& ctx, Unit& u);
+  // A new pass: no coalesced unit open, none of their modules used yet (and, for a step, none used).
+  void reset_coalesced(bool new_step);
+  // The model's forward or backward starts: no coalesced unit has opened in it yet.
+  void new_coalesced_pass();
   // Units of other modules a module declared it uses (Module::use_parameters_of): fetched, and
   // their gradient taken and reduced, around it as if their owner ran.
   std::unordered_map<const Module*, std::vector<std::size_t>> borrowed_units;
@@ -346,6 +358,10 @@ struct Engine::State {
   // Before the optimizer steps: units that got no gradient this step on any rank are left
   // untouched, as PyTorch leaves a parameter whose gradient is None (stage 1 asks the other ranks).
   async::Task<Result<void>> skip_units_without_gradients();
+  // Coalesced unit u: the elements of its modules whose flag in `used` (one a module) is 0 are left
+  // untouched by the coming step (empty `used`: every module steps).
+  Result<void> skip_unused_modules(const Unit& u, std::span<const double> used);
+  Result<void> skip_modules_unused_here(const Unit& u);  // (step_in_backward.cpp)
   // `values` reduced over the ranks (as f32) with `op`, back on the host: one small
   // all-reduce, awaited (prefetch.cpp).
   async::Task<Result<std::vector<double>>> all_reduce_values(std::span<const double> values,

@@ -29,6 +29,11 @@ async::Task<Result<void>> Engine::before_forward(Context& ctx, Module& module) {
                      " in a step begun with ", s.declared_micro_batches,
                      " (begin_step(micro_batches) declares the gradient accumulation up front)");
   }
+  Unit* u = s.unit_for(module);
+  // A coalesced unit open in forward is done once a module of another unit starts (a unit's
+  // modules run in one stretch), or the model does.
+  if (s.open_forward && s.open_forward != u && (u || &module == s.model)) COSHARD_CO_TRY(s.close_open_forward(ctx));
+  if (&module == s.model && !recompute) s.new_coalesced_pass();
   // Units whose parameters this module declared it reads: used as if their owner ran here.
   if (const auto* lent = s.borrowed_of(module))
     for (const std::size_t i : *lent) {
@@ -39,8 +44,19 @@ async::Task<Result<void>> Engine::before_forward(Context& ctx, Module& module) {
       }
       COSHARD_CO_TRY(co_await s.residence->acquire(s, b));
     }
-  Unit* u = s.unit_for(module);
-  if (!u || &module != u->modules.front()) co_return Result<void>{};
+  if (!u) co_return Result<void>{};
+  // A unit opens at its first module; a coalesced one, whose first module may be skipped, at the
+  // first of its modules to run in the pass (a module of it run again after it closed does not
+  // open it again: an undeclared second use, as before).
+  const bool front = &module == u->modules.front();
+  if (u->coalesced() && (front || (!u->forward_open && !u->opened_in_forward))) {
+    if (u->forward_open) COSHARD_CO_TRY(s.close_open_forward(ctx));  // (its last use's, its last module skipped)
+    u->forward_open = u->opened_in_forward = true;
+    u->first_ran = &module;
+    s.open_forward = u;
+  } else if (!front) {
+    co_return Result<void>{};
+  }
   if (!recompute) {
     ++u->forward_uses;
     ++u->uses_pending;
@@ -57,17 +73,31 @@ Result<void> Engine::after_forward(Context& ctx, Module& module) {
   if (const auto* lent = s.borrowed_of(module))
     for (const std::size_t i : *lent)
       COSHARD_TRY(s.residence->after_use(s, *s.units[i]));
+  if (&module == s.model) COSHARD_TRY(s.close_open_forward(ctx));  // (its last module skipped)
   Unit* u = s.unit_for(module);
   if (!u || &module != u->modules.back()) return {};
-  if (s.timeline.spans_on()) {
-    COSHARD_TRY_ASSIGN(auto end, s.ctx->stream().record_timed());
-    s.timeline.span(true, ctx.recomputing() ? "recompute" : "forward", u->info.name, std::move(u->compute_start),
-           std::move(end), u->fetch_pos);
-  }
-  return s.residence->after_use(s, *u);
+  if (u->coalesced() && u->forward_open) return s.close_open_forward(ctx);
+  return s.finish_forward(ctx, *u);
 }
 
-async::Task<Result<void>> Engine::before_backward(Context&, Module& module) {
+Result<void> Engine::State::finish_forward(Context& c, Unit& u) {
+  if (timeline.spans_on()) {
+    COSHARD_TRY_ASSIGN(auto end, ctx->stream().record_timed());
+    timeline.span(true, c.recomputing() ? "recompute" : "forward", u.info.name, std::move(u.compute_start),
+                  std::move(end), u.fetch_pos);
+  }
+  return residence->after_use(*this, u);
+}
+
+Result<void> Engine::State::close_open_forward(Context& c) {
+  if (!open_forward) return {};
+  Unit& u = *open_forward;
+  open_forward = nullptr;
+  u.forward_open = false;
+  return finish_forward(c, u);
+}
+
+async::Task<Result<void>> Engine::before_backward(Context& ctx, Module& module) {
   State& s = *s_;
   if (s.owns(module)) {
     if (s.open != State::Open::step)
@@ -75,6 +105,8 @@ async::Task<Result<void>> Engine::before_backward(Context&, Module& module) {
                      s.open == State::Open::inference ? " (in an inference pass: forward only)" : " (call begin_step first)");
     if (&module == s.model) ++s.model_backwards;
   }
+  COSHARD_CO_TRY(s.close_open_forward(ctx));  // (a recompute's, activation checkpointing: backward follows it)
+  if (&module == s.model) s.new_coalesced_pass();
   if (const auto* lent = s.borrowed_of(module))
     for (const std::size_t i : *lent) {
       Unit& b = *s.units[i];
@@ -82,7 +114,15 @@ async::Task<Result<void>> Engine::before_backward(Context&, Module& module) {
       COSHARD_CO_TRY(s.reduction->begin_backward(s, b));
     }
   Unit* u = s.unit_for(module);
-  if (!u || &module != u->modules.back()) co_return Result<void>{};
+  if (!u) co_return Result<void>{};
+  // Backward mirrors forward: a unit opens at its last module, a coalesced one whose last module
+  // was skipped at the first of its modules to run backward.
+  const bool back = &module == u->modules.back();
+  if (u->coalesced() && (back || (!u->backward_open && !u->opened_in_backward))) {
+    u->backward_open = u->opened_in_backward = true;
+  } else if (!back) {
+    co_return Result<void>{};
+  }
   COSHARD_CO_TRY(co_await s.wait_for_the_pass(*u));  // (gradient shards waiting for the swapper's pass)
   COSHARD_CO_TRY(co_await s.residence->acquire(s, *u));
   COSHARD_CO_TRY(s.reduction->begin_backward(s, *u));
@@ -101,7 +141,16 @@ Result<void> Engine::after_backward(Context&, Module& module) {
       COSHARD_TRY(s.residence->after_use(s, b));
     }
   Unit* u = s.unit_for(module);
-  if (!u || &module != u->modules.front()) return {};
+  if (!u) return {};
+  // A unit closes at its first module; a coalesced one whose first module was skipped at the
+  // module that opened its forward.
+  if (u->coalesced()) {
+    u->module_runs[s.position_in_unit.at(&module)].used = true;
+    if (&module != u->modules.front() && !(u->backward_open && &module == u->first_ran)) return {};
+    u->backward_open = false;
+  } else if (&module != u->modules.front()) {
+    return {};
+  }
   if (s.timeline.spans_on()) {
     COSHARD_TRY_ASSIGN(auto end, s.ctx->stream().record_timed());
     s.timeline.span(true, "backward", u->info.name, std::move(u->compute_start), std::move(end), u->fetch_pos);

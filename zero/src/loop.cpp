@@ -74,6 +74,7 @@ async::Task<Result<void>> Engine::begin_step(int micro_batches, float lr) {
     u->backwards_this_step = 0;
     u->stepped_early = false;
     COSHARD_CO_TRY(s.reduction->begin_step(s, *u));
+    if (u->coalesced()) COSHARD_CO_TRY(s.skip_unused_modules(*u, {}));
     const auto group = s.group_of(*u);
     COSHARD_CO_TRY(group.optimizer.set_group_skipped(group.index, false));
   }

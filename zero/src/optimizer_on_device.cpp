@@ -21,7 +21,7 @@ class OptimizerOnDevice final : public OptimizerPlacement {
 
   Result<void> add_unit(Engine::State& s, Unit& u) override {
     if (u.info.frozen) return s.optimizer->add_frozen_group(*s.ctx, u.info.shard);  // no master, no state
-    return s.optimizer->add_group(*s.ctx, u.shard, u.grad_shard, s.segments_of(u));
+    return s.optimizer->add_group(*s.ctx, u.shard, u.grad_shard, s.segments_of(u), Optimizer::AllFrozen::hold_state);
   }
 
   async::Task<Result<void>> step(Engine::State& s, float lr) override {

@@ -178,7 +178,8 @@ class OptimizerOnHost final : public HostOptimizer {
       // Stepped on the device: its group in the device part, over the shard and its resident
       // gradient shard; an empty frozen group keeps its place in the user's optimizer.
       u.device_group = s.device_optimizer->groups().size();
-      COSHARD_TRY(s.device_optimizer->add_group(*s.ctx, u.shard, u.grad_shard, s.segments_of(u)));
+      COSHARD_TRY(s.device_optimizer->add_group(*s.ctx, u.shard, u.grad_shard, s.segments_of(u),
+                                                  Optimizer::AllFrozen::hold_state));
       return s.optimizer->add_frozen_group(*s.host_ctx, u.info.shard);
     }
     if (u.info.frozen) {
@@ -198,12 +199,12 @@ class OptimizerOnHost final : public HostOptimizer {
       COSHARD_TRY_ASSIGN(u.host_param_block, s.pinned->acquire(shard_bytes));
       u.host_param = Tensor(u.host_param_block.data(), shard_shape, s.o.dtype, async::Device::cpu());
       if (u.info.shard_offloaded) u.shard = u.host_param;
-      return s.optimizer->add_group(*s.host_ctx, u.host_param, u.host_grad, s.segments_of(u));
+      return s.optimizer->add_group(*s.host_ctx, u.host_param, u.host_grad, s.segments_of(u), Optimizer::AllFrozen::hold_state);
     }
     COSHARD_TRY_ASSIGN(u.host_master_block, s.pinned->acquire(shard_bytes));
     u.host_master = Tensor(u.host_master_block.data(), shard_shape, DataType::f32, async::Device::cpu());
     if (u.info.shard_offloaded) u.shard = u.host_master;  // f32: the master is the parameter
-    return s.optimizer->add_group(*s.host_ctx, u.host_master, u.host_grad, s.segments_of(u));
+    return s.optimizer->add_group(*s.host_ctx, u.host_master, u.host_grad, s.segments_of(u), Optimizer::AllFrozen::hold_state);
   }
 
   async::Task<Result<void>> step(Engine::State& s, float lr) override {

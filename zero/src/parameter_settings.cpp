@@ -33,21 +33,66 @@ Result<void> Engine::State::check_trainability() const {
 }
 
 async::Task<Result<void>> Engine::State::skip_units_without_gradients() {
+  // A flag per unit, then one per module of each coalesced unit.
   std::vector<double> used(units.size());
+  bool any_coalesced = false;
   for (std::size_t i = 0; i < units.size(); ++i) used[i] = units[i]->grads_this_step > 0 ? 1.0 : 0.0;
+  for (const auto& u : units)
+    if (u->coalesced()) {
+      any_coalesced = true;
+      for (const auto& run : u->module_runs) used.push_back(run.used ? 1.0 : 0.0);
+    }
   // A reduction per unit reduces a unit only where it got a gradient (a unit reduced on one rank
   // and not another is a collective mismatch), so the local count agrees across ranks. One that
-  // reduces every unit after backward (stage 1) allows a rank-dependent branch: which units no rank used takes
-  // one all-reduce of a flag per unit, awaited (the only host wait it adds; the optimizer waits for
-  // the reduction anyway), and only with more than one rank.
-  if (reduction->reduces_every_unit() && comm->size() > 1) {
+  // reduces every unit after backward (stage 1) allows a rank-dependent branch, and so does a
+  // module within a coalesced unit at any stage (the unit is reduced either way): which units and
+  // modules no rank used takes one all-reduce of their flags, awaited (the only host wait it adds;
+  // the optimizer waits for the reduction anyway), and only with more than one rank.
+  if ((reduction->reduces_every_unit() || any_coalesced) && comm->size() > 1) {
     COSHARD_CO_TRY_ASSIGN(used, co_await all_reduce_values(used, ReduceOp::sum, "which units got gradients"));
   }
+  std::size_t next_module = units.size();
   for (std::size_t i = 0; i < units.size(); ++i) {
-    const auto group = group_of(*units[i]);
+    const Unit& u = *units[i];
+    const auto group = group_of(u);
     COSHARD_CO_TRY(group.optimizer.set_group_skipped(group.index, used[i] == 0.0));
+    if (!u.coalesced()) continue;
+    const std::span<const double> modules_used(used.data() + next_module, u.modules.size());
+    next_module += u.modules.size();
+    COSHARD_CO_TRY(skip_unused_modules(u, modules_used));
   }
   co_return Result<void>{};
+}
+
+Result<void> Engine::State::skip_unused_modules(const Unit& u, std::span<const double> used) {
+  if (u.info.frozen) return {};
+  const auto group = group_of(u);
+  // This rank's block of the unit, [begin, end): the group's elements.
+  const std::int64_t begin = block_offset(u), end = begin + u.info.shard;
+  std::vector<std::pair<std::int64_t, std::int64_t>> runs;
+  for (std::size_t k = 0; k < used.size(); ++k) {
+    if (used[k] != 0.0) continue;
+    const std::int64_t from = std::max(begin, u.module_runs[k].begin), to = std::min(end, u.module_runs[k].end);
+    if (from >= to) continue;
+    if (!runs.empty() && runs.back().second == from - begin) runs.back().second = to - begin;  // (adjacent modules)
+    else runs.emplace_back(from - begin, to - begin);
+  }
+  return group.optimizer.set_group_skipped_runs(group.index, std::move(runs));
+}
+
+void Engine::State::reset_coalesced(bool new_step) {
+  open_forward = nullptr;
+  for (auto& u : units) {
+    if (!u->coalesced()) continue;
+    u->forward_open = u->backward_open = u->opened_in_forward = u->opened_in_backward = false;
+    if (new_step)
+      for (auto& run : u->module_runs) run.used = false;
+  }
+}
+
+void Engine::State::new_coalesced_pass() {
+  if (position_in_unit.empty()) return;  // (no coalesced unit)
+  for (auto& u : units) u->opened_in_forward = u->opened_in_backward = false;
 }
 
 Result<void> Engine::State::check_no_gradient_missed() const {

@@ -25,6 +25,7 @@ using namespace modules;
 using namespace detail;
 
 void Engine::State::begin_pass(std::string_view name) {
+  reset_coalesced(name == "train");
   trace.begin(name);
   prefetched_bytes = 0;
   stats = {};

@@ -23,7 +23,18 @@ Result<void> Engine::State::step_in_backward_saw_non_finite() const {
               "such a step is skipped");
 }
 
+// step_in_backward: a coalesced unit steps before the ranks could agree on which of its modules
+// got gradients, so this rank's modules decide (a module skipped on some ranks only steps there
+// alone: the ranks' blocks then step by different rules).
+Result<void> Engine::State::skip_modules_unused_here(const Unit& u) {
+  if (!u.coalesced()) return {};
+  std::vector<double> used;
+  for (const auto& run : u.module_runs) used.push_back(run.used ? 1.0 : 0.0);
+  return skip_unused_modules(u, used);
+}
+
 Result<void> Engine::State::step_on_host(Unit& u) {
+  COSHARD_TRY(skip_modules_unused_here(u));
   COSHARD_TRY_ASSIGN(auto out, comm->stream().record());
   COSHARD_TRY(host_stream->wait(out));
   if (!grads_through_pass()) COSHARD_TRY(optimizer->add_grad_stats(*host_ctx, first_group + u.index));
@@ -34,6 +45,7 @@ Result<void> Engine::State::step_on_host(Unit& u) {
 }
 
 Result<void> Engine::State::hand_to_swap_step(Unit& u) {
+  if (grads_through_pass()) COSHARD_TRY(skip_modules_unused_here(u));
   std::size_t index = u.index;
   if (grads_wait_for_a_pass() && !u.grad_pending) {
     u.grad_pending = true;

@@ -32,6 +32,19 @@ struct Unit {
     std::int64_t offset;  // elements into the unit's buffer
   };
   std::vector<Param> params;
+  // A unit of several modules (small leaves coalesced): any of them may be skipped in a pass (a
+  // branch not taken). The unit opens at the first of its modules to run and closes after the
+  // last that ran (hooks.cpp), and a module that got no gradient in a step is left untouched
+  // while the rest of the unit steps (PyTorch's rule is per parameter, not per unit).
+  struct ModuleRun {
+    std::int64_t begin = 0, end = 0;  // its parameters' elements in the unit's buffer
+    bool used = false;                // its backward ran this step (on this rank)
+  };
+  std::vector<ModuleRun> module_runs;  // per modules[k]; empty for a unit of one module
+  bool coalesced() const noexcept { return modules.size() > 1; }
+  bool forward_open = false, backward_open = false;            // coalesced: between its first and last module
+  bool opened_in_forward = false, opened_in_backward = false;  // coalesced: opened in this pass of the model
+  const Module* first_ran = nullptr;  // coalesced: the module that opened its latest forward
   std::size_t index = 0;  // in the engine's unit list
   const ShardGroup* group = nullptr;  // the ranks it is sharded over, and the copies of its blocks
   // What its collectives are for, in a mismatch's message (made once: no string per launch).

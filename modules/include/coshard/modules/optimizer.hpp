@@ -125,7 +125,12 @@ class Optimizer {
   // copy and state are allocated here; the tensors must stay valid while the optimizer is used.
   // `segments` (sorted, within the span, not overlapping; gaps take the optimizer's settings)
   // give runs of elements settings of their own.
-  Result<void> add_group(Context& ctx, Tensor params, Tensor grads, std::vector<Segment> segments = {});
+  // `all_frozen`: what a span whose elements are all frozen gets (below): nothing (a frozen group),
+  // or a master and state like any other (hold_state: the ZeRO engine's block of a unit that trains
+  // on other ranks, so that every block of a unit has one layout in checkpoints and visits).
+  enum class AllFrozen : std::uint8_t { hold_nothing, hold_state };
+  Result<void> add_group(Context& ctx, Tensor params, Tensor grads, std::vector<Segment> segments = {},
+                         AllFrozen all_frozen = AllFrozen::hold_nothing);
   // A ParameterStore's whole span, each parameter with its settings (parameter groups, frozen
   // parameters): the unsharded form of what the ZeRO engine does per shard.
   Result<void> add_group(Context& ctx, const ParameterStore& store);
@@ -137,6 +142,10 @@ class Optimizer {
   // Whether group i is left untouched by the coming steps (its parameters got no gradient this
   // step: PyTorch leaves a parameter whose gradient is None as it is). Until changed.
   Result<void> set_group_skipped(std::size_t group, bool skipped);
+  // Runs of group i's elements, [begin, end) each, sorted and apart, left untouched by the coming
+  // steps as frozen ones are (parameters of a group that got no gradient this step while the rest
+  // did: PyTorch's rule, per parameter). Empty: none. Until changed.
+  Result<void> set_group_skipped_runs(std::size_t group, std::vector<std::pair<std::int64_t, std::int64_t>> runs);
   // Whether group i's gradient counts in the norm and overflow flag this optimizer computes
   // (true until changed). A copy of a block another rank counts (hybrid sharding's replicas) is
   // left out, so the sum across ranks counts each element once; it is still stepped.
@@ -200,6 +209,7 @@ class Optimizer {
     Tensor state2;  // Adam v
     std::vector<Segment> segments;  // empty: the optimizer's settings throughout; else covering it
     bool skipped = false;           // set_group_skipped
+    std::vector<std::pair<std::int64_t, std::int64_t>> skipped_runs;  // set_group_skipped_runs
     bool frozen = false;            // add_frozen_group: every element frozen, no tensors but params
     bool in_norm = true;            // set_group_in_norm
   };
@@ -218,6 +228,10 @@ class Optimizer {
  private:
   Result<void> ensure_state(Context& ctx);
   Result<std::vector<Segment>> normalized(std::vector<Segment> segments, std::int64_t n) const;
+  // Calls step(begin, end, settings) for each run of group g's elements that steps: its segments
+  // (the optimizer's settings throughout when it has none), less frozen ones and skipped runs.
+  template <class Step>
+  Result<void> for_each_stepped_run(const Group& g, Step step) const;
   // One group's update from its master and state (every segment's run).
   // Elements [begin, begin + count) of g; master, state and params_out point at element begin.
   // `grads` (optional): the piece's own gradients, element begin first (else the group's).
