@@ -360,7 +360,7 @@ class CpuKernels final : public Kernels {
     return s.launch([=] {
       if (state->found_inf > 0) return;
       const float factor = grad_factor(*state, a.max_grad_norm);
-      const int t = state->step + 1;
+      const int t = state->step + 1 - a.steps_missed;
       const float bc1 = 1.0f - std::pow(a.beta1, static_cast<float>(t));
       const float bc2 = 1.0f - std::pow(a.beta2, static_cast<float>(t));
       const float decay = 1.0f - a.lr * a.weight_decay;

@@ -27,6 +27,9 @@ struct AdamArgs {
   float eps = 1e-8f;
   float weight_decay = 0.0f;
   float max_grad_norm = 0.0f;  // 0: no clipping
+  // Steps these elements' parameters were left out of (no gradient): like PyTorch, which counts
+  // each parameter's own steps, their bias correction counts step - steps_missed.
+  std::int32_t steps_missed = 0;
 };
 
 // One tensor of a multi-tensor optimizer launch: its fp32 master weights and state, its gradient

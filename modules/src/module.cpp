@@ -302,10 +302,22 @@ Result<void> Module::use_parameters_of(Module& owner) {
   return {};
 }
 
+namespace {
+
+// A parameter's error named by its full name in the model (fc1.weight), not its own (weight).
+Result<void> renamed(Error e, const Parameter& p, const std::string& full_name) {
+  std::string message = e.message();
+  const std::string own = "parameter " + std::string(p.name()) + ":";
+  if (message.starts_with(own)) message = "parameter " + full_name + ":" + message.substr(own.size());
+  return fail(Error(e.code(), std::move(message)));
+}
+
+}  // namespace
+
 Result<void> Module::set_trainable(bool trainable) {
   Result<void> outcome;
-  for_each_parameter([&](const std::string&, Parameter& p) {
-    if (auto r = p.set_trainable(trainable); !r && outcome) outcome = std::move(r);
+  for_each_parameter([&](const std::string& name, Parameter& p) {
+    if (auto r = p.set_trainable(trainable); !r && outcome) outcome = renamed(std::move(r).error(), p, name);
   });
   return outcome;
 }
@@ -318,7 +330,7 @@ Result<std::size_t> Module::set_trainable_matching(std::string_view pattern, boo
     if (++seen <= 3) examples += (examples.empty() ? "" : ", ") + name;
     if (!glob_matches(pattern, name)) return;
     ++matched;
-    if (auto r = p.set_trainable(trainable); !r && outcome) outcome = std::move(r);
+    if (auto r = p.set_trainable(trainable); !r && outcome) outcome = renamed(std::move(r).error(), p, name);
   });
   if (!outcome) return fail(std::move(outcome).error());
   if (matched == 0)

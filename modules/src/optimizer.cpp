@@ -59,7 +59,8 @@ Result<std::unique_ptr<Optimizer>> Optimizer::empty_like() const {
 Result<std::unique_ptr<Optimizer>> Optimizer::adamw(AdamWOptions o, StepControlOptions control) {
   if (!(o.beta1 >= 0 && o.beta1 < 1)) return fail(ErrorCode::invalid_argument, "beta1=", o.beta1, ": expected in [0, 1)");
   if (!(o.beta2 >= 0 && o.beta2 < 1)) return fail(ErrorCode::invalid_argument, "beta2=", o.beta2, ": expected in [0, 1)");
-  if (!(o.eps > 0)) return fail(ErrorCode::invalid_argument, "eps=", o.eps, ": expected > 0");
+  if (!(o.eps > 0) || !std::isfinite(o.eps))
+    return fail(ErrorCode::invalid_argument, "eps=", o.eps, ": expected > 0 and finite (an infinite one stops every update)");
   if (!(o.weight_decay >= 0))
     return fail(ErrorCode::invalid_argument, "weight_decay=", o.weight_decay, ": expected >= 0");
   COSHARD_TRY(check_control(control));
@@ -183,18 +184,46 @@ Result<void> Optimizer::set_group_skipped_runs(std::size_t i, std::vector<std::p
   return {};
 }
 
+Result<void> Optimizer::set_group_steps_missed(std::size_t i, std::vector<MissedSteps> runs) {
+  if (i >= groups_.size())
+    return fail(ErrorCode::out_of_range, "Optimizer::set_group_steps_missed(", i, "): ", groups_.size(), " groups");
+  const std::int64_t n = groups_[i].frozen ? 0 : groups_[i].grads.numel();
+  std::int64_t end = 0;
+  for (const auto& r : runs) {
+    if (r.begin < end || r.end <= r.begin || r.end > n || r.steps < 0)
+      return fail(ErrorCode::invalid_argument, "Optimizer::set_group_steps_missed(", i, "): run [", r.begin, ", ", r.end,
+                  ") of ", r.steps, " steps: expected sorted, non-empty runs apart from each other within the group's ",
+                  n, " elements, and steps >= 0");
+    end = r.end;
+  }
+  groups_[i].steps_missed = std::move(runs);
+  return {};
+}
+
 template <class Step>
 Result<void> Optimizer::for_each_stepped_run(const Group& g, Step step) const {
   const std::int64_t n = g.grads.numel();
+  // A stepped piece, cut where its elements' missed steps change.
+  auto by_missed = [&](std::int64_t begin, std::int64_t end, const Segment& seg) -> Result<void> {
+    for (const auto& r : g.steps_missed) {
+      if (r.end <= begin) continue;
+      if (r.begin >= end) break;
+      if (r.begin > begin) COSHARD_TRY(step(begin, r.begin, seg, 0));
+      COSHARD_TRY(step(std::max(begin, r.begin), std::min(end, r.end), seg, r.steps));
+      begin = std::min(end, r.end);
+    }
+    if (begin < end) COSHARD_TRY(step(begin, end, seg, 0));
+    return {};
+  };
   // Each segment's elements less the skipped runs within it.
   auto stepped = [&](std::int64_t begin, std::int64_t end, const Segment& seg) -> Result<void> {
     for (const auto& [b, e] : g.skipped_runs) {
       if (e <= begin) continue;
       if (b >= end) break;
-      if (b > begin) COSHARD_TRY(step(begin, b, seg));
+      if (b > begin) COSHARD_TRY(by_missed(begin, b, seg));
       begin = std::max(begin, e);
     }
-    if (begin < end) COSHARD_TRY(step(begin, end, seg));
+    if (begin < end) COSHARD_TRY(by_missed(begin, end, seg));
     return {};
   };
   if (g.segments.empty()) return stepped(0, n, default_settings());
@@ -396,7 +425,7 @@ Result<void> Optimizer::update(Context& ctx, const Group& g, std::int64_t first,
   const std::int64_t last = first + count;
   // One launch over elements [begin, end) with `seg`'s settings, cut to [first, last) (the kernels
   // are element-wise: a run steps each element exactly as a launch over the whole group would).
-  auto run = [&](std::int64_t begin, std::int64_t end, const Segment& seg) -> Result<void> {
+  auto run = [&](std::int64_t begin, std::int64_t end, const Segment& seg, std::int32_t missed) -> Result<void> {
     begin = std::max(begin, first);
     end = std::min(end, last);
     if (begin >= end) return {};
@@ -412,6 +441,7 @@ Result<void> Optimizer::update(Context& ctx, const Group& g, std::int64_t first,
       a.beta1 = seg.beta1;
       a.beta2 = seg.beta2;
       a.eps = seg.eps;
+      a.steps_missed = missed;
       return k.adamw(ctx.stream(), master + local, gdt, gi, state1 + local, state2 + local, pdt, oi, n, a, st);
     }
     detail::SgdArgs a = impl_->sgd_args;
@@ -502,15 +532,15 @@ Result<void> Optimizer::apply(Context& ctx, float lr) {
   if (impl_->adam) {
     // One multi-tensor AdamW per distinct setting (one launch a bucket of tensors on CUDA): every
     // group of the optimizer's own settings in one, each other setting's runs in another.
-    using Setting = std::tuple<float, float, float, float, float>;  // lr scale, decay, beta1, beta2, eps
+    using Setting = std::tuple<float, float, float, float, float, std::int32_t>;  // lr scale, decay, beta1, beta2, eps, missed
     std::map<Setting, std::vector<detail::OptimizerTensor>> by_setting;
     for (const Group& g : groups_) {
       if (g.skipped || g.frozen) continue;
       const bool cast_back = g.params.dtype() != DataType::f32;
       const std::size_t gsize = size_of(g.grads.dtype()), psize = size_of(g.params.dtype());
-      auto add = [&](std::int64_t begin, std::int64_t end, const Segment& seg) -> Result<void> {
+      auto add = [&](std::int64_t begin, std::int64_t end, const Segment& seg, std::int32_t missed) -> Result<void> {
         const auto at = static_cast<std::size_t>(begin);
-        by_setting[{seg.lr_scale, seg.weight_decay, seg.beta1, seg.beta2, seg.eps}].push_back(
+        by_setting[{seg.lr_scale, seg.weight_decay, seg.beta1, seg.beta2, seg.eps, missed}].push_back(
             {.master = g.master.data_as<float>() + at,
              .grad = static_cast<const std::byte*>(g.grads.data()) + at * gsize,
              .state1 = g.state1.data_as<float>() + at,
@@ -530,6 +560,7 @@ Result<void> Optimizer::apply(Context& ctx, float lr) {
       a.beta1 = std::get<2>(setting);
       a.beta2 = std::get<3>(setting);
       a.eps = std::get<4>(setting);
+      a.steps_missed = std::get<5>(setting);
       COSHARD_TRY(ctx.kernels().adamw_multi(ctx.stream(), tensors, a, state_.data_as<StepState>()));
     }
   } else {

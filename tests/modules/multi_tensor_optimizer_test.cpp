@@ -4,6 +4,7 @@
 // bf16 parameters written back from their fp32 masters. On the CPU (always) and CUDA (with a GPU).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <memory>
 
@@ -115,6 +116,82 @@ TEST(MultiTensorAdamW, MatchesGroupByGroupOnCuda) {
     SCOPED_TRACE(std::string(async::to_string(dt)));
     expect_multi_tensor_matches({async::Device::cuda(0), dt, 0.0f}, sizes);
   }
+}
+
+// #48 item 2: PyTorch keeps a step count per parameter, and AdamW's bias correction follows it. A
+// run of elements left out of the first step (set_group_skipped_runs) and told it missed one
+// (set_group_steps_missed) takes its first update at the second step as a fresh parameter does:
+// against AdamW in double precision, for the multi-tensor step and group by group alike.
+TEST(MultiTensorAdamW, ARunLeftOutOfAStepCountsItsOwnSteps) {
+  async::Runtime rt;
+  auto stream = async::Stream::create(async::Device::cpu(), {.name = "optimizer"});
+  auto allocator = async::CachingAllocator::create(async::Device::cpu());
+  ASSERT_TRUE(stream && allocator);
+  auto ctx = Context::create(*stream, **allocator);
+  ASSERT_TRUE(ctx);
+  const std::vector<double> w0{0.5, -0.25, 0.75, -1.0}, g{0.1, -0.2, 0.3, 0.05};
+  const double lr = 1e-2, decay = 0.1, b1 = 0.9, b2 = 0.999, eps = 1e-8;
+  // AdamW in double: `steps` updates with the same gradient, the first counted as t = 1.
+  auto adamw = [&](double w, double gi, int steps) {
+    double m = 0, v = 0;
+    for (int t = 1; t <= steps; ++t) {
+      m = b1 * m + (1 - b1) * gi;
+      v = b2 * v + (1 - b2) * gi * gi;
+      w = w * (1 - lr * decay) - lr * (m / (1 - std::pow(b1, t))) / (std::sqrt(v / (1 - std::pow(b2, t))) + eps);
+    }
+    return w;
+  };
+  for (const bool multi_tensor : {true, false}) {
+    SCOPED_TRACE(multi_tensor ? "multi-tensor" : "group by group");
+    auto stepped = rt.block_on([&]() -> async::Task<Result<std::vector<double>>> {
+      AdamWOptions adam;
+      adam.weight_decay = static_cast<float>(decay);
+      COSHARD_CO_TRY_ASSIGN(auto opt, Optimizer::adamw(adam));
+      COSHARD_CO_TRY_ASSIGN(Tensor p, ctx->upload(encode_values(w0, DataType::f32), Shape{4}, DataType::f32));
+      COSHARD_CO_TRY_ASSIGN(Tensor grad, ctx->upload(encode_values(g, DataType::f32), Shape{4}, DataType::f32));
+      COSHARD_CO_TRY(opt->add_group(*ctx, p, grad));
+      auto step = [&]() -> Result<void> {
+        if (multi_tensor) return opt->step(*ctx, static_cast<float>(lr));
+        COSHARD_TRY(opt->compute_grad_stats(*ctx));
+        COSHARD_TRY(opt->apply_one(*ctx, 0, static_cast<float>(lr)));
+        return opt->finish_step(*ctx);
+      };
+      std::vector<std::pair<std::int64_t, std::int64_t>> left_out(1, {2, 4});
+      COSHARD_CO_TRY(opt->set_group_skipped_runs(0, left_out));
+      COSHARD_CO_TRY(step());
+      COSHARD_CO_TRY(opt->set_group_skipped_runs(0, {}));
+      std::vector<Optimizer::MissedSteps> missed(1);
+      missed[0].begin = 2;
+      missed[0].end = 4;
+      missed[0].steps = 1;
+      COSHARD_CO_TRY(opt->set_group_steps_missed(0, missed));
+      COSHARD_CO_TRY(step());
+      COSHARD_CO_TRY(step());
+      co_return co_await ctx->read(p);
+    }());
+    ASSERT_TRUE(stepped) << stepped.error().message();
+    for (std::size_t i = 0; i < 4; ++i) {
+      const double want = adamw(w0[i], g[i], i < 2 ? 3 : 2);
+      EXPECT_NEAR((*stepped)[i], want, 2e-6 * std::abs(want)) << "element " << i;
+    }
+  }
+  // Bad runs are refused by name.
+  auto opt = Optimizer::adamw({});
+  ASSERT_TRUE(opt);
+  auto refused = rt.block_on([&]() -> async::Task<Result<void>> {
+    COSHARD_CO_TRY_ASSIGN(Tensor p, ctx->zeros(Shape{4}, DataType::f32));
+    COSHARD_CO_TRY_ASSIGN(Tensor grad, ctx->zeros(Shape{4}, DataType::f32));
+    COSHARD_CO_TRY((*opt)->add_group(*ctx, p, grad));
+    std::vector<Optimizer::MissedSteps> past(1);
+    past[0].begin = 2;
+    past[0].end = 5;
+    past[0].steps = 1;
+    co_return (*opt)->set_group_steps_missed(0, past);
+  }());
+  ASSERT_FALSE(refused);
+  EXPECT_NE(refused.error().message().find("run [2, 5) of 1 steps: expected sorted, non-empty runs"), std::string::npos)
+      << refused.error().message();
+  (void)(*stream).synchronize();
 }
 
 }  // namespace

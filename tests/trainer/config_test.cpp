@@ -279,7 +279,6 @@ TEST(DeepSpeedJson, BadValuesAreNamed) {
   };
   const Case cases[] = {
       {R"({"stage": 4})", "stage=4"},
-      {R"({"stage": 3, "stage3_max_live_parameters": "auto"})", "'auto' is not supported"},
       {R"({"stage": 3, "overlap_comm": false})", "overlap_comm=false"},
       {R"({"stage": 3, "stage3_max_live_parameters": -5})", "stage3_max_live_parameters=-5"},
       // Sizes and counts that would overflow are named as written, never by what they wrap to.
@@ -298,6 +297,50 @@ TEST(DeepSpeedJson, BadValuesAreNamed) {
     auto c = TrainerConfig::from_json(k.json, TrainerConfig{});
     ASSERT_FALSE(c) << k.json;
     EXPECT_NE(c.error().message().find(k.expect), std::string::npos) << k.json << " -> " << c.error().message();
+  }
+}
+
+// #48 item 5: two names for one setting with different values are refused naming both (the file
+// order settled it in silence: stage 3 trained where zero_stage said 1); the same value twice is
+// one setting given twice.
+TEST(DeepSpeedJson, TwoNamesForOneSettingMustAgree) {
+  const std::vector<std::pair<const char*, const char*>> conflicts = {
+      {R"({"zero_stage": 1, "zero_optimization": {"stage": 3}})", "zero_stage=1 and zero_optimization.stage=3 (two names for zero_stage"},
+      {R"({"lr": 0.1, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}})", "lr=0.1 and optimizer.params.lr=0.01 (two names for lr"},
+      {R"({"gradient_clipping": 1.0, "max_grad_norm": 0.5})", "gradient_clipping=1 and max_grad_norm=0.5 (two names for max_grad_norm"},
+  };
+  for (const auto& [text, expected] : conflicts) {
+    auto c = TrainerConfig::from_json(text, TrainerConfig{});
+    ASSERT_FALSE(c) << text;
+    EXPECT_NE(c.error().message().find(expected), std::string::npos) << c.error().message();
+  }
+  auto same = TrainerConfig::from_json(R"({"zero_stage": 2, "zero_optimization": {"stage": 2}, "lr": 0.01,
+      "optimizer": {"params": {"lr": 0.01}}})", TrainerConfig{});
+  ASSERT_TRUE(same) << same.error().message();
+  EXPECT_EQ(same->zero_stage, 2);
+  EXPECT_FLOAT_EQ(same->lr, 0.01f);
+  // warmup_steps no longer resets warmup_shape (the keys' order decided it).
+  auto shaped = TrainerConfig::from_json(R"({"warmup_shape": "log", "warmup_steps": 5})", TrainerConfig{});
+  ASSERT_TRUE(shaped) << shaped.error().message();
+  EXPECT_EQ(shaped->warmup_shape, WarmupShape::log);
+  // adaptive_prefetch beside a prefetch_bucket_bytes: adaptive, capped there, whatever the order.
+  auto capped = TrainerConfig::from_json(R"({"adaptive_prefetch": true, "prefetch_bucket_bytes": 8388608})", TrainerConfig{});
+  ASSERT_TRUE(capped) << capped.error().message();
+  EXPECT_TRUE(capped->adaptive_prefetch);
+  EXPECT_EQ(capped->prefetch_bucket_bytes, 8388608u);
+}
+
+// "auto" for the budget of gathered parameters is the default, which follows the model (#48 item 4:
+// --print-config writes it so, and it reads back).
+TEST(DeepSpeedJson, AutoMaxLiveFollowsTheModel) {
+  TrainerConfig exact;
+  exact.max_live_bytes = 4096;
+  exact.max_live_follows_model = false;
+  for (const char* text : {R"({"stage": 3, "stage3_max_live_parameters": "auto"})", R"({"max_live_bytes": "auto"})"}) {
+    auto c = TrainerConfig::from_json(text, exact);
+    ASSERT_TRUE(c) << text << ": " << c.error().message();
+    EXPECT_TRUE(c->max_live_follows_model) << text;
+    EXPECT_EQ(c->max_live_bytes, TrainerConfig{}.max_live_bytes) << text;
   }
 }
 

@@ -12,6 +12,8 @@
 #include <string>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
 #include "binary_harness.hpp"
 #include "coshard/modules/cpu_blas_kernels.hpp"
 
@@ -20,8 +22,8 @@ namespace {
 namespace fs = std::filesystem;
 using namespace coshard::testing;
 
-// The report's shape: `TN` = --layers 2 --dim 64 --heads 4 --seq 32 --batch 8 --quiet.
-const std::vector<std::string> kTN = {"--layers", "2", "--dim", "64", "--heads", "4", "--seq", "32", "--batch", "8",
+// The report's shape (`TN`: --layers 2 --dim 64 --heads 4 --seq 32 --quiet), with a batch of 12 that splits over 1-4 ranks.
+const std::vector<std::string> kTN = {"--layers", "2", "--dim", "64", "--heads", "4", "--seq", "32", "--batch", "12",
                                       "--quiet"};
 
 // Item 7: every checkpoint of a run with a unit frozen in part died with SIGSEGV at world sizes 2+
@@ -128,6 +130,57 @@ TEST(HardeningFour, AHardLinkPlantedAsTheLockFileIsRefusedAndLeftAlone) {
   EXPECT_EQ(slurp(dir / "victim"), "precious");
   EXPECT_EQ(slurp(ck / ".coshard-lock"), "precious");
   EXPECT_FALSE(fs::exists(ck / "latest"));
+}
+
+// Item 4: --print-config reads back as the same run: --freeze and --tensorboard are in it, a log
+// warm-up stays log, adaptive prefetch stays on beside its cap, and a Llama-3.1-8B preset's budget
+// (which follows the model) is printed as "auto", not as an exact 1GiB the preset cannot run with.
+TEST(HardeningFour, PrintConfigReadsBackAsTheSameRun) {
+  const fs::path dir = scratch("h4_print_config");
+  std::ofstream(dir / "shape.json") << R"({"warmup_shape": "log", "warmup_steps": 5, "adaptive_prefetch": true,
+      "prefetch_bucket_bytes": 8388608})";
+  const std::vector<std::vector<std::string>> runs = {
+      with(kTiny, {"--freeze", "h0.*", "--freeze", "*.bias"}),
+      with(kTiny, {"--tensorboard", (dir / "tb" / "job").string()}),
+      with(kTiny, {"--config", (dir / "shape.json").string()}),
+      {"--preset", "Llama-3.1-8B"},
+  };
+  for (const auto& args : runs) {
+    std::string name;
+    for (const auto& a : args) name += a + " ";
+    SCOPED_TRACE(name);
+    const auto first = run(with(args, {"--print-config"}), dir);
+    ASSERT_EQ(first.code, 0) << first.output;
+    const auto printed = nlohmann::json::parse(first.output, nullptr, false);
+    ASSERT_FALSE(printed.is_discarded()) << first.output;
+    std::ofstream(dir / "printed.json") << first.output;
+    std::vector<std::string> again = {"--config", (dir / "printed.json").string(), "--print-config"};
+    if (args.front() == "--preset") again.insert(again.begin(), {"--preset", "Llama-3.1-8B"});
+    const auto second = run(again, dir);
+    ASSERT_EQ(second.code, 0) << second.output;
+    EXPECT_EQ(nlohmann::json::parse(second.output, nullptr, false), printed) << second.output;
+  }
+  const auto frozen = nlohmann::json::parse(run(with(runs[0], {"--print-config"}), dir).output, nullptr, false);
+  EXPECT_EQ(frozen["freeze"], nlohmann::json::array({"h0.*", "*.bias"}));
+  const auto board = nlohmann::json::parse(run(with(runs[1], {"--print-config"}), dir).output, nullptr, false);
+  EXPECT_EQ(board["tensorboard"]["job_name"], "job");
+  const auto shape = nlohmann::json::parse(run(with(runs[2], {"--print-config"}), dir).output, nullptr, false);
+  EXPECT_EQ(shape["warmup_shape"], "log");
+  EXPECT_EQ(shape["adaptive_prefetch"], true);
+  EXPECT_EQ(shape["prefetch_bucket_bytes"], 8388608);
+  const auto eight = nlohmann::json::parse(run({"--preset", "Llama-3.1-8B", "--print-config"}, dir).output, nullptr, false);
+  EXPECT_EQ(eight["max_live_bytes"], "auto");
+  // The printed preset's config, estimated: its budget follows the model as the preset's own does.
+  std::ofstream(dir / "eight.json") << eight.dump();
+  const auto estimate = run({"--preset", "Llama-3.1-8B", "--config", (dir / "eight.json").string(), "--estimate"}, dir);
+  EXPECT_TRUE(estimate.code == 0 || estimate.code == 1) << estimate.output;
+  EXPECT_NE(estimate.output.find("gathered parameters (max_live_bytes)               3.91 GiB"), std::string::npos)
+      << estimate.output;
+  // A printed --freeze freezes when the file is the run's config (the estimate names what it saves).
+  std::ofstream(dir / "frozen.json") << frozen.dump();
+  const auto planned = run(with(kTiny, {"--config", (dir / "frozen.json").string(), "--estimate"}), dir);
+  EXPECT_EQ(planned.code, 0) << planned.output;
+  EXPECT_NE(planned.output.find("frozen:"), std::string::npos) << planned.output;
 }
 
 }  // namespace

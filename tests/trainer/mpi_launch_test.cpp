@@ -255,6 +255,51 @@ TEST(MpiLaunch, RanksStartedWithDifferentSettingsAreRefusedByName) {
   }
 }
 
+// #48 items 3 and 11: ranks of one job given different --init files trained in silence (the
+// exported model mixed both), and a rank given --print-config or --estimate alone exited 0 before
+// MPI started while rank 0 waited in MPI_Init forever. Each is now named on every rank, the job
+// ends non-zero within a bound; given to every rank, --print-config and --estimate print once, exit 0.
+TEST(MpiLaunch, RanksGivenDifferentWeightsOrAPrintingFlagAloneAreNamed) {
+  const fs::path dir = scratch("mpi_init_mixed");
+  const auto first = with(kTiny, {"--steps", "2", "--quiet"});
+  // Two weight files of the same shape: a run's export, from two seeds.
+  for (const char* seed : {"1", "2"}) {
+    const auto made = run_mpi(1, with(first, {"--seed", seed, "--export", (dir / (std::string("w") + seed + ".safetensors")).string()}), dir);
+    ASSERT_EQ(made.code, 0) << made.output;
+  }
+  auto mpmd = [&](const std::vector<std::string>& a, const std::vector<std::string>& b) {
+    std::vector<std::string> argv = with(mpirun(1), a);
+    argv.insert(argv.end(), {":", "-np", "1", COSHARD_TRAIN_BIN});
+    argv = with(argv, b);
+    const fs::path out = dir / "output.txt";
+    const pid_t pid = spawn(argv, out);
+    const auto code = wait_exit_for(pid, std::chrono::seconds(120));
+    if (!code) ::kill(pid, SIGKILL), ::waitpid(pid, nullptr, 0);
+    return std::pair{code, slurp(out)};
+  };
+  const auto [init_code, init_out] = mpmd(with(first, {"--init", (dir / "w1.safetensors").string()}),
+                                          with(first, {"--init", (dir / "w2.safetensors").string()}));
+  ASSERT_TRUE(init_code.has_value()) << "the job did not end: " << init_out;
+  EXPECT_GT(*init_code, 0) << init_out;
+  EXPECT_LT(*init_code, 128) << init_out;
+  EXPECT_NE(init_out.find("--init (rank 1 unlike rank 0"), std::string::npos) << init_out;
+  for (const char* flag : {"--print-config", "--estimate"}) {
+    SCOPED_TRACE(flag);
+    const auto [code, out] = mpmd(with(first, {flag}), first);
+    ASSERT_TRUE(code.has_value()) << "the job did not end: " << out;
+    EXPECT_GT(*code, 0) << out;
+    EXPECT_LT(*code, 128) << out;
+    EXPECT_NE(out.find(std::string("were asked to do different things: rank 0 ") + flag + ", rank 1 to train"),
+              std::string::npos) << out;
+    const auto both = run_mpi(2, with(first, {flag}), dir);
+    EXPECT_EQ(both.code, 0) << both.output;
+    const std::string once = std::string(flag) == "--estimate" ? "\nfits" : "\"zero_stage\"";
+    const auto at = both.output.find(once);
+    EXPECT_NE(at, std::string::npos) << both.output;
+    EXPECT_EQ(both.output.find(once, at + 1), std::string::npos) << "printed once: " << both.output;
+  }
+}
+
 // A rank's process killed mid-run: the job ends within the collective timeout, non-zero,
 // naming the rank, and no process of it is left.
 TEST(MpiLaunch, AKilledProcessEndsTheJobNamingItAndLeavesNoProcess) {

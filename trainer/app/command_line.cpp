@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cmath>
 
 #include "coshard/async/log.hpp"
 #include "coshard/trainer/data.hpp"
@@ -17,6 +18,21 @@
 namespace coshard::train_app {
 
 using trainer::TrainerConfig;
+
+namespace {
+
+// A real given as "nan" passes CLI11's ranges (every comparison with it is false): refused here,
+// before anything runs (a --temperature nan trained the whole run, then refused the sample).
+const CLI::Validator kFinite(
+    [](std::string& text) -> std::string {
+      double v = 0;
+      const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+      if (ec == std::errc{} && end == text.data() + text.size() && !std::isfinite(v)) return "expected a finite number";
+      return {};
+    },
+    "FINITE");
+
+}  // namespace
 
 std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   CLI::App app{"coshard-train: trains a GPT or a Llama with ZeRO stages 0-3 (coshard)"};
@@ -34,6 +50,7 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   app.add_option("--collective-timeout", o.collective_timeout_s,
                  "seconds a collective may take before the run fails naming the ranks it waits for (0: the "
                  "backend's default: 60 for local, 300 for nccl and mpi)")
+      ->check(kFinite)
       ->check(CLI::Range(0.0, 1e7));
   app.add_option("--stop-timeout", o.stop_timeout_s,
                  "seconds the run may take, after the first SIGINT/SIGTERM/SIGHUP, to finish its step and save "
@@ -59,6 +76,7 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   app.add_option("--temperature", o.sample.temperature,
                  "sampling temperature (0: greedy, the most likely token each time: the same text at any world size "
                  "and stage)")
+      ->check(kFinite)
       ->check(CLI::Range(0.0f, 1e6f));
   app.add_option("--top-k", o.sample.top_k, "sample among the K most likely tokens (0: all)")
       ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 31));
@@ -88,6 +106,7 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
                            ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 24))
                            ->default_str("");
   auto* rope_theta = app.add_option("--rope-theta", llama_flags.rope_theta, "llama: the rotary base (default 500000, or the preset's)")
+                         ->check(kFinite)
                          ->check(CLI::Range(1.0 + 1e-9, 1e12))
                          ->default_str("");
   bool tie = false, untie = false;
@@ -99,7 +118,8 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   app.add_option("--data", o.data_specs,
                  "training data (default: the synthetic task): a text file, trained on as bytes, or files of token "
                  "ids (llm.c's .bin with its header, or raw uint16 as nanoGPT's train.bin; see --data-format): several "
-                 "files or a quoted glob ('fineweb_train_*.bin') are read in name order as one stream");
+                 "files are read as one stream in the order given, a quoted glob's ('fineweb_train_*.bin') in name order; "
+                 "a file named twice (another spelling, a link) is refused");
   app.add_option("--data-format", o.data_format,
                  "how --data holds its tokens: auto (llm.c's header, else uint16 for a .bin name, else bytes), bytes, "
                  "u16 or u32 (little-endian ids)")
@@ -337,7 +357,10 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
     return 2;
   }
   o.train = c;
-  if (o.print_config) {
+  // (one rank of several under a launcher prints once every rank agreed to: main)
+  const auto launch = collectives::read_launch_env();
+  const bool with_others = launch && launch->launcher != collectives::Launcher::none && launch->world_size > 1;
+  if (o.print_config && !with_others) {
     std::printf("%s\n", trainer::settings_json(c).c_str());
     return 0;
   }

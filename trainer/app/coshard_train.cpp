@@ -40,6 +40,7 @@
 #include "coshard/modules/layers.hpp"
 #include "coshard/modules/safetensors_folder.hpp"
 #include "coshard/async/folder_lock.hpp"
+#include "coshard/trainer/settings.hpp"
 #include "coshard/trainer/trace.hpp"
 #include "coshard/zero/hf_llama.hpp"
 #include "coshard/trainer/trainer.hpp"
@@ -48,6 +49,7 @@
 #include "samples.hpp"
 #include "command_line.hpp"
 #include "flight_dumps.hpp"
+#include "launch_mode.hpp"
 #include "memory_check.hpp"
 #include "run_checks.hpp"
 
@@ -382,14 +384,17 @@ int run(const Options& o) {
     // One process per rank: NCCL on a GPU, MPI on the CPU, or Local for a single CPU rank.
     log::set_thread_rank(o.launch.rank);
     async::Runtime rt;
-    collectives::FromEnvOptions env;
-    env.force_cpu = o.device == "cpu";
-    env.backend = *backend;
-    if (timeout.count() > 0) env.nccl.timeout = env.mpi.timeout = timeout;
-    auto comm = collectives::communicator_from_env(rt, env);
+    auto comm = collectives::communicator_from_env(rt, train_app::process_communicator_options(o, *backend));
     if (!comm) {
       std::fprintf(stderr, "coshard-train: rank %d: %s\n", o.launch.rank, comm.error().message().c_str());
       return setup_failure_status(comm.error());
+    }
+    if (train_app::launched_with_others(o)) {  // (every rank knows every other trains, before any collective of the run)
+      auto agreed = rt.block_on(train_app::agree_on_launch_mode(**comm, train_app::LaunchMode::train));
+      if (!agreed) {
+        std::fprintf(stderr, "coshard-train: rank %d: %s\n", o.launch.rank, agreed.error().message().c_str());
+        return 2;
+      }
     }
     if (!(*comm)->stream().device().is_cuda() && o.device == "cuda") {
       std::fprintf(stderr, "coshard-train: --device cuda: the %s backend here moves host memory (no CUDA device or no "
@@ -472,10 +477,7 @@ int run(const Options& o) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  // The best OpenBLAS kernels this CPU runs, chosen before anything starts (OpenBLAS reads its
-  // choice when it loads: a restart of this program when it chose weaker ones).
-  modules::choose_blas_kernels_and_restart(argv);
+static int run_main(int argc, char** argv) {
   train_app::Options o;
   if (auto done = train_app::parse_command_line(argc, argv, o)) return *done;
   const TrainerConfig& c = o.train;
@@ -487,6 +489,11 @@ int main(int argc, char** argv) {
   const auto launch = collectives::read_launch_env();
   if (!launch) return usage(launch.error().message());
   o.launch = *launch;
+  if (o.print_config)  // (one rank of several under a launcher: parse_command_line left it here)
+    return train_app::finish_early_under_launcher(o, train_app::LaunchMode::print_config, [&] {
+      if (o.launch.rank == 0) std::printf("%s\n", trainer::settings_json(o.train).c_str());
+      return 0;
+    });
   const bool processes = o.launch.launcher != collectives::Launcher::none;
   if (processes && o.world_size_given && o.world_size != o.launch.world_size)
     return usage("--world-size " + std::to_string(o.world_size) + ": this process is " + o.launch.describe() +
@@ -588,11 +595,16 @@ int main(int argc, char** argv) {
   }
   const auto fits = train_app::check_run(*memory, shape);
   if (o.estimate) {
-    if (o.launch.rank == 0) {
-      std::fputs(train_app::describe_run(*memory, shape, c).c_str(), stdout);
-      std::puts(fits ? "fits" : ("does not fit: " + fits.error().message()).c_str());
-    }
-    return fits ? 0 : 1;
+    auto report = [&] {
+      if (o.launch.rank == 0) {
+        std::fputs(train_app::describe_run(*memory, shape, c).c_str(), stdout);
+        std::puts(fits ? "fits" : ("does not fit: " + fits.error().message()).c_str());
+      }
+      return fits ? 0 : 1;
+    };
+    if (train_app::launched_with_others(o))
+      return train_app::finish_early_under_launcher(o, train_app::LaunchMode::estimate, report);
+    return report();
   }
   if (!fits && c.check_memory) return usage(fits.error().message() + " (coshard-train --estimate shows each item; --skip-memory-check trains anyway)");
   // Every path, before anything is built or trained.
@@ -669,11 +681,19 @@ int main(int argc, char** argv) {
     sigemptyset(&usr1.sa_mask);
     sigaction(SIGUSR1, &usr1, nullptr);
   }
-  const int code = run(o);
+  return run(o);
+}
+
+int main(int argc, char** argv) {
+  // The best OpenBLAS kernels this CPU runs, chosen before anything starts (OpenBLAS reads its
+  // choice when it loads: a restart of this program when it chose weaker ones).
+  coshard::modules::choose_blas_kernels_and_restart(argv);
+  const int code = run_main(argc, argv);
   if (code != 0) {
     // OpenBLAS's exit handler joins its worker threads, and a worker that could not get its
-    // buffer (the machine out of memory) retries forever: the failed run would never end. All of
-    // ours is destroyed by now; end without the libraries' exit handlers.
+    // buffer (the machine out of memory, or an address-space limit) retries forever: a failed run,
+    // a refused command line included, would never end. All of ours is destroyed by now; end
+    // without the libraries' exit handlers.
     std::fflush(nullptr);
     std::_Exit(code);
   }

@@ -7,6 +7,7 @@
 #include <charconv>
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include "coshard/async/json_limits.hpp"
@@ -33,6 +34,10 @@ namespace {
 
 struct Reader {
   std::vector<std::string> unknown, bad, notes;
+  // Each setting given so far: the key that gave it and its value as read. Two names for one
+  // setting (zero_stage and zero_optimization.stage, lr and optimizer.params.lr) must agree:
+  // settling it by the order of the keys would train on a value the file also contradicts.
+  std::map<std::string, std::pair<std::string, std::string>> given;
 
   // Numbers may be written as JSON numbers or (as DeepSpeed allows) strings like "5e7".
   std::optional<double> number(const json& v, const std::string& key) {
@@ -146,6 +151,13 @@ struct Reader {
         text = *t;
         break;
       }
+    }
+    if (auto [it, first] = given.try_emplace(std::string(s.name), key, text); !first) {
+      if (it->second.second != text)
+        bad.push_back(it->second.first + "=" + async::bounded_echo(it->second.second, 64) + " and " + key + "=" +
+                      async::bounded_echo(text, 64) + " (two names for " + std::string(s.name) +
+                      ": expected one value, or one of them)");
+      return;
     }
     if (auto ok = s.set(c, text, key); !ok) bad.push_back(ok.error().message());
   }
@@ -364,6 +376,20 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
   if (whole) {
     for (const auto& [key, v] : doc.items()) {
       if (key == "zero_optimization" || key == "fp16" || key == "bf16") continue;
+      // adaptive_prefetch after every other key: a prefetch_bucket_bytes given beside it is its cap
+      // (alone, a fixed depth), whichever the file names first.
+      if (key == "adaptive_prefetch") continue;
+      if (key == "freeze") {  // the parameters that do not train, by glob (--freeze)
+        if (!v.is_array() || v.size() > 4096) {
+          r.bad.push_back("freeze=" + async::bounded_echo(v.dump(), 64) + " (expected a list of at most 4096 globs)");
+          continue;
+        }
+        std::vector<std::string> patterns;
+        for (const auto& pattern : v)
+          if (auto text = r.string(pattern, "freeze[]")) patterns.push_back(*text);
+        c.freeze = std::move(patterns);
+        continue;
+      }
       // DeepSpeed's sections are objects; coshard's settings of the same name ("optimizer":
       // "sgd", "activation_checkpointing": "full") are not.
       const Setting* own = v.is_object() ? nullptr : setting_named(key);
@@ -476,6 +502,9 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
       }
     }
   }
+
+  if (whole && doc.contains("adaptive_prefetch"))
+    r.setting(*setting_named("adaptive_prefetch"), doc["adaptive_prefetch"], "adaptive_prefetch", c, element, false);
 
   if (!r.unknown.empty() || !r.bad.empty()) {
     std::string msg = "config:";

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cmath>
 #include <limits>
 #include <optional>
 #include <sstream>
@@ -86,6 +87,14 @@ Result<void> parse_number(const Setting& s, TrainerConfig& c, std::string_view t
     const auto [stop, ec] = std::from_chars(text.data(), end, v);
     if (text.empty() || ec != std::errc{} || stop != end)
       return fail(ErrorCode::invalid_argument, "expected a number (", s.expected, ")");
+    // Named as written, not as converted: 1e39 is no float (it would read as inf), and 1e-50 one
+    // that rounds to 0.
+    if constexpr (std::is_same_v<T, float>) {
+      if (std::isfinite(v) && std::abs(v) > static_cast<double>(std::numeric_limits<float>::max()))
+        return fail(ErrorCode::invalid_argument, "expected ", s.expected, ", within a float's range (at most 3.4e38)");
+      if (v != 0 && static_cast<float>(v) == 0.0f)
+        return fail(ErrorCode::invalid_argument, "expected ", s.expected, "; it rounds to 0 as a float (below 1.4e-45)");
+    }
     c.*Member = static_cast<T>(v);
   }
   return {};
@@ -143,14 +152,28 @@ template <auto Member>
 Setting integer(Setting s, long double min, long double max) {
   return ranged<Member>(s, SettingKind::integer, min, false, max, false);
 }
+// A size of at most 2^62 bytes, the range a JSON config reads too (so --print-config's output of
+// any value the command line takes reads back).
+template <auto Member>
+Result<void> check_bytes(const Setting& s, const TrainerConfig& c, std::string_view label) {
+  constexpr std::size_t kMax = std::size_t{1} << 62;
+  const auto& v = c.*Member;
+  if constexpr (Unwrapped<Field<Member>>::optional) {
+    if (!v || *v <= kMax) return {};
+    return fail(ErrorCode::invalid_argument, label, "=", *v, ": expected ", s.expected, " of at most 2^62 bytes");
+  } else {
+    if (v <= kMax) return {};
+    return fail(ErrorCode::invalid_argument, label, "=", v, ": expected ", s.expected, " of at most 2^62 bytes");
+  }
+}
 template <auto Member>
 Setting bytes(Setting s) {
   s.kind = SettingKind::bytes;
   s.min = 0;
-  s.max = static_cast<long double>(std::numeric_limits<std::size_t>::max());
+  s.max = static_cast<long double>(std::size_t{1} << 62);
   s.get = get_value<Member>;
   s.parse = parse_bytes<Member>;
-  s.check = no_check;
+  s.check = check_bytes<Member>;
   return s;
 }
 // (no upper bound by default: an infinite max_grad_norm or weight_decay is the user's to try)
@@ -231,7 +254,17 @@ std::vector<Setting> make_table() {
          .help = "budget of gathered parameter bytes, exact (default: 1GiB, or twice the largest fetch unit where 1GiB "
                  "cannot hold it)",
          .expected = "a size", .deepspeed_elements = true});
+    // "auto": the default, which follows the model (1GiB, or twice the largest unit where 1GiB
+    // cannot hold it); what --print-config writes for it, so that its output reads back the same.
+    s.get = [](const Setting&, const TrainerConfig& c) {
+      return c.max_live_follows_model ? std::string("auto") : std::to_string(c.max_live_bytes);
+    };
     s.parse = [](const Setting&, TrainerConfig& c, std::string_view text) -> Result<void> {
+      if (text == "auto") {
+        c.max_live_follows_model = true;
+        c.max_live_bytes = TrainerConfig{}.max_live_bytes;
+        return {};
+      }
       COSHARD_TRY_ASSIGN(c.max_live_bytes, parse_size(text));
       c.max_live_follows_model = false;  // a budget given is exact
       return {};
@@ -350,12 +383,7 @@ std::vector<Setting> make_table() {
                                            .help = "linear warm-up steps (from --warmup-min-lr to --lr)",
                                            .expected = "a whole number from 0 to 2^62"},
                                           0, kCountMax);
-    s.parse = [](const Setting& self, TrainerConfig& c, std::string_view text) -> Result<void> {
-      COSHARD_TRY(parse_number<&T::warmup_steps>(self, c, text));
-      c.warmup_shape = WarmupShape::linear;  // (DeepSpeed's scheduler section picks log)
-      return {};
-    };
-    t.push_back(s);
+    t.push_back(s);  // (its shape is warmup_shape's: linear unless DeepSpeed's scheduler section or the setting says log)
   }
   t.push_back(real<&T::warmup_min_lr>({.name = "warmup_min_lr", .flag = "--warmup-min-lr",
                                        .help = "the learning rate the warm-up starts from", .expected = "in [0, lr]"},
@@ -385,7 +413,9 @@ std::vector<Setting> make_table() {
       0, kCountMax));
   t.push_back(real<&T::beta1>({.name = "beta1", .help = "AdamW's first-moment decay", .expected = "in [0, 1)"}, 0, false, 1, true));
   t.push_back(real<&T::beta2>({.name = "beta2", .help = "AdamW's second-moment decay", .expected = "in [0, 1)"}, 0, false, 1, true));
-  t.push_back(real<&T::eps>({.name = "eps", .deepspeed = "optimizer.params.eps", .help = "AdamW's epsilon", .expected = "> 0"}, 0, true));
+  t.push_back(real<&T::eps>({.name = "eps", .deepspeed = "optimizer.params.eps", .help = "AdamW's epsilon",
+                             .expected = "> 0 and finite"},
+                            0, true, std::numeric_limits<float>::max()));
   t.push_back(real<&T::weight_decay>({.name = "weight_decay", .flag = "--weight-decay",
                                       .deepspeed = "optimizer.params.weight_decay",
                                       .help = "weight decay (default: the optimizer's own, AdamW 0.01 decoupled, SGD 0)",
@@ -500,6 +530,16 @@ std::string settings_json(const TrainerConfig& c) {
     if (numeric) out[std::string(s.name)] = std::move(number);
     else if (s.kind == SettingKind::boolean) out[std::string(s.name)] = text == "true";
     else out[std::string(s.name)] = text;  // a choice, "auto", or a number JSON cannot hold (inf)
+  }
+  // What the table does not hold, under the names the config reader takes.
+  if (!c.freeze.empty()) out["freeze"] = c.freeze;
+  if (!c.tensorboard_dir.empty()) {
+    std::filesystem::path dir = c.tensorboard_dir.lexically_normal();
+    if (dir.filename().empty()) dir = dir.parent_path();  // (a trailing '/')
+    const std::filesystem::path parent = dir.parent_path();
+    out["tensorboard"] = {{"enabled", true},
+                          {"output_path", parent.empty() ? std::string(".") : parent.string()},
+                          {"job_name", dir.filename().string()}};
   }
   return out.dump(2, ' ', false, nlohmann::json::error_handler_t::replace);
 }

@@ -1,9 +1,10 @@
 // Token data in several files, read as one stream (data.hpp: TokenShards), and --data's globs.
 #include <glob.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <filesystem>
-#include <set>
+#include <map>
 
 #include "coshard/async/files.hpp"
 #include "coshard/async/json_limits.hpp"
@@ -81,7 +82,8 @@ HostBatch TokenShards::batch(std::uint64_t step, std::int64_t rows, std::int64_t
 
 Result<std::vector<std::filesystem::path>> expand_data_paths(std::span<const std::string> specs) {
   std::vector<std::filesystem::path> out;
-  std::set<std::string> seen;
+  // Files, not spellings: s.bin, ./s.bin and a link to it are one file (device and inode).
+  std::map<std::pair<dev_t, ino_t>, std::string> seen;
   for (const auto& spec : specs) {
     if (spec.empty()) return fail(ErrorCode::invalid_argument, "data: an empty path (name a file or a glob)");
     std::vector<std::string> matched;
@@ -99,9 +101,14 @@ Result<std::vector<std::filesystem::path>> expand_data_paths(std::span<const std
         return fail(ErrorCode::io, "data: '", async::bounded_echo(spec, 4096), "': a folder on its way could not be read");
     }
     for (auto& m : matched) {
-      if (!seen.insert(m).second)
-        return fail(ErrorCode::invalid_argument, "data: ", async::bounded_echo(m, 4096),
-                    " is named twice (its tokens would be read twice)");
+      struct stat st {};
+      if (::stat(m.c_str(), &st) == 0) {  // (a path that is not there is named by the open, later)
+        const auto [it, first] = seen.try_emplace({st.st_dev, st.st_ino}, m);
+        if (!first)
+          return fail(ErrorCode::invalid_argument, "data: ", async::bounded_echo(m, 1024),
+                      it->second == m ? " is named twice" : " is the same file as " + async::bounded_echo(it->second, 1024),
+                      " (its tokens would be read twice)");
+      }
       out.emplace_back(std::move(m));
     }
   }

@@ -74,6 +74,7 @@ Result<fs::path> resolve_checkpoint(const fs::path& dir) {
 struct Loaded {
   std::int64_t step = 0;
   std::vector<std::byte> optimizer_state;
+  std::map<std::string, std::int64_t> steps_missed;  // CheckpointManifest::steps_missed
   // Per unit, the new block's bytes: params (dtype), master, state1, state2 (f32; empty if none).
   struct Block {
     std::vector<std::byte> params, master, state1, state2;
@@ -159,6 +160,7 @@ Result<Loaded> read_checkpoint(const fs::path& dir, const Loader& l) {
   Loaded out;
   out.step = m.step;
   out.optimizer_state = m.optimizer_state;
+  out.steps_missed = m.steps_missed;
   for (std::size_t i = 0; i < l.units.size(); ++i) {
     const auto& info = l.units[i];
     const auto& mu = m.units[i];
@@ -254,6 +256,12 @@ async::Task<Result<void>> Engine::load_checkpoint(const fs::path& dir, const Che
   COSHARD_CO_TRY(co_await visit_shards(load_unit, true));
   COSHARD_CO_TRY(ctx.copy_from_host(s.optimizer->step_state(), loaded->optimizer_state));
   s.steps_done = loaded->step;
+  for (auto& u : s.units)
+    for (auto& p : u->params) {
+      const auto it = loaded->steps_missed.find(s.names.at(p.parameter));
+      p.steps_missed = it == loaded->steps_missed.end() ? 0 : static_cast<std::int32_t>(it->second);
+    }
+  COSHARD_CO_TRY(s.set_steps_missed());
   COSHARD_LOG_INFO(zero, "loaded checkpoint {} (step {})", dir.string(), loaded->step);
   co_return Result<void>{};
 }

@@ -179,6 +179,21 @@ Result<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, std:
     }
     if (auto error = detail::run_identity_error(out.run); !error.empty()) return bad(error);
   }
+  if (m.contains("steps_missed")) {
+    const json& missed = m["steps_missed"];
+    if (!missed.is_object()) return bad("'steps_missed' is not an object");
+    std::size_t parameters = 0;
+    for (const auto& u : out.units) parameters += u.parameters.size();
+    if (missed.size() > parameters)
+      return bad("'steps_missed' names " + std::to_string(missed.size()) + " parameters; the units hold " +
+                 std::to_string(parameters));
+    for (const auto& [name, count] : missed.items()) {
+      if (name.size() > 4096) return bad("'steps_missed' names a parameter of " + std::to_string(name.size()) + " characters");
+      const auto steps = f.integer(missed, name.c_str(), 1, out.step);
+      if (!steps) return bad("'steps_missed': " + f.error);
+      out.steps_missed.emplace(name, *steps);
+    }
+  }
   return out;
 }
 

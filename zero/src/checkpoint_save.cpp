@@ -323,6 +323,11 @@ async::Task<Result<void>> Engine::save_checkpoint(const fs::path& dir, Checkpoin
     m["optimizer_state"] = hex(state);
     m["run"] = std::move(options.run);
     m["units"] = std::move(unit_records);
+    json missed = json::object();
+    for (const auto& u : s.units)
+      for (const auto& p : u->params)
+        if (p.steps_missed > 0) missed[s.names.at(p.parameter)] = p.steps_missed;
+    if (!missed.empty()) m["steps_missed"] = std::move(missed);
     pending.manifest = m.dump(1);
   }
   // The file is written behind training (io_uring on this runtime); the staged buffer moves there.

@@ -151,6 +151,9 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     u->reduce_purpose = "the gradients of unit " + u->info.name;
     u->modules = std::move(planned.modules);
     for (const auto& p : planned.parameters) u->params.push_back({p.parameter, p.offset});
+    // (a coalesced unit's modules hold consecutive runs of its parameters)
+    for (std::size_t k = 0, i = 0; k < u->modules.size(); ++k)
+      for (std::size_t n = u->modules[k]->parameters().size(); n > 0 && i < u->params.size(); --n) u->params[i++].module = k;
     u->index = s->units.size();
     for (const auto& p : u->params) s->planned_trainable.emplace_back(p.parameter, p.parameter->trainable());
     for (Module* m : u->modules) s->unit_of.emplace(m, u->index);

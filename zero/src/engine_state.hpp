@@ -360,8 +360,13 @@ struct Engine::State {
   async::Task<Result<void>> skip_units_without_gradients();
   // Coalesced unit u: the elements of its modules whose flag in `used` (one a module) is 0 are left
   // untouched by the coming step (empty `used`: every module steps).
-  Result<void> skip_unused_modules(const Unit& u, std::span<const double> used);
-  Result<void> skip_modules_unused_here(const Unit& u);  // (step_in_backward.cpp)
+  Result<void> skip_unused_modules(Unit& u, std::span<const double> used);
+  Result<void> skip_modules_unused_here(Unit& u);  // (step_in_backward.cpp)
+  // After a step that counted (not skipped for a non-finite gradient): each parameter left out of
+  // it missed one more step; the optimizer's groups are told where that changed anything.
+  Result<void> count_steps_missed();
+  // Every unit's runs of parameters that missed steps, to its optimizer group (after a load too).
+  Result<void> set_steps_missed();
   // `values` reduced over the ranks (as f32) with `op`, back on the host: one small
   // all-reduce, awaited (prefetch.cpp).
   async::Task<Result<std::vector<double>>> all_reduce_values(std::span<const double> values,

@@ -161,14 +161,23 @@ Result<void> Engine::after_backward(Context&, Module& module) {
 
 Error Engine::explain_failure(Module& module, Error error) {
   State& s = *s_;
-  std::string own, read;  // parameters asked for while not gathered: the module's own, another's
+  // Parameters asked for while not gathered: the module's own, another's; another's gradient
+  // asked for while none was bound (an undeclared read whose backward wrote into grad()).
+  std::string own, read, written;
   for (const auto& u : s.units)
     for (const auto& p : u->params) {
       const bool mine = std::any_of(module.parameters().begin(), module.parameters().end(),
                                     [&](const auto& q) { return q.get() == p.parameter; });
+      const std::string& name = s.names.at(p.parameter);
+      if (!mine && p.parameter->gradient_missed() && !p.parameter->value_missed()) {
+        const auto dot = name.rfind('.');
+        written += (written.empty() ? "" : ", ") + name + " (unit " + u->info.name + ", owned by module '" +
+                   (dot == std::string::npos ? std::string() : name.substr(0, dot)) + "')";
+        p.parameter->clear_gradient_missed();
+        continue;
+      }
       // (a layer checks its own parameters are bound before it reads them)
       if (!p.parameter->value_missed() && !(mine && !p.parameter->bound())) continue;
-      const std::string& name = s.names.at(p.parameter);
       if (mine) {
         if (own.empty()) own = u->info.name;
       } else {
@@ -178,7 +187,7 @@ Error Engine::explain_failure(Module& module, Error error) {
       }
       p.parameter->clear_gradient_missed();  // explained once, by the innermost failing module
     }
-  if (own.empty() && read.empty()) return error;
+  if (own.empty() && read.empty() && written.empty()) return error;
   std::string path = "?";
   s.model->for_each_module([&](const std::string& at, Module& m) {
     if (&m == &module) path = at.empty() ? "(the model)" : at;
@@ -189,6 +198,12 @@ Error Engine::explain_failure(Module& module, Error error) {
                  ::coshard::detail::concat(who, " ran while its unit ", own, " was not gathered: a module that runs "
                                            "more than once in a pass must say so before the engine is built "
                                            "(set_runs_more_than_once_per_pass()); it failed with: ", error.message()));
+  if (read.empty())
+    return Error(ErrorCode::invalid_argument,
+                 ::coshard::detail::concat(who, " asked for the gradient of ", written, " while none was bound: a module "
+                                           "that reads another module's parameter must declare it "
+                                           "(reader.use_parameters_of(owner)), so that its gradient is bound and reduced "
+                                           "with the owner's; it failed with: ", error.message()));
   return Error(ErrorCode::invalid_argument,
                ::coshard::detail::concat(who, " read ", read, " while it was not gathered: a module that reads another "
                                          "module's parameter must declare it (reader.use_parameters_of(owner)); it "

@@ -73,6 +73,7 @@ async::Task<Result<void>> Engine::begin_step(int micro_batches, float lr) {
     u->uses_pending = 0;
     u->backwards_this_step = 0;
     u->stepped_early = false;
+    for (auto& p : u->params) p.left_out = false;
     COSHARD_CO_TRY(s.reduction->begin_step(s, *u));
     if (u->coalesced()) COSHARD_CO_TRY(s.skip_unused_modules(*u, {}));
     const auto group = s.group_of(*u);
@@ -186,6 +187,8 @@ async::Task<Result<EngineStepStats>> Engine::finish_open_step(float lr) {
     auto refused = s.step_in_backward_saw_non_finite();
     co_return fail(std::move(refused).error());
   }
+  // A step that counted: the parameters left out of it missed one (PyTorch's step per parameter).
+  if (!optimizer_stats.last_skipped) COSHARD_CO_TRY(s.count_steps_missed());
   // Every event of the step has passed now (the reads came after all of it): read the timings.
   s.collect_timing();
   COSHARD_CO_TRY(co_await s.agree_on_measurements());

@@ -53,9 +53,10 @@ async::Task<Result<void>> Engine::State::skip_units_without_gradients() {
   }
   std::size_t next_module = units.size();
   for (std::size_t i = 0; i < units.size(); ++i) {
-    const Unit& u = *units[i];
+    Unit& u = *units[i];
     const auto group = group_of(u);
     COSHARD_CO_TRY(group.optimizer.set_group_skipped(group.index, used[i] == 0.0));
+    for (auto& p : u.params) p.left_out = used[i] == 0.0 && p.parameter->trainable();
     if (!u.coalesced()) continue;
     const std::span<const double> modules_used(used.data() + next_module, u.modules.size());
     next_module += u.modules.size();
@@ -64,8 +65,10 @@ async::Task<Result<void>> Engine::State::skip_units_without_gradients() {
   co_return Result<void>{};
 }
 
-Result<void> Engine::State::skip_unused_modules(const Unit& u, std::span<const double> used) {
+Result<void> Engine::State::skip_unused_modules(Unit& u, std::span<const double> used) {
   if (u.info.frozen) return {};
+  if (!used.empty())
+    for (auto& p : u.params) p.left_out = used[p.module] == 0.0 && p.parameter->trainable();
   const auto group = group_of(u);
   // This rank's block of the unit, [begin, end): the group's elements.
   const std::int64_t begin = block_offset(u), end = begin + u.info.shard;
@@ -78,6 +81,36 @@ Result<void> Engine::State::skip_unused_modules(const Unit& u, std::span<const d
     else runs.emplace_back(from - begin, to - begin);
   }
   return group.optimizer.set_group_skipped_runs(group.index, std::move(runs));
+}
+
+Result<void> Engine::State::count_steps_missed() {
+  bool changed = false;
+  for (auto& u : units)
+    for (auto& p : u->params)
+      if (p.left_out) {
+        ++p.steps_missed;
+        changed = true;
+      }
+  return changed ? set_steps_missed() : Result<void>{};
+}
+
+Result<void> Engine::State::set_steps_missed() {
+  for (auto& u : units) {
+    if (u->info.frozen) continue;
+    // This rank's block of the unit, [begin, end): the group's elements.
+    const std::int64_t begin = block_offset(*u), end = begin + u->info.shard;
+    std::vector<Optimizer::MissedSteps> runs;
+    for (const auto& p : u->params) {
+      const std::int64_t from = std::max(begin, p.offset), to = std::min(end, p.offset + p.parameter->numel());
+      if (p.steps_missed == 0 || from >= to) continue;
+      if (!runs.empty() && runs.back().end == from - begin && runs.back().steps == p.steps_missed) runs.back().end = to - begin;
+      else runs.push_back({from - begin, to - begin, p.steps_missed});
+    }
+    const auto group = group_of(*u);
+    if (runs.empty() && group.optimizer.groups()[group.index].steps_missed.empty()) continue;
+    COSHARD_TRY(group.optimizer.set_group_steps_missed(group.index, std::move(runs)));
+  }
+  return {};
 }
 
 void Engine::State::reset_coalesced(bool new_step) {

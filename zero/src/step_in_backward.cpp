@@ -26,7 +26,7 @@ Result<void> Engine::State::step_in_backward_saw_non_finite() const {
 // step_in_backward: a coalesced unit steps before the ranks could agree on which of its modules
 // got gradients, so this rank's modules decide (a module skipped on some ranks only steps there
 // alone: the ranks' blocks then step by different rules).
-Result<void> Engine::State::skip_modules_unused_here(const Unit& u) {
+Result<void> Engine::State::skip_modules_unused_here(Unit& u) {
   if (!u.coalesced()) return {};
   std::vector<double> used;
   for (const auto& run : u.module_runs) used.push_back(run.used ? 1.0 : 0.0);

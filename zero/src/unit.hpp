@@ -30,6 +30,11 @@ struct Unit {
   struct Param {
     Parameter* parameter;
     std::int64_t offset;  // elements into the unit's buffer
+    std::size_t module = 0;  // coalesced: its module's place in `modules`
+    // Steps it was left out of (no gradient): PyTorch counts each parameter's own steps, which its
+    // AdamW bias correction follows (Optimizer::set_group_steps_missed). Saved in checkpoints.
+    std::int32_t steps_missed = 0;
+    bool left_out = false;  // this step
   };
   std::vector<Param> params;
   // A unit of several modules (small leaves coalesced): any of them may be skipped in a pass (a

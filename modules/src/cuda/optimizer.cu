@@ -52,8 +52,8 @@ struct AdamStep {
   float factor, bc1, bc2, decay;
   __device__ AdamStep(const detail::AdamArgs& a, const detail::StepState& st)
       : factor(grad_factor(st, a.max_grad_norm)),
-        bc1(1.0f - powf(a.beta1, static_cast<float>(st.step + 1))),
-        bc2(1.0f - powf(a.beta2, static_cast<float>(st.step + 1))),
+        bc1(1.0f - powf(a.beta1, static_cast<float>(st.step + 1 - a.steps_missed))),
+        bc2(1.0f - powf(a.beta2, static_cast<float>(st.step + 1 - a.steps_missed))),
         decay(1.0f - a.lr * a.weight_decay) {}
   // One element: the gradient as stored (unscaled) and the element's moments and master in, the
   // new master out (the moments updated in place). Every operation is an explicit round-to-nearest

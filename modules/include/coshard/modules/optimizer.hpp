@@ -146,6 +146,14 @@ class Optimizer {
   // steps as frozen ones are (parameters of a group that got no gradient this step while the rest
   // did: PyTorch's rule, per parameter). Empty: none. Until changed.
   Result<void> set_group_skipped_runs(std::size_t group, std::vector<std::pair<std::int64_t, std::int64_t>> runs);
+  // Runs of group i's elements, each with the steps its parameters were left out of so far (no
+  // gradient): PyTorch counts each parameter's own steps, so their AdamW bias correction counts
+  // that many fewer. Sorted and apart; elements in none missed no step. Until changed.
+  struct MissedSteps {
+    std::int64_t begin = 0, end = 0;
+    std::int32_t steps = 0;
+  };
+  Result<void> set_group_steps_missed(std::size_t group, std::vector<MissedSteps> runs);
   // Whether group i's gradient counts in the norm and overflow flag this optimizer computes
   // (true until changed). A copy of a block another rank counts (hybrid sharding's replicas) is
   // left out, so the sum across ranks counts each element once; it is still stepped.
@@ -210,6 +218,7 @@ class Optimizer {
     std::vector<Segment> segments;  // empty: the optimizer's settings throughout; else covering it
     bool skipped = false;           // set_group_skipped
     std::vector<std::pair<std::int64_t, std::int64_t>> skipped_runs;  // set_group_skipped_runs
+    std::vector<MissedSteps> steps_missed;                            // set_group_steps_missed
     bool frozen = false;            // add_frozen_group: every element frozen, no tensors but params
     bool in_norm = true;            // set_group_in_norm
   };
@@ -228,8 +237,9 @@ class Optimizer {
  private:
   Result<void> ensure_state(Context& ctx);
   Result<std::vector<Segment>> normalized(std::vector<Segment> segments, std::int64_t n) const;
-  // Calls step(begin, end, settings) for each run of group g's elements that steps: its segments
-  // (the optimizer's settings throughout when it has none), less frozen ones and skipped runs.
+  // Calls step(begin, end, settings, steps missed) for each run of group g's elements that steps:
+  // its segments (the optimizer's settings throughout when it has none), less frozen ones and
+  // skipped runs, cut where the steps its parameters missed change.
   template <class Step>
   Result<void> for_each_stepped_run(const Group& g, Step step) const;
   // One group's update from its master and state (every segment's run).

@@ -78,6 +78,10 @@ struct CheckpointManifest {
   std::vector<File> files;  // one per rank, in rank order
   // CheckpointOptions::run of the save. Absent in older manifests.
   std::map<std::string, std::string> run;
+  // The parameters that were left out of some of the steps (no gradient), with how many: their
+  // AdamW bias correction counts their own steps, as PyTorch's does. Absent in older manifests
+  // (every parameter then counts the optimizer's steps).
+  std::map<std::string, std::int64_t> steps_missed;
 };
 
 // "rank-00003.safetensors"
