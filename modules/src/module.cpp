@@ -1,5 +1,7 @@
 #include "coshard/modules/module.hpp"
 
+#include "coshard/async/json_limits.hpp"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -334,7 +336,7 @@ Result<std::size_t> Module::set_trainable_matching(std::string_view pattern, boo
   });
   if (!outcome) return fail(std::move(outcome).error());
   if (matched == 0)
-    return fail(ErrorCode::invalid_argument, "parameter pattern '", pattern,
+    return fail(ErrorCode::invalid_argument, "parameter pattern '", async::bounded_echo(pattern, 256),
                 "' matches no parameter of the model (its names are dotted paths: ", examples,
                 seen > 3 ? ", ..." : "", ")");
   return matched;

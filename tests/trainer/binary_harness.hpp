@@ -132,6 +132,17 @@ inline Exit run_with_file_limit(std::vector<std::string> args, const fs::path& d
   return run_with_limit(std::move(args), dir, RLIMIT_FSIZE, max_file_bytes);
 }
 
+// llm.c's .bin (version 1, uint16 ids).
+inline void write_llmc(const fs::path& path, const std::vector<std::uint16_t>& ids) {
+  std::vector<std::int32_t> header(256, 0);
+  header[0] = 20240520;
+  header[1] = 1;
+  header[2] = static_cast<std::int32_t>(ids.size());
+  std::ofstream out(path, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(header.data()), static_cast<std::streamsize>(header.size() * 4));
+  out.write(reinterpret_cast<const char*>(ids.data()), static_cast<std::streamsize>(ids.size() * 2));
+}
+
 inline std::int64_t latest_step(const fs::path& ck) {
   std::ifstream in(ck / "latest");
   std::string name;

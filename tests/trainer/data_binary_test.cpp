@@ -128,17 +128,6 @@ TEST(CoshardTrainValidation, MisuseIsNamedBeforeAnythingTrains) {
   EXPECT_NE(r.output.find("eval_batches=0"), std::string::npos) << r.output;
 }
 
-// llm.c's .bin (version 1, uint16 ids).
-void write_llmc(const fs::path& path, const std::vector<std::uint16_t>& ids) {
-  std::vector<std::int32_t> header(256, 0);
-  header[0] = 20240520;
-  header[1] = 1;
-  header[2] = static_cast<std::int32_t>(ids.size());
-  std::ofstream out(path, std::ios::binary);
-  out.write(reinterpret_cast<const char*>(header.data()), static_cast<std::streamsize>(header.size() * 4));
-  out.write(reinterpret_cast<const char*>(ids.data()), static_cast<std::streamsize>(ids.size() * 2));
-}
-
 TEST(CoshardTrainShards, AResumeMidShardIsExactAndChangedOrMissingShardsAreNamed) {
   const fs::path dir = scratch("shards");
   // Three shards of a task with structure (each id followed by a fixed next one, mostly).

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 
 #include <chrono>
@@ -181,6 +182,135 @@ TEST(HardeningFour, PrintConfigReadsBackAsTheSameRun) {
   const auto planned = run(with(kTiny, {"--config", (dir / "frozen.json").string(), "--estimate"}), dir);
   EXPECT_EQ(planned.code, 0) << planned.output;
   EXPECT_NE(planned.output.find("frozen:"), std::string::npos) << planned.output;
+}
+
+// Item 6: one shard named twice under two spellings (s.bin and ./s.bin, or a link to it) was read
+// twice; the files are compared, not the strings.
+TEST(HardeningFour, OneDataFileUnderTwoSpellingsIsRefused) {
+  const fs::path dir = scratch("h4_same_file");
+  std::vector<std::uint16_t> ids;
+  for (int i = 0; i < 200; ++i) ids.push_back(static_cast<std::uint16_t>(i % 32));
+  write_llmc(dir / "s.bin", ids);
+  write_llmc(dir / "t.bin", ids);  // (equal contents, another file: fine)
+  fs::create_symlink(dir / "s.bin", dir / "link.bin");
+  const std::string s = (dir / "s.bin").string();
+  for (const std::string& other : {(dir / "." / "s.bin").string(), (dir / "link.bin").string()}) {
+    const auto r = run(with(kTiny, {"--steps", "1", "--quiet", "--data", s, other}), dir);
+    EXPECT_EQ(r.code, 2) << r.output;
+    EXPECT_NE(r.output.find(other + " is the same file as " + s + " (its tokens would be read twice)"), std::string::npos)
+        << r.output;
+  }
+  const auto two = run(with(kTiny, {"--steps", "1", "--quiet", "--data", s, (dir / "t.bin").string()}), dir);
+  EXPECT_EQ(two.code, 0) << two.output;
+}
+
+// Items 6 and 12: an eps of inf (DeepSpeed's name or coshard's) and a --temperature of nan were
+// taken: the first trained without a word (every update 0), the second trained to the end and then
+// refused the sample. Both are refused before anything runs.
+TEST(HardeningFour, NonFiniteRealsAreRefusedUpFront) {
+  const fs::path dir = scratch("h4_non_finite");
+  std::ofstream(dir / "eps.json") << R"({"optimizer": {"type": "AdamW", "params": {"eps": "inf"}}})";
+  const auto eps = run(with(kTiny, {"--steps", "1", "--config", (dir / "eps.json").string()}), dir);
+  EXPECT_EQ(eps.code, 2) << eps.output;
+  EXPECT_NE(eps.output.find("eps=inf: expected > 0 and finite"), std::string::npos) << eps.output;
+  const auto temperature = run(with(kTiny, {"--steps", "1", "--temperature", "nan"}), dir);
+  EXPECT_EQ(temperature.code, 2) << temperature.output;
+  EXPECT_NE(temperature.output.find("expected a finite number"), std::string::npos) << temperature.output;
+  EXPECT_EQ(temperature.output.find("step 1/1"), std::string::npos) << "nothing trained: " << temperature.output;
+  // Item 13: reals are named as written, not as converted (1e39 read as inf, 1e-50 as 0).
+  std::ofstream(dir / "lr.json") << R"({"lr": 1e39})";
+  const auto lr = run(with(kTiny, {"--steps", "1", "--config", (dir / "lr.json").string()}), dir);
+  EXPECT_EQ(lr.code, 2) << lr.output;
+  EXPECT_NE(lr.output.find("lr=1e+39: expected > 0, within a float's range"), std::string::npos) << lr.output;
+  std::ofstream(dir / "tiny.json") << R"({"optimizer": {"params": {"eps": 1e-50}}})";
+  const auto tiny = run(with(kTiny, {"--steps", "1", "--config", (dir / "tiny.json").string()}), dir);
+  EXPECT_EQ(tiny.code, 2) << tiny.output;
+  EXPECT_NE(tiny.output.find("eps=1e-50: expected > 0 and finite; it rounds to 0 as a float"), std::string::npos)
+      << tiny.output;
+}
+
+// Item 13: values of megabytes were echoed whole: a 10 MB TensorBoard output_path, a long nvme
+// path, a 120 KB --freeze pattern. Each refusal is named with the value cut.
+TEST(HardeningFour, HugeValuesAreEchoedCut) {
+  const fs::path dir = scratch("h4_huge");
+  const std::string pattern(120000, 'x');
+  const auto freeze = run(with(kTiny, {"--steps", "1", "--freeze", pattern}), dir);
+  EXPECT_EQ(freeze.code, 2) << freeze.output.substr(0, 500);
+  EXPECT_LT(freeze.output.size(), 2000u) << freeze.output.substr(0, 500);
+  EXPECT_NE(freeze.output.find("matches no parameter"), std::string::npos) << freeze.output.substr(0, 500);
+  std::string long_path = (dir / "a").string();
+  for (int i = 0; i < 50; ++i) long_path += "/" + std::string(200, 'b');
+  for (const std::vector<std::string>& args : {std::vector<std::string>{"--offload-optimizer", "nvme:" + long_path},
+                                               std::vector<std::string>{"--tensorboard", long_path}}) {
+    const auto r = run(with(kTiny, with(args, {"--steps", "1"})), dir);
+    EXPECT_EQ(r.code, 2) << r.output.substr(0, 500);
+    EXPECT_LT(r.output.size(), 2000u) << r.output.substr(0, 500);
+    EXPECT_NE(r.output.find("characters (expected fewer than 4096, the system's PATH_MAX)"), std::string::npos)
+        << r.output.substr(0, 500);
+  }
+  std::ofstream(dir / "tb.json") << R"({"tensorboard": {"enabled": true, "output_path": ")" << std::string(10'000'000, 'c')
+                                 << R"(", "job_name": "j"}})";
+  const auto board = run(with(kTiny, {"--steps", "1", "--config", (dir / "tb.json").string()}), dir);
+  EXPECT_EQ(board.code, 2) << board.output.substr(0, 500);
+  EXPECT_LT(board.output.size(), 2000u) << board.output.substr(0, 500);
+}
+
+// Item 11: under an address-space limit a refused command line printed its message and never
+// exited (OpenBLAS's exit handler waited on a worker); a SIGTERM during a --steps 0 sample waited
+// out --stop-timeout with nothing to save.
+TEST(HardeningFour, ARefusalUnderAnAddressSpaceLimitEndsAndASampleStopsAtOnce) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "the sanitizers reserve more address space than the limit this test sets";
+#else
+  const fs::path dir = scratch("h4_ulimit");
+  const auto start_time = std::chrono::steady_clock::now();
+  const auto r = run_with_limit({"--dim", "65", "--heads", "4"}, dir, RLIMIT_AS, 1000000ull * 1024);
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("--dim 65 is not a multiple of --heads 4"), std::string::npos) << r.output;
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start_time).count(), 60.0);
+#endif
+  const fs::path sdir = scratch("h4_sample_stop");
+  // (a sample of minutes: 2,000 tokens of an 8-layer GPT at 2,048 positions)
+  const pid_t pid = start({"--layers", "8", "--dim", "512", "--heads", "8", "--seq", "2048", "--batch", "1", "--vocab",
+                           "256", "--world-size", "1", "--steps", "0", "--prompt-ids", "1,2,3", "--sample-tokens", "2000",
+                           "--stop-timeout", "300"},
+                          sdir / "out.txt");
+  ASSERT_GT(pid, 0);
+  // Sampling once the header is out (the sample is all that is left).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (slurp(sdir / "out.txt").find("ZeRO-3") == std::string::npos && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const auto sent = std::chrono::steady_clock::now();
+  ::kill(pid, SIGTERM);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - sent).count(), 30.0)
+      << slurp(sdir / "out.txt");
+  // (ended as the signal would have: by it, or with status 128 + 15 where it was blocked in its handler)
+  EXPECT_TRUE((WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM) || (WIFEXITED(status) && WEXITSTATUS(status) == 143))
+      << status << " " << slurp(sdir / "out.txt");
+  EXPECT_NE(slurp(sdir / "out.txt").find("stopped during the closing sample"), std::string::npos) << slurp(sdir / "out.txt");
+}
+
+// Item 14: --steps 0 --val-data announced a validation and never ran it; it now gives the
+// validation loss of the weights as given (here the seed's), even with --quiet.
+TEST(HardeningFour, StepsZeroWithValidationDataGivesTheValidationLoss) {
+  const fs::path dir = scratch("h4_val_zero");
+  {
+    std::ofstream train(dir / "train.txt"), held(dir / "val.txt");
+    for (int i = 0; i < 300; ++i) train << "line " << i % 17 << " of the training text\n";
+    for (int i = 0; i < 100; ++i) held << "line " << i % 13 << " held out\n";
+  }
+  for (const bool quiet : {false, true}) {
+    std::vector<std::string> args = without(kTiny, "--vocab");
+    args = with(args, {"--steps", "0", "--data", (dir / "train.txt").string(), "--val-data", (dir / "val.txt").string()});
+    if (quiet) args.push_back("--quiet");
+    const auto r = run(args, dir);
+    EXPECT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("validation loss "), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(" at step 0 (no training: --steps 0)"), std::string::npos) << r.output;
+  }
 }
 
 }  // namespace

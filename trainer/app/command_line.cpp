@@ -186,7 +186,9 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
       "--tensorboard", tensorboard,
       "write TensorBoard event files into this folder (rank 0; loss, lr, grad norm, tokens/s, step time, exposed "
       "communication, hit rate, swap bytes, peak memory each step): tensorboard --logdir FOLDER");
-  app.add_flag("--quiet", o.quiet, "no progress output");
+  app.add_flag("--quiet", o.quiet,
+               "no progress output: no header, step lines, validation lines or samples (with --steps 0 the sample and "
+               "the validation loss, the run's only results, still print; errors always do)");
   app.add_flag("--print-config", o.print_config,
                "print every trainer setting of this run (--config's, with the command line's over them) as JSON under "
                "coshard's names, and exit: a file --config reads back");
@@ -298,9 +300,9 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
     }
   }
   o.sampling = sample_every->count() > 0 || !o.prompt.empty();
-  if (o.steps == 0 && o.prompt.empty()) {
-    std::fprintf(stderr, "coshard-train: --steps 0 trains nothing: it samples (give --prompt or --prompt-ids, and the "
-                         "weights with --init)\n");
+  if (o.steps == 0 && o.prompt.empty() && o.val_specs.empty()) {
+    std::fprintf(stderr, "coshard-train: --steps 0 trains nothing: it samples or validates (give --prompt or "
+                         "--prompt-ids, or --val-data, and the weights with --init)\n");
     return 2;
   }
   // (on the synthetic task, validation draws held-out sequences of the same task)

@@ -272,6 +272,15 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
       saved_at = stats.step;
     }
   }
+  // --steps 0 with validation data: the validation loss of the weights as given (--init's, or the
+  // seed's), the one way to get it; announced in the header, so it is run.
+  if (o.steps == 0 && val) {
+    COSHARD_CO_TRY_ASSIGN(const double loss, co_await t.validation_loss(o.batch, o.seq));
+    if (lead) {
+      std::printf("validation loss %.4f at step %lld (no training: --steps 0)\n", loss, static_cast<long long>(first));
+      std::fflush(stdout);
+    }
+  }
   const bool stopped = t.steps_done() < o.steps;
   // Stopped by a signal: the steps since the last checkpoint are saved (when there is a folder
   // for them), and the pending save is published before the exit.

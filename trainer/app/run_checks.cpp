@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "coshard/async/files.hpp"
+#include "coshard/async/json_limits.hpp"
 #include "coshard/zero/checkpoint.hpp"
 
 namespace coshard::train_app {
@@ -41,7 +42,24 @@ Result<void> check_input_path(const NamedPath& in) {
   return async::check_input_file(in.path, in.role);  // "is a fifo; expected a regular file", ...
 }
 
+// A path the system cannot take (PATH_MAX, NAME_MAX): refused with its text cut, never echoed
+// whole (a 10 MB --tensorboard path was echoed in full by each message that named it).
+Result<void> check_path_length(const NamedPath& p) {
+  const std::string text = p.path.string();
+  constexpr std::size_t kPathMax = 4096, kNameMax = 255;
+  if (text.size() >= kPathMax)
+    return fail(ErrorCode::invalid_argument, p.role, " ", async::bounded_echo(text, 256), ": a path of ", text.size(),
+                " characters (expected fewer than ", kPathMax, ", the system's PATH_MAX)");
+  for (const auto& part : p.path)
+    if (part.string().size() > kNameMax)
+      return fail(ErrorCode::invalid_argument, p.role, " ", async::bounded_echo(text, 256), ": a name of ",
+                  part.string().size(), " characters in it (expected at most ", kNameMax, ", the system's NAME_MAX)");
+  return {};
+}
+
 Result<void> check_run_paths(const RunPaths& paths) {
+  for (const auto* group : {&paths.inputs, &paths.output_files, &paths.output_folders})
+    for (const auto& p : *group) COSHARD_TRY(check_path_length(p));
   for (const auto& in : paths.inputs) COSHARD_TRY(check_input_path(in));
   // Aliases: an output over an input, two outputs on one path, an output file inside an output
   // folder (where coshard writes files of its own), or two output folders nested.
