@@ -217,8 +217,8 @@ class Optimizer {
     Tensor state2;  // Adam v
     std::vector<Segment> segments;  // empty: the optimizer's settings throughout; else covering it
     bool skipped = false;           // set_group_skipped
-    std::vector<std::pair<std::int64_t, std::int64_t>> skipped_runs;  // set_group_skipped_runs
-    std::vector<MissedSteps> steps_missed;                            // set_group_steps_missed
+    std::vector<std::pair<std::int64_t, std::int64_t>> skipped_runs = {};  // set_group_skipped_runs
+    std::vector<MissedSteps> steps_missed = {};                            // set_group_steps_missed
     bool frozen = false;            // add_frozen_group: every element frozen, no tensors but params
     bool in_norm = true;            // set_group_in_norm
   };
