@@ -132,6 +132,18 @@ inline Exit run_with_file_limit(std::vector<std::string> args, const fs::path& d
   return run_with_limit(std::move(args), dir, RLIMIT_FSIZE, max_file_bytes);
 }
 
+// Waits (up to two minutes) until `path` holds `text`, or anything when `text` is empty (a run
+// under way once a step is in its metrics); whether it does.
+inline bool wait_for_text(const fs::path& path, const std::string& text = {}) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  auto there = [&] {
+    const std::string now = slurp(path);
+    return text.empty() ? !now.empty() : now.find(text) != std::string::npos;
+  };
+  while (!there() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  return there();
+}
+
 // llm.c's .bin (version 1, uint16 ids).
 inline void write_llmc(const fs::path& path, const std::vector<std::uint16_t>& ids) {
   std::vector<std::int32_t> header(256, 0);

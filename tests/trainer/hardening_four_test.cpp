@@ -78,9 +78,7 @@ TEST(HardeningFour, ASigintSavesARunWithAPartlyFrozenUnit) {
                                      ck.string(), "--checkpoint-every", "1000000", "--metrics", (dir / "m.jsonl").string()}),
                           dir / "out.txt");
   ASSERT_GT(pid, 0);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (slurp(dir / "m.jsonl").empty() && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_TRUE(wait_for_text(dir / "m.jsonl"));  // (under way, its handlers installed, once a step is in the metrics)
   ::kill(pid, SIGINT);
   int status = 0;
   ::waitpid(pid, &status, 0);
@@ -277,9 +275,7 @@ TEST(HardeningFour, ARefusalUnderAnAddressSpaceLimitEndsAndASampleStopsAtOnce) {
                           sdir / "out.txt");
   ASSERT_GT(pid, 0);
   // Sampling once the header is out (the sample is all that is left).
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (slurp(sdir / "out.txt").find("ZeRO-3") == std::string::npos && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_TRUE(wait_for_text(sdir / "out.txt", "ZeRO-3"));
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   const auto sent = std::chrono::steady_clock::now();
   ::kill(pid, SIGTERM);

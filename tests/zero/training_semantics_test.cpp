@@ -440,6 +440,20 @@ void expect_matches(const Semantics& sem, float clip, const std::vector<std::str
   }
 }
 
+// Each case saved after step 3 and resumed from it (model, optimizer and engine built anew) gives
+// the bits of the run that never stopped.
+void expect_resumes_exactly(const Semantics& sem, const std::vector<Case>& cases) {
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.name());
+    auto straight = sharded(sem, k, 0.0f);
+    auto resumed = sharded(sem, k, 0.0f, 3);
+    ASSERT_TRUE(straight) << straight.error().message();
+    ASSERT_TRUE(resumed) << resumed.error().message();
+    EXPECT_EQ(resumed->losses, straight->losses);
+    EXPECT_EQ(resumed->final, straight->final);
+  }
+}
+
 TEST(FrozenParameters, KeepTheirInitialBitsAndTheRestTrainsAsUnsharded) {
   // fc1 whole (a unit of frozen parameters only) and fc2.bias (frozen beside a weight that trains).
   Semantics sem{.frozen = {"fc1.*", "fc2.bias"}};
@@ -499,16 +513,8 @@ TEST(UnusedParameters, AModuleSkippedInsideACoalescedUnitWithClippingCountsOnlyW
 // the unsharded model's numbers; the branch coalesced with its neighbours too.
 TEST(UnusedParameters, AResumeKeepsEachParametersOwnStepCount) {
   const Semantics sem{.branch = BranchRuns::some_steps};
-  for (const Case& k : {Case{2, 3}, Case{3, 2, 1, OffloadTarget::cpu}, Case{2, 3, 1, OffloadTarget::nvme, OffloadTarget::nvme},
-                        Case{2, 1, 2, {}, {}, false, 8000}}) {
-    SCOPED_TRACE(k.name());
-    auto straight = sharded(sem, k, 0.0f);
-    auto resumed = sharded(sem, k, 0.0f, 3);
-    ASSERT_TRUE(straight) << straight.error().message();
-    ASSERT_TRUE(resumed) << resumed.error().message();
-    EXPECT_EQ(resumed->losses, straight->losses);
-    EXPECT_EQ(resumed->final, straight->final);
-  }
+  expect_resumes_exactly(sem, {Case{2, 3}, Case{3, 2, 1, OffloadTarget::cpu},
+                               Case{2, 3, 1, OffloadTarget::nvme, OffloadTarget::nvme}, Case{2, 1, 2, {}, {}, false, 8000}});
   const RunResult ref = reference(sem, 0.0f);
   const auto dir = std::filesystem::current_path() / "training_semantics_scratch" / "steps_missed_checkpoint";
   std::filesystem::remove_all(dir);
@@ -681,17 +687,9 @@ TEST(FrozenParameters, AWhollyFrozenUnitHoldsNoGradientMasterOrOptimizerState) {
 // A checkpoint keeps a frozen unit's parameters only, and a run resumed from it continues as
 // the run that never stopped, on the device and offloaded to cpu and nvme (bf16 too).
 TEST(FrozenParameters, ACheckpointKeepsTheFrozenUnitsParametersAndResumesExactly) {
-  const Semantics sem{.frozen = {"fc1.*", "fc2.bias"}};
-  for (const Case& k : {Case{2, 2}, Case{3, 3}, Case{2, 3, 1, OffloadTarget::cpu, OffloadTarget::cpu},
-                        Case{2, 3, 1, OffloadTarget::nvme, OffloadTarget::nvme}, Case{2, 1, 2, OffloadTarget::nvme}}) {
-    SCOPED_TRACE(k.name());
-    auto straight = sharded(sem, k, 0.0f);
-    auto resumed = sharded(sem, k, 0.0f, 3);
-    ASSERT_TRUE(straight) << straight.error().message();
-    ASSERT_TRUE(resumed) << resumed.error().message();
-    EXPECT_EQ(resumed->losses, straight->losses);
-    EXPECT_EQ(resumed->final, straight->final);
-  }
+  expect_resumes_exactly({.frozen = {"fc1.*", "fc2.bias"}},
+                         {Case{2, 2}, Case{3, 3}, Case{2, 3, 1, OffloadTarget::cpu, OffloadTarget::cpu},
+                          Case{2, 3, 1, OffloadTarget::nvme, OffloadTarget::nvme}, Case{2, 1, 2, OffloadTarget::nvme}});
 }
 
 // #48 item 7: a unit frozen in part (fc1.weight frozen, fc1.bias trained) has a block that is

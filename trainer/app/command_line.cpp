@@ -59,7 +59,7 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
       ->check(CLI::Range(0, 1 << 24));
   app.add_option("--steps", o.steps,
                  "optimizer steps in total (a resumed run continues to this); 0: no training, only a sample (with "
-                 "--prompt or --prompt-ids, from --init)")
+                 "--prompt or --prompt-ids) and/or the validation loss (with --val-data) of --init's weights")
       ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 40));
   std::string prompt_text, prompt_ids;
   auto* prompt_option = app.add_option("--prompt", prompt_text,
