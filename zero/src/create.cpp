@@ -157,18 +157,16 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     u->index = s->units.size();
     for (const auto& p : u->params) s->planned_trainable.emplace_back(p.parameter, p.parameter->trainable());
     for (Module* m : u->modules) s->unit_of.emplace(m, u->index);
-    if (u->coalesced())
-      for (std::size_t k = 0; k < u->modules.size(); ++k) {
-        Unit::ModuleRun run{std::numeric_limits<std::int64_t>::max(), 0};
-        for (const auto& p : u->params)
-          if (std::any_of(u->modules[k]->parameters().begin(), u->modules[k]->parameters().end(),
-                          [&](const auto& q) { return q.get() == p.parameter; })) {
-            run.begin = std::min(run.begin, p.offset);
-            run.end = std::max(run.end, p.offset + p.parameter->numel());
-          }
-        s->position_in_unit.emplace(u->modules[k], k);
-        u->module_runs.push_back(run);
+    if (u->coalesced()) {
+      // Each module's elements, from its parameters' places (Param::module, above).
+      u->module_runs.assign(u->modules.size(), Unit::ModuleRun{std::numeric_limits<std::int64_t>::max(), 0});
+      for (const auto& p : u->params) {
+        auto& run = u->module_runs[p.module];
+        run.begin = std::min(run.begin, p.offset);
+        run.end = std::max(run.end, p.offset + p.parameter->numel());
       }
+      for (std::size_t k = 0; k < u->modules.size(); ++k) s->position_in_unit.emplace(u->modules[k], k);
+    }
     s->units.push_back(std::move(u));
   }
   // Declared uses of other modules' parameters: the owner's unit, which must be the model's.
