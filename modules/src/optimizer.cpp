@@ -168,18 +168,32 @@ Result<void> Optimizer::set_group_skipped(std::size_t i, bool skipped) {
   return {};
 }
 
+namespace {
+
+// The first of `runs` (each [begin, end) as `bounds` gives it) that is empty, out of order, touches
+// the one before, or passes n elements; null when they are all sorted and apart within n.
+template <class Run, class Bounds>
+const Run* first_bad_run(const std::vector<Run>& runs, std::int64_t n, Bounds bounds) {
+  std::int64_t end = 0;
+  for (const Run& r : runs) {
+    const auto [b, e] = bounds(r);
+    if (b < end || e <= b || e > n) return &r;
+    end = e;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
 Result<void> Optimizer::set_group_skipped_runs(std::size_t i, std::vector<std::pair<std::int64_t, std::int64_t>> runs) {
   if (i >= groups_.size())
     return fail(ErrorCode::out_of_range, "Optimizer::set_group_skipped_runs(", i, "): ", groups_.size(), " groups");
   // (a swapped group's gradients may be a shape over no data: its size all the same)
   const std::int64_t n = groups_[i].frozen ? 0 : groups_[i].grads.numel();
-  std::int64_t end = 0;
-  for (const auto& [b, e] : runs) {
-    if (b < end || e <= b || e > n)
-      return fail(ErrorCode::invalid_argument, "Optimizer::set_group_skipped_runs(", i, "): run [", b, ", ", e,
-                  "): expected sorted, non-empty runs apart from each other within the group's ", n, " elements");
-    end = e;
-  }
+  if (const auto* bad = first_bad_run(runs, n, [](const auto& r) { return r; }))
+    return fail(ErrorCode::invalid_argument, "Optimizer::set_group_skipped_runs(", i, "): run [", bad->first, ", ",
+                bad->second, "): expected sorted, non-empty runs apart from each other within the group's ", n,
+                " elements");
   groups_[i].skipped_runs = std::move(runs);
   return {};
 }
@@ -188,14 +202,14 @@ Result<void> Optimizer::set_group_steps_missed(std::size_t i, std::vector<Missed
   if (i >= groups_.size())
     return fail(ErrorCode::out_of_range, "Optimizer::set_group_steps_missed(", i, "): ", groups_.size(), " groups");
   const std::int64_t n = groups_[i].frozen ? 0 : groups_[i].grads.numel();
-  std::int64_t end = 0;
-  for (const auto& r : runs) {
-    if (r.begin < end || r.end <= r.begin || r.end > n || r.steps < 0)
-      return fail(ErrorCode::invalid_argument, "Optimizer::set_group_steps_missed(", i, "): run [", r.begin, ", ", r.end,
-                  ") of ", r.steps, " steps: expected sorted, non-empty runs apart from each other within the group's ",
-                  n, " elements, and steps >= 0");
-    end = r.end;
-  }
+  const auto* bad = first_bad_run(runs, n, [](const MissedSteps& r) { return std::pair{r.begin, r.end}; });
+  if (!bad)
+    for (const auto& r : runs)
+      if (r.steps < 0) bad = &r;
+  if (bad)
+    return fail(ErrorCode::invalid_argument, "Optimizer::set_group_steps_missed(", i, "): run [", bad->begin, ", ",
+                bad->end, ") of ", bad->steps, " steps: expected sorted, non-empty runs apart from each other within "
+                "the group's ", n, " elements, and steps >= 0");
   groups_[i].steps_missed = std::move(runs);
   return {};
 }
