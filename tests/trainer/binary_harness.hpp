@@ -5,11 +5,13 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/ptrace.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -126,6 +128,55 @@ inline Exit run_with_limit(std::vector<std::string> args, const fs::path& dir, i
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   return {WIFEXITED(status) ? WEXITSTATUS(status) : (WIFSIGNALED(status) ? 128 + WTERMSIG(status) : -1), slurp(out)};
+}
+
+// The peak address space (VmPeak, bytes) of coshard-train run with `args`, as run_with_limit
+// runs it but without a limit: read at its exit through ptrace's exit stop, where its memory is
+// still mapped. 0 where the system refuses ptrace. Limits relative to it test the same thing on
+// any machine, whatever its libraries map (a CUDA build maps ~700 MiB of cuBLAS and NCCL).
+inline std::uint64_t peak_address_space(std::vector<std::string> args, const fs::path& dir) {
+  const fs::path out = dir / "peak_output.txt";
+  args.insert(args.begin(), COSHARD_TRAIN_BIN);
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    const int fd = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(fd, 1);
+    ::dup2(fd, 2);
+    ::setenv("OPENBLAS_NUM_THREADS", "2", 1);
+    if (::ptrace(PTRACE_TRACEME, 0, nullptr, nullptr) != 0) ::_exit(126);
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  std::uint64_t peak = 0;
+  bool options_set = false;
+  int status = 0;
+  while (::waitpid(pid, &status, 0) == pid && WIFSTOPPED(status)) {
+    int deliver = WSTOPSIG(status);
+    if (deliver == SIGTRAP) {  // an exec (the first, or the BLAS kernels' restart) or the exit stop
+      deliver = 0;
+      if (!options_set) options_set = ::ptrace(PTRACE_SETOPTIONS, pid, nullptr, PTRACE_O_TRACEEXIT | PTRACE_O_EXITKILL) == 0;
+      if ((status >> 16) == PTRACE_EVENT_EXIT) {
+        std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+        std::string key;
+        std::uint64_t kb = 0;
+        while (in >> key)
+          if (key == "VmPeak:" && in >> kb) peak = kb * 1024;
+      }
+    }
+    ::ptrace(PTRACE_CONT, pid, nullptr, deliver);
+  }
+  return peak;
+}
+
+// Whether a run under an address-space limit ended before coshard's code ran: the loader could not
+// map a library (127), or a library's constructor failed on the limit (OpenBLAS's names its thread;
+// in a CUDA build cuBLAS's and cuBLASLt's die of SIGSEGV with nothing said).
+inline bool ended_before_main(const Exit& r) {
+  return (r.code == 127 && r.output.find("error while loading shared libraries") != std::string::npos) ||
+         (r.code >= 128 && r.output.empty()) || r.output.rfind("OpenBLAS blas_thread_init", 0) == 0;
 }
 
 inline Exit run_with_file_limit(std::vector<std::string> args, const fs::path& dir, rlim_t max_file_bytes) {

@@ -697,7 +697,17 @@ int main(int argc, char** argv) {
   // The best OpenBLAS kernels this CPU runs, chosen before anything starts (OpenBLAS reads its
   // choice when it loads: a restart of this program when it chose weaker ones).
   coshard::modules::choose_blas_kernels_and_restart(argv);
-  const int code = run_main(argc, argv);
+  int code = 0;
+  try {
+    code = run_main(argc, argv);
+  } catch (const std::bad_alloc&) {
+    // Reading the command line needs a little memory: under an address-space limit the libraries
+    // may leave none (the ranks' own failures are reported inside run). Said without allocating.
+    std::fputs("coshard-train: out of host memory before the run could start (an address-space limit, ulimit -v, "
+               "leaves too little beside the libraries)\n",
+               stderr);
+    code = 1;
+  }
   if (code != 0) {
     // OpenBLAS's exit handler joins its worker threads, and a worker that could not get its
     // buffer (the machine out of memory, or an address-space limit) retries forever: a failed run,
