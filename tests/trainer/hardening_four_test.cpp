@@ -267,9 +267,9 @@ TEST(HardeningFour, ARefusalUnderAnAddressSpaceLimitEndsAndASampleStopsAtOnce) {
   const fs::path dir = scratch("h4_ulimit");
   const std::vector<std::string> refused = {"--dim", "65", "--heads", "4"};
   const std::uint64_t peak = peak_address_space(refused, dir);
-  ASSERT_GT(peak, 64ull << 20) << "ptrace refused: " << slurp(dir / "peak_output.txt");
+  ASSERT_GT(peak, 0u) << "ptrace refused: " << slurp(dir / "peak_output.txt");
   int refused_under_limit = 0;
-  for (std::uint64_t limit = peak - (8ull << 20); limit > (64ull << 20); limit -= 8ull << 20) {
+  for (std::uint64_t limit = peak - (8ull << 20); limit > (8ull << 20); limit -= 8ull << 20) {
     SCOPED_TRACE("ulimit -v " + std::to_string(limit >> 10) + " KiB (the refusal peaks at " +
                  std::to_string(peak >> 10) + ")");
     const auto start_time = std::chrono::steady_clock::now();
