@@ -1,0 +1,185 @@
+#include "rank_run.hpp"
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+
+#include "coshard/modules/safetensors_folder.hpp"
+#include "coshard/trainer/trainer.hpp"
+#include "coshard/zero/hf_llama.hpp"
+#include "progress.hpp"
+#include "run_report.hpp"
+#include "samples.hpp"
+#include "stop_signals.hpp"
+
+namespace coshard::train_app {
+
+using trainer::HostBatch;
+
+namespace {
+
+// Ranks as processes agree through one small all-reduce (max) of their flags per step.
+async::Task<Result<bool>> any_rank_stopping(trainer::Trainer& t, collectives::Communicator& comm, bool mine) {
+  auto& ctx = t.context();
+  const std::int32_t flag = mine ? 1 : 0;
+  COSHARD_CO_TRY_ASSIGN(auto tensor, ctx.upload(std::as_bytes(std::span<const std::int32_t>(&flag, 1)), modules::Shape{1},
+                                                modules::DataType::i32));
+  COSHARD_CO_TRY_ASSIGN(auto uploaded, ctx.stream().record());
+  COSHARD_CO_TRY(comm.stream().wait(uploaded));
+  COSHARD_CO_TRY_ASSIGN(auto reduced,
+                        comm.all_reduce(tensor.data(), tensor.data(), 1, modules::DataType::i32, collectives::ReduceOp::max));
+  COSHARD_CO_TRY(ctx.stream().wait(reduced));
+  COSHARD_CO_TRY_ASSIGN(auto values, co_await ctx.read(tensor));
+  co_return values.at(0) > 0;
+}
+
+}  // namespace
+
+async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& comm, const trainer::TokenSource& data,
+                                   const trainer::TokenSource* val, Shared& shared, bool threads) {
+  const int rank = comm.rank(), world = comm.size();
+  const bool lead = rank == 0;
+  COSHARD_CO_TRY_ASSIGN(auto model, o.model.build());
+  trainer::TrainerBuilder builder(o.train);
+  builder.communicator(comm);
+  // What defines this run beyond the parameters' shapes: a resume with another shape of attention
+  // (--heads) or other data is refused.
+  builder.run_identity("model", o.model.identity(o.seq));
+  builder.run_identity("data", data.identity());
+  // What this binary does with every rank alike (a difference would hang or mismatch a collective).
+  builder.ranks_agree_on("--batch", std::to_string(o.batch));
+  builder.ranks_agree_on("--steps", std::to_string(o.steps));
+  builder.ranks_agree_on("--checkpoint-every", std::to_string(o.checkpoint_every) + (o.resume ? ", --resume" : ""));
+  builder.ranks_agree_on("--export", o.export_path.empty() ? "no" : "yes");
+  std::string prompt;
+  for (const std::int32_t id : o.prompt) prompt += std::to_string(id) + ",";
+  builder.ranks_agree_on("samples", o.sampling ? "every " + std::to_string(o.sample_every) + ", " +
+                                                     std::to_string(o.sample.tokens) + " tokens, temperature " +
+                                                     std::to_string(o.sample.temperature) + ", top-k " +
+                                                     std::to_string(o.sample.top_k) + ", prompt " + prompt
+                                               : "none");
+  builder.ranks_agree_on("--val-data", val ? val->identity() : "none");
+  // Ranks starting from different weights would each keep their own blocks of them: one model of
+  // several files, trained without a word.
+  builder.ranks_agree_on("--init", o.init.empty() ? "none" : o.init_fingerprint);
+  if (val) builder.validation(*val, o.train.eval_every, o.train.eval_batches);
+  COSHARD_CO_TRY_ASSIGN(auto t, co_await builder.build(*model));
+  if (shared.epoch.recorded()) COSHARD_CO_TRY(t.set_timeline_epoch(shared.epoch));
+  if (o.init_is_folder) {
+    COSHARD_CO_TRY(co_await zero::load_hf_llama(t.engine(), o.init, o.model.llama));
+  } else if (!o.init.empty()) {
+    COSHARD_CO_TRY(co_await t.load_safetensors(o.init));
+  }
+  if (o.resume) {
+    auto loaded = co_await t.load_checkpoint(o.checkpoint_dir);
+    if (!loaded) co_return fail(std::move(loaded).error().with_context("--resume"));
+  }
+  const std::int64_t first = t.steps_done();
+  // A resume that has nothing left to train would print "resumed" and exit 0 as if it had.
+  if (o.resume && first >= o.steps && o.steps > 0)
+    co_return fail(ErrorCode::invalid_argument, "--steps ", o.steps, ": the checkpoint in ", o.checkpoint_dir,
+                   " is at step ", first, " already, so there is nothing to train (give --steps above ", first, ")");
+  if (lead && !o.quiet) print_run_header(o, t, comm, data, val, first);
+  std::ofstream metrics;
+  if (lead && !o.metrics.empty()) {
+    metrics.open(o.metrics, first > 0 ? std::ios::app : std::ios::trunc);
+    if (!metrics) co_return fail(ErrorCode::io, "--metrics ", o.metrics, ": cannot open for writing");
+  }
+  trainer::Progress progress(first, o.steps, stdout);
+  std::int64_t saved_at = first;
+  // The first step of the current run of steps whose loss was not finite (0: the last one's was).
+  std::int64_t nonfinite_since = 0;
+  double last_loss = 0;
+  for (std::int64_t step = first; step < o.steps; ++step) {
+    if (threads) {
+      if (stop_signal() != 0) {
+        std::int64_t unset = std::numeric_limits<std::int64_t>::max();
+        shared.stop_at.compare_exchange_strong(unset, step + 1);
+      }
+      if (step >= shared.stop_at.load()) break;
+    } else {
+      COSHARD_CO_TRY_ASSIGN(const bool stopping, co_await any_rank_stopping(t, comm, stop_signal() != 0));
+      if (stopping) break;
+    }
+    const HostBatch global = data.batch(static_cast<std::uint64_t>(step), o.batch, o.seq);
+    if (val && step + 1 == o.steps) t.request_validation();  // (the last step: evaluated whatever --eval-every says)
+    COSHARD_CO_TRY_ASSIGN(auto stats, co_await t.step(global.rank_rows(rank, world)));
+    if (!std::isfinite(stats.loss)) {
+      if (nonfinite_since == 0) nonfinite_since = stats.step;
+    } else {
+      nonfinite_since = 0;
+    }
+    last_loss = stats.loss;
+    if (!o.trace.empty()) shared.trace.add(rank, stats.step, stats.timeline);
+    if (lead) {
+      if (!o.quiet) progress.update(stats);
+      if (metrics.is_open()) {
+        metrics << trainer::to_json_line(stats) << '\n';
+        metrics.flush();
+        if (!metrics) co_return fail(ErrorCode::io, "--metrics ", o.metrics, ": write failed");
+      }
+    }
+    if (o.sample_every > 0 && stats.step % o.sample_every == 0 && stats.step < o.steps) {
+      if (lead && !o.quiet) progress.finish();
+      COSHARD_CO_TRY(co_await train_app::sample_after(t, o, data, stats.step, o.quiet));
+    }
+    if (o.checkpoint_every > 0 && stats.step % o.checkpoint_every == 0) {
+      COSHARD_CO_TRY(co_await t.save_checkpoint(o.checkpoint_dir));
+      saved_at = stats.step;
+    }
+  }
+  // --steps 0 with validation data: the validation loss of the weights as given (--init's, or the
+  // seed's), the one way to get it; announced in the header, so it is run.
+  if (o.steps == 0 && val) {
+    COSHARD_CO_TRY_ASSIGN(const double loss, co_await t.validation_loss(o.batch, o.seq));
+    if (lead) {
+      std::printf("validation loss %.4f at step %lld (no training: --steps 0)\n", loss, static_cast<long long>(first));
+      std::fflush(stdout);
+    }
+  }
+  const bool stopped = t.steps_done() < o.steps;
+  // Stopped by a signal: the steps since the last checkpoint are saved (when there is a folder
+  // for them), and the pending save is published before the exit.
+  if (stopped && !o.checkpoint_dir.empty() && t.steps_done() > saved_at)
+    COSHARD_CO_TRY(co_await t.save_checkpoint(o.checkpoint_dir));
+  COSHARD_CO_TRY(co_await t.finish_checkpoint());
+  if (stopped) shared.stopped_after = t.steps_done();
+  // No rank tears down (a counted stream synchronize) before rank 0 has reported its last step.
+  COSHARD_CO_TRY_ASSIGN(auto all_done, comm.barrier());
+  COSHARD_CO_TRY(co_await all_done);
+  if (lead && !o.quiet) progress.finish();
+  if (lead && !o.trace.empty()) {
+    // Local ranks: every rank added its spans before the barrier. Processes: this rank's own.
+    COSHARD_CO_TRY(shared.trace.write(o.trace));
+    if (!o.quiet) std::printf("trace: %zu spans in %s\n", shared.trace.size(), o.trace.c_str());
+  }
+  // A run that ends on losses that are not finite learned nothing since they began, even with
+  // finite weights (the model's outputs overflow): an error, and nothing exported (the loss is
+  // averaged over ranks, so every rank says so).
+  if (nonfinite_since > 0)
+    co_return fail(ErrorCode::invalid_argument, "the loss has not been finite since step ", nonfinite_since, " (step ",
+                   t.steps_done(), ": ", last_loss, "; every such step is skipped): training diverged (a learning rate or ",
+                   "weight decay too large, or non-finite data)", o.export_path.empty() ? "" : "; --export skipped");
+  if (!o.export_path.empty() && !stopped) {
+    if (o.export_is_folder) {
+      modules::SafetensorsFolderOptions shards;  // named: GCC 12 mishandles default arguments in co_await
+      COSHARD_CO_TRY(co_await zero::export_hf_llama(t.engine(), o.export_path, o.model.llama, std::move(shards)));
+    } else {
+      COSHARD_CO_TRY(co_await t.export_safetensors(o.export_path));
+    }
+    if (lead && !o.quiet) std::printf("exported %s\n", o.export_path.c_str());
+  }
+  // The sample after the last step (--steps 0: the only one, always shown), once everything is
+  // saved and exported on every rank: a stop signal during it has nothing left to lose, and ends
+  // the process at once.
+  if (o.sampling && !stopped) {
+    COSHARD_CO_TRY_ASSIGN(auto exported, comm.barrier());
+    COSHARD_CO_TRY(co_await exported);
+    nothing_left_to_lose();
+    if (stop_signal() != 0) co_return Result<void>{};  // (it came before: no sample)
+    COSHARD_CO_TRY(co_await train_app::sample_after(t, o, data, t.steps_done(), o.quiet && o.steps > 0));
+  }
+  co_return Result<void>{};
+}
+
+}  // namespace coshard::train_app

@@ -1,0 +1,15 @@
+// coshard-train's ranks: started as threads of this process (the Local backend) or as this
+// process's one rank (under a launcher, or NCCL/MPI), each running rank_run; a rank that fails,
+// even to start, aborts its communicator so the others stop naming it; then the outcome is said
+// (the errors, or the stop signal's step).
+#pragma once
+
+#include "command_line.hpp"
+
+namespace coshard::train_app {
+
+// The run of `o`, checked and prepared; its exit status (0, 1 a failure, 2 a refusal, 128 + the
+// stop signal).
+int run_ranks(const Options& o);
+
+}  // namespace coshard::train_app

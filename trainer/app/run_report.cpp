@@ -1,0 +1,51 @@
+#include "run_report.hpp"
+
+#include <cstdio>
+#include <set>
+#include <string>
+
+#include "coshard/modules/cpu_blas_kernels.hpp"
+#include "coshard/modules/layers.hpp"
+
+namespace coshard::train_app {
+
+void print_run_header(const Options& o, trainer::Trainer& t, const collectives::Communicator& comm,
+                      const trainer::TokenSource& data, const trainer::TokenSource* val, std::int64_t first) {
+  const int world = comm.size();
+  std::printf("coshard-train: %lld-parameter %s, %s\n", static_cast<long long>(o.model.parameter_count()),
+              o.model.describe().c_str(), data.describe().c_str());
+  if (val)
+    std::printf("  validation: %s, %lld batches%s\n", val->describe().c_str(), static_cast<long long>(o.train.eval_batches),
+                o.train.eval_every > 0 ? (", every " + std::to_string(o.train.eval_every) + " steps and after the last").c_str()
+                                       : ", after the last step");
+  if (o.device == "cuda") {
+    const bool fused = modules::attention_is_fused(async::Device::cuda(0), o.train.engine_options().dtype,
+                                                   o.model.head_dim(), o.train.attention);
+    std::printf("  attention: %s%s\n", fused ? "fused kernels (one statistic a query row kept)"
+                                               : "materialized (the T x T probabilities kept)",
+                o.attention_chosen ? ": heads of 128 run faster so today, and the run fits with them "
+                                     "(--attention fused keeps them off the device)"
+                                   : "");
+  }
+  if (o.train.activation_checkpointing.enabled())
+    std::printf("  activation checkpointing: %s\n", o.train.activation_checkpointing.to_string().c_str());
+  if (o.device == "cpu") std::printf("  matrix products: %s\n", modules::cpu_blas_kernels().describe().c_str());
+  const std::string ranks = o.launch.launcher == collectives::Launcher::none
+                                ? "threads of this process"
+                                : "processes started by " + std::string(collectives::to_string(o.launch.launcher));
+  std::printf("  ZeRO-%d, %d rank(s) on %s, %s backend (%s), global batch %lld x %lld tokens, %zu fetch units%s\n",
+              o.train.zero_stage, world, o.device.c_str(), std::string(comm.backend()).c_str(), ranks.c_str(),
+              static_cast<long long>(o.batch),
+              static_cast<long long>(o.seq), t.engine().units().size(),
+              first > 0 ? (", resumed at step " + std::to_string(first)).c_str() : "");
+  // Hybrid sharding: the groups the units are sharded over (each a copy of every block).
+  std::set<int> groups;
+  for (const auto& u : t.engine().units())
+    if (o.train.zero_stage > 0 && u.shard_ranks < world) groups.insert(u.shard_ranks);
+  for (const int g : groups)
+    std::printf("  hybrid sharding: units sharded over groups of %d consecutive rank(s), %d copies (across them: one "
+                "all-reduce of each gradient shard)\n", g, world / g);
+  std::fflush(stdout);
+}
+
+}  // namespace coshard::train_app
