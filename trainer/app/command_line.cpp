@@ -37,6 +37,11 @@ const CLI::Validator kFinite(
 std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   CLI::App app{"coshard-train: trains a GPT or a Llama with ZeRO stages 0-3 (coshard)"};
   app.option_defaults()->always_capture_default();
+  app.footer(
+      "Your own data: --data book.txt trains on a text file as bytes (a vocabulary of 256); --data train.bin on a "
+      "file of token ids (llm.c's .bin, or nanoGPT's raw uint16 with --data-format u16) with --vocab or a --preset's "
+      "vocabulary. Without --data: a synthetic task. The quick start's main job (scripts/run.sh) learns "
+      "data/coshard_docs.txt, the project's own docs, and samples it with --prompt.");
   app.add_option("--device", o.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   auto* world_option =
       app.add_option("--world-size", o.world_size,
