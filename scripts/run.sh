@@ -19,7 +19,7 @@ cmake --build build/release
 if [ $# -eq 0 ]; then
   main_job=(
     --data data/coshard_docs.txt                       # text, read as bytes (a vocabulary of 256)
-    --layers 2 --dim 64 --heads 4 --seq 128 --batch 32  # 0.11M parameters, 4,096 tokens a step
+    --layers 2 --dim 64 --heads 4 --seq 128 --batch 32  # 0.14M parameters, 4,096 tokens a step
     --steps 600 --lr 0.01 --warmup 30 --lr-decay cosine --min-lr 0.001
     --sample-every 200 --prompt "The engine " --sample-tokens 100 --temperature 0.8
     --metrics build/release/metrics.jsonl
