@@ -2,10 +2,10 @@
 """coshard against PyTorch FSDP2 on the same GPU, the same model and the same batch, in one run.
 
 Two model families, each written the same way on both sides:
-- GPT (coshard's make_gpt, modules/src/gpt.cpp): learned token and position embeddings, pre-LN
+- GPT (coshard's make_gpt, modules/src/models/gpt.cpp): learned token and position embeddings, pre-LN
   blocks (LayerNorm, qkv Linear with bias, causal attention, projection; LayerNorm, fc 4x, GELU
   with GPT-2's tanh approximation, projection), a final LayerNorm and an untied head with bias.
-- Llama (coshard's make_llama, modules/src/llama.cpp; on the PyTorch side written as torchtitan
+- Llama (coshard's make_llama, modules/src/models/llama.cpp; on the PyTorch side written as torchtitan
   writes it): RMSNorm, rotary positions with Llama 3's frequency scaling, grouped-query attention
   (SDPA), a SwiGLU MLP, no biases, tied embeddings where the shape has them.
 Both sides train with bf16 compute over fp32 master weights and AdamW, at world size 1;

@@ -33,7 +33,7 @@ struct Gemm {
   std::int64_t m, n, k, count;
 };
 
-// The matrix products of one step, as layers.cpp and cpu_kernels.cpp issue them.
+// The matrix products of one step, as the layers (modules/src/layers) and the CPU kernels (kernels/cpu/cpu_kernels.cpp) issue them.
 std::vector<Gemm> step_gemms() {
   const std::int64_t N = kBatch * kSeq, C = kConfig.dim, H = kConfig.heads, hd = C / H, T = kSeq;
   std::vector<Gemm> g;

@@ -7,7 +7,7 @@
 #include <cmath>
 #include <numbers>
 
-#include "kernels.hpp"
+#include "kernels/kernels.hpp"
 
 namespace coshard::modules {
 

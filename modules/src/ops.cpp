@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <string>
 
-#include "kernels.hpp"
+#include "kernels/kernels.hpp"
 
 namespace coshard::modules::ops {
 

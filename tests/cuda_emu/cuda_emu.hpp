@@ -6,14 +6,14 @@
 // __syncthreads and __syncwarp as barriers and __shfl_xor_sync through the warp's slots; a
 // kernel's static __shared__ arrays are statics (one block at a time shares them correctly);
 // f16 and bf16 storage rounds to nearest even like the hardware's conversions; mma16816
-// (modules/src/cuda/mma.cuh, PTX's mma.m16n8k16) exchanges the warp's registers through slots as
+// (modules/src/kernels/cuda/mma.cuh, PTX's mma.m16n8k16) exchanges the warp's registers through slots as
 // the shuffles do, each lane computing its own accumulators from the register layouts PTX fixes.
 // What is not: timing, memory-model subtleties beyond barriers, special-function precision
 // (__expf is expf), and the order of atomics (one lock; blocks run in order, so sums that the GPU
 // adds in any order come out in one).
 #pragma once
 
-// Kernel files choose their emulated forms of inline PTX by this (modules/src/cuda/mma.cuh).
+// Kernel files choose their emulated forms of inline PTX by this (modules/src/kernels/cuda/mma.cuh).
 #define COSHARD_CUDA_EMU 1
 
 #include <barrier>

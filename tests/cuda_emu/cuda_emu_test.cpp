@@ -4,7 +4,7 @@
 // same rounded inputs, within each storage type's tolerance:
 //   - the norms (norm.cu): forward, and the fused backward against the two-kernel backward
 //     (the input gradient the same bits; the parameter gradients added to what was there);
-//   - the fused attention (flash_attention.cu): forward and backward, grouped-query heads, every
+//   - the fused attention (kernels/cuda/attention.cu): forward and backward, grouped-query heads, every
 //     served head size, sequences that end inside a tile.
 // What the emulation cannot show (speed, the hardware's fragment layouts, memory-model subtleties)
 // is for the CUDA tests on a GPU (FusedAttention.*, CudaNorm.*).
@@ -19,7 +19,7 @@
 
 #include "cuda_emu.hpp"
 #include "emu_support.hpp"
-#include "flash_attention.cuh"
+#include "attention.cuh"
 #include "kernels.cuh"
 
 namespace {

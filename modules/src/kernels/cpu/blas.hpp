@@ -8,7 +8,7 @@
 #include <shared_mutex>
 #include <type_traits>
 
-#include "kernels.hpp"
+#include "kernels/kernels.hpp"
 
 namespace coshard::modules::detail {
 

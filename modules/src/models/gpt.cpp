@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "config_checks.hpp"
+#include "models/config_checks.hpp"
 
 namespace coshard::modules {
 

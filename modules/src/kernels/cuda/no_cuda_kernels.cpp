@@ -1,5 +1,5 @@
 // Builds without the CUDA backend have no CUDA kernels: Context::create refuses CUDA streams.
-#include "kernels.hpp"
+#include "kernels/kernels.hpp"
 
 namespace coshard::modules::detail {
 const Kernels* cuda_kernels() noexcept { return nullptr; }

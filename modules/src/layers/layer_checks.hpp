@@ -6,7 +6,7 @@
 #include <string_view>
 
 #include "coshard/modules/module.hpp"
-#include "kernels.hpp"
+#include "kernels/kernels.hpp"
 
 namespace coshard::modules::detail {
 

@@ -6,15 +6,15 @@
 #include <cstdint>
 #include <vector>
 
-#include "cpu_attention_kernels.hpp"
-#include "cpu_blas.hpp"
-#include "cpu_loss_kernels.hpp"
-#include "cpu_norm_kernels.hpp"
-#include "cpu_operands.hpp"
-#include "cpu_parallel.hpp"
-#include "cpu_pointwise_kernels.hpp"
-#include "half_convert.hpp"
-#include "kernels.hpp"
+#include "kernels/cpu/attention.hpp"
+#include "kernels/cpu/blas.hpp"
+#include "kernels/cpu/loss.hpp"
+#include "kernels/cpu/norm.hpp"
+#include "kernels/cpu/operands.hpp"
+#include "kernels/cpu/parallel.hpp"
+#include "kernels/cpu/pointwise.hpp"
+#include "kernels/half_convert.hpp"
+#include "kernels/kernels.hpp"
 
 namespace coshard::modules::detail {
 namespace {
@@ -470,7 +470,7 @@ class CpuKernels final : public Kernels {
     COSHARD_TRY(check_dtype(dt));
     return s.launch([dt, fn = std::move(fn)]() mutable { with_type(dt, fn); });
   }
-  // The same for kernels that call OpenBLAS: its buffers' room is checked first (cpu_blas.hpp).
+  // The same for kernels that call OpenBLAS: its buffers' room is checked first (blas.hpp).
   template <class Fn>
   Result<void> dispatch_blas(Stream& s, DataType dt, Fn fn) const {
     COSHARD_TRY(check_dtype(dt));

@@ -8,8 +8,8 @@
 #include <utility>
 #include <vector>
 
-#include "half_convert.hpp"
-#include "kernels.hpp"
+#include "kernels/half_convert.hpp"
+#include "kernels/kernels.hpp"
 
 namespace coshard::modules::detail {
 

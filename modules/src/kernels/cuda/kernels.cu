@@ -1,5 +1,5 @@
 // CUDA kernels for the layers (the matrix products are cuBLAS, in cuda_kernels.cpp; the norms
-// are in norm.cu, the fused attention in flash_attention.cu, the optimizers in optimizer.cu).
+// are in norm.cu, the fused attention in attention.cu, the optimizers in optimizer.cu).
 // f32, bf16 and f16 storage; all arithmetic in f32. Reductions that feed parameter gradients
 // (bias, position embeddings) add in a fixed order (see column_sum.cuh), so they are
 // deterministic; token-embedding gradients and the gradient norm use atomics and are not

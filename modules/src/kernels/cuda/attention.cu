@@ -1,4 +1,4 @@
-// Fused causal attention (see flash_attention.cuh), FlashAttention-2's way: a warp owns 16 rows
+// Fused causal attention (see attention.cuh), FlashAttention-2's way: a warp owns 16 rows
 // of a tile and keeps its products in registers through PTX's mma.m16n8k16 (mma.cuh), whose
 // accumulator layout lets the scores, once exponentiated and rounded to the storage type, feed the
 // product with V directly; the online softmax works on those registers, its row statistics reduced
@@ -14,7 +14,7 @@
 #include <cstdint>
 
 #include "common.cuh"
-#include "flash_attention.cuh"
+#include "attention.cuh"
 #include "mma.cuh"
 
 namespace coshard::modules::cuda {

@@ -1,7 +1,7 @@
 // What every backend of Kernels shares: the default fused and multi-tensor entry points (the
 // one-tensor kernels in order, so a backend without its own gives the same bits) and the dtype
 // check the layers call.
-#include "kernels.hpp"
+#include "kernels/kernels.hpp"
 
 namespace coshard::modules::detail {
 

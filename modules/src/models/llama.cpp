@@ -5,7 +5,7 @@
 #include <cctype>
 #include <cmath>
 
-#include "config_checks.hpp"
+#include "models/config_checks.hpp"
 
 #include "coshard/modules/layers.hpp"
 

@@ -1,5 +1,5 @@
 // The CPU's math threads: OpenBLAS's for the matrix products, and a pool of workers for the
-// element-wise kernels that split (cpu_parallel.hpp), both bounded by the same setting.
+// element-wise kernels that split (parallel.hpp), both bounded by the same setting.
 #include "coshard/modules/cpu_threads.hpp"
 
 #include <cblas.h>
@@ -17,8 +17,8 @@
 #include <thread>
 #include <vector>
 
-#include "cpu_blas.hpp"
-#include "cpu_parallel.hpp"
+#include "kernels/cpu/blas.hpp"
+#include "kernels/cpu/parallel.hpp"
 
 // OpenBLAS's own pool of buffers (exported; declared weak so that another BLAS still links):
 // blas_memory_alloc maps a free slot's buffer the first time the slot is taken, and keeps it.

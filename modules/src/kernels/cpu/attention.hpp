@@ -1,5 +1,5 @@
 // The CPU kernels of causal self-attention (private), grouped-query included: the scores and
-// their softmax materialised per head (B x H x T x T), the products through cpu_blas.hpp.
+// their softmax materialised per head (B x H x T x T), the products through blas.hpp.
 #pragma once
 
 #include <algorithm>
@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <limits>
 
-#include "cpu_blas.hpp"
+#include "kernels/cpu/blas.hpp"
 
 namespace coshard::modules::detail {
 

@@ -8,7 +8,7 @@
 
 #include "coshard/modules/parameter_store.hpp"
 
-#include "kernels.hpp"
+#include "kernels/kernels.hpp"
 
 namespace coshard::modules {
 

@@ -1,15 +1,15 @@
-// CUDA kernels: matrix products through cuBLAS and cuBLASLt (cuda_blas.cpp), the rest through
-// the launchers in cuda/. Attention is the fused kernels of cuda/flash_attention.cu where they
+// CUDA kernels: matrix products through cuBLAS and cuBLASLt (blas.cpp here), the rest through
+// the launchers of this folder. Attention is the fused kernels of attention.cu where they
 // serve the dtype and head size, else cuBLAS products per batch row (heads batched) around the
 // causal softmax kernels (the materialized form).
 #include <cuda_runtime.h>
 
 #include <cmath>
 
-#include "cuda/flash_attention.cuh"
-#include "cuda_blas.hpp"
-#include "cuda/kernels.cuh"
-#include "kernels.hpp"
+#include "kernels/cuda/attention.cuh"
+#include "kernels/cuda/blas.hpp"
+#include "kernels/cuda/kernels.cuh"
+#include "kernels/kernels.hpp"
 
 namespace coshard::modules::detail {
 namespace {

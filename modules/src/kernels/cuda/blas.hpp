@@ -4,7 +4,7 @@
 // (device, stream), made on first use (private to the CUDA backend).
 #pragma once
 
-#include "kernels.hpp"
+#include "kernels/kernels.hpp"
 
 namespace coshard::modules::detail {
 

@@ -3,7 +3,7 @@
 #pragma once
 
 #include "coshard/modules/module.hpp"
-#include "kernels.hpp"
+#include "kernels/kernels.hpp"
 
 namespace coshard::modules::detail {
 

@@ -5,8 +5,8 @@
 #include <cmath>
 #include <numbers>
 
-#include "kernels.hpp"
-#include "layer_checks.hpp"
+#include "kernels/kernels.hpp"
+#include "layers/layer_checks.hpp"
 
 namespace coshard::modules {
 namespace {

@@ -14,7 +14,7 @@
 #include "coshard/async/result.hpp"
 #include "coshard/async/stream.hpp"
 #include "coshard/modules/tensor.hpp"
-#include "kernel_args.hpp"
+#include "kernels/kernel_args.hpp"
 
 namespace coshard::modules::detail {
 

@@ -1,9 +1,9 @@
 // Token embeddings without positions, and their tied use as the output layer (llama_layers.hpp).
 #include "coshard/modules/llama_layers.hpp"
 
-#include "kernels.hpp"
-#include "layer_checks.hpp"
-#include "weight_products.hpp"
+#include "kernels/kernels.hpp"
+#include "layers/layer_checks.hpp"
+#include "layers/weight_products.hpp"
 
 namespace coshard::modules {
 namespace {

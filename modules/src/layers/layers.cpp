@@ -4,9 +4,9 @@
 
 #include <cmath>
 
-#include "kernels.hpp"
-#include "layer_checks.hpp"
-#include "weight_products.hpp"
+#include "kernels/kernels.hpp"
+#include "layers/layer_checks.hpp"
+#include "layers/weight_products.hpp"
 
 namespace coshard::modules {
 namespace {

@@ -1,4 +1,4 @@
-#include "cuda_blas.hpp"
+#include "kernels/cuda/blas.hpp"
 
 #include <cublasLt.h>
 #include <cublas_v2.h>
