@@ -1,5 +1,5 @@
+// Rotary position embeddings (Llama), with Llama 3's scaling of the frequencies.
 #include "coshard/modules/llama_layers.hpp"
-
 #include "coshard/modules/decoding.hpp"
 
 #include <cmath>
@@ -13,69 +13,8 @@ namespace {
 
 using detail::check_activation;
 using detail::check_grad;
-using detail::check_param;
 
 }  // namespace
-
-// ---- RmsNorm ----
-
-RmsNorm::RmsNorm(std::int64_t dim, float eps) : dim_(dim), eps_(eps) {
-  register_parameter("weight", Shape{dim}, Init::ones());
-}
-
-async::Task<Result<Tensor>> RmsNorm::forward(Context& ctx, Tensor input) {
-  COSHARD_CO_TRY(check_activation(ctx, input, dim_, "RmsNorm"));
-  const DataType dt = input.dtype();
-  COSHARD_CO_TRY(check_param(*parameters()[0], dt, "RmsNorm"));
-  const std::int64_t rows = input.shape().rows();
-  COSHARD_CO_TRY_ASSIGN(Tensor out, ctx.empty(input.shape(), dt));
-  COSHARD_CO_TRY_ASSIGN(Tensor rstd, ctx.empty(Shape{rows}, detail::stat_dtype(dt)));
-  COSHARD_CO_TRY(ctx.kernels().rmsnorm_forward(ctx.stream(), dt, input.data(), parameters()[0]->value().data(),
-                                               out.data(), rstd.data(), rows, dim_, eps_));
-  saved_.push({std::move(input), std::move(rstd)});
-  co_return out;
-}
-
-async::Task<Result<Tensor>> RmsNorm::backward(Context& ctx, Tensor grad_output) {
-  COSHARD_CO_TRY_ASSIGN(const Saved saved, saved_.pop("RmsNorm"));
-  const Tensor& input = saved.input;
-  COSHARD_CO_TRY(check_grad(input, grad_output, "RmsNorm"));
-  const DataType dt = input.dtype();
-  const std::int64_t rows = input.shape().rows();
-  Parameter& w = *parameters()[0];
-  COSHARD_CO_TRY_ASSIGN(Tensor dw, detail::grad_or_scratch(ctx, w, dt));
-  COSHARD_CO_TRY_ASSIGN(Tensor dx, ctx.empty(input.shape(), dt));
-  COSHARD_CO_TRY_ASSIGN(Tensor scratch, detail::norm_backward_scratch(ctx, dt, rows, dim_, false));
-  COSHARD_CO_TRY(ctx.kernels().rmsnorm_backward(ctx.stream(), dt, grad_output.data(), input.data(), w.value().data(),
-                                                saved.rstd.data(), dx.data(), dw.data(), scratch.data(), rows, dim_));
-  co_return dx;
-}
-
-// ---- SwiGlu ----
-
-async::Task<Result<Tensor>> SwiGlu::forward(Context& ctx, Tensor input) {
-  COSHARD_CO_TRY(check_activation(ctx, input, 0, "SwiGlu"));
-  const std::int64_t width = input.shape().back();
-  if (width % 2 != 0) {
-    co_return fail(ErrorCode::invalid_argument, "SwiGlu: input ", input.describe(),
-                   ": its last dimension must be even (gate | up halves)");
-  }
-  const std::int64_t rows = input.shape().rows(), half = width / 2;
-  COSHARD_CO_TRY_ASSIGN(Tensor out, ctx.empty(input.shape().with_back(half), input.dtype()));
-  COSHARD_CO_TRY(ctx.kernels().swiglu_forward(ctx.stream(), input.dtype(), input.data(), out.data(), rows, half));
-  input_.push(std::move(input));
-  co_return out;
-}
-
-async::Task<Result<Tensor>> SwiGlu::backward(Context& ctx, Tensor grad_output) {
-  COSHARD_CO_TRY_ASSIGN(const Tensor input, input_.pop("SwiGlu"));
-  const std::int64_t rows = input.shape().rows(), half = input.shape().back() / 2;
-  COSHARD_CO_TRY(check_grad(grad_output, input.shape().with_back(half), input.dtype(), "SwiGlu"));
-  COSHARD_CO_TRY_ASSIGN(Tensor dx, ctx.empty(input.shape(), input.dtype()));
-  COSHARD_CO_TRY(ctx.kernels().swiglu_backward(ctx.stream(), input.dtype(), input.data(), grad_output.data(),
-                                               dx.data(), rows, half));
-  co_return dx;
-}
 
 // ---- RotaryEmbedding ----
 
