@@ -224,7 +224,7 @@ async::Task<Result<void>> Engine::load_checkpoint(const fs::path& dir, const Che
   // checkpoint's blocks are whole units (shard = numel), so its rank 0 file alone serves any run;
   // likewise a hybrid one's blocks of a unit are in the files of its first shard group.
   std::vector<std::int64_t> block_offsets;
-  for (const auto& u : s.units) block_offsets.push_back(s.block_offset(*u));
+  for (const auto& u : s.units) block_offsets.push_back(u->block_offset);
   Loader loader{units(), shard_layout(), std::move(block_offsets), s.o.dtype, std::string(s.optimizer->name()),
                 options.run};
   COSHARD_LOG_DEBUG(zero, "load_checkpoint {}: reading and checking this rank's part", dir.string());

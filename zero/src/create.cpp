@@ -145,7 +145,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   s->names = std::move(plan.names);
   s->largest_unit_bytes = plan.largest_unit_bytes;
   for (auto& planned : plan.units) {
-    auto u = std::make_unique<Unit>();
+    auto u = std::make_unique<FetchUnit>();
     u->info = std::move(planned.info);
     u->gather_purpose = "the parameters of unit " + u->info.name;
     u->reduce_purpose = "the gradients of unit " + u->info.name;
@@ -159,7 +159,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     for (Module* m : u->modules) s->unit_of.emplace(m, u->index);
     if (u->coalesced()) {
       // Each module's elements, from its parameters' places (Param::module, above).
-      u->module_runs.assign(u->modules.size(), Unit::ModuleRun{std::numeric_limits<std::int64_t>::max(), 0});
+      u->module_runs.assign(u->modules.size(), FetchUnit::ModuleRun{std::numeric_limits<std::int64_t>::max(), 0});
       for (const auto& p : u->params) {
         auto& run = u->module_runs[p.module];
         run.begin = std::min(run.begin, p.offset);
@@ -202,6 +202,8 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   }
   s->reduction = make_gradient_reduction(o.zero_stage);
   s->residence = make_parameter_residence(o.zero_stage);
+  for (auto& u : s->units)
+    u->block_offset = s->residence->sharded() ? static_cast<std::int64_t>(u->group->rank) * u->info.shard : 0;
   if (!s->optimizer_placement || !s->shard_placement)
     return fail(ErrorCode::invalid_argument, "offload_optimizer=", static_cast<int>(o.offload_optimizer.device),
                 ", offload_params=", static_cast<int>(o.offload_params.device), ": expected none, cpu or nvme for each");
@@ -227,9 +229,9 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   // Storage: each placement makes its own, in this order (the host optimizer's pinned buffer may
   // become the shard).
   for (auto& up : s->units) {
-    Unit& u = *up;
+    FetchUnit& u = *up;
     COSHARD_TRY(s->shard_placement->allocate(*s, u));
-    COSHARD_TRY(s->reduction->allocate(*s, u));
+    COSHARD_TRY(s->reduction->allocate(s->gradient_wiring(), u));
     COSHARD_TRY(s->residence->bind_at_creation(*s, u));
     COSHARD_TRY(s->optimizer_placement->add_unit(*s, u));
     // A copy of a block another rank holds too (hybrid sharding) is stepped, but the norm's sum

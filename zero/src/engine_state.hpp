@@ -27,19 +27,12 @@
 #include "step_clock.hpp"
 #include "step_timeline.hpp"
 #include "fetch_trace.hpp"
-#include "unit.hpp"
+#include "fetch_unit.hpp"
 
 namespace coshard::zero {
 namespace detail {
 
 using namespace modules;
-
-// Names of the step's phases in the timeline (spans keep pointers to their names).
-inline const std::string kAllUnits = "all units";
-inline const std::string kGradients = "gradients";
-inline const std::string kGradStats = "gradient norm";
-inline const std::string kOptimizer = "optimizer";
-inline const std::string kParameters = "parameters";
 
 using collectives::Coalesced;
 using collectives::ReduceOp;
@@ -52,8 +45,8 @@ struct SwapPiece {
 
 }  // namespace detail
 
-struct Engine::State {
-  using Unit = detail::Unit;
+struct Engine::State : GradientShardsOut {
+  using FetchUnit = detail::FetchUnit;
   using Gather = detail::Gather;
   // The optimizer's groups of this engine hold memory of the engine's host context when the
   // optimizer is offloaded: they go first, with the host stream quiet, whether the engine ends
@@ -70,16 +63,16 @@ struct Engine::State {
   EngineOptions o;
   int rank = 0, world = 1;
   std::size_t element_size = 4;
-  std::vector<std::unique_ptr<Unit>> units;
+  std::vector<std::unique_ptr<FetchUnit>> units;
   std::unordered_map<const Module*, std::size_t> unit_of;
-  // A coalesced unit's modules: where each is in its unit's modules (Unit::module_runs).
+  // A coalesced unit's modules: where each is in its unit's modules (FetchUnit::module_runs).
   std::unordered_map<const Module*, std::size_t> position_in_unit;
   // The coalesced unit open in forward (its last module to run unknown until another unit's
   // module starts, or the pass ends): closed by close_open_forward (hooks.cpp).
-  Unit* open_forward = nullptr;
+  FetchUnit* open_forward = nullptr;
   Result<void> close_open_forward(Context& ctx);
   // A unit's forward use is done: its timeline span, and the residence's after_use (stage 3: released).
-  Result<void> finish_forward(Context& ctx, Unit& u);
+  Result<void> finish_forward(Context& ctx, FetchUnit& u);
   // A new pass: no coalesced unit open, none of their modules used yet (and, for a step, none used).
   void reset_coalesced(bool new_step);
   // The model's forward or backward starts: no coalesced unit has opened in it yet.
@@ -111,28 +104,18 @@ struct Engine::State {
   // The communicators of the units' shard groups and copies (hybrid sharding; the world's own
   // when every unit is sharded over the whole world).
   std::unique_ptr<detail::ShardGroups> shard_groups;
-  // Unit u's collectives within its shard group, and across the copies of its blocks, ordered
-  // within the communication stream (comm->stream()) like every other collective.
-  Result<async::Event> launch_in_group(const Unit& u, const collectives::Coalesced& group) {
-    return detail::launch_within(*comm, *u.group->shard, group);
-  }
-  Result<async::Event> launch_across_copies(const Unit& u, const collectives::Coalesced& group) {
-    return detail::launch_within(*comm, *u.group->replicate, group);
-  }
+  // What the units' operations act through (fetch_unit.hpp).
+  detail::UnitIo io() const noexcept { return {*ctx, *comm, o.dtype}; }
+  // What the gradient reduction acts through (gradient_reduction.hpp), and its GradientShardsOut:
+  // where an offloaded unit's shard goes during backward (step_in_backward.cpp).
+  GradientWiring gradient_wiring() noexcept { return {io(), units, *shard_groups, timeline, stats, *residence, *this}; }
+  bool shards_leave_in_backward() const noexcept override { return grads_out_in_backward; }
+  Result<void> shard_reduced(FetchUnit& u) override;
   // Collective launches so far, the shard groups' included.
   std::uint64_t launches() const noexcept { return comm->launches() + shard_groups->launches(); }
-  // What `add(unit, group)` puts in for every unit, one launch per shard group (or, across_copies,
-  // per group of copies; none where a block has one copy), in the same order on every rank.
   template <class Add>
   Result<void> launch_by_group(bool across_copies, Add add) {
-    std::map<int, collectives::Coalesced> by_size;  // (the groups' order: their size, alike on every rank)
-    for (auto& u : units) add(*u, by_size[u->info.shard_ranks]);
-    for (const auto& [size, group] : by_size) {
-      const auto& g = shard_groups->of(size);
-      collectives::Communicator* over = across_copies ? g.replicate : g.shard;
-      if (over && !group.empty()) COSHARD_TRY(detail::launch_within(*comm, *over, group));
-    }
-    return {};
+    return detail::launch_by_group(*comm, *shard_groups, units, across_copies, std::move(add));
   }
   // nvme: each unit's master and state, one sub-group file each, streamed by the swapper. The
   // rank's folder is claimed (locked against a second run) first and let go last.
@@ -173,7 +156,7 @@ struct Engine::State {
   // A piece of unit u's gradient shard from the device into `piece` (pinned, f32) on the
   // communication stream, after its reduction; the host stream after the copy, the piece's
   // statistics added there; the device shard given back after its last piece.
-  Result<void> take_gradient_piece(Unit& u, const detail::SwapPiece& p, const Tensor& piece);
+  Result<void> take_gradient_piece(FetchUnit& u, const detail::SwapPiece& p, const Tensor& piece);
   // Spawns the swapper's pass fed by grads_ready (swap_step): stepping each unit as it comes
   // (stepping_in_backward), or writing its gradient out (grads_to_nvme).
   Result<void> start_swap_pass(float lr);
@@ -203,7 +186,7 @@ struct Engine::State {
     Optimizer& optimizer;
     std::size_t index;
   };
-  GroupRef group_of(const Unit& u) const noexcept {
+  GroupRef group_of(const FetchUnit& u) const noexcept {
     if (device_optimizer && !u.info.optimizer_offloaded && !u.info.frozen) return {*device_optimizer, u.device_group};
     return {*optimizer, first_group + u.index};
   }
@@ -249,7 +232,7 @@ struct Engine::State {
   std::size_t grads_pending_bytes = 0, grads_pending_limit = 0;
   bool pass_awaits_arrival = false;
   std::optional<async::Receiver<char>> pass_ticks;
-  async::Task<Result<void>> wait_for_the_pass(const Unit& u);
+  async::Task<Result<void>> wait_for_the_pass(const FetchUnit& u);
   // A pass beside backward awaits unit k's arrival through `ready` (noting in `arrived` every unit
   // that comes meanwhile), telling a waiting backward through `ticks`; fails when `ready` closes
   // first (the step ended before the unit came).
@@ -323,34 +306,27 @@ struct Engine::State {
   // After the pass's last event has passed: the waits' total, the timeline, the measurements.
   void collect_timing() { timeline.collect(stats, trace.phase(), trace.recorded()); }
 
-  // Where this rank's block of a unit starts: its place in the unit's shard group x shard when
-  // sharded; unsharded (stage 0) the block is the whole unit on every rank.
-  std::int64_t block_offset(const Unit& u) const noexcept {
-    return residence->sharded() ? static_cast<std::int64_t>(u.group->rank) * u.info.shard : 0;
-  }
   const std::vector<std::size_t>* borrowed_of(const Module& m) const {
     if (borrowed_units.empty()) return nullptr;
     auto it = borrowed_units.find(&m);
     return it == borrowed_units.end() ? nullptr : &it->second;
   }
-  Unit* unit_for(const Module& m) {
+  FetchUnit* unit_for(const Module& m) {
     auto it = unit_of.find(&m);
     return it == unit_of.end() ? nullptr : units[it->second].get();
   }
   // A prefetched unit is no longer ahead of use (fetched now, or released unused).
-  void settle_prefetch(Unit& u) {
+  void settle_prefetch(FetchUnit& u) {
     if (!u.prefetched) return;
     prefetched_bytes -= u.info.padded_bytes;
     u.prefetched = false;
   }
 
-  Result<void> bind_values(Unit& u, const Tensor& buffer);
-
   // ---- trainable and frozen parameters, parameter groups, unused units (parameter_settings.cpp) ----
 
   // The optimizer's segments of this rank's block of u: each parameter's run with its settings
   // (frozen, or its parameter group's), clipped to the block.
-  std::vector<Optimizer::Segment> segments_of(const Unit& u) const;
+  std::vector<Optimizer::Segment> segments_of(const FetchUnit& u) const;
   // Whether each parameter trains as it did when the engine was made: a change since is refused,
   // naming the parameter (the gradients, reductions and optimizer groups were planned for it).
   Result<void> check_trainability() const;
@@ -360,8 +336,8 @@ struct Engine::State {
   async::Task<Result<void>> skip_units_without_gradients();
   // Coalesced unit u: the elements of its modules whose flag in `used` (one a module) is 0 are left
   // untouched by the coming step (empty `used`: every module steps).
-  Result<void> skip_unused_modules(Unit& u, std::span<const double> used);
-  Result<void> skip_modules_unused_here(Unit& u);  // (step_in_backward.cpp)
+  Result<void> skip_unused_modules(FetchUnit& u, std::span<const double> used);
+  Result<void> skip_modules_unused_here(FetchUnit& u);  // (step_in_backward.cpp)
   // After a step that counted (not skipped for a non-finite gradient): each parameter left out of
   // it missed one more step; the optimizer's groups are told where that changed anything.
   Result<void> count_steps_missed();
@@ -375,7 +351,7 @@ struct Engine::State {
   // read of another module's parameter: Parameter::grad), else an error naming each.
   Result<void> check_no_gradient_missed() const;
   void clear_gradients_missed();
-  const Tensor& values_of(const Unit& u) const { return residence->values(u); }
+  const Tensor& values_of(const FetchUnit& u) const { return residence->values(u); }
 
   // ---- stage 3: gather and release (gather.cpp) ----
 
@@ -383,15 +359,15 @@ struct Engine::State {
   // comes from the device, or with parameter offload from host memory (pinned, or the buffer its
   // nvme read filled): copied into its place in `whole`, then gathered in place (NCCL reads
   // device memory only).
-  Result<async::Event> gather_unit(Unit& u, const Tensor& whole);
+  Result<async::Event> gather_unit(FetchUnit& u, const Tensor& whole);
 
-  Result<void> issue_gather(Unit& u, async::Semaphore::Permit permit, bool ahead);
+  Result<void> issue_gather(FetchUnit& u, async::Semaphore::Permit permit, bool ahead);
 
   // The buffer and its budget come back once the compute stream has passed its last use.
-  Result<void> release(Unit& u);
+  Result<void> release(FetchUnit& u);
   // A module of `u` is about to run: gathered (on demand, or waited for if prefetched), with the
   // units next along the trace gathered ahead first.
-  async::Task<Result<void>> fetch(Unit& u);
+  async::Task<Result<void>> fetch(FetchUnit& u);
 
   // ---- trace, prefetch and reuse (prefetch.cpp) ----
 
@@ -411,7 +387,7 @@ struct Engine::State {
   // costs no coroutine frame).
   struct Awaiting {
     std::size_t bytes = 0;
-    Unit* read = nullptr;
+    FetchUnit* read = nullptr;
     bool done() const noexcept { return bytes == 0 && read == nullptr; }
   };
   Result<Awaiting> prefetch_ahead();
@@ -424,7 +400,7 @@ struct Engine::State {
 
   // Keep a unit gathered after its use when it is small, or needed again soon (and the budget
   // keeps room for the largest unit, so keeping never starves an on-demand fetch).
-  bool keep_after_use(const Unit& u) const;
+  bool keep_after_use(const FetchUnit& u) const;
 
   // ---- gradients: the reduction (gradient_reduction.hpp, gradients.cpp) ----
 
@@ -438,12 +414,12 @@ struct Engine::State {
   // step_in_backward: the unit's last gradient shard of the step is on its way to pinned memory;
   // the host stream steps it once the copy has passed (its share of the norm and overflow flag
   // first, so that they are complete for the step's report).
-  Result<void> step_on_host(Unit& u);
+  Result<void> step_on_host(FetchUnit& u);
   // nvme: the unit goes to the swapper's pass, which steps it when its sub-group is in. A pass
   // that failed (an I/O error) is gone: backward goes on regardless, so that the step fails
   // where stepping after backward would, with every rank's collectives launched alike, when the
   // pass is awaited (with its error).
-  Result<void> hand_to_swap_step(Unit& u);
+  Result<void> hand_to_swap_step(FetchUnit& u);
 
   // ---- the optimizer step on NVMe (optimizer_on_nvme.cpp) ----
 

@@ -8,36 +8,14 @@ namespace coshard::zero {
 using namespace modules;
 using namespace detail;
 
-Result<void> Engine::State::bind_values(Unit& u, const Tensor& buffer) {
-  for (auto& p : u.params) {
-    Tensor grad = u.grad_full ? u.grad_full.slice(p.offset, p.parameter->shape()) : Tensor{};
-    COSHARD_TRY(p.parameter->bind(buffer.slice(p.offset, p.parameter->shape()), std::move(grad)));
-  }
-  return {};
-}
-
-Result<async::Event> Engine::State::gather_unit(Unit& u, const Tensor& whole) {
-  auto& cs = comm->stream();
-  const auto shard = static_cast<std::size_t>(u.info.shard);
+Result<async::Event> Engine::State::gather_unit(FetchUnit& u, const Tensor& whole) {
   COSHARD_TRY_ASSIGN(const void* source, shard_placement->source(u));
-  void* mine = whole.slice(block_offset(u), Shape{u.info.shard}).data();
-  Coalesced group;
-  if (o.fetch_mode == FetchMode::all_gather && shard_placement->on_device(u)) {
-    group.all_gather(source, whole.data(), shard, o.dtype);
-  } else if (o.fetch_mode == FetchMode::all_gather) {
-    COSHARD_TRY(cs.copy(mine, source, shard * element_size));
-    group.all_gather(mine, whole.data(), shard, o.dtype);
-  } else {
-    COSHARD_TRY(cs.fill(whole.data(), 0, u.info.padded_bytes));
-    COSHARD_TRY(cs.copy(mine, source, shard * element_size));
-    group.all_reduce(whole.data(), whole.data(), static_cast<std::size_t>(u.info.padded), o.dtype, ReduceOp::sum);
-  }
-  auto done = launch_in_group(u, group.purpose(u.gather_purpose));
+  auto done = u.gather_into(io(), o.fetch_mode, whole, source, shard_placement->on_device(u));
   if (done) COSHARD_TRY(shard_placement->gathered(*this, u, *done));
   return done;
 }
 
-Result<void> Engine::State::issue_gather(Unit& u, async::Semaphore::Permit permit, bool ahead) {
+Result<void> Engine::State::issue_gather(FetchUnit& u, async::Semaphore::Permit permit, bool ahead) {
   auto& cs = comm->stream();
   async::Event started;
   if (timeline.spans_on()) {
@@ -68,7 +46,7 @@ Result<void> Engine::State::issue_gather(Unit& u, async::Semaphore::Permit permi
   return {};
 }
 
-Result<void> Engine::State::release(Unit& u) {
+Result<void> Engine::State::release(FetchUnit& u) {
   if (u.gather == Gather::released) return {};
   COSHARD_TRY_ASSIGN(auto last_use, timeline.span_mark(ctx->stream()));
   timeline.span(true, "release", u.info.name, last_use, last_use);
@@ -87,7 +65,7 @@ Result<void> Engine::State::release(Unit& u) {
   return budget->release_after(std::move(last_use), std::move(permit));
 }
 
-async::Task<Result<void>> Engine::State::fetch(Unit& u) {
+async::Task<Result<void>> Engine::State::fetch(FetchUnit& u) {
   ++stats.fetches;
   bool on_trace = true;
   u.fetch_pos = trace.record(u.index, on_trace);
@@ -118,7 +96,7 @@ async::Task<Result<void>> Engine::State::fetch(Unit& u) {
     COSHARD_CO_TRY(compute_waits(u.gathered_event, u.info.name));
     u.gather = Gather::ready;
   }
-  co_return bind_values(u, u.gathered);
+  co_return u.bind(u.gathered);
 }
 
 std::size_t Engine::units_in_flight() const noexcept {

@@ -10,20 +10,47 @@
 //   reduce-scattered in one launch after the last micro-batch.
 //
 // Each owns the gradient storage it needs (the fp32 shard the optimizer reads, and any whole
-// buffer), made in `allocate` and kept ready for each step in `begin_step`.
+// buffer), made in `allocate` and kept ready for each step in `begin_step`. It acts on the units
+// through GradientWiring, never the engine's whole state.
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "coshard/async/task.hpp"
 #include "coshard/zero/engine.hpp"
 #include "coshard/zero/memory_estimate.hpp"
+#include "fetch_unit.hpp"
+#include "parameter_residence.hpp"
+#include "shard_groups.hpp"
+#include "step_timeline.hpp"
 
 namespace coshard::zero {
 
-namespace detail {
-struct Unit;
-}
+// What becomes of a unit's gradient shard during backward when the optimizer is offloaded: the
+// optimizer placement's business (the engine answers for it), not the reduction's.
+class GradientShardsOut {
+ public:
+  virtual ~GradientShardsOut() = default;
+  // Whether shards leave for the host during backward this step (offloaded, one micro-batch):
+  // then none is made at the step's start, each at its unit's reduction instead.
+  virtual bool shards_leave_in_backward() const noexcept = 0;
+  // u's gradient shard has just been reduced on the communication stream (an offloaded unit's,
+  // in a step whose shards leave during backward): copied out, stepped, or handed to a pass.
+  virtual Result<void> shard_reduced(detail::FetchUnit& u) = 0;
+};
+
+// What a reduction acts through: the units and their io, the shard groups, the step's timeline
+// and counters, where the parameters are bound while a unit computes, and where shards go.
+struct GradientWiring {
+  detail::UnitIo io;
+  const std::vector<std::unique_ptr<detail::FetchUnit>>& units;
+  const detail::ShardGroups& groups;
+  detail::StepTimeline& timeline;
+  EngineStepStats& stats;
+  const ParameterResidence& residence;
+  GradientShardsOut& out;
+};
 
 // The trained units' sizes the gradients' memory follows (memory_estimate.cpp).
 struct GradientSizes {
@@ -45,16 +72,16 @@ class GradientReduction {
   // Its lines of the memory estimate: the gradient storage `allocate` makes and a step holds.
   virtual void estimate(MemoryEstimate& m, const GradientSizes& g, DataType dtype) const = 0;
   // u's gradient storage when the engine is made.
-  virtual Result<void> allocate(Engine::State& s, detail::Unit& u) = 0;
+  virtual Result<void> allocate(const GradientWiring& w, detail::FetchUnit& u) = 0;
   // A new step: storage kept across steps made ready (zeroed, or what an abandoned step left).
-  virtual Result<void> begin_step(Engine::State& s, detail::Unit& u) = 0;
+  virtual Result<void> begin_step(const GradientWiring& w, detail::FetchUnit& u) = 0;
   // u's backward is about to run: the buffer its parameters' gradients go into, bound.
-  virtual Result<void> begin_backward(Engine::State& s, detail::Unit& u) = 0;
+  virtual Result<void> begin_backward(const GradientWiring& w, detail::FetchUnit& u) = 0;
   // u's backward is done (one use of it): reduced now, or counted for after backward.
-  virtual Result<void> after_backward(Engine::State& s, detail::Unit& u) = 0;
+  virtual Result<void> after_backward(const GradientWiring& w, detail::FetchUnit& u) = 0;
   // After the last micro-batch, on the communication stream: what is left to reduce, into the
   // fp32 shards (their scaling by the micro-batch count and the compute stream's wait follow).
-  virtual async::Task<Result<void>> finish(Engine::State& s) = 0;
+  virtual async::Task<Result<void>> finish(const GradientWiring& w) = 0;
   // Whether a unit's shard is complete when its last backward of the step is done (so it may go
   // to the host, or be stepped, during backward).
   virtual bool complete_per_unit() const noexcept = 0;

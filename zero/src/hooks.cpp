@@ -29,7 +29,7 @@ async::Task<Result<void>> Engine::before_forward(Context& ctx, Module& module) {
                      " in a step begun with ", s.declared_micro_batches,
                      " (begin_step(micro_batches) declares the gradient accumulation up front)");
   }
-  Unit* u = s.unit_for(module);
+  FetchUnit* u = s.unit_for(module);
   // A coalesced unit open in forward is done once a module of another unit starts (a unit's
   // modules run in one stretch), or the model does.
   if (s.open_forward && s.open_forward != u && (u || &module == s.model)) COSHARD_CO_TRY(s.close_open_forward(ctx));
@@ -37,7 +37,7 @@ async::Task<Result<void>> Engine::before_forward(Context& ctx, Module& module) {
   // Units whose parameters this module declared it reads: used as if their owner ran here.
   if (const auto* lent = s.borrowed_of(module))
     for (const std::size_t i : *lent) {
-      Unit& b = *s.units[i];
+      FetchUnit& b = *s.units[i];
       if (!recompute) {
         ++b.forward_uses;
         ++b.uses_pending;
@@ -74,13 +74,13 @@ Result<void> Engine::after_forward(Context& ctx, Module& module) {
     for (const std::size_t i : *lent)
       COSHARD_TRY(s.residence->after_use(s, *s.units[i]));
   if (&module == s.model) COSHARD_TRY(s.close_open_forward(ctx));  // (its last module skipped)
-  Unit* u = s.unit_for(module);
+  FetchUnit* u = s.unit_for(module);
   if (!u || &module != u->modules.back()) return {};
   if (u->coalesced() && u->forward_open) return s.close_open_forward(ctx);
   return s.finish_forward(ctx, *u);
 }
 
-Result<void> Engine::State::finish_forward(Context& c, Unit& u) {
+Result<void> Engine::State::finish_forward(Context& c, FetchUnit& u) {
   if (timeline.spans_on()) {
     COSHARD_TRY_ASSIGN(auto end, ctx->stream().record_timed());
     timeline.span(true, c.recomputing() ? "recompute" : "forward", u.info.name, std::move(u.compute_start),
@@ -91,7 +91,7 @@ Result<void> Engine::State::finish_forward(Context& c, Unit& u) {
 
 Result<void> Engine::State::close_open_forward(Context& c) {
   if (!open_forward) return {};
-  Unit& u = *open_forward;
+  FetchUnit& u = *open_forward;
   open_forward = nullptr;
   u.forward_open = false;
   return finish_forward(c, u);
@@ -109,11 +109,11 @@ async::Task<Result<void>> Engine::before_backward(Context& ctx, Module& module) 
   if (&module == s.model) s.new_coalesced_pass();
   if (const auto* lent = s.borrowed_of(module))
     for (const std::size_t i : *lent) {
-      Unit& b = *s.units[i];
+      FetchUnit& b = *s.units[i];
       COSHARD_CO_TRY(co_await s.residence->acquire(s, b));
-      COSHARD_CO_TRY(s.reduction->begin_backward(s, b));
+      COSHARD_CO_TRY(s.reduction->begin_backward(s.gradient_wiring(), b));
     }
-  Unit* u = s.unit_for(module);
+  FetchUnit* u = s.unit_for(module);
   if (!u) co_return Result<void>{};
   // Backward mirrors forward: a unit opens at its last module, a coalesced one whose last module
   // was skipped at the first of its modules to run backward.
@@ -125,7 +125,7 @@ async::Task<Result<void>> Engine::before_backward(Context& ctx, Module& module) 
   }
   COSHARD_CO_TRY(co_await s.wait_for_the_pass(*u));  // (gradient shards waiting for the swapper's pass)
   COSHARD_CO_TRY(co_await s.residence->acquire(s, *u));
-  COSHARD_CO_TRY(s.reduction->begin_backward(s, *u));
+  COSHARD_CO_TRY(s.reduction->begin_backward(s.gradient_wiring(), *u));
   if (s.timeline.spans_on()) {
     COSHARD_CO_TRY_ASSIGN(u->compute_start, s.ctx->stream().record_timed());
   }
@@ -136,11 +136,11 @@ Result<void> Engine::after_backward(Context&, Module& module) {
   State& s = *s_;
   if (const auto* lent = s.borrowed_of(module))
     for (const std::size_t i : *lent) {
-      Unit& b = *s.units[i];
-      COSHARD_TRY(s.reduction->after_backward(s, b));
+      FetchUnit& b = *s.units[i];
+      COSHARD_TRY(s.reduction->after_backward(s.gradient_wiring(), b));
       COSHARD_TRY(s.residence->after_use(s, b));
     }
-  Unit* u = s.unit_for(module);
+  FetchUnit* u = s.unit_for(module);
   if (!u) return {};
   // A unit closes at its first module; a coalesced one whose first module was skipped at the
   // module that opened its forward.
@@ -155,7 +155,7 @@ Result<void> Engine::after_backward(Context&, Module& module) {
     COSHARD_TRY_ASSIGN(auto end, s.ctx->stream().record_timed());
     s.timeline.span(true, "backward", u->info.name, std::move(u->compute_start), std::move(end), u->fetch_pos);
   }
-  COSHARD_TRY(s.reduction->after_backward(s, *u));
+  COSHARD_TRY(s.reduction->after_backward(s.gradient_wiring(), *u));
   return s.residence->after_use(s, *u);
 }
 

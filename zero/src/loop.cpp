@@ -74,7 +74,7 @@ async::Task<Result<void>> Engine::begin_step(int micro_batches, float lr) {
     u->backwards_this_step = 0;
     u->stepped_early = false;
     for (auto& p : u->params) p.left_out = false;
-    COSHARD_CO_TRY(s.reduction->begin_step(s, *u));
+    COSHARD_CO_TRY(s.reduction->begin_step(s.gradient_wiring(), *u));
     if (u->coalesced()) COSHARD_CO_TRY(s.skip_unused_modules(*u, {}));
     const auto group = s.group_of(*u);
     COSHARD_CO_TRY(group.optimizer.set_group_skipped(group.index, false));
@@ -254,5 +254,20 @@ Result<void> Engine::set_timeline_epoch(async::Event epoch) {
                 s_->ctx->device().to_string());
   return s_->timeline.set_epoch(std::move(epoch), s_->ctx->stream(), s_->comm->stream());
 }
+
+// After the last micro-batch: what is left reduced, the shards scaled by the micro-batch count,
+// and the compute stream waits for them.
+async::Task<Result<void>> Engine::State::finish_gradients(std::size_t micro_batches) {
+  auto& cs = comm->stream();
+  COSHARD_CO_TRY(order(ctx->stream(), cs));
+  COSHARD_CO_TRY(co_await reduction->finish(gradient_wiring()));
+  const auto K = static_cast<float>(micro_batches);
+  if (micro_batches > 1)
+    for (auto& u : units)
+      if (!u->info.frozen) COSHARD_CO_TRY(ctx->kernels().scale(cs, DataType::f32, u->grad_shard.data(), 1.0f / K, u->info.shard));
+  COSHARD_CO_TRY(compute_waits_for_comm(kGradients));
+  co_return Result<void>{};
+}
+
 
 }  // namespace coshard::zero

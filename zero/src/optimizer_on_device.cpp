@@ -19,7 +19,7 @@ class OptimizerOnDevice final : public OptimizerPlacement {
     m.add(MemoryPlace::device, optimizer_state_label(o.dtype, states), (narrow ? z.trained_f32 : 0) + states * z.trained_f32);
   }
 
-  Result<void> add_unit(Engine::State& s, Unit& u) override {
+  Result<void> add_unit(Engine::State& s, FetchUnit& u) override {
     if (u.info.frozen) return s.optimizer->add_frozen_group(*s.ctx, u.info.shard);  // no master, no state
     return s.optimizer->add_group(*s.ctx, u.shard, u.grad_shard, s.segments_of(u), Optimizer::AllFrozen::hold_state);
   }
@@ -45,7 +45,7 @@ class OptimizerOnDevice final : public OptimizerPlacement {
     co_return co_await visit_optimizer_groups(s, use);
   }
 
-  Result<void> step_in_backward(Engine::State&, Unit& u) override {
+  Result<void> step_in_backward(Engine::State&, FetchUnit& u) override {
     return fail(ErrorCode::internal, "Engine: unit ", u.info.name,
                 " stepped during backward with the optimizer on the device (needs it offloaded)");
   }

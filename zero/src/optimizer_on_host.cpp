@@ -65,7 +65,7 @@ Result<void> HostOptimizer::after_units(Engine::State& s) {
   return {};
 }
 
-Result<void> HostOptimizer::add_host_grad(Engine::State& s, Unit& u) {
+Result<void> HostOptimizer::add_host_grad(Engine::State& s, FetchUnit& u) {
   COSHARD_TRY_ASSIGN(u.host_grad_block, s.pinned->acquire(static_cast<std::size_t>(u.info.shard) * sizeof(float)));
   u.host_grad = Tensor(u.host_grad_block.data(), Shape{u.info.shard}, DataType::f32, async::Device::cpu());
   return {};
@@ -171,7 +171,7 @@ class OptimizerOnHost final : public HostOptimizer {
     return {};
   }
 
-  Result<void> add_unit(Engine::State& s, Unit& u) override {
+  Result<void> add_unit(Engine::State& s, FetchUnit& u) override {
     const Shape shard_shape{u.info.shard};
     const auto shard_bytes = static_cast<std::size_t>(u.info.shard) * s.element_size;
     if (!u.info.frozen && !u.info.optimizer_offloaded) {
@@ -234,7 +234,7 @@ class OptimizerOnHost final : public HostOptimizer {
 
   async::Task<Result<void>> masters_from_shards(Engine::State& s) override {
     // (with cpu parameter offload the shard is the master, or its pinned bf16/f16 copy, already)
-    const Tensor Unit::*host = s.narrow() ? &Unit::host_param : &Unit::host_master;
+    const Tensor FetchUnit::*host = s.narrow() ? &FetchUnit::host_param : &FetchUnit::host_master;
     for (auto& u : s.units)
       if (!u->info.frozen && u->info.optimizer_offloaded && u->shard.data() != ((*u).*host).data())
         COSHARD_CO_TRY(s.ctx->stream().copy(((*u).*host).data(), u->shard.data(), u->shard.bytes()));
@@ -262,7 +262,7 @@ class OptimizerOnHost final : public HostOptimizer {
     co_return co_await visit_optimizer_groups(s, use);
   }
 
-  Result<void> step_in_backward(Engine::State& s, Unit& u) override {
+  Result<void> step_in_backward(Engine::State& s, FetchUnit& u) override {
     return s.optimizer->apply_one(*s.host_ctx, s.first_group + u.index, s.step_lr);
   }
 };

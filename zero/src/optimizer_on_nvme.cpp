@@ -22,7 +22,7 @@ using UnitVisit = std::function<async::Task<Result<void>>(UnitShard)>;
 // A unit in several sub-groups: its master and state put together in host memory for the visit
 // (read piece by piece), and written back the same way when the visit wrote them.
 async::Task<Result<void>> visit_pieced_unit(Engine::State& s, std::size_t k, const UnitVisit& visit_unit, bool written) {
-  const Unit& u = *s.units[k];
+  const FetchUnit& u = *s.units[k];
   const std::size_t regions = u.info.frozen ? 1 : 1 + s.optimizer->state_tensors();
   const auto n = static_cast<std::size_t>(u.info.shard);
   const std::size_t first = s.first_piece[k];
@@ -149,7 +149,7 @@ class OptimizerOnNvme final : public HostOptimizer {
     return {};
   }
 
-  Result<void> add_unit(Engine::State& s, Unit& u) override {
+  Result<void> add_unit(Engine::State& s, FetchUnit& u) override {
     if (u.info.frozen) return s.optimizer->add_frozen_group(*s.host_ctx, u.info.shard);  // its file: the master only
     if (s.grads_wait_for_a_pass()) return s.optimizer->add_swapped_group(*s.host_ctx, u.info.shard, s.segments_of(u));
     COSHARD_TRY(add_host_grad(s, u));
@@ -195,7 +195,7 @@ class OptimizerOnNvme final : public HostOptimizer {
     std::vector<std::byte> values;
     auto fill = [&](std::size_t i, std::span<std::byte> bytes) -> async::Task<Result<void>> {
       const SwapPiece& p = s.swap_pieces[i];
-      const Unit& u = *s.units[p.unit];
+      const FetchUnit& u = *s.units[p.unit];
       const std::size_t esize = s.element_size;
       if (s.params_on_nvme()) {  // the values were computed on the host, in the compute dtype
         if (!s.shard_values) co_return fail(ErrorCode::internal, "Engine: no values for the swap file of unit ", u.info.name);
@@ -281,10 +281,10 @@ class OptimizerOnNvme final : public HostOptimizer {
   }
 
   // The swapper's pass beside backward steps the unit when its sub-group is in.
-  Result<void> step_in_backward(Engine::State& s, Unit& u) override { return s.hand_to_swap_step(u); }
+  Result<void> step_in_backward(Engine::State& s, FetchUnit& u) override { return s.hand_to_swap_step(u); }
 
  protected:
-  Result<void> hand_over_late(Engine::State& s, Unit& u) override { return s.hand_to_swap_step(u); }
+  Result<void> hand_over_late(Engine::State& s, FetchUnit& u) override { return s.hand_to_swap_step(u); }
 
  private:
   // grads_to_nvme: every gradient shard written out and its statistics added (the units not
@@ -304,7 +304,7 @@ class OptimizerOnNvme final : public HostOptimizer {
 
 UnitShard Engine::State::swapped_shard(std::size_t i, std::span<std::byte> bytes) const {
   const SwapPiece& p = swap_pieces[i];
-  const Unit& u = *units[p.unit];
+  const FetchUnit& u = *units[p.unit];
   const Shape shape{p.count};
   const std::size_t states = optimizer->state_tensors();
   const std::size_t stride = detail::swap_piece_bytes(p.count, 1);
@@ -318,7 +318,7 @@ UnitShard Engine::State::swapped_shard(std::size_t i, std::span<std::byte> bytes
 async::Task<Result<void>> Engine::State::step_swapped_piece(std::size_t i, std::span<std::byte> bytes, float lr,
                                                             async::Stream& to) {
   const SwapPiece& p = swap_pieces[i];
-  Unit& u = *units[p.unit];
+  FetchUnit& u = *units[p.unit];
   const UnitShard shard = swapped_shard(i, bytes);
   const Tensor& master = shard.master;
   // bf16/f16: cast down in the same pass, into the pinned shard itself (parameters offloaded to

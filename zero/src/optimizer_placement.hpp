@@ -21,7 +21,7 @@
 namespace coshard::zero {
 
 namespace detail {
-struct Unit;
+class FetchUnit;
 }
 
 // The trained units' sizes the optimizer's memory follows (memory_estimate.cpp).
@@ -49,7 +49,7 @@ class OptimizerPlacement {
   // on the device over the shard; in host memory over a pinned master (f32) or a pinned copy in
   // the compute dtype (bf16/f16), which is also the shard when the parameters are offloaded; on
   // NVMe a swapped group. The host placements give u a pinned gradient shard to step from.
-  virtual Result<void> add_unit(Engine::State& s, detail::Unit& u) = 0;
+  virtual Result<void> add_unit(Engine::State& s, detail::FetchUnit& u) = 0;
   // One optimizer step on this rank's shards, once their gradients are complete and scaled;
   // the updated parameters are on the device, in the compute stream's order, when it returns.
   virtual async::Task<Result<void>> step(Engine::State& s, float lr) = 0;
@@ -60,7 +60,7 @@ class OptimizerPlacement {
   virtual async::Task<Result<void>> visit(Engine::State& s, const Engine::ShardVisitor& use, bool written) = 0;
   // step_in_backward: unit u's last gradient shard of the step is on its way to pinned memory
   // and the host stream is ordered after it: step it (or hand it to the pass that steps it).
-  virtual Result<void> step_in_backward(Engine::State& s, detail::Unit& u) = 0;
+  virtual Result<void> step_in_backward(Engine::State& s, detail::FetchUnit& u) = 0;
 };
 
 // The first half of an offloaded step, shared by the two host placements.
@@ -74,7 +74,7 @@ class HostOptimizer : public OptimizerPlacement {
   static void estimate_pinned(MemoryEstimate& m, std::span<const FetchUnitInfo> units, const EngineOptions& o,
                               std::size_t states);
   // u's gradient shard in pinned memory (f32), where the host steps it from.
-  static Result<void> add_host_grad(Engine::State& s, detail::Unit& u);
+  static Result<void> add_host_grad(Engine::State& s, detail::FetchUnit& u);
   // Gradient shards not out yet go to pinned memory; the host computes the norm and overflow
   // flag (with step_in_backward, the units not stepped during backward add their share and go to
   // `hand_over_late`); the sums over ranks come back to the host stream through pinned memory.
@@ -84,7 +84,7 @@ class HostOptimizer : public OptimizerPlacement {
   async::Task<Result<void>> local_grad_stats(Engine::State& s);
   async::Task<Result<void>> sum_grad_stats(Engine::State& s);
   // step_in_backward: a unit not stepped during backward, its statistics added after it.
-  virtual Result<void> hand_over_late(Engine::State&, detail::Unit&) { return {}; }
+  virtual Result<void> hand_over_late(Engine::State&, detail::FetchUnit&) { return {}; }
 };
 
 // Placements whose state is the optimizer's own groups (device, pinned host memory): each unit's

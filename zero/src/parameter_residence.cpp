@@ -18,17 +18,17 @@ class Whole : public ParameterResidence {
   void estimate(MemoryEstimate& m, const ParameterSizes& p, const EngineOptions& o) const override {
     m.add(MemoryPlace::device, "parameters (" + std::string(collectives::to_string(o.dtype)) + ", whole)", p.whole);
   }
-  Result<void> bind_at_creation(Engine::State& s, Unit& u) override { return s.bind_values(u, u.full); }
-  async::Task<Result<void>> acquire(Engine::State&, Unit&) override { co_return Result<void>{}; }
-  Result<void> after_use(Engine::State&, Unit&) override { return {}; }
+  Result<void> bind_at_creation(Engine::State&, FetchUnit& u) override { return u.bind(u.full); }
+  async::Task<Result<void>> acquire(Engine::State&, FetchUnit&) override { co_return Result<void>{}; }
+  Result<void> after_use(Engine::State&, FetchUnit&) override { return {}; }
   Result<void> end_pass(Engine::State&) override { return {}; }
-  const Tensor& values(const Unit& u) const override { return u.full; }
-  Result<void> allocate_on_device(Engine::State& s, Unit& u) override {
+  const Tensor& values(const FetchUnit& u) const override { return u.full; }
+  Result<void> allocate_on_device(Engine::State& s, FetchUnit& u) override {
     auto& stream = s.ctx->stream();
     COSHARD_TRY_ASSIGN(u.full_block, s.ctx->allocator().allocate(u.info.padded_bytes, stream));
     u.full = Tensor(u.full_block.data(), Shape{u.info.padded}, s.o.dtype, s.ctx->device());
     COSHARD_TRY(stream.fill(u.full.data(), 0, u.info.padded_bytes));
-    u.shard = u.full.slice(s.block_offset(u), Shape{u.info.shard});  // unsharded: the whole unit
+    u.shard = u.full.slice(u.block_offset, Shape{u.info.shard});  // unsharded: the whole unit
     return {};
   }
   bool holds_whole() const noexcept override { return true; }
@@ -63,9 +63,9 @@ class GatheredOnUse final : public ParameterResidence {
     m.add(MemoryPlace::device, "parameter shards (" + std::string(collectives::to_string(o.dtype)) + ")", p.shards_on_device);
     m.add(MemoryPlace::device, "gathered parameters (max_live_bytes)", std::min(p.whole, o.max_live_bytes));
   }
-  Result<void> bind_at_creation(Engine::State&, Unit&) override { return {}; }  // bound when gathered
-  async::Task<Result<void>> acquire(Engine::State& s, Unit& u) override { co_return co_await s.fetch(u); }
-  Result<void> after_use(Engine::State& s, Unit& u) override {
+  Result<void> bind_at_creation(Engine::State&, FetchUnit&) override { return {}; }  // bound when gathered
+  async::Task<Result<void>> acquire(Engine::State& s, FetchUnit& u) override { co_return co_await s.fetch(u); }
+  Result<void> after_use(Engine::State& s, FetchUnit& u) override {
     if (s.keep_after_use(u)) return {};
     return s.release(u);
   }
@@ -75,8 +75,8 @@ class GatheredOnUse final : public ParameterResidence {
   }
   Result<void> after_step(Engine::State&) override { return {}; }  // gathered at the next use
   async::Task<Result<void>> follow_shards(Engine::State&) override { co_return Result<void>{}; }
-  const Tensor& values(const Unit& u) const override { return u.gathered; }
-  Result<void> allocate_on_device(Engine::State& s, Unit& u) override {
+  const Tensor& values(const FetchUnit& u) const override { return u.gathered; }
+  Result<void> allocate_on_device(Engine::State& s, FetchUnit& u) override {
     const auto bytes = static_cast<std::size_t>(u.info.shard) * s.element_size;
     COSHARD_TRY_ASSIGN(u.shard_block, s.ctx->allocator().allocate(bytes, s.ctx->stream()));
     u.shard = Tensor(u.shard_block.data(), Shape{u.info.shard}, s.o.dtype, s.ctx->device());

@@ -17,7 +17,7 @@
 namespace coshard::zero {
 
 namespace detail {
-struct Unit;
+class FetchUnit;
 }
 
 // The units' sizes the parameters' memory follows (memory_estimate.cpp), in the compute dtype.
@@ -33,11 +33,11 @@ class ParameterResidence {
   // stay on the device).
   virtual void estimate(MemoryEstimate& m, const ParameterSizes& p, const EngineOptions& o) const = 0;
   // When the engine is made, after u's shard has storage: the parameters bound where they live.
-  virtual Result<void> bind_at_creation(Engine::State& s, detail::Unit& u) = 0;
+  virtual Result<void> bind_at_creation(Engine::State& s, detail::FetchUnit& u) = 0;
   // Before a module of u (or one lent u) computes: u's whole parameters there.
-  virtual async::Task<Result<void>> acquire(Engine::State& s, detail::Unit& u) = 0;
+  virtual async::Task<Result<void>> acquire(Engine::State& s, detail::FetchUnit& u) = 0;
   // After such a use: given back, unless kept.
-  virtual Result<void> after_use(Engine::State& s, detail::Unit& u) = 0;
+  virtual Result<void> after_use(Engine::State& s, detail::FetchUnit& u) = 0;
   // The end of a pass: whatever is still gathered, given back.
   virtual Result<void> end_pass(Engine::State& s) = 0;
   // After the optimizer stepped the shards, on the communication stream: the whole copies follow.
@@ -46,10 +46,10 @@ class ParameterResidence {
   // follow, and the compute stream is ordered after them.
   virtual async::Task<Result<void>> follow_shards(Engine::State& s) = 0;
   // The buffer the unit's parameters are bound to while it computes.
-  virtual const modules::Tensor& values(const detail::Unit& u) const = 0;
+  virtual const modules::Tensor& values(const detail::FetchUnit& u) const = 0;
   // u's parameters on the device when the engine is made: its shard alone (gathered on use), or
   // the whole unit with the shard a view of this rank's block.
-  virtual Result<void> allocate_on_device(Engine::State& s, detail::Unit& u) = 0;
+  virtual Result<void> allocate_on_device(Engine::State& s, detail::FetchUnit& u) = 0;
   // Whether every rank holds the whole unit between uses (initial values and an export are then
   // written and read there, not through the shard).
   virtual bool holds_whole() const noexcept = 0;

@@ -9,8 +9,8 @@ namespace coshard::zero {
 using namespace modules;
 using namespace detail;
 
-std::vector<Optimizer::Segment> Engine::State::segments_of(const Unit& u) const {
-  const std::int64_t begin = block_offset(u), end = begin + u.info.shard;
+std::vector<Optimizer::Segment> Engine::State::segments_of(const FetchUnit& u) const {
+  const std::int64_t begin = u.block_offset, end = begin + u.info.shard;
   std::vector<Optimizer::Segment> segments;
   for (const auto& p : u.params) {
     const std::int64_t from = std::max(begin, p.offset), to = std::min(end, p.offset + p.parameter->numel());
@@ -53,7 +53,7 @@ async::Task<Result<void>> Engine::State::skip_units_without_gradients() {
   }
   std::size_t next_module = units.size();
   for (std::size_t i = 0; i < units.size(); ++i) {
-    Unit& u = *units[i];
+    FetchUnit& u = *units[i];
     const auto group = group_of(u);
     COSHARD_CO_TRY(group.optimizer.set_group_skipped(group.index, used[i] == 0.0));
     for (auto& p : u.params) p.left_out = used[i] == 0.0 && p.parameter->trainable();
@@ -65,13 +65,13 @@ async::Task<Result<void>> Engine::State::skip_units_without_gradients() {
   co_return Result<void>{};
 }
 
-Result<void> Engine::State::skip_unused_modules(Unit& u, std::span<const double> used) {
+Result<void> Engine::State::skip_unused_modules(FetchUnit& u, std::span<const double> used) {
   if (u.info.frozen) return {};
   if (!used.empty())
     for (auto& p : u.params) p.left_out = used[p.module] == 0.0 && p.parameter->trainable();
   const auto group = group_of(u);
   // This rank's block of the unit, [begin, end): the group's elements.
-  const std::int64_t begin = block_offset(u), end = begin + u.info.shard;
+  const std::int64_t begin = u.block_offset, end = begin + u.info.shard;
   std::vector<std::pair<std::int64_t, std::int64_t>> runs;
   for (std::size_t k = 0; k < used.size(); ++k) {
     if (used[k] != 0.0) continue;
@@ -98,7 +98,7 @@ Result<void> Engine::State::set_steps_missed() {
   for (auto& u : units) {
     if (u->info.frozen) continue;
     // This rank's block of the unit, [begin, end): the group's elements.
-    const std::int64_t begin = block_offset(*u), end = begin + u->info.shard;
+    const std::int64_t begin = u->block_offset, end = begin + u->info.shard;
     std::vector<Optimizer::MissedSteps> runs;
     for (const auto& p : u->params) {
       const std::int64_t from = std::max(begin, p.offset), to = std::min(end, p.offset + p.parameter->numel());

@@ -59,7 +59,7 @@ Result<Engine::State::Awaiting> Engine::State::prefetch_ahead() {
                         measured->second.size() >= order.size() && !timeline.gather_ms.empty();
   const std::size_t end = adaptive ? prefetch_horizon(order, trace.pos(), timeline.gather_ms, measured->second) : order.size();
   for (std::size_t i = trace.pos(); i < end; ++i) {
-    Unit& v = *units[order[i]];
+    FetchUnit& v = *units[order[i]];
     if (v.gather != Gather::released) continue;
     if (prefetched_bytes + v.info.padded_bytes > cap) break;
     if (logical_live + v.info.padded_bytes > o.max_live_bytes) break;
@@ -84,7 +84,7 @@ Result<Engine::State::Awaiting> Engine::State::prefetch_ahead() {
   return Awaiting{};
 }
 
-bool Engine::State::keep_after_use(const Unit& u) const {
+bool Engine::State::keep_after_use(const FetchUnit& u) const {
   if (u.info.persistent) return true;
   if ((o.max_reuse_distance == 0 && o.max_reuse_distance_elements == 0) || !trace.following()) return false;
   const auto order = trace.order();
@@ -92,7 +92,7 @@ bool Engine::State::keep_after_use(const Unit& u) const {
   bool soon = false;
   std::size_t elements = 0;
   for (std::size_t i = pos; i < order.size() && !soon; ++i) {
-    const Unit& next = *units[order[i]];
+    const FetchUnit& next = *units[order[i]];
     const bool by_count = i - pos < o.max_reuse_distance;
     const bool by_elements = elements < o.max_reuse_distance_elements;
     if (!by_count && !by_elements) break;

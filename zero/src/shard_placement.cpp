@@ -7,7 +7,7 @@ namespace coshard::zero {
 using namespace modules;
 using namespace detail;
 
-async::Task<Result<void>> ShardPlacement::make_ready(Engine::State&, Unit&) { co_return Result<void>{}; }
+async::Task<Result<void>> ShardPlacement::make_ready(Engine::State&, FetchUnit&) { co_return Result<void>{}; }
 async::Task<Result<void>> ShardPlacement::settle(Engine::State&) { co_return Result<void>{}; }
 
 namespace {
@@ -16,7 +16,7 @@ namespace {
 // alike, or split by a device_memory_budget): the shard is a tensor of the unit.
 class ShardsInMemory final : public ShardPlacement {
  public:
-  Result<void> allocate(Engine::State& s, Unit& u) override {
+  Result<void> allocate(Engine::State& s, FetchUnit& u) override {
     const Shape shard_shape{u.info.shard};
     const auto shard_bytes = static_cast<std::size_t>(u.info.shard) * s.element_size;
     if (u.info.shard_offloaded) {
@@ -27,8 +27,8 @@ class ShardsInMemory final : public ShardPlacement {
     }
     return s.residence->allocate_on_device(s, u);
   }
-  Result<const void*> source(const Unit& u) const override { return static_cast<const void*>(u.shard.data()); }
-  bool on_device(const Unit& u) const noexcept override { return !u.info.shard_offloaded; }
+  Result<const void*> source(const FetchUnit& u) const override { return static_cast<const void*>(u.shard.data()); }
+  bool on_device(const FetchUnit& u) const noexcept override { return !u.info.shard_offloaded; }
   Result<void> write_all(Engine::State& s, BlockSource block_of) override {
     for (auto& u : s.units) {
       COSHARD_TRY_ASSIGN(const auto bytes, block_of(*u));

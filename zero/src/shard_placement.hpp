@@ -22,7 +22,7 @@
 namespace coshard::zero {
 
 namespace detail {
-struct Unit;
+class FetchUnit;
 }
 
 class ShardPlacement {
@@ -34,21 +34,21 @@ class ShardPlacement {
   // the shard a view of it (stages 1-2); in host memory a pinned copy in the compute dtype when
   // the optimizer is on NVMe (otherwise the shard is the optimizer placement's pinned buffer); on
   // NVMe nothing.
-  virtual Result<void> allocate(Engine::State& s, detail::Unit& u) = 0;
+  virtual Result<void> allocate(Engine::State& s, detail::FetchUnit& u) = 0;
   // Whether u's shard can be gathered now, with nothing to await first (NVMe: its read is in).
-  virtual bool ready(const detail::Unit&) const { return true; }
+  virtual bool ready(const detail::FetchUnit&) const { return true; }
   // Makes it so (NVMe: the read started ahead, or one now).
-  virtual async::Task<Result<void>> make_ready(Engine::State&, detail::Unit&);
+  virtual async::Task<Result<void>> make_ready(Engine::State&, detail::FetchUnit&);
   // Where a gather reads this rank's shard, and whether that is device memory.
-  virtual Result<const void*> source(const detail::Unit& u) const = 0;
-  virtual bool on_device(const detail::Unit& u) const noexcept = 0;
+  virtual Result<const void*> source(const detail::FetchUnit& u) const = 0;
+  virtual bool on_device(const detail::FetchUnit& u) const noexcept = 0;
   // A gather that read `source` is enqueued, `done` its event.
-  virtual Result<void> gathered(Engine::State&, detail::Unit&, const async::Event&) { return {}; }
+  virtual Result<void> gathered(Engine::State&, detail::FetchUnit&, const async::Event&) { return {}; }
   // This rank's block of every unit, in the compute dtype, from `block_of` (initialisation, a
   // load): written now (in memory), or called unit by unit as the optimizer placement's
   // masters_from_shards writes the swap files (NVMe: one unit's values in host memory at a time,
   // not the model's). `block_of` lives until masters_from_shards has returned.
-  using BlockSource = std::function<Result<std::vector<std::byte>>(const detail::Unit&)>;
+  using BlockSource = std::function<Result<std::vector<std::byte>>(const detail::FetchUnit&)>;
   virtual Result<void> write_all(Engine::State& s, BlockSource block_of) = 0;
   // Reads for the units next along the trace, while there is room (never waits).
   virtual Result<void> read_ahead(Engine::State&) { return {}; }

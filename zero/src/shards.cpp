@@ -26,7 +26,7 @@ async::Task<Result<void>> Engine::State::full_copies_from_shards() { co_return c
 Result<void> Engine::State::gather_full_copies() {
   auto& cs = comm->stream();
   COSHARD_TRY_ASSIGN(auto started, timeline.mark(cs));
-  COSHARD_TRY(launch_by_group(false, [&](Unit& u, Coalesced& group) {
+  COSHARD_TRY(launch_by_group(false, [&](FetchUnit& u, Coalesced& group) {
     group.all_gather(u.shard.data(), u.full.data(), static_cast<std::size_t>(u.info.shard), o.dtype).purpose(u.gather_purpose);
     stats.gathered_bytes += u.info.padded_bytes;
   }));
@@ -58,7 +58,7 @@ async::Task<Result<std::vector<GatheredParameter>>> Engine::gather_parameters() 
   std::vector<GatheredParameter> out;
   COSHARD_CO_TRY(State::order(compute, cs));
   for (auto& up : s.units) {
-    Unit& u = *up;
+    FetchUnit& u = *up;
     Tensor whole = u.full;
     if (!s.residence->holds_whole()) {
       // One unit at a time: a consolidated export must not need the whole model on one rank's device.
@@ -107,7 +107,7 @@ namespace {
 // exception through the swapper's pass (its writes in flight would outlive their buffers).
 template <class Make>
 ShardPlacement::BlockSource without_throwing(Make make) {
-  return [make = std::move(make)](const Unit& u) -> Result<std::vector<std::byte>> {
+  return [make = std::move(make)](const FetchUnit& u) -> Result<std::vector<std::byte>> {
     try {
       return make(u);
     } catch (const std::bad_alloc&) {
@@ -131,10 +131,10 @@ async::Task<Result<void>> Engine::load_parameters(const std::vector<GatheredPara
   for (const auto& v : values) by_name.emplace(v.name, &v);
   // Everything checked: now each rank writes its block of every unit.
   COSHARD_CO_TRY(co_await s.compute_after_host());
-  COSHARD_CO_TRY(s.shard_placement->write_all(s, without_throwing([&s, &by_name](const Unit& u) -> Result<std::vector<std::byte>> {
+  COSHARD_CO_TRY(s.shard_placement->write_all(s, without_throwing([&s, &by_name](const FetchUnit& u) -> Result<std::vector<std::byte>> {
     // This rank's block only: each parameter's part inside it (the padding stays zero).
     const auto es = static_cast<std::int64_t>(s.element_size);
-    const std::int64_t first = s.block_offset(u), last = first + u.info.shard;
+    const std::int64_t first = u.block_offset, last = first + u.info.shard;
     std::vector<std::byte> block(static_cast<std::size_t>(u.info.shard * es), std::byte{0});
     for (const auto& p : u.params) {
       const std::int64_t lo = std::max(p.offset, first), hi = std::min(p.offset + p.parameter->numel(), last);
@@ -159,14 +159,14 @@ async::Task<Result<void>> Engine::initialize(std::uint64_t seed) {
   // The whole unit where every rank holds it; else only this rank's block, through the shard
   // placement (on NVMe: made unit by unit as the swap files are written).
   const bool whole = s.residence->holds_whole();
-  auto block_of = without_throwing([&s, seed, whole](const Unit& u) -> Result<std::vector<std::byte>> {
+  auto block_of = without_throwing([&s, seed, whole](const FetchUnit& u) -> Result<std::vector<std::byte>> {
     std::vector<double> values(static_cast<std::size_t>(u.info.padded), 0.0);
     for (const auto& p : u.params) {
       auto part = std::span<double>(values).subspan(static_cast<std::size_t>(p.offset),
                                                    static_cast<std::size_t>(p.parameter->numel()));
       initial_values(p.parameter->init(), s.names.at(p.parameter), seed, part);
     }
-    const auto first = whole ? 0 : static_cast<std::size_t>(s.block_offset(u));
+    const auto first = whole ? 0 : static_cast<std::size_t>(u.block_offset);
     const auto count = static_cast<std::size_t>(whole ? u.info.padded : u.info.shard);
     return encode_values(std::span<const double>(values).subspan(first, count), s.o.dtype);
   });

@@ -27,18 +27,18 @@ class ShardsOnNvme final : public ShardPlacement {
     read_slots_ = async::StreamBudget::create(static_cast<std::size_t>(s.o.offload_params.buffer_count));
     return {};
   }
-  Result<void> allocate(Engine::State&, Unit&) override { return {}; }  // the shard is in its swap file
-  bool ready(const Unit& u) const override { return static_cast<bool>(u.read_block); }
+  Result<void> allocate(Engine::State&, FetchUnit&) override { return {}; }  // the shard is in its swap file
+  bool ready(const FetchUnit& u) const override { return static_cast<bool>(u.read_block); }
   // The read started ahead, or one now.
-  async::Task<Result<void>> make_ready(Engine::State& s, Unit& u) override;
-  Result<const void*> source(const Unit& u) const override {
+  async::Task<Result<void>> make_ready(Engine::State& s, FetchUnit& u) override;
+  Result<const void*> source(const FetchUnit& u) const override {
     if (!u.read_block)
       return fail(ErrorCode::internal, "Engine: unit ", u.info.name, " gathered before its shard was read");
     return static_cast<const void*>(u.read_block.data());
   }
-  bool on_device(const Unit&) const noexcept override { return false; }
+  bool on_device(const FetchUnit&) const noexcept override { return false; }
   // The read buffer and its slot come back once the copy out of it has passed.
-  Result<void> gathered(Engine::State&, Unit& u, const async::Event& done) override {
+  Result<void> gathered(Engine::State&, FetchUnit& u, const async::Event& done) override {
     u.read_block.release_after(done);
     return read_slots_->release_after(done, std::move(u.read_slot));
   }
@@ -55,11 +55,11 @@ class ShardsOnNvme final : public ShardPlacement {
   async::Task<Result<void>> settle(Engine::State& s) override;
 
  private:
-  Result<void> start_read(Engine::State& s, Unit& u, async::Semaphore::Permit slot);
+  Result<void> start_read(Engine::State& s, FetchUnit& u, async::Semaphore::Permit slot);
   std::shared_ptr<async::StreamBudget> read_slots_;
 };
 
-Result<void> ShardsOnNvme::start_read(Engine::State& s, Unit& u, async::Semaphore::Permit slot) {
+Result<void> ShardsOnNvme::start_read(Engine::State& s, FetchUnit& u, async::Semaphore::Permit slot) {
   async::Runtime* rt = async::Runtime::current();
   if (!rt) return fail(ErrorCode::internal, "Engine: a parameter read outside a runtime");
   const auto bytes = static_cast<std::size_t>(u.info.shard) * sizeof(float);  // the fp32 master
@@ -68,7 +68,7 @@ Result<void> ShardsOnNvme::start_read(Engine::State& s, Unit& u, async::Semaphor
   return {};
 }
 
-async::Task<Result<void>> ShardsOnNvme::make_ready(Engine::State& s, Unit& u) {
+async::Task<Result<void>> ShardsOnNvme::make_ready(Engine::State& s, FetchUnit& u) {
   if (u.read_block) co_return Result<void>{};
   if (!u.read.valid()) {
     auto slot = read_slots_->semaphore().try_acquire(1);
@@ -106,7 +106,7 @@ async::Task<Result<void>> ShardsOnNvme::make_ready(Engine::State& s, Unit& u) {
 Result<void> ShardsOnNvme::read_ahead(Engine::State& s) {
   const auto order = s.trace.order();
   for (std::size_t i = s.trace.pos(); i < order.size(); ++i) {
-    Unit& v = *s.units[order[i]];
+    FetchUnit& v = *s.units[order[i]];
     if (v.gather != Gather::released || v.read_block || v.read.valid()) continue;
     auto slot = read_slots_->semaphore().try_acquire(1);
     if (!slot) break;

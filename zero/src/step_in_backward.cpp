@@ -26,14 +26,14 @@ Result<void> Engine::State::step_in_backward_saw_non_finite() const {
 // step_in_backward: a coalesced unit steps before the ranks could agree on which of its modules
 // got gradients, so this rank's modules decide (a module skipped on some ranks only steps there
 // alone: the ranks' blocks then step by different rules).
-Result<void> Engine::State::skip_modules_unused_here(Unit& u) {
+Result<void> Engine::State::skip_modules_unused_here(FetchUnit& u) {
   if (!u.coalesced()) return {};
   std::vector<double> used;
   for (const auto& run : u.module_runs) used.push_back(run.used ? 1.0 : 0.0);
   return skip_unused_modules(u, used);
 }
 
-Result<void> Engine::State::step_on_host(Unit& u) {
+Result<void> Engine::State::step_on_host(FetchUnit& u) {
   COSHARD_TRY(skip_modules_unused_here(u));
   COSHARD_TRY_ASSIGN(auto out, comm->stream().record());
   COSHARD_TRY(host_stream->wait(out));
@@ -44,7 +44,7 @@ Result<void> Engine::State::step_on_host(Unit& u) {
   return {};
 }
 
-Result<void> Engine::State::hand_to_swap_step(Unit& u) {
+Result<void> Engine::State::hand_to_swap_step(FetchUnit& u) {
   if (grads_through_pass()) COSHARD_TRY(skip_modules_unused_here(u));
   std::size_t index = u.index;
   if (grads_wait_for_a_pass() && !u.grad_pending) {
@@ -59,7 +59,7 @@ Result<void> Engine::State::hand_to_swap_step(Unit& u) {
   return {};
 }
 
-async::Task<Result<void>> Engine::State::wait_for_the_pass(const Unit& u) {
+async::Task<Result<void>> Engine::State::wait_for_the_pass(const FetchUnit& u) {
   if (!pass_ticks || !grads_wait_for_a_pass() || u.info.frozen) co_return Result<void>{};
   const std::size_t bytes = static_cast<std::size_t>(u.info.shard) * sizeof(float);
   while (grads_pending_bytes > 0 && grads_pending_bytes + bytes > grads_pending_limit && !pass_awaits_arrival) {
@@ -110,7 +110,7 @@ async::Task<Result<void>> Engine::State::await_arrival(std::size_t k, async::Rec
   co_return Result<void>{};
 }
 
-Result<void> Engine::State::take_gradient_piece(Unit& u, const SwapPiece& p, const Tensor& piece) {
+Result<void> Engine::State::take_gradient_piece(FetchUnit& u, const SwapPiece& p, const Tensor& piece) {
   auto& cs = comm->stream();
   COSHARD_TRY(cs.copy(piece.data(), u.grad_shard.slice(p.begin, Shape{p.count}).data(), piece.bytes()));
   COSHARD_TRY_ASSIGN(auto copied, cs.record());
@@ -180,7 +180,7 @@ async::Task<Result<void>> Engine::State::swap_gradients_out(async::Receiver<std:
   // communication stream), its statistics added on the host stream, then written behind.
   auto write_when_ready = [&](std::size_t j, std::span<std::byte> bytes) -> async::Task<Result<void>> {
     const SwapPiece& p = swap_pieces[pieces[j]];
-    Unit& u = *units[p.unit];
+    FetchUnit& u = *units[p.unit];
     COSHARD_CO_TRY(co_await await_arrival(p.unit, ready, arrived, ticks));
     if (!u.grad_shard) co_return fail(ErrorCode::internal, "Engine: unit ", u.info.name, " has no gradient shard to swap out");
     const Tensor piece(bytes.data(), Shape{p.count}, DataType::f32, async::Device::cpu());
@@ -207,6 +207,30 @@ async::Task<void> Engine::end_swap_pass() {
   }
   s.grads_ready.reset();
   s.pass_ticks.reset();
+}
+
+// A unit's gradient shard reduced during a step whose shards leave during backward: to pinned
+// memory (unless a pass of the swapper takes it from the device), then stepped on the host or
+// handed to the pass once its last backward of the step is done.
+Result<void> Engine::State::shard_reduced(FetchUnit& u) {
+  auto& cs = comm->stream();
+  // (a unit with two backward passes is copied again: the last copy wins; through a pass of the
+  // swapper, the shard stays on the device until the pass steps it or swaps it out)
+  const bool copied_out = !grads_wait_for_a_pass();
+  if (copied_out) {
+    COSHARD_TRY(cs.copy(u.host_grad.data(), u.grad_shard.data(), u.grad_shard.bytes()));
+    stats.swap_bytes += u.grad_shard.bytes();
+  }
+  u.grads_out = true;
+  const bool last = u.backwards_this_step == u.forward_uses;
+  if (stepping_in_backward && last) COSHARD_TRY(step_on_host(u));
+  if (grads_to_nvme() && last) COSHARD_TRY(hand_to_swap_step(u));  // to the pass writing it out
+  if (copied_out && last) {  // its last of the step: back once the copy has passed
+    COSHARD_TRY_ASSIGN(auto out, cs.record());
+    u.grad_shard_block.reset_after(out);
+    u.grad_shard = {};
+  }
+  return {};
 }
 
 }  // namespace coshard::zero

@@ -18,6 +18,14 @@
 
 namespace coshard::zero::detail {
 
+// Names of the step's phases in the timeline (spans keep pointers to their names).
+inline const std::string kAllUnits = "all units";
+inline const std::string kGradients = "gradients";
+inline const std::string kGradStats = "gradient norm";
+inline const std::string kOptimizer = "optimizer";
+inline const std::string kParameters = "parameters";
+
+
 class StepTimeline {
  public:
   static constexpr std::size_t kNone = std::numeric_limits<std::size_t>::max();
