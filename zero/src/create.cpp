@@ -232,7 +232,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     FetchUnit& u = *up;
     COSHARD_TRY(s->shard_placement->allocate(*s, u));
     COSHARD_TRY(s->reduction->allocate(s->gradient_wiring(), u));
-    COSHARD_TRY(s->residence->bind_at_creation(*s, u));
+    COSHARD_TRY(s->residence->bind_at_creation(s->residence_wiring(), u));
     COSHARD_TRY(s->optimizer_placement->add_unit(*s, u));
     // A copy of a block another rank holds too (hybrid sharding) is stepped, but the norm's sum
     // across ranks counts it once: on its copy 0.

@@ -45,7 +45,7 @@ struct SwapPiece {
 
 }  // namespace detail
 
-struct Engine::State : GradientShardsOut {
+struct Engine::State : GradientShardsOut, UnitGathers {
   using FetchUnit = detail::FetchUnit;
   using Gather = detail::Gather;
   // The optimizer's groups of this engine hold memory of the engine's host context when the
@@ -110,6 +110,9 @@ struct Engine::State : GradientShardsOut {
   // where an offloaded unit's shard goes during backward (step_in_backward.cpp).
   GradientWiring gradient_wiring() noexcept { return {io(), units, *shard_groups, timeline, stats, *residence, *this}; }
   bool shards_leave_in_backward() const noexcept override { return grads_out_in_backward; }
+  // What the parameter residence acts through (parameter_residence.hpp); the engine is its
+  // UnitGathers (fetch, release, keep_after_use below).
+  ResidenceWiring residence_wiring() noexcept { return {io(), units, *shard_groups, timeline, stats, *this}; }
   Result<void> shard_reduced(FetchUnit& u) override;
   // Collective launches so far, the shard groups' included.
   std::uint64_t launches() const noexcept { return comm->launches() + shard_groups->launches(); }
@@ -364,10 +367,10 @@ struct Engine::State : GradientShardsOut {
   Result<void> issue_gather(FetchUnit& u, async::Semaphore::Permit permit, bool ahead);
 
   // The buffer and its budget come back once the compute stream has passed its last use.
-  Result<void> release(FetchUnit& u);
+  Result<void> release(FetchUnit& u) override;
   // A module of `u` is about to run: gathered (on demand, or waited for if prefetched), with the
   // units next along the trace gathered ahead first.
-  async::Task<Result<void>> fetch(FetchUnit& u);
+  async::Task<Result<void>> fetch(FetchUnit& u) override;
 
   // ---- trace, prefetch and reuse (prefetch.cpp) ----
 
@@ -400,7 +403,7 @@ struct Engine::State : GradientShardsOut {
 
   // Keep a unit gathered after its use when it is small, or needed again soon (and the budget
   // keeps room for the largest unit, so keeping never starves an on-demand fetch).
-  bool keep_after_use(const FetchUnit& u) const;
+  bool keep_after_use(const FetchUnit& u) const override;
 
   // ---- gradients: the reduction (gradient_reduction.hpp, gradients.cpp) ----
 
@@ -436,9 +439,6 @@ struct Engine::State : GradientShardsOut {
   async::Task<Result<void>> swapped_step_in_backward(async::Receiver<std::size_t> ready, float lr,
                                                      async::Sender<char> ticks);
 
-  // Stages 1-2: every rank's shard into every rank's full copy, in one launch on the
-  // communication stream (after what is enqueued there).
-  Result<void> gather_full_copies();
 
   // After the last micro-batch's backward: the gradient shards complete and scaled (gradients.cpp).
   async::Task<Result<void>> finish_gradients(std::size_t micro_batches);

@@ -42,7 +42,7 @@ async::Task<Result<void>> Engine::before_forward(Context& ctx, Module& module) {
         ++b.forward_uses;
         ++b.uses_pending;
       }
-      COSHARD_CO_TRY(co_await s.residence->acquire(s, b));
+      COSHARD_CO_TRY(co_await s.residence->acquire(s.residence_wiring(), b));
     }
   if (!u) co_return Result<void>{};
   // A unit opens at its first module; a coalesced one, whose first module may be skipped, at the
@@ -61,7 +61,7 @@ async::Task<Result<void>> Engine::before_forward(Context& ctx, Module& module) {
     ++u->forward_uses;
     ++u->uses_pending;
   }
-  COSHARD_CO_TRY(co_await s.residence->acquire(s, *u));
+  COSHARD_CO_TRY(co_await s.residence->acquire(s.residence_wiring(), *u));
   if (s.timeline.spans_on()) {
     COSHARD_CO_TRY_ASSIGN(u->compute_start, s.ctx->stream().record_timed());
   }
@@ -72,7 +72,7 @@ Result<void> Engine::after_forward(Context& ctx, Module& module) {
   State& s = *s_;
   if (const auto* lent = s.borrowed_of(module))
     for (const std::size_t i : *lent)
-      COSHARD_TRY(s.residence->after_use(s, *s.units[i]));
+      COSHARD_TRY(s.residence->after_use(s.residence_wiring(), *s.units[i]));
   if (&module == s.model) COSHARD_TRY(s.close_open_forward(ctx));  // (its last module skipped)
   FetchUnit* u = s.unit_for(module);
   if (!u || &module != u->modules.back()) return {};
@@ -86,7 +86,7 @@ Result<void> Engine::State::finish_forward(Context& c, FetchUnit& u) {
     timeline.span(true, c.recomputing() ? "recompute" : "forward", u.info.name, std::move(u.compute_start),
                   std::move(end), u.fetch_pos);
   }
-  return residence->after_use(*this, u);
+  return residence->after_use(residence_wiring(), u);
 }
 
 Result<void> Engine::State::close_open_forward(Context& c) {
@@ -110,7 +110,7 @@ async::Task<Result<void>> Engine::before_backward(Context& ctx, Module& module) 
   if (const auto* lent = s.borrowed_of(module))
     for (const std::size_t i : *lent) {
       FetchUnit& b = *s.units[i];
-      COSHARD_CO_TRY(co_await s.residence->acquire(s, b));
+      COSHARD_CO_TRY(co_await s.residence->acquire(s.residence_wiring(), b));
       COSHARD_CO_TRY(s.reduction->begin_backward(s.gradient_wiring(), b));
     }
   FetchUnit* u = s.unit_for(module);
@@ -124,7 +124,7 @@ async::Task<Result<void>> Engine::before_backward(Context& ctx, Module& module) 
     co_return Result<void>{};
   }
   COSHARD_CO_TRY(co_await s.wait_for_the_pass(*u));  // (gradient shards waiting for the swapper's pass)
-  COSHARD_CO_TRY(co_await s.residence->acquire(s, *u));
+  COSHARD_CO_TRY(co_await s.residence->acquire(s.residence_wiring(), *u));
   COSHARD_CO_TRY(s.reduction->begin_backward(s.gradient_wiring(), *u));
   if (s.timeline.spans_on()) {
     COSHARD_CO_TRY_ASSIGN(u->compute_start, s.ctx->stream().record_timed());
@@ -138,7 +138,7 @@ Result<void> Engine::after_backward(Context&, Module& module) {
     for (const std::size_t i : *lent) {
       FetchUnit& b = *s.units[i];
       COSHARD_TRY(s.reduction->after_backward(s.gradient_wiring(), b));
-      COSHARD_TRY(s.residence->after_use(s, b));
+      COSHARD_TRY(s.residence->after_use(s.residence_wiring(), b));
     }
   FetchUnit* u = s.unit_for(module);
   if (!u) return {};
@@ -156,7 +156,7 @@ Result<void> Engine::after_backward(Context&, Module& module) {
     s.timeline.span(true, "backward", u->info.name, std::move(u->compute_start), std::move(end), u->fetch_pos);
   }
   COSHARD_TRY(s.reduction->after_backward(s.gradient_wiring(), *u));
-  return s.residence->after_use(s, *u);
+  return s.residence->after_use(s.residence_wiring(), *u);
 }
 
 Error Engine::explain_failure(Module& module, Error error) {

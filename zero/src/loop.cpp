@@ -176,7 +176,7 @@ async::Task<Result<EngineStepStats>> Engine::finish_open_step(float lr) {
   COSHARD_CO_TRY(s.comm->all_reduce(loss_sum.data(), loss_sum.data(), 1, DataType::f32, ReduceOp::avg, "the step's loss"));
 
   // The whole copies follow the stepped shards (stages 1-2: one all-gather).
-  COSHARD_CO_TRY(s.residence->after_step(s));
+  COSHARD_CO_TRY(s.residence->after_step(s.residence_wiring()));
   COSHARD_CO_TRY(s.compute_waits_for_comm(kParameters));
   COSHARD_CO_TRY(s.end_pass());
 

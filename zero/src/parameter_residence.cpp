@@ -3,8 +3,6 @@
 
 #include <algorithm>
 
-#include "engine_state.hpp"
-
 namespace coshard::zero {
 
 using namespace modules;
@@ -12,21 +10,27 @@ using namespace detail;
 
 namespace {
 
+// `to` after everything enqueued on `from` so far.
+Result<void> order(async::Stream& from, async::Stream& to) {
+  COSHARD_TRY_ASSIGN(auto ev, from.record());
+  return to.wait(ev);
+}
+
 // Stages 0-2: the whole unit is on every rank for the engine's life; its modules stay bound to it.
 class Whole : public ParameterResidence {
  public:
   void estimate(MemoryEstimate& m, const ParameterSizes& p, const EngineOptions& o) const override {
     m.add(MemoryPlace::device, "parameters (" + std::string(collectives::to_string(o.dtype)) + ", whole)", p.whole);
   }
-  Result<void> bind_at_creation(Engine::State&, FetchUnit& u) override { return u.bind(u.full); }
-  async::Task<Result<void>> acquire(Engine::State&, FetchUnit&) override { co_return Result<void>{}; }
-  Result<void> after_use(Engine::State&, FetchUnit&) override { return {}; }
-  Result<void> end_pass(Engine::State&) override { return {}; }
+  Result<void> bind_at_creation(const ResidenceWiring&, FetchUnit& u) override { return u.bind(u.full); }
+  async::Task<Result<void>> acquire(const ResidenceWiring&, FetchUnit&) override { co_return Result<void>{}; }
+  Result<void> after_use(const ResidenceWiring&, FetchUnit&) override { return {}; }
+  Result<void> end_pass(const ResidenceWiring&) override { return {}; }
   const Tensor& values(const FetchUnit& u) const override { return u.full; }
-  Result<void> allocate_on_device(Engine::State& s, FetchUnit& u) override {
-    auto& stream = s.ctx->stream();
-    COSHARD_TRY_ASSIGN(u.full_block, s.ctx->allocator().allocate(u.info.padded_bytes, stream));
-    u.full = Tensor(u.full_block.data(), Shape{u.info.padded}, s.o.dtype, s.ctx->device());
+  Result<void> allocate_on_device(const ResidenceWiring& w, FetchUnit& u) override {
+    auto& stream = w.io.ctx.stream();
+    COSHARD_TRY_ASSIGN(u.full_block, w.io.ctx.allocator().allocate(u.info.padded_bytes, stream));
+    u.full = Tensor(u.full_block.data(), Shape{u.info.padded}, w.io.dtype, w.io.ctx.device());
     COSHARD_TRY(stream.fill(u.full.data(), 0, u.info.padded_bytes));
     u.shard = u.full.slice(u.block_offset, Shape{u.info.shard});  // unsharded: the whole unit
     return {};
@@ -36,24 +40,40 @@ class Whole : public ParameterResidence {
 
 class WholeUnsharded final : public Whole {
  public:
-  Result<void> after_step(Engine::State&) override { return {}; }  // stepped whole
-  async::Task<Result<void>> follow_shards(Engine::State&) override { co_return Result<void>{}; }  // the block is the copy
+  Result<void> after_step(const ResidenceWiring&) override { return {}; }  // stepped whole
+  async::Task<Result<void>> follow_shards(const ResidenceWiring&) override { co_return Result<void>{}; }  // the block is the copy
   bool sharded() const noexcept override { return false; }
 };
 
 class WholeGatheredAfterStep final : public Whole {
  public:
   // Every rank gets the updated parameters, in one launch.
-  Result<void> after_step(Engine::State& s) override { return s.gather_full_copies(); }
-  async::Task<Result<void>> follow_shards(Engine::State& s) override {
-    auto& compute = s.ctx->stream();
-    auto& cs = s.comm->stream();
-    COSHARD_CO_TRY(Engine::State::order(compute, cs));
-    COSHARD_CO_TRY(s.gather_full_copies());
-    COSHARD_CO_TRY(Engine::State::order(cs, compute));
+  Result<void> after_step(const ResidenceWiring& w) override { return gather_full_copies(w); }
+  async::Task<Result<void>> follow_shards(const ResidenceWiring& w) override {
+    auto& compute = w.io.ctx.stream();
+    auto& cs = w.io.world.stream();
+    COSHARD_CO_TRY(order(compute, cs));
+    COSHARD_CO_TRY(gather_full_copies(w));
+    COSHARD_CO_TRY(order(cs, compute));
     co_return Result<void>{};
   }
   bool sharded() const noexcept override { return true; }
+
+ private:
+  // Every rank's shard into every rank's full copy, in one launch per shard group on the
+  // communication stream (after what is enqueued there).
+  static Result<void> gather_full_copies(const ResidenceWiring& w) {
+    auto& cs = w.io.world.stream();
+    COSHARD_TRY_ASSIGN(auto started, w.timeline.mark(cs));
+    COSHARD_TRY(launch_by_group(w.io.world, w.groups, w.units, false, [&](FetchUnit& u, collectives::Coalesced& group) {
+      group.all_gather(u.shard.data(), u.full.data(), static_cast<std::size_t>(u.info.shard), w.io.dtype)
+          .purpose(u.gather_purpose);
+      w.stats.gathered_bytes += u.info.padded_bytes;
+    }));
+    COSHARD_TRY_ASSIGN(auto finished, w.timeline.mark(cs));
+    w.timeline.span(false, "all_gather", kParameters, std::move(started), std::move(finished));
+    return {};
+  }
 };
 
 class GatheredOnUse final : public ParameterResidence {
@@ -63,23 +83,23 @@ class GatheredOnUse final : public ParameterResidence {
     m.add(MemoryPlace::device, "parameter shards (" + std::string(collectives::to_string(o.dtype)) + ")", p.shards_on_device);
     m.add(MemoryPlace::device, "gathered parameters (max_live_bytes)", std::min(p.whole, o.max_live_bytes));
   }
-  Result<void> bind_at_creation(Engine::State&, FetchUnit&) override { return {}; }  // bound when gathered
-  async::Task<Result<void>> acquire(Engine::State& s, FetchUnit& u) override { co_return co_await s.fetch(u); }
-  Result<void> after_use(Engine::State& s, FetchUnit& u) override {
-    if (s.keep_after_use(u)) return {};
-    return s.release(u);
+  Result<void> bind_at_creation(const ResidenceWiring&, FetchUnit&) override { return {}; }  // bound when gathered
+  async::Task<Result<void>> acquire(const ResidenceWiring& w, FetchUnit& u) override { co_return co_await w.gathers.fetch(u); }
+  Result<void> after_use(const ResidenceWiring& w, FetchUnit& u) override {
+    if (w.gathers.keep_after_use(u)) return {};
+    return w.gathers.release(u);
   }
-  Result<void> end_pass(Engine::State& s) override {
-    for (auto& u : s.units) COSHARD_TRY(s.release(*u));
+  Result<void> end_pass(const ResidenceWiring& w) override {
+    for (auto& u : w.units) COSHARD_TRY(w.gathers.release(*u));
     return {};
   }
-  Result<void> after_step(Engine::State&) override { return {}; }  // gathered at the next use
-  async::Task<Result<void>> follow_shards(Engine::State&) override { co_return Result<void>{}; }
+  Result<void> after_step(const ResidenceWiring&) override { return {}; }  // gathered at the next use
+  async::Task<Result<void>> follow_shards(const ResidenceWiring&) override { co_return Result<void>{}; }
   const Tensor& values(const FetchUnit& u) const override { return u.gathered; }
-  Result<void> allocate_on_device(Engine::State& s, FetchUnit& u) override {
-    const auto bytes = static_cast<std::size_t>(u.info.shard) * s.element_size;
-    COSHARD_TRY_ASSIGN(u.shard_block, s.ctx->allocator().allocate(bytes, s.ctx->stream()));
-    u.shard = Tensor(u.shard_block.data(), Shape{u.info.shard}, s.o.dtype, s.ctx->device());
+  Result<void> allocate_on_device(const ResidenceWiring& w, FetchUnit& u) override {
+    const auto bytes = static_cast<std::size_t>(u.info.shard) * w.io.element_size();
+    COSHARD_TRY_ASSIGN(u.shard_block, w.io.ctx.allocator().allocate(bytes, w.io.ctx.stream()));
+    u.shard = Tensor(u.shard_block.data(), Shape{u.info.shard}, w.io.dtype, w.io.ctx.device());
     return {};
   }
   bool holds_whole() const noexcept override { return false; }

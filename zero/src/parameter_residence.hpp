@@ -6,19 +6,43 @@
 //   steps this rank's shard and the whole copies follow in one all-gather after the step;
 // - gathered on use (stage 3): only the shard stays; the unit is fetched before a module of it
 //   (or one lent it) runs and released after, unless kept (persistence, reuse distance).
+//
+// Each acts on the units through ResidenceWiring, never the engine's whole state.
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "coshard/async/task.hpp"
 #include "coshard/zero/engine.hpp"
 #include "coshard/zero/memory_estimate.hpp"
+#include "fetch_unit.hpp"
+#include "shard_groups.hpp"
+#include "step_timeline.hpp"
 
 namespace coshard::zero {
 
-namespace detail {
-class FetchUnit;
-}
+// The stage-3 scheduler of gathers (gather.cpp, prefetch.cpp), which the residence that gathers
+// on use asks: a unit fetched (gathered now, or waited for if prefetched, with the units next
+// along the trace gathered ahead), released, or kept after its use.
+class UnitGathers {
+ public:
+  virtual ~UnitGathers() = default;
+  virtual async::Task<Result<void>> fetch(detail::FetchUnit& u) = 0;
+  virtual Result<void> release(detail::FetchUnit& u) = 0;
+  virtual bool keep_after_use(const detail::FetchUnit& u) const = 0;
+};
+
+// What a residence acts through: the units and their io, the shard groups, the step's timeline
+// and counters, and the scheduler of gathers.
+struct ResidenceWiring {
+  detail::UnitIo io;
+  const std::vector<std::unique_ptr<detail::FetchUnit>>& units;
+  const detail::ShardGroups& groups;
+  detail::StepTimeline& timeline;
+  EngineStepStats& stats;
+  UnitGathers& gathers;
+};
 
 // The units' sizes the parameters' memory follows (memory_estimate.cpp), in the compute dtype.
 struct ParameterSizes {
@@ -33,23 +57,23 @@ class ParameterResidence {
   // stay on the device).
   virtual void estimate(MemoryEstimate& m, const ParameterSizes& p, const EngineOptions& o) const = 0;
   // When the engine is made, after u's shard has storage: the parameters bound where they live.
-  virtual Result<void> bind_at_creation(Engine::State& s, detail::FetchUnit& u) = 0;
+  virtual Result<void> bind_at_creation(const ResidenceWiring& w, detail::FetchUnit& u) = 0;
   // Before a module of u (or one lent u) computes: u's whole parameters there.
-  virtual async::Task<Result<void>> acquire(Engine::State& s, detail::FetchUnit& u) = 0;
+  virtual async::Task<Result<void>> acquire(const ResidenceWiring& w, detail::FetchUnit& u) = 0;
   // After such a use: given back, unless kept.
-  virtual Result<void> after_use(Engine::State& s, detail::FetchUnit& u) = 0;
+  virtual Result<void> after_use(const ResidenceWiring& w, detail::FetchUnit& u) = 0;
   // The end of a pass: whatever is still gathered, given back.
-  virtual Result<void> end_pass(Engine::State& s) = 0;
+  virtual Result<void> end_pass(const ResidenceWiring& w) = 0;
   // After the optimizer stepped the shards, on the communication stream: the whole copies follow.
-  virtual Result<void> after_step(Engine::State& s) = 0;
+  virtual Result<void> after_step(const ResidenceWiring& w) = 0;
   // Outside a step (initialisation, a load), once the shards were written: the whole copies
   // follow, and the compute stream is ordered after them.
-  virtual async::Task<Result<void>> follow_shards(Engine::State& s) = 0;
+  virtual async::Task<Result<void>> follow_shards(const ResidenceWiring& w) = 0;
   // The buffer the unit's parameters are bound to while it computes.
   virtual const modules::Tensor& values(const detail::FetchUnit& u) const = 0;
   // u's parameters on the device when the engine is made: its shard alone (gathered on use), or
   // the whole unit with the shard a view of this rank's block.
-  virtual Result<void> allocate_on_device(Engine::State& s, detail::FetchUnit& u) = 0;
+  virtual Result<void> allocate_on_device(const ResidenceWiring& w, detail::FetchUnit& u) = 0;
   // Whether every rank holds the whole unit between uses (initial values and an export are then
   // written and read there, not through the shard).
   virtual bool holds_whole() const noexcept = 0;

@@ -33,7 +33,7 @@ void Engine::State::begin_pass(std::string_view name) {
 }
 
 Result<void> Engine::State::end_pass() {
-  COSHARD_TRY(residence->end_pass(*this));
+  COSHARD_TRY(residence->end_pass(residence_wiring()));
   if (trace.end()) stats.trace_changed = true;
   return {};
 }

@@ -25,7 +25,7 @@ class ShardsInMemory final : public ShardPlacement {
       u.shard = Tensor(u.host_param_block.data(), shard_shape, s.o.dtype, async::Device::cpu());
       return {};
     }
-    return s.residence->allocate_on_device(s, u);
+    return s.residence->allocate_on_device(s.residence_wiring(), u);
   }
   Result<const void*> source(const FetchUnit& u) const override { return static_cast<const void*>(u.shard.data()); }
   bool on_device(const FetchUnit& u) const noexcept override { return !u.info.shard_offloaded; }

@@ -21,19 +21,7 @@ async::Task<Result<void>> Engine::State::cast_on_host(DataType from, const void*
   co_return co_await cast;
 }
 
-async::Task<Result<void>> Engine::State::full_copies_from_shards() { co_return co_await residence->follow_shards(*this); }
-
-Result<void> Engine::State::gather_full_copies() {
-  auto& cs = comm->stream();
-  COSHARD_TRY_ASSIGN(auto started, timeline.mark(cs));
-  COSHARD_TRY(launch_by_group(false, [&](FetchUnit& u, Coalesced& group) {
-    group.all_gather(u.shard.data(), u.full.data(), static_cast<std::size_t>(u.info.shard), o.dtype).purpose(u.gather_purpose);
-    stats.gathered_bytes += u.info.padded_bytes;
-  }));
-  COSHARD_TRY_ASSIGN(auto finished, timeline.mark(cs));
-  timeline.span(false, "all_gather", kParameters, std::move(started), std::move(finished));
-  return {};
-}
+async::Task<Result<void>> Engine::State::full_copies_from_shards() { co_return co_await residence->follow_shards(residence_wiring()); }
 
 ShardLayout Engine::shard_layout() const noexcept {
   const State& s = *s_;
