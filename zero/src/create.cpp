@@ -223,14 +223,14 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   // The placements' own setup (the offloaded optimizer's stream, context, pinned memory and swap
   // files; the parameters' read slots), before any unit gets storage.
   COSHARD_TRY(s->optimizer_placement->setup(*s, infos));
-  COSHARD_TRY(s->shard_placement->setup(*s));
+  COSHARD_TRY(s->shard_placement->setup(s->shard_wiring()));
   if (s->store && o.record_timeline) s->store->record_spans(true);  // the timeline's "nvme read" and "nvme write" tracks
 
   // Storage: each placement makes its own, in this order (the host optimizer's pinned buffer may
   // become the shard).
   for (auto& up : s->units) {
     FetchUnit& u = *up;
-    COSHARD_TRY(s->shard_placement->allocate(*s, u));
+    COSHARD_TRY(s->shard_placement->allocate(s->shard_wiring(), u));
     COSHARD_TRY(s->reduction->allocate(s->gradient_wiring(), u));
     COSHARD_TRY(s->residence->bind_at_creation(s->residence_wiring(), u));
     COSHARD_TRY(s->optimizer_placement->add_unit(*s, u));

@@ -113,6 +113,11 @@ struct Engine::State : GradientShardsOut, UnitGathers {
   // What the parameter residence acts through (parameter_residence.hpp); the engine is its
   // UnitGathers (fetch, release, keep_after_use below).
   ResidenceWiring residence_wiring() noexcept { return {io(), units, *shard_groups, timeline, stats, *this}; }
+  // What the shard placement acts through (shard_placement.hpp).
+  ShardWiring shard_wiring() noexcept {
+    return {io(),    units,      trace,      stats,           *residence, residence_wiring(), swapped(),
+            pinned,  store,      swap_files, host_stream.get(), static_cast<int>(o.offload_params.buffer_count), shard_values};
+  }
   Result<void> shard_reduced(FetchUnit& u) override;
   // Collective launches so far, the shard groups' included.
   std::uint64_t launches() const noexcept { return comm->launches() + shard_groups->launches(); }

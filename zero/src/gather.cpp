@@ -11,7 +11,7 @@ using namespace detail;
 Result<async::Event> Engine::State::gather_unit(FetchUnit& u, const Tensor& whole) {
   COSHARD_TRY_ASSIGN(const void* source, shard_placement->source(u));
   auto done = u.gather_into(io(), o.fetch_mode, whole, source, shard_placement->on_device(u));
-  if (done) COSHARD_TRY(shard_placement->gathered(*this, u, *done));
+  if (done) COSHARD_TRY(shard_placement->gathered(u, *done));
   return done;
 }
 
@@ -75,7 +75,7 @@ async::Task<Result<void>> Engine::State::fetch(FetchUnit& u) {
                     u.gather == Gather::released ? "not resident, gathering now" : "resident (prefetched or kept)");
   settle_prefetch(u);
   if (u.gather == Gather::released) {
-    COSHARD_CO_TRY(co_await shard_placement->make_ready(*this, u));
+    COSHARD_CO_TRY(co_await shard_placement->make_ready(shard_wiring(), u));
     COSHARD_CO_TRY_ASSIGN(auto permit, co_await budget->semaphore().acquire(u.info.padded_bytes));
     COSHARD_CO_TRY(issue_gather(u, std::move(permit), false));
   }
@@ -84,14 +84,14 @@ async::Task<Result<void>> Engine::State::fetch(FetchUnit& u) {
     COSHARD_CO_TRY_ASSIGN(const Awaiting need, prefetch_ahead());
     if (need.done()) break;
     if (need.read) {
-      COSHARD_CO_TRY(co_await shard_placement->make_ready(*this, *need.read));
+      COSHARD_CO_TRY(co_await shard_placement->make_ready(shard_wiring(), *need.read));
       continue;
     }
     COSHARD_CO_TRY_ASSIGN(auto permit, co_await budget->semaphore().acquire(need.bytes));
     prefetch_permit = std::move(permit);
   }
   prefetch_permit.reset();  // not used after all (the trace moved on): back to the budget
-  COSHARD_CO_TRY(shard_placement->read_ahead(*this));
+  COSHARD_CO_TRY(shard_placement->read_ahead(shard_wiring()));
   if (u.gather == Gather::in_flight) {
     COSHARD_CO_TRY(compute_waits(u.gathered_event, u.info.name));
     u.gather = Gather::ready;

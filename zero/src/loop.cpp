@@ -160,7 +160,7 @@ async::Task<Result<EngineStepStats>> Engine::finish_open_step(float lr) {
   Tensor loss_sum = s.loss_sum;
   const auto micro_batches = static_cast<std::size_t>(s.declared_micro_batches);
   // nvme parameters: no read may be left over when the optimizer rewrites the swap files.
-  COSHARD_CO_TRY(co_await s.shard_placement->settle(s));
+  COSHARD_CO_TRY(co_await s.shard_placement->settle(s.shard_wiring()));
   COSHARD_CO_TRY(co_await s.finish_gradients(micro_batches));
   COSHARD_CO_TRY(co_await s.skip_units_without_gradients());
   COSHARD_CO_TRY_ASSIGN(auto optimizer_started, s.timeline.mark(compute));
@@ -219,7 +219,7 @@ async::Task<Result<void>> Engine::end_inference() {
   s.open = State::Open::none;
   s.model->clear_saved_recursive();
   COSHARD_CO_TRY(s.end_pass());
-  COSHARD_CO_TRY(co_await s.shard_placement->settle(s));
+  COSHARD_CO_TRY(co_await s.shard_placement->settle(s.shard_wiring()));
   co_return Result<void>{};
 }
 

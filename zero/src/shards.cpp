@@ -51,7 +51,7 @@ async::Task<Result<std::vector<GatheredParameter>>> Engine::gather_parameters() 
     if (!s.residence->holds_whole()) {
       // One unit at a time: a consolidated export must not need the whole model on one rank's device.
       COSHARD_CO_TRY_ASSIGN(whole, ctx.empty(Shape{u.info.padded}, s.o.dtype));
-      COSHARD_CO_TRY(co_await s.shard_placement->make_ready(s, u));
+      COSHARD_CO_TRY(co_await s.shard_placement->make_ready(s.shard_wiring(), u));
       auto done = s.gather_unit(u, whole);
       if (!done) co_return fail(std::move(done).error().with_context("gathering unit " + u.info.name + " for export"));
       COSHARD_CO_TRY(compute.wait(*done));
@@ -119,7 +119,7 @@ async::Task<Result<void>> Engine::load_parameters(const std::vector<GatheredPara
   for (const auto& v : values) by_name.emplace(v.name, &v);
   // Everything checked: now each rank writes its block of every unit.
   COSHARD_CO_TRY(co_await s.compute_after_host());
-  COSHARD_CO_TRY(s.shard_placement->write_all(s, without_throwing([&s, &by_name](const FetchUnit& u) -> Result<std::vector<std::byte>> {
+  COSHARD_CO_TRY(s.shard_placement->write_all(s.shard_wiring(), without_throwing([&s, &by_name](const FetchUnit& u) -> Result<std::vector<std::byte>> {
     // This rank's block only: each parameter's part inside it (the padding stays zero).
     const auto es = static_cast<std::int64_t>(s.element_size);
     const std::int64_t first = u.block_offset, last = first + u.info.shard;
@@ -164,7 +164,7 @@ async::Task<Result<void>> Engine::initialize(std::uint64_t seed) {
       COSHARD_CO_TRY(s.ctx->copy_from_host(u->full, bytes));
     }
   } else {
-    COSHARD_CO_TRY(s.shard_placement->write_all(s, block_of));
+    COSHARD_CO_TRY(s.shard_placement->write_all(s.shard_wiring(), block_of));
   }
   // The optimizer's fp32 masters (bf16/f16, or offloaded) follow the new parameters.
   auto masters = co_await s.optimizer_placement->masters_from_shards(s);
