@@ -261,31 +261,39 @@ TEST(HardeningFour, ARefusalUnderAnAddressSpaceLimitEndsAndASampleStopsAtOnce) {
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
   GTEST_SKIP() << "the sanitizers reserve more address space than the limit this test sets";
 #else
-  // Limits from the refusal's own peak down, 8 MiB apart, until the libraries no longer load: the
-  // band where the program starts but OpenBLAS's worker cannot get its buffer is where it hung.
-  // (A fixed limit tested that band on one machine only: the libraries' sizes move it.)
+  // Limits from above the refusal's own peak down, 4 MiB apart, until the libraries no longer
+  // load: the band where the program starts but OpenBLAS's worker cannot get its buffer (where it
+  // hung) lies between. (A fixed limit tested that band on one machine only: the libraries' sizes
+  // move it; and the peak itself moves with whether the worker took its buffer before the exit.)
   const fs::path dir = scratch("h4_ulimit");
   const std::vector<std::string> refused = {"--dim", "65", "--heads", "4"};
   const std::uint64_t peak = peak_address_space(refused, dir);
   ASSERT_GT(peak, 0u) << "ptrace refused: " << slurp(dir / "peak_output.txt");
-  int refused_under_limit = 0;
-  for (std::uint64_t limit = peak - (8ull << 20); limit > (8ull << 20); limit -= 8ull << 20) {
+  int refusals = 0, bitten = 0;
+  for (std::uint64_t limit = peak + (96ull << 20); limit > (8ull << 20); limit -= 4ull << 20) {
     SCOPED_TRACE("ulimit -v " + std::to_string(limit >> 10) + " KiB (the refusal peaks at " +
                  std::to_string(peak >> 10) + ")");
     const auto start_time = std::chrono::steady_clock::now();
     const auto r = run_with_limit(refused, dir, RLIMIT_AS, limit);
     EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start_time).count(), 60.0);
-    if (r.code == 127 && r.output.find("error while loading shared libraries") != std::string::npos) break;
-    if (ended_before_main(r)) continue;
+    if (r.code == 127 && r.output.find("error while loading shared libraries") != std::string::npos) {
+      ++bitten;
+      break;
+    }
+    if (ended_before_main(r)) {
+      ++bitten;
+      continue;
+    }
     if (r.code == 1) {  // (too little left to read the command line)
       EXPECT_NE(r.output.find("out of host memory before the run could start"), std::string::npos) << r.output;
       continue;
     }
     EXPECT_EQ(r.code, 2) << r.output;
     EXPECT_NE(r.output.find("--dim 65 is not a multiple of --heads 4"), std::string::npos) << r.output;
-    if (r.code == 2) ++refused_under_limit;
+    if (r.code == 2) ++refusals;
   }
-  EXPECT_GT(refused_under_limit, 0) << "no limit below the peak let the program start: the sweep tests nothing";
+  EXPECT_GT(refusals, 0) << "no limit let the program start";
+  EXPECT_GT(bitten, 0) << "no limit was low enough to stop the program before main: the sweep missed the band";
 #endif
   const fs::path sdir = scratch("h4_sample_stop");
   // (a sample of minutes: 2,000 tokens of an 8-layer GPT at 2,048 positions)
