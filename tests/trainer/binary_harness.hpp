@@ -93,10 +93,12 @@ inline std::vector<double> losses_in(const fs::path& metrics) {
   return losses;
 }
 
-// Like run(), with a resource limit set in the child: RLIMIT_FSIZE (a full disk, as the process
-// sees it: writes past it fail with EFBIG) or RLIMIT_AS (too little memory).
-inline Exit run_with_limit(std::vector<std::string> args, const fs::path& dir, int resource, rlim_t value) {
-  const fs::path out = dir / "output.txt";
+// Forks coshard-train with `args`, its output into `out`; in the child, `before_exec` runs just
+// before the exec (a limit, ptrace). OpenBLAS starts a thread per core as it loads, before main;
+// under an address-space limit on a machine of many cores their buffers alone fail it (seen on 16
+// cores at 2 GiB), which is not what these tests are about: 2 threads.
+template <class BeforeExec>
+pid_t fork_train(std::vector<std::string> args, const fs::path& out, BeforeExec before_exec) {
   args.insert(args.begin(), COSHARD_TRAIN_BIN);
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
@@ -106,16 +108,23 @@ inline Exit run_with_limit(std::vector<std::string> args, const fs::path& dir, i
     const int fd = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     ::dup2(fd, 1);
     ::dup2(fd, 2);
-    ::signal(SIGXFSZ, SIG_IGN);  // a write past the limit fails with EFBIG instead of killing
-    // OpenBLAS starts a thread per core as it loads, before main; under an address-space limit on
-    // a machine of many cores their buffers alone fail it (seen on 16 cores at 2 GiB), which is
-    // not what these tests are about.
     ::setenv("OPENBLAS_NUM_THREADS", "2", 1);
-    rlimit limit{value, value};
-    ::setrlimit(resource, &limit);
+    before_exec();
     ::execv(argv[0], argv.data());
     ::_exit(127);
   }
+  return pid;
+}
+
+// Like run(), with a resource limit set in the child: RLIMIT_FSIZE (a full disk, as the process
+// sees it: writes past it fail with EFBIG) or RLIMIT_AS (too little memory).
+inline Exit run_with_limit(std::vector<std::string> args, const fs::path& dir, int resource, rlim_t value) {
+  const fs::path out = dir / "output.txt";
+  const pid_t pid = fork_train(std::move(args), out, [&] {
+    ::signal(SIGXFSZ, SIG_IGN);  // a write past the limit fails with EFBIG instead of killing
+    rlimit limit{value, value};
+    ::setrlimit(resource, &limit);
+  });
   // Bounded: a run that hangs is killed after 10 minutes and reported as exit -2.
   int status = 0;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(10);
@@ -135,21 +144,9 @@ inline Exit run_with_limit(std::vector<std::string> args, const fs::path& dir, i
 // still mapped. 0 where the system refuses ptrace. Limits relative to it test the same thing on
 // any machine, whatever its libraries map (a CUDA build maps ~700 MiB of cuBLAS and NCCL).
 inline std::uint64_t peak_address_space(std::vector<std::string> args, const fs::path& dir) {
-  const fs::path out = dir / "peak_output.txt";
-  args.insert(args.begin(), COSHARD_TRAIN_BIN);
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    const int fd = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    ::dup2(fd, 1);
-    ::dup2(fd, 2);
-    ::setenv("OPENBLAS_NUM_THREADS", "2", 1);
+  const pid_t pid = fork_train(std::move(args), dir / "peak_output.txt", [] {
     if (::ptrace(PTRACE_TRACEME, 0, nullptr, nullptr) != 0) ::_exit(126);
-    ::execv(argv[0], argv.data());
-    ::_exit(127);
-  }
+  });
   std::uint64_t peak = 0;
   bool options_set = false;
   int status = 0;
