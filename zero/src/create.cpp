@@ -193,7 +193,6 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   if (o.shard_group_size != 0 || o.shard_group_size_of) COSHARD_TRY(detail::check_ranks_agree(comm, infos));
   COSHARD_TRY_ASSIGN(s->shard_groups, detail::ShardGroups::create(comm, infos, o.zero_stage != 0));
   for (auto& u : s->units) u->group = &s->shard_groups->of(u->info.shard_ranks);
-  s->budget = async::StreamBudget::create(o.max_live_bytes);
   s->optimizer_placement = make_optimizer_placement(o.offload_optimizer);  // chosen here once: the engine asks it
   switch (o.offload_params) {
     case OffloadTarget::none:
@@ -208,6 +207,12 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     return fail(ErrorCode::invalid_argument, "offload_optimizer=", static_cast<int>(o.offload_optimizer.device),
                 ", offload_params=", static_cast<int>(o.offload_params.device), ": expected none, cpu or nvme for each");
 
+  {
+    State* engine = s.get();
+    s->gathers = std::make_unique<GatherScheduler>(GatherScheduler::Wiring{
+        s->io(), s->units, s->o, s->timeline, s->stats, *s->shard_placement,
+        [engine] { return engine->shard_wiring(); }, s->largest_unit_bytes});
+  }
   COSHARD_TRY(check_offload_placement(o));
   COSHARD_TRY(check_step_in_backward(o, optimizer.control()));
   COSHARD_TRY(check_swap_gradients(o));

@@ -26,7 +26,7 @@
 #include "shard_groups.hpp"
 #include "step_clock.hpp"
 #include "step_timeline.hpp"
-#include "fetch_trace.hpp"
+#include "gather_scheduler.hpp"
 #include "fetch_unit.hpp"
 
 namespace coshard::zero {
@@ -45,7 +45,7 @@ struct SwapPiece {
 
 }  // namespace detail
 
-struct Engine::State : GradientShardsOut, UnitGathers {
+struct Engine::State : GradientShardsOut {
   using FetchUnit = detail::FetchUnit;
   using Gather = detail::Gather;
   // The optimizer's groups of this engine hold memory of the engine's host context when the
@@ -83,9 +83,8 @@ struct Engine::State : GradientShardsOut, UnitGathers {
   std::unordered_map<const Parameter*, std::string> names;
   std::size_t largest_unit_bytes = 0;
   std::size_t first_group = 0;  // the optimizer's group of unit i is first_group + i
-  // max_live_bytes: a unit's bytes are taken before its gather and come back once the compute
-  // stream has passed its last use (shared with the task returning them, which may outlive a step).
-  std::shared_ptr<async::StreamBudget> budget;
+  // Stage 3's gathers: fetch, prefetch along the trace, release, keep (gather_scheduler.hpp).
+  std::unique_ptr<detail::GatherScheduler> gathers;
 
   // Optimizer offload: a CPU stream and context the optimizer steps on, the pinned pool of its
   // shards, and device copies of the two small things the device needs from it.
@@ -110,12 +109,12 @@ struct Engine::State : GradientShardsOut, UnitGathers {
   // where an offloaded unit's shard goes during backward (step_in_backward.cpp).
   GradientWiring gradient_wiring() noexcept { return {io(), units, *shard_groups, timeline, stats, *residence, *this}; }
   bool shards_leave_in_backward() const noexcept override { return grads_out_in_backward; }
-  // What the parameter residence acts through (parameter_residence.hpp); the engine is its
-  // UnitGathers (fetch, release, keep_after_use below).
-  ResidenceWiring residence_wiring() noexcept { return {io(), units, *shard_groups, timeline, stats, *this}; }
+  // What the parameter residence acts through (parameter_residence.hpp): at stage 3 it asks the
+  // gather scheduler.
+  ResidenceWiring residence_wiring() noexcept { return {io(), units, *shard_groups, timeline, stats, *gathers}; }
   // What the shard placement acts through (shard_placement.hpp).
   ShardWiring shard_wiring() noexcept {
-    return {io(),    units,      trace,      stats,           *residence, residence_wiring(), swapped(),
+    return {io(),    units,      gathers->trace(), stats,     *residence, residence_wiring(), swapped(),
             pinned,  store,      swap_files, host_stream.get(), static_cast<int>(o.offload_params.buffer_count), shard_values};
   }
   Result<void> shard_reduced(FetchUnit& u) override;
@@ -284,12 +283,6 @@ struct Engine::State : GradientShardsOut, UnitGathers {
   // nvme) with its master and state, as views of the swap buffer holding them.
   UnitShard swapped_shard(std::size_t i, std::span<std::byte> bytes) const;
 
-  // The order of fetches, per phase: recorded in each pass, followed in the next (fetch_trace.hpp).
-  detail::FetchTrace trace;
-  std::size_t prefetched_bytes = 0;
-  // Bytes of units gathered or in flight as the host has issued them (released ones excluded at
-  // once): the same on every rank, unlike the device-paced budget semaphore.
-  std::size_t logical_live = 0;
   EngineStepStats stats;
 
   // The step's timeline, its waits of compute on communication, and adaptive prefetch's
@@ -312,7 +305,7 @@ struct Engine::State : GradientShardsOut, UnitGathers {
     return compute_waits(ev, what);
   }
   // After the pass's last event has passed: the waits' total, the timeline, the measurements.
-  void collect_timing() { timeline.collect(stats, trace.phase(), trace.recorded()); }
+  void collect_timing() { timeline.collect(stats, gathers->trace().phase(), gathers->trace().recorded()); }
 
   const std::vector<std::size_t>* borrowed_of(const Module& m) const {
     if (borrowed_units.empty()) return nullptr;
@@ -322,12 +315,6 @@ struct Engine::State : GradientShardsOut, UnitGathers {
   FetchUnit* unit_for(const Module& m) {
     auto it = unit_of.find(&m);
     return it == unit_of.end() ? nullptr : units[it->second].get();
-  }
-  // A prefetched unit is no longer ahead of use (fetched now, or released unused).
-  void settle_prefetch(FetchUnit& u) {
-    if (!u.prefetched) return;
-    prefetched_bytes -= u.info.padded_bytes;
-    u.prefetched = false;
   }
 
   // ---- trainable and frozen parameters, parameter groups, unused units (parameter_settings.cpp) ----
@@ -360,55 +347,6 @@ struct Engine::State : GradientShardsOut, UnitGathers {
   Result<void> check_no_gradient_missed() const;
   void clear_gradients_missed();
   const Tensor& values_of(const FetchUnit& u) const { return residence->values(u); }
-
-  // ---- stage 3: gather and release (gather.cpp) ----
-
-  // Unit u's shards of every rank into `whole` on the communication stream. This rank's shard
-  // comes from the device, or with parameter offload from host memory (pinned, or the buffer its
-  // nvme read filled): copied into its place in `whole`, then gathered in place (NCCL reads
-  // device memory only).
-  Result<async::Event> gather_unit(FetchUnit& u, const Tensor& whole);
-
-  Result<void> issue_gather(FetchUnit& u, async::Semaphore::Permit permit, bool ahead);
-
-  // The buffer and its budget come back once the compute stream has passed its last use.
-  Result<void> release(FetchUnit& u) override;
-  // A module of `u` is about to run: gathered (on demand, or waited for if prefetched), with the
-  // units next along the trace gathered ahead first.
-  async::Task<Result<void>> fetch(FetchUnit& u) override;
-
-  // ---- trace, prefetch and reuse (prefetch.cpp) ----
-
-
-  // Gathers units further along the trace, in order, while the bucket and the budget allow.
-  // Stops at the first that does not fit, so prefetched units are always the next ones in
-  // line and an on-demand fetch never waits for budget held by a unit used after it.
-  //
-  // Every decision here depends only on what every rank sees alike (the trace, the host-side
-  // count of gathered bytes, and measurements the ranks have averaged), never on how far a
-  // device has got: the ranks must issue their collectives in one order. The physical budget is
-  // then awaited (the bytes come back once released units' last uses have passed on the device).
-  //
-  // Returns {} when done, or what must be awaited before the next unit can be gathered: budget
-  // (its bytes: the caller awaits them into `prefetch_permit`) or, with nvme parameters, the
-  // unit's read (ensure_read). The caller then calls again (a plain function, so the common path
-  // costs no coroutine frame).
-  struct Awaiting {
-    std::size_t bytes = 0;
-    FetchUnit* read = nullptr;
-    bool done() const noexcept { return bytes == 0 && read == nullptr; }
-  };
-  Result<Awaiting> prefetch_ahead();
-  std::optional<async::Semaphore::Permit> prefetch_permit;
-
-  // The order departed from the trace: fetch on demand from here on, and give back what was
-  // gathered ahead for the old order (it may never be used this step).
-  Result<void> abandon_trace();
-
-
-  // Keep a unit gathered after its use when it is small, or needed again soon (and the budget
-  // keeps room for the largest unit, so keeping never starves an on-demand fetch).
-  bool keep_after_use(const FetchUnit& u) const override;
 
   // ---- gradients: the reduction (gradient_reduction.hpp, gradients.cpp) ----
 

@@ -42,7 +42,8 @@ async::Task<Result<void>> Engine::before_forward(Context& ctx, Module& module) {
         ++b.forward_uses;
         ++b.uses_pending;
       }
-      COSHARD_CO_TRY(co_await s.residence->acquire(s.residence_wiring(), b));
+      const ResidenceWiring wiring = s.residence_wiring();  // (named: an aggregate temporary in co_await, GCC 12)
+      COSHARD_CO_TRY(co_await s.residence->acquire(wiring, b));
     }
   if (!u) co_return Result<void>{};
   // A unit opens at its first module; a coalesced one, whose first module may be skipped, at the
@@ -61,7 +62,8 @@ async::Task<Result<void>> Engine::before_forward(Context& ctx, Module& module) {
     ++u->forward_uses;
     ++u->uses_pending;
   }
-  COSHARD_CO_TRY(co_await s.residence->acquire(s.residence_wiring(), *u));
+  const ResidenceWiring wiring = s.residence_wiring();
+  COSHARD_CO_TRY(co_await s.residence->acquire(wiring, *u));
   if (s.timeline.spans_on()) {
     COSHARD_CO_TRY_ASSIGN(u->compute_start, s.ctx->stream().record_timed());
   }
@@ -110,7 +112,8 @@ async::Task<Result<void>> Engine::before_backward(Context& ctx, Module& module) 
   if (const auto* lent = s.borrowed_of(module))
     for (const std::size_t i : *lent) {
       FetchUnit& b = *s.units[i];
-      COSHARD_CO_TRY(co_await s.residence->acquire(s.residence_wiring(), b));
+      const ResidenceWiring wiring = s.residence_wiring();  // (named: an aggregate temporary in co_await, GCC 12)
+      COSHARD_CO_TRY(co_await s.residence->acquire(wiring, b));
       COSHARD_CO_TRY(s.reduction->begin_backward(s.gradient_wiring(), b));
     }
   FetchUnit* u = s.unit_for(module);
@@ -124,7 +127,8 @@ async::Task<Result<void>> Engine::before_backward(Context& ctx, Module& module) 
     co_return Result<void>{};
   }
   COSHARD_CO_TRY(co_await s.wait_for_the_pass(*u));  // (gradient shards waiting for the swapper's pass)
-  COSHARD_CO_TRY(co_await s.residence->acquire(s.residence_wiring(), *u));
+  const ResidenceWiring wiring = s.residence_wiring();
+  COSHARD_CO_TRY(co_await s.residence->acquire(wiring, *u));
   COSHARD_CO_TRY(s.reduction->begin_backward(s.gradient_wiring(), *u));
   if (s.timeline.spans_on()) {
     COSHARD_CO_TRY_ASSIGN(u->compute_start, s.ctx->stream().record_timed());

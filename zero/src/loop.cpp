@@ -160,7 +160,10 @@ async::Task<Result<EngineStepStats>> Engine::finish_open_step(float lr) {
   Tensor loss_sum = s.loss_sum;
   const auto micro_batches = static_cast<std::size_t>(s.declared_micro_batches);
   // nvme parameters: no read may be left over when the optimizer rewrites the swap files.
-  COSHARD_CO_TRY(co_await s.shard_placement->settle(s.shard_wiring()));
+  {
+    const ShardWiring wiring = s.shard_wiring();  // (named: an aggregate temporary in co_await, GCC 12)
+    COSHARD_CO_TRY(co_await s.shard_placement->settle(wiring));
+  }
   COSHARD_CO_TRY(co_await s.finish_gradients(micro_batches));
   COSHARD_CO_TRY(co_await s.skip_units_without_gradients());
   COSHARD_CO_TRY_ASSIGN(auto optimizer_started, s.timeline.mark(compute));
@@ -219,7 +222,10 @@ async::Task<Result<void>> Engine::end_inference() {
   s.open = State::Open::none;
   s.model->clear_saved_recursive();
   COSHARD_CO_TRY(s.end_pass());
-  COSHARD_CO_TRY(co_await s.shard_placement->settle(s.shard_wiring()));
+  {
+    const ShardWiring wiring = s.shard_wiring();  // (named: an aggregate temporary in co_await, GCC 12)
+    COSHARD_CO_TRY(co_await s.shard_placement->settle(wiring));
+  }
   co_return Result<void>{};
 }
 
@@ -260,7 +266,8 @@ Result<void> Engine::set_timeline_epoch(async::Event epoch) {
 async::Task<Result<void>> Engine::State::finish_gradients(std::size_t micro_batches) {
   auto& cs = comm->stream();
   COSHARD_CO_TRY(order(ctx->stream(), cs));
-  COSHARD_CO_TRY(co_await reduction->finish(gradient_wiring()));
+  const GradientWiring wiring = gradient_wiring();  // (named: an aggregate temporary in co_await, GCC 12)
+  COSHARD_CO_TRY(co_await reduction->finish(wiring));
   const auto K = static_cast<float>(micro_batches);
   if (micro_batches > 1)
     for (auto& u : units)
@@ -269,5 +276,11 @@ async::Task<Result<void>> Engine::State::finish_gradients(std::size_t micro_batc
   co_return Result<void>{};
 }
 
+
+std::size_t Engine::units_in_flight() const noexcept {
+  std::size_t n = 0;
+  for (const auto& u : s_->units) n += u->gather == Gather::in_flight ? 1 : 0;
+  return n;
+}
 
 }  // namespace coshard::zero

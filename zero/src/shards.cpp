@@ -21,7 +21,10 @@ async::Task<Result<void>> Engine::State::cast_on_host(DataType from, const void*
   co_return co_await cast;
 }
 
-async::Task<Result<void>> Engine::State::full_copies_from_shards() { co_return co_await residence->follow_shards(residence_wiring()); }
+async::Task<Result<void>> Engine::State::full_copies_from_shards() {
+  const ResidenceWiring wiring = residence_wiring();  // (named: an aggregate temporary in co_await, GCC 12)
+  co_return co_await residence->follow_shards(wiring);
+}
 
 ShardLayout Engine::shard_layout() const noexcept {
   const State& s = *s_;
@@ -51,8 +54,9 @@ async::Task<Result<std::vector<GatheredParameter>>> Engine::gather_parameters() 
     if (!s.residence->holds_whole()) {
       // One unit at a time: a consolidated export must not need the whole model on one rank's device.
       COSHARD_CO_TRY_ASSIGN(whole, ctx.empty(Shape{u.info.padded}, s.o.dtype));
-      COSHARD_CO_TRY(co_await s.shard_placement->make_ready(s.shard_wiring(), u));
-      auto done = s.gather_unit(u, whole);
+      const ShardWiring wiring = s.shard_wiring();  // (named: an aggregate temporary in co_await, GCC 12)
+      COSHARD_CO_TRY(co_await s.shard_placement->make_ready(wiring, u));
+      auto done = s.gathers->gather_unit(u, whole);
       if (!done) co_return fail(std::move(done).error().with_context("gathering unit " + u.info.name + " for export"));
       COSHARD_CO_TRY(compute.wait(*done));
     }
