@@ -232,7 +232,7 @@ async::Task<Result<void>> Engine::load_checkpoint(const fs::path& dir, const Che
   auto loaded = co_await rt->spawn_blocking(std::move(read));
   // No state changes unless every rank read and checked its part.
   std::string what = "checkpoint " + dir.string();  // named: GCC 12 destroys temporaries in co_await twice
-  auto agreed = co_await s.every_rank_can_load(loaded.has_value(), std::move(what));
+  auto agreed = co_await s.ranks_agree.every_rank_can_load(loaded.has_value(), std::move(what));
   if (!loaded) co_return fail(std::move(loaded).error());
   COSHARD_CO_TRY(std::move(agreed));
 

@@ -167,36 +167,6 @@ Result<void> publish_files(const fs::path& dir, const std::string& name, const s
 
 }  // namespace
 
-async::Task<Result<std::vector<std::int64_t>>> Engine::State::all_ranks(std::vector<std::int64_t> mine) {
-  const auto n = static_cast<std::int64_t>(mine.size());
-  std::span<const std::byte> bytes = std::as_bytes(std::span<const std::int64_t>(mine));
-  // As i32 pairs: the collectives' integer type.
-  COSHARD_CO_TRY_ASSIGN(Tensor src, ctx->upload(bytes, Shape{2 * n}, DataType::i32));
-  COSHARD_CO_TRY_ASSIGN(Tensor all, ctx->empty(Shape{2 * n * world}, DataType::i32));
-  auto& compute = ctx->stream();
-  COSHARD_CO_TRY(order(compute, comm->stream()));
-  auto done = comm->all_gather(src.data(), all.data(), static_cast<std::size_t>(2 * n), DataType::i32);
-  if (!done) co_return fail(std::move(done).error().with_context("exchanging checkpoint status between ranks"));
-  COSHARD_CO_TRY(compute.wait(*done));
-  COSHARD_CO_TRY_ASSIGN(auto out_bytes, co_await ctx->read_bytes(all));
-  std::vector<std::int64_t> out(static_cast<std::size_t>(n * world));
-  std::memcpy(out.data(), out_bytes.data(), out.size() * sizeof(std::int64_t));
-  co_return out;
-}
-
-async::Task<Result<void>> Engine::State::every_rank_can_load(bool ok, std::string what) {
-  co_return co_await every_rank_agrees(ok, std::move(what), "nothing was loaded");
-}
-
-async::Task<Result<void>> Engine::State::every_rank_agrees(bool ok, std::string what, std::string consequence) {
-  std::vector<std::int64_t> outcome{ok ? 1 : 0};  // named: GCC 12 mishandles braced temporaries in co_await
-  COSHARD_CO_TRY_ASSIGN(auto oks, co_await all_ranks(std::move(outcome)));
-  for (int r = 0; r < world; ++r)
-    if (oks[static_cast<std::size_t>(r)] != 1)
-      co_return fail(ErrorCode::invalid_argument, what, ": rank ", r, " refused it (its error says why); ", consequence);
-  co_return Result<void>{};
-}
-
 Result<void> Engine::State::claim_checkpoint_folder(const fs::path& dir, const CheckpointOptions& options) {
   auto& lock = checkpoint.folder_lock;
   if (!lock.held() || !async::same_path(lock.path(), dir)) {
@@ -242,7 +212,7 @@ async::Task<Result<void>> Engine::save_checkpoint(const fs::path& dir, Checkpoin
     // Rank 0 claims the folder and checks whose checkpoints are there; every rank learns the outcome
     // before anything is staged or written.
     auto claimed = s.rank == 0 ? s.claim_checkpoint_folder(dir, options) : Result<void>{};
-    auto agreed = co_await s.every_rank_agrees(claimed.has_value(), "save_checkpoint into " + dir.string(),
+    auto agreed = co_await s.ranks_agree.every_rank_agrees(claimed.has_value(), "save_checkpoint into " + dir.string(),
                                                "nothing was saved");
     if (!claimed) co_return claimed;
     COSHARD_CO_TRY(agreed);
@@ -366,7 +336,7 @@ async::Task<Result<void>> Engine::State::publish_checkpoint() {
                                  written ? static_cast<std::int64_t>(written->crc32) : 0};
   COSHARD_LOG_DEBUG(zero, "checkpoint {}: this rank's file {}; exchanging every rank's outcome", p.name,
                     written ? "written" : "failed");
-  COSHARD_CO_TRY_ASSIGN(auto all, co_await all_ranks(std::move(mine)));
+  COSHARD_CO_TRY_ASSIGN(auto all, co_await ranks_agree.all_ranks(std::move(mine)));
   if (!written) co_return fail(std::move(written).error().with_context("checkpoint " + p.name));
   for (int r = 0; r < world; ++r)
     if (all[static_cast<std::size_t>(3 * r)] != 1)
@@ -396,7 +366,7 @@ async::Task<Result<void>> Engine::State::publish_checkpoint() {
   }
   // Everyone returns once rank 0 has published (or failed to).
   std::vector<std::int64_t> outcome{published};  // named: GCC 12 mishandles braced temporaries in co_await
-  COSHARD_CO_TRY_ASSIGN(auto status, co_await all_ranks(std::move(outcome)));
+  COSHARD_CO_TRY_ASSIGN(auto status, co_await ranks_agree.all_ranks(std::move(outcome)));
   if (status[0] != 1)
     co_return fail(ErrorCode::io, "checkpoint ", p.name, ": rank 0 could not publish it",
                    error.empty() ? std::string() : ": " + error);

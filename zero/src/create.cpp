@@ -132,6 +132,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   auto s = std::make_unique<State>();
   s->ctx = &ctx;
   s->comm = &comm;
+  s->ranks_agree = detail::RankExchange(ctx, comm);
   s->model = &model;
   s->optimizer = &optimizer;
   s->o = o;

@@ -27,6 +27,7 @@
 #include "step_clock.hpp"
 #include "step_timeline.hpp"
 #include "gather_scheduler.hpp"
+#include "rank_exchange.hpp"
 #include "fetch_unit.hpp"
 
 namespace coshard::zero {
@@ -338,10 +339,6 @@ struct Engine::State : GradientShardsOut {
   Result<void> count_steps_missed();
   // Every unit's runs of parameters that missed steps, to its optimizer group (after a load too).
   Result<void> set_steps_missed();
-  // `values` reduced over the ranks (as f32) with `op`, back on the host: one small
-  // all-reduce, awaited (prefetch.cpp).
-  async::Task<Result<std::vector<double>>> all_reduce_values(std::span<const double> values,
-                                                            collectives::ReduceOp op, std::string_view purpose);
   // Before a step ends: no parameter's gradient was asked for without one bound (an undeclared
   // read of another module's parameter: Parameter::grad), else an error naming each.
   Result<void> check_no_gradient_missed() const;
@@ -394,15 +391,8 @@ struct Engine::State : GradientShardsOut {
   // ---- checkpoints (checkpoint_save.cpp, checkpoint_load.cpp; export.cpp) ----
 
   detail::CheckpointState checkpoint;
-  // Each rank's `mine` (the same length on every rank), rank-major: one small all-gather on the
-  // communication stream, awaited. How the ranks agree on a checkpoint's outcome.
-  async::Task<Result<std::vector<std::int64_t>>> all_ranks(std::vector<std::int64_t> mine);
-  // Whether every rank could load `what` (its own check passed: `ok`): an error names the first
-  // rank that could not (that rank's own error says why). A rank whose `ok` is false returns its
-  // own error instead; either way, no rank goes on to change anything or wait for the others.
-  async::Task<Result<void>> every_rank_can_load(bool ok, std::string what);
-  // The same for any operation: `consequence` ends the message ("nothing was saved").
-  async::Task<Result<void>> every_rank_agrees(bool ok, std::string what, std::string consequence);
+  // Small exchanges between the ranks: outcomes agreed, values reduced (rank_exchange.hpp).
+  detail::RankExchange ranks_agree;
   // Rank 0, before a save into `dir`: the folder claimed for this run (a FolderLock shared within
   // the process), and no published checkpoint of another run about to be replaced (the same
   // step's, or the one `latest` names, saved with another run identity).

@@ -102,7 +102,7 @@ async::Task<Result<void>> Engine::export_parameters(std::string what, ParameterW
     }
   }
   std::vector<std::int64_t> outcome{ok};  // named: GCC 12 mishandles braced temporaries in co_await
-  COSHARD_CO_TRY_ASSIGN(auto status, co_await s.all_ranks(std::move(outcome)));
+  COSHARD_CO_TRY_ASSIGN(auto status, co_await s.ranks_agree.all_ranks(std::move(outcome)));
   if (status[0] != 1) co_return fail(ErrorCode::io, what, " failed on rank 0", error.empty() ? "" : ": ", error);
   co_return Result<void>{};
 }
@@ -124,7 +124,7 @@ async::Task<Result<void>> Engine::load_parameters_from(std::string what, Paramet
   else checked = s.check_values(*values);
   // Every rank read and checked the file, or none changes anything (the load's gathers would
   // wait for a rank that stopped).
-  auto agreed = co_await s.every_rank_can_load(checked.has_value(), std::move(what));
+  auto agreed = co_await s.ranks_agree.every_rank_can_load(checked.has_value(), std::move(what));
   if (!checked) co_return fail(std::move(checked).error());
   COSHARD_CO_TRY(std::move(agreed));
   co_return co_await load_parameters(*values);

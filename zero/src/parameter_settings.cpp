@@ -49,7 +49,7 @@ async::Task<Result<void>> Engine::State::skip_units_without_gradients() {
   // modules no rank used takes one all-reduce of their flags, awaited (the only host wait it adds;
   // the optimizer waits for the reduction anyway), and only with more than one rank.
   if ((reduction->reduces_every_unit() || any_coalesced) && comm->size() > 1) {
-    COSHARD_CO_TRY_ASSIGN(used, co_await all_reduce_values(used, ReduceOp::sum, "which units got gradients"));
+    COSHARD_CO_TRY_ASSIGN(used, co_await ranks_agree.all_reduce_values(used, ReduceOp::sum, "which units got gradients"));
   }
   std::size_t next_module = units.size();
   for (std::size_t i = 0; i < units.size(); ++i) {

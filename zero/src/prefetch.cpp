@@ -37,23 +37,12 @@ Result<void> Engine::State::end_pass() {
   return {};
 }
 
-async::Task<Result<std::vector<double>>> Engine::State::all_reduce_values(std::span<const double> values,
-                                                                          ReduceOp op, std::string_view purpose) {
-  auto bytes = encode_values(values, DataType::f32);
-  COSHARD_CO_TRY_ASSIGN(Tensor t, ctx->upload(bytes, Shape{static_cast<std::int64_t>(values.size())}, DataType::f32));
-  COSHARD_CO_TRY(order(ctx->stream(), comm->stream()));
-  COSHARD_CO_TRY(comm->all_reduce(t.data(), t.data(), values.size(), DataType::f32, op, purpose));
-  COSHARD_CO_TRY(order(comm->stream(), ctx->stream()));
-  COSHARD_CO_TRY_ASSIGN(auto reduced, co_await ctx->read(t));
-  co_return std::vector<double>(reduced.begin(), reduced.end());
-}
-
 async::Task<Result<void>> Engine::State::agree_on_measurements() {
   if (!o.adaptive_prefetch) co_return Result<void>{};
   auto& positions = timeline.compute_ms[gathers->trace().phase()];
   std::vector<double> mine(timeline.gather_ms);
   mine.insert(mine.end(), positions.begin(), positions.end());
-  COSHARD_CO_TRY_ASSIGN(auto agreed, co_await all_reduce_values(mine, ReduceOp::avg, "the prefetch's measurements"));
+  COSHARD_CO_TRY_ASSIGN(auto agreed, co_await ranks_agree.all_reduce_values(mine, ReduceOp::avg, "the prefetch's measurements"));
   std::copy(agreed.begin(), agreed.begin() + static_cast<std::ptrdiff_t>(timeline.gather_ms.size()), timeline.gather_ms.begin());
   std::copy(agreed.begin() + static_cast<std::ptrdiff_t>(timeline.gather_ms.size()), agreed.end(), positions.begin());
   co_return Result<void>{};
