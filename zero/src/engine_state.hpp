@@ -26,6 +26,7 @@
 #include "shard_groups.hpp"
 #include "step_clock.hpp"
 #include "step_timeline.hpp"
+#include "stream_order.hpp"
 #include "gather_scheduler.hpp"
 #include "rank_exchange.hpp"
 #include "fetch_unit.hpp"
@@ -121,10 +122,6 @@ struct Engine::State : GradientShardsOut {
   Result<void> shard_reduced(FetchUnit& u) override;
   // Collective launches so far, the shard groups' included.
   std::uint64_t launches() const noexcept { return comm->launches() + shard_groups->launches(); }
-  template <class Add>
-  Result<void> launch_by_group(bool across_copies, Add add) {
-    return detail::launch_by_group(*comm, *shard_groups, units, across_copies, std::move(add));
-  }
   // nvme: each unit's master and state, one sub-group file each, streamed by the swapper. The
   // rank's folder is claimed (locked against a second run) first and let go last.
   offload::SwapFolder swap_folder;
@@ -402,11 +399,6 @@ struct Engine::State : GradientShardsOut {
   // Whole values by name for load_parameters: a missing, extra, repeated or reshaped name refused (shards.cpp).
   Result<void> check_values(const std::vector<GatheredParameter>& values) const;
 
-  // Orders `to` after everything enqueued on `from` so far.
-  static Result<void> order(async::Stream& from, async::Stream& to) {
-    COSHARD_TRY_ASSIGN(auto ev, from.record());
-    return to.wait(ev);
-  }
 };
 
 }  // namespace coshard::zero

@@ -3,6 +3,7 @@
 // after the last micro-batch (scaling, the compute stream's wait) is the loop's (loop.cpp).
 #include "gradient_reduction.hpp"
 #include "kernels/kernels.hpp"
+#include "stream_order.hpp"
 
 namespace coshard::zero {
 
@@ -57,8 +58,7 @@ class PerUnit : public GradientReduction {
     // buffer (kept; the parameters are rebound at that use), and the unit is reduced once after it.
     if (--u.uses_pending > 0) return {};
     auto& cs = w.io.world.stream();
-    COSHARD_TRY_ASSIGN(auto produced, w.io.ctx.stream().record());
-    COSHARD_TRY(cs.wait(produced));
+    COSHARD_TRY(order(w.io.ctx.stream(), cs));  // after the unit's backward
     async::Event started;
     if (w.timeline.spans_on()) {
       COSHARD_TRY_ASSIGN(started, cs.record_timed());

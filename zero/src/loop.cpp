@@ -55,7 +55,7 @@ async::Task<Result<void>> Engine::begin_step(int micro_batches, float lr) {
   s.model_forwards = s.model_backwards = s.losses_added = 0;
 
   // The communication stream goes after the last step's optimizer (it reads the shards).
-  COSHARD_CO_TRY(State::order(compute, cs));
+  COSHARD_CO_TRY(order(compute, cs));
   s.grads_out_in_backward = s.offloaded() && s.reduction->complete_per_unit() && micro_batches == 1;
   s.stepping_in_backward = s.o.step_in_backward && s.grads_out_in_backward;
   s.step_lr = lr;
@@ -85,7 +85,7 @@ async::Task<Result<void>> Engine::begin_step(int micro_batches, float lr) {
     // Through pinned memory (a device's copy from pageable memory waits for its stream), after a
     // checkpoint's load wrote the state on the compute stream.
     const Tensor host_state = s.optimizer->step_state();
-    COSHARD_CO_TRY(State::order(compute, *s.host_stream));
+    COSHARD_CO_TRY(order(compute, *s.host_stream));
     COSHARD_CO_TRY(s.host_stream->copy(s.step_state_out.data(), host_state.data(), host_state.bytes()));
     COSHARD_CO_TRY_ASSIGN(auto host_done, s.host_stream->record());
     COSHARD_CO_TRY(co_await State::after(compute, host_done));
@@ -175,7 +175,7 @@ async::Task<Result<EngineStepStats>> Engine::finish_open_step(float lr) {
   // (the losses the loop added: when it added fewer than its micro-batches, their mean still)
   const float added = static_cast<float>(std::max(s.losses_added, 1));
   if (added > 1) COSHARD_CO_TRY(k.scale(compute, DataType::f32, loss_sum.data(), 1.0f / added, 1));
-  COSHARD_CO_TRY(State::order(compute, cs));
+  COSHARD_CO_TRY(order(compute, cs));
   COSHARD_CO_TRY(s.comm->all_reduce(loss_sum.data(), loss_sum.data(), 1, DataType::f32, ReduceOp::avg, "the step's loss"));
 
   // The whole copies follow the stepped shards (stages 1-2: one all-gather).
@@ -212,7 +212,7 @@ Result<void> Engine::begin_inference() {
   s.begin_pass("eval");
   s.clear_gradients_missed();  // (and reads of unbound values: explain_failure names this pass's)
   s.open = State::Open::inference;
-  return State::order(s.ctx->stream(), s.comm->stream());
+  return order(s.ctx->stream(), s.comm->stream());
 }
 
 async::Task<Result<void>> Engine::end_inference() {
@@ -238,9 +238,9 @@ async::Task<Result<double>> Engine::evaluate(Loss& loss, const Batch& batch) {
     COSHARD_CO_TRY_ASSIGN(Tensor logits, co_await ctx.forward(*s.model, batch.inputs));
     loss.set_targets(batch.targets);
     COSHARD_CO_TRY_ASSIGN(Tensor v, co_await ctx.forward(loss, std::move(logits)));
-    COSHARD_CO_TRY(State::order(ctx.stream(), s.comm->stream()));
+    COSHARD_CO_TRY(order(ctx.stream(), s.comm->stream()));
     COSHARD_CO_TRY(s.comm->all_reduce(v.data(), v.data(), 1, DataType::f32, ReduceOp::avg, "the evaluated loss"));
-    COSHARD_CO_TRY(State::order(s.comm->stream(), ctx.stream()));
+    COSHARD_CO_TRY(order(s.comm->stream(), ctx.stream()));
     co_return v;
   }();
   loss.clear_saved();
@@ -275,7 +275,6 @@ async::Task<Result<void>> Engine::State::finish_gradients(std::size_t micro_batc
   COSHARD_CO_TRY(compute_waits_for_comm(kGradients));
   co_return Result<void>{};
 }
-
 
 std::size_t Engine::units_in_flight() const noexcept {
   std::size_t n = 0;

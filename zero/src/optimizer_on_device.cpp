@@ -27,7 +27,7 @@ class OptimizerOnDevice final : public OptimizerPlacement {
   async::Task<Result<void>> step(Engine::State& s, float lr) override {
     auto& compute = s.ctx->stream();
     COSHARD_CO_TRY(s.optimizer->compute_grad_stats(*s.ctx));
-    COSHARD_CO_TRY(Engine::State::order(compute, s.comm->stream()));
+    COSHARD_CO_TRY(order(compute, s.comm->stream()));
     const Tensor grad_stats = s.optimizer->grad_stats();
     // Sharded: each rank's part of the norm, summed. Unsharded: every rank holds the whole gradient.
     if (s.residence->sharded())

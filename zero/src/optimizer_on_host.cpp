@@ -131,7 +131,7 @@ async::Task<Result<void>> HostOptimizer::sum_grad_stats(Engine::State& s) {
     COSHARD_CO_TRY(s.ctx->kernels().add(compute, DataType::f32, s.device_grad_stats.data(), device_stats.data(),
                                         s.device_grad_stats.data(), 2));
   }
-  COSHARD_CO_TRY(Engine::State::order(compute, s.comm->stream()));
+  COSHARD_CO_TRY(order(compute, s.comm->stream()));
   COSHARD_CO_TRY(s.comm->all_reduce(s.device_grad_stats.data(), s.device_grad_stats.data(), 2, DataType::f32,
                                     ReduceOp::sum, "the gradients' norm"));
   COSHARD_CO_TRY(s.compute_waits_for_comm(kGradStats));
@@ -140,8 +140,7 @@ async::Task<Result<void>> HostOptimizer::sum_grad_stats(Engine::State& s) {
     COSHARD_CO_TRY(compute.copy(device_stats.data(), s.device_grad_stats.data(), device_stats.bytes()));
   }
   COSHARD_CO_TRY(compute.copy(s.grad_stats_back.data(), s.device_grad_stats.data(), host_stats.bytes()));
-  COSHARD_CO_TRY_ASSIGN(auto stats_back, compute.record());
-  COSHARD_CO_TRY(host.wait(stats_back));
+  COSHARD_CO_TRY(order(compute, host));
   co_return host.copy(host_stats.data(), s.grad_stats_back.data(), host_stats.bytes());
 }
 

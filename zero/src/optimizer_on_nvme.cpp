@@ -184,7 +184,7 @@ class OptimizerOnNvme final : public HostOptimizer {
     COSHARD_CO_TRY(s.optimizer->finish_step(*s.host_ctx));
     COSHARD_CO_TRY_ASSIGN(auto finished, s.host_stream->record());
     COSHARD_CO_TRY(co_await Engine::State::after(compute, finished));
-    if (s.stepping_in_backward) co_return Engine::State::order(s.comm->stream(), compute);
+    if (s.stepping_in_backward) co_return order(s.comm->stream(), compute);
     co_return Result<void>{};
   }
 

@@ -3,18 +3,14 @@
 
 #include <algorithm>
 
+#include "stream_order.hpp"
+
 namespace coshard::zero {
 
 using namespace modules;
 using namespace detail;
 
 namespace {
-
-// `to` after everything enqueued on `from` so far.
-Result<void> order(async::Stream& from, async::Stream& to) {
-  COSHARD_TRY_ASSIGN(auto ev, from.record());
-  return to.wait(ev);
-}
 
 // Stages 0-2: the whole unit is on every rank for the engine's life; its modules stay bound to it.
 class Whole : public ParameterResidence {

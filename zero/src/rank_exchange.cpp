@@ -3,6 +3,8 @@
 
 #include <cstring>
 
+#include "stream_order.hpp"
+
 namespace coshard::zero::detail {
 
 using collectives::ReduceOp;
@@ -10,16 +12,6 @@ using modules::DataType;
 using modules::Shape;
 using modules::Tensor;
 using modules::encode_values;
-
-namespace {
-
-// `to` after everything enqueued on `from` so far.
-Result<void> order(async::Stream& from, async::Stream& to) {
-  COSHARD_TRY_ASSIGN(auto ev, from.record());
-  return to.wait(ev);
-}
-
-}  // namespace
 
 async::Task<Result<std::vector<std::int64_t>>> RankExchange::all_ranks(std::vector<std::int64_t> mine) {
   const auto n = static_cast<std::int64_t>(mine.size());

@@ -47,7 +47,7 @@ async::Task<Result<std::vector<GatheredParameter>>> Engine::gather_parameters() 
   auto& compute = ctx.stream();
   auto& cs = s.comm->stream();
   std::vector<GatheredParameter> out;
-  COSHARD_CO_TRY(State::order(compute, cs));
+  COSHARD_CO_TRY(order(compute, cs));
   for (auto& up : s.units) {
     FetchUnit& u = *up;
     Tensor whole = u.full;
