@@ -261,7 +261,7 @@ async::Task<Result<void>> Engine::load_checkpoint(const fs::path& dir, const Che
       const auto it = loaded->steps_missed.find(s.names.at(p.parameter));
       p.steps_missed = it == loaded->steps_missed.end() ? 0 : static_cast<std::int32_t>(it->second);
     }
-  COSHARD_CO_TRY(s.set_steps_missed());
+  COSHARD_CO_TRY(s.settings().set_steps_missed());
   COSHARD_LOG_INFO(zero, "loaded checkpoint {} (step {})", dir.string(), loaded->step);
   co_return Result<void>{};
 }

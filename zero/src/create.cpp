@@ -18,10 +18,10 @@ Engine::Engine(std::unique_ptr<State> state) : s_(std::move(state)) {}
 
 Engine::~Engine() {
   if (!s_) return;
-  if (s_->host_stream) {
+  if (s_->host.stream) {
     // Teardown: the host stream goes quiet, then the optimizer lets go of the groups made on the
     // engine's host context (their memory belongs to it) before that context goes.
-    (void)s_->host_stream->synchronize();
+    (void)s_->host.stream->synchronize();
     s_->optimizer->drop_groups_from(s_->first_group);
   }
   if (s_->ctx->hooks() == this) s_->ctx->set_hooks(nullptr);
@@ -228,9 +228,9 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
 
   // The placements' own setup (the offloaded optimizer's stream, context, pinned memory and swap
   // files; the parameters' read slots), before any unit gets storage.
-  COSHARD_TRY(s->optimizer_placement->setup(*s, infos));
+  COSHARD_TRY(s->optimizer_placement->setup(s->optimizer_wiring(), infos));
   COSHARD_TRY(s->shard_placement->setup(s->shard_wiring()));
-  if (s->store && o.record_timeline) s->store->record_spans(true);  // the timeline's "nvme read" and "nvme write" tracks
+  if (s->swap.store && o.record_timeline) s->swap.store->record_spans(true);  // the timeline's "nvme read" and "nvme write" tracks
 
   // Storage: each placement makes its own, in this order (the host optimizer's pinned buffer may
   // become the shard).
@@ -239,15 +239,15 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     COSHARD_TRY(s->shard_placement->allocate(s->shard_wiring(), u));
     COSHARD_TRY(s->reduction->allocate(s->gradient_wiring(), u));
     COSHARD_TRY(s->residence->bind_at_creation(s->residence_wiring(), u));
-    COSHARD_TRY(s->optimizer_placement->add_unit(*s, u));
+    COSHARD_TRY(s->optimizer_placement->add_unit(s->optimizer_wiring(), u));
     // A copy of a block another rank holds too (hybrid sharding) is stepped, but the norm's sum
     // across ranks counts it once: on its copy 0.
     if (s->residence->sharded() && u.group->replica != 0) {
-      const auto group = s->group_of(u);
+      const auto group = s->settings().group_of(u);
       COSHARD_TRY(group.optimizer.set_group_in_norm(group.index, false));
     }
   }
-  COSHARD_TRY(s->optimizer_placement->after_units(*s));
+  COSHARD_TRY(s->optimizer_placement->after_units(s->optimizer_wiring()));
   auto& stream = ctx.stream();
   COSHARD_TRY(s->timeline.start(stream, s->comm->stream()));
   s->timeline.gather_ms.assign(s->units.size(), -1.0);

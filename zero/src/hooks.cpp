@@ -126,7 +126,10 @@ async::Task<Result<void>> Engine::before_backward(Context& ctx, Module& module) 
   } else if (!back) {
     co_return Result<void>{};
   }
-  COSHARD_CO_TRY(co_await s.wait_for_the_pass(*u));  // (gradient shards waiting for the swapper's pass)
+  {
+    const OptimizerWiring wiring = s.optimizer_wiring();  // (named: an aggregate temporary in co_await, GCC 12)
+    COSHARD_CO_TRY(co_await s.pass.wait_before_backward(wiring, *u));
+  }  // (gradient shards waiting for the swapper's pass)
   const ResidenceWiring wiring = s.residence_wiring();
   COSHARD_CO_TRY(co_await s.residence->acquire(wiring, *u));
   COSHARD_CO_TRY(s.reduction->begin_backward(s.gradient_wiring(), *u));
@@ -212,6 +215,21 @@ Error Engine::explain_failure(Module& module, Error error) {
                ::coshard::detail::concat(who, " read ", read, " while it was not gathered: a module that reads another "
                                          "module's parameter must declare it (reader.use_parameters_of(owner)); it "
                                          "failed with: ", error.message()));
+}
+
+void Engine::State::reset_coalesced(bool new_step) {
+  open_forward = nullptr;
+  for (auto& u : units) {
+    if (!u->coalesced()) continue;
+    u->forward_open = u->backward_open = u->opened_in_forward = u->opened_in_backward = false;
+    if (new_step)
+      for (auto& run : u->module_runs) run.used = false;
+  }
+}
+
+void Engine::State::new_coalesced_pass() {
+  if (position_in_unit.empty()) return;  // (no coalesced unit)
+  for (auto& u : units) u->opened_in_forward = u->opened_in_backward = false;
 }
 
 }  // namespace coshard::zero

@@ -39,8 +39,8 @@ async::Task<Result<void>> Engine::begin_step(int micro_batches, float lr) {
                    s.open == State::Open::step ? "a step" : "an inference pass", " is open (finish it first)");
   if (micro_batches < 1)
     co_return fail(ErrorCode::invalid_argument, "Engine::begin_step(micro_batches=", micro_batches, "): expected >= 1");
-  COSHARD_CO_TRY(s.check_trainability());
-  s.clear_gradients_missed();
+  COSHARD_CO_TRY(s.settings().check_trainability());
+  s.settings().clear_gradients_missed();
   // A checkpoint saved before the last step is published now, its file written behind that step.
   if (s.checkpoint.pending && --s.checkpoint.pending->steps_left <= 0) COSHARD_CO_TRY(co_await s.publish_checkpoint());
   Context& ctx = *s.ctx;
@@ -56,16 +56,14 @@ async::Task<Result<void>> Engine::begin_step(int micro_batches, float lr) {
 
   // The communication stream goes after the last step's optimizer (it reads the shards).
   COSHARD_CO_TRY(order(compute, cs));
-  s.grads_out_in_backward = s.offloaded() && s.reduction->complete_per_unit() && micro_batches == 1;
-  s.stepping_in_backward = s.o.step_in_backward && s.grads_out_in_backward;
-  s.step_lr = lr;
-  if (s.stepping_in_backward) {
-    if (!(lr >= 0)) {
-      co_await abandon_step();
-      co_return fail(ErrorCode::invalid_argument, "lr=", lr, ": expected >= 0");
-    }
-    COSHARD_CO_TRY(s.optimizer->begin_grad_stats(*s.host_ctx));
+  s.mode.grads_out_in_backward = s.offloaded() && s.reduction->complete_per_unit() && micro_batches == 1;
+  s.mode.stepping_in_backward = s.o.step_in_backward && s.mode.grads_out_in_backward;
+  s.mode.lr = lr;
+  if (s.mode.stepping_in_backward && !(lr >= 0)) {
+    co_await abandon_step();
+    co_return fail(ErrorCode::invalid_argument, "lr=", lr, ": expected >= 0");
   }
+  const auto settings = s.settings();
   for (auto& u : s.units) {
     u->grads_this_step = 0;
     u->grads_out = false;
@@ -75,34 +73,19 @@ async::Task<Result<void>> Engine::begin_step(int micro_batches, float lr) {
     u->stepped_early = false;
     for (auto& p : u->params) p.left_out = false;
     COSHARD_CO_TRY(s.reduction->begin_step(s.gradient_wiring(), *u));
-    if (u->coalesced()) COSHARD_CO_TRY(s.skip_unused_modules(*u, {}));
-    const auto group = s.group_of(*u);
+    if (u->coalesced()) COSHARD_CO_TRY(settings.skip_unused_modules(*u, {}));
+    const auto group = settings.group_of(*u);
     COSHARD_CO_TRY(group.optimizer.set_group_skipped(group.index, false));
   }
-  if (s.offloaded()) {
-    // Backward is seeded with the loss scale the host optimizer holds (it may have changed at the
-    // last step, or with a checkpoint load); the device part of the optimizer takes its step state.
-    // Through pinned memory (a device's copy from pageable memory waits for its stream), after a
-    // checkpoint's load wrote the state on the compute stream.
-    const Tensor host_state = s.optimizer->step_state();
-    COSHARD_CO_TRY(order(compute, *s.host_stream));
-    COSHARD_CO_TRY(s.host_stream->copy(s.step_state_out.data(), host_state.data(), host_state.bytes()));
-    COSHARD_CO_TRY_ASSIGN(auto host_done, s.host_stream->record());
-    COSHARD_CO_TRY(co_await State::after(compute, host_done));
-    const Tensor scale = s.optimizer->loss_scale();
-    const auto scale_at = static_cast<std::size_t>(static_cast<const std::byte*>(scale.data()) -
-                                                   static_cast<const std::byte*>(host_state.data()));
-    COSHARD_CO_TRY(compute.copy(s.device_loss_scale.data(), s.step_state_out.data() + scale_at, scale.bytes()));
-    if (s.device_optimizer)
-      COSHARD_CO_TRY(compute.copy(s.device_optimizer->step_state().data(), s.step_state_out.data(), host_state.bytes()));
+  {
+    const OptimizerWiring wiring = s.optimizer_wiring();  // (named: an aggregate temporary in co_await, GCC 12)
+    COSHARD_CO_TRY(co_await s.optimizer_placement->begin_step(wiring));
   }
-  const bool pass_beside_backward = (s.stepping_in_backward && s.swapped()) || (s.grads_to_nvme() && s.grads_out_in_backward);
-  // (the pass writing the gradients out adds each piece's statistics)
-  if (s.grads_to_nvme()) COSHARD_CO_TRY(s.optimizer->begin_grad_stats(*s.host_ctx));
-  if (pass_beside_backward) COSHARD_CO_TRY(s.start_swap_pass(lr));  // reading ahead to step, or writing gradients out
   COSHARD_CO_TRY_ASSIGN(s.loss_sum, ctx.zeros(Shape{1}, DataType::f32));
   co_return Result<void>{};
 }
+
+async::Task<void> Engine::end_swap_pass() { co_await s_->pass.abandon(); }
 
 Tensor Engine::backward_seed() const { return s_->backward_seed(); }
 
@@ -136,17 +119,17 @@ async::Task<Result<EngineStepStats>> Engine::finish_step() {
                    forwards, " forward and ", backwards, " backward passes of the model in a step begun with ", declared,
                    " micro-batches (each needs one of each); the step is abandoned, nothing updated");
   }
-  if (auto clean = s.check_no_gradient_missed(); !clean) {
+  if (auto clean = s.settings().check_no_gradient_missed(); !clean) {
     co_await abandon_step();
     co_return fail(std::move(clean).error());
   }
-  auto finished = co_await finish_open_step(s.step_lr);
+  auto finished = co_await finish_open_step(s.mode.lr);
   co_await end_swap_pass();
   s.open = State::Open::none;
   if (finished) {
     ++s.steps_done;
     finished->time_split = s.step_clock.lap(s.clock_sources());
-    if (s.store) s.timeline.add_nvme_spans(*finished, s.store->take_spans());
+    if (s.swap.store) s.timeline.add_nvme_spans(*finished, s.swap.store->take_spans());
   }
   co_return finished;
 }
@@ -165,9 +148,13 @@ async::Task<Result<EngineStepStats>> Engine::finish_open_step(float lr) {
     COSHARD_CO_TRY(co_await s.shard_placement->settle(wiring));
   }
   COSHARD_CO_TRY(co_await s.finish_gradients(micro_batches));
-  COSHARD_CO_TRY(co_await s.skip_units_without_gradients());
+  COSHARD_CO_TRY(co_await skip_units_without_gradients(s.settings(), s.ranks_agree, s.reduction->reduces_every_unit(),
+                                                      s.comm->size()));
   COSHARD_CO_TRY_ASSIGN(auto optimizer_started, s.timeline.mark(compute));
-  COSHARD_CO_TRY(co_await s.optimizer_placement->step(s, lr));
+  {
+    const OptimizerWiring wiring = s.optimizer_wiring();  // (named: an aggregate temporary in co_await, GCC 12)
+    COSHARD_CO_TRY(co_await s.optimizer_placement->step(wiring, lr));
+  }
   COSHARD_CO_TRY_ASSIGN(auto optimizer_finished, s.timeline.mark(compute));
   s.timeline.span(true, "optimizer", kOptimizer, std::move(optimizer_started), std::move(optimizer_finished));
 
@@ -186,12 +173,12 @@ async::Task<Result<EngineStepStats>> Engine::finish_open_step(float lr) {
   const std::uint64_t launches = s.launches() - s.launches_before;
   COSHARD_CO_TRY_ASSIGN(auto host_loss, co_await ctx.read(loss_sum));
   COSHARD_CO_TRY_ASSIGN(auto optimizer_stats, co_await s.optimizer->read_stats(s.optimizer_ctx()));
-  if ((s.stepping_in_backward || s.grads_through_pass()) && optimizer_stats.last_skipped) {
-    auto refused = s.step_in_backward_saw_non_finite();
+  if ((s.mode.stepping_in_backward || s.optimizer_wiring().grads_through_pass()) && optimizer_stats.last_skipped) {
+    auto refused = step_in_backward_saw_non_finite(s.optimizer_wiring());
     co_return fail(std::move(refused).error());
   }
   // A step that counted: the parameters left out of it missed one (PyTorch's step per parameter).
-  if (!optimizer_stats.last_skipped) COSHARD_CO_TRY(s.count_steps_missed());
+  if (!optimizer_stats.last_skipped) COSHARD_CO_TRY(s.settings().count_steps_missed());
   // Every event of the step has passed now (the reads came after all of it): read the timings.
   s.collect_timing();
   COSHARD_CO_TRY(co_await s.agree_on_measurements());
@@ -210,7 +197,7 @@ Result<void> Engine::begin_inference() {
     return fail(ErrorCode::invalid_argument, "Engine::begin_inference: ",
                 s.open == State::Open::step ? "a step" : "an inference pass", " is open (finish it first)");
   s.begin_pass("eval");
-  s.clear_gradients_missed();  // (and reads of unbound values: explain_failure names this pass's)
+  s.settings().clear_gradients_missed();  // (and reads of unbound values: explain_failure names this pass's)
   s.open = State::Open::inference;
   return order(s.ctx->stream(), s.comm->stream());
 }

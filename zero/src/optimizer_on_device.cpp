@@ -1,12 +1,13 @@
 // The optimizer's state on the device, beside the shards: the norm and overflow flag are summed
 // over ranks on the communication stream, then the optimizer steps every group on the compute
 // stream (no host involved, nothing awaited).
-#include "engine_state.hpp"
+#include "optimizer_placement.hpp"
 
 namespace coshard::zero {
 
 using namespace modules;
 using namespace detail;
+using collectives::ReduceOp;
 
 namespace {
 
@@ -19,33 +20,33 @@ class OptimizerOnDevice final : public OptimizerPlacement {
     m.add(MemoryPlace::device, optimizer_state_label(o.dtype, states), (narrow ? z.trained_f32 : 0) + states * z.trained_f32);
   }
 
-  Result<void> add_unit(Engine::State& s, FetchUnit& u) override {
-    if (u.info.frozen) return s.optimizer->add_frozen_group(*s.ctx, u.info.shard);  // no master, no state
-    return s.optimizer->add_group(*s.ctx, u.shard, u.grad_shard, s.segments_of(u), Optimizer::AllFrozen::hold_state);
+  Result<void> add_unit(const OptimizerWiring& w, FetchUnit& u) override {
+    if (u.info.frozen) return w.optimizer.add_frozen_group(w.ctx(), u.info.shard);  // no master, no state
+    return w.optimizer.add_group(w.ctx(), u.shard, u.grad_shard, w.settings.segments_of(u), Optimizer::AllFrozen::hold_state);
   }
 
-  async::Task<Result<void>> step(Engine::State& s, float lr) override {
-    auto& compute = s.ctx->stream();
-    COSHARD_CO_TRY(s.optimizer->compute_grad_stats(*s.ctx));
-    COSHARD_CO_TRY(order(compute, s.comm->stream()));
-    const Tensor grad_stats = s.optimizer->grad_stats();
+  async::Task<Result<void>> step(const OptimizerWiring& w, float lr) override {
+    auto& compute = w.ctx().stream();
+    COSHARD_CO_TRY(w.optimizer.compute_grad_stats(w.ctx()));
+    COSHARD_CO_TRY(order(compute, w.comm().stream()));
+    const Tensor grad_stats = w.optimizer.grad_stats();
     // Sharded: each rank's part of the norm, summed. Unsharded: every rank holds the whole gradient.
-    if (s.residence->sharded())
-      COSHARD_CO_TRY(s.comm->all_reduce(grad_stats.data(), grad_stats.data(), 2, DataType::f32, ReduceOp::sum,
+    if (w.residence.sharded())
+      COSHARD_CO_TRY(w.comm().all_reduce(grad_stats.data(), grad_stats.data(), 2, DataType::f32, ReduceOp::sum,
                                           "the gradients' norm"));
-    COSHARD_CO_TRY(s.compute_waits_for_comm(kGradStats));
-    co_return s.optimizer->apply(*s.ctx, lr);
+    COSHARD_CO_TRY(w.compute_waits_for_comm(kGradStats));
+    co_return w.optimizer.apply(w.ctx(), lr);
   }
 
-  async::Task<Result<void>> masters_from_shards(Engine::State& s) override {
-    co_return s.optimizer->reset_masters(*s.ctx);
+  async::Task<Result<void>> masters_from_shards(const OptimizerWiring& w) override {
+    co_return w.optimizer.reset_masters(w.ctx());
   }
 
-  async::Task<Result<void>> visit(Engine::State& s, const Engine::ShardVisitor& use, bool) override {
-    co_return co_await visit_optimizer_groups(s, use);
+  async::Task<Result<void>> visit(const OptimizerWiring& w, const Engine::ShardVisitor& use, bool) override {
+    co_return co_await visit_optimizer_groups(w, use);
   }
 
-  Result<void> step_in_backward(Engine::State&, FetchUnit& u) override {
+  Result<void> step_in_backward(const OptimizerWiring&, FetchUnit& u) override {
     return fail(ErrorCode::internal, "Engine: unit ", u.info.name,
                 " stepped during backward with the optimizer on the device (needs it offloaded)");
   }
@@ -54,9 +55,9 @@ class OptimizerOnDevice final : public OptimizerPlacement {
 }  // namespace
 
 // The optimizer's groups hold the master and state of each unit (device, or pinned memory).
-async::Task<Result<void>> visit_optimizer_groups(Engine::State& s, const Engine::ShardVisitor& use) {
-  for (const auto& u : s.units) {
-    const auto group = s.group_of(*u);
+async::Task<Result<void>> visit_optimizer_groups(const OptimizerWiring& w, const Engine::ShardVisitor& use) {
+  for (const auto& u : w.units) {
+    const auto group = w.settings.group_of(*u);
     const auto& g = group.optimizer.groups()[group.index];
     const UnitShard shard{u->info, u->shard, g.master, g.state1, g.state2};
     COSHARD_CO_TRY(co_await use(shard));

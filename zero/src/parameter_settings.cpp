@@ -1,21 +1,18 @@
-// Trainable and frozen parameters, parameter groups and unused units, as the engine sees them: the
-// optimizer gets each unit's block cut into runs of one setting (a frozen parameter's run is never
-// stepped), a unit whose parameters are all frozen has no gradient at all, and a unit that got no
-// gradient in a step is left as it is (PyTorch's rule for a parameter whose gradient is None).
-#include "engine_state.hpp"
+// Trainable and frozen parameters, parameter groups and unused units (parameter_settings.hpp).
+#include "parameter_settings.hpp"
 
-namespace coshard::zero {
+namespace coshard::zero::detail {
 
 using namespace modules;
-using namespace detail;
+using collectives::ReduceOp;
 
-std::vector<Optimizer::Segment> Engine::State::segments_of(const FetchUnit& u) const {
+std::vector<Optimizer::Segment> ParameterSettings::segments_of(const FetchUnit& u) const {
   const std::int64_t begin = u.block_offset, end = begin + u.info.shard;
   std::vector<Optimizer::Segment> segments;
   for (const auto& p : u.params) {
     const std::int64_t from = std::max(begin, p.offset), to = std::min(end, p.offset + p.parameter->numel());
     if (from >= to) continue;
-    Optimizer::Segment seg = optimizer->settings_for(names.at(p.parameter), *p.parameter);
+    Optimizer::Segment seg = optimizer.settings_for(names.at(p.parameter), *p.parameter);
     seg.begin = from - begin;
     seg.end = to - begin;
     segments.push_back(seg);
@@ -23,7 +20,7 @@ std::vector<Optimizer::Segment> Engine::State::segments_of(const FetchUnit& u) c
   return segments;
 }
 
-Result<void> Engine::State::check_trainability() const {
+Result<void> ParameterSettings::check_trainability() const {
   for (const auto& [parameter, trainable] : planned_trainable)
     if (parameter->trainable() != trainable)
       return fail(ErrorCode::invalid_argument, "Engine: parameter ", names.at(parameter), " was ",
@@ -32,7 +29,9 @@ Result<void> Engine::State::check_trainability() const {
   return {};
 }
 
-async::Task<Result<void>> Engine::State::skip_units_without_gradients() {
+async::Task<Result<void>> skip_units_without_gradients(ParameterSettings settings, RankExchange& ranks,
+                                                       bool reduces_every_unit, int world) {
+  const auto& units = settings.units;
   // A flag per unit, then one per module of each coalesced unit.
   std::vector<double> used(units.size());
   bool any_coalesced = false;
@@ -48,24 +47,24 @@ async::Task<Result<void>> Engine::State::skip_units_without_gradients() {
   // module within a coalesced unit at any stage (the unit is reduced either way): which units and
   // modules no rank used takes one all-reduce of their flags, awaited (the only host wait it adds;
   // the optimizer waits for the reduction anyway), and only with more than one rank.
-  if ((reduction->reduces_every_unit() || any_coalesced) && comm->size() > 1) {
-    COSHARD_CO_TRY_ASSIGN(used, co_await ranks_agree.all_reduce_values(used, ReduceOp::sum, "which units got gradients"));
+  if ((reduces_every_unit || any_coalesced) && world > 1) {
+    COSHARD_CO_TRY_ASSIGN(used, co_await ranks.all_reduce_values(used, ReduceOp::sum, "which units got gradients"));
   }
   std::size_t next_module = units.size();
   for (std::size_t i = 0; i < units.size(); ++i) {
     FetchUnit& u = *units[i];
-    const auto group = group_of(u);
+    const auto group = settings.group_of(u);
     COSHARD_CO_TRY(group.optimizer.set_group_skipped(group.index, used[i] == 0.0));
     for (auto& p : u.params) p.left_out = used[i] == 0.0 && p.parameter->trainable();
     if (!u.coalesced()) continue;
     const std::span<const double> modules_used(used.data() + next_module, u.modules.size());
     next_module += u.modules.size();
-    COSHARD_CO_TRY(skip_unused_modules(u, modules_used));
+    COSHARD_CO_TRY(settings.skip_unused_modules(u, modules_used));
   }
   co_return Result<void>{};
 }
 
-Result<void> Engine::State::skip_unused_modules(FetchUnit& u, std::span<const double> used) {
+Result<void> ParameterSettings::skip_unused_modules(FetchUnit& u, std::span<const double> used) const {
   if (u.info.frozen) return {};
   if (!used.empty())
     for (auto& p : u.params) p.left_out = used[p.module] == 0.0 && p.parameter->trainable();
@@ -83,7 +82,14 @@ Result<void> Engine::State::skip_unused_modules(FetchUnit& u, std::span<const do
   return group.optimizer.set_group_skipped_runs(group.index, std::move(runs));
 }
 
-Result<void> Engine::State::count_steps_missed() {
+Result<void> ParameterSettings::skip_modules_unused_here(FetchUnit& u) const {
+  if (!u.coalesced()) return {};
+  std::vector<double> used;
+  for (const auto& run : u.module_runs) used.push_back(run.used ? 1.0 : 0.0);
+  return skip_unused_modules(u, used);
+}
+
+Result<void> ParameterSettings::count_steps_missed() const {
   bool changed = false;
   for (auto& u : units)
     for (auto& p : u->params)
@@ -94,7 +100,7 @@ Result<void> Engine::State::count_steps_missed() {
   return changed ? set_steps_missed() : Result<void>{};
 }
 
-Result<void> Engine::State::set_steps_missed() {
+Result<void> ParameterSettings::set_steps_missed() const {
   for (auto& u : units) {
     if (u->info.frozen) continue;
     // This rank's block of the unit, [begin, end): the group's elements.
@@ -113,22 +119,7 @@ Result<void> Engine::State::set_steps_missed() {
   return {};
 }
 
-void Engine::State::reset_coalesced(bool new_step) {
-  open_forward = nullptr;
-  for (auto& u : units) {
-    if (!u->coalesced()) continue;
-    u->forward_open = u->backward_open = u->opened_in_forward = u->opened_in_backward = false;
-    if (new_step)
-      for (auto& run : u->module_runs) run.used = false;
-  }
-}
-
-void Engine::State::new_coalesced_pass() {
-  if (position_in_unit.empty()) return;  // (no coalesced unit)
-  for (auto& u : units) u->opened_in_forward = u->opened_in_backward = false;
-}
-
-Result<void> Engine::State::check_no_gradient_missed() const {
+Result<void> ParameterSettings::check_no_gradient_missed() const {
   std::string missed;
   int count = 0;
   for (const auto& u : units)
@@ -142,9 +133,9 @@ Result<void> Engine::State::check_no_gradient_missed() const {
               "module.set_runs_more_than_once_per_pass()); the step is abandoned, nothing updated");
 }
 
-void Engine::State::clear_gradients_missed() {
+void ParameterSettings::clear_gradients_missed() const {
   for (const auto& u : units)
     for (const auto& p : u->params) p.parameter->clear_gradient_missed();
 }
 
-}  // namespace coshard::zero
+}  // namespace coshard::zero::detail

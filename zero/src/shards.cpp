@@ -9,18 +9,6 @@ namespace coshard::zero {
 using namespace modules;
 using namespace detail;
 
-async::Task<Result<void>> Engine::State::compute_after_host() {
-  if (!host_stream) co_return Result<void>{};
-  COSHARD_CO_TRY_ASSIGN(auto done, host_stream->record());
-  co_return co_await after(ctx->stream(), done);
-}
-
-async::Task<Result<void>> Engine::State::cast_on_host(DataType from, const void* src, DataType to, void* dst, std::int64_t n) {
-  COSHARD_CO_TRY(host_ctx->kernels().cast(*host_stream, from, src, to, dst, n));
-  COSHARD_CO_TRY_ASSIGN(auto cast, host_stream->record());
-  co_return co_await cast;
-}
-
 async::Task<Result<void>> Engine::State::full_copies_from_shards() {
   const ResidenceWiring wiring = residence_wiring();  // (named: an aggregate temporary in co_await, GCC 12)
   co_return co_await residence->follow_shards(wiring);
@@ -34,8 +22,11 @@ ShardLayout Engine::shard_layout() const noexcept {
 async::Task<Result<void>> Engine::visit_shards(ShardVisitor use, bool written) {
   State& s = *s_;
   COSHARD_CO_TRY(s.outside_loop("visit_shards"));
-  COSHARD_CO_TRY(co_await s.compute_after_host());
-  COSHARD_CO_TRY(co_await s.optimizer_placement->visit(s, use, written));
+  COSHARD_CO_TRY(co_await s.host.compute_after(s.ctx->stream()));
+  {
+    const OptimizerWiring wiring = s.optimizer_wiring();  // (named: an aggregate temporary in co_await, GCC 12)
+    COSHARD_CO_TRY(co_await s.optimizer_placement->visit(wiring, use, written));
+  }
   if (!written) co_return Result<void>{};
   co_return co_await s.full_copies_from_shards();
 }
@@ -122,7 +113,7 @@ async::Task<Result<void>> Engine::load_parameters(const std::vector<GatheredPara
   std::unordered_map<std::string_view, const GatheredParameter*> by_name;
   for (const auto& v : values) by_name.emplace(v.name, &v);
   // Everything checked: now each rank writes its block of every unit.
-  COSHARD_CO_TRY(co_await s.compute_after_host());
+  COSHARD_CO_TRY(co_await s.host.compute_after(s.ctx->stream()));
   COSHARD_CO_TRY(s.shard_placement->write_all(s.shard_wiring(), without_throwing([&s, &by_name](const FetchUnit& u) -> Result<std::vector<std::byte>> {
     // This rank's block only: each parameter's part inside it (the padding stays zero).
     const auto es = static_cast<std::int64_t>(s.element_size);
@@ -137,7 +128,8 @@ async::Task<Result<void>> Engine::load_parameters(const std::vector<GatheredPara
     }
     return block;
   })));
-  auto masters = co_await s.optimizer_placement->masters_from_shards(s);
+  const OptimizerWiring wiring = s.optimizer_wiring();  // (named: an aggregate temporary in co_await, GCC 12)
+  auto masters = co_await s.optimizer_placement->masters_from_shards(wiring);
   s.shard_values = nullptr;  // (it may refer to this frame's values)
   COSHARD_CO_TRY(masters);
   s.has_values = true;
@@ -147,7 +139,7 @@ async::Task<Result<void>> Engine::load_parameters(const std::vector<GatheredPara
 async::Task<Result<void>> Engine::initialize(std::uint64_t seed) {
   State& s = *s_;
   COSHARD_CO_TRY(s.outside_loop("initialize"));
-  COSHARD_CO_TRY(co_await s.compute_after_host());
+  COSHARD_CO_TRY(co_await s.host.compute_after(s.ctx->stream()));
   // The whole unit where every rank holds it; else only this rank's block, through the shard
   // placement (on NVMe: made unit by unit as the swap files are written).
   const bool whole = s.residence->holds_whole();
@@ -171,7 +163,8 @@ async::Task<Result<void>> Engine::initialize(std::uint64_t seed) {
     COSHARD_CO_TRY(s.shard_placement->write_all(s.shard_wiring(), block_of));
   }
   // The optimizer's fp32 masters (bf16/f16, or offloaded) follow the new parameters.
-  auto masters = co_await s.optimizer_placement->masters_from_shards(s);
+  const OptimizerWiring wiring = s.optimizer_wiring();  // (named: an aggregate temporary in co_await, GCC 12)
+  auto masters = co_await s.optimizer_placement->masters_from_shards(wiring);
   s.shard_values = nullptr;  // (it may refer to this frame's values)
   COSHARD_CO_TRY(masters);
   s.has_values = true;
