@@ -157,7 +157,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
       for (std::size_t n = u->modules[k]->parameters().size(); n > 0 && i < u->params.size(); --n) u->params[i++].module = k;
     u->index = s->units.size();
     for (const auto& p : u->params) s->planned_trainable.emplace_back(p.parameter, p.parameter->trainable());
-    for (Module* m : u->modules) s->unit_of.emplace(m, u->index);
+    for (Module* m : u->modules) s->module_units.unit_of.emplace(m, u->index);
     if (u->coalesced()) {
       // Each module's elements, from its parameters' places (Param::module, above).
       u->module_runs.assign(u->modules.size(), FetchUnit::ModuleRun{std::numeric_limits<std::int64_t>::max(), 0});
@@ -166,7 +166,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
         run.begin = std::min(run.begin, p.offset);
         run.end = std::max(run.end, p.offset + p.parameter->numel());
       }
-      for (std::size_t k = 0; k < u->modules.size(); ++k) s->position_in_unit.emplace(u->modules[k], k);
+      for (std::size_t k = 0; k < u->modules.size(); ++k) s->module_units.position_in_unit.emplace(u->modules[k], k);
     }
     s->units.push_back(std::move(u));
   }
@@ -174,15 +174,15 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   Result<void> declared;
   model.for_each_module([&](const std::string& path, Module& m) {
     for (const Module* owner : m.borrowed()) {
-      const auto it = s->unit_of.find(owner);
-      if (it == s->unit_of.end()) {
+      const auto it = s->module_units.unit_of.find(owner);
+      if (it == s->module_units.unit_of.end()) {
         if (declared)
           declared = fail(ErrorCode::invalid_argument, "Engine: module ", path.empty() ? "(the model)" : path, " (",
                           m.type_name(), ") uses the parameters of a ", owner->type_name(),
                           " that is not part of the model");
         continue;
       }
-      s->borrowed_units[&m].push_back(it->second);
+      s->module_units.borrowed[&m].push_back(it->second);
     }
   });
   COSHARD_TRY(declared);

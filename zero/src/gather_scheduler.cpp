@@ -9,6 +9,18 @@
 
 namespace coshard::zero::detail {
 
+// (prefetch_horizon.hpp)
+std::size_t prefetch_horizon(std::span<const std::size_t> trace, std::size_t pos, std::span<const double> gather_ms,
+                             std::span<const double> compute_ms) {
+  double queued_ms = 0, compute_before_ms = 0;
+  for (std::size_t i = pos; i < trace.size(); ++i) {
+    queued_ms += std::max(0.0, gather_ms[trace[i]]);
+    if (i > pos) compute_before_ms += std::max(0.0, compute_ms[i - 1]);
+    if (queued_ms * kPrefetchMargin < compute_before_ms) return i;
+  }
+  return trace.size();
+}
+
 using modules::Shape;
 
 GatherScheduler::GatherScheduler(Wiring w) : w_(std::move(w)), budget_(async::StreamBudget::create(w_.o.max_live_bytes)) {}

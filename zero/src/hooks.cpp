@@ -16,17 +16,17 @@ async::Task<Result<void>> Engine::before_forward(Context& ctx, Module& module) {
   // A recompute (activation checkpointing) runs inside a backward: the unit is gathered again,
   // in the trace's order, but it is not another use (as many backward passes as uses come).
   const bool recompute = ctx.recomputing();
-  if (recompute && s.open != State::Open::step)
+  if (recompute && s.loop.open != State::Open::step)
     co_return fail(ErrorCode::invalid_argument, "Engine: a recompute of ", module.type_name(),
                    " outside a step (activation checkpointing recomputes in backward only)");
   if (s.owns(module) && !recompute) {
-    if (s.open == State::Open::none)
+    if (s.loop.open == State::Open::none)
       co_return fail(ErrorCode::invalid_argument, "Engine: forward of ", module.type_name(),
                      " outside a step or an inference pass (call begin_step or begin_inference first, or use "
                      "step / evaluate)");
-    if (&module == s.model && s.open == State::Open::step && ++s.model_forwards > s.declared_micro_batches)
-      co_return fail(ErrorCode::invalid_argument, "Engine: forward of micro-batch ", s.model_forwards,
-                     " in a step begun with ", s.declared_micro_batches,
+    if (&module == s.model && s.loop.open == State::Open::step && ++s.loop.model_forwards > s.loop.declared_micro_batches)
+      co_return fail(ErrorCode::invalid_argument, "Engine: forward of micro-batch ", s.loop.model_forwards,
+                     " in a step begun with ", s.loop.declared_micro_batches,
                      " (begin_step(micro_batches) declares the gradient accumulation up front)");
   }
   FetchUnit* u = s.unit_for(module);
@@ -35,7 +35,7 @@ async::Task<Result<void>> Engine::before_forward(Context& ctx, Module& module) {
   if (s.open_forward && s.open_forward != u && (u || &module == s.model)) COSHARD_CO_TRY(s.close_open_forward(ctx));
   if (&module == s.model && !recompute) s.new_coalesced_pass();
   // Units whose parameters this module declared it reads: used as if their owner ran here.
-  if (const auto* lent = s.borrowed_of(module))
+  if (const auto* lent = s.module_units.borrowed_of(module))
     for (const std::size_t i : *lent) {
       FetchUnit& b = *s.units[i];
       if (!recompute) {
@@ -72,7 +72,7 @@ async::Task<Result<void>> Engine::before_forward(Context& ctx, Module& module) {
 
 Result<void> Engine::after_forward(Context& ctx, Module& module) {
   State& s = *s_;
-  if (const auto* lent = s.borrowed_of(module))
+  if (const auto* lent = s.module_units.borrowed_of(module))
     for (const std::size_t i : *lent)
       COSHARD_TRY(s.residence->after_use(s.residence_wiring(), *s.units[i]));
   if (&module == s.model) COSHARD_TRY(s.close_open_forward(ctx));  // (its last module skipped)
@@ -102,14 +102,14 @@ Result<void> Engine::State::close_open_forward(Context& c) {
 async::Task<Result<void>> Engine::before_backward(Context& ctx, Module& module) {
   State& s = *s_;
   if (s.owns(module)) {
-    if (s.open != State::Open::step)
+    if (s.loop.open != State::Open::step)
       co_return fail(ErrorCode::invalid_argument, "Engine: backward of ", module.type_name(), " outside a step",
-                     s.open == State::Open::inference ? " (in an inference pass: forward only)" : " (call begin_step first)");
-    if (&module == s.model) ++s.model_backwards;
+                     s.loop.open == State::Open::inference ? " (in an inference pass: forward only)" : " (call begin_step first)");
+    if (&module == s.model) ++s.loop.model_backwards;
   }
   COSHARD_CO_TRY(s.close_open_forward(ctx));  // (a recompute's, activation checkpointing: backward follows it)
   if (&module == s.model) s.new_coalesced_pass();
-  if (const auto* lent = s.borrowed_of(module))
+  if (const auto* lent = s.module_units.borrowed_of(module))
     for (const std::size_t i : *lent) {
       FetchUnit& b = *s.units[i];
       const ResidenceWiring wiring = s.residence_wiring();  // (named: an aggregate temporary in co_await, GCC 12)
@@ -141,7 +141,7 @@ async::Task<Result<void>> Engine::before_backward(Context& ctx, Module& module) 
 
 Result<void> Engine::after_backward(Context&, Module& module) {
   State& s = *s_;
-  if (const auto* lent = s.borrowed_of(module))
+  if (const auto* lent = s.module_units.borrowed_of(module))
     for (const std::size_t i : *lent) {
       FetchUnit& b = *s.units[i];
       COSHARD_TRY(s.reduction->after_backward(s.gradient_wiring(), b));
@@ -152,7 +152,7 @@ Result<void> Engine::after_backward(Context&, Module& module) {
   // A unit closes at its first module; a coalesced one whose first module was skipped at the
   // module that opened its forward.
   if (u->coalesced()) {
-    u->module_runs[s.position_in_unit.at(&module)].used = true;
+    u->module_runs[s.module_units.position_in_unit.at(&module)].used = true;
     if (&module != u->modules.front() && !(u->backward_open && &module == u->first_ran)) return {};
     u->backward_open = false;
   } else if (&module != u->modules.front()) {
@@ -228,7 +228,7 @@ void Engine::State::reset_coalesced(bool new_step) {
 }
 
 void Engine::State::new_coalesced_pass() {
-  if (position_in_unit.empty()) return;  // (no coalesced unit)
+  if (!module_units.any_coalesced()) return;  // (no coalesced unit)
   for (auto& u : units) u->opened_in_forward = u->opened_in_backward = false;
 }
 

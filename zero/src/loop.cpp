@@ -8,6 +8,49 @@ namespace coshard::zero {
 using namespace modules;
 using namespace detail;
 
+namespace {
+
+// The compute stream waits for the communication stream, timed with the timeline.
+Result<void> compute_waits_for_comm(Engine::State& s, const std::string& what) {
+  COSHARD_TRY_ASSIGN(auto ev, s.comm->stream().record());
+  return s.timeline.wait(s.ctx->stream(), ev, what);
+}
+
+// Collective launches so far, the shard groups' included.
+std::uint64_t launches_so_far(const Engine::State& s) { return s.comm->launches() + s.shard_groups->launches(); }
+
+StepClock::Sources clock_sources(const Engine::State& s) {
+  return {&s.ctx->stream(), s.host.stream.get(), s.swap.store.get()};
+}
+
+}  // namespace
+
+// A pass's start and end (its trace chosen, then recorded), and the ranks' agreement on the
+// adaptive prefetch's measurements (gather_scheduler.cpp uses them).
+void Engine::State::begin_pass(std::string_view name) {
+  reset_coalesced(name == "train");
+  gathers->begin_pass(name);
+  stats = {};
+  timeline.begin_pass();
+}
+
+Result<void> Engine::State::end_pass() {
+  COSHARD_TRY(residence->end_pass(residence_wiring()));
+  if (gathers->end_pass()) stats.trace_changed = true;
+  return {};
+}
+
+async::Task<Result<void>> Engine::State::agree_on_measurements() {
+  if (!o.adaptive_prefetch) co_return Result<void>{};
+  auto& positions = timeline.compute_ms[gathers->trace().phase()];
+  std::vector<double> mine(timeline.gather_ms);
+  mine.insert(mine.end(), positions.begin(), positions.end());
+  COSHARD_CO_TRY_ASSIGN(auto agreed, co_await ranks_agree.all_reduce_values(mine, ReduceOp::avg, "the prefetch's measurements"));
+  std::copy(agreed.begin(), agreed.begin() + static_cast<std::ptrdiff_t>(timeline.gather_ms.size()), timeline.gather_ms.begin());
+  std::copy(agreed.begin() + static_cast<std::ptrdiff_t>(timeline.gather_ms.size()), agreed.end(), positions.begin());
+  co_return Result<void>{};
+}
+
 async::Task<Result<EngineStepStats>> Engine::step(Loss& loss, std::span<const Batch> micro_batches,
                                                   float lr) {
   State& s = *s_;
@@ -24,19 +67,13 @@ async::Task<Result<EngineStepStats>> Engine::step(Loss& loss, std::span<const Ba
   co_return co_await finish_step();
 }
 
-Result<void> Engine::State::outside_loop(std::string_view what) const {
-  if (open == Open::none) return {};
-  return fail(ErrorCode::invalid_argument, "Engine::", what, ": ", open == Open::step ? "a step" : "an inference pass",
-              " is open (", open == Open::step ? "finish_step or abandon_step" : "end_inference", " first)");
-}
-
 std::int64_t Engine::steps_done() const noexcept { return s_->steps_done; }
 
 async::Task<Result<void>> Engine::begin_step(int micro_batches, float lr) {
   State& s = *s_;
-  if (s.open != State::Open::none)
+  if (s.loop.open != State::Open::none)
     co_return fail(ErrorCode::invalid_argument, "Engine::begin_step: ",
-                   s.open == State::Open::step ? "a step" : "an inference pass", " is open (finish it first)");
+                   s.loop.open == State::Open::step ? "a step" : "an inference pass", " is open (finish it first)");
   if (micro_batches < 1)
     co_return fail(ErrorCode::invalid_argument, "Engine::begin_step(micro_batches=", micro_batches, "): expected >= 1");
   COSHARD_CO_TRY(s.settings().check_trainability());
@@ -46,13 +83,13 @@ async::Task<Result<void>> Engine::begin_step(int micro_batches, float lr) {
   Context& ctx = *s.ctx;
   auto& compute = ctx.stream();
   auto& cs = s.comm->stream();
-  s.launches_before = s.launches();
-  s.step_clock.start(s.clock_sources());
+  s.loop.launches_before = launches_so_far(s);
+  s.step_clock.start(clock_sources(s));
   s.begin_pass("train");
-  s.open = State::Open::step;
+  s.loop.open = State::Open::step;
   ctx.reset_activation_peak();
-  s.declared_micro_batches = micro_batches;
-  s.model_forwards = s.model_backwards = s.losses_added = 0;
+  s.loop.declared_micro_batches = micro_batches;
+  s.loop.model_forwards = s.loop.model_backwards = s.loop.losses_added = 0;
 
   // The communication stream goes after the last step's optimizer (it reads the shards).
   COSHARD_CO_TRY(order(compute, cs));
@@ -81,39 +118,41 @@ async::Task<Result<void>> Engine::begin_step(int micro_batches, float lr) {
     const OptimizerWiring wiring = s.optimizer_wiring();  // (named: an aggregate temporary in co_await, GCC 12)
     COSHARD_CO_TRY(co_await s.optimizer_placement->begin_step(wiring));
   }
-  COSHARD_CO_TRY_ASSIGN(s.loss_sum, ctx.zeros(Shape{1}, DataType::f32));
+  COSHARD_CO_TRY_ASSIGN(s.loop.loss_sum, ctx.zeros(Shape{1}, DataType::f32));
   co_return Result<void>{};
 }
 
 async::Task<void> Engine::end_swap_pass() { co_await s_->pass.abandon(); }
 
-Tensor Engine::backward_seed() const { return s_->backward_seed(); }
+Tensor Engine::backward_seed() const {
+  return s_->host.offloaded() ? s_->host.device_loss_scale : s_->optimizer->loss_scale();
+}
 
 Result<void> Engine::add_loss(const Tensor& loss) {
   State& s = *s_;
-  if (s.open != State::Open::step) return fail(ErrorCode::invalid_argument, "Engine::add_loss outside a step");
+  if (s.loop.open != State::Open::step) return fail(ErrorCode::invalid_argument, "Engine::add_loss outside a step");
   if (!loss || loss.numel() != 1 || loss.dtype() != DataType::f32 || !(loss.device() == s.ctx->device()))
     return fail(ErrorCode::invalid_argument, "Engine::add_loss: ", loss ? loss.describe() : "empty",
                 ", expected one f32 on ", s.ctx->device().to_string(), " (a loss's forward)");
-  ++s.losses_added;
-  return s.ctx->kernels().add(s.ctx->stream(), DataType::f32, s.loss_sum.data(), loss.data(), s.loss_sum.data(), 1);
+  ++s.loop.losses_added;
+  return s.ctx->kernels().add(s.ctx->stream(), DataType::f32, s.loop.loss_sum.data(), loss.data(), s.loop.loss_sum.data(), 1);
 }
 
 async::Task<void> Engine::abandon_step() {
   State& s = *s_;
-  if (s.open != State::Open::step) co_return;
+  if (s.loop.open != State::Open::step) co_return;
   co_await end_swap_pass();
   s.model->clear_saved_recursive();
   (void)s.end_pass();
-  s.open = State::Open::none;
+  s.loop.open = State::Open::none;
 }
 
 async::Task<Result<EngineStepStats>> Engine::finish_step() {
   State& s = *s_;
-  if (s.open != State::Open::step)
+  if (s.loop.open != State::Open::step)
     co_return fail(ErrorCode::invalid_argument, "Engine::finish_step without begin_step");
-  if (s.model_backwards < s.declared_micro_batches || s.model_forwards != s.model_backwards) {
-    const int forwards = s.model_forwards, backwards = s.model_backwards, declared = s.declared_micro_batches;
+  if (s.loop.model_backwards < s.loop.declared_micro_batches || s.loop.model_forwards != s.loop.model_backwards) {
+    const int forwards = s.loop.model_forwards, backwards = s.loop.model_backwards, declared = s.loop.declared_micro_batches;
     co_await abandon_step();
     co_return fail(ErrorCode::invalid_argument, "Engine::finish_step: ", backwards == 0 ? "no backward in this step: " : "",
                    forwards, " forward and ", backwards, " backward passes of the model in a step begun with ", declared,
@@ -125,10 +164,10 @@ async::Task<Result<EngineStepStats>> Engine::finish_step() {
   }
   auto finished = co_await finish_open_step(s.mode.lr);
   co_await end_swap_pass();
-  s.open = State::Open::none;
+  s.loop.open = State::Open::none;
   if (finished) {
     ++s.steps_done;
-    finished->time_split = s.step_clock.lap(s.clock_sources());
+    finished->time_split = s.step_clock.lap(clock_sources(s));
     if (s.swap.store) s.timeline.add_nvme_spans(*finished, s.swap.store->take_spans());
   }
   co_return finished;
@@ -140,8 +179,8 @@ async::Task<Result<EngineStepStats>> Engine::finish_open_step(float lr) {
   auto& compute = ctx.stream();
   auto& cs = s.comm->stream();
   const auto& k = ctx.kernels();
-  Tensor loss_sum = s.loss_sum;
-  const auto micro_batches = static_cast<std::size_t>(s.declared_micro_batches);
+  Tensor loss_sum = s.loop.loss_sum;
+  const auto micro_batches = static_cast<std::size_t>(s.loop.declared_micro_batches);
   // nvme parameters: no read may be left over when the optimizer rewrites the swap files.
   {
     const ShardWiring wiring = s.shard_wiring();  // (named: an aggregate temporary in co_await, GCC 12)
@@ -160,19 +199,19 @@ async::Task<Result<EngineStepStats>> Engine::finish_open_step(float lr) {
 
   // The loss, averaged over micro-batches and ranks.
   // (the losses the loop added: when it added fewer than its micro-batches, their mean still)
-  const float added = static_cast<float>(std::max(s.losses_added, 1));
+  const float added = static_cast<float>(std::max(s.loop.losses_added, 1));
   if (added > 1) COSHARD_CO_TRY(k.scale(compute, DataType::f32, loss_sum.data(), 1.0f / added, 1));
   COSHARD_CO_TRY(order(compute, cs));
   COSHARD_CO_TRY(s.comm->all_reduce(loss_sum.data(), loss_sum.data(), 1, DataType::f32, ReduceOp::avg, "the step's loss"));
 
   // The whole copies follow the stepped shards (stages 1-2: one all-gather).
   COSHARD_CO_TRY(s.residence->after_step(s.residence_wiring()));
-  COSHARD_CO_TRY(s.compute_waits_for_comm(kParameters));
+  COSHARD_CO_TRY(compute_waits_for_comm(s, kParameters));
   COSHARD_CO_TRY(s.end_pass());
 
-  const std::uint64_t launches = s.launches() - s.launches_before;
+  const std::uint64_t launches = launches_so_far(s) - s.loop.launches_before;
   COSHARD_CO_TRY_ASSIGN(auto host_loss, co_await ctx.read(loss_sum));
-  COSHARD_CO_TRY_ASSIGN(auto optimizer_stats, co_await s.optimizer->read_stats(s.optimizer_ctx()));
+  COSHARD_CO_TRY_ASSIGN(auto optimizer_stats, co_await s.optimizer->read_stats((s.host.offloaded() ? *s.host.ctx : *s.ctx)));
   if ((s.mode.stepping_in_backward || s.optimizer_wiring().grads_through_pass()) && optimizer_stats.last_skipped) {
     auto refused = step_in_backward_saw_non_finite(s.optimizer_wiring());
     co_return fail(std::move(refused).error());
@@ -180,7 +219,7 @@ async::Task<Result<EngineStepStats>> Engine::finish_open_step(float lr) {
   // A step that counted: the parameters left out of it missed one (PyTorch's step per parameter).
   if (!optimizer_stats.last_skipped) COSHARD_CO_TRY(s.settings().count_steps_missed());
   // Every event of the step has passed now (the reads came after all of it): read the timings.
-  s.collect_timing();
+  s.timeline.collect(s.stats, s.gathers->trace().phase(), s.gathers->trace().recorded());
   COSHARD_CO_TRY(co_await s.agree_on_measurements());
   EngineStepStats stats = std::move(s.stats);
   s.stats = {};
@@ -193,20 +232,20 @@ async::Task<Result<EngineStepStats>> Engine::finish_open_step(float lr) {
 
 Result<void> Engine::begin_inference() {
   State& s = *s_;
-  if (s.open != State::Open::none)
+  if (s.loop.open != State::Open::none)
     return fail(ErrorCode::invalid_argument, "Engine::begin_inference: ",
-                s.open == State::Open::step ? "a step" : "an inference pass", " is open (finish it first)");
+                s.loop.open == State::Open::step ? "a step" : "an inference pass", " is open (finish it first)");
   s.begin_pass("eval");
   s.settings().clear_gradients_missed();  // (and reads of unbound values: explain_failure names this pass's)
-  s.open = State::Open::inference;
+  s.loop.open = State::Open::inference;
   return order(s.ctx->stream(), s.comm->stream());
 }
 
 async::Task<Result<void>> Engine::end_inference() {
   State& s = *s_;
-  if (s.open != State::Open::inference)
+  if (s.loop.open != State::Open::inference)
     co_return fail(ErrorCode::invalid_argument, "Engine::end_inference without begin_inference");
-  s.open = State::Open::none;
+  s.loop.open = State::Open::none;
   s.model->clear_saved_recursive();
   COSHARD_CO_TRY(s.end_pass());
   {
@@ -235,7 +274,7 @@ async::Task<Result<double>> Engine::evaluate(Loss& loss, const Batch& batch) {
   if (!value) co_return fail(std::move(value).error());
   COSHARD_CO_TRY(ended);
   COSHARD_CO_TRY_ASSIGN(auto host, co_await ctx.read(*value));
-  s.collect_timing();  // the eval trace's measurements, for adaptive prefetch
+  s.timeline.collect(s.stats, s.gathers->trace().phase(), s.gathers->trace().recorded());  // the eval trace's measurements, for adaptive prefetch
   s.stats = {};
   COSHARD_CO_TRY(co_await s.agree_on_measurements());
   co_return host[0];
@@ -259,7 +298,7 @@ async::Task<Result<void>> Engine::State::finish_gradients(std::size_t micro_batc
   if (micro_batches > 1)
     for (auto& u : units)
       if (!u->info.frozen) COSHARD_CO_TRY(ctx->kernels().scale(cs, DataType::f32, u->grad_shard.data(), 1.0f / K, u->info.shard));
-  COSHARD_CO_TRY(compute_waits_for_comm(kGradients));
+  COSHARD_CO_TRY(compute_waits_for_comm(*this, kGradients));
   co_return Result<void>{};
 }
 

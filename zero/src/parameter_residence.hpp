@@ -22,7 +22,7 @@
 
 namespace coshard::zero {
 
-// The stage-3 scheduler of gathers (gather.cpp, prefetch.cpp), which the residence that gathers
+// The stage-3 scheduler of gathers (gather_scheduler.cpp), which the residence that gathers
 // on use asks: a unit fetched (gathered now, or waited for if prefetched, with the units next
 // along the trace gathered ahead), released, or kept after its use.
 class UnitGathers {
