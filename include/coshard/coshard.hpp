@@ -15,6 +15,7 @@
 #include "coshard/modules/layers.hpp"
 #include "coshard/modules/llama.hpp"
 #include "coshard/modules/llama_layers.hpp"
+#include "coshard/modules/lora.hpp"
 #include "coshard/modules/module.hpp"
 #include "coshard/modules/ops.hpp"
 #include "coshard/modules/optimizer.hpp"

@@ -17,6 +17,7 @@
 #include "coshard/modules/llama.hpp"
 #include "coshard/modules/layers.hpp"
 #include "coshard/modules/llama_layers.hpp"
+#include "coshard/modules/lora.hpp"
 #include "coshard/modules/parameter_store.hpp"
 #include "module_fixture.hpp"
 #include "../support/gated_linear.hpp"
@@ -133,6 +134,17 @@ TEST_F(GradCheck, Linear) {
 TEST_F(GradCheck, LinearWithoutBias) {
   Linear m(4, 6, false);
   run_check(m, random_input(Shape{3, 4}, 12));
+}
+
+// A Linear with low-rank adapters (lora.hpp): one over every output row and one over rows 2-4 (as
+// a fused projection's q, k or v), everything training, so W, b, each A and B and the input are
+// all checked. The store's random values make B nonzero.
+TEST_F(GradCheck, LinearWithLowRankAdapters) {
+  Linear m(5, 7);
+  const LoraOptions o{.targets = {"unused"}, .rank = 2, .alpha = 3};
+  ASSERT_TRUE(m.add_lora("lora", 0, 7, o));
+  ASSERT_TRUE(m.add_lora("lora_rows", 2, 5, o));
+  run_check(m, random_input(Shape{2, 3, 5}, 31));
 }
 
 TEST_F(GradCheck, LayerNorm) {

@@ -1,5 +1,6 @@
 // The linear layer: y = x W^T + b, its products through weight_products.hpp.
 #include "coshard/modules/layers.hpp"
+#include "coshard/modules/lora.hpp"
 
 #include "kernels/kernels.hpp"
 #include "layers/layer_checks.hpp"
@@ -29,7 +30,14 @@ async::Task<Result<Tensor>> Linear::forward(Context& ctx, Tensor input) {
   COSHARD_CO_TRY(check_param(weight(), dt, "Linear"));
   if (bias()) COSHARD_CO_TRY(check_param(*bias(), dt, "Linear"));
   COSHARD_CO_TRY_ASSIGN(Tensor out, detail::times_weight_transposed(ctx, input, weight(), in_, out_, bias()));
-  input_.push(std::move(input));
+  input_.push(input);
+  // The adapters add into their rows of the output, each through the hooks (an engine's unit).
+  for (LoraAdapter* adapter : adapters_) {
+    adapter->add_into_ = out;
+    auto added = co_await ctx.forward(*adapter, input);
+    adapter->add_into_ = {};
+    COSHARD_CO_TRY(std::move(added));
+  }
   co_return out;
 }
 
@@ -41,7 +49,25 @@ async::Task<Result<Tensor>> Linear::backward(Context& ctx, Tensor grad_output) {
   COSHARD_CO_TRY_ASSIGN(Tensor dx, detail::weight_product_backward(ctx, input, grad_output, weight(), in_, out_));
   if (bias() && trains(*bias()))
     COSHARD_CO_TRY(ctx.kernels().bias_grad(ctx.stream(), dt, grad_output.data(), bias()->grad().data(), rows, out_));
+  // The adapters' backward in reverse order of their forward, each adding its part of dx.
+  for (auto it = adapters_.rbegin(); it != adapters_.rend(); ++it) {
+    COSHARD_CO_TRY_ASSIGN(const Tensor part, co_await ctx.backward(**it, grad_output));
+    COSHARD_CO_TRY(ctx.kernels().add(ctx.stream(), dt, dx.data(), part.data(), dx.data(), dx.numel()));
+  }
   co_return dx;
+}
+
+Result<LoraAdapter*> Linear::add_lora(std::string name, std::int64_t row_begin, std::int64_t row_end,
+                                     const LoraOptions& options) {
+  if (row_begin < 0 || row_end <= row_begin || row_end > out_)
+    return fail(ErrorCode::invalid_argument, "Linear::add_lora(", name, "): rows [", row_begin, ", ", row_end,
+                ") of an output of ", out_, ": expected 0 <= begin < end <= ", out_);
+  for (const auto& c : children())
+    if (c.name == name) return fail(ErrorCode::invalid_argument, "Linear::add_lora: a child named ", name, " already exists");
+  auto adapter = std::make_unique<LoraAdapter>(in_, row_begin, row_end, out_, options);
+  LoraAdapter& ref = register_child(std::move(name), std::move(adapter));
+  adapters_.push_back(&ref);
+  return &ref;
 }
 
 }  // namespace coshard::modules

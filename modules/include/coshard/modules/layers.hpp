@@ -3,10 +3,16 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
 
 #include "coshard/modules/module.hpp"
 
 namespace coshard::modules {
+
+class LoraAdapter;   // lora.hpp
+struct LoraOptions;  // lora.hpp
 
 // Token and position embeddings: tokens i32 [B, T] -> [B, T, dim] (wte[token] + wpe[position]).
 class Embedding final : public Module {
@@ -40,9 +46,17 @@ class Linear final : public Module {
   Parameter& weight() const noexcept { return *parameters()[0]; }
   Parameter* bias() const noexcept { return parameters().size() > 1 ? parameters()[1].get() : nullptr; }
 
+  // A low-rank adapter on rows [row_begin, row_end) of the output (lora.hpp), a child named
+  // `name`: run after the layer's own product, adding into those rows. Before any ParameterStore
+  // or engine is made for the model; an error names a bad row range or rank.
+  Result<LoraAdapter*> add_lora(std::string name, std::int64_t row_begin, std::int64_t row_end,
+                                const LoraOptions& options);
+  std::span<LoraAdapter* const> lora_adapters() const noexcept { return adapters_; }
+
  private:
   std::int64_t in_, out_;
   SavedPerCall<Tensor> input_;
+  std::vector<LoraAdapter*> adapters_;
 };
 
 class LayerNorm final : public Module {

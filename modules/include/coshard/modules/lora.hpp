@@ -1,0 +1,97 @@
+// Low-rank adapters (LoRA, Hu et al. 2021, as Hugging Face PEFT makes them) on linear layers:
+// y = W x + (alpha / rank) * B (A dropout(x)) for the adapted rows of the output, with W (and the
+// rest of the model) frozen, A [rank, in] initialised as PEFT does (Kaiming-uniform with
+// a = sqrt(5): uniform in +-1/sqrt(in)) and B [rows, rank] zero, so training starts from the base.
+//
+// An adapter is a child of its Linear (the layer's own parameter names do not change, so a base
+// loads from the same files before and after), run by the Linear after its own product through
+// the Context's hooks: an engine sees each adapter as a small module of its own (its unit
+// coalesced with its neighbours where small), and the base layer as a frozen unit. A fused
+// projection (a Llama's qkv, holding Hugging Face's q_proj, k_proj and v_proj) takes one adapter
+// per projection it holds, each acting on that projection's rows only.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "coshard/modules/layers.hpp"
+#include "coshard/modules/module.hpp"
+
+namespace coshard::modules {
+
+struct LlamaConfig;
+
+struct LoraOptions {
+  // Which linear layers get adapters: globs over module paths (`*` any run of characters, dots
+  // included), as Module::for_each_module names them ("h*.attn.qkv", "*.mlp.*"). With a Llama
+  // (apply_lora with its config) Hugging Face's projection names are targets too: q_proj, k_proj,
+  // v_proj, o_proj, gate_proj, up_proj, down_proj (each alone, or as "*.q_proj"). Every target
+  // must match at least one linear layer.
+  std::vector<std::string> targets;
+  std::int64_t rank = 8;  // PEFT's r
+  double alpha = 8;       // PEFT's lora_alpha: the adapter's product is scaled by alpha / rank
+  double dropout = 0;     // on the adapter's input, in [0, 1)
+  std::uint64_t seed = 0;  // the dropout masks' (and nothing else's)
+};
+
+// One adapter on rows [row_begin, row_end) of a Linear's output (all of them unless fused).
+class LoraAdapter final : public Module {
+ public:
+  LoraAdapter(std::int64_t in_features, std::int64_t row_begin, std::int64_t row_end, std::int64_t out_features,
+              const LoraOptions& options);
+  std::string_view type_name() const override { return "LoraAdapter"; }
+  // Adds scale * B A dropout(input) into the rows of the output its Linear gave it (add_into),
+  // and returns that output.
+  async::Task<Result<Tensor>> forward(Context& ctx, Tensor input) override;
+  // grad_output is the Linear's whole output gradient: returns this adapter's part of dL/dinput,
+  // adding into A's and B's gradients.
+  async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
+  void clear_saved() override { saved_.clear(); }
+
+  Parameter& a() const noexcept { return *parameters()[0]; }  // "A" [rank, in]
+  Parameter& b() const noexcept { return *parameters()[1]; }  // "B" [rows, rank]
+  std::int64_t rank() const noexcept { return rank_; }
+  std::int64_t row_begin() const noexcept { return row_begin_; }
+  std::int64_t row_end() const noexcept { return row_end_; }
+  double alpha() const noexcept { return alpha_; }
+  double dropout() const noexcept { return dropout_; }
+  float scale() const noexcept { return static_cast<float>(alpha_ / static_cast<double>(rank_)); }
+
+ private:
+  friend class Linear;
+  struct Saved {
+    Tensor input;  // after dropout
+    Tensor mask;   // the dropout's (0 or 1 / (1 - p)); empty without dropout
+    Tensor product;  // A x, [rows, rank]
+  };
+  Result<Tensor> dropout_mask(Context& ctx, const Tensor& input);
+  std::int64_t in_, row_begin_, row_end_, out_, rank_;
+  double alpha_, dropout_;
+  std::uint64_t seed_;
+  std::uint64_t forwards_ = 0;  // dropout: each forward's mask from its ordinal
+  std::vector<std::uint64_t> pending_;  // the ordinals of forwards whose backward is to come
+  Tensor add_into_;  // set by the Linear before each forward
+  SavedPerCall<Saved> saved_;
+};
+
+// What apply_lora made: each adapter's module path ("h0.attn.qkv.lora_q_proj"), the linear layer
+// it adapts, and the Hugging Face projection it stands for in a Llama ("" elsewhere).
+struct LoraAdapterInfo {
+  std::string path;
+  std::string linear;
+  std::string hf_projection;
+  std::int64_t layer = -1;  // a Llama's block index (-1 elsewhere)
+  LoraAdapter* adapter = nullptr;
+};
+
+// Adds adapters to every Linear whose path matches a target, and freezes every other parameter
+// of the model. Errors name the value: a target matching nothing, or matching a module that is
+// not a Linear, a rank < 1, a negative or non-finite alpha, a dropout outside [0, 1), a Linear
+// that already has adapters. Before any ParameterStore or engine is made for the model.
+Result<std::vector<LoraAdapterInfo>> apply_lora(Module& model, const LoraOptions& options);
+// The same for a model make_llama(config) built: Hugging Face's projection names are targets too,
+// and the fused qkv and gate_up take one adapter per projection they hold.
+Result<std::vector<LoraAdapterInfo>> apply_lora(Module& model, const LlamaConfig& config, const LoraOptions& options);
+
+}  // namespace coshard::modules

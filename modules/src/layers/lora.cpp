@@ -1,0 +1,283 @@
+// Low-rank adapters (lora.hpp): the adapter's products through strided GEMMs on its rows of the
+// Linear's output (no copy of the rows), and apply_lora's choice of layers.
+#include "coshard/modules/lora.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <unordered_set>
+
+#include "coshard/modules/llama.hpp"
+#include "kernels/kernels.hpp"
+#include "layers/layer_checks.hpp"
+
+namespace coshard::modules {
+namespace {
+
+using detail::GemmArgs;
+
+// splitmix64: the dropout masks' values from (seed, forward ordinal, element).
+std::uint64_t mix(std::uint64_t x) noexcept {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+std::uint64_t hash_text(std::string_view s) noexcept {
+  std::uint64_t h = 1469598103934665603ULL;  // FNV-1a
+  for (const char c : s) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ULL;
+  return h;
+}
+
+Result<void> check_options(const LoraOptions& o) {
+  if (o.targets.empty()) return fail(ErrorCode::invalid_argument, "apply_lora: no targets (which linear layers to adapt)");
+  if (o.rank < 1) return fail(ErrorCode::invalid_argument, "LoRA rank=", o.rank, ": expected >= 1");
+  if (!std::isfinite(o.alpha) || !(o.alpha > 0))
+    return fail(ErrorCode::invalid_argument, "LoRA alpha=", o.alpha, ": expected a finite value > 0");
+  if (!std::isfinite(o.dropout) || o.dropout < 0 || o.dropout >= 1)
+    return fail(ErrorCode::invalid_argument, "LoRA dropout=", o.dropout, ": expected a value in [0, 1)");
+  return {};
+}
+
+// One adapter to make: on rows [begin, end) of the Linear at `linear`.
+struct Planned {
+  std::string linear;
+  Linear* layer = nullptr;
+  std::string name;  // the child's
+  std::string hf_projection;
+  std::int64_t layer_index = -1;
+  std::int64_t begin = 0, end = 0;
+};
+
+// Freezes the model, then adds the planned adapters (their dropout seeds told apart by path).
+Result<std::vector<LoraAdapterInfo>> make_adapters(Module& model, const std::vector<Planned>& plan, const LoraOptions& o) {
+  for (const auto& p : plan)
+    if (!p.layer->lora_adapters().empty())
+      return fail(ErrorCode::invalid_argument, "apply_lora: ", p.linear, " already has adapters");
+  COSHARD_TRY(model.set_trainable(false));
+  std::vector<LoraAdapterInfo> made;
+  for (const auto& p : plan) {
+    const std::string path = p.linear + "." + p.name;
+    LoraOptions own = o;
+    own.seed = mix(o.seed ^ hash_text(path));
+    COSHARD_TRY_ASSIGN(LoraAdapter * adapter, p.layer->add_lora(p.name, p.begin, p.end, own));
+    made.push_back({path, p.linear, p.hf_projection, p.layer_index, adapter});
+  }
+  return made;
+}
+
+// The model's Linear layers by path, in model order (adapters' own excluded: they are not Linear).
+std::vector<std::pair<std::string, Linear*>> linears_of(Module& model) {
+  std::vector<std::pair<std::string, Linear*>> out;
+  model.for_each_module([&](const std::string& path, Module& m) {
+    if (auto* l = dynamic_cast<Linear*>(&m)) out.emplace_back(path, l);
+  });
+  return out;
+}
+
+// A target that matched no linear layer: its error, naming what it did match when that was not
+// a linear layer.
+Unexpected matched_nothing(Module& model, const std::string& target) {
+  std::string others;
+  model.for_each_module([&](const std::string& path, Module& m) {
+    if (!path.empty() && others.size() < 200 && glob_matches(target, path))
+      others += (others.empty() ? "" : ", ") + path + " (" + std::string(m.type_name()) + ")";
+  });
+  return fail(ErrorCode::invalid_argument, "LoRA target \"", target, "\" matches no linear layer",
+              others.empty() ? std::string(" (nor any module)") : " (it matches " + others + ")");
+}
+
+}  // namespace
+
+// ---- LoraAdapter ----
+
+LoraAdapter::LoraAdapter(std::int64_t in_features, std::int64_t row_begin, std::int64_t row_end,
+                         std::int64_t out_features, const LoraOptions& options)
+    : in_(in_features),
+      row_begin_(row_begin),
+      row_end_(row_end),
+      out_(out_features),
+      rank_(options.rank),
+      alpha_(options.alpha),
+      dropout_(options.dropout),
+      seed_(options.seed) {
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in_features));  // kaiming_uniform_(a=sqrt(5))
+  register_parameter("A", Shape{options.rank, in_features}, Init::uniform(-bound, bound));
+  register_parameter("B", Shape{row_end - row_begin, options.rank}, Init::zeros());
+}
+
+Result<Tensor> LoraAdapter::dropout_mask(Context& ctx, const Tensor& input) {
+  // A forward's ordinal decides its mask; a recompute (activation checkpointing) replays the
+  // mask of the forward whose backward comes next.
+  std::uint64_t ordinal = 0;
+  if (ctx.recomputing() && !pending_.empty()) {
+    ordinal = pending_.back();
+  } else {
+    ordinal = forwards_++;
+    pending_.push_back(ordinal);
+  }
+  const std::int64_t n = input.numel();
+  std::vector<float> values(static_cast<std::size_t>(n));
+  const auto keep = static_cast<float>(1.0 / (1.0 - dropout_));
+  const std::uint64_t base = mix(seed_ ^ mix(ordinal));
+  for (std::int64_t i = 0; i < n; ++i) {
+    const double u = static_cast<double>(mix(base + static_cast<std::uint64_t>(i)) >> 11) * 0x1.0p-53;
+    values[static_cast<std::size_t>(i)] = u < dropout_ ? 0.0f : keep;
+  }
+  COSHARD_TRY_ASSIGN(Tensor f32, ctx.upload(std::as_bytes(std::span<const float>(values)), input.shape(), DataType::f32));
+  if (input.dtype() == DataType::f32) return f32;
+  COSHARD_TRY_ASSIGN(Tensor mask, ctx.empty(input.shape(), input.dtype()));
+  COSHARD_TRY(ctx.kernels().cast(ctx.stream(), DataType::f32, f32.data(), input.dtype(), mask.data(), n));
+  return mask;
+}
+
+async::Task<Result<Tensor>> LoraAdapter::forward(Context& ctx, Tensor input) {
+  COSHARD_CO_TRY(detail::check_activation(ctx, input, in_, "LoraAdapter"));
+  const DataType dt = input.dtype();
+  COSHARD_CO_TRY(detail::check_param(a(), dt, "LoraAdapter"));
+  COSHARD_CO_TRY(detail::check_param(b(), dt, "LoraAdapter"));
+  Tensor out = add_into_;
+  if (!out || out.shape() != input.shape().with_back(out_) || out.dtype() != dt)
+    co_return fail(ErrorCode::invalid_argument, "LoraAdapter: run by its Linear only (no output of shape ",
+                   input.shape().with_back(out_).to_string(), " to add into)");
+  const std::int64_t rows = input.shape().rows();
+  auto& k = ctx.kernels();
+  Saved saved;
+  saved.input = input;
+  if (dropout_ > 0) {
+    COSHARD_CO_TRY_ASSIGN(saved.mask, dropout_mask(ctx, input));
+    COSHARD_CO_TRY_ASSIGN(saved.input, ctx.empty(input.shape(), dt));
+    COSHARD_CO_TRY(k.mul(ctx.stream(), dt, input.data(), saved.mask.data(), saved.input.data(), input.numel()));
+  }
+  // product [rows, rank] = x A^T; out[:, begin:end] += scale * product B^T (ldc: the whole row).
+  COSHARD_CO_TRY_ASSIGN(saved.product, ctx.empty(Shape{rows, rank_}, dt));
+  COSHARD_CO_TRY(k.gemm(ctx.stream(), dt,
+                        GemmArgs{.trans_b = true, .m = rows, .n = rank_, .k = in_, .a = saved.input.data(), .lda = in_,
+                                 .b = a().value().data(), .ldb = in_, .c = saved.product.data(), .ldc = rank_}));
+  auto* rows_out = static_cast<std::byte*>(out.data()) + static_cast<std::size_t>(row_begin_) * size_of(dt);
+  COSHARD_CO_TRY(k.gemm(ctx.stream(), dt,
+                        GemmArgs{.trans_b = true, .m = rows, .n = row_end_ - row_begin_, .k = rank_,
+                                 .a = saved.product.data(), .lda = rank_, .b = b().value().data(), .ldb = rank_,
+                                 .c = rows_out, .ldc = out_, .alpha = scale(), .beta = 1.0f}));
+  saved_.push(std::move(saved));
+  co_return out;
+}
+
+async::Task<Result<Tensor>> LoraAdapter::backward(Context& ctx, Tensor grad_output) {
+  COSHARD_CO_TRY_ASSIGN(Saved saved, saved_.pop("LoraAdapter"));
+  if (dropout_ > 0 && !pending_.empty()) pending_.pop_back();
+  const DataType dt = saved.input.dtype();
+  COSHARD_CO_TRY(detail::check_grad(grad_output, saved.input.shape().with_back(out_), dt, "LoraAdapter"));
+  const std::int64_t rows = saved.input.shape().rows(), width = row_end_ - row_begin_;
+  auto& k = ctx.kernels();
+  const auto* dy = static_cast<const std::byte*>(grad_output.data()) + static_cast<std::size_t>(row_begin_) * size_of(dt);
+  // dB += scale * dy[:, rows]^T product; dproduct = scale * dy[:, rows] B.
+  if (b().grad())
+    COSHARD_CO_TRY(k.gemm(ctx.stream(), dt,
+                          GemmArgs{.trans_a = true, .m = width, .n = rank_, .k = rows, .a = dy, .lda = out_,
+                                   .b = saved.product.data(), .ldb = rank_, .c = b().grad().data(), .ldc = rank_,
+                                   .alpha = scale(), .beta = 1.0f}));
+  COSHARD_CO_TRY_ASSIGN(Tensor dproduct, ctx.empty(Shape{rows, rank_}, dt));
+  COSHARD_CO_TRY(k.gemm(ctx.stream(), dt,
+                        GemmArgs{.m = rows, .n = rank_, .k = width, .a = dy, .lda = out_, .b = b().value().data(),
+                                 .ldb = rank_, .c = dproduct.data(), .ldc = rank_, .alpha = scale()}));
+  // dA += dproduct^T x; dx = dproduct A (times the dropout's mask).
+  if (a().grad())
+    COSHARD_CO_TRY(k.gemm(ctx.stream(), dt,
+                          GemmArgs{.trans_a = true, .m = rank_, .n = in_, .k = rows, .a = dproduct.data(), .lda = rank_,
+                                   .b = saved.input.data(), .ldb = in_, .c = a().grad().data(), .ldc = in_,
+                                   .beta = 1.0f}));
+  COSHARD_CO_TRY_ASSIGN(Tensor dx, ctx.empty(saved.input.shape(), dt));
+  COSHARD_CO_TRY(k.gemm(ctx.stream(), dt,
+                        GemmArgs{.m = rows, .n = in_, .k = rank_, .a = dproduct.data(), .lda = rank_,
+                                 .b = a().value().data(), .ldb = in_, .c = dx.data(), .ldc = in_}));
+  if (saved.mask) COSHARD_CO_TRY(k.mul(ctx.stream(), dt, dx.data(), saved.mask.data(), dx.data(), dx.numel()));
+  co_return dx;
+}
+
+// ---- apply_lora ----
+
+Result<std::vector<LoraAdapterInfo>> apply_lora(Module& model, const LoraOptions& options) {
+  COSHARD_TRY(check_options(options));
+  const auto linears = linears_of(model);
+  std::vector<Planned> plan;
+  std::unordered_set<const Linear*> chosen;
+  for (const auto& target : options.targets) {
+    bool matched = false;
+    for (const auto& [path, layer] : linears) {
+      if (!glob_matches(target, path)) continue;
+      matched = true;
+      if (chosen.insert(layer).second) plan.push_back({path, layer, "lora", "", -1, 0, layer->out_features()});
+    }
+    if (!matched) return matched_nothing(model, target);
+  }
+  // (in model order, whatever the targets' order)
+  std::vector<Planned> ordered;
+  for (const auto& [path, layer] : linears)
+    for (const auto& p : plan)
+      if (p.layer == layer) ordered.push_back(p);
+  return make_adapters(model, ordered, options);
+}
+
+Result<std::vector<LoraAdapterInfo>> apply_lora(Module& model, const LlamaConfig& c, const LoraOptions& options) {
+  COSHARD_TRY(check_options(options));
+  const std::int64_t hd = c.resolved_head_dim(), q = c.heads * hd, kv = c.kv_heads * hd, I = c.intermediate;
+  // Each block's linear layers and the Hugging Face projections they hold (rows of the output).
+  struct Projection {
+    const char* hf;
+    const char* linear;  // under h{l}
+    std::int64_t begin, end;
+  };
+  const Projection projections[] = {{"q_proj", "attn.qkv", 0, q},           {"k_proj", "attn.qkv", q, q + kv},
+                                    {"v_proj", "attn.qkv", q + kv, q + 2 * kv}, {"o_proj", "attn.proj", 0, c.dim},
+                                    {"gate_proj", "mlp.gate_up", 0, I},        {"up_proj", "mlp.gate_up", I, 2 * I},
+                                    {"down_proj", "mlp.down", 0, c.dim}};
+  const auto linears = linears_of(model);
+  auto find = [&](const std::string& path) -> Linear* {
+    for (const auto& [p, l] : linears)
+      if (p == path) return l;
+    return nullptr;
+  };
+  // Every (layer, projection) a target asks for, then in model order.
+  std::vector<std::vector<bool>> wanted(static_cast<std::size_t>(c.layers), std::vector<bool>(std::size(projections)));
+  std::vector<std::pair<std::string, Linear*>> other;  // non-block layers (an untied head), by glob
+  for (const auto& target : options.targets) {
+    const std::string_view bare = std::string_view(target).starts_with("*.") ? std::string_view(target).substr(2) : target;
+    bool matched = false;
+    for (std::size_t j = 0; j < std::size(projections); ++j)
+      if (bare == projections[j].hf) {
+        matched = true;
+        for (auto& layer : wanted) layer[j] = true;
+      }
+    if (matched) continue;
+    for (const auto& [path, layer] : linears) {
+      if (!glob_matches(target, path)) continue;
+      bool in_block = false;
+      for (std::int64_t l = 0; l < c.layers; ++l)
+        for (std::size_t j = 0; j < std::size(projections); ++j)
+          if (path == "h" + std::to_string(l) + "." + projections[j].linear) {
+            wanted[static_cast<std::size_t>(l)][j] = true;
+            in_block = true;
+          }
+      if (!in_block && std::find(other.begin(), other.end(), std::pair{path, layer}) == other.end()) other.emplace_back(path, layer);
+      matched = true;
+    }
+    if (!matched) return matched_nothing(model, target);
+  }
+  std::vector<Planned> plan;
+  for (std::int64_t l = 0; l < c.layers; ++l)
+    for (std::size_t j = 0; j < std::size(projections); ++j) {
+      if (!wanted[static_cast<std::size_t>(l)][j]) continue;
+      const Projection& p = projections[j];
+      const std::string path = "h" + std::to_string(l) + "." + p.linear;
+      Linear* layer = find(path);
+      if (!layer || layer->out_features() < p.end)
+        return fail(ErrorCode::invalid_argument, "apply_lora: the model has no linear layer ", path, " of at least ", p.end,
+                    " outputs (is it make_llama's, with this config?)");
+      plan.push_back({path, layer, std::string("lora_") + p.hf, p.hf, l, p.begin, p.end});
+    }
+  for (const auto& [path, layer] : other) plan.push_back({path, layer, "lora", "", -1, 0, layer->out_features()});
+  return make_adapters(model, plan, options);
+}
+
+}  // namespace coshard::modules
