@@ -56,7 +56,7 @@ TEST_F(Lora, LlamaProjectionsGoByTheirHuggingFaceNamesOnTheRowsOfTheFusedLayers)
   const LlamaConfig c = llama_preset("llama-tiny")->config;  // heads 4, kv 2, head_dim 16, MLP 128
   auto llama = make_llama(c);
   ASSERT_TRUE(llama);
-  auto made = apply_lora(**llama, c, LoraOptions{.targets = {"q_proj", "*.v_proj", "down_proj", "h1.mlp.gate_up"}});
+  auto made = apply_lora(**llama, LoraOptions{.targets = {"q_proj", "*.v_proj", "down_proj", "h1.mlp.gate_up"}});
   ASSERT_TRUE(made) << made.error().message();
   std::vector<std::string> got;
   for (const auto& a : *made)

@@ -4,9 +4,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <optional>
 #include <unordered_set>
 
-#include "coshard/modules/llama.hpp"
+#include "coshard/modules/llama_layers.hpp"
 #include "kernels/kernels.hpp"
 #include "layers/layer_checks.hpp"
 
@@ -197,8 +199,10 @@ async::Task<Result<Tensor>> LoraAdapter::backward(Context& ctx, Tensor grad_outp
 
 // ---- apply_lora ----
 
-Result<std::vector<LoraAdapterInfo>> apply_lora(Module& model, const LoraOptions& options) {
-  COSHARD_TRY(check_options(options));
+namespace {
+
+// Any model: one adapter per matched Linear, over all its rows.
+Result<std::vector<LoraAdapterInfo>> adapt_by_glob(Module& model, const LoraOptions& options) {
   const auto linears = linears_of(model);
   std::vector<Planned> plan;
   std::unordered_set<const Linear*> chosen;
@@ -219,9 +223,43 @@ Result<std::vector<LoraAdapterInfo>> apply_lora(Module& model, const LoraOptions
   return make_adapters(model, ordered, options);
 }
 
-Result<std::vector<LoraAdapterInfo>> apply_lora(Module& model, const LlamaConfig& c, const LoraOptions& options) {
-  COSHARD_TRY(check_options(options));
-  const std::int64_t hd = c.resolved_head_dim(), q = c.heads * hd, kv = c.kv_heads * hd, I = c.intermediate;
+// make_llama's blocks, as found in a model: h{l}.attn.rope (its heads), .attn.qkv, .attn.proj,
+// .mlp.gate_up and .mlp.down, for every l from 0.
+struct LlamaLayout {
+  std::int64_t layers = 0, dim = 0, heads = 0, kv_heads = 0, head_dim = 0, intermediate = 0;
+};
+
+std::optional<LlamaLayout> llama_layout(Module& model) {
+  std::map<std::string, Module*> by_path;
+  model.for_each_module([&](const std::string& path, Module& m) { by_path[path] = &m; });
+  LlamaLayout c;
+  for (;; ++c.layers) {
+    const std::string h = "h" + std::to_string(c.layers) + ".";
+    auto* rope = by_path.contains(h + "attn.rope") ? dynamic_cast<RotaryEmbedding*>(by_path[h + "attn.rope"]) : nullptr;
+    if (!rope) break;
+    auto linear = [&](const std::string& name) {
+      return by_path.contains(h + name) ? dynamic_cast<Linear*>(by_path[h + name]) : nullptr;
+    };
+    Linear *qkv = linear("attn.qkv"), *proj = linear("attn.proj"), *gate_up = linear("mlp.gate_up"), *down = linear("mlp.down");
+    if (!qkv || !proj || !gate_up || !down) return std::nullopt;
+    const LlamaLayout here{0, proj->out_features(), rope->n_heads(), rope->n_kv_heads(), rope->head_dim(),
+                           gate_up->out_features() / 2};
+    if (qkv->out_features() != (here.heads + 2 * here.kv_heads) * here.head_dim || down->out_features() != here.dim)
+      return std::nullopt;
+    if (c.layers > 0 && (here.dim != c.dim || here.heads != c.heads || here.kv_heads != c.kv_heads ||
+                         here.head_dim != c.head_dim || here.intermediate != c.intermediate))
+      return std::nullopt;
+    const std::int64_t layers = c.layers;
+    c = here;
+    c.layers = layers;
+  }
+  if (c.layers == 0) return std::nullopt;
+  return c;
+}
+
+// make_llama's model: Hugging Face's projection names, one adapter per projection of a fused layer.
+Result<std::vector<LoraAdapterInfo>> adapt_llama(Module& model, const LlamaLayout& c, const LoraOptions& options) {
+  const std::int64_t hd = c.head_dim, q = c.heads * hd, kv = c.kv_heads * hd, I = c.intermediate;
   // Each block's linear layers and the Hugging Face projections they hold (rows of the output).
   struct Projection {
     const char* hf;
@@ -272,12 +310,19 @@ Result<std::vector<LoraAdapterInfo>> apply_lora(Module& model, const LlamaConfig
       const std::string path = "h" + std::to_string(l) + "." + p.linear;
       Linear* layer = find(path);
       if (!layer || layer->out_features() < p.end)
-        return fail(ErrorCode::invalid_argument, "apply_lora: the model has no linear layer ", path, " of at least ", p.end,
-                    " outputs (is it make_llama's, with this config?)");
+        return fail(ErrorCode::internal, "apply_lora: no linear layer ", path, " of at least ", p.end, " outputs");
       plan.push_back({path, layer, std::string("lora_") + p.hf, p.hf, l, p.begin, p.end});
     }
   for (const auto& [path, layer] : other) plan.push_back({path, layer, "lora", "", -1, 0, layer->out_features()});
   return make_adapters(model, plan, options);
+}
+
+}  // namespace
+
+Result<std::vector<LoraAdapterInfo>> apply_lora(Module& model, const LoraOptions& options) {
+  COSHARD_TRY(check_options(options));
+  if (const auto llama = llama_layout(model)) return adapt_llama(model, *llama, options);
+  return adapt_by_glob(model, options);
 }
 
 }  // namespace coshard::modules

@@ -109,6 +109,9 @@ class RotaryEmbedding final : public Module {
   void clear_saved() override { saved_.clear(); }
   // The head_dim / 2 frequencies, in f32 as the kernels use them.
   const std::vector<float>& inv_freq() const noexcept { return inv_freq_; }
+  std::int64_t n_heads() const noexcept { return n_heads_; }
+  std::int64_t n_kv_heads() const noexcept { return n_kv_heads_; }
+  std::int64_t head_dim() const noexcept { return head_dim_; }
   // An error naming the first bad value (heads, head_dim odd, n_kv_heads not dividing n_heads,
   // theta or the scaling out of range); the layer refuses to run until fixed.
   Result<void> check() const;

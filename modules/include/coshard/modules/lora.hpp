@@ -20,8 +20,6 @@
 
 namespace coshard::modules {
 
-struct LlamaConfig;
-
 struct LoraOptions {
   // Which linear layers get adapters: globs over module paths (`*` any run of characters, dots
   // included), as Module::for_each_module names them ("h*.attn.qkv", "*.mlp.*"). With a Llama
@@ -86,12 +84,12 @@ struct LoraAdapterInfo {
 };
 
 // Adds adapters to every Linear whose path matches a target, and freezes every other parameter
-// of the model. Errors name the value: a target matching nothing, or matching a module that is
-// not a Linear, a rank < 1, a negative or non-finite alpha, a dropout outside [0, 1), a Linear
-// that already has adapters. Before any ParameterStore or engine is made for the model.
+// of the model. A model make_llama built is recognised by its blocks: Hugging Face's projection
+// names are targets too, and its fused qkv and gate_up take one adapter per projection they hold
+// (any other model: one adapter per matched layer, over all its rows). Errors name the value: a
+// target matching nothing, or matching a module that is not a Linear, a rank < 1, a non-positive
+// or non-finite alpha, a dropout outside [0, 1), a Linear that already has adapters. Before any
+// ParameterStore or engine is made for the model.
 Result<std::vector<LoraAdapterInfo>> apply_lora(Module& model, const LoraOptions& options);
-// The same for a model make_llama(config) built: Hugging Face's projection names are targets too,
-// and the fused qkv and gate_up take one adapter per projection they hold.
-Result<std::vector<LoraAdapterInfo>> apply_lora(Module& model, const LlamaConfig& config, const LoraOptions& options);
 
 }  // namespace coshard::modules
