@@ -166,6 +166,12 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   app.add_option("--freeze", freeze,
                  "parameters that do not train, by glob over their full names (repeatable; e.g. 'embed.*' or "
                  "'h0.*', the embedding and the first block); each must match a parameter");
+  std::vector<std::string> lora_targets;
+  app.add_option("--lora-targets", lora_targets,
+                 "with --lora-rank: the linear layers to adapt, by glob over their module paths (repeatable; "
+                 "e.g. '*.attn.qkv' or 'h*.mlp.*'); with a Llama Hugging Face's projection names too (q_proj, k_proj, "
+                 "v_proj, o_proj, gate_proj, up_proj, down_proj); default: q_proj and v_proj for a Llama, every "
+                 "attention's qkv for a GPT");
   app.add_option("--config", o.config, "a DeepSpeed JSON config (its zero_optimization, fp16/bf16, optimizer, ...)")
       ->check(CLI::ExistingFile);
   app.add_option("--init", o.init,
@@ -263,6 +269,7 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   if (!given_on_command_line("decay_steps") && c.decay != trainer::LrDecay::none && c.decay_steps == 0)
     c.decay_steps = o.steps;
   if (!freeze.empty()) c.freeze = freeze;
+  if (!lora_targets.empty()) c.lora_targets = lora_targets;
   // Globs and lists into files, in order (each checked and opened later, before anything trains).
   for (auto [specs, files, first, flag] : {std::tuple{&o.data_specs, &o.data_files, &o.data, "--data"},
                                            std::tuple{&o.val_specs, &o.val_files, &o.val_data, "--val-data"}}) {

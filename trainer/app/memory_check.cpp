@@ -9,6 +9,7 @@ using zero::MemoryPlace;
 
 Result<RunMemory> estimate_run(const trainer::TrainerConfig& c, const RunShape& shape) {
   COSHARD_TRY_ASSIGN(auto model, shape.model.build());  // shapes only: no parameter memory yet
+  COSHARD_TRY(trainer::apply_lora(c, *model));  // (the frozen base holds no gradient, master or state)
   for (const auto& pattern : c.freeze)  // (frozen units hold no gradient, master or state)
     if (auto frozen = model->set_trainable_matching(pattern, false); !frozen)
       return fail(std::move(frozen).error().with_context("freeze"));

@@ -67,6 +67,31 @@ Result<void> TrainerConfig::validate() const {
   return {};
 }
 
+std::optional<modules::LoraOptions> TrainerConfig::lora() const {
+  if (lora_rank == 0) return std::nullopt;
+  modules::LoraOptions o;
+  o.targets = lora_targets;
+  o.rank = lora_rank;
+  o.alpha = lora_alpha;
+  o.dropout = lora_dropout;
+  o.seed = seed;
+  return o;
+}
+
+Result<std::vector<modules::LoraAdapterInfo>> apply_lora(const TrainerConfig& c, modules::Module& model) {
+  auto options = c.lora();
+  if (!options) return std::vector<modules::LoraAdapterInfo>{};
+  if (options->targets.empty()) {
+    options->targets = modules::default_lora_targets(model);
+    if (options->targets.empty())
+      return fail(ErrorCode::invalid_argument, "lora_rank=", c.lora_rank, ": the model has no default LoRA targets (a ",
+                  model.type_name(), " that is neither make_llama's nor make_gpt's): name them (--lora-targets)");
+  }
+  auto made = modules::apply_lora(model, *options);
+  if (!made) return fail(std::move(made).error().with_context("LoRA"));
+  return made;
+}
+
 modules::StepControlOptions TrainerConfig::step_control() const {
   modules::StepControlOptions control;
   control.max_grad_norm = max_grad_norm;

@@ -379,15 +379,17 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
       // adaptive_prefetch after every other key: a prefetch_bucket_bytes given beside it is its cap
       // (alone, a fixed depth), whichever the file names first.
       if (key == "adaptive_prefetch") continue;
-      if (key == "freeze") {  // the parameters that do not train, by glob (--freeze)
+      // Lists of globs: the parameters that do not train (--freeze), the linear layers LoRA adapts
+      // (--lora-targets).
+      if (key == "freeze" || key == "lora_targets") {
         if (!v.is_array() || v.size() > 4096) {
-          r.bad.push_back("freeze=" + async::bounded_echo(v.dump(), 64) + " (expected a list of at most 4096 globs)");
+          r.bad.push_back(key + "=" + async::bounded_echo(v.dump(), 64) + " (expected a list of at most 4096 globs)");
           continue;
         }
         std::vector<std::string> patterns;
         for (const auto& pattern : v)
-          if (auto text = r.string(pattern, "freeze[]")) patterns.push_back(*text);
-        c.freeze = std::move(patterns);
+          if (auto text = r.string(pattern, key + "[]")) patterns.push_back(*text);
+        (key == "freeze" ? c.freeze : c.lora_targets) = std::move(patterns);
         continue;
       }
       // DeepSpeed's sections are objects; coshard's settings of the same name ("optimizer":

@@ -63,6 +63,9 @@ std::vector<std::pair<std::string, std::string>> agreement_fields(const TrainerC
   std::string frozen;
   for (const auto& pattern : c.freeze) frozen += pattern + ";";
   f.emplace_back("freeze", frozen);
+  std::string lora = std::to_string(c.lora_rank) + " " + text_of(c.lora_alpha) + " " + text_of(c.lora_dropout);
+  for (const auto& target : c.lora_targets) lora += " " + target;
+  f.emplace_back("LoRA", lora);
   for (const auto& [key, value] : c.run_identity) f.emplace_back("the run's " + key, value);
   for (const auto& [key, value] : c.ranks_agree_on) f.emplace_back(key, value);
   return f;

@@ -440,6 +440,19 @@ std::vector<Setting> make_table() {
                                              .help = "keep the newest N checkpoints, remove older ones (0: keep all)",
                                              .expected = "0 to 2^30 (0: keep all)", .per_rank = true},
                                             0, 1 << 30));
+  // LoRA fine-tuning
+  t.push_back(integer<&T::lora_rank>({.name = "lora_rank", .flag = "--lora-rank",
+                                      .help = "LoRA: low-rank adapters of this rank on the --lora-targets layers, the rest "
+                                              "of the model frozen (0: off, full training)",
+                                      .expected = "0 to 65536 (0: off)"},
+                                     0, 65536));
+  t.push_back(real<&T::lora_alpha>({.name = "lora_alpha", .flag = "--lora-alpha",
+                                    .help = "LoRA: the adapters' products are scaled by alpha / rank (PEFT's lora_alpha)",
+                                    .expected = "> 0"},
+                                   0, true, std::numeric_limits<float>::max()));
+  t.push_back(real<&T::lora_dropout>({.name = "lora_dropout", .flag = "--lora-dropout",
+                                      .help = "LoRA: dropout on the adapters' input", .expected = "0 to below 1"},
+                                     0, false, 1, true));
   // Validation
   t.push_back(integer<&T::eval_every>(
       {.name = "eval_every", .flag = "--eval-every",
@@ -533,6 +546,7 @@ std::string settings_json(const TrainerConfig& c) {
   }
   // What the table does not hold, under the names the config reader takes.
   if (!c.freeze.empty()) out["freeze"] = c.freeze;
+  if (!c.lora_targets.empty()) out["lora_targets"] = c.lora_targets;
   if (!c.tensorboard_dir.empty()) {
     std::filesystem::path dir = c.tensorboard_dir.lexically_normal();
     if (dir.filename().empty()) dir = dir.parent_path();  // (a trailing '/')

@@ -296,6 +296,14 @@ async::Task<Result<Trainer>> TrainerBuilder::build(modules::Module& model) const
     o.weight_decay = c_.weight_decay.value_or(o.weight_decay);
     COSHARD_CO_TRY_ASSIGN(impl->optimizer, modules::Optimizer::sgd(o, control));
   }
+  // LoRA's adapters first: apply_lora freezes the rest of the model, then --freeze may freeze more.
+  COSHARD_CO_TRY_ASSIGN(const auto adapters, apply_lora(c_, model));
+  if (!adapters.empty()) {
+    std::int64_t trained = 0;
+    for (const auto& a : adapters) trained += a.adapter->a().numel() + a.adapter->b().numel();
+    COSHARD_LOG_INFO(trainer, "LoRA rank {} alpha {}: {} adapters, {} trained parameters of {}", c_.lora_rank,
+                     c_.lora_alpha, adapters.size(), trained, model.parameter_count());
+  }
   if (c_.activation_checkpointing.enabled()) {
     auto* sequential = dynamic_cast<modules::Sequential*>(&model);
     if (!sequential)

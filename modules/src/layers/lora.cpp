@@ -32,7 +32,8 @@ std::uint64_t hash_text(std::string_view s) noexcept {
 }
 
 Result<void> check_options(const LoraOptions& o) {
-  if (o.targets.empty()) return fail(ErrorCode::invalid_argument, "apply_lora: no targets (which linear layers to adapt)");
+  if (o.targets.empty())
+    return fail(ErrorCode::invalid_argument, "apply_lora: no targets (which linear layers to adapt: globs over their paths)");
   if (o.rank < 1) return fail(ErrorCode::invalid_argument, "LoRA rank=", o.rank, ": expected >= 1");
   if (!std::isfinite(o.alpha) || !(o.alpha > 0))
     return fail(ErrorCode::invalid_argument, "LoRA alpha=", o.alpha, ": expected a finite value > 0");
@@ -318,6 +319,16 @@ Result<std::vector<LoraAdapterInfo>> adapt_llama(Module& model, const LlamaLayou
 }
 
 }  // namespace
+
+std::vector<std::string> default_lora_targets(Module& model) {
+  if (llama_layout(model)) return {"q_proj", "v_proj"};
+  bool gpt = false;
+  model.for_each_module([&](const std::string& path, Module& m) {
+    gpt = gpt || (path.ends_with(".attn.qkv") && dynamic_cast<Linear*>(&m) != nullptr);
+  });
+  if (gpt) return {"*.attn.qkv"};
+  return {};
+}
 
 Result<std::vector<LoraAdapterInfo>> apply_lora(Module& model, const LoraOptions& options) {
   COSHARD_TRY(check_options(options));

@@ -92,4 +92,8 @@ struct LoraAdapterInfo {
 // ParameterStore or engine is made for the model.
 Result<std::vector<LoraAdapterInfo>> apply_lora(Module& model, const LoraOptions& options);
 
+// PEFT's default targets for a model: q_proj and v_proj for one make_llama built, every
+// attention's fused qkv ("*.attn.qkv", GPT-2's c_attn) for one make_gpt built; empty otherwise.
+std::vector<std::string> default_lora_targets(Module& model);
+
 }  // namespace coshard::modules

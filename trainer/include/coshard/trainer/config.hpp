@@ -18,6 +18,7 @@
 
 #include "coshard/zero/engine.hpp"
 #include "coshard/modules/checkpointing.hpp"
+#include "coshard/modules/lora.hpp"
 #include "coshard/modules/optimizer.hpp"
 
 namespace coshard::trainer {
@@ -106,6 +107,17 @@ struct TrainerConfig : zero::EngineOptions {
   // Parameters that do not train (fine-tuning): globs over full names, such as
   // "model.embed_tokens.*" or "blocks.0.*", frozen when the trainer is built. Each must match.
   std::vector<std::string> freeze;
+  // LoRA fine-tuning (modules/lora.hpp): with lora_rank > 0, low-rank adapters on the linear layers
+  // lora_targets names (globs over module paths; with a Llama, Hugging Face's projection names
+  // too; none given: PEFT's defaults, q_proj and v_proj for a Llama, every attention's qkv
+  // otherwise), the rest of the model frozen; scaled by lora_alpha / lora_rank, with dropout
+  // lora_dropout on their input.
+  std::int64_t lora_rank = 0;
+  float lora_alpha = 8.0f;
+  float lora_dropout = 0.0f;
+  std::vector<std::string> lora_targets;
+  // The adapters' options, or none without LoRA (targets left empty: the model's defaults).
+  std::optional<modules::LoraOptions> lora() const;
   float momentum = modules::SgdOptions{}.momentum;  // sgd
   bool nesterov = modules::SgdOptions{}.nesterov;   // sgd
   std::uint64_t seed = 1;               // initial weights
@@ -177,5 +189,9 @@ struct TrainerConfig : zero::EngineOptions {
 Result<std::size_t> parse_size(std::string_view text);
 // "none", "cpu", "nvme:/path" (or "nvme" with a path given elsewhere).
 Result<OffloadOptions> parse_offload(std::string_view text);
+
+// The config's LoRA adapters on `model` (the model's default targets when it names none), or
+// nothing without LoRA: what was made, for the log and the exports.
+Result<std::vector<modules::LoraAdapterInfo>> apply_lora(const TrainerConfig& c, modules::Module& model);
 
 }  // namespace coshard::trainer
