@@ -6,9 +6,12 @@
 
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "coshard/modules/safetensors.hpp"
 #include "binary_harness.hpp"
@@ -113,6 +116,43 @@ TEST(CoshardTrainLora, EveryLayoutTrainsTheAdaptersOfTheUnshardedRunAndLeavesThe
         }
     }
   }
+}
+
+// Stage 3 with 4 micro-batches: the frozen base is gathered once a step (kept for the other
+// micro-batches and backward), not at each use as --regather-frozen does, with the same bits.
+TEST(CoshardTrainLora, TheFrozenBaseIsGatheredOnceAStep) {
+  const fs::path dir = scratch("lora_gathers");
+  auto gathers = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args = kLlama;  // (16 rows, 2 steps)
+    for (std::size_t i = 0; i + 1 < args.size(); ++i) {
+      if (args[i] == "--batch") args[i + 1] = "16";
+      if (args[i] == "--steps") args[i + 1] = "2";
+    }
+    args.insert(args.end(), kLora.begin(), kLora.end());
+    for (const std::string& a : {"--world-size", "2", "--zero-stage", "3", "--grad-accum", "4"}) args.push_back(a);
+    args.push_back("--metrics");
+    args.push_back((dir / "m.jsonl").string());
+    args.insert(args.end(), extra.begin(), extra.end());
+    const auto r = run(args, dir);
+    EXPECT_EQ(r.code, 0) << r.output;
+    std::vector<std::pair<double, std::int64_t>> steps;  // loss, gathered bytes
+    std::ifstream in(dir / "m.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      const auto j = nlohmann::json::parse(line);
+      steps.emplace_back(j["loss"].get<double>(), j["gathered_bytes"].get<std::int64_t>());
+    }
+    return steps;
+  };
+  const auto kept = gathers({}), again = gathers({"--regather-frozen"});
+  ASSERT_EQ(kept.size(), 2u);
+  ASSERT_EQ(again.size(), 2u);
+  for (std::size_t i = 0; i < kept.size(); ++i) {
+    EXPECT_EQ(kept[i].first, again[i].first) << "step " << i + 1;
+    // Each use of a unit is a gather without keeping: 4 forwards and 4 backwards.
+    EXPECT_LT(4 * kept[i].second, again[i].second) << "step " << i + 1;
+  }
+  RecordProperty("gathered_bytes_per_step", std::to_string(kept[0].second) + " kept, " + std::to_string(again[0].second) +
+                                                " regathered");
 }
 
 // A rank of 0 is full training; a target that matches nothing, a dropout of 1 and LoRA on a model

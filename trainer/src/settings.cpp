@@ -271,6 +271,11 @@ std::vector<Setting> make_table() {
     };
     t.push_back(s);
   }
+  t.push_back(boolean<&T::keep_frozen_gathered>(
+      {.name = "keep_frozen_gathered", .flag = "--regather-frozen",
+       .help = "stage 3: gather a frozen unit (a fine-tuned base) again for each use, instead of keeping it gathered "
+               "for the rest of the step while max_live_bytes has room",
+       .switch_sets = false}));
   t.push_back(integer<&T::max_reuse_distance>({.name = "max_reuse_distance", .flag = "--max-reuse-distance",
                                                .help = "keep a unit needed again within N fetches",
                                                .expected = "a whole number from 0 to 2^62"},

@@ -179,6 +179,8 @@ Result<GatherScheduler::Awaiting> GatherScheduler::prefetch_ahead() {
 
 bool GatherScheduler::keep_after_use(const FetchUnit& u) const {
   if (u.info.persistent) return true;
+  const bool room = w_.o.max_live_bytes - logical_live_ >= w_.largest_unit_bytes;
+  if (u.info.frozen && w_.o.keep_frozen_gathered) return room;  // (the same values until the step's end)
   if ((w_.o.max_reuse_distance == 0 && w_.o.max_reuse_distance_elements == 0) || !trace_.following()) return false;
   const auto order = trace_.order();
   const std::size_t pos = trace_.pos();
@@ -192,7 +194,7 @@ bool GatherScheduler::keep_after_use(const FetchUnit& u) const {
     soon = next.index == u.index;
     elements += static_cast<std::size_t>(next.info.numel);
   }
-  return soon && w_.o.max_live_bytes - logical_live_ >= w_.largest_unit_bytes;
+  return soon && room;
 }
 
 }  // namespace coshard::zero::detail

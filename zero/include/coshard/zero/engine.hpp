@@ -120,6 +120,11 @@ struct EngineOptions {
   // elements are fetched (stage3_max_reuse_distance). Either rule keeps a unit.
   std::size_t max_reuse_distance_elements = 0;
   std::size_t persistence_threshold_bytes = 0;  // smaller units stay gathered for the whole step
+  // Stage 3: a frozen unit (every parameter frozen: a fine-tuned model's base, LoRA's) cannot
+  // change within a step, so after a use it stays gathered for the rest of the step (the next
+  // micro-batch's forward, its backward) while max_live_bytes keeps room for the largest unit,
+  // instead of being gathered again for each use.
+  bool keep_frozen_gathered = true;
   FetchMode fetch_mode = FetchMode::all_gather;
   // Timed events around every wait of the compute stream on communication, so each step reports
   // exposed_comm_ms (read after the step from device timestamps, never by a synchronize). A few
