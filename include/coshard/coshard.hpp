@@ -35,5 +35,6 @@
 #include "coshard/zero/checkpoint.hpp"
 #include "coshard/zero/engine.hpp"
 #include "coshard/zero/hf_llama.hpp"
+#include "coshard/zero/peft.hpp"
 #include "coshard/zero/memory_estimate.hpp"
 #include "coshard/zero/ranks.hpp"

@@ -42,6 +42,15 @@ const std::vector<std::string> kLlama = {"--model", "llama", "--layers", "2", "-
 const std::vector<std::string> kLora = {"--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "q_proj",
                                         "--lora-targets", "v_proj", "--lora-targets", "*.mlp.*"};
 
+// The same with the synthetic task's vocabulary of 256, which a model read from a Hugging Face folder
+// (--init) trains on.
+std::vector<std::string> llama_of_vocab_256() {
+  std::vector<std::string> args = kLlama;
+  for (std::size_t i = 0; i + 1 < args.size(); ++i)
+    if (args[i] == "--vocab") args[i + 1] = "256";
+  return args;
+}
+
 bool is_adapter(const std::string& name) { return name.find(".lora_") != std::string::npos; }
 
 TEST(CoshardTrainLora, EveryLayoutTrainsTheAdaptersOfTheUnshardedRunAndLeavesTheBase) {
@@ -153,6 +162,97 @@ TEST(CoshardTrainLora, TheFrozenBaseIsGatheredOnceAStep) {
   }
   RecordProperty("gathered_bytes_per_step", std::to_string(kept[0].second) + " kept, " + std::to_string(again[0].second) +
                                                 " regathered");
+}
+
+// The adapters as a PEFT folder and the merged model as a Hugging Face folder: the merged q_proj,
+// gate_proj, up_proj and down_proj are the initial base plus alpha / r * B A (in double, rounded
+// once), the others the base's; the folder read back gives the same adapters, and the model with
+// them applied gives the merged model's loss.
+TEST(CoshardTrainLora, PeftFoldersRoundTripAndTheMergedExportIsTheBasePlusTheScaledProduct) {
+  const fs::path dir = scratch("lora_peft");
+  const std::vector<std::string> llama = llama_of_vocab_256();
+  const auto base_run = run(with(llama, {"--world-size", "1", "--freeze", "*", "--export", (dir / "base").string()}), dir);
+  ASSERT_EQ(base_run.code, 0) << base_run.output;
+  std::vector<std::string> tuned = kLora;
+  tuned.insert(tuned.end(), {"--world-size", "2", "--export-adapter", (dir / "peft").string(), "--export", (dir / "merged").string()});
+  const auto tuned_run = run(with(llama, tuned), dir);
+  ASSERT_EQ(tuned_run.code, 0) << tuned_run.output;
+  const auto base = tensors_in(dir / "base" / "model.safetensors"), merged = tensors_in(dir / "merged" / "model.safetensors");
+  const auto peft = tensors_in(dir / "peft" / "adapter_model.safetensors");
+  ASSERT_EQ(peft.size(), 20u);
+  ASSERT_EQ(base.size(), merged.size());
+  const double scale = 8.0 / 4.0;
+  int folded = 0;
+  for (const auto& [name, w] : merged) {
+    const std::string module = name.substr(0, name.size() - std::string(".weight").size());
+    const auto a = peft.find("base_model.model." + module + ".lora_A.weight");
+    if (a == peft.end()) {
+      EXPECT_EQ(w, base.at(name)) << name << " has no adapter: the base's";
+      continue;
+    }
+    ++folded;
+    const auto& bv = peft.at("base_model.model." + module + ".lora_B.weight");
+    const auto& av = a->second;
+    const std::size_t r = 4, in = av.size() / r, rows = bv.size() / r;
+    ASSERT_EQ(w.size(), rows * in) << name;
+    for (std::size_t i = 0; i < rows; ++i)
+      for (std::size_t j = 0; j < in; ++j) {
+        double delta = 0;
+        for (std::size_t k = 0; k < r; ++k) delta += static_cast<double>(bv[i * r + k]) * av[k * in + j];
+        const auto want = static_cast<float>(base.at(name)[i * in + j] + scale * delta);
+        ASSERT_EQ(w[i * in + j], want) << name << "[" << i << "," << j << "]";
+      }
+  }
+  EXPECT_EQ(folded, 10) << "q, v, gate, up and down in 2 blocks";
+
+  // Read back at 1e-30 (an update below every value's last bit): the same adapters, bit for bit.
+  std::vector<std::string> again = {"--adapter", (dir / "peft").string(), "--export-adapter", (dir / "peft2").string()};
+  std::vector<std::string> tiny_lr = llama;
+  for (std::size_t i = 0; i + 1 < tiny_lr.size(); ++i) {
+    if (tiny_lr[i] == "--lr") tiny_lr[i + 1] = "1e-30";
+    if (tiny_lr[i] == "--steps") tiny_lr[i + 1] = "1";
+  }
+  tiny_lr.insert(tiny_lr.end(), again.begin(), again.end());
+  tiny_lr.insert(tiny_lr.end(), {"--world-size", "2", "--zero-stage", "3", "--metrics", (dir / "adapted.jsonl").string()});
+  const auto reread = run(tiny_lr, dir);
+  ASSERT_EQ(reread.code, 0) << reread.output;
+  EXPECT_EQ(tensors_in(dir / "peft2" / "adapter_model.safetensors"), peft);
+  // The merged model alone (nothing training) on the same first batch: the adapted model's loss.
+  // (the folder's config.json gives the shape: kLlama's run flags alone)
+  const std::vector<std::string> merged_args = {"--init", (dir / "merged").string(), "--seq", "8", "--batch", "12",
+                                                "--lr", "0.005", "--clip", "0", "--steps", "1", "--quiet",
+                                                "--freeze", "*", "--world-size", "2",
+                                                "--metrics", (dir / "merged.jsonl").string()};
+  const auto merged_run = run(merged_args, dir);
+  ASSERT_EQ(merged_run.code, 0) << merged_run.output;
+  const auto adapted_loss = losses_in(dir / "adapted.jsonl"), merged_loss = losses_in(dir / "merged.jsonl");
+  ASSERT_EQ(adapted_loss.size(), 1u);
+  ASSERT_EQ(merged_loss.size(), 1u);
+  EXPECT_NEAR(adapted_loss[0], merged_loss[0], 1e-6 * merged_loss[0]);
+}
+
+// A PEFT folder that is not this model's adapters is refused by name, nothing loaded.
+TEST(CoshardTrainLora, AForeignPeftFolderIsRefusedByName) {
+  const fs::path dir = scratch("lora_peft_refusals");
+  std::vector<std::string> args = kLora;
+  args.insert(args.end(), {"--world-size", "1", "--export-adapter", (dir / "peft").string()});
+  ASSERT_EQ(run(with(kLlama, args), dir).code, 0);
+  // Another rank: refused naming both.
+  const auto wrong_rank = run(with(kLlama, {"--world-size", "1", "--adapter", (dir / "peft").string(), "--lora-rank", "8",
+                                            "--lora-targets", "q_proj", "--lora-targets", "v_proj", "--lora-targets", "*.mlp.*"}),
+                              dir);
+  EXPECT_NE(wrong_rank.code, 0);
+  EXPECT_NE(wrong_rank.output.find("r=4 lora_alpha=8, the model's adapters have rank 8"), std::string::npos) << wrong_rank.output;
+  // Fewer targets than the folder holds: its extra tensors are named.
+  const auto fewer = run(with(kLlama, {"--world-size", "1", "--adapter", (dir / "peft").string(), "--lora-rank", "4",
+                                       "--lora-targets", "q_proj"}),
+                         dir);
+  EXPECT_NE(fewer.code, 0);
+  EXPECT_NE(fewer.output.find("is no adapter of this model"), std::string::npos) << fewer.output;
+  // --export-adapter without LoRA.
+  const auto none = run(with(kLlama, {"--export-adapter", (dir / "x").string()}), dir);
+  EXPECT_EQ(none.code, 2);
+  EXPECT_NE(none.output.find("--export-adapter needs LoRA (--lora-rank)"), std::string::npos) << none.output;
 }
 
 // A rank of 0 is full training; a target that matches nothing, a dropout of 1 and LoRA on a model

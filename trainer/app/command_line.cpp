@@ -7,6 +7,7 @@
 #include "coshard/async/log.hpp"
 #include "coshard/trainer/data.hpp"
 #include "coshard/trainer/settings.hpp"
+#include "coshard/zero/peft.hpp"
 #include "flight_dumps.hpp"
 
 #include <CLI/CLI.hpp>
@@ -166,6 +167,14 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   app.add_option("--freeze", freeze,
                  "parameters that do not train, by glob over their full names (repeatable; e.g. 'embed.*' or "
                  "'h0.*', the embedding and the first block); each must match a parameter");
+  app.add_option("--adapter", o.adapter,
+                 "LoRA adapters to start from (continue training, or sample with them): a Hugging Face PEFT folder "
+                 "(adapter_config.json, adapter_model.safetensors); its r, lora_alpha and target_modules unless "
+                 "--lora-rank is given")
+      ->check(CLI::ExistingDirectory);
+  app.add_option("--export-adapter", o.export_adapter,
+                 "with LoRA, at the end, write the adapters as a Hugging Face PEFT folder (adapter_config.json and "
+                 "adapter_model.safetensors under PEFT's names; --export then writes the merged model)");
   std::vector<std::string> lora_targets;
   app.add_option("--lora-targets", lora_targets,
                  "with --lora-rank: the linear layers to adapt, by glob over their module paths (repeatable; "
@@ -270,6 +279,22 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
     c.decay_steps = o.steps;
   if (!freeze.empty()) c.freeze = freeze;
   if (!lora_targets.empty()) c.lora_targets = lora_targets;
+  // --adapter: the folder's LoRA settings, unless the command line or the config set a rank.
+  if (!o.adapter.empty() && c.lora_rank == 0) {
+    auto peft = zero::read_peft_config(o.adapter);
+    if (!peft) {
+      std::fprintf(stderr, "coshard-train: --adapter %s: %s\n", o.adapter.c_str(), peft.error().message().c_str());
+      return 2;
+    }
+    c.lora_rank = peft->r;
+    c.lora_alpha = static_cast<float>(peft->lora_alpha);
+    c.lora_dropout = static_cast<float>(peft->lora_dropout);
+    if (lora_targets.empty()) c.lora_targets = peft->target_modules;
+  }
+  if ((!o.adapter.empty() || !o.export_adapter.empty()) && c.lora_rank == 0) {
+    std::fprintf(stderr, "coshard-train: %s needs LoRA (--lora-rank)\n", o.adapter.empty() ? "--export-adapter" : "--adapter");
+    return 2;
+  }
   // Globs and lists into files, in order (each checked and opened later, before anything trains).
   for (auto [specs, files, first, flag] : {std::tuple{&o.data_specs, &o.data_files, &o.data, "--data"},
                                            std::tuple{&o.val_specs, &o.val_files, &o.val_data, "--val-data"}}) {

@@ -35,6 +35,10 @@ struct Options {
   ModelChoice model;  // --model, --preset and the shape flags (its vocabulary settled in main)
   std::string data_format = "auto";  // trainer::parse_token_format
   std::string data, config, init, metrics, trace, checkpoint_dir, export_path;
+  // LoRA: a Hugging Face PEFT folder of adapters to start from (--adapter; its adapter_config.json
+  // gives the rank, alpha and targets when --lora-rank is not given), and one to write at the end
+  // (--export-adapter).
+  std::string adapter, export_adapter;
   std::string val_data;  // held-out data (--val-data), in --data-format: its first file
   // --data and --val-data as given (paths or globs) and as files, in order (data and val_data
   // name the first, for the kind of data and the messages).

@@ -7,6 +7,7 @@
 #include "coshard/modules/safetensors_folder.hpp"
 #include "coshard/trainer/trainer.hpp"
 #include "coshard/zero/hf_llama.hpp"
+#include "coshard/zero/peft.hpp"
 #include "progress.hpp"
 #include "run_report.hpp"
 #include "samples.hpp"
@@ -69,6 +70,11 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
     COSHARD_CO_TRY(co_await zero::load_hf_llama(t.engine(), o.init, o.model.llama));
   } else if (!o.init.empty()) {
     COSHARD_CO_TRY(co_await t.load_safetensors(o.init));
+  }
+  const bool llama = o.model.kind == ModelChoice::Kind::llama;
+  if (!o.adapter.empty()) {
+    const std::filesystem::path adapter = o.adapter;  // (named: no temporaries in co_await, GCC 12)
+    COSHARD_CO_TRY(co_await zero::load_peft_adapter(t.engine(), *model, adapter, llama));
   }
   if (o.resume) {
     auto loaded = co_await t.load_checkpoint(o.checkpoint_dir);
@@ -163,11 +169,22 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
   if (!o.export_path.empty() && !stopped) {
     if (o.export_is_folder) {
       modules::SafetensorsFolderOptions shards;  // named: GCC 12 mishandles default arguments in co_await
-      COSHARD_CO_TRY(co_await zero::export_hf_llama(t.engine(), o.export_path, o.model.llama, std::move(shards)));
+      // (with LoRA, the adapters folded into the base: the fine-tuned model as transformers reads it)
+      if (o.train.lora_rank > 0)
+        COSHARD_CO_TRY(co_await zero::export_hf_llama(t.engine(), o.export_path, o.model.llama, std::move(shards), *model));
+      else
+        COSHARD_CO_TRY(co_await zero::export_hf_llama(t.engine(), o.export_path, o.model.llama, std::move(shards)));
     } else {
       COSHARD_CO_TRY(co_await t.export_safetensors(o.export_path));
     }
     if (lead && !o.quiet) std::printf("exported %s\n", o.export_path.c_str());
+  }
+  if (!o.export_adapter.empty() && !stopped) {
+    // (named: GCC 12 destroys a class-type temporary argument of a coroutine in co_await twice)
+    std::string base = o.init_is_folder ? o.init : o.model.describe();
+    const std::filesystem::path folder = o.export_adapter;
+    COSHARD_CO_TRY(co_await zero::export_peft_adapter(t.engine(), *model, folder, llama, std::move(base)));
+    if (lead && !o.quiet) std::printf("exported the adapters to %s\n", o.export_adapter.c_str());
   }
   // The sample after the last step (--steps 0: the only one, always shown), once everything is
   // saved and exported on every rank: a stop signal during it has nothing left to lose, and ends

@@ -9,6 +9,7 @@
 #include "coshard/async/json_limits.hpp"
 #include "coshard/async/files.hpp"
 #include "coshard/async/runtime.hpp"
+#include "coshard/zero/peft.hpp"
 #include "parameter_decode.hpp"
 
 namespace coshard::zero {
@@ -286,16 +287,22 @@ async::Task<Result<void>> load_hf_llama(Engine& engine, const fs::path& folder, 
   co_return co_await engine.load_parameters_from("loading the Hugging Face folder " + folder.string(), std::move(read));
 }
 
-async::Task<Result<void>> export_hf_llama(Engine& engine, const fs::path& folder, const LlamaConfig& config,
-                                          SafetensorsFolderOptions options) {
+namespace {
+
+async::Task<Result<void>> export_merged(Engine& engine, const fs::path& folder, const LlamaConfig& config,
+                                        SafetensorsFolderOptions options, modules::Module* adapted) {
   const DataType dtype = engine.options().dtype;
   COSHARD_CO_TRY(config.validate());
   const auto file_dtype = safe_dtype_of(dtype);
   if (!file_dtype) co_return fail(ErrorCode::unsupported, "export_hf_llama: dtype ", async::to_string(dtype));
   options.metadata.emplace("producer", "coshard");
   auto write = [folder, config, dtype, file_dtype = *file_dtype,
-                options = std::move(options)](const std::vector<GatheredParameter>& params) -> Result<void> {
-    COSHARD_TRY_ASSIGN(auto hf, to_hf_llama(config, params, size_of(dtype)));
+                options = std::move(options), adapted](const std::vector<GatheredParameter>& params) -> Result<void> {
+    std::vector<GatheredParameter> merged;
+    if (adapted) {
+      COSHARD_TRY_ASSIGN(merged, merge_lora(*adapted, params, dtype));
+    }
+    COSHARD_TRY_ASSIGN(auto hf, to_hf_llama(config, adapted ? std::move(merged) : params, size_of(dtype)));
     COSHARD_TRY(async::check_output_folder(folder, "Hugging Face folder"));  // created when absent
     std::vector<SafeTensorView> views;
     for (const auto& t : hf) {
@@ -306,6 +313,18 @@ async::Task<Result<void>> export_hf_llama(Engine& engine, const fs::path& folder
     return async::write_file_atomic(folder / kHfConfigName, hf_llama_config_json(config, dtype));
   };
   co_return co_await engine.export_parameters("export to the Hugging Face folder " + folder.string(), std::move(write));
+}
+
+}  // namespace
+
+async::Task<Result<void>> export_hf_llama(Engine& engine, const fs::path& folder, const LlamaConfig& config,
+                                          SafetensorsFolderOptions options) {
+  co_return co_await export_merged(engine, folder, config, std::move(options), nullptr);
+}
+
+async::Task<Result<void>> export_hf_llama(Engine& engine, const fs::path& folder, const LlamaConfig& config,
+                                          SafetensorsFolderOptions options, modules::Module& adapted) {
+  co_return co_await export_merged(engine, folder, config, std::move(options), &adapted);
 }
 
 }  // namespace coshard::zero

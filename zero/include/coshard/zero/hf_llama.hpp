@@ -51,5 +51,11 @@ async::Task<Result<void>> load_hf_llama(Engine& engine, const std::filesystem::p
 async::Task<Result<void>> export_hf_llama(Engine& engine, const std::filesystem::path& folder,
                                           const modules::LlamaConfig& config,
                                           modules::SafetensorsFolderOptions options = {});
+// The same for a model with LoRA adapters (modules/lora.hpp): each folded into its layer's weight
+// first (zero/peft.hpp's merge_lora), so the folder is the fine-tuned model, as transformers reads
+// it. `adapted` is the engine's model.
+async::Task<Result<void>> export_hf_llama(Engine& engine, const std::filesystem::path& folder,
+                                          const modules::LlamaConfig& config, modules::SafetensorsFolderOptions options,
+                                          modules::Module& adapted);
 
 }  // namespace coshard::zero
