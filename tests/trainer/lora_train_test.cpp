@@ -255,6 +255,32 @@ TEST(CoshardTrainLora, AForeignPeftFolderIsRefusedByName) {
   EXPECT_NE(none.output.find("--export-adapter needs LoRA (--lora-rank)"), std::string::npos) << none.output;
 }
 
+// A LoRA run checkpointed at step 6 of 12 and resumed, at another world size and stage: the
+// uninterrupted run's losses (within 1e-6: another world sums in another order).
+TEST(CoshardTrainLora, ACheckpointResumesAtAnotherWorldSize) {
+  const fs::path dir = scratch("lora_resume");
+  std::vector<std::string> whole = kLora;
+  whole.insert(whole.end(), {"--world-size", "2", "--zero-stage", "3", "--metrics", (dir / "whole.jsonl").string()});
+  ASSERT_EQ(run(with(kLlama, whole), dir).code, 0);
+  std::vector<std::string> first = kLlama;  // 6 steps (a constant learning rate: the same schedule)
+  for (std::size_t i = 0; i + 1 < first.size(); ++i)
+    if (first[i] == "--steps") first[i + 1] = "6";
+  first.insert(first.end(), kLora.begin(), kLora.end());
+  first.insert(first.end(), {"--world-size", "2", "--zero-stage", "3", "--checkpoint-every", "6", "--checkpoint-dir",
+                             (dir / "ckpt").string()});
+  const auto half = run(first, dir);
+  ASSERT_EQ(half.code, 0) << half.output;
+  std::vector<std::string> rest = kLora;
+  rest.insert(rest.end(), {"--world-size", "3", "--zero-stage", "2", "--resume", "--checkpoint-dir", (dir / "ckpt").string(),
+                           "--metrics", (dir / "rest.jsonl").string()});
+  const auto resumed = run(with(kLlama, rest), dir);
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  const auto want = losses_in(dir / "whole.jsonl"), got = losses_in(dir / "rest.jsonl");
+  ASSERT_EQ(want.size(), 12u);
+  ASSERT_EQ(got.size(), 6u);
+  for (std::size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[6 + i], 1e-6 * want[6 + i]) << "step " << 7 + i;
+}
+
 // A rank of 0 is full training; a target that matches nothing, a dropout of 1 and LoRA on a model
 // without defaults for it are refused by name before anything trains.
 TEST(CoshardTrainLora, BadSettingsAreRefusedByName) {
