@@ -279,6 +279,41 @@ TEST(CoshardTrainLora, ACheckpointResumesAtAnotherWorldSize) {
   ASSERT_EQ(want.size(), 12u);
   ASSERT_EQ(got.size(), 6u);
   for (std::size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[6 + i], 1e-6 * want[6 + i]) << "step " << 7 + i;
+
+  // The checkpoint holds the adapters and their state alone: every frozen unit left out, the
+  // files a fraction of a full run's checkpoint of the same model.
+  const fs::path saved = dir / "ckpt" / "step-00000006";
+  std::ifstream manifest(saved / "manifest.json");
+  ASSERT_TRUE(manifest) << saved;
+  const auto m = nlohmann::json::parse(manifest);
+  int left_out = 0;
+  for (const auto& u : m["units"]) {
+    EXPECT_EQ(u["saved"].get<bool>(), !u["frozen"].get<bool>()) << u["name"];
+    left_out += u["saved"].get<bool>() ? 0 : 1;
+  }
+  EXPECT_GT(left_out, 0);
+  auto file_bytes = [](const fs::path& folder) {
+    std::uintmax_t total = 0;
+    for (const auto& e : fs::directory_iterator(folder))
+      if (e.path().extension() == ".safetensors") total += fs::file_size(e.path());
+    return total;
+  };
+  std::vector<std::string> full = first;
+  full.erase(full.begin() + static_cast<std::ptrdiff_t>(kLlama.size()),
+             full.begin() + static_cast<std::ptrdiff_t>(kLlama.size() + kLora.size()));
+  for (auto& a : full)
+    if (a == (dir / "ckpt").string()) a = (dir / "full").string();
+  ASSERT_EQ(run(full, dir).code, 0);
+  const auto lora_bytes = file_bytes(saved), full_bytes = file_bytes(dir / "full" / "step-00000006");
+  EXPECT_LT(4 * lora_bytes, full_bytes) << lora_bytes << " bytes against a full run's " << full_bytes;
+  RecordProperty("checkpoint_bytes", std::to_string(lora_bytes) + " with LoRA, " + std::to_string(full_bytes) + " full");
+
+  // Another base (another seed) is another run: refused by name, nothing loaded.
+  std::vector<std::string> other = rest;
+  other.insert(other.end(), {"--seed", "2"});
+  const auto refused = run(with(kLlama, other), dir);
+  EXPECT_NE(refused.code, 0);
+  EXPECT_NE(refused.output.find("seed"), std::string::npos) << refused.output;
 }
 
 // A rank of 0 is full training; a target that matches nothing, a dropout of 1 and LoRA on a model

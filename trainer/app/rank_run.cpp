@@ -63,6 +63,9 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
   // Ranks starting from different weights would each keep their own blocks of them: one model of
   // several files, trained without a word.
   builder.ranks_agree_on("--init", o.init.empty() ? "none" : o.init_fingerprint);
+  // A LoRA checkpoint leaves the base out: a resume must start from the same base weights (the
+  // seed's, in the identity already, or --init's files by their checksums).
+  if (o.train.lora_rank > 0) builder.run_identity("LoRA base", o.init.empty() ? "the seed's" : o.init_fingerprint);
   if (val) builder.validation(*val, o.train.eval_every, o.train.eval_batches);
   COSHARD_CO_TRY_ASSIGN(auto t, co_await builder.build(*model));
   if (shared.epoch.recorded()) COSHARD_CO_TRY(t.set_timeline_epoch(shared.epoch));

@@ -37,7 +37,9 @@ struct Trainer::Impl {
   }
   // What a checkpoint records of this run and compares on resume.
   zero::CheckpointOptions checkpoint_options() const {
-    return {.run = config.identity(), .keep = config.keep_checkpoints};
+    // (LoRA: the adapters and their state alone; the base comes from the seed or the base weights,
+    // which the run's identity names)
+    return {.run = config.identity(), .keep = config.keep_checkpoints, .frozen_units = config.lora_rank == 0};
   }
   // One optimizer step over `micro` (this rank's micro-batches, on the device); `counted` is the
   // global batch's tokens or samples for the statistics. eval_shape: the global batch's (rows,

@@ -80,6 +80,7 @@ struct Loaded {
     std::vector<std::byte> params, master, state1, state2;
   };
   std::vector<Block> blocks;
+  std::size_t units_left_out = 0;  // frozen units the save left out (CheckpointOptions::frozen_units)
 };
 
 // What the loading engine is, for the checks.
@@ -121,6 +122,9 @@ Result<void> check_engine(const CheckpointManifest& m, const Loader& l, const st
       return fail(ErrorCode::invalid_argument, where, ": unit ", b.name, " was frozen when saved, so the checkpoint ",
                   "holds no optimizer state for it, and this run trains it; freeze the same parameters to resume, ",
                   "or start a new run from the checkpoint's weights");
+    if (!a.saved && !b.frozen)
+      return fail(ErrorCode::invalid_argument, where, ": unit ", b.name, " was frozen and left out when saved (a LoRA ",
+                  "base: its values come from the base weights), and this run trains it; freeze it to resume");
   }
   return {};
 }
@@ -187,6 +191,11 @@ Result<Loaded> read_checkpoint(const fs::path& dir, const Loader& l) {
       }
       return {};
     };
+    if (!mu.saved) {  // left out: this unit keeps the values it has (the base's)
+      ++out.units_left_out;
+      out.blocks.push_back(std::move(block));
+      continue;
+    }
     COSHARD_TRY(gather("param", elem, l.dtype, block.params));
     if (info.frozen) {  // nothing else: a frozen unit has no master or state here
       out.blocks.push_back(std::move(block));
@@ -239,14 +248,21 @@ async::Task<Result<void>> Engine::load_checkpoint(const fs::path& dir, const Che
   // An engine given no values yet (no initialize) gets some first: the visit below rewrites
   // every block in place, and with nvme offload reads each swap file before writing it.
   COSHARD_LOG_DEBUG(zero, "load_checkpoint {}: every rank can load step {}; writing the shards", dir.string(), loaded->step);
-  if (!s.has_values) COSHARD_CO_TRY(co_await initialize(0));
+  if (!s.has_values) {
+    // Units left out keep the values they have: an engine given none would train on made-up ones.
+    if (loaded->units_left_out > 0)
+      co_return fail(ErrorCode::invalid_argument, "checkpoint ", dir.string(), " leaves out ", loaded->units_left_out,
+                     " frozen units (a LoRA base), whose values must be given first: initialize with the run's seed, ",
+                     "or load the base weights, then load_checkpoint");
+    COSHARD_CO_TRY(co_await initialize(0));
+  }
   // Every rank checked its part: each unit's block goes in as the placement visits it (with nvme
   // offload, into the swap buffer that is then written back to the store).
   Context& ctx = *s.ctx;
   std::size_t next = 0;
   auto load_unit = [&](const UnitShard& sh) -> async::Task<Result<void>> {
     const auto& b = loaded->blocks[next++];
-    COSHARD_CO_TRY(ctx.copy_from_host(sh.params, b.params));
+    if (!b.params.empty()) COSHARD_CO_TRY(ctx.copy_from_host(sh.params, b.params));
     if (!b.master.empty()) COSHARD_CO_TRY(ctx.copy_from_host(sh.master, b.master));
     if (!b.state1.empty()) COSHARD_CO_TRY(ctx.copy_from_host(sh.state1, b.state1));
     if (!b.state2.empty()) COSHARD_CO_TRY(ctx.copy_from_host(sh.state2, b.state2));

@@ -139,6 +139,11 @@ Result<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, std:
       if (!u["frozen"].is_boolean()) return bad("unit " + async::bounded_echo(*name) + ": 'frozen' is not true or false");
       unit.frozen = u["frozen"].get<bool>();
     }
+    if (u.contains("saved")) {  // (absent before frozen units could be left out: saved)
+      if (!u["saved"].is_boolean()) return bad("unit " + async::bounded_echo(*name) + ": 'saved' is not true or false");
+      unit.saved = u["saved"].get<bool>();
+      if (!unit.saved && !unit.frozen) return bad("unit " + async::bounded_echo(*name) + ": left out but not frozen");
+    }
     unit.name = *name;
     unit.numel = *numel;
     unit.shard = *shard;

@@ -229,11 +229,13 @@ async::Task<Result<void>> Engine::save_checkpoint(const fs::path& dir, Checkpoin
   // Each block is written once: by the ranks holding copy 0 of it (the first shard group; rank 0
   // alone at stage 0, where every rank holds the whole unit), so rank i's file holds block i.
   auto written = [&](std::size_t i) { return s.units[i]->group->replica == 0; };
+  // (a frozen unit left out: CheckpointOptions::frozen_units)
+  auto left_out = [&](std::size_t i) { return !options.frozen_units && s.units[i]->info.frozen; };
   for (std::size_t i = 0; i < units_info.size(); ++i) {
     const auto& info = units_info[i];
     const auto n = static_cast<std::size_t>(info.shard);
     for (const BlockKind k : kinds) {
-      if (!written(i)) break;
+      if (!written(i) || left_out(i)) break;
       const bool param = k == BlockKind::param;
       if (info.frozen && !param) continue;  // a frozen unit: its parameters only
       layout.push_back({block_tensor_name(i, name_of(k)), param ? param_dtype : SafeDType::f32, {info.shard},
@@ -241,7 +243,7 @@ async::Task<Result<void>> Engine::save_checkpoint(const fs::path& dir, Checkpoin
     }
     unit_records.push_back({{"name", info.name}, {"parameters", info.parameters}, {"numel", info.numel},
                             {"padded", info.padded}, {"shard", info.shard}, {"shard_ranks", info.shard_ranks},
-                            {"frozen", info.frozen}});
+                            {"frozen", info.frozen}, {"saved", !left_out(i)}});
   }
   const std::string file_name = checkpoint_rank_file(s.rank);
   const std::map<std::string, std::string> file_metadata{{"format", std::string(CheckpointManifest::kFormat)},
@@ -262,7 +264,8 @@ async::Task<Result<void>> Engine::save_checkpoint(const fs::path& dir, Checkpoin
   std::size_t at = prefix.size();
   std::size_t visited = 0;
   auto stage_unit = [&](const UnitShard& sh) -> async::Task<Result<void>> {
-    if (!written(visited++)) co_return Result<void>{};
+    const std::size_t i = visited++;
+    if (!written(i) || left_out(i)) co_return Result<void>{};
     for (const BlockKind k : kinds) {
       if (sh.info.frozen && k != BlockKind::param) continue;
       const Tensor& source = tensor_of(sh, k);

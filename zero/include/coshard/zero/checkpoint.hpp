@@ -47,6 +47,11 @@ struct CheckpointOptions {
   // run of another identity (`run` differs) is another run's work: the save is refused, naming
   // the differences, unless this is true.
   bool replace_other_run = false;
+  // save: false leaves out the frozen units' parameters (a LoRA run's base: the checkpoint holds the
+  // adapters and their optimizer state alone). A load then keeps the values those units have, so it
+  // needs them given first (initialize with the run's seed, load_parameters or load_hf_llama with
+  // the same base, whose identity `run` should name): an engine given no values is refused.
+  bool frozen_units = true;
 };
 
 struct CheckpointManifest {
@@ -68,6 +73,8 @@ struct CheckpointManifest {
     // Every parameter frozen: the files hold its parameters only (no master, no state), so a run
     // that trains it cannot resume from here (a run that freezes a unit saved trained can).
     bool frozen = false;
+    // Its parameters are in the files (false: a frozen unit left out, CheckpointOptions::frozen_units).
+    bool saved = true;
   };
   std::vector<Unit> units;
   struct File {
