@@ -648,7 +648,10 @@ TEST(FrozenParameters, AWhollyFrozenUnitHoldsNoGradientMasterOrOptimizerState) {
     // (Offloaded, a gradient shard is on the device only from its reduction until it is out, a
     // few at a time: freezing a unit lowers the peak by none of them for certain.)
     const std::size_t saved = k.optimizer == OffloadTarget::none ? shard * 3 : 0;
-    EXPECT_GE(all->device_peak_bytes, frozen->device_peak_bytes + saved)
+    // (at stage 3 the frozen unit may stay gathered for the rest of the step, whole, within
+    // max_live_bytes: EngineOptions::keep_frozen_gathered; the host allocator's 256-byte blocks)
+    const std::size_t kept = k.stage == 3 ? (fc1_elements * sizeof(float) + 255) / 256 * 256 : 0;
+    EXPECT_GE(all->device_peak_bytes + kept, frozen->device_peak_bytes + saved)
         << all->device_peak_bytes << " bytes at the peak trained, " << frozen->device_peak_bytes << " frozen";
 
     // The estimate: the same saving, line by line (and a note that says so).
