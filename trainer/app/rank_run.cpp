@@ -184,7 +184,7 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
   }
   if (!o.export_adapter.empty() && !stopped) {
     // (named: GCC 12 destroys a class-type temporary argument of a coroutine in co_await twice)
-    std::string base = o.init_is_folder ? o.init : o.model.describe();
+    std::string base = o.init_is_folder ? o.init : std::string();  // (a Hugging Face base's folder, else none)
     const std::filesystem::path folder = o.export_adapter;
     COSHARD_CO_TRY(co_await zero::export_peft_adapter(t.engine(), *model, folder, llama, std::move(base)));
     if (lead && !o.quiet) std::printf("exported the adapters to %s\n", o.export_adapter.c_str());

@@ -99,7 +99,9 @@ std::string peft_config_json(const PeftAdapterConfig& c) {
   doc["lora_alpha"] = c.lora_alpha;
   doc["lora_dropout"] = c.lora_dropout;
   doc["target_modules"] = c.target_modules;
-  doc["base_model_name_or_path"] = c.base_model_name_or_path;
+  // (null for a base that is no Hugging Face folder, as PEFT writes for such a model)
+  if (c.base_model_name_or_path.empty()) doc["base_model_name_or_path"] = nullptr;
+  else doc["base_model_name_or_path"] = c.base_model_name_or_path;
   doc["bias"] = "none";
   doc["fan_in_fan_out"] = false;
   doc["inference_mode"] = true;

@@ -27,7 +27,7 @@ struct PeftAdapterConfig {
   double lora_alpha = 0;
   double lora_dropout = 0;
   std::vector<std::string> target_modules;
-  std::string base_model_name_or_path;
+  std::string base_model_name_or_path;  // empty: null (a base that is no Hugging Face folder)
 };
 
 // The model's adapters, in model order, with the PEFT name of their A and B (`llama`: the model is
