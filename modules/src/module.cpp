@@ -8,6 +8,7 @@
 #include <numbers>
 
 #include "kernels/kernels.hpp"
+#include "random.hpp"
 
 namespace coshard::modules {
 
@@ -57,27 +58,8 @@ std::vector<double> decode_values(std::span<const std::byte> bytes, DataType dty
   return out;
 }
 
-namespace {
-
-// splitmix64: tiny, fast, and the same on every platform (std::normal_distribution is not).
-struct SplitMix64 {
-  std::uint64_t state;
-  std::uint64_t next() noexcept {
-    std::uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  double uniform01() noexcept { return static_cast<double>(next() >> 11) * 0x1.0p-53; }  // [0, 1)
-};
-
-std::uint64_t fnv1a(std::string_view s) noexcept {
-  std::uint64_t h = 0xCBF29CE484222325ull;
-  for (char c : s) h = (h ^ static_cast<unsigned char>(c)) * 0x100000001B3ull;
-  return h;
-}
-
-}  // namespace
+using detail::fnv1a;
+using detail::SplitMix64;
 
 void initial_values(const Init& init, std::string_view full_name, std::uint64_t seed, std::span<double> out) {
   SplitMix64 rng{fnv1a(full_name) ^ (seed * 0x9E3779B97F4A7C15ull)};

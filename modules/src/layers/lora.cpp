@@ -11,25 +11,12 @@
 #include "coshard/modules/llama_layers.hpp"
 #include "kernels/kernels.hpp"
 #include "layers/layer_checks.hpp"
+#include "random.hpp"
 
 namespace coshard::modules {
 namespace {
 
 using detail::GemmArgs;
-
-// splitmix64: the dropout masks' values from (seed, forward ordinal, element).
-std::uint64_t mix(std::uint64_t x) noexcept {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
-std::uint64_t hash_text(std::string_view s) noexcept {
-  std::uint64_t h = 1469598103934665603ULL;  // FNV-1a
-  for (const char c : s) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ULL;
-  return h;
-}
 
 Result<void> check_options(const LoraOptions& o) {
   if (o.targets.empty())
@@ -62,7 +49,7 @@ Result<std::vector<LoraAdapterInfo>> make_adapters(Module& model, const std::vec
   for (const auto& p : plan) {
     const std::string path = p.linear + "." + p.name;
     LoraOptions own = o;
-    own.seed = mix(o.seed ^ hash_text(path));
+    own.seed = detail::SplitMix64{o.seed ^ detail::fnv1a(path)}.next();
     COSHARD_TRY_ASSIGN(LoraAdapter * adapter, p.layer->add_lora(p.name, p.begin, p.end, own));
     made.push_back({path, p.linear, p.hf_projection, p.layer_index, adapter});
   }
@@ -122,11 +109,8 @@ Result<Tensor> LoraAdapter::dropout_mask(Context& ctx, const Tensor& input) {
   const std::int64_t n = input.numel();
   std::vector<float> values(static_cast<std::size_t>(n));
   const auto keep = static_cast<float>(1.0 / (1.0 - dropout_));
-  const std::uint64_t base = mix(seed_ ^ mix(ordinal));
-  for (std::int64_t i = 0; i < n; ++i) {
-    const double u = static_cast<double>(mix(base + static_cast<std::uint64_t>(i)) >> 11) * 0x1.0p-53;
-    values[static_cast<std::size_t>(i)] = u < dropout_ ? 0.0f : keep;
-  }
+  detail::SplitMix64 rng{seed_ ^ detail::SplitMix64{ordinal}.next()};
+  for (auto& v : values) v = rng.uniform01() < dropout_ ? 0.0f : keep;
   COSHARD_TRY_ASSIGN(Tensor f32, ctx.upload(std::as_bytes(std::span<const float>(values)), input.shape(), DataType::f32));
   if (input.dtype() == DataType::f32) return f32;
   COSHARD_TRY_ASSIGN(Tensor mask, ctx.empty(input.shape(), input.dtype()));
