@@ -10,12 +10,6 @@ using namespace detail;
 
 namespace {
 
-// The compute stream waits for the communication stream, timed with the timeline.
-Result<void> compute_waits_for_comm(Engine::State& s, const std::string& what) {
-  COSHARD_TRY_ASSIGN(auto ev, s.comm->stream().record());
-  return s.timeline.wait(s.ctx->stream(), ev, what);
-}
-
 // Collective launches so far, the shard groups' included.
 std::uint64_t launches_so_far(const Engine::State& s) { return s.comm->launches() + s.shard_groups->launches(); }
 
@@ -206,7 +200,7 @@ async::Task<Result<EngineStepStats>> Engine::finish_open_step(float lr) {
 
   // The whole copies follow the stepped shards (stages 1-2: one all-gather).
   COSHARD_CO_TRY(s.residence->after_step(s.residence_wiring()));
-  COSHARD_CO_TRY(compute_waits_for_comm(s, kParameters));
+  COSHARD_CO_TRY(s.timeline.wait_for(compute, cs, kParameters));
   COSHARD_CO_TRY(s.end_pass());
 
   const std::uint64_t launches = launches_so_far(s) - s.loop.launches_before;
@@ -298,7 +292,7 @@ async::Task<Result<void>> Engine::State::finish_gradients(std::size_t micro_batc
   if (micro_batches > 1)
     for (auto& u : units)
       if (!u->info.frozen) COSHARD_CO_TRY(ctx->kernels().scale(cs, DataType::f32, u->grad_shard.data(), 1.0f / K, u->info.shard));
-  COSHARD_CO_TRY(compute_waits_for_comm(*this, kGradients));
+  COSHARD_CO_TRY(timeline.wait_for(ctx->stream(), cs, kGradients));
   co_return Result<void>{};
 }
 

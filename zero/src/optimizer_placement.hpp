@@ -91,8 +91,7 @@ struct OptimizerWiring {
   bool grads_wait_for_a_pass() const noexcept { return grads_through_pass() || grads_to_nvme(); }
   // The compute stream waits for the communication stream, timed with the timeline.
   Result<void> compute_waits_for_comm(const std::string& what) const {
-    COSHARD_TRY_ASSIGN(auto ev, comm().stream().record());
-    return timeline.wait(ctx().stream(), ev, what);
+    return timeline.wait_for(ctx().stream(), comm().stream(), what);
   }
 };
 

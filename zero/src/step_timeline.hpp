@@ -54,6 +54,11 @@ class StepTimeline {
   // `compute` waits for `event` of another stream; with timing, the time it stands there is
   // measured (a timed event on each side of the wait).
   Result<void> wait(async::Stream& compute, const async::Event& event, const std::string& what);
+  // The same after everything enqueued on `other` so far (the communication stream's reductions).
+  Result<void> wait_for(async::Stream& compute, async::Stream& other, const std::string& what) {
+    COSHARD_TRY_ASSIGN(auto event, other.record());
+    return wait(compute, event, what);
+  }
 
   // The timeline's zero: spans can only be trusted to start after it if both streams are
   // ordered after it (under load a stream may stamp it later than the host recorded it).
