@@ -86,6 +86,82 @@ void initial_values(const Init& init, std::string_view full_name, std::uint64_t 
   }
 }
 
+Result<Shape> TensorSplit::part_shape() const {
+  if (dim < 0 || dim >= whole.rank())
+    return fail(ErrorCode::invalid_argument, "tensor split along dimension ", dim, " of a ", whole.to_string(),
+                " tensor (expected 0 to ", whole.rank() - 1, ")");
+  if (parts < 1 || index < 0 || index >= parts)
+    return fail(ErrorCode::invalid_argument, "tensor split: part ", index, " of ", parts, " (expected 0 <= part < parts)");
+  std::int64_t total = 0, kept = 0;
+  for (const auto size : segments) {
+    if (size < 1 || size % parts != 0)
+      return fail(ErrorCode::invalid_argument, "tensor split of ", whole.to_string(), " along dimension ", dim,
+                  ": a segment of ", size, " does not divide into ", parts, " parts");
+    total += size;
+    kept += size / parts;
+  }
+  if (total != whole[dim])
+    return fail(ErrorCode::invalid_argument, "tensor split of ", whole.to_string(), ": segments sum to ", total,
+                " along dimension ", dim, ", expected ", whole[dim]);
+  std::vector<std::int64_t> dims(whole.dims().begin(), whole.dims().end());
+  dims[static_cast<std::size_t>(dim)] = kept;
+  return Shape::from(dims);
+}
+
+namespace {
+// Calls copy(whole_offset, part_offset, n) for each contiguous run of the part, in order.
+template <class Copy>
+void for_each_part_run(const TensorSplit& split, Copy copy) {
+  std::int64_t outer = 1, inner = 1;
+  for (int i = 0; i < split.dim; ++i) outer *= split.whole[i];
+  for (int i = split.dim + 1; i < split.whole.rank(); ++i) inner *= split.whole[i];
+  const std::int64_t extent = split.whole[split.dim];
+  std::int64_t part_at = 0;
+  for (std::int64_t o = 0; o < outer; ++o) {
+    std::int64_t segment_start = 0;
+    for (const auto size : split.segments) {
+      const std::int64_t piece = size / split.parts;
+      const std::int64_t first = (o * extent + segment_start + split.index * piece) * inner;
+      copy(static_cast<std::size_t>(first), static_cast<std::size_t>(part_at), static_cast<std::size_t>(piece * inner));
+      part_at += piece * inner;
+      segment_start += size;
+    }
+  }
+}
+}  // namespace
+
+void TensorSplit::take_part(std::span<const double> whole_values, std::span<double> part) const {
+  for_each_part_run(*this, [&](std::size_t w, std::size_t p, std::size_t n) {
+    std::copy_n(whole_values.begin() + static_cast<std::ptrdiff_t>(w), n, part.begin() + static_cast<std::ptrdiff_t>(p));
+  });
+}
+
+void TensorSplit::place_part(std::span<const double> part, std::span<double> whole_values) const {
+  for_each_part_run(*this, [&](std::size_t w, std::size_t p, std::size_t n) {
+    std::copy_n(part.begin() + static_cast<std::ptrdiff_t>(p), n, whole_values.begin() + static_cast<std::ptrdiff_t>(w));
+  });
+}
+
+Result<void> Parameter::set_split(TensorSplit split) {
+  COSHARD_TRY_ASSIGN(const Shape part, split.part_shape());
+  if (!(part == shape_))
+    return fail(ErrorCode::invalid_argument, "parameter ", name_, ": a tensor split giving ", part.to_string(),
+                " of ", split.whole.to_string(), ", expected this parameter's ", shape_.to_string());
+  if (bound())
+    return fail(ErrorCode::invalid_argument, "parameter ", name_, ": set_split while bound (split before a "
+                "ParameterStore or engine is made)");
+  split_ = split.parts > 1 ? std::make_shared<const TensorSplit>(std::move(split)) : nullptr;
+  return {};
+}
+
+void initial_values(const Parameter& parameter, std::string_view full_name, std::uint64_t seed, std::span<double> out) {
+  const TensorSplit* split = parameter.split();
+  if (!split) return initial_values(parameter.init(), full_name, seed, out);
+  std::vector<double> whole(static_cast<std::size_t>(split->whole.numel()));
+  initial_values(parameter.init(), full_name, seed, whole);
+  split->take_part(whole, out);
+}
+
 Result<void> Parameter::bind(Tensor value, Tensor grad) {
   if (!(value.shape() == shape_))
     return fail(ErrorCode::invalid_argument, "parameter ", name_, ": value shape ", value.shape().to_string(),

@@ -45,7 +45,7 @@ async::Task<Result<void>> ParameterStore::initialize(Context& ctx, std::uint64_t
   for (const auto& e : entries_) {
     auto part = std::span<double>(all).subspan(static_cast<std::size_t>(e.offset),
                                               static_cast<std::size_t>(e.parameter->numel()));
-    initial_values(e.parameter->init(), e.name, seed, part);
+    initial_values(*e.parameter, e.name, seed, part);
   }
   co_return ctx.copy_from_host(values_, encode_values(all, dtype()));
 }

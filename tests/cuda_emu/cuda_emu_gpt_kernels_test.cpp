@@ -25,8 +25,8 @@ TEST(EmulatedGptKernels, EmbeddingsForwardAndBackward) {
   Stored wte(kF32, random_values(vocab * C, 61)), wpe(kF32, random_values(T * C, 62));
   Stored out(kF32, std::vector<double>(B * T * C)), dout(kF32, random_values(B * T * C, 63));
   Stored dwte(kF32, std::vector<double>(vocab * C, 0.5)), dwpe(kF32, std::vector<double>(T * C, -0.5));
-  ASSERT_EQ(cu::embedding_forward(nullptr, kF32, tokens.data(), wte.data(), wpe.data(), out.data(), B, T, C, vocab), 0);
-  ASSERT_EQ(cu::embedding_backward(nullptr, kF32, tokens.data(), dout.data(), dwte.data(), dwpe.data(), B, T, C), 0);
+  ASSERT_EQ(cu::embedding_forward(nullptr, kF32, tokens.data(), wte.data(), wpe.data(), out.data(), B, T, C, vocab, 0, vocab), 0);
+  ASSERT_EQ(cu::embedding_backward(nullptr, kF32, tokens.data(), dout.data(), dwte.data(), dwpe.data(), B, T, C, 0, vocab), 0);
   const auto E = wte.values(), P = wpe.values(), D = dout.values();
   std::vector<double> want_out(B * T * C), want_dwte(vocab * C, 0.5), want_dwpe(T * C, -0.5);
   for (std::int64_t r = 0; r < B * T; ++r)
@@ -40,7 +40,7 @@ TEST(EmulatedGptKernels, EmbeddingsForwardAndBackward) {
   EXPECT_LT(normwise_error(dwpe.values(), want_dwpe), 1e-6);
   // a token outside the vocabulary gives NaN, not another row
   tokens[4] = static_cast<std::int32_t>(vocab);
-  ASSERT_EQ(cu::embedding_forward(nullptr, kF32, tokens.data(), wte.data(), nullptr, out.data(), B, T, C, vocab), 0);
+  ASSERT_EQ(cu::embedding_forward(nullptr, kF32, tokens.data(), wte.data(), nullptr, out.data(), B, T, C, vocab, 0, vocab), 0);
   EXPECT_TRUE(std::isnan(out.values()[4 * C]));
 }
 

@@ -110,6 +110,19 @@ std::string_view to_string(OffloadTarget t) noexcept {
   return "?";
 }
 
+Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, const collectives::Mesh& mesh, Module& model,
+                                               Optimizer& optimizer, EngineOptions o) {
+  if (o.shard_group_size != 0 && o.shard_group_size != mesh.shard_group_size())
+    return fail(ErrorCode::invalid_argument, "shard_group_size=", o.shard_group_size, " with a mesh of ", mesh.describe(),
+                ": the mesh says how data ranks shard (leave it 0)");
+  if (o.tensor_parallel && o.tensor_parallel != &mesh.tensor())
+    return fail(ErrorCode::invalid_argument, "EngineOptions::tensor_parallel is another communicator than the mesh's "
+                "tensor group (leave it null)");
+  o.shard_group_size = mesh.shard_group_size();
+  o.tensor_parallel = &mesh.tensor();
+  return create(ctx, mesh.data(), model, optimizer, std::move(o));
+}
+
 Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Communicator& comm, Module& model,
                                                Optimizer& optimizer, EngineOptions o) {
   if (o.zero_stage < 0 || o.zero_stage > 3)
@@ -242,7 +255,10 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
     COSHARD_TRY(s->optimizer_placement->add_unit(s->optimizer_wiring(), u));
     // A copy of a block another rank holds too (hybrid sharding) is stepped, but the norm's sum
     // across ranks counts it once: on its copy 0.
-    if (s->residence->sharded() && u.group->replica != 0) {
+    // A parameter every tensor rank holds whole (replicated beside tensor parallelism) counts on
+    // tensor rank 0 only.
+    const bool tensor_copy = o.tensor_parallel && o.tensor_parallel->rank() != 0 && !u.info.tensor_split;
+    if ((s->residence->sharded() && u.group->replica != 0) || tensor_copy) {
       const auto group = s->settings().group_of(u);
       COSHARD_TRY(group.optimizer.set_group_in_norm(group.index, false));
     }

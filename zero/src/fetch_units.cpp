@@ -35,6 +35,7 @@ Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOp
     bool alone;  // runs more than once a pass: its own unit
     int region;  // the checkpointed block it lies in (0: none)
     int shard_ranks;  // its shard group's size
+    bool split;       // its parameters are tensor-parallel parts
   };
   // A unit never spans two checkpointed blocks, or one and the rest of the model: a recompute
   // runs the block's modules alone, and must meet each of its units' first and last module. The
@@ -58,7 +59,22 @@ Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOp
   model.for_each_module([&](const std::string& path, Module& m) {
     if (m.parameters().empty()) return;
     std::int64_t n = 0;
-    for (const auto& p : m.parameters()) n += p->numel();
+    std::size_t split = 0;
+    for (const auto& p : m.parameters()) {
+      n += p->numel();
+      split += p->split() ? 1 : 0;
+    }
+    if (split != 0 && split != m.parameters().size()) {
+      // (the norm counts a unit's elements on every tensor rank or on rank 0 only: not a mix)
+      if (sized) {
+        std::string names;
+        for (const auto& p : m.parameters()) names += (names.empty() ? "" : ", ") + p->name() + (p->split() ? " (split)" : " (replicated)");
+        sized = fail(ErrorCode::invalid_argument, "Engine: module ", path.empty() ? "(the model)" : path,
+                     " mixes tensor-parallel parts and replicated parameters (", names,
+                     "): give the replicated ones a module of their own");
+      }
+      return;
+    }
     auto ranks = shard_group_size(o, world_size, path);
     if (!ranks) {
       if (sized) sized = fail(std::move(ranks).error());
@@ -66,7 +82,7 @@ Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOp
     }
     candidates.push_back({path.empty() ? m.type_name().data() : path, &m, static_cast<std::size_t>(n) * element_size,
                           m.children().empty(), m.runs_more_than_once_per_pass() || borrowed.contains(&m),
-                          region.at(&m), o.zero_stage == 0 ? 1 : *ranks});
+                          region.at(&m), o.zero_stage == 0 ? 1 : *ranks, split != 0});
   });
   COSHARD_TRY(sized);
   if (candidates.empty()) return fail(ErrorCode::invalid_argument, "Engine: the model has no parameters");
@@ -76,6 +92,7 @@ Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOp
     const bool small = c.leaf && !c.alone && c.bytes < o.module_granularity_bytes;
     const bool open = !groups.empty() && groups.back().back().leaf && !groups.back().back().alone &&
                       groups.back().back().region == c.region && groups.back().back().shard_ranks == c.shard_ranks &&
+                      groups.back().back().split == c.split &&
                       groups.back().back().bytes < o.module_granularity_bytes && group_bytes < o.module_granularity_bytes;
     if (small && open) {
       groups.back().push_back(c);
@@ -92,6 +109,7 @@ Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOp
     PlannedUnit u;
     u.info.name = g.front().path;
     u.info.shard_ranks = g.front().shard_ranks;
+    u.info.tensor_split = g.front().split;
     const std::int64_t W = u.info.shard_ranks;
     std::int64_t offset = 0;
     for (const auto& c : g) {

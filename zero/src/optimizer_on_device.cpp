@@ -26,15 +26,11 @@ class OptimizerOnDevice final : public OptimizerPlacement {
   }
 
   async::Task<Result<void>> step(const OptimizerWiring& w, float lr) override {
-    auto& compute = w.ctx().stream();
     COSHARD_CO_TRY(w.optimizer.compute_grad_stats(w.ctx()));
-    COSHARD_CO_TRY(order(compute, w.comm().stream()));
     const Tensor grad_stats = w.optimizer.grad_stats();
-    // Sharded: each rank's part of the norm, summed. Unsharded: every rank holds the whole gradient.
-    if (w.residence.sharded())
-      COSHARD_CO_TRY(w.comm().all_reduce(grad_stats.data(), grad_stats.data(), 2, DataType::f32, ReduceOp::sum,
-                                          "the gradients' norm"));
-    COSHARD_CO_TRY(w.compute_waits_for_comm(kGradStats));
+    // Sharded: each rank's part of the norm, summed. Unsharded: every data rank holds the whole
+    // gradient (the tensor ranks still hold other parts).
+    COSHARD_CO_TRY(w.sum_grad_stats(grad_stats.data(), w.residence.sharded()));
     co_return w.optimizer.apply(w.ctx(), lr);
   }
 

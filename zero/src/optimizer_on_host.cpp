@@ -155,10 +155,7 @@ async::Task<Result<void>> HostOptimizer::sum_grad_stats(const OptimizerWiring& w
     COSHARD_CO_TRY(w.ctx().kernels().add(compute, DataType::f32, w.host.device_grad_stats.data(), device_stats.data(),
                                         w.host.device_grad_stats.data(), 2));
   }
-  COSHARD_CO_TRY(order(compute, w.comm().stream()));
-  COSHARD_CO_TRY(w.comm().all_reduce(w.host.device_grad_stats.data(), w.host.device_grad_stats.data(), 2, DataType::f32,
-                                    ReduceOp::sum, "the gradients' norm"));
-  COSHARD_CO_TRY(w.compute_waits_for_comm(kGradStats));
+  COSHARD_CO_TRY(w.sum_grad_stats(w.host.device_grad_stats.data(), true));
   if (w.host.device_optimizer) {  // the device part steps with the sums too
     const Tensor device_stats = w.host.device_optimizer->grad_stats();
     COSHARD_CO_TRY(compute.copy(device_stats.data(), w.host.device_grad_stats.data(), device_stats.bytes()));

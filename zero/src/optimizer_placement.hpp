@@ -25,6 +25,7 @@
 #include "parameter_settings.hpp"
 #include "shard_placement.hpp"
 #include "step_timeline.hpp"
+#include "stream_order.hpp"
 #include "swap_files.hpp"
 
 namespace coshard::zero {
@@ -92,6 +93,24 @@ struct OptimizerWiring {
   // The compute stream waits for the communication stream, timed with the timeline.
   Result<void> compute_waits_for_comm(const std::string& what) const {
     return timeline.wait_for(ctx().stream(), comm().stream(), what);
+  }
+  // The step's gradient statistics (f32[2] on the compute device: the sum of squares, the
+  // overflow flag) summed over the ranks that hold other elements: the data ranks when
+  // `over_data` (sharded), then the tensor ranks (EngineOptions::tensor_parallel), all in the
+  // communication stream's order; then the compute stream waits for the sums.
+  Result<void> sum_grad_stats(void* stats, bool over_data) const {
+    COSHARD_TRY(detail::order(ctx().stream(), comm().stream()));
+    if (over_data)
+      COSHARD_TRY(comm().all_reduce(stats, stats, 2, modules::DataType::f32, collectives::ReduceOp::sum,
+                                    "the gradients' norm"));
+    if (collectives::Communicator* tensor = o.tensor_parallel; tensor && tensor->size() > 1) {
+      COSHARD_TRY(detail::order(comm().stream(), tensor->stream()));
+      COSHARD_TRY_ASSIGN(const auto summed, tensor->all_reduce(stats, stats, 2, modules::DataType::f32,
+                                                               collectives::ReduceOp::sum,
+                                                               "the gradients' norm over the tensor ranks"));
+      COSHARD_TRY(comm().stream().wait(summed));
+    }
+    return compute_waits_for_comm(detail::kGradStats);
   }
 };
 

@@ -148,7 +148,7 @@ async::Task<Result<void>> Engine::initialize(std::uint64_t seed) {
     for (const auto& p : u.params) {
       auto part = std::span<double>(values).subspan(static_cast<std::size_t>(p.offset),
                                                    static_cast<std::size_t>(p.parameter->numel()));
-      initial_values(p.parameter->init(), s.names.at(p.parameter), seed, part);
+      initial_values(*p.parameter, s.names.at(p.parameter), seed, part);
     }
     const auto first = whole ? 0 : static_cast<std::size_t>(u.block_offset);
     const auto count = static_cast<std::size_t>(whole ? u.info.padded : u.info.shard);

@@ -60,14 +60,18 @@ class Kernels {
   // product's epilogue where cuBLASLt can.
   virtual Result<void> gemm_bias(async::Stream& s, DataType dt, const GemmArgs& g, const void* bias) const;
 
-  // out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:] (wpe null: no position term, and dwpe null in
-  // backward); tokens outside [0, vocab) fail the stream.
+  // out[b,t,:] = wte[tokens[b,t] - first,:] + wpe[t,:] (wpe null: no position term, and dwpe
+  // null in backward). wte holds rows [first, first + rows) of a table of `vocab` (all of it:
+  // first 0, rows vocab; a part: a vocabulary-parallel embedding, whose tokens outside its rows
+  // give zeros forward and nothing backward). Tokens outside [0, vocab) fail a CPU stream (NaN
+  // rows on CUDA).
   virtual Result<void> embedding_forward(async::Stream& s, DataType dt, const std::int32_t* tokens, const void* wte,
                                          const void* wpe, void* out, std::int64_t B, std::int64_t T,
-                                         std::int64_t C, std::int64_t vocab) const = 0;
+                                         std::int64_t C, std::int64_t vocab, std::int64_t first,
+                                         std::int64_t rows) const = 0;
   virtual Result<void> embedding_backward(async::Stream& s, DataType dt, const std::int32_t* tokens,
                                           const void* dout, void* dwte, void* dwpe, std::int64_t B, std::int64_t T,
-                                          std::int64_t C) const = 0;
+                                          std::int64_t C, std::int64_t first, std::int64_t rows) const = 0;
 
   virtual Result<void> layernorm_forward(async::Stream& s, DataType dt, const void* x, const void* w, const void* b,
                                          void* out, void* mean, void* rstd, std::int64_t N, std::int64_t C,
@@ -153,6 +157,27 @@ class Kernels {
   virtual Result<void> cross_entropy_backward(async::Stream& s, DataType dt, const void* logits,
                                               const std::int32_t* targets, const void* seed, void* dlogits,
                                               std::int64_t N, std::int64_t V) const = 0;
+
+  // Cross-entropy over logits split by columns across ranks (vocabulary-parallel): logits [N, V]
+  // are columns [first, first + V) of a vocabulary of `vocab`. Three steps around two sums across
+  // the ranks: row_max gives each row's max (stat dtype [N]; then the max across ranks);
+  // vocab_ce_sums, given the global max, gives sums [2N] = each row's sum of exp(x - max), then
+  // its target's logit where this rank holds that column, else 0 (then the sum across ranks);
+  // vocab_ce_loss gives the mean over rows of log(sum) + max - target logit, in a fixed order.
+  // Targets outside [0, vocab) fail a CPU stream (a NaN loss on CUDA).
+  virtual Result<void> row_max(async::Stream& s, DataType dt, const void* logits, void* max, std::int64_t N,
+                               std::int64_t V) const = 0;
+  virtual Result<void> vocab_ce_sums(async::Stream& s, DataType dt, const void* logits, const std::int32_t* targets,
+                                     const void* max, void* sums, std::int64_t N, std::int64_t V, std::int64_t first,
+                                     std::int64_t vocab) const = 0;
+  virtual Result<void> vocab_ce_loss(async::Stream& s, DataType dt, const void* max, const void* sums, void* loss,
+                                     std::int64_t N) const = 0;
+  // dlogits = (exp(x - max) / sum - onehot) * seed[0] / N over this rank's columns (max and sums
+  // the global ones, as above).
+  virtual Result<void> vocab_ce_backward(async::Stream& s, DataType dt, const void* logits,
+                                         const std::int32_t* targets, const void* max, const void* sums,
+                                         const void* seed, void* dlogits, std::int64_t N, std::int64_t V,
+                                         std::int64_t first) const = 0;
 
   // loss (stat dtype, one element) = mean over the n elements of (pred - target)^2, summed in a
   // fixed order; `scratch` holds n stat-dtype elements.

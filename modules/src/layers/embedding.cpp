@@ -45,7 +45,7 @@ async::Task<Result<Tensor>> Embedding::forward(Context& ctx, Tensor tokens) {
                          static_cast<std::size_t>(p * dim_) * size_of(dt);
   COSHARD_CO_TRY(ctx.kernels().embedding_forward(ctx.stream(), dt, tokens.data_as<std::int32_t>(),
                                                  token_weight().value().data(), positions, out.data(), B, T, dim_,
-                                                 vocab_));
+                                                 vocab_, 0, vocab_));
   if (!decoding) tokens_.push(std::move(tokens));  // (decoding has no backward)
   co_return out;
 }
@@ -59,7 +59,7 @@ async::Task<Result<Tensor>> Embedding::backward(Context& ctx, Tensor grad_output
     COSHARD_CO_TRY_ASSIGN(Tensor dwte, detail::grad_or_scratch(ctx, token_weight(), dt));
     void* dwpe = trains(position_weight()) ? position_weight().grad().data() : nullptr;  // null: none added
     COSHARD_CO_TRY(ctx.kernels().embedding_backward(ctx.stream(), dt, tokens.data_as<std::int32_t>(),
-                                                    grad_output.data(), dwte.data(), dwpe, B, T, dim_));
+                                                    grad_output.data(), dwte.data(), dwpe, B, T, dim_, 0, vocab_));
   }
   co_return Tensor{};
 }

@@ -16,8 +16,12 @@ using detail::trains;
 
 }  // namespace
 
-TokenEmbedding::TokenEmbedding(std::int64_t vocab, std::int64_t dim, Init init) : vocab_(vocab), dim_(dim) {
-  register_parameter("weight", Shape{vocab, dim}, init);
+TokenEmbedding::TokenEmbedding(std::int64_t vocab, std::int64_t dim, Init init) : TokenEmbedding(vocab, dim, init, 0, vocab) {}
+
+TokenEmbedding::TokenEmbedding(std::int64_t rows, std::int64_t dim, Init init, std::int64_t first,
+                               std::int64_t whole_vocab)
+    : vocab_(rows), dim_(dim), first_(first), whole_(whole_vocab) {
+  register_parameter("weight", Shape{rows, dim}, init);
 }
 
 async::Task<Result<Tensor>> TokenEmbedding::forward(Context& ctx, Tensor input) {
@@ -32,7 +36,8 @@ async::Task<Result<Tensor>> TokenEmbedding::forward(Context& ctx, Tensor input) 
   COSHARD_CO_TRY(check_supported(ctx.kernels(), dt, ctx.device(), "TokenEmbedding"));
   COSHARD_CO_TRY_ASSIGN(Tensor out, ctx.empty(Shape{B, T, dim_}, dt));
   COSHARD_CO_TRY(ctx.kernels().embedding_forward(ctx.stream(), dt, input.data_as<std::int32_t>(),
-                                                 weight().value().data(), nullptr, out.data(), B, T, dim_, vocab_));
+                                                 weight().value().data(), nullptr, out.data(), B, T, dim_, whole_,
+                                                 first_, vocab_));
   saved_.push_back(std::move(input));
   co_return out;
 }
@@ -56,7 +61,7 @@ async::Task<Result<Tensor>> TokenEmbedding::backward(Context& ctx, Tensor grad_o
   COSHARD_CO_TRY(check_grad(grad_output, Shape{B, T, dim_}, dt, "TokenEmbedding"));
   if (trains(weight()))
     COSHARD_CO_TRY(ctx.kernels().embedding_backward(ctx.stream(), dt, input.data_as<std::int32_t>(), grad_output.data(),
-                                                    weight().grad().data(), nullptr, B, T, dim_));
+                                                    weight().grad().data(), nullptr, B, T, dim_, first_, vocab_));
   co_return Tensor{};
 }
 

@@ -8,6 +8,7 @@
 #include "models/config_checks.hpp"
 
 #include "coshard/modules/layers.hpp"
+#include "coshard/modules/tensor_parallel.hpp"
 
 namespace coshard::modules {
 namespace {
@@ -162,6 +163,67 @@ Result<std::unique_ptr<Sequential>> make_llama(const LlamaConfig& c) {
     model->add("head", std::make_unique<TiedHead>(embed));
   } else {
     model->add("head", std::make_unique<Linear>(c.dim, c.vocab, false, weight));
+  }
+  return model;
+}
+
+Result<void> check_tensor_parallel(const LlamaConfig& c, std::int64_t tensor) {
+  COSHARD_TRY(c.validate());
+  if (tensor < 1) return fail(ErrorCode::invalid_argument, "tensor-parallel size ", tensor, ": expected at least 1");
+  COSHARD_TRY(check_divides(c.heads, tensor, "the " + std::to_string(c.heads) + " attention heads"));
+  COSHARD_TRY(check_divides(c.kv_heads, tensor, "the " + std::to_string(c.kv_heads) + " key/value heads"));
+  COSHARD_TRY(check_divides(c.intermediate, tensor, "the MLP width"));
+  return check_divides(c.vocab, tensor, "the vocabulary");
+}
+
+Result<std::unique_ptr<Sequential>> make_llama(const LlamaConfig& c, collectives::Communicator& group) {
+  if (group.size() == 1) return make_llama(c);
+  const std::int64_t tp = group.size();
+  COSHARD_TRY(check_tensor_parallel(c, tp));
+  const Init weight = Init::normal(c.init_std);
+  const std::int64_t hd = c.resolved_head_dim();
+  const auto eps = static_cast<float>(c.norm_eps);
+  const std::int64_t heads = c.heads / tp, kv_heads = c.kv_heads / tp;
+  auto model = std::make_unique<Sequential>();
+  COSHARD_TRY_ASSIGN(auto table, vocab_parallel_embedding(c.vocab, c.dim, weight, group));
+  auto& embed = model->add("embed", std::move(table));
+  model->add("embed_join", std::make_unique<TensorParallelJoin>(group, "the embedding's rows (tensor-parallel)"));
+  const std::int64_t qkv_rows[] = {c.heads * hd, c.kv_heads * hd, c.kv_heads * hd};
+  const std::int64_t gate_up_rows[] = {c.intermediate, c.intermediate};
+  for (std::int64_t l = 0; l < c.layers; ++l) {
+    const std::string h = "h" + std::to_string(l);
+    auto attn = std::make_unique<Sequential>();
+    attn->add("norm", std::make_unique<RmsNorm>(c.dim, eps));
+    attn->add("fork", std::make_unique<TensorParallelFork>(group, "the gradient into " + h + ".attn.qkv"));
+    COSHARD_TRY_ASSIGN(auto qkv, column_parallel_linear(c.dim, qkv_rows, false, weight, group));
+    attn->add("qkv", std::move(qkv));
+    attn->add("rope", std::make_unique<RotaryEmbedding>(heads, kv_heads, hd, c.rope_theta, c.rope_scaling));
+    attn->add("core", std::make_unique<CausalSelfAttention>(AttentionHeads{heads, kv_heads, hd}));
+    COSHARD_TRY_ASSIGN(auto proj, row_parallel_linear(c.heads * hd, c.dim, weight, group));
+    attn->add("proj", std::move(proj));
+    attn->add("join", std::make_unique<TensorParallelJoin>(group, "the output of " + h + ".attn.proj"));
+    auto mlp = std::make_unique<Sequential>();
+    mlp->add("norm", std::make_unique<RmsNorm>(c.dim, eps));
+    mlp->add("fork", std::make_unique<TensorParallelFork>(group, "the gradient into " + h + ".mlp.gate_up"));
+    COSHARD_TRY_ASSIGN(auto gate_up, column_parallel_linear(c.dim, gate_up_rows, false, weight, group));
+    mlp->add("gate_up", std::move(gate_up));
+    mlp->add("swiglu", std::make_unique<SwiGlu>());
+    COSHARD_TRY_ASSIGN(auto down, row_parallel_linear(c.intermediate, c.dim, weight, group));
+    mlp->add("down", std::move(down));
+    mlp->add("join", std::make_unique<TensorParallelJoin>(group, "the output of " + h + ".mlp.down"));
+    auto block = std::make_unique<Sequential>();
+    block->add("attn", std::make_unique<Residual>(std::move(attn)));
+    block->add("mlp", std::make_unique<Residual>(std::move(mlp)));
+    model->add(h, std::move(block));
+  }
+  model->add("norm", std::make_unique<RmsNorm>(c.dim, eps));
+  model->add("head_fork", std::make_unique<TensorParallelFork>(group, "the gradient into the output layer"));
+  if (c.tie_embeddings) {
+    model->add("head", std::make_unique<TiedHead>(embed));
+  } else {
+    const std::int64_t vocab_rows[] = {c.vocab};
+    COSHARD_TRY_ASSIGN(auto head, column_parallel_linear(c.dim, vocab_rows, false, weight, group));
+    model->add("head", std::move(head));
   }
   return model;
 }

@@ -18,6 +18,10 @@
 #include "coshard/modules/llama_layers.hpp"
 #include "coshard/modules/module.hpp"
 
+namespace coshard::collectives {
+class Communicator;
+}
+
 namespace coshard::modules {
 
 struct LlamaConfig {
@@ -54,6 +58,18 @@ std::span<const LlamaPreset> llama_presets();
 Result<LlamaPreset> llama_preset(std::string_view name);
 
 Result<std::unique_ptr<Sequential>> make_llama(const LlamaConfig& config);
+
+// This rank's part of the model split over `tensor_group` (tensor_parallel.hpp): the embedding
+// and the output layer over the vocabulary, qkv and gate_up column-parallel (each rank its query
+// heads, key/value heads and MLP slice), proj and down row-parallel, the norms replicated; a
+// fork before and a join after each split pair ("h0.attn.fork", "h0.attn.join", "embed_join",
+// "head_fork"). Its logits are this rank's columns: train it with VocabParallelCrossEntropyLoss.
+// The parameters keep the whole model's names. A group of one rank gives make_llama(config).
+// Refused by name when the group's size does not divide the heads, the key/value heads, the
+// MLP's width or the vocabulary.
+Result<std::unique_ptr<Sequential>> make_llama(const LlamaConfig& config, collectives::Communicator& tensor_group);
+// The checks of that make_llama without a group: whether `tensor` ranks can split `config`.
+Result<void> check_tensor_parallel(const LlamaConfig& config, std::int64_t tensor);
 
 // Device bytes one forward and backward of `rows` sequences of `seq` tokens take in `dtype`
 // beyond the parameters and gradients, as gpt_activation_bytes: the activations each block saves,

@@ -21,6 +21,10 @@ namespace coshard::modules {
 class TokenEmbedding final : public Module {
  public:
   TokenEmbedding(std::int64_t vocab, std::int64_t dim, Init init = Init::normal(0.02));
+  // Rows [first, first + rows) of a table of `whole_vocab` (a vocabulary-parallel part,
+  // tensor_parallel.hpp): tokens outside them give zero rows forward and nothing backward; as the
+  // output layer it gives those columns of the logits.
+  TokenEmbedding(std::int64_t rows, std::int64_t dim, Init init, std::int64_t first, std::int64_t whole_vocab);
   std::string_view type_name() const override { return "TokenEmbedding"; }
   async::Task<Result<Tensor>> forward(Context& ctx, Tensor input) override;
   // The gradient of the last use's input: empty for token ids, dL/dx for the projection.
@@ -28,7 +32,9 @@ class TokenEmbedding final : public Module {
   void clear_saved() override { saved_.clear(); }
   bool runs_more_than_once_per_pass() const noexcept override { return true; }
 
-  std::int64_t vocab() const noexcept { return vocab_; }
+  std::int64_t vocab() const noexcept { return vocab_; }  // this table's rows
+  std::int64_t first_row() const noexcept { return first_; }
+  std::int64_t whole_vocab() const noexcept { return whole_; }
   std::int64_t dim() const noexcept { return dim_; }
   Parameter& weight() const noexcept { return *parameters()[0]; }
 
@@ -36,6 +42,7 @@ class TokenEmbedding final : public Module {
   async::Task<Result<Tensor>> project(Context& ctx, Tensor hidden);
   async::Task<Result<Tensor>> project_backward(Context& ctx, const Tensor& hidden, const Tensor& grad_output);
   std::int64_t vocab_, dim_;
+  std::int64_t first_ = 0, whole_ = 0;
   std::vector<Tensor> saved_;  // the inputs of uses whose backward is still to come, last on top
 };
 

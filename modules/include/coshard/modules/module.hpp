@@ -50,6 +50,26 @@ bool glob_matches(std::string_view pattern, std::string_view name) noexcept;
 // Fills `out` with the initial values of the parameter `full_name` (host memory, any length).
 void initial_values(const Init& init, std::string_view full_name, std::uint64_t seed, std::span<double> out);
 
+// How a tensor-parallel parameter is this rank's part of a whole one (Megatron's split): along
+// `dim` (0: rows, 1: columns of a matrix), the whole is `segments` runs (their sizes along dim,
+// summing to its extent: a fused projection's q | k | v rows, say), each cut into `parts` equal
+// pieces; this rank keeps piece `index` of every segment, in order. A parameter without one is
+// replicated: every tensor rank holds the whole of it.
+struct TensorSplit {
+  int dim = 0;
+  std::vector<std::int64_t> segments;
+  std::int64_t parts = 1;
+  std::int64_t index = 0;
+  Shape whole;  // the whole parameter's shape
+
+  // The part's shape (the whole's, with dim divided by parts); an error naming what does not
+  // divide, or a dim the shape does not have.
+  Result<Shape> part_shape() const;
+  // The part, row-major, from the whole's values (whole.numel() of them), and back.
+  void take_part(std::span<const double> whole_values, std::span<double> part) const;
+  void place_part(std::span<const double> part, std::span<double> whole_values) const;
+};
+
 class Parameter {
  public:
   Parameter(std::string name, Shape shape, Init init) : name_(std::move(name)), shape_(shape), init_(init) {}
@@ -99,6 +119,14 @@ class Parameter {
     grad_ = {};
   }
 
+  // Tensor parallelism: which part of a whole parameter this one is (null: replicated, or no
+  // tensor parallelism). Set by the layer that made it; refused when the part's shape is not this
+  // parameter's.
+  const TensorSplit* split() const noexcept { return split_.get(); }
+  Result<void> set_split(TensorSplit split);
+  // The whole parameter's shape: the split's, else this one's.
+  const Shape& whole_shape() const noexcept { return split_ ? split_->whole : shape_; }
+
  private:
   std::string name_;
   Shape shape_;
@@ -108,7 +136,13 @@ class Parameter {
   mutable bool value_missed_ = false;
   Tensor value_;
   Tensor grad_;
+  std::shared_ptr<const TensorSplit> split_;
 };
+
+// Fills `out` (parameter.numel()) with the parameter's initial values: initial_values of the
+// whole parameter, then this rank's part of them when it is split, so a tensor-parallel model
+// starts from the unsplit one's weights.
+void initial_values(const Parameter& parameter, std::string_view full_name, std::uint64_t seed, std::span<double> out);
 
 class Module;
 class Context;

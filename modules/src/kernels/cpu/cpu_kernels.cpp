@@ -84,19 +84,24 @@ class CpuKernels final : public Kernels {
   }
 
   Result<void> embedding_forward(Stream& s, DataType dt, const std::int32_t* tokens, const void* wte, const void* wpe,
-                                 void* out, std::int64_t B, std::int64_t T_, std::int64_t C,
-                                 std::int64_t vocab) const override {
+                                 void* out, std::int64_t B, std::int64_t T_, std::int64_t C, std::int64_t vocab,
+                                 std::int64_t first, std::int64_t rows) const override {
     COSHARD_TRY(check_dtype(dt));
     return s.launch_fallible([=]() -> Result<void> {
       COSHARD_TRY(check_ids(tokens, B * T_, vocab, "tokens"));
       with_type(dt, [&]<class T>(Operands<T>& io) {
-        const T* we = io.in(wte, vocab * C);
+        const T* we = io.in(wte, rows * C);
         const T* wp = wpe ? io.in(wpe, T_ * C) : nullptr;
         T* po = io.inout(out, B * T_ * C);
         for (std::int64_t b = 0; b < B; ++b)
           for (std::int64_t t = 0; t < T_; ++t) {
-            const T* e = we + tokens[b * T_ + t] * C;
+            const std::int64_t row = tokens[b * T_ + t] - first;
             T* o = po + (b * T_ + t) * C;
+            if (row < 0 || row >= rows) {  // another rank's row of a vocabulary-parallel table
+              for (std::int64_t c = 0; c < C; ++c) o[c] = wp ? wp[t * C + c] : T(0);
+              continue;
+            }
+            const T* e = we + row * C;
             if (wp) {
               const T* p = wp + t * C;
               for (std::int64_t c = 0; c < C; ++c) o[c] = e[c] + p[c];
@@ -110,19 +115,25 @@ class CpuKernels final : public Kernels {
   }
 
   Result<void> embedding_backward(Stream& s, DataType dt, const std::int32_t* tokens, const void* dout, void* dwte,
-                                  void* dwpe, std::int64_t B, std::int64_t T_, std::int64_t C) const override {
+                                  void* dwpe, std::int64_t B, std::int64_t T_, std::int64_t C, std::int64_t first,
+                                  std::int64_t rows) const override {
     return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
-      // (the rows of dwte the tokens touch: up to the largest token, read in stream order)
-      std::int64_t rows = 0;
-      for (std::int64_t i = 0; i < B * T_; ++i) rows = std::max<std::int64_t>(rows, tokens[i] + 1);
+      // (the rows of dwte the tokens touch: up to the largest of this table's, read in stream order)
+      std::int64_t touched = 0;
+      for (std::int64_t i = 0; i < B * T_; ++i)
+        if (tokens[i] - first >= 0 && tokens[i] - first < rows)
+          touched = std::max<std::int64_t>(touched, tokens[i] - first + 1);
       const T* pg = io.in(dout, B * T_ * C);
-      T* pe = io.inout(dwte, rows * C);
+      T* pe = io.inout(dwte, touched * C);
       T* pp = dwpe ? io.inout(dwpe, T_ * C) : nullptr;
       for (std::int64_t b = 0; b < B; ++b)
         for (std::int64_t t = 0; t < T_; ++t) {
           const T* g = pg + (b * T_ + t) * C;
-          T* e = pe + tokens[b * T_ + t] * C;
-          for (std::int64_t c = 0; c < C; ++c) e[c] += g[c];
+          const std::int64_t row = tokens[b * T_ + t] - first;
+          if (row >= 0 && row < rows) {
+            T* e = pe + row * C;
+            for (std::int64_t c = 0; c < C; ++c) e[c] += g[c];
+          }
           if (pp) {
             T* p = pp + t * C;
             for (std::int64_t c = 0; c < C; ++c) p[c] += g[c];
@@ -293,6 +304,38 @@ class CpuKernels final : public Kernels {
                                       std::int64_t V) const override {
     return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
       cross_entropy_bwd<T>(io.in(logits, N * V), targets, io.stat(seed), io.inout(dlogits, N * V), N, V);
+    });
+  }
+
+  Result<void> row_max(Stream& s, DataType dt, const void* logits, void* max, std::int64_t N,
+                       std::int64_t V) const override {
+    return dispatch(s, dt, [=]<class T>(Operands<T>& io) { vocab_row_max<T>(io.in(logits, N * V), io.stat(max), N, V); });
+  }
+
+  Result<void> vocab_ce_sums(Stream& s, DataType dt, const void* logits, const std::int32_t* targets, const void* max,
+                             void* sums, std::int64_t N, std::int64_t V, std::int64_t first,
+                             std::int64_t vocab) const override {
+    COSHARD_TRY(check_dtype(dt));
+    return s.launch_fallible([=]() -> Result<void> {
+      COSHARD_TRY(check_ids(targets, N, vocab, "targets"));
+      with_type(dt, [&]<class T>(Operands<T>& io) {
+        vocab_ce_sums_rows<T>(io.in(logits, N * V), targets, io.stat(max), io.stat(sums), N, V, first);
+      });
+      return {};
+    });
+  }
+
+  Result<void> vocab_ce_loss(Stream& s, DataType dt, const void* max, const void* sums, void* loss,
+                             std::int64_t N) const override {
+    return dispatch(s, dt, [=]<class T>(Operands<T>& io) { vocab_ce_mean<T>(io.stat(max), io.stat(sums), io.stat(loss), N); });
+  }
+
+  Result<void> vocab_ce_backward(Stream& s, DataType dt, const void* logits, const std::int32_t* targets,
+                                 const void* max, const void* sums, const void* seed, void* dlogits, std::int64_t N,
+                                 std::int64_t V, std::int64_t first) const override {
+    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
+      vocab_ce_bwd<T>(io.in(logits, N * V), targets, io.stat(max), io.stat(sums), io.stat(seed),
+                      io.inout(dlogits, N * V), N, V, first);
     });
   }
 

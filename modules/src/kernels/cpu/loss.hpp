@@ -58,4 +58,51 @@ void cross_entropy_bwd(const T* logits, const std::int32_t* targets, const T* se
   }
 }
 
+// The vocabulary-parallel cross-entropy's steps (Kernels::row_max and after): `T` the logits'
+// type, max and sums in the stat type (the Operands give T's stat view: f32 for f32/bf16/f16).
+template <class T>
+void vocab_row_max(const T* logits, T* max, std::int64_t N, std::int64_t V) {
+  for (std::int64_t i = 0; i < N; ++i) {
+    const T* row = logits + i * V;
+    T mx = row[0];
+    for (std::int64_t j = 1; j < V; ++j) mx = std::max(mx, row[j]);
+    max[i] = mx;
+  }
+}
+
+template <class T>
+void vocab_ce_sums_rows(const T* logits, const std::int32_t* targets, const T* max, T* sums, std::int64_t N,
+                        std::int64_t V, std::int64_t first) {
+  for (std::int64_t i = 0; i < N; ++i) {
+    const T* row = logits + i * V;
+    double sum = 0;
+    for (std::int64_t j = 0; j < V; ++j) sum += std::exp(static_cast<double>(row[j]) - static_cast<double>(max[i]));
+    sums[i] = static_cast<T>(sum);
+    const std::int64_t t = targets[i] - first;
+    sums[N + i] = (t >= 0 && t < V) ? row[t] : T(0);
+  }
+}
+
+template <class T>
+void vocab_ce_mean(const T* max, const T* sums, T* loss, std::int64_t N) {
+  double total = 0;
+  for (std::int64_t i = 0; i < N; ++i)
+    total += std::log(static_cast<double>(sums[i])) + static_cast<double>(max[i]) - static_cast<double>(sums[N + i]);
+  loss[0] = static_cast<T>(total / static_cast<double>(N));
+}
+
+template <class T>
+void vocab_ce_bwd(const T* logits, const std::int32_t* targets, const T* max, const T* sums, const T* seed, T* dlogits,
+                  std::int64_t N, std::int64_t V, std::int64_t first) {
+  const T g = seed[0] / static_cast<T>(N);
+  for (std::int64_t i = 0; i < N; ++i) {
+    const T* row = logits + i * V;
+    T* drow = dlogits + i * V;
+    const T scale = g / sums[i];
+    for (std::int64_t j = 0; j < V; ++j) drow[j] = std::exp(row[j] - max[i]) * scale;
+    const std::int64_t t = targets[i] - first;
+    if (t >= 0 && t < V) drow[t] -= g;
+  }
+}
+
 }  // namespace coshard::modules::detail

@@ -52,17 +52,20 @@ class CudaKernels final : public Kernels {
   }
 
   Result<void> embedding_forward(Stream& s, DataType dt, const std::int32_t* tokens, const void* wte, const void* wpe,
-                                 void* out, std::int64_t B, std::int64_t T, std::int64_t C,
-                                 std::int64_t vocab) const override {
+                                 void* out, std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t vocab,
+                                 std::int64_t first, std::int64_t rows) const override {
     COSHARD_TRY(check(dt));
-    return check_launch(cuda::embedding_forward(s.native_handle(), code(dt), tokens, wte, wpe, out, B, T, C, vocab),
-                        "embedding_forward", s);
+    return check_launch(
+        cuda::embedding_forward(s.native_handle(), code(dt), tokens, wte, wpe, out, B, T, C, vocab, first, rows),
+        "embedding_forward", s);
   }
   Result<void> embedding_backward(Stream& s, DataType dt, const std::int32_t* tokens, const void* dout, void* dwte,
-                                  void* dwpe, std::int64_t B, std::int64_t T, std::int64_t C) const override {
+                                  void* dwpe, std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t first,
+                                  std::int64_t rows) const override {
     COSHARD_TRY(check(dt));
-    return check_launch(cuda::embedding_backward(s.native_handle(), code(dt), tokens, dout, dwte, dwpe, B, T, C),
-                        "embedding_backward", s);
+    return check_launch(
+        cuda::embedding_backward(s.native_handle(), code(dt), tokens, dout, dwte, dwpe, B, T, C, first, rows),
+        "embedding_backward", s);
   }
   Result<void> layernorm_forward(Stream& s, DataType dt, const void* x, const void* w, const void* b, void* out,
                                  void* mean, void* rstd, std::int64_t N, std::int64_t C, float eps) const override {
@@ -281,6 +284,35 @@ class CudaKernels final : public Kernels {
     return check_launch(cuda::cross_entropy_backward(s.native_handle(), code(dt), logits, targets,
                                                      static_cast<const float*>(seed), dlogits, N, V),
                         "cross_entropy_backward", s);
+  }
+  Result<void> row_max(Stream& s, DataType dt, const void* logits, void* max, std::int64_t N,
+                       std::int64_t V) const override {
+    COSHARD_TRY(check(dt));
+    return check_launch(cuda::row_max(s.native_handle(), code(dt), logits, static_cast<float*>(max), N, V), "row_max", s);
+  }
+  Result<void> vocab_ce_sums(Stream& s, DataType dt, const void* logits, const std::int32_t* targets, const void* max,
+                             void* sums, std::int64_t N, std::int64_t V, std::int64_t first,
+                             std::int64_t vocab) const override {
+    COSHARD_TRY(check(dt));
+    return check_launch(cuda::vocab_ce_sums(s.native_handle(), code(dt), logits, targets, static_cast<const float*>(max),
+                                            static_cast<float*>(sums), N, V, first, vocab),
+                        "vocab_ce_sums", s);
+  }
+  Result<void> vocab_ce_loss(Stream& s, DataType dt, const void* max, const void* sums, void* loss,
+                             std::int64_t N) const override {
+    COSHARD_TRY(check(dt));
+    return check_launch(cuda::vocab_ce_loss(s.native_handle(), static_cast<const float*>(max),
+                                            static_cast<const float*>(sums), static_cast<float*>(loss), N),
+                        "vocab_ce_loss", s);
+  }
+  Result<void> vocab_ce_backward(Stream& s, DataType dt, const void* logits, const std::int32_t* targets,
+                                 const void* max, const void* sums, const void* seed, void* dlogits, std::int64_t N,
+                                 std::int64_t V, std::int64_t first) const override {
+    COSHARD_TRY(check(dt));
+    return check_launch(cuda::vocab_ce_backward(s.native_handle(), code(dt), logits, targets,
+                                                static_cast<const float*>(max), static_cast<const float*>(sums),
+                                                static_cast<const float*>(seed), dlogits, N, V, first),
+                        "vocab_ce_backward", s);
   }
   Result<void> mse_forward(Stream& s, DataType dt, const void* pred, const void* target, void* loss, void* scratch,
                            std::int64_t n) const override {

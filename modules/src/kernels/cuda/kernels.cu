@@ -21,21 +21,24 @@ namespace {
 
 template <class T>
 __global__ void embedding_forward_kernel(const std::int32_t* tokens, const T* wte, const T* wpe, T* out,
-                                         std::int64_t BT, std::int64_t T_, std::int64_t C, std::int64_t vocab) {
+                                         std::int64_t BT, std::int64_t T_, std::int64_t C, std::int64_t vocab,
+                                         std::int64_t first, std::int64_t rows) {
   COSHARD_GRID_STRIDE(i, BT * C) {
     const std::int64_t row = i / C, c = i % C;
     const std::int32_t tok = tokens[row];
-    const float e = (tok >= 0 && tok < vocab) ? load(wte, tok * C + c) : NAN;
+    const std::int64_t at = tok - first;  // this table's row (another rank's: zeros)
+    const float e = !(tok >= 0 && tok < vocab) ? NAN : (at >= 0 && at < rows) ? load(wte, at * C + c) : 0.0f;
     store(out, i, wpe ? e + load(wpe, (row % T_) * C + c) : e);
   }
 }
 
 template <class T>
 __global__ void embedding_token_grad_kernel(const std::int32_t* tokens, const T* dout, T* dwte, std::int64_t BT,
-                                            std::int64_t C) {
+                                            std::int64_t C, std::int64_t first, std::int64_t rows) {
   COSHARD_GRID_STRIDE(i, BT * C) {
     const std::int64_t row = i / C, c = i % C;
-    atomicAdd(dwte + tokens[row] * C + c, dout[i]);
+    const std::int64_t at = tokens[row] - first;
+    if (at >= 0 && at < rows) atomicAdd(dwte + at * C + c, dout[i]);
   }
 }
 
@@ -279,6 +282,54 @@ __global__ void cross_entropy_backward_kernel(const T* logits, const std::int32_
   }
 }
 
+// ---- vocabulary-parallel cross-entropy: one block per row (the mean: one block) ----
+
+template <class T>
+__global__ void row_max_kernel(const T* logits, float* max, std::int64_t V) {
+  const std::int64_t row = blockIdx.x;
+  const T* r = logits + row * V;
+  float m = -INFINITY;
+  for (std::int64_t j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, load(r, j));
+  m = block_max(m);
+  if (threadIdx.x == 0) max[row] = m;
+}
+
+template <class T>
+__global__ void vocab_ce_sums_kernel(const T* logits, const std::int32_t* targets, const float* max, float* sums,
+                                     std::int64_t N, std::int64_t V, std::int64_t first, std::int64_t vocab) {
+  const std::int64_t row = blockIdx.x;
+  const T* r = logits + row * V;
+  const float m = max[row];
+  float s = 0;
+  for (std::int64_t j = threadIdx.x; j < V; j += blockDim.x) s += expf(load(r, j) - m);
+  s = block_sum(s);
+  if (threadIdx.x == 0) {
+    const std::int32_t t = targets[row];
+    const std::int64_t at = t - first;
+    sums[row] = s;
+    sums[N + row] = !(t >= 0 && t < vocab) ? NAN : (at >= 0 && at < V) ? load(r, at) : 0.0f;
+  }
+}
+
+__global__ void vocab_ce_loss_kernel(const float* max, const float* sums, float* loss, std::int64_t N) {
+  float s = 0;
+  for (std::int64_t i = threadIdx.x; i < N; i += blockDim.x) s += logf(sums[i]) + max[i] - sums[N + i];
+  s = block_sum(s);
+  if (threadIdx.x == 0) loss[0] = s / static_cast<float>(N);
+}
+
+template <class T>
+__global__ void vocab_ce_backward_kernel(const T* logits, const std::int32_t* targets, const float* max,
+                                         const float* sums, const float* seed, T* dlogits, std::int64_t N,
+                                         std::int64_t V, std::int64_t first) {
+  const std::int64_t row = blockIdx.x;
+  const T* r = logits + row * V;
+  const float m = max[row], scale = seed[0] / static_cast<float>(N), inv = 1.0f / sums[row];
+  const std::int64_t t = targets[row] - first;
+  for (std::int64_t j = threadIdx.x; j < V; j += blockDim.x)
+    store(dlogits + row * V, j, (expf(load(r, j) - m) * inv - (j == t ? 1.0f : 0.0f)) * scale);
+}
+
 template <class T>
 __global__ void squared_error_kernel(const T* pred, const T* target, float* squares, std::int64_t n) {
   COSHARD_GRID_STRIDE(i, n) {
@@ -300,18 +351,20 @@ __global__ void cast_kernel(int from, const void* src, int to, void* dst, std::i
 }  // namespace
 
 int embedding_forward(void* s, int dt, const std::int32_t* tokens, const void* wte, const void* wpe, void* out,
-                      std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t vocab) {
+                      std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t vocab, std::int64_t first,
+                      std::int64_t rows) {
   return with_type(dt, [&]<class E>() {
     embedding_forward_kernel<E><<<grid_for(B * T * C), kThreads, 0, as_stream(s)>>>(
-        tokens, static_cast<const E*>(wte), static_cast<const E*>(wpe), static_cast<E*>(out), B * T, T, C, vocab);
+        tokens, static_cast<const E*>(wte), static_cast<const E*>(wpe), static_cast<E*>(out), B * T, T, C, vocab,
+        first, rows);
   });
 }
 
 int embedding_backward(void* s, int dt, const std::int32_t* tokens, const void* dout, void* dwte, void* dwpe,
-                       std::int64_t B, std::int64_t T, std::int64_t C) {
+                       std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t first, std::int64_t rows) {
   return with_type(dt, [&]<class E>() {
     embedding_token_grad_kernel<E><<<grid_for(B * T * C), kThreads, 0, as_stream(s)>>>(
-        tokens, static_cast<const E*>(dout), static_cast<E*>(dwte), B * T, C);
+        tokens, static_cast<const E*>(dout), static_cast<E*>(dwte), B * T, C, first, rows);
     if (dwpe)
       embedding_position_grad_kernel<E><<<grid_for(T * C), kThreads, 0, as_stream(s)>>>(
           static_cast<const E*>(dout), static_cast<E*>(dwpe), B, T, C);
@@ -427,6 +480,34 @@ int cross_entropy_backward(void* s, int dt, const void* logits, const std::int32
   return with_type(dt, [&]<class E>() {
     cross_entropy_backward_kernel<E><<<static_cast<unsigned>(N), kThreads, 0, as_stream(s)>>>(
         static_cast<const E*>(logits), targets, seed, static_cast<E*>(dlogits), N, V);
+  });
+}
+
+int row_max(void* s, int dt, const void* logits, float* max, std::int64_t N, std::int64_t V) {
+  return with_type(dt, [&]<class E>() {
+    row_max_kernel<E><<<static_cast<unsigned>(N), kThreads, 0, as_stream(s)>>>(static_cast<const E*>(logits), max, V);
+  });
+}
+
+int vocab_ce_sums(void* s, int dt, const void* logits, const std::int32_t* targets, const float* max, float* sums,
+                  std::int64_t N, std::int64_t V, std::int64_t first, std::int64_t vocab) {
+  return with_type(dt, [&]<class E>() {
+    vocab_ce_sums_kernel<E><<<static_cast<unsigned>(N), kThreads, 0, as_stream(s)>>>(
+        static_cast<const E*>(logits), targets, max, sums, N, V, first, vocab);
+  });
+}
+
+int vocab_ce_loss(void* s, const float* max, const float* sums, float* loss, std::int64_t N) {
+  vocab_ce_loss_kernel<<<1, 1024, 0, as_stream(s)>>>(max, sums, loss, N);
+  return 0;
+}
+
+int vocab_ce_backward(void* s, int dt, const void* logits, const std::int32_t* targets, const float* max,
+                      const float* sums, const float* seed, void* dlogits, std::int64_t N, std::int64_t V,
+                      std::int64_t first) {
+  return with_type(dt, [&]<class E>() {
+    vocab_ce_backward_kernel<E><<<static_cast<unsigned>(N), kThreads, 0, as_stream(s)>>>(
+        static_cast<const E*>(logits), targets, max, sums, seed, static_cast<E*>(dlogits), N, V, first);
   });
 }
 

@@ -31,10 +31,12 @@ inline std::int64_t norm_backward_partials(std::int64_t N, std::int64_t C, bool 
   return norm_backward_blocks(N) * C * grads;
 }
 
+// wte holds rows [first, first + rows) of a table of `vocab` (Kernels::embedding_forward).
 int embedding_forward(void* stream, int dt, const std::int32_t* tokens, const void* wte, const void* wpe, void* out,
-                      std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t vocab);
+                      std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t vocab, std::int64_t first,
+                      std::int64_t rows);
 int embedding_backward(void* stream, int dt, const std::int32_t* tokens, const void* dout, void* dwte, void* dwpe,
-                       std::int64_t B, std::int64_t T, std::int64_t C);
+                       std::int64_t B, std::int64_t T, std::int64_t C, std::int64_t first, std::int64_t rows);
 // mean/rstd are f32.
 int layernorm_forward(void* stream, int dt, const void* x, const void* w, const void* b, void* out, float* mean,
                       float* rstd, std::int64_t N, std::int64_t C, float eps);
@@ -76,6 +78,15 @@ int cross_entropy_forward(void* stream, int dt, const void* logits, const std::i
                           float* row_losses, std::int64_t N, std::int64_t V);
 int cross_entropy_backward(void* stream, int dt, const void* logits, const std::int32_t* targets, const float* seed,
                            void* dlogits, std::int64_t N, std::int64_t V);
+// The vocabulary-parallel cross-entropy's steps (Kernels::row_max and after); max, sums, loss
+// and seed are f32.
+int row_max(void* stream, int dt, const void* logits, float* max, std::int64_t N, std::int64_t V);
+int vocab_ce_sums(void* stream, int dt, const void* logits, const std::int32_t* targets, const float* max, float* sums,
+                  std::int64_t N, std::int64_t V, std::int64_t first, std::int64_t vocab);
+int vocab_ce_loss(void* stream, const float* max, const float* sums, float* loss, std::int64_t N);
+int vocab_ce_backward(void* stream, int dt, const void* logits, const std::int32_t* targets, const float* max,
+                      const float* sums, const float* seed, void* dlogits, std::int64_t N, std::int64_t V,
+                      std::int64_t first);
 // loss (f32) = mean of (pred - target)^2, summed in a fixed order through squares[n] (f32).
 int mse_forward(void* stream, int dt, const void* pred, const void* target, float* loss, float* squares, std::int64_t n);
 int mse_backward(void* stream, int dt, const void* pred, const void* target, const float* seed, void* dpred,

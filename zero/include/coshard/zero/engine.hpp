@@ -51,6 +51,7 @@
 
 #include "coshard/async/semaphore.hpp"
 #include "coshard/collectives/communicator.hpp"
+#include "coshard/collectives/mesh.hpp"
 #include "coshard/modules/layers.hpp"
 #include "coshard/modules/optimizer.hpp"
 #include "coshard/zero/checkpoint.hpp"
@@ -220,6 +221,13 @@ struct EngineOptions {
   // model itself), 0 for shard_group_size. Units never mix sizes (experts over 2 ranks and the
   // dense layers over 8, say). Every rank must answer alike: create() checks that they do.
   std::function<int(std::string_view module_path)> shard_group_size_of;
+  // Tensor parallelism beside ZeRO (a 2-D mesh, collectives/mesh.hpp): the tensor ranks this
+  // rank's model is split over (modules/tensor_parallel.hpp), while the engine's communicator is
+  // this rank's data-parallel group. The clipping norm and the overflow flag are summed over both;
+  // a replicated parameter (no Parameter::split) counts on tensor rank 0 only, and never shares
+  // a unit with a split one. Null or one rank: none. Set by create(ctx, mesh, ...); it must
+  // outlive the engine.
+  collectives::Communicator* tensor_parallel = nullptr;
 };
 
 // Where parameters may be offloaded given the rest (Engine::create checks it; a configuration
@@ -253,6 +261,9 @@ struct FetchUnitInfo {
   // Every parameter of the unit is frozen (Parameter::trainable): it has no gradient, no
   // reduction, no fp32 master and no optimizer state, and a checkpoint keeps its parameters only.
   bool frozen = false;
+  // Its parameters are tensor-parallel parts (Parameter::split): each tensor rank holds other
+  // values. A unit is all parts or all replicated parameters.
+  bool tensor_split = false;
   // The ranks it is sharded over (its shard group: the world unless hybrid sharding says less;
   // 1 at stage 0). Each of the world / shard_ranks groups holds a copy of every block.
   int shard_ranks = 1;
@@ -341,6 +352,11 @@ class Engine final : public ModuleHooks {
   // communicator, the model and the optimizer must outlive the engine; the engine installs
   // itself as the context's hooks.
   static Result<std::unique_ptr<Engine>> create(Context& ctx, collectives::Communicator& comm, Module& model,
+                                                Optimizer& optimizer, EngineOptions options);
+  // Over a mesh: ZeRO over this rank's data group (hybrid sharding as the mesh says), the norm over
+  // its tensor group too (EngineOptions::tensor_parallel). Refused when the options name a shard
+  // group size or tensor group of their own that differ from the mesh's.
+  static Result<std::unique_ptr<Engine>> create(Context& ctx, const collectives::Mesh& mesh, Module& model,
                                                 Optimizer& optimizer, EngineOptions options);
   ~Engine() override;
 
