@@ -270,7 +270,7 @@ TEST(TensorParallelShapes, WhatCannotSplitIsRefusedByName) {
   EXPECT_TRUE(modules::check_tensor_parallel(c, 4));
   bad = modules::check_tensor_parallel(c, 8);  // 4 key/value heads
   ASSERT_FALSE(bad);
-  EXPECT_NE(bad.error().message().find("does not divide the 4 key/value heads"), std::string::npos) << bad.error().message();
+  EXPECT_NE(bad.error().message().find("does not divide the key/value heads (4)"), std::string::npos) << bad.error().message();
   c.intermediate = 50;
   bad = modules::check_tensor_parallel(c, 4);
   ASSERT_FALSE(bad);

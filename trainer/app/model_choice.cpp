@@ -49,6 +49,16 @@ Result<std::unique_ptr<modules::Sequential>> ModelChoice::build() const {
   return kind == Kind::gpt ? modules::make_gpt(gpt) : modules::make_llama(llama);
 }
 
+Result<std::unique_ptr<modules::Sequential>> ModelChoice::build(collectives::Communicator& tensor_group) const {
+  if (tensor_group.size() == 1) return build();
+  if (kind == Kind::gpt)
+    return fail(ErrorCode::unsupported, "--tensor-parallel ", tensor_group.size(),
+                " with --model gpt: tensor parallelism splits a Llama (expected --model llama, or --tensor-parallel 1)");
+  auto model = modules::make_llama(llama, tensor_group);
+  if (!model) return fail(std::move(model).error().with_context("--tensor-parallel"));
+  return model;
+}
+
 std::int64_t ModelChoice::head_dim() const noexcept {
   return kind == Kind::gpt ? gpt.dim / gpt.heads : llama.resolved_head_dim();
 }

@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 
+#include "coshard/collectives/communicator.hpp"
 #include "coshard/modules/checkpointing.hpp"
 #include "coshard/modules/gpt.hpp"
 #include "coshard/modules/llama.hpp"
@@ -30,6 +31,8 @@ struct ModelChoice {
   // What a resume must match beyond the parameters' shapes (heads, rotary base, ...).
   std::string identity(std::int64_t seq) const;
   Result<std::unique_ptr<modules::Sequential>> build() const;
+  // This rank's part of the model split over `tensor_group` (a Llama only).
+  Result<std::unique_ptr<modules::Sequential>> build(collectives::Communicator& tensor_group) const;
   std::int64_t head_dim() const noexcept;
   // One micro-batch's activations on `device` (modules' estimates), with `policy`'s blocks
   // checkpointed and attention fused where it runs fused.

@@ -3,7 +3,10 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 
+#include "coshard/collectives/env.hpp"
+#include "coshard/collectives/mesh.hpp"
 #include "coshard/modules/safetensors_folder.hpp"
 #include "coshard/trainer/trainer.hpp"
 #include "coshard/zero/hf_llama.hpp"
@@ -38,11 +41,28 @@ async::Task<Result<bool>> any_rank_stopping(trainer::Trainer& t, collectives::Co
 
 async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& comm, const trainer::TokenSource& data,
                                    const trainer::TokenSource* val, Shared& shared, bool threads) {
-  const int rank = comm.rank(), world = comm.size();
-  const bool lead = rank == 0;
-  COSHARD_CO_TRY_ASSIGN(auto model, o.model.build());
+  const bool lead = comm.rank() == 0;
+  // Tensor parallelism: a data x tensor mesh, the model this rank's part of it, the data split
+  // over the data ranks (a tensor group reads the same rows).
+  std::optional<collectives::Mesh> mesh;
+  if (o.train.tensor_parallel_size > 1) {
+    int shard = o.train.shard_group_size;
+    if (o.train.shard_group_local) {
+      COSHARD_CO_TRY_ASSIGN(const auto env, collectives::read_launch_env());
+      shard = (env.launcher == collectives::Launcher::none ? comm.size() : env.local_size) / o.train.tensor_parallel_size;
+    }
+    auto made = collectives::Mesh::create(comm, {.tensor = o.train.tensor_parallel_size, .shard = shard});
+    if (!made) co_return fail(std::move(made).error().with_context("--tensor-parallel"));
+    mesh.emplace(std::move(*made));
+  }
+  const int rank = mesh ? mesh->data_rank() : comm.rank(), world = mesh ? mesh->data_size() : comm.size();
+  COSHARD_CO_TRY_ASSIGN(auto model, mesh ? o.model.build(mesh->tensor()) : o.model.build());
   trainer::TrainerBuilder builder(o.train);
-  builder.communicator(comm);
+  if (mesh) {
+    builder.mesh(*mesh);
+  } else {
+    builder.communicator(comm);
+  }
   // What defines this run beyond the parameters' shapes: a resume with another shape of attention
   // (--heads) or other data is refused.
   builder.run_identity("model", o.model.identity(o.seq));
@@ -119,7 +139,7 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
       nonfinite_since = 0;
     }
     last_loss = stats.loss;
-    if (!o.trace.empty()) shared.trace.add(rank, stats.step, stats.timeline);
+    if (!o.trace.empty()) shared.trace.add(comm.rank(), stats.step, stats.timeline);
     if (lead) {
       if (!o.quiet) progress.update(stats);
       if (metrics.is_open()) {

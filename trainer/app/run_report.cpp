@@ -38,13 +38,17 @@ void print_run_header(const Options& o, trainer::Trainer& t, const collectives::
               static_cast<long long>(o.batch),
               static_cast<long long>(o.seq), t.engine().units().size(),
               first > 0 ? (", resumed at step " + std::to_string(first)).c_str() : "");
+  const int tensor = o.train.tensor_parallel_size, data_ranks = world / tensor;
+  if (tensor > 1)
+    std::printf("  tensor parallelism: data %d x tensor %d (heads, MLP and vocabulary split over %d consecutive ranks; "
+                "ZeRO over each data group of %d)\n", data_ranks, tensor, tensor, data_ranks);
   // Hybrid sharding: the groups the units are sharded over (each a copy of every block).
   std::set<int> groups;
   for (const auto& u : t.engine().units())
-    if (o.train.zero_stage > 0 && u.shard_ranks < world) groups.insert(u.shard_ranks);
+    if (o.train.zero_stage > 0 && u.shard_ranks < data_ranks) groups.insert(u.shard_ranks);
   for (const int g : groups)
-    std::printf("  hybrid sharding: units sharded over groups of %d consecutive rank(s), %d copies (across them: one "
-                "all-reduce of each gradient shard)\n", g, world / g);
+    std::printf("  hybrid sharding: units sharded over groups of %d consecutive %srank(s), %d copies (across them: one "
+                "all-reduce of each gradient shard)\n", g, tensor > 1 ? "data " : "", data_ranks / g);
   std::fflush(stdout);
 }
 

@@ -38,7 +38,7 @@ async::Task<Result<void>> sample_after(trainer::Trainer& t, const Options& o, co
   options.seed = o.train.seed + static_cast<std::uint64_t>(step);  // reproducible, another draw each time
   options.vocab = o.model.vocab();
   COSHARD_CO_TRY_ASSIGN(auto tokens, co_await t.generate(prompt, options));
-  if (t.rank() == 0 && !quiet) {
+  if (t.world_rank() == 0 && !quiet) {
     // Text (data read as bytes, or a --prompt) in quotes; ids as ids: the prompt, then what the
     // model added.
     const bool bytes = dynamic_cast<const trainer::ByteCorpus*>(&data) != nullptr || o.prompt_is_text;

@@ -58,6 +58,9 @@ Result<void> TrainerConfig::validate() const {
     if (!(min_lr <= lr))
       return fail(ErrorCode::invalid_argument, "min_lr=", min_lr, ": expected in [0, lr=", lr, "]");
   }
+  if (tensor_parallel_size > 1 && lora_rank > 0)
+    return fail(ErrorCode::unsupported, "lora_rank=", lora_rank, " with tensor_parallel=", tensor_parallel_size,
+                ": LoRA adapters on a tensor-parallel model are not supported yet (expected tensor_parallel 1)");
   COSHARD_TRY(check_offload(offload_optimizer, "offload_optimizer", true));
   // (offload_params=nvme keeps its shards in the optimizer's swap files: its own path is optional)
   COSHARD_TRY(check_offload(offload_params, "offload_params", false));
@@ -148,7 +151,10 @@ float TrainerConfig::lr_at(std::int64_t step) const noexcept {
   return static_cast<float>(min_lr + (lr - min_lr) * factor);
 }
 
-Result<std::int64_t> TrainerConfig::check_batch(int world, std::int64_t global_batch) const {
+Result<std::int64_t> TrainerConfig::check_batch(int world_size, std::int64_t global_batch) const {
+  // (tensor parallelism: the batch splits over the data ranks; a tensor group reads the same rows)
+  const bool split = tensor_parallel_size > 1 && world_size % tensor_parallel_size == 0;
+  const int world = split ? world_size / tensor_parallel_size : world_size;
   const std::int64_t per_step = static_cast<std::int64_t>(world) * gradient_accumulation_steps;
   std::int64_t batch = global_batch;
   auto named = [&] {
@@ -168,7 +174,8 @@ Result<std::int64_t> TrainerConfig::check_batch(int world, std::int64_t global_b
   if (batch <= 0) batch = from_config;
   if (batch <= 0) return fail(ErrorCode::invalid_argument, named(), ": no batch size given");
   if (batch % per_step != 0)
-    return fail(ErrorCode::invalid_argument, "--batch ", batch, " does not split evenly over ", world, " rank(s) x ",
+    return fail(ErrorCode::invalid_argument, "--batch ", batch, " does not split evenly over ", world, split ? " data" : "",
+                " rank(s) x ",
                 gradient_accumulation_steps, " micro-batch(es)");
   return batch;
 }

@@ -81,7 +81,16 @@ async::Task<Result<std::vector<std::int32_t>>> Trainer::Impl::generate(std::span
                      " tokens; expected logits [1, ", T, ", vocab]");
     const std::int64_t V = shape[2];
     // (named: GCC 12 cannot keep a Shape temporary across a co_await: "array used as initializer")
-    const Tensor last = logits->slice((T - 1) * V, modules::Shape{V});
+    Tensor last = logits->slice((T - 1) * V, modules::Shape{V});
+    if (tensor) {  // each tensor rank holds its columns of the vocabulary, in rank order
+      COSHARD_CO_TRY_ASSIGN(Tensor whole, ctx->empty(modules::Shape{V * tensor->size()}, last.dtype()));
+      COSHARD_CO_TRY_ASSIGN(auto ready, ctx->stream().record());
+      COSHARD_CO_TRY(tensor->stream().wait(ready));
+      COSHARD_CO_TRY_ASSIGN(auto gathered, tensor->all_gather(last.data(), whole.data(), static_cast<std::size_t>(V),
+                                                             last.dtype(), "the sampled row's logits"));
+      COSHARD_CO_TRY(ctx->stream().wait(gathered));
+      last = std::move(whole);
+    }
     auto row = co_await ctx->read(last);
     if (!row) co_return fail(std::move(row).error());
     COSHARD_CO_TRY(decoding.advance(T));

@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "coshard/async/json_limits.hpp"
+#include "coshard/modules/tensor_parallel.hpp"
 #include "coshard/async/log.hpp"
 #include "rank_agreement.hpp"
 #include "step_metrics.hpp"
@@ -95,6 +96,7 @@ std::int64_t Trainer::steps_done() const noexcept { return impl_->engine->steps_
 const TrainerConfig& Trainer::config() const noexcept { return impl_->config; }
 int Trainer::rank() const noexcept { return impl_->comm->rank(); }
 int Trainer::world_size() const noexcept { return impl_->comm->size(); }
+int Trainer::world_rank() const noexcept { return impl_->world_rank; }
 zero::Engine& Trainer::engine() noexcept { return *impl_->engine; }
 modules::Context& Trainer::context() noexcept { return *impl_->ctx; }
 
@@ -265,11 +267,23 @@ async::Task<Result<Trainer>> TrainerBuilder::build(modules::Module& model) const
   if (!comm_)
     co_return fail(ErrorCode::invalid_argument, "TrainerBuilder: no communicator (call .communicator(comm))");
   COSHARD_CO_TRY(c_.validate());
+  const int tensor = mesh_ ? mesh_->tensor_size() : 1;
+  if (tensor != c_.tensor_parallel_size)
+    co_return fail(ErrorCode::invalid_argument, "tensor_parallel=", c_.tensor_parallel_size, ": ",
+                   mesh_ ? "the mesh splits over " + std::to_string(tensor) + " tensor ranks"
+                         : std::string("no mesh (call .mesh(mesh) with a collectives::Mesh of that tensor size)"));
   auto impl = std::make_unique<Trainer::Impl>();
   impl->config = c_;
   impl->comm = comm_;
+  if (tensor > 1) impl->tensor = &mesh_->tensor();
+  impl->world_rank = mesh_ ? mesh_->world().rank() : comm_->rank();
   impl->model = &model;
-  if (loss_) impl->loss = loss_;
+  if (loss_) {
+    impl->loss = loss_;
+  } else if (tensor > 1) {
+    impl->own_split_loss = std::make_unique<modules::VocabParallelCrossEntropyLoss>(mesh_->tensor());
+    impl->loss = impl->own_split_loss.get();
+  }
   impl->validation = validation_;
   const async::Device device = comm_->stream().device();
   async::StreamOptions stream_options;
@@ -324,12 +338,21 @@ async::Task<Result<Trainer>> TrainerBuilder::build(modules::Module& model) const
     COSHARD_LOG_INFO(trainer, "freeze '{}': {} parameters frozen", pattern, *frozen);
   }
   // Before the engine's first collective: every rank with the same model and settings.
-  COSHARD_CO_TRY(co_await detail::check_ranks_agree(*impl->ctx, *comm_, detail::agreement_fields(c_, model)));
-  COSHARD_CO_TRY_ASSIGN(const zero::EngineOptions engine_options, c_.engine_options_for(model, comm_->size()));
-  COSHARD_CO_TRY_ASSIGN(impl->engine, zero::Engine::create(*impl->ctx, *comm_, model, *impl->optimizer, engine_options));
+  // (over the whole mesh: the tensor ranks of one data group must agree too)
+  COSHARD_CO_TRY(co_await detail::check_ranks_agree(*impl->ctx, mesh_ ? mesh_->world() : *comm_,
+                                                    detail::agreement_fields(c_, model)));
+  COSHARD_CO_TRY_ASSIGN(zero::EngineOptions engine_options, c_.engine_options_for(model, comm_->size()));
+  if (mesh_) {
+    // The mesh says how the data ranks shard: a size of the config's own must be the mesh's.
+    if (engine_options.shard_group_size == mesh_->shard_group_size() || engine_options.shard_group_size == mesh_->data_size())
+      engine_options.shard_group_size = 0;
+    COSHARD_CO_TRY_ASSIGN(impl->engine, zero::Engine::create(*impl->ctx, *mesh_, model, *impl->optimizer, engine_options));
+  } else {
+    COSHARD_CO_TRY_ASSIGN(impl->engine, zero::Engine::create(*impl->ctx, *comm_, model, *impl->optimizer, engine_options));
+  }
   impl->blocking_waits_at_start = async::blocking_waits();
   COSHARD_CO_TRY(co_await impl->engine->initialize(c_.seed));
-  if (!c_.tensorboard_dir.empty() && comm_->rank() == 0) {
+  if (!c_.tensorboard_dir.empty() && impl->world_rank == 0) {
     COSHARD_CO_TRY_ASSIGN(auto writer, TensorBoardWriter::create(c_.tensorboard_dir));
     impl->tensorboard.emplace(std::move(writer));
   }

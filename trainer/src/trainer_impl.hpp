@@ -16,6 +16,10 @@ namespace coshard::trainer {
 struct Trainer::Impl {
   TrainerConfig config;
   collectives::Communicator* comm = nullptr;
+  // The tensor ranks the model is split over (a mesh's; null: none): sampling gathers the
+  // logits' columns over them.
+  collectives::Communicator* tensor = nullptr;
+  int world_rank = 0;
   modules::Module* model = nullptr;
   std::unique_ptr<async::Stream> stream;
   std::unique_ptr<async::CachingAllocator> allocator;
@@ -23,6 +27,7 @@ struct Trainer::Impl {
   std::unique_ptr<modules::Optimizer> optimizer;
   std::unique_ptr<zero::Engine> engine;
   modules::CrossEntropyLoss own_loss;      // the default
+  std::unique_ptr<modules::Loss> own_split_loss;  // the default over a mesh with tensor parallelism
   modules::Loss* loss = &own_loss;         // or the builder's
   int skipped_in_a_row = 0;  // steps skipped for inf/NaN gradients, up to this one
   std::optional<TensorBoardWriter> tensorboard;  // rank 0, with config.tensorboard_dir

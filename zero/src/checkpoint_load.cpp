@@ -11,6 +11,7 @@
 
 #include "coshard/async/files.hpp"
 #include "engine_state.hpp"
+#include "tensor_parts.hpp"
 
 namespace coshard::zero {
 
@@ -223,8 +224,10 @@ Result<Loaded> read_checkpoint(const fs::path& dir, const Loader& l) {
 
 }  // namespace
 
-async::Task<Result<void>> Engine::load_checkpoint(const fs::path& dir, const CheckpointOptions& options) {
+async::Task<Result<void>> Engine::load_checkpoint(const fs::path& given, const CheckpointOptions& options) {
   State& s = *s_;
+  const int tensor = tensor_size(s.o);
+  const fs::path dir = tensor_checkpoint_dir(given, s.o);  // (tensor parallelism: this rank's folder)
   COSHARD_CO_TRY(s.outside_loop("load_checkpoint"));
   COSHARD_CO_TRY(co_await finish_checkpoint());
   async::Runtime* rt = async::Runtime::current();
@@ -237,11 +240,33 @@ async::Task<Result<void>> Engine::load_checkpoint(const fs::path& dir, const Che
   Loader loader{units(), shard_layout(), std::move(block_offsets), s.o.dtype, std::string(s.optimizer->name()),
                 options.run};
   COSHARD_LOG_DEBUG(zero, "load_checkpoint {}: reading and checking this rank's part", dir.string());
-  auto read = [&dir, &loader]() { return read_checkpoint(dir, loader); };
+  auto read = [&given, &dir, &loader, tensor]() -> Result<Loaded> {
+    COSHARD_TRY(check_tensor_checkpoint(given, tensor));
+    return read_checkpoint(dir, loader);
+  };
   auto loaded = co_await rt->spawn_blocking(std::move(read));
   // No state changes unless every rank read and checked its part.
   std::string what = "checkpoint " + dir.string();  // named: GCC 12 destroys temporaries in co_await twice
   auto agreed = co_await s.ranks_agree.every_rank_can_load(loaded.has_value(), std::move(what));
+  if (tensor > 1) {
+    // Every tensor rank's folder at the same step, or none loads (a save cut short between two
+    // folders' publishes leaves them apart); every tensor rank exchanges whatever it found.
+    const bool ok = loaded && agreed;
+    std::vector<std::int64_t> mine{ok ? 1 : 0, ok ? loaded->step : -1};
+    COSHARD_CO_TRY_ASSIGN(const auto all, co_await s.tensor_agree.all_ranks(std::move(mine)));
+    if (ok)
+      for (int t = 0; t < tensor; ++t) {
+        const std::int64_t t_ok = all[static_cast<std::size_t>(2 * t)], t_step = all[static_cast<std::size_t>(2 * t + 1)];
+        if (t_ok != 1)
+          co_return fail(ErrorCode::invalid_argument, "checkpoint ", given.string(), ": tensor rank ", t,
+                         " could not load its folder (its error says why); nothing was loaded");
+        if (t_step != loaded->step)
+          co_return fail(ErrorCode::invalid_argument, "checkpoint ", given.string(), ": tensor rank ", t,
+                         "'s folder is at step ", t_step, ", this rank's (", dir.filename().string(), ") at step ",
+                         loaded->step, " (a save cut short between the folders' publishes: point each folder's "
+                         "'latest' at a step they all hold); nothing was loaded");
+      }
+  }
   if (!loaded) co_return fail(std::move(loaded).error());
   COSHARD_CO_TRY(std::move(agreed));
 

@@ -14,6 +14,7 @@
 
 #include "coshard/async/files.hpp"
 #include "engine_state.hpp"
+#include "tensor_parts.hpp"
 
 namespace coshard::zero {
 
@@ -197,8 +198,10 @@ Result<void> Engine::State::claim_checkpoint_folder(const fs::path& dir, const C
   return {};
 }
 
-async::Task<Result<void>> Engine::save_checkpoint(const fs::path& dir, CheckpointOptions options) {
+async::Task<Result<void>> Engine::save_checkpoint(const fs::path& given, CheckpointOptions options) {
   State& s = *s_;
+  // Tensor parallelism: each tensor rank's data group saves and publishes a folder of its own.
+  const fs::path dir = tensor_checkpoint_dir(given, s.o);
   COSHARD_CO_TRY(s.outside_loop("save_checkpoint"));
   if (options.keep < 0)
     co_return fail(ErrorCode::invalid_argument, "save_checkpoint: keep=", options.keep,

@@ -146,6 +146,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   s->ctx = &ctx;
   s->comm = &comm;
   s->ranks_agree = detail::RankExchange(ctx, comm);
+  if (o.tensor_parallel && o.tensor_parallel->size() > 1) s->tensor_agree = detail::RankExchange(ctx, *o.tensor_parallel);
   s->model = &model;
   s->optimizer = &optimizer;
   s->o = o;

@@ -75,6 +75,13 @@ struct Engine::State : GradientShardsOut {
   detail::SwapPass pass;   // the swapper's pass beside backward
   ShardPlacement::BlockSource shard_values;  // nvme parameters: the values a load writes
   detail::RankExchange ranks_agree;          // outcomes agreed, values reduced over the ranks
+  detail::RankExchange tensor_agree;         // the same over the tensor ranks (tensor parallelism; unset: none)
+  // Each parameter by its full name (the inverse of `names`).
+  std::unordered_map<std::string, const Parameter*> by_name() const {
+    std::unordered_map<std::string, const Parameter*> out;
+    for (const auto& [p, name] : names) out.emplace(name, p);
+    return out;
+  }
 
   detail::UnitIo io() const noexcept { return {*ctx, *comm, o.dtype}; }
   GradientWiring gradient_wiring() noexcept { return {io(), units, *shard_groups, timeline, stats, *residence, *this}; }

@@ -7,6 +7,7 @@
 
 #include "engine_state.hpp"
 #include "parameter_decode.hpp"
+#include "tensor_parts.hpp"
 
 namespace coshard::zero {
 
@@ -88,9 +89,13 @@ async::Task<Result<void>> Engine::export_parameters(std::string what, ParameterW
   async::Runtime* rt = async::Runtime::current();
   if (!rt) co_return fail(ErrorCode::invalid_argument, what, ": must be awaited on a coshard Runtime");
   COSHARD_CO_TRY_ASSIGN(auto params, co_await gather_parameters());
+  const bool split = tensor_size(s.o) > 1;  // tensor parallelism: the files hold whole parameters
+  if (split) {
+    COSHARD_CO_TRY_ASSIGN(params, co_await whole_parameters(s.tensor_agree, s.by_name(), std::move(params), s.o.dtype));
+  }
   std::int64_t ok = 1;
   std::string error;
-  if (s.rank == 0) {
+  if (s.rank == 0 && (!split || s.o.tensor_parallel->rank() == 0)) {
     // Weights that are no longer finite are never written: a file --init would refuse anyway.
     auto done = co_await rt->spawn_blocking([&write, &params, &what, dtype = s.o.dtype]() -> Result<void> {
       COSHARD_TRY(check_finite(params, dtype, what + ": nothing written"));
@@ -103,6 +108,11 @@ async::Task<Result<void>> Engine::export_parameters(std::string what, ParameterW
   }
   std::vector<std::int64_t> outcome{ok};  // named: GCC 12 mishandles braced temporaries in co_await
   COSHARD_CO_TRY_ASSIGN(auto status, co_await s.ranks_agree.all_ranks(std::move(outcome)));
+  if (split) {  // (the writer's data group knows; the other tensor ranks' groups learn it from theirs)
+    std::vector<std::int64_t> mine{status[0]};
+    COSHARD_CO_TRY_ASSIGN(const auto over_tensor, co_await s.tensor_agree.all_ranks(std::move(mine)));
+    status[0] = over_tensor[0];
+  }
   if (status[0] != 1) co_return fail(ErrorCode::io, what, " failed on rank 0", error.empty() ? "" : ": ", error);
   co_return Result<void>{};
 }
@@ -119,12 +129,20 @@ async::Task<Result<void>> Engine::load_parameters_from(std::string what, Paramet
   async::Runtime* rt = async::Runtime::current();
   if (!rt) co_return fail(ErrorCode::invalid_argument, what, ": must be awaited on a coshard Runtime");
   auto values = co_await rt->spawn_blocking([&read]() { return read(); });
+  // Tensor parallelism: the files hold whole parameters, this rank takes its parts.
+  if (values && tensor_size(s.o) > 1) values = parts_of_whole(s.by_name(), std::move(*values), s.o.dtype, what);
   Result<void> checked{};
   if (!values) checked = fail(std::move(values).error());
   else checked = s.check_values(*values);
   // Every rank read and checked the file, or none changes anything (the load's gathers would
   // wait for a rank that stopped).
+  std::string over_tensor = what + " (over the tensor ranks)";
   auto agreed = co_await s.ranks_agree.every_rank_can_load(checked.has_value(), std::move(what));
+  // (every tensor rank exchanges, whatever its data group decided: none waits for one that left)
+  if (tensor_size(s.o) > 1) {
+    auto tensor_agreed = co_await s.tensor_agree.every_rank_can_load(checked && agreed, std::move(over_tensor));
+    if (checked && agreed && !tensor_agreed) co_return fail(std::move(tensor_agreed).error());
+  }
   if (!checked) co_return fail(std::move(checked).error());
   COSHARD_CO_TRY(std::move(agreed));
   co_return co_await load_parameters(*values);

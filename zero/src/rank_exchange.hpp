@@ -20,6 +20,7 @@ class RankExchange {
  public:
   RankExchange() = default;  // (set when the engine is made)
   RankExchange(modules::Context& ctx, collectives::Communicator& world) : ctx_(&ctx), world_(&world) {}
+  int size() const noexcept { return world_ ? world_->size() : 1; }
 
   // Each rank's `mine` (the same length on every rank), rank-major: one all-gather.
   async::Task<Result<std::vector<std::int64_t>>> all_ranks(std::vector<std::int64_t> mine);

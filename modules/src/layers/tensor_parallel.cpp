@@ -99,9 +99,10 @@ async::Task<Result<Tensor>> VocabParallelCrossEntropyLoss::forward(Context& ctx,
   constexpr std::string_view who = "VocabParallelCrossEntropyLoss";
   COSHARD_CO_TRY(detail::check_activation(ctx, logits, 0, who));
   const std::int64_t N = logits.shape().rows(), V = logits.shape().back(), parts = group_->size();
-  if (V * parts != vocab_)
+  const std::int64_t vocab = vocab_ > 0 ? vocab_ : V * parts;
+  if (V * parts != vocab)
     co_return fail(ErrorCode::invalid_argument, who, ": logits ", logits.describe(), " are ", V, " columns on each of ",
-                   parts, " tensor ranks, expected ", vocab_, " / ", parts, " (a vocabulary of ", vocab_, ")");
+                   parts, " tensor ranks, expected ", vocab, " / ", parts, " (a vocabulary of ", vocab, ")");
   if (!targets_ || targets_.dtype() != DataType::i32 || targets_.numel() != N || !(targets_.device() == ctx.device()))
     co_return fail(ErrorCode::invalid_argument, who, ": targets ", targets_ ? targets_.describe() : "not set",
                    ", expected i32 with ", N, " elements (one per row of ", logits.describe(), ") on ",
@@ -114,7 +115,7 @@ async::Task<Result<Tensor>> VocabParallelCrossEntropyLoss::forward(Context& ctx,
   COSHARD_CO_TRY(reduce_in_place(ctx, *group_, max, ReduceOp::max, "the logits' row maxima (vocabulary-parallel)"));
   COSHARD_CO_TRY_ASSIGN(Tensor sums, ctx.empty(Shape{2 * N}, stat));
   COSHARD_CO_TRY(k.vocab_ce_sums(ctx.stream(), dt, logits.data(), targets_.data_as<std::int32_t>(), max.data(),
-                                 sums.data(), N, V, first, vocab_));
+                                 sums.data(), N, V, first, vocab));
   COSHARD_CO_TRY(reduce_in_place(ctx, *group_, sums, ReduceOp::sum, "the softmax sums (vocabulary-parallel)"));
   COSHARD_CO_TRY_ASSIGN(Tensor loss, ctx.empty(Shape{1}, stat));
   COSHARD_CO_TRY(k.vocab_ce_loss(ctx.stream(), dt, max.data(), sums.data(), loss.data(), N));

@@ -170,8 +170,8 @@ Result<std::unique_ptr<Sequential>> make_llama(const LlamaConfig& c) {
 Result<void> check_tensor_parallel(const LlamaConfig& c, std::int64_t tensor) {
   COSHARD_TRY(c.validate());
   if (tensor < 1) return fail(ErrorCode::invalid_argument, "tensor-parallel size ", tensor, ": expected at least 1");
-  COSHARD_TRY(check_divides(c.heads, tensor, "the " + std::to_string(c.heads) + " attention heads"));
-  COSHARD_TRY(check_divides(c.kv_heads, tensor, "the " + std::to_string(c.kv_heads) + " key/value heads"));
+  COSHARD_TRY(check_divides(c.heads, tensor, "the attention heads"));
+  COSHARD_TRY(check_divides(c.kv_heads, tensor, "the key/value heads"));
   COSHARD_TRY(check_divides(c.intermediate, tensor, "the MLP width"));
   return check_divides(c.vocab, tensor, "the vocabulary");
 }

@@ -92,7 +92,9 @@ Result<std::unique_ptr<TokenEmbedding>> vocab_parallel_embedding(std::int64_t vo
 // per-row statistics (the max, then the sum of exponentials and the target's logit).
 class VocabParallelCrossEntropyLoss final : public Loss {
  public:
-  VocabParallelCrossEntropyLoss(collectives::Communicator& group, std::int64_t vocab) : group_(&group), vocab_(vocab) {}
+  // `vocab` 0: the logits' columns times the group's size.
+  explicit VocabParallelCrossEntropyLoss(collectives::Communicator& group, std::int64_t vocab = 0)
+      : group_(&group), vocab_(vocab) {}
   std::string_view type_name() const override { return "VocabParallelCrossEntropyLoss"; }
   void set_targets(Tensor targets) override { targets_ = std::move(targets); }
   async::Task<Result<Tensor>> forward(Context& ctx, Tensor logits) override;

@@ -61,6 +61,10 @@ struct TrainerConfig : zero::EngineOptions {
   // shard_group_size "local": the ranks of one node (the launcher's local size; all of them when
   // the ranks are threads of one process), resolved by engine_options_for.
   bool shard_group_local = false;
+  // Tensor parallelism beside ZeRO: the model split over this many consecutive ranks (a data x
+  // tensor mesh, collectives/mesh.hpp; the trainer is then built over the mesh, and ZeRO shards
+  // over each data group). 1: none.
+  int tensor_parallel_size = 1;
 
   // Precision: parameters, activations and gradients in `dtype` (EngineOptions; fp32 masters in
   // the optimizer); gradients are reduced in `reduce_dtype`, which must be `dtype` for now.

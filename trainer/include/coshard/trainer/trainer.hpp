@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "coshard/collectives/communicator.hpp"
+#include "coshard/collectives/mesh.hpp"
 #include "coshard/zero/engine.hpp"
 #include "coshard/trainer/config.hpp"
 #include "coshard/trainer/data.hpp"
@@ -105,8 +106,11 @@ class Trainer {
 
   std::int64_t steps_done() const noexcept;
   const TrainerConfig& config() const noexcept;
+  // This rank in its data group, and the group's size (the world without a mesh).
   int rank() const noexcept;
   int world_size() const noexcept;
+  // This rank in the whole world (a mesh's, else rank()): 0 is the one that reports.
+  int world_rank() const noexcept;
   zero::Engine& engine() noexcept;
   modules::Context& context() noexcept;
 
@@ -123,7 +127,21 @@ class TrainerBuilder {
   TrainerBuilder() = default;
   explicit TrainerBuilder(TrainerConfig config) : c_(std::move(config)) {}
 
-  TrainerBuilder& communicator(collectives::Communicator& comm) { comm_ = &comm; return *this; }
+  TrainerBuilder& communicator(collectives::Communicator& comm) {
+    comm_ = &comm;
+    mesh_ = nullptr;
+    return *this;
+  }
+  // A data x tensor mesh instead (collectives/mesh.hpp): the model given to build() is this
+  // rank's part of a tensor-parallel model (modules::make_llama with mesh.tensor()), ZeRO shards
+  // over the rank's data group, and the default loss is a VocabParallelCrossEntropyLoss over the
+  // tensor group. Its tensor size must be the config's tensor_parallel; rank() and world_size()
+  // are then the data group's. The mesh must outlive the trainer.
+  TrainerBuilder& mesh(const collectives::Mesh& mesh) {
+    mesh_ = &mesh;
+    comm_ = &mesh.data();
+    return *this;
+  }
   // The loss of every step (default: a CrossEntropyLoss of the trainer's own); it must outlive
   // the trainer. modules::MeanSquaredErrorLoss, or a Loss of your own.
   TrainerBuilder& loss(modules::Loss& loss) { loss_ = &loss; return *this; }
@@ -244,6 +262,7 @@ class TrainerBuilder {
  private:
   TrainerConfig c_;
   collectives::Communicator* comm_ = nullptr;
+  const collectives::Mesh* mesh_ = nullptr;
   modules::Loss* loss_ = nullptr;
   const TokenSource* validation_ = nullptr;
   std::optional<Error> error_;  // the first bad set()

@@ -1,0 +1,178 @@
+// coshard-train with tensor parallelism (--tensor-parallel, issue 51): a Llama with grouped-query
+// attention split over the tensor ranks, ZeRO over each data group, against the unsharded
+// single-rank run (losses within 1e-5 relative, the exported whole weights within 1e-5, the same
+// greedy sample); checkpoints resumed at another data size and refused at another tensor size;
+// --init's whole weights cut into parts and exported whole again bit for bit; and what cannot be
+// split refused by name.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "coshard/modules/safetensors.hpp"
+#include "binary_harness.hpp"
+
+namespace coshard::testing {
+namespace {
+
+std::map<std::string, std::vector<float>> tensors_in(const fs::path& path) {
+  std::map<std::string, std::vector<float>> out;
+  auto file = modules::SafetensorsFile::load(path);
+  EXPECT_TRUE(file) << path << ": " << file.error().message();
+  if (!file) return out;
+  for (const auto& t : file->tensors()) {
+    const auto bytes = file->data(t);
+    std::vector<float> v(bytes.size() / sizeof(float));
+    std::memcpy(v.data(), bytes.data(), v.size() * sizeof(float));
+    out[t.name] = std::move(v);
+  }
+  return out;
+}
+
+// 8 query heads over 4 key/value heads: splits over 2 and 4 tensor ranks. 12 sequences a step
+// divide among 1, 2 and 3 data ranks. Greedy samples after the last step.
+const std::vector<std::string> kLlama = {"--model", "llama", "--layers", "2", "--dim", "32", "--heads", "8",
+                                         "--kv-heads", "4", "--seq", "8", "--batch", "12", "--vocab", "64",
+                                         "--lr", "0.003", "--clip", "0.5", "--steps", "6",
+                                         "--sample-every", "6", "--sample-tokens", "6", "--temperature", "0"};
+
+std::string sample_line(const std::string& output) {
+  const auto at = output.find("sample after step");
+  return at == std::string::npos ? std::string() : output.substr(at, output.find('\n', at) - at);
+}
+
+double relative(double a, double b) { return std::abs(a - b) / std::max({std::abs(a), std::abs(b), 1e-2}); }
+
+TEST(CoshardTrainTensorParallel, EveryMeshTrainsTheUnshardedModel) {
+  const fs::path dir = scratch("tensor_parallel_meshes");
+  const auto reference = run(with(kLlama, {"--world-size", "1", "--zero-stage", "0", "--metrics",
+                                           (dir / "ref.jsonl").string(), "--export", (dir / "ref.safetensors").string()}),
+                             dir);
+  ASSERT_EQ(reference.code, 0) << reference.output;
+  const auto ref_losses = losses_in(dir / "ref.jsonl");
+  const auto ref = tensors_in(dir / "ref.safetensors");
+  ASSERT_EQ(ref_losses.size(), 6u);
+  ASSERT_FALSE(sample_line(reference.output).empty()) << reference.output;
+  struct Mesh {
+    std::string world, tensor, stage;
+    std::vector<std::string> more;
+  };
+  const std::vector<Mesh> meshes = {
+      {"4", "2", "3", {}},
+      {"4", "4", "2", {}},
+      {"6", "2", "1", {}},
+      {"4", "2", "3", {"--offload-optimizer", "cpu"}},
+      {"4", "2", "3", {"--grad-accum", "2", "--activation-checkpointing", "full"}},
+  };
+  for (const auto& m : meshes) {
+    const std::string name = "world " + m.world + " tensor " + m.tensor + " stage " + m.stage;
+    auto args = with(kLlama, {"--world-size", m.world, "--tensor-parallel", m.tensor, "--zero-stage", m.stage, "--metrics",
+                              (dir / "tp.jsonl").string(), "--export", (dir / "tp.safetensors").string()});
+    args = with(args, m.more);
+    fs::remove(dir / "tp.jsonl");
+    const auto got = run(args, dir);
+    ASSERT_EQ(got.code, 0) << name << ": " << got.output;
+    EXPECT_NE(got.output.find("tensor parallelism: data"), std::string::npos) << got.output;
+    EXPECT_EQ(sample_line(got.output), sample_line(reference.output)) << name;
+    const auto losses = losses_in(dir / "tp.jsonl");
+    ASSERT_EQ(losses.size(), ref_losses.size()) << name;
+    for (std::size_t i = 0; i < losses.size(); ++i)
+      EXPECT_LE(relative(losses[i], ref_losses[i]), 1e-5) << name << ": step " << i + 1;
+    const auto mine = tensors_in(dir / "tp.safetensors");
+    ASSERT_EQ(mine.size(), ref.size()) << name << ": the export holds every whole parameter";
+    // Every element within 1e-5 but at most two, and those within 1e-4: an element whose gradient is
+    // near zero takes an lr-sized AdamW step from the last bits of its gradient, which another
+    // order of additions changes. Data parallelism alone shows it (world 6, no tensor parallelism,
+    // this model: one element of h1.mlp.gate_up 1.1e-5 from the unsharded run, every other within
+    // 1e-6); tensor parallelism gave the same element and nothing else.
+    double most = 0;
+    int outliers = 0;
+    std::string where;
+    for (const auto& [tensor, values] : ref) {
+      ASSERT_EQ(mine.at(tensor).size(), values.size()) << name << ": " << tensor;
+      for (std::size_t i = 0; i < values.size(); ++i) {
+        const double d = std::abs(mine.at(tensor)[i] - values[i]) / std::max(1.0f, std::abs(values[i]));
+        if (d > 1e-5) {
+          ++outliers;
+          where += " " + tensor + "[" + std::to_string(i) + "]";
+        }
+        most = std::max(most, d);
+      }
+    }
+    EXPECT_LE(outliers, 2) << name << ": elements more than 1e-5 from the unsharded run:" << where;
+    EXPECT_LE(most, 1e-4) << name << ": the exported weights";
+  }
+}
+
+TEST(CoshardTrainTensorParallel, ACheckpointResumesAtAnotherDataSizeAndIsRefusedAtAnotherTensorSize) {
+  const fs::path dir = scratch("tensor_parallel_checkpoints");
+  const auto whole = run(with(kLlama, {"--world-size", "4", "--tensor-parallel", "2", "--zero-stage", "3", "--metrics",
+                                       (dir / "whole.jsonl").string()}),
+                         dir);
+  ASSERT_EQ(whole.code, 0) << whole.output;
+  const auto first = run(with(without(kLlama, "--steps"), {"--steps", "3", "--world-size", "4", "--tensor-parallel", "2",
+                                                           "--zero-stage", "3", "--checkpoint-dir", (dir / "ck").string(),
+                                                           "--checkpoint-every", "3"}),
+                         dir);
+  ASSERT_EQ(first.code, 0) << first.output;
+  EXPECT_TRUE(fs::exists(dir / "ck" / "tensor-0-of-2" / "latest"));
+  EXPECT_TRUE(fs::exists(dir / "ck" / "tensor-1-of-2" / "latest"));
+  // data 2 x tensor 2 -> data 1 x tensor 2, stage 2: the uninterrupted run's last three losses
+  const auto resumed = run(with(kLlama, {"--world-size", "2", "--tensor-parallel", "2", "--zero-stage", "2",
+                                         "--checkpoint-dir", (dir / "ck").string(), "--resume", "--metrics",
+                                         (dir / "resumed.jsonl").string()}),
+                           dir);
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  const auto want = losses_in(dir / "whole.jsonl"), got = losses_in(dir / "resumed.jsonl");
+  ASSERT_EQ(want.size(), 6u);
+  ASSERT_EQ(got.size(), 3u);
+  for (std::size_t i = 0; i < 3; ++i) EXPECT_LE(relative(got[i], want[i + 3]), 1e-5) << "step " << i + 4;
+  // another tensor size: refused naming both, nothing trained
+  const auto other = run(with(kLlama, {"--world-size", "4", "--tensor-parallel", "4", "--checkpoint-dir",
+                                       (dir / "ck").string(), "--resume"}),
+                         dir);
+  EXPECT_NE(other.code, 0);
+  EXPECT_NE(other.output.find("saved with tensor parallelism 2"), std::string::npos) << other.output;
+  EXPECT_NE(other.output.find("this run has tensor parallelism 4"), std::string::npos) << other.output;
+  const auto none = run(with(kLlama, {"--world-size", "2", "--checkpoint-dir", (dir / "ck").string(), "--resume"}), dir);
+  EXPECT_NE(none.code, 0);
+  EXPECT_NE(none.output.find("this run has none (tensor size 1)"), std::string::npos) << none.output;
+}
+
+TEST(CoshardTrainTensorParallel, InitIsCutIntoPartsAndExportedWholeAgain) {
+  const fs::path dir = scratch("tensor_parallel_init");
+  const auto trained = run(with(kLlama, {"--world-size", "1", "--export", (dir / "trained.safetensors").string()}), dir);
+  ASSERT_EQ(trained.code, 0) << trained.output;
+  const auto again = run(with(without(kLlama, "--steps"), {"--steps", "0", "--world-size", "4", "--tensor-parallel", "2",
+                                                           "--prompt-ids", "1,2,3", "--init", (dir / "trained.safetensors").string(), "--export",
+                                                           (dir / "again.safetensors").string()}),
+                         dir);
+  ASSERT_EQ(again.code, 0) << again.output;
+  EXPECT_EQ(tensors_in(dir / "again.safetensors"), tensors_in(dir / "trained.safetensors"))
+      << "every whole parameter, bit for bit";
+}
+
+TEST(CoshardTrainTensorParallel, WhatCannotSplitIsRefusedByName) {
+  const fs::path dir = scratch("tensor_parallel_refusals");
+  const auto once = without(kLlama, "--steps");
+  const auto heads = run(with(once, {"--world-size", "8", "--tensor-parallel", "8", "--steps", "1"}), dir);
+  EXPECT_NE(heads.code, 0);
+  EXPECT_NE(heads.output.find("tensor-parallel size 8 does not divide the key/value heads (4)"), std::string::npos)
+      << heads.output;
+  const auto world = run(with(once, {"--world-size", "3", "--tensor-parallel", "2", "--steps", "1"}), dir);
+  EXPECT_NE(world.code, 0);
+  EXPECT_NE(world.output.find("tensor-parallel size 2 does not divide the world of 3"), std::string::npos) << world.output;
+  const auto gpt = run({"--model", "gpt", "--world-size", "2", "--tensor-parallel", "2", "--steps", "1", "--quiet"}, dir);
+  EXPECT_NE(gpt.code, 0);
+  EXPECT_NE(gpt.output.find("with --model gpt"), std::string::npos) << gpt.output;
+  const auto lora = run(with(once, {"--world-size", "2", "--tensor-parallel", "2", "--lora-rank", "4", "--steps", "1"}), dir);
+  EXPECT_NE(lora.code, 0);
+  EXPECT_NE(lora.output.find("with tensor_parallel=2"), std::string::npos) << lora.output;
+}
+
+}  // namespace
+}  // namespace coshard::testing
