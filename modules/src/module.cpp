@@ -162,6 +162,10 @@ void initial_values(const Parameter& parameter, std::string_view full_name, std:
   split->take_part(whole, out);
 }
 
+Result<void> ModuleHooks::wait_for_collective(Context& ctx, const async::Event& done, const std::string&) {
+  return ctx.stream().wait(done);
+}
+
 Result<void> Parameter::bind(Tensor value, Tensor grad) {
   if (!(value.shape() == shape_))
     return fail(ErrorCode::invalid_argument, "parameter ", name_, ": value shape ", value.shape().to_string(),

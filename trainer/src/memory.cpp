@@ -30,7 +30,9 @@ Result<zero::MemoryEstimate> estimate_memory(const TrainerConfig& c, modules::Mo
     const bool master = o.dtype != modules::DataType::f32 || o.offload_optimizer != zero::OffloadTarget::none;
     m.add(P::pinned_host, "checkpoint staging", shards * e + trained_shards * ((master ? 4 : 0) + 4 * states));
   }
-  if (in.export_model) m.add(P::pageable_host, "export (the whole model, gathered)", numel * e);
+  // (tensor parallelism: the parts put together; the replicated parameters counted as if split too)
+  if (in.export_model)
+    m.add(P::pageable_host, "export (the whole model, gathered)", numel * e * static_cast<std::size_t>(c.tensor_parallel_size));
   return m;
 }
 

@@ -166,6 +166,10 @@ Result<void> Engine::after_backward(Context&, Module& module) {
   return s.residence->after_use(s.residence_wiring(), *u);
 }
 
+Result<void> Engine::wait_for_collective(Context& ctx, const async::Event& done, const std::string& what) {
+  return s_->timeline.wait(ctx.stream(), done, what);
+}
+
 Error Engine::explain_failure(Module& module, Error error) {
   State& s = *s_;
   // Parameters asked for while not gathered: the module's own, another's; another's gradient

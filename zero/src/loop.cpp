@@ -11,7 +11,10 @@ using namespace detail;
 namespace {
 
 // Collective launches so far, the shard groups' included.
-std::uint64_t launches_so_far(const Engine::State& s) { return s.comm->launches() + s.shard_groups->launches(); }
+// (with tensor parallelism, the tensor group's too: the layers' sums and the norm's)
+std::uint64_t launches_so_far(const Engine::State& s) {
+  return s.comm->launches() + s.shard_groups->launches() + (s.o.tensor_parallel ? s.o.tensor_parallel->launches() : 0);
+}
 
 StepClock::Sources clock_sources(const Engine::State& s) {
   return {&s.ctx->stream(), s.host.stream.get(), s.swap.store.get()};

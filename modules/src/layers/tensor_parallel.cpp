@@ -13,15 +13,24 @@ namespace {
 using collectives::Communicator;
 using collectives::ReduceOp;
 
+// The compute stream after a collective's event: through the hooks (an engine times it).
+Result<void> compute_waits(Context& ctx, const async::Event& done, const std::string& purpose) {
+  if (ModuleHooks* hooks = ctx.hooks()) return hooks->wait_for_collective(ctx, done, purpose);
+  return ctx.stream().wait(done);
+}
+
 // `t` reduced over the group in place, ordered between ctx's stream's work before and after.
-Result<void> reduce_in_place(Context& ctx, Communicator& group, const Tensor& t, ReduceOp op, std::string_view purpose) {
+Result<void> reduce_in_place(Context& ctx, Communicator& group, const Tensor& t, ReduceOp op, const std::string& purpose) {
   if (group.size() == 1) return {};
   COSHARD_TRY_ASSIGN(const auto ready, ctx.stream().record());
   COSHARD_TRY(group.stream().wait(ready));
   COSHARD_TRY_ASSIGN(const auto done, group.all_reduce(t.data(), t.data(), static_cast<std::size_t>(t.numel()),
                                                        t.dtype(), op, purpose));
-  return ctx.stream().wait(done);
+  return compute_waits(ctx, done, purpose);
 }
+
+const std::string kRowMaxima = "the logits' row maxima (vocabulary-parallel)";
+const std::string kSoftmaxSums = "the softmax sums (vocabulary-parallel)";
 
 TensorSplit part_of(const Communicator& group, int dim, std::vector<std::int64_t> segments, Shape whole) {
   return TensorSplit{.dim = dim, .segments = std::move(segments), .parts = group.size(), .index = group.rank(),
@@ -30,7 +39,7 @@ TensorSplit part_of(const Communicator& group, int dim, std::vector<std::int64_t
 
 }  // namespace
 
-Result<Tensor> sum_over_tensor_ranks(Context& ctx, Communicator& group, const Tensor& input, std::string_view purpose) {
+Result<Tensor> sum_over_tensor_ranks(Context& ctx, Communicator& group, const Tensor& input, const std::string& purpose) {
   if (!input) return fail(ErrorCode::invalid_argument, "sum over the tensor ranks (", purpose, "): an empty tensor");
   if (group.size() == 1) return input;
   COSHARD_TRY_ASSIGN(Tensor out, ctx.empty(input.shape(), input.dtype()));
@@ -38,7 +47,7 @@ Result<Tensor> sum_over_tensor_ranks(Context& ctx, Communicator& group, const Te
   COSHARD_TRY(group.stream().wait(ready));
   COSHARD_TRY_ASSIGN(const auto done, group.all_reduce(input.data(), out.data(), static_cast<std::size_t>(input.numel()),
                                                        input.dtype(), ReduceOp::sum, purpose));
-  COSHARD_TRY(ctx.stream().wait(done));
+  COSHARD_TRY(compute_waits(ctx, done, purpose));
   return out;
 }
 
@@ -112,11 +121,11 @@ async::Task<Result<Tensor>> VocabParallelCrossEntropyLoss::forward(Context& ctx,
   const auto& k = ctx.kernels();
   COSHARD_CO_TRY_ASSIGN(Tensor max, ctx.empty(Shape{N}, stat));
   COSHARD_CO_TRY(k.row_max(ctx.stream(), dt, logits.data(), max.data(), N, V));
-  COSHARD_CO_TRY(reduce_in_place(ctx, *group_, max, ReduceOp::max, "the logits' row maxima (vocabulary-parallel)"));
+  COSHARD_CO_TRY(reduce_in_place(ctx, *group_, max, ReduceOp::max, kRowMaxima));
   COSHARD_CO_TRY_ASSIGN(Tensor sums, ctx.empty(Shape{2 * N}, stat));
   COSHARD_CO_TRY(k.vocab_ce_sums(ctx.stream(), dt, logits.data(), targets_.data_as<std::int32_t>(), max.data(),
                                  sums.data(), N, V, first, vocab));
-  COSHARD_CO_TRY(reduce_in_place(ctx, *group_, sums, ReduceOp::sum, "the softmax sums (vocabulary-parallel)"));
+  COSHARD_CO_TRY(reduce_in_place(ctx, *group_, sums, ReduceOp::sum, kSoftmaxSums));
   COSHARD_CO_TRY_ASSIGN(Tensor loss, ctx.empty(Shape{1}, stat));
   COSHARD_CO_TRY(k.vocab_ce_loss(ctx.stream(), dt, max.data(), sums.data(), loss.data(), N));
   saved_ = Saved{std::move(logits), std::move(max), std::move(sums)};

@@ -162,6 +162,10 @@ class ModuleHooks {
     (void)module;
     return error;
   }
+  // The context's stream waits for `done`, the event of a collective a layer enqueued on another
+  // stream (tensor parallelism's sums): an engine times the wait as exposed communication. `what`
+  // names it and must outlive the step. The default: the stream waits.
+  virtual Result<void> wait_for_collective(Context& ctx, const async::Event& done, const std::string& what);
 };
 
 namespace detail {

@@ -34,10 +34,11 @@
 namespace coshard::modules {
 
 // The tensor ranks' sum of `input` (a new tensor; `input` is left as it was), on `group`'s
-// stream, ordered after ctx's stream and before what ctx's stream does next. `purpose` names it
-// in errors and the flight recorder. A group of one rank returns `input`.
+// stream, ordered after ctx's stream and before what ctx's stream does next (through the
+// context's hooks: an engine times the wait). `purpose` names it in errors, the flight recorder
+// and the timeline, and must outlive the step. A group of one rank returns `input`.
 Result<Tensor> sum_over_tensor_ranks(Context& ctx, collectives::Communicator& group, const Tensor& input,
-                                     std::string_view purpose);
+                                     const std::string& purpose);
 
 // Megatron's f: identity forward, the sum over the tensor ranks backward.
 class TensorParallelFork final : public Module {

@@ -480,6 +480,8 @@ class Engine final : public ModuleHooks {
   // Names the parameters `module` read while their unit was not gathered (an undeclared read of
   // another module's parameter at stage 3), with both modules, before the error itself.
   Error explain_failure(Module& module, Error error) override;
+  // A tensor-parallel layer's sum: the compute stream's wait, timed as exposed communication.
+  Result<void> wait_for_collective(Context& ctx, const async::Event& done, const std::string& what) override;
 
   struct State;
 
