@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
-"""Hybrid sharding on a simulated cluster (scripts/netns_cluster.sh: K network namespaces as nodes,
-the links between them shaped with tc), against full sharding and stage 0, in one run:
+"""Hybrid sharding and tensor parallelism on a simulated cluster (scripts/netns_cluster.sh: K network
+namespaces as nodes, the links between them shaped with tc), against full sharding and stage 0, in
+one run:
 
   sudo python3 bench/hybrid_sharding.py --coshard build/release/trainer/coshard-train \
       [--nodes 2] [--ranks-per-node 2] [--rates 1gbit,10gbit] [--out results.json] [-- extra flags]
 
 For each link rate and each mode (full: stage 3 over the whole world; hybrid: stage 3 sharded
-within each node, --shard-group-size local; stage0: plain data parallelism), coshard-train runs
+within each node, --shard-group-size local; stage0: plain data parallelism; tensor, for a Llama
+shape: the model split over each node's ranks, --tensor-parallel ranks-per-node, and ZeRO-3 over
+the data ranks across the nodes), coshard-train runs
 twice, for --steps and for twice as many: the bytes each node sent over its link per step are the
 difference over the extra steps (launch, setup and the first steps cancel), and the step time is
 the median over the longer run's steps after --warmup. The peak resident memory of a node is
@@ -25,11 +28,15 @@ SHAPES = {
     # name: layers, dim, heads, seq, batch, vocab
     "small": ["--layers", "4", "--dim", "256", "--heads", "4", "--seq", "64", "--batch", "8", "--vocab", "256"],
     "toy": ["--layers", "1", "--dim", "16", "--heads", "2", "--seq", "8", "--batch", "8", "--vocab", "32"],
+    # a Llama of the same size (grouped-query attention): every mode, tensor parallelism too
+    "llama": ["--model", "llama", "--layers", "4", "--dim", "256", "--heads", "8", "--kv-heads", "4", "--seq", "64",
+              "--batch", "8", "--vocab", "256"],
 }
 MODES = {
     "full": ["--zero-stage", "3"],
     "hybrid": ["--zero-stage", "3", "--shard-group-size", "local"],
     "stage0": ["--zero-stage", "0"],
+    "tensor": ["--zero-stage", "3"],  # (+ --tensor-parallel ranks-per-node; Llama shapes only)
 }
 # Each rank under getrusage: its peak resident set, written where the rank's number says.
 RSS_WRAPPER = (
@@ -50,6 +57,7 @@ def run(a, mode, rate, steps, work):
     wrapper = os.path.join(work, "rss.py")
     cmd = ["/bin/bash", a.cluster, "--nodes", str(a.nodes), "--ranks-per-node", str(a.ranks_per_node), "--rate", rate,
            "--bytes", sent, "--", sys.executable, wrapper, rss_dir, a.coshard] + SHAPES[a.shape] + MODES[mode] + \
+          (["--tensor-parallel", str(a.ranks_per_node)] if mode == "tensor" else []) + \
           ["--steps", str(steps), "--quiet", "--metrics", metrics] + a.extra
     done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
@@ -90,6 +98,8 @@ def main():
         for rate in a.rates.split(","):
             losses = {}
             for mode in MODES:
+                if mode == "tensor" and "llama" not in SHAPES[a.shape]:
+                    continue  # (tensor parallelism splits a Llama)
                 short, short_bytes, _ = run(a, mode, rate, a.steps, work)
                 rows, long_bytes, rss = run(a, mode, rate, 2 * a.steps, work)
                 per_step = [(l - s) / a.steps for l, s in zip(long_bytes, short_bytes)]

@@ -189,6 +189,24 @@ TEST(MpiLaunch, ProcessesGiveTheLossesOfThreadsAtEveryStageAndWithOffload) {
   }
 }
 
+// Tensor parallelism with ranks as processes (issue 51): a Llama split over 2 tensor ranks, ZeRO-3
+// over 2 data ranks, the same losses as the same mesh of threads.
+TEST(MpiLaunch, TensorParallelProcessesGiveTheLossesOfThreads) {
+  const fs::path dir = scratch("mpi_tensor_parallel");
+  const std::vector<std::string> llama = {"--model", "llama", "--layers", "2", "--dim", "32", "--heads", "4",
+                                          "--kv-heads", "2", "--seq", "8", "--batch", "8", "--vocab", "64",
+                                          "--steps", "6", "--quiet", "--tensor-parallel", "2"};
+  for (const char* stage : {"1", "3"}) {
+    SCOPED_TRACE(std::string("stage ") + stage);
+    const fs::path procs = dir / (std::string("mpi") + stage + ".jsonl"), threads = dir / (std::string("threads") + stage + ".jsonl");
+    const Exit m = run_mpi(4, with(llama, {"--zero-stage", stage, "--metrics", procs.string()}), dir);
+    ASSERT_EQ(m.code, 0) << m.output;
+    const Exit t = run(with(llama, {"--zero-stage", stage, "--world-size", "4", "--metrics", threads.string()}), dir);
+    ASSERT_EQ(t.code, 0) << t.output;
+    expect_same_losses(losses_in(procs), losses_in(threads), 1e-6, "tensor-parallel processes vs threads");
+  }
+}
+
 TEST(MpiLaunch, TheHeaderNamesTheBackendAndTheLauncher) {
   const fs::path dir = scratch("mpi_header");
   const Exit m = run_mpi(2, with(kTiny, {"--steps", "2"}), dir);
