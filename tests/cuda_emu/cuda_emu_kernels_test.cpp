@@ -64,6 +64,94 @@ TEST_P(EmulatedCrossEntropy, OnePassMatchesTheReference) {
 INSTANTIATE_TEST_SUITE_P(Dtypes, EmulatedCrossEntropy, ::testing::Values(kF32, kBF16),
                          [](const auto& info) { return std::string(dtype_name(info.param)); });
 
+// ---- the vocabulary-parallel cross-entropy and embedding (tensor parallelism) ----
+
+// Two ranks' columns of the logits through row_max, vocab_ce_sums and vocab_ce_loss / _backward,
+// the all-reduces (max, then sum) done here between the steps: the whole logits' loss and gradient.
+TEST_P(EmulatedCrossEntropy, VocabularyParallelPartsGiveTheWholeLossAndGradient) {
+  const int dt = GetParam();
+  const std::int64_t N = 5, V = 1000, P = 2, Vp = V / P;  // a part: 500 columns (not a whole stride)
+  const auto lv = random_values(static_cast<std::size_t>(N * V), 33, 4.0);
+  const std::vector<std::int32_t> targets{0, 999, 499, 500, 250};  // both sides of the split
+  std::vector<Stored> parts;
+  for (std::int64_t p = 0; p < P; ++p) {
+    std::vector<double> part(static_cast<std::size_t>(N * Vp));
+    for (std::int64_t i = 0; i < N; ++i)
+      for (std::int64_t j = 0; j < Vp; ++j) part[i * Vp + j] = lv[i * V + p * Vp + j];
+    parts.emplace_back(dt, part);
+  }
+  std::vector<float> max(N, -INFINITY), sums(2 * N, 0.0f);
+  for (std::int64_t p = 0; p < P; ++p) {
+    std::vector<float> mine(N);
+    ASSERT_EQ(cu::row_max(nullptr, dt, parts[p].data(), mine.data(), N, Vp), 0);
+    for (std::int64_t i = 0; i < N; ++i) max[i] = std::max(max[i], mine[i]);
+  }
+  for (std::int64_t p = 0; p < P; ++p) {
+    std::vector<float> mine(2 * N);
+    ASSERT_EQ(cu::vocab_ce_sums(nullptr, dt, parts[p].data(), targets.data(), max.data(), mine.data(), N, Vp, p * Vp, V), 0);
+    for (std::int64_t i = 0; i < 2 * N; ++i) sums[i] += mine[i];
+  }
+  std::vector<float> loss(1), seed{2.0f};
+  ASSERT_EQ(cu::vocab_ce_loss(nullptr, max.data(), sums.data(), loss.data(), N), 0);
+  std::vector<double> got_d(static_cast<std::size_t>(N * V));
+  for (std::int64_t p = 0; p < P; ++p) {
+    Stored d(dt, std::vector<double>(N * Vp, 9.0));
+    ASSERT_EQ(cu::vocab_ce_backward(nullptr, dt, parts[p].data(), targets.data(), max.data(), sums.data(), seed.data(),
+                                    d.data(), N, Vp, p * Vp),
+              0);
+    const auto dv = d.values();
+    for (std::int64_t i = 0; i < N; ++i)
+      for (std::int64_t j = 0; j < Vp; ++j) got_d[i * V + p * Vp + j] = dv[i * Vp + j];
+  }
+  // The reference from the stored (rounded) logits, whole.
+  std::vector<double> L(static_cast<std::size_t>(N * V));
+  for (std::int64_t p = 0; p < P; ++p) {
+    const auto v = parts[p].values();
+    for (std::int64_t i = 0; i < N; ++i)
+      for (std::int64_t j = 0; j < Vp; ++j) L[i * V + p * Vp + j] = v[i * Vp + j];
+  }
+  double want_loss = 0;
+  std::vector<double> want_d(N * V);
+  for (std::int64_t i = 0; i < N; ++i) {
+    double mx = -INFINITY, sum = 0;
+    for (std::int64_t j = 0; j < V; ++j) mx = std::max(mx, L[i * V + j]);
+    for (std::int64_t j = 0; j < V; ++j) sum += std::exp(L[i * V + j] - mx);
+    want_loss += (std::log(sum) + mx - L[i * V + targets[i]]) / N;
+    for (std::int64_t j = 0; j < V; ++j)
+      want_d[i * V + j] = (std::exp(L[i * V + j] - mx) / sum - (j == targets[i] ? 1 : 0)) * seed[0] / N;
+  }
+  EXPECT_NEAR(loss[0], want_loss, 1e-4 * want_loss);
+  EXPECT_LT(normwise_error(got_d, want_d), tolerance(dt)) << "the logits' gradient, put together";
+  // a target outside the whole vocabulary: a NaN loss
+  std::vector<std::int32_t> bad = targets;
+  bad[1] = static_cast<std::int32_t>(V);
+  std::vector<float> mine(2 * N);
+  ASSERT_EQ(cu::vocab_ce_sums(nullptr, dt, parts[0].data(), bad.data(), max.data(), mine.data(), N, Vp, 0, V), 0);
+  EXPECT_TRUE(std::isnan(mine[N + 1]));
+}
+
+TEST(EmulatedTensorParallelKernels, AVocabularyPartEmbedsItsRowsAndZerosTheRest) {
+  const std::int64_t B = 2, T = 3, C = 40, vocab = 8, first = 4, rows = 4;  // this table: tokens 4-7
+  const std::vector<std::int32_t> tokens{1, 4, 7, 5, 0, 4};
+  Stored wte(kF32, random_values(rows * C, 81));
+  Stored out(kF32, std::vector<double>(B * T * C, 9.0)), dout(kF32, random_values(B * T * C, 82));
+  Stored dwte(kF32, std::vector<double>(rows * C, 0.5));
+  ASSERT_EQ(cu::embedding_forward(nullptr, kF32, tokens.data(), wte.data(), nullptr, out.data(), B, T, C, vocab, first, rows), 0);
+  ASSERT_EQ(cu::embedding_backward(nullptr, kF32, tokens.data(), dout.data(), dwte.data(), nullptr, B, T, C, first, rows), 0);
+  const auto E = wte.values(), D = dout.values();
+  std::vector<double> want_out(B * T * C, 0.0), want_dwte(rows * C, 0.5);
+  for (std::int64_t r = 0; r < B * T; ++r) {
+    const std::int64_t at = tokens[r] - first;
+    if (at < 0 || at >= rows) continue;  // another rank's row: zeros, no gradient here
+    for (std::int64_t c = 0; c < C; ++c) {
+      want_out[r * C + c] = E[at * C + c];
+      want_dwte[at * C + c] += D[r * C + c];
+    }
+  }
+  EXPECT_LT(normwise_error(out.values(), want_out), 1e-6);
+  EXPECT_LT(normwise_error(dwte.values(), want_dwte), 1e-6) << "this table's rows only, repeated tokens summed";
+}
+
 // ---- SwiGLU and rotary embeddings ----
 
 TEST(EmulatedLlamaKernels, SwiGluForwardAndBackward) {
