@@ -13,26 +13,11 @@
 
 #include <nlohmann/json.hpp>
 
-#include "coshard/modules/safetensors.hpp"
 #include "binary_harness.hpp"
+#include "safetensors_values.hpp"
 
 namespace coshard::testing {
 namespace {
-
-// Every tensor of a safetensors file, by name, as f32 values.
-std::map<std::string, std::vector<float>> tensors_in(const fs::path& path) {
-  std::map<std::string, std::vector<float>> out;
-  auto file = modules::SafetensorsFile::load(path);
-  EXPECT_TRUE(file) << file.error().message();
-  if (!file) return out;
-  for (const auto& t : file->tensors()) {
-    const auto bytes = file->data(t);
-    std::vector<float> v(bytes.size() / sizeof(float));
-    std::memcpy(v.data(), bytes.data(), v.size() * sizeof(float));
-    out[t.name] = std::move(v);
-  }
-  return out;
-}
 
 // A Llama of 2 blocks with grouped-query attention, adapters on q, v and the MLP's projections
 // (q_proj and v_proj on the fused qkv's rows; gate_proj and up_proj on gate_up's; down_proj).

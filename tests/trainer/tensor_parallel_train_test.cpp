@@ -13,25 +13,11 @@
 #include <string>
 #include <vector>
 
-#include "coshard/modules/safetensors.hpp"
 #include "binary_harness.hpp"
+#include "safetensors_values.hpp"
 
 namespace coshard::testing {
 namespace {
-
-std::map<std::string, std::vector<float>> tensors_in(const fs::path& path) {
-  std::map<std::string, std::vector<float>> out;
-  auto file = modules::SafetensorsFile::load(path);
-  EXPECT_TRUE(file) << path << ": " << file.error().message();
-  if (!file) return out;
-  for (const auto& t : file->tensors()) {
-    const auto bytes = file->data(t);
-    std::vector<float> v(bytes.size() / sizeof(float));
-    std::memcpy(v.data(), bytes.data(), v.size() * sizeof(float));
-    out[t.name] = std::move(v);
-  }
-  return out;
-}
 
 // 8 query heads over 4 key/value heads: splits over 2 and 4 tensor ranks. 12 sequences a step
 // divide among 1, 2 and 3 data ranks. Greedy samples after the last step.
