@@ -157,7 +157,7 @@ TEST(CoshardTrainTensorParallel, WhatCannotSplitIsRefusedByName) {
   EXPECT_NE(gpt.output.find("with --model gpt"), std::string::npos) << gpt.output;
   const auto lora = run(with(once, {"--world-size", "2", "--tensor-parallel", "2", "--lora-rank", "4", "--steps", "1"}), dir);
   EXPECT_NE(lora.code, 0);
-  EXPECT_NE(lora.output.find("with tensor_parallel=2"), std::string::npos) << lora.output;
+  EXPECT_NE(lora.output.find("with tensor_parallel_size=2"), std::string::npos) << lora.output;
 }
 
 }  // namespace

@@ -59,8 +59,8 @@ Result<void> TrainerConfig::validate() const {
       return fail(ErrorCode::invalid_argument, "min_lr=", min_lr, ": expected in [0, lr=", lr, "]");
   }
   if (tensor_parallel_size > 1 && lora_rank > 0)
-    return fail(ErrorCode::unsupported, "lora_rank=", lora_rank, " with tensor_parallel=", tensor_parallel_size,
-                ": LoRA adapters on a tensor-parallel model are not supported yet (expected tensor_parallel 1)");
+    return fail(ErrorCode::unsupported, "lora_rank=", lora_rank, " with tensor_parallel_size=", tensor_parallel_size,
+                ": LoRA adapters on a tensor-parallel model are not supported yet (expected tensor_parallel_size 1)");
   COSHARD_TRY(check_offload(offload_optimizer, "offload_optimizer", true));
   // (offload_params=nvme keeps its shards in the optimizer's swap files: its own path is optional)
   COSHARD_TRY(check_offload(offload_params, "offload_params", false));

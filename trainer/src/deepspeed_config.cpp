@@ -439,6 +439,13 @@ Result<TrainerConfig> TrainerConfig::from_json(std::string_view text, const Trai
         read_tensorboard(r, v, c);
       } else if (key == "activation_checkpointing") {
         read_activation_checkpointing(r, v, c);
+      } else if (key == "tensor_parallel") {  // DeepSpeed's AutoTP section: its size
+        if (!r.object(v, key)) continue;
+        for (const auto& [tkey, tv] : v.items()) {
+          const std::string name = "tensor_parallel." + tkey;
+          if (const Setting* setting = setting_for_deepspeed(name)) r.setting(*setting, tv, name, c, element, false);
+          else r.unknown.push_back(name);
+        }
       } else if (key == "steps_per_print" || key == "wall_clock_breakdown" || key == "prescale_gradients" ||
                  key == "gradient_predivide_factor") {
         r.notes.push_back(key + ": accepted, no effect in coshard");

@@ -316,7 +316,7 @@ std::vector<Setting> make_table() {
     t.push_back(s);
   }
   t.push_back(integer<&T::tensor_parallel_size>(
-      {.name = "tensor_parallel", .flag = "--tensor-parallel", .deepspeed = "tensor_parallel.autotp_size",
+      {.name = "tensor_parallel_size", .flag = "--tensor-parallel", .deepspeed = "tensor_parallel.autotp_size",
        .help = "split the model over N consecutive ranks (Megatron's tensor parallelism: heads, MLP and vocabulary), "
                "ZeRO over each of the world / N data groups",
        .expected = "a whole number from 1 that divides the world size and the model's heads, key/value heads, MLP "

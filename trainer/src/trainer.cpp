@@ -269,7 +269,7 @@ async::Task<Result<Trainer>> TrainerBuilder::build(modules::Module& model) const
   COSHARD_CO_TRY(c_.validate());
   const int tensor = mesh_ ? mesh_->tensor_size() : 1;
   if (tensor != c_.tensor_parallel_size)
-    co_return fail(ErrorCode::invalid_argument, "tensor_parallel=", c_.tensor_parallel_size, ": ",
+    co_return fail(ErrorCode::invalid_argument, "tensor_parallel_size=", c_.tensor_parallel_size, ": ",
                    mesh_ ? "the mesh splits over " + std::to_string(tensor) + " tensor ranks"
                          : std::string("no mesh (call .mesh(mesh) with a collectives::Mesh of that tensor size)"));
   auto impl = std::make_unique<Trainer::Impl>();
