@@ -62,14 +62,21 @@ struct Layout {
   bool checkpointed = false;
   OffloadTarget optimizer = OffloadTarget::none;
   OffloadTarget params = OffloadTarget::none;
+  FetchMode fetch = FetchMode::all_gather;
+  std::string freeze;            // a glob of parameters that do not train
+  bool no_decay_for_vectors = false;  // a parameter group
   int steps = 5;
   std::string name() const {
     return "data " + std::to_string(world / tensor) + " x tensor " + std::to_string(tensor) + ", stage " +
            std::to_string(stage) + (shard ? ", shards over " + std::to_string(shard) : "") +
            (tied ? ", tied" : ", untied") + ", " + std::to_string(micro_batches) + " micro-batches" +
            (checkpointed ? ", checkpointed" : "") + ", optimizer " + std::string(to_string(optimizer)) +
-           ", parameters " + std::string(to_string(params));
+           ", parameters " + std::string(to_string(params)) +
+           (fetch == FetchMode::all_reduce ? ", fetch all_reduce" : "") + (freeze.empty() ? "" : ", frozen " + freeze) +
+           (no_decay_for_vectors ? ", no decay for vectors" : "");
   }
+  // What the unsharded reference must share.
+  std::string model_key() const { return std::to_string(tied) + "|" + freeze + "|" + std::to_string(no_decay_for_vectors); }
 };
 
 struct TrainedRun {
@@ -113,14 +120,17 @@ Result<TrainedRun> train(const Layout& k) {
     COSHARD_CO_TRY_ASSIGN(auto mesh, collectives::Mesh::create(world, {.tensor = k.tensor, .shard = k.shard}));
     COSHARD_CO_TRY_ASSIGN(auto model, modules::make_llama(config, mesh.tensor()));
     if (k.checkpointed) modules::apply_activation_checkpointing(*model, {.every = 1});
+    if (!k.freeze.empty()) COSHARD_CO_TRY(model->set_trainable_matching(k.freeze, false));
     modules::StepControlOptions control;
     control.max_grad_norm = 0.5f;  // clips: the norm must count every element once, over both dimensions
     COSHARD_CO_TRY_ASSIGN(auto opt, Optimizer::adamw({.weight_decay = 0.1f}, control));
+    if (k.no_decay_for_vectors) COSHARD_CO_TRY(opt->set_parameter_groups({modules::ParameterGroup::no_decay_for_vectors()}));
     EngineOptions o;
     o.zero_stage = k.stage;
     o.max_live_bytes = 24 << 10;  // stage 3: fewer units at once than the model has
     o.offload_optimizer = k.optimizer;
     o.offload_params = k.params;
+    o.fetch_mode = k.fetch;
     o.offload_optimizer.nvme_path = swap / ("rank" + std::to_string(r));
     COSHARD_CO_TRY_ASSIGN(auto engine, Engine::create(ctx, mesh, *model, *opt, o));
     COSHARD_CO_TRY(co_await engine->initialize(7));
@@ -213,13 +223,15 @@ void expect_close(const TrainedRun& got, const TrainedRun& want, const std::stri
 
 class TensorParallel : public ::testing::Test {
  protected:
-  static const TrainedRun& reference(bool tied) {
-    static std::map<bool, TrainedRun> runs;
-    auto it = runs.find(tied);
+  // The unsharded single-rank run of the same model (tied or not, frozen parameters, groups).
+  static const TrainedRun& reference(const Layout& k) {
+    static std::map<std::string, TrainedRun> runs;
+    auto it = runs.find(k.model_key());
     if (it == runs.end()) {
-      auto run = train({.world = 1, .tensor = 1, .stage = 0, .tied = tied});
+      auto run = train({.world = 1, .tensor = 1, .stage = 0, .tied = k.tied, .freeze = k.freeze,
+                        .no_decay_for_vectors = k.no_decay_for_vectors});
       EXPECT_TRUE(run) << run.error().message();
-      it = runs.emplace(tied, run ? std::move(*run) : TrainedRun{}).first;
+      it = runs.emplace(k.model_key(), run ? std::move(*run) : TrainedRun{}).first;
     }
     return it->second;
   }
@@ -236,11 +248,11 @@ TEST_F(TensorParallel, EveryStageOnEveryMeshTrainsTheUnshardedModel) {
   for (const auto& k : cases) {
     auto got = train(k);
     ASSERT_TRUE(got) << k.name() << ": " << got.error().message();
-    expect_close(*got, reference(k.tied), k.name());
+    expect_close(*got, reference(k), k.name());
   }
 }
 
-TEST_F(TensorParallel, ComposesWithOffloadHybridShardingAccumulationAndCheckpointing) {
+TEST_F(TensorParallel, ComposesWithOffloadHybridShardingAccumulationCheckpointingFreezingAndGroups) {
   const std::vector<Layout> cases = {
       {.world = 4, .tensor = 2, .stage = 2, .optimizer = OffloadTarget::cpu},
       {.world = 4, .tensor = 2, .stage = 3, .optimizer = OffloadTarget::cpu, .params = OffloadTarget::cpu},
@@ -248,11 +260,14 @@ TEST_F(TensorParallel, ComposesWithOffloadHybridShardingAccumulationAndCheckpoin
       {.world = 8, .tensor = 2, .stage = 3, .shard = 2},
       {.world = 4, .tensor = 2, .stage = 3, .micro_batches = 2},
       {.world = 4, .tensor = 2, .stage = 3, .checkpointed = true},
+      {.world = 4, .tensor = 2, .stage = 3, .fetch = FetchMode::all_reduce},
+      {.world = 4, .tensor = 2, .stage = 3, .freeze = "h0.*"},
+      {.world = 6, .tensor = 2, .stage = 2, .freeze = "h1.mlp.gate_up.weight", .no_decay_for_vectors = true},
   };
   for (const auto& k : cases) {
     auto got = train(k);
     ASSERT_TRUE(got) << k.name() << ": " << got.error().message();
-    expect_close(*got, reference(k.tied), k.name());
+    expect_close(*got, reference(k), k.name());
   }
 }
 
