@@ -2,7 +2,7 @@
 // attention split over the tensor ranks, ZeRO over each data group, against the unsharded
 // single-rank run (losses within 1e-5 relative, the exported whole weights within 1e-5, the same
 // greedy sample); checkpoints resumed at another data size and refused at another tensor size;
-// --init's whole weights cut into parts and exported whole again bit for bit; and what cannot be
+// --init's whole weights (a file, a Hugging Face folder) cut into parts and exported whole again; and what cannot be
 // split refused by name.
 #include <gtest/gtest.h>
 
@@ -140,6 +140,26 @@ TEST(CoshardTrainTensorParallel, InitIsCutIntoPartsAndExportedWholeAgain) {
   ASSERT_EQ(again.code, 0) << again.output;
   EXPECT_EQ(tensors_in(dir / "again.safetensors"), tensors_in(dir / "trained.safetensors"))
       << "every whole parameter, bit for bit";
+  // A Hugging Face folder (transformers' names, q, k and v apart) written by a tensor-parallel run
+  // and read by one (and by a single rank): the same first steps.
+  const std::vector<std::string> shape = {"--model", "llama", "--layers", "2", "--dim", "32", "--heads", "8",
+                                          "--kv-heads", "4", "--seq", "8", "--batch", "12", "--vocab", "256"};
+  const auto folder = run(with(shape, {"--steps", "2", "--quiet", "--world-size", "4", "--tensor-parallel", "2",
+                                       "--export", (dir / "hf").string() + "/"}),
+                          dir);
+  ASSERT_EQ(folder.code, 0) << folder.output;
+  const std::vector<std::string> from_folder = {"--seq", "8", "--batch", "12", "--steps", "2", "--quiet", "--init",
+                                                (dir / "hf").string()};
+  const auto split = run(with(from_folder, {"--world-size", "2", "--tensor-parallel", "2", "--metrics",
+                                            (dir / "split.jsonl").string()}),
+                         dir);
+  ASSERT_EQ(split.code, 0) << split.output;
+  const auto single = run(with(from_folder, {"--world-size", "1", "--metrics", (dir / "single.jsonl").string()}), dir);
+  ASSERT_EQ(single.code, 0) << single.output;
+  const auto a = losses_in(dir / "split.jsonl"), b = losses_in(dir / "single.jsonl");
+  ASSERT_EQ(a.size(), 2u);
+  ASSERT_EQ(b.size(), 2u);
+  for (std::size_t i = 0; i < 2; ++i) EXPECT_LE(relative(a[i], b[i]), 1e-6) << "step " << i + 1;
 }
 
 TEST(CoshardTrainTensorParallel, WhatCannotSplitIsRefusedByName) {
