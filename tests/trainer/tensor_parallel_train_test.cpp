@@ -2,8 +2,8 @@
 // attention split over the tensor ranks, ZeRO over each data group, against the unsharded
 // single-rank run (losses within 1e-5 relative, the exported whole weights within 1e-5, the same
 // greedy sample); checkpoints resumed at another data size and refused at another tensor size;
-// --init's whole weights (a file, a Hugging Face folder) cut into parts and exported whole again; and what cannot be
-// split refused by name.
+// --init's whole weights (a file, a Hugging Face folder) cut into parts and exported whole again;
+// and what cannot be split refused by name.
 #include <gtest/gtest.h>
 
 #include <algorithm>
