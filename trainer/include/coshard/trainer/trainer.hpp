@@ -135,11 +135,12 @@ class TrainerBuilder {
   // A data x tensor mesh instead (collectives/mesh.hpp): the model given to build() is this
   // rank's part of a tensor-parallel model (modules::make_llama with mesh.tensor()), ZeRO shards
   // over the rank's data group, and the default loss is a VocabParallelCrossEntropyLoss over the
-  // tensor group. Its tensor size must be the config's tensor_parallel; rank() and world_size()
-  // are then the data group's. The mesh must outlive the trainer.
+  // tensor group. It sets the config's tensor_parallel_size (a config set after it must agree);
+  // rank() and world_size() are then the data group's. The mesh must outlive the trainer.
   TrainerBuilder& mesh(const collectives::Mesh& mesh) {
     mesh_ = &mesh;
     comm_ = &mesh.data();
+    c_.tensor_parallel_size = mesh.tensor_size();
     return *this;
   }
   // The loss of every step (default: a CrossEntropyLoss of the trainer's own); it must outlive
