@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <string>
 #include <vector>
@@ -127,6 +128,23 @@ TEST(CoshardTrainTensorParallel, ACheckpointResumesAtAnotherDataSizeAndIsRefused
   const auto none = run(with(kLlama, {"--world-size", "2", "--checkpoint-dir", (dir / "ck").string(), "--resume"}), dir);
   EXPECT_NE(none.code, 0);
   EXPECT_NE(none.output.find("this run has none (tensor size 1)"), std::string::npos) << none.output;
+  // Tensor ranks' folders at different steps (as a save cut short between two publishes leaves
+  // them): refused naming the steps, nothing loaded.
+  const fs::path two = dir / "ck2";
+  const auto saved = run(with(kLlama, {"--world-size", "4", "--tensor-parallel", "2", "--checkpoint-dir", two.string(),
+                                       "--checkpoint-every", "3"}),
+                         dir);
+  ASSERT_EQ(saved.code, 0) << saved.output;
+  {
+    std::ofstream latest(two / "tensor-0-of-2" / "latest", std::ios::trunc);
+    latest << "step-00000003\n";
+  }
+  const auto apart = run(with(without(kLlama, "--steps"), {"--steps", "9", "--world-size", "4", "--tensor-parallel", "2",
+                                                           "--checkpoint-dir", two.string(), "--resume"}),
+                         dir);
+  EXPECT_NE(apart.code, 0);
+  EXPECT_NE(apart.output.find("'s folder is at step 6, this rank's (tensor-0-of-2) at step 3"), std::string::npos)
+      << apart.output;
 }
 
 TEST(CoshardTrainTensorParallel, InitIsCutIntoPartsAndExportedWholeAgain) {
