@@ -195,7 +195,9 @@ TEST(MpiLaunch, TensorParallelProcessesGiveTheLossesOfThreads) {
   const fs::path dir = scratch("mpi_tensor_parallel");
   const std::vector<std::string> llama = {"--model", "llama", "--layers", "2", "--dim", "32", "--heads", "4",
                                           "--kv-heads", "2", "--seq", "8", "--batch", "8", "--vocab", "64",
-                                          "--steps", "6", "--quiet", "--tensor-parallel", "2"};
+                                          "--steps", "6", "--quiet", "--tensor-parallel", "2",
+                                          // (a node's data ranks: its 4 ranks over the tensor size)
+                                          "--shard-group-size", "local"};
   for (const char* stage : {"1", "3"}) {
     SCOPED_TRACE(std::string("stage ") + stage);
     const fs::path procs = dir / (std::string("mpi") + stage + ".jsonl"), threads = dir / (std::string("threads") + stage + ".jsonl");

@@ -108,8 +108,11 @@ Result<zero::EngineOptions> TrainerConfig::engine_options_for(modules::Module& m
   o.expected_micro_batches = gradient_accumulation_steps;
   if (shard_group_local) {
     // Under a launcher its count of ranks on this machine; ranks as threads share one machine.
+    // (`world_size` counts data ranks: with tensor parallelism a node holds its ranks over the
+    // tensor size of them.)
     COSHARD_TRY_ASSIGN(const auto env, collectives::read_launch_env());
-    o.shard_group_size = env.launcher == collectives::Launcher::none ? world_size : env.local_size;
+    o.shard_group_size = env.launcher == collectives::Launcher::none ? world_size
+                                                                     : std::max(1, env.local_size / tensor_parallel_size);
   }
   if (!max_live_follows_model || zero_stage != 3) return o;
   zero::EngineOptions unbounded = o;
