@@ -93,7 +93,8 @@ Result<void> check_tensor_checkpoint(const fs::path& dir, int tensor) {
   return fail(ErrorCode::invalid_argument, "checkpoint ", dir.string(), " was saved with ", saved, ", and this run has ",
               tensor > 1 ? "tensor parallelism " + std::to_string(tensor) : std::string("none (tensor size 1)"),
               ": a checkpoint loads at another data size, not yet at another tensor size (resume with the tensor size it "
-              "was saved at)");
+              "was saved at; to go on from its weights alone, without the optimizer's state, export them whole at that "
+              "size and start the new run from the file with --init)");
 }
 
 }  // namespace coshard::zero::detail
