@@ -1,5 +1,6 @@
 #include "tensor_parts.hpp"
 
+#include <charconv>
 #include <cstring>
 #include <set>
 
@@ -73,23 +74,22 @@ fs::path tensor_checkpoint_dir(const fs::path& dir, const EngineOptions& o) {
 Result<void> check_tensor_checkpoint(const fs::path& dir, int tensor) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) return {};  // (the load names a missing folder itself)
-  std::set<int> sizes;
+  std::set<int> sizes;  // N of each tensor-<t>-of-<N> folder there
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string();
     const auto of = name.find("-of-");
     if (name.rfind("tensor-", 0) != 0 || of == std::string::npos) continue;
-    try {
-      sizes.insert(std::stoi(name.substr(of + 4)));
-    } catch (...) {  // (not one of ours)
-    }
+    int n = 0;
+    const char* end = name.data() + name.size();
+    if (const auto [at, error] = std::from_chars(name.data() + of + 4, end, n); error == std::errc{} && at == end)
+      sizes.insert(n);
   }
   const bool plain = fs::exists(dir / "latest", ec) || fs::exists(dir / "manifest.json", ec);
-  if (tensor > 1 && sizes.contains(tensor)) return {};
-  if (tensor <= 1 && (plain || sizes.empty())) return {};
-  const std::string saved = !sizes.empty() ? "tensor parallelism " + std::to_string(*sizes.rbegin()) + " (its folders tensor-*-of-" +
-                                                 std::to_string(*sizes.rbegin()) + ")"
+  if (!plain && sizes.empty()) return {};  // (nothing saved here: the load says so)
+  if (tensor > 1 ? sizes.contains(tensor) : plain) return {};
+  const std::string saved = !sizes.empty() ? "tensor parallelism " + std::to_string(*sizes.rbegin()) +
+                                                 " (its folders tensor-*-of-" + std::to_string(*sizes.rbegin()) + ")"
                                            : std::string("no tensor parallelism (tensor size 1)");
-  if (!plain && sizes.empty()) return {};
   return fail(ErrorCode::invalid_argument, "checkpoint ", dir.string(), " was saved with ", saved, ", and this run has ",
               tensor > 1 ? "tensor parallelism " + std::to_string(tensor) : std::string("none (tensor size 1)"),
               ": a checkpoint loads at another data size, not yet at another tensor size (resume with the tensor size it "
