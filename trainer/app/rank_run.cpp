@@ -5,7 +5,6 @@
 #include <fstream>
 #include <optional>
 
-#include "coshard/collectives/env.hpp"
 #include "coshard/collectives/mesh.hpp"
 #include "coshard/modules/safetensors_folder.hpp"
 #include "coshard/trainer/trainer.hpp"
@@ -46,11 +45,7 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
   // over the data ranks (a tensor group reads the same rows).
   std::optional<collectives::Mesh> mesh;
   if (o.train.tensor_parallel_size > 1) {
-    int shard = o.train.shard_group_size;
-    if (o.train.shard_group_local) {
-      COSHARD_CO_TRY_ASSIGN(const auto env, collectives::read_launch_env());
-      shard = (env.launcher == collectives::Launcher::none ? comm.size() : env.local_size) / o.train.tensor_parallel_size;
-    }
+    COSHARD_CO_TRY_ASSIGN(const int shard, o.train.shard_group_size_for(comm.size() / o.train.tensor_parallel_size));
     auto made = collectives::Mesh::create(comm, {.tensor = o.train.tensor_parallel_size, .shard = shard});
     if (!made) co_return fail(std::move(made).error().with_context("--tensor-parallel"));
     mesh.emplace(std::move(*made));

@@ -106,14 +106,7 @@ modules::StepControlOptions TrainerConfig::step_control() const {
 Result<zero::EngineOptions> TrainerConfig::engine_options_for(modules::Module& model, int world_size) const {
   zero::EngineOptions o = engine_options();
   o.expected_micro_batches = gradient_accumulation_steps;
-  if (shard_group_local) {
-    // Under a launcher its count of ranks on this machine; ranks as threads share one machine.
-    // (`world_size` counts data ranks: with tensor parallelism a node holds its ranks over the
-    // tensor size of them.)
-    COSHARD_TRY_ASSIGN(const auto env, collectives::read_launch_env());
-    o.shard_group_size = env.launcher == collectives::Launcher::none ? world_size
-                                                                     : std::max(1, env.local_size / tensor_parallel_size);
-  }
+  COSHARD_TRY_ASSIGN(o.shard_group_size, shard_group_size_for(world_size));
   if (!max_live_follows_model || zero_stage != 3) return o;
   zero::EngineOptions unbounded = o;
   unbounded.max_live_bytes = std::numeric_limits<std::size_t>::max();
@@ -123,6 +116,14 @@ Result<zero::EngineOptions> TrainerConfig::engine_options_for(modules::Module& m
   if (largest > std::numeric_limits<std::size_t>::max() / 2) return o;  // let the engine name it
   if (o.max_live_bytes < largest) o.max_live_bytes = 2 * largest;
   return o;
+}
+
+Result<int> TrainerConfig::shard_group_size_for(int data_ranks) const {
+  if (!shard_group_local) return shard_group_size;
+  // Under a launcher its count of ranks on this machine; ranks as threads share one machine.
+  // (With tensor parallelism a node holds its ranks over the tensor size of data ranks.)
+  COSHARD_TRY_ASSIGN(const auto env, collectives::read_launch_env());
+  return env.launcher == collectives::Launcher::none ? data_ranks : std::max(1, env.local_size / tensor_parallel_size);
 }
 
 void TrainerConfig::set_compute_dtype(DataType compute) noexcept {

@@ -341,13 +341,8 @@ async::Task<Result<Trainer>> TrainerBuilder::build(modules::Module& model) const
   // (over the whole mesh: the tensor ranks of one data group must agree too)
   COSHARD_CO_TRY(co_await detail::check_ranks_agree(*impl->ctx, mesh_ ? mesh_->world() : *comm_,
                                                     detail::agreement_fields(c_, model)));
-  COSHARD_CO_TRY_ASSIGN(zero::EngineOptions engine_options, c_.engine_options_for(model, comm_->size()));
+  COSHARD_CO_TRY_ASSIGN(const zero::EngineOptions engine_options, c_.engine_options_for(model, comm_->size()));
   if (mesh_) {
-    // The mesh says how the data ranks shard: a size of the config's own must be the mesh's
-    // ("local" was resolved when the mesh was made: a node's ranks over the tensor size).
-    if (c_.shard_group_local || engine_options.shard_group_size == mesh_->shard_group_size() ||
-        engine_options.shard_group_size == mesh_->data_size())
-      engine_options.shard_group_size = 0;
     COSHARD_CO_TRY_ASSIGN(impl->engine, zero::Engine::create(*impl->ctx, *mesh_, model, *impl->optimizer, engine_options));
   } else {
     COSHARD_CO_TRY_ASSIGN(impl->engine, zero::Engine::create(*impl->ctx, *comm_, model, *impl->optimizer, engine_options));

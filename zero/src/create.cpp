@@ -112,9 +112,9 @@ std::string_view to_string(OffloadTarget t) noexcept {
 
 Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, const collectives::Mesh& mesh, Module& model,
                                                Optimizer& optimizer, EngineOptions o) {
-  if (o.shard_group_size != 0 && o.shard_group_size != mesh.shard_group_size())
+  if (o.shard_group_size != 0 && o.shard_group_size != mesh.shape().shard)
     return fail(ErrorCode::invalid_argument, "shard_group_size=", o.shard_group_size, " with a mesh of ", mesh.describe(),
-                ": the mesh says how data ranks shard (leave it 0)");
+                ": the mesh says how data ranks shard (leave it 0, or give the mesh's ", mesh.shape().shard, ")");
   if (o.tensor_parallel && o.tensor_parallel != &mesh.tensor())
     return fail(ErrorCode::invalid_argument, "EngineOptions::tensor_parallel is another communicator than the mesh's "
                 "tensor group (leave it null)");

@@ -47,7 +47,7 @@ class Mesh {
   int data_rank() const noexcept { return world_->rank() / shape_.tensor; }
   // The engine's shard_group_size over data(): 0 when units shard over the whole data group.
   int shard_group_size() const noexcept { return shape_.shard == data_size() ? 0 : shape_.shard; }
-  const MeshShape& shape() const noexcept { return shape_; }
+  const MeshShape& shape() const noexcept { return shape_; }  // (shard resolved: 0 became the data size)
   std::string describe() const;  // "data 2 x tensor 2 (shards over 2 data ranks)"
 
  private:

@@ -59,7 +59,7 @@ struct TrainerConfig : zero::EngineOptions {
   // exact, and refused if too small.
   bool max_live_follows_model = true;
   // shard_group_size "local": the ranks of one node (the launcher's local size; all of them when
-  // the ranks are threads of one process), resolved by engine_options_for.
+  // the ranks are threads of one process), resolved by shard_group_size_for.
   bool shard_group_local = false;
   // Tensor parallelism beside ZeRO: the model split over this many consecutive ranks (a data x
   // tensor mesh, collectives/mesh.hpp; the trainer is then built over the mesh, and ZeRO shards
@@ -168,6 +168,11 @@ struct TrainerConfig : zero::EngineOptions {
   // largest fetch unit where it cannot hold that unit and max_live_follows_model says so (the
   // units planned as the engine will plan them); a "local" shard group size made the ranks per node.
   Result<zero::EngineOptions> engine_options_for(modules::Module& model, int world_size) const;
+  // The shard group size over `data_ranks` data ranks: shard_group_size, or for "local" the
+  // ranks of one node (under a launcher its local size over the tensor size, at least 1; ranks as
+  // threads share one machine: every data rank). What engine_options_for gives the engine, and
+  // what a mesh of this config is made with.
+  Result<int> shard_group_size_for(int data_ranks) const;
   // The optimizer's clipping and loss scaling, as the trainer builds it.
   modules::StepControlOptions step_control() const;
   // The learning rate of step `step` (0-based) under the schedule.

@@ -355,7 +355,7 @@ class Engine final : public ModuleHooks {
                                                 Optimizer& optimizer, EngineOptions options);
   // Over a mesh: ZeRO over this rank's data group (hybrid sharding as the mesh says), the norm over
   // its tensor group too (EngineOptions::tensor_parallel). Refused when the options name a shard
-  // group size or tensor group of their own that differ from the mesh's.
+  // group size or tensor group of their own that differ from the mesh's (0 takes the mesh's).
   static Result<std::unique_ptr<Engine>> create(Context& ctx, const collectives::Mesh& mesh, Module& model,
                                                 Optimizer& optimizer, EngineOptions options);
   ~Engine() override;
