@@ -19,14 +19,20 @@ Result<void> compute_waits(Context& ctx, const async::Event& done, const std::st
   return ctx.stream().wait(done);
 }
 
-// `t` reduced over the group in place, ordered between ctx's stream's work before and after.
-Result<void> reduce_in_place(Context& ctx, Communicator& group, const Tensor& t, ReduceOp op, const std::string& purpose) {
-  if (group.size() == 1) return {};
+// `input` reduced over the group into `out` (the same tensor: in place), ordered between ctx's
+// stream's work before and after.
+Result<void> all_reduce_between(Context& ctx, Communicator& group, const Tensor& input, const Tensor& out, ReduceOp op,
+                                const std::string& purpose) {
   COSHARD_TRY_ASSIGN(const auto ready, ctx.stream().record());
   COSHARD_TRY(group.stream().wait(ready));
-  COSHARD_TRY_ASSIGN(const auto done, group.all_reduce(t.data(), t.data(), static_cast<std::size_t>(t.numel()),
-                                                       t.dtype(), op, purpose));
+  COSHARD_TRY_ASSIGN(const auto done, group.all_reduce(input.data(), out.data(), static_cast<std::size_t>(input.numel()),
+                                                       input.dtype(), op, purpose));
   return compute_waits(ctx, done, purpose);
+}
+
+Result<void> reduce_in_place(Context& ctx, Communicator& group, const Tensor& t, ReduceOp op, const std::string& purpose) {
+  if (group.size() == 1) return {};
+  return all_reduce_between(ctx, group, t, t, op, purpose);
 }
 
 const std::string kRowMaxima = "the logits' row maxima (vocabulary-parallel)";
@@ -43,11 +49,7 @@ Result<Tensor> sum_over_tensor_ranks(Context& ctx, Communicator& group, const Te
   if (!input) return fail(ErrorCode::invalid_argument, "sum over the tensor ranks (", purpose, "): an empty tensor");
   if (group.size() == 1) return input;
   COSHARD_TRY_ASSIGN(Tensor out, ctx.empty(input.shape(), input.dtype()));
-  COSHARD_TRY_ASSIGN(const auto ready, ctx.stream().record());
-  COSHARD_TRY(group.stream().wait(ready));
-  COSHARD_TRY_ASSIGN(const auto done, group.all_reduce(input.data(), out.data(), static_cast<std::size_t>(input.numel()),
-                                                       input.dtype(), ReduceOp::sum, purpose));
-  COSHARD_TRY(compute_waits(ctx, done, purpose));
+  COSHARD_TRY(all_reduce_between(ctx, group, input, out, ReduceOp::sum, purpose));
   return out;
 }
 
