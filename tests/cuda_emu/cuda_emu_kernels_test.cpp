@@ -27,6 +27,27 @@ using namespace coshard::cuda_emu_test;
 
 class EmulatedCrossEntropy : public ::testing::TestWithParam<int> {};
 
+// The f64 reference of N rows of logits L [N, V] against `targets`: each row's loss, their mean,
+// and the logits' gradient seeded with `seed`.
+struct CrossEntropyReference {
+  std::vector<double> rows, dlogits;
+  double loss = 0;
+};
+CrossEntropyReference cross_entropy_reference(const std::vector<double>& L, const std::vector<std::int32_t>& targets,
+                                              std::int64_t N, std::int64_t V, double seed) {
+  CrossEntropyReference r{std::vector<double>(N), std::vector<double>(N * V), 0};
+  for (std::int64_t i = 0; i < N; ++i) {
+    double mx = -INFINITY, sum = 0;
+    for (std::int64_t j = 0; j < V; ++j) mx = std::max(mx, L[i * V + j]);
+    for (std::int64_t j = 0; j < V; ++j) sum += std::exp(L[i * V + j] - mx);
+    r.rows[i] = std::log(sum) + mx - L[i * V + targets[i]];
+    r.loss += r.rows[i] / N;
+    for (std::int64_t j = 0; j < V; ++j)
+      r.dlogits[i * V + j] = (std::exp(L[i * V + j] - mx) / sum - (j == targets[i] ? 1 : 0)) * seed / N;
+  }
+  return r;
+}
+
 TEST_P(EmulatedCrossEntropy, OnePassMatchesTheReference) {
   const int dt = GetParam();
   const std::int64_t N = 7, V = 1000;  // V: 3 strides of 256 threads and a part
@@ -40,21 +61,11 @@ TEST_P(EmulatedCrossEntropy, OnePassMatchesTheReference) {
   Stored dlogits(dt, std::vector<double>(N * V, 9.0));
   ASSERT_EQ(cu::cross_entropy_backward(nullptr, dt, logits.data(), targets.data(), seed.data(), dlogits.data(), N, V),
             0);
-  const auto L = logits.values();
-  double want_loss = 0;
-  std::vector<double> want_d(N * V);
-  for (std::int64_t i = 0; i < N; ++i) {
-    double mx = -INFINITY, sum = 0;
-    for (std::int64_t j = 0; j < V; ++j) mx = std::max(mx, L[i * V + j]);
-    for (std::int64_t j = 0; j < V; ++j) sum += std::exp(L[i * V + j] - mx);
-    const double row = std::log(sum) + mx - L[i * V + targets[i]];
-    EXPECT_NEAR(rows[i], row, 1e-4 * std::max(1.0, std::abs(row))) << "row " << i;
-    want_loss += row / N;
-    for (std::int64_t j = 0; j < V; ++j)
-      want_d[i * V + j] = (std::exp(L[i * V + j] - mx) / sum - (j == targets[i] ? 1 : 0)) * seed[0] / N;
-  }
-  EXPECT_NEAR(loss[0], want_loss, 1e-4 * want_loss);
-  EXPECT_LT(normwise_error(dlogits.values(), want_d), tolerance(dt)) << "logits' gradient";
+  const auto want = cross_entropy_reference(logits.values(), targets, N, V, seed[0]);
+  for (std::int64_t i = 0; i < N; ++i)
+    EXPECT_NEAR(rows[i], want.rows[i], 1e-4 * std::max(1.0, std::abs(want.rows[i]))) << "row " << i;
+  EXPECT_NEAR(loss[0], want.loss, 1e-4 * want.loss);
+  EXPECT_LT(normwise_error(dlogits.values(), want.dlogits), tolerance(dt)) << "logits' gradient";
   // a target outside [0, V) gives a NaN loss (documented in kernels.hpp)
   targets[4] = static_cast<std::int32_t>(V);
   ASSERT_EQ(cu::cross_entropy_forward(nullptr, dt, logits.data(), targets.data(), loss.data(), rows.data(), N, V), 0);
@@ -110,18 +121,9 @@ TEST_P(EmulatedCrossEntropy, VocabularyParallelPartsGiveTheWholeLossAndGradient)
     for (std::int64_t i = 0; i < N; ++i)
       for (std::int64_t j = 0; j < Vp; ++j) L[i * V + p * Vp + j] = v[i * Vp + j];
   }
-  double want_loss = 0;
-  std::vector<double> want_d(N * V);
-  for (std::int64_t i = 0; i < N; ++i) {
-    double mx = -INFINITY, sum = 0;
-    for (std::int64_t j = 0; j < V; ++j) mx = std::max(mx, L[i * V + j]);
-    for (std::int64_t j = 0; j < V; ++j) sum += std::exp(L[i * V + j] - mx);
-    want_loss += (std::log(sum) + mx - L[i * V + targets[i]]) / N;
-    for (std::int64_t j = 0; j < V; ++j)
-      want_d[i * V + j] = (std::exp(L[i * V + j] - mx) / sum - (j == targets[i] ? 1 : 0)) * seed[0] / N;
-  }
-  EXPECT_NEAR(loss[0], want_loss, 1e-4 * want_loss);
-  EXPECT_LT(normwise_error(got_d, want_d), tolerance(dt)) << "the logits' gradient, put together";
+  const auto want = cross_entropy_reference(L, targets, N, V, seed[0]);
+  EXPECT_NEAR(loss[0], want.loss, 1e-4 * want.loss);
+  EXPECT_LT(normwise_error(got_d, want.dlogits), tolerance(dt)) << "the logits' gradient, put together";
   // a target outside the whole vocabulary: a NaN loss
   std::vector<std::int32_t> bad = targets;
   bad[1] = static_cast<std::int32_t>(V);
