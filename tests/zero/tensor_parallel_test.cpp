@@ -66,6 +66,11 @@ struct Layout {
   std::string freeze;            // a glob of parameters that do not train
   bool no_decay_for_vectors = false;  // a parameter group
   int steps = 5;
+  // Checkpoints: saved after the last step into save_dir (frozen units in, unless save_frozen is
+  // false), or loaded from resume_dir before step first_step (the step it was saved after).
+  fs::path save_dir, resume_dir;
+  bool save_frozen = true;
+  int first_step = 0;
   std::string name() const {
     return "data " + std::to_string(world / tensor) + " x tensor " + std::to_string(tensor) + ", stage " +
            std::to_string(stage) + (shard ? ", shards over " + std::to_string(shard) : "") +
@@ -73,7 +78,8 @@ struct Layout {
            (checkpointed ? ", checkpointed" : "") + ", optimizer " + std::string(to_string(optimizer)) +
            ", parameters " + std::string(to_string(params)) +
            (fetch == FetchMode::all_reduce ? ", fetch all_reduce" : "") + (freeze.empty() ? "" : ", frozen " + freeze) +
-           (no_decay_for_vectors ? ", no decay for vectors" : "");
+           (no_decay_for_vectors ? ", no decay for vectors" : "") +
+           (resume_dir.empty() ? "" : ", resumed at step " + std::to_string(first_step));
   }
   // What the unsharded reference must share.
   std::string model_key() const { return std::to_string(tied) + "|" + freeze + "|" + std::to_string(no_decay_for_vectors); }
@@ -133,14 +139,16 @@ Result<TrainedRun> train(const Layout& k) {
     o.fetch_mode = k.fetch;
     o.offload_optimizer.nvme_path = swap / ("rank" + std::to_string(r));
     COSHARD_CO_TRY_ASSIGN(auto engine, Engine::create(ctx, mesh, *model, *opt, o));
-    COSHARD_CO_TRY(co_await engine->initialize(7));
+    COSHARD_CO_TRY(co_await engine->initialize(7));  // (a resume's frozen units left out keep these values)
+    const CheckpointOptions checkpoint{.frozen_units = k.save_frozen};
+    if (!k.resume_dir.empty()) COSHARD_CO_TRY(co_await engine->load_checkpoint(k.resume_dir, checkpoint));
     std::unique_ptr<modules::Loss> loss;
     if (k.tensor > 1)
       loss = std::make_unique<modules::VocabParallelCrossEntropyLoss>(mesh.tensor(), config.vocab);
     else
       loss = std::make_unique<modules::CrossEntropyLoss>();
     const std::int64_t rows = kSequences / mesh.data_size() / k.micro_batches;
-    for (int step = 0; step < k.steps; ++step) {
+    for (int step = k.first_step; step < k.steps; ++step) {
       COSHARD_CO_TRY(co_await engine->begin_step(k.micro_batches, kLr));
       for (int m = 0; m < k.micro_batches; ++m) {
         COSHARD_CO_TRY_ASSIGN(auto mb, batch(ctx, step, (mesh.data_rank() * k.micro_batches + m) * rows, rows,
@@ -157,6 +165,10 @@ Result<TrainedRun> train(const Layout& k) {
         run.losses.push_back(stats.loss);
         run.norms.push_back(stats.optimizer.grad_norm);
       }
+    }
+    if (!k.save_dir.empty()) {
+      COSHARD_CO_TRY(co_await engine->save_checkpoint(k.save_dir, checkpoint));
+      COSHARD_CO_TRY(co_await engine->finish_checkpoint());
     }
     COSHARD_CO_TRY_ASSIGN(auto gathered, co_await engine->gather_parameters());
     if (mesh.data_rank() == 0) {
@@ -191,17 +203,18 @@ Result<TrainedRun> train(const Layout& k) {
 
 double relative(double a, double b) { return std::abs(a - b) / std::max({std::abs(a), std::abs(b), 1e-2}); }
 
-void expect_close(const TrainedRun& got, const TrainedRun& want, const std::string& what) {
-  ASSERT_EQ(got.losses.size(), want.losses.size()) << what;
-  for (std::size_t i = 0; i < want.losses.size(); ++i)
-    EXPECT_LE(relative(got.losses[i], want.losses[i]), 1e-5)
-        << what << ": step " << i << " loss " << got.losses[i] << ", expected " << want.losses[i];
+// `got` ran steps [first, first + its losses) of `want`'s.
+void expect_close(const TrainedRun& got, const TrainedRun& want, const std::string& what, std::size_t first = 0) {
+  ASSERT_EQ(got.losses.size() + first, want.losses.size()) << what;
+  for (std::size_t i = 0; i < got.losses.size(); ++i)
+    EXPECT_LE(relative(got.losses[i], want.losses[first + i]), 1e-5)
+        << what << ": step " << first + i << " loss " << got.losses[i] << ", expected " << want.losses[first + i];
   // Every step clips (the reference's norm is over 0.5), so a norm that counted a part twice or
   // missed one would also move the weights; it is compared on its own here.
-  for (std::size_t i = 0; i < want.norms.size(); ++i) {
-    EXPECT_GT(want.norms[i], 0.5) << "the reference must clip at step " << i;
-    EXPECT_LE(relative(got.norms[i], want.norms[i]), 1e-5)
-        << what << ": step " << i << " gradient norm " << got.norms[i] << ", expected " << want.norms[i];
+  for (std::size_t i = 0; i < got.norms.size(); ++i) {
+    EXPECT_GT(want.norms[first + i], 0.5) << "the reference must clip at step " << first + i;
+    EXPECT_LE(relative(got.norms[i], want.norms[first + i]), 1e-5)
+        << what << ": step " << first + i << " gradient norm " << got.norms[i] << ", expected " << want.norms[first + i];
   }
   ASSERT_EQ(got.whole.size(), want.whole.size()) << what;
   double most = 0;
@@ -269,6 +282,46 @@ TEST_F(TensorParallel, ComposesWithOffloadHybridShardingAccumulationCheckpointin
     ASSERT_TRUE(got) << k.name() << ": " << got.error().message();
     expect_close(*got, reference(k), k.name());
   }
+}
+
+// A checkpoint saved at one mesh resumes at another tensor size and data size: every split
+// parameter (and its master and AdamW moments) put together whole from the saved parts and cut
+// anew, the replicated ones as they are; the resumed steps and the final weights those of the
+// uninterrupted unsharded run.
+TEST_F(TensorParallel, ACheckpointResumesAtAnotherTensorSize) {
+  const fs::path dir = fs::current_path() / "tensor_parallel_scratch" / "reshard";
+  fs::remove_all(dir);
+  struct From {
+    Layout saved;
+    std::vector<Layout> resumed;
+  };
+  const std::vector<From> cases = {
+      {{.world = 4, .tensor = 2, .stage = 3, .steps = 3, .save_dir = dir / "data2x2"},
+       {{.world = 2, .tensor = 2, .stage = 2},  // data 1 x tensor 2
+        {.world = 4, .tensor = 1, .stage = 3},  // data 4 x tensor 1
+        {.world = 4, .tensor = 4, .stage = 1, .optimizer = OffloadTarget::cpu},
+        {.world = 6, .tensor = 2, .stage = 3},  // uneven ZeRO shards
+        {.world = 1, .tensor = 1, .stage = 0}}},
+      {{.world = 2, .tensor = 1, .stage = 3, .steps = 3, .save_dir = dir / "data2"},
+       {{.world = 4, .tensor = 2, .stage = 3}, {.world = 4, .tensor = 4, .stage = 2, .shard = 0}}},
+      // Frozen units saved (their parameters alone) and left out (their values from initialize).
+      {{.world = 4, .tensor = 2, .stage = 3, .freeze = "h0.*", .steps = 3, .save_dir = dir / "frozen"},
+       {{.world = 4, .tensor = 1, .stage = 3, .freeze = "h0.*"}, {.world = 4, .tensor = 4, .stage = 2, .freeze = "h0.*"}}},
+      {{.world = 4, .tensor = 2, .stage = 2, .freeze = "h0.*", .steps = 3, .save_dir = dir / "left_out", .save_frozen = false},
+       {{.world = 2, .tensor = 1, .stage = 3, .freeze = "h0.*", .save_frozen = false}}},
+  };
+  for (const auto& c : cases) {
+    auto saved = train(c.saved);
+    ASSERT_TRUE(saved) << c.saved.name() << ": " << saved.error().message();
+    for (Layout k : c.resumed) {
+      k.resume_dir = c.saved.save_dir;
+      k.first_step = c.saved.steps;
+      auto got = train(k);
+      ASSERT_TRUE(got) << k.name() << ": " << got.error().message();
+      expect_close(*got, reference(k), "saved at " + c.saved.name() + "; " + k.name(), static_cast<std::size_t>(k.first_step));
+    }
+  }
+  fs::remove_all(dir);
 }
 
 TEST(TensorParallelShapes, WhatCannotSplitIsRefusedByName) {

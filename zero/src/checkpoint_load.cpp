@@ -2,14 +2,15 @@
 // resolves `latest`, reads the manifest, checks it against this engine (the run's identity,
 // dtype, optimizer, units) and assembles its new block of every unit from whichever old rank
 // files hold its elements, each file checked (size, CRC-32, tensor names and shapes) before use;
-// all of it on the blocking pool, in host memory. The ranks then agree: unless every rank's part
+// all of it on the blocking pool, in host memory. (At another tensor size than saved, the blocks
+// come parameter by parameter instead: checkpoint_reshard.cpp.) The ranks then agree: unless every rank's part
 // passed, nothing changes anywhere. Only then does each block go in as the optimizer placement
 // visits its unit (with nvme offload, into the swap buffer that goes back to the store).
 #include <algorithm>
 #include <cstring>
 #include <map>
 
-#include "coshard/async/files.hpp"
+#include "checkpoint_read.hpp"
 #include "engine_state.hpp"
 #include "tensor_parts.hpp"
 
@@ -19,97 +20,10 @@ using namespace modules;
 using namespace detail;
 namespace fs = std::filesystem;
 
-std::string detail::run_differences(const std::map<std::string, std::string>& saved, const std::map<std::string, std::string>& mine) {
-  std::string diffs;
-  auto add = [&](const std::string& key, const std::string& before, const std::string& now) {
-    diffs += (diffs.empty() ? "" : "; ") + key + ": saved " + before + ", this run " + now;
-  };
-  for (const auto& [key, value] : saved) {
-    auto it = mine.find(key);
-    if (it == mine.end()) add(key, value, "(not set)");
-    else if (it->second != value) add(key, value, it->second);
-  }
-  for (const auto& [key, now] : mine)
-    if (!saved.contains(key)) add(key, "(not set)", now);
-  return diffs;
-}
-
-Result<std::string> detail::read_latest(const fs::path& dir) {
-  const fs::path latest = dir / "latest";
-  // `latest` holds one short line; anything else (a folder, a link to some other file) is named
-  // by what it is, never echoed.
-  auto bytes = async::read_regular_file(latest, 4096, "file");
-  if (!bytes) return fail(std::move(bytes).error().with_context("checkpoint " + dir.string() + ": 'latest'"));
-  std::string name(reinterpret_cast<const char*>(bytes->data()), bytes->size());
-  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
-  if (!is_checkpoint_folder_name(name)) {
-    const bool printable = name.size() <= 64 && std::all_of(name.begin(), name.end(), [](char ch) {
-      return ch >= 0x20 && ch < 0x7f;
-    });
-    return fail(ErrorCode::invalid_argument, "checkpoint ", latest.string(), ": ",
-                printable ? "'" + name + "' is" : "holds " + std::to_string(bytes->size()) + " bytes,",
-                " not a checkpoint folder name (expected step-NNNNNNNN)");
-  }
-  return name;
-}
-
-Result<CheckpointManifest> detail::read_manifest(const fs::path& folder, std::size_t max_bytes) {
-  const fs::path path = folder / "manifest.json";
-  COSHARD_TRY_ASSIGN(auto bytes, async::read_regular_file(path, max_bytes, "file"));
-  return parse_checkpoint_manifest(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()),
-                                   path.string());
-}
-
 namespace {
 
-Result<fs::path> resolve_checkpoint(const fs::path& dir) {
-  std::error_code ec;
-  if (fs::exists(dir / "manifest.json", ec)) return dir;
-  if (!fs::exists(dir / "latest", ec))
-    return fail(ErrorCode::io, "checkpoint ", dir.string(), ": neither a manifest.json nor a 'latest' file there");
-  COSHARD_TRY_ASSIGN(auto name, read_latest(dir));
-  return dir / name;
-}
-
-// Everything one rank needs from a checkpoint, read and checked, in host memory.
-struct Loaded {
-  std::int64_t step = 0;
-  std::vector<std::byte> optimizer_state;
-  std::map<std::string, std::int64_t> steps_missed;  // CheckpointManifest::steps_missed
-  // Per unit, the new block's bytes: params (dtype), master, state1, state2 (f32; empty if none).
-  struct Block {
-    std::vector<std::byte> params, master, state1, state2;
-  };
-  std::vector<Block> blocks;
-  std::size_t units_left_out = 0;  // frozen units the save left out (CheckpointOptions::frozen_units)
-};
-
-// What the loading engine is, for the checks.
-struct Loader {
-  std::vector<FetchUnitInfo> units;
-  ShardLayout kept;
-  std::vector<std::int64_t> block_offsets;  // per unit: where this rank's block starts (0: stage 0, the whole unit)
-  DataType dtype = DataType::f32;
-  std::string optimizer;
-  std::map<std::string, std::string> run;
-};
-
-// Every field of the run's identity against the checkpoint's, all differences in one message.
-Result<void> check_identity(const CheckpointManifest& m, const std::map<std::string, std::string>& mine,
-                            const std::string& where) {
-  if (m.run.empty()) return {};  // saved without one
-  const std::string diffs = run_differences(m.run, mine);
-  if (diffs.empty()) return {};
-  return fail(ErrorCode::invalid_argument, where, ": a different run (", diffs,
-              "); these define a run and cannot change on resume (docs/reliability.md lists what can)");
-}
-
-Result<void> check_engine(const CheckpointManifest& m, const Loader& l, const std::string& where) {
-  COSHARD_TRY(check_identity(m, l.run, where));
-  if (m.dtype != to_string(l.dtype))
-    return fail(ErrorCode::invalid_argument, where, ": saved in ", m.dtype, ", this run trains in ", to_string(l.dtype));
-  if (m.optimizer != l.optimizer)
-    return fail(ErrorCode::invalid_argument, where, ": optimizer ", m.optimizer, ", this run uses ", l.optimizer);
+// The same units as saved, one by one (a load at the tensor size saved).
+Result<void> check_units(const CheckpointManifest& m, const Loader& l, const std::string& where) {
   if (m.units.size() != l.units.size())
     return fail(ErrorCode::invalid_argument, where, ": ", m.units.size(), " fetch units, this model has ",
                 l.units.size(), " (another model, or another module_granularity_bytes?)");
@@ -130,38 +44,14 @@ Result<void> check_engine(const CheckpointManifest& m, const Loader& l, const st
   return {};
 }
 
-Result<Loaded> read_checkpoint(const fs::path& dir, const Loader& l) {
-  COSHARD_TRY_ASSIGN(const fs::path folder, resolve_checkpoint(dir));
-  COSHARD_TRY_ASSIGN(const CheckpointManifest m, read_manifest(folder));
-  const std::string where = "checkpoint " + folder.string();
-  // A folder named for its step (as every save names it) must hold that step: a manifest edited or
-  // copied from another folder would resume the run at a step it never reached.
-  if (const std::string name = folder.filename().string(); is_checkpoint_folder_name(name)) {
-    const std::string digits = name.substr(5);
-    const bool same = digits.find_first_not_of('0') == std::string::npos ? m.step == 0
-                                                                          : digits.substr(digits.find_first_not_of('0')) == std::to_string(m.step);
-    if (!same)
-      return fail(ErrorCode::invalid_argument, where, ": its manifest says step ", m.step, ", the folder's name step ",
-                  digits, " (a manifest edited or copied from another checkpoint; nothing was loaded)");
-  }
-  COSHARD_TRY(check_engine(m, l, where));
+}  // namespace
+
+Result<Loaded> detail::read_checkpoint(SavedFolder& folder, const Loader& l) {
+  const CheckpointManifest& m = folder.manifest();
+  COSHARD_TRY(check_run(m, l, folder.where()));
+  COSHARD_TRY(check_units(m, l, folder.where()));
 
   const std::size_t elem = size_of(l.dtype);
-  std::map<int, SafetensorsFile> files;  // old rank -> its file, read and checked
-  auto file_of = [&](int old_rank) -> Result<const SafetensorsFile*> {
-    if (auto it = files.find(old_rank); it != files.end()) return &it->second;
-    const auto& rec = m.files[static_cast<std::size_t>(old_rank)];
-    const fs::path path = folder / rec.name;
-    COSHARD_TRY_ASSIGN(auto bytes, async::read_regular_file(path, std::numeric_limits<std::size_t>::max(), "file"));
-    if (bytes.size() != rec.bytes)
-      return fail(ErrorCode::io, path.string(), ": ", bytes.size(), " bytes, the manifest says ", rec.bytes,
-                  " (truncated or replaced)");
-    if (const auto crc = async::crc32_of(bytes); crc != rec.crc32)
-      return fail(ErrorCode::io, path.string(), ": CRC-32 ", crc, ", the manifest says ", rec.crc32, " (corrupt)");
-    COSHARD_TRY_ASSIGN(auto file, SafetensorsFile::parse(std::move(bytes), path.string()));
-    return &files.emplace(old_rank, std::move(file)).first->second;
-  };
-
   Loaded out;
   out.step = m.step;
   out.optimizer_state = m.optimizer_state;
@@ -170,27 +60,12 @@ Result<Loaded> read_checkpoint(const fs::path& dir, const Loader& l) {
     const auto& info = l.units[i];
     const auto& mu = m.units[i];
     Loaded::Block block;
-    const std::int64_t lo = l.block_offsets[i], hi = lo + info.shard;  // this rank's new block
-    // One kind of tensor: copy [lo, min(hi, numel)) from the old files; padding stays zero.
+    const std::int64_t lo = l.block_offsets[i], hi = std::min(lo + info.shard, mu.numel);  // this rank's new block
+    // One kind of tensor: [lo, hi) from the old files; padding stays zero.
     auto gather = [&](std::string_view kind, std::size_t size, DataType expect,
                       std::vector<std::byte>& dst) -> Result<void> {
       dst.assign(static_cast<std::size_t>(info.shard) * size, std::byte{0});
-      const std::string name = block_tensor_name(i, kind);
-      for (std::int64_t at = lo; at < std::min(hi, mu.numel);) {
-        const int old_rank = static_cast<int>(at / mu.shard);
-        const std::int64_t old_lo = old_rank * mu.shard;
-        const std::int64_t upto = std::min({hi, mu.numel, old_lo + mu.shard});
-        COSHARD_TRY_ASSIGN(const auto* file, file_of(old_rank));
-        const auto* t = file->find(name);
-        if (!t || float_dtype_of(t->dtype) != expect || t->shape.size() != 1 || t->shape[0] != mu.shard)
-          return fail(ErrorCode::invalid_argument, where, ": ", m.files[static_cast<std::size_t>(old_rank)].name,
-                      " lacks ", name, " as ", to_string(expect), "[", mu.shard, "]");
-        const auto data = file->data(*t);
-        std::memcpy(dst.data() + static_cast<std::size_t>(at - lo) * size,
-                    data.data() + static_cast<std::size_t>(at - old_lo) * size, static_cast<std::size_t>(upto - at) * size);
-        at = upto;
-      }
-      return {};
+      return lo < hi ? folder.read(i, kind, expect, size, lo, hi, dst.data()) : Result<void>{};
     };
     if (!mu.saved) {  // left out: this unit keeps the values it has (the base's)
       ++out.units_left_out;
@@ -206,9 +81,9 @@ Result<Loaded> read_checkpoint(const fs::path& dir, const Loader& l) {
       // An f32 run's master is its parameters: a checkpoint of a run that kept none (the
       // optimizer on the device) gives them.
       bool absent = false;
-      if (l.dtype == DataType::f32 && lo < mu.numel) {
-        COSHARD_TRY_ASSIGN(const auto* first, file_of(static_cast<int>(lo / mu.shard)));
-        absent = first->find(block_tensor_name(i, "master")) == nullptr;
+      if (l.dtype == DataType::f32 && lo < hi) {
+        COSHARD_TRY_ASSIGN(const bool present, folder.has(i, "master", lo));
+        absent = !present;
       }
       if (absent)
         block.master = block.params;
@@ -221,8 +96,6 @@ Result<Loaded> read_checkpoint(const fs::path& dir, const Loader& l) {
   }
   return out;
 }
-
-}  // namespace
 
 async::Task<Result<void>> Engine::load_checkpoint(const fs::path& given, const CheckpointOptions& options) {
   State& s = *s_;
@@ -238,11 +111,25 @@ async::Task<Result<void>> Engine::load_checkpoint(const fs::path& given, const C
   std::vector<std::int64_t> block_offsets;
   for (const auto& u : s.units) block_offsets.push_back(u->block_offset);
   Loader loader{units(), shard_layout(), std::move(block_offsets), s.o.dtype, std::string(s.optimizer->name()),
-                options.run};
+                options.run, s.by_name()};
   COSHARD_LOG_DEBUG(zero, "load_checkpoint {}: reading and checking this rank's part", dir.string());
-  auto read = [&given, &dir, &loader, tensor]() -> Result<Loaded> {
-    COSHARD_TRY(check_tensor_checkpoint(given, tensor));
-    return read_checkpoint(dir, loader);
+  const int tensor_rank = tensor > 1 ? s.o.tensor_parallel->rank() : 0;
+  auto read = [&given, &loader, tensor, tensor_rank]() -> Result<Loaded> {
+    // The tensor size saved there (the newest, if several): this rank's own folder at this size,
+    // else every folder of that size, resharded.
+    const SavedTensorLayout layout = saved_tensor_layout(given, tensor);
+    if (layout.size == tensor) {
+      COSHARD_TRY_ASSIGN(auto folder, SavedFolder::open(layout.dirs[static_cast<std::size_t>(tensor_rank)]));
+      return read_checkpoint(folder, loader);
+    }
+    COSHARD_LOG_INFO(zero, "load_checkpoint {}: saved at tensor size {}, this run's is {}: resharding every parameter",
+                     given.string(), layout.size, tensor);
+    std::vector<SavedFolder> folders;
+    for (const auto& d : layout.dirs) {
+      COSHARD_TRY_ASSIGN(auto folder, SavedFolder::open(d));
+      folders.push_back(std::move(folder));
+    }
+    return read_resharded(folders, loader, tensor);
   };
   auto loaded = co_await rt->spawn_blocking(std::move(read));
   // No state changes unless every rank read and checked its part.

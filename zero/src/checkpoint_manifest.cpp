@@ -85,6 +85,92 @@ std::optional<std::vector<std::byte>> unhex(std::string_view s) {
   return out;
 }
 
+// A shape as saved: at most modules::Shape's 4 dimensions, each and their product at most 2^50.
+std::string parse_shape(const json& v, std::vector<std::int64_t>& out) {
+  if (!v.is_array() || v.size() > 4) return "a shape is " + async::bounded_echo(v.dump()) + ", expected at most 4 sizes";
+  std::int64_t numel = 1;
+  for (const auto& d : v) {
+    if (!d.is_number_integer() || d.get<std::int64_t>() < 0 || (d.is_number_unsigned() && d.get<std::uint64_t>() > (1ull << 50)) ||
+        d.get<std::int64_t>() > (std::int64_t{1} << 50))
+      return "a shape is " + async::bounded_echo(v.dump()) + ", expected sizes 0..2^50";
+    out.push_back(d.get<std::int64_t>());
+    numel = out.back() == 0 ? 0 : (numel > (std::int64_t{1} << 50) / out.back() ? (std::int64_t{1} << 50) + 1 : numel * out.back());
+  }
+  if (numel > (std::int64_t{1} << 50)) return "a shape is " + async::bounded_echo(v.dump()) + ", more than 2^50 elements";
+  return {};
+}
+
+std::int64_t numel_of(const std::vector<std::int64_t>& shape) {
+  std::int64_t n = 1;
+  for (const auto d : shape) n *= d;
+  return n;
+}
+
+// A unit's "shapes" and "splits" (both absent in older manifests): one of each per parameter, the
+// shapes' elements adding up to the unit's, each split a cut of its whole shape into `tensor`
+// parts that gives the shape saved. The error text names what does not fit (empty: it all does).
+std::string parse_shapes_and_splits(const json& u, int tensor, CheckpointManifest::Unit& unit) {
+  if (!u.contains("shapes")) {
+    if (u.contains("splits")) return "'splits' without 'shapes'";
+    return {};
+  }
+  const json& shapes = u["shapes"];
+  if (!shapes.is_array() || shapes.size() != unit.parameters.size())
+    return "'shapes' is not an array of " + std::to_string(unit.parameters.size()) + " shapes (one per parameter)";
+  std::int64_t total = 0;
+  for (const auto& s : shapes) {
+    std::vector<std::int64_t> shape;
+    if (auto error = parse_shape(s, shape); !error.empty()) return error;
+    total += numel_of(shape);
+    if (total > unit.numel) break;
+    unit.shapes.push_back(std::move(shape));
+  }
+  if (total != unit.numel)
+    return "its parameters' shapes hold " + std::to_string(total) + (total > unit.numel ? " or more" : "") +
+           " elements, its 'numel' says " + std::to_string(unit.numel);
+  if (!u.contains("splits")) return {};
+  const json& splits = u["splits"];
+  if (!splits.is_array() || splits.size() != unit.parameters.size())
+    return "'splits' is not an array of " + std::to_string(unit.parameters.size()) + " splits (one per parameter)";
+  for (std::size_t i = 0; i < splits.size(); ++i) {
+    const json& s = splits[i];
+    if (s.is_null()) {
+      unit.splits.emplace_back();
+      continue;
+    }
+    const std::string who = "the split of " + async::bounded_echo(unit.parameters[i]);
+    if (tensor < 2) return who + ": saved without tensor parallelism";
+    if (!s.is_object() || !s.contains("dim") || !s.contains("segments") || !s.contains("whole"))
+      return who + " is " + async::bounded_echo(s.dump()) + ", expected {\"dim\", \"segments\", \"whole\"} or null";
+    CheckpointManifest::Unit::Split split;
+    if (auto error = parse_shape(s["whole"], split.whole); !error.empty()) return who + ": " + error;
+    const json& dim = s["dim"];
+    if (!dim.is_number_integer() || dim.get<std::int64_t>() < 0 || dim.get<std::int64_t>() >= static_cast<std::int64_t>(split.whole.size()))
+      return who + ": 'dim' is " + async::bounded_echo(dim.dump()) + ", expected a dimension of " + s["whole"].dump();
+    split.dim = static_cast<int>(dim.get<std::int64_t>());
+    const json& segments = s["segments"];
+    if (!segments.is_array() || segments.empty() || segments.size() > 1024)
+      return who + ": 'segments' is not an array of 1 to 1024 sizes";
+    std::int64_t sum = 0;
+    for (const auto& g : segments) {
+      if (!g.is_number_integer() || g.get<std::int64_t>() < 1 || g.get<std::int64_t>() > split.whole[static_cast<std::size_t>(split.dim)] ||
+          g.get<std::int64_t>() % tensor != 0)
+        return who + ": a segment of " + async::bounded_echo(g.dump()) + ", expected a multiple of the tensor size " +
+               std::to_string(tensor) + " within the split dimension";
+      split.segments.push_back(g.get<std::int64_t>());
+      sum += split.segments.back();
+    }
+    if (sum != split.whole[static_cast<std::size_t>(split.dim)])
+      return who + ": its segments add up to " + std::to_string(sum) + ", its whole dimension " + std::to_string(split.dim) +
+             " is " + std::to_string(split.whole[static_cast<std::size_t>(split.dim)]);
+    auto part = split.whole;
+    part[static_cast<std::size_t>(split.dim)] /= tensor;
+    if (part != unit.shapes[i]) return who + ": one part of " + std::to_string(tensor) + " is not the shape saved";
+    unit.splits.push_back(std::move(split));
+  }
+  return {};
+}
+
 }  // namespace
 
 Result<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, std::string_view source) {
@@ -121,6 +207,16 @@ Result<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, std:
   if (!state_bytes || state_bytes->size() != 32) return bad("optimizer_state is not 32 bytes of hex");
   out.optimizer_state = std::move(*state_bytes);
 
+  if (m.contains("tensor_parallel")) {  // (absent without tensor parallelism, and before it)
+    const json& tp = m["tensor_parallel"];
+    const auto size = f.integer(tp, "size", 1, 1 << 16);
+    const auto rank = f.integer(tp, "rank", 0, (1 << 16) - 1);
+    if (!f.error.empty()) return bad("'tensor_parallel': " + f.error);
+    if (*rank >= *size) return bad("'tensor_parallel': rank " + std::to_string(*rank) + " of size " + std::to_string(*size));
+    out.tensor_size = static_cast<int>(*size);
+    out.tensor_rank = static_cast<int>(*rank);
+  }
+
   const json* units = f.at(m, "units");
   if (!units || !units->is_array()) return bad(f.error.empty() ? "'units' is not an array" : f.error);
   for (const auto& u : *units) {
@@ -153,6 +249,8 @@ Result<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, std:
       if (!ranks) return bad(f.error);
       unit.shard_ranks = static_cast<int>(*ranks);
     }
+    if (auto error = parse_shapes_and_splits(u, out.tensor_size, unit); !error.empty())
+      return bad("unit " + async::bounded_echo(unit.name) + ": " + error);
     if (unit.shard * unit.shard_ranks < unit.numel)
       return bad("unit " + unit.name + ": shard " + std::to_string(unit.shard) + " x shard_ranks " +
                  std::to_string(unit.shard_ranks) + " does not cover numel " + std::to_string(unit.numel));

@@ -102,6 +102,8 @@ async::Task<Result<ShardFile>> write_rank_file(std::shared_ptr<offload::NvmeStor
   co_return ShardFile{name, bytes, crc, std::move(staged)};
 }
 
+std::vector<std::int64_t> dims_of(const Shape& shape) { return {shape.dims().begin(), shape.dims().end()}; }
+
 std::string hex(std::span<const std::byte> bytes) {
   static constexpr char digits[] = "0123456789abcdef";
   std::string out;
@@ -229,6 +231,7 @@ async::Task<Result<void>> Engine::save_checkpoint(const fs::path& given, Checkpo
   const auto units_info = units();
   std::vector<SafeTensorLayout> layout;
   json unit_records = json::array();
+  const auto parameters = s.by_name();
   // Each block is written once: by the ranks holding copy 0 of it (the first shard group; rank 0
   // alone at stage 0, where every rank holds the whole unit), so rank i's file holds block i.
   auto written = [&](std::size_t i) { return s.units[i]->group->replica == 0; };
@@ -244,9 +247,21 @@ async::Task<Result<void>> Engine::save_checkpoint(const fs::path& given, Checkpo
       layout.push_back({block_tensor_name(i, name_of(k)), param ? param_dtype : SafeDType::f32, {info.shard},
                         n * (param ? s.element_size : sizeof(float))});
     }
-    unit_records.push_back({{"name", info.name}, {"parameters", info.parameters}, {"numel", info.numel},
-                            {"padded", info.padded}, {"shard", info.shard}, {"shard_ranks", info.shard_ranks},
-                            {"frozen", info.frozen}, {"saved", !left_out(i)}});
+    json record = {{"name", info.name}, {"parameters", info.parameters}, {"numel", info.numel},
+                   {"padded", info.padded}, {"shard", info.shard}, {"shard_ranks", info.shard_ranks},
+                   {"frozen", info.frozen}, {"saved", !left_out(i)}};
+    // What a load at another tensor size needs: each parameter's part shape and split.
+    json shapes = json::array(), splits = json::array();
+    for (const auto& name : info.parameters) {
+      const Parameter* p = parameters.at(name);
+      shapes.push_back(dims_of(p->shape()));
+      const TensorSplit* split = p->split();
+      splits.push_back(split ? json{{"dim", split->dim}, {"segments", split->segments}, {"whole", dims_of(split->whole)}}
+                             : json(nullptr));
+    }
+    record["shapes"] = std::move(shapes);
+    if (tensor_size(s.o) > 1) record["splits"] = std::move(splits);
+    unit_records.push_back(std::move(record));
   }
   const std::string file_name = checkpoint_rank_file(s.rank);
   const std::map<std::string, std::string> file_metadata{{"format", std::string(CheckpointManifest::kFormat)},
@@ -297,6 +312,8 @@ async::Task<Result<void>> Engine::save_checkpoint(const fs::path& given, Checkpo
     m["dtype"] = std::string(to_string(s.o.dtype));
     m["optimizer"] = std::string(s.optimizer->name());
     m["optimizer_state"] = hex(state);
+    if (tensor_size(s.o) > 1)
+      m["tensor_parallel"] = {{"size", tensor_size(s.o)}, {"rank", s.o.tensor_parallel->rank()}};
     m["run"] = std::move(options.run);
     m["units"] = std::move(unit_records);
     json missed = json::object();

@@ -2,9 +2,10 @@
 
 #include <charconv>
 #include <cstring>
-#include <set>
+#include <map>
 
 #include "coshard/modules/module.hpp"
+#include "checkpoint_files.hpp"
 
 namespace coshard::zero::detail {
 
@@ -65,36 +66,55 @@ Result<std::vector<GatheredParameter>> parts_of_whole(const std::unordered_map<s
   return whole;
 }
 
-fs::path tensor_checkpoint_dir(const fs::path& dir, const EngineOptions& o) {
-  const int size = tensor_size(o);
-  if (size <= 1) return dir;
-  return dir / ("tensor-" + std::to_string(o.tensor_parallel->rank()) + "-of-" + std::to_string(size));
+namespace {
+
+std::filesystem::path tensor_rank_dir(const fs::path& dir, int rank, int size) {
+  return size <= 1 ? dir : dir / ("tensor-" + std::to_string(rank) + "-of-" + std::to_string(size));
 }
 
-Result<void> check_tensor_checkpoint(const fs::path& dir, int tensor) {
+// The step `dir/latest` names, or -1 when it names none (the load says why, if it comes to that).
+std::int64_t latest_step(const fs::path& dir) {
+  auto name = read_latest(dir);
+  if (!name) return -1;
+  std::int64_t step = -1;
+  const char* end = name->data() + name->size();
+  if (const auto [at, error] = std::from_chars(name->data() + 5, end, step); error != std::errc{} || at != end) return -1;
+  return step;
+}
+
+}  // namespace
+
+fs::path tensor_checkpoint_dir(const fs::path& dir, const EngineOptions& o) {
+  return tensor_rank_dir(dir, tensor_size(o) > 1 ? o.tensor_parallel->rank() : 0, tensor_size(o));
+}
+
+SavedTensorLayout saved_tensor_layout(const fs::path& dir, int tensor) {
+  auto layout_of = [&](int size) {
+    SavedTensorLayout out{size, {}};
+    for (int t = 0; t < size; ++t) out.dirs.push_back(tensor_rank_dir(dir, t, size));
+    return out;
+  };
   std::error_code ec;
-  if (!fs::is_directory(dir, ec)) return {};  // (the load names a missing folder itself)
-  std::set<int> sizes;  // N of each tensor-<t>-of-<N> folder there
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    const std::string name = entry.path().filename().string();
-    const auto of = name.find("-of-");
-    if (name.rfind("tensor-", 0) != 0 || of == std::string::npos) continue;
-    int n = 0;
-    const char* end = name.data() + name.size();
-    if (const auto [at, error] = std::from_chars(name.data() + of + 4, end, n); error == std::errc{} && at == end)
-      sizes.insert(n);
-  }
-  const bool plain = fs::exists(dir / "latest", ec) || fs::exists(dir / "manifest.json", ec);
-  if (!plain && sizes.empty()) return {};  // (nothing saved here: the load says so)
-  if (tensor > 1 ? sizes.contains(tensor) : plain) return {};
-  const std::string saved = !sizes.empty() ? "tensor parallelism " + std::to_string(*sizes.rbegin()) +
-                                                 " (its folders tensor-*-of-" + std::to_string(*sizes.rbegin()) + ")"
-                                           : std::string("no tensor parallelism (tensor size 1)");
-  return fail(ErrorCode::invalid_argument, "checkpoint ", dir.string(), " was saved with ", saved, ", and this run has ",
-              tensor > 1 ? "tensor parallelism " + std::to_string(tensor) : std::string("none (tensor size 1)"),
-              ": a checkpoint loads at another data size, not yet at another tensor size (resume with the tensor size it "
-              "was saved at; to go on from its weights alone, without the optimizer's state, export them whole at that "
-              "size and start the new run from the file with --init)");
+  if (fs::exists(dir / "manifest.json", ec)) return layout_of(1);  // one checkpoint named itself
+  std::map<int, std::int64_t> newest;  // tensor size saved -> its newest step
+  if (fs::exists(dir / "latest", ec)) newest[1] = latest_step(dir);
+  if (fs::is_directory(dir, ec))
+    for (const auto& entry : fs::directory_iterator(dir, ec)) {
+      const std::string name = entry.path().filename().string();
+      const auto of = name.find("-of-");
+      if (name.rfind("tensor-", 0) != 0 || of == std::string::npos) continue;
+      int n = 0;
+      const char* end = name.data() + name.size();
+      if (const auto [at, error] = std::from_chars(name.data() + of + 4, end, n); error != std::errc{} || at != end || n < 2)
+        continue;
+      auto& step = newest.try_emplace(n, -1).first->second;
+      step = std::max(step, latest_step(entry.path()));
+    }
+  int chosen = tensor;  // (nothing saved: this run's own folders, which the load names as missing)
+  if (!newest.empty() && !newest.contains(tensor)) chosen = newest.begin()->first;
+  for (const auto& [size, step] : newest)
+    if (step > newest.at(chosen) || (step == newest.at(chosen) && size == tensor)) chosen = size;
+  return layout_of(chosen);
 }
 
 }  // namespace coshard::zero::detail

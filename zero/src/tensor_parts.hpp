@@ -33,8 +33,14 @@ Result<std::vector<GatheredParameter>> parts_of_whole(const std::unordered_map<s
 
 // Where this rank's checkpoints live under `dir`: dir itself, or dir/tensor-<t>-of-<T>.
 std::filesystem::path tensor_checkpoint_dir(const std::filesystem::path& dir, const EngineOptions& o);
-// A load from `dir` at this tensor size: refused, naming both sizes, when what `dir` holds was
-// saved at another (its tensor-*-of-N folders, or a checkpoint of no tensor parallelism).
-Result<void> check_tensor_checkpoint(const std::filesystem::path& dir, int tensor);
+// The folders a load from `dir` reads: one tensor size's checkpoints, a folder per tensor rank of
+// that size (`dir` itself at size 1). Of the sizes saved there (tensor-*-of-N folders; `latest`
+// or a manifest in `dir` itself for size 1), the one whose newest step is the latest, this run's
+// own size on a tie: a run resumed at another size and saving at its own goes on from its own.
+struct SavedTensorLayout {
+  int size = 1;
+  std::vector<std::filesystem::path> dirs;  // [t]: tensor rank t's
+};
+SavedTensorLayout saved_tensor_layout(const std::filesystem::path& dir, int tensor);
 
 }  // namespace coshard::zero::detail

@@ -8,6 +8,11 @@
 //   DIR/step-00000042/rank-00001.safetensors   rank 1's blocks: u<i>.param (dtype), u<i>.master (f32,
 //                                              when kept apart), u<i>.state1, u<i>.state2 (f32)
 //   DIR/latest                                 "step-00000042"
+// With tensor parallelism (EngineOptions::tensor_parallel) of size T, each tensor rank t's data
+// group saves the same under DIR/tensor-t-of-T/, its manifest recording each parameter's part
+// shape and split (CheckpointManifest::Unit::shapes, splits), so that a load at another tensor
+// size puts each split parameter's values (and its master and optimizer states, elementwise)
+// together whole from the old parts and cuts the new ones.
 // Rank i's file holds elements [i * shard, (i + 1) * shard) of each padded unit, for the ranks i of
 // the unit's first shard group (every rank, unless hybrid sharding shards it over fewer; rank 0
 // alone at stage 0), so a load at another world size, stage or shard group size reads, for each
@@ -27,6 +32,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -75,6 +81,17 @@ struct CheckpointManifest {
     bool frozen = false;
     // Its parameters are in the files (false: a frozen unit left out, CheckpointOptions::frozen_units).
     bool saved = true;
+    // Each parameter's shape as saved (this tensor rank's part of a split one), in `parameters`'
+    // order; their elements lie one after another in the unit. Empty in older manifests.
+    std::vector<std::vector<std::int64_t>> shapes;
+    // Each parameter's tensor-parallel split (modules::TensorSplit, of `tensor_size` parts of which
+    // this folder holds part `tensor_rank`), or nothing for a replicated one; empty when saved
+    // without tensor parallelism or in older manifests.
+    struct Split {
+      int dim = 0;
+      std::vector<std::int64_t> segments, whole;
+    };
+    std::vector<std::optional<Split>> splits;
   };
   std::vector<Unit> units;
   struct File {
@@ -83,6 +100,8 @@ struct CheckpointManifest {
     std::uint32_t crc32 = 0;
   };
   std::vector<File> files;  // one per rank, in rank order
+  // The tensor-parallel size of the save and the tensor rank whose folder this is (1 and 0: none).
+  int tensor_size = 1, tensor_rank = 0;
   // CheckpointOptions::run of the save. Absent in older manifests.
   std::map<std::string, std::string> run;
   // The parameters that were left out of some of the steps (no gradient), with how many: their

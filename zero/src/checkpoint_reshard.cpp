@@ -1,0 +1,250 @@
+// A checkpoint loaded at another tensor size than it was saved at (checkpoint_read.hpp): the
+// units differ (each holds other parts, and small ones coalesce otherwise), so this goes parameter
+// by parameter. Each saved folder is indexed (which unit and offset hold each parameter's part, of
+// which split); each parameter of this rank's blocks is put together whole from the saved parts
+// (its params, and its master and optimizer states: elementwise, so they cut as the params do),
+// this rank's part is cut from it, and the elements of this rank's block go in. Everything is
+// checked by name first: the same parameters, the same whole shapes, the same splits.
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <unordered_map>
+
+#include "checkpoint_read.hpp"
+
+namespace coshard::zero::detail {
+
+using namespace modules;
+
+namespace {
+
+// Where one tensor rank's part of a saved parameter is.
+struct SavedPart {
+  std::size_t unit = 0;
+  std::int64_t offset = 0, numel = 0;                   // in the unit's elements
+  const CheckpointManifest::Unit::Split* split = nullptr;  // null: saved whole (replicated, or no tensor parallelism)
+  std::vector<std::int64_t> whole;                      // the whole parameter's shape
+};
+using SavedIndex = std::unordered_map<std::string, SavedPart>;
+
+std::int64_t numel_of(std::span<const std::int64_t> shape) {
+  return std::accumulate(shape.begin(), shape.end(), std::int64_t{1}, std::multiplies<>());
+}
+
+std::string shape_text(std::span<const std::int64_t> dims) { return Shape::from(dims).to_string(); }
+
+Shape whole_shape(const Parameter& p) { return p.split() ? p.split()->whole : p.shape(); }
+
+// Tensor rank `t` of `size`'s folder: every parameter's part, checked against this model's
+// parameters (the same names, the same whole shapes).
+Result<SavedIndex> index_folder(const SavedFolder& f, const Loader& l, int size, int t) {
+  const CheckpointManifest& m = f.manifest();
+  if (m.tensor_size != size || m.tensor_rank != t)
+    return fail(ErrorCode::invalid_argument, f.where(), ": its manifest says tensor rank ", m.tensor_rank, " of ",
+                m.tensor_size, ", its folder tensor rank ", t, " of ", size,
+                size > 1 && m.tensor_size == 1 ? " (saved before checkpoints recorded their tensor splits: resume at "
+                                                 "the tensor size it was saved at)"
+                                               : " (a folder moved or copied from another checkpoint)");
+  SavedIndex index;
+  for (std::size_t j = 0; j < m.units.size(); ++j) {
+    const auto& u = m.units[j];
+    if (size > 1 && u.splits.empty())
+      return fail(ErrorCode::invalid_argument, f.where(), ": unit ", u.name, " records no tensor splits (saved before "
+                  "checkpoints did: resume at the tensor size it was saved at)");
+    std::int64_t offset = 0;
+    for (std::size_t k = 0; k < u.parameters.size(); ++k) {
+      const std::string& name = u.parameters[k];
+      const auto it = l.parameters.find(name);
+      if (it == l.parameters.end())
+        return fail(ErrorCode::invalid_argument, f.where(), ": it holds ", name,
+                    ", which this model does not have (another model?)");
+      SavedPart part{j, offset, 0, nullptr, {}};
+      if (!u.shapes.empty()) {
+        if (!u.splits.empty() && u.splits[k]) part.split = &*u.splits[k];
+        part.whole = part.split ? part.split->whole : u.shapes[k];
+        part.numel = numel_of(u.shapes[k]);
+      } else {  // (a manifest from before shapes were recorded, saved whole: this model's whole shape)
+        const Shape whole = whole_shape(*it->second);
+        part.whole.assign(whole.dims().begin(), whole.dims().end());
+        part.numel = whole.numel();
+      }
+      offset += part.numel;
+      if (!index.emplace(name, std::move(part)).second)
+        return fail(ErrorCode::invalid_argument, f.where(), ": ", name, " is in two units");
+    }
+    if (offset != u.numel)
+      return fail(ErrorCode::invalid_argument, f.where(), ": unit ", u.name, " holds ", u.numel, " elements, its ",
+                  "parameters at this model's shapes ", offset, " (another model?)");
+  }
+  return index;
+}
+
+// The same whole parameter, cut the same way where both are cut: what this model's `p` is.
+Result<void> check_same_parameter(const std::string& name, const Parameter& p, const SavedPart& saved,
+                                  const std::string& where) {
+  const Shape whole = whole_shape(p);
+  if (!std::equal(saved.whole.begin(), saved.whole.end(), whole.dims().begin(), whole.dims().end()))
+    return fail(ErrorCode::invalid_argument, where, ": ", name, " is ", shape_text(saved.whole), " whole in the checkpoint, ",
+                whole.to_string(), " in this model (another model?)");
+  const TensorSplit* mine = p.split();
+  if (mine && saved.split && (mine->dim != saved.split->dim || mine->segments != saved.split->segments))
+    return fail(ErrorCode::invalid_argument, where, ": ", name, " was split along dimension ", saved.split->dim,
+                " in ", saved.split->segments.size(), " segment(s), this model splits it along dimension ", mine->dim,
+                " in ", mine->segments.size(), " (another model?)");
+  return {};
+}
+
+struct Resharder {
+  std::vector<SavedFolder>& folders;
+  std::vector<SavedIndex> indexes;  // [t]: folder t's
+  const Loader& l;
+  int saved_size = 1;
+  std::string where;
+
+  // One saved parameter whole: its `kind` from every tensor rank's part (rank 0's alone when
+  // saved whole), in `dtype`.
+  Result<std::vector<double>> whole_values(const std::string& name, std::string_view kind, DataType dtype) {
+    const SavedPart& first = indexes[0].at(name);
+    std::vector<double> whole(static_cast<std::size_t>(numel_of(first.whole)));
+    const int parts = first.split ? saved_size : 1;
+    for (int t = 0; t < parts; ++t) {
+      const auto found = indexes[static_cast<std::size_t>(t)].find(name);
+      if (found == indexes[static_cast<std::size_t>(t)].end() || (found->second.split == nullptr) != (first.split == nullptr))
+        return fail(ErrorCode::invalid_argument, folders[static_cast<std::size_t>(t)].where(), ": ", name, " is ",
+                    found == indexes[static_cast<std::size_t>(t)].end() ? "missing" : "split otherwise",
+                    " (tensor rank 0's folder holds it ", first.split ? "split" : "whole", ")");
+      const SavedPart& part = found->second;
+      SavedFolder& folder = folders[static_cast<std::size_t>(t)];
+      const auto& unit = folder.manifest().units[part.unit];
+      std::string_view from = kind;
+      if (kind != "param") {
+        if (unit.frozen)
+          return fail(ErrorCode::invalid_argument, where, ": ", name, " was frozen when saved, so the checkpoint holds ",
+                      "no optimizer state for it, and this run trains it; freeze the same parameters to resume, or ",
+                      "start a new run from the checkpoint's weights");
+        // An f32 run's master is its parameters: a checkpoint of a run that kept none gives them.
+        if (kind == "master" && dtype == DataType::f32 && part.numel > 0) {
+          COSHARD_TRY_ASSIGN(const bool present, folder.has(part.unit, "master", part.offset));
+          if (!present) from = "param";
+        }
+      }
+      const std::size_t elem = size_of(dtype);
+      std::vector<std::byte> bytes(static_cast<std::size_t>(part.numel) * elem);
+      COSHARD_TRY(folder.read(part.unit, from, dtype, elem, part.offset, part.offset + part.numel, bytes.data()));
+      const auto values = decode_values(bytes, dtype);
+      if (!first.split) {
+        whole = values;
+        continue;
+      }
+      const TensorSplit split{first.split->dim, first.split->segments, saved_size, t, Shape::from(first.whole)};
+      split.place_part(values, whole);
+    }
+    return whole;
+  }
+
+  // This rank's block of a unit: every kind the run keeps, each parameter's part cut from the
+  // whole and its elements within the block copied in.
+  Result<Loaded::Block> block(const FetchUnitInfo& info, std::int64_t lo) {
+    const std::int64_t hi = std::min(lo + info.shard, info.numel);
+    const std::size_t elem = size_of(l.dtype);
+    struct Kind {
+      std::string_view name;
+      DataType dtype;
+      std::vector<std::byte>* dst;
+    };
+    Loaded::Block out;
+    std::vector<Kind> kinds{{"param", l.dtype, &out.params}};
+    if (!info.frozen) {
+      if (l.kept.master) kinds.push_back({"master", DataType::f32, &out.master});
+      if (l.kept.states >= 1) kinds.push_back({"state1", DataType::f32, &out.state1});
+      if (l.kept.states >= 2) kinds.push_back({"state2", DataType::f32, &out.state2});
+    }
+    for (const Kind& k : kinds) {
+      const std::size_t size = k.dtype == l.dtype ? elem : size_of(k.dtype);
+      k.dst->assign(static_cast<std::size_t>(info.shard) * size, std::byte{0});
+      std::int64_t offset = 0;
+      for (const std::string& name : info.parameters) {
+        const Parameter& p = *l.parameters.at(name);
+        const std::int64_t from = std::max(lo, offset), to = std::min(hi, offset + p.numel());
+        if (from < to) {
+          COSHARD_TRY_ASSIGN(auto whole, whole_values(name, k.name, k.dtype));
+          std::vector<double> part;
+          if (const TensorSplit* split = p.split()) {
+            part.resize(static_cast<std::size_t>(p.numel()));
+            split->take_part(whole, part);
+          } else {
+            part = std::move(whole);
+          }
+          const auto bytes = encode_values(std::span<const double>(part).subspan(static_cast<std::size_t>(from - offset),
+                                                                                 static_cast<std::size_t>(to - from)),
+                                           k.dtype);
+          std::memcpy(k.dst->data() + static_cast<std::size_t>(from - lo) * size, bytes.data(), bytes.size());
+        }
+        offset += p.numel();
+      }
+    }
+    return out;
+  }
+};
+
+}  // namespace
+
+Result<Loaded> read_resharded(std::vector<SavedFolder>& folders, const Loader& l, int tensor_size) {
+  const int saved_size = static_cast<int>(folders.size());
+  const CheckpointManifest& m0 = folders.front().manifest();
+  const std::string where = folders.front().where() + " (saved at tensor size " + std::to_string(saved_size) +
+                            ", loading at " + std::to_string(tensor_size) + ")";
+  Resharder r{folders, {}, l, saved_size, where};
+  for (int t = 0; t < saved_size; ++t) {
+    const SavedFolder& f = folders[static_cast<std::size_t>(t)];
+    COSHARD_TRY(check_run(f.manifest(), l, f.where()));
+    if (f.manifest().step != m0.step)
+      return fail(ErrorCode::invalid_argument, where, ": tensor rank ", t, "'s folder is at step ", f.manifest().step,
+                  ", tensor rank 0's at step ", m0.step, " (a save cut short between the folders' publishes: point each ",
+                  "folder's 'latest' at a step they all hold); nothing was loaded");
+    if (f.manifest().optimizer_state != m0.optimizer_state)
+      return fail(ErrorCode::invalid_argument, where, ": tensor rank ", t, "'s folder holds another optimizer step state ",
+                  "than tensor rank 0's (folders of different runs?); nothing was loaded");
+    COSHARD_TRY_ASSIGN(auto index, index_folder(f, l, saved_size, t));
+    r.indexes.push_back(std::move(index));
+  }
+  // This model's every parameter in the checkpoint, the same whole, split the same way.
+  for (const auto& [name, p] : l.parameters) {
+    const auto it = r.indexes[0].find(name);
+    if (it == r.indexes[0].end())
+      return fail(ErrorCode::invalid_argument, where, ": this model's ", name, " is not in it (another model?)");
+    COSHARD_TRY(check_same_parameter(name, *p, it->second, where));
+  }
+
+  Loaded out;
+  out.step = m0.step;
+  out.optimizer_state = m0.optimizer_state;
+  for (const auto& f : folders) out.steps_missed.insert(f.manifest().steps_missed.begin(), f.manifest().steps_missed.end());
+  for (std::size_t i = 0; i < l.units.size(); ++i) {
+    const FetchUnitInfo& info = l.units[i];
+    // Frozen units left out of the save (a LoRA base) keep the values they have: all of a unit's
+    // parameters, or none of them.
+    std::size_t left_out = 0;
+    for (const std::string& name : info.parameters) {
+      const SavedPart& part = r.indexes[0].at(name);
+      left_out += folders[0].manifest().units[part.unit].saved ? 0 : 1;
+    }
+    if (left_out > 0) {
+      if (!info.frozen)
+        return fail(ErrorCode::invalid_argument, where, ": unit ", info.name, " was frozen and left out when saved (a ",
+                    "LoRA base: its values come from the base weights), and this run trains it; freeze it to resume");
+      if (left_out != info.parameters.size())
+        return fail(ErrorCode::invalid_argument, where, ": unit ", info.name, " holds parameters left out of the ",
+                    "checkpoint (frozen, their values from the base weights) beside saved ones at tensor size ", tensor_size,
+                    ": resume at tensor size ", saved_size, ", or save with the frozen units in");
+      ++out.units_left_out;
+      out.blocks.emplace_back();
+      continue;
+    }
+    COSHARD_TRY_ASSIGN(auto block, r.block(info, l.block_offsets[i]));
+    out.blocks.push_back(std::move(block));
+  }
+  return out;
+}
+
+}  // namespace coshard::zero::detail
