@@ -12,6 +12,8 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -22,6 +24,7 @@
 #include "coshard/modules/checkpointing.hpp"
 #include "coshard/modules/llama.hpp"
 #include "coshard/modules/tensor_parallel.hpp"
+#include "coshard/zero/checkpoint.hpp"
 #include "coshard/zero/engine.hpp"
 #include "../support/on_ranks.hpp"
 
@@ -321,6 +324,27 @@ TEST_F(TensorParallel, ACheckpointResumesAtAnotherTensorSize) {
       expect_close(*got, reference(k), "saved at " + c.saved.name() + "; " + k.name(), static_cast<std::size_t>(k.first_step));
     }
   }
+  // Another model (untied: an output layer the checkpoint lacks) is refused by name.
+  auto untied = train({.world = 4, .tensor = 4, .stage = 3, .tied = false, .resume_dir = dir / "data2x2", .first_step = 3});
+  ASSERT_FALSE(untied);
+  EXPECT_NE(untied.error().message().find("is not in it (another model?)"), std::string::npos) << untied.error().message();
+  // Tensor ranks' folders at different steps (a save cut short between two folders' publishes):
+  // tensor rank 1's `latest` names an older step.
+  const fs::path one = dir / "data2x2" / "tensor-1-of-2";
+  fs::copy(one / "step-00000003", one / "step-00000002");
+  {
+    std::ifstream in(one / "step-00000002" / "manifest.json");
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const auto at = text.find("\"step\": 3");
+    ASSERT_NE(at, std::string::npos) << text.substr(0, 400);
+    text.replace(at, 9, "\"step\": 2");
+    std::ofstream(one / "step-00000002" / "manifest.json", std::ios::trunc) << text;
+    std::ofstream(one / "latest", std::ios::trunc) << "step-00000002\n";
+  }
+  auto torn = train({.world = 4, .tensor = 1, .stage = 3, .resume_dir = dir / "data2x2", .first_step = 3});
+  ASSERT_FALSE(torn);
+  EXPECT_NE(torn.error().message().find("tensor rank 1's folder is at step 2, tensor rank 0's at step 3"), std::string::npos)
+      << torn.error().message();
   fs::remove_all(dir);
 }
 
@@ -373,6 +397,70 @@ TEST(TensorParallelShapes, APartIsTakenAndPlacedBackSegmentBySegment) {
   auto refused = odd.part_shape();
   ASSERT_FALSE(refused);
   EXPECT_NE(refused.error().message().find("a segment of 3 does not divide into 2 parts"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace coshard::zero
+
+namespace coshard::zero {
+namespace {
+
+// A manifest of one tensor rank's folder: one fused [8 | 2 | 2] x 8 projection split over 2 ranks
+// (this folder's part [6, 8]) and a replicated norm, with what is edited into it in each case.
+std::string tensor_manifest(const std::string& unit_fields, const std::string& tensor = R"({"size": 2, "rank": 1})") {
+  return R"({"format": "coshard-checkpoint", "version": 1, "step": 3, "world_size": 1, "zero_stage": 3,
+             "dtype": "f32", "optimizer": "adamw",
+             "optimizer_state": "0000000000000000000000000000000000000000000000000000000000000000",
+             "tensor_parallel": )" + tensor + R"(,
+             "units": [{"name": "qkv", "parameters": ["qkv.weight", "norm.weight"], "numel": 56, "shard": 56, )" +
+         unit_fields + R"(}],
+             "files": [{"rank": 0, "name": "rank-00000.safetensors", "bytes": 1, "crc32": 0}]})";
+}
+
+TEST(TensorParallelShapes, AManifestsShapesAndSplitsAreReadAndCheckedByName) {
+  const std::string shapes = R"("shapes": [[6, 8], [8]])";
+  const std::string split = R"({"dim": 0, "segments": [8, 2, 2], "whole": [12, 8]})";
+  auto m = parse_checkpoint_manifest(tensor_manifest(shapes + R"(, "splits": [)" + split + ", null]"), "test");
+  ASSERT_TRUE(m) << m.error().message();
+  EXPECT_EQ(m->tensor_size, 2);
+  EXPECT_EQ(m->tensor_rank, 1);
+  const auto& u = m->units.front();
+  ASSERT_EQ(u.shapes.size(), 2u);
+  EXPECT_EQ(u.shapes[0], (std::vector<std::int64_t>{6, 8}));
+  ASSERT_EQ(u.splits.size(), 2u);
+  ASSERT_TRUE(u.splits[0]);
+  EXPECT_EQ(u.splits[0]->segments, (std::vector<std::int64_t>{8, 2, 2}));
+  EXPECT_FALSE(u.splits[1]);
+  // An older manifest (no shapes, no splits, no tensor size) still reads.
+  auto older = parse_checkpoint_manifest(tensor_manifest(R"("frozen": false)", R"({"size": 1, "rank": 0})"), "test");
+  ASSERT_TRUE(older) << older.error().message();
+  EXPECT_TRUE(older->units.front().shapes.empty());
+
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {tensor_manifest(R"("shapes": [[6, 8], [4]])"), "its parameters' shapes hold 52 elements, its 'numel' says 56"},
+      {tensor_manifest(R"("shapes": [[6, 8]])"), "'shapes' is not an array of 2 shapes (one per parameter)"},
+      {tensor_manifest(R"("shapes": [[1, 1, 1, 1, 48], [8]])"), "expected at most 4 sizes"},
+      {tensor_manifest(R"("shapes": [[-6, 8], [8]])"), "expected sizes 0..2^50"},
+      {tensor_manifest(R"("shapes": [[1125899906842624, 1125899906842624], [8]])"), "more than 2^50 elements"},
+      {tensor_manifest(R"("splits": [null, null])"), "'splits' without 'shapes'"},
+      {tensor_manifest(shapes + R"(, "splits": [{"dim": 0, "segments": [8, 2], "whole": [12, 8]}, null])"),
+       "its segments add up to 10, its whole dimension 0 is 12"},
+      {tensor_manifest(shapes + R"(, "splits": [{"dim": 0, "segments": [9, 3], "whole": [12, 8]}, null])"),
+       "a segment of 9, expected a multiple of the tensor size 2"},
+      {tensor_manifest(shapes + R"(, "splits": [{"dim": 1, "segments": [8], "whole": [12, 8]}, null])"),
+       "one part of 2 is not the shape saved"},
+      {tensor_manifest(shapes + R"(, "splits": [{"dim": 2, "segments": [8], "whole": [12, 8]}, null])"),
+       "'dim' is 2, expected a dimension of [12,8]"},
+      {tensor_manifest(shapes + R"(, "splits": [7, null])"), "expected {\"dim\", \"segments\", \"whole\"} or null"},
+      {tensor_manifest(shapes + R"(, "splits": [)" + split + ", null]", R"({"size": 1, "rank": 0})"),
+       "saved without tensor parallelism"},
+      {tensor_manifest(shapes, R"({"size": 2, "rank": 2})"), "'tensor_parallel': rank 2 of size 2"},
+  };
+  for (const auto& [text, expected] : refused) {
+    auto got = parse_checkpoint_manifest(text, "test");
+    ASSERT_FALSE(got) << expected;
+    EXPECT_NE(got.error().message().find(expected), std::string::npos) << got.error().message();
+  }
 }
 
 }  // namespace

@@ -14,16 +14,20 @@ namespace coshard::train_app {
 
 namespace fs = std::filesystem;
 
-CheckpointFolderContents checkpoint_folder_contents(const fs::path& dir) {
-  CheckpointFolderContents out;
+namespace {
+
+void add_contents(const fs::path& dir, CheckpointFolderContents& out, bool top) {
   std::error_code ec;
-  if (!fs::is_directory(dir, ec)) return out;
+  if (!fs::is_directory(dir, ec)) return;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string();
     if (name == "latest") {
-      out.latest = true;
+      out.latest.push_back(entry.path());
     } else if (zero::is_checkpoint_folder_name(name)) {
       out.checkpoints.push_back(entry.path());
+    } else if (top && zero::tensor_folder_size(name) > 0 && entry.is_directory(ec)) {
+      out.tensor_folders.push_back(entry.path());
+      add_contents(entry.path(), out, false);
     } else {
       for (const char* suffix : {".partial", ".replaced"}) {
         if (name.ends_with(suffix) && zero::is_checkpoint_folder_name(name.substr(0, name.size() - std::string_view(suffix).size())))
@@ -31,7 +35,16 @@ CheckpointFolderContents checkpoint_folder_contents(const fs::path& dir) {
       }
     }
   }
-  std::sort(out.checkpoints.begin(), out.checkpoints.end());
+}
+
+}  // namespace
+
+CheckpointFolderContents checkpoint_folder_contents(const fs::path& dir) {
+  CheckpointFolderContents out;
+  add_contents(dir, out, true);
+  // Oldest first by step, wherever each is.
+  std::sort(out.checkpoints.begin(), out.checkpoints.end(),
+            [](const fs::path& a, const fs::path& b) { return std::pair(a.filename(), a) < std::pair(b.filename(), b); });
   return out;
 }
 
@@ -104,7 +117,7 @@ Result<void> prepare_checkpoint_folder(const fs::path& dir, bool resume, bool st
       std::error_code ec;
       const std::string name = p.filename().string();
       if (name.ends_with(".replaced")) {
-        const fs::path original = dir / name.substr(0, name.size() - std::string_view(".replaced").size());
+        const fs::path original = p.parent_path() / name.substr(0, name.size() - std::string_view(".replaced").size());
         if (!fs::exists(original, ec)) {
           fs::rename(p, original, ec);
           if (!ec) continue;
@@ -116,21 +129,26 @@ Result<void> prepare_checkpoint_folder(const fs::path& dir, bool resume, bool st
     held = checkpoint_folder_contents(dir);
   }
   if (resume) return {};
-  if (held.checkpoints.empty() && !held.latest) return {};
+  if (held.checkpoints.empty() && held.latest.empty()) return {};
   if (!start_over) {
-    const std::string newest = held.checkpoints.empty() ? "latest" : held.checkpoints.back().filename().string();
+    const std::string newest = held.checkpoints.empty() ? held.latest.front().lexically_relative(dir).string()
+                                                        : held.checkpoints.back().lexically_relative(dir).string();
     return fail(ErrorCode::invalid_argument, "--checkpoint-dir ", dir.string(), " holds ", held.checkpoints.size(),
                 " checkpoint(s) (newest ", newest,
                 "): --resume continues it; --start-over removes them and starts afresh");
   }
   if (!remove) return {};
   std::error_code ec;
-  fs::remove(dir / "latest", ec);
-  if (ec) return fail(ErrorCode::io, "--start-over: removing ", (dir / "latest").string(), ": ", ec.message());
+  for (const auto& p : held.latest) {
+    fs::remove(p, ec);
+    if (ec) return fail(ErrorCode::io, "--start-over: removing ", p.string(), ": ", ec.message());
+  }
   for (const auto& p : held.checkpoints) {
     fs::remove_all(p, ec);
     if (ec) return fail(ErrorCode::io, "--start-over: removing ", p.string(), ": ", ec.message());
   }
+  // A tensor rank's folder goes once empty (anything else of the user's there keeps it).
+  for (const auto& p : held.tensor_folders) fs::remove(p, ec);
   return {};
 }
 

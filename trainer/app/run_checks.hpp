@@ -42,10 +42,10 @@ Result<std::string> file_fingerprint(const std::filesystem::path& path);
 Result<void> prepare_checkpoint_folder(const std::filesystem::path& dir, bool resume, bool start_over, bool remove);
 
 // What a checkpoint folder holds of coshard's: published checkpoints, leftovers of unfinished
-// saves (*.partial, *.replaced) and `latest`.
+// saves (*.partial, *.replaced) and `latest` files, in it and in its tensor ranks' folders
+// (tensor-<t>-of-<N>, a tensor-parallel run's), and those folders.
 struct CheckpointFolderContents {
-  std::vector<std::filesystem::path> checkpoints, leftovers;
-  bool latest = false;
+  std::vector<std::filesystem::path> checkpoints, leftovers, latest, tensor_folders;
 };
 CheckpointFolderContents checkpoint_folder_contents(const std::filesystem::path& dir);
 

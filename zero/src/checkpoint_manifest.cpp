@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <charconv>
 #include <cstdio>
 
 #include "coshard/async/json_limits.hpp"
@@ -21,6 +22,22 @@ std::string checkpoint_rank_file(int rank) {
 bool is_checkpoint_folder_name(std::string_view name) noexcept {
   if (!name.starts_with("step-") || name.size() == 5 || name.size() > 5 + 18) return false;  // fits an int64
   return std::all_of(name.begin() + 5, name.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+}
+
+std::string tensor_folder_name(int rank, int size) {
+  return "tensor-" + std::to_string(rank) + "-of-" + std::to_string(size);
+}
+
+int tensor_folder_size(std::string_view name) noexcept {
+  if (!name.starts_with("tensor-")) return 0;
+  int rank = -1, size = 0;
+  const char* end = name.data() + name.size();
+  const auto [of, e1] = std::from_chars(name.data() + 7, end, rank);
+  if (e1 != std::errc{} || std::string_view(of, static_cast<std::size_t>(end - of)).substr(0, 4) != "-of-") return 0;
+  const auto [at, e2] = std::from_chars(of + 4, end, size);
+  if (e2 != std::errc{} || at != end || size < 2 || rank < 0 || rank >= size) return 0;
+  // (digits only: from_chars takes a leading '-', and "tensor-01-of-2" is no name a save gives)
+  return tensor_folder_name(rank, size) == name ? size : 0;
 }
 
 namespace {

@@ -69,7 +69,7 @@ Result<std::vector<GatheredParameter>> parts_of_whole(const std::unordered_map<s
 namespace {
 
 std::filesystem::path tensor_rank_dir(const fs::path& dir, int rank, int size) {
-  return size <= 1 ? dir : dir / ("tensor-" + std::to_string(rank) + "-of-" + std::to_string(size));
+  return size <= 1 ? dir : dir / tensor_folder_name(rank, size);
 }
 
 // The step `dir/latest` names, or -1 when it names none (the load says why, if it comes to that).
@@ -100,13 +100,8 @@ SavedTensorLayout saved_tensor_layout(const fs::path& dir, int tensor) {
   if (fs::exists(dir / "latest", ec)) newest[1] = latest_step(dir);
   if (fs::is_directory(dir, ec))
     for (const auto& entry : fs::directory_iterator(dir, ec)) {
-      const std::string name = entry.path().filename().string();
-      const auto of = name.find("-of-");
-      if (name.rfind("tensor-", 0) != 0 || of == std::string::npos) continue;
-      int n = 0;
-      const char* end = name.data() + name.size();
-      if (const auto [at, error] = std::from_chars(name.data() + of + 4, end, n); error != std::errc{} || at != end || n < 2)
-        continue;
+      const int n = tensor_folder_size(entry.path().filename().string());
+      if (n == 0) continue;
       auto& step = newest.try_emplace(n, -1).first->second;
       step = std::max(step, latest_step(entry.path()));
     }

@@ -115,6 +115,10 @@ std::string checkpoint_rank_file(int rank);
 // "step-" and up to 18 digits: the name of a published checkpoint folder, the only names
 // `latest` may point at.
 bool is_checkpoint_folder_name(std::string_view name) noexcept;
+// "tensor-1-of-2": tensor rank 1 of 2's folder of checkpoints; whether a name is one (rank below
+// size, size from 2), and if so its size (0: not one).
+std::string tensor_folder_name(int rank, int size);
+int tensor_folder_size(std::string_view name) noexcept;
 // Parses and checks a manifest's text; `source` names it in errors.
 Result<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, std::string_view source);
 
