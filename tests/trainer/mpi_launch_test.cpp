@@ -207,6 +207,25 @@ TEST(MpiLaunch, TensorParallelProcessesGiveTheLossesOfThreads) {
     ASSERT_EQ(t.code, 0) << t.output;
     expect_same_losses(losses_in(procs), losses_in(threads), 1e-6, "tensor-parallel processes vs threads");
   }
+  // A checkpoint the processes save at data 2 x tensor 2 resumes in processes at data 4 x tensor 1:
+  // each process reads every tensor rank's folder and cuts its own blocks.
+  const fs::path ck = dir / "ck", resumed = dir / "resumed.jsonl";
+  std::vector<std::string> three = llama;
+  three[std::find(three.begin(), three.end(), "--steps") - three.begin() + 1] = "3";
+  const Exit saved = run_mpi(4, with(three, {"--zero-stage", "3", "--checkpoint-dir", ck.string(), "--checkpoint-every", "3"}), dir);
+  ASSERT_EQ(saved.code, 0) << saved.output;
+  std::vector<std::string> untensored = llama;
+  untensored.erase(std::find(untensored.begin(), untensored.end(), "--tensor-parallel"),
+                   std::find(untensored.begin(), untensored.end(), "--tensor-parallel") + 2);
+  const Exit again = run_mpi(4, with(untensored, {"--zero-stage", "3", "--checkpoint-dir", ck.string(), "--resume",
+                                                  "--metrics", resumed.string()}),
+                             dir);
+  ASSERT_EQ(again.code, 0) << again.output;
+  const auto whole = losses_in(dir / "threads3.jsonl"), got = losses_in(resumed);
+  ASSERT_EQ(whole.size(), 6u);
+  ASSERT_EQ(got.size(), 3u);
+  for (std::size_t i = 0; i < 3; ++i)
+    EXPECT_LE(std::abs(got[i] - whole[i + 3]) / std::abs(whole[i + 3]), 1e-5) << "step " << i + 4;
 }
 
 TEST(MpiLaunch, TheHeaderNamesTheBackendAndTheLauncher) {
