@@ -1,4 +1,5 @@
 #include "coshard/collectives/communicator.hpp"
+#include "coshard/collectives/flight_recorder.hpp"
 
 #include <limits>
 
@@ -62,6 +63,18 @@ Coalesced& Coalesced::broadcast(const void* send, void* recv, std::size_t count,
 Coalesced& Coalesced::barrier() {
   ops_.push_back({CollectiveKind::barrier, nullptr, nullptr, 0, DataType::u8, ReduceOp::sum, 0});
   return *this;
+}
+
+Result<void> Communicator::set_flight_label(std::string_view label) { return FlightRecorder::check_label(label); }
+
+std::string Communicator::flight_label() const {
+  const FlightRecorder* recorder = flight_recorder();
+  return recorder ? recorder->label() : std::string();
+}
+
+Result<void> label_split(const Communicator& parent, Communicator& child, std::string_view name) {
+  const std::string above = parent.flight_label();
+  return child.set_flight_label(above.empty() ? std::string(name) : above + "-" + std::string(name));
 }
 
 Result<void> validate(const CollectiveOp& op, int rank, int size) {

@@ -34,9 +34,14 @@ std::int64_t now_us() {
 std::mutex g_dir_mutex;
 fs::path g_dir;
 
-std::string file_name(int rank, int size) { return "rank" + std::to_string(rank) + "-of" + std::to_string(size) + ".json"; }
+bool is_label_char(char ch) { return (ch >= 'a' && ch <= 'z') || (ch >= '0' && ch <= '9') || ch == '_' || ch == '-'; }
+constexpr std::size_t kMaxLabel = 64;
 
-// Whether `name` has the form file_name gives: rank<digits>-of<digits>.json.
+std::string file_name(int rank, int size, const std::string& label) {
+  return "rank" + std::to_string(rank) + "-of" + std::to_string(size) + (label.empty() ? "" : "." + label) + ".json";
+}
+
+// Whether `name` has the form file_name gives: rank<digits>-of<digits>[.<label>].json.
 bool is_record_name(std::string_view name) {
   auto take_digits = [&name] {
     std::size_t n = 0;
@@ -49,7 +54,11 @@ bool is_record_name(std::string_view name) {
     name.remove_prefix(word.size());
     return true;
   };
-  return take("rank") && take_digits() && take("-of") && take_digits() && name == ".json";
+  if (!(take("rank") && take_digits() && take("-of") && take_digits())) return false;
+  if (name == ".json") return true;
+  if (!take(".") || !name.ends_with(".json")) return false;
+  name.remove_suffix(5);
+  return !name.empty() && name.size() <= kMaxLabel && std::all_of(name.begin(), name.end(), is_label_char);
 }
 
 std::string describe_entry(const CollectiveRecord& e) {
@@ -170,9 +179,28 @@ void FlightRecorder::dump_on_failure(int rank, int size, std::string_view backen
     dumped_ = true;
   }
   fail_open();
-  FlightRecord record{rank, size, std::string(backend), std::string(reason), now_us(), launched(), snapshot()};
+  FlightRecord record{rank, size, std::string(backend), std::string(reason), now_us(), launched(), snapshot(), label()};
   if (auto written = write_flight_record(record, dir); !written)
     COSHARD_LOG_ERROR(collectives, "flight recorder: {}", written.error().message());
+}
+
+Result<void> FlightRecorder::check_label(std::string_view label) {
+  if (label.empty() || label.size() > kMaxLabel || !std::all_of(label.begin(), label.end(), is_label_char))
+    return fail(ErrorCode::invalid_argument, "flight recorder label '", label.substr(0, 64),
+                "': expected 1 to 64 of a-z, 0-9, '_' and '-' (it names the record's file)");
+  return {};
+}
+
+Result<void> FlightRecorder::set_label(std::string_view label) {
+  COSHARD_TRY(check_label(label));
+  std::lock_guard lock(mutex_);
+  label_ = label;
+  return {};
+}
+
+std::string FlightRecorder::label() const {
+  std::lock_guard lock(mutex_);
+  return label_;
 }
 
 void set_flight_recorder_dir(const fs::path& dir) {
@@ -190,6 +218,7 @@ Result<fs::path> write_flight_record(const Communicator& comm, std::string_view 
   if (const FlightRecorder* recorder = comm.flight_recorder()) {
     record.launched = recorder->launched();
     record.entries = recorder->snapshot();
+    record.label = recorder->label();
   }
   return write_flight_record(record, dir);
 }
@@ -203,6 +232,7 @@ std::string flight_record_json(const FlightRecord& r) {
   j["reason"] = r.reason;
   j["written_us"] = r.written_us;
   j["launched"] = r.launched;
+  if (!r.label.empty()) j["label"] = r.label;
   json entries = json::array();
   for (const auto& e : r.entries)
     entries.push_back({{"seq", e.seq}, {"ops", e.ops}, {"stream", e.stream}, {"enqueued_us", e.enqueued_us},
@@ -215,7 +245,8 @@ Result<fs::path> write_flight_record(const FlightRecord& r, const fs::path& dir)
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return fail(ErrorCode::io, "flight recorder folder ", dir.string(), ": ", ec.message());
-  const fs::path path = dir / file_name(r.rank, r.size);
+  if (!r.label.empty()) COSHARD_TRY(FlightRecorder::check_label(r.label));
+  const fs::path path = dir / file_name(r.rank, r.size, r.label);
   {
     COSHARD_TRY_ASSIGN(auto file, async::ReplacingFile::create(path, "flight recorder file"));
     COSHARD_TRY(file.write(flight_record_json(r)));
@@ -226,8 +257,9 @@ Result<fs::path> write_flight_record(const FlightRecord& r, const fs::path& dir)
   std::string last;
   for (std::size_t i = r.entries.size() - shown; i < r.entries.size(); ++i)
     last += (last.empty() ? "" : "; ") + describe_entry(r.entries[i]);
-  COSHARD_LOG_WARN(collectives, "flight recorder: rank {} of {} ({}) wrote {} of its {} collectives to {} ({}); last: {}",
-                    r.rank, r.size, r.backend, r.entries.size(), r.launched, path.string(), r.reason,
+  COSHARD_LOG_WARN(collectives, "flight recorder: rank {} of {} ({}{}) wrote {} of its {} collectives to {} ({}); last: {}",
+                    r.rank, r.size, r.backend, r.label.empty() ? "" : ", group " + r.label, r.entries.size(), r.launched,
+                    path.string(), r.reason,
                     last.empty() ? "none" : last);
   return path;
 }
@@ -298,6 +330,12 @@ Result<FlightRecord> parse_flight_record(std::string_view text, std::string_view
   r.reason = async::bounded_echo(*reason, 4096);
   r.written_us = *written;
   r.launched = static_cast<std::uint64_t>(*launched);
+  if (j.contains("label")) {  // (absent for a world's record, and in older ones)
+    const auto label = string(j, "label");
+    if (!label) return bad(why);
+    if (auto ok = FlightRecorder::check_label(*label); !ok) return bad(ok.error().message());
+    r.label = *label;
+  }
   const auto entries = j.find("entries");
   if (entries == j.end() || !entries->is_array()) return bad("'entries' is missing or not an array");
   for (const auto& e : *entries) {
@@ -346,15 +384,19 @@ Result<std::vector<FlightRecord>> read_flight_records(const fs::path& dir) {
   return out;
 }
 
-std::string diagnose(std::span<const FlightRecord> records, int world_size) {
+namespace {
+
+// One communicator's records (a world's, or a labelled group's): who is behind, in what.
+std::string diagnose_group(std::span<const FlightRecord* const> records, int world_size, const std::string& label) {
   std::ostringstream s;
   std::map<int, const FlightRecord*> by_rank;
-  for (const auto& r : records)
-    if (r.size == world_size) by_rank[r.rank] = &r;
+  for (const auto* r : records)
+    if (r->size == world_size) by_rank[r->rank] = r;
   std::vector<int> silent;
   for (int q = 0; q < world_size; ++q)
     if (!by_rank.count(q)) silent.push_back(q);
-  s << "flight recorder: " << world_size << " ranks, records from " << by_rank.size();
+  s << (label.empty() ? std::string("flight recorder: ") : "communicator " + label + ": ") << world_size
+    << " ranks, records from " << by_rank.size();
   if (!silent.empty()) s << " (none from rank" << (silent.size() > 1 ? "s " : " ") << rank_names(silent) << ")";
   s << "\n";
 
@@ -433,6 +475,22 @@ std::string diagnose(std::span<const FlightRecord> records, int world_size) {
     s << "diagnosis: no rank is behind: every rank completed #" << most << ", none is in a collective\n";
   }
   return s.str();
+}
+
+}  // namespace
+
+std::string diagnose(std::span<const FlightRecord> records, int world_size) {
+  // The world's records first; then each group split from it (a mesh's data and tensor groups,
+  // shard groups), its ranks numbered within it.
+  std::vector<const FlightRecord*> world;
+  std::map<std::pair<std::string, int>, std::vector<const FlightRecord*>> groups;  // by label and size
+  for (const auto& r : records) {
+    if (!r.label.empty()) groups[{r.label, r.size}].push_back(&r);
+    else if (r.size == world_size) world.push_back(&r);
+  }
+  std::string out = diagnose_group(world, world_size, "");
+  for (const auto& [key, group] : groups) out += diagnose_group(group, key.second, key.first);
+  return out;
 }
 
 }  // namespace coshard::collectives

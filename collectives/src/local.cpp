@@ -394,6 +394,7 @@ class LocalCommunicator final : public Communicator {
     recorder_->dump_on_failure(rank_, size(), "local", "this rank failed: " + reason);
   }
   const FlightRecorder* flight_recorder() const noexcept override { return recorder_.get(); }
+  Result<void> set_flight_label(std::string_view label) override { return recorder_->set_label(label); }
 
   Result<async::Event> launch(const Coalesced& group) override {
     for (const CollectiveOp& op : group.ops()) COSHARD_TRY(validate(op, rank_, size()));

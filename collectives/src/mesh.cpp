@@ -36,6 +36,10 @@ Result<Mesh> Mesh::create(Communicator& world, MeshShape shape) {
   mesh.tensor_ = mesh.owned_tensor_.get();
   if (!mesh.data_ || !mesh.tensor_)
     return fail(ErrorCode::internal, "mesh: a split gave no communicator (rank ", world.rank(), ")");
+  // Named apart in the flight recorder: the data group of tensor index t, the tensor group of
+  // data index d (their ranks' dumps would otherwise share the world's file names).
+  if (mesh.owned_data_) COSHARD_TRY(label_split(world, *mesh.owned_data_, "data" + std::to_string(tensor_index)));
+  COSHARD_TRY(label_split(world, *mesh.owned_tensor_, "tensor" + std::to_string(data_index)));
   return mesh;
 }
 

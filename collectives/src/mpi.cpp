@@ -30,6 +30,7 @@ class MpiCommunicator final : public Communicator {
   std::uint64_t launches() const noexcept override { return launches_.load(std::memory_order_relaxed); }
   Result<void> status() const override { return channel_->status(); }
   const FlightRecorder* flight_recorder() const noexcept override { return recorder_.get(); }
+  Result<void> set_flight_label(std::string_view label) override { return recorder_->set_label(label); }
 
   void abort(const std::string& reason) override {
     if (channel_->abort(reason)) recorder_->dump_on_failure(rank(), size(), "mpi", "this rank failed: " + reason);

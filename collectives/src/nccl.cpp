@@ -96,6 +96,7 @@ class NcclCommunicator final : public Communicator {
   int size() const noexcept override { return size_; }
   std::string_view backend() const noexcept override { return "nccl"; }
   const FlightRecorder* flight_recorder() const noexcept override { return &recorder_; }
+  Result<void> set_flight_label(std::string_view label) override { return recorder_.set_label(label); }
   async::Stream& stream() noexcept override { return stream_; }
   std::uint64_t launches() const noexcept override { return launches_.load(std::memory_order_relaxed); }
 

@@ -1,7 +1,8 @@
 // The collective flight recorder on the Local backend: the ring, automatic dumps when a rank is
 // held outside a collective (its peers time out, their dumps name it and the last collective it
 // completed), when the ranks launch different collectives, and when a rank fails; dumps read
-// back, damaged ones refused by name, and the diagnosis in each case.
+// back, damaged ones refused by name, and the diagnosis in each case; a mesh's groups dumped
+// under their own names beside the world's.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -9,12 +10,14 @@
 #include <fstream>
 #include <functional>
 #include <latch>
+#include <map>
 #include <mutex>
 #include <thread>
 
 #include "coshard/async/runtime.hpp"
 #include "coshard/collectives/flight_recorder.hpp"
 #include "coshard/collectives/local.hpp"
+#include "coshard/collectives/mesh.hpp"
 
 namespace coshard::collectives {
 namespace {
@@ -240,6 +243,53 @@ TEST(FlightRecorder, RanksThatDumpedWhileMovingAreNotCalledBehind) {
   const std::string huge = diagnose(std::span<const FlightRecord>(&moving[0], 1), 1 << 20);
   EXPECT_LT(huge.size(), 4096u) << huge.substr(0, 4096);
   EXPECT_NE(huge.find("(1048576 in all)"), std::string::npos) << huge.substr(0, 4096);
+}
+
+// A mesh's groups are labelled apart (data<t>, tensor<d>): data 1 x tensor 4 has a tensor group as
+// large as the world, and data 2 x tensor 2 two data groups and two tensor groups of one size;
+// none's dump replaces another's or the world's, and each is diagnosed within its own ranks.
+TEST(FlightRecorder, AMeshsGroupsDumpUnderTheirOwnNames) {
+  const fs::path dir = scratch("mesh");
+  const auto errors = run_ranks(4, std::chrono::seconds(30), {}, [&](int, Communicator& world) -> async::Task<Result<void>> {
+    COSHARD_CO_TRY_ASSIGN(auto wide, Mesh::create(world, {.tensor = 4}));
+    COSHARD_CO_TRY_ASSIGN(auto square, Mesh::create(world, {.tensor = 2}));
+    std::vector<float> data(4, 1.0f);
+    COSHARD_CO_TRY(co_await all_reduces(world, data, 1));
+    COSHARD_CO_TRY(co_await all_reduces(wide.tensor(), data, 2));
+    COSHARD_CO_TRY(co_await all_reduces(square.tensor(), data, 3));
+    COSHARD_CO_TRY(co_await all_reduces(square.data(), data, 4));
+    for (const Communicator* comm : {&world, &wide.tensor(), &square.tensor(), &square.data()}) {
+      auto written = write_flight_record(*comm, "SIGUSR1", dir);
+      if (!written) co_return fail(std::move(written).error());
+    }
+    co_return Result<void>{};
+  });
+  for (const auto& e : errors) ASSERT_EQ(e, "");
+  auto records = read_flight_records(dir);
+  ASSERT_TRUE(records) << records.error().message();
+  ASSERT_EQ(records->size(), 16u) << "four groups' records on each of 4 ranks, none replaced";
+  std::map<std::string, std::size_t> entries;  // file label -> entries of its records
+  for (const auto& r : *records) entries[r.label] += r.entries.size();
+  EXPECT_EQ(entries.at(""), 4u);
+  EXPECT_EQ(entries.at("tensor0"), 4u * 2 + 2u * 3);  // (1 x 4's tensor group, and 2 x 2's of data index 0)
+  EXPECT_EQ(entries.at("tensor1"), 2u * 3);
+  EXPECT_EQ(entries.at("data0"), 2u * 4);
+  EXPECT_EQ(entries.at("data1"), 2u * 4);
+  EXPECT_TRUE(fs::exists(dir / "rank3-of4.tensor0.json"));
+  EXPECT_TRUE(fs::exists(dir / "rank1-of2.data1.json"));
+  const std::string text = diagnose(*records, 4);
+  EXPECT_EQ(text.find("flight recorder: 4 ranks, records from 4\n"), 0u) << text;
+  EXPECT_NE(text.find("diagnosis: no rank is behind: every rank completed #0,"), std::string::npos) << text;
+  EXPECT_NE(text.find("communicator tensor0: 4 ranks, records from 4"), std::string::npos) << text;
+  EXPECT_NE(text.find("communicator tensor0: 2 ranks, records from 2"), std::string::npos) << text;
+  EXPECT_NE(text.find("communicator data1: 2 ranks, records from 2"), std::string::npos) << text;
+  EXPECT_NE(text.find("every rank completed #3, none is in a collective"), std::string::npos) << text;
+  // A label that is no file-name word is refused by name.
+  auto comms = make_local_communicators(1, {});
+  ASSERT_TRUE(comms);
+  auto bad = (*comms)[0]->set_flight_label("../x");
+  ASSERT_FALSE(bad);
+  EXPECT_NE(bad.error().message().find("flight recorder label '../x': expected 1 to 64 of a-z"), std::string::npos);
 }
 
 }  // namespace

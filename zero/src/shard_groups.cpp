@@ -26,11 +26,13 @@ Result<std::unique_ptr<ShardGroups>> ShardGroups::create(collectives::Communicat
       // Shard groups are runs of consecutive ranks (a node's, under a launcher that numbers ranks
       // node by node); the copies of a block are the ranks at the same place in each run.
       COSHARD_TRY_ASSIGN(auto shard, world.split(rank / size, rank));
+      COSHARD_TRY(collectives::label_split(world, *shard, "shard" + std::to_string(size) + "-" + std::to_string(rank / size)));
       g.shard = shard.get();
       groups->split_.push_back(std::move(shard));
     }
     if (g.replicas > 1) {
       COSHARD_TRY_ASSIGN(auto copies, world.split(rank % size, rank));
+      COSHARD_TRY(collectives::label_split(world, *copies, "copies" + std::to_string(size) + "-" + std::to_string(rank % size)));
       g.replicate = copies.get();
       groups->split_.push_back(std::move(copies));
     }

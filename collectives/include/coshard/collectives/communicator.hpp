@@ -134,6 +134,12 @@ class Communicator {
   // The ring of this communicator's last collectives (flight_recorder.hpp); null for a backend
   // that keeps none. The Local and NCCL backends keep one.
   virtual const FlightRecorder* flight_recorder() const noexcept { return nullptr; }
+  // Names a communicator split from a world in its flight records and their files
+  // (FlightRecorder::set_label; a label that is no file-name word is refused by name). Nothing to
+  // name for a backend that keeps no record.
+  virtual Result<void> set_flight_label(std::string_view label);
+  // The label set (empty: none, a world's).
+  std::string flight_label() const;
 
   // One collective; `purpose` says what it is for in a mismatch's message (CollectiveOp::purpose).
   Result<async::Event> all_gather(const void* send, void* recv, std::size_t count, DataType dtype,
@@ -154,6 +160,10 @@ class Communicator {
   }
   Result<async::Event> barrier() { return launch(Coalesced{}.barrier()); }
 };
+
+// Labels `child`, split from `parent`, as `name` within the parent's label ("data1" then
+// "data1-shard2-0"): each group of a process's splits named apart in the flight recorder.
+Result<void> label_split(const Communicator& parent, Communicator& child, std::string_view name);
 
 // Checks one op against a communicator's rank and size: pointers, root, sizes that overflow.
 // Backends call it for every op before enqueueing; the message names the value and the rule.

@@ -7,7 +7,9 @@
 //   `completed` or `failed` when known (Local: when it returns; NCCL: when the watchdog sees its
 //   event pass, or the communicator fail).
 // - Dumps: with a folder set (set_flight_recorder_dir, coshard-train --flight-recorder DIR), a
-//   communicator writes its ring as rank<R>-of<N>.json there the first time one of its
+//   communicator writes its ring as rank<R>-of<N>.json there (rank<R>-of<N>.<label>.json for a
+//   group split from a world and labelled: a mesh's data<t> and tensor<d> groups, shard groups,
+//   so that no group's file replaces another's) the first time one of its
 //   collectives times out or finds a mismatch, or when it is aborted (a rank failed), and logs
 //   the last entries at error level. write_flight_record() dumps on demand (SIGUSR1 in
 //   coshard-train).
@@ -58,6 +60,9 @@ struct FlightRecord {
   std::int64_t written_us = 0;
   std::uint64_t launched = 0;              // every launch so far (the ring keeps the last ones)
   std::vector<CollectiveRecord> entries;   // oldest first
+  // Which communicator (FlightRecorder::set_label): empty for a world, else a group split from
+  // one ("tensor0": rank/size are within it). The file is rank<R>-of<N>[.<label>].json.
+  std::string label;
   // The highest sequence number completed (-1: none in the ring).
   std::int64_t last_completed() const noexcept;
   // The first entry not completed (enqueued, started or failed), if any.
@@ -83,6 +88,13 @@ class FlightRecorder {
   // nothing. Safe from any thread.
   void dump_on_failure(int rank, int size, std::string_view backend, std::string_view reason);
 
+  // Names the communicator in its records and their files (Communicator::set_flight_label): 1 to
+  // 64 of a-z, 0-9, '_' and '-'; the same on every rank of it, unlike any other's of the process
+  // (a mesh's "data<t>" and "tensor<d>"), so that no group's dump replaces another's.
+  Result<void> set_label(std::string_view label);
+  std::string label() const;
+  static Result<void> check_label(std::string_view label);
+
  private:
   struct Slot {
     std::uint64_t seq = 0;
@@ -99,6 +111,7 @@ class FlightRecorder {
   std::size_t next_ = 0;  // the slot the next launch takes
   std::uint64_t launched_ = 0;
   bool dumped_ = false;
+  std::string label_;
 };
 
 // The folder automatic dumps go to (empty, the default: none). Process-wide.
@@ -116,7 +129,7 @@ Result<std::vector<FlightRecord>> read_flight_records(const std::filesystem::pat
 std::string flight_record_json(const FlightRecord& record);
 Result<FlightRecord> parse_flight_record(std::string_view text, std::string_view name);
 // Who is behind, at which sequence number, in which op; ranks of `world_size` with no record
-// are named too. Several lines of text, ending in a newline.
+// are named too. Then the same for each labelled group's records, its ranks numbered within it. Several lines of text, ending in a newline.
 std::string diagnose(std::span<const FlightRecord> records, int world_size);
 
 }  // namespace coshard::collectives
