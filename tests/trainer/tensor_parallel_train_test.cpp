@@ -6,12 +6,17 @@
 // and what cannot be split refused by name.
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
+
 #include <algorithm>
+#include <chrono>
+#include <csignal>
 #include <cmath>
 #include <cstring>
 #include <fstream>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "binary_harness.hpp"
@@ -203,6 +208,40 @@ TEST(CoshardTrainTensorParallel, InitIsCutIntoPartsAndExportedWholeAgain) {
   ASSERT_EQ(a.size(), 2u);
   ASSERT_EQ(b.size(), 2u);
   for (std::size_t i = 0; i < 2; ++i) EXPECT_LE(relative(a[i], b[i]), 1e-6) << "step " << i + 1;
+}
+
+// SIGUSR1 with --flight-recorder dumps the mesh's data and tensor groups beside the world, each
+// under its own name, the tensor-parallel all-reduces named by what they sum.
+TEST(CoshardTrainTensorParallel, TheFlightRecorderDumpsTheMeshsGroups) {
+  const fs::path dir = scratch("tensor_parallel_flight");
+  const fs::path dumps = dir / "dumps", out = dir / "out.txt";
+  const pid_t pid = start(with(without(kLlama, "--steps"), {"--steps", "1000000", "--world-size", "4", "--tensor-parallel",
+                                                            "2", "--flight-recorder", dumps.string(), "--metrics",
+                                                            (dir / "m.jsonl").string()}),
+                          out);
+  ASSERT_GT(pid, 0);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (std::chrono::steady_clock::now() < deadline && (!fs::exists(dir / "m.jsonl") || fs::file_size(dir / "m.jsonl") == 0))
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ::kill(pid, SIGUSR1);
+  const std::vector<std::string> files = {"rank3-of4.json", "rank1-of2.tensor1.json", "rank0-of2.tensor0.json",
+                                          "rank1-of2.data0.json", "rank1-of2.data1.json"};
+  auto all_there = [&] {
+    for (const auto& f : files)
+      if (!fs::exists(dumps / f)) return false;
+    return slurp(out).find("communicator tensor1: 2 ranks") != std::string::npos;
+  };
+  while (std::chrono::steady_clock::now() < deadline && !all_there()) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ::kill(pid, SIGTERM);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  const std::string output = slurp(out);
+  for (const auto& f : files) EXPECT_TRUE(fs::exists(dumps / f)) << f << ": " << output;
+  EXPECT_NE(output.find("flight recorder: 4 ranks, records from 4\n"), std::string::npos) << output;
+  EXPECT_NE(output.find("communicator data0: 2 ranks, records from 2"), std::string::npos) << output;
+  EXPECT_NE(output.find("communicator tensor1: 2 ranks, records from 2"), std::string::npos) << output;
+  EXPECT_NE(slurp(dumps / "rank0-of2.tensor0.json").find("(tensor-parallel)"), std::string::npos)
+      << "the tensor group's all-reduces are named by what they sum";
 }
 
 TEST(CoshardTrainTensorParallel, WhatCannotSplitIsRefusedByName) {

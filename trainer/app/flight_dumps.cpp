@@ -4,6 +4,7 @@
 #include <semaphore.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 
@@ -44,12 +45,24 @@ void FlightDumps::run() {
     while (sem_wait(&g_wake) != 0) {
     }
     if (g_stop.load()) return;
+    std::lock_guard lock(mutex_);
     for (const auto* comm : comms_) {
       if (auto written = collectives::write_flight_record(*comm, "SIGUSR1", dir_); !written)
         std::fprintf(stderr, "coshard-train: %s\n", written.error().message().c_str());
     }
     print_flight_diagnosis(dir_, world_);
   }
+}
+
+FlightDumps::Registration::Registration(FlightDumps& dumps, const collectives::Communicator& comm)
+    : dumps_(dumps), comm_(&comm) {
+  std::lock_guard lock(dumps_.mutex_);
+  dumps_.comms_.push_back(comm_);
+}
+
+FlightDumps::Registration::~Registration() {
+  std::lock_guard lock(dumps_.mutex_);
+  std::erase(dumps_.comms_, comm_);
 }
 
 bool print_flight_diagnosis(const std::filesystem::path& dir, int world) {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <filesystem>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -21,10 +22,25 @@ class FlightDumps {
   FlightDumps(const FlightDumps&) = delete;
   FlightDumps& operator=(const FlightDumps&) = delete;
 
+  // A group split from a world (a mesh's data and tensor groups) dumped too while the handle
+  // lives: made after the group, it goes before it.
+  class Registration {
+   public:
+    Registration(FlightDumps& dumps, const collectives::Communicator& comm);
+    ~Registration();
+    Registration(const Registration&) = delete;
+    Registration& operator=(const Registration&) = delete;
+
+   private:
+    FlightDumps& dumps_;
+    const collectives::Communicator* comm_;
+  };
+
  private:
   void run();
 
   std::filesystem::path dir_;
+  std::mutex mutex_;  // comms_: registrations come and go from the ranks' threads while a dump runs
   std::vector<const collectives::Communicator*> comms_;
   int world_;
   std::thread thread_;

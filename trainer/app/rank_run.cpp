@@ -10,6 +10,7 @@
 #include "coshard/trainer/trainer.hpp"
 #include "coshard/zero/hf_llama.hpp"
 #include "coshard/zero/peft.hpp"
+#include "flight_dumps.hpp"
 #include "progress.hpp"
 #include "run_report.hpp"
 #include "samples.hpp"
@@ -49,6 +50,12 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
     auto made = collectives::Mesh::create(comm, {.tensor = o.train.tensor_parallel_size, .shard = shard});
     if (!made) co_return fail(std::move(made).error().with_context("--tensor-parallel"));
     mesh.emplace(std::move(*made));
+  }
+  // SIGUSR1 dumps the mesh's groups beside the world (released before the mesh: declared after it).
+  std::optional<FlightDumps::Registration> data_dumped, tensor_dumped;
+  if (mesh && shared.flight) {
+    if (&mesh->data() != &comm) data_dumped.emplace(*shared.flight, mesh->data());
+    tensor_dumped.emplace(*shared.flight, mesh->tensor());
   }
   const int rank = mesh ? mesh->data_rank() : comm.rank(), world = mesh ? mesh->data_size() : comm.size();
   COSHARD_CO_TRY_ASSIGN(auto model, mesh ? o.model.build(mesh->tensor()) : o.model.build());

@@ -19,6 +19,8 @@
 
 namespace coshard::train_app {
 
+class FlightDumps;  // flight_dumps.hpp
+
 // What the ranks of one process share.
 struct Shared {
   // Ranks as threads agree on the step to stop at through memory: the first rank to see the
@@ -30,6 +32,7 @@ struct Shared {
   std::vector<std::string> errors;
   trainer::TraceWriter trace;
   async::Event epoch;  // ranks as threads share one clock: their timelines line up
+  FlightDumps* flight = nullptr;  // --flight-recorder: a mesh's groups are registered with it
   void error(int rank, const std::string& message) {
     std::lock_guard lock(mutex);
     errors.push_back("rank " + std::to_string(rank) + ": " + message);

@@ -113,8 +113,10 @@ int run_ranks(const Options& o) {
       return 2;
     }
     std::optional<FlightDumps> dumps;
-    if (!o.flight_recorder.empty()) dumps.emplace(o.flight_recorder, std::vector<const collectives::Communicator*>{comm->get()},
-                                                  (*comm)->size());
+    if (!o.flight_recorder.empty()) {
+      dumps.emplace(o.flight_recorder, std::vector<const collectives::Communicator*>{comm->get()}, (*comm)->size());
+      shared.flight = &*dumps;
+    }
     auto done = rt.block_on(run_rank(o, **comm, *data, val.get(), shared, false));
     if (!done) {
       shared.error((*comm)->rank(), done.error().message());
@@ -141,6 +143,7 @@ int run_ranks(const Options& o) {
       std::vector<const collectives::Communicator*> all;
       for (const auto& c : *comms) all.push_back(c.get());
       dumps.emplace(o.flight_recorder, std::move(all), o.world_size);
+      shared.flight = &*dumps;
     }
     std::vector<std::thread> threads;
     // A rank that fails, even to start, aborts its communicator: the others stop at once,
