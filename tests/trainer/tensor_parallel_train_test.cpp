@@ -9,14 +9,12 @@
 #include <sys/wait.h>
 
 #include <algorithm>
-#include <chrono>
 #include <csignal>
 #include <cmath>
 #include <cstring>
 #include <fstream>
 #include <map>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "binary_harness.hpp"
@@ -220,18 +218,12 @@ TEST(CoshardTrainTensorParallel, TheFlightRecorderDumpsTheMeshsGroups) {
                                                             (dir / "m.jsonl").string()}),
                           out);
   ASSERT_GT(pid, 0);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (std::chrono::steady_clock::now() < deadline && (!fs::exists(dir / "m.jsonl") || fs::file_size(dir / "m.jsonl") == 0))
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_TRUE(wait_for_text(dir / "m.jsonl")) << slurp(out);  // (training)
   ::kill(pid, SIGUSR1);
+  // Every group's file is written before the diagnosis is printed.
+  EXPECT_TRUE(wait_for_text(out, "communicator tensor1: 2 ranks")) << slurp(out);
   const std::vector<std::string> files = {"rank3-of4.json", "rank1-of2.tensor1.json", "rank0-of2.tensor0.json",
                                           "rank1-of2.data0.json", "rank1-of2.data1.json"};
-  auto all_there = [&] {
-    for (const auto& f : files)
-      if (!fs::exists(dumps / f)) return false;
-    return slurp(out).find("communicator tensor1: 2 ranks") != std::string::npos;
-  };
-  while (std::chrono::steady_clock::now() < deadline && !all_there()) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   ::kill(pid, SIGTERM);
   int status = 0;
   waitpid(pid, &status, 0);
