@@ -10,7 +10,9 @@
 # offload: the offloaded table (parameters and optimizer in pinned memory against FSDP2's
 # CPUOffloadPolicy) at $OFFLOAD_PRESET (default llama-3.2-3b: the 8B needs ~140 GiB of host memory).
 # TEST_BUILD and RELEASE_BUILD (default build/test, build/release) may name one build for both.
-#   scripts/device_check.sh [tests|rest|train|llama|bench|compare|offload]...   (default: tests train llama bench)
+# tensor: tensor ranks sharing the card (--tensor-parallel 2 over 4 ranks, the Local backend on device
+# memory) against the same run on the CPU: the losses within 1e-4 (issue 51's GPU check).
+#   scripts/device_check.sh [tests|rest|train|llama|tensor|bench|compare|offload]...   (default: tests train llama bench)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/device-out}
@@ -87,6 +89,22 @@ for step in $steps; do
         >"$out/train_params_nvme.log" 2>&1
       echo "train bf16 params_nvme rc $?"; tail -2 "$out/train_params_nvme.log"
       rm -rf "$out/swap" ;;
+    tensor)
+      tp_args=(--model llama --layers 2 --dim 64 --heads 8 --kv-heads 4 --seq 32 --batch 16 --vocab 256
+               --steps "${TRAIN_STEPS_TENSOR:-20}" --lr 0.003 --clip 0.5 --world-size 4 --tensor-parallel 2 --zero-stage 3)
+      for device in cpu cuda; do
+        timeout $(cap 180) "$rb"/trainer/coshard-train --device "$device" "${tp_args[@]}" \
+          --metrics "$out/tensor_$device.jsonl" >"$out/tensor_$device.log" 2>&1
+        echo "tensor parallel on $device rc $?"; tail -2 "$out/tensor_$device.log"
+      done
+      python3 - "$out/tensor_cpu.jsonl" "$out/tensor_cuda.jsonl" <<'PY'
+import json, sys
+cpu, gpu = ([json.loads(l)["loss"] for l in open(p)] for p in sys.argv[1:])
+diff = max(abs(a - b) / abs(a) for a, b in zip(cpu, gpu)) if cpu and len(cpu) == len(gpu) else float("inf")
+print(f"  tensor parallel, {len(gpu)} steps on the GPU against {len(cpu)} on the CPU: largest relative loss difference "
+      f"{diff:.2e} ({'within' if diff <= 1e-4 else 'NOT within'} 1e-4)")
+PY
+      ;;
     llama)
       for policy in none full; do
         nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 >"$out/llama_${policy}_smi.txt" &
