@@ -117,22 +117,29 @@ Result<bool> SavedFolder::has(std::size_t unit, std::string_view kind, std::int6
 
 Result<void> SavedFolder::read(std::size_t unit, std::string_view kind, DataType expect, std::size_t size,
                                std::int64_t lo, std::int64_t hi, std::byte* dst) {
-  const auto& mu = m_.units[unit];
-  const std::string name = block_tensor_name(unit, kind);
+  const std::int64_t shard = m_.units[unit].shard;
   for (std::int64_t at = lo; at < hi;) {
-    const int rank = static_cast<int>(at / mu.shard);
-    const std::int64_t rank_lo = rank * mu.shard;
-    const std::int64_t upto = std::min(hi, rank_lo + mu.shard);
-    COSHARD_TRY_ASSIGN(const auto* f, file(rank));
-    const auto* t = f->find(name);
-    if (!t || float_dtype_of(t->dtype) != expect || t->shape.size() != 1 || t->shape[0] != mu.shard)
-      return fail(ErrorCode::invalid_argument, where_, ": ", m_.files[static_cast<std::size_t>(rank)].name, " lacks ",
-                  name, " as ", to_string(expect), "[", mu.shard, "]");
-    const auto data = f->data(*t);
-    std::memcpy(dst + static_cast<std::size_t>(at - lo) * size, data.data() + static_cast<std::size_t>(at - rank_lo) * size,
-                static_cast<std::size_t>(upto - at) * size);
+    const int rank = static_cast<int>(at / shard);
+    const std::int64_t upto = std::min(hi, (rank + 1) * shard);
+    COSHARD_TRY(read_from(rank, unit, kind, {}, expect, size, at, upto, dst + static_cast<std::size_t>(at - lo) * size));
     at = upto;
   }
+  return {};
+}
+
+Result<void> SavedFolder::read_from(int rank, std::size_t unit, std::string_view kind, std::string_view fallback,
+                                    DataType expect, std::size_t size, std::int64_t lo, std::int64_t hi, std::byte* dst) {
+  const auto& mu = m_.units[unit];
+  COSHARD_TRY_ASSIGN(const auto* f, file(rank));
+  std::string name = block_tensor_name(unit, kind);
+  const auto* t = f->find(name);
+  if (!t && !fallback.empty()) t = f->find(name = block_tensor_name(unit, fallback));
+  if (!t || float_dtype_of(t->dtype) != expect || t->shape.size() != 1 || t->shape[0] != mu.shard)
+    return fail(ErrorCode::invalid_argument, where_, ": ", m_.files[static_cast<std::size_t>(rank)].name, " lacks ", name,
+                " as ", to_string(expect), "[", mu.shard, "]");
+  const std::int64_t rank_lo = rank * mu.shard;
+  const auto data = f->data(*t);
+  std::memcpy(dst, data.data() + static_cast<std::size_t>(lo - rank_lo) * size, static_cast<std::size_t>(hi - lo) * size);
   return {};
 }
 

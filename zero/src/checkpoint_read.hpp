@@ -63,6 +63,12 @@ class SavedFolder {
   // `size` bytes each, into dst, from whichever rank files hold them.
   Result<void> read(std::size_t unit, std::string_view kind, DataType expect, std::size_t size, std::int64_t lo,
                     std::int64_t hi, std::byte* dst);
+  // The same from saved rank `rank`'s file alone ([lo, hi) within its block); `fallback`, unless
+  // empty, is read where the file holds no `kind` (an f32 run's master: its parameters).
+  Result<void> read_from(int rank, std::size_t unit, std::string_view kind, std::string_view fallback, DataType expect,
+                         std::size_t size, std::int64_t lo, std::int64_t hi, std::byte* dst);
+  // Drops a rank file read into memory (read and checked again if asked for again).
+  void release(int rank) { files_.erase(rank); }
 
  private:
   Result<const modules::SafetensorsFile*> file(int rank);

@@ -4,10 +4,12 @@
 // which split); each parameter of this rank's blocks is put together whole from the saved parts
 // (its params, and its master and optimizer states: elementwise, so they cut as the params do),
 // this rank's part is cut from it, and the elements of this rank's block go in. Everything is
-// checked by name first: the same parameters, the same whole shapes, the same splits.
+// checked by name first: the same parameters, the same whole shapes, the same splits. A rank holds
+// the saved parts of the parameters its blocks touch and one saved file at a time (Resharder).
 #include <algorithm>
 #include <cstring>
 #include <numeric>
+#include <map>
 #include <unordered_map>
 
 #include "checkpoint_read.hpp"
@@ -94,18 +96,56 @@ Result<void> check_same_parameter(const std::string& name, const Parameter& p, c
   return {};
 }
 
+// Three passes, so that a rank holds one saved file at a time, not the checkpoint: which saved
+// parts of which parameters this rank's blocks need (checked, staged empty), then every saved
+// file read once, its pieces of those parts copied out and the file dropped, then each
+// parameter put together whole, this rank's part cut and its block filled.
 struct Resharder {
   std::vector<SavedFolder>& folders;
   std::vector<SavedIndex> indexes;  // [t]: folder t's
   const Loader& l;
   int saved_size = 1;
   std::string where;
+  // One saved parameter of one kind: each saved tensor rank's part (rank 0's alone when saved whole).
+  struct Staged {
+    DataType dtype = DataType::f32;
+    std::vector<std::vector<std::byte>> parts;
+  };
+  std::map<std::pair<std::string, std::string>, Staged> staged;  // by (parameter, kind)
 
-  // One saved parameter whole: its `kind` from every tensor rank's part (rank 0's alone when
-  // saved whole), in `dtype`.
-  Result<std::vector<double>> whole_values(const std::string& name, std::string_view kind, DataType dtype) {
+  struct Kind {
+    std::string_view name;
+    DataType dtype;
+  };
+  std::vector<Kind> kinds_of(const FetchUnitInfo& info) const {
+    std::vector<Kind> kinds{{"param", l.dtype}};
+    if (!info.frozen) {  // (a frozen unit has no master or state)
+      if (l.kept.master) kinds.push_back({"master", DataType::f32});
+      if (l.kept.states >= 1) kinds.push_back({"state1", DataType::f32});
+      if (l.kept.states >= 2) kinds.push_back({"state2", DataType::f32});
+    }
+    return kinds;
+  }
+
+  // Calls visit(name, parameter's offset in the unit, [from, to) of it in this rank's block) for
+  // each parameter of the unit with elements in the block [lo, lo + shard).
+  template <class Visit>
+  Result<void> for_each_in_block(const FetchUnitInfo& info, std::int64_t lo, Visit visit) {
+    const std::int64_t hi = std::min(lo + info.shard, info.numel);
+    std::int64_t offset = 0;
+    for (const std::string& name : info.parameters) {
+      const std::int64_t numel = l.parameters.at(name)->numel();
+      const std::int64_t from = std::max(lo, offset), to = std::min(hi, offset + numel);
+      if (from < to) COSHARD_TRY(visit(name, offset, from, to));
+      offset += numel;
+    }
+    return {};
+  }
+
+  // Pass 1: one parameter's saved parts of one kind, checked and staged empty.
+  Result<void> stage(const std::string& name, std::string_view kind, DataType dtype) {
     const SavedPart& first = indexes[0].at(name);
-    std::vector<double> whole(static_cast<std::size_t>(numel_of(first.whole)));
+    Staged st{dtype, {}};
     const int parts = first.split ? saved_size : 1;
     for (int t = 0; t < parts; ++t) {
       const auto found = indexes[static_cast<std::size_t>(t)].find(name);
@@ -114,74 +154,97 @@ struct Resharder {
                     found == indexes[static_cast<std::size_t>(t)].end() ? "missing" : "split otherwise",
                     " (tensor rank 0's folder holds it ", first.split ? "split" : "whole", ")");
       const SavedPart& part = found->second;
-      SavedFolder& folder = folders[static_cast<std::size_t>(t)];
-      const auto& unit = folder.manifest().units[part.unit];
-      std::string_view from = kind;
-      if (kind != "param") {
-        if (unit.frozen)
-          return fail(ErrorCode::invalid_argument, where, ": ", name, " was frozen when saved, so the checkpoint holds ",
-                      "no optimizer state for it, and this run trains it; freeze the same parameters to resume, or ",
-                      "start a new run from the checkpoint's weights");
-        // An f32 run's master is its parameters: a checkpoint of a run that kept none gives them.
-        if (kind == "master" && dtype == DataType::f32 && part.numel > 0) {
-          COSHARD_TRY_ASSIGN(const bool present, folder.has(part.unit, "master", part.offset));
-          if (!present) from = "param";
+      if (kind != "param" && folders[static_cast<std::size_t>(t)].manifest().units[part.unit].frozen)
+        return fail(ErrorCode::invalid_argument, where, ": ", name, " was frozen when saved, so the checkpoint holds ",
+                    "no optimizer state for it, and this run trains it; freeze the same parameters to resume, or ",
+                    "start a new run from the checkpoint's weights");
+      st.parts.emplace_back(static_cast<std::size_t>(part.numel) * size_of(dtype));
+    }
+    staged.emplace(std::pair(name, std::string(kind)), std::move(st));
+    return {};
+  }
+
+  // Pass 2: every saved file that holds a piece of a staged part, read once, in order; its pieces
+  // copied out, then the file dropped.
+  Result<void> read_staged() {
+    struct Copy {
+      std::size_t unit;
+      std::string_view kind;
+      DataType dtype;
+      std::int64_t lo, hi;  // the unit's elements, within the file's block
+      std::byte* dst;
+    };
+    std::vector<std::map<int, std::vector<Copy>>> by_file(folders.size());  // [t][saved rank]
+    for (auto& [key, st] : staged) {
+      const std::size_t size = size_of(st.dtype);
+      for (std::size_t t = 0; t < st.parts.size(); ++t) {
+        const SavedPart& part = indexes[t].at(key.first);
+        const std::int64_t shard = folders[t].manifest().units[part.unit].shard;
+        for (std::int64_t at = part.offset; at < part.offset + part.numel;) {
+          const int rank = static_cast<int>(at / shard);
+          const std::int64_t upto = std::min(part.offset + part.numel, (rank + 1) * shard);
+          by_file[t][rank].push_back({part.unit, key.second, st.dtype, at, upto,
+                                      st.parts[t].data() + static_cast<std::size_t>(at - part.offset) * size});
+          at = upto;
         }
       }
-      const std::size_t elem = size_of(dtype);
-      std::vector<std::byte> bytes(static_cast<std::size_t>(part.numel) * elem);
-      COSHARD_TRY(folder.read(part.unit, from, dtype, elem, part.offset, part.offset + part.numel, bytes.data()));
-      const auto values = decode_values(bytes, dtype);
-      if (!first.split) {
-        whole = values;
-        continue;
-      }
-      const TensorSplit split{first.split->dim, first.split->segments, saved_size, t, Shape::from(first.whole)};
-      split.place_part(values, whole);
     }
+    for (std::size_t t = 0; t < folders.size(); ++t)
+      for (const auto& [rank, copies] : by_file[t]) {
+        for (const Copy& c : copies) {
+          // An f32 run's master is its parameters: a checkpoint of a run that kept none gives them.
+          const std::string_view fallback = c.kind == "master" && l.dtype == DataType::f32 ? "param" : "";
+          COSHARD_TRY(folders[t].read_from(rank, c.unit, c.kind, fallback, c.dtype, size_of(c.dtype), c.lo, c.hi, c.dst));
+        }
+        folders[t].release(rank);
+      }
+    return {};
+  }
+
+  // Pass 3: a staged parameter whole (its staging released).
+  std::vector<double> whole_values(const std::string& name, std::string_view kind) {
+    const auto it = staged.find(std::pair(name, std::string(kind)));
+    const SavedPart& first = indexes[0].at(name);
+    std::vector<double> whole;
+    if (!first.split) {
+      whole = decode_values(it->second.parts[0], it->second.dtype);
+    } else {
+      whole.resize(static_cast<std::size_t>(numel_of(first.whole)));
+      for (int t = 0; t < saved_size; ++t) {
+        const TensorSplit split{first.split->dim, first.split->segments, saved_size, t, Shape::from(first.whole)};
+        split.place_part(decode_values(it->second.parts[static_cast<std::size_t>(t)], it->second.dtype), whole);
+      }
+    }
+    staged.erase(it);
     return whole;
   }
 
-  // This rank's block of a unit: every kind the run keeps, each parameter's part cut from the
-  // whole and its elements within the block copied in.
+  // Pass 3: this rank's block of a unit: every kind the run keeps, each parameter's part cut from
+  // the whole and its elements within the block copied in.
   Result<Loaded::Block> block(const FetchUnitInfo& info, std::int64_t lo) {
-    const std::int64_t hi = std::min(lo + info.shard, info.numel);
-    const std::size_t elem = size_of(l.dtype);
-    struct Kind {
-      std::string_view name;
-      DataType dtype;
-      std::vector<std::byte>* dst;
-    };
     Loaded::Block out;
-    std::vector<Kind> kinds{{"param", l.dtype, &out.params}};
-    if (!info.frozen) {
-      if (l.kept.master) kinds.push_back({"master", DataType::f32, &out.master});
-      if (l.kept.states >= 1) kinds.push_back({"state1", DataType::f32, &out.state1});
-      if (l.kept.states >= 2) kinds.push_back({"state2", DataType::f32, &out.state2});
-    }
-    for (const Kind& k : kinds) {
-      const std::size_t size = k.dtype == l.dtype ? elem : size_of(k.dtype);
-      k.dst->assign(static_cast<std::size_t>(info.shard) * size, std::byte{0});
-      std::int64_t offset = 0;
-      for (const std::string& name : info.parameters) {
+    for (const Kind& k : kinds_of(info)) {
+      std::vector<std::byte>& dst = k.name == "param" ? out.params : k.name == "master" ? out.master
+                                                                   : k.name == "state1" ? out.state1 : out.state2;
+      const std::size_t size = size_of(k.dtype);
+      dst.assign(static_cast<std::size_t>(info.shard) * size, std::byte{0});
+      COSHARD_TRY(for_each_in_block(info, lo, [&](const std::string& name, std::int64_t offset, std::int64_t from,
+                                                  std::int64_t to) -> Result<void> {
         const Parameter& p = *l.parameters.at(name);
-        const std::int64_t from = std::max(lo, offset), to = std::min(hi, offset + p.numel());
-        if (from < to) {
-          COSHARD_TRY_ASSIGN(auto whole, whole_values(name, k.name, k.dtype));
-          std::vector<double> part;
-          if (const TensorSplit* split = p.split()) {
-            part.resize(static_cast<std::size_t>(p.numel()));
-            split->take_part(whole, part);
-          } else {
-            part = std::move(whole);
-          }
-          const auto bytes = encode_values(std::span<const double>(part).subspan(static_cast<std::size_t>(from - offset),
-                                                                                 static_cast<std::size_t>(to - from)),
-                                           k.dtype);
-          std::memcpy(k.dst->data() + static_cast<std::size_t>(from - lo) * size, bytes.data(), bytes.size());
+        auto whole = whole_values(name, k.name);
+        std::vector<double> part;
+        if (const TensorSplit* split = p.split()) {
+          part.resize(static_cast<std::size_t>(p.numel()));
+          split->take_part(whole, part);
+        } else {
+          part = std::move(whole);
         }
-        offset += p.numel();
-      }
+        const auto bytes = encode_values(
+            std::span<const double>(part).subspan(static_cast<std::size_t>(from - offset), static_cast<std::size_t>(to - from)),
+            k.dtype);
+        std::memcpy(dst.data() + static_cast<std::size_t>(from - lo) * size, bytes.data(), bytes.size());
+        return {};
+      }));
     }
     return out;
   }
@@ -194,7 +257,7 @@ Result<Loaded> read_resharded(std::vector<SavedFolder>& folders, const Loader& l
   const CheckpointManifest& m0 = folders.front().manifest();
   const std::string where = folders.front().where() + " (saved at tensor size " + std::to_string(saved_size) +
                             ", loading at " + std::to_string(tensor_size) + ")";
-  Resharder r{folders, {}, l, saved_size, where};
+  Resharder r{folders, {}, l, saved_size, where, {}};
   for (int t = 0; t < saved_size; ++t) {
     const SavedFolder& f = folders[static_cast<std::size_t>(t)];
     COSHARD_TRY(check_run(f.manifest(), l, f.where()));
@@ -220,6 +283,7 @@ Result<Loaded> read_resharded(std::vector<SavedFolder>& folders, const Loader& l
   out.step = m0.step;
   out.optimizer_state = m0.optimizer_state;
   for (const auto& f : folders) out.steps_missed.insert(f.manifest().steps_missed.begin(), f.manifest().steps_missed.end());
+  std::vector<bool> left_out_unit(l.units.size(), false);
   for (std::size_t i = 0; i < l.units.size(); ++i) {
     const FetchUnitInfo& info = l.units[i];
     // Frozen units left out of the save (a LoRA base) keep the values they have: all of a unit's
@@ -239,10 +303,18 @@ Result<Loaded> read_resharded(std::vector<SavedFolder>& folders, const Loader& l
                     ": resume at tensor size ", saved_size, ", or save with the frozen units in");
       ++out.units_left_out;
       out.blocks.emplace_back();
+      left_out_unit[i] = true;
       continue;
     }
-    COSHARD_TRY_ASSIGN(auto block, r.block(info, l.block_offsets[i]));
-    out.blocks.push_back(std::move(block));
+    out.blocks.emplace_back();  // (filled in pass 3)
+    for (const auto& k : r.kinds_of(info))
+      COSHARD_TRY(r.for_each_in_block(info, l.block_offsets[i], [&](const std::string& name, std::int64_t, std::int64_t,
+                                                                    std::int64_t) { return r.stage(name, k.name, k.dtype); }));
+  }
+  COSHARD_TRY(r.read_staged());
+  for (std::size_t i = 0; i < l.units.size(); ++i) {
+    if (left_out_unit[i]) continue;
+    COSHARD_TRY_ASSIGN(out.blocks[i], r.block(l.units[i], l.block_offsets[i]));
   }
   return out;
 }
