@@ -214,7 +214,7 @@ fs::path flight_recorder_dir() {
 }
 
 Result<fs::path> write_flight_record(const Communicator& comm, std::string_view reason, const fs::path& dir) {
-  FlightRecord record{comm.rank(), comm.size(), std::string(comm.backend()), std::string(reason), now_us(), 0, {}};
+  FlightRecord record{comm.rank(), comm.size(), std::string(comm.backend()), std::string(reason), now_us(), 0, {}, {}};
   if (const FlightRecorder* recorder = comm.flight_recorder()) {
     record.launched = recorder->launched();
     record.entries = recorder->snapshot();

@@ -226,7 +226,7 @@ TEST(FlightRecorder, OnDemandDumpsRoundTripAndDamagedOnesAreRefused) {
 // moment, so their last completed collectives differ with none open; that is not a hang.
 TEST(FlightRecorder, RanksThatDumpedWhileMovingAreNotCalledBehind) {
   auto record = [](int rank, std::uint64_t last) {
-    FlightRecord r{rank, 2, "nccl", "SIGUSR1", 0, last + 1, {}};
+    FlightRecord r{rank, 2, "nccl", "SIGUSR1", 0, last + 1, {}, {}};
     for (std::uint64_t s = last - 2; s <= last; ++s)
       r.entries.push_back({s, "[all_gather(count=8, bf16)]", "comm", 1, -1, 2, CollectiveState::completed});
     return r;
