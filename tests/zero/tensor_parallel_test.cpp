@@ -328,6 +328,16 @@ TEST_F(TensorParallel, ACheckpointResumesAtAnotherTensorSize) {
   auto untied = train({.world = 4, .tensor = 4, .stage = 3, .tied = false, .resume_dir = dir / "data2x2", .first_step = 3});
   ASSERT_FALSE(untied);
   EXPECT_NE(untied.error().message().find("is not in it (another model?)"), std::string::npos) << untied.error().message();
+  // Tensor rank 0's folder copied over tensor rank 1's: the units look the same (names, sizes),
+  // the manifest tells them apart.
+  fs::copy(dir / "data2x2", dir / "swapped", fs::copy_options::recursive);
+  fs::remove_all(dir / "swapped" / "tensor-1-of-2");
+  fs::copy(dir / "swapped" / "tensor-0-of-2", dir / "swapped" / "tensor-1-of-2", fs::copy_options::recursive);
+  auto swapped = train({.world = 4, .tensor = 2, .stage = 3, .resume_dir = dir / "swapped", .first_step = 3});
+  ASSERT_FALSE(swapped);
+  EXPECT_NE(swapped.error().message().find("its manifest says tensor rank 0 of 2, this rank is tensor rank 1 of 2"),
+            std::string::npos)
+      << swapped.error().message();
   // Tensor ranks' folders at different steps (a save cut short between two folders' publishes):
   // tensor rank 1's `latest` names an older step.
   const fs::path one = dir / "data2x2" / "tensor-1-of-2";

@@ -49,6 +49,12 @@ Result<void> check_units(const CheckpointManifest& m, const Loader& l, const std
 Result<Loaded> detail::read_checkpoint(SavedFolder& folder, const Loader& l) {
   const CheckpointManifest& m = folder.manifest();
   COSHARD_TRY(check_run(m, l, folder.where()));
+  // Each tensor rank's units have the same names and sizes: only the manifest tells one tensor
+  // rank's folder from another's (older manifests do not say).
+  if (m.tensor_size > 1 && (m.tensor_size != l.tensor_size || m.tensor_rank != l.tensor_rank))
+    return fail(ErrorCode::invalid_argument, folder.where(), ": its manifest says tensor rank ", m.tensor_rank, " of ",
+                m.tensor_size, ", this rank is tensor rank ", l.tensor_rank, " of ", l.tensor_size,
+                " (a folder moved or copied from another tensor rank's); nothing was loaded");
   COSHARD_TRY(check_units(m, l, folder.where()));
 
   const std::size_t elem = size_of(l.dtype);
@@ -110,10 +116,10 @@ async::Task<Result<void>> Engine::load_checkpoint(const fs::path& given, const C
   // likewise a hybrid one's blocks of a unit are in the files of its first shard group.
   std::vector<std::int64_t> block_offsets;
   for (const auto& u : s.units) block_offsets.push_back(u->block_offset);
-  Loader loader{units(), shard_layout(), std::move(block_offsets), s.o.dtype, std::string(s.optimizer->name()),
-                options.run, s.by_name()};
-  COSHARD_LOG_DEBUG(zero, "load_checkpoint {}: reading and checking this rank's part", dir.string());
   const int tensor_rank = tensor > 1 ? s.o.tensor_parallel->rank() : 0;
+  Loader loader{units(), shard_layout(), std::move(block_offsets), s.o.dtype, std::string(s.optimizer->name()),
+                options.run, s.by_name(), tensor, tensor_rank};
+  COSHARD_LOG_DEBUG(zero, "load_checkpoint {}: reading and checking this rank's part", dir.string());
   auto read = [&given, &loader, tensor, tensor_rank]() -> Result<Loaded> {
     // The tensor size saved there (the newest, if several): this rank's own folder at this size,
     // else every folder of that size, resharded.

@@ -28,6 +28,7 @@ struct Loader {
   std::string optimizer;
   std::map<std::string, std::string> run;
   std::unordered_map<std::string, const Parameter*> parameters;  // by full name (their shapes and splits)
+  int tensor_size = 1, tensor_rank = 0;                           // EngineOptions::tensor_parallel's
 };
 
 // Everything one rank needs from a checkpoint, read and checked, in host memory.
