@@ -200,7 +200,11 @@ Result<TrainedRun> train(const Layout& k) {
     co_return Result<void>{};
   });
   fs::remove_all(swap);
-  if (!errors.empty()) return fail(ErrorCode::internal, errors.front());
+  if (!errors.empty()) {  // every rank's (which rank fails first varies)
+    std::string all;
+    for (const auto& e : errors) all += (all.empty() ? "" : "\n") + e;
+    return fail(ErrorCode::internal, all);
+  }
   return run;
 }
 
@@ -324,6 +328,13 @@ TEST_F(TensorParallel, ACheckpointResumesAtAnotherTensorSize) {
       expect_close(*got, reference(k), "saved at " + c.saved.name() + "; " + k.name(), static_cast<std::size_t>(k.first_step));
     }
   }
+  // A damaged `latest` in another size's folder is named, not passed over for an older step.
+  fs::create_directories(dir / "data2" / "tensor-1-of-2");
+  std::ofstream(dir / "data2" / "tensor-1-of-2" / "latest") << "garbage\n";
+  auto damaged = train({.world = 4, .tensor = 2, .stage = 3, .resume_dir = dir / "data2", .first_step = 3});
+  ASSERT_FALSE(damaged);
+  EXPECT_NE(damaged.error().message().find("'garbage' is not a checkpoint folder name"), std::string::npos)
+      << damaged.error().message();
   // Another model (untied: an output layer the checkpoint lacks) is refused by name.
   auto untied = train({.world = 4, .tensor = 4, .stage = 3, .tied = false, .resume_dir = dir / "data2x2", .first_step = 3});
   ASSERT_FALSE(untied);

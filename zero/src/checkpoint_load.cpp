@@ -123,7 +123,7 @@ async::Task<Result<void>> Engine::load_checkpoint(const fs::path& given, const C
   auto read = [&given, &loader, tensor, tensor_rank]() -> Result<Loaded> {
     // The tensor size saved there (the newest, if several): this rank's own folder at this size,
     // else every folder of that size, resharded.
-    const SavedTensorLayout layout = saved_tensor_layout(given, tensor);
+    COSHARD_TRY_ASSIGN(const SavedTensorLayout layout, saved_tensor_layout(given, tensor));
     if (layout.size == tensor) {
       COSHARD_TRY_ASSIGN(auto folder, SavedFolder::open(layout.dirs[static_cast<std::size_t>(tensor_rank)]));
       return read_checkpoint(folder, loader);

@@ -41,6 +41,7 @@ struct SavedTensorLayout {
   int size = 1;
   std::vector<std::filesystem::path> dirs;  // [t]: tensor rank t's
 };
-SavedTensorLayout saved_tensor_layout(const std::filesystem::path& dir, int tensor);
+// A `latest` there that names no checkpoint folder is refused, naming it.
+Result<SavedTensorLayout> saved_tensor_layout(const std::filesystem::path& dir, int tensor);
 
 }  // namespace coshard::zero::detail
