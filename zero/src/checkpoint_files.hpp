@@ -22,8 +22,10 @@
 
 namespace coshard::zero::detail {
 
-// "step-00000042": a published checkpoint's folder.
+// "step-00000042": a published checkpoint's folder, and back (`name` must be one:
+// is_checkpoint_folder_name, whose 18 digits at most always fit).
 std::string checkpoint_folder_name(std::int64_t step);
+std::int64_t checkpoint_folder_step(std::string_view name) noexcept;
 // "u<unit>.<kind>": a block's tensor name in a rank file.
 std::string block_tensor_name(std::size_t unit, std::string_view kind);
 

@@ -34,12 +34,8 @@ Result<void> check_units(const CheckpointManifest& m, const Loader& l, const std
       return fail(ErrorCode::invalid_argument, where, ": unit ", i, " holds ", a.name, " (", a.numel,
                   " elements), this model's unit ", i, " is ", b.name, " (", b.numel, " elements)");
     if (a.frozen && !b.frozen && l.kept.states + (l.kept.master ? 1 : 0) > 0)
-      return fail(ErrorCode::invalid_argument, where, ": unit ", b.name, " was frozen when saved, so the checkpoint ",
-                  "holds no optimizer state for it, and this run trains it; freeze the same parameters to resume, ",
-                  "or start a new run from the checkpoint's weights");
-    if (!a.saved && !b.frozen)
-      return fail(ErrorCode::invalid_argument, where, ": unit ", b.name, " was frozen and left out when saved (a LoRA ",
-                  "base: its values come from the base weights), and this run trains it; freeze it to resume");
+      return trained_but_frozen_when_saved(where, "unit " + b.name);
+    if (!a.saved && !b.frozen) return trained_but_left_out_when_saved(where, "unit " + b.name);
   }
   return {};
 }

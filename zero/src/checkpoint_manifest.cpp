@@ -102,10 +102,11 @@ std::optional<std::vector<std::byte>> unhex(std::string_view s) {
   return out;
 }
 
-// A shape as saved: at most modules::Shape's 4 dimensions, each and their product at most 2^50.
-std::string parse_shape(const json& v, std::vector<std::int64_t>& out) {
+// A shape as saved, and its elements: at most modules::Shape's 4 dimensions, each and their
+// product at most 2^50.
+std::string parse_shape(const json& v, std::vector<std::int64_t>& out, std::int64_t& numel) {
   if (!v.is_array() || v.size() > 4) return "a shape is " + async::bounded_echo(v.dump()) + ", expected at most 4 sizes";
-  std::int64_t numel = 1;
+  numel = 1;
   for (const auto& d : v) {
     if (!d.is_number_integer() || d.get<std::int64_t>() < 0 || (d.is_number_unsigned() && d.get<std::uint64_t>() > (1ull << 50)) ||
         d.get<std::int64_t>() > (std::int64_t{1} << 50))
@@ -115,12 +116,6 @@ std::string parse_shape(const json& v, std::vector<std::int64_t>& out) {
   }
   if (numel > (std::int64_t{1} << 50)) return "a shape is " + async::bounded_echo(v.dump()) + ", more than 2^50 elements";
   return {};
-}
-
-std::int64_t numel_of(const std::vector<std::int64_t>& shape) {
-  std::int64_t n = 1;
-  for (const auto d : shape) n *= d;
-  return n;
 }
 
 // A unit's "shapes" and "splits" (both absent in older manifests): one of each per parameter, the
@@ -137,8 +132,9 @@ std::string parse_shapes_and_splits(const json& u, int tensor, CheckpointManifes
   std::int64_t total = 0;
   for (const auto& s : shapes) {
     std::vector<std::int64_t> shape;
-    if (auto error = parse_shape(s, shape); !error.empty()) return error;
-    total += numel_of(shape);
+    std::int64_t numel = 0;
+    if (auto error = parse_shape(s, shape, numel); !error.empty()) return error;
+    total += numel;
     if (total > unit.numel) break;
     unit.shapes.push_back(std::move(shape));
   }
@@ -160,7 +156,8 @@ std::string parse_shapes_and_splits(const json& u, int tensor, CheckpointManifes
     if (!s.is_object() || !s.contains("dim") || !s.contains("segments") || !s.contains("whole"))
       return who + " is " + async::bounded_echo(s.dump()) + ", expected {\"dim\", \"segments\", \"whole\"} or null";
     CheckpointManifest::Unit::Split split;
-    if (auto error = parse_shape(s["whole"], split.whole); !error.empty()) return who + ": " + error;
+    std::int64_t whole_numel = 0;
+    if (auto error = parse_shape(s["whole"], split.whole, whole_numel); !error.empty()) return who + ": " + error;
     const json& dim = s["dim"];
     if (!dim.is_number_integer() || dim.get<std::int64_t>() < 0 || dim.get<std::int64_t>() >= static_cast<std::int64_t>(split.whole.size()))
       return who + ": 'dim' is " + async::bounded_echo(dim.dump()) + ", expected a dimension of " + s["whole"].dump();

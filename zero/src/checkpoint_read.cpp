@@ -68,6 +68,27 @@ Result<void> check_run(const CheckpointManifest& m, const Loader& l, const std::
   return {};
 }
 
+Unexpected trained_but_frozen_when_saved(const std::string& where, const std::string& what) {
+  return fail(ErrorCode::invalid_argument, where, ": ", what, " was frozen when saved, so the checkpoint holds no ",
+              "optimizer state for it, and this run trains it; freeze the same parameters to resume, or start a new ",
+              "run from the checkpoint's weights");
+}
+
+Unexpected trained_but_left_out_when_saved(const std::string& where, const std::string& what) {
+  return fail(ErrorCode::invalid_argument, where, ": ", what, " was frozen and left out when saved (a LoRA base: its ",
+              "values come from the base weights), and this run trains it; freeze it to resume");
+}
+
+std::vector<std::byte>& bytes_of(Loaded::Block& block, BlockKind k) noexcept {
+  switch (k) {
+    case BlockKind::param: return block.params;
+    case BlockKind::master: return block.master;
+    case BlockKind::state1: return block.state1;
+    case BlockKind::state2: return block.state2;
+  }
+  return block.params;
+}
+
 Result<SavedFolder> SavedFolder::open(const fs::path& dir) {
   SavedFolder out;
   std::error_code ec;
@@ -83,15 +104,11 @@ Result<SavedFolder> SavedFolder::open(const fs::path& dir) {
   out.where_ = "checkpoint " + out.folder_.string();
   // A folder named for its step (as every save names it) must hold that step: a manifest edited or
   // copied from another folder would resume the run at a step it never reached.
-  if (const std::string name = out.folder_.filename().string(); is_checkpoint_folder_name(name)) {
-    const std::string digits = name.substr(5);
-    const auto first = digits.find_first_not_of('0');
-    const bool same = first == std::string::npos ? out.m_.step == 0 : digits.substr(first) == std::to_string(out.m_.step);
-    if (!same)
-      return fail(ErrorCode::invalid_argument, out.where_, ": its manifest says step ", out.m_.step,
-                  ", the folder's name step ", digits,
-                  " (a manifest edited or copied from another checkpoint; nothing was loaded)");
-  }
+  if (const std::string name = out.folder_.filename().string();
+      is_checkpoint_folder_name(name) && checkpoint_folder_step(name) != out.m_.step)
+    return fail(ErrorCode::invalid_argument, out.where_, ": its manifest says step ", out.m_.step,
+                ", the folder's name step ", name.substr(5),
+                " (a manifest edited or copied from another checkpoint; nothing was loaded)");
   return out;
 }
 

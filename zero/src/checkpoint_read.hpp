@@ -16,6 +16,7 @@
 #include "coshard/modules/safetensors.hpp"
 #include "coshard/zero/checkpoint.hpp"
 #include "coshard/zero/engine.hpp"
+#include "checkpoint_files.hpp"
 
 namespace coshard::zero::detail {
 
@@ -46,6 +47,14 @@ struct Loaded {
 
 // The run's identity, dtype and optimizer against the checkpoint's, every difference named.
 Result<void> check_run(const CheckpointManifest& m, const Loader& l, const std::string& where);
+
+// The refusals of a resume that trains `what` ("unit h0.attn", or a parameter), which the save
+// froze: the checkpoint holds no optimizer state for it, or (left out) no values either.
+Unexpected trained_but_frozen_when_saved(const std::string& where, const std::string& what);
+Unexpected trained_but_left_out_when_saved(const std::string& where, const std::string& what);
+
+// Where a loaded block keeps each kind's bytes.
+std::vector<std::byte>& bytes_of(Loaded::Block& block, BlockKind k) noexcept;
 
 // One published checkpoint folder: `dir` itself when it holds a manifest, else the folder its
 // `latest` names; a manifest whose step is not its folder's name is refused.

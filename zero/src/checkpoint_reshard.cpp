@@ -8,10 +8,10 @@
 // the saved parts of the parameters its blocks touch and one saved file at a time (Resharder).
 #include <algorithm>
 #include <cstring>
-#include <numeric>
 #include <map>
 #include <unordered_map>
 
+#include "checkpoint_files.hpp"
 #include "checkpoint_read.hpp"
 
 namespace coshard::zero::detail {
@@ -29,13 +29,6 @@ struct SavedPart {
 };
 using SavedIndex = std::unordered_map<std::string, SavedPart>;
 
-std::int64_t numel_of(std::span<const std::int64_t> shape) {
-  return std::accumulate(shape.begin(), shape.end(), std::int64_t{1}, std::multiplies<>());
-}
-
-std::string shape_text(std::span<const std::int64_t> dims) { return Shape::from(dims).to_string(); }
-
-Shape whole_shape(const Parameter& p) { return p.split() ? p.split()->whole : p.shape(); }
 
 // Tensor rank `t` of `size`'s folder: every parameter's part, checked against this model's
 // parameters (the same names, the same whole shapes).
@@ -64,9 +57,9 @@ Result<SavedIndex> index_folder(const SavedFolder& f, const Loader& l, int size,
       if (!u.shapes.empty()) {
         if (!u.splits.empty() && u.splits[k]) part.split = &*u.splits[k];
         part.whole = part.split ? part.split->whole : u.shapes[k];
-        part.numel = numel_of(u.shapes[k]);
+        part.numel = Shape::from(u.shapes[k]).numel();
       } else {  // (a manifest from before shapes were recorded, saved whole: this model's whole shape)
-        const Shape whole = whole_shape(*it->second);
+        const Shape& whole = it->second->whole_shape();
         part.whole.assign(whole.dims().begin(), whole.dims().end());
         part.numel = whole.numel();
       }
@@ -84,9 +77,9 @@ Result<SavedIndex> index_folder(const SavedFolder& f, const Loader& l, int size,
 // The same whole parameter, cut the same way where both are cut: what this model's `p` is.
 Result<void> check_same_parameter(const std::string& name, const Parameter& p, const SavedPart& saved,
                                   const std::string& where) {
-  const Shape whole = whole_shape(p);
+  const Shape& whole = p.whole_shape();
   if (!std::equal(saved.whole.begin(), saved.whole.end(), whole.dims().begin(), whole.dims().end()))
-    return fail(ErrorCode::invalid_argument, where, ": ", name, " is ", shape_text(saved.whole), " whole in the checkpoint, ",
+    return fail(ErrorCode::invalid_argument, where, ": ", name, " is ", Shape::from(saved.whole).to_string(), " whole in the checkpoint, ",
                 whole.to_string(), " in this model (another model?)");
   const TensorSplit* mine = p.split();
   if (mine && saved.split && (mine->dim != saved.split->dim || mine->segments != saved.split->segments))
@@ -113,19 +106,11 @@ struct Resharder {
   };
   std::map<std::pair<std::string, std::string>, Staged> staged;  // by (parameter, kind)
 
-  struct Kind {
-    std::string_view name;
-    DataType dtype;
-  };
-  std::vector<Kind> kinds_of(const FetchUnitInfo& info) const {
-    std::vector<Kind> kinds{{"param", l.dtype}};
-    if (!info.frozen) {  // (a frozen unit has no master or state)
-      if (l.kept.master) kinds.push_back({"master", DataType::f32});
-      if (l.kept.states >= 1) kinds.push_back({"state1", DataType::f32});
-      if (l.kept.states >= 2) kinds.push_back({"state2", DataType::f32});
-    }
-    return kinds;
+  // The kinds of a unit's block this run keeps (a frozen unit: its parameters alone), each in its dtype.
+  std::vector<BlockKind> kinds_of(const FetchUnitInfo& info) const {
+    return info.frozen ? std::vector<BlockKind>{BlockKind::param} : block_kinds(l.kept);
   }
+  DataType dtype_of(BlockKind k) const { return k == BlockKind::param ? l.dtype : DataType::f32; }
 
   // Calls visit(name, parameter's offset in the unit, [from, to) of it in this rank's block) for
   // each parameter of the unit with elements in the block [lo, lo + shard).
@@ -155,9 +140,7 @@ struct Resharder {
                     " (tensor rank 0's folder holds it ", first.split ? "split" : "whole", ")");
       const SavedPart& part = found->second;
       if (kind != "param" && folders[static_cast<std::size_t>(t)].manifest().units[part.unit].frozen)
-        return fail(ErrorCode::invalid_argument, where, ": ", name, " was frozen when saved, so the checkpoint holds ",
-                    "no optimizer state for it, and this run trains it; freeze the same parameters to resume, or ",
-                    "start a new run from the checkpoint's weights");
+        return trained_but_frozen_when_saved(where, name);
       st.parts.emplace_back(static_cast<std::size_t>(part.numel) * size_of(dtype));
     }
     staged.emplace(std::pair(name, std::string(kind)), std::move(st));
@@ -209,7 +192,7 @@ struct Resharder {
     if (!first.split) {
       whole = decode_values(it->second.parts[0], it->second.dtype);
     } else {
-      whole.resize(static_cast<std::size_t>(numel_of(first.whole)));
+      whole.resize(static_cast<std::size_t>(Shape::from(first.whole).numel()));
       for (int t = 0; t < saved_size; ++t) {
         const TensorSplit split{first.split->dim, first.split->segments, saved_size, t, Shape::from(first.whole)};
         split.place_part(decode_values(it->second.parts[static_cast<std::size_t>(t)], it->second.dtype), whole);
@@ -223,15 +206,15 @@ struct Resharder {
   // the whole and its elements within the block copied in.
   Result<Loaded::Block> block(const FetchUnitInfo& info, std::int64_t lo) {
     Loaded::Block out;
-    for (const Kind& k : kinds_of(info)) {
-      std::vector<std::byte>& dst = k.name == "param" ? out.params : k.name == "master" ? out.master
-                                                                   : k.name == "state1" ? out.state1 : out.state2;
-      const std::size_t size = size_of(k.dtype);
+    for (const BlockKind k : kinds_of(info)) {
+      std::vector<std::byte>& dst = bytes_of(out, k);
+      const DataType dtype = dtype_of(k);
+      const std::size_t size = size_of(dtype);
       dst.assign(static_cast<std::size_t>(info.shard) * size, std::byte{0});
       COSHARD_TRY(for_each_in_block(info, lo, [&](const std::string& name, std::int64_t offset, std::int64_t from,
                                                   std::int64_t to) -> Result<void> {
         const Parameter& p = *l.parameters.at(name);
-        auto whole = whole_values(name, k.name);
+        auto whole = whole_values(name, name_of(k));
         std::vector<double> part;
         if (const TensorSplit* split = p.split()) {
           part.resize(static_cast<std::size_t>(p.numel()));
@@ -241,7 +224,7 @@ struct Resharder {
         }
         const auto bytes = encode_values(
             std::span<const double>(part).subspan(static_cast<std::size_t>(from - offset), static_cast<std::size_t>(to - from)),
-            k.dtype);
+            dtype);
         std::memcpy(dst.data() + static_cast<std::size_t>(from - lo) * size, bytes.data(), bytes.size());
         return {};
       }));
@@ -294,9 +277,7 @@ Result<Loaded> read_resharded(std::vector<SavedFolder>& folders, const Loader& l
       left_out += folders[0].manifest().units[part.unit].saved ? 0 : 1;
     }
     if (left_out > 0) {
-      if (!info.frozen)
-        return fail(ErrorCode::invalid_argument, where, ": unit ", info.name, " was frozen and left out when saved (a ",
-                    "LoRA base: its values come from the base weights), and this run trains it; freeze it to resume");
+      if (!info.frozen) return trained_but_left_out_when_saved(where, "unit " + info.name);
       if (left_out != info.parameters.size())
         return fail(ErrorCode::invalid_argument, where, ": unit ", info.name, " holds parameters left out of the ",
                     "checkpoint (frozen, their values from the base weights) beside saved ones at tensor size ", tensor_size,
@@ -307,9 +288,11 @@ Result<Loaded> read_resharded(std::vector<SavedFolder>& folders, const Loader& l
       continue;
     }
     out.blocks.emplace_back();  // (filled in pass 3)
-    for (const auto& k : r.kinds_of(info))
+    for (const BlockKind k : r.kinds_of(info))
       COSHARD_TRY(r.for_each_in_block(info, l.block_offsets[i], [&](const std::string& name, std::int64_t, std::int64_t,
-                                                                    std::int64_t) { return r.stage(name, k.name, k.dtype); }));
+                                                                    std::int64_t) {
+        return r.stage(name, name_of(k), r.dtype_of(k));
+      }));
   }
   COSHARD_TRY(r.read_staged());
   for (std::size_t i = 0; i < l.units.size(); ++i) {

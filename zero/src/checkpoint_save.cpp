@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <charconv>
 #include <cstdio>
 #include <cstring>
 
@@ -29,6 +30,12 @@ std::string checkpoint_folder_name(std::int64_t step) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "step-%08lld", static_cast<long long>(step));
   return buf;
+}
+
+std::int64_t checkpoint_folder_step(std::string_view name) noexcept {
+  std::int64_t step = 0;
+  std::from_chars(name.data() + 5, name.data() + name.size(), step);
+  return step;
 }
 
 // Appended, not `"u" + ...`: GCC 12 warns falsely about overlapping memcpy for that.
@@ -122,7 +129,7 @@ void remove_oldest_checkpoints(const fs::path& dir, const std::string& latest, s
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     const std::string n = entry.path().filename().string();
-    if (is_checkpoint_folder_name(n) && entry.is_directory(ec)) published.emplace_back(std::stoll(n.substr(5)), entry.path());
+    if (is_checkpoint_folder_name(n) && entry.is_directory(ec)) published.emplace_back(checkpoint_folder_step(n), entry.path());
   }
   std::sort(published.begin(), published.end());
   for (std::size_t i = 0; i + keep < published.size(); ++i)

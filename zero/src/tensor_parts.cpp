@@ -1,6 +1,5 @@
 #include "tensor_parts.hpp"
 
-#include <charconv>
 #include <cstring>
 #include <map>
 
@@ -79,11 +78,7 @@ Result<std::int64_t> latest_step(const fs::path& dir) {
   std::error_code ec;
   if (!fs::exists(dir / "latest", ec)) return std::int64_t{-1};
   COSHARD_TRY_ASSIGN(const std::string name, read_latest(dir));
-  std::int64_t step = -1;
-  const char* end = name.data() + name.size();
-  if (const auto [at, error] = std::from_chars(name.data() + 5, end, step); error != std::errc{} || at != end)
-    return fail(ErrorCode::invalid_argument, "checkpoint ", (dir / "latest").string(), ": '", name, "' is no step");
-  return step;
+  return checkpoint_folder_step(name);
 }
 
 }  // namespace
