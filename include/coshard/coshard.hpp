@@ -12,6 +12,7 @@
 #include "coshard/modules/checkpointing.hpp"
 #include "coshard/modules/cpu_blas_kernels.hpp"
 #include "coshard/modules/cpu_threads.hpp"
+#include "coshard/modules/fused_cross_entropy.hpp"
 #include "coshard/modules/gpt.hpp"
 #include "coshard/modules/layers.hpp"
 #include "coshard/modules/llama.hpp"

@@ -132,6 +132,66 @@ TEST_P(EmulatedCrossEntropy, VocabularyParallelPartsGiveTheWholeLossAndGradient)
   EXPECT_TRUE(std::isnan(mine[N + 1]));
 }
 
+// The output layer fused with its loss (FusedCrossEntropyLoss): the logits come a chunk of
+// columns at a time, uneven chunks, through chunk_ce_sums's running max and sums, then
+// vocab_ce_loss and each chunk's vocab_ce_backward in place: the whole logits' loss and gradient.
+// A row's first chunk wholly masked (-inf), and a target out of range (a NaN loss).
+TEST_P(EmulatedCrossEntropy, ChunksOfColumnsGiveTheWholeLossAndGradient) {
+  const int dt = GetParam();
+  const std::int64_t N = 6, V = 1000;
+  const std::int64_t bounds[] = {0, 384, 768, 1000};  // chunks of 384, 384 and 232 columns
+  auto lv = random_values(static_cast<std::size_t>(N * V), 35, 4.0);
+  lv[1 * V + 900] = 15.0;                                   // a row's max in the last chunk
+  for (std::int64_t j = 0; j < 384; ++j) lv[2 * V + j] = -INFINITY;  // a row's first chunk masked
+  const std::vector<std::int32_t> targets{0, 900, 500, 383, 384, 999};
+  std::vector<Stored> chunks;
+  for (int c = 0; c < 3; ++c) {
+    const std::int64_t w = bounds[c + 1] - bounds[c];
+    std::vector<double> part(static_cast<std::size_t>(N * w));
+    for (std::int64_t i = 0; i < N; ++i)
+      for (std::int64_t j = 0; j < w; ++j) part[i * w + j] = lv[i * V + bounds[c] + j];
+    chunks.emplace_back(dt, part);
+  }
+  std::vector<float> max(N, 7.0f), sums(2 * N, 7.0f);  // (garbage: the first chunk starts them)
+  for (int c = 0; c < 3; ++c)
+    ASSERT_EQ(cu::chunk_ce_sums(nullptr, dt, chunks[c].data(), targets.data(), max.data(), sums.data(), N,
+                                bounds[c + 1] - bounds[c], bounds[c], V),
+              0);
+  std::vector<float> loss(1), seed{2.0f};
+  ASSERT_EQ(cu::vocab_ce_loss(nullptr, max.data(), sums.data(), loss.data(), N), 0);
+  std::vector<double> got_d(static_cast<std::size_t>(N * V)), L(static_cast<std::size_t>(N * V));
+  for (int c = 0; c < 3; ++c) {
+    const std::int64_t w = bounds[c + 1] - bounds[c];
+    const auto before = chunks[c].values();
+    for (std::int64_t i = 0; i < N; ++i)
+      for (std::int64_t j = 0; j < w; ++j) L[i * V + bounds[c] + j] = before[i * w + j];
+    ASSERT_EQ(cu::vocab_ce_backward(nullptr, dt, chunks[c].data(), targets.data(), max.data(), sums.data(),
+                                    seed.data(), chunks[c].data(), N, w, bounds[c]),
+              0);  // in place, as the fused layer runs it
+    const auto dv = chunks[c].values();
+    for (std::int64_t i = 0; i < N; ++i)
+      for (std::int64_t j = 0; j < w; ++j) got_d[i * V + bounds[c] + j] = dv[i * w + j];
+  }
+  const auto want = cross_entropy_reference(L, targets, N, V, seed[0]);
+  EXPECT_NEAR(loss[0], want.loss, 1e-5 * want.loss);
+  for (std::int64_t i = 0; i < N; ++i) {
+    double mx = -INFINITY;
+    for (std::int64_t j = 0; j < V; ++j) mx = std::max(mx, L[i * V + j]);
+    EXPECT_EQ(max[i], static_cast<float>(mx)) << "row " << i << "'s max";
+    EXPECT_EQ(sums[N + i], static_cast<float>(L[i * V + targets[i]])) << "row " << i << "'s target logit";
+  }
+  EXPECT_LT(normwise_error(got_d, want.dlogits), tolerance(dt)) << "the logits' gradient, chunk by chunk";
+  // a target outside the vocabulary: a NaN loss, whichever chunk is last
+  std::vector<std::int32_t> bad = targets;
+  bad[3] = -1;
+  for (int c = 0; c < 3; ++c)
+    ASSERT_EQ(cu::chunk_ce_sums(nullptr, dt, chunks[c].data(), bad.data(), max.data(), sums.data(), N,
+                                bounds[c + 1] - bounds[c], bounds[c], V),
+              0);
+  ASSERT_EQ(cu::vocab_ce_loss(nullptr, max.data(), sums.data(), loss.data(), N), 0);
+  EXPECT_TRUE(std::isnan(loss[0]));
+}
+
 TEST(EmulatedTensorParallelKernels, AVocabularyPartEmbedsItsRowsAndZerosTheRest) {
   const std::int64_t B = 2, T = 3, C = 40, vocab = 8, first = 4, rows = 4;  // this table: tokens 4-7
   const std::vector<std::int32_t> tokens{1, 4, 7, 5, 0, 4};

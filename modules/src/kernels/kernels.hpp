@@ -21,6 +21,8 @@ namespace coshard::modules::detail {
 inline DataType stat_dtype(DataType dt) noexcept { return dt == DataType::f64 ? DataType::f64 : DataType::f32; }
 
 // C = alpha * op(A) * op(B) + beta * C, op(X) = X or X^T; `batch` products at fixed strides.
+// C is in the product's dtype, or in its stat dtype (f32 for bf16/f16) with c_in_stat_dtype: a
+// sum of products kept unrounded across calls (beta 1), rounded once by a cast at the end.
 struct GemmArgs {
   bool trans_a = false;
   bool trans_b = false;
@@ -35,6 +37,7 @@ struct GemmArgs {
   float beta = 0.0f;
   std::int64_t batch = 1;
   std::int64_t stride_a = 0, stride_b = 0, stride_c = 0;  // elements
+  bool c_in_stat_dtype = false;
 };
 
 // What causal attention keeps from its forward for its backward, and the scratch its backward
@@ -173,11 +176,23 @@ class Kernels {
   virtual Result<void> vocab_ce_loss(async::Stream& s, DataType dt, const void* max, const void* sums, void* loss,
                                      std::int64_t N) const = 0;
   // dlogits = (exp(x - max) / sum - onehot) * seed[0] / N over this rank's columns (max and sums
-  // the global ones, as above).
+  // the global ones, as above). dlogits may be logits (in place).
   virtual Result<void> vocab_ce_backward(async::Stream& s, DataType dt, const void* logits,
                                          const std::int32_t* targets, const void* max, const void* sums,
                                          const void* seed, void* dlogits, std::int64_t N, std::int64_t V,
                                          std::int64_t first) const = 0;
+
+  // The same cross-entropy over logits made a chunk of vocabulary columns at a time (the output
+  // layer fused with its loss, FusedCrossEntropyLoss): logits [N, V] are columns [first, first +
+  // V) of a vocabulary of `vocab`, and max [N] and sums [2N] (laid out as vocab_ce_sums gives
+  // them) carry each row's running state over the chunks seen so far, in order: the chunk at
+  // first = 0 starts it. Each row's max rises to the chunk's, its sum of exp(x - max) is rescaled
+  // to the new max and the chunk's terms added, and its target's logit is taken where the chunk
+  // holds it. After the last chunk, vocab_ce_loss gives the loss and vocab_ce_backward each
+  // chunk's gradient. Targets outside [0, vocab) fail a CPU stream (a NaN loss on CUDA).
+  virtual Result<void> chunk_ce_sums(async::Stream& s, DataType dt, const void* logits, const std::int32_t* targets,
+                                     void* max, void* sums, std::int64_t N, std::int64_t V, std::int64_t first,
+                                     std::int64_t vocab) const = 0;
 
   // loss (stat dtype, one element) = mean over the n elements of (pred - target)^2, summed in a
   // fixed order; `scratch` holds n stat-dtype elements.

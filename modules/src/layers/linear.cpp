@@ -4,6 +4,7 @@
 
 #include "kernels/kernels.hpp"
 #include "layers/layer_checks.hpp"
+#include "layers/output_loss.hpp"
 #include "layers/weight_products.hpp"
 
 namespace coshard::modules {
@@ -29,6 +30,13 @@ async::Task<Result<Tensor>> Linear::forward(Context& ctx, Tensor input) {
   const DataType dt = input.dtype();
   COSHARD_CO_TRY(check_param(weight(), dt, "Linear"));
   if (bias()) COSHARD_CO_TRY(check_param(*bias(), dt, "Linear"));
+  // The output layer of a FusedCrossEntropyLoss with targets set: the loss, chunk by chunk.
+  if (output_loss_ && output_loss_->armed()) {
+    if (!adapters_.empty())
+      co_return fail(ErrorCode::unsupported, "Linear: LoRA adapters on an output layer fused with its loss");
+    co_return output_loss_->forward(ctx, std::move(input), weight(), bias(), in_, out_, "Linear");
+  }
+  if (output_loss_) output_loss_->clear_saved();  // (this forward's backward is the plain one)
   COSHARD_CO_TRY_ASSIGN(Tensor out, detail::times_weight_transposed(ctx, input, weight(), in_, out_, bias()));
   input_.push(input);
   // The adapters add into their rows of the output, each through the hooks (an engine's unit).
@@ -42,6 +50,8 @@ async::Task<Result<Tensor>> Linear::forward(Context& ctx, Tensor input) {
 }
 
 async::Task<Result<Tensor>> Linear::backward(Context& ctx, Tensor grad_output) {
+  if (output_loss_ && output_loss_->holds_forward())
+    co_return output_loss_->backward(ctx, grad_output, weight(), bias(), in_, out_, "Linear");
   COSHARD_CO_TRY_ASSIGN(const Tensor input, input_.pop("Linear"));
   const DataType dt = input.dtype();
   COSHARD_CO_TRY(check_grad(grad_output, input.shape().with_back(out_), dt, "Linear"));
@@ -55,6 +65,11 @@ async::Task<Result<Tensor>> Linear::backward(Context& ctx, Tensor grad_output) {
     COSHARD_CO_TRY(ctx.kernels().add(ctx.stream(), dt, dx.data(), part.data(), dx.data(), dx.numel()));
   }
   co_return dx;
+}
+
+void Linear::clear_saved_here() noexcept {
+  input_.clear();
+  if (output_loss_) output_loss_->clear_saved();
 }
 
 Result<LoraAdapter*> Linear::add_lora(std::string name, std::int64_t row_begin, std::int64_t row_end,

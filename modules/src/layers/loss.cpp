@@ -75,8 +75,8 @@ async::Task<Result<Tensor>> MeanSquaredErrorLoss::backward(Context& ctx, Tensor 
 
 async::Task<Result<Tensor>> forward_backward(Context& ctx, Module& model, Loss& loss, Tensor inputs, Tensor targets,
                                              Tensor seed) {
+  loss.set_targets(std::move(targets));  // before the model's forward: a fused output layer takes them there
   COSHARD_CO_TRY_ASSIGN(Tensor logits, co_await ctx.forward(model, std::move(inputs)));
-  loss.set_targets(std::move(targets));
   COSHARD_CO_TRY_ASSIGN(Tensor value, co_await ctx.forward(loss, std::move(logits)));
   COSHARD_CO_TRY_ASSIGN(Tensor dlogits, co_await ctx.backward(loss, std::move(seed)));
   COSHARD_CO_TRY(co_await ctx.backward(model, std::move(dlogits)));

@@ -3,6 +3,7 @@
 
 #include "kernels/kernels.hpp"
 #include "layers/layer_checks.hpp"
+#include "layers/output_loss.hpp"
 #include "layers/weight_products.hpp"
 
 namespace coshard::modules {
@@ -46,12 +47,21 @@ async::Task<Result<Tensor>> TokenEmbedding::project(Context& ctx, Tensor hidden)
   COSHARD_CO_TRY(check_activation(ctx, hidden, dim_, "TokenEmbedding (tied output layer)"));
   const DataType dt = hidden.dtype();
   COSHARD_CO_TRY(check_param(weight(), dt, "TokenEmbedding (tied output layer)"));
+  // The output layer of a FusedCrossEntropyLoss with targets set: the loss, chunk by chunk.
+  if (output_loss_ && output_loss_->armed())
+    co_return output_loss_->forward(ctx, std::move(hidden), weight(), nullptr, dim_, vocab_,
+                                    "TokenEmbedding (tied output layer)");
+  if (output_loss_) output_loss_->clear_saved();  // (this use's backward is the plain one)
   COSHARD_CO_TRY_ASSIGN(Tensor logits, detail::times_weight_transposed(ctx, hidden, weight(), dim_, vocab_));
   saved_.push_back(std::move(hidden));
   co_return logits;
 }
 
 async::Task<Result<Tensor>> TokenEmbedding::backward(Context& ctx, Tensor grad_output) {
+  // The fused output use is the last forward's, so its backward comes first (nothing on saved_).
+  if (output_loss_ && output_loss_->holds_forward())
+    co_return output_loss_->backward(ctx, grad_output, weight(), nullptr, dim_, vocab_,
+                                     "TokenEmbedding (tied output layer)");
   if (saved_.empty()) co_return fail(ErrorCode::invalid_argument, "TokenEmbedding: backward without a forward");
   const Tensor input = std::move(saved_.back());
   saved_.pop_back();
@@ -82,6 +92,11 @@ async::Task<Result<Tensor>> TiedHead::forward(Context& ctx, Tensor input) {
 
 async::Task<Result<Tensor>> TiedHead::backward(Context& ctx, Tensor grad_output) {
   co_return co_await ctx.backward(*table_, std::move(grad_output));
+}
+
+void TokenEmbedding::clear_saved_here() noexcept {
+  saved_.clear();
+  if (output_loss_) output_loss_->clear_saved();
 }
 
 }  // namespace coshard::modules

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -13,6 +14,10 @@ namespace coshard::modules {
 
 class LoraAdapter;   // lora.hpp
 struct LoraOptions;  // lora.hpp
+class FusedCrossEntropyLoss;  // fused_cross_entropy.hpp
+namespace detail {
+class OutputLoss;
+}
 
 // Token and position embeddings: tokens i32 [B, T] -> [B, T, dim] (wte[token] + wpe[position]).
 class Embedding final : public Module {
@@ -39,7 +44,7 @@ class Linear final : public Module {
   std::string_view type_name() const override { return "Linear"; }
   async::Task<Result<Tensor>> forward(Context& ctx, Tensor input) override;
   async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
-  void clear_saved() override { input_.clear(); }
+  void clear_saved() override { clear_saved_here(); }
 
   std::int64_t in_features() const noexcept { return in_; }
   std::int64_t out_features() const noexcept { return out_; }
@@ -54,9 +59,12 @@ class Linear final : public Module {
   std::span<LoraAdapter* const> lora_adapters() const noexcept { return adapters_; }
 
  private:
+  friend class FusedCrossEntropyLoss;
+  void clear_saved_here() noexcept;
   std::int64_t in_, out_;
   SavedPerCall<Tensor> input_;
   std::vector<LoraAdapter*> adapters_;
+  std::shared_ptr<detail::OutputLoss> output_loss_;  // set by a FusedCrossEntropyLoss attached here
 };
 
 class LayerNorm final : public Module {

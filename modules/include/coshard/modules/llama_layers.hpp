@@ -5,12 +5,18 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string_view>
 #include <vector>
 
 #include "coshard/modules/module.hpp"
 
 namespace coshard::modules {
+
+class FusedCrossEntropyLoss;  // fused_cross_entropy.hpp
+namespace detail {
+class OutputLoss;
+}
 
 // Token embeddings without positions (transformers' embed_tokens: rotary embeddings place the
 // tokens): tokens i32 [B, T] -> [B, T, dim]; its one parameter is "weight" [vocab, dim].
@@ -29,7 +35,7 @@ class TokenEmbedding final : public Module {
   async::Task<Result<Tensor>> forward(Context& ctx, Tensor input) override;
   // The gradient of the last use's input: empty for token ids, dL/dx for the projection.
   async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
-  void clear_saved() override { saved_.clear(); }
+  void clear_saved() override { clear_saved_here(); }
   bool runs_more_than_once_per_pass() const noexcept override { return true; }
 
   std::int64_t vocab() const noexcept { return vocab_; }  // this table's rows
@@ -42,8 +48,11 @@ class TokenEmbedding final : public Module {
   async::Task<Result<Tensor>> project(Context& ctx, Tensor hidden);
   async::Task<Result<Tensor>> project_backward(Context& ctx, const Tensor& hidden, const Tensor& grad_output);
   std::int64_t vocab_, dim_;
+  friend class FusedCrossEntropyLoss;
+  void clear_saved_here() noexcept;
   std::int64_t first_ = 0, whole_ = 0;
   std::vector<Tensor> saved_;  // the inputs of uses whose backward is still to come, last on top
+  std::shared_ptr<detail::OutputLoss> output_loss_;  // set by a FusedCrossEntropyLoss attached here
 };
 
 // The output layer of tied embeddings: logits = x embed^T through `table` (which another part
@@ -52,6 +61,7 @@ class TiedHead final : public Module {
  public:
   explicit TiedHead(TokenEmbedding& table) : table_(&table) {}
   std::string_view type_name() const override { return "TiedHead"; }
+  TokenEmbedding& table() const noexcept { return *table_; }
   async::Task<Result<Tensor>> forward(Context& ctx, Tensor input) override;
   async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
 

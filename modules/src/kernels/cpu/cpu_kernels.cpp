@@ -78,7 +78,7 @@ class CpuKernels final : public Kernels {
       const bool ta = g.trans_a, tb = g.trans_b;
       on.a = io.in(g.a, extent(ta ? g.k : g.m, ta ? g.m : g.k, g.lda, g.batch, g.stride_a));
       on.b = io.in(g.b, extent(tb ? g.n : g.k, tb ? g.k : g.n, g.ldb, g.batch, g.stride_b));
-      on.c = io.inout(g.c, extent(g.m, g.n, g.ldc, g.batch, g.stride_c));
+      on.c = g.c_in_stat_dtype ? io.stat(g.c) : io.inout(g.c, extent(g.m, g.n, g.ldc, g.batch, g.stride_c));
       for (std::int64_t i = 0; i < g.batch; ++i) gemm_at<T>(on, i);
     });
   }
@@ -336,6 +336,19 @@ class CpuKernels final : public Kernels {
     return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
       vocab_ce_bwd<T>(io.in(logits, N * V), targets, io.stat(max), io.stat(sums), io.stat(seed),
                       io.inout(dlogits, N * V), N, V, first);
+    });
+  }
+
+  Result<void> chunk_ce_sums(Stream& s, DataType dt, const void* logits, const std::int32_t* targets, void* max,
+                             void* sums, std::int64_t N, std::int64_t V, std::int64_t first,
+                             std::int64_t vocab) const override {
+    COSHARD_TRY(check_dtype(dt));
+    return s.launch_fallible([=]() -> Result<void> {
+      if (first == 0) COSHARD_TRY(check_ids(targets, N, vocab, "targets"));
+      with_type(dt, [&]<class T>(Operands<T>& io) {
+        chunk_ce_sums_rows<T>(io.in(logits, N * V), targets, io.stat(max), io.stat(sums), N, V, first);
+      });
+      return {};
     });
   }
 

@@ -83,6 +83,28 @@ void vocab_ce_sums_rows(const T* logits, const std::int32_t* targets, const T* m
   }
 }
 
+// One chunk of columns [first, first + V) into each row's running max, sum of exp(x - max) (in
+// double within the chunk, as vocab_ce_sums_rows) and target logit; first = 0 starts them.
+template <class T>
+void chunk_ce_sums_rows(const T* logits, const std::int32_t* targets, T* max, T* sums, std::int64_t N, std::int64_t V,
+                        std::int64_t first) {
+  for (std::int64_t i = 0; i < N; ++i) {
+    const T* row = logits + i * V;
+    T mx = row[0];
+    for (std::int64_t j = 1; j < V; ++j) mx = std::max(mx, row[j]);
+    const bool started = first > 0;
+    const T before = started ? max[i] : mx;
+    const T now = std::max(before, mx);
+    double sum = started ? static_cast<double>(sums[i]) * std::exp(static_cast<double>(before) - static_cast<double>(now)) : 0.0;
+    for (std::int64_t j = 0; j < V; ++j) sum += std::exp(static_cast<double>(row[j]) - static_cast<double>(now));
+    max[i] = now;
+    sums[i] = static_cast<T>(sum);
+    const std::int64_t t = targets[i] - first;
+    if (t >= 0 && t < V) sums[N + i] = row[t];
+    else if (!started) sums[N + i] = T(0);
+  }
+}
+
 template <class T>
 void vocab_ce_mean(const T* max, const T* sums, T* loss, std::int64_t N) {
   double total = 0;

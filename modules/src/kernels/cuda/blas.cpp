@@ -197,11 +197,11 @@ std::unique_ptr<LtPlan> plan_bias_product(cublasLtHandle_t lt, const LtKey& key)
 Result<void> cuda_gemm(Stream& s, DataType dt, const GemmArgs& g) {
   return blas().with(s.device().index(), s.native_handle(), [&](BlasHandles::Entry& e) -> Result<void> {
     // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands.
-    const cudaDataType_t t = blas_type(dt);
+    const cudaDataType_t t = blas_type(dt), tc = g.c_in_stat_dtype ? CUDA_R_32F : t;
     const cublasStatus_t st = cublasGemmStridedBatchedEx(
         e.handle, g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(g.n),
         static_cast<int>(g.m), static_cast<int>(g.k), &g.alpha, g.b, t, static_cast<int>(g.ldb), g.stride_b, g.a, t,
-        static_cast<int>(g.lda), g.stride_a, &g.beta, g.c, t, static_cast<int>(g.ldc), g.stride_c,
+        static_cast<int>(g.lda), g.stride_a, &g.beta, g.c, tc, static_cast<int>(g.ldc), g.stride_c,
         static_cast<int>(g.batch), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     if (st != CUBLAS_STATUS_SUCCESS)
       return fail(ErrorCode::device, "cublasGemmStridedBatchedEx(m=", g.m, ", n=", g.n, ", k=", g.k,
@@ -212,7 +212,7 @@ Result<void> cuda_gemm(Stream& s, DataType dt, const GemmArgs& g) {
 
 Result<bool> cuda_gemm_bias(Stream& s, DataType dt, const GemmArgs& g, const void* bias) {
   // The epilogue reads the bias in 16-byte pieces on some algorithms: take only aligned ones.
-  if (g.batch != 1 || g.alpha != 1.0f || g.beta != 0.0f || bias == nullptr || alignment_of(bias) < 16) return false;
+  if (g.batch != 1 || g.c_in_stat_dtype || g.alpha != 1.0f || g.beta != 0.0f || bias == nullptr || alignment_of(bias) < 16) return false;
   const int device = s.device().index();
   return blas().with(device, s.native_handle(), [&](BlasHandles::Entry& e) -> Result<bool> {
     if (!ensure_lt(e, device)) return false;

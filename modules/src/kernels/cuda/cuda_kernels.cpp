@@ -298,6 +298,14 @@ class CudaKernels final : public Kernels {
                                             static_cast<float*>(sums), N, V, first, vocab),
                         "vocab_ce_sums", s);
   }
+  Result<void> chunk_ce_sums(Stream& s, DataType dt, const void* logits, const std::int32_t* targets, void* max,
+                             void* sums, std::int64_t N, std::int64_t V, std::int64_t first,
+                             std::int64_t vocab) const override {
+    COSHARD_TRY(check(dt));
+    return check_launch(cuda::chunk_ce_sums(s.native_handle(), code(dt), logits, targets, static_cast<float*>(max),
+                                            static_cast<float*>(sums), N, V, first, vocab),
+                        "chunk_ce_sums", s);
+  }
   Result<void> vocab_ce_loss(Stream& s, DataType dt, const void* max, const void* sums, void* loss,
                              std::int64_t N) const override {
     COSHARD_TRY(check(dt));

@@ -311,6 +311,31 @@ __global__ void vocab_ce_sums_kernel(const T* logits, const std::int32_t* target
   }
 }
 
+// One chunk of the fused output layer's columns into each row's running max and sum (kernels.hpp's
+// chunk_ce_sums): the chunk's own max and sum in one pass, then thread 0 merges them with the
+// running pair (first = 0 starts it; a masked row of -inf adds nothing).
+template <class T>
+__global__ void chunk_ce_sums_kernel(const T* logits, const std::int32_t* targets, float* max, float* sums,
+                                     std::int64_t N, std::int64_t V, std::int64_t first, std::int64_t vocab) {
+  const std::int64_t row = blockIdx.x;
+  const T* r = logits + row * V;
+  float mx, sum;
+  row_max_and_exp_sum(r, V, mx, sum);
+  if (threadIdx.x != 0) return;
+  const bool started = first > 0;
+  const float before = started ? max[row] : -INFINITY, now = fmaxf(before, mx);
+  float total = 0;
+  if (started && before != -INFINITY) total += sums[row] * expf(before - now);
+  if (mx != -INFINITY) total += sum * expf(mx - now);
+  max[row] = now;
+  sums[row] = total;
+  const std::int32_t t = targets[row];
+  const std::int64_t at = t - first;
+  if (!(t >= 0 && t < vocab)) sums[N + row] = NAN;
+  else if (at >= 0 && at < V) sums[N + row] = load(r, at);
+  else if (!started) sums[N + row] = 0.0f;
+}
+
 __global__ void vocab_ce_loss_kernel(const float* max, const float* sums, float* loss, std::int64_t N) {
   float s = 0;
   for (std::int64_t i = threadIdx.x; i < N; i += blockDim.x) s += logf(sums[i]) + max[i] - sums[N + i];
@@ -493,6 +518,14 @@ int vocab_ce_sums(void* s, int dt, const void* logits, const std::int32_t* targe
                   std::int64_t N, std::int64_t V, std::int64_t first, std::int64_t vocab) {
   return with_type(dt, [&]<class E>() {
     vocab_ce_sums_kernel<E><<<static_cast<unsigned>(N), kThreads, 0, as_stream(s)>>>(
+        static_cast<const E*>(logits), targets, max, sums, N, V, first, vocab);
+  });
+}
+
+int chunk_ce_sums(void* s, int dt, const void* logits, const std::int32_t* targets, float* max, float* sums,
+                  std::int64_t N, std::int64_t V, std::int64_t first, std::int64_t vocab) {
+  return with_type(dt, [&]<class E>() {
+    chunk_ce_sums_kernel<E><<<static_cast<unsigned>(N), kThreads, 0, as_stream(s)>>>(
         static_cast<const E*>(logits), targets, max, sums, N, V, first, vocab);
   });
 }

@@ -83,6 +83,9 @@ int cross_entropy_backward(void* stream, int dt, const void* logits, const std::
 int row_max(void* stream, int dt, const void* logits, float* max, std::int64_t N, std::int64_t V);
 int vocab_ce_sums(void* stream, int dt, const void* logits, const std::int32_t* targets, const float* max, float* sums,
                   std::int64_t N, std::int64_t V, std::int64_t first, std::int64_t vocab);
+// Kernels::chunk_ce_sums: one chunk of the fused output layer's columns into the running max and sums.
+int chunk_ce_sums(void* stream, int dt, const void* logits, const std::int32_t* targets, float* max, float* sums,
+                  std::int64_t N, std::int64_t V, std::int64_t first, std::int64_t vocab);
 int vocab_ce_loss(void* stream, const float* max, const float* sums, float* loss, std::int64_t N);
 int vocab_ce_backward(void* stream, int dt, const void* logits, const std::int32_t* targets, const float* max,
                       const float* sums, const float* seed, void* dlogits, std::int64_t N, std::int64_t V,
