@@ -258,8 +258,8 @@ async::Task<Result<double>> Engine::evaluate(Loss& loss, const Batch& batch) {
   COSHARD_CO_TRY(begin_inference());
   // The forward and the mean over ranks; the pass ends whether they worked or not.
   auto value = co_await [&]() -> async::Task<Result<Tensor>> {
+    loss.set_targets(batch.targets);  // before the model's forward (a fused output layer takes them there)
     COSHARD_CO_TRY_ASSIGN(Tensor logits, co_await ctx.forward(*s.model, batch.inputs));
-    loss.set_targets(batch.targets);
     COSHARD_CO_TRY_ASSIGN(Tensor v, co_await ctx.forward(loss, std::move(logits)));
     COSHARD_CO_TRY(order(ctx.stream(), s.comm->stream()));
     COSHARD_CO_TRY(s.comm->all_reduce(v.data(), v.data(), 1, DataType::f32, ReduceOp::avg, "the evaluated loss"));
