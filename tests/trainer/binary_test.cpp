@@ -233,6 +233,52 @@ TEST(CoshardTrain, LlamaPresetTrainsWithActivationCheckpointing) {
     EXPECT_NE(help.output.find(line), std::string::npos) << line;
 }
 
+// --cross-entropy chunked (the loss fused with the output layer, issue 52) gives the losses of the
+// whole logits' cross-entropy, for a tied Llama head and a GPT one with a bias, under ZeRO-3 and
+// ZeRO-1, with a lower activation peak each step (64 rows of a vocabulary of 8192 in chunks of at
+// most 1 MiB: 2 chunks); auto is whole on the CPU, the same bits.
+TEST(CoshardTrain, TheChunkedCrossEntropyGivesTheWholeLogitsLossesWithLessMemory) {
+  const fs::path dir = scratch("chunked_ce");
+  const std::vector<std::string> llama = {"--preset", "llama-tiny", "--layers", "1", "--dim", "32", "--heads", "4",
+                                          "--kv-heads", "2", "--intermediate", "64", "--vocab", "8192", "--seq", "16",
+                                          "--batch", "8", "--world-size", "2", "--steps", "6", "--lr", "1e-2"};
+  const std::vector<std::string> gpt = {"--model", "gpt", "--layers", "1", "--dim", "32", "--heads", "4",
+                                        "--vocab", "8192", "--seq", "16", "--batch", "8", "--world-size", "2",
+                                        "--steps", "6", "--lr", "1e-2", "--zero-stage", "1"};
+  for (const auto& [name, base] : {std::pair{"llama", llama}, std::pair{"gpt", gpt}}) {
+    SCOPED_TRACE(name);
+    std::map<std::string, std::vector<nlohmann::json>> rows;
+    for (const std::string kind : {"whole", "chunked", "auto"}) {
+      const fs::path metrics = dir / (std::string(name) + "-" + kind + ".jsonl");
+      const auto r = run(with(base, {"--cross-entropy", kind, "--cross-entropy-chunk-mib", "1", "--metrics",
+                                     metrics.string()}),
+                         dir);
+      ASSERT_EQ(r.code, 0) << r.output;
+      EXPECT_EQ(r.output.find("cross-entropy: fused with the output layer, in chunks of at most 1 MiB") != std::string::npos, kind == "chunked")
+          << r.output;
+      std::ifstream in(metrics);
+      for (std::string line; std::getline(in, line);) rows[kind].push_back(nlohmann::json::parse(line));
+      ASSERT_EQ(rows[kind].size(), 6u);
+    }
+    for (std::size_t i = 0; i < 6; ++i) {
+      const double whole = rows["whole"][i]["loss"].get<double>(), chunked = rows["chunked"][i]["loss"].get<double>();
+      EXPECT_NEAR(chunked, whole, 1e-5 * whole) << "step " << i;
+      EXPECT_EQ(rows["auto"][i]["loss"], rows["whole"][i]["loss"]) << "step " << i;
+      // The whole logits and their gradient are 2 x 64 x 8192 x 4 bytes = 4 MiB; a chunk 1 MiB.
+      EXPECT_LT(rows["chunked"][i]["peak_activation_bytes"].get<double>() + (2 << 20),
+                rows["whole"][i]["peak_activation_bytes"].get<double>())
+          << "step " << i;
+    }
+  }
+  const auto bad = run(with(llama, {"--cross-entropy", "sliced"}), dir);
+  EXPECT_NE(bad.code, 0);
+  EXPECT_NE(bad.output.find("--cross-entropy: sliced not in {auto,chunked,whole}"), std::string::npos) << bad.output;
+  const auto lora = run(with(gpt, {"--cross-entropy", "chunked", "--lora-rank", "2", "--lora-targets", "head"}), dir);
+  EXPECT_NE(lora.code, 0);
+  EXPECT_NE(lora.output.find("cross_entropy=chunked"), std::string::npos) << lora.output;
+  EXPECT_NE(lora.output.find("LoRA adapter(s)"), std::string::npos) << lora.output;
+}
+
 // --export FOLDER writes a Hugging Face Llama folder; --init FOLDER takes the model's shape from its
 // config.json and its weights (an lr of 1e-30 keeps them: the second export holds the same tensors).
 TEST(CoshardTrain, HuggingFaceFoldersGoOutAndComeBackIn) {

@@ -27,6 +27,9 @@ void print_run_header(const Options& o, trainer::Trainer& t, const collectives::
                                      "(--attention fused keeps them off the device)"
                                    : "");
   }
+  if (t.cross_entropy_chunked())
+    std::printf("  cross-entropy: fused with the output layer, in chunks of at most %lld MiB of logits\n",
+                static_cast<long long>(o.train.cross_entropy_chunk_mib));
   if (o.train.activation_checkpointing.enabled())
     std::printf("  activation checkpointing: %s\n", o.train.activation_checkpointing.to_string().c_str());
   if (o.device == "cpu") std::printf("  matrix products: %s\n", modules::cpu_blas_kernels().describe().c_str());

@@ -58,6 +58,10 @@ Result<void> TrainerConfig::validate() const {
     if (!(min_lr <= lr))
       return fail(ErrorCode::invalid_argument, "min_lr=", min_lr, ": expected in [0, lr=", lr, "]");
   }
+  if (tensor_parallel_size > 1 && cross_entropy == CrossEntropyKind::chunked)
+    return fail(ErrorCode::unsupported, "cross_entropy=chunked with tensor_parallel_size=", tensor_parallel_size,
+                ": the output layer is split over the tensor ranks, whose vocabulary-parallel loss keeps only their "
+                "columns (expected cross_entropy auto or whole)");
   if (tensor_parallel_size > 1 && lora_rank > 0)
     return fail(ErrorCode::unsupported, "lora_rank=", lora_rank, " with tensor_parallel_size=", tensor_parallel_size,
                 ": LoRA adapters on a tensor-parallel model are not supported yet (expected tensor_parallel_size 1)");

@@ -205,6 +205,7 @@ constexpr std::string_view kDtypes[] = {"f32", "bf16", "f16"};
 constexpr std::string_view kLossScaling[] = {"none", "fixed", "dynamic"};
 constexpr std::string_view kAttention[] = {"fused", "materialized"};
 constexpr std::string_view kOptimizers[] = {"adamw", "sgd"};
+constexpr std::string_view kCrossEntropy[] = {"auto", "chunked", "whole"};
 constexpr std::string_view kWarmupShapes[] = {"linear", "log"};
 constexpr std::string_view kDecays[] = {"none", "linear", "cosine"};
 
@@ -378,6 +379,17 @@ std::vector<Setting> make_table() {
                "device's memory to spare: materialized (faster there today)",
        .expected = "fused or materialized"},
       kAttention));
+  t.push_back(choice<&T::cross_entropy>(
+      {.name = "cross_entropy", .flag = "--cross-entropy",
+       .help = "the loss against the model's output layer: chunked (fused with the layer, a chunk of vocabulary "
+               "columns at a time: the logits never held whole), whole (over the whole logits), or auto: chunked on "
+               "CUDA where the output layer takes it, else whole",
+       .expected = "auto, chunked or whole"},
+      kCrossEntropy));
+  t.push_back(integer<&T::cross_entropy_chunk_mib>(
+      {.name = "cross_entropy_chunk_mib", .flag = "--cross-entropy-chunk-mib",
+       .help = "the most MiB one chunk of logits takes when the cross-entropy is chunked", .expected = "1 to 65536"},
+      1, 65536));
   // The step
   t.push_back(integer<&T::gradient_accumulation_steps>(
       {.name = "gradient_accumulation_steps", .flag = "--grad-accum", .deepspeed = "gradient_accumulation_steps",

@@ -99,6 +99,8 @@ int Trainer::world_size() const noexcept { return impl_->comm->size(); }
 int Trainer::world_rank() const noexcept { return impl_->world_rank; }
 zero::Engine& Trainer::engine() noexcept { return *impl_->engine; }
 modules::Context& Trainer::context() noexcept { return *impl_->ctx; }
+modules::Loss& Trainer::loss() noexcept { return *impl_->loss; }
+bool Trainer::cross_entropy_chunked() const noexcept { return impl_->own_chunked_loss != nullptr; }
 
 Result<std::vector<modules::Batch>> upload_micro_batches(modules::Context& ctx, const HostBatch& rows, int k) {
   if (rows.rows <= 0 || rows.seq <= 0)
@@ -337,6 +339,7 @@ async::Task<Result<Trainer>> TrainerBuilder::build(modules::Module& model) const
     if (!frozen) co_return fail(std::move(frozen).error().with_context("freeze"));
     COSHARD_LOG_INFO(trainer, "freeze '{}': {} parameters frozen", pattern, *frozen);
   }
+  COSHARD_CO_TRY(impl->choose_loss(model, loss_ != nullptr, tensor));
   // Before the engine's first collective: every rank with the same model and settings.
   // (over the whole mesh: the tensor ranks of one data group must agree too)
   COSHARD_CO_TRY(co_await detail::check_ranks_agree(*impl->ctx, mesh_ ? mesh_->world() : *comm_,

@@ -8,6 +8,7 @@
 #include <span>
 #include <utility>
 
+#include "coshard/modules/fused_cross_entropy.hpp"
 #include "coshard/trainer/tensorboard.hpp"
 #include "coshard/trainer/trainer.hpp"
 
@@ -28,12 +29,33 @@ struct Trainer::Impl {
   std::unique_ptr<zero::Engine> engine;
   modules::CrossEntropyLoss own_loss;      // the default
   std::unique_ptr<modules::Loss> own_split_loss;  // the default over a mesh with tensor parallelism
+  std::unique_ptr<modules::FusedCrossEntropyLoss> own_chunked_loss;  // cross_entropy chunked (or auto on CUDA)
   modules::Loss* loss = &own_loss;         // or the builder's
   int skipped_in_a_row = 0;  // steps skipped for inf/NaN gradients, up to this one
   std::optional<TensorBoardWriter> tensorboard;  // rank 0, with config.tensorboard_dir
   // The process's blocking waits once the engine was made (its setup may split the communicator
   // for shard groups, a counted wait): the steps report those since.
   std::uint64_t blocking_waits_at_start = 0;
+
+  // The trainer's own loss where the builder gave none and there is no tensor parallelism:
+  // config.cross_entropy chunked (refused by name where the output layer cannot take it), or
+  // automatic on CUDA (the whole logits' loss where it cannot). After LoRA: adapters on the
+  // output layer leave it whole.
+  Result<void> choose_loss(modules::Module& model, bool builders_loss, int tensor_size) {
+    using K = CrossEntropyKind;
+    if (builders_loss || tensor_size > 1 || config.cross_entropy == K::whole) return {};
+    if (config.cross_entropy == K::automatic && ctx->device().is_cpu()) return {};
+    auto chunked = std::make_unique<modules::FusedCrossEntropyLoss>(
+        modules::FusedCrossEntropyOptions{.chunk_bytes = config.cross_entropy_chunk_mib << 20});
+    if (auto attached = chunked->attach(model); !attached) {
+      if (config.cross_entropy == K::chunked)
+        return fail(std::move(attached).error().with_context("cross_entropy=chunked"));
+      return {};
+    }
+    own_chunked_loss = std::move(chunked);
+    loss = own_chunked_loss.get();
+    return {};
+  }
 
   ~Impl() {
     engine.reset();  // a checkpoint write in flight runs on; it owns its data

@@ -33,6 +33,12 @@ using zero::to_string;
 
 enum class OptimizerKind : std::uint8_t { adamw, sgd };
 
+// The trainer's own cross-entropy against the model's output layer: chunked (a
+// FusedCrossEntropyLoss attached to the layer: the logits never held whole), whole (a
+// CrossEntropyLoss over the whole logits), or automatic: chunked on CUDA where the model's output
+// layer takes it, else whole (the CPU keeps the same bits as before).
+enum class CrossEntropyKind : std::uint8_t { automatic, chunked, whole };
+
 // The learning rate after warm-up: constant, or decaying to min_lr by decay_steps.
 enum class LrDecay : std::uint8_t { none, linear, cosine };
 enum class WarmupShape : std::uint8_t { linear, log };  // log: DeepSpeed's default warm-up
@@ -79,6 +85,11 @@ struct TrainerConfig : zero::EngineOptions {
   // How causal attention runs on CUDA (modules/module.hpp): the fused kernels where they serve
   // the dtype and head size, or always materialized (to compare, or to rule the kernels out).
   modules::AttentionKernels attention = modules::AttentionKernels::fused;
+  // The loss (CrossEntropyKind), and the most MiB one chunk of logits takes when chunked. Not
+  // used with a loss of the builder's, nor with tensor parallelism (its own vocabulary-parallel
+  // loss).
+  CrossEntropyKind cross_entropy = CrossEntropyKind::automatic;
+  std::int64_t cross_entropy_chunk_mib = 256;
   // The step.
   int gradient_accumulation_steps = 1;  // micro-batches per step on each rank
   float max_grad_norm = 1.0f;           // 0: no clipping

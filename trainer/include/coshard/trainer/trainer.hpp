@@ -113,6 +113,10 @@ class Trainer {
   int world_rank() const noexcept;
   zero::Engine& engine() noexcept;
   modules::Context& context() noexcept;
+  // The loss each step runs (the builder's, or the trainer's own: config().cross_entropy), and
+  // whether it is the trainer's own cross-entropy fused with the output layer (chunked).
+  modules::Loss& loss() noexcept;
+  bool cross_entropy_chunked() const noexcept;
 
   struct Impl;
 
