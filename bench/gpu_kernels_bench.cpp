@@ -19,6 +19,12 @@
 //     of one N x C tensor; counter GBps: the fewest bytes each must move (the norm: x and out
 //     forward; dout, x and dx backward, five N x C tensors; the copy: two) per second, so the
 //     ratio of the two is the fraction of the card's achievable bandwidth the norm reaches.
+//   BM_FusedOutputLoss_<shape> vs BM_Baseline_WholeLogitsLoss_<shape> (issue 52): the output layer
+//     (a Linear [vocab, dim] in bf16) and its cross-entropy, forward and backward, fused chunk by
+//     chunk (FusedCrossEntropyLoss, 256 MiB chunks) against the layer's whole logits through
+//     CrossEntropyLoss, at the logits shapes above with dim 1600 / 2048; counters: TFLOP/s of the
+//     unfused products (6 N V dim: the fused one makes the forward product once more) and the
+//     activation peak.
 // Without a GPU every benchmark reports "no CUDA device" and skips. Times are wall time around
 // the enqueue and a stream synchronize (manual time). Inputs are random (never zeros: a kernel can
 // run faster on zeros than on real data). bench/sdpa_baseline.py times PyTorch's SDPA at the same
@@ -33,6 +39,7 @@
 #include <vector>
 
 #include "coshard/async/runtime.hpp"
+#include "coshard/modules/fused_cross_entropy.hpp"
 #include "coshard/modules/layers.hpp"
 #include "coshard/modules/llama_layers.hpp"
 #include "coshard/modules/ops.hpp"
@@ -267,6 +274,51 @@ void cross_entropy_or_copy(benchmark::State& state, LogitsShape s, bool with_los
       benchmark::Counter::kIsRate);
 }
 
+// The output layer and its loss, forward and backward: fused (chunked) or over the whole logits.
+void output_loss(benchmark::State& state, LogitsShape s, std::int64_t dim, bool fused) {
+  auto gpu = gpu_rank(state);
+  if (!gpu) return;
+  Context& ctx = *gpu->ctx;
+  Linear head(dim, s.vocab, false);
+  auto store = ParameterStore::create(ctx, head, DataType::bf16);
+  auto hidden = ctx.empty(Shape{s.rows, dim}, DataType::bf16);
+  std::vector<std::byte> ids(static_cast<std::size_t>(s.rows) * sizeof(std::int32_t));
+  std::mt19937 gen(6);
+  for (std::int64_t r = 0; r < s.rows; ++r) {
+    const auto id = static_cast<std::int32_t>(gen() % static_cast<std::uint32_t>(s.vocab));
+    std::memcpy(ids.data() + r * sizeof id, &id, sizeof id);
+  }
+  auto targets = ctx.upload(ids, Shape{s.rows}, DataType::i32);
+  if (!store || !hidden || !targets || !ctx.copy_from_host(*hidden, random_bf16(hidden->bytes(), 1.0f, 7)) ||
+      !gpu->rt.block_on(store->initialize(ctx, 8))) {
+    state.SkipWithError("cannot make the output layer, its input and targets");
+    return;
+  }
+  CrossEntropyLoss whole;
+  FusedCrossEntropyLoss chunked;
+  if (fused && !chunked.attach(head)) {
+    state.SkipWithError("cannot attach the fused loss");
+    return;
+  }
+  Loss& loss = fused ? static_cast<Loss&>(chunked) : whole;
+  auto once = [&]() -> async::Task<Result<void>> {
+    loss.set_targets(*targets);
+    COSHARD_CO_TRY_ASSIGN(Tensor out, co_await ctx.forward(head, *hidden));
+    COSHARD_CO_TRY_ASSIGN(Tensor value, co_await ctx.forward(loss, std::move(out)));
+    COSHARD_CO_TRY_ASSIGN(Tensor d, co_await ctx.backward(loss, value));  // any finite seed
+    COSHARD_CO_TRY_ASSIGN(Tensor dx, co_await ctx.backward(head, std::move(d)));
+    co_return Result<void>{};
+  };
+  ctx.reset_activation_peak();
+  const std::size_t before = ctx.activation_memory().live_bytes;
+  if (!timed_passes(state, *gpu, once)) return;
+  const double products = 6.0 * static_cast<double>(s.rows) * static_cast<double>(s.vocab) * static_cast<double>(dim);
+  state.counters["TFLOPs"] =
+      benchmark::Counter(products * static_cast<double>(state.iterations()) / 1e12, benchmark::Counter::kIsRate);
+  state.counters["peak_activation_MiB"] =
+      static_cast<double>(ctx.activation_memory().peak_bytes - before) / (1 << 20);
+}
+
 const struct {
   const char* name;
   LogitsShape shape;
@@ -320,6 +372,16 @@ const struct {
         ->Unit(benchmark::kMillisecond);
     benchmark::RegisterBenchmark((std::string("BM_Baseline_LogitsCopy_") + s.name).c_str(), cross_entropy_or_copy,
                                  s.shape, false)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+  }
+  for (const auto& s : kLogitsShapes) {
+    const std::int64_t dim = s.shape.vocab == 50257 ? 1600 : 2048;
+    benchmark::RegisterBenchmark((std::string("BM_FusedOutputLoss_") + s.name).c_str(), output_loss, s.shape, dim, true)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark((std::string("BM_Baseline_WholeLogitsLoss_") + s.name).c_str(), output_loss, s.shape,
+                                 dim, false)
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond);
   }

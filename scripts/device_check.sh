@@ -12,7 +12,9 @@
 # TEST_BUILD and RELEASE_BUILD (default build/test, build/release) may name one build for both.
 # tensor: tensor ranks sharing the card (--tensor-parallel 2 over 4 ranks, the Local backend on device
 # memory) against the same run on the CPU: the losses within 1e-4 (issue 51's GPU check).
-#   scripts/device_check.sh [tests|rest|train|llama|tensor|bench|compare|offload]...   (default: tests train llama bench)
+# loss: the cross-entropy fused with the output layer (--cross-entropy chunked) against the whole
+# logits' on Llama-100m in bf16: losses, activation peaks, tokens/s (issue 52's GPU check).
+#   scripts/device_check.sh [tests|rest|train|llama|tensor|loss|bench|compare|offload]...   (default: tests train llama bench)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/device-out}
@@ -103,6 +105,27 @@ cpu, gpu = ([json.loads(l)["loss"] for l in open(p)] for p in sys.argv[1:])
 diff = max(abs(a - b) / abs(a) for a, b in zip(cpu, gpu)) if cpu and len(cpu) == len(gpu) else float("inf")
 print(f"  tensor parallel, {len(gpu)} steps on the GPU against {len(cpu)} on the CPU: largest relative loss difference "
       f"{diff:.2e} ({'within' if diff <= 1e-4 else 'NOT within'} 1e-4)")
+PY
+      ;;
+    loss)
+      # The cross-entropy fused with the output layer (chunked) against the whole logits' (#52):
+      # Llama-100m's 32,000-token vocabulary in bf16, 8 x 1024 rows: the losses, the activation peak and
+      # tokens/s of each, from the same binary in one run.
+      for kind in whole chunked; do
+        timeout $(cap 240) "$rb"/trainer/coshard-train --device cuda --world-size 1 --preset llama-100m --dtype bf16 \
+          --seq 1024 --batch 8 --steps 30 --cross-entropy "$kind" --metrics "$out/loss_$kind.jsonl" \
+          >"$out/loss_$kind.log" 2>&1
+        echo "cross-entropy $kind rc $?"; tail -2 "$out/loss_$kind.log"
+      done
+      python3 - "$out/loss_whole.jsonl" "$out/loss_chunked.jsonl" <<'PY'
+import json, statistics, sys
+runs = [[json.loads(l) for l in open(p)] for p in sys.argv[1:]]
+for name, rows in zip(("whole", "chunked"), runs):
+    print(f"  {name}: loss {rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}, peak activation "
+          f"{max(r['peak_activation_bytes'] for r in rows) / 2**20:.0f} MiB, tokens/s "
+          f"{statistics.median(r['tokens_per_s'] for r in rows[5:]):.0f}")
+diff = max(abs(a["loss"] - b["loss"]) / abs(a["loss"]) for a, b in zip(*runs))
+print(f"  chunked against whole: largest relative loss difference {diff:.2e} ({'within' if diff <= 2e-2 else 'NOT within'} 2e-2, bf16)")
 PY
       ;;
     llama)

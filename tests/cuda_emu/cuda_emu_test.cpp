@@ -2,7 +2,8 @@
 // translate.py at build time), so that their logic is tested where no GPU is (CI): indexing, tile
 // edges, masks, barriers and the order of sums. Against references computed here in f64 from the
 // same rounded inputs, within each storage type's tolerance:
-//   - the norms (norm.cu): forward, and the fused backward against the two-kernel backward
+//   - the norms (norm.cu): forward, and the fused backward against the two-kernel backward, on
+//     the scalar path and the vector path (rows in registers)
 //     (the input gradient the same bits; the parameter gradients added to what was there);
 //   - the fused attention (kernels/cuda/attention.cu): forward and backward, grouped-query heads, every
 //     served head size, sequences that end inside a tile.
@@ -132,7 +133,14 @@ INSTANTIATE_TEST_SUITE_P(Shapes, EmulatedNorm,
                                            NormCase{false, kF16, 5, 300},   //
                                            // two rows a block, and one (each row of these costs
                                            // the emulation 256 threads' barriers: one shape only)
-                                           NormCase{false, kBF16, 1030, 8}),
+                                           NormCase{false, kBF16, 1030, 8},
+                                           // the vector path (rows of whole 16-byte vectors in
+                                           // registers): fewer vectors than threads, two and four
+                                           // a thread (the most), and one vector too many (scalar)
+                                           NormCase{true, kBF16, 4, 1600},
+                                           NormCase{false, kF16, 2, 4096},
+                                           NormCase{true, kF32, 2, 4096},
+                                           NormCase{false, kBF16, 2, 4104}),
                          [](const auto& info) {
                            std::ostringstream name;
                            name << info.param;

@@ -33,53 +33,61 @@ struct Outcome {
 
 class FusedCrossEntropy : public testing::ModuleFixture {
  protected:
-  std::vector<double> read(const Tensor& t) {
-    auto r = rt_.block_on(ctx_->read(t));
+  std::vector<double> read(Context& ctx, const Tensor& t) {
+    auto r = rt_.block_on(ctx.read(t));
     EXPECT_TRUE(r) << r.error().message();
     return r ? *r : std::vector<double>{};
   }
 
   // One forward and backward of `model` (parameters from seed 7) over a batch of B x T tokens
   // below `vocab`, through `loss`; `late` sets the targets after the model's forward.
-  Outcome run(Module& model, Loss& loss, DataType dt, std::int64_t vocab, bool late = false, std::int64_t B = 2,
-              std::int64_t T = 8) {
+  Outcome run(Module& model, Loss& loss, DataType dt, std::int64_t vocab, bool late = false) {
+    return run_on(*ctx_, model, loss, dt, vocab, late);
+  }
+  Outcome run_on(Context& ctx, Module& model, Loss& loss, DataType dt, std::int64_t vocab, bool late = false) {
+    constexpr std::int64_t B = 2, T = 8;
     Outcome out;
-    auto store = ParameterStore::create(*ctx_, model, dt);
+    auto store = ParameterStore::create(ctx, model, dt);
     EXPECT_TRUE(store) << store.error().message();
     if (!store) return out;
-    EXPECT_TRUE(rt_.block_on(store->initialize(*ctx_, 7)));
-    EXPECT_TRUE(store->zero_grad(*ctx_));
+    EXPECT_TRUE(rt_.block_on(store->initialize(ctx, 7)));
+    EXPECT_TRUE(store->zero_grad(ctx));
     std::vector<int> ids(static_cast<std::size_t>(B * T)), next(ids.size());
     for (std::size_t i = 0; i < ids.size(); ++i) {
       ids[i] = static_cast<int>((i * 37 + 11) % static_cast<std::size_t>(vocab));
       next[i] = static_cast<int>((i * 53 + 5) % static_cast<std::size_t>(vocab));
     }
     next[3] = static_cast<int>(vocab - 1);  // the last column (in the last, shorter chunk)
-    const Tensor inputs = tokens(ids, Shape{B, T}), targets = tokens(next, Shape{B, T});
-    auto seed = ctx_->upload(encode_values(std::vector<double>{1.0}, detail_stat(dt)), Shape{1}, detail_stat(dt));
+    const Tensor inputs = upload_ids(ctx, ids, Shape{B, T}), targets = upload_ids(ctx, next, Shape{B, T});
+    auto seed = ctx.upload(encode_values(std::vector<double>{1.0}, detail_stat(dt)), Shape{1}, detail_stat(dt));
     EXPECT_TRUE(seed);
-    ctx_->reset_activation_peak();
-    const std::size_t before = ctx_->activation_memory().live_bytes;  // the store's
+    ctx.reset_activation_peak();
+    const std::size_t before = ctx.activation_memory().live_bytes;  // the store's
     auto value = rt_.block_on([&]() -> async::Task<Result<Tensor>> {
       if (!late) loss.set_targets(targets);
-      COSHARD_CO_TRY_ASSIGN(Tensor logits, co_await ctx_->forward(model, inputs));
+      COSHARD_CO_TRY_ASSIGN(Tensor logits, co_await ctx.forward(model, inputs));
       if (late) loss.set_targets(targets);
-      COSHARD_CO_TRY_ASSIGN(Tensor v, co_await ctx_->forward(loss, std::move(logits)));
-      COSHARD_CO_TRY_ASSIGN(Tensor d, co_await ctx_->backward(loss, *seed));
-      COSHARD_CO_TRY(co_await ctx_->backward(model, std::move(d)));
+      COSHARD_CO_TRY_ASSIGN(Tensor v, co_await ctx.forward(loss, std::move(logits)));
+      COSHARD_CO_TRY_ASSIGN(Tensor d, co_await ctx.backward(loss, *seed));
+      COSHARD_CO_TRY(co_await ctx.backward(model, std::move(d)));
       co_return v;
     }());
     EXPECT_TRUE(value) << value.error().message();
     if (!value) return out;
-    out.loss = read(*value)[0];
-    out.grads = read(store->grads());
-    out.peak_bytes = ctx_->activation_memory().peak_bytes - before;
+    out.loss = read(ctx, *value)[0];
+    out.grads = read(ctx, store->grads());
+    out.peak_bytes = ctx.activation_memory().peak_bytes - before;
     if (auto* f = dynamic_cast<FusedCrossEntropyLoss*>(&loss)) {
       out.fused = f->last_forward_fused();
       out.chunks = f->last_chunks();
     }
     model.clear_saved_recursive();
     return out;
+  }
+  Tensor upload_ids(Context& ctx, const std::vector<int>& ids, Shape shape) {
+    auto t = ctx.upload(encode_values(std::vector<double>(ids.begin(), ids.end()), DataType::i32), shape, DataType::i32);
+    EXPECT_TRUE(t) << t.error().message();
+    return t ? *t : Tensor{};
   }
   static DataType detail_stat(DataType dt) { return dt == DataType::f64 ? DataType::f64 : DataType::f32; }
 };
@@ -136,6 +144,37 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, FusedCrossEntropyDtypes,
                          ::testing::Values(Case{DataType::f64, 1e-12, 1e-12}, Case{DataType::f32, 1e-6, 1e-5},
                                            Case{DataType::bf16, 1e-3, 2e-2}),
                          [](const auto& info) { return std::string(async::to_string(info.param.dt)); });
+
+// On a GPU (skipped without one): the CUDA kernels (chunk_ce_sums, the bf16 products summed in
+// f32 by cuBLAS) against CrossEntropyLoss on the same device, a tied and a Linear head.
+TEST_F(FusedCrossEntropy, OnCudaGivesCrossEntropysLossAndGradients) {
+  COSHARD_SKIP_WITHOUT_CUDA();
+  auto stream = async::Stream::create(async::Device::cuda(0), {.name = "fused_ce"});
+  ASSERT_TRUE(stream) << stream.error().message();
+  auto allocator = async::CachingAllocator::create(async::Device::cuda(0));
+  ASSERT_TRUE(allocator) << allocator.error().message();
+  auto ctx = Context::create(*stream, **allocator);
+  ASSERT_TRUE(ctx) << ctx.error().message();
+  for (const DataType dt : {DataType::f32, DataType::bf16})
+    for (const bool tied : {false, true}) {
+      SCOPED_TRACE(std::string(async::to_string(dt)) + (tied ? " tied" : " Linear"));
+      auto make = [&]() -> std::unique_ptr<Module> {
+        if (tied) return std::move(*make_llama(llama_config()));
+        return std::move(*make_gpt(gpt_config()));
+      };
+      auto plain_model = make(), fused_model = make();
+      CrossEntropyLoss plain;
+      FusedCrossEntropyLoss fused({.chunk_bytes = 16096});
+      ASSERT_TRUE(fused.attach(*fused_model));
+      const Outcome want = run_on(*ctx, *plain_model, plain, dt, 1000);
+      const Outcome got = run_on(*ctx, *fused_model, fused, dt, 1000);
+      EXPECT_TRUE(got.fused);
+      EXPECT_GE(got.chunks, 3);
+      EXPECT_NEAR(got.loss, want.loss, (dt == DataType::f32 ? 1e-5 : 1e-2) * want.loss);
+      EXPECT_LT(normwise_error(got.grads, want.grads), dt == DataType::f32 ? 1e-4 : 3e-2);
+    }
+  (void)stream->synchronize();
+}
 
 TEST_F(FusedCrossEntropy, TheActivationPeakDropsByTheLogitsAndTheirGradient) {
   // A vocabulary large against the rest: the logits [16, 8192] f32 are 512 KiB, the rest of the
