@@ -197,6 +197,22 @@ TEST_F(FusedCrossEntropy, TheActivationPeakDropsByTheLogitsAndTheirGradient) {
   EXPECT_LE(got.peak_bytes + 2 * logits, want.peak_bytes + (64 << 10) + 4096)
       << "fused peak " << got.peak_bytes << " B, over the logits " << want.peak_bytes << " B";
   EXPECT_LT(got.peak_bytes * 3, want.peak_bytes) << got.peak_bytes << " B against " << want.peak_bytes << " B";
+  // The estimates (gpt_activation_bytes) come within 5% of both measured peaks (the small
+  // tensors they leave out: the loss's, the targets'), and drop with the chunks.
+  const auto whole_estimate = static_cast<double>(gpt_activation_bytes(cfg, 2, 8, DataType::f32));
+  const auto chunked_estimate = static_cast<double>(gpt_activation_bytes(cfg, 2, 8, DataType::f32, 0, false, 64 << 10));
+  EXPECT_NEAR(whole_estimate, static_cast<double>(want.peak_bytes), 0.05 * whole_estimate);
+  EXPECT_NEAR(chunked_estimate, static_cast<double>(got.peak_bytes), 0.05 * chunked_estimate);
+  EXPECT_LT(chunked_estimate + logits, whole_estimate);
+}
+
+// Llama-3.2-1B's 128,256-token vocabulary over 8 x 1024 rows in bf16: the estimate drops by the
+// logits and their gradient (2 x 2 GiB) less one 256 MiB chunk and the head input's f32 gradient.
+TEST(FusedCrossEntropyEstimates, LlamaDropsTheLogits) {
+  const LlamaConfig c = llama_preset("Llama-3.2-1B")->config;
+  const auto whole = llama_activation_bytes(c, 8, 1024, DataType::bf16, 0, true);
+  const auto chunked = llama_activation_bytes(c, 8, 1024, DataType::bf16, 0, true, std::int64_t{256} << 20);
+  EXPECT_GT(whole - chunked, std::size_t{3} << 30) << whole << " against " << chunked;
 }
 
 TEST_F(FusedCrossEntropy, TargetsSetAfterTheModelsForwardTakeThePlainPathWithTheSameNumbers) {

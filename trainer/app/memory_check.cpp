@@ -38,7 +38,8 @@ Result<RunMemory> estimate_run(const trainer::TrainerConfig& c, const RunShape& 
   in.rows_per_rank = rows;
   in.seq = shape.seq;
   in.activation_bytes = part.activation_bytes(rows / c.gradient_accumulation_steps, shape.seq, c.engine_options().dtype,
-                                              c.activation_checkpointing, shape.device, c.attention);
+                                              c.activation_checkpointing, shape.device, c.attention,
+                                              c.chunked_cross_entropy_bytes(shape.device));
   in.checkpoints = shape.checkpoints;
   in.export_model = shape.export_model;
   RunMemory out;

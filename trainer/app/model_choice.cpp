@@ -65,10 +65,13 @@ std::int64_t ModelChoice::head_dim() const noexcept {
 
 std::size_t ModelChoice::activation_bytes(std::int64_t rows, std::int64_t seq, modules::DataType dtype,
                                           modules::ActivationCheckpointing policy, async::Device device,
-                                          modules::AttentionKernels attention) const {
+                                          modules::AttentionKernels attention,
+                                          std::int64_t logits_chunk_bytes) const {
   const bool fused = modules::attention_is_fused(device, dtype, head_dim(), attention);
-  if (kind == Kind::gpt) return modules::gpt_activation_bytes(gpt, rows, seq, dtype, policy.count(gpt.layers), fused);
-  return modules::llama_activation_bytes(llama, rows, seq, dtype, policy.count(llama.layers), fused);
+  if (kind == Kind::gpt)
+    return modules::gpt_activation_bytes(gpt, rows, seq, dtype, policy.count(gpt.layers), fused, logits_chunk_bytes);
+  return modules::llama_activation_bytes(llama, rows, seq, dtype, policy.count(llama.layers), fused,
+                                         logits_chunk_bytes);
 }
 
 Result<ModelChoice> resolve_model(const ModelFlags& f) {

@@ -35,10 +35,11 @@ struct ModelChoice {
   Result<std::unique_ptr<modules::Sequential>> build(collectives::Communicator& tensor_group) const;
   std::int64_t head_dim() const noexcept;
   // One micro-batch's activations on `device` (modules' estimates), with `policy`'s blocks
-  // checkpointed and attention fused where it runs fused.
+  // checkpointed and attention fused where it runs fused; the logits in chunks of at most
+  // `logits_chunk_bytes` (0: whole).
   std::size_t activation_bytes(std::int64_t rows, std::int64_t seq, modules::DataType dtype,
                                modules::ActivationCheckpointing policy, async::Device device,
-                               modules::AttentionKernels attention) const;
+                               modules::AttentionKernels attention, std::int64_t logits_chunk_bytes = 0) const;
 };
 
 // The model options of coshard-train as given (an unset optional: not given).

@@ -42,13 +42,12 @@ struct Trainer::Impl {
   // automatic on CUDA (the whole logits' loss where it cannot). After LoRA: adapters on the
   // output layer leave it whole.
   Result<void> choose_loss(modules::Module& model, bool builders_loss, int tensor_size) {
-    using K = CrossEntropyKind;
-    if (builders_loss || tensor_size > 1 || config.cross_entropy == K::whole) return {};
-    if (config.cross_entropy == K::automatic && ctx->device().is_cpu()) return {};
+    const std::int64_t chunk_bytes = config.chunked_cross_entropy_bytes(ctx->device());
+    if (builders_loss || tensor_size > 1 || chunk_bytes == 0) return {};
     auto chunked = std::make_unique<modules::FusedCrossEntropyLoss>(
-        modules::FusedCrossEntropyOptions{.chunk_bytes = config.cross_entropy_chunk_mib << 20});
+        modules::FusedCrossEntropyOptions{.chunk_bytes = chunk_bytes});
     if (auto attached = chunked->attach(model); !attached) {
-      if (config.cross_entropy == K::chunked)
+      if (config.cross_entropy == CrossEntropyKind::chunked)
         return fail(std::move(attached).error().with_context("cross_entropy=chunked"));
       return {};
     }

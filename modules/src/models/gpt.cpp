@@ -32,7 +32,8 @@ std::int64_t GptConfig::parameter_count() const noexcept {
 }
 
 std::size_t gpt_activation_bytes(const GptConfig& c, std::int64_t rows, std::int64_t seq, DataType dtype,
-                                 std::int64_t checkpointed_blocks, bool fused_attention) {
+                                 std::int64_t checkpointed_blocks, bool fused_attention,
+                                 std::int64_t logits_chunk_bytes) {
   const auto e = static_cast<double>(size_of(dtype));
   const double N = static_cast<double>(rows) * static_cast<double>(seq);  // tokens
   const double D = static_cast<double>(c.dim), V = static_cast<double>(c.vocab);
@@ -47,10 +48,15 @@ std::size_t gpt_activation_bytes(const GptConfig& c, std::int64_t rows, std::int
   // A checkpointed block keeps its input only; one block's activations come back in backward.
   const auto L = static_cast<double>(c.layers), K = static_cast<double>(std::clamp<std::int64_t>(checkpointed_blocks, 0, c.layers));
   const double blocks = (L - K) * block + K * D * N * e + (K > 0 ? block : 0);
-  const double saved = blocks + (2 * D + V) * N * e + stats;  // ln_f, head's input, logits
-  // Backward's temporaries beside them: the logits' gradient with the head's input gradient, or
-  // attention's scratch and its qkv gradient, or the MLP's.
-  const double working = std::max({(V + D) * N * e, (2 * probs + 4 * D * N) * e, (2 * hidden + 2 * D) * N * e});
+  // The logits held (or, chunked, the rows' running max and sums), ln_f's output and the head's input.
+  const double chunk = std::min(static_cast<double>(logits_chunk_bytes), V * N * e);
+  const double logits = logits_chunk_bytes > 0 ? 3 * N * 4 : V * N * e;
+  const double saved = blocks + 2 * D * N * e + logits + stats;
+  // Backward's temporaries beside them: the logits' gradient with the head's input gradient (or
+  // one chunk and that gradient summed in f32), or attention's scratch and its qkv gradient, or
+  // the MLP's.
+  const double head_grad = logits_chunk_bytes > 0 ? chunk + D * N * (4 + e) : (V + D) * N * e;
+  const double working = std::max({head_grad, (2 * probs + 4 * D * N) * e, (2 * hidden + 2 * D) * N * e});
   return static_cast<std::size_t>(saved + working);
 }
 

@@ -113,7 +113,8 @@ Result<LlamaPreset> llama_preset(std::string_view name) {
 }
 
 std::size_t llama_activation_bytes(const LlamaConfig& c, std::int64_t rows, std::int64_t seq, DataType dtype,
-                                   std::int64_t checkpointed_blocks, bool fused_attention) {
+                                   std::int64_t checkpointed_blocks, bool fused_attention,
+                                   std::int64_t logits_chunk_bytes) {
   const auto e = static_cast<double>(size_of(dtype));
   const double N = static_cast<double>(rows) * static_cast<double>(seq);  // tokens
   const double D = static_cast<double>(c.dim), V = static_cast<double>(c.vocab);
@@ -129,8 +130,13 @@ std::size_t llama_activation_bytes(const LlamaConfig& c, std::int64_t rows, std:
   const double block = (4 * D + 2 * qkv + attn + 3 * I) * N * e + probs * e + 2 * stats;
   const double kept = D * N * e;  // a checkpointed block keeps its input only
   const auto L = static_cast<double>(c.layers), K = static_cast<double>(std::clamp<std::int64_t>(checkpointed_blocks, 0, c.layers));
-  const double saved = (L - K) * block + K * kept + (K > 0 ? block : 0) + (2 * D + V) * N * e + stats;
-  const double working = std::max({(V + D) * N * e, (2 * probs + 2 * qkv * N) * e, (4 * I + 2 * D) * N * e});
+  // The logits held and their gradient beside the head input's (or one chunk of them, its rows'
+  // running max and sums, and the head input's gradient summed in f32).
+  const double chunk = std::min(static_cast<double>(logits_chunk_bytes), V * N * e);
+  const double logits = logits_chunk_bytes > 0 ? 3 * N * 4 : V * N * e;
+  const double head_grad = logits_chunk_bytes > 0 ? chunk + D * N * (4 + e) : (V + D) * N * e;
+  const double saved = (L - K) * block + K * kept + (K > 0 ? block : 0) + 2 * D * N * e + logits + stats;
+  const double working = std::max({head_grad, (2 * probs + 2 * qkv * N) * e, (4 * I + 2 * D) * N * e});
   return static_cast<std::size_t>(saved + working);
 }
 

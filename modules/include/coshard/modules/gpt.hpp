@@ -35,7 +35,10 @@ Result<std::unique_ptr<Sequential>> make_gpt(const GptConfig& config);
 // (checkpointing.hpp), those keep their input only, and one block's activations come back at a time.
 // With `fused_attention` (attention_is_fused, layers.hpp), attention keeps one f32 a query row
 // instead of its probabilities.
+// With `logits_chunk_bytes` (FusedCrossEntropyLoss, fused_cross_entropy.hpp), the logits are made
+// a chunk of at most that many bytes at a time and never held whole (0: held whole).
 std::size_t gpt_activation_bytes(const GptConfig& config, std::int64_t rows, std::int64_t seq, DataType dtype,
-                                 std::int64_t checkpointed_blocks = 0, bool fused_attention = false);
+                                 std::int64_t checkpointed_blocks = 0, bool fused_attention = false,
+                                 std::int64_t logits_chunk_bytes = 0);
 
 }  // namespace coshard::modules

@@ -76,7 +76,10 @@ Result<void> check_tensor_parallel(const LlamaConfig& config, std::int64_t tenso
 // the logits and backward's largest temporaries. With `checkpointed_blocks` of the layers
 // checkpointed, those keep their input only, and one block's activations come back at a time.
 // With `fused_attention`, attention keeps one f32 a query row instead of its probabilities.
+// With `logits_chunk_bytes` (FusedCrossEntropyLoss, fused_cross_entropy.hpp), the logits are made
+// a chunk of at most that many bytes at a time and never held whole (0: held whole).
 std::size_t llama_activation_bytes(const LlamaConfig& config, std::int64_t rows, std::int64_t seq, DataType dtype,
-                                   std::int64_t checkpointed_blocks = 0, bool fused_attention = false);
+                                   std::int64_t checkpointed_blocks = 0, bool fused_attention = false,
+                                   std::int64_t logits_chunk_bytes = 0);
 
 }  // namespace coshard::modules

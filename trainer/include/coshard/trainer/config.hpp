@@ -90,6 +90,14 @@ struct TrainerConfig : zero::EngineOptions {
   // loss).
   CrossEntropyKind cross_entropy = CrossEntropyKind::automatic;
   std::int64_t cross_entropy_chunk_mib = 256;
+  // The most bytes a chunk of logits takes where the trainer's own loss is chunked on `device`,
+  // else 0 (whole): chunked, or automatic on CUDA, without tensor parallelism. (Where the output
+  // layer refuses the fused loss, automatic falls back to whole: LoRA adapters on it.)
+  std::int64_t chunked_cross_entropy_bytes(async::Device device) const noexcept {
+    if (tensor_parallel_size > 1 || cross_entropy == CrossEntropyKind::whole) return 0;
+    if (cross_entropy == CrossEntropyKind::automatic && device.is_cpu()) return 0;
+    return cross_entropy_chunk_mib << 20;
+  }
   // The step.
   int gradient_accumulation_steps = 1;  // micro-batches per step on each rank
   float max_grad_norm = 1.0f;           // 0: no clipping
