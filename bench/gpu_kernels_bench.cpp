@@ -239,19 +239,24 @@ struct LogitsShape {
   std::int64_t rows, vocab;
 };
 
+// One random target a row below the vocabulary, on the device.
+Result<Tensor> random_targets(Context& ctx, LogitsShape s, unsigned seed) {
+  std::vector<std::byte> ids(static_cast<std::size_t>(s.rows) * sizeof(std::int32_t));
+  std::mt19937 gen(seed);
+  for (std::int64_t r = 0; r < s.rows; ++r) {
+    const auto id = static_cast<std::int32_t>(gen() % static_cast<std::uint32_t>(s.vocab));
+    std::memcpy(ids.data() + r * sizeof id, &id, sizeof id);
+  }
+  return ctx.upload(ids, Shape{s.rows}, DataType::i32);
+}
+
 // The cross-entropy loss's forward and backward (with_loss), or a device copy of the logits.
 void cross_entropy_or_copy(benchmark::State& state, LogitsShape s, bool with_loss) {
   auto gpu = gpu_rank(state);
   if (!gpu) return;
   Context& ctx = *gpu->ctx;
   auto logits = ctx.empty(Shape{s.rows, s.vocab}, DataType::bf16);
-  std::vector<std::byte> ids(static_cast<std::size_t>(s.rows) * sizeof(std::int32_t));
-  std::mt19937 gen(4);
-  for (std::int64_t r = 0; r < s.rows; ++r) {
-    const auto id = static_cast<std::int32_t>(gen() % static_cast<std::uint32_t>(s.vocab));
-    std::memcpy(ids.data() + r * sizeof id, &id, sizeof id);
-  }
-  auto targets = ctx.upload(ids, Shape{s.rows}, DataType::i32);
+  auto targets = random_targets(ctx, s, 4);
   if (!logits || !targets || !ctx.copy_from_host(*logits, random_bf16(logits->bytes(), 4.0f, 5))) {
     state.SkipWithError("cannot make the logits and targets");
     return;
@@ -282,13 +287,7 @@ void output_loss(benchmark::State& state, LogitsShape s, std::int64_t dim, bool 
   Linear head(dim, s.vocab, false);
   auto store = ParameterStore::create(ctx, head, DataType::bf16);
   auto hidden = ctx.empty(Shape{s.rows, dim}, DataType::bf16);
-  std::vector<std::byte> ids(static_cast<std::size_t>(s.rows) * sizeof(std::int32_t));
-  std::mt19937 gen(6);
-  for (std::int64_t r = 0; r < s.rows; ++r) {
-    const auto id = static_cast<std::int32_t>(gen() % static_cast<std::uint32_t>(s.vocab));
-    std::memcpy(ids.data() + r * sizeof id, &id, sizeof id);
-  }
-  auto targets = ctx.upload(ids, Shape{s.rows}, DataType::i32);
+  auto targets = random_targets(ctx, s, 6);
   if (!store || !hidden || !targets || !ctx.copy_from_host(*hidden, random_bf16(hidden->bytes(), 1.0f, 7)) ||
       !gpu->rt.block_on(store->initialize(ctx, 8))) {
     state.SkipWithError("cannot make the output layer, its input and targets");
