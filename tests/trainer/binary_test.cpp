@@ -277,6 +277,9 @@ TEST(CoshardTrain, TheChunkedCrossEntropyGivesTheWholeLogitsLossesWithLessMemory
   EXPECT_NE(lora.code, 0);
   EXPECT_NE(lora.output.find("cross_entropy=chunked"), std::string::npos) << lora.output;
   EXPECT_NE(lora.output.find("LoRA adapter(s)"), std::string::npos) << lora.output;
+  const auto split = run(with(llama, {"--cross-entropy", "chunked", "--tensor-parallel", "2"}), dir);
+  EXPECT_NE(split.code, 0);
+  EXPECT_NE(split.output.find("cross_entropy=chunked with tensor_parallel_size=2"), std::string::npos) << split.output;
 }
 
 // --export FOLDER writes a Hugging Face Llama folder; --init FOLDER takes the model's shape from its
