@@ -246,14 +246,18 @@ TEST(CoshardTrain, TheChunkedCrossEntropyGivesTheWholeLogitsLossesWithLessMemory
   const std::vector<std::string> gpt = {"--model", "gpt", "--layers", "1", "--dim", "32", "--heads", "4",
                                         "--vocab", "8192", "--seq", "16", "--batch", "8", "--world-size", "2",
                                         "--steps", "6", "--lr", "1e-2", "--zero-stage", "1"};
+  // The validation loss (the engine's evaluate: a forward alone) goes the same way; samples need logits.
+  const std::vector<std::string> checks = {"--eval-every", "3", "--sample-every", "3", "--sample-tokens", "4"};
   for (const auto& [name, base] : {std::pair{"llama", llama}, std::pair{"gpt", gpt}}) {
     SCOPED_TRACE(name);
     std::map<std::string, std::vector<nlohmann::json>> rows;
     for (const std::string kind : {"whole", "chunked", "auto"}) {
       const fs::path metrics = dir / (std::string(name) + "-" + kind + ".jsonl");
-      const auto r = run(with(base, {"--cross-entropy", kind, "--cross-entropy-chunk-mib", "1", "--metrics",
-                                     metrics.string()}),
-                         dir);
+      std::vector<std::string> args = with(base, {"--cross-entropy", kind, "--cross-entropy-chunk-mib", "1", "--metrics",
+                                                  metrics.string()});
+      args.insert(args.end(), checks.begin(), checks.end());
+      const auto r = run(args, dir);
+      EXPECT_NE(r.output.find("sample after step 3"), std::string::npos) << r.output;
       ASSERT_EQ(r.code, 0) << r.output;
       EXPECT_EQ(r.output.find("cross-entropy: fused with the output layer, in chunks of at most 1 MiB") != std::string::npos, kind == "chunked")
           << r.output;
@@ -261,10 +265,15 @@ TEST(CoshardTrain, TheChunkedCrossEntropyGivesTheWholeLogitsLossesWithLessMemory
       for (std::string line; std::getline(in, line);) rows[kind].push_back(nlohmann::json::parse(line));
       ASSERT_EQ(rows[kind].size(), 6u);
     }
+    EXPECT_TRUE(rows["chunked"][2].contains("val_loss") && rows["chunked"][5].contains("val_loss"));
     for (std::size_t i = 0; i < 6; ++i) {
       const double whole = rows["whole"][i]["loss"].get<double>(), chunked = rows["chunked"][i]["loss"].get<double>();
       EXPECT_NEAR(chunked, whole, 1e-5 * whole) << "step " << i;
       EXPECT_EQ(rows["auto"][i]["loss"], rows["whole"][i]["loss"]) << "step " << i;
+      if (rows["whole"][i].contains("val_loss")) {
+        const double v = rows["whole"][i]["val_loss"].get<double>();
+        EXPECT_NEAR(rows["chunked"][i]["val_loss"].get<double>(), v, 1e-5 * v) << "step " << i;
+      }
       // The whole logits and their gradient are 2 x 64 x 8192 x 4 bytes = 4 MiB; a chunk 1 MiB.
       EXPECT_LT(rows["chunked"][i]["peak_activation_bytes"].get<double>() + (2 << 20),
                 rows["whole"][i]["peak_activation_bytes"].get<double>())
