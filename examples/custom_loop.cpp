@@ -61,8 +61,8 @@ async::Task<Result<void>> train(zero::Rank& rank, std::vector<double>& losses) {
     COSHARD_CO_TRY(co_await engine->begin_step(kMicroBatches, /*lr=*/3e-3f));
     for (int m = 0; m < kMicroBatches; ++m) {
       COSHARD_CO_TRY_ASSIGN(auto batch, micro_batch(ctx, step, comm.rank(), m));
+      loss.set_targets(batch.targets);  // before the model's forward (a FusedCrossEntropyLoss takes them there)
       COSHARD_CO_TRY_ASSIGN(Tensor prediction, co_await ctx.forward(model, batch.inputs));
-      loss.set_targets(batch.targets);
       COSHARD_CO_TRY_ASSIGN(Tensor value, co_await ctx.forward(loss, prediction));
       COSHARD_CO_TRY_ASSIGN(Tensor grad, co_await ctx.backward(loss, engine->backward_seed()));
       COSHARD_CO_TRY(co_await ctx.backward(model, grad));

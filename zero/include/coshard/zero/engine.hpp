@@ -366,8 +366,8 @@ class Engine final : public ModuleHooks {
   //
   //   co_await engine.begin_step(micro_batches, lr);        // gradients reset, trace and prefetch armed
   //   for (const auto& mb : batches) {                      // exactly micro_batches times
+  //     loss.set_targets(mb.targets);                       // first: a fused output layer takes them
   //     auto out = co_await ctx.forward(model, mb.inputs);  // units gathered as modules run
-  //     loss.set_targets(mb.targets);
   //     auto value = co_await ctx.forward(loss, *out);
   //     auto dout = co_await ctx.backward(loss, engine.backward_seed());
   //     co_await ctx.backward(model, *dout);                // gradients reduced as units finish
