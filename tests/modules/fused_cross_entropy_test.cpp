@@ -9,6 +9,7 @@
 #include <cmath>
 #include <memory>
 
+#include "coshard/modules/checkpointing.hpp"
 #include "coshard/modules/fused_cross_entropy.hpp"
 #include "coshard/modules/gpt.hpp"
 #include "coshard/modules/llama.hpp"
@@ -301,6 +302,33 @@ TEST_F(FusedCrossEntropy, RefusalsNameWhatIsWrong) {
     ASSERT_FALSE(out);
     EXPECT_NE(out.error().message().find("expected i32 with 4 elements"), std::string::npos) << out.error().message();
     model->clear_saved_recursive();
+  }
+  {
+    // An output layer inside a checkpointed block (which drops its saved state after forward, and
+    // would recompute without targets): the loss's forward fails naming that, never trains on a
+    // wrong gradient.
+    Sequential model;
+    auto& wrapped = model.add("block", std::make_unique<Checkpointed>(std::make_unique<Linear>(8, 40, false)));
+    FusedCrossEntropyLoss loss({.chunk_bytes = 256});
+    ASSERT_TRUE(loss.attach(wrapped.inner()));
+    auto store = ParameterStore::create(*ctx_, model, DataType::f32);
+    ASSERT_TRUE(store);
+    ASSERT_TRUE(rt_.block_on(store->initialize(*ctx_, 1)));
+    ASSERT_TRUE(store->zero_grad(*ctx_));
+    const Tensor x = host_tensor(random_values(4 * 8, 9), Shape{4, 8}, DataType::f32);
+    auto seed = ctx_->upload(encode_values(std::vector<double>{1.0}, DataType::f32), Shape{1}, DataType::f32);
+    ASSERT_TRUE(seed);
+    auto r = rt_.block_on([&]() -> async::Task<Result<Tensor>> {
+      loss.set_targets(tokens({1, 2, 3, 39}, Shape{4}));
+      COSHARD_CO_TRY_ASSIGN(Tensor v, co_await ctx_->forward(model, x));
+      COSHARD_CO_TRY_ASSIGN(Tensor l, co_await ctx_->forward(loss, std::move(v)));
+      COSHARD_CO_TRY_ASSIGN(Tensor d, co_await ctx_->backward(loss, *seed));
+      co_return co_await ctx_->backward(model, std::move(d));
+    }());
+    ASSERT_FALSE(r);
+    EXPECT_NE(r.error().message().find("the output layer's loss was dropped before this forward"), std::string::npos)
+        << r.error().message();
+    model.clear_saved_recursive();
   }
   {
     // Destroyed first: the layer gives logits again.

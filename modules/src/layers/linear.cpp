@@ -36,7 +36,7 @@ async::Task<Result<Tensor>> Linear::forward(Context& ctx, Tensor input) {
       co_return fail(ErrorCode::unsupported, "Linear: LoRA adapters on an output layer fused with its loss");
     co_return output_loss_->forward(ctx, std::move(input), weight(), bias(), in_, out_, "Linear");
   }
-  if (output_loss_) output_loss_->clear_saved();  // (this forward's backward is the plain one)
+  if (output_loss_) output_loss_->forget();  // (this forward's backward is the plain one)
   COSHARD_CO_TRY_ASSIGN(Tensor out, detail::times_weight_transposed(ctx, input, weight(), in_, out_, bias()));
   input_.push(input);
   // The adapters add into their rows of the output, each through the hooks (an engine's unit).

@@ -35,6 +35,7 @@ Result<Tensor> OutputLoss::forward(Context& ctx, Tensor hidden, const Parameter&
   Tensor targets = std::move(targets_);
   targets_ = {};
   saved_ = {};
+  taken_ = dropped_ = false;
   if (targets.dtype() != DataType::i32 || targets.numel() != N || !(targets.device() == ctx.device()))
     return fail(ErrorCode::invalid_argument, who, " (fused with FusedCrossEntropyLoss): targets ", targets.describe(),
                 ", expected i32 with ", N, " elements (one per row of the input ", hidden.describe(), ") on ",
@@ -176,7 +177,17 @@ std::int64_t FusedCrossEntropyLoss::last_chunks() const noexcept { return state_
 
 async::Task<Result<Tensor>> FusedCrossEntropyLoss::forward(Context& ctx, Tensor input) {
   state_->set_targets({});  // (consumed by the output layer, or not wanted there any more)
+  if (state_->dropped()) {
+    state_->forget();
+    plain_.set_targets({});
+    co_return fail(ErrorCode::invalid_argument,
+                   "FusedCrossEntropyLoss: the output layer's loss was dropped before this forward (its saved state "
+                   "cleared: the layer inside an activation-checkpointed block, whose recompute has no targets, or "
+                   "clear_saved between the model's forward and the loss's); keep the output layer outside "
+                   "checkpointed blocks, or use CrossEntropyLoss");
+  }
   if (state_->produced(input)) {
+    state_->take();
     fused_pass_ = last_fused_ = true;
     plain_.set_targets({});
     co_return input;

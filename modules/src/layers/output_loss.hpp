@@ -37,14 +37,28 @@ class OutputLoss {
   // dL/dhidden for the loss's seed, adding into w's (and bias's) gradient where they train.
   Result<Tensor> backward(Context& ctx, const Tensor& seed, const Parameter& w, const Parameter* bias, std::int64_t in,
                           std::int64_t vocab, std::string_view who);
-  // Whether `value` is the loss the last forward gave (the loss module passes it on).
+  // Whether `value` is the loss the last forward gave (the loss module passes it on, and takes it).
   bool produced(const Tensor& value) const noexcept {
     return value && saved_.loss && value.data() == saved_.loss.data();
   }
-  void clear_saved() noexcept { saved_ = {}; }
+  void take() noexcept { taken_ = true; }
+  // Whether a loss this layer gave was dropped (its module's saved state cleared) before the loss
+  // module took it: the layer inside activation checkpointing, or clear_saved between the forwards.
+  bool dropped() const noexcept { return dropped_; }
+  // The module's clear_saved.
+  void clear_saved() noexcept {
+    if (saved_.loss && !taken_) dropped_ = true;
+    saved_ = {};
+  }
+  // A forward of the layer's own (logits): what an earlier fused forward left no longer counts.
+  void forget() noexcept {
+    saved_ = {};
+    dropped_ = false;
+  }
   void clear() noexcept {
     saved_ = {};
     targets_ = {};
+    dropped_ = false;
   }
 
   // The columns of one chunk for `rows` rows of `dt` logits in a vocabulary of `vocab`: as many
@@ -62,6 +76,7 @@ class OutputLoss {
   bool attached_ = false;
   Tensor targets_;
   Saved saved_;
+  bool taken_ = false, dropped_ = false;
   std::int64_t last_chunks_ = 0;
 };
 

@@ -51,7 +51,7 @@ async::Task<Result<Tensor>> TokenEmbedding::project(Context& ctx, Tensor hidden)
   if (output_loss_ && output_loss_->armed())
     co_return output_loss_->forward(ctx, std::move(hidden), weight(), nullptr, dim_, vocab_,
                                     "TokenEmbedding (tied output layer)");
-  if (output_loss_) output_loss_->clear_saved();  // (this use's backward is the plain one)
+  if (output_loss_) output_loss_->forget();  // (this use's backward is the plain one)
   COSHARD_CO_TRY_ASSIGN(Tensor logits, detail::times_weight_transposed(ctx, hidden, weight(), dim_, vocab_));
   saved_.push_back(std::move(hidden));
   co_return logits;
