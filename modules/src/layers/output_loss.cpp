@@ -14,9 +14,20 @@ namespace coshard::modules {
 namespace detail {
 namespace {
 
-// p + elements of `dt`.
-void* at(void* p, std::int64_t elements, DataType dt) {
-  return static_cast<std::byte*>(p) + elements * static_cast<std::int64_t>(size_of(dt));
+// Rows [first, first + rows) of a [.., in] parameter tensor (a weight, its gradient; in 1 for a bias).
+Tensor rows_of(const Tensor& t, std::int64_t first, std::int64_t rows, std::int64_t in) {
+  return t.slice(first * in, in == 1 ? Shape{rows} : Shape{rows, in});
+}
+
+// One chunk's logits: out [N, V] = hidden W[first, first + V)^T (+ bias[first, first + V)).
+Result<void> chunk_logits(Context& ctx, const Tensor& hidden, const Parameter& w, const Parameter* bias,
+                          std::int64_t in, std::int64_t first, std::int64_t V, const Tensor& out) {
+  const DataType dt = hidden.dtype();
+  const std::int64_t N = hidden.shape().rows();
+  GemmArgs g{.trans_b = true, .m = N, .n = V, .k = in, .a = hidden.data(), .lda = in,
+             .b = rows_of(w.value(), first, V, in).data(), .ldb = in, .c = out.data(), .ldc = V};
+  if (bias) return ctx.kernels().gemm_bias(ctx.stream(), dt, g, rows_of(bias->value(), first, V, 1).data());
+  return ctx.kernels().gemm(ctx.stream(), dt, g);
 }
 
 }  // namespace
@@ -51,10 +62,7 @@ Result<Tensor> OutputLoss::forward(Context& ctx, Tensor hidden, const Parameter&
     std::int64_t chunks = 0;
     for (std::int64_t first = 0; first < vocab; first += step, ++chunks) {
       const std::int64_t V = std::min(step, vocab - first);
-      GemmArgs g{.trans_b = true, .m = N, .n = V, .k = in, .a = hidden.data(), .lda = in,
-                 .b = at(w.value().data(), first * in, dt), .ldb = in, .c = logits.data(), .ldc = V};
-      if (bias) COSHARD_TRY(k.gemm_bias(s, dt, g, at(bias->value().data(), first, dt)));
-      else COSHARD_TRY(k.gemm(s, dt, g));
+      COSHARD_TRY(chunk_logits(ctx, hidden, w, bias, in, first, V, logits));
       COSHARD_TRY(k.chunk_ce_sums(s, dt, logits.data(), targets.data_as<std::int32_t>(), max.data(), sums.data(), N, V,
                                   first, vocab));
     }
@@ -85,20 +93,17 @@ Result<Tensor> OutputLoss::backward(Context& ctx, const Tensor& seed, const Para
   const bool weight_trains = trains(w), bias_trains = bias && trains(*bias);
   for (std::int64_t first = 0; first < vocab; first += step) {
     const std::int64_t V = std::min(step, vocab - first);
-    const void* w_rows = at(w.value().data(), first * in, dt);
-    GemmArgs g{.trans_b = true, .m = N, .n = V, .k = in, .a = hidden.data(), .lda = in, .b = w_rows, .ldb = in,
-               .c = chunk.data(), .ldc = V};
-    if (bias) COSHARD_TRY(k.gemm_bias(s, dt, g, at(bias->value().data(), first, dt)));
-    else COSHARD_TRY(k.gemm(s, dt, g));
+    COSHARD_TRY(chunk_logits(ctx, hidden, w, bias, in, first, V, chunk));
     COSHARD_TRY(k.vocab_ce_backward(s, dt, chunk.data(), saved.targets.data_as<std::int32_t>(), saved.max.data(),
                                     saved.sums.data(), seed.data(), chunk.data(), N, V, first));
     if (weight_trains) {
       GemmArgs gw{.trans_a = true, .m = V, .n = in, .k = N, .a = chunk.data(), .lda = V, .b = hidden.data(),
-                  .ldb = in, .c = at(w.grad().data(), first * in, dt), .ldc = in, .beta = 1.0f};
+                  .ldb = in, .c = rows_of(w.grad(), first, V, in).data(), .ldc = in, .beta = 1.0f};
       COSHARD_TRY(k.gemm(s, dt, gw));
     }
-    if (bias_trains) COSHARD_TRY(k.bias_grad(s, dt, chunk.data(), at(bias->grad().data(), first, dt), N, V));
-    GemmArgs gx{.m = N, .n = in, .k = V, .a = chunk.data(), .lda = V, .b = w_rows, .ldb = in, .c = dx_sum.data(),
+    if (bias_trains) COSHARD_TRY(k.bias_grad(s, dt, chunk.data(), rows_of(bias->grad(), first, V, 1).data(), N, V));
+    GemmArgs gx{.m = N, .n = in, .k = V, .a = chunk.data(), .lda = V, .b = rows_of(w.value(), first, V, in).data(),
+                .ldb = in, .c = dx_sum.data(),
                 .ldc = in, .beta = first == 0 ? 0.0f : 1.0f, .c_in_stat_dtype = true};
     COSHARD_TRY(k.gemm(s, dt, gx));
   }
@@ -113,7 +118,7 @@ Result<Tensor> OutputLoss::backward(Context& ctx, const Tensor& seed, const Para
 // ---- FusedCrossEntropyLoss ----
 
 FusedCrossEntropyLoss::FusedCrossEntropyLoss(FusedCrossEntropyOptions options)
-    : state_(std::make_shared<detail::OutputLoss>(options.chunk_bytes)), options_(options) {}
+    : state_(std::make_shared<detail::OutputLoss>(options.chunk_bytes)) {}
 
 FusedCrossEntropyLoss::~FusedCrossEntropyLoss() {
   state_->set_attached(false);
@@ -122,8 +127,8 @@ FusedCrossEntropyLoss::~FusedCrossEntropyLoss() {
 
 Result<void> FusedCrossEntropyLoss::attach(Module& model) {
   constexpr std::string_view who = "FusedCrossEntropyLoss::attach";
-  if (options_.chunk_bytes < 1)
-    return fail(ErrorCode::invalid_argument, who, ": chunk_bytes=", options_.chunk_bytes, ": expected >= 1");
+  if (state_->chunk_bytes() < 1)
+    return fail(ErrorCode::invalid_argument, who, ": chunk_bytes=", state_->chunk_bytes(), ": expected >= 1");
   if (state_->attached()) return fail(ErrorCode::invalid_argument, who, ": already attached to an output layer");
   Module* layer = &model;
   if (!dynamic_cast<Linear*>(layer) && !dynamic_cast<TiedHead*>(layer) && !dynamic_cast<TokenEmbedding*>(layer)) {

@@ -73,8 +73,7 @@ class FusedCrossEntropyLoss final : public Loss {
   bool last_forward_fused() const noexcept { return last_fused_; }
 
  private:
-  std::shared_ptr<detail::OutputLoss> state_;
-  FusedCrossEntropyOptions options_;
+  std::shared_ptr<detail::OutputLoss> state_;  // (holds the options' chunk_bytes)
   CrossEntropyLoss plain_;
   bool fused_pass_ = false;  // the last forward was fused and its backward is to come
   bool last_fused_ = false;
