@@ -4,7 +4,8 @@
 //     T x T softmax), at the attention shapes of GPT-2 1.5B (T 1024, 25 heads of 64), Llama-3.2-1B
 //     (T 2048, 32 query and 8 key/value heads of 64) and Llama-3.1-8B (T 2048, 32/8 heads of 128);
 //     counters: TFLOP/s (causal: 2 B H T^2 hd forward, 2.5 times that backward) and the layer's
-//     activation peak.
+//     activation peak. BM_CudnnAttention_<shape>: the same layer through cuDNN's fused attention
+//     (issue 52, item 1), whose target is 0.8x PyTorch SDPA's TFLOP/s (bench/sdpa_baseline.py).
 //   BM_MultiTensorAdamW vs BM_Baseline_PerGroupAdamW: one optimizer step (statistics and update)
 //     of 400 groups of 256 Ki bf16 parameters with fp32 masters, multi-tensor against one launch
 //     per group.
@@ -348,6 +349,12 @@ const struct {
   for (const auto& s : kShapes) {
     benchmark::RegisterBenchmark((std::string("BM_FusedAttention_") + s.name).c_str(), attention,
                                  AttentionKernels::fused, s.shape)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+    // cuDNN's fused attention (AttentionKernels::cudnn: the fused kernels where cuDNN is absent;
+    // the run header of device_check.sh's bench step says which cuDNN was opened).
+    benchmark::RegisterBenchmark((std::string("BM_CudnnAttention_") + s.name).c_str(), attention,
+                                 AttentionKernels::cudnn, s.shape)
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond);
     benchmark::RegisterBenchmark((std::string("BM_Baseline_MaterializedAttention_") + s.name).c_str(), attention,

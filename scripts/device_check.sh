@@ -163,6 +163,7 @@ PY
         --benchmark_out_format=json >"$out/bench_kernels.log" 2>&1
       echo "kernels bench rc $?"; python3 bench/report.py "$out/bench_kernels.json"
       grep -E "^BM_" "$out/bench_kernels.log"
+      echo "cuDNN for BM_CudnnAttention: ${COSHARD_CUDNN_LIBRARY:-none found (the fused kernels run)}"
       # PyTorch's SDPA at the same attention shapes (the fused attention's baseline).
       timeout $(cap 120) python3 bench/sdpa_baseline.py --out "$out/bench_sdpa.json" >"$out/bench_sdpa.log" 2>&1
       echo "sdpa baseline rc $?"; cat "$out/bench_sdpa.log"

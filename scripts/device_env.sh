@@ -21,5 +21,14 @@ for name in libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libnccl.so.2; do
   found=$(find /usr/local /usr/lib /opt -name "$name" 2>/dev/null | head -1)
   if [ -n "$found" ]; then libdirs=$libdirs:$(dirname "$found"); else echo "device_env: $name not found" >&2; fi
 done
+# cuDNN for --attention cudnn: the one PyTorch brings (its nvidia/cudnn package), opened at run
+# time by coshard (COSHARD_CUDNN_LIBRARY) and found beside it by cuDNN's own libraries.
+cudnn_dir=$(python3 -c "import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], 'lib'))" 2>/dev/null)
+if [ -n "$cudnn_dir" ] && [ -e "$cudnn_dir/libcudnn_graph.so.9" ]; then
+  export COSHARD_CUDNN_LIBRARY=$cudnn_dir
+  libdirs=$libdirs:$cudnn_dir
+else
+  echo "device_env: PyTorch's cuDNN (nvidia/cudnn/lib/libcudnn_graph.so.9) not found: --attention cudnn runs the fused kernels" >&2
+fi
 export LD_LIBRARY_PATH=$libdirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 echo "device_env: LD_LIBRARY_PATH=$LD_LIBRARY_PATH"

@@ -213,8 +213,9 @@ Result<Context> Context::create(async::Stream& stream, async::CachingAllocator& 
     return fail(ErrorCode::invalid_argument, "Context: allocator serves ", allocator.device().to_string(),
                 ", stream ", stream.name(), " runs on ", stream.device().to_string());
   if (stream.device().is_cpu()) return Context(stream, allocator, detail::cpu_kernels());
-  const detail::Kernels* k = options.attention == AttentionKernels::fused ? detail::cuda_kernels()
-                                                                          : detail::cuda_kernels_materialized_attention();
+  const detail::Kernels* k = options.attention == AttentionKernels::fused    ? detail::cuda_kernels()
+                             : options.attention == AttentionKernels::cudnn ? detail::cuda_kernels_cudnn_attention()
+                                                                            : detail::cuda_kernels_materialized_attention();
   if (!k)
     return fail(ErrorCode::unsupported, "Context: stream ", stream.name(), " is on ", stream.device().to_string(),
                 " but this build has no CUDA kernels (configure with COSHARD_CUDA=ON)");

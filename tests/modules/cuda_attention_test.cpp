@@ -2,7 +2,11 @@
 // public layer and Context options: output and qkv gradient within the dtype's tolerance, for
 // multi-head and grouped-query heads, every served head size, and sequences that end inside a
 // tile; the fused backward is deterministic; and the fused form never holds a T x T matrix (the
-// layer's activation peak). Skips without a GPU (these machines compile the kernels, CI included).
+// layer's activation peak). cuDNN's fused attention (AttentionKernels::cudnn) against the same
+// reference: cuDNN must take every shape here (the test names its version and engine), give the
+// output and gradient within tolerance, and the same bits run to run. Skips without a GPU (these
+// machines compile the kernels, CI included); the cuDNN cases skip where cuDNN cannot be opened
+// (COSHARD_CUDNN_LIBRARY names it: scripts/device_check.sh points it at PyTorch's).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -13,6 +17,9 @@
 
 #include "coshard/async/runtime.hpp"
 #include "coshard/modules/layers.hpp"
+#ifdef COSHARD_TEST_CUDNN
+#include "kernels/cuda/cudnn/attention.hpp"
+#endif
 #include "module_fixture.hpp"
 
 namespace coshard::modules {
@@ -98,6 +105,47 @@ INSTANTIATE_TEST_SUITE_P(
       name << async::to_string(std::get<0>(info.param)) << "_" << std::get<1>(info.param);
       return name.str();
     });
+
+#ifdef COSHARD_TEST_CUDNN
+class CudnnAttentionOnCuda : public FusedAttention {};
+
+TEST_P(CudnnAttentionOnCuda, MatchesTheMaterializedKernelsAndIsDeterministic) {
+  const auto [dt, shape] = GetParam();
+  auto lib = cudnn_attention_library();
+  if (!lib) GTEST_SKIP() << lib.error().message();
+  auto plans = detail::cudnn::attention_plans(
+      0, {.dtype = dt, .B = shape.B, .T = shape.T, .H = shape.H, .KVH = shape.KVH, .hd = shape.hd});
+  ASSERT_TRUE(plans) << *lib << ": " << plans.error().message();
+  std::printf("%s: engines %lld forward, %lld backward\n", lib->c_str(), static_cast<long long>(plans->forward->engine),
+              static_cast<long long>(plans->backward->engine));
+  auto cudnn = run_attention(rt_, AttentionKernels::cudnn, dt, shape);
+  ASSERT_TRUE(cudnn.has_value()) << cudnn.error().message();
+  auto reference = run_attention(rt_, AttentionKernels::materialized, dt, shape);
+  ASSERT_TRUE(reference.has_value()) << reference.error().message();
+  const double tol = testing::dtype_tolerance(dt);
+  EXPECT_LT(normwise_error(cudnn->out, reference->out), tol) << "output";
+  EXPECT_LT(normwise_error(cudnn->dqkv, reference->dqkv), tol) << "qkv gradient";
+  auto again = run_attention(rt_, AttentionKernels::cudnn, dt, shape);
+  ASSERT_TRUE(again.has_value()) << again.error().message();
+  EXPECT_EQ(again->out, cudnn->out) << "cuDNN's forward gives the same bits run to run";
+  EXPECT_EQ(again->dqkv, cudnn->dqkv) << "cuDNN's deterministic backward gives the same bits run to run";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CudnnAttentionOnCuda,
+    ::testing::Combine(::testing::Values(DataType::bf16, DataType::f16),
+                       ::testing::Values(AttentionShape{1, 1, 2, 2, 64},     // one row
+                                         AttentionShape{2, 100, 4, 2, 64},   // grouped, ends inside a tile
+                                         AttentionShape{2, 130, 2, 1, 32},   // one key/value head
+                                         AttentionShape{1, 77, 3, 3, 96},    // odd head count
+                                         AttentionShape{1, 200, 8, 2, 128},  // Llama-3's head size
+                                         AttentionShape{2, 1024, 16, 4, 64})),  // a training length
+    [](const auto& info) {
+      std::ostringstream name;
+      name << async::to_string(std::get<0>(info.param)) << "_" << std::get<1>(info.param);
+      return name.str();
+    });
+#endif  // COSHARD_TEST_CUDNN
 
 TEST(FusedAttentionMemory, KeepsNoTimesTMatrix) {
   COSHARD_SKIP_WITHOUT_CUDA();

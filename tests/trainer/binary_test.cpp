@@ -185,7 +185,7 @@ TEST(CoshardTrain, BadCommandLinesAreNamed) {
       {{"--model", "llama", "--heads", "4", "--kv-heads", "3"}, "LlamaConfig.kv_heads=3: expected a divisor of heads=4"},
       {{"--model", "llama", "--dim", "36", "--heads", "4"}, "head_dim=9: expected an even number"},
       {{"--activation-checkpointing", "0"}, "activation checkpointing \"0\": expected none, full, or N"},
-      {{"--attention", "flash"}, "--attention: flash not in {fused,materialized}"},
+      {{"--attention", "flash"}, "--attention: flash not in {fused,materialized,cudnn}"},
       {{"--preset", "llama-tiny", "--vocab", "100", "--data", (dir / "text.txt").string()},
        "--data as bytes (vocabulary 256): more tokens than the model's vocabulary of 100"},
   };
@@ -205,11 +205,11 @@ TEST(CoshardTrain, LlamaPresetTrainsWithActivationCheckpointing) {
                                           "--kv-heads", "2", "--intermediate", "64", "--seq", "16", "--batch", "8",
                                           "--world-size", "2", "--steps", "12", "--lr", "1e-2"};
   std::map<std::string, std::vector<nlohmann::json>> rows;
-  for (const std::string policy : {"none", "full", "materialized"}) {
+  for (const std::string policy : {"none", "full", "materialized", "cudnn"}) {
     const fs::path metrics = dir / (policy + ".jsonl");
-    // "materialized": the attention option, which the CPU (always materialized) takes and ignores.
-    const auto r = run(with(llama, policy == "materialized"
-                                       ? std::vector<std::string>{"--attention", "materialized", "--metrics", metrics.string()}
+    // "materialized", "cudnn": the attention option, which the CPU (always materialized) takes and ignores.
+    const bool attention = policy == "materialized" || policy == "cudnn";
+    const auto r = run(with(llama, attention ? std::vector<std::string>{"--attention", policy, "--metrics", metrics.string()}
                                        : std::vector<std::string>{"--activation-checkpointing", policy, "--metrics",
                                                                   metrics.string()}),
                        dir);
@@ -223,6 +223,7 @@ TEST(CoshardTrain, LlamaPresetTrainsWithActivationCheckpointing) {
   for (std::size_t i = 0; i < 12; ++i) {
     EXPECT_EQ(rows["full"][i]["loss"], rows["none"][i]["loss"]) << "step " << i;
     EXPECT_EQ(rows["materialized"][i]["loss"], rows["none"][i]["loss"]) << "step " << i;
+    EXPECT_EQ(rows["cudnn"][i]["loss"], rows["none"][i]["loss"]) << "step " << i;
     EXPECT_LT(rows["full"][i]["peak_activation_bytes"].get<double>(), rows["none"][i]["peak_activation_bytes"].get<double>());
   }
   EXPECT_LT(rows["none"][11]["loss"].get<double>(), rows["none"][0]["loss"].get<double>());

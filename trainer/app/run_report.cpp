@@ -21,8 +21,14 @@ void print_run_header(const Options& o, trainer::Trainer& t, const collectives::
   if (o.device == "cuda") {
     const bool fused = modules::attention_is_fused(async::Device::cuda(0), o.train.engine_options().dtype,
                                                    o.model.head_dim(), o.train.attention);
-    std::printf("  attention: %s%s\n", fused ? "fused kernels (one statistic a query row kept)"
-                                               : "materialized (the T x T probabilities kept)",
+    std::string cudnn;
+    if (o.train.attention == modules::AttentionKernels::cudnn) {
+      auto lib = modules::cudnn_attention_library();
+      cudnn = lib ? "cuDNN's fused attention from " + *lib + " where it takes the shape, else "
+                  : "cuDNN's fused attention unavailable (" + lib.error().message() + "): ";
+    }
+    std::printf("  attention: %s%s%s\n", cudnn.c_str(),
+                fused ? "fused kernels (one statistic a query row kept)" : "materialized (the T x T probabilities kept)",
                 o.attention_chosen ? ": heads of 128 run faster so today, and the run fits with them "
                                      "(--attention fused keeps them off the device)"
                                    : "");

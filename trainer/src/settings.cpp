@@ -203,7 +203,7 @@ Setting choice(Setting s, std::span<const std::string_view> choices) {
 constexpr std::string_view kFetchModes[] = {"all_gather", "all_reduce"};
 constexpr std::string_view kDtypes[] = {"f32", "bf16", "f16"};
 constexpr std::string_view kLossScaling[] = {"none", "fixed", "dynamic"};
-constexpr std::string_view kAttention[] = {"fused", "materialized"};
+constexpr std::string_view kAttention[] = {"fused", "materialized", "cudnn"};
 constexpr std::string_view kOptimizers[] = {"adamw", "sgd"};
 constexpr std::string_view kCrossEntropy[] = {"auto", "chunked", "whole"};
 constexpr std::string_view kWarmupShapes[] = {"linear", "log"};
@@ -374,10 +374,12 @@ std::vector<Setting> make_table() {
   t.push_back(choice<&T::attention>(
       {.name = "attention", .flag = "--attention",
        .help = "attention on CUDA: fused (flash-style kernels for bf16/f16 and head sizes 32/64/96/128: one statistic a "
-               "query row kept) or materialized (the T x T probabilities kept, as on the CPU). Default: fused, except "
-               "heads of 128 or more in a run of one process that fits with the probabilities and a tenth of the "
-               "device's memory to spare: materialized (faster there today)",
-       .expected = "fused or materialized"},
+               "query row kept), materialized (the T x T probabilities kept, as on the CPU), or cudnn (NVIDIA's fused "
+               "attention through cuDNN's graph API, opened at run time from COSHARD_CUDNN_LIBRARY or the loader's "
+               "path; bf16/f16, head sizes multiples of 8 up to 128; where cuDNN is absent or takes no shape, fused). "
+               "Default: fused, except heads of 128 or more in a run of one process that fits with the probabilities "
+               "and a tenth of the device's memory to spare: materialized (faster there today)",
+       .expected = "fused, materialized or cudnn"},
       kAttention));
   t.push_back(choice<&T::cross_entropy>(
       {.name = "cross_entropy", .flag = "--cross-entropy",

@@ -233,6 +233,11 @@ const Kernels* cuda_kernels() noexcept;
 // The CUDA backend with attention always in the materialized form (the fused kernels' reference
 // in tests); null without CUDA.
 const Kernels* cuda_kernels_materialized_attention() noexcept;
+// The CUDA backend with cuDNN's fused attention where it serves the shape, else the fused kernels
+// (AttentionKernels::cudnn); null without CUDA.
+const Kernels* cuda_kernels_cudnn_attention() noexcept;
+// "cuDNN 9.19.0 (path)", or why cuDNN's attention cannot run in this process.
+Result<std::string> cudnn_attention_library();
 
 // "f32 is not served by the cuda kernels" style check used by every layer.
 Result<void> check_supported(const Kernels& k, DataType dt, async::Device device, std::string_view what);

@@ -22,9 +22,13 @@ CausalSelfAttention::CausalSelfAttention(std::int64_t dim, std::int64_t heads)
 
 CausalSelfAttention::CausalSelfAttention(AttentionHeads heads) : dim_(0), heads_(heads) {}
 
+Result<std::string> cudnn_attention_library() { return detail::cudnn_attention_library(); }
+
 bool attention_is_fused(async::Device device, DataType dtype, std::int64_t head_dim, AttentionKernels kernels) {
   if (device.is_cpu()) return false;
-  const detail::Kernels* k = kernels == AttentionKernels::fused ? detail::cuda_kernels() : nullptr;
+  // cuDNN's attention keeps what the fused kernels keep; where the fused kernels do not take the
+  // head size, this answers for the materialized form (an estimate on the safe side).
+  const detail::Kernels* k = kernels == AttentionKernels::materialized ? nullptr : detail::cuda_kernels();
   return k != nullptr && k->supports(dtype) && k->attention_buffers(dtype, 1, 1, 1, 1, head_dim).backward_reads_output;
 }
 

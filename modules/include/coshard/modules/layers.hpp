@@ -108,9 +108,12 @@ struct AttentionHeads {
 // values) -> [B, T, n_heads * head_dim]; query head h attends with key/value head
 // h / (n_heads / n_kv_heads). The projections around it are Linear modules (see make_gpt), so each
 // is its own fetch unit and the core has no parameters.
+// AttentionKernels::cudnn's library: "cuDNN 9.19.0 (its path)", or why it cannot be opened here
+// (then the fused kernels run).
+Result<std::string> cudnn_attention_library();
 // Whether causal attention on `device` in `dtype` with heads of `head_dim` runs the fused kernels
 // with `kernels` chosen (then it keeps one f32 a query row for backward instead of the T x T
-// probabilities): CUDA, bf16/f16, head sizes 32, 64, 96, 128.
+// probabilities): CUDA, bf16/f16, head sizes 32, 64, 96, 128 (cuDNN's attention keeps the same).
 bool attention_is_fused(async::Device device, DataType dtype, std::int64_t head_dim,
                         AttentionKernels kernels = AttentionKernels::fused);
 

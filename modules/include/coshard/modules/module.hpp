@@ -173,9 +173,12 @@ class Kernels;
 }
 
 // How causal attention runs on CUDA: fused (flash-style kernels that keep one statistic per query
-// row, for bf16/f16 and head sizes 32, 64, 96, 128; other cases fall back), or materialized (the
-// T x T probabilities in device memory, as the CPU always does). The CPU ignores it.
-enum class AttentionKernels { fused, materialized };
+// row, for bf16/f16 and head sizes 32, 64, 96, 128; other cases fall back), materialized (the
+// T x T probabilities in device memory, as the CPU always does), or cudnn (NVIDIA's fused
+// attention through cuDNN's graph API, opened at run time, for bf16/f16 and head sizes that are
+// multiples of 8 up to 128, one statistic a row kept; where cuDNN is absent or has no engine for
+// a shape, the fused kernels run, and the run header says which). The CPU ignores it.
+enum class AttentionKernels { fused, materialized, cudnn };
 
 struct ContextOptions {
   AttentionKernels attention = AttentionKernels::fused;

@@ -1,13 +1,19 @@
 // CUDA kernels: matrix products through cuBLAS and cuBLASLt (blas.cpp here), the rest through
-// the launchers of this folder. Attention is the fused kernels of attention.cu where they
-// serve the dtype and head size, else cuBLAS products per batch row (heads batched) around the
-// causal softmax kernels (the materialized form).
+// the launchers of this folder. Attention is, by the backend's form: cuDNN's fused attention
+// where it serves the shape (cudnn/, AttentionKernels::cudnn), else the fused kernels of
+// attention.cu where they serve the dtype and head size, else cuBLAS products per batch row
+// (heads batched) around the causal softmax kernels (the materialized form).
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <map>
+#include <mutex>
 
+#include "coshard/async/log.hpp"
+#include "coshard/modules/module.hpp"
 #include "kernels/cuda/attention.cuh"
 #include "kernels/cuda/blas.hpp"
+#include "kernels/cuda/cudnn/attention.hpp"
 #include "kernels/cuda/kernels.cuh"
 #include "kernels/kernels.hpp"
 
@@ -161,6 +167,12 @@ class CudaKernels final : public Kernels {
 
   AttentionBuffers attention_buffers(DataType dt, std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t KVH,
                                      std::int64_t hd) const override {
+    if (const cudnn::SdpaPlans* plans = cudnn_plans(dt, B, T, H, KVH, hd))
+      return {.saved = Shape{B, H, T},
+              .saved_dtype = DataType::f32,
+              .scratch = Shape{(plans->backward->scratch_bytes() + 3) / 4},
+              .scratch_dtype = DataType::f32,
+              .backward_reads_output = true};
     if (!fused(dt, hd)) return Kernels::attention_buffers(dt, B, T, H, KVH, hd);
     return {.saved = Shape{B, H, T},
             .saved_dtype = DataType::f32,
@@ -174,6 +186,8 @@ class CudaKernels final : public Kernels {
     COSHARD_TRY(check(dt));
     COSHARD_TRY(check_attention_size(B, T, H, KVH));
     if (B == 0 || T == 0) return {};  // nothing to attend (a grid of 0 blocks would fail the launch)
+    if (const cudnn::SdpaPlans* plans = cudnn_plans(dt, B, T, H, KVH, hd, s.device().index()))
+      return cudnn::attention_forward(s, *plans->forward, qkv, out, static_cast<float*>(saved));
     if (!fused(dt, hd)) return materialized_attention_forward(s, dt, qkv, out, saved, B, T, H, KVH, hd);
     return check_launch(cuda::flash_attention_forward(s.native_handle(), code(dt), qkv, out,
                                                       static_cast<float*>(saved), B, T, H, KVH, hd),
@@ -186,6 +200,9 @@ class CudaKernels final : public Kernels {
     COSHARD_TRY(check(dt));
     COSHARD_TRY(check_attention_size(B, T, H, KVH));
     if (B == 0 || T == 0) return {};
+    if (const cudnn::SdpaPlans* plans = cudnn_plans(dt, B, T, H, KVH, hd, s.device().index()))
+      return cudnn::attention_backward(s, *plans->backward, dout, qkv, out, static_cast<const float*>(saved), dqkv,
+                                       scratch);
     if (!fused(dt, hd)) return materialized_attention_backward(s, dt, dout, qkv, saved, dqkv, scratch, B, T, H, KVH, hd);
     return check_launch(cuda::flash_attention_backward(s.native_handle(), code(dt), dout, qkv, out,
                                                        static_cast<const float*>(saved), dqkv,
@@ -386,12 +403,31 @@ class CudaKernels final : public Kernels {
     return check_launch(cuda::step_end(s.native_handle(), state, args), "step_end", s);
   }
 
-  explicit CudaKernels(bool fused_attention) : fused_attention_(fused_attention) {}
+  explicit CudaKernels(AttentionKernels form) : form_(form) {}
 
  private:
   static int code(DataType dt) noexcept { return static_cast<int>(dt); }
   bool fused(DataType dt, std::int64_t hd) const noexcept {
-    return fused_attention_ && cuda::flash_attention_supported(code(dt), hd);
+    return form_ != AttentionKernels::materialized && cuda::flash_attention_supported(code(dt), hd);
+  }
+  // cuDNN's plans for the shape on `device` (-1: the current device), or null: not the cudnn
+  // form, or cuDNN does not serve the shape there (decided once per shape and said once, as a
+  // warning; the fused kernels then run). The forward and backward agree, each answer being kept.
+  const cudnn::SdpaPlans* cudnn_plans(DataType dt, std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t KVH,
+                                      std::int64_t hd, int device = -1) const {
+    if (form_ != AttentionKernels::cudnn) return nullptr;
+    if (device < 0 && cudaGetDevice(&device) != cudaSuccess) return nullptr;
+    const cudnn::SdpaShape shape{.dtype = dt, .B = B, .T = T, .H = H, .KVH = KVH, .hd = hd};
+    std::lock_guard lock(cudnn_mutex_);
+    auto [it, fresh] = cudnn_answers_.try_emplace({device, shape});
+    if (fresh) {
+      if (auto plans = cudnn::attention_plans(device, shape))
+        it->second = *plans;
+      else
+        COSHARD_LOG_WARN(modules, "--attention cudnn on cuda:{}: {}; the fused kernels run for this shape", device,
+                         plans.error().message());
+    }
+    return it->second.forward ? &it->second : nullptr;
   }
   // The fused kernels index rows and grid dimensions in 32 bits.
   static Result<void> check_attention_size(std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t KVH) {
@@ -401,7 +437,9 @@ class CudaKernels final : public Kernels {
                   ": the CUDA kernels take T up to 2^30 and B, H, KVH up to ", kGrid);
     return {};
   }
-  bool fused_attention_;
+  AttentionKernels form_;
+  mutable std::mutex cudnn_mutex_;
+  mutable std::map<std::pair<int, cudnn::SdpaShape>, cudnn::SdpaPlans> cudnn_answers_;
   Result<void> check(DataType dt) const {
     if (!supports(dt))
       return fail(ErrorCode::unsupported, "dtype ", async::to_string(dt),
@@ -416,12 +454,22 @@ static_assert(static_cast<int>(DataType::f32) == 0 && static_cast<int>(DataType:
 }  // namespace
 
 const Kernels* cuda_kernels() noexcept {
-  static const CudaKernels kernels(true);
+  static const CudaKernels kernels(AttentionKernels::fused);
   return &kernels;
 }
 
 const Kernels* cuda_kernels_materialized_attention() noexcept {
-  static const CudaKernels kernels(false);
+  static const CudaKernels kernels(AttentionKernels::materialized);
+  return &kernels;
+}
+
+Result<std::string> cudnn_attention_library() {
+  COSHARD_TRY_ASSIGN(const cudnn::Library* lib, cudnn::library());
+  return "cuDNN " + cudnn::version_string(lib->version) + " (" + lib->path + ")";
+}
+
+const Kernels* cuda_kernels_cudnn_attention() noexcept {
+  static const CudaKernels kernels(AttentionKernels::cudnn);
   return &kernels;
 }
 
