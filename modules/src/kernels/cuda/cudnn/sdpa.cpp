@@ -3,6 +3,8 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <initializer_list>
+#include <utility>
 #include <limits>
 #include <optional>
 #include <span>
@@ -83,48 +85,37 @@ class GraphBuilder {
     set(pw, CUDNN_ATTR_POINTWISE_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1, &compute, "pointwise precision");
     if (axis) set(pw, CUDNN_ATTR_POINTWISE_AXIS, CUDNN_TYPE_INT64, 1, &*axis, "pointwise axis");
     finalize(pw, "pointwise");
-    auto op = make(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR, "pointwise operation");
-    set_desc(op, CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, pw, "pointwise operation");
-    set_desc(op, CUDNN_ATTR_OPERATION_POINTWISE_XDESC, x, "pointwise x");
-    if (b) set_desc(op, CUDNN_ATTR_OPERATION_POINTWISE_BDESC, b, "pointwise b");
-    if (t) set_desc(op, CUDNN_ATTR_OPERATION_POINTWISE_TDESC, t, "pointwise t");
-    set_desc(op, CUDNN_ATTR_OPERATION_POINTWISE_YDESC, y, "pointwise y");
-    finalize(op, "pointwise operation");
-    ops_.push_back(op);
+    operation(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR, "pointwise operation",
+              {{CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, pw},
+               {CUDNN_ATTR_OPERATION_POINTWISE_XDESC, x},
+               {CUDNN_ATTR_OPERATION_POINTWISE_BDESC, b},
+               {CUDNN_ATTR_OPERATION_POINTWISE_TDESC, t},
+               {CUDNN_ATTR_OPERATION_POINTWISE_YDESC, y}});
   }
   void reduction(cudnnReduceTensorOp_t mode, cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t y) {
     auto r = make(CUDNN_BACKEND_REDUCTION_DESCRIPTOR, "reduction");
-    const cudnnDataType_t compute = CUDNN_DATA_FLOAT;
     set(r, CUDNN_ATTR_REDUCTION_OPERATOR, CUDNN_TYPE_REDUCTION_OPERATOR_TYPE, 1, &mode, "reduction mode");
-    set(r, CUDNN_ATTR_REDUCTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &compute, "reduction precision");
+    set(r, CUDNN_ATTR_REDUCTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &kFloat, "reduction precision");
     finalize(r, "reduction");
-    auto op = make(CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR, "reduction operation");
-    set_desc(op, CUDNN_ATTR_OPERATION_REDUCTION_DESC, r, "reduction operation");
-    set_desc(op, CUDNN_ATTR_OPERATION_REDUCTION_XDESC, x, "reduction x");
-    set_desc(op, CUDNN_ATTR_OPERATION_REDUCTION_YDESC, y, "reduction y");
-    finalize(op, "reduction operation");
-    ops_.push_back(op);
+    operation(CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR, "reduction operation",
+              {{CUDNN_ATTR_OPERATION_REDUCTION_DESC, r},
+               {CUDNN_ATTR_OPERATION_REDUCTION_XDESC, x},
+               {CUDNN_ATTR_OPERATION_REDUCTION_YDESC, y}});
   }
   void matmul(cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b, cudnnBackendDescriptor_t c) {
     auto m = make(CUDNN_BACKEND_MATMUL_DESCRIPTOR, "matmul");
-    const cudnnDataType_t compute = CUDNN_DATA_FLOAT;
-    set(m, CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &compute, "matmul precision");
+    set(m, CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &kFloat, "matmul precision");
     finalize(m, "matmul");
-    auto op = make(CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR, "matmul operation");
-    set_desc(op, CUDNN_ATTR_OPERATION_MATMUL_DESC, m, "matmul operation");
-    set_desc(op, CUDNN_ATTR_OPERATION_MATMUL_ADESC, a, "matmul a");
-    set_desc(op, CUDNN_ATTR_OPERATION_MATMUL_BDESC, b, "matmul b");
-    set_desc(op, CUDNN_ATTR_OPERATION_MATMUL_CDESC, c, "matmul c");
-    finalize(op, "matmul operation");
-    ops_.push_back(op);
+    operation(CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR, "matmul operation",
+              {{CUDNN_ATTR_OPERATION_MATMUL_DESC, m},
+               {CUDNN_ATTR_OPERATION_MATMUL_ADESC, a},
+               {CUDNN_ATTR_OPERATION_MATMUL_BDESC, b},
+               {CUDNN_ATTR_OPERATION_MATMUL_CDESC, c}});
   }
   // y: x's elements under another layout (a transpose through strides).
   void reshape(cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t y) {
-    auto op = make(CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR, "reshape operation");
-    set_desc(op, CUDNN_ATTR_OPERATION_RESHAPE_XDESC, x, "reshape x");
-    set_desc(op, CUDNN_ATTR_OPERATION_RESHAPE_YDESC, y, "reshape y");
-    finalize(op, "reshape operation");
-    ops_.push_back(op);
+    operation(CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR, "reshape operation",
+              {{CUDNN_ATTR_OPERATION_RESHAPE_XDESC, x}, {CUDNN_ATTR_OPERATION_RESHAPE_YDESC, y}});
   }
 
   const std::optional<std::string>& error() const { return error_; }
@@ -135,6 +126,18 @@ class GraphBuilder {
   std::vector<Descriptor> take() { return std::move(keep_); }
 
  private:
+  static constexpr cudnnDataType_t kFloat = CUDNN_DATA_FLOAT;
+
+  // An operation of the graph: its descriptors linked (null ones left out), finalized, kept.
+  void operation(cudnnBackendDescriptorType_t type, const char* what,
+                 std::initializer_list<std::pair<cudnnBackendAttributeName_t, cudnnBackendDescriptor_t>> links) {
+    auto op = make(type, what);
+    for (const auto& [name, d] : links)
+      if (d) set_desc(op, name, d, what);
+    finalize(op, what);
+    ops_.push_back(op);
+  }
+
   const Library& lib_;
   std::vector<Descriptor> keep_;
   std::vector<cudnnBackendDescriptor_t> ops_;
