@@ -116,6 +116,24 @@ TEST(CudnnAttentionShapes, ShapesAreKeysByEveryField) {
   EXPECT_EQ(a, shape(DataType::bf16, 2, 1024, 32, 8, 64));
 }
 
+// COSHARD_CUDNN_LIBRARY naming a missing file or a library that is not cuDNN's: each named with
+// why, and the first that is cuDNN's taken.
+TEST_F(CudnnAttention, LibrariesThatAreNotCudnnAreRefusedByName) {
+  const std::vector<std::string> wrong = {"/nonexistent/libcudnn_graph.so.9", "libz.so.1"};
+  auto none = open_library(wrong);
+  ASSERT_FALSE(none);
+  const std::string& why = none.error().message();
+  EXPECT_NE(why.find("COSHARD_CUDNN_LIBRARY"), std::string::npos) << why;
+  EXPECT_NE(why.find("/nonexistent/libcudnn_graph.so.9: "), std::string::npos) << why;
+  EXPECT_NE(why.find("libz.so.1: a graph-API function is missing"), std::string::npos) << why;
+  std::vector<std::string> then_right = wrong;
+  then_right.push_back(lib_->path);
+  auto found = open_library(then_right);
+  ASSERT_TRUE(found) << found.error().message();
+  EXPECT_EQ(found->path, lib_->path);
+  EXPECT_EQ(found->version, lib_->version);
+}
+
 TEST_F(CudnnAttention, DevicePropertiesThatAreNotJsonAreRefusedByName) {
   auto bad = device_properties_from_json(*lib_, R"({"maxGridSize":[1,1,1]})");
   ASSERT_FALSE(bad);

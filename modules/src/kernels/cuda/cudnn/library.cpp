@@ -18,7 +18,7 @@ bool bind(void* handle, Fn& fn, const char* name) {
   return fn != nullptr;
 }
 
-Result<Library> open_library() {
+std::vector<std::string> default_candidates() {
   std::vector<std::string> candidates;
   if (const char* env = std::getenv("COSHARD_CUDNN_LIBRARY"); env && *env) {
     std::error_code ec;
@@ -29,6 +29,12 @@ Result<Library> open_library() {
 #ifdef COSHARD_CUDNN_TOOLKIT_DIR
   candidates.push_back((std::filesystem::path(COSHARD_CUDNN_TOOLKIT_DIR) / kFile).string());
 #endif
+  return candidates;
+}
+
+}  // namespace
+
+Result<Library> open_library(std::span<const std::string> candidates) {
   std::string tried;
   for (const std::string& path : candidates) {
     void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
@@ -65,8 +71,6 @@ Result<Library> open_library() {
               ") could not be used; set COSHARD_CUDNN_LIBRARY to it or its folder. Tried:", tried);
 }
 
-}  // namespace
-
 std::string Library::describe(cudnnStatus_t status) const {
   char message[1024] = {};
   last_error_string(message, sizeof message);
@@ -76,7 +80,7 @@ std::string Library::describe(cudnnStatus_t status) const {
 }
 
 Result<const Library*> library() {
-  static const Result<Library> loaded = open_library();
+  static const Result<Library> loaded = open_library(default_candidates());
   if (!loaded) return fail(loaded.error());
   return &*loaded;
 }

@@ -11,6 +11,7 @@
 #include <cudnn_graph.h>
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -39,6 +40,11 @@ struct Library {
   // "CUDNN_STATUS_BAD_PARAM (the library's last message)".
   std::string describe(cudnnStatus_t status) const;
 };
+
+// The first of `candidates` (files, or names for the loader) that is cuDNN 9's graph library;
+// else an error naming each and why it was not (not found, a graph-API function missing, a
+// version before 9.0). A library opened stays open for the life of the process.
+Result<Library> open_library(std::span<const std::string> candidates);
 
 // The library, opened once per process; the error says where it looked and why each failed, or
 // that its version is older than 9.0.
