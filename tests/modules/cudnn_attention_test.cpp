@@ -16,10 +16,18 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <ostream>
 
 #include "kernels/cuda/cudnn/sdpa.hpp"
 
 namespace coshard::modules::detail::cudnn {
+
+// gtest's printer (found by argument-dependent lookup, so outside the unnamed namespace): shapes by their fields in test names (not their bytes, padding included).
+void PrintTo(const SdpaShape& s, std::ostream* os) {
+  *os << async::to_string(s.dtype) << " B" << s.B << " T" << s.T << " H" << s.H << " KVH" << s.KVH << " hd" << s.hd
+      << (s.deterministic ? "" : " accumulating");
+}
+
 namespace {
 
 // An H100 SXM (sm_90, 132 SMs) in cuDNN's JSON form of a device's properties.
