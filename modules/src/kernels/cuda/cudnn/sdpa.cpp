@@ -433,7 +433,10 @@ Result<void> SdpaPlan::execute(cudnnHandle_t handle, std::vector<std::int64_t> u
   if (st == CUDNN_STATUS_SUCCESS)
     st = lib_->set_attribute(pack->get(), CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &workspace);
   if (st == CUDNN_STATUS_SUCCESS) st = lib_->finalize(pack->get());
-  if (st == CUDNN_STATUS_SUCCESS) st = lib_->execute(handle, plan_.get(), pack->get());
+  if (st == CUDNN_STATUS_SUCCESS) {
+    std::lock_guard lock(execute_mutex_);
+    st = lib_->execute(handle, plan_.get(), pack->get());
+  }
   if (st != CUDNN_STATUS_SUCCESS)
     return fail(ErrorCode::device, "cuDNN attention ", pass == SdpaPass::forward ? "forward" : "backward",
                 " (engine ", engine, "): ", lib_->describe(st));

@@ -83,6 +83,9 @@ class SdpaPlan {
   std::unique_ptr<std::array<float, 3>> scalars_ = std::make_unique<std::array<float, 3>>();
   std::vector<std::int64_t> scalar_uids_;
   std::vector<void*> scalar_pointers_;
+  // Ranks sharing a device share a plan, each through its own handle and stream; their enqueues
+  // take turns (cuDNN does not document one plan executed from two threads at once).
+  mutable std::mutex execute_mutex_;
 };
 
 Result<std::unique_ptr<SdpaPlan>> build_sdpa_plan(const Library& lib, const SdpaShape& shape, SdpaPass pass,
