@@ -3,16 +3,10 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
-#include <initializer_list>
-#include <utility>
 #include <limits>
-#include <optional>
-#include <span>
 
 namespace coshard::modules::detail::cudnn {
 namespace {
-
-using Dims = std::array<std::int64_t, 4>;
 
 // Tensors given at execution; virtual ones are numbered from kFirstVirtual.
 enum Uid : std::int64_t {
@@ -21,129 +15,6 @@ enum Uid : std::int64_t {
 };
 
 cudnnDataType_t io_type(DataType dt) { return dt == DataType::bf16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_HALF; }
-
-// Builds descriptors, keeping the first failure with what was being built; every call after a
-// failure does nothing, so a graph reads as the list of its operations.
-class GraphBuilder {
- public:
-  explicit GraphBuilder(const Library& lib) : lib_(lib) {}
-
-  cudnnBackendDescriptor_t make(cudnnBackendDescriptorType_t type, const char* what) {
-    if (error_) return nullptr;
-    auto d = Descriptor::make(lib_, type);
-    if (!d) {
-      error_ = std::string(what) + ": " + d.error().message();
-      return nullptr;
-    }
-    keep_.push_back(std::move(*d));
-    return keep_.back().get();
-  }
-  void set(cudnnBackendDescriptor_t d, cudnnBackendAttributeName_t name, cudnnBackendAttributeType_t type,
-           std::int64_t count, const void* value, const char* what) {
-    if (error_) return;
-    if (const cudnnStatus_t st = lib_.set_attribute(d, name, type, count, value); st != CUDNN_STATUS_SUCCESS)
-      error_ = std::string(what) + ": attribute " + std::to_string(name) + ": " + lib_.describe(st);
-  }
-  void set_desc(cudnnBackendDescriptor_t d, cudnnBackendAttributeName_t name, cudnnBackendDescriptor_t v,
-                const char* what) {
-    set(d, name, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &v, what);
-  }
-  void finalize(cudnnBackendDescriptor_t d, const char* what) {
-    if (error_) return;
-    if (const cudnnStatus_t st = lib_.finalize(d); st != CUDNN_STATUS_SUCCESS)
-      error_ = std::string(what) + ": " + lib_.describe(st);
-  }
-
-  // A tensor: real (uid given, 16-byte aligned), virtual, or a host scalar passed by value.
-  cudnnBackendDescriptor_t tensor(cudnnDataType_t type, Dims dims, Dims strides, std::int64_t uid, bool is_virtual,
-                                  bool by_value = false) {
-    auto t = make(CUDNN_BACKEND_TENSOR_DESCRIPTOR, "tensor");
-    const std::int64_t alignment = 16;
-    set(t, CUDNN_ATTR_TENSOR_UNIQUE_ID, CUDNN_TYPE_INT64, 1, &uid, "tensor uid");
-    set(t, CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &type, "tensor dtype");
-    set(t, CUDNN_ATTR_TENSOR_DIMENSIONS, CUDNN_TYPE_INT64, 4, dims.data(), "tensor dims");
-    set(t, CUDNN_ATTR_TENSOR_STRIDES, CUDNN_TYPE_INT64, 4, strides.data(), "tensor strides");
-    set(t, CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, CUDNN_TYPE_INT64, 1, &alignment, "tensor alignment");
-    set(t, CUDNN_ATTR_TENSOR_IS_VIRTUAL, CUDNN_TYPE_BOOLEAN, 1, &is_virtual, "tensor virtual");
-    if (by_value) set(t, CUDNN_ATTR_TENSOR_IS_BY_VALUE, CUDNN_TYPE_BOOLEAN, 1, &by_value, "tensor by value");
-    finalize(t, "tensor");
-    return t;
-  }
-  cudnnBackendDescriptor_t virtual_tensor(cudnnDataType_t type, Dims dims, Dims strides) {
-    return tensor(type, dims, strides, next_virtual_++, true);
-  }
-  cudnnBackendDescriptor_t scalar(std::int64_t uid) {
-    return tensor(CUDNN_DATA_FLOAT, {1, 1, 1, 1}, {1, 1, 1, 1}, uid, false, true);
-  }
-
-  // y = mode(x[, b][, t]); GEN_INDEX takes the axis.
-  void pointwise(cudnnPointwiseMode_t mode, cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t b,
-                 cudnnBackendDescriptor_t t, cudnnBackendDescriptor_t y,
-                 cudnnDataType_t compute = CUDNN_DATA_FLOAT, std::optional<std::int64_t> axis = {}) {
-    auto pw = make(CUDNN_BACKEND_POINTWISE_DESCRIPTOR, "pointwise");
-    set(pw, CUDNN_ATTR_POINTWISE_MODE, CUDNN_TYPE_POINTWISE_MODE, 1, &mode, "pointwise mode");
-    set(pw, CUDNN_ATTR_POINTWISE_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1, &compute, "pointwise precision");
-    if (axis) set(pw, CUDNN_ATTR_POINTWISE_AXIS, CUDNN_TYPE_INT64, 1, &*axis, "pointwise axis");
-    finalize(pw, "pointwise");
-    operation(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR, "pointwise operation",
-              {{CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, pw},
-               {CUDNN_ATTR_OPERATION_POINTWISE_XDESC, x},
-               {CUDNN_ATTR_OPERATION_POINTWISE_BDESC, b},
-               {CUDNN_ATTR_OPERATION_POINTWISE_TDESC, t},
-               {CUDNN_ATTR_OPERATION_POINTWISE_YDESC, y}});
-  }
-  void reduction(cudnnReduceTensorOp_t mode, cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t y) {
-    auto r = make(CUDNN_BACKEND_REDUCTION_DESCRIPTOR, "reduction");
-    set(r, CUDNN_ATTR_REDUCTION_OPERATOR, CUDNN_TYPE_REDUCTION_OPERATOR_TYPE, 1, &mode, "reduction mode");
-    set(r, CUDNN_ATTR_REDUCTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &kFloat, "reduction precision");
-    finalize(r, "reduction");
-    operation(CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR, "reduction operation",
-              {{CUDNN_ATTR_OPERATION_REDUCTION_DESC, r},
-               {CUDNN_ATTR_OPERATION_REDUCTION_XDESC, x},
-               {CUDNN_ATTR_OPERATION_REDUCTION_YDESC, y}});
-  }
-  void matmul(cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b, cudnnBackendDescriptor_t c) {
-    auto m = make(CUDNN_BACKEND_MATMUL_DESCRIPTOR, "matmul");
-    set(m, CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &kFloat, "matmul precision");
-    finalize(m, "matmul");
-    operation(CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR, "matmul operation",
-              {{CUDNN_ATTR_OPERATION_MATMUL_DESC, m},
-               {CUDNN_ATTR_OPERATION_MATMUL_ADESC, a},
-               {CUDNN_ATTR_OPERATION_MATMUL_BDESC, b},
-               {CUDNN_ATTR_OPERATION_MATMUL_CDESC, c}});
-  }
-  // y: x's elements under another layout (a transpose through strides).
-  void reshape(cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t y) {
-    operation(CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR, "reshape operation",
-              {{CUDNN_ATTR_OPERATION_RESHAPE_XDESC, x}, {CUDNN_ATTR_OPERATION_RESHAPE_YDESC, y}});
-  }
-
-  const std::optional<std::string>& error() const { return error_; }
-  void fail_with(std::string why) {
-    if (!error_) error_ = std::move(why);
-  }
-  std::span<const cudnnBackendDescriptor_t> ops() const { return ops_; }
-  std::vector<Descriptor> take() { return std::move(keep_); }
-
- private:
-  static constexpr cudnnDataType_t kFloat = CUDNN_DATA_FLOAT;
-
-  // An operation of the graph: its descriptors linked (null ones left out), finalized, kept.
-  void operation(cudnnBackendDescriptorType_t type, const char* what,
-                 std::initializer_list<std::pair<cudnnBackendAttributeName_t, cudnnBackendDescriptor_t>> links) {
-    auto op = make(type, what);
-    for (const auto& [name, d] : links)
-      if (d) set_desc(op, name, d, what);
-    finalize(op, what);
-    ops_.push_back(op);
-  }
-
-  const Library& lib_;
-  std::vector<Descriptor> keep_;
-  std::vector<cudnnBackendDescriptor_t> ops_;
-  std::optional<std::string> error_;
-  std::int64_t next_virtual_ = kFirstVirtual;
-};
 
 // The strides of coshard's layouts, as 4-d [batch, head, row, column] views.
 struct Layout {
@@ -185,16 +56,25 @@ cudnnBackendDescriptor_t masked_scores(GraphBuilder& g, const Layout& l, cudnnBa
   return causal_mask(g, l, scaled, neg_inf);
 }
 
+// The tensors both passes name: Q, K^T, O, the statistics, and the scalars.
+struct Operands {
+  cudnnBackendDescriptor_t q, kt, o, stats, scale, neg_inf;
+};
+
+Operands operands(GraphBuilder& g, const Layout& l, cudnnDataType_t io) {
+  return {.q = g.tensor(io, {l.B, l.H, l.T, l.hd}, l.qkv_strides(), kQ, false),
+          .kt = g.tensor(io, {l.B, l.KVH, l.hd, l.T}, l.qkv_transposed(), kK, false),
+          .o = g.tensor(io, {l.B, l.H, l.T, l.hd}, l.out_strides(), kO, false),
+          .stats = g.tensor(CUDNN_DATA_FLOAT, l.row_stat(), l.row_stat_strides(), kStats, false),
+          .scale = g.scalar(kScale),
+          .neg_inf = g.scalar(kNegInf)};
+}
+
 void forward_graph(GraphBuilder& g, const SdpaShape& shape) {
   const Layout l(shape);
   const cudnnDataType_t io = io_type(shape.dtype);
-  auto q = g.tensor(io, {l.B, l.H, l.T, l.hd}, l.qkv_strides(), kQ, false);
-  auto kt = g.tensor(io, {l.B, l.KVH, l.hd, l.T}, l.qkv_transposed(), kK, false);
+  const auto [q, kt, o, stats, scale, neg_inf] = operands(g, l, io);
   auto v = g.tensor(io, {l.B, l.KVH, l.T, l.hd}, l.qkv_strides(), kV, false);
-  auto o = g.tensor(io, {l.B, l.H, l.T, l.hd}, l.out_strides(), kO, false);
-  auto stats = g.tensor(CUDNN_DATA_FLOAT, l.row_stat(), l.row_stat_strides(), kStats, false);
-  auto scale = g.scalar(kScale);
-  auto neg_inf = g.scalar(kNegInf);
 
   auto s = masked_scores(g, l, q, kt, scale, neg_inf);
   auto max = g.virtual_tensor(CUDNN_DATA_FLOAT, l.row_stat(), l.row_stat_strides());
@@ -229,18 +109,13 @@ void grouped_product(GraphBuilder& g, const Layout& l, cudnnDataType_t io, cudnn
 void backward_graph(GraphBuilder& g, const SdpaShape& shape) {
   const Layout l(shape);
   const cudnnDataType_t io = io_type(shape.dtype);
-  auto q = g.tensor(io, {l.B, l.H, l.T, l.hd}, l.qkv_strides(), kQ, false);
-  auto kt = g.tensor(io, {l.B, l.KVH, l.hd, l.T}, l.qkv_transposed(), kK, false);
+  const auto [q, kt, o, stats, scale, neg_inf] = operands(g, l, io);
   auto vt = g.tensor(io, {l.B, l.KVH, l.hd, l.T}, l.qkv_transposed(), kV, false);
-  auto o = g.tensor(io, {l.B, l.H, l.T, l.hd}, l.out_strides(), kO, false);
   auto d_o = g.tensor(io, {l.B, l.H, l.T, l.hd}, l.out_strides(), kDO, false);
-  auto stats = g.tensor(CUDNN_DATA_FLOAT, l.row_stat(), l.row_stat_strides(), kStats, false);
   auto dq = g.tensor(io, {l.B, l.H, l.T, l.hd}, l.qkv_strides(), kDQ, false);
   auto dk = g.tensor(io, {l.B, l.KVH, l.T, l.hd}, l.qkv_strides(), kDK, false);
   auto dv = g.tensor(io, {l.B, l.KVH, l.T, l.hd}, l.qkv_strides(), kDV, false);
   auto softmax_sum = g.tensor(CUDNN_DATA_FLOAT, l.row_stat(), l.row_stat_strides(), kSoftmaxSum, false);
-  auto scale = g.scalar(kScale);
-  auto neg_inf = g.scalar(kNegInf);
   auto one = g.scalar(kOne);
 
   // Each row's sum of dO * O: softmax's backward term.
@@ -293,75 +168,6 @@ void backward_graph(GraphBuilder& g, const SdpaShape& shape) {
   }
 }
 
-// The first engine configuration cuDNN's heuristics offer whose plan finalizes.
-void make_plan(GraphBuilder& g, const Library& lib, const PlanTarget& target, Descriptor& plan, std::int64_t& engine,
-               std::int64_t& workspace, std::string& tried) {
-  auto graph = g.make(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, "operation graph");
-  const auto ops = g.ops();
-  g.set(graph, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, static_cast<std::int64_t>(ops.size()),
-        ops.data(), "operation graph ops");
-  if (target.handle) g.set(graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &target.handle, "graph handle");
-  g.finalize(graph, "operation graph");
-  auto heuristics = g.make(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, "heuristics");
-  g.set_desc(heuristics, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph, "heuristics graph");
-  const cudnnBackendHeurMode_t mode = CUDNN_HEUR_MODE_A;
-  g.set(heuristics, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode, "heuristics mode");
-  if (target.device_properties)
-    g.set_desc(heuristics, CUDNN_ATTR_ENGINEHEUR_DEVICEPROP, target.device_properties, "heuristics device");
-  g.finalize(heuristics, "heuristics");
-  if (g.error()) return;
-
-  std::int64_t count = 0;
-  if (const cudnnStatus_t st =
-          lib.get_attribute(heuristics, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &count, nullptr);
-      st != CUDNN_STATUS_SUCCESS) {
-    g.fail_with("heuristics results: " + lib.describe(st));
-    return;
-  }
-  std::vector<cudnnBackendDescriptor_t> configs;
-  for (std::int64_t i = 0; i < count; ++i) configs.push_back(g.make(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, "engine config"));
-  if (g.error()) return;
-  if (const cudnnStatus_t st = lib.get_attribute(heuristics, CUDNN_ATTR_ENGINEHEUR_RESULTS,
-                                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, count, &count, configs.data());
-      st != CUDNN_STATUS_SUCCESS) {
-    g.fail_with("heuristics results: " + lib.describe(st));
-    return;
-  }
-  for (std::int64_t i = 0; i < count; ++i) {
-    auto candidate = Descriptor::make(lib, CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
-    if (!candidate) {
-      g.fail_with(candidate.error().message());
-      return;
-    }
-    cudnnBackendDescriptor_t config = configs[static_cast<std::size_t>(i)];
-    cudnnStatus_t st = lib.set_attribute(candidate->get(), CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG,
-                                         CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &config);
-    if (st == CUDNN_STATUS_SUCCESS && target.handle)
-      st = lib.set_attribute(candidate->get(), CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &target.handle);
-    if (st == CUDNN_STATUS_SUCCESS && target.device_properties)
-      st = lib.set_attribute(candidate->get(), CUDNN_ATTR_EXECUTION_PLAN_DEVICEPROP, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1,
-                             &target.device_properties);
-    if (st == CUDNN_STATUS_SUCCESS) st = lib.finalize(candidate->get());
-    if (st != CUDNN_STATUS_SUCCESS) {
-      tried += "\n  configuration " + std::to_string(i) + ": " + lib.describe(st);
-      continue;
-    }
-    std::int64_t n = 0;
-    lib.get_attribute(candidate->get(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &n, &workspace);
-    cudnnBackendDescriptor_t engine_desc = nullptr;
-    if (lib.create_descriptor(CUDNN_BACKEND_ENGINE_DESCRIPTOR, &engine_desc) == CUDNN_STATUS_SUCCESS) {
-      if (lib.get_attribute(config, CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &n,
-                            &engine_desc) == CUDNN_STATUS_SUCCESS)
-        lib.get_attribute(engine_desc, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &n, &engine);
-      lib.destroy_descriptor(engine_desc);
-    }
-    plan = std::move(*candidate);
-    return;
-  }
-  g.fail_with("cuDNN's heuristics offered " + std::to_string(count) + " engine configurations and none took the graph" +
-              tried);
-}
-
 std::int64_t align256(std::int64_t n) { return (n + 255) / 256 * 256; }
 
 }  // namespace
@@ -391,16 +197,19 @@ Result<std::unique_ptr<SdpaPlan>> build_sdpa_plan(const Library& lib, const Sdpa
            version_string(lib.version) + ")";
   };
   if (std::string why = sdpa_unsupported(shape); !why.empty()) return fail(ErrorCode::unsupported, describe(), ": ", why);
-  GraphBuilder g(lib);
+  GraphBuilder g(lib, kFirstVirtual);
   if (pass == SdpaPass::forward)
     forward_graph(g, shape);
   else
     backward_graph(g, shape);
-  auto plan = std::make_unique<SdpaPlan>();
-  std::string tried;
-  if (!g.error()) make_plan(g, lib, target, plan->plan_, plan->engine, plan->workspace_bytes, tried);
+  ChosenPlan chosen;
+  if (!g.error()) chosen = g.plan(target);
   if (g.error()) return fail(ErrorCode::unsupported, describe(), ": ", *g.error());
 
+  auto plan = std::make_unique<SdpaPlan>();
+  plan->plan_ = std::move(chosen.plan);
+  plan->engine = chosen.engine;
+  plan->workspace_bytes = chosen.workspace_bytes;
   plan->shape = shape;
   plan->pass = pass;
   plan->lib_ = &lib;
@@ -443,11 +252,14 @@ Result<void> SdpaPlan::execute(cudnnHandle_t handle, std::vector<std::int64_t> u
   return {};
 }
 
+std::array<void*, 3> SdpaPlan::heads(const void* rows) const {
+  constexpr std::int64_t e = 2;  // bf16 and f16
+  auto* base = const_cast<std::byte*>(static_cast<const std::byte*>(rows));
+  return {base, base + shape.H * shape.hd * e, base + (shape.H + shape.KVH) * shape.hd * e};
+}
+
 Result<void> SdpaPlan::forward(cudnnHandle_t handle, void* stream, const void* qkv, void* out, float* stats) const {
-  const std::size_t e = 2;  // bf16 and f16
-  auto* base = const_cast<std::byte*>(static_cast<const std::byte*>(qkv));
-  void* k = base + shape.H * shape.hd * e;
-  void* v = base + (shape.H + shape.KVH) * shape.hd * e;
+  const auto [q, k, v] = heads(qkv);
   void* workspace = nullptr;
   auto* s = static_cast<cudaStream_t>(stream);
   if (workspace_bytes > 0) {
@@ -456,25 +268,22 @@ Result<void> SdpaPlan::forward(cudnnHandle_t handle, void* stream, const void* q
       return fail(ErrorCode::out_of_memory, "cuDNN attention forward: cudaMallocAsync(", workspace_bytes,
                   " bytes): ", cudaGetErrorString(err));
   }
-  auto done = execute(handle, {kQ, kK, kV, kO, kStats}, {base, k, v, out, stats}, workspace);
+  auto done = execute(handle, {kQ, kK, kV, kO, kStats}, {q, k, v, out, stats}, workspace);
   if (workspace) cudaFreeAsync(workspace, s);
   return done;
 }
 
 Result<void> SdpaPlan::backward(cudnnHandle_t handle, void* stream, const void* dout, const void* qkv, const void* out,
                                 const float* stats, void* dqkv, void* scratch) const {
-  const std::size_t e = 2;
-  auto* base = const_cast<std::byte*>(static_cast<const std::byte*>(qkv));
-  auto* dbase = static_cast<std::byte*>(dqkv);
-  const std::int64_t k_off = shape.H * shape.hd * static_cast<std::int64_t>(e);
-  const std::int64_t v_off = (shape.H + shape.KVH) * shape.hd * static_cast<std::int64_t>(e);
+  const auto [q, k, v] = heads(qkv);
+  const auto [dq, dk, dv] = heads(dqkv);
   auto* sc = static_cast<std::byte*>(scratch);
   void* softmax_sum = sc;
   void* accum = sc + align256(softmax_sum_bytes);
   void* workspace = sc + align256(softmax_sum_bytes) + align256(dq_accum_bytes);
   std::vector<std::int64_t> uids = {kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kSoftmaxSum};
-  std::vector<void*> ptrs = {base,  base + k_off, base + v_off,  const_cast<void*>(out), const_cast<void*>(dout),
-                             const_cast<float*>(stats), dbase, dbase + k_off, dbase + v_off, softmax_sum};
+  std::vector<void*> ptrs = {q,  k,  v,  const_cast<void*>(out), const_cast<void*>(dout), const_cast<float*>(stats),
+                             dq, dk, dv, softmax_sum};
   if (dq_accum_bytes > 0) {
     // cuDNN before 9.6 adds into the accumulator; later versions clear it themselves.
     if (lib_->version < 90600) {

@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cuda/cudnn/graph.hpp"
 #include "kernels/cuda/cudnn/library.hpp"
 #include "kernels/kernels.hpp"
 
@@ -45,13 +46,6 @@ struct SdpaShape {
 // dtype, the head size, the grouping). cuDNN may still find no engine for a shape this allows
 // (the plan's build says so).
 std::string sdpa_unsupported(const SdpaShape& shape);
-
-// Whom plans are built for: a device (through a handle), or a device described by its
-// properties (cuDNN 9.8's deviceless build: a plan compiled on a machine without the card).
-struct PlanTarget {
-  cudnnHandle_t handle = nullptr;
-  cudnnBackendDescriptor_t device_properties = nullptr;
-};
 
 // One pass's execution plan and what it needs at run time.
 class SdpaPlan {
@@ -74,6 +68,8 @@ class SdpaPlan {
  private:
   friend Result<std::unique_ptr<SdpaPlan>> build_sdpa_plan(const Library&, const SdpaShape&, SdpaPass,
                                                            const PlanTarget&);
+  // Q's, K's and V's first columns in packed rows laid out as qkv (dqkv alike).
+  std::array<void*, 3> heads(const void* rows) const;
   Result<void> execute(cudnnHandle_t handle, std::vector<std::int64_t> uids, std::vector<void*> pointers,
                        void* workspace) const;
   const Library* lib_ = nullptr;
