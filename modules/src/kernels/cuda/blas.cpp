@@ -9,6 +9,8 @@
 #include <memory>
 #include <mutex>
 
+#include "kernels/cuda/on_device.hpp"
+
 namespace coshard::modules::detail {
 namespace {
 
@@ -93,12 +95,8 @@ class BlasHandles {
       std::lock_guard lock(mutex_);
       auto& slot = handles_[{device, stream}];
       if (!slot) {
-        int previous = 0;
-        cudaGetDevice(&previous);
-        cudaSetDevice(device);
         cublasHandle_t h = nullptr;
-        const cublasStatus_t st = cublasCreate(&h);
-        cudaSetDevice(previous);
+        const cublasStatus_t st = on_device(device, [&] { return cublasCreate(&h); });
         if (st != CUBLAS_STATUS_SUCCESS) {
           handles_.erase({device, stream});
           return fail(ErrorCode::device, "cublasCreate on cuda:", device, ": ", cublasGetStatusName(st));
@@ -130,13 +128,11 @@ BlasHandles& blas() {
 // available here (the caller falls back to cuBLAS).
 bool ensure_lt(BlasHandles::Entry& e, int device) {
   if (e.lt) return true;
-  int previous = 0;
-  cudaGetDevice(&previous);
-  cudaSetDevice(device);
   cublasLtHandle_t lt = nullptr;
   void* workspace = nullptr;
-  const bool ok = cublasLtCreate(&lt) == CUBLAS_STATUS_SUCCESS && cudaMalloc(&workspace, kLtWorkspaceBytes) == cudaSuccess;
-  cudaSetDevice(previous);
+  const bool ok = on_device(device, [&] {
+    return cublasLtCreate(&lt) == CUBLAS_STATUS_SUCCESS && cudaMalloc(&workspace, kLtWorkspaceBytes) == cudaSuccess;
+  });
   if (!ok) {
     if (lt) cublasLtDestroy(lt);
     cudaGetLastError();  // a failed cudaMalloc leaves its error: not this stream's

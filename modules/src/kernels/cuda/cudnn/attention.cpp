@@ -6,6 +6,8 @@
 #include <memory>
 #include <mutex>
 
+#include "kernels/cuda/on_device.hpp"
+
 namespace coshard::modules::detail::cudnn {
 namespace {
 
@@ -54,12 +56,8 @@ class State {
 
  private:
   static Result<cudnnHandle_t> make_handle(const Library& lib, int device) {
-    int previous = 0;
-    cudaGetDevice(&previous);
-    cudaSetDevice(device);
     cudnnHandle_t h = nullptr;
-    const cudnnStatus_t st = lib.create(&h);
-    cudaSetDevice(previous);
+    const cudnnStatus_t st = on_device(device, [&] { return lib.create(&h); });
     if (st != CUDNN_STATUS_SUCCESS) return fail(ErrorCode::device, "cudnnCreate on cuda:", device, ": ", lib.describe(st));
     return h;
   }
