@@ -167,16 +167,12 @@ class CudaKernels final : public Kernels {
 
   AttentionBuffers attention_buffers(DataType dt, std::int64_t B, std::int64_t T, std::int64_t H, std::int64_t KVH,
                                      std::int64_t hd) const override {
-    if (const cudnn::SdpaPlans* plans = cudnn_plans(dt, B, T, H, KVH, hd))
-      return {.saved = Shape{B, H, T},
-              .saved_dtype = DataType::f32,
-              .scratch = Shape{(plans->backward->scratch_bytes() + 3) / 4},
-              .scratch_dtype = DataType::f32,
-              .backward_reads_output = true};
-    if (!fused(dt, hd)) return Kernels::attention_buffers(dt, B, T, H, KVH, hd);
+    const cudnn::SdpaPlans* plans = cudnn_plans(dt, B, T, H, KVH, hd);
+    if (!plans && !fused(dt, hd)) return Kernels::attention_buffers(dt, B, T, H, KVH, hd);
+    // Both flash forms keep one f32 a query row; cuDNN's backward scratch is its plan's.
     return {.saved = Shape{B, H, T},
             .saved_dtype = DataType::f32,
-            .scratch = Shape{B, H, T},
+            .scratch = plans ? Shape{(plans->backward->scratch_bytes() + 3) / 4} : Shape{B, H, T},
             .scratch_dtype = DataType::f32,
             .backward_reads_output = true};
   }
