@@ -11,11 +11,6 @@
 namespace coshard::modules::detail::cudnn {
 namespace {
 
-struct DeviceState {
-  cudnnHandle_t build_handle = nullptr;
-  std::unique_ptr<SdpaPlanCache> plans;
-};
-
 struct StreamHandle {
   cudnnHandle_t handle = nullptr;
   std::mutex mutex;  // one stream's calls from two threads apart
@@ -25,13 +20,12 @@ class State {
  public:
   Result<SdpaPlanCache*> plans(const Library& lib, int device) {
     std::lock_guard lock(mutex_);
-    auto& d = devices_[device];
-    if (!d.plans) {
+    auto& cache = plans_[device];  // its plans are built with a handle made on the device
+    if (!cache) {
       COSHARD_TRY_ASSIGN(cudnnHandle_t h, make_handle(lib, device));
-      d.build_handle = h;
-      d.plans = std::make_unique<SdpaPlanCache>(PlanTarget{.handle = h});
+      cache = std::make_unique<SdpaPlanCache>(PlanTarget{.handle = h});
     }
-    return d.plans.get();
+    return cache.get();
   }
 
   template <class Fn>
@@ -63,7 +57,7 @@ class State {
   }
 
   std::mutex mutex_;
-  std::map<int, DeviceState> devices_;
+  std::map<int, std::unique_ptr<SdpaPlanCache>> plans_;
   std::map<std::pair<int, void*>, std::unique_ptr<StreamHandle>> handles_;
 };
 

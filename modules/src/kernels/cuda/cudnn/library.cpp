@@ -4,7 +4,6 @@
 
 #include <cstdlib>
 #include <filesystem>
-#include <mutex>
 #include <vector>
 
 namespace coshard::modules::detail::cudnn {
