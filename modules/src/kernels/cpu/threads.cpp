@@ -7,6 +7,7 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <latch>
@@ -27,9 +28,47 @@ extern "C" __attribute__((weak)) void blas_memory_free(void* buffer);
 
 namespace coshard::modules {
 
-void set_cpu_math_threads(int threads) noexcept { openblas_set_num_threads(std::max(1, threads)); }
+namespace {
 
-int cpu_math_threads() noexcept { return openblas_get_num_threads(); }
+#if defined(__SANITIZE_THREAD__)
+constexpr bool kThreadSanitizer = true;
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+constexpr bool kThreadSanitizer = true;
+#else
+constexpr bool kThreadSanitizer = false;
+#endif
+#else
+constexpr bool kThreadSanitizer = false;
+#endif
+
+// The setting (the element-wise pool splits by it); 0 until set: OpenBLAS's own count then.
+std::atomic<int> math_threads{0};
+
+// (a program that never sets it: OpenBLAS on one thread from the start, under TSan)
+[[maybe_unused]] const bool blas_single_under_tsan = [] {
+  if constexpr (kThreadSanitizer) openblas_set_num_threads(1);
+  return kThreadSanitizer;
+}();
+
+}  // namespace
+
+// Under ThreadSanitizer OpenBLAS runs every product on the calling thread, whatever the setting or
+// OPENBLAS_NUM_THREADS: its workers take work and hand results back by spinning on plain memory
+// that TSan cannot see (the library is not instrumented), so a threaded product's writes look
+// unordered with whatever reuses its buffers next (reported as races with the caching allocator on
+// a Xeon host and not on a Zen 3 host, as the timing of the reuse fell). coshard's own pool still
+// splits by the setting, so its synchronisation stays in TSan's view.
+void set_cpu_math_threads(int threads) noexcept {
+  threads = std::max(1, threads);
+  math_threads.store(threads, std::memory_order_relaxed);
+  openblas_set_num_threads(kThreadSanitizer ? 1 : threads);
+}
+
+int cpu_math_threads() noexcept {
+  const int set = math_threads.load(std::memory_order_relaxed);
+  return set > 0 ? set : openblas_get_num_threads();
+}
 
 int default_cpu_math_threads(int ranks_in_process) noexcept {
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
