@@ -4,6 +4,7 @@
 // engine's semantics tests), the base bit for bit its initial values.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -214,6 +215,111 @@ TEST(CoshardTrainLora, PeftFoldersRoundTripAndTheMergedExportIsTheBasePlusTheSca
   ASSERT_EQ(adapted_loss.size(), 1u);
   ASSERT_EQ(merged_loss.size(), 1u);
   EXPECT_NEAR(adapted_loss[0], merged_loss[0], 1e-6 * merged_loss[0]);
+}
+
+// The way almost everyone fine-tunes: a base model given with --init (a Hugging Face folder or a
+// safetensors file, neither with adapters), LoRA over it. At stages 0-3 and worlds 1-3 the runs
+// train the adapters of the single-rank run, every base tensor stays the file's bit for bit, and
+// the file's weights are what trains (not the seed's: the base was made with another seed); the
+// PEFT folder they write loads over the same base (--adapter) to train on or to sample.
+TEST(CoshardTrainLora, ABaseGivenWithInitTrainsItsAdapters) {
+  const fs::path dir = scratch("lora_init");
+  const std::vector<std::string> llama = llama_of_vocab_256();
+  const auto made = run(with(llama, {"--world-size", "1", "--freeze", "*", "--seed", "7", "--export", (dir / "base").string()}), dir);
+  ASSERT_EQ(made.code, 0) << made.output;
+  const auto base = tensors_in(dir / "base" / "model.safetensors");
+  ASSERT_FALSE(base.empty());
+  // (the folder's config.json gives the shape: the run's flags alone)
+  const std::vector<std::string> from_folder = {"--init", (dir / "base").string(), "--seq", "8", "--batch", "12", "--lr",
+                                                "0.005", "--clip", "0", "--steps", "12", "--quiet"};
+  std::vector<std::string> lora = kLora;
+  auto tuned = [&](const std::vector<std::string>& init, std::vector<std::string> flags, const std::string& name) {
+    flags.insert(flags.end(), {"--metrics", (dir / (name + ".jsonl")).string(), "--export", (dir / (name + ".safetensors")).string()});
+    return run(with(with(init, lora), flags), dir);
+  };
+  const auto reference = tuned(from_folder, {"--world-size", "1", "--zero-stage", "0", "--export-adapter", (dir / "peft").string()}, "ref");
+  ASSERT_EQ(reference.code, 0) << reference.output;
+  const auto ref_losses = losses_in(dir / "ref.jsonl");
+  ASSERT_EQ(ref_losses.size(), 12u);
+  EXPECT_LT(ref_losses[9] + ref_losses[10] + ref_losses[11], ref_losses[0] + ref_losses[1] + ref_losses[2]) << "the adapters learn";
+  const auto ref = tensors_in(dir / "ref.safetensors");
+  // A base file of coshard's names (the folder's weights under them; the .safetensors export keeps
+  // the adapters apart): every base tensor of it, no adapter.
+  std::map<std::string, std::vector<float>> base_by_coshard_name;
+  int adapters = 0;
+  for (const auto& [name, values] : ref) {
+    if (is_adapter(name)) {
+      ++adapters;
+      if (name.ends_with(".B")) EXPECT_TRUE(std::any_of(values.begin(), values.end(), [](float v) { return v != 0; })) << name << " did not train";
+      continue;
+    }
+    base_by_coshard_name[name] = values;
+  }
+  EXPECT_EQ(adapters, 20);
+  // The base came from the folder: the seed's own weights (a plain run, nothing trained) differ.
+  ASSERT_EQ(run(with(llama, {"--world-size", "1", "--freeze", "*", "--export", (dir / "seeded.safetensors").string()}), dir).code, 0);
+  const auto seeded = tensors_in(dir / "seeded.safetensors");
+  ASSERT_EQ(seeded.size(), base_by_coshard_name.size());
+  EXPECT_NE(seeded, base_by_coshard_name) << "the run trained over the seed's base, not the folder's";
+  // The same base as one safetensors file of coshard's names (the same seed's weights, frozen):
+  // the reference's base tensors are its, bit for bit.
+  ASSERT_EQ(run(with(llama, {"--world-size", "1", "--freeze", "*", "--seed", "7", "--export", (dir / "base.safetensors").string()}), dir).code, 0);
+  EXPECT_EQ(tensors_in(dir / "base.safetensors"), base_by_coshard_name) << "the folder's base did not stay as it was";
+
+  std::vector<std::pair<std::string, std::vector<std::string>>> layouts = {
+      {"world 1, stage 3", {"--world-size", "1", "--zero-stage", "3"}},
+      {"world 2, stage 1", {"--world-size", "2", "--zero-stage", "1"}},
+      {"world 2, stage 2", {"--world-size", "2", "--zero-stage", "2"}},
+      {"world 3, stage 3", {"--world-size", "3", "--zero-stage", "3"}},
+      {"world 2, stage 3, parameters and optimizer on cpu",
+       {"--world-size", "2", "--zero-stage", "3", "--offload-optimizer", "cpu", "--offload-params", "cpu"}},
+  };
+  std::vector<std::string> from_file = llama;
+  from_file.insert(from_file.end(), {"--init", (dir / "base.safetensors").string()});
+  auto check = [&](const std::string& label, const Exit& r, const std::string& name) {
+    SCOPED_TRACE(label);
+    ASSERT_EQ(r.code, 0) << r.output;
+    const auto losses = losses_in(dir / (name + ".jsonl"));
+    ASSERT_EQ(losses.size(), ref_losses.size());
+    for (std::size_t i = 0; i < losses.size(); ++i)
+      EXPECT_NEAR(losses[i], ref_losses[i], 1e-6 * std::abs(ref_losses[i])) << "step " << i + 1;
+    const auto got = tensors_in(dir / (name + ".safetensors"));
+    ASSERT_EQ(got.size(), ref.size());
+    for (const auto& [n, values] : got) {
+      if (!is_adapter(n)) {
+        EXPECT_EQ(values, base_by_coshard_name.at(n)) << n << ": not the file's";
+        continue;
+      }
+      const auto& want = ref.at(n);
+      ASSERT_EQ(values.size(), want.size()) << n;
+      for (std::size_t i = 0; i < values.size(); ++i)
+        if (std::abs(values[i] - want[i]) > 1e-6 * std::max(1.0f, std::abs(want[i]))) {
+          ADD_FAILURE() << n << "[" << i << "]: " << values[i] << ", the reference's " << want[i];
+          break;
+        }
+    }
+  };
+  for (const auto& [label, flags] : layouts) check("folder, " + label, tuned(from_folder, flags, "run"), "run");
+  check("file, world 2, stage 3", tuned(from_file, {"--world-size", "2", "--zero-stage", "3"}, "file"), "file");
+  check("file, world 3, stage 0", tuned(from_file, {"--world-size", "3", "--zero-stage", "0"}, "file"), "file");
+
+  // The PEFT folder over the same base: trained on (at 1e-30 the adapters stay its own, bit for
+  // bit) and sampled from.
+  std::vector<std::string> again = from_folder;
+  for (std::size_t i = 0; i + 1 < again.size(); ++i) {
+    if (again[i] == "--lr") again[i + 1] = "1e-30";
+    if (again[i] == "--steps") again[i + 1] = "1";
+  }
+  again.insert(again.end(), {"--adapter", (dir / "peft").string(), "--world-size", "2", "--zero-stage", "3",
+                             "--export-adapter", (dir / "peft2").string()});
+  const auto reread = run(again, dir);
+  ASSERT_EQ(reread.code, 0) << reread.output;
+  EXPECT_EQ(tensors_in(dir / "peft2" / "adapter_model.safetensors"), tensors_in(dir / "peft" / "adapter_model.safetensors"));
+  const auto sampled = run({"--init", (dir / "base").string(), "--adapter", (dir / "peft").string(), "--steps", "0", "--prompt",
+                            "The engine ", "--sample-tokens", "8"},
+                           dir);
+  EXPECT_EQ(sampled.code, 0) << sampled.output;
+  EXPECT_NE(sampled.output.find("The engine "), std::string::npos) << sampled.output;
 }
 
 // A PEFT folder that is not this model's adapters is refused by name, nothing loaded.

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <unordered_map>
+#include <unordered_set>
 
 #include "coshard/async/log.hpp"
 #include "coshard/async/runtime.hpp"
@@ -142,6 +143,12 @@ struct Engine::State : GradientShardsOut {
   async::Task<Result<void>> full_copies_from_shards();
   // Whole values by name for load_parameters: a missing, extra, repeated or reshaped name refused.
   Result<void> check_values(const std::vector<GatheredParameter>& values) const;
+  // The whole values of the parameters `wanted` names (unpadded, on every rank: one all-gather per
+  // unit that holds one of them at stage 3, in unit order on every rank).
+  async::Task<Result<std::vector<GatheredParameter>>> gather_values(std::function<bool(const Parameter&)> wanted);
+  // The parameters of the model's LoRA adapters: a base file has no value for them, so a load
+  // keeps theirs (initialize's, or a PEFT folder's) where it gives none.
+  std::unordered_set<const Parameter*> adapter_parameters() const;
   detail::CheckpointState checkpoint;
   // Rank 0, before a save into `dir`: the folder claimed for this run, and no published checkpoint
   // of another run about to be replaced (the same step's, or the one `latest` names).

@@ -4,6 +4,7 @@
 // pool (float dtypes converted to the engine's, every value finite), then load_parameters, which
 // refuses a missing, extra or reshaped name before anything changes.
 #include <cmath>
+#include <unordered_set>
 
 #include "engine_state.hpp"
 #include "parameter_decode.hpp"
@@ -128,9 +129,27 @@ async::Task<Result<void>> Engine::load_parameters_from(std::string what, Paramet
   COSHARD_CO_TRY(s.outside_loop(what));
   async::Runtime* rt = async::Runtime::current();
   if (!rt) co_return fail(ErrorCode::invalid_argument, what, ": must be awaited on a coshard Runtime");
+  // A LoRA model's base file has no adapters: those it leaves out keep their values (the seed's,
+  // or a PEFT folder's). Gathered first, on every rank alike, whatever the file holds.
+  std::vector<GatheredParameter> adapters;
+  if (s.has_values) {
+    const auto adapter_parameters = s.adapter_parameters();
+    if (!adapter_parameters.empty()) {
+      auto gathered = co_await s.gather_values([&](const Parameter& p) { return adapter_parameters.contains(&p); });
+      if (!gathered) co_return fail(std::move(gathered).error().with_context(what + ": the LoRA adapters' values"));
+      adapters = std::move(*gathered);
+    }
+  }
   auto values = co_await rt->spawn_blocking([&read]() { return read(); });
   // Tensor parallelism: the files hold whole parameters, this rank takes its parts.
   if (values && tensor_size(s.o) > 1) values = parts_of_whole(s.by_name(), std::move(*values), s.o.dtype, what);
+  if (values && !adapters.empty()) {
+    values->reserve(values->size() + adapters.size());  // (no reallocation below: `given` views the names)
+    std::unordered_set<std::string_view> given;
+    for (const auto& v : *values) given.insert(v.name);
+    for (auto& a : adapters)
+      if (!given.contains(a.name)) values->push_back(std::move(a));
+  }
   Result<void> checked{};
   if (!values) checked = fail(std::move(values).error());
   else checked = s.check_values(*values);

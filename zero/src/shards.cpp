@@ -2,6 +2,9 @@
 // visits of every unit's block with its optimizer state (wherever the placement keeps it),
 // consolidated export and load by name, and the full copies of stages 1-2 gathered after the
 // blocks change.
+#include <algorithm>
+
+#include "coshard/modules/lora.hpp"
 #include "engine_state.hpp"
 
 namespace coshard::zero {
@@ -34,6 +37,11 @@ async::Task<Result<void>> Engine::visit_shards(ShardVisitor use, bool written) {
 async::Task<Result<std::vector<GatheredParameter>>> Engine::gather_parameters() {
   State& s = *s_;
   COSHARD_CO_TRY(s.outside_loop("gather_parameters"));
+  co_return co_await s.gather_values([](const Parameter&) { return true; });
+}
+
+async::Task<Result<std::vector<GatheredParameter>>> Engine::State::gather_values(std::function<bool(const Parameter&)> wanted) {
+  State& s = *this;
   Context& ctx = *s.ctx;
   auto& compute = ctx.stream();
   auto& cs = s.comm->stream();
@@ -41,6 +49,7 @@ async::Task<Result<std::vector<GatheredParameter>>> Engine::gather_parameters() 
   COSHARD_CO_TRY(order(compute, cs));
   for (auto& up : s.units) {
     FetchUnit& u = *up;
+    if (std::none_of(u.params.begin(), u.params.end(), [&](const auto& p) { return wanted(*p.parameter); })) continue;
     Tensor whole = u.full;
     if (!s.residence->holds_whole()) {
       // One unit at a time: a consolidated export must not need the whole model on one rank's device.
@@ -53,6 +62,7 @@ async::Task<Result<std::vector<GatheredParameter>>> Engine::gather_parameters() 
     }
     COSHARD_CO_TRY_ASSIGN(auto bytes, co_await ctx.read_bytes(whole));
     for (const auto& p : u.params) {
+      if (!wanted(*p.parameter)) continue;
       const auto begin = static_cast<std::size_t>(p.offset) * s.element_size;
       const auto n = static_cast<std::size_t>(p.parameter->numel()) * s.element_size;
       out.push_back({s.names.at(p.parameter), p.parameter->shape(),
@@ -61,6 +71,15 @@ async::Task<Result<std::vector<GatheredParameter>>> Engine::gather_parameters() 
     }
   }
   co_return out;
+}
+
+std::unordered_set<const Parameter*> Engine::State::adapter_parameters() const {
+  std::unordered_set<const Parameter*> out;
+  model->for_each_module([&out](const std::string&, Module& m) {
+    if (dynamic_cast<const LoraAdapter*>(&m) == nullptr) return;
+    for (const auto& q : m.parameters()) out.insert(q.get());
+  });
+  return out;
 }
 
 Result<void> Engine::State::check_values(const std::vector<GatheredParameter>& values) const {

@@ -432,13 +432,15 @@ class Engine final : public ModuleHooks {
   // every parameter by name, unpadded, in the engine's dtype.
   async::Task<Result<void>> export_safetensors(const std::filesystem::path& path);
   // Every parameter from a safetensors file by name (any float dtype, converted; each finite):
-  // load_parameters with the file's values.
+  // load_parameters with the file's values. A LoRA adapter's parameters (apply_lora's) the file
+  // has no value for keep theirs: a base model's file loads under its adapters.
   async::Task<Result<void>> load_safetensors(const std::filesystem::path& path);
 
   // The same for a file format of your own. `write` gets every parameter's whole value (rank 0
   // alone calls it, on the blocking pool; every rank returns its outcome). `read` gives whole
   // values in the engine's dtype (every rank calls it, on the blocking pool); they are checked
-  // (names, shapes, finite) and loaded only when every rank's read and check passed. `what`
+  // (names, shapes, finite) and loaded only when every rank's read and check passed; LoRA
+  // adapters' parameters `read` leaves out keep their values, as in load_safetensors. `what`
   // names the operation in errors.
   using ParameterWriter = std::function<Result<void>(const std::vector<GatheredParameter>&)>;
   using ParameterReader = std::function<Result<std::vector<GatheredParameter>>()>;
