@@ -26,6 +26,7 @@ std::string kind_of(const struct stat& st) {
   if (S_ISBLK(st.st_mode)) return "a block device";
   if (S_ISFIFO(st.st_mode)) return "a fifo";
   if (S_ISSOCK(st.st_mode)) return "a socket";
+  if (S_ISREG(st.st_mode)) return "a regular file";  // (where a folder is expected)
   return "not a regular file";
 }
 

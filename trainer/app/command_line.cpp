@@ -235,7 +235,7 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
       [](std::string& text) { return text.empty() ? std::string("an empty path (name a file or folder)") : std::string(); },
       "PATH");
   for (const char* name : {"--data", "--val-data", "--config", "--init", "--metrics", "--trace", "--checkpoint-dir", "--export",
-                           "--tensorboard", "--flight-recorder", "--flight-report"})
+                           "--tensorboard", "--flight-recorder", "--flight-report", "--adapter", "--export-adapter"})
     app.get_option(name)->check(non_empty);
   // Every command-line error exits 2 (CLI11's own codes vary with the kind of error); --help 0.
   try {
@@ -279,16 +279,33 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
     c.decay_steps = o.steps;
   if (!freeze.empty()) c.freeze = freeze;
   if (!lora_targets.empty()) c.lora_targets = lora_targets;
-  // --adapter: the folder's LoRA settings, unless the command line or the config set a rank.
+  // --adapter: the folder's LoRA settings, unless the command line or the config set a rank. An
+  // alpha given that differs from the folder's is refused (the adapters' values mean another
+  // product at another scale); a dropout given wins over the folder's, said in a note.
   if (!o.adapter.empty() && c.lora_rank == 0) {
     auto peft = zero::read_peft_config(o.adapter);
     if (!peft) {
       std::fprintf(stderr, "coshard-train: --adapter %s: %s\n", o.adapter.c_str(), peft.error().message().c_str());
       return 2;
     }
+    const TrainerConfig defaults;
+    const bool alpha_given = given_on_command_line("lora_alpha") || c.lora_alpha != defaults.lora_alpha;
+    const bool dropout_given = given_on_command_line("lora_dropout") || c.lora_dropout != defaults.lora_dropout;
+    if (alpha_given && static_cast<double>(c.lora_alpha) != static_cast<double>(static_cast<float>(peft->lora_alpha))) {
+      std::fprintf(stderr,
+                   "coshard-train: --lora-alpha %g with --adapter %s, whose adapter_config.json says lora_alpha=%g: the "
+                   "adapters were trained at that scale (leave --lora-alpha out to take the folder's)\n",
+                   static_cast<double>(c.lora_alpha), o.adapter.c_str(), peft->lora_alpha);
+      return 2;
+    }
     c.lora_rank = peft->r;
     c.lora_alpha = static_cast<float>(peft->lora_alpha);
-    c.lora_dropout = static_cast<float>(peft->lora_dropout);
+    if (!dropout_given) {
+      c.lora_dropout = static_cast<float>(peft->lora_dropout);
+    } else if (static_cast<double>(c.lora_dropout) != peft->lora_dropout && !o.quiet) {
+      std::fprintf(o.print_config ? stderr : stdout, "config note: --lora-dropout %g over the folder's lora_dropout %g (%s)\n",
+                   static_cast<double>(c.lora_dropout), peft->lora_dropout, o.adapter.c_str());
+    }
     if (lora_targets.empty()) c.lora_targets = peft->target_modules;
   }
   if ((!o.adapter.empty() || !o.export_adapter.empty()) && c.lora_rank == 0) {

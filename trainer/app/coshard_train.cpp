@@ -27,6 +27,7 @@
 #include "coshard/modules/safetensors_folder.hpp"
 #include "coshard/trainer/settings.hpp"
 #include "coshard/zero/hf_llama.hpp"
+#include "coshard/zero/peft.hpp"
 #include "command_line.hpp"
 #include "launch_mode.hpp"
 #include "memory_check.hpp"
@@ -186,10 +187,14 @@ static int run_main(int argc, char** argv) {
   } else if (!o.init.empty()) {
     paths.inputs.push_back({"--init", o.init});
   }
+  if (!o.adapter.empty())  // (the files it reads: an output onto or around them would overwrite them)
+    for (const std::string_view name : {zero::kPeftConfigName, zero::kPeftWeightsName})
+      paths.inputs.push_back({"--adapter", std::filesystem::path(o.adapter) / name});
   if (!o.metrics.empty()) paths.output_files.push_back({"--metrics", o.metrics});
   if (!o.trace.empty()) paths.output_files.push_back({"--trace", o.trace});
   if (o.export_is_folder) paths.output_folders.push_back({"--export", o.export_path});
   else if (!o.export_path.empty()) paths.output_files.push_back({"--export", o.export_path});
+  if (!o.export_adapter.empty()) paths.output_folders.push_back({"--export-adapter", o.export_adapter});
   if (!o.checkpoint_dir.empty()) paths.output_folders.push_back({"--checkpoint-dir", o.checkpoint_dir});
   if (!c.tensorboard_dir.empty()) paths.output_folders.push_back({"--tensorboard", c.tensorboard_dir.string()});
   if (!o.flight_recorder.empty()) paths.output_folders.push_back({"--flight-recorder", o.flight_recorder});

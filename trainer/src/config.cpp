@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cctype>
 #include <charconv>
+#include <cstdio>
 #include <cmath>
 #include <fstream>
 #include <limits>
@@ -191,6 +192,13 @@ Result<std::int64_t> TrainerConfig::check_batch(int world_size, std::int64_t glo
 std::map<std::string, std::string> TrainerConfig::identity() const {
   auto out = run_identity;
   out["seed"] = std::to_string(seed);
+  // LoRA's scale: the adapters' values mean another product under another alpha (a resume with
+  // another --lora-alpha would train on without a word). Rank and targets are the units' shapes.
+  if (lora_rank > 0) {
+    char alpha[32];
+    std::snprintf(alpha, sizeof alpha, "%.9g", static_cast<double>(lora_alpha));
+    out["LoRA alpha"] = alpha;
+  }
   return out;
 }
 

@@ -105,6 +105,12 @@ struct Reader {
             break;
           }
         }
+        // A whole number as written, exactly: the setting's own range decides (--seed takes up to
+        // 2^64 - 1 on the command line, and --print-config's JSON of it reads back).
+        if (v.is_number_unsigned() || v.is_number_integer()) {
+          text = v.dump();
+          break;
+        }
         auto n = count(v, key);
         if (!n) return;
         text = std::to_string(*n);

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "coshard/async/files.hpp"
+#include "coshard/async/json_limits.hpp"
 #include "coshard/modules/safetensors.hpp"
 #include "parameter_decode.hpp"
 
@@ -112,11 +113,13 @@ std::string peft_config_json(const PeftAdapterConfig& c) {
 }
 
 Result<PeftAdapterConfig> parse_peft_config(std::string_view text, std::string_view source) {
+  // (as every reader of outside JSON: a value nested 150,000 deep overflowed the stack when named)
+  COSHARD_TRY(async::check_json_nesting(text, source));
   const json doc = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded() || !doc.is_object()) return fail(ErrorCode::invalid_argument, source, ": not a JSON object");
   auto bad = [&](std::string_view key, std::string_view expected) {
-    const std::string shown = doc.contains(key) ? doc.at(std::string(key)).dump() : "(missing)";
-    return fail(ErrorCode::invalid_argument, source, ": ", key, "=", shown.substr(0, 64), ", expected ", expected);
+    const std::string shown = doc.contains(key) ? async::bounded_echo(doc.at(std::string(key)).dump()) : "(missing)";
+    return fail(ErrorCode::invalid_argument, source, ": ", key, "=", shown, ", expected ", expected);
   };
   if (!doc.contains("peft_type") || doc["peft_type"] != "LORA") return bad("peft_type", "\"LORA\"");
   PeftAdapterConfig c;
