@@ -36,6 +36,13 @@ Result<void> check_units(const CheckpointManifest& m, const Loader& l, const std
     if (a.frozen && !b.frozen && l.kept.states + (l.kept.master ? 1 : 0) > 0)
       return trained_but_frozen_when_saved(where, "unit " + b.name);
     if (!a.saved && !b.frozen) return trained_but_left_out_when_saved(where, "unit " + b.name);
+    // Each parameter cut as this model cuts it (recorded since checkpoints of tensor parallelism
+    // say how; older manifests do not).
+    for (std::size_t k = 0; k < a.splits.size() && k < a.parameters.size(); ++k) {
+      const auto p = l.parameters.find(a.parameters[k]);
+      if (p == l.parameters.end()) continue;  // (the names were compared above)
+      COSHARD_TRY(check_same_split(a.parameters[k], *p->second, a.splits[k] ? &*a.splits[k] : nullptr, where));
+    }
   }
   return {};
 }

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <span>
 
 #include "coshard/async/files.hpp"
 #include "checkpoint_files.hpp"
@@ -66,6 +67,29 @@ Result<void> check_run(const CheckpointManifest& m, const Loader& l, const std::
   if (m.optimizer != l.optimizer)
     return fail(ErrorCode::invalid_argument, where, ": optimizer ", m.optimizer, ", this run uses ", l.optimizer);
   return {};
+}
+
+namespace {
+
+std::string describe_split(int dim, std::span<const std::int64_t> segments, std::span<const std::int64_t> whole) {
+  std::string text = "along dimension " + std::to_string(dim) + " in segments [";
+  for (std::size_t i = 0; i < segments.size(); ++i) text += (i ? ", " : "") + std::to_string(segments[i]);
+  return text + "] of " + Shape::from(std::vector<std::int64_t>(whole.begin(), whole.end())).to_string();
+}
+
+}  // namespace
+
+Result<void> check_same_split(const std::string& name, const Parameter& p, const CheckpointManifest::Unit::Split* saved,
+                              const std::string& where) {
+  const TensorSplit* mine = p.split();
+  if (!mine && !saved) return {};
+  const std::string theirs = saved ? "split " + describe_split(saved->dim, saved->segments, saved->whole) : "whole";
+  const std::string ours = mine ? "splits it " + describe_split(mine->dim, mine->segments, mine->whole.dims()) : "keeps it whole";
+  const bool same = mine && saved && mine->dim == saved->dim && mine->segments == saved->segments &&
+                    std::equal(saved->whole.begin(), saved->whole.end(), mine->whole.dims().begin(), mine->whole.dims().end());
+  if (same) return {};
+  return fail(ErrorCode::invalid_argument, where, ": ", name, " was saved ", theirs, ", this model ", ours,
+              " (another model, or a manifest edited?); nothing was loaded");
 }
 
 Unexpected trained_but_frozen_when_saved(const std::string& where, const std::string& what) {

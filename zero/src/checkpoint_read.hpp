@@ -48,6 +48,12 @@ struct Loaded {
 // The run's identity, dtype and optimizer against the checkpoint's, every difference named.
 Result<void> check_run(const CheckpointManifest& m, const Loader& l, const std::string& where);
 
+// A parameter's tensor-parallel cut as a manifest records it (`saved`, null: whole) against this
+// model's `p`: the same dimension, segments and whole, else refused naming both (parts put
+// together along a false cut trained on, 2e-5 off).
+Result<void> check_same_split(const std::string& name, const Parameter& p, const CheckpointManifest::Unit::Split* saved,
+                              const std::string& where);
+
 // The refusals of a resume that trains `what` ("unit h0.attn", or a parameter), which the save
 // froze: the checkpoint holds no optimizer state for it, or (left out) no values either.
 Unexpected trained_but_frozen_when_saved(const std::string& where, const std::string& what);

@@ -82,10 +82,7 @@ Result<void> check_same_parameter(const std::string& name, const Parameter& p, c
     return fail(ErrorCode::invalid_argument, where, ": ", name, " is ", Shape::from(saved.whole).to_string(), " whole in the checkpoint, ",
                 whole.to_string(), " in this model (another model?)");
   const TensorSplit* mine = p.split();
-  if (mine && saved.split && (mine->dim != saved.split->dim || mine->segments != saved.split->segments))
-    return fail(ErrorCode::invalid_argument, where, ": ", name, " was split along dimension ", saved.split->dim,
-                " in ", saved.split->segments.size(), " segment(s), this model splits it along dimension ", mine->dim,
-                " in ", mine->segments.size(), " (another model?)");
+  if (mine && saved.split) return check_same_split(name, p, saved.split, where);
   return {};
 }
 
