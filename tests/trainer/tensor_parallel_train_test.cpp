@@ -57,8 +57,12 @@ TEST(CoshardTrainTensorParallel, EveryMeshTrainsTheUnshardedModel) {
       {"6", "2", "1", {}},
       {"4", "2", "3", {"--offload-optimizer", "cpu"}},
       {"4", "2", "3", {"--grad-accum", "2", "--activation-checkpointing", "full"}},
+      // (#60 item 9: each tensor rank's swap folder apart from its data rank's other tensor ranks')
+      {"4", "2", "3", {"--offload-optimizer", "nvme:" + (dir / "swap").string(), "--offload-params", "nvme", "--swap-gradients"}},
+      {"6", "2", "2", {"--offload-optimizer", "nvme:" + (dir / "swap").string()}},
   };
   for (const auto& m : meshes) {
+    fs::remove_all(dir / "swap");
     const std::string name = "world " + m.world + " tensor " + m.tensor + " stage " + m.stage;
     auto args = with(kLlama, {"--world-size", m.world, "--tensor-parallel", m.tensor, "--zero-stage", m.stage, "--metrics",
                               (dir / "tp.jsonl").string(), "--export", (dir / "tp.safetensors").string()});

@@ -10,6 +10,7 @@
 #include "fetch_units.hpp"
 #include "optimizer_placement.hpp"
 #include "step_in_backward.hpp"
+#include "tensor_parts.hpp"
 
 namespace coshard::zero {
 
@@ -80,9 +81,14 @@ class OptimizerOnNvme final : public HostOptimizer {
     if (o.offload_optimizer.nvme_path.empty())
       return fail(ErrorCode::invalid_argument, "offload_optimizer=nvme: needs a folder (nvme_path)");
     COSHARD_TRY(HostOptimizer::setup(w, units));
-    const std::string rank_folder = "rank" + std::to_string(w.rank) + "-of-" + std::to_string(w.world);
-    auto claimed = offload::SwapFolder::claim(o.offload_optimizer.nvme_path / rank_folder,
-                                              "coshard rank " + std::to_string(w.rank) + " of " + std::to_string(w.world));
+    // (tensor parallelism: the tensor ranks of one data rank each hold other parts, in folders apart)
+    const int tensor = tensor_size(o), tensor_rank = tensor > 1 ? o.tensor_parallel->rank() : 0;
+    const std::string tensor_part = tensor > 1 ? "-tensor" + std::to_string(tensor_rank) + "-of-" + std::to_string(tensor) : "";
+    const std::string rank_folder = "rank" + std::to_string(w.rank) + "-of-" + std::to_string(w.world) + tensor_part;
+    auto claimed = offload::SwapFolder::claim(
+        o.offload_optimizer.nvme_path / rank_folder,
+        "coshard rank " + std::to_string(w.rank) + " of " + std::to_string(w.world) +
+            (tensor > 1 ? ", tensor rank " + std::to_string(tensor_rank) + " of " + std::to_string(tensor) : ""));
     if (!claimed) return fail(std::move(claimed).error().with_context("offload_optimizer=nvme"));
     w.swap.folder = std::move(*claimed);
     offload::NvmeStoreOptions store_options;
