@@ -271,14 +271,19 @@ TEST(MpiLaunch, RanksStartedWithDifferentSettingsAreRefusedByName) {
   struct Case {
     std::string option, value;
     const char* expect;
+    bool llama = false;
   };
   const Case cases[] = {
       {"--dim", "32", "the model's parameters (names and shapes) (rank 1 unlike rank 0"},
       {"--seed", "9", "seed (rank 1 unlike rank 0; here 9)"},
       {"--steps", "3", "--steps (rank 1 unlike rank 0; here 3)"},
+      // (#60 item 10: before the mesh's splits, not after the collective timeout)
+      {"--tensor-parallel", "2", "and only 1 of the 2 ranks give the same (every rank of a run must give the same --tensor-parallel)",
+       true},
   };
-  const auto first = with(kTiny, {"--steps", "2", "--quiet"});
   for (const auto& c : cases) {
+    const auto first = with(kTiny, c.llama ? std::vector<std::string>{"--steps", "2", "--quiet", "--model", "llama"}
+                                           : std::vector<std::string>{"--steps", "2", "--quiet"});
     std::vector<std::string> argv = with(mpirun(1), first);
     argv.insert(argv.end(), {":", "-np", "1", COSHARD_TRAIN_BIN});
     argv = with(argv, with(without(first, c.option), {c.option, c.value}));

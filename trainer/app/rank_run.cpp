@@ -45,6 +45,17 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
   // Tensor parallelism: a data x tensor mesh, the model this rank's part of it, the data split
   // over the data ranks (a tensor group reads the same rows).
   std::optional<collectives::Mesh> mesh;
+  // Ranks as processes: the same --tensor-parallel on every rank before the mesh's splits (a rank
+  // of another size makes other splits or none, and the job waited out the collective timeout).
+  // One split by it is the exchange: a rank's group is the world only when every rank agrees.
+  if (!threads && comm.size() > 1) {
+    auto same = comm.split(o.train.tensor_parallel_size, comm.rank());
+    if (!same) co_return fail(std::move(same).error().with_context("agreeing on --tensor-parallel"));
+    if (!*same || (*same)->size() != comm.size())
+      co_return fail(ErrorCode::invalid_argument, "--tensor-parallel: rank ", comm.rank(), " gives ",
+                     o.train.tensor_parallel_size, ", and only ", *same ? (*same)->size() : 0, " of the ", comm.size(),
+                     " ranks give the same (every rank of a run must give the same --tensor-parallel)");
+  }
   if (o.train.tensor_parallel_size > 1) {
     COSHARD_CO_TRY_ASSIGN(const int shard, o.train.shard_group_size_for(comm.size() / o.train.tensor_parallel_size));
     auto made = collectives::Mesh::create(comm, {.tensor = o.train.tensor_parallel_size, .shard = shard});
