@@ -23,6 +23,7 @@
 #include "coshard/collectives/mesh.hpp"
 #include "coshard/modules/checkpointing.hpp"
 #include "coshard/modules/llama.hpp"
+#include "coshard/modules/lora.hpp"
 #include "coshard/modules/tensor_parallel.hpp"
 #include "coshard/zero/checkpoint.hpp"
 #include "coshard/zero/engine.hpp"
@@ -393,6 +394,43 @@ TEST(TensorParallelShapes, WhatCannotSplitIsRefusedByName) {
   bad = modules::check_tensor_parallel(c, 4);
   ASSERT_FALSE(bad);
   EXPECT_NE(bad.error().message().find("the vocabulary (66)"), std::string::npos) << bad.error().message();
+}
+
+// #60 item 8: a split model given to an engine that has no tensor group trained wrong in silence
+// (each tensor rank clipped with its own norm, the replicated weights drifted apart); LoRA on a
+// split model trained wrong through the library (A's gradient never summed over the tensor ranks).
+// Both are refused by name, on every rank, before anything is made.
+TEST(TensorParallelShapes, ASplitModelWithoutItsTensorGroupAndLoraOnASplitModelAreRefused) {
+  std::mutex mutex;
+  std::vector<std::string> messages;
+  const auto errors = ::coshard::testing::on_ranks(4, [&](int, collectives::Communicator& world) -> async::Task<Result<void>> {
+    COSHARD_CO_TRY_ASSIGN(auto stream, async::Stream::create(async::Device::cpu()));
+    COSHARD_CO_TRY_ASSIGN(auto allocator, async::CachingAllocator::create(async::Device::cpu()));
+    COSHARD_CO_TRY_ASSIGN(auto ctx, Context::create(stream, *allocator));
+    COSHARD_CO_TRY_ASSIGN(auto mesh, collectives::Mesh::create(world, {.tensor = 2}));
+    COSHARD_CO_TRY_ASSIGN(auto model, modules::make_llama(llama(true), mesh.tensor()));
+    COSHARD_CO_TRY_ASSIGN(auto opt, Optimizer::adamw({}));
+    EngineOptions o;
+    o.zero_stage = 3;
+    auto plain = Engine::create(ctx, mesh.data(), *model, *opt, o);  // (the data group alone)
+    auto other = o;
+    other.tensor_parallel = &world;  // (a group of another size than the split's)
+    auto wrong_size = Engine::create(ctx, mesh.data(), *model, *opt, other);
+    COSHARD_CO_TRY_ASSIGN(const auto adapters, modules::apply_lora(*model, {.targets = {"*.attn.qkv"}, .rank = 2}));
+    EXPECT_FALSE(adapters.empty());
+    auto adapted = Engine::create(ctx, mesh, *model, *opt, o);
+    std::lock_guard lock(mutex);
+    for (auto* r : {&plain, &wrong_size, &adapted}) messages.push_back(*r ? std::string("accepted") : r->error().message());
+    co_return Result<void>{};
+  });
+  ASSERT_TRUE(errors.empty()) << errors.front();
+  ASSERT_EQ(messages.size(), 12u);
+  for (std::size_t i = 0; i < messages.size(); i += 3) {
+    EXPECT_NE(messages[i].find("of a tensor-parallel split, and the engine has no tensor group"), std::string::npos) << messages[i];
+    EXPECT_NE(messages[i + 1].find("is split in 2 parts, and the engine's tensor group has 4 ranks"), std::string::npos)
+        << messages[i + 1];
+    EXPECT_NE(messages[i + 2].find("LoRA with tensor parallelism is not supported yet"), std::string::npos) << messages[i + 2];
+  }
 }
 
 TEST(TensorParallelShapes, APartIsTakenAndPlacedBackSegmentBySegment) {

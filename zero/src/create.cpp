@@ -5,6 +5,7 @@
 #include <mutex>
 
 #include "coshard/modules/cpu_blas_kernels.hpp"
+#include "coshard/modules/lora.hpp"
 #include "coshard/zero/memory_estimate.hpp"
 #include "engine_state.hpp"
 #include "fetch_units.hpp"
@@ -110,6 +111,40 @@ std::string_view to_string(OffloadTarget t) noexcept {
   return "?";
 }
 
+namespace {
+
+// A model split for tensor parallelism trains right only with its tensor group: each tensor rank
+// would clip with its own norm and its replicated weights drift apart (8e-4 in a report), and a
+// checkpoint of it publishes half a model. So a split parameter needs EngineOptions::tensor_parallel
+// (Engine::create over a Mesh sets it) of as many ranks as it has parts. LoRA adapters on a split
+// layer are refused until they are split with it (A's or B's gradient is a sum over the tensor
+// ranks, which the engine does not make).
+Result<void> check_tensor_parts(Module& model, const EngineOptions& o) {
+  Result<void> out{};
+  model.for_each_parameter([&](const std::string& name, Parameter& p) {
+    if (!out || !p.split() || p.split()->parts <= 1) return;
+    const auto& split = *p.split();
+    if (!o.tensor_parallel)
+      out = fail(ErrorCode::invalid_argument, "Engine: parameter ", name, " is part ", split.index, " of ", split.parts,
+                 " of a tensor-parallel split, and the engine has no tensor group (create it over the collectives::Mesh the "
+                 "model was split over, or set EngineOptions::tensor_parallel to that mesh's tensor())");
+    else if (o.tensor_parallel->size() != split.parts)
+      out = fail(ErrorCode::invalid_argument, "Engine: parameter ", name, " is split in ", split.parts,
+                 " parts, and the engine's tensor group has ", o.tensor_parallel->size(), " ranks");
+  });
+  COSHARD_TRY(std::move(out));
+  if (!o.tensor_parallel || o.tensor_parallel->size() <= 1) return {};
+  model.for_each_module([&](const std::string& path, Module& m) {
+    if (!out || dynamic_cast<const modules::LoraAdapter*>(&m) == nullptr) return;
+    out = fail(ErrorCode::unsupported, "Engine: LoRA adapter ", path, " on a model split over ", o.tensor_parallel->size(),
+               " tensor ranks: LoRA with tensor parallelism is not supported yet (the adapters would train wrong: their "
+               "gradient is a sum over the tensor ranks); train LoRA without tensor parallelism");
+  });
+  return out;
+}
+
+}  // namespace
+
 Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, const collectives::Mesh& mesh, Module& model,
                                                Optimizer& optimizer, EngineOptions o) {
   if (o.shard_group_size != 0 && o.shard_group_size != mesh.shape().shard)
@@ -138,6 +173,8 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   if (!(comm.stream().device() == ctx.device()))
     return fail(ErrorCode::invalid_argument, "Engine: the communicator's stream runs on ",
                 comm.stream().device().to_string(), ", the compute stream on ", ctx.device().to_string());
+
+  COSHARD_TRY(check_tensor_parts(model, o));
 
   // A loop of the user's own may not have named its thread's rank: the log lines of this rank's
   // reactor name it from here on.
