@@ -108,6 +108,56 @@ TEST(HardeningFive, ADeeplyNestedAdapterConfigIsRefusedByName) {
   }
 }
 
+// Item 5: the PEFT keys that choose modules are honoured as PEFT honours them: a folder of block
+// 1's adapters says so (full names, not the bare projection PEFT would put in every block), reads
+// back, and reads back under layers_to_transform and a regular expression; a folder whose keys
+// select other modules than its tensors is refused by name.
+TEST(HardeningFive, PeftKeysChooseTheModulesAsPeftChoosesThem) {
+  const fs::path dir = scratch("h5_peft_keys");
+  const fs::path peft = dir / "peft";
+  const auto made = run(with(kLlama, {"--lora-rank", "4", "--lora-targets", "model.layers.1.self_attn.q_proj", "--lora-targets",
+                                      "layers.1.self_attn.v_proj", "--export-adapter", peft.string()}),
+                        dir);
+  ASSERT_EQ(made.code, 0) << made.output;
+  auto config = nlohmann::json::parse(slurp(peft / "adapter_config.json"));
+  EXPECT_EQ(config["target_modules"], nlohmann::json({"model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.v_proj"}));
+  const std::string weights = slurp(peft / "adapter_model.safetensors");
+  EXPECT_NE(weights.find("layers.1.self_attn.q_proj.lora_A"), std::string::npos);
+  EXPECT_EQ(weights.find("layers.0."), std::string::npos) << "block 0 has no adapters";
+  auto rewrite = [&](const nlohmann::json& changes) {
+    auto c = config;
+    c.update(changes);
+    std::ofstream(peft / "adapter_config.json", std::ios::trunc) << c.dump(1);
+  };
+  const std::vector<nlohmann::json> same = {
+      config,
+      {{"target_modules", {"q_proj", "v_proj"}}, {"layers_to_transform", {1}}, {"layers_pattern", "layers"}},
+      {{"target_modules", {"q_proj", "v_proj"}}, {"layers_to_transform", 1}},
+      {{"target_modules", "model\\.layers\\.1\\.self_attn\\.(q|v)_proj"}},
+      {{"target_modules", {"q_proj", "v_proj"}}, {"exclude_modules", {"layers.0.self_attn.q_proj", "layers.0.self_attn.v_proj"}}},
+  };
+  for (const auto& changes : same) {
+    SCOPED_TRACE(changes.dump());
+    rewrite(changes);
+    const auto r = run(with(kLlama, {"--adapter", peft.string(), "--export-adapter", (dir / "again").string()}), dir);
+    EXPECT_EQ(r.code, 0) << r.output;
+    EXPECT_EQ(nlohmann::json::parse(slurp(dir / "again" / "adapter_config.json"))["target_modules"], config["target_modules"]);
+  }
+  // Keys that select block 0 (whose tensors the file lacks), or nothing.
+  rewrite({{"target_modules", {"q_proj", "v_proj"}}});
+  const auto every_block = run(with(kLlama, {"--adapter", peft.string()}), dir);
+  EXPECT_NE(every_block.code, 0) << every_block.output;
+  EXPECT_LT(every_block.code, 128) << every_block.output;
+  EXPECT_NE(every_block.output.find("no tensor base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"), std::string::npos)
+      << every_block.output;
+  rewrite({{"target_modules", {"q_proj", "v_proj"}}, {"layers_to_transform", {0}}});
+  const auto other_block = run(with(kLlama, {"--adapter", peft.string()}), dir);
+  EXPECT_NE(other_block.code, 0) << other_block.output;
+  EXPECT_NE(other_block.output.find("is no adapter of this model"), std::string::npos) << other_block.output;
+  rewrite({{"target_modules", "q_proj"}});
+  refused(run(with(kLlama, {"--adapter", peft.string()}), dir), "target_modules \"q_proj\" selects no module of this Llama");
+}
+
 // Item 6: --lora-alpha against the folder's is refused by name (the adapters were trained at that
 // scale); --lora-dropout wins and says so; a LoRA checkpoint resumed with another alpha is refused.
 TEST(HardeningFive, ALoraSettingThatDisagreesWithTheFolderOrCheckpointIsNeverTakenSilently) {

@@ -32,10 +32,62 @@ TEST(PeftConfig, PeftsOwnConfigParsesAndCoshardsRoundTrips) {
   EXPECT_EQ(again->lora_alpha, c->lora_alpha);
   EXPECT_EQ(again->target_modules, c->target_modules);
   EXPECT_EQ(again->base_model_name_or_path, c->base_model_name_or_path);
-  // A single module name as a string, as PEFT allows.
+  // A string, as PEFT allows: a regular expression matched in full (so "q_proj" names no
+  // module of a Llama, whose names are "model.layers.N.self_attn.q_proj").
   auto one = parse_peft_config(R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": "q_proj"})", "x");
   ASSERT_TRUE(one) << one.error().message();
   EXPECT_EQ(one->target_modules, std::vector<std::string>{"q_proj"});
+  EXPECT_TRUE(one->target_modules_regex);
+  EXPECT_FALSE(peft_targets_module(*one, "model.layers.0.self_attn.q_proj"));
+  auto none = peft_llama_targets(*one, 2, false);
+  ASSERT_FALSE(none);
+  EXPECT_NE(none.error().message().find("target_modules \"q_proj\" selects no module of this Llama (2 blocks)"),
+            std::string::npos)
+      << none.error().message();
+}
+
+// #60 item 5: PEFT's selection (tuners_utils.check_target_module_exists), key for key: a list entry
+// equal to the name or its last names, narrowed by layers_to_transform under layers_pattern; a
+// string matched in full; exclude_modules first; "all-linear" every linear layer but lm_head.
+TEST(PeftConfig, ModulesAreSelectedAsPeftSelectsThem) {
+  auto config = [](std::string_view json) {
+    auto c = parse_peft_config(json, "adapter_config.json");
+    EXPECT_TRUE(c) << json << ": " << c.error().message();
+    return c ? *c : PeftAdapterConfig{};
+  };
+  const std::string q0 = "model.layers.0.self_attn.q_proj", q1 = "model.layers.1.self_attn.q_proj";
+  const std::string v1 = "model.layers.1.self_attn.v_proj", up1 = "model.layers.1.mlp.up_proj";
+  auto list = config(R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "mlp.up_proj"]})");
+  EXPECT_TRUE(peft_targets_module(list, q0));
+  EXPECT_TRUE(peft_targets_module(list, up1));
+  EXPECT_FALSE(peft_targets_module(list, v1));
+  EXPECT_FALSE(peft_targets_module(list, "model.layers.1.self_attn.xq_proj")) << "a suffix after a dot only";
+  auto layers = config(R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
+                           "layers_to_transform": [1], "layers_pattern": "layers"})");
+  EXPECT_FALSE(peft_targets_module(layers, q0));
+  EXPECT_TRUE(peft_targets_module(layers, q1));
+  EXPECT_EQ(*peft_llama_targets(layers, 3, true), (std::vector<std::string>{q1, v1}));
+  auto one_layer = config(R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "layers_to_transform": 0})");
+  EXPECT_TRUE(peft_targets_module(one_layer, q0)) << "no pattern: any name before the index";
+  EXPECT_FALSE(peft_targets_module(one_layer, q1));
+  auto other_pattern = config(R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
+                                  "layers_to_transform": [0], "layers_pattern": ["h"]})");
+  EXPECT_FALSE(peft_targets_module(other_pattern, q0)) << "no index under that pattern: not adapted";
+  // An exact name in the list is taken whatever layers_to_transform says (PEFT checks it first).
+  auto exact = config(R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["model.layers.0.self_attn.q_proj"],
+                          "layers_to_transform": [1]})");
+  EXPECT_TRUE(peft_targets_module(exact, q0));
+  auto regex = config(R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ".*\\.layers\\.1\\.self_attn\\.(q|v)_proj"})");
+  EXPECT_EQ(*peft_llama_targets(regex, 2, true), (std::vector<std::string>{q1, v1}));
+  auto excluded = config(R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "exclude_modules": ["layers.0.self_attn.q_proj"]})");
+  EXPECT_EQ(*peft_llama_targets(excluded, 2, true), (std::vector<std::string>{q1}));
+  auto all = config(R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": "all-linear"})");
+  const auto every = *peft_llama_targets(all, 1, true);
+  EXPECT_EQ(every.size(), 7u) << "q, k, v, o, gate, up, down; not lm_head";
+  // Values PEFT would refuse, refused by name.
+  EXPECT_FALSE(parse_peft_config(R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": "(q"})", "x"));
+  EXPECT_FALSE(parse_peft_config(R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "layers_to_transform": [-1]})", "x"));
+  EXPECT_FALSE(parse_peft_config(R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "layers_pattern": 3})", "x"));
 }
 
 TEST(PeftConfig, WhatCoshardCannotLoadIsRefusedNamingTheKey) {

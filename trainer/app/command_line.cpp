@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <optional>
 
 #include "coshard/async/log.hpp"
 #include "coshard/trainer/data.hpp"
@@ -282,6 +283,7 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   // --adapter: the folder's LoRA settings, unless the command line or the config set a rank. An
   // alpha given that differs from the folder's is refused (the adapters' values mean another
   // product at another scale); a dropout given wins over the folder's, said in a note.
+  std::optional<zero::PeftAdapterConfig> adapter_config;  // (its targets resolved once the model is known)
   if (!o.adapter.empty() && c.lora_rank == 0) {
     auto peft = zero::read_peft_config(o.adapter);
     if (!peft) {
@@ -306,7 +308,7 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
       std::fprintf(o.print_config ? stderr : stdout, "config note: --lora-dropout %g over the folder's lora_dropout %g (%s)\n",
                    static_cast<double>(c.lora_dropout), peft->lora_dropout, o.adapter.c_str());
     }
-    if (lora_targets.empty()) c.lora_targets = peft->target_modules;
+    if (lora_targets.empty()) adapter_config = std::move(*peft);
   }
   if ((!o.adapter.empty() || !o.export_adapter.empty()) && c.lora_rank == 0) {
     std::fprintf(stderr, "coshard-train: %s needs LoRA (--lora-rank)\n", o.adapter.empty() ? "--export-adapter" : "--adapter");
@@ -405,6 +407,29 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
     return 2;
   }
   o.model = std::move(*resolved);
+  // --adapter's target_modules as PEFT selects them (layers_to_transform, layers_pattern,
+  // exclude_modules and a regular expression included): the same adapters over transformers'
+  // module names of this Llama.
+  if (adapter_config) {
+    const std::string source = (std::filesystem::path(o.adapter) / zero::kPeftConfigName).string();
+    if (o.model.kind == ModelChoice::Kind::llama) {
+      auto targets = zero::peft_llama_targets(*adapter_config, o.model.llama.layers, !o.model.llama.tie_embeddings);
+      if (!targets) {
+        std::fprintf(stderr, "coshard-train: --adapter %s: %s\n", source.c_str(), targets.error().message().c_str());
+        return 2;
+      }
+      c.lora_targets = std::move(*targets);
+    } else if (adapter_config->target_modules_regex || !adapter_config->layers_to_transform.empty() ||
+               !adapter_config->exclude_modules.empty()) {
+      std::fprintf(stderr,
+                   "coshard-train: --adapter %s: target_modules as a regular expression, layers_to_transform and "
+                   "exclude_modules are read for a Llama only (this model is a GPT): give --lora-targets\n",
+                   source.c_str());
+      return 2;
+    } else {
+      c.lora_targets = adapter_config->target_modules;
+    }
+  }
   // A Llama exports a Hugging Face folder unless the path names a .safetensors file; a GPT a file.
   o.export_is_folder = o.model.kind == ModelChoice::Kind::llama && !o.export_path.empty() &&
                        std::filesystem::path(o.export_path).extension() != ".safetensors";

@@ -1,8 +1,11 @@
 // PEFT adapter folders and the merged export (peft.hpp).
 #include "coshard/zero/peft.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
+#include <optional>
+#include <regex>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -78,6 +81,11 @@ Result<PeftAdapterConfig> peft_config_of(Module& model, bool llama, std::string 
   c.lora_dropout = names.front().adapter->dropout();
   c.base_model_name_or_path = std::move(base_model_name_or_path);
   std::set<std::string> targets;
+  // A projection adapted in some blocks only is named block by block (PEFT adapts every block a
+  // bare name matches).
+  std::int64_t blocks = 0;
+  model.for_each_module([&](const std::string& path, Module&) { blocks = std::max(blocks, block_of(path) + 1); });
+  std::map<std::string, std::vector<std::string>> blocks_of_projection;  // "q_proj" -> its full names
   for (const auto& n : names) {
     if (n.adapter->rank() != c.r || n.adapter->alpha() != c.lora_alpha)
       return fail(ErrorCode::invalid_argument, "PEFT adapter: ", n.path, " has rank ", n.adapter->rank(), " and alpha ",
@@ -86,7 +94,14 @@ Result<PeftAdapterConfig> peft_config_of(Module& model, bool llama, std::string 
     // (the module's last name: q_proj, lm_head, or a coshard layer's path)
     const std::string module = n.a.substr(std::string_view("base_model.model.").size(),
                                           n.a.size() - std::string_view("base_model.model.").size() - std::string_view(".lora_A.weight").size());
-    targets.insert(llama && module.starts_with("model.layers.") ? module.substr(module.rfind('.') + 1) : module);
+    if (llama && module.starts_with("model.layers."))
+      blocks_of_projection[module.substr(module.rfind('.') + 1)].push_back(module);
+    else
+      targets.insert(module);
+  }
+  for (auto& [projection, modules] : blocks_of_projection) {
+    if (static_cast<std::int64_t>(modules.size()) == blocks) targets.insert(projection);
+    else targets.insert(modules.begin(), modules.end());
   }
   c.target_modules.assign(targets.begin(), targets.end());
   return c;
@@ -136,14 +151,50 @@ Result<PeftAdapterConfig> parse_peft_config(std::string_view text, std::string_v
       return bad("lora_dropout", "a number in [0, 1)");
     c.lora_dropout = doc["lora_dropout"].get<double>();
   }
-  if (doc.contains("target_modules") && !doc["target_modules"].is_null()) {
-    const json& t = doc["target_modules"];
+  // A list of names, or one string (a regular expression, checked here so that a bad one is
+  // named now, not at the match).
+  auto names_or_regex = [&](std::string_view key, std::vector<std::string>& names, bool& regex) -> Result<void> {
+    const std::string k(key);
+    if (!doc.contains(k) || doc[k].is_null()) return {};
+    const json& t = doc[k];
     if (t.is_string()) {
-      c.target_modules.push_back(t.get<std::string>());
-    } else if (t.is_array() && t.size() <= 4096 && std::all_of(t.begin(), t.end(), [](const json& v) { return v.is_string(); })) {
-      for (const auto& v : t) c.target_modules.push_back(v.get<std::string>());
+      names.push_back(t.get<std::string>());
+      regex = true;
+      if (names.back() == "all-linear" && key == "target_modules") return {};
+      try {
+        (void)std::regex(names.back(), std::regex::ECMAScript);
+      } catch (const std::regex_error& e) {
+        return bad(key, std::string("a list of module names or a regular expression (") + e.what() + ")");
+      }
+      return {};
+    }
+    if (t.is_array() && t.size() <= 4096 && std::all_of(t.begin(), t.end(), [](const json& v) { return v.is_string(); })) {
+      for (const auto& v : t) names.push_back(v.get<std::string>());
+      return {};
+    }
+    return bad(key, "a list of module names or a regular expression");
+  };
+  COSHARD_TRY(names_or_regex("target_modules", c.target_modules, c.target_modules_regex));
+  COSHARD_TRY(names_or_regex("exclude_modules", c.exclude_modules, c.exclude_modules_regex));
+  if (doc.contains("layers_to_transform") && !doc["layers_to_transform"].is_null()) {
+    const json& l = doc["layers_to_transform"];
+    auto index = [](const json& v) { return v.is_number_integer() && v.get<std::int64_t>() >= 0 && v.get<std::int64_t>() < (1 << 20); };
+    if (index(l)) {
+      c.layers_to_transform.push_back(l.get<std::int64_t>());
+    } else if (l.is_array() && l.size() <= 4096 && std::all_of(l.begin(), l.end(), index)) {
+      for (const auto& v : l) c.layers_to_transform.push_back(v.get<std::int64_t>());
     } else {
-      return bad("target_modules", "a list of module names");
+      return bad("layers_to_transform", "a block index or a list of them");
+    }
+  }
+  if (doc.contains("layers_pattern") && !doc["layers_pattern"].is_null()) {
+    const json& l = doc["layers_pattern"];
+    if (l.is_string()) {
+      c.layers_pattern.push_back(l.get<std::string>());
+    } else if (l.is_array() && l.size() <= 64 && std::all_of(l.begin(), l.end(), [](const json& v) { return v.is_string(); })) {
+      for (const auto& v : l) c.layers_pattern.push_back(v.get<std::string>());
+    } else {
+      return bad("layers_pattern", "a name or a list of names");
     }
   }
   if (doc.contains("base_model_name_or_path") && doc["base_model_name_or_path"].is_string())
@@ -157,6 +208,65 @@ Result<PeftAdapterConfig> parse_peft_config(std::string_view text, std::string_v
   if (doc.contains("alpha_pattern") && doc["alpha_pattern"].is_object() && !doc["alpha_pattern"].empty())
     return bad("alpha_pattern", "empty (one alpha for every adapter)");
   return c;
+}
+
+bool peft_targets_module(const PeftAdapterConfig& c, std::string_view key) {
+  auto full_match = [&](const std::string& pattern) {
+    try {
+      return std::regex_match(key.begin(), key.end(), std::regex(pattern, std::regex::ECMAScript));
+    } catch (const std::regex_error&) {
+      return false;  // (checked when read)
+    }
+  };
+  auto listed = [&](const std::vector<std::string>& names) {
+    return std::any_of(names.begin(), names.end(), [&](const std::string& n) {
+      return key == n || (key.size() > n.size() && key.ends_with(n) && key[key.size() - n.size() - 1] == '.');
+    });
+  };
+  if (!c.exclude_modules.empty() && (c.exclude_modules_regex ? full_match(c.exclude_modules.front()) : listed(c.exclude_modules)))
+    return false;
+  if (c.target_modules_regex) {
+    // PEFT's "all-linear": every linear layer but the output layer.
+    if (c.target_modules.front() == "all-linear") return key != "lm_head";
+    return full_match(c.target_modules.front());
+  }
+  if (std::find(c.target_modules.begin(), c.target_modules.end(), key) != c.target_modules.end()) return true;
+  if (!listed(c.target_modules)) return false;
+  if (c.layers_to_transform.empty()) return true;
+  // The block index: the number after "<pattern>." (any name when no pattern) followed by a dot.
+  std::optional<std::int64_t> index;
+  const std::vector<std::string> patterns = c.layers_pattern.empty() ? std::vector<std::string>{"[^.]*"} : c.layers_pattern;
+  for (const auto& pattern : patterns) {
+    std::match_results<std::string_view::const_iterator> m;
+    try {
+      if (std::regex_search(key.begin(), key.end(), m, std::regex("^.*\\." + pattern + "\\.(\\d+)\\.", std::regex::ECMAScript))) {
+        index = std::stoll(m[1].str());
+        break;
+      }
+    } catch (const std::exception&) {
+    }
+  }
+  return index && std::find(c.layers_to_transform.begin(), c.layers_to_transform.end(), *index) != c.layers_to_transform.end();
+}
+
+Result<std::vector<std::string>> peft_llama_targets(const PeftAdapterConfig& c, std::int64_t layers, bool untied_head) {
+  std::vector<std::string> out;
+  for (std::int64_t l = 0; l < layers; ++l)
+    for (const auto& [parent, projection] : {std::pair{"self_attn", "q_proj"}, {"self_attn", "k_proj"}, {"self_attn", "v_proj"},
+                                             {"self_attn", "o_proj"}, {"mlp", "gate_proj"}, {"mlp", "up_proj"}, {"mlp", "down_proj"}}) {
+      std::string key = "model.layers." + std::to_string(l) + "." + parent + "." + projection;
+      if (peft_targets_module(c, key)) out.push_back(std::move(key));
+    }
+  if (untied_head && peft_targets_module(c, "lm_head")) out.push_back("lm_head");
+  if (out.empty()) {
+    std::string given;
+    for (const auto& t : c.target_modules) given += (given.empty() ? "" : ", ") + async::bounded_echo(t);
+    return fail(ErrorCode::invalid_argument, "target_modules ", c.target_modules_regex ? "\"" : "[", given,
+                c.target_modules_regex ? "\"" : "]", c.layers_to_transform.empty() ? "" : " with layers_to_transform",
+                c.exclude_modules.empty() ? "" : " and exclude_modules", " selects no module of this Llama (", layers,
+                " blocks)");
+  }
+  return out;
 }
 
 Result<PeftAdapterConfig> read_peft_config(const fs::path& folder) {

@@ -65,6 +65,13 @@ std::vector<std::pair<std::string, Linear*>> linears_of(Module& model) {
   return out;
 }
 
+// PEFT's rule for a list entry (tuners_utils.check_target_module_exists): the module's name is the
+// entry, or ends in "." + the entry.
+bool peft_list_matches(std::string_view target, std::string_view name) {
+  return name == target || (name.size() > target.size() && name.ends_with(target) &&
+                            name[name.size() - target.size() - 1] == '.');
+}
+
 // A target that matched no linear layer: its error, naming what it did match when that was not
 // a linear layer.
 Unexpected matched_nothing(Module& model, const std::string& target) {
@@ -194,7 +201,7 @@ Result<std::vector<LoraAdapterInfo>> adapt_by_glob(Module& model, const LoraOpti
   for (const auto& target : options.targets) {
     bool matched = false;
     for (const auto& [path, layer] : linears) {
-      if (!glob_matches(target, path)) continue;
+      if (!glob_matches(target, path) && !peft_list_matches(target, path)) continue;
       matched = true;
       if (chosen.insert(layer).second) plan.push_back({path, layer, "lora", "", -1, 0, layer->out_features()});
     }
@@ -242,6 +249,12 @@ std::optional<LlamaLayout> llama_layout(Module& model) {
   return c;
 }
 
+// transformers' name of block l's projection: "model.layers.3.self_attn.q_proj", "model.layers.3.mlp.up_proj".
+std::string hf_module_name(std::int64_t l, std::string_view projection) {
+  const bool attention = projection == "q_proj" || projection == "k_proj" || projection == "v_proj" || projection == "o_proj";
+  return "model.layers." + std::to_string(l) + (attention ? ".self_attn." : ".mlp.") + std::string(projection);
+}
+
 // make_llama's model: Hugging Face's projection names, one adapter per projection of a fused layer.
 Result<std::vector<LoraAdapterInfo>> adapt_llama(Module& model, const LlamaLayout& c, const LoraOptions& options) {
   const std::int64_t hd = c.head_dim, q = c.heads * hd, kv = c.kv_heads * hd, I = c.intermediate;
@@ -267,10 +280,19 @@ Result<std::vector<LoraAdapterInfo>> adapt_llama(Module& model, const LlamaLayou
   for (const auto& target : options.targets) {
     const std::string_view bare = std::string_view(target).starts_with("*.") ? std::string_view(target).substr(2) : target;
     bool matched = false;
-    for (std::size_t j = 0; j < std::size(projections); ++j)
-      if (bare == projections[j].hf) {
+    // transformers' module names, by PEFT's rule: "q_proj", "self_attn.q_proj",
+    // "model.layers.3.self_attn.q_proj" (that block's alone), "lm_head".
+    for (std::int64_t l = 0; l < c.layers; ++l)
+      for (std::size_t j = 0; j < std::size(projections); ++j)
+        if (peft_list_matches(bare, hf_module_name(l, projections[j].hf))) {
+          matched = true;
+          wanted[static_cast<std::size_t>(l)][j] = true;
+        }
+    if (peft_list_matches(bare, "lm_head"))
+      if (Linear* head = find("head")) {
         matched = true;
-        for (auto& layer : wanted) layer[j] = true;
+        if (std::find(other.begin(), other.end(), std::pair<std::string, Linear*>{"head", head}) == other.end())
+          other.emplace_back("head", head);
       }
     if (matched) continue;
     for (const auto& [path, layer] : linears) {

@@ -22,10 +22,13 @@ namespace coshard::modules {
 
 struct LoraOptions {
   // Which linear layers get adapters: globs over module paths (`*` any run of characters, dots
-  // included), as Module::for_each_module names them ("h*.attn.qkv", "*.mlp.*"). With a Llama
-  // (apply_lora with its config) Hugging Face's projection names are targets too: q_proj, k_proj,
-  // v_proj, o_proj, gate_proj, up_proj, down_proj (each alone, or as "*.q_proj"). Every target
-  // must match at least one linear layer.
+  // included), as Module::for_each_module names them ("h*.attn.qkv", "*.mlp.*"), or a path's
+  // last names as PEFT matches a list entry (the path is the entry or ends in "." + it:
+  // "attn.qkv"). With a Llama (apply_lora with its config) transformers' module names are targets
+  // too, by the same rule: "q_proj" (every block's), "self_attn.q_proj",
+  // "model.layers.3.self_attn.q_proj" (block 3's alone), "lm_head"; the projections are q_proj,
+  // k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj. Every target must match at least one
+  // linear layer.
   std::vector<std::string> targets;
   std::int64_t rank = 8;  // PEFT's r
   double alpha = 8;       // PEFT's lora_alpha: the adapter's product is scaled by alpha / rank

@@ -26,9 +26,29 @@ struct PeftAdapterConfig {
   std::int64_t r = 0;
   double lora_alpha = 0;
   double lora_dropout = 0;
+  // A list of names, or (target_modules_regex) one regular expression matched in full, as PEFT
+  // takes either; "all-linear" as a string is PEFT's every linear layer but the output layer.
   std::vector<std::string> target_modules;
+  bool target_modules_regex = false;
+  // PEFT's narrowing of a list's matches to some blocks: layers_to_transform (an int or a list;
+  // empty: every block) under layers_pattern (the blocks' container names; empty: any).
+  std::vector<std::int64_t> layers_to_transform;
+  std::vector<std::string> layers_pattern;
+  // PEFT's exclude_modules: a list, or one regular expression (exclude_modules_regex).
+  std::vector<std::string> exclude_modules;
+  bool exclude_modules_regex = false;
   std::string base_model_name_or_path;  // empty: null (a base that is no Hugging Face folder)
 };
+
+// Whether PEFT adapts the module named `key` (transformers' name, "model.layers.0.self_attn.q_proj")
+// under `config`: PEFT's check_target_module_exists (exclusions first; a list entry equal to the
+// name or its last names, narrowed by layers_to_transform; a string matched in full).
+bool peft_targets_module(const PeftAdapterConfig& config, std::string_view key);
+
+// The Llama modules PEFT adapts under `config`, by transformers' names, in model order, for a
+// Llama of `layers` blocks (with an untied output layer, lm_head): the targets that make the same
+// adapters in coshard (modules::LoraOptions::targets). An error when it selects none.
+Result<std::vector<std::string>> peft_llama_targets(const PeftAdapterConfig& config, std::int64_t layers, bool untied_head);
 
 // The model's adapters, in model order, with the PEFT name of their A and B (`llama`: the model is
 // make_llama's, named as transformers' modules).
