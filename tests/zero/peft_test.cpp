@@ -88,6 +88,20 @@ TEST(PeftConfig, ModulesAreSelectedAsPeftSelectsThem) {
   EXPECT_FALSE(parse_peft_config(R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": "(q"})", "x"));
   EXPECT_FALSE(parse_peft_config(R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "layers_to_transform": [-1]})", "x"));
   EXPECT_FALSE(parse_peft_config(R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "layers_pattern": 3})", "x"));
+  // Outside regular expressions cannot hang or overflow a run: a pattern that backtracks
+  // exponentially answers at once, a back-reference or deep nesting is refused by name.
+  auto slow = config(R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": "(m*.*)*x"})");
+  EXPECT_FALSE(peft_targets_module(slow, "model.layers.1000.self_attn.q_proj_q_proj_q_proj"));
+  auto refused = [](std::string_view json) {
+    auto r = parse_peft_config(json, "adapter_config.json");
+    return r ? std::string("(accepted)") : r.error().message();
+  };
+  EXPECT_NE(refused(R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": "(q)\\1_proj"})").find("target_modules="),
+            std::string::npos);
+  EXPECT_NE(refused(R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ")" + std::string(40, '(') +
+                    std::string(40, ')') + R"("})")
+                .find("at most 1024 characters and 16 nested groups"),
+            std::string::npos);
 }
 
 TEST(PeftConfig, WhatCoshardCannotLoadIsRefusedNamingTheKey) {

@@ -58,6 +58,17 @@ std::map<std::string, const GatheredParameter*> by_name(const std::vector<Gather
   return out;
 }
 
+// PEFT's regular expressions come from outside: compiled for libstdc++'s breadth-first executor,
+// whose time is polynomial in the name's length ("(a*)*b" over a 32-character name ran for
+// minutes in the default, backtracking one); it refuses back-references (regex_error).
+std::regex outside_regex(const std::string& pattern) {
+#if defined(__GLIBCXX__)
+  return std::regex(pattern, std::regex::ECMAScript | std::regex_constants::__polynomial);
+#else
+  return std::regex(pattern, std::regex::ECMAScript);
+#endif
+}
+
 }  // namespace
 
 std::vector<PeftTensorNames> peft_names(Module& model, bool llama) {
@@ -161,8 +172,17 @@ Result<PeftAdapterConfig> parse_peft_config(std::string_view text, std::string_v
       names.push_back(t.get<std::string>());
       regex = true;
       if (names.back() == "all-linear" && key == "target_modules") return {};
+      // std::regex compiles and matches by recursion: a long or deeply grouped pattern could
+      // overflow the stack. Module names are short; so are the patterns that select them.
+      int depth = 0, deepest = 0;
+      for (const char ch : names.back()) {
+        depth += ch == '(' ? 1 : ch == ')' ? -1 : 0;
+        deepest = std::max(deepest, depth);
+      }
+      if (names.back().size() > 1024 || deepest > 16)
+        return bad(key, "a regular expression of at most 1024 characters and 16 nested groups");
       try {
-        (void)std::regex(names.back(), std::regex::ECMAScript);
+        (void)outside_regex(names.back());
       } catch (const std::regex_error& e) {
         return bad(key, std::string("a list of module names or a regular expression (") + e.what() + ")");
       }
@@ -196,6 +216,15 @@ Result<PeftAdapterConfig> parse_peft_config(std::string_view text, std::string_v
     } else {
       return bad("layers_pattern", "a name or a list of names");
     }
+    for (const auto& pattern : c.layers_pattern) {  // (each a piece of a regular expression, as in PEFT)
+      bool compiles = pattern.size() <= 256 && std::count(pattern.begin(), pattern.end(), '(') <= 16;
+      try {
+        if (compiles) (void)outside_regex("^.*\\." + pattern + "\\.(\\d+)\\.");
+      } catch (const std::regex_error&) {
+        compiles = false;
+      }
+      if (!compiles) return bad("layers_pattern", "block container names (pieces of a regular expression, at most 256 characters)");
+    }
   }
   if (doc.contains("base_model_name_or_path") && doc["base_model_name_or_path"].is_string())
     c.base_model_name_or_path = doc["base_model_name_or_path"].get<std::string>();
@@ -213,7 +242,7 @@ Result<PeftAdapterConfig> parse_peft_config(std::string_view text, std::string_v
 bool peft_targets_module(const PeftAdapterConfig& c, std::string_view key) {
   auto full_match = [&](const std::string& pattern) {
     try {
-      return std::regex_match(key.begin(), key.end(), std::regex(pattern, std::regex::ECMAScript));
+      return std::regex_match(key.begin(), key.end(), outside_regex(pattern));
     } catch (const std::regex_error&) {
       return false;  // (checked when read)
     }
@@ -239,7 +268,7 @@ bool peft_targets_module(const PeftAdapterConfig& c, std::string_view key) {
   for (const auto& pattern : patterns) {
     std::match_results<std::string_view::const_iterator> m;
     try {
-      if (std::regex_search(key.begin(), key.end(), m, std::regex("^.*\\." + pattern + "\\.(\\d+)\\.", std::regex::ECMAScript))) {
+      if (std::regex_search(key.begin(), key.end(), m, outside_regex("^.*\\." + pattern + "\\.(\\d+)\\."))) {
         index = std::stoll(m[1].str());
         break;
       }
