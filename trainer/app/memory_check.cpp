@@ -20,7 +20,8 @@ Result<RunMemory> estimate_run(const trainer::TrainerConfig& c, const RunShape& 
     COSHARD_TRY_ASSIGN(group, collectives::make_local_communicators(tensor));
   }
   COSHARD_TRY_ASSIGN(auto model, tensor > 1 ? shape.model.build(*group.front()) : shape.model.build());
-  COSHARD_TRY(trainer::apply_lora(c, *model));  // (the frozen base holds no gradient, master or state)
+  // (the frozen base holds no gradient, master or state; a split model's adapters split with it)
+  COSHARD_TRY(trainer::apply_lora(c, *model, tensor > 1 ? group.front().get() : nullptr));
   for (const auto& pattern : c.freeze)  // (frozen units hold no gradient, master or state)
     if (auto frozen = model->set_trainable_matching(pattern, false); !frozen)
       return fail(std::move(frozen).error().with_context("freeze"));

@@ -63,9 +63,6 @@ Result<void> TrainerConfig::validate() const {
     return fail(ErrorCode::unsupported, "cross_entropy=chunked with tensor_parallel_size=", tensor_parallel_size,
                 ": the output layer is split over the tensor ranks, whose vocabulary-parallel loss keeps only their "
                 "columns (expected cross_entropy auto or whole)");
-  if (tensor_parallel_size > 1 && lora_rank > 0)
-    return fail(ErrorCode::unsupported, "lora_rank=", lora_rank, " with tensor_parallel_size=", tensor_parallel_size,
-                ": LoRA adapters on a tensor-parallel model are not supported yet (expected tensor_parallel_size 1)");
   COSHARD_TRY(check_offload(offload_optimizer, "offload_optimizer", true));
   // (offload_params=nvme keeps its shards in the optimizer's swap files: its own path is optional)
   COSHARD_TRY(check_offload(offload_params, "offload_params", false));
@@ -86,9 +83,11 @@ std::optional<modules::LoraOptions> TrainerConfig::lora() const {
   return o;
 }
 
-Result<std::vector<modules::LoraAdapterInfo>> apply_lora(const TrainerConfig& c, modules::Module& model) {
+Result<std::vector<modules::LoraAdapterInfo>> apply_lora(const TrainerConfig& c, modules::Module& model,
+                                                         collectives::Communicator* tensor_group) {
   auto options = c.lora();
   if (!options) return std::vector<modules::LoraAdapterInfo>{};
+  options->tensor_group = tensor_group;
   if (options->targets.empty()) {
     options->targets = modules::default_lora_targets(model);
     if (options->targets.empty())

@@ -313,7 +313,7 @@ async::Task<Result<Trainer>> TrainerBuilder::build(modules::Module& model) const
     COSHARD_CO_TRY_ASSIGN(impl->optimizer, modules::Optimizer::sgd(o, control));
   }
   // LoRA's adapters first: apply_lora freezes the rest of the model, then --freeze may freeze more.
-  COSHARD_CO_TRY_ASSIGN(const auto adapters, apply_lora(c_, model));
+  COSHARD_CO_TRY_ASSIGN(const auto adapters, apply_lora(c_, model, mesh_ ? &mesh_->tensor() : nullptr));
   if (!adapters.empty()) {
     std::int64_t trained = 0;
     for (const auto& a : adapters) trained += a.adapter->a().numel() + a.adapter->b().numel();

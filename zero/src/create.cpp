@@ -5,7 +5,6 @@
 #include <mutex>
 
 #include "coshard/modules/cpu_blas_kernels.hpp"
-#include "coshard/modules/lora.hpp"
 #include "coshard/zero/memory_estimate.hpp"
 #include "engine_state.hpp"
 #include "fetch_units.hpp"
@@ -116,9 +115,7 @@ namespace {
 // A model split for tensor parallelism trains right only with its tensor group: each tensor rank
 // would clip with its own norm and its replicated weights drift apart (8e-4 in a report), and a
 // checkpoint of it publishes half a model. So a split parameter needs EngineOptions::tensor_parallel
-// (Engine::create over a Mesh sets it) of as many ranks as it has parts. LoRA adapters on a split
-// layer are refused until they are split with it (A's or B's gradient is a sum over the tensor
-// ranks, which the engine does not make).
+// (Engine::create over a Mesh sets it) of as many ranks as it has parts.
 Result<void> check_tensor_parts(Module& model, const EngineOptions& o) {
   Result<void> out{};
   model.for_each_parameter([&](const std::string& name, Parameter& p) {
@@ -131,14 +128,6 @@ Result<void> check_tensor_parts(Module& model, const EngineOptions& o) {
     else if (o.tensor_parallel->size() != split.parts)
       out = fail(ErrorCode::invalid_argument, "Engine: parameter ", name, " is split in ", split.parts,
                  " parts, and the engine's tensor group has ", o.tensor_parallel->size(), " ranks");
-  });
-  COSHARD_TRY(std::move(out));
-  if (!o.tensor_parallel || o.tensor_parallel->size() <= 1) return {};
-  model.for_each_module([&](const std::string& path, Module& m) {
-    if (!out || dynamic_cast<const modules::LoraAdapter*>(&m) == nullptr) return;
-    out = fail(ErrorCode::unsupported, "Engine: LoRA adapter ", path, " on a model split over ", o.tensor_parallel->size(),
-               " tensor ranks: LoRA with tensor parallelism is not supported yet (the adapters would train wrong: their "
-               "gradient is a sum over the tensor ranks); train LoRA without tensor parallelism");
   });
   return out;
 }

@@ -319,9 +319,10 @@ Result<std::vector<GatheredParameter>> merge_lora(Module& model, std::vector<Gat
     const auto wv = modules::decode_values(weight.bytes, dtype);
     const auto av = modules::decode_values(params[pa->second].bytes, dtype);
     const auto bv = modules::decode_values(params[pb->second].bytes, dtype);
-    const std::int64_t in = a.a().shape().dims().back(), r = a.rank(), rows = a.row_end() - a.row_begin();
+    // (in the whole layer: a tensor-parallel adapter's values here are whole too)
+    const std::int64_t in = a.whole_in(), r = a.rank(), rows = a.whole_row_end() - a.whole_row_begin();
     if (static_cast<std::int64_t>(av.size()) != r * in || static_cast<std::int64_t>(bv.size()) != rows * r ||
-        static_cast<std::int64_t>(wv.size()) < a.row_end() * in)
+        static_cast<std::int64_t>(wv.size()) < a.whole_row_end() * in)
       return fail(ErrorCode::internal, "merging LoRA: ", n.path, ": sizes do not match its layer");
     std::vector<double> merged = wv;
     const double scale = a.alpha() / static_cast<double>(r);
@@ -330,7 +331,7 @@ Result<std::vector<GatheredParameter>> merge_lora(Module& model, std::vector<Gat
         double delta = 0;
         for (std::int64_t k = 0; k < r; ++k)
           delta += bv[static_cast<std::size_t>(i * r + k)] * av[static_cast<std::size_t>(k * in + j)];
-        merged[static_cast<std::size_t>((a.row_begin() + i) * in + j)] += scale * delta;
+        merged[static_cast<std::size_t>((a.whole_row_begin() + i) * in + j)] += scale * delta;
       }
     weight.bytes = modules::encode_values(merged, dtype);
     adapter_tensors.insert(n.path + ".A");

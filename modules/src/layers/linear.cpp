@@ -2,6 +2,7 @@
 #include "coshard/modules/layers.hpp"
 #include "coshard/modules/lora.hpp"
 
+#include "coshard/collectives/communicator.hpp"
 #include "kernels/kernels.hpp"
 #include "layers/layer_checks.hpp"
 #include "layers/output_loss.hpp"
@@ -74,12 +75,31 @@ void Linear::clear_saved_here() noexcept {
 
 Result<LoraAdapter*> Linear::add_lora(std::string name, std::int64_t row_begin, std::int64_t row_end,
                                      const LoraOptions& options) {
+  return add_lora(std::move(name),
+                  LoraPlacement{.in = in_, .row_begin = row_begin, .row_end = row_end, .out = out_, .whole_in = in_,
+                                .whole_row_begin = row_begin, .whole_row_end = row_end},
+                  options);
+}
+
+Result<LoraAdapter*> Linear::add_lora(std::string name, const LoraPlacement& where, const LoraOptions& options) {
+  const std::int64_t row_begin = where.row_begin, row_end = where.row_end;
   if (row_begin < 0 || row_end <= row_begin || row_end > out_)
     return fail(ErrorCode::invalid_argument, "Linear::add_lora(", name, "): rows [", row_begin, ", ", row_end,
                 ") of an output of ", out_, ": expected 0 <= begin < end <= ", out_);
+  if (where.in != in_ || where.out != out_)
+    return fail(ErrorCode::invalid_argument, "Linear::add_lora(", name, "): placed on a layer of ", where.in, " inputs and ",
+                where.out, " outputs, this one has ", in_, " and ", out_);
+  if (where.split != LoraSplit::none) {
+    const std::int64_t parts = where.group ? where.group->size() : 0;
+    const std::int64_t split_rows = where.split == LoraSplit::output_rows ? options.rank : row_end - row_begin;
+    if (parts < 1 || split_rows % parts != 0)
+      return fail(ErrorCode::invalid_argument, "Linear::add_lora(", name, "): split over ", parts, " tensor ranks, which ",
+                  where.split == LoraSplit::output_rows ? "do not divide the rank " : "do not divide its rows ", split_rows);
+  }
   for (const auto& c : children())
     if (c.name == name) return fail(ErrorCode::invalid_argument, "Linear::add_lora: a child named ", name, " already exists");
-  auto adapter = std::make_unique<LoraAdapter>(in_, row_begin, row_end, out_, options);
+  auto adapter = std::make_unique<LoraAdapter>(where, options);
+  COSHARD_TRY(adapter->split_parameters());
   LoraAdapter& ref = register_child(std::move(name), std::move(adapter));
   adapters_.push_back(&ref);
   return &ref;

@@ -53,6 +53,20 @@ Result<Tensor> sum_over_tensor_ranks(Context& ctx, Communicator& group, const Te
   return out;
 }
 
+Result<Tensor> gather_over_tensor_ranks(Context& ctx, Communicator& group, const Tensor& input, const std::string& purpose) {
+  if (!input) return fail(ErrorCode::invalid_argument, "gather over the tensor ranks (", purpose, "): an empty tensor");
+  if (group.size() == 1) return input;
+  std::vector<std::int64_t> dims(input.shape().dims().begin(), input.shape().dims().end());
+  dims.front() *= group.size();
+  COSHARD_TRY_ASSIGN(Tensor out, ctx.empty(Shape::from(dims), input.dtype()));
+  COSHARD_TRY_ASSIGN(const auto ready, ctx.stream().record());
+  COSHARD_TRY(group.stream().wait(ready));
+  COSHARD_TRY_ASSIGN(const auto done, group.all_gather(input.data(), out.data(), static_cast<std::size_t>(input.numel()),
+                                                       input.dtype(), purpose));
+  COSHARD_TRY(compute_waits(ctx, done, purpose));
+  return out;
+}
+
 async::Task<Result<Tensor>> TensorParallelFork::forward(Context&, Tensor input) { co_return input; }
 
 async::Task<Result<Tensor>> TensorParallelFork::backward(Context& ctx, Tensor grad_output) {

@@ -12,8 +12,9 @@
 
 namespace coshard::modules {
 
-class LoraAdapter;   // lora.hpp
-struct LoraOptions;  // lora.hpp
+class LoraAdapter;            // lora.hpp
+struct LoraOptions;           // lora.hpp
+struct LoraPlacement;         // lora.hpp
 class FusedCrossEntropyLoss;  // fused_cross_entropy.hpp
 namespace detail {
 class OutputLoss;
@@ -56,6 +57,8 @@ class Linear final : public Module {
   // or engine is made for the model; an error names a bad row range or rank.
   Result<LoraAdapter*> add_lora(std::string name, std::int64_t row_begin, std::int64_t row_end,
                                 const LoraOptions& options);
+  // The same at a placement of its own (a tensor-parallel layer's part: lora.hpp's LoraSplit).
+  Result<LoraAdapter*> add_lora(std::string name, const LoraPlacement& where, const LoraOptions& options);
   std::span<LoraAdapter* const> lora_adapters() const noexcept { return adapters_; }
 
  private:

@@ -18,7 +18,37 @@
 #include "coshard/modules/layers.hpp"
 #include "coshard/modules/module.hpp"
 
+namespace coshard::collectives {
+class Communicator;
+}
+
 namespace coshard::modules {
+
+// How an adapter of a tensor-parallel layer is split with it (apply_lora chooses it from the
+// layer's weight's split, Parameter::split):
+//   none: a whole layer.
+//   output_rows: a column-parallel layer (its output rows split, its input whole). B holds this
+//     rank's rows of the adapter's; A this rank's rows of the rank dimension ([rank / T, in]): the
+//     product A x is gathered over the tensor ranks in forward, its gradient summed in backward.
+//   input_columns: a row-parallel layer (its input columns split, its output a partial sum that
+//     the join sums). A holds this rank's columns; B this rank's rows ([rows / T, rank]), added
+//     into those rows of the layer's partial output: the product A x is summed over the tensor
+//     ranks in forward, its gradient in backward.
+// Either way every parameter of the adapter is a part of the whole adapter (Parameter::split),
+// which checkpoints, exports and PEFT folders put back together; the run is the unsplit one's.
+enum class LoraSplit : std::uint8_t { none, output_rows, input_columns };
+
+// Where an adapter sits: its layer's inputs and outputs and its rows of that output (this rank's),
+// and with tensor parallelism the split, the tensor group and the same in the whole layer.
+struct LoraPlacement {
+  std::int64_t in = 0, row_begin = 0, row_end = 0, out = 0;
+  LoraSplit split = LoraSplit::none;
+  collectives::Communicator* group = nullptr;
+  std::int64_t whole_in = 0, whole_row_begin = 0, whole_row_end = 0;
+  // output_rows: the whole sizes of the layer's segments its rows cover (Parameter::split's
+  // segments: a fused layer's projections), empty for one segment.
+  std::vector<std::int64_t> row_segments;
+};
 
 struct LoraOptions {
   // Which linear layers get adapters: globs over module paths (`*` any run of characters, dots
@@ -34,6 +64,10 @@ struct LoraOptions {
   double alpha = 8;       // PEFT's lora_alpha: the adapter's product is scaled by alpha / rank
   double dropout = 0;     // on the adapter's input, in [0, 1)
   std::uint64_t seed = 0;  // the dropout masks' (and nothing else's)
+  // A model split for tensor parallelism (make_llama with a group): that group. The adapters of
+  // its split layers are split with them (LoraSplit); a split layer targeted without it is
+  // refused by name.
+  collectives::Communicator* tensor_group = nullptr;
 };
 
 // One adapter on rows [row_begin, row_end) of a Linear's output (all of them unless fused).
@@ -41,6 +75,8 @@ class LoraAdapter final : public Module {
  public:
   LoraAdapter(std::int64_t in_features, std::int64_t row_begin, std::int64_t row_end, std::int64_t out_features,
               const LoraOptions& options);
+  // Anywhere, a tensor-parallel layer's part included (Linear::add_lora checks `where` first).
+  LoraAdapter(const LoraPlacement& where, const LoraOptions& options);
   std::string_view type_name() const override { return "LoraAdapter"; }
   // Adds scale * B A dropout(input) into the rows of the output its Linear gave it (add_into),
   // and returns that output.
@@ -50,11 +86,16 @@ class LoraAdapter final : public Module {
   async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
   void clear_saved() override { saved_.clear(); }
 
-  Parameter& a() const noexcept { return *parameters()[0]; }  // "A" [rank, in]
-  Parameter& b() const noexcept { return *parameters()[1]; }  // "B" [rows, rank]
+  Parameter& a() const noexcept { return *parameters()[0]; }  // "A" [rank, in] (this rank's part of it)
+  Parameter& b() const noexcept { return *parameters()[1]; }  // "B" [rows, rank] (this rank's part of it)
   std::int64_t rank() const noexcept { return rank_; }
   std::int64_t row_begin() const noexcept { return row_begin_; }
   std::int64_t row_end() const noexcept { return row_end_; }
+  LoraSplit split() const noexcept { return where_.split; }
+  // In the whole layer (what a merge folds into: the same as above without tensor parallelism).
+  std::int64_t whole_in() const noexcept { return where_.whole_in; }
+  std::int64_t whole_row_begin() const noexcept { return where_.whole_row_begin; }
+  std::int64_t whole_row_end() const noexcept { return where_.whole_row_end; }
   double alpha() const noexcept { return alpha_; }
   double dropout() const noexcept { return dropout_; }
   float scale() const noexcept { return static_cast<float>(alpha_ / static_cast<double>(rank_)); }
@@ -64,10 +105,16 @@ class LoraAdapter final : public Module {
   struct Saved {
     Tensor input;  // after dropout
     Tensor mask;   // the dropout's (0 or 1 / (1 - p)); empty without dropout
-    Tensor product;  // A x, [rows, rank]
+    Tensor product;  // A x, [rows, rank] ([rank, rows] when split by output rows: gathered rank-major)
   };
   Result<Tensor> dropout_mask(Context& ctx, const Tensor& input);
+  Result<void> split_parameters();  // (Linear::add_lora: each parameter a part of the whole adapter's)
+  // The output_rows split's passes (the others share one code path).
+  Result<void> forward_output_rows(Context& ctx, Saved& saved, const Tensor& out);
+  Result<Tensor> backward_output_rows(Context& ctx, const Saved& saved, const Tensor& grad_output);
+  LoraPlacement where_;
   std::int64_t in_, row_begin_, row_end_, out_, rank_;
+  std::int64_t a_rows_;  // A's rows here: rank, or rank / T split by output rows
   double alpha_, dropout_;
   std::uint64_t seed_;
   std::uint64_t forwards_ = 0;  // dropout: each forward's mask from its ordinal

@@ -39,6 +39,11 @@ namespace coshard::modules {
 // and the timeline, and must outlive the step. A group of one rank returns `input`.
 Result<Tensor> sum_over_tensor_ranks(Context& ctx, collectives::Communicator& group, const Tensor& input,
                                      const std::string& purpose);
+// The tensor ranks' `input`s one after the other, rank-major along the first dimension ([N, ...]
+// from each of T ranks: [T N, ...]), ordered as sum_over_tensor_ranks. A group of one rank
+// returns `input`.
+Result<Tensor> gather_over_tensor_ranks(Context& ctx, collectives::Communicator& group, const Tensor& input,
+                                        const std::string& purpose);
 
 // Megatron's f: identity forward, the sum over the tensor ranks backward.
 class TensorParallelFork final : public Module {

@@ -219,7 +219,9 @@ Result<std::size_t> parse_size(std::string_view text);
 Result<OffloadOptions> parse_offload(std::string_view text);
 
 // The config's LoRA adapters on `model` (the model's default targets when it names none), or
-// nothing without LoRA: what was made, for the log and the exports.
-Result<std::vector<modules::LoraAdapterInfo>> apply_lora(const TrainerConfig& c, modules::Module& model);
+// nothing without LoRA: what was made, for the log and the exports. A model split for tensor
+// parallelism takes its tensor group (its adapters are split with their layers).
+Result<std::vector<modules::LoraAdapterInfo>> apply_lora(const TrainerConfig& c, modules::Module& model,
+                                                         collectives::Communicator* tensor_group = nullptr);
 
 }  // namespace coshard::trainer
