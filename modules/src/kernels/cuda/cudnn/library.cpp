@@ -1,73 +1,47 @@
 #include "kernels/cuda/cudnn/library.hpp"
 
-#include <dlfcn.h>
-
-#include <cstdlib>
-#include <filesystem>
-#include <vector>
+#include "coshard/async/detail/shared_library.hpp"
 
 namespace coshard::modules::detail::cudnn {
 namespace {
 
+using async::detail::SharedLibrary;
+
 constexpr const char* kFile = "libcudnn_graph.so.9";
 
-template <class Fn>
-bool bind(void* handle, Fn& fn, const char* name) {
-  fn = reinterpret_cast<Fn>(dlsym(handle, name));
-  return fn != nullptr;
-}
-
-std::vector<std::string> default_candidates() {
-  std::vector<std::string> candidates;
-  if (const char* env = std::getenv("COSHARD_CUDNN_LIBRARY"); env && *env) {
-    std::error_code ec;
-    candidates.push_back(std::filesystem::is_directory(env, ec) ? (std::filesystem::path(env) / kFile).string()
-                                                                 : std::string(env));
-  }
-  candidates.emplace_back(kFile);
-#ifdef COSHARD_CUDNN_TOOLKIT_DIR
-  candidates.push_back((std::filesystem::path(COSHARD_CUDNN_TOOLKIT_DIR) / kFile).string());
-#endif
-  return candidates;
+// The candidate opened, its graph-API functions bound and its version checked; else why not.
+Result<Library> take(const std::string& candidate) {
+  COSHARD_TRY_ASSIGN(SharedLibrary file, SharedLibrary::open(candidate));
+  Library lib;
+  file.bind(lib.get_version, "cudnnGetVersion");
+  file.bind(lib.error_string, "cudnnGetErrorString");
+  file.bind(lib.last_error_string, "cudnnGetLastErrorString");
+  file.bind(lib.create, "cudnnCreate");
+  file.bind(lib.destroy, "cudnnDestroy");
+  file.bind(lib.set_stream, "cudnnSetStream");
+  file.bind(lib.create_descriptor, "cudnnBackendCreateDescriptor");
+  file.bind(lib.destroy_descriptor, "cudnnBackendDestroyDescriptor");
+  file.bind(lib.set_attribute, "cudnnBackendSetAttribute");
+  file.bind(lib.get_attribute, "cudnnBackendGetAttribute");
+  file.bind(lib.finalize, "cudnnBackendFinalize");
+  file.bind(lib.execute, "cudnnBackendExecute");
+  if (!file.missing().empty())
+    return fail(ErrorCode::unsupported, "a graph-API function is missing (", file.missing(),
+                "): not cuDNN 9's graph library");
+  lib.version = lib.get_version();
+  if (lib.version < 90000)
+    return fail(ErrorCode::unsupported, "cuDNN ", version_string(lib.version), ", older than the 9.0 this needs");
+  lib.path = file.file();
+  if (lib.path.empty()) lib.path = candidate;
+  std::move(file).keep();  // open for the life of the process
+  return lib;
 }
 
 }  // namespace
 
 Result<Library> open_library(std::span<const std::string> candidates) {
-  std::string tried;
-  for (const std::string& path : candidates) {
-    void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (!handle) {
-      const char* why = dlerror();
-      tried += "\n  " + path + ": " + (why ? why : "not found");
-      continue;
-    }
-    Library lib;
-    const bool bound =
-        bind(handle, lib.get_version, "cudnnGetVersion") && bind(handle, lib.error_string, "cudnnGetErrorString") &&
-        bind(handle, lib.last_error_string, "cudnnGetLastErrorString") && bind(handle, lib.create, "cudnnCreate") &&
-        bind(handle, lib.destroy, "cudnnDestroy") && bind(handle, lib.set_stream, "cudnnSetStream") &&
-        bind(handle, lib.create_descriptor, "cudnnBackendCreateDescriptor") &&
-        bind(handle, lib.destroy_descriptor, "cudnnBackendDestroyDescriptor") &&
-        bind(handle, lib.set_attribute, "cudnnBackendSetAttribute") &&
-        bind(handle, lib.get_attribute, "cudnnBackendGetAttribute") &&
-        bind(handle, lib.finalize, "cudnnBackendFinalize") && bind(handle, lib.execute, "cudnnBackendExecute");
-    if (!bound) {
-      tried += "\n  " + path + ": a graph-API function is missing (not cuDNN 9's graph library)";
-      dlclose(handle);
-      continue;
-    }
-    lib.version = lib.get_version();
-    if (lib.version < 90000) {
-      tried += "\n  " + path + ": cuDNN " + version_string(lib.version) + ", older than the 9.0 this needs";
-      dlclose(handle);
-      continue;
-    }
-    lib.path = path;
-    return lib;  // the handle stays open for the life of the process
-  }
-  return fail(ErrorCode::unsupported, "cuDNN's graph library (", kFile,
-              ") could not be used; set COSHARD_CUDNN_LIBRARY to it or its folder. Tried:", tried);
+  return async::detail::first_library(candidates, std::string("cuDNN's graph library (") + kFile + ")",
+                                      "COSHARD_CUDNN_LIBRARY", take);
 }
 
 std::string Library::describe(cudnnStatus_t status) const {
@@ -79,7 +53,13 @@ std::string Library::describe(cudnnStatus_t status) const {
 }
 
 Result<const Library*> library() {
-  static const Result<Library> loaded = open_library(default_candidates());
+#ifdef COSHARD_CUDA_TOOLKIT_LIBRARY_DIR
+  constexpr std::string_view toolkit = COSHARD_CUDA_TOOLKIT_LIBRARY_DIR;
+#else
+  constexpr std::string_view toolkit;
+#endif
+  static const Result<Library> loaded =
+      open_library(async::detail::library_candidates("COSHARD_CUDNN_LIBRARY", kFile, toolkit));
   if (!loaded) return fail(loaded.error());
   return &*loaded;
 }
