@@ -1,8 +1,9 @@
 # COSHARD_CUDA=AUTO|ON|OFF. With the toolkit found (AUTO) or required (ON), the CUDA backend is
 # compiled: host code in .cpp files against the CUDA runtime, kernels in .cu files compiled by
 # nvcc as C++20 (nvcc has no C++23 mode, so .cu files never include coshard/async/result.hpp).
-# NCCL is found beside the toolkit. These machines compile and link CUDA but have no GPU: the
-# CUDA tests skip at run time.
+# NCCL is found beside the toolkit: its header is compiled against, its library opened at run time
+# (as are cuBLAS and cuDNN: only the CUDA runtime is linked). These machines compile and link CUDA
+# but have no GPU: the CUDA tests skip at run time.
 set(COSHARD_HAS_CUDA OFF)
 set(COSHARD_HAS_NCCL OFF)
 if(NOT COSHARD_CUDA MATCHES "^(AUTO|ON|OFF)$")
@@ -40,9 +41,3 @@ if(NOT COSHARD_CUDA STREQUAL "OFF")
   endif()
 endif()
 message(STATUS "coshard: CUDA backend ${COSHARD_HAS_CUDA}, NCCL ${COSHARD_HAS_NCCL}")
-
-if(COSHARD_HAS_NCCL AND NOT TARGET coshard::nccl)
-  add_library(coshard::nccl UNKNOWN IMPORTED GLOBAL)
-  set_target_properties(coshard::nccl PROPERTIES IMPORTED_LOCATION ${COSHARD_NCCL_LIBRARY}
-    INTERFACE_INCLUDE_DIRECTORIES ${COSHARD_NCCL_INCLUDE_DIR})
-endif()

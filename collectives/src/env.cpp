@@ -151,7 +151,7 @@ Result<Backend> choose_backend(const LaunchEnv& env, Backend requested, bool gpu
     case Backend::nccl:
       if (!gpu) {
         return fail(ErrorCode::unsupported, "backend nccl needs a CUDA device and a build with NCCL; this process has ",
-                    async::cuda_device_count(), " CUDA device(s) and ", nccl_compiled() ? "NCCL" : "no NCCL",
+                    async::cuda_device_count(), " CUDA device(s) and ", nccl_compiled() ? "NCCL compiled in" : "no NCCL",
                     " (or the CPU was asked for)");
       }
       return Backend::nccl;
@@ -179,7 +179,7 @@ Result<Backend> choose_backend(const LaunchEnv& env, Backend requested, bool gpu
   return fail(ErrorCode::unsupported, "WORLD_SIZE=", env.world_size,
               " with ranks in separate processes on the CPU needs the MPI backend: start them with mpirun -np ",
               env.world_size, " (or srun) instead of torchrun's variables; this process has ", async::cuda_device_count(),
-              " CUDA device(s) and ", nccl_compiled() ? "NCCL" : "no NCCL",
+              " CUDA device(s) and ", nccl_compiled() ? "NCCL compiled in" : "no NCCL",
               ". Or run the ranks as threads of one process (make_local_communicators).");
 }
 

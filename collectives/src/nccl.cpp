@@ -1,8 +1,8 @@
-// The NCCL backend (rules in nccl.hpp). Host code against the CUDA runtime and NCCL.
+// The NCCL backend (rules in nccl.hpp). Host code against the CUDA runtime and NCCL, whose
+// library is opened at run time (nccl_library.hpp).
 #include "coshard/collectives/nccl.hpp"
 
 #include <cuda_runtime.h>
-#include <nccl.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -16,16 +16,18 @@
 #include "coshard/async/runtime.hpp"
 #include "coshard/async/stream.hpp"
 #include "coshard/async/sync.hpp"
+#include "nccl_library.hpp"
 
 namespace coshard::collectives {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using detail::nccl::Library;
 
-Unexpected nccl_error(ncclResult_t r, std::string_view what, ncclComm_t comm = nullptr) {
-  std::string detail = ncclGetErrorString(r);
+Unexpected nccl_error(const Library& nccl, ncclResult_t r, std::string_view what, ncclComm_t comm = nullptr) {
+  std::string detail = nccl.error_string(r);
   if (comm != nullptr) {
-    if (const char* last = ncclGetLastError(comm); last != nullptr && *last) detail += std::string(": ") + last;
+    if (const char* last = nccl.last_error(comm); last != nullptr && *last) detail += std::string(": ") + last;
   }
   return fail(ErrorCode::device, what, ": ", detail);
 }
@@ -63,9 +65,10 @@ struct AbortTarget {
 
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(ncclComm_t comm, int rank, int size, async::Device device, async::Stream stream, void* barrier_word,
-                   NcclOptions options)
-      : comm_(comm),
+  NcclCommunicator(const Library& nccl, ncclComm_t comm, int rank, int size, async::Device device, async::Stream stream,
+                   void* barrier_word, NcclOptions options)
+      : nccl_(nccl),
+        comm_(comm),
         rank_(rank),
         size_(size),
         device_(device),
@@ -87,7 +90,7 @@ class NcclCommunicator final : public Communicator {
     cv_.notify_all();
     watchdog_.join();
     if (!aborted_.load()) {
-      (void)ncclCommDestroy(comm_);  // waits for its work to finish
+      (void)nccl_.comm_destroy(comm_);  // waits for its work to finish
     }
     (void)cudaFree(barrier_word_);
   }
@@ -115,7 +118,7 @@ class NcclCommunicator final : public Communicator {
       aborted_.store(true);
       outstanding_.clear();
     }
-    (void)ncclCommAbort(comm_);  // its kernels exit; the peers' watchdogs find this rank gone
+    (void)nccl_.comm_abort(comm_);  // its kernels exit; the peers' watchdogs find this rank gone
     recorder_.dump_on_failure(rank_, size_, "nccl", "this rank failed: " + reason);
     // The communicators split from this one too (a shard group's): their peers' watchdogs then
     // find this rank gone there as well, instead of a collective left waiting in a sub-group.
@@ -138,11 +141,11 @@ class NcclCommunicator final : public Communicator {
       return fail(ErrorCode::device, "cudaSetDevice(", device_.index(), "): ", cudaGetErrorString(e));
     }
     auto* s = static_cast<cudaStream_t>(stream_.native_handle());
-    if (auto r = ncclGroupStart(); r != ncclSuccess) return nccl_error(r, "ncclGroupStart", comm_);
+    if (auto r = nccl_.group_start(); r != ncclSuccess) return nccl_error(nccl_, r, "ncclGroupStart", comm_);
     Result<void> issued = issue(group, s);
-    const ncclResult_t ended = ncclGroupEnd();  // always close the group
+    const ncclResult_t ended = nccl_.group_end();  // always close the group
     COSHARD_TRY(issued);
-    if (ended != ncclSuccess) return nccl_error(ended, "ncclGroupEnd", comm_);
+    if (ended != ncclSuccess) return nccl_error(nccl_, ended, "ncclGroupEnd", comm_);
     COSHARD_TRY_ASSIGN(async::Event done, stream_.record());
     const std::uint64_t seq = launches_.fetch_add(1, std::memory_order_relaxed);
     COSHARD_LOG_DEBUG(collectives, "launch #{} on {} (nccl, rank {} of {}): {}", seq, stream_.name(), rank_, size_,
@@ -162,13 +165,14 @@ class NcclCommunicator final : public Communicator {
     COSHARD_TRY(status());
     ncclComm_t child = nullptr;
     COSHARD_TRY(async::detail::blocking_wait("Communicator::split", [&]() -> Result<void> {
-      if (auto r = ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child, nullptr); r != ncclSuccess) {
-        return nccl_error(r, "ncclCommSplit", comm_);
+      if (auto r = nccl_.comm_split(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child, nullptr);
+          r != ncclSuccess) {
+        return nccl_error(nccl_, r, "ncclCommSplit", comm_);
       }
       return {};
     }));
     if (child == nullptr) return std::unique_ptr<Communicator>();
-    COSHARD_TRY_ASSIGN(auto made, wrap(child, device_, options_));
+    COSHARD_TRY_ASSIGN(auto made, wrap(nccl_, child, device_, options_));
     std::lock_guard lock(mutex_);
     std::erase_if(children_, [](const std::weak_ptr<AbortTarget>& c) { return c.expired(); });
     children_.push_back(static_cast<NcclCommunicator&>(*made).self_);
@@ -176,10 +180,12 @@ class NcclCommunicator final : public Communicator {
   }
 
   // Wraps a fresh NCCL communicator: its rank and size, a stream, the barrier scratch word.
-  static Result<std::unique_ptr<Communicator>> wrap(ncclComm_t comm, async::Device device, NcclOptions options) {
+  static Result<std::unique_ptr<Communicator>> wrap(const Library& nccl, ncclComm_t comm, async::Device device,
+                                                    NcclOptions options) {
     int rank = 0, size = 0;
-    if (auto r = ncclCommUserRank(comm, &rank); r != ncclSuccess) return nccl_error(r, "ncclCommUserRank", comm);
-    if (auto r = ncclCommCount(comm, &size); r != ncclSuccess) return nccl_error(r, "ncclCommCount", comm);
+    if (auto r = nccl.comm_user_rank(comm, &rank); r != ncclSuccess)
+      return nccl_error(nccl, r, "ncclCommUserRank", comm);
+    if (auto r = nccl.comm_count(comm, &size); r != ncclSuccess) return nccl_error(nccl, r, "ncclCommCount", comm);
     const log::ScopedRank as_rank(rank);  // the stream's worker writes its log lines as this rank
     auto stream = async::Stream::create(device, {.name = "nccl comm rank " + std::to_string(rank) + "/" + std::to_string(size)});
     if (!stream) return fail(std::move(stream).error());
@@ -188,7 +194,7 @@ class NcclCommunicator final : public Communicator {
       return fail(ErrorCode::out_of_memory, "cudaMalloc(barrier word): ", cudaGetErrorString(e));
     }
     return std::unique_ptr<Communicator>(
-        std::make_unique<NcclCommunicator>(comm, rank, size, device, std::move(*stream), word, std::move(options)));
+        std::make_unique<NcclCommunicator>(nccl, comm, rank, size, device, std::move(*stream), word, std::move(options)));
   }
 
  private:
@@ -198,22 +204,22 @@ class NcclCommunicator final : public Communicator {
       ncclResult_t r = ncclSuccess;
       switch (op.kind) {
         case CollectiveKind::all_gather:
-          r = ncclAllGather(op.send, op.recv, op.count, type, comm_, s);
+          r = nccl_.all_gather(op.send, op.recv, op.count, type, comm_, s);
           break;
         case CollectiveKind::reduce_scatter:
-          r = ncclReduceScatter(op.send, op.recv, op.count, type, nccl_op(op.op), comm_, s);
+          r = nccl_.reduce_scatter(op.send, op.recv, op.count, type, nccl_op(op.op), comm_, s);
           break;
         case CollectiveKind::all_reduce:
-          r = ncclAllReduce(op.send, op.recv, op.count, type, nccl_op(op.op), comm_, s);
+          r = nccl_.all_reduce(op.send, op.recv, op.count, type, nccl_op(op.op), comm_, s);
           break;
         case CollectiveKind::broadcast:
-          r = ncclBroadcast(op.send, op.recv, op.count, type, op.root, comm_, s);
+          r = nccl_.broadcast(op.send, op.recv, op.count, type, op.root, comm_, s);
           break;
         case CollectiveKind::barrier:
-          r = ncclAllReduce(barrier_word_, barrier_word_, 1, ncclFloat32, ncclSum, comm_, s);
+          r = nccl_.all_reduce(barrier_word_, barrier_word_, 1, ncclFloat32, ncclSum, comm_, s);
           break;
       }
-      if (r != ncclSuccess) return nccl_error(r, op.signature(), comm_);
+      if (r != ncclSuccess) return nccl_error(nccl_, r, op.signature(), comm_);
     }
     return {};
   }
@@ -234,9 +240,9 @@ class NcclCommunicator final : public Communicator {
       mark_passed();
       std::string reason;
       ncclResult_t async_error = ncclSuccess;
-      if (ncclCommGetAsyncError(comm_, &async_error) == ncclSuccess && async_error != ncclSuccess &&
+      if (nccl_.comm_get_async_error(comm_, &async_error) == ncclSuccess && async_error != ncclSuccess &&
           async_error != ncclInProgress) {
-        reason = std::string("NCCL reported an asynchronous error: ") + ncclGetErrorString(async_error);
+        reason = std::string("NCCL reported an asynchronous error: ") + nccl_.error_string(async_error);
       } else if (!outstanding_.empty() && Clock::now() > outstanding_.front().deadline) {
         reason = "collective launch #" + std::to_string(outstanding_.front().number) + " did not complete within " +
                  std::to_string(options_.timeout.count()) + " ms (a peer gone?)";
@@ -246,7 +252,7 @@ class NcclCommunicator final : public Communicator {
                         " aborted: " + reason;
         aborted_.store(true);
         lock.unlock();
-        (void)ncclCommAbort(comm_);  // makes its kernels exit; the communicator is gone
+        (void)nccl_.comm_abort(comm_);  // makes its kernels exit; the communicator is gone
         recorder_.fail_open();
         recorder_.dump_on_failure(rank_, size_, "nccl", reason);
         lock.lock();
@@ -261,6 +267,7 @@ class NcclCommunicator final : public Communicator {
     std::uint64_t number;
   };
 
+  const Library& nccl_;
   ncclComm_t comm_;
   const int rank_;
   const int size_;
@@ -286,8 +293,14 @@ class NcclCommunicator final : public Communicator {
 
 namespace {
 
-// What both entry points check before any exchange: the rank, the device, the runtime.
-Result<async::Runtime*> check_nccl_rank(int rank, int world, async::Device device) {
+struct NcclSetup {
+  async::Runtime* runtime;
+  const Library* nccl;
+};
+
+// What both entry points check before any exchange: the rank, the device, NCCL's library (opened
+// here on first use), the runtime.
+Result<NcclSetup> check_nccl_rank(int rank, int world, async::Device device) {
   if (world < 1 || rank < 0 || rank >= world) {
     return fail(ErrorCode::invalid_argument, "make_nccl_communicator: rank=", rank, " world=", world,
                 ": expected 0 <= rank < world");
@@ -296,24 +309,32 @@ Result<async::Runtime*> check_nccl_rank(int rank, int world, async::Device devic
     return fail(ErrorCode::device, "make_nccl_communicator: ", device.to_string(), " is not a visible CUDA device (",
                 async::cuda_device_count(), " visible)");
   }
+  auto nccl = detail::nccl::library();
+  if (!nccl) return fail(std::move(nccl).error().with_context("make_nccl_communicator"));
   async::Runtime* rt = async::Runtime::current();
   if (rt == nullptr) return fail(ErrorCode::invalid_argument, "make_nccl_communicator: must be awaited on a Runtime");
-  return rt;
+  return NcclSetup{rt, *nccl};
 }
 
 }  // namespace
 
 bool nccl_compiled() noexcept { return true; }
 
+Result<std::string> nccl_library() {
+  COSHARD_TRY_ASSIGN(const Library* nccl, detail::nccl::library());
+  return nccl->describe();
+}
+
 async::Task<Result<std::unique_ptr<Communicator>>> make_nccl_communicator(TcpStore& store, int rank, int world,
                                                                           async::Device device, NcclOptions options) {
-  COSHARD_CO_TRY(check_nccl_rank(rank, world, device));
+  COSHARD_CO_TRY_ASSIGN(const NcclSetup setup, check_nccl_rank(rank, world, device));
 
   // 1. The unique id, through the store.
   ncclUniqueId id{};
   const std::string id_key = options.key + "/unique_id";
   if (rank == 0) {
-    if (auto r = ncclGetUniqueId(&id); r != ncclSuccess) co_return nccl_error(r, "ncclGetUniqueId");
+    if (auto r = setup.nccl->get_unique_id(&id); r != ncclSuccess)
+      co_return nccl_error(*setup.nccl, r, "ncclGetUniqueId");
     const auto bytes = std::as_bytes(std::span(&id, 1));
     COSHARD_CO_TRY(co_await store.set(id_key, bytes));
   } else {
@@ -340,8 +361,10 @@ async::Task<Result<std::unique_ptr<Communicator>>> make_nccl_communicator(TcpSto
 std::size_t nccl_unique_id_bytes() noexcept { return sizeof(ncclUniqueId); }
 
 Result<std::vector<std::byte>> make_nccl_unique_id() {
+  auto nccl = detail::nccl::library();
+  if (!nccl) return fail(std::move(nccl).error().with_context("make_nccl_unique_id"));
   ncclUniqueId id{};
-  if (auto r = ncclGetUniqueId(&id); r != ncclSuccess) return nccl_error(r, "ncclGetUniqueId");
+  if (auto r = (*nccl)->get_unique_id(&id); r != ncclSuccess) return nccl_error(**nccl, r, "ncclGetUniqueId");
   std::vector<std::byte> bytes(sizeof(id));
   std::memcpy(bytes.data(), &id, sizeof(id));
   return bytes;
@@ -354,19 +377,21 @@ async::Task<Result<std::unique_ptr<Communicator>>> make_nccl_communicator(std::v
     co_return fail(ErrorCode::invalid_argument, "make_nccl_communicator: a unique id of ", unique_id.size(),
                    " bytes; NCCL's has ", sizeof(ncclUniqueId));
   }
-  COSHARD_CO_TRY_ASSIGN(async::Runtime* rt, check_nccl_rank(rank, world, device));
+  COSHARD_CO_TRY_ASSIGN(const NcclSetup setup, check_nccl_rank(rank, world, device));
+  const Library& nccl = *setup.nccl;
   ncclUniqueId id{};
   std::memcpy(&id, unique_id.data(), sizeof(id));
-  auto comm = co_await rt->spawn_blocking([&]() -> Result<ncclComm_t> {
+  auto comm = co_await setup.runtime->spawn_blocking([&]() -> Result<ncclComm_t> {
     if (auto e = cudaSetDevice(device.index()); e != cudaSuccess) {
       return fail(ErrorCode::device, "cudaSetDevice(", device.index(), "): ", cudaGetErrorString(e));
     }
     ncclComm_t c = nullptr;
-    if (auto r = ncclCommInitRank(&c, world, id, rank); r != ncclSuccess) return nccl_error(r, "ncclCommInitRank");
+    if (auto r = nccl.comm_init_rank(&c, world, id, rank); r != ncclSuccess)
+      return nccl_error(nccl, r, "ncclCommInitRank");
     return c;
   });
   if (!comm) co_return fail(std::move(comm).error());
-  co_return NcclCommunicator::wrap(*comm, device, std::move(options));
+  co_return NcclCommunicator::wrap(nccl, *comm, device, std::move(options));
 }
 
 }  // namespace coshard::collectives

@@ -5,6 +5,10 @@ namespace coshard::collectives {
 
 bool nccl_compiled() noexcept { return false; }
 
+Result<std::string> nccl_library() {
+  return fail(ErrorCode::unsupported, "this build has no NCCL backend (configure with the CUDA toolkit and NCCL present)");
+}
+
 async::Task<Result<std::unique_ptr<Communicator>>> make_nccl_communicator(TcpStore&, int, int, async::Device device,
                                                                           NcclOptions) {
   co_return fail(ErrorCode::unsupported, "make_nccl_communicator(", device.to_string(),

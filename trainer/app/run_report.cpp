@@ -4,6 +4,7 @@
 #include <set>
 #include <string>
 
+#include "coshard/collectives/nccl.hpp"
 #include "coshard/modules/cpu_blas_kernels.hpp"
 #include "coshard/modules/layers.hpp"
 
@@ -39,9 +40,13 @@ void print_run_header(const Options& o, trainer::Trainer& t, const collectives::
   if (o.train.activation_checkpointing.enabled())
     std::printf("  activation checkpointing: %s\n", o.train.activation_checkpointing.to_string().c_str());
   if (o.device == "cpu") std::printf("  matrix products: %s\n", modules::cpu_blas_kernels().describe().c_str());
-  const std::string ranks = o.launch.launcher == collectives::Launcher::none
-                                ? "threads of this process"
-                                : "processes started by " + std::string(collectives::to_string(o.launch.launcher));
+  std::string ranks = o.launch.launcher == collectives::Launcher::none
+                          ? "threads of this process"
+                          : "processes started by " + std::string(collectives::to_string(o.launch.launcher));
+  if (comm.backend() == "nccl") {  // the library it opened at run time (the communicator holds it open)
+    auto nccl = collectives::nccl_library();
+    ranks += "; " + (nccl ? *nccl : nccl.error().message());
+  }
   std::printf("  ZeRO-%d, %d rank(s) on %s, %s backend (%s), global batch %lld x %lld tokens, %zu fetch units%s\n",
               o.train.zero_stage, world, o.device.c_str(), std::string(comm.backend()).c_str(), ranks.c_str(),
               static_cast<long long>(o.batch),

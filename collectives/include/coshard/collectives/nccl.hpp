@@ -31,8 +31,15 @@ struct NcclOptions {
   std::string key = "coshard/nccl";                            // store key prefix for this communicator
 };
 
-// True when this build has NCCL (COSHARD_CUDA and NCCL found).
+// True when this build has NCCL (COSHARD_CUDA and NCCL found). Its library is opened at run time,
+// by the first communicator or unique id: whether it can be is nccl_library()'s to say.
 bool nccl_compiled() noexcept;
+
+// The NCCL library this process uses, "NCCL 2.28.9 (/usr/lib/libnccl.so.2)", opened now if it was
+// not yet (libnccl.so.2 from COSHARD_NCCL_LIBRARY, the file or its folder; the loader's search
+// path; the folder where the build found it). The error says why not: a build without NCCL, or
+// each place looked and what was wrong there.
+Result<std::string> nccl_library();
 
 // Rank `rank` of `world` on CUDA device `device`; every rank calls it with the same store
 // (rank 0's hosting it, or any reachable one). Awaited on a coshard Runtime.
