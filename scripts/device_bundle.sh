@@ -27,7 +27,9 @@ while IFS= read -r f; do
   if file -b "$f" | grep -q ELF; then strip --strip-debug -o "$stage/$f" "$f"; else cp "$f" "$stage/$f"; fi
 done < <(find $(for b in $builds; do realpath --relative-to="$source_dir" "$b"; done) -type f \( -perm -u+x -o -name '*.cmake' -o -name 'CTestTestfile.cmake' \) \
            -not -path '*/CMakeFiles/*' -not -name '*.so*' -not -name '*.a' | grep -v '_deps' )
-# Libraries outside glibc and the CUDA toolkit (which the image has).
+# Libraries outside glibc and the CUDA toolkit (which the image has). cuBLAS, cuBLASLt, NCCL and
+# cuDNN are not among what ldd lists (coshard opens them at run time): device_env.sh finds the
+# image's or PyTorch's.
 mkdir -p "$stage/.device/lib"
 echo "$source_dir" >"$stage/.device/source_dir"
 # The Python and CMake the tests name by absolute path (device_env.sh links the machine's own there).
