@@ -332,8 +332,11 @@ TEST(CoshardTrainLora, AForeignPeftFolderIsRefusedByName) {
   const auto wrong_rank = run(with(kLlama, {"--world-size", "1", "--adapter", (dir / "peft").string(), "--lora-rank", "8",
                                             "--lora-targets", "q_proj", "--lora-targets", "v_proj", "--lora-targets", "*.mlp.*"}),
                               dir);
-  EXPECT_NE(wrong_rank.code, 0);
-  EXPECT_NE(wrong_rank.output.find("r=4 lora_alpha=8, the model's adapters have rank 8"), std::string::npos) << wrong_rank.output;
+  EXPECT_EQ(wrong_rank.code, 2);
+  EXPECT_NE(wrong_rank.output.find("--lora-rank 8 with --adapter " + (dir / "peft").string() +
+                                   ", whose adapter_config.json says r=4"),
+            std::string::npos)
+      << wrong_rank.output;
   // Fewer targets than the folder holds: its extra tensors are named.
   const auto fewer = run(with(kLlama, {"--world-size", "1", "--adapter", (dir / "peft").string(), "--lora-rank", "4",
                                        "--lora-targets", "q_proj"}),

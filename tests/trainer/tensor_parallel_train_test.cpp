@@ -179,6 +179,24 @@ TEST(CoshardTrainTensorParallel, LoraTrainsTheAdaptersOfTheUnsplitRun) {
     close(tensors_in(dir / "tp_merged" / "model.safetensors"), ref_merged, "merged model");
   }
   }
+  // The unsplit run's PEFT folder read under tensor parallelism (each rank cuts its parts): at an
+  // update below every value's last bit it comes back out bit for bit, and it samples.
+  std::vector<std::string> again = kLlama;
+  for (std::size_t i = 0; i + 1 < again.size(); ++i) {
+    if (again[i] == "--lr") again[i + 1] = "1e-30";
+    if (again[i] == "--steps") again[i + 1] = "1";
+  }
+  fs::remove_all(dir / "again");
+  const auto reread = run(with(again, {"--adapter", (dir / "ref_peft").string(), "--world-size", "4", "--tensor-parallel", "2",
+                                       "--zero-stage", "3", "--export-adapter", (dir / "again").string()}),
+                          dir);
+  ASSERT_EQ(reread.code, 0) << reread.output;
+  EXPECT_EQ(tensors_in(dir / "again" / "adapter_model.safetensors"), tensors_in(dir / "ref_peft" / "adapter_model.safetensors"));
+  const auto sampled = run(with(without(kLlama, "--steps"), {"--steps", "0", "--adapter", (dir / "ref_peft").string(),
+                                                             "--world-size", "2", "--tensor-parallel", "2", "--prompt-ids",
+                                                             "1,2,3"}),
+                           dir);
+  EXPECT_EQ(sampled.code, 0) << sampled.output;
 }
 
 TEST(CoshardTrainTensorParallel, ACheckpointResumesAtAnotherDataSizeAndAnotherTensorSize) {

@@ -284,10 +284,17 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   // alpha given that differs from the folder's is refused (the adapters' values mean another
   // product at another scale); a dropout given wins over the folder's, said in a note.
   std::optional<zero::PeftAdapterConfig> adapter_config;  // (its targets resolved once the model is known)
-  if (!o.adapter.empty() && c.lora_rank == 0) {
+  if (!o.adapter.empty()) {
     auto peft = zero::read_peft_config(o.adapter);
     if (!peft) {
       std::fprintf(stderr, "coshard-train: --adapter %s: %s\n", o.adapter.c_str(), peft.error().message().c_str());
+      return 2;
+    }
+    if (c.lora_rank != 0 && c.lora_rank != peft->r) {
+      std::fprintf(stderr,
+                   "coshard-train: --lora-rank %lld with --adapter %s, whose adapter_config.json says r=%lld: the "
+                   "adapters have that rank (leave --lora-rank out to take the folder's)\n",
+                   static_cast<long long>(c.lora_rank), o.adapter.c_str(), static_cast<long long>(peft->r));
       return 2;
     }
     const TrainerConfig defaults;

@@ -117,6 +117,10 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
     if (!loaded) co_return fail(std::move(loaded).error().with_context("--resume"));
   }
   const std::int64_t first = t.steps_done();
+  // (a job that always passes --adapter and --resume starts from the folder once, then resumes)
+  if (first > 0 && !o.adapter.empty() && lead && !o.quiet)
+    std::printf("note: --resume continues from the checkpoint's adapters (step %lld), not --adapter %s's\n",
+                static_cast<long long>(first), o.adapter.c_str());
   // A resume that has nothing left to train would print "resumed" and exit 0 as if it had.
   if (o.resume && first >= o.steps && o.steps > 0)
     co_return fail(ErrorCode::invalid_argument, "--steps ", o.steps, ": the checkpoint in ", o.checkpoint_dir,

@@ -52,6 +52,21 @@ void print_run_header(const Options& o, trainer::Trainer& t, const collectives::
               static_cast<long long>(o.batch),
               static_cast<long long>(o.seq), t.engine().units().size(),
               first > 0 ? (", resumed at step " + std::to_string(first)).c_str() : "");
+  if (o.train.lora_rank > 0) {  // (what trains: a LoRA run looks like its base otherwise)
+    std::size_t adapters = 0;
+    std::int64_t trained = 0;
+    for (const auto& u : t.engine().units()) {
+      for (const auto& name : u.parameters) adapters += name.find(".lora") != std::string::npos && name.ends_with(".A") ? 1 : 0;
+      if (!u.frozen) trained += u.numel;
+    }
+    std::string targets;
+    for (const auto& target : o.train.lora_targets) targets += (targets.empty() ? "" : ", ") + target;
+    std::printf("  LoRA: rank %lld, alpha %g, dropout %g, %zu adapters (%s), %lld trained parameters%s%s%s\n",
+                static_cast<long long>(o.train.lora_rank), static_cast<double>(o.train.lora_alpha),
+                static_cast<double>(o.train.lora_dropout), adapters, targets.empty() ? "the model's defaults" : targets.c_str(),
+                static_cast<long long>(trained), o.train.tensor_parallel_size > 1 ? " (this tensor rank's part)" : "",
+                o.adapter.empty() ? "" : ", from ", o.adapter.c_str());
+  }
   const int tensor = o.train.tensor_parallel_size, data_ranks = world / tensor;
   if (tensor > 1)
     std::printf("  tensor parallelism: data %d x tensor %d (heads, MLP and vocabulary split over %d consecutive ranks; "

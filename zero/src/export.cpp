@@ -125,18 +125,28 @@ async::Task<Result<void>> Engine::load_safetensors(const fs::path& path) {
 }
 
 async::Task<Result<void>> Engine::load_parameters_from(std::string what, ParameterReader read) {
+  // A LoRA model's base file has no adapters: those it leaves out keep their values (the seed's,
+  // or a PEFT folder's).
+  // (named: GCC 12 destroys temporaries in co_await twice)
+  ParameterFilter kept = [adapters = s_->adapter_parameters()](const Parameter& p) { return adapters.contains(&p); };
+  co_return co_await load_parameters_from(std::move(what), std::move(read), std::move(kept));
+}
+
+async::Task<Result<void>> Engine::load_parameters_from(std::string what, ParameterReader read, ParameterFilter kept) {
   State& s = *s_;
   COSHARD_CO_TRY(s.outside_loop(what));
   async::Runtime* rt = async::Runtime::current();
   if (!rt) co_return fail(ErrorCode::invalid_argument, what, ": must be awaited on a coshard Runtime");
-  // A LoRA model's base file has no adapters: those it leaves out keep their values (the seed's,
-  // or a PEFT folder's). Gathered first, on every rank alike, whatever the file holds.
+  // What may be left out keeps its values: gathered first (this rank's parts), on every rank
+  // alike, whatever the read gives.
   std::vector<GatheredParameter> adapters;
-  if (s.has_values) {
-    const auto adapter_parameters = s.adapter_parameters();
-    if (!adapter_parameters.empty()) {
-      auto gathered = co_await s.gather_values([&](const Parameter& p) { return adapter_parameters.contains(&p); });
-      if (!gathered) co_return fail(std::move(gathered).error().with_context(what + ": the LoRA adapters' values"));
+  if (s.has_values && kept) {
+    bool any = false;
+    for (const auto& [p, name] : s.names) any = any || kept(*p);
+    if (any) {
+      std::function<bool(const Parameter&)> wanted = [&kept](const Parameter& p) { return kept(p); };  // (named: GCC 12)
+      auto gathered = co_await s.gather_values(std::move(wanted));
+      if (!gathered) co_return fail(std::move(gathered).error().with_context(what + ": the values kept"));
       adapters = std::move(*gathered);
     }
   }

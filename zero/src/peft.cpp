@@ -134,7 +134,6 @@ std::string peft_config_json(const PeftAdapterConfig& c) {
   doc["inference_mode"] = true;
   doc["init_lora_weights"] = true;
   doc["modules_to_save"] = nullptr;
-  doc["producer"] = "coshard";
   return doc.dump(2) + "\n";
 }
 
@@ -371,8 +370,11 @@ async::Task<Result<void>> load_peft_adapter(Engine& engine, Module& model, const
   const DataType dtype = engine.options().dtype;
   const auto names = peft_names(model, llama);
   if (names.empty()) co_return fail(ErrorCode::invalid_argument, "loading the PEFT folder ", folder.string(), ": the model has no LoRA adapters");
-  COSHARD_CO_TRY_ASSIGN(auto current, co_await engine.gather_parameters());
-  auto read = [folder, names, dtype, current = std::move(current)]() -> Result<std::vector<GatheredParameter>> {
+  std::set<const modules::Parameter*> adapters;
+  for (const auto& n : names) adapters.insert({&n.adapter->a(), &n.adapter->b()});
+  // The folder's tensors, whole (under tensor parallelism the load cuts each rank's part); every
+  // other parameter keeps its value.
+  auto read = [folder, names, dtype]() -> Result<std::vector<GatheredParameter>> {
     COSHARD_TRY_ASSIGN(const PeftAdapterConfig config, read_peft_config(folder));
     const LoraAdapter& first = *names.front().adapter;
     if (config.r != first.rank() || config.lora_alpha != first.alpha())
@@ -380,39 +382,35 @@ async::Task<Result<void>> load_peft_adapter(Engine& engine, Module& model, const
                   config.lora_alpha, ", the model's adapters have rank ", first.rank(), " and alpha ", first.alpha());
     const fs::path path = folder / kPeftWeightsName;
     COSHARD_TRY_ASSIGN(auto file, modules::SafetensorsFile::load(path));
-    std::map<std::string, std::string> wanted;  // PEFT name -> coshard's
+    std::map<std::string, std::pair<std::string, const modules::Parameter*>> wanted;  // PEFT name -> coshard's, and which
     for (const auto& n : names) {
-      wanted[n.a] = n.path + ".A";
-      wanted[n.b] = n.path + ".B";
+      wanted[n.a] = {n.path + ".A", &n.adapter->a()};
+      wanted[n.b] = {n.path + ".B", &n.adapter->b()};
     }
-    std::map<std::string, GatheredParameter> loaded;
+    std::vector<GatheredParameter> out;
+    std::set<std::string> found;
     for (const auto& t : file.tensors()) {
       const auto it = wanted.find(t.name);
       if (it == wanted.end())
         return fail(ErrorCode::invalid_argument, path.string(), ": tensor ", t.name, " is no adapter of this model");
       COSHARD_TRY_ASSIGN(auto value, detail::decode_parameter(path.string(), t.name, t.dtype, t.shape, file.data(t), dtype));
-      value.name = it->second;
-      loaded[it->second] = std::move(value);
+      const modules::Shape& whole = it->second.second->whole_shape();
+      if (!(value.shape == whole))
+        return fail(ErrorCode::invalid_argument, path.string(), ": tensor ", t.name, " is ", value.shape.to_string(),
+                    ", the model's adapter (r=", config.r, " in ", kPeftConfigName, ") is ", whole.to_string());
+      value.name = it->second.first;
+      found.insert(t.name);
+      out.push_back(std::move(value));
     }
-    std::vector<GatheredParameter> out = current;
-    for (auto& p : out) {
-      const bool adapter = std::any_of(wanted.begin(), wanted.end(), [&](const auto& w) { return w.second == p.name; });
-      if (!adapter) continue;
-      const auto it = loaded.find(p.name);
-      if (it == loaded.end()) {
-        std::string peft;
-        for (const auto& [from, to] : wanted)
-          if (to == p.name) peft = from;
-        return fail(ErrorCode::invalid_argument, path.string(), ": no tensor ", peft, " (the adapter ", p.name, ")");
-      }
-      if (!(it->second.shape == p.shape))
-        return fail(ErrorCode::invalid_argument, path.string(), ": ", it->second.name, " is ", it->second.shape.to_string(),
-                    ", the model's adapter ", p.shape.to_string());
-      p.bytes = std::move(it->second.bytes);
-    }
+    for (const auto& [peft, ours] : wanted)
+      if (!found.contains(peft))
+        return fail(ErrorCode::invalid_argument, path.string(), ": no tensor ", peft, " (the adapter ", ours.first, ")");
     return out;
   };
-  co_return co_await engine.load_parameters_from("loading the PEFT folder " + folder.string(), std::move(read));
+  // (named: GCC 12 destroys temporaries in co_await twice)
+  std::string what = "loading the PEFT folder " + folder.string();
+  Engine::ParameterFilter kept = [adapters = std::move(adapters)](const modules::Parameter& p) { return !adapters.contains(&p); };
+  co_return co_await engine.load_parameters_from(std::move(what), std::move(read), std::move(kept));
 }
 
 }  // namespace coshard::zero

@@ -37,7 +37,8 @@ async::Task<Result<void>> Engine::visit_shards(ShardVisitor use, bool written) {
 async::Task<Result<std::vector<GatheredParameter>>> Engine::gather_parameters() {
   State& s = *s_;
   COSHARD_CO_TRY(s.outside_loop("gather_parameters"));
-  co_return co_await s.gather_values([](const Parameter&) { return true; });
+  std::function<bool(const Parameter&)> every = [](const Parameter&) { return true; };  // (named: GCC 12)
+  co_return co_await s.gather_values(std::move(every));
 }
 
 async::Task<Result<std::vector<GatheredParameter>>> Engine::State::gather_values(std::function<bool(const Parameter&)> wanted) {

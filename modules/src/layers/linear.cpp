@@ -77,7 +77,7 @@ Result<LoraAdapter*> Linear::add_lora(std::string name, std::int64_t row_begin, 
                                      const LoraOptions& options) {
   return add_lora(std::move(name),
                   LoraPlacement{.in = in_, .row_begin = row_begin, .row_end = row_end, .out = out_, .whole_in = in_,
-                                .whole_row_begin = row_begin, .whole_row_end = row_end},
+                                .whole_row_begin = row_begin, .whole_row_end = row_end, .row_segments = {}},
                   options);
 }
 

@@ -50,7 +50,7 @@ struct Planned {
 Result<LoraPlacement> placement_of(const Planned& p, const LoraOptions& o) {
   const Linear& l = *p.layer;
   LoraPlacement w{.in = l.in_features(), .row_begin = p.begin, .row_end = p.end, .out = l.out_features(),
-                  .whole_in = l.in_features(), .whole_row_begin = p.begin, .whole_row_end = p.end};
+                  .whole_in = l.in_features(), .whole_row_begin = p.begin, .whole_row_end = p.end, .row_segments = {}};
   const TensorSplit* split = l.weight().split();
   if (!split || split->parts <= 1) return w;
   if (!o.tensor_group)
@@ -141,7 +141,7 @@ Unexpected matched_nothing(Module& model, const std::string& target) {
 LoraAdapter::LoraAdapter(std::int64_t in_features, std::int64_t row_begin, std::int64_t row_end,
                          std::int64_t out_features, const LoraOptions& options)
     : LoraAdapter(LoraPlacement{.in = in_features, .row_begin = row_begin, .row_end = row_end, .out = out_features,
-                                .whole_in = in_features, .whole_row_begin = row_begin, .whole_row_end = row_end},
+                                .whole_in = in_features, .whole_row_begin = row_begin, .whole_row_end = row_end, .row_segments = {}},
                   options) {}
 
 namespace {

@@ -446,6 +446,11 @@ class Engine final : public ModuleHooks {
   using ParameterReader = std::function<Result<std::vector<GatheredParameter>>()>;
   async::Task<Result<void>> export_parameters(std::string what, ParameterWriter write);
   async::Task<Result<void>> load_parameters_from(std::string what, ParameterReader read);
+  // The same for a part of the model: the parameters `kept` names may be left out of what `read`
+  // gives, and keep their values (a PEFT folder's adapters over the base: every base parameter
+  // kept). Whole values, cut into this rank's parts under tensor parallelism.
+  using ParameterFilter = std::function<bool(const modules::Parameter&)>;
+  async::Task<Result<void>> load_parameters_from(std::string what, ParameterReader read, ParameterFilter kept);
 
   // What checkpoints are made of (for a format of your own). `visit_shards` awaits `use` on this
   // rank's block of every unit in order, with its optimizer state: views of device memory, of

@@ -80,8 +80,9 @@ Result<std::vector<GatheredParameter>> merge_lora(modules::Module& model, std::v
 async::Task<Result<void>> export_peft_adapter(Engine& engine, modules::Module& model, const std::filesystem::path& folder,
                                               bool llama, std::string base_model_name_or_path);
 // Loads a PEFT folder's adapters into `model`'s (under `engine`): its r and lora_alpha must be the
-// model's, and its tensors exactly the model's adapters, each of its shape (a missing, extra or
-// reshaped one is refused by name, nothing loaded); the rest of the model keeps its values.
+// model's, and its tensors exactly the model's adapters, each of its whole shape (a missing, extra
+// or reshaped one is refused by name, nothing loaded; under tensor parallelism each rank takes its
+// parts); the rest of the model keeps its values.
 async::Task<Result<void>> load_peft_adapter(Engine& engine, modules::Module& model, const std::filesystem::path& folder,
                                             bool llama);
 
