@@ -94,9 +94,7 @@ Result<std::vector<modules::LoraAdapterInfo>> apply_lora(const TrainerConfig& c,
       return fail(ErrorCode::invalid_argument, "lora_rank=", c.lora_rank, ": the model has no default LoRA targets (a ",
                   model.type_name(), " that is neither make_llama's nor make_gpt's): name them (--lora-targets)");
   }
-  auto made = modules::apply_lora(model, *options);
-  if (!made) return fail(std::move(made).error().with_context("LoRA"));
-  return made;
+  return modules::apply_lora(model, *options);  // (its errors name LoRA and the value already)
 }
 
 modules::StepControlOptions TrainerConfig::step_control() const {
