@@ -3,6 +3,7 @@
 // (shard, full copy, gradients) placed, and the engine installed as the context's hooks.
 #include <limits>
 #include <mutex>
+#include <new>
 
 #include "coshard/modules/cpu_blas_kernels.hpp"
 #include "coshard/zero/memory_estimate.hpp"
@@ -33,10 +34,16 @@ Engine::~Engine() {
       if (u->permit) u->permit->forget();
     }
     if (auto ev = s_->comm->stream().record()) {
-      u->shard_block.record_use(*ev);
-      u->full_block.record_use(*ev);
-      u->grad_shard_block.record_use(*ev);
-      u->grad_full_block.record_use(*ev);
+      // (a destructor: without memory to keep the event, as under an address-space limit, the
+      // host waits for it here, counted, instead of std::terminate; the blocks' reuse is ordered)
+      try {
+        u->shard_block.record_use(*ev);
+        u->full_block.record_use(*ev);
+        u->grad_shard_block.record_use(*ev);
+        u->grad_full_block.record_use(*ev);
+      } catch (const std::bad_alloc&) {
+        (void)ev->synchronize();
+      }
     }
     for (auto& p : u->params) p.parameter->unbind();
     u->read_slot.forget();  // nvme parameters: the read slots go with the engine too
