@@ -1,0 +1,278 @@
+// apply_lora (lora.hpp): which linear layers get adapters (globs, transformers' names by PEFT's
+// rule, a Llama's fused projections one adapter each) and where each sits in its layer, whole or
+// split with a tensor-parallel one.
+#include "coshard/modules/lora.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <optional>
+#include <unordered_set>
+
+#include "coshard/collectives/communicator.hpp"
+#include "coshard/modules/llama_layers.hpp"
+#include "random.hpp"
+
+namespace coshard::modules {
+namespace {
+
+Result<void> check_options(const LoraOptions& o) {
+  if (o.targets.empty())
+    return fail(ErrorCode::invalid_argument, "apply_lora: no targets (which linear layers to adapt: globs over their paths)");
+  if (o.rank < 1) return fail(ErrorCode::invalid_argument, "LoRA rank=", o.rank, ": expected >= 1");
+  if (!std::isfinite(o.alpha) || !(o.alpha > 0))
+    return fail(ErrorCode::invalid_argument, "LoRA alpha=", o.alpha, ": expected a finite value > 0");
+  if (!std::isfinite(o.dropout) || o.dropout < 0 || o.dropout >= 1)
+    return fail(ErrorCode::invalid_argument, "LoRA dropout=", o.dropout, ": expected a value in [0, 1)");
+  return {};
+}
+
+// One adapter to make: on rows [begin, end) of the Linear at `linear`.
+struct Planned {
+  std::string linear;
+  Linear* layer = nullptr;
+  std::string name;  // the child's
+  std::string hf_projection;
+  std::int64_t layer_index = -1;
+  std::int64_t begin = 0, end = 0;
+};
+
+// Where a planned adapter sits: on a whole layer, or split as its tensor-parallel layer is (rows
+// of a column-parallel layer: whole segments of its split; a row-parallel layer's input columns).
+Result<LoraPlacement> placement_of(const Planned& p, const LoraOptions& o) {
+  const Linear& l = *p.layer;
+  LoraPlacement w{.in = l.in_features(), .row_begin = p.begin, .row_end = p.end, .out = l.out_features(),
+                  .whole_in = l.in_features(), .whole_row_begin = p.begin, .whole_row_end = p.end, .row_segments = {}};
+  const TensorSplit* split = l.weight().split();
+  if (!split || split->parts <= 1) return w;
+  if (!o.tensor_group)
+    return fail(ErrorCode::invalid_argument, "LoRA on ", p.linear, ": the layer is part ", split->index, " of ", split->parts,
+                " of a tensor-parallel split; give LoraOptions::tensor_group (the tensor group it was split over)");
+  if (o.tensor_group->size() != split->parts || o.tensor_group->rank() != split->index)
+    return fail(ErrorCode::invalid_argument, "LoRA on ", p.linear, ": the layer is part ", split->index, " of ", split->parts,
+                ", and LoraOptions::tensor_group is rank ", o.tensor_group->rank(), " of ", o.tensor_group->size());
+  w.group = o.tensor_group;
+  if (split->dim == 1) {  // row-parallel: its input columns
+    w.split = LoraSplit::input_columns;
+    w.whole_in = split->whole[1];
+    return w;
+  }
+  // Column-parallel: the local rows [begin, end) are this rank's parts of whole segments.
+  w.split = LoraSplit::output_rows;
+  std::int64_t local = 0, whole = 0;
+  bool started = false;
+  for (const std::int64_t segment : split->segments) {
+    const std::int64_t part = segment / split->parts;
+    if (local == p.begin) {
+      started = true;
+      w.whole_row_begin = whole;
+    }
+    if (started) w.row_segments.push_back(segment);
+    local += part;
+    whole += segment;
+    if (started && local == p.end) {
+      w.whole_row_end = whole;
+      if (w.row_segments.size() == 1) w.row_segments.clear();
+      return w;
+    }
+  }
+  return fail(ErrorCode::invalid_argument, "LoRA on ", p.linear, ": rows [", p.begin, ", ", p.end,
+              ") do not cover whole segments of its tensor-parallel split");
+}
+
+// Freezes the model, then adds the planned adapters (their dropout seeds told apart by path).
+Result<std::vector<LoraAdapterInfo>> make_adapters(Module& model, const std::vector<Planned>& plan, const LoraOptions& o) {
+  for (const auto& p : plan)
+    if (!p.layer->lora_adapters().empty())
+      return fail(ErrorCode::invalid_argument, "apply_lora: ", p.linear, " already has adapters");
+  COSHARD_TRY(model.set_trainable(false));
+  std::vector<LoraAdapterInfo> made;
+  for (const auto& p : plan) {
+    const std::string path = p.linear + "." + p.name;
+    LoraOptions own = o;
+    own.seed = detail::SplitMix64{o.seed ^ detail::fnv1a(path)}.next();
+    COSHARD_TRY_ASSIGN(const LoraPlacement where, placement_of(p, o));
+    COSHARD_TRY_ASSIGN(LoraAdapter * adapter, p.layer->add_lora(p.name, where, own));
+    made.push_back({path, p.linear, p.hf_projection, p.layer_index, adapter});
+  }
+  return made;
+}
+
+// The model's Linear layers by path, in model order (adapters' own excluded: they are not Linear).
+std::vector<std::pair<std::string, Linear*>> linears_of(Module& model) {
+  std::vector<std::pair<std::string, Linear*>> out;
+  model.for_each_module([&](const std::string& path, Module& m) {
+    if (auto* l = dynamic_cast<Linear*>(&m)) out.emplace_back(path, l);
+  });
+  return out;
+}
+
+// PEFT's rule for a list entry (tuners_utils.check_target_module_exists): the module's name is the
+// entry, or ends in "." + the entry.
+bool peft_list_matches(std::string_view target, std::string_view name) {
+  return name == target || (name.size() > target.size() && name.ends_with(target) &&
+                            name[name.size() - target.size() - 1] == '.');
+}
+
+// A target that matched no linear layer: its error, naming what it did match when that was not
+// a linear layer.
+Unexpected matched_nothing(Module& model, const std::string& target) {
+  std::string others;
+  model.for_each_module([&](const std::string& path, Module& m) {
+    if (!path.empty() && others.size() < 200 && glob_matches(target, path))
+      others += (others.empty() ? "" : ", ") + path + " (" + std::string(m.type_name()) + ")";
+  });
+  return fail(ErrorCode::invalid_argument, "LoRA target \"", target, "\" matches no linear layer",
+              others.empty() ? std::string(" (nor any module)") : " (it matches " + others + ")");
+}
+
+// Any model: one adapter per matched Linear, over all its rows.
+Result<std::vector<LoraAdapterInfo>> adapt_by_glob(Module& model, const LoraOptions& options) {
+  const auto linears = linears_of(model);
+  std::vector<Planned> plan;
+  std::unordered_set<const Linear*> chosen;
+  for (const auto& target : options.targets) {
+    bool matched = false;
+    for (const auto& [path, layer] : linears) {
+      if (!glob_matches(target, path) && !peft_list_matches(target, path)) continue;
+      matched = true;
+      if (chosen.insert(layer).second) plan.push_back({path, layer, "lora", "", -1, 0, layer->out_features()});
+    }
+    if (!matched) return matched_nothing(model, target);
+  }
+  // (in model order, whatever the targets' order)
+  std::vector<Planned> ordered;
+  for (const auto& [path, layer] : linears)
+    for (const auto& p : plan)
+      if (p.layer == layer) ordered.push_back(p);
+  return make_adapters(model, ordered, options);
+}
+
+// make_llama's blocks, as found in a model: h{l}.attn.rope (its heads), .attn.qkv, .attn.proj,
+// .mlp.gate_up and .mlp.down, for every l from 0.
+struct LlamaLayout {
+  std::int64_t layers = 0, dim = 0, heads = 0, kv_heads = 0, head_dim = 0, intermediate = 0;
+};
+
+std::optional<LlamaLayout> llama_layout(Module& model) {
+  std::map<std::string, Module*> by_path;
+  model.for_each_module([&](const std::string& path, Module& m) { by_path[path] = &m; });
+  LlamaLayout c;
+  for (;; ++c.layers) {
+    const std::string h = "h" + std::to_string(c.layers) + ".";
+    auto* rope = by_path.contains(h + "attn.rope") ? dynamic_cast<RotaryEmbedding*>(by_path[h + "attn.rope"]) : nullptr;
+    if (!rope) break;
+    auto linear = [&](const std::string& name) {
+      return by_path.contains(h + name) ? dynamic_cast<Linear*>(by_path[h + name]) : nullptr;
+    };
+    Linear *qkv = linear("attn.qkv"), *proj = linear("attn.proj"), *gate_up = linear("mlp.gate_up"), *down = linear("mlp.down");
+    if (!qkv || !proj || !gate_up || !down) return std::nullopt;
+    const LlamaLayout here{0, proj->out_features(), rope->n_heads(), rope->n_kv_heads(), rope->head_dim(),
+                           gate_up->out_features() / 2};
+    if (qkv->out_features() != (here.heads + 2 * here.kv_heads) * here.head_dim || down->out_features() != here.dim)
+      return std::nullopt;
+    if (c.layers > 0 && (here.dim != c.dim || here.heads != c.heads || here.kv_heads != c.kv_heads ||
+                         here.head_dim != c.head_dim || here.intermediate != c.intermediate))
+      return std::nullopt;
+    const std::int64_t layers = c.layers;
+    c = here;
+    c.layers = layers;
+  }
+  if (c.layers == 0) return std::nullopt;
+  return c;
+}
+
+// transformers' name of block l's projection: "model.layers.3.self_attn.q_proj", "model.layers.3.mlp.up_proj".
+std::string hf_module_name(std::int64_t l, std::string_view projection) {
+  const bool attention = projection == "q_proj" || projection == "k_proj" || projection == "v_proj" || projection == "o_proj";
+  return "model.layers." + std::to_string(l) + (attention ? ".self_attn." : ".mlp.") + std::string(projection);
+}
+
+// make_llama's model: Hugging Face's projection names, one adapter per projection of a fused layer.
+Result<std::vector<LoraAdapterInfo>> adapt_llama(Module& model, const LlamaLayout& c, const LoraOptions& options) {
+  const std::int64_t hd = c.head_dim, q = c.heads * hd, kv = c.kv_heads * hd, I = c.intermediate;
+  // Each block's linear layers and the Hugging Face projections they hold (rows of the output).
+  struct Projection {
+    const char* hf;
+    const char* linear;  // under h{l}
+    std::int64_t begin, end;
+  };
+  const Projection projections[] = {{"q_proj", "attn.qkv", 0, q},           {"k_proj", "attn.qkv", q, q + kv},
+                                    {"v_proj", "attn.qkv", q + kv, q + 2 * kv}, {"o_proj", "attn.proj", 0, c.dim},
+                                    {"gate_proj", "mlp.gate_up", 0, I},        {"up_proj", "mlp.gate_up", I, 2 * I},
+                                    {"down_proj", "mlp.down", 0, c.dim}};
+  const auto linears = linears_of(model);
+  auto find = [&](const std::string& path) -> Linear* {
+    for (const auto& [p, l] : linears)
+      if (p == path) return l;
+    return nullptr;
+  };
+  // Every (layer, projection) a target asks for, then in model order.
+  std::vector<std::vector<bool>> wanted(static_cast<std::size_t>(c.layers), std::vector<bool>(std::size(projections)));
+  std::vector<std::pair<std::string, Linear*>> other;  // non-block layers (an untied head), by glob
+  for (const auto& target : options.targets) {
+    const std::string_view bare = std::string_view(target).starts_with("*.") ? std::string_view(target).substr(2) : target;
+    bool matched = false;
+    // transformers' module names, by PEFT's rule: "q_proj", "self_attn.q_proj",
+    // "model.layers.3.self_attn.q_proj" (that block's alone), "lm_head".
+    for (std::int64_t l = 0; l < c.layers; ++l)
+      for (std::size_t j = 0; j < std::size(projections); ++j)
+        if (peft_list_matches(bare, hf_module_name(l, projections[j].hf))) {
+          matched = true;
+          wanted[static_cast<std::size_t>(l)][j] = true;
+        }
+    if (peft_list_matches(bare, "lm_head"))
+      if (Linear* head = find("head")) {
+        matched = true;
+        if (std::find(other.begin(), other.end(), std::pair<std::string, Linear*>{"head", head}) == other.end())
+          other.emplace_back("head", head);
+      }
+    if (matched) continue;
+    for (const auto& [path, layer] : linears) {
+      if (!glob_matches(target, path)) continue;
+      bool in_block = false;
+      for (std::int64_t l = 0; l < c.layers; ++l)
+        for (std::size_t j = 0; j < std::size(projections); ++j)
+          if (path == "h" + std::to_string(l) + "." + projections[j].linear) {
+            wanted[static_cast<std::size_t>(l)][j] = true;
+            in_block = true;
+          }
+      if (!in_block && std::find(other.begin(), other.end(), std::pair{path, layer}) == other.end()) other.emplace_back(path, layer);
+      matched = true;
+    }
+    if (!matched) return matched_nothing(model, target);
+  }
+  std::vector<Planned> plan;
+  for (std::int64_t l = 0; l < c.layers; ++l)
+    for (std::size_t j = 0; j < std::size(projections); ++j) {
+      if (!wanted[static_cast<std::size_t>(l)][j]) continue;
+      const Projection& p = projections[j];
+      const std::string path = "h" + std::to_string(l) + "." + p.linear;
+      Linear* layer = find(path);
+      if (!layer || layer->out_features() < p.end)
+        return fail(ErrorCode::internal, "apply_lora: no linear layer ", path, " of at least ", p.end, " outputs");
+      plan.push_back({path, layer, std::string("lora_") + p.hf, p.hf, l, p.begin, p.end});
+    }
+  for (const auto& [path, layer] : other) plan.push_back({path, layer, "lora", "", -1, 0, layer->out_features()});
+  return make_adapters(model, plan, options);
+}
+
+}  // namespace
+
+std::vector<std::string> default_lora_targets(Module& model) {
+  if (llama_layout(model)) return {"q_proj", "v_proj"};
+  bool gpt = false;
+  model.for_each_module([&](const std::string& path, Module& m) {
+    gpt = gpt || (path.ends_with(".attn.qkv") && dynamic_cast<Linear*>(&m) != nullptr);
+  });
+  if (gpt) return {"*.attn.qkv"};
+  return {};
+}
+
+Result<std::vector<LoraAdapterInfo>> apply_lora(Module& model, const LoraOptions& options) {
+  COSHARD_TRY(check_options(options));
+  if (const auto llama = llama_layout(model)) return adapt_llama(model, *llama, options);
+  return adapt_by_glob(model, options);
+}
+
+}  // namespace coshard::modules
