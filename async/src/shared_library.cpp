@@ -36,6 +36,10 @@ void SharedLibrary::close() noexcept {
   handle_ = nullptr;
 }
 
+std::string dotted_version(std::size_t version) {
+  return std::to_string(version / 10000) + "." + std::to_string(version / 100 % 100) + "." + std::to_string(version % 100);
+}
+
 std::vector<std::string> library_candidates(const char* env_var, std::string_view file,
                                             std::string_view fallback_folder) {
   std::vector<std::string> candidates;

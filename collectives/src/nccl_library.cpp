@@ -51,9 +51,9 @@ Result<Library> take(const std::string& candidate) {
 std::string Library::describe() const { return "NCCL " + version_string(version) + " (" + path + ")"; }
 
 std::string version_string(int version) {
-  const bool old = version < 10000;  // before 2.9: X*1000 + Y*100 + Z
-  const int major = old ? version / 1000 : version / 10000, minor = old ? version / 100 % 10 : version / 100 % 100;
-  return std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(version % 100);
+  if (version >= 10000) return async::detail::dotted_version(static_cast<std::size_t>(version));
+  // before 2.9: X*1000 + Y*100 + Z
+  return std::to_string(version / 1000) + "." + std::to_string(version / 100 % 10) + "." + std::to_string(version % 100);
 }
 
 Result<Library> open_library(std::span<const std::string> candidates) {

@@ -139,7 +139,7 @@ async::Task<Result<void>> Engine::load_parameters_from(std::string what, Paramet
   if (!rt) co_return fail(ErrorCode::invalid_argument, what, ": must be awaited on a coshard Runtime");
   // What may be left out keeps its values: gathered first (this rank's parts), on every rank
   // alike, whatever the read gives.
-  std::vector<GatheredParameter> adapters;
+  std::vector<GatheredParameter> kept_values;
   if (s.has_values && kept) {
     bool any = false;
     for (const auto& [p, name] : s.names) any = any || kept(*p);
@@ -147,18 +147,18 @@ async::Task<Result<void>> Engine::load_parameters_from(std::string what, Paramet
       std::function<bool(const Parameter&)> wanted = [&kept](const Parameter& p) { return kept(p); };  // (named: GCC 12)
       auto gathered = co_await s.gather_values(std::move(wanted));
       if (!gathered) co_return fail(std::move(gathered).error().with_context(what + ": the values kept"));
-      adapters = std::move(*gathered);
+      kept_values = std::move(*gathered);
     }
   }
   auto values = co_await rt->spawn_blocking([&read]() { return read(); });
   // Tensor parallelism: the files hold whole parameters, this rank takes its parts.
   if (values && tensor_size(s.o) > 1) values = parts_of_whole(s.by_name(), std::move(*values), s.o.dtype, what);
-  if (values && !adapters.empty()) {
-    values->reserve(values->size() + adapters.size());  // (no reallocation below: `given` views the names)
+  if (values && !kept_values.empty()) {
+    values->reserve(values->size() + kept_values.size());  // (no reallocation below: `given` views the names)
     std::unordered_set<std::string_view> given;
     for (const auto& v : *values) given.insert(v.name);
-    for (auto& a : adapters)
-      if (!given.contains(a.name)) values->push_back(std::move(a));
+    for (auto& v : kept_values)
+      if (!given.contains(v.name)) values->push_back(std::move(v));
   }
   Result<void> checked{};
   if (!values) checked = fail(std::move(values).error());

@@ -47,8 +47,7 @@ std::string peft_module(const std::string& adapter_path, const std::string& chil
   const std::string projection = child.starts_with("lora_") ? child.substr(5) : "";
   const std::int64_t l = block_of(linear);
   if (l < 0 || projection.empty()) return linear;
-  const bool attention = projection == "q_proj" || projection == "k_proj" || projection == "v_proj" || projection == "o_proj";
-  return "model.layers." + std::to_string(l) + (attention ? ".self_attn." : ".mlp.") + projection;
+  return modules::llama_module_name(l, projection);
 }
 
 // The whole values by name.
@@ -247,9 +246,7 @@ bool peft_targets_module(const PeftAdapterConfig& c, std::string_view key) {
     }
   };
   auto listed = [&](const std::vector<std::string>& names) {
-    return std::any_of(names.begin(), names.end(), [&](const std::string& n) {
-      return key == n || (key.size() > n.size() && key.ends_with(n) && key[key.size() - n.size() - 1] == '.');
-    });
+    return std::any_of(names.begin(), names.end(), [&](const std::string& n) { return modules::peft_list_matches(n, key); });
   };
   if (!c.exclude_modules.empty() && (c.exclude_modules_regex ? full_match(c.exclude_modules.front()) : listed(c.exclude_modules)))
     return false;
@@ -280,9 +277,8 @@ bool peft_targets_module(const PeftAdapterConfig& c, std::string_view key) {
 Result<std::vector<std::string>> peft_llama_targets(const PeftAdapterConfig& c, std::int64_t layers, bool untied_head) {
   std::vector<std::string> out;
   for (std::int64_t l = 0; l < layers; ++l)
-    for (const auto& [parent, projection] : {std::pair{"self_attn", "q_proj"}, {"self_attn", "k_proj"}, {"self_attn", "v_proj"},
-                                             {"self_attn", "o_proj"}, {"mlp", "gate_proj"}, {"mlp", "up_proj"}, {"mlp", "down_proj"}}) {
-      std::string key = "model.layers." + std::to_string(l) + "." + parent + "." + projection;
+    for (const char* projection : {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}) {
+      std::string key = modules::llama_module_name(l, projection);
       if (peft_targets_module(c, key)) out.push_back(std::move(key));
     }
   if (untied_head && peft_targets_module(c, "lm_head")) out.push_back("lm_head");

@@ -107,13 +107,6 @@ std::vector<std::pair<std::string, Linear*>> linears_of(Module& model) {
   return out;
 }
 
-// PEFT's rule for a list entry (tuners_utils.check_target_module_exists): the module's name is the
-// entry, or ends in "." + the entry.
-bool peft_list_matches(std::string_view target, std::string_view name) {
-  return name == target || (name.size() > target.size() && name.ends_with(target) &&
-                            name[name.size() - target.size() - 1] == '.');
-}
-
 // A target that matched no linear layer: its error, naming what it did match when that was not
 // a linear layer.
 Unexpected matched_nothing(Module& model, const std::string& target) {
@@ -182,12 +175,6 @@ std::optional<LlamaLayout> llama_layout(Module& model) {
   return c;
 }
 
-// transformers' name of block l's projection: "model.layers.3.self_attn.q_proj", "model.layers.3.mlp.up_proj".
-std::string hf_module_name(std::int64_t l, std::string_view projection) {
-  const bool attention = projection == "q_proj" || projection == "k_proj" || projection == "v_proj" || projection == "o_proj";
-  return "model.layers." + std::to_string(l) + (attention ? ".self_attn." : ".mlp.") + std::string(projection);
-}
-
 // make_llama's model: Hugging Face's projection names, one adapter per projection of a fused layer.
 Result<std::vector<LoraAdapterInfo>> adapt_llama(Module& model, const LlamaLayout& c, const LoraOptions& options) {
   const std::int64_t hd = c.head_dim, q = c.heads * hd, kv = c.kv_heads * hd, I = c.intermediate;
@@ -217,7 +204,7 @@ Result<std::vector<LoraAdapterInfo>> adapt_llama(Module& model, const LlamaLayou
     // "model.layers.3.self_attn.q_proj" (that block's alone), "lm_head".
     for (std::int64_t l = 0; l < c.layers; ++l)
       for (std::size_t j = 0; j < std::size(projections); ++j)
-        if (peft_list_matches(bare, hf_module_name(l, projections[j].hf))) {
+        if (peft_list_matches(bare, llama_module_name(l, projections[j].hf))) {
           matched = true;
           wanted[static_cast<std::size_t>(l)][j] = true;
         }
@@ -258,6 +245,15 @@ Result<std::vector<LoraAdapterInfo>> adapt_llama(Module& model, const LlamaLayou
 }
 
 }  // namespace
+
+bool peft_list_matches(std::string_view entry, std::string_view name) noexcept {
+  return name == entry || (name.size() > entry.size() && name.ends_with(entry) && name[name.size() - entry.size() - 1] == '.');
+}
+
+std::string llama_module_name(std::int64_t layer, std::string_view projection) {
+  const bool attention = projection == "q_proj" || projection == "k_proj" || projection == "v_proj" || projection == "o_proj";
+  return "model.layers." + std::to_string(layer) + (attention ? ".self_attn." : ".mlp.") + std::string(projection);
+}
 
 std::vector<std::string> default_lora_targets(Module& model) {
   if (llama_layout(model)) return {"q_proj", "v_proj"};

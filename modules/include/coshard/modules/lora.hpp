@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "coshard/modules/layers.hpp"
@@ -141,6 +142,13 @@ struct LoraAdapterInfo {
 // or non-finite alpha, a dropout outside [0, 1), a Linear that already has adapters. Before any
 // ParameterStore or engine is made for the model.
 Result<std::vector<LoraAdapterInfo>> apply_lora(Module& model, const LoraOptions& options);
+
+// PEFT's rule for a list entry of target_modules (tuners_utils.check_target_module_exists): the
+// module's name is `entry`, or ends in "." + `entry`.
+bool peft_list_matches(std::string_view entry, std::string_view name) noexcept;
+// transformers' name of a Llama block's projection: "model.layers.3.self_attn.q_proj" for q, k, v
+// and o, "model.layers.3.mlp.up_proj" for gate, up and down.
+std::string llama_module_name(std::int64_t layer, std::string_view projection);
 
 // PEFT's default targets for a model: q_proj and v_proj for one make_llama built, every
 // attention's fused qkv ("*.attn.qkv", GPT-2's c_attn) for one make_gpt built; empty otherwise.

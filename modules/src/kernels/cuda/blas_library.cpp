@@ -17,11 +17,6 @@ static_assert(CUBLAS_VER_MAJOR == 13, "the sonames above name the major version 
 // nothing is linked).
 static_assert(sizeof(static_cast<GemmStridedBatchedEx>(&cublasGemmStridedBatchedEx)) > 0);
 
-std::string version_string(std::size_t version) {
-  return std::to_string(version / 10000) + "." + std::to_string(version / 100 % 100) + "." +
-         std::to_string(version % 100);
-}
-
 // cuBLASLt where cuBLAS is: beside a file, or the loader's for a name.
 std::string lt_beside(const std::string& candidate) {
   if (candidate.find('/') == std::string::npos) return kLtFile;
@@ -69,10 +64,10 @@ Result<Library> take(const std::string& candidate) {
   lib.version = major * 10000 + minor * 100 + patch;
   lib.lt_version = lib.lt_get_version();
   if (major != CUBLAS_VER_MAJOR)
-    return fail(ErrorCode::unsupported, "cuBLAS ", version_string(static_cast<std::size_t>(lib.version)),
+    return fail(ErrorCode::unsupported, "cuBLAS ", async::detail::dotted_version(static_cast<std::size_t>(lib.version)),
                 "; this build needs cuBLAS ", CUBLAS_VER_MAJOR);
   if (lib.lt_version / 10000 != CUBLAS_VER_MAJOR)
-    return fail(ErrorCode::unsupported, "its cuBLASLt, ", lt_candidate, ", is ", version_string(lib.lt_version),
+    return fail(ErrorCode::unsupported, "its cuBLASLt, ", lt_candidate, ", is ", async::detail::dotted_version(lib.lt_version),
                 "; this build needs cuBLASLt ", CUBLAS_VER_MAJOR);
   lib.path = file.file();
   if (lib.path.empty()) lib.path = candidate;
@@ -86,7 +81,7 @@ Result<Library> take(const std::string& candidate) {
 }  // namespace
 
 std::string Library::describe() const {
-  return "cuBLAS " + version_string(static_cast<std::size_t>(version)) + " (" + path + ")";
+  return "cuBLAS " + async::detail::dotted_version(static_cast<std::size_t>(version)) + " (" + path + ")";
 }
 
 Result<Library> open_library(std::span<const std::string> candidates) {

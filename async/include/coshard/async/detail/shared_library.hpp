@@ -5,6 +5,7 @@
 // in order (first_library) and binds its functions into a table (SharedLibrary::bind).
 #pragma once
 
+#include <cstddef>
 #include <span>
 #include <string>
 #include <string_view>
@@ -64,6 +65,10 @@ class SharedLibrary {
 // (`file` alone), then `fallback_folder` when not empty (where the build found the library).
 std::vector<std::string> library_candidates(const char* env_var, std::string_view file,
                                             std::string_view fallback_folder);
+
+// "9.19.0" of 91900: a version as cuDNN 9, cuBLAS and NCCL since 2.9 report it (major * 10000 +
+// minor * 100 + patch).
+std::string dotted_version(std::size_t version);
 
 // The first candidate that `take(candidate)` accepts: take opens it and checks that it is the
 // library wanted (its functions, its version), returning the bound table or why not. When none

@@ -64,10 +64,7 @@ Result<const Library*> library() {
   return &*loaded;
 }
 
-std::string version_string(std::size_t version) {
-  return std::to_string(version / 10000) + "." + std::to_string(version / 100 % 100) + "." +
-         std::to_string(version % 100);
-}
+std::string version_string(std::size_t version) { return async::detail::dotted_version(version); }
 
 Result<Descriptor> Descriptor::make(const Library& lib, cudnnBackendDescriptorType_t type) {
   Descriptor d;
