@@ -18,12 +18,23 @@ bash scripts/install-deps.sh
 source scripts/ccache.sh
 jobs=$(nproc)
 passed=0 failed=0 skipped=0
+started=$(date +%s)
+stage_rows=()
+
+# The ten slowest tests of a ctest log, "seconds name", slowest first.
+slowest_tests() {
+  sed -nE 's/^.*Test +#[0-9]+: ([^ ]+) [.* ]+(Passed|\*\*\*Skipped|\*\*\*Failed[^0-9]*|[^0-9]*)[ ]+([0-9.]+) sec.*$/\3 \1/p' "$1" |
+    sort -rn | head -n 10
+}
 
 configure_build_test() {
   local dir=$1 labels=$2
   shift 2
+  local t0 t1 t2
+  t0=$(date +%s)
   cmake -S . -B "$dir" -G Ninja -DCOSHARD_BUILD_BENCH=OFF "${coshard_launcher_args[@]}" "$@" >/dev/null
   cmake --build "$dir" -j "$jobs"
+  t1=$(date +%s)
   local label_args=()
   [ -n "$labels" ] && label_args=(-L "$labels")
   ctest --test-dir "$dir" --output-on-failure -j "$jobs" "${label_args[@]}" | tee "$dir/ctest.log"
@@ -34,6 +45,10 @@ configure_build_test() {
   total=$(sed -E 's/.* ([0-9]+) tests failed out of ([0-9]+).*/\2/' <<<"$summary")
   skip=$(grep -c '\*\*\*Skipped' "$dir/ctest.log" || true)
   passed=$((passed + total - bad - skip)) failed=$((failed + bad)) skipped=$((skipped + skip))
+  t2=$(date +%s)
+  stage_rows+=("$(printf '%-11s %7d s %7d s %6d' "$dir" $((t1 - t0)) $((t2 - t1)) "$total")")
+  echo "== $dir: the ten slowest tests (seconds) =="
+  slowest_tests "$dir/ctest.log"
 }
 
 echo "== build/test: all tests =="
@@ -51,4 +66,8 @@ echo "== build/fuzz: libFuzzer + ASan + UBSan on the parsers (clang 19) =="
 CC=clang-19 CXX=clang++-19 configure_build_test build/fuzz "fuzz" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCOSHARD_SANITIZE=fuzz -DCOSHARD_CUDA=OFF -DCOSHARD_FUZZ_SECONDS=30 -DCOSHARD_HEADER_CHECKS=OFF
 echo "== all test builds passed =="
+echo "== the clock: each build's configure + compile, and its tests (wall seconds) =="
+printf '%-11s %9s %9s %6s\n' build compile tests count
+printf '%s\n' "${stage_rows[@]}"
+echo "total: $(( $(date +%s) - started )) s"
 echo "coshard: $passed passed, $failed failed, $skipped skipped"
