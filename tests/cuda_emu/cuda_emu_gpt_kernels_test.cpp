@@ -1,7 +1,8 @@
-// The rest of kernels.cu and optimizer.cu on the CPU through the emulation (see
-// cuda_emu_test.cpp): the GPT's layers (embeddings with their atomics and position sums, GELU,
-// the materialized attention's causal softmax, bias add and gradient, the element-wise ops, the
-// squared error, casts) and the optimizer's SGD and dynamic loss scaling, against f64 references.
+// The rest of the layers' kernel files and optimizer.cu on the CPU through the emulation (see
+// cuda_emu_test.cpp): the GPT's layers (embeddings with their atomics and position sums
+// (embedding.cu), GELU, bias add and gradient, the element-wise ops and casts (pointwise.cu), the
+// materialized attention's causal softmax (causal_softmax.cu), the squared error (loss.cu)) and
+// the optimizer's SGD and dynamic loss scaling, against f64 references.
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -1,10 +1,10 @@
 // More of coshard's CUDA kernel files on the CPU through the emulation (see cuda_emu_test.cpp):
 // the ones no GPU had run when they were written. Against f64 references from the same stored
 // inputs:
-//   - the one-pass (online-softmax) cross-entropy (kernels.cu): loss and logits' gradient, a
+//   - the one-pass (online-softmax) cross-entropy (loss.cu): loss and logits' gradient, a
 //     vocabulary that ends inside a thread stride, masked (-inf) logits, a target out of range;
-//   - SwiGLU and rotary embeddings (kernels.cu), forward and backward / inverse, from a first
-//     position; the decoding attention over a key/value cache;
+//   - SwiGLU and rotary embeddings (pointwise.cu), forward and backward / inverse, from a first
+//     position; the decoding attention over a key/value cache (attention_decode.cu);
 //   - the multi-tensor AdamW and gradient statistics (optimizer.cu): the same bits as the
 //     one-tensor kernels, lists split at 32 tensors, tensors of several chunks, clipping.
 #include <gtest/gtest.h>
@@ -277,7 +277,7 @@ TEST(EmulatedLlamaKernels, RotaryFromAFirstPositionContinuesTheSequence) {
   EXPECT_LT(normwise_error(tail.values(), std::vector<double>(all.begin() + first * W, all.end())), 1e-6);
 }
 
-// Decoding with a key/value cache (kernels.cu attention_decode): the new rows of a cache attend as
+// Decoding with a key/value cache (attention_decode.cu): the new rows of a cache attend as
 // in a causal attention over the whole sequence (a f64 reference), grouped-query included, with
 // rows of the cache past the sequence left out.
 class EmulatedAttentionDecode : public ::testing::TestWithParam<int> {};

@@ -5,8 +5,8 @@
 //   - the norms (norm.cu): forward, and the fused backward against the two-kernel backward, on
 //     the scalar path and the vector path (rows in registers)
 //     (the input gradient the same bits; the parameter gradients added to what was there);
-//   - the fused attention (kernels/cuda/attention.cu): forward and backward, grouped-query heads, every
-//     served head size, sequences that end inside a tile.
+//   - the fused attention (kernels/cuda/attention.cu, attention_backward.cu): forward and
+//     backward, grouped-query heads, every served head size, sequences that end inside a tile.
 // What the emulation cannot show (speed, the hardware's fragment layouts, memory-model subtleties)
 // is for the CUDA tests on a GPU (FusedAttention.*, CudaNorm.*).
 #include <gtest/gtest.h>

@@ -1,19 +1,18 @@
 // CPU kernels: matrix products through OpenBLAS (cblas_sgemm / cblas_dgemm), everything else
 // as plain loops the compiler vectorises. Each kernel is one closure on the CPU stream, so it
-// runs in stream order on the stream's worker; the enqueueing thread never waits.
+// runs in stream order on the stream's worker; the enqueueing thread never waits. This class
+// checks the dtypes and hands each operation to its kernels: the layers' in the headers of this
+// folder (or here, where they are a loop or two), the optimizer's in optimizer.cpp.
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <vector>
 
 #include "kernels/cpu/attention.hpp"
 #include "kernels/cpu/blas.hpp"
 #include "kernels/cpu/loss.hpp"
 #include "kernels/cpu/norm.hpp"
 #include "kernels/cpu/operands.hpp"
-#include "kernels/cpu/parallel.hpp"
+#include "kernels/cpu/optimizer.hpp"
 #include "kernels/cpu/pointwise.hpp"
-#include "kernels/half_convert.hpp"
 #include "kernels/kernels.hpp"
 
 namespace coshard::modules::detail {
@@ -21,48 +20,12 @@ namespace {
 
 using async::Stream;
 
-// The optimizer's element-wise kernels split across cores in chunks of whole grains (a chunk
-// below this is not worth a hand-off), each grain whole blocks of the gradient norm's sum.
-constexpr std::int64_t kSumBlock = 4096;
-constexpr std::int64_t kParallelGrain = 64 * kSumBlock;
-
 Result<void> check_ids(const std::int32_t* ids, std::int64_t n, std::int64_t limit, const char* what) {
   for (std::int64_t i = 0; i < n; ++i) {
     if (ids[i] < 0 || ids[i] >= limit)
       return fail(ErrorCode::out_of_range, what, "[", i, "]=", ids[i], ": expected an id in [0, ", limit, ")");
   }
   return {};
-}
-
-// f32/f64/bf16/f16 element access for the optimizer and casts. bf16/f16 round to nearest even,
-// as the CUDA conversions do, from the f32 value (a double is rounded to f32 first: the values
-// stored this way are f32 masters).
-inline double load(DataType dt, const void* p, std::int64_t i) {
-  switch (dt) {
-    case DataType::f64: return static_cast<const double*>(p)[i];
-    case DataType::bf16: return async::bf16_to_float(static_cast<const std::uint16_t*>(p)[i]);
-    case DataType::f16: return async::f16_to_float(static_cast<const std::uint16_t*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
-  }
-}
-inline void store(DataType dt, void* p, std::int64_t i, double v) {
-  switch (dt) {
-    case DataType::f64: static_cast<double*>(p)[i] = v; break;
-    case DataType::bf16: static_cast<std::uint16_t*>(p)[i] = async::float_to_bf16(static_cast<float>(v)); break;
-    case DataType::f16: static_cast<std::uint16_t*>(p)[i] = async::float_to_f16(static_cast<float>(v)); break;
-    default: static_cast<float*>(p)[i] = static_cast<float>(v);
-  }
-}
-
-// The clip-and-unscale factor for this step's gradients (the step kernels skip when 0 means inf).
-inline float grad_factor(const StepState& st, float max_grad_norm) {
-  const float inv_scale = 1.0f / st.loss_scale;
-  float factor = inv_scale;
-  if (max_grad_norm > 0) {
-    const float norm = std::sqrt(st.grad_sumsq) * inv_scale;
-    if (norm > max_grad_norm) factor *= max_grad_norm / (norm + 1e-6f);
-  }
-  return factor;
 }
 
 class CpuKernels final : public Kernels {
@@ -375,139 +338,39 @@ class CpuKernels final : public Kernels {
     });
   }
 
-  Result<void> step_begin(Stream& s, StepState* state) const override {
-    return s.launch([state] {
-      state->grad_sumsq = 0;
-      state->found_inf = 0;
-    });
-  }
+  // The optimizer's kernels (optimizer.cpp), once their dtypes are checked.
+  Result<void> step_begin(Stream& s, StepState* state) const override { return cpu::step_begin(s, state); }
 
   Result<void> grad_stats(Stream& s, DataType gdt, const void* grad, std::int64_t n,
                           StepState* state) const override {
     COSHARD_TRY(check_dtype(gdt));
-    return s.launch([=] {
-      // f32 partial sums in blocks of 4096 (vectorised; the blocks split across cores), added up
-      // in f64 in block order: fixed, so the norm is the same every run and on any core count.
-      auto sum_squares = [n](const auto* g) {
-        std::vector<float> parts(static_cast<std::size_t>((n + kSumBlock - 1) / kSumBlock));
-        parallel_for(n, kParallelGrain, [&](std::int64_t first, std::int64_t last) {
-          for (std::int64_t begin = first; begin < last; begin += kSumBlock) {
-            const std::int64_t end = std::min(last, begin + kSumBlock);
-            float part = 0;
-            for (std::int64_t i = begin; i < end; ++i) part += static_cast<float>(g[i]) * static_cast<float>(g[i]);
-            parts[static_cast<std::size_t>(begin / kSumBlock)] = part;
-          }
-        });
-        double total = 0;
-        for (const float part : parts) total += part;
-        return total;
-      };
-      double sumsq = 0;
-      with_grad(gdt, grad, n, [&](const auto* g) { sumsq = sum_squares(g); });
-      if (!std::isfinite(sumsq)) state->found_inf = 1;
-      state->grad_sumsq += static_cast<float>(sumsq);
-    });
+    return cpu::grad_stats(s, gdt, grad, n, state);
   }
 
   Result<void> adamw(Stream& s, float* master, DataType gdt, const void* grad, float* m, float* v, DataType pdt,
                      void* param_out, std::int64_t n, const AdamArgs& a, const StepState* state) const override {
     COSHARD_TRY(check_dtype(gdt));
     if (param_out) COSHARD_TRY(check_dtype(pdt));
-    return s.launch([=] {
-      if (state->found_inf > 0) return;
-      const float factor = grad_factor(*state, a.max_grad_norm);
-      const int t = state->step + 1 - a.steps_missed;
-      const float bc1 = 1.0f - std::pow(a.beta1, static_cast<float>(t));
-      const float bc2 = 1.0f - std::pow(a.beta2, static_cast<float>(t));
-      const float decay = 1.0f - a.lr * a.weight_decay;
-      // One tight loop per gradient type, so that it vectorises; element-wise, so the chunks
-      // across cores change no bit.
-      auto update = [&](const auto* g) {
-        const float b1 = a.beta1, b2 = a.beta2, lr = a.lr, eps = a.eps;
-        const float inv_bc1 = 1.0f / bc1, inv_bc2 = 1.0f / bc2;
-        parallel_for(n, kParallelGrain, [&](std::int64_t begin, std::int64_t end) {
-          for (std::int64_t i = begin; i < end; ++i) {
-            const float gi = static_cast<float>(g[i]) * factor;
-            const float mi = b1 * m[i] + (1.0f - b1) * gi;
-            const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
-            m[i] = mi;
-            v[i] = vi;
-            master[i] = master[i] * decay - lr * (mi * inv_bc1) / (std::sqrt(vi * inv_bc2) + eps);
-          }
-          if (param_out) store_range(pdt, param_out, master, begin, end);
-        });
-      };
-      with_grad(gdt, grad, n, update);
-    });
+    return cpu::adamw(s, master, gdt, grad, m, v, pdt, param_out, n, a, state);
   }
 
   Result<void> sgd(Stream& s, float* master, DataType gdt, const void* grad, float* buf, DataType pdt,
                    void* param_out, std::int64_t n, const SgdArgs& a, const StepState* state) const override {
     COSHARD_TRY(check_dtype(gdt));
     if (param_out) COSHARD_TRY(check_dtype(pdt));
-    return s.launch([=] {
-      if (state->found_inf > 0) return;
-      const float factor = grad_factor(*state, a.max_grad_norm);
-      const bool first = state->step == 0;
-      parallel_for(n, kParallelGrain, [&](std::int64_t begin, std::int64_t end) {
-        for (std::int64_t i = begin; i < end; ++i) {
-          float g = static_cast<float>(load(gdt, grad, i)) * factor + a.weight_decay * master[i];
-          if (a.momentum != 0.0f) {
-            buf[i] = first ? g : a.momentum * buf[i] + g;
-            g = a.nesterov ? g + a.momentum * buf[i] : buf[i];
-          }
-          master[i] -= a.lr * g;
-          if (param_out) store(pdt, param_out, i, master[i]);
-        }
-      });
-    });
+    return cpu::sgd(s, master, gdt, grad, buf, pdt, param_out, n, a, state);
   }
 
   Result<void> step_end(Stream& s, StepState* state, const LossScaleArgs& a) const override {
-    return s.launch([=] {
-      StepState& st = *state;
-      st.last_grad_norm = std::sqrt(st.grad_sumsq) / st.loss_scale;
-      st.last_skipped = st.found_inf > 0 ? 1 : 0;
-      if (st.found_inf > 0) {
-        ++st.skipped_steps;
-        st.good_steps = 0;
-        if (a.dynamic) st.loss_scale = std::max(a.min_scale, st.loss_scale * a.backoff_factor);
-        return;
-      }
-      ++st.step;
-      if (a.dynamic && ++st.good_steps >= a.growth_interval) {
-        st.loss_scale = std::min(a.max_scale, st.loss_scale * a.growth_factor);
-        st.good_steps = 0;
-      }
-    });
+    return cpu::step_end(s, state, a);
   }
 
  private:
-  // Elements [begin, end) of the updated masters into the parameters (one loop per type, so that
-  // it vectorises).
-  static void store_range(DataType pdt, void* out, const float* master, std::int64_t begin, std::int64_t end) {
-    if (is_half(pdt))
-      narrow_half(pdt, master + begin, static_cast<std::uint16_t*>(out) + begin, static_cast<std::size_t>(end - begin));
-    else
-      for (std::int64_t i = begin; i < end; ++i) store(pdt, out, i, master[i]);
-  }
   Result<void> check_dtype(DataType dt) const {
     if (!supports(dt))
       return fail(ErrorCode::unsupported, "dtype ", async::to_string(dt),
                   ": the CPU kernels serve f32, f64, bf16 and f16");
     return {};
-  }
-  // `fn` on the gradients as f64 or f32 (bf16/f16 widened to an f32 copy first).
-  template <class Fn>
-  static void with_grad(DataType gdt, const void* grad, std::int64_t n, Fn&& fn) {
-    if (gdt == DataType::f64) {
-      fn(static_cast<const double*>(grad));
-    } else if (is_half(gdt)) {
-      Operands<float> io(gdt);
-      fn(io.in(grad, n));
-    } else {
-      fn(static_cast<const float*>(grad));
-    }
   }
   // `fn` on the operands in the type the kernel computes in (f64, else f32); bf16/f16 outputs
   // are rounded back when it returns.

@@ -1,5 +1,6 @@
 // The CPU kernels' operands (private): bf16 and f16 tensors widened into f32 copies for the
-// kernel and rounded back once when it is done; f32 and f64 tensors used in place.
+// kernel and rounded back once when it is done; f32 and f64 tensors used in place; and single
+// elements of any of the four dtypes read and written through f64 (load, store).
 #pragma once
 
 #include <algorithm>
@@ -14,6 +15,26 @@
 namespace coshard::modules::detail {
 
 inline bool is_half(DataType dt) noexcept { return dt == DataType::bf16 || dt == DataType::f16; }
+
+// f32/f64/bf16/f16 element access for the optimizer and casts. bf16/f16 round to nearest even,
+// as the CUDA conversions do, from the f32 value (a double is rounded to f32 first: the values
+// stored this way are f32 masters).
+inline double load(DataType dt, const void* p, std::int64_t i) {
+  switch (dt) {
+    case DataType::f64: return static_cast<const double*>(p)[i];
+    case DataType::bf16: return async::bf16_to_float(static_cast<const std::uint16_t*>(p)[i]);
+    case DataType::f16: return async::f16_to_float(static_cast<const std::uint16_t*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+inline void store(DataType dt, void* p, std::int64_t i, double v) {
+  switch (dt) {
+    case DataType::f64: static_cast<double*>(p)[i] = v; break;
+    case DataType::bf16: static_cast<std::uint16_t*>(p)[i] = async::float_to_bf16(static_cast<float>(v)); break;
+    case DataType::f16: static_cast<std::uint16_t*>(p)[i] = async::float_to_f16(static_cast<float>(v)); break;
+    default: static_cast<float*>(p)[i] = static_cast<float>(v);
+  }
+}
 
 // The operands of one kernel in the type it computes in. f32 and f64 kernels work on the
 // tensors themselves; bf16 and f16 ones on f32 copies, whose outputs are rounded back once (to

@@ -1,5 +1,5 @@
 // The CUDA kernels' launchers, callable from C++23 host code. nvcc compiles C++20 at most, so
-// this header (and kernels.cu) include nothing of coshard's but the plain kernel_args.hpp.
+// this header (and the .cu files) include nothing of coshard's but the plain kernel_args.hpp.
 // Each launcher enqueues on `stream` (a cudaStream_t) and returns the cudaError_t of the launch
 // as an int. `dt` is collectives::DataType's value: 0 f32, 1 f64, 2 f16, 3 bf16 (f64 is refused).
 // Element math is f32 for every dtype (bf16/f16 load to f32 and round on store).
@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "../kernel_args.hpp"
+#include "kernels/kernel_args.hpp"
 
 namespace coshard::modules::cuda {
 
