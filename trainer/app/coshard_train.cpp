@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <new>
+#include <optional>
 #include <string>
 
 #include "coshard/async/folder_lock.hpp"
@@ -39,32 +40,21 @@
 namespace {
 
 using namespace coshard;
+using train_app::Options;
 using trainer::TrainerConfig;
 
-}  // namespace
+// A refusal of the run as asked, naming the values: exit status 2.
+int usage(const std::string& m) {
+  std::fprintf(stderr, "coshard-train: %s\n", m.c_str());
+  return 2;
+}
 
-static int run_main(int argc, char** argv) {
-  train_app::Options o;
-  if (auto done = train_app::parse_command_line(argc, argv, o)) return *done;
+// Cross-option checks: the launcher's world, the batch sizes, the model's heads, the checkpoint folder.
+std::optional<int> check_options_together(Options& o, bool processes, int world) {
   const TrainerConfig& c = o.train;
-  // Cross-option checks, each naming the values.
-  auto usage = [](const std::string& m) {
-    std::fprintf(stderr, "coshard-train: %s\n", m.c_str());
-    return 2;
-  };
-  const auto launch = collectives::read_launch_env();
-  if (!launch) return usage(launch.error().message());
-  o.launch = *launch;
-  if (o.print_config)  // (one rank of several under a launcher: parse_command_line left it here)
-    return train_app::finish_early_under_launcher(o, train_app::LaunchMode::print_config, [&] {
-      if (o.launch.rank == 0) std::printf("%s\n", trainer::settings_json(o.train).c_str());
-      return 0;
-    });
-  const bool processes = o.launch.launcher != collectives::Launcher::none;
   if (processes && o.world_size_given && o.world_size != o.launch.world_size)
     return usage("--world-size " + std::to_string(o.world_size) + ": this process is " + o.launch.describe() +
                  ", whose world is " + std::to_string(o.launch.world_size) + " (leave --world-size out under a launcher)");
-  const int world = processes ? o.launch.world_size : o.world_size;
   // DeepSpeed's batch sizes, if the config gives any, against each other and --batch.
   const bool config_batch = c.train_batch_size > 0 || c.train_micro_batch_size_per_gpu > 0;
   const auto batch = c.check_batch(world, o.batch_given || !config_batch ? o.batch : 0);
@@ -85,15 +75,14 @@ static int run_main(int argc, char** argv) {
   if ((o.resume || o.checkpoint_every > 0) && o.checkpoint_dir.empty())
     return usage("--resume and --checkpoint-every need --checkpoint-dir");
   if (o.start_over && o.checkpoint_dir.empty()) return usage("--start-over needs --checkpoint-dir");
+  return std::nullopt;
+}
 
-  // Memory: what every rank will hold, against the machine (before anything is allocated or
-  // created: --estimate leaves no folder behind).
-  train_app::RunShape shape;
-  // The vocabulary: the data's (bytes 256, the synthetic task's --vocab, a token file's --vocab),
-  // unless the model fixes it (a Llama preset, or --vocab): then token files are read against it
-  // and other data must fit inside it.
+// The vocabulary: the data's (bytes 256, the synthetic task's --vocab, a token file's --vocab),
+// unless the model fixes it (a Llama preset, or --vocab): then token files are read against it
+// and other data must fit inside it. `vocab_of_bytes`: a --vocab that bytes would replace.
+std::optional<int> settle_vocabulary(Options& o, std::int64_t& vocab_of_bytes) {
   bool bytes = false;
-  std::int64_t vocab_of_bytes = 0;  // a --vocab that bytes would replace
   if (!o.data.empty()) {
     const auto read_as_bytes = train_app::data_read_as_bytes(o, o.data_files, "--data");
     if (!read_as_bytes) return usage(read_as_bytes.error().message());
@@ -122,7 +111,12 @@ static int run_main(int argc, char** argv) {
     if (bytes) o.vocab = 256;
     o.model.set_vocab(o.vocab);
   }
-  // A prompt the model can embed (checked now, not after the training it follows).
+  return std::nullopt;
+}
+
+// A prompt the model can embed, and a sample the model has positions for (checked now, not
+// after the training it follows).
+std::optional<int> check_sample_fits(const Options& o) {
   for (std::size_t i = 0; i < o.prompt.size(); ++i)
     if (o.prompt[i] >= o.model.vocab())
       return usage(std::string(o.prompt_is_text ? "--prompt: token " : "--prompt-ids: token ") + std::to_string(i) +
@@ -139,6 +133,14 @@ static int run_main(int argc, char** argv) {
                    " positions, and the GPT has " + std::to_string(o.model.gpt.max_seq) +
                    " (--seq): a shorter prompt, fewer --sample-tokens, or a longer --seq");
   }
+  return std::nullopt;
+}
+
+// Memory: what every rank will hold, against the machine (before anything is allocated or
+// created: --estimate leaves no folder behind). An exit status for --estimate's report too.
+std::optional<int> check_memory(Options& o, bool processes, int world) {
+  const TrainerConfig& c = o.train;
+  train_app::RunShape shape;
   shape.model = o.model;
   shape.batch = o.batch;
   shape.seq = o.seq;
@@ -173,8 +175,11 @@ static int run_main(int argc, char** argv) {
     return report();
   }
   if (!fits && c.check_memory) return usage(fits.error().message() + " (coshard-train --estimate shows each item; --skip-memory-check trains anyway)");
-  // Every path, before anything is built or trained.
-  train_app::RunPaths paths;
+  return std::nullopt;
+}
+
+// The files the run reads.
+std::optional<int> add_input_paths(const Options& o, train_app::RunPaths& paths) {
   for (const auto& file : o.data_files) paths.inputs.push_back({"--data", file.string()});
   for (const auto& file : o.val_files) paths.inputs.push_back({"--val-data", file.string()});
   if (!o.config.empty()) paths.inputs.push_back({"--config", o.config});
@@ -190,6 +195,12 @@ static int run_main(int argc, char** argv) {
   if (!o.adapter.empty())  // (the files it reads: an output onto or around them would overwrite them)
     for (const std::string_view name : {zero::kPeftConfigName, zero::kPeftWeightsName})
       paths.inputs.push_back({"--adapter", std::filesystem::path(o.adapter) / name});
+  return std::nullopt;
+}
+
+// The files and folders the run writes.
+void add_output_paths(const Options& o, train_app::RunPaths& paths) {
+  const TrainerConfig& c = o.train;
   if (!o.metrics.empty()) paths.output_files.push_back({"--metrics", o.metrics});
   if (!o.trace.empty()) paths.output_files.push_back({"--trace", o.trace});
   if (o.export_is_folder) paths.output_folders.push_back({"--export", o.export_path});
@@ -203,6 +214,14 @@ static int run_main(int argc, char** argv) {
   if (c.offload_params.device == trainer::OffloadDevice::nvme && !c.offload_params.nvme_path.empty() &&
       c.offload_params.nvme_path != c.offload_optimizer.nvme_path)
     paths.output_folders.push_back({"--offload-params nvme", c.offload_params.nvme_path});
+}
+
+// Every path, before anything is built or trained; --init's files fingerprinted (every rank must
+// load the same).
+std::optional<int> check_paths(Options& o) {
+  train_app::RunPaths paths;
+  if (auto done = add_input_paths(o, paths)) return done;
+  add_output_paths(o, paths);
   if (auto ok = train_app::check_run_paths(paths); !ok) return usage(ok.error().message());
   for (const auto& input : paths.inputs) {
     if (input.role != "--init") continue;
@@ -210,25 +229,53 @@ static int run_main(int argc, char** argv) {
     if (!fingerprint) return usage("--init: " + fingerprint.error().message());
     o.init_fingerprint += (o.init_fingerprint.empty() ? "" : "; ") + *fingerprint;
   }
+  return std::nullopt;
+}
+
+// Rank 0 claims the checkpoint folder for the whole run (held in `lock`) before it removes or
+// reads anything there: a second run on the same folder (--start-over, or a second --resume) is
+// refused by name while this one lives, instead of removing its checkpoints under it.
+std::optional<int> claim_checkpoint_folder(const Options& o, async::FolderLock& lock) {
+  if (o.checkpoint_dir.empty()) return std::nullopt;
+  if (o.launch.rank == 0) {
+    auto claimed = async::FolderLock::claim(o.checkpoint_dir, "--checkpoint-dir", "coshard-train rank 0",
+                                            async::FolderLock::Sharing::process);
+    if (!claimed) return usage(claimed.error().message());
+    lock = std::move(*claimed);
+  }
+  if (auto ok = train_app::prepare_checkpoint_folder(o.checkpoint_dir, o.resume, o.start_over, o.launch.rank == 0); !ok)
+    return usage(ok.error().message());
+  return std::nullopt;
+}
+
+}  // namespace
+
+static int run_main(int argc, char** argv) {
+  Options o;
+  if (auto done = train_app::parse_command_line(argc, argv, o)) return *done;
+  const auto launch = collectives::read_launch_env();
+  if (!launch) return usage(launch.error().message());
+  o.launch = *launch;
+  if (o.print_config)  // (one rank of several under a launcher: parse_command_line left it here)
+    return train_app::finish_early_under_launcher(o, train_app::LaunchMode::print_config, [&] {
+      if (o.launch.rank == 0) std::printf("%s\n", trainer::settings_json(o.train).c_str());
+      return 0;
+    });
+  const bool processes = o.launch.launcher != collectives::Launcher::none;
+  const int world = processes ? o.launch.world_size : o.world_size;
+  if (auto done = check_options_together(o, processes, world)) return *done;
+  std::int64_t vocab_of_bytes = 0;
+  if (auto done = settle_vocabulary(o, vocab_of_bytes)) return *done;
+  if (auto done = check_sample_fits(o)) return *done;
+  if (auto done = check_memory(o, processes, world)) return *done;
+  if (auto done = check_paths(o)) return *done;
   if (vocab_of_bytes != 0)
     return usage("--vocab " + std::to_string(vocab_of_bytes) + " with --data " + o.data +
                  " read as bytes: bytes are a vocabulary of 256 (leave --vocab out, or --data-format u16/u32 for a "
                  "file of token ids)");
   if (!o.flight_recorder.empty()) collectives::set_flight_recorder_dir(o.flight_recorder);
-  // Rank 0 claims the checkpoint folder for the whole run before it removes or reads anything
-  // there: a second run on the same folder (--start-over, or a second --resume) is refused by
-  // name while this one lives, instead of removing its checkpoints under it.
-  async::FolderLock checkpoint_lock;
-  if (!o.checkpoint_dir.empty() && o.launch.rank == 0) {
-    auto claimed = async::FolderLock::claim(o.checkpoint_dir, "--checkpoint-dir", "coshard-train rank 0",
-                                            async::FolderLock::Sharing::process);
-    if (!claimed) return usage(claimed.error().message());
-    checkpoint_lock = std::move(*claimed);
-  }
-  if (!o.checkpoint_dir.empty()) {
-    if (auto ok = train_app::prepare_checkpoint_folder(o.checkpoint_dir, o.resume, o.start_over, o.launch.rank == 0); !ok)
-      return usage(ok.error().message());
-  }
+  async::FolderLock checkpoint_lock;  // (held until the run ends)
+  if (auto done = claim_checkpoint_folder(o, checkpoint_lock)) return *done;
   train_app::install_stop_handlers(static_cast<unsigned>(o.stop_timeout_s), o.flight_recorder.empty());
   return train_app::run_ranks(o);
 }

@@ -58,6 +58,125 @@ void report_rank_failure(int rank, const char* what, const std::exception& e, Re
 // the machine could not give (memory, a thread), as for the same failure later in the run.
 int setup_failure_status(const Error& e) { return e.code() == ErrorCode::out_of_memory ? 1 : 2; }
 
+// One rank per process: started by a launcher, or one rank asked of NCCL or MPI.
+bool one_rank_per_process(const Options& o, collectives::Backend backend) {
+  const bool processes = o.launch.launcher != collectives::Launcher::none;
+  return processes || backend == collectives::Backend::nccl || backend == collectives::Backend::mpi ||
+         (o.device == "cuda" && o.world_size == 1 && backend != collectives::Backend::local);
+}
+
+// One process per rank: NCCL on a GPU, MPI on the CPU, or Local for a single CPU rank. An exit
+// status when its communicator cannot be made or cannot serve the run as asked.
+std::optional<int> run_process_rank(const Options& o, collectives::Backend backend, const trainer::TokenSource& data,
+                                    const trainer::TokenSource* val, Shared& shared) {
+  log::set_thread_rank(o.launch.rank);
+  async::Runtime rt;
+  auto comm = collectives::communicator_from_env(rt, process_communicator_options(o, backend));
+  if (!comm) {
+    std::fprintf(stderr, "coshard-train: rank %d: %s\n", o.launch.rank, comm.error().message().c_str());
+    return setup_failure_status(comm.error());
+  }
+  if (launched_with_others(o)) {  // (every rank knows every other trains, before any collective of the run)
+    auto agreed = rt.block_on(agree_on_launch_mode(**comm, LaunchMode::train));
+    if (!agreed) {
+      std::fprintf(stderr, "coshard-train: rank %d: %s\n", o.launch.rank, agreed.error().message().c_str());
+      return 2;
+    }
+  }
+  if (!(*comm)->stream().device().is_cuda() && o.device == "cuda") {
+    std::fprintf(stderr, "coshard-train: --device cuda: the %s backend here moves host memory (no CUDA device or no "
+                 "NCCL in this build, or --backend %s)\n", std::string((*comm)->backend()).c_str(), o.backend.c_str());
+    return 2;
+  }
+  std::optional<FlightDumps> dumps;
+  if (!o.flight_recorder.empty()) {
+    dumps.emplace(o.flight_recorder, std::vector<const collectives::Communicator*>{comm->get()}, (*comm)->size());
+    shared.flight = &*dumps;
+  }
+  auto done = rt.block_on(run_rank(o, **comm, data, val, shared, false));
+  if (!done) {
+    shared.error((*comm)->rank(), done.error().message());
+    (*comm)->abort(done.error().message());
+  }
+  return std::nullopt;
+}
+
+// Ranks as threads: on the CPU, or sharing GPU 0 (the Local backend on device memory). An exit
+// status when their communicators cannot be made.
+std::optional<int> run_thread_ranks(const Options& o, const trainer::TokenSource& data, const trainer::TokenSource* val,
+                                    Shared& shared) {
+  const auto timeout = std::chrono::milliseconds(static_cast<std::int64_t>(o.collective_timeout_s * 1000.0));
+  const async::Device device = o.device == "cuda" ? async::Device::cuda(0) : async::Device::cpu();
+  collectives::LocalOptions local{.device = device};
+  if (timeout.count() > 0) local.timeout = timeout;
+  auto comms = collectives::make_local_communicators(o.world_size, local);
+  if (!comms) {
+    std::fprintf(stderr, "coshard-train: %s\n", comms.error().message().c_str());
+    return setup_failure_status(comms.error());
+  }
+  // One epoch for every rank's timeline (CPU streams share steady_clock; the streams of one
+  // GPU share its clock). Never waited for: it passes at once, long before any timing is read.
+  auto clock = async::Stream::create(device, {.name = "clock"});
+  if (clock) {
+    if (auto epoch = clock->record_timed()) shared.epoch = *epoch;
+  }
+  std::optional<FlightDumps> dumps;
+  if (!o.flight_recorder.empty()) {
+    std::vector<const collectives::Communicator*> all;
+    for (const auto& c : *comms) all.push_back(c.get());
+    dumps.emplace(o.flight_recorder, std::move(all), o.world_size);
+    shared.flight = &*dumps;
+  }
+  std::vector<std::thread> threads;
+  // A rank that fails, even to start, aborts its communicator: the others stop at once,
+  // naming it, instead of waiting out the collective timeout for it.
+  auto rank_failed = [&](int r, const std::string& message) {
+    shared.error(r, message);
+    (*comms)[static_cast<std::size_t>(r)]->abort(message);
+  };
+  for (int r = 0; r < o.world_size; ++r) {
+    try {
+      threads.emplace_back([&, r] {
+        try {
+          log::set_thread_rank(r);  // this thread's lines, and its runtime's, name the rank
+          async::Runtime rt;
+          auto done = rt.block_on(run_rank(o, *(*comms)[static_cast<std::size_t>(r)], data, val, shared, true));
+          if (!done) rank_failed(r, done.error().message());
+        } catch (const std::exception& e) {  // the runtime's own thread could not start, say
+          report_rank_failure(r, "cannot run: ", e, rank_failed);
+        }
+      });
+    } catch (const std::exception& e) {
+      report_rank_failure(r, "cannot start its thread: ", e, rank_failed);
+    }
+  }
+  for (auto& t : threads) t.join();
+  return std::nullopt;
+}
+
+// The run's exit status, said: the ranks' errors (with the flight recorder's diagnosis), or the
+// step a stop signal ended the run after.
+int report_outcome(const Options& o, const Shared& shared) {
+  if (!shared.errors.empty()) {
+    std::fflush(stdout);
+    for (const auto& e : shared.errors) std::fprintf(stderr, "coshard-train: %s\n", e.c_str());
+    // What the communicators wrote as they failed (rank 0 of processes reads the shared folder).
+    const bool processes = o.launch.launcher != collectives::Launcher::none;
+    if (!o.flight_recorder.empty() && o.launch.rank == 0)
+      print_flight_diagnosis(o.flight_recorder, processes ? o.launch.world_size : o.world_size);
+    return 1;
+  }
+  if (const int sig = stop_signal(); sig != 0 && shared.stopped_after >= 0) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "coshard-train: stopped by %s after step %lld%s%s\n", signal_name(sig),
+                 static_cast<long long>(shared.stopped_after.load()),
+                 o.checkpoint_dir.empty() ? " (no --checkpoint-dir: nothing saved)" : "; its checkpoint is published",
+                 o.export_path.empty() ? "" : "; --export skipped (training did not finish)");
+    return 128 + sig;
+  }
+  return 0;
+}
+
 }  // namespace
 
 int run_ranks(const Options& o) {
@@ -75,118 +194,22 @@ int run_ranks(const Options& o) {
     std::fprintf(stderr, "coshard-train: --backend: %s\n", backend.error().message().c_str());
     return 2;
   }
-  // One rank per process: started by a launcher, or one rank asked of NCCL or MPI.
-  const bool one_rank_per_process = processes || *backend == collectives::Backend::nccl ||
-                                    *backend == collectives::Backend::mpi ||
-                                    (o.device == "cuda" && o.world_size == 1 && *backend != collectives::Backend::local);
-  if (!processes && one_rank_per_process && o.world_size != 1) {
+  const bool one_rank = one_rank_per_process(o, *backend);
+  if (!processes && one_rank && o.world_size != 1) {
     std::fprintf(stderr,
                  "coshard-train: --backend %s with --world-size %d: ranks as threads of one process use the Local "
                  "backend; start %d processes instead (mpirun -np %d coshard-train ...)\n",
                  o.backend.c_str(), o.world_size, o.world_size, o.world_size);
     return 2;
   }
-  const auto timeout = std::chrono::milliseconds(static_cast<std::int64_t>(o.collective_timeout_s * 1000.0));
   // Ranks share the cores of a machine: each gets its share of BLAS threads, not all of them.
   modules::set_cpu_math_threads(o.blas_threads > 0 ? o.blas_threads
                                                    : modules::default_cpu_math_threads(processes ? o.launch.local_size
                                                                                                  : o.world_size));
-  if (one_rank_per_process) {
-    // One process per rank: NCCL on a GPU, MPI on the CPU, or Local for a single CPU rank.
-    log::set_thread_rank(o.launch.rank);
-    async::Runtime rt;
-    auto comm = collectives::communicator_from_env(rt, process_communicator_options(o, *backend));
-    if (!comm) {
-      std::fprintf(stderr, "coshard-train: rank %d: %s\n", o.launch.rank, comm.error().message().c_str());
-      return setup_failure_status(comm.error());
-    }
-    if (launched_with_others(o)) {  // (every rank knows every other trains, before any collective of the run)
-      auto agreed = rt.block_on(agree_on_launch_mode(**comm, LaunchMode::train));
-      if (!agreed) {
-        std::fprintf(stderr, "coshard-train: rank %d: %s\n", o.launch.rank, agreed.error().message().c_str());
-        return 2;
-      }
-    }
-    if (!(*comm)->stream().device().is_cuda() && o.device == "cuda") {
-      std::fprintf(stderr, "coshard-train: --device cuda: the %s backend here moves host memory (no CUDA device or no "
-                   "NCCL in this build, or --backend %s)\n", std::string((*comm)->backend()).c_str(), o.backend.c_str());
-      return 2;
-    }
-    std::optional<FlightDumps> dumps;
-    if (!o.flight_recorder.empty()) {
-      dumps.emplace(o.flight_recorder, std::vector<const collectives::Communicator*>{comm->get()}, (*comm)->size());
-      shared.flight = &*dumps;
-    }
-    auto done = rt.block_on(run_rank(o, **comm, *data, val.get(), shared, false));
-    if (!done) {
-      shared.error((*comm)->rank(), done.error().message());
-      (*comm)->abort(done.error().message());
-    }
-  } else {
-    // Ranks as threads: on the CPU, or sharing GPU 0 (the Local backend on device memory).
-    const async::Device device = o.device == "cuda" ? async::Device::cuda(0) : async::Device::cpu();
-    collectives::LocalOptions local{.device = device};
-    if (timeout.count() > 0) local.timeout = timeout;
-    auto comms = collectives::make_local_communicators(o.world_size, local);
-    if (!comms) {
-      std::fprintf(stderr, "coshard-train: %s\n", comms.error().message().c_str());
-      return setup_failure_status(comms.error());
-    }
-    // One epoch for every rank's timeline (CPU streams share steady_clock; the streams of one
-    // GPU share its clock). Never waited for: it passes at once, long before any timing is read.
-    auto clock = async::Stream::create(device, {.name = "clock"});
-    if (clock) {
-      if (auto epoch = clock->record_timed()) shared.epoch = *epoch;
-    }
-    std::optional<FlightDumps> dumps;
-    if (!o.flight_recorder.empty()) {
-      std::vector<const collectives::Communicator*> all;
-      for (const auto& c : *comms) all.push_back(c.get());
-      dumps.emplace(o.flight_recorder, std::move(all), o.world_size);
-      shared.flight = &*dumps;
-    }
-    std::vector<std::thread> threads;
-    // A rank that fails, even to start, aborts its communicator: the others stop at once,
-    // naming it, instead of waiting out the collective timeout for it.
-    auto rank_failed = [&](int r, const std::string& message) {
-      shared.error(r, message);
-      (*comms)[static_cast<std::size_t>(r)]->abort(message);
-    };
-    for (int r = 0; r < o.world_size; ++r) {
-      try {
-        threads.emplace_back([&, r] {
-          try {
-            log::set_thread_rank(r);  // this thread's lines, and its runtime's, name the rank
-            async::Runtime rt;
-            auto done = rt.block_on(run_rank(o, *(*comms)[static_cast<std::size_t>(r)], *data, val.get(), shared, true));
-            if (!done) rank_failed(r, done.error().message());
-          } catch (const std::exception& e) {  // the runtime's own thread could not start, say
-            report_rank_failure(r, "cannot run: ", e, rank_failed);
-          }
-        });
-      } catch (const std::exception& e) {
-        report_rank_failure(r, "cannot start its thread: ", e, rank_failed);
-      }
-    }
-    for (auto& t : threads) t.join();
-  }
-  if (!shared.errors.empty()) {
-    std::fflush(stdout);
-    for (const auto& e : shared.errors) std::fprintf(stderr, "coshard-train: %s\n", e.c_str());
-    // What the communicators wrote as they failed (rank 0 of processes reads the shared folder).
-    if (!o.flight_recorder.empty() && o.launch.rank == 0)
-      print_flight_diagnosis(o.flight_recorder, processes ? o.launch.world_size : o.world_size);
-    return 1;
-  }
-  if (const int sig = stop_signal(); sig != 0 && shared.stopped_after >= 0) {
-    std::fflush(stdout);
-    std::fprintf(stderr, "coshard-train: stopped by %s after step %lld%s%s\n", signal_name(sig),
-                 static_cast<long long>(shared.stopped_after.load()),
-                 o.checkpoint_dir.empty() ? " (no --checkpoint-dir: nothing saved)" : "; its checkpoint is published",
-                 o.export_path.empty() ? "" : "; --export skipped (training did not finish)");
-    return 128 + sig;
-  }
-  return 0;
+  const std::optional<int> failed = one_rank ? run_process_rank(o, *backend, *data, val.get(), shared)
+                                             : run_thread_ranks(o, *data, val.get(), shared);
+  if (failed) return *failed;
+  return report_outcome(o, shared);
 }
 
 }  // namespace coshard::train_app
