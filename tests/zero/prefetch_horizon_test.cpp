@@ -6,7 +6,7 @@
 #include <numeric>
 #include <vector>
 
-#include "prefetch_horizon.hpp"
+#include "schedule/prefetch_horizon.hpp"
 
 namespace coshard::zero::detail {
 namespace {

@@ -1,10 +1,10 @@
 // Tensor parallelism in the engine's files (EngineOptions::tensor_parallel): a rank's parameters
 // are its parts of the split ones (modules::Parameter::split). Exports and loads deal in whole
 // parameters: these put the parts together over the tensor group, and cut whole values back into
-// this rank's parts; checkpoints keep one folder per tensor rank. Private: not installed.
+// this rank's parts. (Checkpoints keep one folder per tensor rank: checkpoint/tensor_folders.hpp.)
+// Private: not installed.
 #pragma once
 
-#include <filesystem>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -30,18 +30,5 @@ async::Task<Result<std::vector<GatheredParameter>>> whole_parameters(
 Result<std::vector<GatheredParameter>> parts_of_whole(const std::unordered_map<std::string, const Parameter*>& parameters,
                                                       std::vector<GatheredParameter> whole, DataType dtype,
                                                       std::string_view what);
-
-// Where this rank's checkpoints live under `dir`: dir itself, or dir/tensor-<t>-of-<T>.
-std::filesystem::path tensor_checkpoint_dir(const std::filesystem::path& dir, const EngineOptions& o);
-// The folders a load from `dir` reads: one tensor size's checkpoints, a folder per tensor rank of
-// that size (`dir` itself at size 1). Of the sizes saved there (tensor-*-of-N folders; `latest`
-// or a manifest in `dir` itself for size 1), the one whose newest step is the latest, this run's
-// own size on a tie: a run resumed at another size and saving at its own goes on from its own.
-struct SavedTensorLayout {
-  int size = 1;
-  std::vector<std::filesystem::path> dirs;  // [t]: tensor rank t's
-};
-// A `latest` there that names no checkpoint folder is refused, naming it.
-Result<SavedTensorLayout> saved_tensor_layout(const std::filesystem::path& dir, int tensor);
 
 }  // namespace coshard::zero::detail
