@@ -80,7 +80,75 @@ class RuntimeImpl {
   std::unique_ptr<asio::thread_pool> pool;
 
   std::thread thread;
+
+  // The reactor loop's steps (reactor thread only; Runtime::Runtime runs them).
+  void take_remote();                            // the other threads' wake-ups, into `local`
+  std::size_t resume_local(std::size_t budget);  // at most `budget` tasks resumed; their count
+  bool park(bool poller_pending);                // asleep until woken; false: a wake-up came first
 };
+
+void RuntimeImpl::take_remote() {
+  if (!remote.pending.load(std::memory_order_acquire)) return;
+  std::lock_guard lock(remote.lock);
+  if (local_head == local.size()) {  // the usual case: a swap, nothing allocated
+    local.clear();
+    local_head = 0;
+    std::swap(local, remote.queue);
+    remote.pending.store(false, std::memory_order_relaxed);
+  } else {
+    try {
+      local.insert(local.end(), remote.queue.begin(), remote.queue.end());
+      remote.queue.clear();
+      remote.pending.store(false, std::memory_order_relaxed);
+    } catch (const std::bad_alloc&) {
+      // Left pending: swapped in once the local queue has run dry.
+    }
+  }
+}
+
+std::size_t RuntimeImpl::resume_local(std::size_t budget) {
+  std::size_t resumed = 0;
+  while (local_head < local.size() && resumed < budget) {
+    std::coroutine_handle<> h = local[local_head++];
+    h.resume();
+    ++resumed;
+  }
+  if (local_head == local.size()) {
+    local.clear();
+    local_head = 0;
+  } else if (local_head > 4096 && local_head * 2 > local.size()) {
+    local.erase(local.begin(), local.begin() + static_cast<std::ptrdiff_t>(local_head));
+    local_head = 0;
+  }
+  return resumed;
+}
+
+bool RuntimeImpl::park(bool poller_pending) {
+  remote.sleeping.store(true, std::memory_order_seq_cst);
+  if (remote.pending.load(std::memory_order_seq_cst) || stop.load(std::memory_order_acquire)) {
+    remote.sleeping.store(false, std::memory_order_relaxed);
+    return false;
+  }
+  if (!wake_armed) {
+    try {
+      wake.async_wait(asio::posix::stream_descriptor::wait_read, [this](const std::error_code& ec) {
+        wake_armed = false;
+        eventfd_t count = 0;
+        if (!ec) (void)::eventfd_read(wake.native_handle(), &count);
+      });
+      wake_armed = true;
+    } catch (const std::bad_alloc&) {
+      // No memory to arm it: park in short naps instead.
+    }
+  }
+  if (poller_pending || !wake_armed) {
+    io.run_one_for(std::chrono::microseconds(50));
+  } else {
+    io.run_one();
+  }
+  remote.sleeping.store(false, std::memory_order_relaxed);
+  return true;
+}
 
 }  // namespace detail
 
@@ -105,37 +173,8 @@ Runtime::Runtime(RuntimeOptions options) : impl_(std::make_unique<detail::Runtim
     while (!s.stop.load(std::memory_order_acquire)) {
       bool did_work = false;
 
-      if (s.remote.pending.load(std::memory_order_acquire)) {
-        std::lock_guard lock(s.remote.lock);
-        if (s.local_head == s.local.size()) {  // the usual case: a swap, nothing allocated
-          s.local.clear();
-          s.local_head = 0;
-          std::swap(s.local, s.remote.queue);
-          s.remote.pending.store(false, std::memory_order_relaxed);
-        } else {
-          try {
-            s.local.insert(s.local.end(), s.remote.queue.begin(), s.remote.queue.end());
-            s.remote.queue.clear();
-            s.remote.pending.store(false, std::memory_order_relaxed);
-          } catch (const std::bad_alloc&) {
-            // Left pending: swapped in once the local queue has run dry.
-          }
-        }
-      }
-
-      std::size_t resumed = 0;
-      while (s.local_head < s.local.size() && resumed < budget) {
-        std::coroutine_handle<> h = s.local[s.local_head++];
-        h.resume();
-        ++resumed;
-      }
-      if (s.local_head == s.local.size()) {
-        s.local.clear();
-        s.local_head = 0;
-      } else if (s.local_head > 4096 && s.local_head * 2 > s.local.size()) {
-        s.local.erase(s.local.begin(), s.local.begin() + static_cast<std::ptrdiff_t>(s.local_head));
-        s.local_head = 0;
-      }
+      s.take_remote();
+      const std::size_t resumed = s.resume_local(budget);
       did_work |= resumed > 0;
       resumed_since_io += resumed;
 
@@ -169,31 +208,8 @@ Runtime::Runtime(RuntimeOptions options) : impl_(std::make_unique<detail::Runtim
         continue;
       }
 
-      s.remote.sleeping.store(true, std::memory_order_seq_cst);
-      if (s.remote.pending.load(std::memory_order_seq_cst) ||
-          s.stop.load(std::memory_order_acquire)) {
-        s.remote.sleeping.store(false, std::memory_order_relaxed);
-        continue;
-      }
-      if (!s.wake_armed) {
-        try {
-          s.wake.async_wait(asio::posix::stream_descriptor::wait_read, [&s](const std::error_code& ec) {
-            s.wake_armed = false;
-            eventfd_t count = 0;
-            if (!ec) (void)::eventfd_read(s.wake.native_handle(), &count);
-          });
-          s.wake_armed = true;
-        } catch (const std::bad_alloc&) {
-          // No memory to arm it: park in short naps instead.
-        }
-      }
-      if (poller_pending || !s.wake_armed) {
-        s.io.run_one_for(std::chrono::microseconds(50));
-      } else {
-        s.io.run_one();
-      }
+      if (!s.park(poller_pending)) continue;
       last_io_poll = std::chrono::steady_clock::now();
-      s.remote.sleeping.store(false, std::memory_order_relaxed);
       spinning = false;
     }
     t_current = nullptr;
