@@ -1,4 +1,4 @@
-// The trainer's settings, each declared once (settings.cpp's table): its name (the TrainerConfig
+// The trainer's settings, each declared once (settings_table.cpp): its name (the TrainerConfig
 // field, and the config file's own key), kind, range, help, coshard-train flag, DeepSpeed key,
 // and where it lands (a field of TrainerConfig, most of them EngineOptions' own); its default is
 // the field's. Made from the table: coshard-train's options (their help and defaults included),
