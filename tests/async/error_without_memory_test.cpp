@@ -5,6 +5,8 @@
 // wake-up, a block's release. Its own binary: it replaces the global operator new.
 #include <gtest/gtest.h>
 
+#include "support/sanitizers.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
@@ -23,7 +25,7 @@ namespace {
 thread_local bool g_out_of_memory = false;
 }  // namespace
 
-#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+#if !defined(COSHARD_TEST_ASAN) && !defined(COSHARD_TEST_TSAN)
 void* operator new(std::size_t n) {
   if (g_out_of_memory) throw std::bad_alloc();
   if (void* p = std::malloc(n == 0 ? 1 : n)) return p;

@@ -2,6 +2,8 @@
 // UniqueFunction (the move-only callable of stream launches, inline for small closures).
 #include <gtest/gtest.h>
 
+#include "support/sanitizers.hpp"
+
 #include <memory>
 #include <string>
 
@@ -82,7 +84,7 @@ TEST(Result, MovesOnlyValuesAndConvertsThem) {
   EXPECT_EQ(*copy, "xxx");
 }
 
-#if !defined(__SANITIZE_THREAD__)
+#if !defined(COSHARD_TEST_TSAN)
 TEST(ResultDeathTest, ValueOfAnErrorAbortsNamingIt) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_DEATH((void)twice("").value(), "Result::value\\(\\) on an error: value '': expected digits");

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include "support/sanitizers.hpp"
+
 #include <stdexcept>
 
 #include "coshard/async/runtime.hpp"
@@ -35,7 +37,7 @@ Task<int> depth(int n) {
 
 // Symmetric transfer is a tail call only in optimised builds; sanitizers also keep a shadow stack
 // of at most 65,536 frames. There, the chain is shallower and checks correctness only.
-#if defined(__OPTIMIZE__) && !defined(__SANITIZE_THREAD__) && !defined(__SANITIZE_ADDRESS__)
+#if defined(__OPTIMIZE__) && !defined(COSHARD_TEST_TSAN) && !defined(COSHARD_TEST_ASAN)
 constexpr int kChainDepth = 1'000'000;
 #else
 constexpr int kChainDepth = 1'000;

@@ -2,6 +2,8 @@
 // asserting the outcome, an exit status below 128, and what must not be lost.
 #include <gtest/gtest.h>
 
+#include "support/sanitizers.hpp"
+
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -43,8 +45,12 @@ TEST(HardeningFour, APartlyFrozenUnitsCheckpointSavesAndResumesAtAnotherLayout) 
       {{"--world-size", "2", "--zero-stage", "3", "--dtype", "bf16"}, {"--world-size", "3", "--zero-stage", "3", "--dtype", "bf16"}},
       {{"--world-size", "4", "--zero-stage", "3", "--shard-group-size", "2"}, {"--world-size", "2", "--zero-stage", "2"}},
   };
+  // Under a sanitizer each layout runs once, the two freezes taking turns (30 runs took 54 s under
+  // TSan): the same code, each layout and each freeze seen.
   for (const std::string freeze : {"embed.wte", "*.bias"}) {
-    for (const auto& l : layouts) {
+    for (std::size_t n = 0; n < layouts.size(); ++n) {
+      if (kSanitized && n % 2 != (freeze == "*.bias" ? 1u : 0u)) continue;  // embed.wte: layouts 0, 2, 4; *.bias: 1, 3
+      const Layout& l = layouts[n];
       std::string name = "--freeze " + freeze;
       for (const auto& a : l.save) name += " " + a;
       SCOPED_TRACE(name);
@@ -258,7 +264,7 @@ TEST(HardeningFour, HugeValuesAreEchoedCut) {
 // exited (OpenBLAS's exit handler waited on a worker); a SIGTERM during a --steps 0 sample waited
 // out --stop-timeout with nothing to save.
 TEST(HardeningFour, ARefusalUnderAnAddressSpaceLimitEndsAndASampleStopsAtOnce) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if defined(COSHARD_TEST_ASAN) || defined(COSHARD_TEST_TSAN)
   GTEST_SKIP() << "the sanitizers reserve more address space than the limit this test sets";
 #else
   // Limits from above the refusal's own peak down, 4 MiB apart, until the libraries no longer

@@ -3,6 +3,8 @@
 // not name as an output as it was.
 #include <gtest/gtest.h>
 
+#include "support/sanitizers.hpp"
+
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -277,7 +279,7 @@ TEST(Hardening, TwoRunsNeverShareAnOffloadFolder) {
 // bytes asked for, and the teardown after it is safe (it was a segfault in ~Optimizer with the
 // optimizer offloaded, and in the model's ~Tensor with the parameters on NVMe).
 TEST(Hardening, OutOfMemoryAtSetupIsAnErrorNotACrash) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if defined(COSHARD_TEST_ASAN) || defined(COSHARD_TEST_TSAN)
   GTEST_SKIP() << "the sanitizers reserve more address space than the limit this test sets";
 #else
   const fs::path dir = scratch("hard_oom");

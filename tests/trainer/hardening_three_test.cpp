@@ -2,6 +2,8 @@
 // asserting the named error, an exit status below 128, the inputs unchanged, and a time bound.
 #include <gtest/gtest.h>
 
+#include "support/sanitizers.hpp"
+
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -169,7 +171,7 @@ TEST(HardeningThree, NonFiniteWeightsStopTheRunAndAreNeverExported) {
 // forever inside cblas_sgemm (SIGTERM unheard). Now every limit ends the run: trained (0) or a
 // named error (1), never a hang or a signal; some limits fail on OpenBLAS's buffers by name.
 TEST(HardeningThree, AnAddressSpaceLimitEndsTheRunWithANamedErrorNeverAHang) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if defined(COSHARD_TEST_ASAN) || defined(COSHARD_TEST_TSAN)
   GTEST_SKIP() << "the sanitizers reserve more address space than the limits this test sets";
 #else
   const fs::path dir = scratch("hard3_address_limit");
