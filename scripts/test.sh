@@ -4,9 +4,9 @@
 #   build/test  normal build (CUDA compiled when the toolkit is found; CUDA tests skip without a
 #               GPU), every test: unit, examples, header checks, install package
 #   build/tsan  ThreadSanitizer: the runtime, streams, collectives, the ZeRO engine and the trainer (labels async|collectives|engine|trainer)
-#   build/asan  AddressSanitizer + UBSan: everything else (and the runtime again)
-#   build/fuzz  libFuzzer (clang 19) on every parser of outside input, 30 s each from the seed
-#               corpus in tests/fuzz/corpus (new inputs stay in the build folder)
+#   build/asan  AddressSanitizer + UBSan, clang 19: every test, and libFuzzer on every parser of
+#               outside input, 30 s each from the seed corpus in tests/fuzz/corpus (new inputs stay
+#               in the build folder); one compile of the libraries serves both (COSHARD_FUZZ)
 # Sanitizer builds leave CUDA off: the sanitizers do not see into the CUDA driver. They compile at
 # -O1 -g1, leave the header checks to build/test, and the TSan build builds only the tests it runs.
 # Every build goes through ccache when it is installed (scripts/ccache.sh): a second clone of the
@@ -19,7 +19,17 @@ source scripts/ccache.sh
 jobs=$(nproc)
 passed=0 failed=0 skipped=0
 started=$(date +%s)
-stage_rows=()
+stage_rows=() slowest_rows=()
+
+# CPU seconds (user + system) of every finished child so far: wall time depends on what else the
+# machine runs; this hardly does.
+# (`times` runs in this shell, not in a $(...) subshell, whose children are its own.)
+times_file=$(mktemp)
+trap 'rm -f "$times_file"' EXIT
+children_cpu() {
+  times >"$times_file"
+  cpu=$(tail -n 1 "$times_file" | awk '{ split($1, u, /[ms]/); split($2, k, /[ms]/); printf "%d", u[1] * 60 + u[2] + k[1] * 60 + k[2] }')
+}
 
 # The ten slowest tests of a ctest log, "seconds name", slowest first.
 slowest_tests() {
@@ -30,11 +40,11 @@ slowest_tests() {
 configure_build_test() {
   local dir=$1 labels=$2
   shift 2
-  local t0 t1 t2
-  t0=$(date +%s)
+  local t0 t1 t2 c0 c1 c2
+  t0=$(date +%s); children_cpu; c0=$cpu
   cmake -S . -B "$dir" -G Ninja -DCOSHARD_BUILD_BENCH=OFF "${coshard_launcher_args[@]}" "$@" >/dev/null
   cmake --build "$dir" -j "$jobs"
-  t1=$(date +%s)
+  t1=$(date +%s); children_cpu; c1=$cpu
   local label_args=()
   [ -n "$labels" ] && label_args=(-L "$labels")
   ctest --test-dir "$dir" --output-on-failure -j "$jobs" "${label_args[@]}" | tee "$dir/ctest.log"
@@ -45,10 +55,9 @@ configure_build_test() {
   total=$(sed -E 's/.* ([0-9]+) tests failed out of ([0-9]+).*/\2/' <<<"$summary")
   skip=$(grep -c '\*\*\*Skipped' "$dir/ctest.log" || true)
   passed=$((passed + total - bad - skip)) failed=$((failed + bad)) skipped=$((skipped + skip))
-  t2=$(date +%s)
-  stage_rows+=("$(printf '%-11s %7d s %7d s %6d' "$dir" $((t1 - t0)) $((t2 - t1)) "$total")")
-  echo "== $dir: the ten slowest tests (seconds) =="
-  slowest_tests "$dir/ctest.log"
+  t2=$(date +%s); children_cpu; c2=$cpu
+  stage_rows+=("$(printf '%-11s %7d s %7d s %9d s %9d s %6d' "$dir" $((t1 - t0)) $((t2 - t1)) $((c1 - c0)) $((c2 - c1)) "$total")")
+  slowest_rows+=("== $dir: the ten slowest tests (seconds) ==" "$(slowest_tests "$dir/ctest.log")")
 }
 
 echo "== build/test: all tests =="
@@ -58,16 +67,18 @@ TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" \
   configure_build_test build/tsan "async|collectives|engine|trainer" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCOSHARD_SANITIZE=thread -DCOSHARD_CUDA=OFF -DCOSHARD_HEADER_CHECKS=OFF \
   "-DCOSHARD_TEST_LABELS=async;collectives;engine;trainer"
-echo "== build/asan: AddressSanitizer + UBSan (everything) =="
+echo "== build/asan: AddressSanitizer + UBSan (everything) and the libFuzzer targets (clang 19) =="
+# (build/asan was GCC's until clang's build took the fuzzers in: a folder configured with GCC starts over)
+if [ -f build/asan/CMakeCache.txt ] && ! grep -q '^CMAKE_CXX_COMPILER:FILEPATH=.*clang++-19$' build/asan/CMakeCache.txt; then
+  rm -rf build/asan/CMakeCache.txt build/asan/CMakeFiles
+fi
 ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" \
-  configure_build_test build/asan "" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DCOSHARD_SANITIZE=address -DCOSHARD_CUDA=OFF -DCOSHARD_HEADER_CHECKS=OFF
-echo "== build/fuzz: libFuzzer + ASan + UBSan on the parsers (clang 19) =="
-CC=clang-19 CXX=clang++-19 configure_build_test build/fuzz "fuzz" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DCOSHARD_SANITIZE=fuzz -DCOSHARD_CUDA=OFF -DCOSHARD_FUZZ_SECONDS=30 -DCOSHARD_HEADER_CHECKS=OFF
+  CC=clang-19 CXX=clang++-19 configure_build_test build/asan "" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DCOSHARD_SANITIZE=address -DCOSHARD_FUZZ=ON -DCOSHARD_FUZZ_SECONDS=30 -DCOSHARD_CUDA=OFF -DCOSHARD_HEADER_CHECKS=OFF
 echo "== all test builds passed =="
-echo "== the clock: each build's configure + compile, and its tests (wall seconds) =="
-printf '%-11s %9s %9s %6s\n' build compile tests count
+echo "== the clock: each build's configure + compile and its tests, wall and CPU seconds (user + system) =="
+printf '%-11s %9s %9s %11s %11s %6s\n' build compile tests "compile CPU" "tests CPU" count
 printf '%s\n' "${stage_rows[@]}"
 echo "total: $(( $(date +%s) - started )) s"
+printf '%s\n' "${slowest_rows[@]}"
 echo "coshard: $passed passed, $failed failed, $skipped skipped"
