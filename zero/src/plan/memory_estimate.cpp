@@ -96,7 +96,7 @@ MemoryEstimate detail::estimate_for_units(std::span<const FetchUnitInfo> units, 
                                           std::size_t optimizer_states) {
   const std::size_t e = size_of(o.dtype);
   // (trained_*: the units that train; a frozen unit has no gradient, master or state)
-  std::size_t whole = 0, shards_f32 = 0, largest_unit = 0, largest_padded = 0;
+  std::size_t whole = 0, largest_unit = 0, largest_padded = 0;
   std::size_t trained_whole = 0, trained_f32 = 0, largest_trained = 0, frozen_f32 = 0;
   std::size_t shards_on_device = 0, units_on_device = 0, largest_trained_f32 = 0;
   // With the optimizer offloaded and a device budget: the units stepped on the device all the
@@ -109,7 +109,6 @@ MemoryEstimate detail::estimate_for_units(std::span<const FetchUnitInfo> units, 
       shards_on_device += static_cast<std::size_t>(u.shard) * e;
       ++units_on_device;
     }
-    shards_f32 += static_cast<std::size_t>(u.shard) * sizeof(float);
     largest_unit = std::max(largest_unit, u.padded_bytes);
     largest_padded = std::max(largest_padded, static_cast<std::size_t>(u.padded));
     if (u.frozen) {
