@@ -24,7 +24,7 @@ cd "$source_dir"
 # Binaries keep their paths (tests name helper programs by absolute path); debug info stripped.
 while IFS= read -r f; do
   mkdir -p "$stage/$(dirname "$f")"
-  if file -b "$f" | grep -q ELF; then strip --strip-debug -o "$stage/$f" "$f"; else cp "$f" "$stage/$f"; fi
+  if file -b "$f" | grep ELF >/dev/null; then strip --strip-debug -o "$stage/$f" "$f"; else cp "$f" "$stage/$f"; fi
 done < <(find $(for b in $builds; do realpath --relative-to="$source_dir" "$b"; done) -type f \( -perm -u+x -o -name '*.cmake' -o -name 'CTestTestfile.cmake' \) \
            -not -path '*/CMakeFiles/*' -not -name '*.so*' -not -name '*.a' | grep -v '_deps' )
 # Libraries outside glibc and the CUDA toolkit (which the image has). cuBLAS, cuBLASLt, NCCL and
@@ -36,7 +36,7 @@ echo "$source_dir" >"$stage/.device/source_dir"
 sed -n 's/^_Python3_EXECUTABLE:INTERNAL=//p' "$test_build/CMakeCache.txt" >"$stage/.device/python"
 sed -n 's/^CMAKE_COMMAND:INTERNAL=//p' "$test_build/CMakeCache.txt" >"$stage/.device/cmake"
 for bin in $(find "$stage" -type f -perm -u+x); do
-  file -b "$bin" | grep -q ELF || continue
+  file -b "$bin" | grep ELF >/dev/null || continue
   ldd "$bin" 2>/dev/null | awk '/=> \//{print $3}'
 done | sort -u | grep -Ev '/(libc|libm|libdl|librt|libpthread|libgcc_s|libstdc\+\+)\.so|/usr/local/cuda' |
   while IFS= read -r lib; do cp -L "$lib" "$stage/.device/lib/"; done

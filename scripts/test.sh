@@ -31,10 +31,12 @@ children_cpu() {
   cpu=$(tail -n 1 "$times_file" | awk '{ split($1, u, /[ms]/); split($2, k, /[ms]/); printf "%d", u[1] * 60 + u[2] + k[1] * 60 + k[2] }')
 }
 
-# The ten slowest tests of a ctest log, "seconds name", slowest first.
+# The ten slowest tests of a ctest log, "seconds name", slowest first. (sed -n reads all of sort's
+# output: `head` would leave sort writing into a closed pipe, and under pipefail that SIGPIPE
+# (exit 141) ended a CI run whose every test had passed.)
 slowest_tests() {
   sed -nE 's/^.*Test +#[0-9]+: ([^ ]+) [.* ]+(Passed|\*\*\*Skipped|\*\*\*Failed[^0-9]*|[^0-9]*)[ ]+([0-9.]+) sec.*$/\3 \1/p' "$1" |
-    sort -rn | head -n 10
+    sort -rn | sed -n '1,10p'
 }
 
 configure_build_test() {
