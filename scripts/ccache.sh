@@ -14,6 +14,9 @@ if [ "${COSHARD_CCACHE:-1}" != 0 ] && command -v ccache >/dev/null 2>&1; then
   export CCACHE_BASEDIR="$PWD"
   export CCACHE_NOHASHDIR=true
   export CCACHE_MAXSIZE="${COSHARD_CCACHE_SIZE:-8G}"
+  # The test programs' precompiled header (tests/CMakeLists.txt): without these ccache compiles
+  # every file that uses one, and caches none of them.
+  export CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
   # The cache's own bound, written to its configuration so a plain `ccache` call honours it too.
   ccache --max-size "$CCACHE_MAXSIZE" >/dev/null 2>&1 || true
   coshard_launcher_args=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache

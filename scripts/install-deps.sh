@@ -12,6 +12,7 @@ packages=(
   iproute2 util-linux  # the simulated cluster of the tests (scripts/netns_cluster.sh: ip, tc, unshare)
   libgtest-dev libgmock-dev libbenchmark-dev
   clang-19 libclang-rt-19-dev
+  lld lld-19  # CI's builds link with lld (scripts/test.sh): GNU ld took five times as long
   python3
 )
 
