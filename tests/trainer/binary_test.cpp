@@ -20,6 +20,7 @@
 #include <thread>
 
 #include "binary_harness.hpp"
+#include "support/sanitizers.hpp"
 
 namespace {
 
@@ -253,6 +254,9 @@ TEST(CoshardTrain, TheChunkedCrossEntropyGivesTheWholeLogitsLossesWithLessMemory
     SCOPED_TRACE(name);
     std::map<std::string, std::vector<nlohmann::json>> rows;
     for (const std::string kind : {"whole", "chunked", "auto"}) {
+      // auto's choice (whole here, bit for bit) is a selection, no code of its own: not under a
+      // sanitizer, where each of these runs takes some seconds.
+      if (kSanitized && kind == "auto") continue;
       const fs::path metrics = dir / (std::string(name) + "-" + kind + ".jsonl");
       std::vector<std::string> args = with(base, {"--cross-entropy", kind, "--cross-entropy-chunk-mib", "1", "--metrics",
                                                   metrics.string()});
@@ -270,7 +274,7 @@ TEST(CoshardTrain, TheChunkedCrossEntropyGivesTheWholeLogitsLossesWithLessMemory
     for (std::size_t i = 0; i < 6; ++i) {
       const double whole = rows["whole"][i]["loss"].get<double>(), chunked = rows["chunked"][i]["loss"].get<double>();
       EXPECT_NEAR(chunked, whole, 1e-5 * whole) << "step " << i;
-      EXPECT_EQ(rows["auto"][i]["loss"], rows["whole"][i]["loss"]) << "step " << i;
+      if (!kSanitized) EXPECT_EQ(rows["auto"][i]["loss"], rows["whole"][i]["loss"]) << "step " << i;
       if (rows["whole"][i].contains("val_loss")) {
         const double v = rows["whole"][i]["val_loss"].get<double>();
         EXPECT_NEAR(rows["chunked"][i]["val_loss"].get<double>(), v, 1e-5 * v) << "step " << i;

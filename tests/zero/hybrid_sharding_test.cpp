@@ -23,6 +23,7 @@
 #include "../support/on_ranks.hpp"
 #include "../support/rank_engine.hpp"
 #include "../support/regression_mlp.hpp"
+#include "../support/sanitizers.hpp"
 
 namespace coshard::zero {
 namespace {
@@ -196,10 +197,13 @@ void train_against_full(const RunPlan& hybrid, RunResult& got, RunResult& want) 
 TEST(HybridSharding, LossesAndParametersMatchFullShardingAtEveryStage) {
   std::vector<RunPlan> cases;
   for (int stage = 1; stage <= 3; ++stage) {
-    cases.push_back({.world = 4, .stage = stage, .shard_group_size = 2});
-    cases.push_back({.world = 6, .stage = stage, .shard_group_size = 2});
-    cases.push_back({.world = 6, .stage = stage, .shard_group_size = 3});
-    cases.push_back({.world = 4, .stage = stage, .micro_batches = 3, .shard_group_size = 2});
+    // Under a sanitizer two of these four a stage, alternating: each layout still runs, at one or
+    // two stages (the special cases below keep their own).
+    const bool odd = stage % 2 == 1, all = !coshard::testing::kSanitized;
+    if (all || odd) cases.push_back({.world = 4, .stage = stage, .shard_group_size = 2});
+    if (all || !odd) cases.push_back({.world = 6, .stage = stage, .shard_group_size = 2});
+    if (all || odd) cases.push_back({.world = 6, .stage = stage, .shard_group_size = 3});
+    if (all || !odd) cases.push_back({.world = 4, .stage = stage, .micro_batches = 3, .shard_group_size = 2});
   }
   cases.push_back({.world = 6, .stage = 3, .shard_group_size = 3, .fetch = FetchMode::all_reduce});
   cases.push_back({.world = 4, .stage = 3, .shard_group_size = 1});
