@@ -5,7 +5,7 @@
 #               GPU), every test: unit, examples, header checks, install package, the house rules
 #   build/tsan  ThreadSanitizer: the runtime, streams, collectives, the ZeRO engine and the trainer (labels async|collectives|engine|trainer)
 #   build/asan  AddressSanitizer + UBSan, clang 19: every test, and libFuzzer on every parser of
-#               outside input, 15 s each from the seeds in tests/fuzz/corpus and the inputs earlier
+#               outside input, 10 s each from the seeds in tests/fuzz/corpus and the inputs earlier
 #               fuzzing found in tests/fuzz/found (new inputs stay in the build folder); one compile
 #               of the libraries serves both (COSHARD_FUZZ)
 # Sanitizer builds leave CUDA off: the sanitizers do not see into the CUDA driver. They compile at
@@ -86,7 +86,7 @@ if [ -f build/asan/CMakeCache.txt ] && ! grep -q '^CMAKE_CXX_COMPILER:FILEPATH=.
 fi
 ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" \
   CC=clang-19 CXX=clang++-19 configure_build_test build/asan "" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DCOSHARD_SANITIZE=address -DCOSHARD_FUZZ=ON -DCOSHARD_FUZZ_SECONDS=15 -DCOSHARD_CUDA=OFF -DCOSHARD_HEADER_CHECKS=OFF
+  -DCOSHARD_SANITIZE=address -DCOSHARD_FUZZ=ON -DCOSHARD_FUZZ_SECONDS=10 -DCOSHARD_CUDA=OFF -DCOSHARD_HEADER_CHECKS=OFF
 echo "== all test builds passed =="
 echo "== the clock: each build's configure + compile and its tests, wall and CPU seconds (user + system) =="
 printf '%-11s %9s %9s %11s %11s %6s\n' build compile tests "compile CPU" "tests CPU" count
