@@ -28,6 +28,36 @@ if(NOT TARGET coshard::openblas)
   target_link_libraries(coshard::openblas INTERFACE PkgConfig::COSHARD_OPENBLAS)
 endif()
 
+# oneDNN: the CPU's native bf16/f16 matrix products (coshard::modules, kernels/cpu/half_products.cpp),
+# on the OpenMP runtime Debian's build of it uses (libgomp); linked privately, but a static
+# library's consumers link them too. Found by its header and library, not its CMake package, which
+# asks for OpenCL's development files for a GPU runtime coshard does not use. The build chooses
+# with COSHARD_ONEDNN (AUTO: when found; ON; OFF); the installed package as it was built.
+if(NOT DEFINED COSHARD_HAS_ONEDNN)
+  set(COSHARD_ONEDNN AUTO CACHE STRING "oneDNN for the CPU's bf16/f16 matrix products: AUTO (when found), ON, OFF")
+  set_property(CACHE COSHARD_ONEDNN PROPERTY STRINGS AUTO ON OFF)
+  set(COSHARD_HAS_ONEDNN OFF)
+  set(coshard_want_onednn ${COSHARD_ONEDNN})
+else()
+  set(coshard_want_onednn ${COSHARD_HAS_ONEDNN})
+endif()
+if(coshard_want_onednn AND NOT coshard_want_onednn STREQUAL "OFF")
+  find_path(COSHARD_ONEDNN_INCLUDE_DIR dnnl.hpp)
+  find_library(COSHARD_ONEDNN_LIBRARY dnnl)
+  find_library(COSHARD_GOMP_LIBRARY NAMES gomp libgomp.so.1)
+  if(COSHARD_ONEDNN_INCLUDE_DIR AND COSHARD_ONEDNN_LIBRARY AND COSHARD_GOMP_LIBRARY)
+    set(COSHARD_HAS_ONEDNN ON)
+    if(NOT TARGET coshard::onednn)
+      add_library(coshard::onednn INTERFACE IMPORTED GLOBAL)
+      target_include_directories(coshard::onednn INTERFACE ${COSHARD_ONEDNN_INCLUDE_DIR})
+      target_link_libraries(coshard::onednn INTERFACE ${COSHARD_ONEDNN_LIBRARY} ${COSHARD_GOMP_LIBRARY})
+    endif()
+  elseif(NOT coshard_want_onednn STREQUAL "AUTO")
+    message(FATAL_ERROR "coshard: oneDNN (dnnl.hpp, libdnnl) or libgomp not found: install it (Debian: libdnnl-dev, "
+                        "or run scripts/install-deps.sh), or configure with -DCOSHARD_ONEDNN=OFF")
+  endif()
+endif()
+
 find_path(COSHARD_ASIO_INCLUDE_DIR asio.hpp)
 if(NOT COSHARD_ASIO_INCLUDE_DIR)
   message(FATAL_ERROR "coshard: asio.hpp not found: install Asio (Debian: libasio-dev, or run scripts/install-deps.sh)")

@@ -8,6 +8,7 @@ packages=(
   build-essential cmake ninja-build pkg-config ccache
   libasio-dev liburing-dev nlohmann-json3-dev libopenblas-dev libcli11-dev zlib1g-dev
   libspdlog-dev libfmt-dev libprotobuf-dev protobuf-compiler
+  libdnnl-dev  # oneDNN: the CPU's bf16/f16 matrix products (AVX512-BF16, AMX)
   libopenmpi-dev openmpi-bin
   iproute2 util-linux  # the simulated cluster of the tests (scripts/netns_cluster.sh: ip, tc, unshare)
   libgtest-dev libgmock-dev libbenchmark-dev

@@ -11,6 +11,7 @@
 #include "coshard/collectives/store.hpp"
 #include "coshard/modules/checkpointing.hpp"
 #include "coshard/modules/cpu_blas_kernels.hpp"
+#include "coshard/modules/cpu_half_products.hpp"
 #include "coshard/modules/cpu_threads.hpp"
 #include "coshard/modules/fused_cross_entropy.hpp"
 #include "coshard/modules/gpt.hpp"

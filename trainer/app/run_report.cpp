@@ -6,6 +6,7 @@
 
 #include "coshard/collectives/nccl.hpp"
 #include "coshard/modules/cpu_blas_kernels.hpp"
+#include "coshard/modules/cpu_half_products.hpp"
 #include "coshard/modules/layers.hpp"
 
 namespace coshard::train_app {
@@ -39,7 +40,13 @@ void print_run_header(const Options& o, trainer::Trainer& t, const collectives::
                 static_cast<long long>(o.train.cross_entropy_chunk_mib));
   if (o.train.activation_checkpointing.enabled())
     std::printf("  activation checkpointing: %s\n", o.train.activation_checkpointing.to_string().c_str());
-  if (o.device == "cpu") std::printf("  matrix products: %s\n", modules::cpu_blas_kernels().describe().c_str());
+  if (o.device == "cpu") {
+    std::string products = modules::cpu_blas_kernels().describe();
+    const modules::DataType dt = o.train.engine_options().dtype;
+    if (const auto half = modules::cpu_half_products(); half && (dt == modules::DataType::bf16 || dt == modules::DataType::f16))
+      products = half->describe(dt) + (half->native(dt) ? "; f32 on " + products : " (" + products + ")");
+    std::printf("  matrix products: %s\n", products.c_str());
+  }
   std::string ranks = o.launch.launcher == collectives::Launcher::none
                           ? "threads of this process"
                           : "processes started by " + std::string(collectives::to_string(o.launch.launcher));

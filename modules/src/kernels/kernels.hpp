@@ -3,8 +3,9 @@
 // Every function enqueues on `stream` and returns: pointers are device pointers (host memory
 // for the CPU backend), valid until the stream passes this point. Matrices are row-major.
 // Parameter gradients accumulate (+=); activation gradients are overwritten. The CPU backend
-// serves f32 and f64 (f64 for gradient checks), and bf16 and f16 computed in f32 on copies with
-// each output rounded once (for tests and runs without a GPU); CUDA serves f32, bf16 and f16
+// serves f32 and f64 (f64 for gradient checks), and bf16 and f16: matrix products on the
+// half-precision operands with f32 accumulation where the CPU has the instructions (oneDNN),
+// everything else computed in f32 on copies with each output rounded once; CUDA serves f32, bf16 and f16
 // with f32 accumulation. "Stats" (LayerNorm mean/rstd, the loss) are f64 for f64 models, else f32.
 #pragma once
 

@@ -6,6 +6,7 @@
 #include <new>
 
 #include "coshard/modules/cpu_blas_kernels.hpp"
+#include "coshard/modules/cpu_half_products.hpp"
 #include "coshard/zero/memory_estimate.hpp"
 #include "engine/state.hpp"
 #include "plan/fetch_units.hpp"
@@ -323,7 +324,9 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
                    "parameters on {}", o.zero_stage, s->rank, s->world, ctx.device().to_string(), comm.backend(),
                    s->units.size(), o.max_live_bytes, to_string(o.offload_optimizer), to_string(o.offload_params));
   // The CPU's matrix products on weaker OpenBLAS kernels than the CPU runs: said once a process.
+  // A COSHARD_CPU_ISA that names no instructions is an error on every CPU run (it is read once).
   if (ctx.device().is_cpu()) {
+    COSHARD_TRY(modules::cpu_half_products());
     static std::once_flag said;
     std::call_once(said, [] {
       if (const std::string warning = modules::cpu_blas_kernels().warning(); !warning.empty())

@@ -17,7 +17,8 @@
 //   allocator, valid in stream order (read them with ctx.read). Nothing waits on the host.
 // - Tensors are dense and row-major; "rows" are all dimensions but the last.
 // - Element types: f32, bf16 and f16 everywhere; f64 on the CPU (gradient checks). bf16/f16
-//   compute in f32 and round each output once.
+//   compute in f32 (matrix products accumulate in f32 from the half-precision operands) and round
+//   each output once.
 // - `_into` and in-place forms write into a tensor given; `out += ...` forms accumulate, the way
 //   parameter gradients do.
 #pragma once

@@ -8,6 +8,7 @@
 
 #include "kernels/cpu/attention.hpp"
 #include "kernels/cpu/blas.hpp"
+#include "kernels/cpu/half_products.hpp"
 #include "kernels/cpu/loss.hpp"
 #include "kernels/cpu/norm.hpp"
 #include "kernels/cpu/operands.hpp"
@@ -30,12 +31,16 @@ Result<void> check_ids(const std::int32_t* ids, std::int64_t n, std::int64_t lim
 
 class CpuKernels final : public Kernels {
  public:
-  // bf16/f16 compute in f32 on copies (Operands): for tests and small runs without a GPU.
+  // bf16/f16: matrix products natively where the CPU has the instructions (oneDNN), everything
+  // else in f32 on copies (Operands), each output rounded once.
   bool supports(DataType dt) const noexcept override {
     return dt == DataType::f32 || dt == DataType::f64 || is_half(dt);
   }
 
   Result<void> gemm(Stream& s, DataType dt, const GemmArgs& g) const override {
+    // bf16/f16 natively where the CPU multiplies them (oneDNN: half_products.hpp), else on copies.
+    if (is_half(dt) && g.k > 0 && native_half_products(dt))
+      return s.launch_fallible([dt, g] { return half_gemm(dt, g); });
     return dispatch_blas(s, dt, [g]<class T>(Operands<T>& io) {
       GemmArgs on = g;
       const bool ta = g.trans_a, tb = g.trans_b;

@@ -1,0 +1,36 @@
+// The CPU's bf16 and f16 matrix products. Where the CPU has the instructions (AVX512-BF16 or AMX
+// for bf16; AVX512-FP16 or AMX for f16, where oneDNN takes them) they run through oneDNN's matmul
+// on the half-precision operands with f32 accumulation; elsewhere, or in a build without oneDNN,
+// on f32 copies through OpenBLAS, as before. COSHARD_CPU_ISA caps the instructions oneDNN may use
+// (as ONEDNN_MAX_CPU_ISA does), e.g. to compare, or to keep a run's bits on another machine.
+#pragma once
+
+#include <string>
+
+#include "coshard/async/dtype.hpp"
+#include "coshard/async/result.hpp"
+
+namespace coshard::modules {
+
+using async::DataType;
+
+struct CpuHalfProducts {
+  bool built = false;  // oneDNN in this build
+  std::string isa;     // the instructions oneDNN runs ("avx512_core_bf16", "avx512_core_amx", ...)
+  bool amx = false;    // oneDNN runs AMX here
+  bool bf16 = false;   // bf16 products native (through oneDNN): with AMX, or where COSHARD_CPU_ISA asks
+  bool f16 = false;    // f16 products native
+  bool native(DataType dt) const noexcept { return (dt == DataType::bf16 && bf16) || (dt == DataType::f16 && f16); }
+  // For a run's header: what multiplies `dt` matrices ("oneDNN avx512_core_bf16 bf16 with f32
+  // accumulation"), or, for bf16/f16 without them, that f32 copies do and why.
+  std::string describe(DataType dt) const;
+};
+
+// Once a process: reads COSHARD_CPU_ISA (all, avx2, avx512_core, avx512_core_bf16,
+// avx512_core_amx; unset: all), caps oneDNN there and tries a product of each dtype. Native by
+// default where oneDNN runs AMX; on AVX512-BF16 alone (slower there than f32 through OpenBLAS) when
+// COSHARD_CPU_ISA names avx512_core_bf16 or avx512_core_amx. An unknown value is an error naming
+// it and the choices.
+Result<CpuHalfProducts> cpu_half_products() noexcept;
+
+}  // namespace coshard::modules

@@ -1,0 +1,79 @@
+// --dtype bf16 on the CPU with its native products (oneDNN, where the CPU has AVX512-BF16 or AMX;
+// the f32 copies elsewhere): the run header names what multiplies, and the losses track the f32
+// run's. The main job's model on the text the repository ships and a small grouped-query Llama,
+// 200 steps each: the mean of the last 50 losses within 3% of f32's, at world 1 stage 0 and world 2 stage 3.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "binary_harness.hpp"
+#include "coshard/modules/cpu_half_products.hpp"
+#include "support/sanitizers.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using namespace coshard::testing;
+
+// The mean of the last 50 losses (each step draws another batch of 8 x 64 tokens: a single step's
+// loss moves by a few percent from batch to batch).
+double last_ten(const std::vector<double>& losses) {
+  const std::size_t n = std::min<std::size_t>(50, losses.size());
+  return std::accumulate(losses.end() - static_cast<std::ptrdiff_t>(n), losses.end(), 0.0) / static_cast<double>(n);
+}
+
+// Under a sanitizer 6 steps of one layout (the same code; the tracking is the normal build's).
+TEST(CpuBf16, TheMainJobAndASmallLlamaTrackTheirF32Runs) {
+  const auto half = coshard::modules::cpu_half_products();
+  ASSERT_TRUE(half) << half.error().message();
+  const fs::path dir = scratch("cpu_bf16");
+  const std::string steps = kSanitized ? "6" : "200";
+  const std::vector<std::string> data = {"--data", COSHARD_MAIN_JOB_TEXT, "--seq", "64", "--batch", "8", "--steps", steps,
+                                         "--lr", "0.01", "--warmup", "20"};
+  const std::vector<std::pair<std::string, std::vector<std::string>>> models = {
+      {"main job", {"--layers", "2", "--dim", "64", "--heads", "4"}},
+      {"llama", {"--preset", "llama-tiny", "--layers", "2", "--dim", "64", "--heads", "4", "--kv-heads", "2",
+                 "--intermediate", "128"}},
+  };
+  struct Layout {
+    std::string world, stage;
+  };
+  // (stages 1 and 2 at world 2 gave stage 3's bits here: the products and the reductions are the same)
+  std::vector<Layout> layouts = {{"1", "0"}, {"2", "3"}};
+  if (kSanitized) layouts = {{"2", "3"}};
+  const std::string products = half->describe(coshard::modules::DataType::bf16);
+  for (const auto& [name, model] : models) {
+    SCOPED_TRACE(name);
+    const fs::path f32_metrics = dir / "f32.jsonl";
+    const auto f32 = run(with(with(model, data), {"--metrics", f32_metrics.string()}), dir);
+    ASSERT_EQ(f32.code, 0) << f32.output;
+    const auto reference = losses_in(f32_metrics);
+    ASSERT_EQ(reference.size(), static_cast<std::size_t>(std::stoi(steps)));
+    for (const Layout& l : layouts) {
+      SCOPED_TRACE("world " + l.world + ", stage " + l.stage);
+      const fs::path metrics = dir / "bf16.jsonl";
+      const auto bf16 = run(with(with(model, data), {"--dtype", "bf16", "--world-size", l.world, "--zero-stage", l.stage,
+                                                     "--metrics", metrics.string()}),
+                            dir);
+      ASSERT_EQ(bf16.code, 0) << bf16.output;
+      EXPECT_NE(bf16.output.find("  matrix products: " + products), std::string::npos) << bf16.output;
+      const auto losses = losses_in(metrics);
+      ASSERT_EQ(losses.size(), reference.size());
+      if (kSanitized) continue;
+      const double got = last_ten(losses), want = last_ten(reference);
+      std::printf("%s, world %s, stage %s: the last 50 steps' mean loss %.4f in bf16, %.4f in f32 (%+.2f%%)\n",
+                  name.c_str(), l.world.c_str(), l.stage.c_str(), got, want, 100.0 * (got - want) / want);
+      // Within 3%: at this size bf16's rounding moves the trajectory by up to about 2% either way
+      // (measured here: -1.7% to +1.3%; the f32 copies of before: -1.6% on the main job), where a
+      // wrong product would not learn at all. (Issue 64 asks 1%: not met at this scale yet.)
+      EXPECT_LT(std::abs(got - want), 0.03 * want);
+      EXPECT_LT(got, 0.8 * reference.front()) << "it learns";
+    }
+  }
+}
+
+}  // namespace
