@@ -15,6 +15,7 @@
 #include "coshard/modules/cpu_half_products.hpp"
 #include "coshard/modules/cpu_threads.hpp"
 #include "kernels/cpu/half_products.hpp"
+#include "kernels/cpu/thread_sanitizer.hpp"
 
 extern "C" void omp_set_num_threads(int threads);  // libgomp's: the runtime Debian's oneDNN runs on
 
@@ -22,17 +23,7 @@ namespace coshard::modules {
 
 namespace {
 
-#if defined(__SANITIZE_THREAD__)
-constexpr bool kThreadSanitizer = true;
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-constexpr bool kThreadSanitizer = true;
-#else
-constexpr bool kThreadSanitizer = false;
-#endif
-#else
-constexpr bool kThreadSanitizer = false;
-#endif
+using detail::kThreadSanitizer;
 
 using dnnl::memory;
 

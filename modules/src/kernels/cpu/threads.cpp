@@ -20,6 +20,7 @@
 
 #include "kernels/cpu/blas.hpp"
 #include "kernels/cpu/parallel.hpp"
+#include "kernels/cpu/thread_sanitizer.hpp"
 
 // OpenBLAS's own pool of buffers (exported; declared weak so that another BLAS still links):
 // blas_memory_alloc maps a free slot's buffer the first time the slot is taken, and keeps it.
@@ -30,17 +31,7 @@ namespace coshard::modules {
 
 namespace {
 
-#if defined(__SANITIZE_THREAD__)
-constexpr bool kThreadSanitizer = true;
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-constexpr bool kThreadSanitizer = true;
-#else
-constexpr bool kThreadSanitizer = false;
-#endif
-#else
-constexpr bool kThreadSanitizer = false;
-#endif
+using detail::kThreadSanitizer;
 
 // The setting (the element-wise pool splits by it); 0 until set: OpenBLAS's own count then.
 std::atomic<int> math_threads{0};
