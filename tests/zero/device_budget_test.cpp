@@ -71,7 +71,10 @@ struct Outcome {
 // checkpoint after the last step.
 Result<Outcome> train(EngineOptions o, const std::string& tag, float max_grad_norm = 0.5f, int first = 0, int count = 4,
                       const fs::path& load_from = {}, const fs::path& save_to = {}) {
-  const auto swap = fs::current_path() / "device_budget_scratch" / tag;
+  // Under the test's own name: ctest runs this file's tests side by side, and a swap folder is
+  // locked by the run that writes it.
+  const auto swap = fs::current_path() / "device_budget_scratch" /
+                    ::testing::UnitTest::GetInstance()->current_test_info()->name() / tag;
   Outcome out;
   const auto errors = ::coshard::testing::on_ranks(kWorld, [&](int r, collectives::Communicator& comm)
                                                                 -> async::Task<Result<void>> {
