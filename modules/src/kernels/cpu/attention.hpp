@@ -1,5 +1,7 @@
 // The CPU kernels of causal self-attention (private), grouped-query included: the scores and
-// their softmax materialised per head (B x H x T x T), the products through blas.hpp.
+// their softmax materialised per head (B x H x T x T), the products through blas.hpp (OpenBLAS
+// threads each), the softmax's rows split across the rank's math threads between them (each row
+// as one loop computes it).
 #pragma once
 
 #include <algorithm>
@@ -8,6 +10,7 @@
 #include <limits>
 
 #include "kernels/cpu/blas.hpp"
+#include "kernels/cpu/parallel.hpp"
 
 namespace coshard::modules::detail {
 
@@ -18,33 +21,38 @@ void attention_fwd(const T* qkv, T* out, T* probs, std::int64_t B, std::int64_t 
                    std::int64_t hd) {
   const std::int64_t W = (H + 2 * KVH) * hd, C = H * hd, group = H / KVH;
   const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(hd)));
+  // S = scale * Q K^T of every head (full square; the masked half is overwritten below).
   for (std::int64_t b = 0; b < B; ++b) {
     for (std::int64_t h = 0; h < H; ++h) {
       const T* row0 = qkv + b * T_ * W;
-      const T* q = row0 + h * hd;
-      const T* k = row0 + C + (h / group) * hd;
-      const T* v = row0 + C + KVH * hd + (h / group) * hd;
-      T* p = probs + (b * H + h) * T_ * T_;
-      // S = scale * Q K^T (full square; the masked half is overwritten below).
       GemmArgs g{.trans_a = false, .trans_b = true, .m = T_, .n = T_, .k = hd, .lda = W, .ldb = W,
                  .ldc = T_, .alpha = static_cast<float>(scale), .beta = 0.0f};
-      gemm_one<T>(g, q, k, p);
-      for (std::int64_t i = 0; i < T_; ++i) {
-        T* row = p + i * T_;
-        T mx = row[0];
-        for (std::int64_t j = 1; j <= i; ++j) mx = std::max(mx, row[j]);
-        T sum = 0;
-        for (std::int64_t j = 0; j <= i; ++j) {
-          row[j] = std::exp(row[j] - mx);
-          sum += row[j];
-        }
-        const T inv = T(1) / sum;
-        for (std::int64_t j = 0; j <= i; ++j) row[j] *= inv;
-        for (std::int64_t j = i + 1; j < T_; ++j) row[j] = 0;
+      gemm_one<T>(g, row0 + h * hd, row0 + C + (h / group) * hd, probs + (b * H + h) * T_ * T_);
+    }
+  }
+  // Each row's causal softmax: row i of a head keeps columns 0..i.
+  parallel_rows(B * H * T_, 2 * T_, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t r = begin; r < end; ++r) {
+      const std::int64_t i = r % T_;
+      T* row = probs + r * T_;
+      T mx = row[0];
+      for (std::int64_t j = 1; j <= i; ++j) mx = std::max(mx, row[j]);
+      T sum = 0;
+      for (std::int64_t j = 0; j <= i; ++j) {
+        row[j] = std::exp(row[j] - mx);
+        sum += row[j];
       }
-      // O = P V, written into the head's columns of out.
+      const T inv = T(1) / sum;
+      for (std::int64_t j = 0; j <= i; ++j) row[j] *= inv;
+      for (std::int64_t j = i + 1; j < T_; ++j) row[j] = 0;
+    }
+  });
+  // O = P V, written into the head's columns of out.
+  for (std::int64_t b = 0; b < B; ++b) {
+    for (std::int64_t h = 0; h < H; ++h) {
+      const T* v = qkv + b * T_ * W + C + KVH * hd + (h / group) * hd;
       GemmArgs o{.m = T_, .n = hd, .k = T_, .lda = T_, .ldb = W, .ldc = C};
-      gemm_one<T>(o, p, v, out + b * T_ * C + h * hd);
+      gemm_one<T>(o, probs + (b * H + h) * T_ * T_, v, out + b * T_ * C + h * hd);
     }
   }
 }
@@ -88,7 +96,8 @@ void attention_decode_rows(const T* cache, T* out, float* scratch, std::int64_t 
 }
 
 // dK and dV of a key/value head sum over the query heads of its group, in head order: the first
-// writes (beta 0), the others add.
+// writes (beta 0), the others add. The products in (batch, head) order, the softmax's backward
+// rows between them split across the math threads.
 template <class T>
 void attention_bwd(const T* dout, const T* qkv, const T* probs, T* dqkv, T* scratch, std::int64_t B,
                    std::int64_t T_, std::int64_t H, std::int64_t KVH, std::int64_t hd) {
@@ -99,11 +108,7 @@ void attention_bwd(const T* dout, const T* qkv, const T* probs, T* dqkv, T* scra
       const std::int64_t row0 = b * T_ * W;
       const std::int64_t kv = C + (h / group) * hd;
       const float first = h % group == 0 ? 0.0f : 1.0f;  // beta of the group's sums
-      const T* q = qkv + row0 + h * hd;
-      const T* k = qkv + row0 + kv;
       const T* v = qkv + row0 + kv + KVH * hd;
-      T* dq = dqkv + row0 + h * hd;
-      T* dk = dqkv + row0 + kv;
       T* dv = dqkv + row0 + kv + KVH * hd;
       const T* p = probs + (b * H + h) * T_ * T_;
       const T* dO = dout + b * T_ * C + h * hd;
@@ -113,21 +118,32 @@ void attention_bwd(const T* dout, const T* qkv, const T* probs, T* dqkv, T* scra
       gemm_one<T>(g1, dO, v, dp);
       GemmArgs g2{.trans_a = true, .m = T_, .n = hd, .k = T_, .lda = T_, .ldb = C, .ldc = W, .beta = first};
       gemm_one<T>(g2, p, dO, dv);
-      // dS = P * (dP - rowsum(P * dP)), zero above the diagonal (P is zero there).
-      for (std::int64_t i = 0; i < T_; ++i) {
-        const T* pr = p + i * T_;
-        T* dr = dp + i * T_;
-        T dot = 0;
-        for (std::int64_t j = 0; j <= i; ++j) dot += pr[j] * dr[j];
-        for (std::int64_t j = 0; j <= i; ++j) dr[j] = pr[j] * (dr[j] - dot);
-        for (std::int64_t j = i + 1; j < T_; ++j) dr[j] = 0;
-      }
+    }
+  }
+  // dS = P * (dP - rowsum(P * dP)), zero above the diagonal (P is zero there).
+  parallel_rows(B * H * T_, 2 * T_, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t r = begin; r < end; ++r) {
+      const std::int64_t i = r % T_;
+      const T* pr = probs + r * T_;
+      T* dr = scratch + r * T_;
+      T dot = 0;
+      for (std::int64_t j = 0; j <= i; ++j) dot += pr[j] * dr[j];
+      for (std::int64_t j = 0; j <= i; ++j) dr[j] = pr[j] * (dr[j] - dot);
+      for (std::int64_t j = i + 1; j < T_; ++j) dr[j] = 0;
+    }
+  });
+  for (std::int64_t b = 0; b < B; ++b) {
+    for (std::int64_t h = 0; h < H; ++h) {
+      const std::int64_t row0 = b * T_ * W;
+      const std::int64_t kv = C + (h / group) * hd;
+      const float first = h % group == 0 ? 0.0f : 1.0f;
+      const T* dp = scratch + (b * H + h) * T_ * T_;
       // dQ = scale dS K; dK (+)= scale dS^T Q.
       GemmArgs g3{.m = T_, .n = hd, .k = T_, .lda = T_, .ldb = W, .ldc = W, .alpha = scale};
-      gemm_one<T>(g3, dp, k, dq);
+      gemm_one<T>(g3, dp, qkv + row0 + kv, dqkv + row0 + h * hd);
       GemmArgs g4{.trans_a = true, .m = T_, .n = hd, .k = T_, .lda = T_, .ldb = W, .ldc = W, .alpha = scale,
                   .beta = first};
-      gemm_one<T>(g4, dp, q, dk);
+      gemm_one<T>(g4, dp, qkv + row0 + h * hd, dqkv + row0 + kv);
     }
   }
 }

@@ -1,23 +1,44 @@
 // The CPU kernels of the losses (private): cross-entropy over logits (log-sum-exp in double,
-// forward) and mean squared error, with their backward.
+// forward) and mean squared error, with their backward. The cross-entropy's rows split across
+// the rank's math threads (parallel_rows: each row's bits as one loop's; the mean adds the rows'
+// terms in row order).
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <new>
+#include <vector>
+
+#include "kernels/cpu/parallel.hpp"
 
 namespace coshard::modules::detail {
 
 template <class T>
+double cross_entropy_row(const T* row, std::int32_t target, std::int64_t V) {
+  double mx = row[0];
+  for (std::int64_t j = 1; j < V; ++j) mx = std::max(mx, static_cast<double>(row[j]));
+  double sum = 0;
+  for (std::int64_t j = 0; j < V; ++j) sum += std::exp(row[j] - mx);
+  return std::log(sum) + mx - row[target];
+}
+
+template <class T>
 void cross_entropy_fwd(const T* logits, const std::int32_t* targets, T* loss, std::int64_t N, std::int64_t V) {
   double total = 0;
-  for (std::int64_t i = 0; i < N; ++i) {
-    const T* row = logits + i * V;
-    double mx = row[0];
-    for (std::int64_t j = 1; j < V; ++j) mx = std::max(mx, static_cast<double>(row[j]));
-    double sum = 0;
-    for (std::int64_t j = 0; j < V; ++j) sum += std::exp(row[j] - mx);
-    total += std::log(sum) + mx - row[targets[i]];
+  std::vector<double> terms;
+  try {
+    terms.resize(static_cast<std::size_t>(N));
+  } catch (const std::bad_alloc&) {
+    terms.clear();  // no room for the rows' terms: one loop
+  }
+  if (N > 0 && !terms.empty()) {
+    parallel_rows(N, 2 * V, [&](std::int64_t begin, std::int64_t end) {
+      for (std::int64_t i = begin; i < end; ++i) terms[static_cast<std::size_t>(i)] = cross_entropy_row(logits + i * V, targets[i], V);
+    });
+    for (const double t : terms) total += t;
+  } else {
+    for (std::int64_t i = 0; i < N; ++i) total += cross_entropy_row(logits + i * V, targets[i], V);
   }
   loss[0] = static_cast<T>(total / static_cast<double>(N));
 }
@@ -42,7 +63,8 @@ template <class T>
 void cross_entropy_bwd(const T* logits, const std::int32_t* targets, const T* seed, T* dlogits, std::int64_t N,
                        std::int64_t V) {
   const T g = seed[0] / static_cast<T>(N);
-  for (std::int64_t i = 0; i < N; ++i) {
+  parallel_rows(N, 3 * V, [&](std::int64_t begin, std::int64_t end) {
+  for (std::int64_t i = begin; i < end; ++i) {
     const T* row = logits + i * V;
     T* drow = dlogits + i * V;
     T mx = row[0];
@@ -56,24 +78,28 @@ void cross_entropy_bwd(const T* logits, const std::int32_t* targets, const T* se
     for (std::int64_t j = 0; j < V; ++j) drow[j] *= scale;
     drow[targets[i]] -= g;
   }
+  });
 }
 
 // The vocabulary-parallel cross-entropy's steps (Kernels::row_max and after): `T` the logits'
 // type, max and sums in the stat type (the Operands give T's stat view: f32 for f32/bf16/f16).
 template <class T>
 void vocab_row_max(const T* logits, T* max, std::int64_t N, std::int64_t V) {
-  for (std::int64_t i = 0; i < N; ++i) {
-    const T* row = logits + i * V;
-    T mx = row[0];
-    for (std::int64_t j = 1; j < V; ++j) mx = std::max(mx, row[j]);
-    max[i] = mx;
-  }
+  parallel_rows(N, V, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end; ++i) {
+      const T* row = logits + i * V;
+      T mx = row[0];
+      for (std::int64_t j = 1; j < V; ++j) mx = std::max(mx, row[j]);
+      max[i] = mx;
+    }
+  });
 }
 
 template <class T>
 void vocab_ce_sums_rows(const T* logits, const std::int32_t* targets, const T* max, T* sums, std::int64_t N,
                         std::int64_t V, std::int64_t first) {
-  for (std::int64_t i = 0; i < N; ++i) {
+  parallel_rows(N, 2 * V, [&](std::int64_t begin, std::int64_t end) {
+  for (std::int64_t i = begin; i < end; ++i) {
     const T* row = logits + i * V;
     double sum = 0;
     for (std::int64_t j = 0; j < V; ++j) sum += std::exp(static_cast<double>(row[j]) - static_cast<double>(max[i]));
@@ -81,6 +107,7 @@ void vocab_ce_sums_rows(const T* logits, const std::int32_t* targets, const T* m
     const std::int64_t t = targets[i] - first;
     sums[N + i] = (t >= 0 && t < V) ? row[t] : T(0);
   }
+  });
 }
 
 // One chunk of columns [first, first + V) into each row's running max, sum of exp(x - max) (in
@@ -88,7 +115,8 @@ void vocab_ce_sums_rows(const T* logits, const std::int32_t* targets, const T* m
 template <class T>
 void chunk_ce_sums_rows(const T* logits, const std::int32_t* targets, T* max, T* sums, std::int64_t N, std::int64_t V,
                         std::int64_t first) {
-  for (std::int64_t i = 0; i < N; ++i) {
+  parallel_rows(N, 3 * V, [&](std::int64_t begin, std::int64_t end) {
+  for (std::int64_t i = begin; i < end; ++i) {
     const T* row = logits + i * V;
     T mx = row[0];
     for (std::int64_t j = 1; j < V; ++j) mx = std::max(mx, row[j]);
@@ -103,6 +131,7 @@ void chunk_ce_sums_rows(const T* logits, const std::int32_t* targets, T* max, T*
     if (t >= 0 && t < V) sums[N + i] = row[t];
     else if (!started) sums[N + i] = T(0);
   }
+  });
 }
 
 template <class T>
@@ -117,14 +146,16 @@ template <class T>
 void vocab_ce_bwd(const T* logits, const std::int32_t* targets, const T* max, const T* sums, const T* seed, T* dlogits,
                   std::int64_t N, std::int64_t V, std::int64_t first) {
   const T g = seed[0] / static_cast<T>(N);
-  for (std::int64_t i = 0; i < N; ++i) {
-    const T* row = logits + i * V;
-    T* drow = dlogits + i * V;
-    const T scale = g / sums[i];
-    for (std::int64_t j = 0; j < V; ++j) drow[j] = std::exp(row[j] - max[i]) * scale;
-    const std::int64_t t = targets[i] - first;
-    if (t >= 0 && t < V) drow[t] -= g;
-  }
+  parallel_rows(N, 2 * V, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end; ++i) {
+      const T* row = logits + i * V;
+      T* drow = dlogits + i * V;
+      const T scale = g / sums[i];
+      for (std::int64_t j = 0; j < V; ++j) drow[j] = std::exp(row[j] - max[i]) * scale;
+      const std::int64_t t = targets[i] - first;
+      if (t >= 0 && t < V) drow[t] -= g;
+    }
+  });
 }
 
 }  // namespace coshard::modules::detail

@@ -16,3 +16,20 @@ namespace coshard::modules::detail {
 void parallel_for(std::int64_t n, std::int64_t grain, const std::function<void(std::int64_t, std::int64_t)>& fn);
 
 }  // namespace coshard::modules::detail
+
+namespace coshard::modules::detail {
+
+// Element operations a chunk of rows holds at least: a split costs the pool's wake and wait
+// (some microseconds), small against this many exps or products.
+inline constexpr std::int64_t kRowChunkWork = std::int64_t{1} << 15;
+
+// Rows [0, rows) of a kernel whose rows are independent, in chunks of whole rows split as
+// parallel_for splits (fn(begin, end)): each row computed as one loop computes it, so the bits
+// are the one loop's. `work_per_row` sizes the chunks (kRowChunkWork each at least).
+inline void parallel_rows(std::int64_t rows, std::int64_t work_per_row,
+                          const std::function<void(std::int64_t, std::int64_t)>& fn) {
+  const std::int64_t per_row = work_per_row > 0 ? work_per_row : 1;
+  parallel_for(rows, per_row >= kRowChunkWork ? 1 : kRowChunkWork / per_row, fn);
+}
+
+}  // namespace coshard::modules::detail

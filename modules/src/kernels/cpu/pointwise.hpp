@@ -1,12 +1,17 @@
 // The CPU kernels of the element-wise layers (private): GELU (GPT), SwiGLU and rotary position
-// embeddings (Llama), in the element type T of the Operands (f32 or f64).
+// embeddings (Llama), in the element type T of the Operands (f32 or f64). Rows (elements, for
+// GELU) split across the rank's math threads: parallel_rows, each element's bits as one loop's.
 #pragma once
 
 #include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <new>
 #include <type_traits>
+#include <vector>
+
+#include "kernels/cpu/parallel.hpp"
 
 namespace coshard::modules::detail {
 
@@ -42,22 +47,26 @@ inline T tanh_of(T u) {
 
 template <class T>
 void gelu_fwd(const T* x, T* out, std::int64_t n) {
-  for (std::int64_t i = 0; i < n; ++i) {
-    const T v = x[i];
-    const T u = static_cast<T>(kGeluScale) * (v + static_cast<T>(kGeluCube) * v * v * v);
-    out[i] = T(0.5) * v * (T(1) + tanh_of(u));
-  }
+  parallel_rows(n, 1, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end; ++i) {
+      const T v = x[i];
+      const T u = static_cast<T>(kGeluScale) * (v + static_cast<T>(kGeluCube) * v * v * v);
+      out[i] = T(0.5) * v * (T(1) + tanh_of(u));
+    }
+  });
 }
 
 template <class T>
 void gelu_bwd(const T* x, const T* dout, T* dx, std::int64_t n) {
-  for (std::int64_t i = 0; i < n; ++i) {
-    const T v = x[i];
-    const T u = static_cast<T>(kGeluScale) * (v + static_cast<T>(kGeluCube) * v * v * v);
-    const T th = tanh_of(u);
-    const T du = static_cast<T>(kGeluScale) * (T(1) + T(3) * static_cast<T>(kGeluCube) * v * v);
-    dx[i] = dout[i] * (T(0.5) * (T(1) + th) + T(0.5) * v * (T(1) - th * th) * du);
-  }
+  parallel_rows(n, 2, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end; ++i) {
+      const T v = x[i];
+      const T u = static_cast<T>(kGeluScale) * (v + static_cast<T>(kGeluCube) * v * v * v);
+      const T th = tanh_of(u);
+      const T du = static_cast<T>(kGeluScale) * (T(1) + T(3) * static_cast<T>(kGeluCube) * v * v);
+      dx[i] = dout[i] * (T(0.5) * (T(1) + th) + T(0.5) * v * (T(1) - th * th) * du);
+    }
+  });
 }
 
 template <class T>
@@ -67,40 +76,60 @@ inline T sigmoid_of(T v) {
 
 template <class T>
 void swiglu_fwd(const T* gate_up, T* out, std::int64_t N, std::int64_t I) {
-  for (std::int64_t i = 0; i < N; ++i) {
-    const T* g = gate_up + i * 2 * I;
-    const T* u = g + I;
-    T* o = out + i * I;
-    for (std::int64_t j = 0; j < I; ++j) o[j] = g[j] * sigmoid_of(g[j]) * u[j];
-  }
+  parallel_rows(N, 2 * I, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end; ++i) {
+      const T* g = gate_up + i * 2 * I;
+      const T* u = g + I;
+      T* o = out + i * I;
+      for (std::int64_t j = 0; j < I; ++j) o[j] = g[j] * sigmoid_of(g[j]) * u[j];
+    }
+  });
 }
 
 // d gate = dout * up * silu'(gate), silu'(g) = s (1 + g (1 - s)); d up = dout * silu(gate).
 template <class T>
 void swiglu_bwd(const T* gate_up, const T* dout, T* dgate_up, std::int64_t N, std::int64_t I) {
-  for (std::int64_t i = 0; i < N; ++i) {
-    const T* g = gate_up + i * 2 * I;
-    const T* u = g + I;
-    const T* d = dout + i * I;
-    T* dg = dgate_up + i * 2 * I;
-    T* du = dg + I;
-    for (std::int64_t j = 0; j < I; ++j) {
-      const T sg = sigmoid_of(g[j]);
-      dg[j] = d[j] * u[j] * sg * (T(1) + g[j] * (T(1) - sg));
-      du[j] = d[j] * g[j] * sg;
+  parallel_rows(N, 3 * I, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end; ++i) {
+      const T* g = gate_up + i * 2 * I;
+      const T* u = g + I;
+      const T* d = dout + i * I;
+      T* dg = dgate_up + i * 2 * I;
+      T* du = dg + I;
+      for (std::int64_t j = 0; j < I; ++j) {
+        const T sg = sigmoid_of(g[j]);
+        dg[j] = d[j] * u[j] * sg * (T(1) + g[j] * (T(1) - sg));
+        du[j] = d[j] * g[j] * sg;
+      }
     }
-  }
+  });
 }
 
-// Angles in f32 as transformers computes them (position * inv_freq), in double for f64 models.
+// Angles in f32 as transformers computes them (position * inv_freq), in double for f64 models;
+// a position's cosines and sines once for all its heads (the same values each head computed).
 template <class T>
 void rope_apply(const T* x, T* out, const float* inv_freq, std::int64_t B, std::int64_t T_, std::int64_t heads,
                 std::int64_t rotated, std::int64_t hd, bool inverse, std::int64_t first) {
   using Angle = std::conditional_t<std::is_same_v<T, double>, double, float>;
   const std::int64_t half = hd / 2;
-  for (std::int64_t b = 0; b < B; ++b) {
-    for (std::int64_t t = 0; t < T_; ++t) {
-      const std::int64_t base = (b * T_ + t) * heads * hd;
+  parallel_rows(B * T_, heads * hd * 4, [&](std::int64_t begin, std::int64_t end) {
+    std::vector<T> cos_sin;
+    try {
+      cos_sin.resize(static_cast<std::size_t>(2 * half));
+    } catch (const std::bad_alloc&) {
+      cos_sin.clear();  // no room: each head computes its own, as before
+    }
+    for (std::int64_t row = begin; row < end; ++row) {
+      const std::int64_t t = row % T_;
+      const std::int64_t base = row * heads * hd;
+      auto angle = [&](std::int64_t i, T& c, T& sn) {
+        const Angle a = static_cast<Angle>(first + t) * static_cast<Angle>(inv_freq[i]);
+        c = static_cast<T>(std::cos(a));
+        sn = static_cast<T>(inverse ? -std::sin(a) : std::sin(a));
+      };
+      const bool kept = !cos_sin.empty();
+      if (kept && rotated > 0)
+        for (std::int64_t i = 0; i < half; ++i) angle(i, cos_sin[2 * i], cos_sin[2 * i + 1]);
       for (std::int64_t h = 0; h < heads; ++h) {
         const T* xi = x + base + h * hd;
         T* oi = out + base + h * hd;
@@ -109,15 +138,20 @@ void rope_apply(const T* x, T* out, const float* inv_freq, std::int64_t B, std::
           continue;
         }
         for (std::int64_t i = 0; i < half; ++i) {
-          const Angle a = static_cast<Angle>(first + t) * static_cast<Angle>(inv_freq[i]);
-          const T c = static_cast<T>(std::cos(a)), sn = static_cast<T>(inverse ? -std::sin(a) : std::sin(a));
+          T c, sn;
+          if (kept) {
+            c = cos_sin[2 * i];
+            sn = cos_sin[2 * i + 1];
+          } else {
+            angle(i, c, sn);
+          }
           const T x1 = xi[i], x2 = xi[i + half];
           oi[i] = x1 * c - x2 * sn;
           oi[i + half] = x2 * c + x1 * sn;
         }
       }
     }
-  }
+  });
 }
 
 }  // namespace coshard::modules::detail
