@@ -17,8 +17,9 @@
 namespace coshard::modules {
 namespace {
 
-// This program asks for the native products wherever the CPU has bf16's instructions (without AMX
-// they are not the default), before anything reads the variable; the cap tests below set theirs.
+// This program asks for the native products wherever the CPU has bf16's instructions (on Intel's
+// without AMX they are not the default), before anything reads the variable; the cap tests below
+// set theirs.
 [[maybe_unused]] const bool kAskForBf16 = [] { return ::setenv("COSHARD_CPU_ISA", "avx512_core_bf16", 0) == 0; }();
 
 bool cpu_has_bf16_instructions() {
@@ -138,6 +139,34 @@ TEST_F(CpuIsaCap, AnUnknownNameIsRefusedNamingTheChoices) {
       },
       ::testing::ExitedWithCode(0),
       "COSHARD_CPU_ISA=avx1024: expected one of all, avx2, avx512_core, avx512_core_bf16, avx512_core_amx");
+}
+
+// Unset, the rule by CPU: bf16 native with AMX and on AMD's AVX512-BF16 (about four times
+// OpenBLAS's f32 there), copies on Intel's AVX512-BF16 without AMX (slower there), the header's
+// line saying which; the vendor as CPUID names it.
+TEST_F(CpuIsaCap, UnsetTheCpusRuleChoosesNativeBf16) {
+  EXPECT_EXIT(
+      {
+        ::unsetenv("COSHARD_CPU_ISA");
+        const auto p = cpu_half_products();
+        if (!p) std::exit(2);
+        if (!p->built) {
+          std::fprintf(stderr, "rule kept\n");
+          std::exit(0);
+        }
+#if defined(__x86_64__)
+        if (p->vendor != "AuthenticAMD" && p->vendor != "GenuineIntel") std::exit(3);
+#endif
+        const bool bf16_isa = p->isa.starts_with("avx512_core_bf16") || p->amx;
+        const bool want = bf16_isa && (p->amx || p->vendor == "AuthenticAMD");
+        if (p->bf16 != want) std::exit(4);
+        const std::string line = p->describe(DataType::bf16);
+        if (want != line.starts_with("oneDNN ")) std::exit(5);
+        if (bf16_isa && !want && line.find("Intel CPUs without AMX") == std::string::npos) std::exit(6);
+        std::fprintf(stderr, "rule kept\n");
+        std::exit(0);
+      },
+      ::testing::ExitedWithCode(0), "rule kept");
 }
 
 // (a build without oneDNN says so instead, with or without the cap)

@@ -215,7 +215,8 @@ void add_output_options(CLI::App& app, Options& o, CommandLine& cl) {
                "print the memory each rank will hold (device, pinned and pageable host, NVMe) against this machine's, and "
                "exit without training: 0 when it fits, 1 when not (a run that cannot fit is refused up front anyway)");
   app.add_option("--blas-threads", o.blas_threads,
-                 "OpenBLAS threads for the CPU matrix products (0: the cores divided by the ranks in this process)")
+                 "math threads of each rank on the CPU: its matrix products (OpenBLAS, oneDNN) and its split element-wise "
+                 "kernels and optimizer (0: the cores divided by the ranks on this machine)")
       ->check(CLI::Range(0, 4096));
   app.add_option("--flight-recorder", o.flight_recorder,
                  "collective flight recorder: each rank writes its last collectives into this folder when a collective "

@@ -115,7 +115,8 @@ Setting shard_group_setting() {
 Setting dtype_setting() {
   Setting s{.name = "dtype", .flag = "--dtype",
             .help = "compute dtype (bf16/f16 on the CPU: matrix products through oneDNN where the CPU has AMX, "
-                    "the rest in f32 on copies; the run header names them); f16 turns on "
+                    "and bf16's on AMD's AVX512-BF16, the rest in f32 on copies; the run header names them); "
+                    "f16 turns on "
                     "dynamic loss scaling",
             .expected = "f32, bf16 or f16", .kind = SettingKind::choice, .choices = kDtypes};
   s.get = [](const Setting&, const TrainerConfig& c) { return std::string(to_string(c.dtype)); };

@@ -17,8 +17,10 @@ using async::DataType;
 struct CpuHalfProducts {
   bool built = false;  // oneDNN in this build
   std::string isa;     // the instructions oneDNN runs ("avx512_core_bf16", "avx512_core_amx", ...)
+  std::string vendor;  // the CPU's vendor, as CPUID names it ("AuthenticAMD", "GenuineIntel")
   bool amx = false;    // oneDNN runs AMX here
-  bool bf16 = false;   // bf16 products native (through oneDNN): with AMX, or where COSHARD_CPU_ISA asks
+  bool bf16 = false;   // bf16 products native (through oneDNN): with AMX, on AMD's AVX512-BF16, or where
+                       // COSHARD_CPU_ISA asks
   bool f16 = false;    // f16 products native
   bool native(DataType dt) const noexcept { return (dt == DataType::bf16 && bf16) || (dt == DataType::f16 && f16); }
   // For a run's header: what multiplies `dt` matrices ("oneDNN avx512_core_bf16 bf16 with f32
@@ -27,10 +29,12 @@ struct CpuHalfProducts {
 };
 
 // Once a process: reads COSHARD_CPU_ISA (all, avx2, avx512_core, avx512_core_bf16,
-// avx512_core_amx; unset: all), caps oneDNN there and tries a product of each dtype. Native by
-// default where oneDNN runs AMX; on AVX512-BF16 alone (slower there than f32 through OpenBLAS) when
-// COSHARD_CPU_ISA names avx512_core_bf16 or avx512_core_amx. An unknown value is an error naming
-// it and the choices.
+// avx512_core_amx; unset: all), caps oneDNN there and tries a product of each dtype. bf16 native
+// by default where oneDNN runs AMX, and on AMD's CPUs with AVX512-BF16 (Zen 4 and later: about
+// four times OpenBLAS's f32 rate); on Intel's AVX512-BF16 without AMX (slower there than f32
+// through OpenBLAS) when COSHARD_CPU_ISA names avx512_core_bf16 or avx512_core_amx; f16 native
+// with AMX or where asked. COSHARD_CPU_ISA=avx512_core keeps the f32 copies anywhere. An unknown
+// value is an error naming it and the choices.
 Result<CpuHalfProducts> cpu_half_products() noexcept;
 
 }  // namespace coshard::modules

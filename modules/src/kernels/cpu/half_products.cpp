@@ -5,12 +5,17 @@
 // primitives are kept per thread by shape (each rank's stream worker multiplies on its own
 // thread; creating one takes far longer than a small product).
 #include <cstdlib>
+#include <cstring>
 #include <new>
 #include <string>
 #include <string_view>
 #include <unordered_map>
 
 #include <dnnl.hpp>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 
 #include "coshard/modules/cpu_half_products.hpp"
 #include "coshard/modules/cpu_threads.hpp"
@@ -51,6 +56,21 @@ std::string isa_name(dnnl::cpu_isa effective) {
     if (n.isa != dnnl::cpu_isa::all && has(effective, n.isa)) best = n.name;
   if (has(effective, dnnl::cpu_isa::avx512_core_vnni) && best == "avx512_core") best = "avx512_core_vnni";
   return std::string(best);
+}
+
+// The CPU's vendor as CPUID leaf 0 names it ("AuthenticAMD", "GenuineIntel"; empty elsewhere).
+std::string cpu_vendor() {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return {};
+  char name[13] = {};
+  std::memcpy(name, &ebx, 4);
+  std::memcpy(name + 4, &edx, 4);
+  std::memcpy(name + 8, &ecx, 4);
+  return name;
+#else
+  return {};
+#endif
 }
 
 memory::data_type onednn_type(DataType dt) {
@@ -114,12 +134,17 @@ Result<CpuHalfProducts> probe() noexcept {
     const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
     const dnnl::cpu_isa effective = dnnl::get_effective_cpu_isa();
     p.isa = isa_name(effective);
-    // By default native only with AMX: on a CPU with AVX512-BF16 alone oneDNN 2.6's bf16 products
-    // ran slower than OpenBLAS's f32 on the copies (a 2-vCPU Xeon, model 207: 145-150 GFLOP/s
-    // against 227-235; a dim-512 Llama's bf16 step 2623 ms against 2298). COSHARD_CPU_ISA=
-    // avx512_core_bf16 asks for them there.
+    p.vendor = cpu_vendor();
+    // By default native with AMX, and with AVX512-BF16 on AMD's CPUs (Zen 4 and later): there
+    // oneDNN 2.6's bf16 products ran at four times OpenBLAS's f32 (a 2-vCPU EPYC, Zen 5: 820-945
+    // GFLOP/s against 231-245; the Llama's bf16 step 2446 ms against f32's 2900-3040 and
+    // 4520 on copies). On Intel's with AVX512-BF16 but no AMX they ran slower than OpenBLAS's f32
+    // on the copies (a 2-vCPU Xeon, model 207: 145-150 against 227-235; a dim-512 Llama's bf16 step
+    // 2623 ms against 2298): copies there, unless COSHARD_CPU_ISA=avx512_core_bf16 asks. A rule by
+    // CPU rather than a timing at start, so that a machine's runs always take the same path (bits).
     p.amx = has(effective, dnnl::cpu_isa::avx512_core_amx);
-    p.bf16 = has(effective, dnnl::cpu_isa::avx512_core_bf16) && (p.amx || asked) && native(engine, DataType::bf16);
+    const bool full_rate = p.amx || asked || p.vendor == "AuthenticAMD";
+    p.bf16 = has(effective, dnnl::cpu_isa::avx512_core_bf16) && full_rate && native(engine, DataType::bf16);
     p.f16 = (p.amx || asked) && native(engine, DataType::f16);
     return p;
   } catch (const std::bad_alloc&) {
@@ -138,7 +163,8 @@ std::string CpuHalfProducts::describe(DataType dt) const {
   if (!built) return name + " on f32 copies through OpenBLAS (this build has no oneDNN)";
   if (isa.starts_with("avx512_core_bf16"))
     return name + " on f32 copies through OpenBLAS (oneDNN's " + isa + " " + name +
-           " products are slower here without AMX; COSHARD_CPU_ISA=avx512_core_bf16 takes them)";
+           " products measured slower than f32 on Intel CPUs without AMX; COSHARD_CPU_ISA=avx512_core_bf16 takes "
+           "them)";
   return name + " on f32 copies through OpenBLAS (oneDNN runs " + isa + " here, without native " + name + " products)";
 }
 
