@@ -46,7 +46,10 @@ class CpuKernels final : public Kernels {
       const bool ta = g.trans_a, tb = g.trans_b;
       on.a = io.in(g.a, extent(ta ? g.k : g.m, ta ? g.m : g.k, g.lda, g.batch, g.stride_a));
       on.b = io.in(g.b, extent(tb ? g.n : g.k, tb ? g.k : g.n, g.ldb, g.batch, g.stride_b));
-      on.c = g.c_in_stat_dtype ? io.stat(g.c) : io.inout(g.c, extent(g.m, g.n, g.ldc, g.batch, g.stride_c));
+      // (C wholly written: beta 0 over rows without gaps between them or the batch's matrices)
+      const bool whole = g.beta == 0.0f && g.ldc == g.n && (g.batch == 1 || g.stride_c == g.m * g.n);
+      const std::int64_t c_extent = extent(g.m, g.n, g.ldc, g.batch, g.stride_c);
+      on.c = g.c_in_stat_dtype ? io.stat(g.c) : whole ? io.out(g.c, c_extent) : io.inout(g.c, c_extent);
       for (std::int64_t i = 0; i < g.batch; ++i) gemm_at<T>(on, i);
     });
   }
@@ -60,7 +63,7 @@ class CpuKernels final : public Kernels {
       with_type(dt, [&]<class T>(Operands<T>& io) {
         const T* we = io.in(wte, rows * C);
         const T* wp = wpe ? io.in(wpe, T_ * C) : nullptr;
-        T* po = io.inout(out, B * T_ * C);
+        T* po = io.out(out, B * T_ * C);
         for (std::int64_t b = 0; b < B; ++b)
           for (std::int64_t t = 0; t < T_; ++t) {
             const std::int64_t row = tokens[b * T_ + t] - first;
@@ -113,7 +116,7 @@ class CpuKernels final : public Kernels {
   Result<void> layernorm_forward(Stream& s, DataType dt, const void* x, const void* w, const void* b, void* out,
                                  void* mean, void* rstd, std::int64_t N, std::int64_t C, float eps) const override {
     return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
-      layernorm_fwd<T>(io.in(x, N * C), io.in(w, C), io.in(b, C), io.inout(out, N * C), io.stat(mean),
+      layernorm_fwd<T>(io.in(x, N * C), io.in(w, C), io.in(b, C), io.out(out, N * C), io.stat(mean),
                        io.stat(rstd), N, C, eps);
     });
   }
@@ -123,14 +126,14 @@ class CpuKernels final : public Kernels {
                                   std::int64_t N, std::int64_t C) const override {
     return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
       layernorm_bwd<T>(io.in(dout, N * C), io.in(x, N * C), io.in(w, C), io.stat(mean), io.stat(rstd),
-                       io.inout(dx, N * C), io.inout(dw, C), io.inout(db, C), N, C);
+                       io.out(dx, N * C), io.inout(dw, C), io.inout(db, C), N, C);
     });
   }
 
   Result<void> rmsnorm_forward(Stream& s, DataType dt, const void* x, const void* w, void* out, void* rstd,
                                std::int64_t N, std::int64_t C, float eps) const override {
     return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
-      rmsnorm_fwd<T>(io.in(x, N * C), io.in(w, C), io.inout(out, N * C), io.stat(rstd), N, C, eps);
+      rmsnorm_fwd<T>(io.in(x, N * C), io.in(w, C), io.out(out, N * C), io.stat(rstd), N, C, eps);
     });
   }
 
@@ -138,33 +141,33 @@ class CpuKernels final : public Kernels {
                                 const void* rstd, void* dx, void* dw, void* /*scratch*/, std::int64_t N,
                                 std::int64_t C) const override {
     return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
-      rmsnorm_bwd<T>(io.in(dout, N * C), io.in(x, N * C), io.in(w, C), io.stat(rstd), io.inout(dx, N * C),
+      rmsnorm_bwd<T>(io.in(dout, N * C), io.in(x, N * C), io.in(w, C), io.stat(rstd), io.out(dx, N * C),
                      io.inout(dw, C), N, C);
     });
   }
 
   Result<void> gelu_forward(Stream& s, DataType dt, const void* x, void* out, std::int64_t n) const override {
-    return dispatch(s, dt, [=]<class T>(Operands<T>& io) { gelu_fwd<T>(io.in(x, n), io.inout(out, n), n); });
+    return dispatch(s, dt, [=]<class T>(Operands<T>& io) { gelu_fwd<T>(io.in(x, n), io.out(out, n), n); });
   }
 
   Result<void> gelu_backward(Stream& s, DataType dt, const void* x, const void* dout, void* dx,
                              std::int64_t n) const override {
     return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
-      gelu_bwd<T>(io.in(x, n), io.in(dout, n), io.inout(dx, n), n);
+      gelu_bwd<T>(io.in(x, n), io.in(dout, n), io.out(dx, n), n);
     });
   }
 
   Result<void> swiglu_forward(Stream& s, DataType dt, const void* gate_up, void* out, std::int64_t N,
                               std::int64_t I) const override {
     return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
-      swiglu_fwd<T>(io.in(gate_up, N * 2 * I), io.inout(out, N * I), N, I);
+      swiglu_fwd<T>(io.in(gate_up, N * 2 * I), io.out(out, N * I), N, I);
     });
   }
 
   Result<void> swiglu_backward(Stream& s, DataType dt, const void* gate_up, const void* dout, void* dgate_up,
                                std::int64_t N, std::int64_t I) const override {
     return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
-      swiglu_bwd<T>(io.in(gate_up, N * 2 * I), io.in(dout, N * I), io.inout(dgate_up, N * 2 * I), N, I);
+      swiglu_bwd<T>(io.in(gate_up, N * 2 * I), io.in(dout, N * I), io.out(dgate_up, N * 2 * I), N, I);
     });
   }
 
@@ -173,7 +176,7 @@ class CpuKernels final : public Kernels {
                     std::int64_t first) const override {
     const std::int64_t n = B * T * heads * hd;
     return dispatch(s, dt, [=]<class E>(Operands<E>& io) {
-      rope_apply<E>(io.in(x, n), io.inout(out, n), inv_freq, B, T, heads, rotated, hd, inverse, first);
+      rope_apply<E>(io.in(x, n), io.out(out, n), inv_freq, B, T, heads, rotated, hd, inverse, first);
     });
   }
 
@@ -181,7 +184,7 @@ class CpuKernels final : public Kernels {
     return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
       const T* pa = io.in(a, n);
       const T* pb = io.in(b, n);
-      T* po = io.inout(out, n);
+      T* po = io.out(out, n);
       for (std::int64_t i = 0; i < n; ++i) po[i] = pa[i] + pb[i];
     });
   }
@@ -190,7 +193,7 @@ class CpuKernels final : public Kernels {
     return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
       const T* pa = io.in(a, n);
       const T* pb = io.in(b, n);
-      T* po = io.inout(out, n);
+      T* po = io.out(out, n);
       for (std::int64_t i = 0; i < n; ++i) po[i] = pa[i] * pb[i];
     });
   }
@@ -230,7 +233,7 @@ class CpuKernels final : public Kernels {
                                  std::int64_t T_, std::int64_t H, std::int64_t KVH, std::int64_t hd) const override {
     return dispatch_blas(s, dt, [=]<class T>(Operands<T>& io) {
       const std::int64_t C = H * hd, W = (H + 2 * KVH) * hd;
-      attention_fwd<T>(io.in(qkv, B * T_ * W), io.inout(out, B * T_ * C), io.inout(probs, B * H * T_ * T_), B, T_,
+      attention_fwd<T>(io.in(qkv, B * T_ * W), io.out(out, B * T_ * C), io.out(probs, B * H * T_ * T_), B, T_,
                        H, KVH, hd);
     });
   }
@@ -251,7 +254,7 @@ class CpuKernels final : public Kernels {
     return dispatch_blas(s, dt, [=]<class T>(Operands<T>& io) {
       const std::int64_t C = H * hd, W = (H + 2 * KVH) * hd;
       attention_bwd<T>(io.in(dout, B * T_ * C), io.in(qkv, B * T_ * W), io.in(probs, B * H * T_ * T_),
-                       io.inout(dqkv, B * T_ * W), io.inout(scratch, B * H * T_ * T_), B, T_, H, KVH, hd);
+                       io.out(dqkv, B * T_ * W), io.out(scratch, B * H * T_ * T_), B, T_, H, KVH, hd);
     });
   }
 
@@ -271,7 +274,7 @@ class CpuKernels final : public Kernels {
                                       const void* seed, void* dlogits, std::int64_t N,
                                       std::int64_t V) const override {
     return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
-      cross_entropy_bwd<T>(io.in(logits, N * V), targets, io.stat(seed), io.inout(dlogits, N * V), N, V);
+      cross_entropy_bwd<T>(io.in(logits, N * V), targets, io.stat(seed), io.out(dlogits, N * V), N, V);
     });
   }
 
@@ -303,7 +306,7 @@ class CpuKernels final : public Kernels {
                                  std::int64_t V, std::int64_t first) const override {
     return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
       vocab_ce_bwd<T>(io.in(logits, N * V), targets, io.stat(max), io.stat(sums), io.stat(seed),
-                      io.inout(dlogits, N * V), N, V, first);
+                      io.out(dlogits, N * V), N, V, first);
     });
   }
 
@@ -330,7 +333,7 @@ class CpuKernels final : public Kernels {
   Result<void> mse_backward(Stream& s, DataType dt, const void* pred, const void* target, const void* seed,
                             void* dpred, std::int64_t n) const override {
     return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
-      mse_bwd<T>(io.in(pred, n), io.in(target, n), io.stat(seed), io.inout(dpred, n), n);
+      mse_bwd<T>(io.in(pred, n), io.in(target, n), io.stat(seed), io.out(dpred, n), n);
     });
   }
 

@@ -199,10 +199,20 @@ void parallel_for(std::int64_t n, std::int64_t grain, const std::function<void(s
   std::latch done(chunks - 1);
   for (std::int64_t c = 1; c < chunks; ++c) {
     const std::int64_t begin = c * step, end = std::min(n, begin + step);
-    CpuPool::instance().submit([&fn, &done, begin, end] {
+    bool queued = false;
+    try {
+      CpuPool::instance().submit([&fn, &done, begin, end] {
+        fn(begin, end);
+        done.count_down();
+      });
+      queued = true;
+    } catch (const std::bad_alloc&) {
+      // no memory to queue it: this thread runs the chunk (the latch still counts it)
+    }
+    if (!queued) {
       fn(begin, end);
       done.count_down();
-    });
+    }
   }
   fn(0, std::min(n, step));
   done.wait();
