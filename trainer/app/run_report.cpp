@@ -1,15 +1,37 @@
 #include "run_report.hpp"
 
+#include <cctype>
 #include <cstdio>
+#include <cstdlib>
 #include <set>
 #include <string>
 
 #include "coshard/collectives/nccl.hpp"
 #include "coshard/modules/cpu_blas_kernels.hpp"
 #include "coshard/modules/cpu_half_products.hpp"
+#include "coshard/modules/cpu_threads.hpp"
 #include "coshard/modules/layers.hpp"
 
 namespace coshard::train_app {
+
+namespace {
+
+// How oneDNN's OpenMP threads wait between products (coshard-train restarts itself with PASSIVE
+// where it is unset: modules::restart_with_passive_openmp).
+std::string omp_wait(int threads) {
+  if (threads <= 1) return {};
+  const char* policy = std::getenv("OMP_WAIT_POLICY");
+  if (policy == nullptr || *policy == '\0') return " (OpenMP's idle threads spin a while: OMP_WAIT_POLICY unset)";
+  std::string p(policy);
+  for (char& ch : p) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+  if (p == "PASSIVE") return " (OpenMP's idle threads wait passively)";
+  if (p == "ACTIVE")
+    return " (OMP_WAIT_POLICY=ACTIVE: OpenMP's idle threads spin, taking cores from the element-wise kernels; "
+           "PASSIVE or unset is faster)";
+  return {};
+}
+
+}  // namespace
 
 void print_run_header(const Options& o, trainer::Trainer& t, const collectives::Communicator& comm,
                       const trainer::TokenSource& data, const trainer::TokenSource* val, std::int64_t first) {
@@ -44,7 +66,8 @@ void print_run_header(const Options& o, trainer::Trainer& t, const collectives::
     std::string products = modules::cpu_blas_kernels().describe();
     const modules::DataType dt = o.train.engine_options().dtype;
     if (const auto half = modules::cpu_half_products(); half && (dt == modules::DataType::bf16 || dt == modules::DataType::f16))
-      products = half->describe(dt) + (half->native(dt) ? "; f32 on " + products : " (" + products + ")");
+      products = half->describe(dt) + (half->native(dt) ? omp_wait(modules::cpu_math_threads()) + "; f32 on " + products
+                                                         : " (" + products + ")");
     std::printf("  matrix products: %s\n", products.c_str());
   }
   std::string ranks = o.launch.launcher == collectives::Launcher::none

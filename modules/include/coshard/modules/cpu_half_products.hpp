@@ -37,4 +37,14 @@ struct CpuHalfProducts {
 // value is an error naming it and the choices.
 Result<CpuHalfProducts> cpu_half_products() noexcept;
 
+// oneDNN's products run on OpenMP threads (libgomp), whose idle threads spin between products by
+// default and take the cores the rank's other math threads (element-wise kernels, OpenBLAS) need
+// then: OMP_WAIT_POLICY=PASSIVE made the bf16 step of docs/performance.md's Llama 13% faster on 2
+// cores. libgomp reads the variable once, when it loads, before main: this restarts the program
+// (execv of /proc/self/exe with argv) with OMP_WAIT_POLICY=PASSIVE unless the variable is set
+// already or the build has no oneDNN. Returns when there was nothing to do or the restart failed.
+// Call it before anything that a restart would repeat or lose (coshard-train: after reading its
+// command line, for a run whose products on the CPU are native bf16/f16 on more than one thread).
+void restart_with_passive_openmp(char** argv) noexcept;
+
 }  // namespace coshard::modules

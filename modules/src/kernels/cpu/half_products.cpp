@@ -11,6 +11,8 @@
 #include <string_view>
 #include <unordered_map>
 
+#include <unistd.h>
+
 #include <dnnl.hpp>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -171,6 +173,13 @@ std::string CpuHalfProducts::describe(DataType dt) const {
 Result<CpuHalfProducts> cpu_half_products() noexcept {
   static const Result<CpuHalfProducts> once = probe();
   return once;
+}
+
+void restart_with_passive_openmp(char** argv) noexcept {
+  if (argv == nullptr || argv[0] == nullptr || std::getenv("OMP_WAIT_POLICY") != nullptr) return;
+  if (::setenv("OMP_WAIT_POLICY", "PASSIVE", 1) != 0) return;
+  ::execv("/proc/self/exe", argv);
+  ::unsetenv("OMP_WAIT_POLICY");  // the restart failed: go on with OpenMP's default
 }
 
 namespace detail {

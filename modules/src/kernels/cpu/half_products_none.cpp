@@ -12,6 +12,8 @@ std::string CpuHalfProducts::describe(DataType dt) const {
 
 Result<CpuHalfProducts> cpu_half_products() noexcept { return CpuHalfProducts{}; }
 
+void restart_with_passive_openmp(char**) noexcept {}  // (no oneDNN: no OpenMP threads to wait)
+
 namespace detail {
 
 bool native_half_products(DataType) noexcept { return false; }
