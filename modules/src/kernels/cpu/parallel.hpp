@@ -2,10 +2,30 @@
 // shard, its gradient statistics) split across cores. Private: not installed.
 #pragma once
 
+#include <concepts>
 #include <cstdint>
-#include <functional>
+#include <memory>
+#include <type_traits>
 
 namespace coshard::modules::detail {
+
+// fn(begin, end), borrowed for one call: neither copied nor allocated (a kernel that runs under an
+// address-space limit must not fail for want of memory to call itself).
+class RangeFn {
+ public:
+  template <class F>
+    requires(std::invocable<F&, std::int64_t, std::int64_t> && !std::same_as<std::remove_cvref_t<F>, RangeFn>)
+  RangeFn(F&& f) noexcept  // NOLINT(google-explicit-constructor): a lambda at each call site
+      : object_(const_cast<void*>(static_cast<const void*>(std::addressof(f)))),
+        call_([](void* object, std::int64_t begin, std::int64_t end) {
+          (*static_cast<std::remove_reference_t<F>*>(object))(begin, end);
+        }) {}
+  void operator()(std::int64_t begin, std::int64_t end) const { call_(object_, begin, end); }
+
+ private:
+  void* object_;
+  void (*call_)(void*, std::int64_t, std::int64_t);
+};
 
 // Runs fn(begin, end) over [0, n) in at most cpu_math_threads() contiguous chunks whose bounds are
 // multiples of `grain` (at least one grain each), all but the first on a process-wide pool of
@@ -13,7 +33,8 @@ namespace coshard::modules::detail {
 // the split (element-wise updates, sums of fixed blocks added in order afterwards): the bits are
 // those of one loop. One loop on the calling thread when n is under two grains, when one thread
 // is allowed, or when no worker can be started (the machine out of memory or threads).
-void parallel_for(std::int64_t n, std::int64_t grain, const std::function<void(std::int64_t, std::int64_t)>& fn);
+// Nothing is allocated unless it splits, and a chunk that cannot be queued (no memory) runs here.
+void parallel_for(std::int64_t n, std::int64_t grain, RangeFn fn);
 
 }  // namespace coshard::modules::detail
 
@@ -26,8 +47,7 @@ inline constexpr std::int64_t kRowChunkWork = std::int64_t{1} << 15;
 // Rows [0, rows) of a kernel whose rows are independent, in chunks of whole rows split as
 // parallel_for splits (fn(begin, end)): each row computed as one loop computes it, so the bits
 // are the one loop's. `work_per_row` sizes the chunks (kRowChunkWork each at least).
-inline void parallel_rows(std::int64_t rows, std::int64_t work_per_row,
-                          const std::function<void(std::int64_t, std::int64_t)>& fn) {
+inline void parallel_rows(std::int64_t rows, std::int64_t work_per_row, RangeFn fn) {
   const std::int64_t per_row = work_per_row > 0 ? work_per_row : 1;
   parallel_for(rows, per_row >= kRowChunkWork ? 1 : kRowChunkWork / per_row, fn);
 }

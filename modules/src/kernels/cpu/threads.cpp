@@ -10,6 +10,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <latch>
 #include <mutex>
 #include <shared_mutex>
@@ -150,6 +151,8 @@ class CpuPool {
         workers_.emplace_back([this] { work(); });
       } catch (const std::system_error&) {
         break;  // no memory for another stack: the callers split less
+      } catch (const std::bad_alloc&) {
+        break;  // no memory to list it
       }
     }
     return static_cast<int>(workers_.size());
@@ -185,7 +188,7 @@ class CpuPool {
 
 }  // namespace
 
-void parallel_for(std::int64_t n, std::int64_t grain, const std::function<void(std::int64_t, std::int64_t)>& fn) {
+void parallel_for(std::int64_t n, std::int64_t grain, RangeFn fn) {
   grain = std::max<std::int64_t>(1, grain);
   const std::int64_t grains = (n + grain - 1) / grain;
   std::int64_t chunks = std::min<std::int64_t>({std::max(1, cpu_math_threads()), grains, 64});
