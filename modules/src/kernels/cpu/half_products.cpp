@@ -144,10 +144,12 @@ Result<CpuHalfProducts> probe() noexcept {
     // on the copies (a 2-vCPU Xeon, model 207: 145-150 against 227-235; a dim-512 Llama's bf16 step
     // 2623 ms against 2298): copies there, unless COSHARD_CPU_ISA=avx512_core_bf16 asks. A rule by
     // CPU rather than a timing at start, so that a machine's runs always take the same path (bits).
+    // Under ThreadSanitizer only where asked: oneDNN is not instrumented, and its primitive cache's
+    // own synchronisation, unseen, reads as races between ranks (the CI's TSan build on an EPYC).
     p.amx = has(effective, dnnl::cpu_isa::avx512_core_amx);
-    const bool full_rate = p.amx || asked || p.vendor == "AuthenticAMD";
+    const bool full_rate = asked || (!kThreadSanitizer && (p.amx || p.vendor == "AuthenticAMD"));
     p.bf16 = has(effective, dnnl::cpu_isa::avx512_core_bf16) && full_rate && native(engine, DataType::bf16);
-    p.f16 = (p.amx || asked) && native(engine, DataType::f16);
+    p.f16 = (asked || (!kThreadSanitizer && p.amx)) && native(engine, DataType::f16);
     return p;
   } catch (const std::bad_alloc&) {
     return fail(ErrorCode::out_of_memory, "oneDNN: no memory to choose the CPU's matrix products");
@@ -163,6 +165,9 @@ std::string CpuHalfProducts::describe(DataType dt) const {
   if (native(dt)) return "oneDNN " + isa + " " + name + " with f32 accumulation";
   if (dt != DataType::bf16 && dt != DataType::f16) return {};
   if (!built) return name + " on f32 copies through OpenBLAS (this build has no oneDNN)";
+  if (kThreadSanitizer && (amx || isa.starts_with("avx512_core_bf16")))
+    return name + " on f32 copies through OpenBLAS (under ThreadSanitizer, which cannot see into oneDNN; "
+                  "COSHARD_CPU_ISA=avx512_core_bf16 takes its products)";
   if (isa.starts_with("avx512_core_bf16"))
     return name + " on f32 copies through OpenBLAS (oneDNN's " + isa + " " + name +
            " products measured slower than f32 on Intel CPUs without AMX; COSHARD_CPU_ISA=avx512_core_bf16 takes "
