@@ -263,6 +263,10 @@ class CpuKernels final : public Kernels {
     COSHARD_TRY(check_dtype(dt));
     return s.launch_fallible([=]() -> Result<void> {
       COSHARD_TRY(check_ids(targets, N, V, "targets"));
+      if (is_half(dt)) {  // (a row at a time, no copy of the whole logits)
+        cross_entropy_fwd_half(dt, static_cast<const std::uint16_t*>(logits), targets, static_cast<float*>(loss), N, V);
+        return {};
+      }
       with_type(dt, [&]<class T>(Operands<T>& io) {
         cross_entropy_fwd<T>(io.in(logits, N * V), targets, io.stat(loss), N, V);
       });
@@ -273,6 +277,11 @@ class CpuKernels final : public Kernels {
   Result<void> cross_entropy_backward(Stream& s, DataType dt, const void* logits, const std::int32_t* targets,
                                       const void* seed, void* dlogits, std::int64_t N,
                                       std::int64_t V) const override {
+    if (is_half(dt))  // (a row at a time, no copies of the whole logits and their gradient)
+      return s.launch([=] {
+        cross_entropy_bwd_half(dt, static_cast<const std::uint16_t*>(logits), targets, static_cast<const float*>(seed),
+                               static_cast<std::uint16_t*>(dlogits), N, V);
+      });
     return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
       cross_entropy_bwd<T>(io.in(logits, N * V), targets, io.stat(seed), io.out(dlogits, N * V), N, V);
     });

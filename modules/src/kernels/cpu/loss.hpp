@@ -5,14 +5,18 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <new>
 #include <vector>
 
 #include "kernels/cpu/parallel.hpp"
+#include "kernels/half_convert.hpp"
 
 namespace coshard::modules::detail {
+
+using async::DataType;
 
 template <class T>
 double cross_entropy_row(const T* row, std::int32_t target, std::int64_t V) {
@@ -60,25 +64,76 @@ void mse_bwd(const T* pred, const T* target, const T* seed, T* dpred, std::int64
 }
 
 template <class T>
+void cross_entropy_bwd_row(const T* row, std::int32_t target, T g, T* drow, std::int64_t V) {
+  T mx = row[0];
+  for (std::int64_t j = 1; j < V; ++j) mx = std::max(mx, row[j]);
+  T sum = 0;
+  for (std::int64_t j = 0; j < V; ++j) {
+    drow[j] = std::exp(row[j] - mx);
+    sum += drow[j];
+  }
+  const T scale = g / sum;
+  for (std::int64_t j = 0; j < V; ++j) drow[j] *= scale;
+  drow[target] -= g;
+}
+
+template <class T>
 void cross_entropy_bwd(const T* logits, const std::int32_t* targets, const T* seed, T* dlogits, std::int64_t N,
                        std::int64_t V) {
   const T g = seed[0] / static_cast<T>(N);
   parallel_rows(N, 3 * V, [&](std::int64_t begin, std::int64_t end) {
-  for (std::int64_t i = begin; i < end; ++i) {
-    const T* row = logits + i * V;
-    T* drow = dlogits + i * V;
-    T mx = row[0];
-    for (std::int64_t j = 1; j < V; ++j) mx = std::max(mx, row[j]);
-    T sum = 0;
-    for (std::int64_t j = 0; j < V; ++j) {
-      drow[j] = std::exp(row[j] - mx);
-      sum += drow[j];
-    }
-    const T scale = g / sum;
-    for (std::int64_t j = 0; j < V; ++j) drow[j] *= scale;
-    drow[targets[i]] -= g;
-  }
+    for (std::int64_t i = begin; i < end; ++i) cross_entropy_bwd_row(logits + i * V, targets[i], g, dlogits + i * V, V);
   });
+}
+
+// bf16/f16 logits a row at a time: each row widened into a buffer of its chunk's (the values a
+// copy of the whole logits holds), its term or gradient computed as the f32 kernels compute it,
+// the gradient rounded once into the output: the bits of the copies, without copying the whole
+// logits (a vocabulary's rows are hundreds of megabytes, past what the copies' buffers keep).
+// Throws std::bad_alloc (on the calling thread) where a buffer cannot be had, as a copy would.
+inline void cross_entropy_fwd_half(DataType dt, const std::uint16_t* logits, const std::int32_t* targets, float* loss,
+                                   std::int64_t N, std::int64_t V) {
+  std::vector<double> terms(static_cast<std::size_t>(N));
+  std::atomic<bool> no_memory{false};
+  parallel_rows(N, 2 * V, [&](std::int64_t begin, std::int64_t end) {
+    std::vector<float> row;
+    try {
+      row.resize(static_cast<std::size_t>(V));
+    } catch (const std::bad_alloc&) {
+      no_memory.store(true, std::memory_order_relaxed);
+      return;
+    }
+    for (std::int64_t i = begin; i < end; ++i) {
+      widen_half(dt, logits + i * V, row.data(), row.size());
+      terms[static_cast<std::size_t>(i)] = cross_entropy_row(row.data(), targets[i], V);
+    }
+  });
+  if (no_memory.load(std::memory_order_relaxed)) throw std::bad_alloc();
+  double total = 0;
+  for (const double t : terms) total += t;
+  loss[0] = static_cast<float>(total / static_cast<double>(N));
+}
+
+inline void cross_entropy_bwd_half(DataType dt, const std::uint16_t* logits, const std::int32_t* targets,
+                                   const float* seed, std::uint16_t* dlogits, std::int64_t N, std::int64_t V) {
+  const float g = seed[0] / static_cast<float>(N);
+  std::atomic<bool> no_memory{false};
+  parallel_rows(N, 3 * V, [&](std::int64_t begin, std::int64_t end) {
+    std::vector<float> row, drow;
+    try {
+      row.resize(static_cast<std::size_t>(V));
+      drow.resize(static_cast<std::size_t>(V));
+    } catch (const std::bad_alloc&) {
+      no_memory.store(true, std::memory_order_relaxed);
+      return;
+    }
+    for (std::int64_t i = begin; i < end; ++i) {
+      widen_half(dt, logits + i * V, row.data(), row.size());
+      cross_entropy_bwd_row(row.data(), targets[i], g, drow.data(), V);
+      narrow_half(dt, drow.data(), dlogits + i * V, drow.size());
+    }
+  });
+  if (no_memory.load(std::memory_order_relaxed)) throw std::bad_alloc();
 }
 
 // The vocabulary-parallel cross-entropy's steps (Kernels::row_max and after): `T` the logits'
