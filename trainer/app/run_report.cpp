@@ -67,7 +67,7 @@ void print_run_header(const Options& o, trainer::Trainer& t, const collectives::
     const modules::DataType dt = o.train.engine_options().dtype;
     if (const auto half = modules::cpu_half_products(); half && (dt == modules::DataType::bf16 || dt == modules::DataType::f16))
       products = half->describe(dt) + (half->native(dt) ? omp_wait(modules::cpu_math_threads()) + "; f32 on " + products
-                                                         : " (" + products + ")");
+                                                         : "; " + products);
     std::printf("  matrix products: %s\n", products.c_str());
   }
   std::string ranks = o.launch.launcher == collectives::Launcher::none

@@ -165,6 +165,10 @@ std::string CpuHalfProducts::describe(DataType dt) const {
   if (native(dt)) return "oneDNN " + isa + " " + name + " with f32 accumulation";
   if (dt != DataType::bf16 && dt != DataType::f16) return {};
   if (!built) return name + " on f32 copies through OpenBLAS (this build has no oneDNN)";
+  // (f16 is native with AMX or where asked, and only where oneDNN has its own kernels for it: not
+  // on AVX512-BF16 alone, whatever COSHARD_CPU_ISA says)
+  if (dt == DataType::f16 && !amx)
+    return name + " on f32 copies through OpenBLAS (oneDNN runs " + isa + " here, without native f16 products)";
   if (kThreadSanitizer && (amx || isa.starts_with("avx512_core_bf16")))
     return name + " on f32 copies through OpenBLAS (under ThreadSanitizer, which cannot see into oneDNN; "
                   "COSHARD_CPU_ISA=avx512_core_bf16 takes its products)";
