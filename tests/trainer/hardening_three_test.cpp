@@ -278,6 +278,18 @@ TEST(HardeningThree, SilentlyReplacedValuesAreRefusedByName) {
   EXPECT_NE(done.output.find("is at step 2 already, so there is nothing to train (give --steps above 2)"),
             std::string::npos)
       << done.output;
+  // The same refusal with the optimizer offloaded: the checkpoint's load into the host's optimizer
+  // state was still queued on the compute stream when the refused run tore the engine down (a
+  // write after free: heap corruption in about one run of ten, the message lost). Several times,
+  // since it hung on timing.
+  for (int i = 0; i < 8; ++i) {
+    const auto offloaded = run(with(kTiny, {"--steps", "2", "--quiet", "--checkpoint-dir", ck.string(), "--resume",
+                                            "--offload-optimizer", "cpu"}),
+                               dir);
+    EXPECT_GT(offloaded.code, 0) << offloaded.output;
+    EXPECT_LT(offloaded.code, 128) << offloaded.output;
+    EXPECT_NE(offloaded.output.find("so there is nothing to train"), std::string::npos) << offloaded.output;
+  }
   EXPECT_EQ(run(with(kTiny, {"--steps", "3", "--quiet", "--checkpoint-dir", ck.string(), "--resume"}), dir).code, 0);
 }
 

@@ -45,7 +45,11 @@ struct Engine::State : GradientShardsOut {
   // The optimizer's groups made on the host context go first, with the host stream quiet, whether
   // the engine ends or its creation fails halfway: else ~Optimizer later returns blocks to an
   // allocator that is gone (the segfault of a failed setup).
+  // Work queued on the compute stream may still write the host side's memory (a checkpoint's load
+  // into the offloaded optimizer's state, when a refused resume ends the run at once: a write after
+  // free under ASan): it passes first.
   ~State() {
+    if (host.stream && ctx != nullptr) (void)ctx->stream().synchronize();
     if (host.stream) (void)host.stream->synchronize();
     if (optimizer) optimizer->drop_groups_from(first_group);
   }
