@@ -26,7 +26,6 @@
 #include "coshard/collectives/flight_recorder.hpp"
 #include "coshard/modules/cpu_blas_kernels.hpp"
 #include "coshard/modules/cpu_half_products.hpp"
-#include "coshard/modules/cpu_threads.hpp"
 #include "coshard/modules/safetensors_folder.hpp"
 #include "coshard/trainer/settings.hpp"
 #include "coshard/zero/hf_llama.hpp"
@@ -269,10 +268,9 @@ static int run_main(int argc, char** argv) {
   // oneDNN's OpenMP threads wait passively between products where a rank multiplies bf16/f16
   // natively on several threads (a restart, once: libgomp reads OMP_WAIT_POLICY when it loads).
   if (o.device == "cpu") {
-    const int threads = o.blas_threads > 0 ? o.blas_threads
-                                           : modules::default_cpu_math_threads(processes ? o.launch.local_size : world);
     const auto products = modules::cpu_half_products();
-    if (threads > 1 && products && products->native(o.train.engine_options().dtype)) modules::restart_with_passive_openmp(argv);
+    if (train_app::rank_math_threads(o) > 1 && products && products->native(o.train.engine_options().dtype))
+      modules::restart_with_passive_openmp(argv);
   }
   std::int64_t vocab_of_bytes = 0;
   if (auto done = settle_vocabulary(o, vocab_of_bytes)) return *done;

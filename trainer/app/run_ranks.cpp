@@ -203,13 +203,17 @@ int run_ranks(const Options& o) {
     return 2;
   }
   // Ranks share the cores of a machine: each gets its share of BLAS threads, not all of them.
-  modules::set_cpu_math_threads(o.blas_threads > 0 ? o.blas_threads
-                                                   : modules::default_cpu_math_threads(processes ? o.launch.local_size
-                                                                                                 : o.world_size));
+  modules::set_cpu_math_threads(rank_math_threads(o));
   const std::optional<int> failed = one_rank ? run_process_rank(o, *backend, *data, val.get(), shared)
                                              : run_thread_ranks(o, *data, val.get(), shared);
   if (failed) return *failed;
   return report_outcome(o, shared);
+}
+
+int rank_math_threads(const Options& o) {
+  const bool processes = o.launch.launcher != collectives::Launcher::none;
+  return o.blas_threads > 0 ? o.blas_threads
+                            : modules::default_cpu_math_threads(processes ? o.launch.local_size : o.world_size);
 }
 
 }  // namespace coshard::train_app

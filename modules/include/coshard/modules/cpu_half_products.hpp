@@ -17,7 +17,7 @@ using async::DataType;
 struct CpuHalfProducts {
   bool built = false;  // oneDNN in this build
   std::string isa;     // the instructions oneDNN runs ("avx512_core_bf16", "avx512_core_amx", ...)
-  std::string vendor;  // the CPU's vendor, as CPUID names it ("AuthenticAMD", "GenuineIntel")
+  bool amd = false;    // an AMD CPU (cpu_vector_support().amd)
   bool amx = false;    // oneDNN runs AMX here
   bool bf16 = false;   // bf16 products native (through oneDNN): with AMX, on AMD's AVX512-BF16, or where
                        // COSHARD_CPU_ISA asks

@@ -1,10 +1,10 @@
 #include "coshard/modules/cpu_blas_kernels.hpp"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
+
+#include "kernels/cpu/restart_self.hpp"
 
 extern "C" char* openblas_get_corename(void);
 
@@ -104,11 +104,8 @@ void choose_blas_kernels_and_restart(char** argv) noexcept {
   if (name == nullptr) return;
   const std::string better = better_blas_core(name, cpu_vector_support());
   if (better.empty()) return;
-  if (::setenv(kReplaced, name, 1) != 0 || ::setenv("OPENBLAS_CORETYPE", better.c_str(), 1) != 0) return;
-  ::execv("/proc/self/exe", argv);
-  // The restart failed: go on as OpenBLAS chose (the warning says so).
-  ::unsetenv("OPENBLAS_CORETYPE");
-  ::unsetenv(kReplaced);
+  // (where the restart fails: on as OpenBLAS chose, and the warning says so)
+  detail::restart_self_with(argv, {{kReplaced, name}, {"OPENBLAS_CORETYPE", better.c_str()}});
 }
 
 }  // namespace coshard::modules

@@ -5,23 +5,19 @@
 // primitives are kept per thread by shape (each rank's stream worker multiplies on its own
 // thread; creating one takes far longer than a small product).
 #include <cstdlib>
-#include <cstring>
 #include <new>
 #include <string>
 #include <string_view>
 #include <unordered_map>
 
-#include <unistd.h>
-
 #include <dnnl.hpp>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <cpuid.h>
-#endif
 
+#include "coshard/modules/cpu_blas_kernels.hpp"
 #include "coshard/modules/cpu_half_products.hpp"
 #include "coshard/modules/cpu_threads.hpp"
 #include "kernels/cpu/half_products.hpp"
+#include "kernels/cpu/restart_self.hpp"
 #include "kernels/cpu/thread_sanitizer.hpp"
 
 extern "C" void omp_set_num_threads(int threads);  // libgomp's: the runtime Debian's oneDNN runs on
@@ -58,21 +54,6 @@ std::string isa_name(dnnl::cpu_isa effective) {
     if (n.isa != dnnl::cpu_isa::all && has(effective, n.isa)) best = n.name;
   if (has(effective, dnnl::cpu_isa::avx512_core_vnni) && best == "avx512_core") best = "avx512_core_vnni";
   return std::string(best);
-}
-
-// The CPU's vendor as CPUID leaf 0 names it ("AuthenticAMD", "GenuineIntel"; empty elsewhere).
-std::string cpu_vendor() {
-#if defined(__x86_64__) || defined(__i386__)
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  if (__get_cpuid(0, &eax, &ebx, &ecx, &edx) == 0) return {};
-  char name[13] = {};
-  std::memcpy(name, &ebx, 4);
-  std::memcpy(name + 4, &edx, 4);
-  std::memcpy(name + 8, &ecx, 4);
-  return name;
-#else
-  return {};
-#endif
 }
 
 memory::data_type onednn_type(DataType dt) {
@@ -136,7 +117,7 @@ Result<CpuHalfProducts> probe() noexcept {
     const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
     const dnnl::cpu_isa effective = dnnl::get_effective_cpu_isa();
     p.isa = isa_name(effective);
-    p.vendor = cpu_vendor();
+    p.amd = cpu_vector_support().amd;
     // By default native with AMX, and with AVX512-BF16 on AMD's CPUs (Zen 4 and later): there
     // oneDNN 2.6's bf16 products ran at four times OpenBLAS's f32 (a 2-vCPU EPYC, Zen 5: 820-945
     // GFLOP/s against 231-245; the Llama's bf16 step 2446 ms against f32's 2900-3040 and
@@ -147,7 +128,7 @@ Result<CpuHalfProducts> probe() noexcept {
     // Under ThreadSanitizer only where asked: oneDNN is not instrumented, and its primitive cache's
     // own synchronisation, unseen, reads as races between ranks (the CI's TSan build on an EPYC).
     p.amx = has(effective, dnnl::cpu_isa::avx512_core_amx);
-    const bool full_rate = asked || (!kThreadSanitizer && (p.amx || p.vendor == "AuthenticAMD"));
+    const bool full_rate = asked || (!kThreadSanitizer && (p.amx || p.amd));
     p.bf16 = has(effective, dnnl::cpu_isa::avx512_core_bf16) && full_rate && native(engine, DataType::bf16);
     p.f16 = (asked || (!kThreadSanitizer && p.amx)) && native(engine, DataType::f16);
     return p;
@@ -185,10 +166,8 @@ Result<CpuHalfProducts> cpu_half_products() noexcept {
 }
 
 void restart_with_passive_openmp(char** argv) noexcept {
-  if (argv == nullptr || argv[0] == nullptr || std::getenv("OMP_WAIT_POLICY") != nullptr) return;
-  if (::setenv("OMP_WAIT_POLICY", "PASSIVE", 1) != 0) return;
-  ::execv("/proc/self/exe", argv);
-  ::unsetenv("OMP_WAIT_POLICY");  // the restart failed: go on with OpenMP's default
+  if (std::getenv("OMP_WAIT_POLICY") != nullptr) return;
+  detail::restart_self_with(argv, {{"OMP_WAIT_POLICY", "PASSIVE"}});  // (failing: OpenMP's default)
 }
 
 namespace detail {

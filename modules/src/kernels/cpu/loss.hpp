@@ -87,28 +87,39 @@ void cross_entropy_bwd(const T* logits, const std::int32_t* targets, const T* se
 }
 
 // bf16/f16 logits a row at a time: each row widened into a buffer of its chunk's (the values a
-// copy of the whole logits holds), its term or gradient computed as the f32 kernels compute it,
-// the gradient rounded once into the output: the bits of the copies, without copying the whole
-// logits (a vocabulary's rows are hundreds of megabytes, past what the copies' buffers keep).
-// Throws std::bad_alloc (on the calling thread) where a buffer cannot be had, as a copy would.
-inline void cross_entropy_fwd_half(DataType dt, const std::uint16_t* logits, const std::int32_t* targets, float* loss,
-                                   std::int64_t N, std::int64_t V) {
-  std::vector<double> terms(static_cast<std::size_t>(N));
+// copy of the whole logits holds), then fn(i, row, scratch) as the f32 kernels compute it (scratch:
+// V floats more where `with_scratch`, for an output row). Throws std::bad_alloc on the calling
+// thread where a buffer cannot be had, as a copy would.
+template <class Fn>
+void for_widened_rows(DataType dt, const std::uint16_t* logits, std::int64_t N, std::int64_t V,
+                      std::int64_t work_per_row, bool with_scratch, Fn&& fn) {
   std::atomic<bool> no_memory{false};
-  parallel_rows(N, 2 * V, [&](std::int64_t begin, std::int64_t end) {
-    std::vector<float> row;
+  parallel_rows(N, work_per_row, [&](std::int64_t begin, std::int64_t end) {
+    std::vector<float> row, scratch;
     try {
       row.resize(static_cast<std::size_t>(V));
+      if (with_scratch) scratch.resize(static_cast<std::size_t>(V));
     } catch (const std::bad_alloc&) {
       no_memory.store(true, std::memory_order_relaxed);
       return;
     }
     for (std::int64_t i = begin; i < end; ++i) {
       widen_half(dt, logits + i * V, row.data(), row.size());
-      terms[static_cast<std::size_t>(i)] = cross_entropy_row(row.data(), targets[i], V);
+      fn(i, row.data(), scratch.data());
     }
   });
   if (no_memory.load(std::memory_order_relaxed)) throw std::bad_alloc();
+}
+
+// The cross-entropy of bf16/f16 logits without copying the whole logits or their gradient (a
+// vocabulary's rows are hundreds of megabytes, past what the copies' buffers keep): the bits of
+// the copies, the gradient rounded once a row into the output.
+inline void cross_entropy_fwd_half(DataType dt, const std::uint16_t* logits, const std::int32_t* targets, float* loss,
+                                   std::int64_t N, std::int64_t V) {
+  std::vector<double> terms(static_cast<std::size_t>(N));
+  for_widened_rows(dt, logits, N, V, 2 * V, false, [&](std::int64_t i, const float* row, float*) {
+    terms[static_cast<std::size_t>(i)] = cross_entropy_row(row, targets[i], V);
+  });
   double total = 0;
   for (const double t : terms) total += t;
   loss[0] = static_cast<float>(total / static_cast<double>(N));
@@ -117,23 +128,10 @@ inline void cross_entropy_fwd_half(DataType dt, const std::uint16_t* logits, con
 inline void cross_entropy_bwd_half(DataType dt, const std::uint16_t* logits, const std::int32_t* targets,
                                    const float* seed, std::uint16_t* dlogits, std::int64_t N, std::int64_t V) {
   const float g = seed[0] / static_cast<float>(N);
-  std::atomic<bool> no_memory{false};
-  parallel_rows(N, 3 * V, [&](std::int64_t begin, std::int64_t end) {
-    std::vector<float> row, drow;
-    try {
-      row.resize(static_cast<std::size_t>(V));
-      drow.resize(static_cast<std::size_t>(V));
-    } catch (const std::bad_alloc&) {
-      no_memory.store(true, std::memory_order_relaxed);
-      return;
-    }
-    for (std::int64_t i = begin; i < end; ++i) {
-      widen_half(dt, logits + i * V, row.data(), row.size());
-      cross_entropy_bwd_row(row.data(), targets[i], g, drow.data(), V);
-      narrow_half(dt, drow.data(), dlogits + i * V, drow.size());
-    }
+  for_widened_rows(dt, logits, N, V, 3 * V, true, [&](std::int64_t i, const float* row, float* drow) {
+    cross_entropy_bwd_row(row, targets[i], g, drow, V);
+    narrow_half(dt, drow, dlogits + i * V, static_cast<std::size_t>(V));
   });
-  if (no_memory.load(std::memory_order_relaxed)) throw std::bad_alloc();
 }
 
 // The vocabulary-parallel cross-entropy's steps (Kernels::row_max and after): `T` the logits'
