@@ -127,6 +127,7 @@ T emu_from_float(float v) {
 }
 
 inline float __expf(float x) { return std::exp(x); }
+inline float __int_as_float(int x) { return std::bit_cast<float>(x); }
 // CUDA's explicitly rounded operations (never contracted: std::fma for the fused one).
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }

@@ -64,4 +64,17 @@ struct LossScaleArgs {
   float max_scale = 16777216.0f;  // 2^24
 };
 
+// Blocks of int8 (ZeRO++'s quantized weight gathers): n values in blocks of `block` elements (the
+// last may be shorter), each block symmetric with one f32 scale, max|x| / 127, and its values
+// round-to-nearest-even(x / scale) in [-127, 127] (a block of zeros: scale 0, values 0; a block
+// holding inf or NaN: scale NaN, so every value of it comes back NaN, never a quiet finite one).
+// A value comes back as q * scale in f32, rounded once to the storage dtype. A piece of n values
+// is packed as its n int8 values, then its scales, each part at a multiple of 16 bytes, so the
+// pieces of several ranks lie side by side in one buffer (one all-gather of bytes).
+inline std::int64_t int8_block_count(std::int64_t n, std::int64_t block) { return (n + block - 1) / block; }
+inline std::int64_t int8_scales_offset(std::int64_t n) { return (n + 15) / 16 * 16; }
+inline std::int64_t int8_packed_bytes(std::int64_t n, std::int64_t block) {
+  return int8_scales_offset(n) + (int8_block_count(n, block) * 4 + 15) / 16 * 16;
+}
+
 }  // namespace coshard::modules::detail

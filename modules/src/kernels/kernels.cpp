@@ -34,6 +34,12 @@ AttentionBuffers Kernels::attention_buffers(DataType dt, std::int64_t B, std::in
   return {.saved = Shape{B, H, T, T}, .saved_dtype = dt, .scratch = Shape{B, H, T, T}, .scratch_dtype = dt};
 }
 
+Result<void> check_int8_blocks(std::int64_t n, std::int64_t block) {
+  if (n < 0) return fail(ErrorCode::invalid_argument, "int8 blocks: ", n, " values: expected 0 or more");
+  if (block < 1) return fail(ErrorCode::invalid_argument, "int8 blocks of ", block, " values: expected 1 or more");
+  return {};
+}
+
 Result<void> check_supported(const Kernels& k, DataType dt, async::Device device, std::string_view what) {
   if (!k.supports(dt))
     return fail(ErrorCode::unsupported, what, ": dtype ", async::to_string(dt), " is not served by the ",

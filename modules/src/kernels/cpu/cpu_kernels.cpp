@@ -14,6 +14,7 @@
 #include "kernels/cpu/operands.hpp"
 #include "kernels/cpu/optimizer.hpp"
 #include "kernels/cpu/pointwise.hpp"
+#include "kernels/cpu/quantize.hpp"
 #include "kernels/kernels.hpp"
 
 namespace coshard::modules::detail {
@@ -353,6 +354,20 @@ class CpuKernels final : public Kernels {
     return s.launch([=] {
       for (std::int64_t i = 0; i < n; ++i) store(to, dst, i, load(from, src, i));
     });
+  }
+
+  Result<void> quantize_int8(Stream& s, DataType dt, const void* x, void* packed, std::int64_t n,
+                             std::int64_t block) const override {
+    COSHARD_TRY(check_dtype(dt));
+    COSHARD_TRY(check_int8_blocks(n, block));
+    return s.launch([=] { cpu::quantize_int8(dt, x, packed, n, block); });
+  }
+
+  Result<void> dequantize_int8(Stream& s, const void* packed, std::int64_t pieces, DataType dt, void* out,
+                               std::int64_t n, std::int64_t block) const override {
+    COSHARD_TRY(check_dtype(dt));
+    COSHARD_TRY(check_int8_blocks(n, block));
+    return s.launch([=] { cpu::dequantize_int8(packed, pieces, dt, out, n, block); });
   }
 
   // The optimizer's kernels (optimizer.cpp), once their dtypes are checked.

@@ -356,6 +356,20 @@ class CudaKernels final : public Kernels {
     return check_launch(cuda::cast(s.native_handle(), code(from), src, code(to), dst, n), "cast", s);
   }
 
+  Result<void> quantize_int8(Stream& s, DataType dt, const void* x, void* packed, std::int64_t n,
+                             std::int64_t block) const override {
+    COSHARD_TRY(check(dt));
+    COSHARD_TRY(check_int8_blocks(n, block));
+    return check_launch(cuda::quantize_int8(s.native_handle(), code(dt), x, packed, n, block), "quantize_int8", s);
+  }
+  Result<void> dequantize_int8(Stream& s, const void* packed, std::int64_t pieces, DataType dt, void* out,
+                               std::int64_t n, std::int64_t block) const override {
+    COSHARD_TRY(check(dt));
+    COSHARD_TRY(check_int8_blocks(n, block));
+    return check_launch(cuda::dequantize_int8(s.native_handle(), packed, pieces, code(dt), out, n, block),
+                        "dequantize_int8", s);
+  }
+
   Result<void> step_begin(Stream& s, StepState* state) const override {
     return check_launch(cuda::step_begin(s.native_handle(), state), "step_begin", s);
   }

@@ -1,0 +1,141 @@
+// The CPU's block int8 kernels (ZeRO++'s quantized gathers, #63): the bits of the format's
+// reference (tests/support/int8_blocks.hpp, which the emulated CUDA kernels also match) for f32,
+// bf16 and f16 inputs, over random and adversarial blocks; every value within the format's bound,
+// a block holding inf or NaN all NaN and its neighbours untouched; several ranks' pieces side by
+// side dequantized in one call; bad sizes refused by name.
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "coshard/async/dtype.hpp"
+#include "coshard/async/stream.hpp"
+#include "kernels/kernel_args.hpp"
+#include "kernels/kernels.hpp"
+#include "support/int8_blocks.hpp"
+
+namespace coshard::modules::detail {
+namespace {
+
+using testing::Int8Blocks;
+
+// Values held in dt (f32, bf16, f16): the stored bytes, and the values they hold as f32.
+struct Held {
+  std::vector<std::byte> bytes;
+  std::vector<float> values;
+};
+Held hold(DataType dt, const std::vector<float>& x) {
+  Held h;
+  for (float v : x) {
+    if (dt == DataType::f32) {
+      h.values.push_back(v);
+      const auto bits = std::bit_cast<std::uint32_t>(v);
+      for (int k = 0; k < 4; ++k) h.bytes.push_back(static_cast<std::byte>(bits >> (8 * k)));
+      continue;
+    }
+    const std::uint16_t bits = dt == DataType::bf16 ? async::float_to_bf16(v) : async::float_to_f16(v);
+    h.values.push_back(dt == DataType::bf16 ? async::bf16_to_float(bits) : async::f16_to_float(bits));
+    h.bytes.push_back(static_cast<std::byte>(bits & 0xff));
+    h.bytes.push_back(static_cast<std::byte>(bits >> 8));
+  }
+  return h;
+}
+float stored_as(DataType dt, float v) {
+  if (dt == DataType::bf16) return async::bf16_to_float(async::float_to_bf16(v));
+  if (dt == DataType::f16) return async::f16_to_float(async::float_to_f16(v));
+  return v;
+}
+float read(DataType dt, const std::vector<std::byte>& bytes, std::size_t i) {
+  if (dt == DataType::f32) {
+    float v;
+    std::memcpy(&v, bytes.data() + 4 * i, 4);
+    return v;
+  }
+  std::uint16_t bits;
+  std::memcpy(&bits, bytes.data() + 2 * i, 2);
+  return dt == DataType::bf16 ? async::bf16_to_float(bits) : async::f16_to_float(bits);
+}
+bool same(float a, float b) { return std::bit_cast<std::uint32_t>(a) == std::bit_cast<std::uint32_t>(b) || (std::isnan(a) && std::isnan(b)); }
+
+class Int8BlocksCpu : public ::testing::TestWithParam<DataType> {};
+
+TEST_P(Int8BlocksCpu, TheFormatsBitsWithinItsBound) {
+  const DataType dt = GetParam();
+  const Kernels& k = cpu_kernels();
+  auto stream = async::Stream::create(async::Device::cpu(), {.name = "int8"});
+  ASSERT_TRUE(stream) << stream.error().message();
+  for (const auto& c : testing::int8_block_cases()) {
+    SCOPED_TRACE(c.name);
+    const auto n = static_cast<std::int64_t>(c.values.size());
+    const Held x = hold(dt, c.values);
+    const auto packed_bytes = static_cast<std::size_t>(int8_packed_bytes(n, c.block));
+    // Two pieces side by side, as a gather of two ranks lands them: the second is the first's
+    // values negated, so each piece must be read at its own place.
+    std::vector<float> negated;
+    for (float v : c.values) negated.push_back(-v);
+    const Held y = hold(dt, negated);
+    std::vector<std::byte> packed(2 * packed_bytes, std::byte{0x5a});  // (padding must come back zeroed)
+    ASSERT_TRUE(k.quantize_int8(*stream, dt, x.bytes.data(), packed.data(), n, c.block));
+    ASSERT_TRUE(k.quantize_int8(*stream, dt, y.bytes.data(), packed.data() + packed_bytes, n, c.block));
+    std::vector<std::byte> out(2 * x.bytes.size());
+    ASSERT_TRUE(k.dequantize_int8(*stream, packed.data(), 2, dt, out.data(), n, c.block));
+    ASSERT_TRUE(stream->synchronize());
+
+    for (int piece = 0; piece < 2; ++piece) {
+      const auto& values = piece == 0 ? x.values : y.values;
+      const Int8Blocks want = testing::int8_blocks_reference(values, c.block);
+      const std::byte* base = packed.data() + piece * packed_bytes;
+      for (std::int64_t i = 0; i < n; ++i)
+        ASSERT_EQ(static_cast<std::int8_t>(base[i]), want.q[i]) << "piece " << piece << " value " << i;
+      for (std::int64_t i = n; i < int8_scales_offset(n); ++i) ASSERT_EQ(base[i], std::byte{0}) << "padding " << i;
+      for (std::size_t b = 0; b < want.scales.size(); ++b) {
+        float scale;
+        std::memcpy(&scale, base + int8_scales_offset(n) + 4 * b, 4);
+        ASSERT_TRUE(same(scale, want.scales[b])) << "scale " << b << ": " << scale << " against " << want.scales[b];
+      }
+      const auto back = testing::int8_blocks_values(want, c.block);
+      std::vector<float> amax(want.scales.size(), 0.0f);
+      for (std::int64_t i = 0; i < n; ++i) {
+        float& m = amax[static_cast<std::size_t>(i / c.block)];
+        m = std::max(m, std::fabs(values[i]));
+      }
+      for (std::int64_t i = 0; i < n; ++i) {
+        const float got = read(dt, out, static_cast<std::size_t>(piece * n + i));
+        ASSERT_TRUE(same(got, stored_as(dt, back[i]))) << "value " << i << ": " << got << " against " << back[i];
+        const float scale = want.scales[static_cast<std::size_t>(i / c.block)];
+        if (std::isnan(scale)) {
+          EXPECT_TRUE(std::isnan(got)) << "value " << i << " of a block holding inf or NaN came back " << got;
+        } else {
+          // The format's bound, then the dtype's rounding of the value that came back.
+          const double dtype_step = dt == DataType::f32 ? 0 : std::fabs(back[i]) * (dt == DataType::bf16 ? 0x1p-8 : 0x1p-11);
+          EXPECT_LE(std::fabs(static_cast<double>(got) - values[i]), testing::int8_blocks_bound(amax[static_cast<std::size_t>(i / c.block)]) + dtype_step)
+              << "value " << i << " = " << values[i] << " came back " << got;
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, Int8BlocksCpu, ::testing::Values(DataType::f32, DataType::bf16, DataType::f16),
+                         [](const auto& info) { return std::string(async::to_string(info.param)); });
+
+TEST(Int8BlocksCpu, BadSizesAreRefusedByName) {
+  const Kernels& k = cpu_kernels();
+  auto stream = async::Stream::create(async::Device::cpu(), {.name = "int8"});
+  ASSERT_TRUE(stream);
+  float x[4] = {};
+  std::byte packed[64];
+  auto zero_block = k.quantize_int8(*stream, DataType::f32, x, packed, 4, 0);
+  ASSERT_FALSE(zero_block);
+  EXPECT_NE(zero_block.error().message().find("int8 blocks of 0 values: expected 1 or more"), std::string::npos)
+      << zero_block.error().message();
+  auto negative = k.dequantize_int8(*stream, packed, 1, DataType::f32, x, -1, 4);
+  ASSERT_FALSE(negative);
+  EXPECT_NE(negative.error().message().find("-1 values"), std::string::npos) << negative.error().message();
+  EXPECT_FALSE(k.quantize_int8(*stream, DataType::i32, x, packed, 4, 4));
+}
+
+}  // namespace
+}  // namespace coshard::modules::detail

@@ -1,0 +1,105 @@
+// The block int8 format of ZeRO++'s quantized gathers (modules/src/kernels/kernel_args.hpp),
+// written plainly from its definition for the kernels' tests, CPU and emulated CUDA alike: both
+// must give these bits, so they give each other's. Also the cases the tests run: random values,
+// and the adversarial blocks (all equal, one outlier, zeros, denormals, ties, inf and NaN).
+// Nothing of coshard's, so the emulated-kernel test uses it too.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "support/reference_math.hpp"
+
+namespace coshard::testing {
+
+struct Int8Blocks {
+  std::vector<std::int8_t> q;
+  std::vector<float> scales;
+};
+
+// x read as f32: each block's scale max|x| / 127 (NaN where it holds inf or NaN), its values
+// round-to-nearest-even(x / scale) clamped to [-127, 127], 0 where the scale is 0 or NaN.
+inline Int8Blocks int8_blocks_reference(const std::vector<float>& x, std::int64_t block) {
+  const auto n = static_cast<std::int64_t>(x.size());
+  Int8Blocks r{std::vector<std::int8_t>(x.size()), {}};
+  for (std::int64_t begin = 0; begin < n; begin += block) {
+    const std::int64_t end = std::min(n, begin + block);
+    float amax = 0;
+    bool finite = true;
+    for (std::int64_t i = begin; i < end; ++i) {
+      finite = finite && std::isfinite(x[i]);
+      amax = std::max(amax, std::fabs(x[i]));
+    }
+    const float scale = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+    r.scales.push_back(scale);
+    for (std::int64_t i = begin; i < end; ++i) {
+      if (!(scale > 0)) continue;
+      const float quotient = x[i] / scale;
+      const float even = quotient - std::floor(quotient) == 0.5f ? 2 * std::round(quotient / 2) : std::round(quotient);
+      r.q[i] = static_cast<std::int8_t>(std::clamp(even, -127.0f, 127.0f));
+    }
+  }
+  return r;
+}
+
+// The values as they come back, in f32 (before rounding to a storage dtype): q * scale.
+inline std::vector<float> int8_blocks_values(const Int8Blocks& b, std::int64_t block) {
+  std::vector<float> out(b.q.size());
+  for (std::size_t i = 0; i < out.size(); ++i)
+    out[i] = static_cast<float>(b.q[i]) * b.scales[i / static_cast<std::size_t>(block)];
+  return out;
+}
+
+// The format's bound for a finite block: |x - q * scale| <= scale / 2 (the rounding of the
+// quotient) and f32's roundings of it, or (a scale below f32's smallest normal / 127, where the
+// division loses digits) a few of f32's smallest steps.
+inline double int8_blocks_bound(float amax) {
+  return static_cast<double>(amax) / 254.0 * (1 + 1e-6) + 254.0 * std::numeric_limits<float>::denorm_min();
+}
+
+struct Int8Case {
+  std::string name;
+  std::vector<float> values;
+  std::int64_t block;
+};
+
+inline std::vector<Int8Case> int8_block_cases() {
+  std::vector<Int8Case> cases;
+  auto from = [](const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); };
+  cases.push_back({"random_last_block_short", from(random_values(1000, 7, 0.05)), 64});
+  cases.push_back({"random_one_block_per_thread_stride", from(random_values(4096, 8, 3.0)), 2048});
+  cases.push_back({"all_equal", std::vector<float>(300, 0.37f), 128});
+  cases.push_back({"all_equal_negative", std::vector<float>(64, -2.5e-3f), 64});
+  std::vector<float> outlier = from(random_values(512, 9, 1e-3));
+  outlier[77] = 1e4f;  // its block's other values fall to 0: the format's known cost
+  cases.push_back({"one_outlier", outlier, 256});
+  cases.push_back({"zeros", std::vector<float>(200, 0.0f), 64});
+  std::vector<float> signed_zeros(64, -0.0f);
+  cases.push_back({"negative_zeros", signed_zeros, 32});
+  std::vector<float> denormals;
+  for (int i = 0; i < 96; ++i) denormals.push_back(static_cast<float>(i - 48) * 3e-41f);
+  cases.push_back({"denormals", denormals, 32});
+  std::vector<float> tiny;  // around f32's smallest normal
+  for (int i = 0; i < 64; ++i) tiny.push_back(std::numeric_limits<float>::min() * static_cast<float>(i % 7 - 3));
+  cases.push_back({"smallest_normals", tiny, 64});
+  std::vector<float> ties;  // max 127: scale 1, so k + 0.5 is a tie (to even)
+  for (int i = 0; i < 64; ++i) ties.push_back(static_cast<float>(i - 32) + 0.5f);
+  ties[0] = 127.0f;
+  cases.push_back({"ties_to_even", ties, 64});
+  cases.push_back({"one_value", {0.123f}, 2048});
+  cases.push_back({"blocks_of_one", from(random_values(33, 10, 5.0)), 1});
+  cases.push_back({"large_values", from(random_values(256, 11, 3e38)), 64});
+  std::vector<float> with_inf = from(random_values(192, 12, 1.0));
+  with_inf[70] = std::numeric_limits<float>::infinity();  // the second block goes NaN, the others not
+  cases.push_back({"inf", with_inf, 64});
+  std::vector<float> with_nan = from(random_values(192, 13, 1.0));
+  with_nan[130] = std::numeric_limits<float>::quiet_NaN();  // the third block
+  cases.push_back({"nan", with_nan, 64});
+  return cases;
+}
+
+}  // namespace coshard::testing
