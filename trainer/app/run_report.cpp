@@ -101,6 +101,21 @@ void print_run_header(const Options& o, trainer::Trainer& t, const collectives::
   if (tensor > 1)
     std::printf("  tensor parallelism: data %d x tensor %d (heads, MLP and vocabulary split over %d consecutive ranks; "
                 "ZeRO over each data group of %d)\n", data_ranks, tensor, tensor, data_ranks);
+  // Quantized weight gathers: which units, and what a gather carries.
+  const auto& quantize = o.train;
+  if (quantize.zero_stage == 3 && (quantize.quantize_weights != zero::Quantization::none ||
+                                   quantize.quantize_frozen_weights != zero::Quantization::none)) {
+    std::size_t units = 0;
+    for (const auto& u : t.engine().units())
+      units += quantize.quantize_weights != zero::Quantization::none || u.frozen ? 1 : 0;
+    const double bytes = 1.0 + 4.0 / static_cast<double>(quantize.quantize_weights_block);
+    std::printf("  quantized weight gathers: int8 blocks of %lld with an f32 scale (%.4g bytes a weight against %zu in "
+                "%s), %zu of %zu units (%s); masters, optimizer, checkpoints and exports exact\n",
+                static_cast<long long>(quantize.quantize_weights_block), bytes,
+                modules::size_of(quantize.engine_options().dtype),
+                std::string(collectives::to_string(quantize.engine_options().dtype)).c_str(), units,
+                t.engine().units().size(), quantize.quantize_weights != zero::Quantization::none ? "every unit" : "the frozen ones");
+  }
   // Hybrid sharding: the groups the units are sharded over (each a copy of every block).
   std::set<int> groups;
   for (const auto& u : t.engine().units())

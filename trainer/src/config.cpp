@@ -69,6 +69,7 @@ Result<void> TrainerConfig::validate() const {
   COSHARD_TRY(zero::check_offload_placement(engine_options()));
   COSHARD_TRY(zero::check_step_in_backward(engine_options(), step_control()));
   COSHARD_TRY(zero::check_swap_gradients(engine_options()));
+  COSHARD_TRY(zero::check_quantized_gathers(engine_options()));
   return {};
 }
 

@@ -141,6 +141,12 @@ void read_zero_optimization(ConfigReader& r, const json& section, bool whole, Tr
     } else if (key == "mics_hierarchical_params_gather") {
       if (r.boolean(v, name))
         r.notes.push_back(name + ": accepted, no effect (a shard group's gather is one collective within the group)");
+    } else if (key == "zero_quantized_weights" || key == "zero_quantized_nontrainable_weights") {
+      // ZeRO++'s qwZ: int8 blocks in the weights' gathers (of every unit, or of frozen ones).
+      if (auto b = r.boolean(v, name)) {
+        auto& q = key == "zero_quantized_weights" ? c.quantize_weights : c.quantize_frozen_weights;
+        q = *b ? zero::Quantization::int8 : zero::Quantization::none;
+      }
     } else if (key == "stage3_use_all_reduce_for_fetch_params") {
       if (auto b = r.boolean(v, name)) c.fetch_mode = *b ? zero::FetchMode::all_reduce : zero::FetchMode::all_gather;
     } else if (key == "offload_optimizer") {

@@ -2,6 +2,7 @@
 // reduction, each through the UnitIo it is given.
 #include "fetch_unit.hpp"
 
+#include "kernels/kernel_args.hpp"
 #include "kernels/kernels.hpp"
 
 namespace coshard::zero::detail {
@@ -44,6 +45,29 @@ Result<async::Event> FetchUnit::gather_into(const UnitIo& io, FetchMode mode, co
     g.all_reduce(whole.data(), whole.data(), static_cast<std::size_t>(info.padded), io.dtype, ReduceOp::sum);
   }
   return launch_in_group(io.world, g.purpose(gather_purpose));
+}
+
+std::size_t FetchUnit::int8_gather_bytes() const noexcept {
+  return static_cast<std::size_t>(modules::detail::int8_packed_bytes(info.shard, int8_block)) *
+         static_cast<std::size_t>(info.shard_ranks);
+}
+
+Result<async::Event> FetchUnit::gather_int8_into(const UnitIo& io, const Tensor& whole, const void* source,
+                                                 bool source_on_device, void* staging) const {
+  auto& cs = io.world.stream();
+  const auto& kernels = io.ctx.kernels();
+  const std::int64_t n = info.shard;
+  const auto piece = static_cast<std::size_t>(modules::detail::int8_packed_bytes(n, int8_block));
+  void* mine = static_cast<std::byte*>(staging) + static_cast<std::size_t>(group->rank) * piece;
+  if (!source_on_device) {  // (host memory: into its place in `whole` first, quantized from there)
+    void* place = whole.slice(block_offset, Shape{n}).data();
+    COSHARD_TRY(cs.copy(place, source, static_cast<std::size_t>(n) * io.element_size()));
+    source = place;
+  }
+  COSHARD_TRY(kernels.quantize_int8(cs, io.dtype, source, mine, n, int8_block));
+  COSHARD_TRY(launch_in_group(io.world, Coalesced{}.all_gather(mine, staging, piece, DataType::u8).purpose(gather_purpose)));
+  COSHARD_TRY(kernels.dequantize_int8(cs, staging, info.shard_ranks, io.dtype, whole.data(), n, int8_block));
+  return cs.record();
 }
 
 Result<async::Event> FetchUnit::all_reduce_gradient(const UnitIo& io) const {

@@ -100,6 +100,10 @@ class FetchUnit {
   // Where this rank's block starts in a whole buffer: its place in its shard group x shard when
   // sharded; 0 unsharded (stage 0: the block is the whole unit on every rank). Set at create.
   std::int64_t block_offset = 0;
+  // Stage 3 with quantized gathers for it (EngineOptions::quantize_weights, or
+  // quantize_frozen_weights and frozen): its gathers for compute carry int8 blocks of this many
+  // elements. 0: exact gathers. Chosen at create.
+  std::int64_t int8_block = 0;
 
   // Its parameters bound to `values` (a whole buffer of the unit), each with its view of
   // `grad_full` where the unit has one.
@@ -112,6 +116,13 @@ class FetchUnit {
   // the device, or in host memory: copied into its place first, then gathered in place).
   Result<async::Event> gather_into(const UnitIo& io, FetchMode mode, const Tensor& whole, const void* source,
                                    bool source_on_device) const;
+  // The same with the shards carried as int8 blocks of `int8_block` elements (quantize_weights):
+  // this rank's quantized into its piece of `staging` (int8_gather_bytes(): a piece for each rank
+  // of its group), the pieces gathered, and every piece (this rank's too) dequantized into
+  // `whole`, so every rank holds the same values. The event marks the dequantization's end.
+  Result<async::Event> gather_int8_into(const UnitIo& io, const Tensor& whole, const void* source, bool source_on_device,
+                                        void* staging) const;
+  std::size_t int8_gather_bytes() const noexcept;
   // Its whole gradient averaged over every rank, in place (stage 0).
   Result<async::Event> all_reduce_gradient(const UnitIo& io) const;
   // Its whole gradient averaged into this rank's block `mine`: reduce-scattered within its shard

@@ -10,6 +10,7 @@
 #include "coshard/zero/memory_estimate.hpp"
 #include "engine/state.hpp"
 #include "plan/fetch_units.hpp"
+#include "plan/quantized_gathers.hpp"
 
 namespace coshard::zero {
 
@@ -219,8 +220,10 @@ Result<void> Engine::State::choose_strategies(std::span<const FetchUnitInfo> inf
   }
   reduction = make_gradient_reduction(o.zero_stage);
   residence = make_parameter_residence(o.zero_stage);
-  for (auto& u : units)
+  for (auto& u : units) {
     u->block_offset = residence->sharded() ? static_cast<std::int64_t>(u->group->rank) * u->info.shard : 0;
+    u->int8_block = int8_block_for(o, u->info);
+  }
   if (!optimizer_placement || !shard_placement)
     return fail(ErrorCode::invalid_argument, "offload_optimizer=", static_cast<int>(o.offload_optimizer.device),
                 ", offload_params=", static_cast<int>(o.offload_params.device), ": expected none, cpu or nvme for each");
@@ -300,6 +303,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   COSHARD_TRY(check_offload_placement(o));
   COSHARD_TRY(check_step_in_backward(o, optimizer.control()));
   COSHARD_TRY(check_swap_gradients(o));
+  COSHARD_TRY(check_quantized_gathers(o));
   // A plan this machine cannot hold is refused with the numbers before anything is allocated
   // (activations come on top: a trainer checks those with the rest).
   if (o.check_memory) {

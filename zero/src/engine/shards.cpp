@@ -57,7 +57,7 @@ async::Task<Result<std::vector<GatheredParameter>>> Engine::State::gather_values
       COSHARD_CO_TRY_ASSIGN(whole, ctx.empty(Shape{u.info.padded}, s.o.dtype));
       const ShardWiring wiring = s.shard_wiring();  // (named: an aggregate temporary in co_await, GCC 12)
       COSHARD_CO_TRY(co_await s.shard_placement->make_ready(wiring, u));
-      auto done = s.gathers->gather_unit(u, whole);
+      auto done = s.gathers->gather_unit(u, whole, GatherScheduler::Exactness::exact);
       if (!done) co_return fail(std::move(done).error().with_context("gathering unit " + u.info.name + " for export"));
       COSHARD_CO_TRY(compute.wait(*done));
     }

@@ -11,6 +11,7 @@
 #include "coshard/async/memory.hpp"
 #include "coshard/offload/pinned_pool.hpp"
 #include "plan/fetch_units.hpp"
+#include "plan/quantized_gathers.hpp"
 
 namespace coshard::zero {
 
@@ -134,6 +135,8 @@ MemoryEstimate detail::estimate_for_units(std::span<const FetchUnitInfo> units, 
   // Parameters and gradients: the residence's and the reduction's own lines, as the engine they
   // would make holds them.
   make_parameter_residence(o.zero_stage)->estimate(m, {whole, shards_on_device}, o);
+  if (const std::size_t staging = int8_staging_bytes(o, std::min(whole, o.max_live_bytes)); staging > 0 && o.zero_stage == 3)
+    m.add(P::device, "quantized gathers' int8 pieces (quantize_weights)", staging);
   if (o.device_memory_budget > 0 && o.offload_params == OffloadTarget::cpu)
     m.notes.push_back("device_memory_budget " + format_bytes(o.device_memory_budget) + ": the parameter shards of " +
                       std::to_string(units_on_device) + " of " + std::to_string(units.size()) +

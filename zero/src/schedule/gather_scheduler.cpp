@@ -38,9 +38,17 @@ void GatherScheduler::settle_prefetch(FetchUnit& u) {
   u.prefetched = false;
 }
 
-Result<async::Event> GatherScheduler::gather_unit(FetchUnit& u, const Tensor& whole) {
+Result<async::Event> GatherScheduler::gather_unit(FetchUnit& u, const Tensor& whole, Exactness exactness) {
   COSHARD_TRY_ASSIGN(const void* source, w_.shards.source(u));
-  auto done = u.gather_into(w_.io, w_.o.fetch_mode, whole, source, w_.shards.on_device(u));
+  Result<async::Event> done = fail(ErrorCode::internal, "gather of unit ", u.info.name, " not issued");
+  if (u.int8_block > 0 && exactness == Exactness::as_configured) {
+    // The int8 pieces live on the communication stream until their dequantization has run there.
+    auto& cs = w_.io.world.stream();
+    COSHARD_TRY_ASSIGN(auto pieces, w_.io.ctx.allocator().allocate(u.int8_gather_bytes(), cs));
+    done = u.gather_int8_into(w_.io, whole, source, w_.shards.on_device(u), pieces.data());
+  } else {
+    done = u.gather_into(w_.io, w_.o.fetch_mode, whole, source, w_.shards.on_device(u));
+  }
   if (done) COSHARD_TRY(w_.shards.gathered(u, *done));
   return done;
 }
@@ -55,7 +63,7 @@ Result<void> GatherScheduler::issue_gather(FetchUnit& u, async::Semaphore::Permi
   // so returning the block needs no record on the communication stream.
   COSHARD_TRY_ASSIGN(u.gathered_block, w_.io.ctx.allocator().allocate(u.info.padded_bytes, w_.io.ctx.stream()));
   u.gathered = Tensor(u.gathered_block.data(), Shape{u.info.padded}, w_.io.dtype, w_.io.ctx.device());
-  auto done = gather_unit(u, u.gathered);
+  auto done = gather_unit(u, u.gathered, Exactness::as_configured);
   if (!done) return fail(std::move(done).error().with_context("gathering unit " + u.info.name));
   u.gathered_event = std::move(*done);
   if (w_.timeline.spans_on()) {
@@ -72,7 +80,7 @@ Result<void> GatherScheduler::issue_gather(FetchUnit& u, async::Semaphore::Permi
   // (held: what the host has gathered, and released bytes whose last use has not passed yet)
   w_.stats.peak_live_bytes = std::max(w_.stats.peak_live_bytes, logical_live_ + budget_->pending());
   ++w_.stats.gathers;
-  w_.stats.gathered_bytes += u.info.padded_bytes;
+  w_.stats.gathered_bytes += u.int8_block > 0 ? u.int8_gather_bytes() : u.info.padded_bytes;  // (what the gather carried)
   return {};
 }
 

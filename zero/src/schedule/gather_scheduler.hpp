@@ -48,8 +48,11 @@ class GatherScheduler final : public UnitGathers {
   bool keep_after_use(const FetchUnit& u) const override;
 
   // Unit u's shards of every rank into `whole` on the communication stream (the shard placement
-  // gives this rank's, and hears when the gather that read it is enqueued).
-  Result<async::Event> gather_unit(FetchUnit& u, const Tensor& whole);
+  // gives this rank's, and hears when the gather that read it is enqueued): for compute as the
+  // unit's gathers are configured (int8 blocks with quantize_weights), or exactly (an export,
+  // gather_parameters: the values a checkpoint or a user reads are the shards' own).
+  enum class Exactness : std::uint8_t { as_configured, exact };
+  Result<async::Event> gather_unit(FetchUnit& u, const Tensor& whole, Exactness exactness);
 
   // A pass (a step's forward and backward, or an inference pass) starts: its trace chosen. Ends:
   // its order recorded for the next; whether it changed.

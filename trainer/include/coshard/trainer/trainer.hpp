@@ -169,6 +169,9 @@ class TrainerBuilder {
   }
   TrainerBuilder& zero_stage(int v) { c_.zero_stage = v; return *this; }
   TrainerBuilder& fetch_mode(zero::FetchMode v) { c_.fetch_mode = v; return *this; }
+  TrainerBuilder& quantize_weights(zero::Quantization v) { c_.quantize_weights = v; return *this; }
+  TrainerBuilder& quantize_frozen_weights(zero::Quantization v) { c_.quantize_frozen_weights = v; return *this; }
+  TrainerBuilder& quantize_weights_block(std::int64_t v) { c_.quantize_weights_block = v; return *this; }
   TrainerBuilder& prefetch_bucket_bytes(std::size_t v) { c_.prefetch_bucket_bytes = v; return *this; }
   TrainerBuilder& max_live_bytes(std::size_t v) {
     c_.max_live_bytes = v;

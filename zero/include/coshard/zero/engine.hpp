@@ -158,7 +158,7 @@ struct EngineStepStats {
   std::uint64_t prefetch_hits = 0;    // of those, already gathered or in flight
   std::uint64_t gathers = 0;          // collectives issued to gather units
   std::uint64_t collective_launches = 0;
-  std::uint64_t gathered_bytes = 0;         // parameter bytes received by all-gathers (padded units)
+  std::uint64_t gathered_bytes = 0;         // parameter bytes received by all-gathers (padded units; int8 blocks and scales where quantized)
   std::uint64_t reduce_scattered_bytes = 0; // gradient bytes put into reduce-scatters
   std::uint64_t swap_bytes = 0;             // offload: gradient shards out, parameter shards back, state and parameter shards read and written
   std::uint64_t stepped_in_backward = 0;    // step_in_backward: units stepped on the host during backward

@@ -25,6 +25,11 @@ enum class FetchMode : std::uint8_t {
   all_reduce,  // zero the buffer, place the local shard, sum (favoured by some interconnects)
 };
 
+// What a quantized collective carries (ZeRO++): nothing quantized, or blocks of int8 (int4: the
+// gradients' reduction only) with one f32 scale per block.
+enum class Quantization : std::uint8_t { none, int8, int4 };
+std::string_view to_string(Quantization q) noexcept;
+
 // Where optimizer state or parameters live when offloaded from the compute device.
 enum class OffloadTarget : std::uint8_t {
   none,  // on the compute device
@@ -75,6 +80,21 @@ struct EngineOptions {
   // instead of being gathered again for each use.
   bool keep_frozen_gathered = true;
   FetchMode fetch_mode = FetchMode::all_gather;
+  // Stage 3: quantized weight gathers (ZeRO++'s qwZ; DeepSpeed's zero_quantized_weights). Each
+  // rank quantizes its shard in blocks of quantize_weights_block elements (int8, symmetric, one
+  // f32 scale a block), the gather carries those bytes (about a quarter of f32's, half of
+  // bf16's), and every rank dequantizes every piece, its own too, into the compute dtype: all
+  // ranks compute with the same weights. The shards, the fp32 masters and the optimizer never see
+  // a quantized value; checkpoints, exports and gather_parameters() gather exactly. A block
+  // holding inf or NaN comes back all NaN (the loss shows it), never a quiet finite value.
+  // none or int8.
+  Quantization quantize_weights = Quantization::none;
+  // The same for frozen units alone (every parameter frozen: a fine-tuned base, LoRA's;
+  // DeepSpeed's zero_quantized_nontrainable_weights): the units that train gather exactly.
+  Quantization quantize_frozen_weights = Quantization::none;
+  // The elements a scale covers (>= 8: below that the scales outweigh the values they save).
+  // DeepSpeed's quantizer's default group of 2048. Smaller blocks: closer weights, more scales.
+  std::int64_t quantize_weights_block = 2048;
   // Timed events around every wait of the compute stream on communication, so each step reports
   // exposed_comm_ms (read after the step from device timestamps, never by a synchronize). A few
   // more events a unit: off by default, on in the Trainer.
@@ -186,5 +206,8 @@ Result<void> check_offload_placement(const EngineOptions& o);
 Result<void> check_step_in_backward(const EngineOptions& o, const StepControlOptions& control);
 // Whether swap_gradients can go with the offload asked for (offload_optimizer=nvme).
 Result<void> check_swap_gradients(const EngineOptions& o);
+// Whether the quantized gathers asked for can be had (stage 3, all_gather fetches, int8, a block
+// of at least 8): the first rule broken, named.
+Result<void> check_quantized_gathers(const EngineOptions& o);
 
 }  // namespace coshard::zero

@@ -1,0 +1,56 @@
+#include "plan/quantized_gathers.hpp"
+
+#include "coshard/modules/tensor.hpp"
+
+namespace coshard::zero {
+
+std::string_view to_string(Quantization q) noexcept {
+  switch (q) {
+    case Quantization::none: return "none";
+    case Quantization::int8: return "int8";
+    case Quantization::int4: return "int4";
+  }
+  return "?";
+}
+
+Result<void> check_quantized_gathers(const EngineOptions& o) {
+  for (const auto& [name, q] : {std::pair{"quantize_weights", o.quantize_weights},
+                                std::pair{"quantize_frozen_weights", o.quantize_frozen_weights}}) {
+    if (q == Quantization::none) continue;
+    if (q != Quantization::int8)
+      return fail(ErrorCode::invalid_argument, name, "=", to_string(q),
+                  ": weight gathers are quantized to int8 blocks only (expected none or int8; int4 is for the "
+                  "gradients' reduction)");
+    if (o.zero_stage != 3)
+      return fail(ErrorCode::invalid_argument, name, "=", to_string(q), " with zero_stage=", o.zero_stage,
+                  ": stages 0-2 keep whole copies and gather no weights before a forward (expected zero_stage 3)");
+    if (o.fetch_mode != FetchMode::all_gather)
+      return fail(ErrorCode::invalid_argument, name, "=", to_string(q),
+                  " with fetch_mode=all_reduce: a sum of int8 pieces is no gather (expected fetch_mode all_gather)");
+    constexpr std::int64_t kLargestBlock = std::int64_t{1} << 30;
+    if (o.quantize_weights_block < 8 || o.quantize_weights_block > kLargestBlock)
+      return fail(ErrorCode::invalid_argument, "quantize_weights_block=", o.quantize_weights_block,
+                  ": expected 8 to 2^30 elements a scale (below 8 the f32 scales outweigh the bytes int8 saves)");
+  }
+  return {};
+}
+
+namespace detail {
+
+std::int64_t int8_block_for(const EngineOptions& o, const FetchUnitInfo& info) {
+  const bool quantized = o.quantize_weights == Quantization::int8 ||
+                         (info.frozen && o.quantize_frozen_weights == Quantization::int8);
+  return quantized && o.zero_stage == 3 ? o.quantize_weights_block : 0;
+}
+
+std::size_t int8_staging_bytes(const EngineOptions& o, std::size_t gathered) {
+  if (o.quantize_weights == Quantization::none && o.quantize_frozen_weights == Quantization::none) return 0;
+  // A value of size_of(dtype) bytes travels as one byte and a share of its block's scale; each
+  // rank's piece rounds both parts up to 16 bytes (a little slack for that).
+  const double per_byte = (1.0 + 4.0 / static_cast<double>(o.quantize_weights_block)) /
+                          static_cast<double>(modules::size_of(o.dtype));
+  return static_cast<std::size_t>(static_cast<double>(gathered) * per_byte) + (std::size_t{64} << 10);
+}
+
+}  // namespace detail
+}  // namespace coshard::zero

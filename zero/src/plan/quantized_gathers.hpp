@@ -1,0 +1,19 @@
+// Quantized weight gathers (ZeRO++'s qwZ, EngineOptions::quantize_weights): which units gather
+// int8 blocks, and the memory their bytes take beside the gathered parameters. Private.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "coshard/zero/engine.hpp"
+
+namespace coshard::zero::detail {
+
+// The int8 block a unit's gathers for compute carry (quantize_weights, or quantize_frozen_weights
+// for a frozen unit), 0 for exact gathers.
+std::int64_t int8_block_for(const EngineOptions& o, const FetchUnitInfo& info);
+// The most bytes the quantized gathers' int8 pieces take at once beside `gathered` bytes of
+// gathered parameters (each gather's pieces live until its dequantization has run); 0 without.
+std::size_t int8_staging_bytes(const EngineOptions& o, std::size_t gathered);
+
+}  // namespace coshard::zero::detail
