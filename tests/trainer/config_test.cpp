@@ -455,6 +455,37 @@ TEST(DeepSpeedJson, MicsShardSizeIsTheShardGroupAndHpzIsRefused) {
   EXPECT_NE(bad.error().message().find("mics_shard_size"), std::string::npos) << bad.error().message();
 }
 
+// ZeRO++'s qwZ keys: int8 weight gathers of every unit or of frozen ones; refused where no weights
+// are gathered (stage 2), by the engine's own rule.
+TEST(DeepSpeedJson, QuantizedWeightsAreTheQuantizedGathers) {
+  auto c = TrainerConfig::from_json(
+      R"({"zero_optimization": {"stage": 3, "zero_quantized_weights": true, "zero_quantized_nontrainable_weights": false}})",
+      TrainerConfig{});
+  ASSERT_TRUE(c) << c.error().message();
+  EXPECT_EQ(c->engine_options().quantize_weights, zero::Quantization::int8);
+  EXPECT_EQ(c->engine_options().quantize_frozen_weights, zero::Quantization::none);
+  EXPECT_TRUE(c->validate());
+  auto frozen = TrainerConfig::from_json(R"({"stage": 3, "zero_quantized_nontrainable_weights": true})", TrainerConfig{});
+  ASSERT_TRUE(frozen) << frozen.error().message();
+  EXPECT_EQ(frozen->quantize_weights, zero::Quantization::none);
+  EXPECT_EQ(frozen->quantize_frozen_weights, zero::Quantization::int8);
+  auto own = TrainerConfig::from_json(R"({"quantize_weights": "int8", "quantize_weights_block": 256})", TrainerConfig{});
+  ASSERT_TRUE(own) << own.error().message();
+  EXPECT_EQ(own->quantize_weights_block, 256);
+  auto stage2 = TrainerConfig::from_json(R"({"stage": 2, "zero_quantized_weights": true})", TrainerConfig{});
+  ASSERT_FALSE(stage2);
+  EXPECT_NE(stage2.error().message().find("quantize_weights=int8 with zero_stage=2"), std::string::npos)
+      << stage2.error().message();
+  auto not_bool = TrainerConfig::from_json(R"({"stage": 3, "zero_quantized_weights": "yes"})", TrainerConfig{});
+  ASSERT_FALSE(not_bool);
+  EXPECT_NE(not_bool.error().message().find("zero_quantized_weights"), std::string::npos) << not_bool.error().message();
+  auto int4 = TrainerConfig::from_json(R"({"quantize_weights": "int4"})", TrainerConfig{});
+  ASSERT_FALSE(int4);
+  EXPECT_NE(int4.error().message().find("expected none or int8"), std::string::npos) << int4.error().message();
+  auto tiny = TrainerConfig::from_json(R"({"quantize_weights_block": 4})", TrainerConfig{});
+  EXPECT_FALSE(tiny && tiny->validate());
+}
+
 // "local": the ranks of one node, resolved when the engine's options are made (ranks as threads
 // of one process are one node: the whole world).
 TEST(TrainerConfig, LocalShardGroupsAreTheRanksOfOneNode) {

@@ -1,0 +1,175 @@
+// coshard-train with quantized weight gathers (--quantize-weights, --quantize-frozen-weights; #63
+// item 1), the user's path: a Llama from a Hugging Face folder (--init) at world 2, with the
+// optimizer and parameters offloaded, with tensor parallelism and in bf16, tracking the exact
+// gathers' losses step by step while the gathers carry about a quarter (f32) or half (bf16) of the
+// bytes; the export exact (lr 1e-30 exports the folder's own weights); a resume under quantization
+// the uninterrupted run's losses; LoRA's frozen base quantized alone and never changed; bad flags
+// refused by name before anything runs.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "binary_harness.hpp"
+#include "safetensors_values.hpp"
+#include "support/sanitizers.hpp"
+
+namespace coshard::testing {
+namespace {
+
+// Dim 64: each rank's shard of a projection holds several blocks of 64.
+const std::vector<std::string> kLlama = {"--model", "llama", "--layers", "2", "--dim", "64", "--heads", "4",
+                                         "--kv-heads", "2", "--seq", "8", "--batch", "12", "--vocab", "256",
+                                         "--clip", "0"};
+
+std::vector<double> column(const fs::path& metrics, const std::string& key) {
+  std::ifstream in(metrics);
+  std::string line;
+  std::vector<double> out;
+  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line)[key].get<double>());
+  return out;
+}
+
+// The folder a user starts from: a Llama exported as Hugging Face's, nothing trained.
+fs::path make_folder(const fs::path& dir) {
+  const auto made = run(with(kLlama, {"--world-size", "1", "--freeze", "*", "--seed", "7", "--steps", "1", "--quiet",
+                                      "--export", (dir / "base").string()}),
+                        dir);
+  EXPECT_EQ(made.code, 0) << made.output;
+  return dir / "base";
+}
+
+std::vector<std::string> from(const fs::path& folder, const std::string& steps, const std::string& lr = "0.005") {
+  return {"--init", folder.string(), "--seq", "8", "--batch", "12", "--clip", "0", "--lr", lr, "--steps", steps};
+}
+
+// Every step's loss within `tolerance` of the exact run's, and the gathers' bytes at most `bytes`
+// of its.
+void expect_tracks(const fs::path& got, const fs::path& exact, double tolerance, double bytes) {
+  const auto losses = column(got, "loss"), want = column(exact, "loss");
+  ASSERT_EQ(losses.size(), want.size());
+  ASSERT_FALSE(want.empty());
+  for (std::size_t i = 0; i < want.size(); ++i)
+    EXPECT_NEAR(losses[i], want[i], tolerance * want[i]) << "step " << i + 1;
+  EXPECT_NE(losses, want) << "nothing was quantized";
+  const auto g = column(got, "gathered_bytes"), e = column(exact, "gathered_bytes");
+  const double ratio = std::accumulate(g.begin(), g.end(), 0.0) / std::accumulate(e.begin(), e.end(), 0.0);
+  EXPECT_LE(ratio, bytes) << "the gathers carried " << ratio << " of the exact gathers' bytes";
+}
+
+TEST(CoshardTrainQuantizedGathers, AFolderTrainsCloseToExactGathersOnEveryLayout) {
+  const fs::path dir = scratch("quantized_gathers");
+  const fs::path base = make_folder(dir);
+  auto train = [&](std::vector<std::string> flags, const std::string& name, const std::string& steps = "10") {
+    flags.insert(flags.end(), {"--metrics", (dir / (name + ".jsonl")).string()});
+    return run(with(from(base, steps), flags), dir);
+  };
+  struct Layout {
+    std::string name;
+    std::vector<std::string> flags;
+    double bytes;
+  };
+  std::vector<Layout> layouts = {
+      {"world2", {"--world-size", "2"}, 0.3},
+      {"offload", {"--world-size", "3", "--offload-optimizer", "cpu", "--offload-params", "cpu"}, 0.3},
+      {"tensor", {"--world-size", "4", "--tensor-parallel", "2"}, 0.3},
+      {"bf16", {"--world-size", "2", "--dtype", "bf16"}, 0.6},
+  };
+  if (kSanitized) layouts.resize(2);
+  for (const auto& layout : layouts) {
+    SCOPED_TRACE(layout.name);
+    const auto exact = train(with(layout.flags, {"--quiet"}), layout.name + "_exact");
+    ASSERT_EQ(exact.code, 0) << exact.output;
+    const auto quantized =
+        train(with(layout.flags, {"--quantize-weights", "int8", "--quantize-weights-block", "64"}), layout.name);
+    ASSERT_EQ(quantized.code, 0) << quantized.output;
+    EXPECT_NE(quantized.output.find("quantized weight gathers: int8 blocks of 64"), std::string::npos) << quantized.output;
+    expect_tracks(dir / (layout.name + ".jsonl"), dir / (layout.name + "_exact.jsonl"),
+                  layout.name == "bf16" ? 0.03 : 0.02, layout.bytes);
+  }
+
+  // The export is the shards' own values: at lr 1e-30 nothing moves, and the folder written under
+  // quantization is the folder read, bit for bit.
+  const auto still = run(with(from(base, "2", "1e-30"), {"--world-size", "2", "--quantize-weights", "int8", "--quiet",
+                                                         "--export", (dir / "still").string()}),
+                         dir);
+  ASSERT_EQ(still.code, 0) << still.output;
+  EXPECT_EQ(tensors_in(dir / "still" / "model.safetensors"), tensors_in(base / "model.safetensors"));
+
+  // A resume under quantization continues as the run that was not stopped: the dequantized weights
+  // follow the shards alone.
+  const auto whole = train({"--world-size", "2", "--quantize-weights", "int8", "--quiet"}, "whole", "8");
+  ASSERT_EQ(whole.code, 0) << whole.output;
+  const std::vector<std::string> checkpointed = {"--world-size", "2", "--quantize-weights", "int8", "--quiet",
+                                                 "--checkpoint-dir", (dir / "ck").string(), "--checkpoint-every", "4"};
+  const auto first = train(checkpointed, "first", "4");
+  ASSERT_EQ(first.code, 0) << first.output;
+  const auto resumed = train(with(checkpointed, {"--resume"}), "resumed", "8");
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  const auto all = column(dir / "whole.jsonl", "loss"), rest = column(dir / "resumed.jsonl", "loss");
+  ASSERT_EQ(all.size(), 8u);
+  ASSERT_EQ(rest.size(), 4u);
+  for (std::size_t i = 0; i < 4; ++i) EXPECT_EQ(rest[i], all[4 + i]) << "step " << 5 + i;
+}
+
+TEST(CoshardTrainQuantizedGathers, LorasFrozenBaseAloneIsQuantizedAndNeverChanges) {
+  const fs::path dir = scratch("quantized_gathers_lora");
+  const fs::path base = make_folder(dir);
+  const std::vector<std::string> lora = {"--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", "q_proj",
+                                         "--lora-targets", "v_proj"};
+  std::vector<std::pair<std::string, std::vector<std::string>>> layouts = {
+      {"world2", {"--world-size", "2"}},
+      {"tensor", {"--world-size", "4", "--tensor-parallel", "2", "--offload-optimizer", "cpu"}},
+  };
+  if (kSanitized) layouts.resize(1);
+  for (const auto& [name, flags] : layouts) {
+    SCOPED_TRACE(name);
+    auto train = [&, name = name, flags = flags](std::vector<std::string> more, const std::string& label) {
+      more.insert(more.end(), {"--metrics", (dir / (name + label + ".jsonl")).string(), "--export",
+                               (dir / (name + label + ".safetensors")).string()});
+      return run(with(with(with(from(base, "10"), lora), flags), more), dir);
+    };
+    const auto exact = train({"--quiet"}, "_exact");
+    ASSERT_EQ(exact.code, 0) << exact.output;
+    const auto quantized = train({"--quantize-frozen-weights", "int8", "--quantize-weights-block", "64"}, "");
+    ASSERT_EQ(quantized.code, 0) << quantized.output;
+    EXPECT_NE(quantized.output.find("(the frozen ones)"), std::string::npos) << quantized.output;
+    expect_tracks(dir / (name + ".jsonl"), dir / (name + "_exact.jsonl"), 0.02, 0.4);
+    // The base as the folder gave it; the adapters trained.
+    const auto got = tensors_in(dir / (name + ".safetensors")), want = tensors_in(dir / (name + "_exact.safetensors"));
+    ASSERT_EQ(got.size(), want.size());
+    for (const auto& [tensor, values] : got) {
+      if (tensor.find(".lora_") == std::string::npos)
+        EXPECT_EQ(values, want.at(tensor)) << tensor << ": the frozen base changed";
+      else if (tensor.ends_with(".B"))
+        EXPECT_TRUE(std::any_of(values.begin(), values.end(), [](float v) { return v != 0; })) << tensor << " did not train";
+    }
+  }
+}
+
+TEST(CoshardTrainQuantizedGathers, BadFlagsAreRefusedByName) {
+  const fs::path dir = scratch("quantized_gathers_bad");
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--zero-stage", "2", "--quantize-weights", "int8"}, "quantize_weights=int8 with zero_stage=2"},
+      {{"--quantize-frozen-weights", "int8", "--zero-stage", "0"}, "quantize_frozen_weights=int8 with zero_stage=0"},
+      {{"--quantize-weights", "int8", "--fetch-mode", "all_reduce"}, "fetch_mode=all_reduce"},
+      {{"--quantize-weights", "int4"}, "--quantize-weights"},
+      {{"--quantize-weights-block", "4"}, "--quantize-weights-block"},
+  };
+  for (const auto& [flags, message] : cases) {
+    const auto r = run(with(with(kLlama, {"--steps", "1"}), flags), dir);
+    EXPECT_EQ(r.code, 2) << r.output;
+    EXPECT_NE(r.output.find(message), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("step 1"), std::string::npos) << r.output;
+  }
+}
+
+}  // namespace
+}  // namespace coshard::testing
