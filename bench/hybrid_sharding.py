@@ -7,14 +7,15 @@ one run:
       [--nodes 2] [--ranks-per-node 2] [--rates 1gbit,10gbit] [--out results.json] [-- extra flags]
 
 For each link rate and each mode (full: stage 3 over the whole world; hybrid: stage 3 sharded
-within each node, --shard-group-size local; stage0: plain data parallelism; tensor, for a Llama
+within each node, --shard-group-size local; stage0: plain data parallelism; qweights: full with int8 weight gathers; tensor, for a Llama
 shape: the model split over each node's ranks, --tensor-parallel ranks-per-node, and ZeRO-3 over
 the data ranks across the nodes), coshard-train runs
 twice, for --steps and for twice as many: the bytes each node sent over its link per step are the
 difference over the extra steps (launch, setup and the first steps cancel), and the step time is
 the median over the longer run's steps after --warmup. The peak resident memory of a node is
 its ranks' together (getrusage of each rank process). Losses of every mode are checked to agree
-within 1e-5 relative (they train the same model on the same data).
+within 1e-5 relative (they train the same model on the same data), but the quantized modes' (qweights:
+--quantize-weights int8), which train on other values: their distance from full sharding's is printed.
 """
 import argparse
 import json
@@ -37,7 +38,12 @@ MODES = {
     "hybrid": ["--zero-stage", "3", "--shard-group-size", "local"],
     "stage0": ["--zero-stage", "0"],
     "tensor": ["--zero-stage", "3"],  # (+ --tensor-parallel ranks-per-node; Llama shapes only)
+    # ZeRO++ (#63): full sharding with the weights' gathers as int8 blocks
+    "qweights": ["--zero-stage", "3", "--quantize-weights", "int8"],
 }
+# Modes that train on other values than full sharding (quantized): their losses are compared, not
+# required to agree.
+APPROXIMATE = {"qweights"}
 # Each rank under getrusage: its peak resident set, written where the rank's number says.
 RSS_WRAPPER = (
     "import os, resource, subprocess, sys\n"
@@ -113,6 +119,11 @@ def main():
             # The first --steps within 1e-5 (later steps drift apart by AdamW's normalized last bits:
             # another order of additions; the long run's largest difference is reported).
             for mode, l in losses.items():
+                if mode in APPROXIMATE:
+                    drift = max(abs(x - y) / max(abs(y), 1e-3) for x, y in zip(l, losses["full"]))
+                    print(f"{rate:>7} {mode:>7}: losses within {drift:.1e} of full sharding's over {len(l)} steps "
+                          f"(final {l[-1]:.4f} against {losses['full'][-1]:.4f})", flush=True)
+                    continue
                 for i, (x, y) in enumerate(zip(l[:a.steps], losses["full"])):
                     if abs(x - y) > 1e-5 * max(abs(y), 1e-3):
                         sys.exit(f"hybrid_sharding: {mode} step {i + 1} loss {x}, full sharding {y}: the modes disagree")
