@@ -2,16 +2,17 @@
 """Training quality under ZeRO++'s quantized communication (#63), in one run:
 
   python3 bench/quantized_quality.py --coshard build/release/trainer/coshard-train \
-      [--world-size 2] [--out results.json]
+      [--world-size 2] [--seeds 1,2,3] [--out results.json]
 
 Two jobs, each trained once with exact ZeRO-3 and once with each quantized mode:
   main    the README's main job (scripts/run.sh: a GPT of 0.14M parameters on the repository's
           docs as bytes, 600 steps, cosine decay)
   llama   a Llama of 3.1M parameters (4 layers, dim 256, 8 heads over 4 key/value heads) on the
           same text, 400 steps, cosine decay
-Modes: exact (ZeRO-3), exact1 (the same on one rank: its distance from exact is the order of
-additions alone, the measurement's floor), qweights (--quantize-weights int8). Every run: the same
-seed and data, --world-size ranks as threads. The loss compared is the validation loss over fixed
+Modes: exact (ZeRO-3), exact1 (the same on one rank, first seed only: its distance from exact is the
+order of additions alone), qweights (--quantize-weights int8). Every run: the same data, --world-size
+ranks as threads; each job once per seed (--seeds), as a run perturbed at every step ends wherever its
+trajectory takes it: the seeds' spread of exact runs is the yardstick for one run's difference. The loss compared is the validation loss over fixed
 batches of the same text (--val-data, --eval-batches 8, every 100 steps and after the last): one
 batch's training loss is noisy, and runs that differ in their last bits wander apart step by step
 (chaotic, not biased), so a mean of training losses can differ by a few percent between two exact
@@ -44,10 +45,11 @@ MODES = {
 WINDOW = 100
 
 
-def train(a, job, mode, work):
-    metrics = os.path.join(work, f"{job}-{mode}.jsonl")
-    cmd = [a.coshard] + JOBS[job] + ["--zero-stage", "3", "--world-size", str(a.world_size), "--quiet",
-                                     "--metrics", metrics] + MODES[mode]
+def train(a, job, mode, seed, work):
+    metrics = os.path.join(work, f"{job}-{mode}-{seed}.jsonl")
+    world = ["--world-size", str(a.world_size)] if "--world-size" not in MODES[mode] else []
+    cmd = [a.coshard] + JOBS[job] + ["--zero-stage", "3", "--quiet", "--metrics", metrics, "--seed", str(seed)] + world + \
+        MODES[mode]
     done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode != 0:
         sys.exit(f"quantized_quality: {' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-4000:]}")
@@ -60,37 +62,42 @@ def main():
     p.add_argument("--coshard", required=True, help="the coshard-train binary")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--jobs", default="main,llama")
+    p.add_argument("--seeds", default="1,2,3")
     p.add_argument("--out", help="write the results as JSON here")
     a = p.parse_args()
     results = {}
     with tempfile.TemporaryDirectory(prefix="quantized_quality.") as work:
         for job in a.jobs.split(","):
-            runs = {mode: train(a, job, mode, work) for mode in MODES}
-            steps = len(runs["exact"])
-            print(f"\n{job}: validation loss (world {a.world_size}, ZeRO-3; exact1: one rank)")
-            print("| step | " + " | ".join(MODES) + " |")
-            print("|---|" + "---|" * len(MODES))
-            evals = [i for i, r in enumerate(runs["exact"]) if "val_loss" in r]
-            for i in evals:
-                print(f"| {i + 1} | " + " | ".join(f"{runs[m][i]['val_loss']:.4f}" for m in MODES) + " |")
-            print(f"\n{job}: training loss, mean over each window of {WINDOW} steps")
-            print("| steps | " + " | ".join(MODES) + " |")
-            print("|---|" + "---|" * len(MODES))
-            for s in range(0, steps, WINDOW):
-                e = min(s + WINDOW, steps)
-                means = [statistics.mean(r["loss"] for r in runs[m][s:e]) for m in MODES]
-                print(f"| {s + 1}-{e} | " + " | ".join(f"{x:.4f}" for x in means) + " |")
-            exact_final = runs["exact"][-1]["val_loss"]
-            exact_bytes = statistics.mean(r["gathered_bytes"] for r in runs["exact"])
-            for mode, rows in runs.items():
-                final = rows[-1]["val_loss"]
-                gathered = statistics.mean(r["gathered_bytes"] for r in rows)
-                results.setdefault(job, {})[mode] = {"final_val_loss": final, "losses": [r["loss"] for r in rows],
-                                                     "val_losses": [rows[i]["val_loss"] for i in evals],
-                                                     "gathered_bytes_per_step": gathered}
-                print(f"{job} {mode:>9}: final validation loss {final:.4f}, {100 * (final - exact_final) / exact_final:+.2f}% "
-                      f"against exact; gathered bytes a step {gathered / 1e6:.3f} MB ({gathered / exact_bytes:.2f}x)",
-                      flush=True)
+            seeds = [int(x) for x in a.seeds.split(",")]
+            finals = {}
+            for seed in seeds:
+                modes = [m for m in MODES if m != "exact1" or seed == seeds[0]]
+                runs = {mode: train(a, job, mode, seed, work) for mode in modes}
+                evals = [i for i, r in enumerate(runs["exact"]) if "val_loss" in r]
+                print(f"\n{job}, seed {seed}: validation loss (world {a.world_size}, ZeRO-3; exact1: one rank)")
+                print("| step | " + " | ".join(modes) + " |")
+                print("|---|" + "---|" * len(modes))
+                for i in evals:
+                    print(f"| {i + 1} | " + " | ".join(f"{runs[m][i]['val_loss']:.4f}" for m in modes) + " |")
+                exact_final = runs["exact"][-1]["val_loss"]
+                exact_bytes = statistics.mean(r["gathered_bytes"] for r in runs["exact"])
+                for mode, rows in runs.items():
+                    final = rows[-1]["val_loss"]
+                    finals.setdefault(mode, []).append(final)
+                    gathered = statistics.mean(r["gathered_bytes"] for r in rows)
+                    results.setdefault(job, {}).setdefault(mode, []).append(
+                        {"seed": seed, "final_val_loss": final, "losses": [r["loss"] for r in rows],
+                         "val_losses": [rows[i]["val_loss"] for i in evals], "gathered_bytes_per_step": gathered})
+                    print(f"{job} seed {seed} {mode:>9}: final validation loss {final:.4f}, "
+                          f"{100 * (final - exact_final) / exact_final:+.2f}% against exact; gathered bytes a step "
+                          f"{gathered / 1e6:.3f} MB ({gathered / exact_bytes:.2f}x)", flush=True)
+            exact_mean = statistics.mean(finals["exact"])
+            print(f"\n{job}: final validation loss over seeds {seeds}")
+            print("| mode | mean | spread (max - min) | mean vs exact's |")
+            print("|---|---|---|---|")
+            for mode, values in finals.items():
+                print(f"| {mode} | {statistics.mean(values):.4f} | {max(values) - min(values):.4f} | "
+                      f"{100 * (statistics.mean(values) - exact_mean) / exact_mean:+.2f}% |", flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)

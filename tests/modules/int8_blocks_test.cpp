@@ -1,8 +1,8 @@
 // The CPU's block int8 kernels (ZeRO++'s quantized gathers, #63): the bits of the format's
 // reference (tests/support/int8_blocks.hpp, which the emulated CUDA kernels also match) for f32,
-// bf16 and f16 inputs, over random and adversarial blocks; every value within the format's bound,
-// a block holding inf or NaN all NaN and its neighbours untouched; several ranks' pieces side by
-// side dequantized in one call; bad sizes refused by name.
+// bf16 and f16 inputs, over random and adversarial blocks, in segments of several lengths quantized
+// and dequantized in one call each; every value within the format's bound, a block holding inf or
+// NaN all NaN and its neighbours untouched; the padding zeroed; bad sizes refused by name.
 #include <gtest/gtest.h>
 
 #include <bit>
@@ -57,7 +57,9 @@ float read(DataType dt, const std::vector<std::byte>& bytes, std::size_t i) {
   std::memcpy(&bits, bytes.data() + 2 * i, 2);
   return dt == DataType::bf16 ? async::bf16_to_float(bits) : async::f16_to_float(bits);
 }
-bool same(float a, float b) { return std::bit_cast<std::uint32_t>(a) == std::bit_cast<std::uint32_t>(b) || (std::isnan(a) && std::isnan(b)); }
+bool same(float a, float b) {
+  return std::bit_cast<std::uint32_t>(a) == std::bit_cast<std::uint32_t>(b) || (std::isnan(a) && std::isnan(b));
+}
 
 class Int8BlocksCpu : public ::testing::TestWithParam<DataType> {};
 
@@ -69,49 +71,55 @@ TEST_P(Int8BlocksCpu, TheFormatsBitsWithinItsBound) {
   for (const auto& c : testing::int8_block_cases()) {
     SCOPED_TRACE(c.name);
     const auto n = static_cast<std::int64_t>(c.values.size());
-    const Held x = hold(dt, c.values);
-    const auto packed_bytes = static_cast<std::size_t>(int8_packed_bytes(n, c.block));
-    // Two pieces side by side, as a gather of two ranks lands them: the second is the first's
-    // values negated, so each piece must be read at its own place.
-    std::vector<float> negated;
-    for (float v : c.values) negated.push_back(-v);
-    const Held y = hold(dt, negated);
-    std::vector<std::byte> packed(2 * packed_bytes, std::byte{0x5a});  // (padding must come back zeroed)
-    ASSERT_TRUE(k.quantize_int8(*stream, dt, x.bytes.data(), packed.data(), n, c.block));
-    ASSERT_TRUE(k.quantize_int8(*stream, dt, y.bytes.data(), packed.data() + packed_bytes, n, c.block));
-    std::vector<std::byte> out(2 * x.bytes.size());
-    ASSERT_TRUE(k.dequantize_int8(*stream, packed.data(), 2, dt, out.data(), n, c.block));
+    std::vector<float> all = c.values;
+    for (float v : c.values) all.push_back(-v);
+    const Held x = hold(dt, all);
+    std::int64_t packed_bytes = 0, blocks = 0;
+    const auto plan = testing::int8_segments(testing::int8_case_counts(n), c.block, packed_bytes, blocks);
+    std::vector<Int8Segment> segments;
+    for (const auto& g : plan) segments.push_back({g.value, g.count, g.packed, g.first_block});
+    std::vector<std::byte> packed(static_cast<std::size_t>(packed_bytes), std::byte{0x5a});  // (padding must come back zeroed)
+    std::vector<std::byte> out(x.bytes.size());
+    ASSERT_TRUE(k.quantize_int8(*stream, dt, x.bytes.data(), packed.data(), segments.data(),
+                                static_cast<std::int64_t>(segments.size()), blocks, c.block));
+    ASSERT_TRUE(k.dequantize_int8(*stream, packed.data(), dt, out.data(), segments.data(),
+                                  static_cast<std::int64_t>(segments.size()), blocks, c.block));
     ASSERT_TRUE(stream->synchronize());
 
-    for (int piece = 0; piece < 2; ++piece) {
-      const auto& values = piece == 0 ? x.values : y.values;
+    for (const auto& g : plan) {
+      SCOPED_TRACE("segment at " + std::to_string(g.value) + " of " + std::to_string(g.count));
+      const std::vector<float> values(x.values.begin() + g.value, x.values.begin() + g.value + g.count);
       const Int8Blocks want = testing::int8_blocks_reference(values, c.block);
-      const std::byte* base = packed.data() + piece * packed_bytes;
-      for (std::int64_t i = 0; i < n; ++i)
-        ASSERT_EQ(static_cast<std::int8_t>(base[i]), want.q[i]) << "piece " << piece << " value " << i;
-      for (std::int64_t i = n; i < int8_scales_offset(n); ++i) ASSERT_EQ(base[i], std::byte{0}) << "padding " << i;
+      const std::byte* base = packed.data() + g.packed;
+      for (std::int64_t i = 0; i < g.count; ++i) ASSERT_EQ(static_cast<std::int8_t>(base[i]), want.q[i]) << "value " << i;
+      for (std::int64_t i = g.count; i < int8_scales_offset(g.count); ++i) ASSERT_EQ(base[i], std::byte{0}) << "padding " << i;
       for (std::size_t b = 0; b < want.scales.size(); ++b) {
         float scale;
-        std::memcpy(&scale, base + int8_scales_offset(n) + 4 * b, 4);
+        std::memcpy(&scale, base + int8_scales_offset(g.count) + 4 * b, 4);
         ASSERT_TRUE(same(scale, want.scales[b])) << "scale " << b << ": " << scale << " against " << want.scales[b];
       }
+      for (auto i = int8_scales_offset(g.count) + 4 * static_cast<std::int64_t>(want.scales.size());
+           i < int8_packed_bytes(g.count, c.block); ++i)
+        ASSERT_EQ(base[i], std::byte{0}) << "padding " << i;
       const auto back = testing::int8_blocks_values(want, c.block);
       std::vector<float> amax(want.scales.size(), 0.0f);
-      for (std::int64_t i = 0; i < n; ++i) {
+      for (std::int64_t i = 0; i < g.count; ++i) {
         float& m = amax[static_cast<std::size_t>(i / c.block)];
-        m = std::max(m, std::fabs(values[i]));
+        m = std::max(m, std::fabs(values[static_cast<std::size_t>(i)]));
       }
-      for (std::int64_t i = 0; i < n; ++i) {
-        const float got = read(dt, out, static_cast<std::size_t>(piece * n + i));
+      for (std::int64_t i = 0; i < g.count; ++i) {
+        const float got = read(dt, out, static_cast<std::size_t>(g.value + i));
         ASSERT_TRUE(same(got, stored_as(dt, back[i]))) << "value " << i << ": " << got << " against " << back[i];
         const float scale = want.scales[static_cast<std::size_t>(i / c.block)];
         if (std::isnan(scale)) {
           EXPECT_TRUE(std::isnan(got)) << "value " << i << " of a block holding inf or NaN came back " << got;
         } else {
           // The format's bound, then the dtype's rounding of the value that came back.
-          const double dtype_step = dt == DataType::f32 ? 0 : std::fabs(back[i]) * (dt == DataType::bf16 ? 0x1p-8 : 0x1p-11);
-          EXPECT_LE(std::fabs(static_cast<double>(got) - values[i]), testing::int8_blocks_bound(amax[static_cast<std::size_t>(i / c.block)]) + dtype_step)
-              << "value " << i << " = " << values[i] << " came back " << got;
+          const double dtype_step =
+              dt == DataType::f32 ? 0 : std::fabs(back[i]) * (dt == DataType::bf16 ? 0x1p-8 : 0x1p-11);
+          EXPECT_LE(std::fabs(static_cast<double>(got) - values[static_cast<std::size_t>(i)]),
+                    testing::int8_blocks_bound(amax[static_cast<std::size_t>(i / c.block)]) + dtype_step)
+              << "value " << i << " = " << values[static_cast<std::size_t>(i)] << " came back " << got;
         }
       }
     }
@@ -127,14 +135,15 @@ TEST(Int8BlocksCpu, BadSizesAreRefusedByName) {
   ASSERT_TRUE(stream);
   float x[4] = {};
   std::byte packed[64];
-  auto zero_block = k.quantize_int8(*stream, DataType::f32, x, packed, 4, 0);
+  const Int8Segment one{0, 4, 0, 0};
+  auto zero_block = k.quantize_int8(*stream, DataType::f32, x, packed, &one, 1, 1, 0);
   ASSERT_FALSE(zero_block);
   EXPECT_NE(zero_block.error().message().find("int8 blocks of 0 values: expected 1 or more"), std::string::npos)
       << zero_block.error().message();
-  auto negative = k.dequantize_int8(*stream, packed, 1, DataType::f32, x, -1, 4);
+  auto negative = k.dequantize_int8(*stream, packed, DataType::f32, x, &one, -1, 1, 4);
   ASSERT_FALSE(negative);
-  EXPECT_NE(negative.error().message().find("-1 values"), std::string::npos) << negative.error().message();
-  EXPECT_FALSE(k.quantize_int8(*stream, DataType::i32, x, packed, 4, 4));
+  EXPECT_NE(negative.error().message().find("-1 segments"), std::string::npos) << negative.error().message();
+  EXPECT_FALSE(k.quantize_int8(*stream, DataType::i32, x, packed, &one, 1, 1, 4));
 }
 
 }  // namespace

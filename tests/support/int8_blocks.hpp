@@ -61,6 +61,33 @@ inline double int8_blocks_bound(float amax) {
   return static_cast<double>(amax) / 254.0 * (1 + 1e-6) + 254.0 * std::numeric_limits<float>::denorm_min();
 }
 
+// Segments of these counts laid side by side (values and packed bytes), as kernel_args.hpp's
+// Int8Segment: {value, count, packed, first_block}.
+struct Int8SegmentPlan {
+  std::int64_t value, count, packed, first_block;
+};
+inline std::vector<Int8SegmentPlan> int8_segments(const std::vector<std::int64_t>& counts, std::int64_t block,
+                                                  std::int64_t& packed_bytes, std::int64_t& blocks) {
+  std::vector<Int8SegmentPlan> out;
+  std::int64_t value = 0;
+  packed_bytes = 0;
+  blocks = 0;
+  for (std::int64_t n : counts) {
+    out.push_back({value, n, packed_bytes, blocks});
+    value += n;
+    const std::int64_t count = (n + block - 1) / block;
+    packed_bytes += (n + 15) / 16 * 16 + (count * 4 + 15) / 16 * 16;
+    blocks += count;
+  }
+  return out;
+}
+// A case's values, then the same negated, as segments: the first its whole, the second cut in
+// three uneven runs where it is long enough (so a kernel must find each block's own segment).
+inline std::vector<std::int64_t> int8_case_counts(std::int64_t n) {
+  if (n < 3) return {n, n};
+  return {n, n / 3, n / 2 - n / 3, n - n / 2};
+}
+
 struct Int8Case {
   std::string name;
   std::vector<float> values;

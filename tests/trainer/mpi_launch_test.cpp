@@ -277,6 +277,8 @@ TEST(MpiLaunch, RanksStartedWithDifferentSettingsAreRefusedByName) {
       {"--dim", "32", "the model's parameters (names and shapes) (rank 1 unlike rank 0"},
       {"--seed", "9", "seed (rank 1 unlike rank 0; here 9)"},
       {"--steps", "3", "--steps (rank 1 unlike rank 0; here 3)"},
+      // (#63: one rank's gathers in int8 blocks, the other's exact, would meet in mismatched collectives)
+      {"--quantize-weights", "int8", "quantize_weights (rank 1 unlike rank 0; here int8)"},
       // (#60 item 10: before the mesh's splits, not after the collective timeout)
       {"--tensor-parallel", "2", "and only 1 of the 2 ranks give the same (every rank of a run must give the same --tensor-parallel)",
        true},

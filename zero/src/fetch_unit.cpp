@@ -2,6 +2,9 @@
 // reduction, each through the UnitIo it is given.
 #include "fetch_unit.hpp"
 
+#include <algorithm>
+#include <memory>
+
 #include "kernels/kernel_args.hpp"
 #include "kernels/kernels.hpp"
 
@@ -47,9 +50,58 @@ Result<async::Event> FetchUnit::gather_into(const UnitIo& io, FetchMode mode, co
   return launch_in_group(io.world, g.purpose(gather_purpose));
 }
 
-std::size_t FetchUnit::int8_gather_bytes() const noexcept {
-  return static_cast<std::size_t>(modules::detail::int8_packed_bytes(info.shard, int8_block)) *
-         static_cast<std::size_t>(info.shard_ranks);
+Result<void> FetchUnit::plan_int8_gathers(const UnitIo& io, std::int64_t block) {
+  using modules::detail::Int8Segment;
+  using modules::detail::int8_block_count;
+  using modules::detail::int8_packed_bytes;
+  const int ranks = info.shard_ranks;
+  // Each piece's segments, its values counted from the piece's start and its bytes from its own.
+  std::vector<std::vector<Int8Segment>> pieces(static_cast<std::size_t>(ranks));
+  std::int64_t piece_bytes = 0;
+  for (int q = 0; q < ranks; ++q) {
+    const std::int64_t lo = q * info.shard, hi = lo + info.shard;
+    std::vector<std::int64_t> cuts{lo, hi};
+    for (const auto& p : params)
+      for (const std::int64_t at : {p.offset, p.offset + p.parameter->numel()})
+        if (at > lo && at < hi) cuts.push_back(at);
+    std::sort(cuts.begin(), cuts.end());
+    cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+    auto& piece = pieces[static_cast<std::size_t>(q)];
+    std::int64_t bytes = 0, blocks = 0;
+    for (std::size_t i = 0; i + 1 < cuts.size(); ++i) {
+      const std::int64_t n = cuts[i + 1] - cuts[i];
+      piece.push_back({cuts[i] - lo, n, bytes, blocks});
+      bytes += int8_packed_bytes(n, block);
+      blocks += int8_block_count(n, block);
+    }
+    piece_bytes = std::max(piece_bytes, bytes);
+  }
+  std::vector<Int8Segment> tables = pieces[static_cast<std::size_t>(group->rank)];
+  int8 = Int8Gathers{};
+  int8.block = block;
+  int8.piece_bytes = piece_bytes;
+  int8.own_segments = static_cast<std::int64_t>(tables.size());
+  int8.own_blocks = tables.empty() ? 0 : tables.back().first_block + int8_block_count(tables.back().count, block);
+  int8.own_bytes = tables.empty() ? 0 : tables.back().packed + int8_packed_bytes(tables.back().count, block);
+  std::int64_t blocks = 0;
+  for (int q = 0; q < ranks; ++q)
+    for (const auto& g : pieces[static_cast<std::size_t>(q)]) {
+      tables.push_back({q * info.shard + g.value, g.count, q * piece_bytes + g.packed, blocks});
+      blocks += int8_block_count(g.count, block);
+    }
+  int8.all_segments = static_cast<std::int64_t>(tables.size()) - int8.own_segments;
+  int8.all_blocks = blocks;
+  // The tables on the device, written on the communication stream (every gather is enqueued there
+  // after this), from a host copy that goes once the stream has passed the copy.
+  auto& cs = io.world.stream();
+  const std::size_t table_bytes = tables.size() * sizeof(Int8Segment);
+  COSHARD_TRY_ASSIGN(int8.tables_block, io.ctx.allocator().allocate(table_bytes, cs));
+  auto host = std::make_shared<std::vector<Int8Segment>>(std::move(tables));
+  COSHARD_TRY(cs.copy(int8.tables_block.data(), host->data(), table_bytes));
+  COSHARD_TRY(cs.launch([host = std::move(host)] {}));
+  int8.own = static_cast<const Int8Segment*>(int8.tables_block.data());
+  int8.all = int8.own + int8.own_segments;
+  return {};
 }
 
 Result<async::Event> FetchUnit::gather_int8_into(const UnitIo& io, const Tensor& whole, const void* source,
@@ -57,16 +109,20 @@ Result<async::Event> FetchUnit::gather_int8_into(const UnitIo& io, const Tensor&
   auto& cs = io.world.stream();
   const auto& kernels = io.ctx.kernels();
   const std::int64_t n = info.shard;
-  const auto piece = static_cast<std::size_t>(modules::detail::int8_packed_bytes(n, int8_block));
-  void* mine = static_cast<std::byte*>(staging) + static_cast<std::size_t>(group->rank) * piece;
+  const auto piece = static_cast<std::size_t>(int8.piece_bytes);
+  auto* mine = static_cast<std::byte*>(staging) + static_cast<std::size_t>(group->rank) * piece;
   if (!source_on_device) {  // (host memory: into its place in `whole` first, quantized from there)
     void* place = whole.slice(block_offset, Shape{n}).data();
     COSHARD_TRY(cs.copy(place, source, static_cast<std::size_t>(n) * io.element_size()));
     source = place;
   }
-  COSHARD_TRY(kernels.quantize_int8(cs, io.dtype, source, mine, n, int8_block));
+  COSHARD_TRY(kernels.quantize_int8(cs, io.dtype, source, mine, int8.own, int8.own_segments, int8.own_blocks, int8.block));
+  // (a piece shorter than the longest: its tail zeroed, so the bytes sent follow the shard alone)
+  if (int8.own_bytes < int8.piece_bytes)
+    COSHARD_TRY(cs.fill(mine + int8.own_bytes, 0, static_cast<std::size_t>(int8.piece_bytes - int8.own_bytes)));
   COSHARD_TRY(launch_in_group(io.world, Coalesced{}.all_gather(mine, staging, piece, DataType::u8).purpose(gather_purpose)));
-  COSHARD_TRY(kernels.dequantize_int8(cs, staging, info.shard_ranks, io.dtype, whole.data(), n, int8_block));
+  COSHARD_TRY(kernels.dequantize_int8(cs, staging, io.dtype, whole.data(), int8.all, int8.all_segments, int8.all_blocks,
+                                      int8.block));
   return cs.record();
 }
 

@@ -46,6 +46,7 @@
 #include "coshard/modules/module.hpp"
 #include "coshard/offload/pinned_pool.hpp"
 #include "coshard/zero/engine.hpp"
+#include "kernels/kernel_args.hpp"
 #include "shard_groups.hpp"
 
 namespace coshard::zero::detail {
@@ -101,9 +102,20 @@ class FetchUnit {
   // sharded; 0 unsharded (stage 0: the block is the whole unit on every rank). Set at create.
   std::int64_t block_offset = 0;
   // Stage 3 with quantized gathers for it (EngineOptions::quantize_weights, or
-  // quantize_frozen_weights and frozen): its gathers for compute carry int8 blocks of this many
-  // elements. 0: exact gathers. Chosen at create.
-  std::int64_t int8_block = 0;
+  // quantize_frozen_weights and frozen): its gathers for compute carry int8 blocks of `block`
+  // elements (0: exact gathers), each rank's piece in segments (plan_int8_gathers).
+  struct Int8Gathers {
+    std::int64_t block = 0;
+    std::int64_t piece_bytes = 0;  // every rank's piece padded to the largest
+    std::int64_t own_bytes = 0;    // what this rank's segments fill of its piece
+    std::int64_t own_segments = 0, own_blocks = 0, all_segments = 0, all_blocks = 0;
+    async::Block tables_block;     // this rank's segments (values from its shard's start), then every piece's
+    const modules::detail::Int8Segment* own = nullptr;
+    const modules::detail::Int8Segment* all = nullptr;
+    std::size_t gather_bytes(int ranks) const noexcept {
+      return static_cast<std::size_t>(piece_bytes) * static_cast<std::size_t>(ranks);
+    }
+  } int8;
 
   // Its parameters bound to `values` (a whole buffer of the unit), each with its view of
   // `grad_full` where the unit has one.
@@ -116,13 +128,17 @@ class FetchUnit {
   // the device, or in host memory: copied into its place first, then gathered in place).
   Result<async::Event> gather_into(const UnitIo& io, FetchMode mode, const Tensor& whole, const void* source,
                                    bool source_on_device) const;
-  // The same with the shards carried as int8 blocks of `int8_block` elements (quantize_weights):
-  // this rank's quantized into its piece of `staging` (int8_gather_bytes(): a piece for each rank
-  // of its group), the pieces gathered, and every piece (this rank's too) dequantized into
-  // `whole`, so every rank holds the same values. The event marks the dequantization's end.
+  // The same with the shards carried as int8 blocks (quantize_weights; `int8` planned): this
+  // rank's quantized into its piece of `staging` (int8.gather_bytes()), the pieces gathered, and
+  // every piece (this rank's too) dequantized into `whole`, so every rank holds the same values.
+  // The event marks the dequantization's end.
   Result<async::Event> gather_int8_into(const UnitIo& io, const Tensor& whole, const void* source, bool source_on_device,
                                         void* staging) const;
-  std::size_t int8_gather_bytes() const noexcept;
+  // Plans its quantized gathers in blocks of `block` elements: each rank's piece cut where a
+  // parameter begins or ends (no block mixes two parameters' magnitudes: a norm's weights near 1
+  // and its bias near 0), the segments' tables on the device (written on the communication
+  // stream, which every gather follows).
+  Result<void> plan_int8_gathers(const UnitIo& io, std::int64_t block);
   // Its whole gradient averaged over every rank, in place (stage 0).
   Result<async::Event> all_reduce_gradient(const UnitIo& io) const;
   // Its whole gradient averaged into this rank's block `mine`: reduce-scattered within its shard

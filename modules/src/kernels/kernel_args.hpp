@@ -64,17 +64,29 @@ struct LossScaleArgs {
   float max_scale = 16777216.0f;  // 2^24
 };
 
-// Blocks of int8 (ZeRO++'s quantized weight gathers): n values in blocks of `block` elements (the
-// last may be shorter), each block symmetric with one f32 scale, max|x| / 127, and its values
-// round-to-nearest-even(x / scale) in [-127, 127] (a block of zeros: scale 0, values 0; a block
-// holding inf or NaN: scale NaN, so every value of it comes back NaN, never a quiet finite one).
-// A value comes back as q * scale in f32, rounded once to the storage dtype. A piece of n values
-// is packed as its n int8 values, then its scales, each part at a multiple of 16 bytes, so the
-// pieces of several ranks lie side by side in one buffer (one all-gather of bytes).
+// Blocks of int8 (ZeRO++'s quantized weight gathers): runs of values ("segments": a parameter's
+// slice of a rank's shard, so no block mixes two parameters' magnitudes), each in blocks of
+// `block` elements (a segment's last block may be shorter), each block symmetric with one f32
+// scale, max|x| / 127, and its values round-to-nearest-even(x / scale) in [-127, 127] (a block of
+// zeros: scale 0, values 0; a block holding inf or NaN: scale NaN, so every value of it comes back
+// NaN, never a quiet finite one). A value comes back as q * scale in f32, rounded once to the
+// storage dtype. A segment of n values is packed as its n int8 values, then its scales, each part
+// at a multiple of 16 bytes (int8_packed_bytes), its padding zeroed.
 inline std::int64_t int8_block_count(std::int64_t n, std::int64_t block) { return (n + block - 1) / block; }
 inline std::int64_t int8_scales_offset(std::int64_t n) { return (n + 15) / 16 * 16; }
 inline std::int64_t int8_packed_bytes(std::int64_t n, std::int64_t block) {
   return int8_scales_offset(n) + (int8_block_count(n, block) * 4 + 15) / 16 * 16;
 }
+
+// One segment: values [value, value + count) of the values' buffer, packed at byte `packed` of
+// the packed buffer; its blocks are numbered from first_block (the blocks of the segments before
+// it), so a kernel finds a block's segment by a search.
+struct Int8Segment {
+  std::int64_t value = 0;
+  std::int64_t count = 0;
+  std::int64_t packed = 0;
+  std::int64_t first_block = 0;
+};
+static_assert(sizeof(Int8Segment) == 32);
 
 }  // namespace coshard::modules::detail

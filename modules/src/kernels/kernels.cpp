@@ -34,8 +34,10 @@ AttentionBuffers Kernels::attention_buffers(DataType dt, std::int64_t B, std::in
   return {.saved = Shape{B, H, T, T}, .saved_dtype = dt, .scratch = Shape{B, H, T, T}, .scratch_dtype = dt};
 }
 
-Result<void> check_int8_blocks(std::int64_t n, std::int64_t block) {
-  if (n < 0) return fail(ErrorCode::invalid_argument, "int8 blocks: ", n, " values: expected 0 or more");
+Result<void> check_int8_blocks(std::int64_t segment_count, std::int64_t blocks, std::int64_t block) {
+  if (segment_count < 0 || blocks < 0)
+    return fail(ErrorCode::invalid_argument, "int8 blocks: ", segment_count, " segments of ", blocks,
+                " blocks: expected 0 or more");
   if (block < 1) return fail(ErrorCode::invalid_argument, "int8 blocks of ", block, " values: expected 1 or more");
   return {};
 }

@@ -207,13 +207,17 @@ class Kernels {
   virtual Result<void> cast(async::Stream& s, DataType from, const void* src, DataType to, void* dst,
                             std::int64_t n) const = 0;
 
-  // Block int8 quantization (kernel_args.hpp: int8_packed_bytes and the format): x [n] in dt into
-  // one packed piece; and `pieces` packed pieces side by side (each int8_packed_bytes(n, block)
-  // apart) into out [pieces * n] in dt. Every backend gives the same bits for the same input.
-  virtual Result<void> quantize_int8(async::Stream& s, DataType dt, const void* x, void* packed, std::int64_t n,
+  // Block int8 quantization (kernel_args.hpp: the format and Int8Segment): each of `segments`
+  // (in memory the kernels read: the device's, or the host's for the CPU) quantizes its values of
+  // x (dt) into its place in `packed`; dequantize_int8 turns each segment's packed values back into
+  // its values of out (dt). `blocks` is the segments' blocks together (the last one's first_block
+  // plus its own). Every backend gives the same bits for the same input.
+  virtual Result<void> quantize_int8(async::Stream& s, DataType dt, const void* x, void* packed,
+                                     const Int8Segment* segments, std::int64_t segment_count, std::int64_t blocks,
                                      std::int64_t block) const = 0;
-  virtual Result<void> dequantize_int8(async::Stream& s, const void* packed, std::int64_t pieces, DataType dt, void* out,
-                                       std::int64_t n, std::int64_t block) const = 0;
+  virtual Result<void> dequantize_int8(async::Stream& s, const void* packed, DataType dt, void* out,
+                                       const Int8Segment* segments, std::int64_t segment_count, std::int64_t blocks,
+                                       std::int64_t block) const = 0;
 
   // Optimizer kernels: fp32 master weights and state; grads in `gdt`; `param_out` (in `pdt`) gets
   // the updated weights cast down, or is null when the parameters are the master weights.
@@ -248,8 +252,8 @@ const Kernels* cuda_kernels_cudnn_attention() noexcept;
 // "cuDNN 9.19.0 (path)", or why cuDNN's attention cannot run in this process.
 Result<std::string> cudnn_attention_library();
 
-// quantize_int8's and dequantize_int8's sizes: n >= 0 values in blocks of block >= 1.
-Result<void> check_int8_blocks(std::int64_t n, std::int64_t block);
+// quantize_int8's and dequantize_int8's sizes: counts >= 0, blocks of block >= 1.
+Result<void> check_int8_blocks(std::int64_t segment_count, std::int64_t blocks, std::int64_t block);
 
 // "f32 is not served by the cuda kernels" style check used by every layer.
 Result<void> check_supported(const Kernels& k, DataType dt, async::Device device, std::string_view what);

@@ -220,10 +220,8 @@ Result<void> Engine::State::choose_strategies(std::span<const FetchUnitInfo> inf
   }
   reduction = make_gradient_reduction(o.zero_stage);
   residence = make_parameter_residence(o.zero_stage);
-  for (auto& u : units) {
+  for (auto& u : units)
     u->block_offset = residence->sharded() ? static_cast<std::int64_t>(u->group->rank) * u->info.shard : 0;
-    u->int8_block = int8_block_for(o, u->info);
-  }
   if (!optimizer_placement || !shard_placement)
     return fail(ErrorCode::invalid_argument, "offload_optimizer=", static_cast<int>(o.offload_optimizer.device),
                 ", offload_params=", static_cast<int>(o.offload_params.device), ": expected none, cpu or nvme for each");
@@ -242,6 +240,7 @@ Result<void> Engine::State::give_units_storage() {
   // become the shard).
   for (auto& up : units) {
     FetchUnit& u = *up;
+    if (const std::int64_t block = int8_block_for(o, u.info); block > 0) COSHARD_TRY(u.plan_int8_gathers(io(), block));
     COSHARD_TRY(shard_placement->allocate(shard_wiring(), u));
     COSHARD_TRY(reduction->allocate(gradient_wiring(), u));
     COSHARD_TRY(residence->bind_at_creation(residence_wiring(), u));

@@ -41,10 +41,10 @@ void GatherScheduler::settle_prefetch(FetchUnit& u) {
 Result<async::Event> GatherScheduler::gather_unit(FetchUnit& u, const Tensor& whole, Exactness exactness) {
   COSHARD_TRY_ASSIGN(const void* source, w_.shards.source(u));
   Result<async::Event> done = fail(ErrorCode::internal, "gather of unit ", u.info.name, " not issued");
-  if (u.int8_block > 0 && exactness == Exactness::as_configured) {
+  if (u.int8.block > 0 && exactness == Exactness::as_configured) {
     // The int8 pieces live on the communication stream until their dequantization has run there.
     auto& cs = w_.io.world.stream();
-    COSHARD_TRY_ASSIGN(auto pieces, w_.io.ctx.allocator().allocate(u.int8_gather_bytes(), cs));
+    COSHARD_TRY_ASSIGN(auto pieces, w_.io.ctx.allocator().allocate(u.int8.gather_bytes(u.info.shard_ranks), cs));
     done = u.gather_int8_into(w_.io, whole, source, w_.shards.on_device(u), pieces.data());
   } else {
     done = u.gather_into(w_.io, w_.o.fetch_mode, whole, source, w_.shards.on_device(u));
@@ -80,7 +80,7 @@ Result<void> GatherScheduler::issue_gather(FetchUnit& u, async::Semaphore::Permi
   // (held: what the host has gathered, and released bytes whose last use has not passed yet)
   w_.stats.peak_live_bytes = std::max(w_.stats.peak_live_bytes, logical_live_ + budget_->pending());
   ++w_.stats.gathers;
-  w_.stats.gathered_bytes += u.int8_block > 0 ? u.int8_gather_bytes() : u.info.padded_bytes;  // (what the gather carried)
+  w_.stats.gathered_bytes += u.int8.block > 0 ? u.int8.gather_bytes(u.info.shard_ranks) : u.info.padded_bytes;  // (what the gather carried)
   return {};
 }
 

@@ -356,18 +356,18 @@ class CpuKernels final : public Kernels {
     });
   }
 
-  Result<void> quantize_int8(Stream& s, DataType dt, const void* x, void* packed, std::int64_t n,
-                             std::int64_t block) const override {
+  Result<void> quantize_int8(Stream& s, DataType dt, const void* x, void* packed, const Int8Segment* segments,
+                             std::int64_t segment_count, std::int64_t blocks, std::int64_t block) const override {
     COSHARD_TRY(check_dtype(dt));
-    COSHARD_TRY(check_int8_blocks(n, block));
-    return s.launch([=] { cpu::quantize_int8(dt, x, packed, n, block); });
+    COSHARD_TRY(check_int8_blocks(segment_count, blocks, block));
+    return s.launch([=] { cpu::quantize_int8(dt, x, packed, segments, segment_count, block); });
   }
 
-  Result<void> dequantize_int8(Stream& s, const void* packed, std::int64_t pieces, DataType dt, void* out,
-                               std::int64_t n, std::int64_t block) const override {
+  Result<void> dequantize_int8(Stream& s, const void* packed, DataType dt, void* out, const Int8Segment* segments,
+                               std::int64_t segment_count, std::int64_t blocks, std::int64_t block) const override {
     COSHARD_TRY(check_dtype(dt));
-    COSHARD_TRY(check_int8_blocks(n, block));
-    return s.launch([=] { cpu::dequantize_int8(packed, pieces, dt, out, n, block); });
+    COSHARD_TRY(check_int8_blocks(segment_count, blocks, block));
+    return s.launch([=] { cpu::dequantize_int8(packed, dt, out, segments, segment_count, block); });
   }
 
   // The optimizer's kernels (optimizer.cpp), once their dtypes are checked.

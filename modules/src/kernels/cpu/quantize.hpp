@@ -31,16 +31,18 @@ void with_f32_reader(DataType dt, const void* p, Fn&& fn) {
   }
 }
 
-inline void quantize_int8(DataType dt, const void* x, void* packed, std::int64_t n, std::int64_t block) {
-  auto* bytes = static_cast<std::byte*>(packed);
+// One segment's n values of x (dt) into its packed bytes.
+inline void quantize_int8_segment(DataType dt, const void* x, std::int64_t first, std::byte* bytes, std::int64_t n,
+                                  std::int64_t block) {
   auto* q = reinterpret_cast<std::int8_t*>(bytes);
   auto* scales = reinterpret_cast<float*>(bytes + int8_scales_offset(n));
   const std::int64_t blocks = int8_block_count(n, block);
-  // The padding travels with the piece: zeroed, so the bytes sent are a function of the input.
+  // The padding travels with the segment: zeroed, so the bytes sent are a function of the input.
   std::memset(bytes + n, 0, static_cast<std::size_t>(int8_scales_offset(n) - n));
   std::memset(scales + blocks, 0, static_cast<std::size_t>(int8_packed_bytes(n, block) - int8_scales_offset(n)) -
                                       static_cast<std::size_t>(blocks) * sizeof(float));
-  with_f32_reader(dt, x, [&](auto value) {
+  with_f32_reader(dt, x, [&](auto read) {
+    auto value = [&](std::int64_t i) { return read(first + i); };
     for (std::int64_t b = 0; b < blocks; ++b) {
       const std::int64_t begin = b * block, end = std::min(n, begin + block);
       float amax = 0;
@@ -58,15 +60,23 @@ inline void quantize_int8(DataType dt, const void* x, void* packed, std::int64_t
   });
 }
 
-inline void dequantize_int8(const void* packed, std::int64_t pieces, DataType dt, void* out, std::int64_t n,
+inline void quantize_int8(DataType dt, const void* x, void* packed, const Int8Segment* segments, std::int64_t count,
+                          std::int64_t block) {
+  for (std::int64_t k = 0; k < count; ++k) {
+    const Int8Segment& g = segments[k];
+    quantize_int8_segment(dt, x, g.value, static_cast<std::byte*>(packed) + g.packed, g.count, block);
+  }
+}
+
+inline void dequantize_int8(const void* packed, DataType dt, void* out, const Int8Segment* segments, std::int64_t count,
                             std::int64_t block) {
-  const std::int64_t stride = int8_packed_bytes(n, block);
-  for (std::int64_t p = 0; p < pieces; ++p) {
-    const auto* base = static_cast<const std::byte*>(packed) + p * stride;
+  for (std::int64_t k = 0; k < count; ++k) {
+    const Int8Segment& g = segments[k];
+    const auto* base = static_cast<const std::byte*>(packed) + g.packed;
     const auto* q = reinterpret_cast<const std::int8_t*>(base);
-    const auto* scales = reinterpret_cast<const float*>(base + int8_scales_offset(n));
-    for (std::int64_t i = 0; i < n; ++i)
-      store(dt, out, p * n + i, static_cast<float>(q[i]) * scales[i / block]);
+    const auto* scales = reinterpret_cast<const float*>(base + int8_scales_offset(g.count));
+    for (std::int64_t i = 0; i < g.count; ++i)
+      store(dt, out, g.value + i, static_cast<float>(q[i]) * scales[i / block]);
   }
 }
 

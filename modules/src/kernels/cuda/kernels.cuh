@@ -95,11 +95,11 @@ int mse_forward(void* stream, int dt, const void* pred, const void* target, floa
 int mse_backward(void* stream, int dt, const void* pred, const void* target, const float* seed, void* dpred,
                  std::int64_t n);
 int cast(void* stream, int from, const void* src, int to, void* dst, std::int64_t n);
-// Block int8 (kernel_args.hpp: the format): x [n] into one packed piece; `pieces` packed pieces
-// side by side into out [pieces * n].
-int quantize_int8(void* stream, int dt, const void* x, void* packed, std::int64_t n, std::int64_t block);
-int dequantize_int8(void* stream, const void* packed, std::int64_t pieces, int dt, void* out, std::int64_t n,
-                    std::int64_t block);
+// Block int8 (kernel_args.hpp: the format and its segments, in device memory).
+int quantize_int8(void* stream, int dt, const void* x, void* packed, const detail::Int8Segment* segments,
+                  std::int64_t count, std::int64_t blocks, std::int64_t block);
+int dequantize_int8(void* stream, const void* packed, int dt, void* out, const detail::Int8Segment* segments,
+                    std::int64_t count, std::int64_t blocks, std::int64_t block);
 
 int step_begin(void* stream, detail::StepState* state);
 int grad_stats(void* stream, int gdt, const void* grad, std::int64_t n, detail::StepState* state);

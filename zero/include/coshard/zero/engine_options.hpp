@@ -92,9 +92,10 @@ struct EngineOptions {
   // The same for frozen units alone (every parameter frozen: a fine-tuned base, LoRA's;
   // DeepSpeed's zero_quantized_nontrainable_weights): the units that train gather exactly.
   Quantization quantize_frozen_weights = Quantization::none;
-  // The elements a scale covers (>= 8: below that the scales outweigh the values they save).
-  // DeepSpeed's quantizer's default group of 2048. Smaller blocks: closer weights, more scales.
-  std::int64_t quantize_weights_block = 2048;
+  // The elements a scale covers (>= 8: below that the scales outweigh the values they save); a
+  // block never spans two parameters (each rank's piece is cut where a parameter begins or ends).
+  // Smaller blocks: closer weights, more scales (256: 1.6% over the int8 values).
+  std::int64_t quantize_weights_block = 256;
   // Timed events around every wait of the compute stream on communication, so each step reports
   // exposed_comm_ms (read after the step from device timestamps, never by a synchronize). A few
   // more events a unit: off by default, on in the Trainer.
