@@ -22,6 +22,7 @@ std::string_view to_string(CollectiveKind kind) noexcept {
     case CollectiveKind::all_reduce: return "all_reduce";
     case CollectiveKind::broadcast: return "broadcast";
     case CollectiveKind::barrier: return "barrier";
+    case CollectiveKind::all_to_all: return "all_to_all";
   }
   return "unknown-collective";
 }
@@ -60,6 +61,11 @@ Coalesced& Coalesced::broadcast(const void* send, void* recv, std::size_t count,
   ops_.push_back({CollectiveKind::broadcast, send, recv, count, dtype, ReduceOp::sum, root});
   return *this;
 }
+Coalesced& Coalesced::all_to_all(const void* send, void* recv, std::size_t count, DataType dtype) {
+  ops_.push_back({CollectiveKind::all_to_all, send, recv, count, dtype, ReduceOp::sum, 0});
+  return *this;
+}
+
 Coalesced& Coalesced::barrier() {
   ops_.push_back({CollectiveKind::barrier, nullptr, nullptr, 0, DataType::u8, ReduceOp::sum, 0});
   return *this;
@@ -101,6 +107,13 @@ Result<void> validate(const CollectiveOp& op, int rank, int size) {
   }
   if (op.send == nullptr || op.recv == nullptr) {
     return fail(ErrorCode::invalid_argument, op.signature(), " on rank ", rank, ": send and recv must not be null");
+  }
+  if (op.kind == CollectiveKind::all_to_all) {  // (each rank reads its peers' send while they write their recv)
+    const auto bytes = static_cast<std::uintptr_t>(op.count * size_of(op.dtype) * static_cast<std::size_t>(size));
+    const auto send = reinterpret_cast<std::uintptr_t>(op.send), recv = reinterpret_cast<std::uintptr_t>(op.recv);
+    if (send < recv + bytes && recv < send + bytes)
+      return fail(ErrorCode::invalid_argument, op.signature(), " on rank ", rank,
+                  ": send and recv overlap (all_to_all is never in place)");
   }
   return {};
 }

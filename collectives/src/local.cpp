@@ -169,8 +169,10 @@ class LocalGroup {
     for (std::size_t i = 0; i < ops.size(); ++i) {
       const CollectiveOp& op = ops[i];
       const std::size_t es = size_of(op.dtype);
-      const std::size_t send_bytes = op.kind == CollectiveKind::reduce_scatter ? op.count * es * size_ : op.count * es;
-      const std::size_t recv_bytes = op.kind == CollectiveKind::all_gather ? op.count * es * size_ : op.count * es;
+      const bool whole_send = op.kind == CollectiveKind::reduce_scatter || op.kind == CollectiveKind::all_to_all;
+      const bool whole_recv = op.kind == CollectiveKind::all_gather || op.kind == CollectiveKind::all_to_all;
+      const std::size_t send_bytes = whole_send ? op.count * es * size_ : op.count * es;
+      const std::size_t recv_bytes = whole_recv ? op.count * es * size_ : op.count * es;
       const bool sends = op.kind != CollectiveKind::barrier && (op.kind != CollectiveKind::broadcast || op.root == rank);
       if (sends) COSHARD_TRY(detail::check_device_buffer(stream.device(), op.send, send_bytes, "send", rank, op));
       if (op.kind != CollectiveKind::barrier) {
@@ -302,6 +304,12 @@ class LocalGroup {
           std::byte* dst = recv + static_cast<std::size_t>(q) * block_bytes;
           const void* src = op_of(q, index).send;
           if (src != dst) std::memcpy(dst, src, block_bytes);
+        }
+        return;
+      case CollectiveKind::all_to_all:  // (validate: never in place)
+        for (int q = 0; q < size_; ++q) {
+          const auto* src = static_cast<const std::byte*>(op_of(q, index).send) + static_cast<std::size_t>(rank) * block_bytes;
+          std::memcpy(recv + static_cast<std::size_t>(q) * block_bytes, src, block_bytes);
         }
         return;
       case CollectiveKind::reduce_scatter: {

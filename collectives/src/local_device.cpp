@@ -64,6 +64,7 @@ Result<void> enqueue_on_device(async::Stream& stream, std::span<const Collective
   switch (first.kind) {
     case CollectiveKind::barrier: return {};
     case CollectiveKind::all_gather: launched = cuda::all_gather(s, buffers, world, first.count * es); break;
+    case CollectiveKind::all_to_all: launched = cuda::all_to_all(s, buffers, world, first.count * es); break;
     case CollectiveKind::broadcast: launched = cuda::broadcast(s, buffers, world, first.root, first.count * es); break;
     case CollectiveKind::reduce_scatter:
       launched = cuda::reduce_scatter(s, buffers, world, static_cast<int>(first.dtype), static_cast<int>(first.op),

@@ -216,6 +216,17 @@ Result<void> MpiChannel::post_first_phase(Group& g, const CollectiveOp& op, std:
       if (send != own) std::memcpy(own, send, block);
       return {};
     }
+    case CollectiveKind::all_to_all: {
+      if (block == 0) return {};
+      for (int q = 0; q < size_; ++q) {
+        if (q == rank_) continue;
+        COSHARD_TRY(post_receive(g, recv + static_cast<std::size_t>(q) * block, block, q, Message::Kind::receive));
+        COSHARD_TRY(post_send(g, send + static_cast<std::size_t>(q) * block, block, q));
+      }
+      const std::size_t own = static_cast<std::size_t>(rank_) * block;
+      std::memcpy(recv + own, send + own, block);  // (validate: never in place)
+      return {};
+    }
     case CollectiveKind::reduce_scatter:
       if (block == 0) return {};
       for (int q = 0; q < size_; ++q) {

@@ -218,6 +218,17 @@ class NcclCommunicator final : public Communicator {
         case CollectiveKind::barrier:
           r = nccl_.all_reduce(barrier_word_, barrier_word_, 1, ncclFloat32, ncclSum, comm_, s);
           break;
+        case CollectiveKind::all_to_all: {  // (within the launch's group: one kernel for all the pairs)
+          const std::size_t block = op.count * size_of(op.dtype);
+          for (int q = 0; q < size_ && r == ncclSuccess; ++q) {
+            r = nccl_.send(static_cast<const std::byte*>(op.send) + static_cast<std::size_t>(q) * block, op.count, type, q,
+                           comm_, s);
+            if (r == ncclSuccess)
+              r = nccl_.recv(static_cast<std::byte*>(op.recv) + static_cast<std::size_t>(q) * block, op.count, type, q,
+                             comm_, s);
+          }
+          break;
+        }
       }
       if (r != ncclSuccess) return nccl_error(nccl_, r, op.signature(), comm_);
     }

@@ -34,6 +34,8 @@ Result<Library> take(const std::string& candidate) {
   file.bind(lib.reduce_scatter, "ncclReduceScatter");
   file.bind(lib.all_reduce, "ncclAllReduce");
   file.bind(lib.broadcast, "ncclBroadcast");
+  file.bind(lib.send, "ncclSend");
+  file.bind(lib.recv, "ncclRecv");
   if (!file.missing().empty()) return fail(ErrorCode::unsupported, file.missing(), " is missing: not NCCL");
   if (lib.get_version(&lib.version) != ncclSuccess)
     return fail(ErrorCode::unsupported, "ncclGetVersion did not give its version");

@@ -33,6 +33,8 @@ struct Library {
   decltype(&ncclReduceScatter) reduce_scatter = nullptr;
   decltype(&ncclAllReduce) all_reduce = nullptr;
   decltype(&ncclBroadcast) broadcast = nullptr;
+  decltype(&ncclSend) send = nullptr;  // (all_to_all: a send and a receive to each peer in one group)
+  decltype(&ncclRecv) recv = nullptr;
 
   std::string path;  // the file opened
   int version = 0;   // ncclGetVersion's: 22809 is 2.28.9

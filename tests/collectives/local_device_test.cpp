@@ -111,6 +111,11 @@ TEST_P(EveryCollectiveOnGpu, MatchesTheReferenceForEveryTypeOpAndSize) {
           check(c.all_gather(send, recv, n, t), recv, gathered(t, world, n), "all_gather " + tag);
         }
         {
+          void* send = mem.upload(values(t, r, 0, world * n));
+          void* recv = mem.upload({}, world * n * es);
+          check(c.all_to_all(send, recv, n, t), recv, exchanged(t, world, r, n), "all_to_all " + tag);
+        }
+        {
           const int root = case_index++ % world;
           void* send = mem.upload(values(t, r, 0, n));
           void* recv = mem.upload({}, n * es);

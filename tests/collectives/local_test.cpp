@@ -58,6 +58,10 @@ TEST_P(EveryCollective, MatchesADirectComputationForEveryTypeOpAndSize) {
           Bytes send = values(t, r, 0, n), recv(world * n * es);
           check(c.all_gather(send.data(), recv.data(), n, t), recv, gathered(t, world, n), "all_gather " + tag);
         }
+        {  // all_to_all: block q of rank r's send goes to rank q
+          Bytes send = values(t, r, 0, world * n), recv(world * n * es);
+          check(c.all_to_all(send.data(), recv.data(), n, t), recv, exchanged(t, world, r, n), "all_to_all " + tag);
+        }
         {  // broadcast from a rotating root; non-roots pass no send buffer
           const int root = case_index++ % world;
           Bytes send = values(t, r, 0, n), recv(n * es);
@@ -331,6 +335,11 @@ TEST(LocalCollectives, BadArgumentsAreRejectedBeforeAnythingIsEnqueued) {
   auto null = comms[0]->all_reduce(nullptr, &x, 1, DataType::f32, ReduceOp::sum);
   ASSERT_FALSE(null.has_value());
   EXPECT_EQ(null.error().code(), ErrorCode::invalid_argument);
+  float pair[4] = {};
+  auto in_place = comms[0]->all_to_all(pair, pair + 1, 1, DataType::f32);  // (2 ranks: 2 floats each way)
+  ASSERT_FALSE(in_place.has_value());
+  EXPECT_NE(in_place.error().message().find("send and recv overlap (all_to_all is never in place)"), std::string::npos)
+      << in_place.error().message();
   EXPECT_EQ(comms[0]->launches(), 0u);
 }
 

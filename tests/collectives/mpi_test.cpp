@@ -68,6 +68,10 @@ TEST(Mpi, EveryCollectiveMatchesTheReferenceForEveryTypeOpAndSize) {
         check(c->all_gather(send.data(), recv.data(), n, t), recv, gathered(t, world, n), "all_gather " + tag);
       }
       {
+        Bytes send = values(t, r, 0, world * n), recv(world * n * es);
+        check(c->all_to_all(send.data(), recv.data(), n, t), recv, exchanged(t, world, r, n), "all_to_all " + tag);
+      }
+      {
         const int root = case_index++ % world;
         Bytes send = values(t, r, 0, n), recv(n * es);
         check(c->broadcast(r == root ? send.data() : nullptr, recv.data(), n, t, root), recv, values(t, root, 0, n),

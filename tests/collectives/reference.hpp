@@ -43,6 +43,17 @@ inline Bytes gathered(DataType t, int world, std::size_t n) {
   return out;
 }
 
+// What all_to_all of `values(t, q, 0, world * n)` from every rank q gives rank r: block q is rank
+// q's block r.
+inline Bytes exchanged(DataType t, int world, int r, std::size_t n) {
+  Bytes out;
+  for (int q = 0; q < world; ++q) {
+    Bytes b = values(t, q, static_cast<std::size_t>(r) * n, n);
+    out.insert(out.end(), b.begin(), b.end());
+  }
+  return out;
+}
+
 template <class Acc>
 Acc combine(ReduceOp op, Acc a, Acc b) {
   switch (op) {

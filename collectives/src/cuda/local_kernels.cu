@@ -50,6 +50,15 @@ __global__ void all_gather_kernel(RankBuffers b, int world, std::uint64_t bytes)
              static_cast<std::uint64_t>(blockDim.x) * gridDim.x);
 }
 
+// Rank p's block q comes from rank q's block p.
+__global__ void all_to_all_kernel(RankBuffers b, int world, std::uint64_t bytes) {
+  const int p = static_cast<int>(blockIdx.y) / world, q = static_cast<int>(blockIdx.y) % world;
+  auto* dst = static_cast<unsigned char*>(b.recv[p]) + static_cast<std::uint64_t>(q) * bytes;
+  const auto* src = static_cast<const unsigned char*>(b.send[q]) + static_cast<std::uint64_t>(p) * bytes;
+  copy_block(dst, src, bytes, blockIdx.x * static_cast<std::uint64_t>(blockDim.x) + threadIdx.x,
+             static_cast<std::uint64_t>(blockDim.x) * gridDim.x);
+}
+
 __global__ void broadcast_kernel(RankBuffers b, int root, std::uint64_t bytes) {
   auto* dst = static_cast<unsigned char*>(b.recv[blockIdx.y]);
   const auto* src = static_cast<const unsigned char*>(b.send[root]);
@@ -153,6 +162,14 @@ int all_gather(void* stream, const RankBuffers& b, int world, std::uint64_t byte
   const unsigned pairs = static_cast<unsigned>(world * world);
   const dim3 grid(blocks_for(bytes / 16 + 1, pairs), pairs);
   all_gather_kernel<<<grid, kThreads, 0, as_stream(stream)>>>(b, world, bytes);
+  return last_error();
+}
+
+int all_to_all(void* stream, const RankBuffers& b, int world, std::uint64_t bytes) {
+  if (bytes == 0) return cudaSuccess;
+  const unsigned pairs = static_cast<unsigned>(world * world);
+  const dim3 grid(blocks_for(bytes / 16 + 1, pairs), pairs);
+  all_to_all_kernel<<<grid, kThreads, 0, as_stream(stream)>>>(b, world, bytes);
   return last_error();
 }
 

@@ -24,6 +24,8 @@ struct RankBuffers {
 
 // recv[p][q*bytes ..) = send[q][0 .. bytes) for every p, q (skipping a block onto itself).
 int all_gather(void* stream, const RankBuffers& b, int world, std::uint64_t bytes);
+// recv[p][q*bytes ..) = send[q][p*bytes ..) for every p, q.
+int all_to_all(void* stream, const RankBuffers& b, int world, std::uint64_t bytes);
 // recv[p][0 .. bytes) = send[root][0 .. bytes) for every p.
 int broadcast(void* stream, const RankBuffers& b, int world, int root, std::uint64_t bytes);
 // recv[p][j] = op over q of send[q][p*count + j].

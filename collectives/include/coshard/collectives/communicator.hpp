@@ -8,6 +8,8 @@
 //   reduce_scatter(send[size*count]  -> recv[count], this rank's block of the reduction)
 //   all_reduce(send[count]           -> recv[count])
 //   broadcast(send[count] on root    -> recv[count] on every rank; non-roots may pass send=null)
+//   all_to_all(send[size*count]      -> recv[size*count]: block q of send goes to rank q, and
+//                                       block q of recv came from rank q; never in place)
 //   barrier()
 //
 // Several collectives can be issued as one Coalesced group: one launch (one NCCL group; one
@@ -38,7 +40,7 @@
 
 namespace coshard::collectives {
 
-enum class CollectiveKind : std::uint8_t { all_gather, reduce_scatter, all_reduce, broadcast, barrier };
+enum class CollectiveKind : std::uint8_t { all_gather, reduce_scatter, all_reduce, broadcast, barrier, all_to_all };
 std::string_view to_string(CollectiveKind kind) noexcept;
 
 struct CollectiveOp {
@@ -81,6 +83,7 @@ class Coalesced {
   Coalesced& reduce_scatter(const void* send, void* recv, std::size_t count, DataType dtype, ReduceOp op);
   Coalesced& all_reduce(const void* send, void* recv, std::size_t count, DataType dtype, ReduceOp op);
   Coalesced& broadcast(const void* send, void* recv, std::size_t count, DataType dtype, int root);
+  Coalesced& all_to_all(const void* send, void* recv, std::size_t count, DataType dtype);
   Coalesced& barrier();
   // What the op added last is for (CollectiveOp::purpose).
   Coalesced& purpose(std::string_view text) noexcept {
@@ -157,6 +160,10 @@ class Communicator {
   Result<async::Event> broadcast(const void* send, void* recv, std::size_t count, DataType dtype, int root,
                                  std::string_view purpose = {}) {
     return launch(Coalesced{}.broadcast(send, recv, count, dtype, root).purpose(purpose));
+  }
+  Result<async::Event> all_to_all(const void* send, void* recv, std::size_t count, DataType dtype,
+                                  std::string_view purpose = {}) {
+    return launch(Coalesced{}.all_to_all(send, recv, count, dtype).purpose(purpose));
   }
   Result<async::Event> barrier() { return launch(Coalesced{}.barrier()); }
 };
