@@ -148,3 +148,59 @@ TEST(Int8BlocksCpu, BadSizesAreRefusedByName) {
 
 }  // namespace
 }  // namespace coshard::modules::detail
+
+namespace coshard::modules::detail {
+namespace {
+
+// The quantized reduction's end: three ranks' pieces of one block (each quantized alone, in the
+// block's segments), dequantized and summed in f32 in rank order, times 1/3, rounded once: the
+// reference's bits.
+TEST_P(Int8BlocksCpu, TheSumOfPiecesIsTheReferences) {
+  const DataType dt = GetParam();
+  const Kernels& k = cpu_kernels();
+  auto stream = async::Stream::create(async::Device::cpu(), {.name = "int8"});
+  ASSERT_TRUE(stream) << stream.error().message();
+  for (const auto& c : testing::int8_block_cases()) {
+    SCOPED_TRACE(c.name);
+    const auto n = static_cast<std::int64_t>(c.values.size());
+    std::int64_t stride = 0, blocks = 0;
+    const std::vector<std::int64_t> counts = n < 3 ? std::vector<std::int64_t>{n}
+                                                   : std::vector<std::int64_t>{n / 3, n - n / 3};
+    const auto plan = testing::int8_segments(counts, c.block, stride, blocks);
+    std::vector<Int8Segment> segments;
+    for (const auto& g : plan) segments.push_back({g.value, g.count, g.packed, g.first_block});
+    const auto count = static_cast<std::int64_t>(segments.size());
+    constexpr int kPieces = 3;
+    std::vector<std::byte> packed(static_cast<std::size_t>(kPieces * stride));
+    std::vector<std::vector<float>> held;
+    for (int p = 0; p < kPieces; ++p) {
+      std::vector<float> v;
+      for (std::size_t i = 0; i < c.values.size(); ++i) v.push_back(c.values[(i + static_cast<std::size_t>(p) * 7) % c.values.size()] * (p == 1 ? -0.5f : 1.0f));
+      const Held x = hold(dt, v);
+      held.push_back(x.values);
+      ASSERT_TRUE(k.quantize_int8(*stream, dt, x.bytes.data(), packed.data() + p * stride, segments.data(), count, blocks, c.block));
+      ASSERT_TRUE(stream->synchronize());
+    }
+    std::vector<std::byte> out(static_cast<std::size_t>(n) * size_of(dt));
+    ASSERT_TRUE(k.dequantize_sum_int8(*stream, packed.data(), kPieces, stride, dt, out.data(), segments.data(), count,
+                                      blocks, c.block, 1.0f / kPieces));
+    ASSERT_TRUE(stream->synchronize());
+    for (const auto& g : plan) {
+      std::vector<float> sum(static_cast<std::size_t>(g.count), 0.0f);
+      for (int p = 0; p < kPieces; ++p) {
+        const std::vector<float> values(held[static_cast<std::size_t>(p)].begin() + g.value,
+                                        held[static_cast<std::size_t>(p)].begin() + g.value + g.count);
+        const auto back = testing::int8_blocks_values(testing::int8_blocks_reference(values, c.block), c.block);
+        for (std::int64_t i = 0; i < g.count; ++i) sum[static_cast<std::size_t>(i)] += back[static_cast<std::size_t>(i)];
+      }
+      for (std::int64_t i = 0; i < g.count; ++i) {
+        const float want = stored_as(dt, sum[static_cast<std::size_t>(i)] * (1.0f / kPieces));
+        const float got = read(dt, out, static_cast<std::size_t>(g.value + i));
+        ASSERT_TRUE(same(got, want)) << "value " << g.value + i << ": " << got << " against " << want;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace coshard::modules::detail

@@ -218,6 +218,13 @@ class Kernels {
   virtual Result<void> dequantize_int8(async::Stream& s, const void* packed, DataType dt, void* out,
                                        const Int8Segment* segments, std::int64_t segment_count, std::int64_t blocks,
                                        std::int64_t block) const = 0;
+  // The quantized reduction's end (ZeRO++'s quantized gradients): `pieces` packed pieces `stride`
+  // bytes apart, each holding the same segments (one rank's quantization of this rank's block),
+  // dequantized and summed in f32 in piece order, times `factor`, rounded once into out (dt).
+  virtual Result<void> dequantize_sum_int8(async::Stream& s, const void* packed, std::int64_t pieces, std::int64_t stride,
+                                           DataType dt, void* out, const Int8Segment* segments,
+                                           std::int64_t segment_count, std::int64_t blocks, std::int64_t block,
+                                           float factor) const = 0;
 
   // Optimizer kernels: fp32 master weights and state; grads in `gdt`; `param_out` (in `pdt`) gets
   // the updated weights cast down, or is null when the parameters are the master weights.

@@ -370,6 +370,14 @@ class CpuKernels final : public Kernels {
     return s.launch([=] { cpu::dequantize_int8(packed, dt, out, segments, segment_count, block); });
   }
 
+  Result<void> dequantize_sum_int8(Stream& s, const void* packed, std::int64_t pieces, std::int64_t stride, DataType dt,
+                                   void* out, const Int8Segment* segments, std::int64_t segment_count,
+                                   std::int64_t blocks, std::int64_t block, float factor) const override {
+    COSHARD_TRY(check_dtype(dt));
+    COSHARD_TRY(check_int8_blocks(segment_count, blocks, block));
+    return s.launch([=] { cpu::dequantize_sum_int8(packed, pieces, stride, dt, out, segments, segment_count, block, factor); });
+  }
+
   // The optimizer's kernels (optimizer.cpp), once their dtypes are checked.
   Result<void> step_begin(Stream& s, StepState* state) const override { return cpu::step_begin(s, state); }
 

@@ -80,4 +80,20 @@ inline void dequantize_int8(const void* packed, DataType dt, void* out, const In
   }
 }
 
+inline void dequantize_sum_int8(const void* packed, std::int64_t pieces, std::int64_t stride, DataType dt, void* out,
+                                const Int8Segment* segments, std::int64_t count, std::int64_t block, float factor) {
+  for (std::int64_t k = 0; k < count; ++k) {
+    const Int8Segment& g = segments[k];
+    for (std::int64_t i = 0; i < g.count; ++i) {
+      float sum = 0;
+      for (std::int64_t p = 0; p < pieces; ++p) {
+        const auto* base = static_cast<const std::byte*>(packed) + p * stride + g.packed;
+        const auto q = reinterpret_cast<const std::int8_t*>(base)[i];
+        sum += static_cast<float>(q) * reinterpret_cast<const float*>(base + int8_scales_offset(g.count))[i / block];
+      }
+      store(dt, out, g.value + i, sum * factor);
+    }
+  }
+}
+
 }  // namespace coshard::modules::detail::cpu

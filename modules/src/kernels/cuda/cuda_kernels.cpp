@@ -372,6 +372,16 @@ class CudaKernels final : public Kernels {
         "dequantize_int8", s);
   }
 
+  Result<void> dequantize_sum_int8(Stream& s, const void* packed, std::int64_t pieces, std::int64_t stride, DataType dt,
+                                   void* out, const Int8Segment* segments, std::int64_t segment_count,
+                                   std::int64_t blocks, std::int64_t block, float factor) const override {
+    COSHARD_TRY(check(dt));
+    COSHARD_TRY(check_int8_blocks(segment_count, blocks, block));
+    return check_launch(cuda::dequantize_sum_int8(s.native_handle(), packed, pieces, stride, code(dt), out, segments,
+                                                  segment_count, blocks, block, factor),
+                        "dequantize_sum_int8", s);
+  }
+
   Result<void> step_begin(Stream& s, StepState* state) const override {
     return check_launch(cuda::step_begin(s.native_handle(), state), "step_begin", s);
   }

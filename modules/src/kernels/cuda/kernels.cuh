@@ -100,6 +100,9 @@ int quantize_int8(void* stream, int dt, const void* x, void* packed, const detai
                   std::int64_t count, std::int64_t blocks, std::int64_t block);
 int dequantize_int8(void* stream, const void* packed, int dt, void* out, const detail::Int8Segment* segments,
                     std::int64_t count, std::int64_t blocks, std::int64_t block);
+int dequantize_sum_int8(void* stream, const void* packed, std::int64_t pieces, std::int64_t stride, int dt, void* out,
+                        const detail::Int8Segment* segments, std::int64_t count, std::int64_t blocks,
+                        std::int64_t block, float factor);
 
 int step_begin(void* stream, detail::StepState* state);
 int grad_stats(void* stream, int gdt, const void* grad, std::int64_t n, detail::StepState* state);

@@ -78,6 +78,25 @@ __global__ void dequantize_int8_kernel(const std::int8_t* packed, T* out, const 
   }
 }
 
+template <class T>
+__global__ void dequantize_sum_int8_kernel(const std::int8_t* packed, std::int64_t pieces, std::int64_t stride, T* out,
+                                           const Int8Segment* segments, std::int64_t count, std::int64_t blocks,
+                                           std::int64_t block, float factor) {
+  for (std::int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
+    const Int8Segment g = segments[segment_of(segments, count, b)];
+    const std::int64_t j = b - g.first_block, n = g.count;
+    const std::int64_t begin = j * block, end = begin + block < n ? begin + block : n;
+    for (std::int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+      float sum = 0;
+      for (std::int64_t p = 0; p < pieces; ++p) {
+        const std::int8_t* q = packed + p * stride + g.packed;
+        sum += static_cast<float>(q[i]) * reinterpret_cast<const float*>(q + scales_offset(n))[j];
+      }
+      store(out, g.value + i, sum * factor);
+    }
+  }
+}
+
 unsigned grid_for_blocks(std::int64_t blocks) {
   return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > 65535 ? 65535 : blocks));
 }
@@ -99,6 +118,17 @@ int dequantize_int8(void* s, const void* packed, int dt, void* out, const detail
   return with_type(dt, [&]<class E>() {
     dequantize_int8_kernel<E><<<grid_for_blocks(blocks), kThreads, 0, as_stream(s)>>>(
         static_cast<const std::int8_t*>(packed), static_cast<E*>(out), segments, count, blocks, block);
+  });
+}
+
+int dequantize_sum_int8(void* s, const void* packed, std::int64_t pieces, std::int64_t stride, int dt, void* out,
+                        const detail::Int8Segment* segments, std::int64_t count, std::int64_t blocks,
+                        std::int64_t block, float factor) {
+  if (count == 0 || blocks == 0) return static_cast<int>(cudaSuccess);
+  return with_type(dt, [&]<class E>() {
+    dequantize_sum_int8_kernel<E><<<grid_for_blocks(blocks), kThreads, 0, as_stream(s)>>>(
+        static_cast<const std::int8_t*>(packed), pieces, stride, static_cast<E*>(out), segments, count, blocks, block,
+        factor);
   });
 }
 
