@@ -116,6 +116,14 @@ void print_run_header(const Options& o, trainer::Trainer& t, const collectives::
                 std::string(collectives::to_string(quantize.engine_options().dtype)).c_str(), units,
                 t.engine().units().size(), quantize.quantize_weights != zero::Quantization::none ? "every unit" : "the frozen ones");
   }
+  if ((quantize.zero_stage == 2 || quantize.zero_stage == 3) && quantize.quantize_gradients != zero::Quantization::none) {
+    std::printf("  quantized gradient reduction: int8 blocks of %lld with an f32 scale, each rank's block summed in f32 "
+                "from an all-to-all (%.4g bytes a gradient value against %zu)%s\n",
+                static_cast<long long>(quantize.quantize_gradients_block),
+                1.0 + 4.0 / static_cast<double>(quantize.quantize_gradients_block),
+                modules::size_of(quantize.engine_options().dtype),
+                data_ranks > 1 && o.train.shard_group_size > 0 ? "; across the copies exact" : "");
+  }
   // Hybrid sharding: the groups the units are sharded over (each a copy of every block).
   std::set<int> groups;
   for (const auto& u : t.engine().units())

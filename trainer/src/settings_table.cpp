@@ -213,6 +213,18 @@ void add_parallelism_settings(std::vector<Setting>& t) {
        .help = "the elements one f32 scale covers in a quantized gather (smaller: closer weights, more scales)",
        .expected = "a whole number from 8 to 2^30"},
       8, std::int64_t{1} << 30));
+  t.push_back(choice<&T::quantize_gradients>(
+      {.name = "quantize_gradients", .flag = "--quantize-gradients",
+       .help = "stages 2-3: reduce each unit's gradient as int8 blocks (ZeRO++'s quantized gradients: each rank quantizes "
+               "every rank's block of its gradient, an all-to-all sends each its own, which it sums in f32; a quarter "
+               "of f32's bytes). The norm, clipping and the optimizer see what the reduction gave",
+       .expected = "none or int8"},
+      kWeightQuantization));
+  t.push_back(integer<&T::quantize_gradients_block>(
+      {.name = "quantize_gradients_block", .flag = "--quantize-gradients-block",
+       .help = "the elements one f32 scale covers in a quantized gradient reduction",
+       .expected = "a whole number from 8 to 2^30"},
+      8, std::int64_t{1} << 30));
   t.push_back(prefetch_bucket_setting());
   t.push_back(boolean<&T::adaptive_prefetch>(
       {.name = "adaptive_prefetch",

@@ -50,7 +50,7 @@ Result<async::Event> FetchUnit::gather_into(const UnitIo& io, FetchMode mode, co
   return launch_in_group(io.world, g.purpose(gather_purpose));
 }
 
-Result<void> FetchUnit::plan_int8_gathers(const UnitIo& io, std::int64_t block) {
+Result<FetchUnit::Int8Plan> FetchUnit::plan_int8(const UnitIo& io, std::int64_t block) const {
   using modules::detail::Int8Segment;
   using modules::detail::int8_block_count;
   using modules::detail::int8_packed_bytes;
@@ -58,6 +58,7 @@ Result<void> FetchUnit::plan_int8_gathers(const UnitIo& io, std::int64_t block) 
   // Each piece's segments, its values counted from the piece's start and its bytes from its own.
   std::vector<std::vector<Int8Segment>> pieces(static_cast<std::size_t>(ranks));
   std::int64_t piece_bytes = 0;
+  std::vector<std::int64_t> piece_sizes;
   for (int q = 0; q < ranks; ++q) {
     const std::int64_t lo = q * info.shard, hi = lo + info.shard;
     std::vector<std::int64_t> cuts{lo, hi};
@@ -75,11 +76,13 @@ Result<void> FetchUnit::plan_int8_gathers(const UnitIo& io, std::int64_t block) 
       blocks += int8_block_count(n, block);
     }
     piece_bytes = std::max(piece_bytes, bytes);
+    piece_sizes.push_back(bytes);
   }
   std::vector<Int8Segment> tables = pieces[static_cast<std::size_t>(group->rank)];
-  int8 = Int8Gathers{};
+  Int8Plan int8;
   int8.block = block;
   int8.piece_bytes = piece_bytes;
+  int8.uneven = std::any_of(piece_sizes.begin(), piece_sizes.end(), [&](std::int64_t b) { return b < piece_bytes; });
   int8.own_segments = static_cast<std::int64_t>(tables.size());
   int8.own_blocks = tables.empty() ? 0 : tables.back().first_block + int8_block_count(tables.back().count, block);
   int8.own_bytes = tables.empty() ? 0 : tables.back().packed + int8_packed_bytes(tables.back().count, block);
@@ -101,7 +104,7 @@ Result<void> FetchUnit::plan_int8_gathers(const UnitIo& io, std::int64_t block) 
   COSHARD_TRY(cs.launch([host = std::move(host)] {}));
   int8.own = static_cast<const Int8Segment*>(int8.tables_block.data());
   int8.all = int8.own + int8.own_segments;
-  return {};
+  return int8;
 }
 
 Result<async::Event> FetchUnit::gather_int8_into(const UnitIo& io, const Tensor& whole, const void* source,
@@ -133,8 +136,30 @@ Result<async::Event> FetchUnit::all_reduce_gradient(const UnitIo& io) const {
 
 Result<async::Event> FetchUnit::reduce_scatter_gradient(const UnitIo& io, const Tensor& mine) const {
   const auto n = static_cast<std::size_t>(info.shard);
-  auto done = launch_in_group(
-      io.world, Coalesced{}.reduce_scatter(grad_full.data(), mine.data(), n, io.dtype, ReduceOp::avg).purpose(reduce_purpose));
+  Result<async::Event> done = fail(ErrorCode::internal, "gradients of unit ", info.name, " not reduced");
+  if (int8_grads.block > 0) {
+    // Each rank's blocks of its whole gradient as int8 (block q for rank q), exchanged, and the
+    // pieces of this rank's block summed in f32: the reduce-scatter in int8's bytes.
+    auto& cs = io.world.stream();
+    const auto& kernels = io.ctx.kernels();
+    const Int8Plan& p = int8_grads;
+    const std::size_t bytes = p.gather_bytes(info.shard_ranks);
+    COSHARD_TRY_ASSIGN(auto pieces, io.ctx.allocator().allocate(2 * bytes, cs));
+    auto* send = static_cast<std::byte*>(pieces.data());
+    auto* recv = send + bytes;
+    // (pieces shorter than the longest: zeroed first, so the bytes sent follow the gradient alone)
+    if (p.uneven) COSHARD_TRY(cs.fill(send, 0, bytes));
+    COSHARD_TRY(kernels.quantize_int8(cs, io.dtype, grad_full.data(), send, p.all, p.all_segments, p.all_blocks, p.block));
+    COSHARD_TRY(launch_in_group(
+        io.world, Coalesced{}.all_to_all(send, recv, static_cast<std::size_t>(p.piece_bytes), DataType::u8).purpose(reduce_purpose)));
+    COSHARD_TRY(kernels.dequantize_sum_int8(cs, recv, info.shard_ranks, p.piece_bytes, io.dtype, mine.data(), p.own,
+                                            p.own_segments, p.own_blocks, p.block,
+                                            1.0f / static_cast<float>(info.shard_ranks)));
+    done = cs.record();
+  } else {
+    done = launch_in_group(
+        io.world, Coalesced{}.reduce_scatter(grad_full.data(), mine.data(), n, io.dtype, ReduceOp::avg).purpose(reduce_purpose));
+  }
   if (!done || !group->replicate) return done;
   return launch_across_copies(
       io.world, Coalesced{}.all_reduce(mine.data(), mine.data(), n, io.dtype, ReduceOp::avg).purpose(reduce_purpose));

@@ -101,13 +101,12 @@ class FetchUnit {
   // Where this rank's block starts in a whole buffer: its place in its shard group x shard when
   // sharded; 0 unsharded (stage 0: the block is the whole unit on every rank). Set at create.
   std::int64_t block_offset = 0;
-  // Stage 3 with quantized gathers for it (EngineOptions::quantize_weights, or
-  // quantize_frozen_weights and frozen): its gathers for compute carry int8 blocks of `block`
-  // elements (0: exact gathers), each rank's piece in segments (plan_int8_gathers).
-  struct Int8Gathers {
+  // Int8 blocks over the unit's buffer (plan_int8): 0 `block` for none.
+  struct Int8Plan {
     std::int64_t block = 0;
     std::int64_t piece_bytes = 0;  // every rank's piece padded to the largest
     std::int64_t own_bytes = 0;    // what this rank's segments fill of its piece
+    bool uneven = false;           // some rank's piece is shorter than piece_bytes
     std::int64_t own_segments = 0, own_blocks = 0, all_segments = 0, all_blocks = 0;
     async::Block tables_block;     // this rank's segments (values from its shard's start), then every piece's
     const modules::detail::Int8Segment* own = nullptr;
@@ -115,7 +114,13 @@ class FetchUnit {
     std::size_t gather_bytes(int ranks) const noexcept {
       return static_cast<std::size_t>(piece_bytes) * static_cast<std::size_t>(ranks);
     }
-  } int8;
+  };
+  // Stage 3 with quantized gathers for it (EngineOptions::quantize_weights, or
+  // quantize_frozen_weights and frozen): its gathers for compute carry int8 blocks.
+  Int8Plan int8;
+  // Stages 2-3 with quantized gradients (EngineOptions::quantize_gradients), a unit that trains:
+  // its reduce-scatter carries int8 blocks.
+  Int8Plan int8_grads;
 
   // Its parameters bound to `values` (a whole buffer of the unit), each with its view of
   // `grad_full` where the unit has one.
@@ -134,15 +139,19 @@ class FetchUnit {
   // The event marks the dequantization's end.
   Result<async::Event> gather_int8_into(const UnitIo& io, const Tensor& whole, const void* source, bool source_on_device,
                                         void* staging) const;
-  // Plans its quantized gathers in blocks of `block` elements: each rank's piece cut where a
-  // parameter begins or ends (no block mixes two parameters' magnitudes: a norm's weights near 1
-  // and its bias near 0), the segments' tables on the device (written on the communication
-  // stream, which every gather follows).
-  Result<void> plan_int8_gathers(const UnitIo& io, std::int64_t block);
+  // Plans int8 blocks of `block` elements over its whole buffer (its quantized gathers, or its
+  // gradients' quantized reduction): each rank's piece cut where a parameter begins or ends (no
+  // block mixes two parameters' magnitudes: a norm's weights near 1 and its bias near 0), the
+  // segments' tables on the device (written on the communication stream, which every collective
+  // follows).
+  struct Int8Plan;
+  Result<Int8Plan> plan_int8(const UnitIo& io, std::int64_t block) const;
   // Its whole gradient averaged over every rank, in place (stage 0).
   Result<async::Event> all_reduce_gradient(const UnitIo& io) const;
   // Its whole gradient averaged into this rank's block `mine`: reduce-scattered within its shard
-  // group, then all-reduced across the copies of the block.
+  // group (with int8_grads planned, as ZeRO++'s qgZ: each rank quantizes every rank's block of its
+  // gradient, an all-to-all sends each its own, and each sums the pieces it received in f32), then
+  // all-reduced across the copies of the block (exactly).
   Result<async::Event> reduce_scatter_gradient(const UnitIo& io, const Tensor& mine) const;
   // Its fp32 gradient shard, for use on `stream`; zeroed there unless the caller writes all of it.
   Result<void> allocate_grad_shard(const UnitIo& io, async::Stream& stream, bool zeroed = true);

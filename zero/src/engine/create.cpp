@@ -240,7 +240,12 @@ Result<void> Engine::State::give_units_storage() {
   // become the shard).
   for (auto& up : units) {
     FetchUnit& u = *up;
-    if (const std::int64_t block = int8_block_for(o, u.info); block > 0) COSHARD_TRY(u.plan_int8_gathers(io(), block));
+    if (const std::int64_t block = int8_block_for(o, u.info); block > 0) {
+      COSHARD_TRY_ASSIGN(u.int8, u.plan_int8(io(), block));
+    }
+    if (const std::int64_t block = int8_gradient_block_for(o, u.info); block > 0) {
+      COSHARD_TRY_ASSIGN(u.int8_grads, u.plan_int8(io(), block));
+    }
     COSHARD_TRY(shard_placement->allocate(shard_wiring(), u));
     COSHARD_TRY(reduction->allocate(gradient_wiring(), u));
     COSHARD_TRY(residence->bind_at_creation(residence_wiring(), u));

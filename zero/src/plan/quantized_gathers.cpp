@@ -32,6 +32,19 @@ Result<void> check_quantized_gathers(const EngineOptions& o) {
       return fail(ErrorCode::invalid_argument, "quantize_weights_block=", o.quantize_weights_block,
                   ": expected 8 to 2^30 elements a scale (below 8 the f32 scales outweigh the bytes int8 saves)");
   }
+  if (o.quantize_gradients != Quantization::none) {
+    if (o.quantize_gradients != Quantization::int8)
+      return fail(ErrorCode::invalid_argument, "quantize_gradients=", to_string(o.quantize_gradients),
+                  ": the gradients' reduction is quantized to int8 blocks only in this build (expected none or int8)");
+    if (o.zero_stage != 2 && o.zero_stage != 3)
+      return fail(ErrorCode::invalid_argument, "quantize_gradients=int8 with zero_stage=", o.zero_stage,
+                  ": the quantized reduction replaces the reduce-scatter of each unit as its backward ends, which stages 2 "
+                  "and 3 do (stage 0 all-reduces, stage 1 reduces once after backward; expected zero_stage 2 or 3)");
+    constexpr std::int64_t kLargestBlock = std::int64_t{1} << 30;
+    if (o.quantize_gradients_block < 8 || o.quantize_gradients_block > kLargestBlock)
+      return fail(ErrorCode::invalid_argument, "quantize_gradients_block=", o.quantize_gradients_block,
+                  ": expected 8 to 2^30 elements a scale (below 8 the f32 scales outweigh the bytes int8 saves)");
+  }
   return {};
 }
 
@@ -41,6 +54,11 @@ std::int64_t int8_block_for(const EngineOptions& o, const FetchUnitInfo& info) {
   const bool quantized = o.quantize_weights == Quantization::int8 ||
                          (info.frozen && o.quantize_frozen_weights == Quantization::int8);
   return quantized && o.zero_stage == 3 ? o.quantize_weights_block : 0;
+}
+
+std::int64_t int8_gradient_block_for(const EngineOptions& o, const FetchUnitInfo& info) {
+  const bool quantized = o.quantize_gradients == Quantization::int8 && !info.frozen;
+  return quantized && (o.zero_stage == 2 || o.zero_stage == 3) ? o.quantize_gradients_block : 0;
 }
 
 std::size_t int8_staging_bytes(const EngineOptions& o, std::size_t gathered) {

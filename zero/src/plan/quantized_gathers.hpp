@@ -12,6 +12,8 @@ namespace coshard::zero::detail {
 // The int8 block a unit's gathers for compute carry (quantize_weights, or quantize_frozen_weights
 // for a frozen unit), 0 for exact gathers.
 std::int64_t int8_block_for(const EngineOptions& o, const FetchUnitInfo& info);
+// The int8 block a trained unit's gradient reduction carries (quantize_gradients), 0 for exact.
+std::int64_t int8_gradient_block_for(const EngineOptions& o, const FetchUnitInfo& info);
 // The most bytes the quantized gathers' int8 pieces take at once beside `gathered` bytes of
 // gathered parameters (each gather's pieces live until its dequantization has run); 0 without.
 std::size_t int8_staging_bytes(const EngineOptions& o, std::size_t gathered);

@@ -172,6 +172,8 @@ class TrainerBuilder {
   TrainerBuilder& quantize_weights(zero::Quantization v) { c_.quantize_weights = v; return *this; }
   TrainerBuilder& quantize_frozen_weights(zero::Quantization v) { c_.quantize_frozen_weights = v; return *this; }
   TrainerBuilder& quantize_weights_block(std::int64_t v) { c_.quantize_weights_block = v; return *this; }
+  TrainerBuilder& quantize_gradients(zero::Quantization v) { c_.quantize_gradients = v; return *this; }
+  TrainerBuilder& quantize_gradients_block(std::int64_t v) { c_.quantize_gradients_block = v; return *this; }
   TrainerBuilder& prefetch_bucket_bytes(std::size_t v) { c_.prefetch_bucket_bytes = v; return *this; }
   TrainerBuilder& max_live_bytes(std::size_t v) {
     c_.max_live_bytes = v;

@@ -96,6 +96,17 @@ struct EngineOptions {
   // block never spans two parameters (each rank's piece is cut where a parameter begins or ends).
   // Smaller blocks: closer weights, more scales (256: 1.6% over the int8 values).
   std::int64_t quantize_weights_block = 256;
+  // Stages 2-3: quantized gradient reduction (ZeRO++'s qgZ; DeepSpeed's zero_quantized_gradients).
+  // Each unit's reduce-scatter becomes: every rank quantizes each rank's block of its whole
+  // gradient (int8, blocks of quantize_gradients_block elements cut at parameter boundaries, one
+  // f32 scale a block), an all-to-all sends each rank the pieces of its own block, and each rank
+  // dequantizes and sums them in f32 (in rank order), rounded once into the compute dtype: about a
+  // quarter of f32's bytes (half of bf16's). Hybrid sharding's all-reduce across the copies stays
+  // exact. The fp32 gradient shard, the norm, clipping and the overflow check see what the
+  // reduction gave (a gradient block holding inf or NaN comes back all NaN: the overflow check
+  // skips the step as it would). none or int8.
+  Quantization quantize_gradients = Quantization::none;
+  std::int64_t quantize_gradients_block = 256;
   // Timed events around every wait of the compute stream on communication, so each step reports
   // exposed_comm_ms (read after the step from device timestamps, never by a synchronize). A few
   // more events a unit: off by default, on in the Trainer.
@@ -207,8 +218,8 @@ Result<void> check_offload_placement(const EngineOptions& o);
 Result<void> check_step_in_backward(const EngineOptions& o, const StepControlOptions& control);
 // Whether swap_gradients can go with the offload asked for (offload_optimizer=nvme).
 Result<void> check_swap_gradients(const EngineOptions& o);
-// Whether the quantized gathers asked for can be had (stage 3, all_gather fetches, int8, a block
-// of at least 8): the first rule broken, named.
+// Whether the quantized gathers and gradients asked for can be had (weights: stage 3, all_gather
+// fetches; gradients: stages 2-3; int8, a block of at least 8): the first rule broken, named.
 Result<void> check_quantized_gathers(const EngineOptions& o);
 
 }  // namespace coshard::zero
