@@ -7,7 +7,8 @@ one run:
       [--nodes 2] [--ranks-per-node 2] [--rates 1gbit,10gbit] [--out results.json] [-- extra flags]
 
 For each link rate and each mode (full: stage 3 over the whole world; hybrid: stage 3 sharded
-within each node, --shard-group-size local; stage0: plain data parallelism; qweights: full with int8 weight gathers; tensor, for a Llama
+within each node, --shard-group-size local; stage0: plain data parallelism; qweights: full with int8 weight gathers;
+qgrads: full with an int8 gradient reduction; qboth: both; tensor, for a Llama
 shape: the model split over each node's ranks, --tensor-parallel ranks-per-node, and ZeRO-3 over
 the data ranks across the nodes), coshard-train runs
 twice, for --steps and for twice as many: the bytes each node sent over its link per step are the
@@ -40,10 +41,12 @@ MODES = {
     "tensor": ["--zero-stage", "3"],  # (+ --tensor-parallel ranks-per-node; Llama shapes only)
     # ZeRO++ (#63): full sharding with the weights' gathers as int8 blocks
     "qweights": ["--zero-stage", "3", "--quantize-weights", "int8"],
+    "qgrads": ["--zero-stage", "3", "--quantize-gradients", "int8"],
+    "qboth": ["--zero-stage", "3", "--quantize-weights", "int8", "--quantize-gradients", "int8"],
 }
 # Modes that train on other values than full sharding (quantized): their losses are compared, not
 # required to agree.
-APPROXIMATE = {"qweights"}
+APPROXIMATE = {"qweights", "qgrads", "qboth"}
 # Each rank under getrusage: its peak resident set, written where the rank's number says.
 RSS_WRAPPER = (
     "import os, resource, subprocess, sys\n"

@@ -10,7 +10,8 @@ Two jobs, each trained once with exact ZeRO-3 and once with each quantized mode:
   llama   a Llama of 3.1M parameters (4 layers, dim 256, 8 heads over 4 key/value heads) on the
           same text, 400 steps, cosine decay
 Modes: exact (ZeRO-3), exact1 (the same on one rank, first seed only: its distance from exact is the
-order of additions alone), qweights (--quantize-weights int8). Every run: the same data, --world-size
+order of additions alone), qweights (--quantize-weights int8), qgrads (--quantize-gradients int8), qboth
+(both). Every run: the same data, --world-size
 ranks as threads; each job once per seed (--seeds), as a run perturbed at every step ends wherever its
 trajectory takes it: the seeds' spread of exact runs is the yardstick for one run's difference. The loss compared is the validation loss over fixed
 batches of the same text (--val-data, --eval-batches 8, every 100 steps and after the last): one
@@ -41,6 +42,8 @@ MODES = {
     "exact": [],
     "exact1": ["--world-size", "1"],
     "qweights": ["--quantize-weights", "int8"],
+    "qgrads": ["--quantize-gradients", "int8"],
+    "qboth": ["--quantize-weights", "int8", "--quantize-gradients", "int8"],
 }
 WINDOW = 100
 
@@ -63,6 +66,7 @@ def main():
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--jobs", default="main,llama")
     p.add_argument("--seeds", default="1,2,3")
+    p.add_argument("--modes", default=",".join(MODES), help="which of " + ", ".join(MODES) + " (exact always)")
     p.add_argument("--out", help="write the results as JSON here")
     a = p.parse_args()
     results = {}
@@ -71,7 +75,8 @@ def main():
             seeds = [int(x) for x in a.seeds.split(",")]
             finals = {}
             for seed in seeds:
-                modes = [m for m in MODES if m != "exact1" or seed == seeds[0]]
+                wanted = set(a.modes.split(",")) | {"exact"}
+                modes = [m for m in MODES if m in wanted and (m != "exact1" or seed == seeds[0])]
                 runs = {mode: train(a, job, mode, seed, work) for mode in modes}
                 evals = [i for i, r in enumerate(runs["exact"]) if "val_loss" in r]
                 print(f"\n{job}, seed {seed}: validation loss (world {a.world_size}, ZeRO-3; exact1: one rank)")

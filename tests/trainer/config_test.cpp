@@ -484,6 +484,15 @@ TEST(DeepSpeedJson, QuantizedWeightsAreTheQuantizedGathers) {
   EXPECT_NE(int4.error().message().find("expected none or int8"), std::string::npos) << int4.error().message();
   auto tiny = TrainerConfig::from_json(R"({"quantize_weights_block": 4})", TrainerConfig{});
   EXPECT_FALSE(tiny && tiny->validate());
+  // qgZ's key: the gradients' reduction in int8 blocks; refused where no reduce-scatter runs per unit.
+  auto grads = TrainerConfig::from_json(R"({"zero_optimization": {"stage": 2, "zero_quantized_gradients": true}})",
+                                        TrainerConfig{});
+  ASSERT_TRUE(grads) << grads.error().message();
+  EXPECT_EQ(grads->engine_options().quantize_gradients, zero::Quantization::int8);
+  auto grads_stage1 = TrainerConfig::from_json(R"({"stage": 1, "zero_quantized_gradients": true})", TrainerConfig{});
+  ASSERT_FALSE(grads_stage1);
+  EXPECT_NE(grads_stage1.error().message().find("quantize_gradients=int8 with zero_stage=1"), std::string::npos)
+      << grads_stage1.error().message();
 }
 
 // "local": the ranks of one node, resolved when the engine's options are made (ranks as threads

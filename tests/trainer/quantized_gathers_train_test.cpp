@@ -83,6 +83,39 @@ TEST(CoshardTrainQuantizedGathers, AFolderTrainsCloseToExactGathersOnEveryLayout
       {"bf16", {"--world-size", "2", "--dtype", "bf16"}, 0.6},
   };
   if (kSanitized) layouts.resize(2);
+  // The gradients' reduction quantized (#63 item 2), alone and with the weights' gathers.
+  std::vector<Layout> gradient_layouts = {
+      {"grads_world2", {"--world-size", "2"}, 0.3},
+      {"grads_stage2_offload", {"--world-size", "3", "--zero-stage", "2", "--offload-optimizer", "cpu"}, 0.3},
+      {"grads_tensor", {"--world-size", "4", "--tensor-parallel", "2"}, 0.3},
+      {"grads_bf16", {"--world-size", "2", "--dtype", "bf16"}, 0.6},
+  };
+  if (kSanitized) gradient_layouts.resize(1);
+  for (const auto& layout : gradient_layouts) {
+    SCOPED_TRACE(layout.name);
+    const auto exact = train(with(layout.flags, {"--quiet"}), layout.name + "_exact");
+    ASSERT_EQ(exact.code, 0) << exact.output;
+    const auto quantized = train(with(layout.flags, {"--quantize-gradients", "int8", "--quantize-gradients-block", "64"}),
+                                 layout.name);
+    ASSERT_EQ(quantized.code, 0) << quantized.output;
+    EXPECT_NE(quantized.output.find("quantized gradient reduction: int8 blocks of 64"), std::string::npos)
+        << quantized.output;
+    const auto losses = column(dir / (layout.name + ".jsonl"), "loss");
+    const auto want = column(dir / (layout.name + "_exact.jsonl"), "loss");
+    ASSERT_EQ(losses.size(), want.size());
+    EXPECT_EQ(losses.front(), want.front()) << "the first forward came before any reduction";
+    for (std::size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(losses[i], want[i], 0.03 * want[i]) << "step " << i + 1;
+    EXPECT_NE(losses, want) << "nothing was quantized";
+    const auto g = column(dir / (layout.name + ".jsonl"), "reduce_scattered_bytes");
+    const auto e = column(dir / (layout.name + "_exact.jsonl"), "reduce_scattered_bytes");
+    EXPECT_LE(std::accumulate(g.begin(), g.end(), 0.0) / std::accumulate(e.begin(), e.end(), 0.0), layout.bytes);
+  }
+  {  // all together: both tracked against exact, both byte counts down
+    const auto both = train({"--world-size", "2", "--quantize-weights", "int8", "--quantize-gradients", "int8", "--quiet"},
+                            "both");
+    ASSERT_EQ(both.code, 0) << both.output;
+    expect_tracks(dir / "both.jsonl", dir / "grads_world2_exact.jsonl", 0.03, 0.3);
+  }
   for (const auto& layout : layouts) {
     SCOPED_TRACE(layout.name);
     const auto exact = train(with(layout.flags, {"--quiet"}), layout.name + "_exact");
@@ -162,6 +195,9 @@ TEST(CoshardTrainQuantizedGathers, BadFlagsAreRefusedByName) {
       {{"--quantize-weights", "int8", "--fetch-mode", "all_reduce"}, "fetch_mode=all_reduce"},
       {{"--quantize-weights", "int4"}, "--quantize-weights"},
       {{"--quantize-weights-block", "4"}, "--quantize-weights-block"},
+      {{"--zero-stage", "1", "--quantize-gradients", "int8"}, "quantize_gradients=int8 with zero_stage=1"},
+      {{"--quantize-gradients", "int4"}, "--quantize-gradients"},
+      {{"--quantize-gradients-block", "0"}, "--quantize-gradients-block"},
   };
   for (const auto& [flags, message] : cases) {
     const auto r = run(with(with(kLlama, {"--steps", "1"}), flags), dir);

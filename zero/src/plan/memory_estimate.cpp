@@ -137,6 +137,14 @@ MemoryEstimate detail::estimate_for_units(std::span<const FetchUnitInfo> units, 
   make_parameter_residence(o.zero_stage)->estimate(m, {whole, shards_on_device}, o);
   if (const std::size_t staging = int8_staging_bytes(o, std::min(whole, o.max_live_bytes)); staging > 0 && o.zero_stage == 3)
     m.add(P::device, "quantized gathers' int8 pieces (quantize_weights)", staging);
+  if (o.quantize_gradients != Quantization::none && (o.zero_stage == 2 || o.zero_stage == 3)) {
+    EngineOptions grads = o;  // (the gradients' block sizes the pieces)
+    grads.quantize_weights = Quantization::int8;
+    grads.quantize_weights_block = o.quantize_gradients_block;
+    // Each reduction's pieces sent and received, two units' reductions in flight.
+    m.add(P::device, "quantized reduction's int8 pieces (quantize_gradients, two largest units)",
+          int8_staging_bytes(grads, 2 * 2 * largest_trained));
+  }
   if (o.device_memory_budget > 0 && o.offload_params == OffloadTarget::cpu)
     m.notes.push_back("device_memory_budget " + format_bytes(o.device_memory_budget) + ": the parameter shards of " +
                       std::to_string(units_on_device) + " of " + std::to_string(units.size()) +
