@@ -13,6 +13,18 @@ std::string_view to_string(Quantization q) noexcept {
   return "?";
 }
 
+namespace {
+
+// A block of `value` elements a scale, named `name` in the error.
+Result<void> check_block(std::string_view name, std::int64_t value) {
+  constexpr std::int64_t kLargestBlock = std::int64_t{1} << 30;
+  if (value >= 8 && value <= kLargestBlock) return {};
+  return fail(ErrorCode::invalid_argument, name, "=", value,
+              ": expected 8 to 2^30 elements a scale (below 8 the f32 scales outweigh the bytes int8 saves)");
+}
+
+}  // namespace
+
 Result<void> check_quantized_gathers(const EngineOptions& o) {
   for (const auto& [name, q] : {std::pair{"quantize_weights", o.quantize_weights},
                                 std::pair{"quantize_frozen_weights", o.quantize_frozen_weights}}) {
@@ -27,10 +39,7 @@ Result<void> check_quantized_gathers(const EngineOptions& o) {
     if (o.fetch_mode != FetchMode::all_gather)
       return fail(ErrorCode::invalid_argument, name, "=", to_string(q),
                   " with fetch_mode=all_reduce: a sum of int8 pieces is no gather (expected fetch_mode all_gather)");
-    constexpr std::int64_t kLargestBlock = std::int64_t{1} << 30;
-    if (o.quantize_weights_block < 8 || o.quantize_weights_block > kLargestBlock)
-      return fail(ErrorCode::invalid_argument, "quantize_weights_block=", o.quantize_weights_block,
-                  ": expected 8 to 2^30 elements a scale (below 8 the f32 scales outweigh the bytes int8 saves)");
+    COSHARD_TRY(check_block("quantize_weights_block", o.quantize_weights_block));
   }
   if (o.quantize_gradients != Quantization::none) {
     if (o.quantize_gradients != Quantization::int8)
@@ -40,10 +49,7 @@ Result<void> check_quantized_gathers(const EngineOptions& o) {
       return fail(ErrorCode::invalid_argument, "quantize_gradients=int8 with zero_stage=", o.zero_stage,
                   ": the quantized reduction replaces the reduce-scatter of each unit as its backward ends, which stages 2 "
                   "and 3 do (stage 0 all-reduces, stage 1 reduces once after backward; expected zero_stage 2 or 3)");
-    constexpr std::int64_t kLargestBlock = std::int64_t{1} << 30;
-    if (o.quantize_gradients_block < 8 || o.quantize_gradients_block > kLargestBlock)
-      return fail(ErrorCode::invalid_argument, "quantize_gradients_block=", o.quantize_gradients_block,
-                  ": expected 8 to 2^30 elements a scale (below 8 the f32 scales outweigh the bytes int8 saves)");
+    COSHARD_TRY(check_block("quantize_gradients_block", o.quantize_gradients_block));
   }
   return {};
 }
