@@ -196,6 +196,11 @@ TEST(CoshardTrain, BadCommandLinesAreNamed) {
     EXPECT_NE(r.code, 0) << r.output;
     EXPECT_NE(r.output.find(k.expect), std::string::npos) << r.output;
   }
+  // A setting the configuration can refuse is a usage error (exit 2), said once before any rank
+  // starts (stage 0 with an offloaded optimizer was each rank's runtime error: exit 1, twice).
+  const auto stage0 = run({"--zero-stage", "0", "--offload-optimizer", "cpu", "--steps", "1"}, dir);
+  EXPECT_EQ(stage0.code, 2) << stage0.output;
+  EXPECT_EQ(stage0.output.find("rank 1"), std::string::npos) << stage0.output;
 }
 
 // A Llama preset with its shape flags over it trains with every block checkpointed, the same

@@ -65,6 +65,10 @@ std::vector<FetchUnitInfo> Engine::units() const {
 }
 
 Result<void> check_offload_placement(const EngineOptions& o) {
+  if (o.zero_stage == 0 && o.offload_optimizer != OffloadTarget::none)  // (a configuration layer's check too)
+    return fail(ErrorCode::invalid_argument, "offload_optimizer=", to_string(o.offload_optimizer),
+                " with zero_stage=0: offload moves the optimizer's shards, and stage 0 has none (expected zero_stage 1, 2 "
+                "or 3, as in DeepSpeed)");
   if (o.offload_params == OffloadTarget::none) return {};
   const auto where = to_string(o.offload_params);
   if (o.zero_stage != 3)
@@ -267,10 +271,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
                                                Optimizer& optimizer, EngineOptions o) {
   if (o.zero_stage < 0 || o.zero_stage > 3)
     return fail(ErrorCode::invalid_argument, "zero_stage=", o.zero_stage, ": expected 0, 1, 2 or 3");
-  if (o.zero_stage == 0 && o.offload_optimizer != OffloadTarget::none)
-    return fail(ErrorCode::invalid_argument, "offload_optimizer=", to_string(o.offload_optimizer),
-                " with zero_stage=0: offload moves the optimizer's shards, and stage 0 has none (expected zero_stage 1, 2 "
-                "or 3, as in DeepSpeed)");
+  COSHARD_TRY(check_offload_placement(o));  // (stage 0 with an offloaded optimizer: before anything is planned)
   if (o.dtype != DataType::f32 && o.dtype != DataType::bf16 && o.dtype != DataType::f16)
     return fail(ErrorCode::invalid_argument, "Engine dtype ", collectives::to_string(o.dtype),
                 ": expected f32, bf16 or f16");
