@@ -308,6 +308,26 @@ TEST(QuantizedGathers, GradientsReduceCloseToExact) {
   }
 }
 
+// One rank (or a shard group of one): nothing crosses a wire, so nothing is quantized: exact's bits.
+TEST(QuantizedGathers, OneRankGathersExactly) {
+  RunPlan quantized{.world = 1, .weights = Quantization::int8, .grads = Quantization::int8};
+  auto a = train(quantized);
+  ASSERT_TRUE(a) << a.error().message();
+  RunPlan exact{.world = 1};
+  auto b = train(exact);
+  ASSERT_TRUE(b) << b.error().message();
+  EXPECT_EQ(a->losses, b->losses);
+  EXPECT_EQ(a->final, b->final);
+  EXPECT_EQ(a->gathered_bytes, b->gathered_bytes);
+  RunPlan groups_of_one{.world = 2, .weights = Quantization::int8, .shard_group_size = 1, .grads = Quantization::int8};
+  auto c = train(groups_of_one);
+  ASSERT_TRUE(c) << c.error().message();
+  RunPlan exact_groups{.world = 2, .shard_group_size = 1};
+  auto d = train(exact_groups);
+  ASSERT_TRUE(d) << d.error().message();
+  EXPECT_EQ(c->losses, d->losses);
+}
+
 TEST(QuantizedGathers, BadSettingsAreRefusedByName) {
   struct Bad {
     EngineOptions o;

@@ -107,18 +107,20 @@ void print_run_header(const Options& o, trainer::Trainer& t, const collectives::
                                    quantize.quantize_frozen_weights != zero::Quantization::none)) {
     std::size_t units = 0;
     for (const auto& u : t.engine().units())
-      units += quantize.quantize_weights != zero::Quantization::none || u.frozen ? 1 : 0;
+      units += (quantize.quantize_weights != zero::Quantization::none || u.frozen) && u.shard_ranks > 1 ? 1 : 0;
     const double bytes = 1.0 + 4.0 / static_cast<double>(quantize.quantize_weights_block);
-    std::printf("  quantized weight gathers: int8 blocks of %lld with an f32 scale (%.4g bytes a weight against %zu in "
+    std::printf("  quantized weight gathers: int8 blocks of %lld with an f32 scale (%.3f bytes a weight against %zu in "
                 "%s), %zu of %zu units (%s); masters, optimizer, checkpoints and exports exact\n",
                 static_cast<long long>(quantize.quantize_weights_block), bytes,
                 modules::size_of(quantize.engine_options().dtype),
                 std::string(collectives::to_string(quantize.engine_options().dtype)).c_str(), units,
-                t.engine().units().size(), quantize.quantize_weights != zero::Quantization::none ? "every unit" : "the frozen ones");
+                t.engine().units().size(),
+                quantize.quantize_weights != zero::Quantization::none ? "every unit sharded over more than one rank"
+                                                                      : "the frozen ones sharded over more than one rank");
   }
   if ((quantize.zero_stage == 2 || quantize.zero_stage == 3) && quantize.quantize_gradients != zero::Quantization::none) {
     std::printf("  quantized gradient reduction: int8 blocks of %lld with an f32 scale, each rank's block summed in f32 "
-                "from an all-to-all (%.4g bytes a gradient value against %zu)%s\n",
+                "from an all-to-all (%.3f bytes a gradient value against %zu)%s\n",
                 static_cast<long long>(quantize.quantize_gradients_block),
                 1.0 + 4.0 / static_cast<double>(quantize.quantize_gradients_block),
                 modules::size_of(quantize.engine_options().dtype),

@@ -104,7 +104,10 @@ MemoryEstimate detail::estimate_for_units(std::span<const FetchUnitInfo> units, 
   // same (their gradient shards resident, their state beside them), and the largest of the rest.
   const bool offloaded = o.offload_optimizer != OffloadTarget::none;
   std::size_t kept_f32 = 0, units_kept = 0, largest_offloaded_f32 = 0;
+  std::size_t quantized_whole = 0, largest_quantized_trained = 0;  // (the units whose collectives carry int8)
   for (const auto& u : units) {
+    if (int8_block_for(o, u) > 0) quantized_whole += u.padded_bytes;
+    if (int8_gradient_block_for(o, u) > 0) largest_quantized_trained = std::max(largest_quantized_trained, u.padded_bytes);
     whole += u.padded_bytes;
     if (!u.shard_offloaded) {
       shards_on_device += static_cast<std::size_t>(u.shard) * e;
@@ -135,15 +138,18 @@ MemoryEstimate detail::estimate_for_units(std::span<const FetchUnitInfo> units, 
   // Parameters and gradients: the residence's and the reduction's own lines, as the engine they
   // would make holds them.
   make_parameter_residence(o.zero_stage)->estimate(m, {whole, shards_on_device}, o);
-  if (const std::size_t staging = int8_staging_bytes(o, std::min(whole, o.max_live_bytes)); staging > 0 && o.zero_stage == 3)
-    m.add(P::device, "quantized gathers' int8 pieces (quantize_weights)", staging);
-  if (o.quantize_gradients != Quantization::none && (o.zero_stage == 2 || o.zero_stage == 3)) {
+  if (quantized_whole > 0)
+    m.add(P::device,
+          std::string("quantized gathers' int8 pieces (") +
+              (o.quantize_weights != Quantization::none ? "quantize_weights" : "quantize_frozen_weights") + ")",
+          int8_staging_bytes(o, std::min(quantized_whole, o.max_live_bytes)));
+  if (largest_quantized_trained > 0) {
     EngineOptions grads = o;  // (the gradients' block sizes the pieces)
     grads.quantize_weights = Quantization::int8;
     grads.quantize_weights_block = o.quantize_gradients_block;
     // Each reduction's pieces sent and received, two units' reductions in flight.
     m.add(P::device, "quantized reduction's int8 pieces (quantize_gradients, two largest units)",
-          int8_staging_bytes(grads, 2 * 2 * largest_trained));
+          int8_staging_bytes(grads, 2 * 2 * largest_quantized_trained));
   }
   if (o.device_memory_budget > 0 && o.offload_params == OffloadTarget::cpu)
     m.notes.push_back("device_memory_budget " + format_bytes(o.device_memory_budget) + ": the parameter shards of " +

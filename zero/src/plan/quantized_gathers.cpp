@@ -56,15 +56,16 @@ Result<void> check_quantized_gathers(const EngineOptions& o) {
 
 namespace detail {
 
+// (a unit sharded over one rank gathers nothing over a wire: quantizing it would only cost)
 std::int64_t int8_block_for(const EngineOptions& o, const FetchUnitInfo& info) {
   const bool quantized = o.quantize_weights == Quantization::int8 ||
                          (info.frozen && o.quantize_frozen_weights == Quantization::int8);
-  return quantized && o.zero_stage == 3 ? o.quantize_weights_block : 0;
+  return quantized && o.zero_stage == 3 && info.shard_ranks > 1 ? o.quantize_weights_block : 0;
 }
 
 std::int64_t int8_gradient_block_for(const EngineOptions& o, const FetchUnitInfo& info) {
   const bool quantized = o.quantize_gradients == Quantization::int8 && !info.frozen;
-  return quantized && (o.zero_stage == 2 || o.zero_stage == 3) ? o.quantize_gradients_block : 0;
+  return quantized && (o.zero_stage == 2 || o.zero_stage == 3) && info.shard_ranks > 1 ? o.quantize_gradients_block : 0;
 }
 
 std::size_t int8_staging_bytes(const EngineOptions& o, std::size_t gathered) {

@@ -10,7 +10,7 @@
 namespace coshard::zero::detail {
 
 // The int8 block a unit's gathers for compute carry (quantize_weights, or quantize_frozen_weights
-// for a frozen unit), 0 for exact gathers.
+// for a frozen unit), 0 for exact gathers (and for a unit sharded over one rank: nothing crosses).
 std::int64_t int8_block_for(const EngineOptions& o, const FetchUnitInfo& info);
 // The int8 block a trained unit's gradient reduction carries (quantize_gradients), 0 for exact.
 std::int64_t int8_gradient_block_for(const EngineOptions& o, const FetchUnitInfo& info);
