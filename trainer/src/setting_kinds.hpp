@@ -82,13 +82,14 @@ Result<void> parse_number(const Setting& s, TrainerConfig& c, std::string_view t
   if constexpr (std::is_integral_v<T>) {
     T v{};
     const auto [stop, ec] = std::from_chars(text.data(), end, v);
-    if (text.empty() || ec != std::errc{} || stop != end) return fail(ErrorCode::invalid_argument, "expected ", s.expected);
+    if (text.empty() || ec != std::errc{} || stop != end)
+      return fail(ErrorCode::invalid_argument, "expected ", s.expected, " (given '", text, "')");
     c.*Member = v;
   } else {
     double v = 0;
     const auto [stop, ec] = std::from_chars(text.data(), end, v);
     if (text.empty() || ec != std::errc{} || stop != end)
-      return fail(ErrorCode::invalid_argument, "expected a number (", s.expected, ")");
+      return fail(ErrorCode::invalid_argument, "expected a number (", s.expected, "; given '", text, "')");
     // Named as written, not as converted: 1e39 is no float (it would read as inf), and 1e-50 one
     // that rounds to 0.
     if constexpr (std::is_same_v<T, float>) {
@@ -112,7 +113,7 @@ template <auto Member>
 Result<void> parse_boolean(const Setting&, TrainerConfig& c, std::string_view text) {
   if (text == "true" || text == "1") c.*Member = true;
   else if (text == "false" || text == "0") c.*Member = false;
-  else return fail(ErrorCode::invalid_argument, "expected true or false");
+  else return fail(ErrorCode::invalid_argument, "expected true or false (given '", text, "')");
   return {};
 }
 
