@@ -16,6 +16,7 @@
 #include "coshard/async/memory.hpp"
 #include "coshard/async/runtime.hpp"
 #include "coshard/async/when_all.hpp"
+#include "support/sanitizers.hpp"
 
 namespace coshard::offload {
 namespace {
@@ -185,6 +186,12 @@ TEST(NvmeStore, AFullDiskFailsTheWriteAndKeepsWhatWasWritten) {
 // operation in flight per I/O object); with no descriptor left to duplicate, the transfer still
 // runs, on fewer of them, bit-exact.
 TEST(NvmeStore, WithNoDescriptorLeftATransferRunsOnFewerWorkers) {
+  // The sanitizers test whether memory is readable by writing it into a pipe of their own
+  // (IsAccessibleMemoryRange): with every descriptor taken, that pipe cannot open, and UBSan's
+  // vptr check then calls a valid object invalid ("invalid vptr", "memory cannot be printed": seen
+  // once in a few hundred runs beside a CPU hog, on the reactor's release of a task's shared_ptr,
+  // while this thread still held every descriptor). The normal build runs it.
+  if (coshard::testing::kSanitized) GTEST_SKIP() << "no descriptor left for the sanitizers' own pipe";
   const fs::path dir = fresh_dir("lanes");
   async::Runtime rt;
   auto store = open_store(dir, 64 << 10, 8);
