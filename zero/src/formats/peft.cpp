@@ -179,6 +179,15 @@ Result<PeftAdapterConfig> parse_peft_config(std::string_view text, std::string_v
       }
       if (names.back().size() > 1024 || deepest > 16)
         return bad(key, "a regular expression of at most 1024 characters and 16 nested groups");
+      // libstdc++'s compiler reads a back-reference's or a repeat's number into a long without a
+      // bound (signed overflow: undefined behaviour, found by the PEFT config fuzzer); a module
+      // name's numbers are short.
+      std::size_t digits = 0, longest = 0;
+      for (const char ch : names.back()) {
+        digits = ch >= '0' && ch <= '9' ? digits + 1 : 0;
+        longest = std::max(longest, digits);
+      }
+      if (longest > 9) return bad(key, "a regular expression whose numbers have at most 9 digits");
       try {
         (void)outside_regex(names.back());
       } catch (const std::regex_error& e) {
