@@ -114,6 +114,11 @@ class FetchUnit {
     std::size_t gather_bytes(int ranks) const noexcept {
       return static_cast<std::size_t>(piece_bytes) * static_cast<std::size_t>(ranks);
     }
+    // What a collective over the whole unit carries: its int8 pieces where planned, else the
+    // unit's own bytes (the stats' gathered and reduce-scattered bytes).
+    std::size_t carried_bytes(const FetchUnitInfo& info) const noexcept {
+      return block > 0 ? gather_bytes(info.shard_ranks) : info.padded_bytes;
+    }
   };
   // Stage 3 with quantized gathers for it (EngineOptions::quantize_weights, or
   // quantize_frozen_weights and frozen): its gathers for compute carry int8 blocks.

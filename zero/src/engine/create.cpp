@@ -271,7 +271,7 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
                                                Optimizer& optimizer, EngineOptions o) {
   if (o.zero_stage < 0 || o.zero_stage > 3)
     return fail(ErrorCode::invalid_argument, "zero_stage=", o.zero_stage, ": expected 0, 1, 2 or 3");
-  COSHARD_TRY(check_offload_placement(o));  // (stage 0 with an offloaded optimizer: before anything is planned)
+  COSHARD_TRY(check_offload_placement(o));  // (before anything is planned)
   if (o.dtype != DataType::f32 && o.dtype != DataType::bf16 && o.dtype != DataType::f16)
     return fail(ErrorCode::invalid_argument, "Engine dtype ", collectives::to_string(o.dtype),
                 ": expected f32, bf16 or f16");
@@ -305,7 +305,6 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   std::vector<FetchUnitInfo> infos;  // (the memory check and the offload's pinned plan count from them)
   for (const auto& u : s->units) infos.push_back(u->info);
   COSHARD_TRY(s->choose_strategies(infos));
-  COSHARD_TRY(check_offload_placement(o));
   COSHARD_TRY(check_step_in_backward(o, optimizer.control()));
   COSHARD_TRY(check_swap_gradients(o));
   COSHARD_TRY(check_quantized_gathers(o));

@@ -142,15 +142,10 @@ MemoryEstimate detail::estimate_for_units(std::span<const FetchUnitInfo> units, 
     m.add(P::device,
           std::string("quantized gathers' int8 pieces (") +
               (o.quantize_weights != Quantization::none ? "quantize_weights" : "quantize_frozen_weights") + ")",
-          int8_staging_bytes(o, std::min(quantized_whole, o.max_live_bytes)));
-  if (largest_quantized_trained > 0) {
-    EngineOptions grads = o;  // (the gradients' block sizes the pieces)
-    grads.quantize_weights = Quantization::int8;
-    grads.quantize_weights_block = o.quantize_gradients_block;
-    // Each reduction's pieces sent and received, two units' reductions in flight.
+          int8_staging_bytes(o.quantize_weights_block, o.dtype, std::min(quantized_whole, o.max_live_bytes)));
+  if (largest_quantized_trained > 0)  // (each reduction's pieces sent and received, two units' reductions in flight)
     m.add(P::device, "quantized reduction's int8 pieces (quantize_gradients, two largest units)",
-          int8_staging_bytes(grads, 2 * 2 * largest_quantized_trained));
-  }
+          int8_staging_bytes(o.quantize_gradients_block, o.dtype, 2 * 2 * largest_quantized_trained));
   if (o.device_memory_budget > 0 && o.offload_params == OffloadTarget::cpu)
     m.notes.push_back("device_memory_budget " + format_bytes(o.device_memory_budget) + ": the parameter shards of " +
                       std::to_string(units_on_device) + " of " + std::to_string(units.size()) +

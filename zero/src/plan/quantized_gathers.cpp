@@ -68,13 +68,11 @@ std::int64_t int8_gradient_block_for(const EngineOptions& o, const FetchUnitInfo
   return quantized && (o.zero_stage == 2 || o.zero_stage == 3) && info.shard_ranks > 1 ? o.quantize_gradients_block : 0;
 }
 
-std::size_t int8_staging_bytes(const EngineOptions& o, std::size_t gathered) {
-  if (o.quantize_weights == Quantization::none && o.quantize_frozen_weights == Quantization::none) return 0;
+std::size_t int8_staging_bytes(std::int64_t block, DataType dtype, std::size_t bytes) {
   // A value of size_of(dtype) bytes travels as one byte and a share of its block's scale; each
   // rank's piece rounds both parts up to 16 bytes (a little slack for that).
-  const double per_byte = (1.0 + 4.0 / static_cast<double>(o.quantize_weights_block)) /
-                          static_cast<double>(modules::size_of(o.dtype));
-  return static_cast<std::size_t>(static_cast<double>(gathered) * per_byte) + (std::size_t{64} << 10);
+  const double per_byte = (1.0 + 4.0 / static_cast<double>(block)) / static_cast<double>(modules::size_of(dtype));
+  return static_cast<std::size_t>(static_cast<double>(bytes) * per_byte) + (std::size_t{64} << 10);
 }
 
 }  // namespace detail

@@ -14,8 +14,8 @@ namespace coshard::zero::detail {
 std::int64_t int8_block_for(const EngineOptions& o, const FetchUnitInfo& info);
 // The int8 block a trained unit's gradient reduction carries (quantize_gradients), 0 for exact.
 std::int64_t int8_gradient_block_for(const EngineOptions& o, const FetchUnitInfo& info);
-// The most bytes the quantized gathers' int8 pieces take at once beside `gathered` bytes of
-// gathered parameters (each gather's pieces live until its dequantization has run); 0 without.
-std::size_t int8_staging_bytes(const EngineOptions& o, std::size_t gathered);
+// The bytes int8 pieces of blocks of `block` elements take for `bytes` bytes of `dtype` values (a
+// gather's pieces beside its gathered parameters, a reduction's beside its gradient).
+std::size_t int8_staging_bytes(std::int64_t block, DataType dtype, std::size_t bytes);
 
 }  // namespace coshard::zero::detail

@@ -80,7 +80,7 @@ Result<void> GatherScheduler::issue_gather(FetchUnit& u, async::Semaphore::Permi
   // (held: what the host has gathered, and released bytes whose last use has not passed yet)
   w_.stats.peak_live_bytes = std::max(w_.stats.peak_live_bytes, logical_live_ + budget_->pending());
   ++w_.stats.gathers;
-  w_.stats.gathered_bytes += u.int8.block > 0 ? u.int8.gather_bytes(u.info.shard_ranks) : u.info.padded_bytes;  // (what the gather carried)
+  w_.stats.gathered_bytes += u.int8.carried_bytes(u.info);
   return {};
 }
 
