@@ -31,23 +31,51 @@ Result<async::Event> FetchUnit::launch_across_copies(collectives::Communicator& 
   return launch_within(world, *group->replicate, g);
 }
 
-Result<async::Event> FetchUnit::gather_into(const UnitIo& io, FetchMode mode, const Tensor& whole, const void* source,
-                                            bool source_on_device) const {
+namespace {
+
+// Every rank's block of `n` elements of `over` into `whole`, from this rank's `source` (block
+// `rank`), enqueued within the world's communication stream.
+Result<async::Event> gather_blocks(const UnitIo& io, FetchMode mode, const ShardGroup& over, const Tensor& whole,
+                                   std::int64_t n, const void* source, bool source_on_device, const std::string& purpose) {
   auto& cs = io.world.stream();
-  const auto n = static_cast<std::size_t>(info.shard);
-  void* mine = whole.slice(block_offset, Shape{info.shard}).data();
+  const auto count = static_cast<std::size_t>(n);
+  void* mine = whole.slice(static_cast<std::int64_t>(over.rank) * n, Shape{n}).data();
   Coalesced g;
   if (mode == FetchMode::all_gather && source_on_device) {
-    g.all_gather(source, whole.data(), n, io.dtype);
+    g.all_gather(source, whole.data(), count, io.dtype);
   } else if (mode == FetchMode::all_gather) {
-    COSHARD_TRY(cs.copy(mine, source, n * io.element_size()));
-    g.all_gather(mine, whole.data(), n, io.dtype);
+    COSHARD_TRY(cs.copy(mine, source, count * io.element_size()));
+    g.all_gather(mine, whole.data(), count, io.dtype);
   } else {
-    COSHARD_TRY(cs.fill(whole.data(), 0, info.padded_bytes));
-    COSHARD_TRY(cs.copy(mine, source, n * io.element_size()));
-    g.all_reduce(whole.data(), whole.data(), static_cast<std::size_t>(info.padded), io.dtype, ReduceOp::sum);
+    const auto all = count * static_cast<std::size_t>(over.ranks);
+    COSHARD_TRY(cs.fill(whole.data(), 0, all * io.element_size()));
+    COSHARD_TRY(cs.copy(mine, source, count * io.element_size()));
+    g.all_reduce(whole.data(), whole.data(), all, io.dtype, ReduceOp::sum);
   }
-  return launch_in_group(io.world, g.purpose(gather_purpose));
+  return launch_within(io.world, *over.shard, g.purpose(purpose));
+}
+
+}  // namespace
+
+Result<async::Event> FetchUnit::gather_into(const UnitIo& io, FetchMode mode, const Tensor& whole, const void* source,
+                                            bool source_on_device) const {
+  return gather_blocks(io, mode, *group, whole, info.shard, source, source_on_device, gather_purpose);
+}
+
+Result<void> FetchUnit::keep_secondary(const UnitIo& io, const Tensor& whole) {
+  auto& cs = io.world.stream();
+  const std::int64_t n = secondary_elements();
+  const auto bytes = static_cast<std::size_t>(n) * io.element_size();
+  if (!secondary_block) {
+    COSHARD_TRY_ASSIGN(secondary_block, io.ctx.allocator().allocate(bytes, cs));
+  }
+  COSHARD_TRY(cs.copy(secondary_block.data(), whole.slice(static_cast<std::int64_t>(secondary->rank) * n, Shape{n}).data(), bytes));
+  secondary_holds = true;
+  return {};
+}
+
+Result<async::Event> FetchUnit::gather_secondary_into(const UnitIo& io, FetchMode mode, const Tensor& whole) const {
+  return gather_blocks(io, mode, *secondary, whole, secondary_elements(), secondary_block.data(), true, gather_purpose);
 }
 
 Result<FetchUnit::Int8Plan> FetchUnit::plan_int8(const UnitIo& io, std::int64_t block) const {

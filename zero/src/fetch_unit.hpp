@@ -158,6 +158,12 @@ class FetchUnit {
   // gradient, an all-to-all sends each its own, and each sums the pieces it received in f32), then
   // all-reduced across the copies of the block (exactly).
   Result<async::Event> reduce_scatter_gradient(const UnitIo& io, const Tensor& mine) const;
+  // The secondary partition (EngineOptions::secondary_partition_ranks): this rank's slice of the
+  // gathered `whole` kept in `secondary_block` (copied on the communication stream after the
+  // gather; allocated at the first), and `whole` gathered from those slices within the secondary
+  // group, exactly.
+  Result<void> keep_secondary(const UnitIo& io, const Tensor& whole);
+  Result<async::Event> gather_secondary_into(const UnitIo& io, FetchMode mode, const Tensor& whole) const;
   // Its fp32 gradient shard, for use on `stream`; zeroed there unless the caller writes all of it.
   Result<void> allocate_grad_shard(const UnitIo& io, async::Stream& stream, bool zeroed = true);
   // The reduced block `mine` (compute dtype) into an fp32 tensor `out`, on the communication stream.
@@ -201,6 +207,14 @@ class FetchUnit {
   async::JoinHandle<Result<offload::PinnedBlock>> read;
   offload::PinnedBlock read_block;
   async::Semaphore::Permit read_slot;
+
+  // Stage 3 with a secondary partition over more ranks than it (secondary_ranks_for): the group
+  // its slice is gathered within; the slice; whether it holds this step's values (kept at the
+  // unit's first gather of a training step, dropped when the step begins or the unit steps).
+  const ShardGroup* secondary = nullptr;
+  async::Block secondary_block;
+  bool secondary_holds = false;
+  std::int64_t secondary_elements() const noexcept { return secondary ? info.padded / secondary->ranks : 0; }
 
   // Stage 3 gather state.
   Gather gather = Gather::released;

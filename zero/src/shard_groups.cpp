@@ -7,7 +7,8 @@
 namespace coshard::zero::detail {
 
 Result<std::unique_ptr<ShardGroups>> ShardGroups::create(collectives::Communicator& world,
-                                                         std::span<const FetchUnitInfo> units, bool sharded) {
+                                                         std::span<const FetchUnitInfo> units, bool sharded,
+                                                         int secondary_ranks) {
   auto groups = std::make_unique<ShardGroups>();
   const int rank = world.rank(), n = world.size();
   std::set<int> sizes;  // (in order: every rank splits alike)
@@ -40,6 +41,22 @@ Result<std::unique_ptr<ShardGroups>> ShardGroups::create(collectives::Communicat
       return fail(ErrorCode::internal, "shard group size ", size, ": the split gave groups of ", g.shard->size(), " and ",
                   g.replicate ? g.replicate->size() : 1, " ranks");
     groups->groups_.emplace(size, g);
+  }
+  if (sharded && secondary_ranks > 1 && secondary_ranks < n) {
+    if (n % secondary_ranks != 0)
+      return fail(ErrorCode::invalid_argument, "secondary partition of ", secondary_ranks,
+                  " ranks: expected a divisor of the world size ", n);
+    if (const auto same = groups->groups_.find(secondary_ranks); same != groups->groups_.end()) {
+      groups->secondary_ = same->second;
+    } else {  // (runs of consecutive ranks, as the shard groups: a node's)
+      COSHARD_TRY_ASSIGN(auto within, world.split(rank / secondary_ranks, rank));
+      COSHARD_TRY(collectives::label_split(world, *within,
+                                           "secondary" + std::to_string(secondary_ranks) + "-" + std::to_string(rank / secondary_ranks)));
+      groups->secondary_ = ShardGroup{.ranks = secondary_ranks, .rank = rank % secondary_ranks,
+                                      .replicas = n / secondary_ranks, .replica = rank / secondary_ranks,
+                                      .shard = within.get()};
+      groups->split_.push_back(std::move(within));
+    }
   }
   return groups;
 }

@@ -6,6 +6,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -29,9 +30,15 @@ class ShardGroups {
   // rank plans the same): the world is split once for each size below it, into its shard groups
   // and, with several copies, the copies. `sharded` false (stage 0): nothing is split; a unit is
   // whole on every rank (one block, as many copies as ranks).
+  // `secondary_ranks` above 1 (EngineOptions::secondary_partition_ranks): also the groups of
+  // that many consecutive ranks a secondary partition gathers within (a shard group of that size
+  // where units have one; else a split of its own, without copies).
   static Result<std::unique_ptr<ShardGroups>> create(collectives::Communicator& world,
-                                                     std::span<const FetchUnitInfo> units, bool sharded);
+                                                     std::span<const FetchUnitInfo> units, bool sharded,
+                                                     int secondary_ranks = 1);
   const ShardGroup& of(int ranks) const { return groups_.at(ranks); }
+  // The secondary partition's group (its `shard`), null without one.
+  const ShardGroup* secondary() const noexcept { return secondary_ ? &*secondary_ : nullptr; }
   // Groups launched on the split communicators so far (the world's own are the world's).
   std::uint64_t launches() const noexcept {
     std::uint64_t n = 0;
@@ -42,6 +49,7 @@ class ShardGroups {
  private:
   std::vector<std::unique_ptr<collectives::Communicator>> split_;
   std::map<int, ShardGroup> groups_;
+  std::optional<ShardGroup> secondary_;
 };
 
 // `group` enqueued on `sub`, ordered within `world`'s stream: after what that stream holds, and

@@ -35,6 +35,7 @@ Result<void> step_on_host(const OptimizerWiring& w, OptimizerPlacement& placemen
   if (!w.grads_through_pass()) COSHARD_TRY(w.optimizer.add_grad_stats(*w.host.ctx, w.settings.first_group + u.index));
   COSHARD_TRY(placement.step_in_backward(w, u));
   u.stepped_early = true;
+  u.secondary_holds = false;  // (its shard is about to change: a later gather reads the new one)
   ++w.stats.stepped_in_backward;
   return {};
 }

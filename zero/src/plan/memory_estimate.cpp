@@ -12,6 +12,7 @@
 #include "coshard/offload/pinned_pool.hpp"
 #include "plan/fetch_units.hpp"
 #include "plan/quantized_gathers.hpp"
+#include "plan/secondary_partition.hpp"
 
 namespace coshard::zero {
 
@@ -89,7 +90,9 @@ Result<MemoryEstimate> estimate_engine_memory(Module& model, int world_size, con
                                               std::size_t optimizer_states) {
   if (o.zero_stage < 0 || o.zero_stage > 3)
     return fail(ErrorCode::invalid_argument, "memory estimate: zero_stage=", o.zero_stage, ": expected 0, 1, 2 or 3");
+  COSHARD_TRY(check_secondary_partition(o, world_size));
   COSHARD_TRY_ASSIGN(const auto units, plan_units(model, world_size, o, optimizer_states));
+  COSHARD_TRY(detail::check_secondary_groups(o, units));
   return detail::estimate_for_units(units, o, optimizer_states);
 }
 
@@ -146,6 +149,11 @@ MemoryEstimate detail::estimate_for_units(std::span<const FetchUnitInfo> units, 
   if (largest_quantized_trained > 0)  // (each reduction's pieces sent and received, two units' reductions in flight)
     m.add(P::device, "quantized reduction's int8 pieces (quantize_gradients, two largest units)",
           int8_staging_bytes(o.quantize_gradients_block, o.dtype, 2 * 2 * largest_quantized_trained));
+  if (const std::size_t slices = secondary_partition_bytes(o, units); slices > 0)
+    m.add(P::device,
+          "secondary partition's slices (secondary_partition_ranks=" + std::to_string(o.secondary_partition_ranks) +
+              ": 1/" + std::to_string(o.secondary_partition_ranks) + " of the units it gathers within)",
+          slices);
   if (o.device_memory_budget > 0 && o.offload_params == OffloadTarget::cpu)
     m.notes.push_back("device_memory_budget " + format_bytes(o.device_memory_budget) + ": the parameter shards of " +
                       std::to_string(units_on_device) + " of " + std::to_string(units.size()) +

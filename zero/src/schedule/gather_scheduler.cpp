@@ -28,6 +28,10 @@ GatherScheduler::GatherScheduler(Wiring w) : w_(std::move(w)), budget_(async::St
 void GatherScheduler::begin_pass(std::string_view name) {
   trace_.begin(name);
   prefetched_bytes_ = 0;
+  // (the shards may have changed since the last pass: a step, a load; an inference pass has no
+  // later gathers to save)
+  keep_secondaries_ = name == "train";
+  for (auto& u : w_.units) u->secondary_holds = false;
 }
 
 bool GatherScheduler::end_pass() { return trace_.end(); }
@@ -41,7 +45,14 @@ void GatherScheduler::settle_prefetch(FetchUnit& u) {
 Result<async::Event> GatherScheduler::gather_unit(FetchUnit& u, const Tensor& whole, Exactness exactness) {
   COSHARD_TRY_ASSIGN(const void* source, w_.shards.source(u));
   Result<async::Event> done = fail(ErrorCode::internal, "gather of unit ", u.info.name, " not issued");
-  if (u.int8.block > 0 && exactness == Exactness::as_configured) {
+  const bool for_compute = exactness == Exactness::as_configured;
+  if (for_compute && u.secondary_holds) {
+    // (the shard placement still hears of a gather: an NVMe read made ready for it goes back)
+    done = u.gather_secondary_into(w_.io, w_.o.fetch_mode, whole);
+    if (done) COSHARD_TRY(w_.shards.gathered(u, *done));
+    return done;
+  }
+  if (u.int8.block > 0 && for_compute) {
     // The int8 pieces live on the communication stream until their dequantization has run there.
     auto& cs = w_.io.world.stream();
     COSHARD_TRY_ASSIGN(auto pieces, w_.io.ctx.allocator().allocate(u.int8.gather_bytes(u.info.shard_ranks), cs));
@@ -50,6 +61,8 @@ Result<async::Event> GatherScheduler::gather_unit(FetchUnit& u, const Tensor& wh
     done = u.gather_into(w_.io, w_.o.fetch_mode, whole, source, w_.shards.on_device(u));
   }
   if (done) COSHARD_TRY(w_.shards.gathered(u, *done));
+  // A training step's first gather of the unit: its slice kept for the step's later gathers.
+  if (done && for_compute && u.secondary && keep_secondaries_) COSHARD_TRY(u.keep_secondary(w_.io, whole));
   return done;
 }
 
@@ -63,6 +76,7 @@ Result<void> GatherScheduler::issue_gather(FetchUnit& u, async::Semaphore::Permi
   // so returning the block needs no record on the communication stream.
   COSHARD_TRY_ASSIGN(u.gathered_block, w_.io.ctx.allocator().allocate(u.info.padded_bytes, w_.io.ctx.stream()));
   u.gathered = Tensor(u.gathered_block.data(), Shape{u.info.padded}, w_.io.dtype, w_.io.ctx.device());
+  const bool within_secondary = u.secondary_holds;
   auto done = gather_unit(u, u.gathered, Exactness::as_configured);
   if (!done) return fail(std::move(done).error().with_context("gathering unit " + u.info.name));
   u.gathered_event = std::move(*done);
@@ -80,7 +94,12 @@ Result<void> GatherScheduler::issue_gather(FetchUnit& u, async::Semaphore::Permi
   // (held: what the host has gathered, and released bytes whose last use has not passed yet)
   w_.stats.peak_live_bytes = std::max(w_.stats.peak_live_bytes, logical_live_ + budget_->pending());
   ++w_.stats.gathers;
-  w_.stats.gathered_bytes += u.int8.carried_bytes(u.info);
+  if (within_secondary) {
+    ++w_.stats.secondary_gathers;
+    w_.stats.secondary_gathered_bytes += u.info.padded_bytes;
+  } else {
+    w_.stats.gathered_bytes += u.int8.carried_bytes(u.info);
+  }
   return {};
 }
 

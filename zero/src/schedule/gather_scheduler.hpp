@@ -88,6 +88,7 @@ class GatherScheduler final : public UnitGathers {
   // Bytes of units gathered or in flight as the host has issued them (released ones excluded at
   // once): the same on every rank, unlike the device-paced budget.
   std::size_t logical_live_ = 0;
+  bool keep_secondaries_ = false;  // a training pass: units keep their secondary slices
 };
 
 }  // namespace coshard::zero::detail

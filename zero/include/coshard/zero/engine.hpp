@@ -159,6 +159,10 @@ struct EngineStepStats {
   std::uint64_t gathers = 0;          // collectives issued to gather units
   std::uint64_t collective_launches = 0;
   std::uint64_t gathered_bytes = 0;         // parameter bytes received by all-gathers (padded units; int8 blocks and scales where quantized)
+  // Of `gathers`, those within the secondary partition's group (secondary_partition_ranks), and
+  // the bytes they received (not in gathered_bytes: these stay within a node).
+  std::uint64_t secondary_gathers = 0;
+  std::uint64_t secondary_gathered_bytes = 0;
   std::uint64_t reduce_scattered_bytes = 0; // gradient bytes put into reduce-scatters
   std::uint64_t swap_bytes = 0;             // offload: gradient shards out, parameter shards back, state and parameter shards read and written
   std::uint64_t stepped_in_backward = 0;    // step_in_backward: units stepped on the host during backward

@@ -107,6 +107,18 @@ struct EngineOptions {
   // skips the step as it would). none or int8.
   Quantization quantize_gradients = Quantization::none;
   std::int64_t quantize_gradients_block = 256;
+  // Stage 3: a secondary partition of the gathered weights (ZeRO++'s hpZ; DeepSpeed's
+  // zero_hpz_partition_size). A unit's first gather of a training step goes over its whole shard
+  // group as configured (int8 blocks with quantize_weights); each rank then keeps its slice of the
+  // gathered values, 1/N of them, and every later gather of the unit in that step (backward,
+  // activation checkpointing's replay, the next micro-batch's forward) gathers the slices within
+  // the N consecutive ranks that hold them (one node, under a launcher that numbers ranks node by
+  // node), exactly: every use of the step computes with the first gather's values, bit for bit.
+  // Shards, optimizer state and gradient reductions stay over the whole group (ZeRO-3's memory,
+  // plus the slices: a unit's padded bytes / N on the device). 1: none. N must divide every
+  // sharded unit's group (the world, or hybrid sharding's); a unit sharded over N ranks or fewer
+  // gathers as it did.
+  int secondary_partition_ranks = 1;
   // Timed events around every wait of the compute stream on communication, so each step reports
   // exposed_comm_ms (read after the step from device timestamps, never by a synchronize). A few
   // more events a unit: off by default, on in the Trainer.
@@ -213,6 +225,9 @@ struct EngineOptions {
 // Where parameters may be offloaded given the rest (Engine::create checks it; a configuration
 // layer can check it before building): the first rule broken, named.
 Result<void> check_offload_placement(const EngineOptions& o);
+// The secondary partition's size given the rest at `world` ranks (0: the world is not known yet,
+// as when a configuration is read; the rules that need it wait): the first rule broken, named.
+Result<void> check_secondary_partition(const EngineOptions& o, int world);
 // Whether step_in_backward can go with the rest (the optimizer's clipping and loss scaling among
 // them): the first rule broken, named. Engine::create checks it; so can a configuration layer.
 Result<void> check_step_in_backward(const EngineOptions& o, const StepControlOptions& control);
