@@ -8,15 +8,17 @@ one run:
 
 For each link rate and each mode (full: stage 3 over the whole world; hybrid: stage 3 sharded
 within each node, --shard-group-size local; stage0: plain data parallelism; qweights: full with int8 weight gathers;
-qgrads: full with an int8 gradient reduction; qboth: both; tensor, for a Llama
+qgrads: full with an int8 gradient reduction; qboth: both; hpz: full with the secondary partition
+within each node, --secondary-partition local; all3: qboth and hpz together; tensor, for a Llama
 shape: the model split over each node's ranks, --tensor-parallel ranks-per-node, and ZeRO-3 over
 the data ranks across the nodes), coshard-train runs
 twice, for --steps and for twice as many: the bytes each node sent over its link per step are the
 difference over the extra steps (launch, setup and the first steps cancel), and the step time is
 the median over the longer run's steps after --warmup. The peak resident memory of a node is
 its ranks' together (getrusage of each rank process). Losses of every mode are checked to agree
-within 1e-5 relative (they train the same model on the same data), but the quantized modes' (qweights:
---quantize-weights int8), which train on other values: their distance from full sharding's is printed.
+within 1e-5 relative (they train the same model on the same data; hpz's are full sharding's bits), but
+the quantized modes' (qweights, qgrads, qboth, all3), which train on other values: their distance from
+full sharding's is printed.
 """
 import argparse
 import json
@@ -43,10 +45,14 @@ MODES = {
     "qweights": ["--zero-stage", "3", "--quantize-weights", "int8"],
     "qgrads": ["--zero-stage", "3", "--quantize-gradients", "int8"],
     "qboth": ["--zero-stage", "3", "--quantize-weights", "int8", "--quantize-gradients", "int8"],
+    # the secondary partition within each node (hpZ), alone (exact) and with both quantizations
+    "hpz": ["--zero-stage", "3", "--secondary-partition", "local"],
+    "all3": ["--zero-stage", "3", "--quantize-weights", "int8", "--quantize-gradients", "int8",
+             "--secondary-partition", "local"],
 }
 # Modes that train on other values than full sharding (quantized): their losses are compared, not
 # required to agree.
-APPROXIMATE = {"qweights", "qgrads", "qboth"}
+APPROXIMATE = {"qweights", "qgrads", "qboth", "all3"}
 # Each rank under getrusage: its peak resident set, written where the rank's number says.
 RSS_WRAPPER = (
     "import os, resource, subprocess, sys\n"

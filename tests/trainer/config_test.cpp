@@ -433,8 +433,8 @@ namespace coshard::trainer {
 namespace {
 
 // MiCS's shard size is hybrid sharding's shard group size (-1, DeepSpeed's default: the whole
-// world); hpZ's secondary partition is not built: any size but its default 1 is refused by name.
-TEST(DeepSpeedJson, MicsShardSizeIsTheShardGroupAndHpzIsRefused) {
+// world); hpZ's partition size is the secondary partition's ranks (1, its default: none).
+TEST(DeepSpeedJson, MicsShardSizeIsTheShardGroupAndHpzTheSecondaryPartition) {
   auto c = TrainerConfig::from_json(R"({"stage": 3, "mics_shard_size": 2, "zero_hpz_partition_size": 1})", TrainerConfig{});
   ASSERT_TRUE(c) << c.error().message();
   EXPECT_EQ(c->shard_group_size, 2);
@@ -445,11 +445,24 @@ TEST(DeepSpeedJson, MicsShardSizeIsTheShardGroupAndHpzIsRefused) {
   auto own = TrainerConfig::from_json(R"({"shard_group_size": "local"})", TrainerConfig{});
   ASSERT_TRUE(own) << own.error().message();
   EXPECT_TRUE(own->shard_group_local);
-  auto hpz = TrainerConfig::from_json(R"({"stage": 3, "zero_hpz_partition_size": 8})", TrainerConfig{});
-  ASSERT_FALSE(hpz);
-  EXPECT_NE(hpz.error().message().find("zero_hpz_partition_size=8 (hpZ's node-local secondary partition is not built"),
-            std::string::npos)
-      << hpz.error().message();
+  EXPECT_EQ(c->secondary_partition_ranks, 1);
+  auto hpz = TrainerConfig::from_json(R"({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}})", TrainerConfig{});
+  ASSERT_TRUE(hpz) << hpz.error().message();
+  EXPECT_EQ(hpz->secondary_partition_ranks, 8);
+  EXPECT_TRUE(hpz->validate());
+  auto stage2 = TrainerConfig::from_json(R"({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 8}})", TrainerConfig{});
+  ASSERT_FALSE(stage2);
+  EXPECT_NE(stage2.error().message().find("secondary_partition_ranks=8 with zero_stage=2"), std::string::npos)
+      << stage2.error().message();
+  auto zero = TrainerConfig::from_json(R"({"zero_optimization": {"zero_hpz_partition_size": 0}})", TrainerConfig{});
+  ASSERT_FALSE(zero);
+  EXPECT_NE(zero.error().message().find("zero_hpz_partition_size"), std::string::npos) << zero.error().message();
+  auto local = TrainerConfig::from_json(R"({"secondary_partition_ranks": "local"})", TrainerConfig{});
+  ASSERT_TRUE(local) << local.error().message();
+  EXPECT_TRUE(local->secondary_partition_local);
+  auto threads = local->secondary_partition_ranks_for(4);  // (ranks as threads share one machine)
+  ASSERT_TRUE(threads) << threads.error().message();
+  EXPECT_EQ(*threads, 4);
   auto bad = TrainerConfig::from_json(R"({"stage": 3, "mics_shard_size": -3})", TrainerConfig{});
   ASSERT_FALSE(bad);
   EXPECT_NE(bad.error().message().find("mics_shard_size"), std::string::npos) << bad.error().message();

@@ -4,7 +4,9 @@
 // gathers' losses step by step while the gathers carry about a quarter (f32) or half (bf16) of the
 // bytes; the export exact (lr 1e-30 exports the folder's own weights); a resume under quantization
 // the uninterrupted run's losses; LoRA's frozen base quantized alone and never changed; bad flags
-// refused by name before anything runs.
+// refused by name before anything runs. The secondary partition (--secondary-partition; #63 item
+// 3) gives full sharding's losses and export bit for bit on every layout (quantized gathers' with
+// them), with fewer bytes over the whole world.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -187,6 +189,56 @@ TEST(CoshardTrainQuantizedGathers, LorasFrozenBaseAloneIsQuantizedAndNeverChange
   }
 }
 
+// The secondary partition changes where the step's later gathers go, never what they give: the
+// losses and the export are full sharding's, bit for bit, while the gathers over the whole world
+// carry less (forward's alone) and the rest go within the groups of N.
+TEST(CoshardTrainQuantizedGathers, TheSecondaryPartitionGivesFullShardingsBits) {
+  const fs::path dir = scratch("secondary_partition");
+  const fs::path base = make_folder(dir);
+  auto train = [&](std::vector<std::string> flags, const std::string& name) {
+    flags.insert(flags.end(), {"--metrics", (dir / (name + ".jsonl")).string(), "--export",
+                               (dir / (name + ".safetensors")).string()});
+    return run(with(from(base, "6"), flags), dir);
+  };
+  struct Layout {
+    std::string name;
+    std::vector<std::string> flags;
+  };
+  std::vector<Layout> layouts = {
+      {"world4", {"--world-size", "4"}},
+      {"quantized", {"--world-size", "4", "--quantize-weights", "int8", "--quantize-gradients", "int8"}},
+      {"offload_checkpointing", {"--world-size", "4", "--offload-optimizer", "cpu", "--offload-params", "cpu",
+                                 "--activation-checkpointing", "full", "--grad-accum", "3"}},
+      {"tensor", {"--world-size", "8", "--tensor-parallel", "2"}},
+      {"lora_bf16", {"--world-size", "4", "--dtype", "bf16", "--lora-rank", "4", "--lora-targets", "q_proj"}},
+  };
+  if (kSanitized) layouts.resize(2);
+  for (const auto& layout : layouts) {
+    SCOPED_TRACE(layout.name);
+    const auto full = train(with(layout.flags, {"--quiet"}), layout.name + "_full");
+    ASSERT_EQ(full.code, 0) << full.output;
+    const auto secondary = train(with(layout.flags, {"--secondary-partition", "2"}), layout.name);
+    ASSERT_EQ(secondary.code, 0) << secondary.output;
+    EXPECT_NE(secondary.output.find("secondary partition: groups of 2 consecutive"), std::string::npos) << secondary.output;
+    EXPECT_EQ(column(dir / (layout.name + ".jsonl"), "loss"), column(dir / (layout.name + "_full.jsonl"), "loss"));
+    EXPECT_EQ(tensors_in(dir / (layout.name + ".safetensors")), tensors_in(dir / (layout.name + "_full.safetensors")));
+    const auto g = column(dir / (layout.name + ".jsonl"), "gathered_bytes");
+    const auto f = column(dir / (layout.name + "_full.jsonl"), "gathered_bytes");
+    const auto within = column(dir / (layout.name + ".jsonl"), "secondary_gathered_bytes");
+    // (LoRA: its frozen base stays gathered through the step anyway; the adapters' gathers move)
+    const double most = layout.name.starts_with("lora") ? 1.0 : 0.75;
+    EXPECT_LT(std::accumulate(g.begin(), g.end(), 0.0), most * std::accumulate(f.begin(), f.end(), 0.0));
+    EXPECT_GT(std::accumulate(within.begin(), within.end(), 0.0), 0.0);
+  }
+  // local: the ranks of one node, and threads share one machine: every rank, so no unit is
+  // sharded over more: it gathers as it did, and says so.
+  const auto local = train({"--world-size", "4", "--secondary-partition", "local"}, "local");
+  ASSERT_EQ(local.code, 0) << local.output;
+  EXPECT_NE(local.output.find("secondary partition: groups of 4 (local: the ranks of a node): none"), std::string::npos)
+      << local.output;
+  EXPECT_EQ(column(dir / "local.jsonl", "loss"), column(dir / "world4_full.jsonl", "loss"));
+}
+
 TEST(CoshardTrainQuantizedGathers, BadFlagsAreRefusedByName) {
   const fs::path dir = scratch("quantized_gathers_bad");
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
@@ -198,6 +250,15 @@ TEST(CoshardTrainQuantizedGathers, BadFlagsAreRefusedByName) {
       {{"--zero-stage", "1", "--quantize-gradients", "int8"}, "quantize_gradients=int8 with zero_stage=1"},
       {{"--quantize-gradients", "int4"}, "--quantize-gradients"},
       {{"--quantize-gradients-block", "0"}, "--quantize-gradients-block"},
+      {{"--world-size", "4", "--secondary-partition", "3"},
+       "secondary_partition_ranks=3: expected a divisor of the world size 4"},
+      {{"--world-size", "4", "--zero-stage", "2", "--secondary-partition", "2"},
+       "secondary_partition_ranks=2 with zero_stage=2"},
+      {{"--zero-stage", "1", "--secondary-partition", "local"}, "secondary_partition_ranks=local with zero_stage=1"},
+      {{"--secondary-partition", "0"}, "--secondary-partition"},
+      {{"--secondary-partition", "two"}, "(given 'two')"},
+      {{"--world-size", "8", "--shard-group-size", "4", "--secondary-partition", "3"},
+       "secondary_partition_ranks=3 with shard_group_size=4: expected a divisor of the shard group size"},
   };
   for (const auto& [flags, message] : cases) {
     const auto r = run(with(with(kLlama, {"--steps", "1"}), flags), dir);

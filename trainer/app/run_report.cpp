@@ -1,5 +1,6 @@
 #include "run_report.hpp"
 
+#include <algorithm>
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
@@ -11,6 +12,7 @@
 #include "coshard/modules/cpu_half_products.hpp"
 #include "coshard/modules/cpu_threads.hpp"
 #include "coshard/modules/layers.hpp"
+#include "coshard/zero/memory_estimate.hpp"
 
 namespace coshard::train_app {
 
@@ -29,6 +31,56 @@ std::string omp_wait(int threads) {
     return " (OMP_WAIT_POLICY=ACTIVE: OpenMP's idle threads spin, taking cores from the element-wise kernels; "
            "PASSIVE or unset is faster)";
   return {};
+}
+
+// ZeRO++'s lines: the quantized gathers and reduction, the secondary partition (which units, what
+// a collective carries, what the slices hold).
+void print_less_on_the_wire(const Options& o, trainer::Trainer& t, int data_ranks, int tensor) {
+  const auto units_info = t.engine().units();
+  // Quantized weight gathers: which units, and what a gather carries.
+  const auto& quantize = o.train;
+  if (quantize.zero_stage == 3 && (quantize.quantize_weights != zero::Quantization::none ||
+                                   quantize.quantize_frozen_weights != zero::Quantization::none)) {
+    const auto units = static_cast<std::size_t>(std::count_if(units_info.begin(), units_info.end(),
+                                                              [](const auto& u) { return u.gather_int8_block > 0; }));
+    const double bytes = 1.0 + 4.0 / static_cast<double>(quantize.quantize_weights_block);
+    std::printf("  quantized weight gathers: int8 blocks of %lld with an f32 scale (%.3f bytes a weight against %zu in "
+                "%s), %zu of %zu units (%s); masters, optimizer, checkpoints and exports exact\n",
+                static_cast<long long>(quantize.quantize_weights_block), bytes,
+                modules::size_of(quantize.engine_options().dtype),
+                std::string(collectives::to_string(quantize.engine_options().dtype)).c_str(), units,
+                t.engine().units().size(),
+                quantize.quantize_weights != zero::Quantization::none ? "every unit sharded over more than one rank"
+                                                                      : "the frozen ones sharded over more than one rank");
+  }
+  const bool gradients_quantized = quantize.zero_stage == 2 || quantize.zero_stage == 3;
+  if (gradients_quantized && quantize.quantize_gradients != zero::Quantization::none && data_ranks == 1) {
+    std::printf("  quantized gradient reduction: none (one data rank: nothing crosses a wire)\n");
+  } else if (gradients_quantized && quantize.quantize_gradients != zero::Quantization::none) {
+    std::printf("  quantized gradient reduction: int8 blocks of %lld with an f32 scale, each rank's block summed in f32 "
+                "from an all-to-all (%.3f bytes a gradient value against %zu)%s\n",
+                static_cast<long long>(quantize.quantize_gradients_block),
+                1.0 + 4.0 / static_cast<double>(quantize.quantize_gradients_block),
+                modules::size_of(quantize.engine_options().dtype),
+                data_ranks > 1 && o.train.shard_group_size > 0 ? "; across the copies exact" : "");
+  }
+  // The secondary partition: its groups, its units, the device memory of its slices.
+  if (const int n = t.engine().options().secondary_partition_ranks; quantize.zero_stage == 3 && n > 1) {
+    std::size_t units = 0, slice_bytes = 0;
+    for (const auto& u : units_info)
+      if (u.secondary_ranks > 0) {
+        ++units;
+        slice_bytes += u.padded_bytes / static_cast<std::size_t>(u.secondary_ranks);
+      }
+    if (units == 0)
+      std::printf("  secondary partition: groups of %d%s: none (no unit is sharded over more ranks; it gathers as it "
+                  "did)\n", n, quantize.secondary_partition_local ? " (local: the ranks of a node)" : "");
+    else
+      std::printf("  secondary partition: groups of %d consecutive %srank(s)%s: %zu of %zu units gather a step's later "
+                  "uses within them, from slices of %s a rank (1/%d of them)\n",
+                  n, tensor > 1 ? "data " : "", quantize.secondary_partition_local ? " (local: the ranks of a node)" : "",
+                  units, units_info.size(), zero::format_bytes(slice_bytes).c_str(), n);
+  }
 }
 
 }  // namespace
@@ -101,34 +153,11 @@ void print_run_header(const Options& o, trainer::Trainer& t, const collectives::
   if (tensor > 1)
     std::printf("  tensor parallelism: data %d x tensor %d (heads, MLP and vocabulary split over %d consecutive ranks; "
                 "ZeRO over each data group of %d)\n", data_ranks, tensor, tensor, data_ranks);
-  // Quantized weight gathers: which units, and what a gather carries.
-  const auto& quantize = o.train;
-  if (quantize.zero_stage == 3 && (quantize.quantize_weights != zero::Quantization::none ||
-                                   quantize.quantize_frozen_weights != zero::Quantization::none)) {
-    std::size_t units = 0;
-    for (const auto& u : t.engine().units())
-      units += (quantize.quantize_weights != zero::Quantization::none || u.frozen) && u.shard_ranks > 1 ? 1 : 0;
-    const double bytes = 1.0 + 4.0 / static_cast<double>(quantize.quantize_weights_block);
-    std::printf("  quantized weight gathers: int8 blocks of %lld with an f32 scale (%.3f bytes a weight against %zu in "
-                "%s), %zu of %zu units (%s); masters, optimizer, checkpoints and exports exact\n",
-                static_cast<long long>(quantize.quantize_weights_block), bytes,
-                modules::size_of(quantize.engine_options().dtype),
-                std::string(collectives::to_string(quantize.engine_options().dtype)).c_str(), units,
-                t.engine().units().size(),
-                quantize.quantize_weights != zero::Quantization::none ? "every unit sharded over more than one rank"
-                                                                      : "the frozen ones sharded over more than one rank");
-  }
-  if ((quantize.zero_stage == 2 || quantize.zero_stage == 3) && quantize.quantize_gradients != zero::Quantization::none) {
-    std::printf("  quantized gradient reduction: int8 blocks of %lld with an f32 scale, each rank's block summed in f32 "
-                "from an all-to-all (%.3f bytes a gradient value against %zu)%s\n",
-                static_cast<long long>(quantize.quantize_gradients_block),
-                1.0 + 4.0 / static_cast<double>(quantize.quantize_gradients_block),
-                modules::size_of(quantize.engine_options().dtype),
-                data_ranks > 1 && o.train.shard_group_size > 0 ? "; across the copies exact" : "");
-  }
+  print_less_on_the_wire(o, t, data_ranks, tensor);
+  const auto units_info = t.engine().units();
   // Hybrid sharding: the groups the units are sharded over (each a copy of every block).
   std::set<int> groups;
-  for (const auto& u : t.engine().units())
+  for (const auto& u : units_info)
     if (o.train.zero_stage > 0 && u.shard_ranks < data_ranks) groups.insert(u.shard_ranks);
   for (const int g : groups)
     std::printf("  hybrid sharding: units sharded over groups of %d consecutive %srank(s), %d copies (across them: one "

@@ -70,6 +70,10 @@ Result<void> TrainerConfig::validate() const {
   COSHARD_TRY(zero::check_step_in_backward(engine_options(), step_control()));
   COSHARD_TRY(zero::check_swap_gradients(engine_options()));
   COSHARD_TRY(zero::check_quantized_gathers(engine_options()));
+  COSHARD_TRY(zero::check_secondary_partition(engine_options(), 0));  // (the world's rules when it is known)
+  if (secondary_partition_local && zero_stage != 3)
+    return fail(ErrorCode::invalid_argument, "secondary_partition_ranks=local with zero_stage=", zero_stage,
+                ": stages 0-2 keep whole copies and gather no weights within a step (expected zero_stage 3)");
   return {};
 }
 
@@ -110,6 +114,8 @@ Result<zero::EngineOptions> TrainerConfig::engine_options_for(modules::Module& m
   zero::EngineOptions o = engine_options();
   o.expected_micro_batches = gradient_accumulation_steps;
   COSHARD_TRY_ASSIGN(o.shard_group_size, shard_group_size_for(world_size));
+  COSHARD_TRY_ASSIGN(o.secondary_partition_ranks, secondary_partition_ranks_for(world_size));
+  COSHARD_TRY(zero::check_secondary_partition(o, world_size));
   if (!max_live_follows_model || zero_stage != 3) return o;
   zero::EngineOptions unbounded = o;
   unbounded.max_live_bytes = std::numeric_limits<std::size_t>::max();
@@ -121,12 +127,26 @@ Result<zero::EngineOptions> TrainerConfig::engine_options_for(modules::Module& m
   return o;
 }
 
-Result<int> TrainerConfig::shard_group_size_for(int data_ranks) const {
-  if (!shard_group_local) return shard_group_size;
-  // Under a launcher its count of ranks on this machine; ranks as threads share one machine.
-  // (With tensor parallelism a node holds its ranks over the tensor size of data ranks.)
+namespace {
+
+// The data ranks of one node: under a launcher its count of ranks on this machine; ranks as
+// threads share one machine. (With tensor parallelism a node holds its ranks over the tensor size
+// of data ranks.)
+Result<int> data_ranks_per_node(int data_ranks, int tensor_parallel_size) {
   COSHARD_TRY_ASSIGN(const auto env, collectives::read_launch_env());
   return env.launcher == collectives::Launcher::none ? data_ranks : std::max(1, env.local_size / tensor_parallel_size);
+}
+
+}  // namespace
+
+Result<int> TrainerConfig::shard_group_size_for(int data_ranks) const {
+  if (!shard_group_local) return shard_group_size;
+  return data_ranks_per_node(data_ranks, tensor_parallel_size);
+}
+
+Result<int> TrainerConfig::secondary_partition_ranks_for(int data_ranks) const {
+  if (!secondary_partition_local) return secondary_partition_ranks;
+  return data_ranks_per_node(data_ranks, tensor_parallel_size);
 }
 
 void TrainerConfig::set_compute_dtype(DataType compute) noexcept {

@@ -133,11 +133,6 @@ void read_zero_optimization(ConfigReader& r, const json& section, bool whole, Tr
       } else {
         r.setting(*setting_named("shard_group_size"), v, name, c, element, false);
       }
-    } else if (key == "zero_hpz_partition_size") {
-      // hpZ's secondary copy within the node is not built: only its default (1, off) is taken.
-      if (auto n = r.count(v, name); n && *n != 1)
-        r.bad.push_back(name + "=" + std::to_string(*n) + " (hpZ's node-local secondary partition is not built in "
-                                                         "coshard; expected 1; mics_shard_size gives hybrid sharding)");
     } else if (key == "mics_hierarchical_params_gather") {
       if (r.boolean(v, name))
         r.notes.push_back(name + ": accepted, no effect (a shard group's gather is one collective within the group)");

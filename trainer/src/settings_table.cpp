@@ -88,28 +88,46 @@ Setting max_live_setting() {
   return s;
 }
 
-// A group size, or local: the ranks of one node.
+// A count of ranks, or local: the ranks of one node (the launcher's ranks per node, known when the
+// engine is made; `Local` says so, and `Unset` is the count it leaves).
+template <auto Size, auto Local, int Unset>
+Setting ranks_or_local_setting(Setting meta, int lowest) {
+  Setting s = integer<Size>(std::move(meta), lowest, 1 << 24);
+  s.get = [](const Setting& self, const TrainerConfig& c) {
+    return c.*Local ? std::string("local") : get_value<Size>(self, c);
+  };
+  s.parse = [](const Setting& self, TrainerConfig& c, std::string_view text) -> Result<void> {
+    if (text == "local") {
+      c.*Local = true;
+      c.*Size = Unset;
+      return {};
+    }
+    COSHARD_TRY(parse_number<Size>(self, c, text));  // (a negative one is refused by the range)
+    c.*Local = false;
+    return {};
+  };
+  return s;
+}
+
 Setting shard_group_setting() {
-  Setting s = integer<&T::shard_group_size>(
+  return ranks_or_local_setting<&T::shard_group_size, &T::shard_group_local, 0>(
       {.name = "shard_group_size", .flag = "--shard-group-size",
        .help = "hybrid sharding (HSDP, MiCS): shard each unit over groups of N consecutive ranks and replicate "
                "across the groups; local: the ranks of one node; 0: the whole world (full sharding)",
        .expected = "a whole number that divides the world size, 0 (the whole world) or local"},
-      0, 1 << 24);
-  s.get = [](const Setting& self, const TrainerConfig& c) {
-    return c.shard_group_local ? std::string("local") : get_value<&T::shard_group_size>(self, c);
-  };
-  s.parse = [](const Setting& self, TrainerConfig& c, std::string_view text) -> Result<void> {
-    if (text == "local") {  // the launcher's ranks per node, known when the engine is made
-      c.shard_group_local = true;
-      c.shard_group_size = 0;
-      return {};
-    }
-    COSHARD_TRY(parse_number<&T::shard_group_size>(self, c, text));  // (a negative one is refused by the range)
-    c.shard_group_local = false;
-    return {};
-  };
-  return s;
+      0);
+}
+
+Setting secondary_partition_setting() {
+  return ranks_or_local_setting<&T::secondary_partition_ranks, &T::secondary_partition_local, 1>(
+      {.name = "secondary_partition_ranks", .flag = "--secondary-partition",
+       .deepspeed = "zero_optimization.zero_hpz_partition_size",
+       .help = "stage 3: keep each rank's 1/N slice of a unit's first gather of a step, and gather the step's later "
+               "uses (backward, checkpointing's replay, the next micro-batch) within groups of N consecutive ranks "
+               "(ZeRO++'s hpZ: across nodes only once a step; the same values, bit for bit; 1/N of the gathered "
+               "model more on the device); local: the ranks of one node; 1: none",
+       .expected = "a whole number that divides the world size (the ranks of a node), 1 (none) or local"},
+      1);
 }
 
 // f32, bf16 or f16, through set_compute_dtype (f16 turns on dynamic loss scaling unless it is set).
@@ -225,6 +243,7 @@ void add_parallelism_settings(std::vector<Setting>& t) {
        .help = "the elements one f32 scale covers in a quantized gradient reduction",
        .expected = "a whole number from 8 to 2^30"},
       8, std::int64_t{1} << 30));
+  t.push_back(secondary_partition_setting());
   t.push_back(prefetch_bucket_setting());
   t.push_back(boolean<&T::adaptive_prefetch>(
       {.name = "adaptive_prefetch",

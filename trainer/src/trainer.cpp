@@ -35,6 +35,9 @@ std::span<const StepMetric> step_metrics() noexcept {
       {"tokens", "", false, [](const StepStats& s) { return json(s.tokens); }},
       {"lr", "train/lr", false, [](const StepStats& s) { return json(s.lr); }},
       {"gathered_bytes", "comm/gathered_bytes", false, [](const StepStats& s) { return json(s.gathered_bytes); }},
+      // (the secondary partition's gathers within a node: not in gathered_bytes)
+      {"secondary_gathered_bytes", "comm/secondary_gathered_bytes", false,
+       [](const StepStats& s) { return json(s.secondary_gathered_bytes); }},
       {"reduce_scattered_bytes", "comm/reduce_scattered_bytes", false,
        [](const StepStats& s) { return json(s.reduce_scattered_bytes); }},
       {"peak_gathered_bytes", "memory/peak_gathered_bytes", false, [](const StepStats& s) { return json(s.peak_live_bytes); }},

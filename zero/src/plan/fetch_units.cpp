@@ -1,4 +1,6 @@
 #include "plan/fetch_units.hpp"
+#include "plan/quantized_gathers.hpp"
+#include "plan/secondary_partition.hpp"
 
 #include "coshard/modules/checkpointing.hpp"
 #include "coshard/offload/pinned_pool.hpp"
@@ -154,6 +156,8 @@ Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOp
     u.info.shard = u.info.padded / W;
     u.info.padded_bytes = static_cast<std::size_t>(u.info.padded) * element_size;
     u.info.persistent = stage3 && u.info.padded_bytes < o.persistence_threshold_bytes;
+    u.info.gather_int8_block = int8_block_for(o, u.info);
+    u.info.secondary_ranks = secondary_ranks_for(o, u.info);
     plan.largest_unit_bytes = std::max(plan.largest_unit_bytes, u.info.padded_bytes);
     plan.units.push_back(std::move(u));
   }

@@ -67,6 +67,8 @@ struct TrainerConfig : zero::EngineOptions {
   // shard_group_size "local": the ranks of one node (the launcher's local size; all of them when
   // the ranks are threads of one process), resolved by shard_group_size_for.
   bool shard_group_local = false;
+  // secondary_partition_ranks "local": the same, for the secondary partition (ZeRO++'s hpZ).
+  bool secondary_partition_local = false;
   // Tensor parallelism beside ZeRO: the model split over this many consecutive ranks (a data x
   // tensor mesh, collectives/mesh.hpp; the trainer is then built over the mesh, and ZeRO shards
   // over each data group). 1: none.
@@ -192,6 +194,9 @@ struct TrainerConfig : zero::EngineOptions {
   // threads share one machine: every data rank). What engine_options_for gives the engine, and
   // what a mesh of this config is made with.
   Result<int> shard_group_size_for(int data_ranks) const;
+  // The same for the secondary partition: secondary_partition_ranks, or for "local" the ranks of
+  // one node by that rule.
+  Result<int> secondary_partition_ranks_for(int data_ranks) const;
   // The optimizer's clipping and loss scaling, as the trainer builds it.
   modules::StepControlOptions step_control() const;
   // The learning rate of step `step` (0-based) under the schedule.

@@ -174,6 +174,13 @@ class TrainerBuilder {
   TrainerBuilder& quantize_weights_block(std::int64_t v) { c_.quantize_weights_block = v; return *this; }
   TrainerBuilder& quantize_gradients(zero::Quantization v) { c_.quantize_gradients = v; return *this; }
   TrainerBuilder& quantize_gradients_block(std::int64_t v) { c_.quantize_gradients_block = v; return *this; }
+  // ZeRO++'s hpZ (EngineOptions::secondary_partition_ranks): the step's later gathers within groups
+  // of `ranks` consecutive ranks; set("secondary_partition_ranks", "local") for a node's ranks.
+  TrainerBuilder& secondary_partition(int ranks) {
+    c_.secondary_partition_ranks = ranks;
+    c_.secondary_partition_local = false;
+    return *this;
+  }
   TrainerBuilder& prefetch_bucket_bytes(std::size_t v) { c_.prefetch_bucket_bytes = v; return *this; }
   TrainerBuilder& max_live_bytes(std::size_t v) {
     c_.max_live_bytes = v;

@@ -108,6 +108,12 @@ struct FetchUnitInfo {
   // (offload_optimizer; with a device_memory_budget and offload_optimizer=cpu, only the units
   // whose state did not fit on the device). Frozen units have none: as offload_optimizer says.
   bool optimizer_offloaded = false;
+  // Stage 3: its gathers for compute carry int8 blocks of this many elements (quantize_weights,
+  // or quantize_frozen_weights and frozen); 0: exact.
+  std::int64_t gather_int8_block = 0;
+  // Stage 3: the step's later gathers of it go within groups of this many ranks from the slices
+  // kept at its first (secondary_partition_ranks); 0: none (its group is no larger).
+  int secondary_ranks = 0;
 };
 
 // This rank's share of one unit, as views of the engine's state (valid while a visit_shards
