@@ -151,9 +151,7 @@ MemoryEstimate detail::estimate_for_units(std::span<const FetchUnitInfo> units, 
           int8_staging_bytes(o.quantize_gradients_block, o.dtype, 2 * 2 * largest_quantized_trained));
   if (const std::size_t slices = secondary_partition_bytes(o, units); slices > 0)
     m.add(P::device,
-          "secondary partition's slices (secondary_partition_ranks=" + std::to_string(o.secondary_partition_ranks) +
-              ": 1/" + std::to_string(o.secondary_partition_ranks) + " of the units it gathers within)",
-          slices);
+          "secondary partition (1/" + std::to_string(o.secondary_partition_ranks) + " of its units)", slices);
   if (o.device_memory_budget > 0 && o.offload_params == OffloadTarget::cpu)
     m.notes.push_back("device_memory_budget " + format_bytes(o.device_memory_budget) + ": the parameter shards of " +
                       std::to_string(units_on_device) + " of " + std::to_string(units.size()) +
