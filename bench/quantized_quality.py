@@ -11,7 +11,8 @@ Two jobs, each trained once with exact ZeRO-3 and once with each quantized mode:
           same text, 400 steps, cosine decay
 Modes: exact (ZeRO-3), exact1 (the same on one rank, first seed only: its distance from exact is the
 order of additions alone), qweights (--quantize-weights int8), qgrads (--quantize-gradients int8), qboth
-(both). Every run: the same data, --world-size
+(both), qgrads4 (--quantize-gradients int4, DeepSpeed's format). (The secondary partition changes no
+value: its runs are the others' to the bit, so it has no mode here.) Every run: the same data, --world-size
 ranks as threads; each job once per seed (--seeds), as a run perturbed at every step ends wherever its
 trajectory takes it: the seeds' spread of exact runs is the yardstick for one run's difference. The loss compared is the validation loss over fixed
 batches of the same text (--val-data, --eval-batches 8, every 100 steps and after the last): one
@@ -44,6 +45,7 @@ MODES = {
     "qweights": ["--quantize-weights", "int8"],
     "qgrads": ["--quantize-gradients", "int8"],
     "qboth": ["--quantize-weights", "int8", "--quantize-gradients", "int8"],
+    "qgrads4": ["--quantize-gradients", "int4"],
 }
 WINDOW = 100
 

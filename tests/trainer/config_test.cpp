@@ -497,15 +497,24 @@ TEST(DeepSpeedJson, QuantizedWeightsAreTheQuantizedGathers) {
   EXPECT_NE(int4.error().message().find("expected none or int8"), std::string::npos) << int4.error().message();
   auto tiny = TrainerConfig::from_json(R"({"quantize_weights_block": 4})", TrainerConfig{});
   EXPECT_FALSE(tiny && tiny->validate());
-  // qgZ's key: the gradients' reduction in int8 blocks; refused where no reduce-scatter runs per unit.
+  // qgZ's key: the gradients' reduction in int4 blocks, as DeepSpeed's all-to-all carries them;
+  // refused where no reduce-scatter runs per unit. coshard's own key takes int8 too.
   auto grads = TrainerConfig::from_json(R"({"zero_optimization": {"stage": 2, "zero_quantized_gradients": true}})",
                                         TrainerConfig{});
   ASSERT_TRUE(grads) << grads.error().message();
-  EXPECT_EQ(grads->engine_options().quantize_gradients, zero::Quantization::int8);
+  EXPECT_EQ(grads->engine_options().quantize_gradients, zero::Quantization::int4);
   auto grads_stage1 = TrainerConfig::from_json(R"({"stage": 1, "zero_quantized_gradients": true})", TrainerConfig{});
   ASSERT_FALSE(grads_stage1);
-  EXPECT_NE(grads_stage1.error().message().find("quantize_gradients=int8 with zero_stage=1"), std::string::npos)
+  EXPECT_NE(grads_stage1.error().message().find("quantize_gradients=int4 with zero_stage=1"), std::string::npos)
       << grads_stage1.error().message();
+  auto int8_grads = TrainerConfig::from_json(R"({"quantize_gradients": "int8"})", TrainerConfig{});
+  ASSERT_TRUE(int8_grads) << int8_grads.error().message();
+  EXPECT_EQ(int8_grads->quantize_gradients, zero::Quantization::int8);
+  auto odd = TrainerConfig::from_json(R"({"quantize_gradients": "int4", "quantize_gradients_block": 255})", TrainerConfig{});
+  ASSERT_FALSE(odd);
+  EXPECT_NE(odd.error().message().find("quantize_gradients_block=255 with quantize_gradients=int4: expected an even count"),
+            std::string::npos)
+      << odd.error().message();
 }
 
 // "local": the ranks of one node, resolved when the engine's options are made (ranks as threads

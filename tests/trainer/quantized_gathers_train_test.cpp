@@ -112,6 +112,28 @@ TEST(CoshardTrainQuantizedGathers, AFolderTrainsCloseToExactGathersOnEveryLayout
     const auto e = column(dir / (layout.name + "_exact.jsonl"), "reduce_scattered_bytes");
     EXPECT_LE(std::accumulate(g.begin(), g.end(), 0.0) / std::accumulate(e.begin(), e.end(), 0.0), layout.bytes);
   }
+  // int4 (DeepSpeed's format for zero_quantized_gradients), from the folder at world 2 and data 2 x
+  // tensor 2: the first step exact's, the rest close, the reduction carrying about an eighth of
+  // f32's bytes.
+  std::vector<Layout> int4_layouts = {{"int4_world2", {"--world-size", "2"}, 0.17},
+                                      {"int4_tensor", {"--world-size", "4", "--tensor-parallel", "2"}, 0.17}};
+  if (kSanitized) int4_layouts.resize(1);  // (grads_tensor_exact ran only unsanitized)
+  for (const auto& layout : int4_layouts) {
+    SCOPED_TRACE(layout.name);
+    const auto quantized = train(with(layout.flags, {"--quantize-gradients", "int4", "--quantize-gradients-block", "64"}),
+                                 layout.name);
+    ASSERT_EQ(quantized.code, 0) << quantized.output;
+    EXPECT_NE(quantized.output.find("quantized gradient reduction: int4 blocks of 64"), std::string::npos)
+        << quantized.output;
+    const std::string exact = layout.name == "int4_world2" ? "grads_world2_exact" : "grads_tensor_exact";
+    const auto losses = column(dir / (layout.name + ".jsonl"), "loss"), want = column(dir / (exact + ".jsonl"), "loss");
+    ASSERT_EQ(losses.size(), want.size());
+    EXPECT_EQ(losses.front(), want.front()) << "the first forward came before any reduction";
+    for (std::size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(losses[i], want[i], 0.05 * want[i]) << "step " << i + 1;
+    const auto g = column(dir / (layout.name + ".jsonl"), "reduce_scattered_bytes");
+    const auto e = column(dir / (exact + ".jsonl"), "reduce_scattered_bytes");
+    EXPECT_LE(std::accumulate(g.begin(), g.end(), 0.0) / std::accumulate(e.begin(), e.end(), 0.0), layout.bytes);
+  }
   {  // all together: both tracked against exact, both byte counts down
     const auto both = train({"--world-size", "2", "--quantize-weights", "int8", "--quantize-gradients", "int8", "--quiet"},
                             "both");
@@ -248,7 +270,9 @@ TEST(CoshardTrainQuantizedGathers, BadFlagsAreRefusedByName) {
       {{"--quantize-weights", "int4"}, "--quantize-weights"},
       {{"--quantize-weights-block", "4"}, "--quantize-weights-block"},
       {{"--zero-stage", "1", "--quantize-gradients", "int8"}, "quantize_gradients=int8 with zero_stage=1"},
-      {{"--quantize-gradients", "int4"}, "--quantize-gradients"},
+      {{"--quantize-gradients", "int2"}, "--quantize-gradients"},
+      {{"--quantize-gradients", "int4", "--quantize-gradients-block", "63"},
+       "quantize_gradients_block=63 with quantize_gradients=int4: expected an even count"},
       {{"--quantize-gradients-block", "0"}, "--quantize-gradients-block"},
       {{"--world-size", "4", "--secondary-partition", "3"},
        "secondary_partition_ranks=3: expected a divisor of the world size 4"},

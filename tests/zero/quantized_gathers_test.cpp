@@ -142,8 +142,15 @@ TEST(QuantizedGathers, GradientsReduceCloseToExact) {
       {.world = 2, .optimizer = OffloadTarget::cpu, .params = OffloadTarget::cpu, .same_rows = false, .grads = int8},
       {.world = 3, .optimizer = OffloadTarget::nvme, .same_rows = false, .stage = 2, .grads = int8},
       {.world = 3, .weights = int8, .granularity = 64 << 10, .same_rows = false, .grads = int8},  // both, one coalesced unit
+      // int4 (DeepSpeed's qgZ format): two values a byte (at lr 1e-2: at 3e-2 the exact run's own
+      // loss jumps at the fourth step, which int4's coarser steps land past or short of)
+      {.world = 2, .same_rows = false, .lr = 1e-2f, .grads = Quantization::int4},
+      {.world = 4, .dtype = DataType::bf16, .shard_group_size = 2, .micro_batches = 2, .same_rows = false,
+       .lr = 1e-2f, .grads = Quantization::int4},
+      {.world = 3, .block = 100, .optimizer = OffloadTarget::cpu, .same_rows = false, .lr = 1e-2f, .stage = 2,
+       .grads = Quantization::int4},
   };
-  if (coshard::testing::kSanitized) cases.resize(3);
+  if (coshard::testing::kSanitized) cases = {cases[0], cases[2], cases[8]};
   for (const auto& plan : cases) {
     SCOPED_TRACE(plan.name());
     auto run = train(plan);
@@ -159,12 +166,20 @@ TEST(QuantizedGathers, GradientsReduceCloseToExact) {
     // (AdamW's normalized steps make a gradient's small values count as much as its large ones: a
     // value quantized to 0 in its block moves its weight by lr where the exact one moved it by lr
     // too, or by nothing: 5% on this small model's loss at lr 3e-2 within four steps)
+    // (int4: 15 steps a block against int8's 255, so more of a block's small values round to 0, and
+    // AdamW's first steps move every weight by lr times the sign of its gradient: a weight whose
+    // gradient became 0 stays. 15% at lr 1e-2, the most seen 13%; a misplaced piece or scale is off
+    // by far more)
+    const bool int4 = plan.grads == Quantization::int4;
     for (std::size_t step = 0; step < run->losses.size(); ++step)
-      EXPECT_LE(relative(run->losses[step], exact->losses[step]), 5e-2)
+      EXPECT_LE(relative(run->losses[step], exact->losses[step]), int4 ? 0.15 : 5e-2)
           << "step " << step << ": " << run->losses[step] << " against exact " << exact->losses[step];
-    // int8 blocks of the reduce-scatter: 1 + 4/block bytes a value against 4 (f32) or 2 (bf16).
+    // int8 blocks of the reduce-scatter: 1 + 4/block bytes a value against 4 (f32) or 2 (bf16);
+    // int4 blocks 0.5 + 4/block.
     const double ratio = static_cast<double>(run->reduced_bytes) / static_cast<double>(exact->reduced_bytes);
-    EXPECT_LE(ratio, plan.dtype == DataType::f32 ? 0.3 : 0.6) << run->reduced_bytes << " against " << exact->reduced_bytes;
+    const double most = (int4 ? 0.16 : 0.3) * (plan.dtype == DataType::f32 ? 1 : 2);
+    EXPECT_LE(ratio, most) << run->reduced_bytes << " against " << exact->reduced_bytes;
+    EXPECT_GT(ratio, most / 2) << "int4 must carry about half of int8's bytes, no fewer";
   }
 }
 
@@ -225,8 +240,13 @@ TEST(QuantizedGathers, BadSettingsAreRefusedByName) {
          o.zero_stage = 0;
        }),
        "quantize_gradients=int8 with zero_stage=0"},
-      {with([](EngineOptions& o) { o.quantize_gradients = Quantization::int4; }),
-       "quantize_gradients=int4: the gradients' reduction is quantized to int8 blocks only in this build"},
+      {with([](EngineOptions& o) {
+         o.quantize_gradients = Quantization::int4;
+         o.quantize_gradients_block = 99;
+       }),
+       "quantize_gradients_block=99 with quantize_gradients=int4: expected an even count"},
+      {with([](EngineOptions& o) { o.quantize_gradients = static_cast<Quantization>(7); }),
+       "quantize_gradients=?: expected none, int8 or int4"},
       {with([](EngineOptions& o) {
          o.quantize_gradients = Quantization::int8;
          o.quantize_gradients_block = 7;

@@ -57,10 +57,12 @@ void print_less_on_the_wire(const Options& o, trainer::Trainer& t, int data_rank
   if (gradients_quantized && quantize.quantize_gradients != zero::Quantization::none && data_ranks == 1) {
     std::printf("  quantized gradient reduction: none (one data rank: nothing crosses a wire)\n");
   } else if (gradients_quantized && quantize.quantize_gradients != zero::Quantization::none) {
-    std::printf("  quantized gradient reduction: int8 blocks of %lld with an f32 scale, each rank's block summed in f32 "
+    const double value_bytes = quantize.quantize_gradients == zero::Quantization::int4 ? 0.5 : 1.0;
+    std::printf("  quantized gradient reduction: %s blocks of %lld with an f32 scale, each rank's block summed in f32 "
                 "from an all-to-all (%.3f bytes a gradient value against %zu)%s\n",
+                std::string(zero::to_string(quantize.quantize_gradients)).c_str(),
                 static_cast<long long>(quantize.quantize_gradients_block),
-                1.0 + 4.0 / static_cast<double>(quantize.quantize_gradients_block),
+                value_bytes + 4.0 / static_cast<double>(quantize.quantize_gradients_block),
                 modules::size_of(quantize.engine_options().dtype),
                 data_ranks > 1 && o.train.shard_group_size > 0 ? "; across the copies exact" : "");
   }

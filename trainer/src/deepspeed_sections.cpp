@@ -142,8 +142,8 @@ void read_zero_optimization(ConfigReader& r, const json& section, bool whole, Tr
         auto& q = key == "zero_quantized_weights" ? c.quantize_weights : c.quantize_frozen_weights;
         q = *b ? zero::Quantization::int8 : zero::Quantization::none;
       }
-    } else if (key == "zero_quantized_gradients") {  // ZeRO++'s qgZ
-      if (auto b = r.boolean(v, name)) c.quantize_gradients = *b ? zero::Quantization::int8 : zero::Quantization::none;
+    } else if (key == "zero_quantized_gradients") {  // ZeRO++'s qgZ: int4 blocks, as DeepSpeed's all-to-all carries
+      if (auto b = r.boolean(v, name)) c.quantize_gradients = *b ? zero::Quantization::int4 : zero::Quantization::none;
     } else if (key == "stage3_use_all_reduce_for_fetch_params") {
       if (auto b = r.boolean(v, name)) c.fetch_mode = *b ? zero::FetchMode::all_reduce : zero::FetchMode::all_gather;
     } else if (key == "offload_optimizer") {

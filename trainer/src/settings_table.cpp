@@ -28,6 +28,7 @@ using detail::real;
 
 constexpr std::string_view kFetchModes[] = {"all_gather", "all_reduce"};
 constexpr std::string_view kWeightQuantization[] = {"none", "int8"};  // (zero::Quantization's first two)
+constexpr std::string_view kGradientQuantization[] = {"none", "int8", "int4"};  // (zero::Quantization's order)
 constexpr std::string_view kDtypes[] = {"f32", "bf16", "f16"};
 constexpr std::string_view kLossScaling[] = {"none", "fixed", "dynamic"};
 constexpr std::string_view kAttention[] = {"fused", "materialized", "cudnn"};
@@ -233,14 +234,15 @@ void add_parallelism_settings(std::vector<Setting>& t) {
       8, std::int64_t{1} << 30));
   t.push_back(choice<&T::quantize_gradients>(
       {.name = "quantize_gradients", .flag = "--quantize-gradients",
-       .help = "stages 2-3: reduce each unit's gradient as int8 blocks (ZeRO++'s quantized gradients: each rank quantizes "
-               "every rank's block of its gradient, an all-to-all sends each its own, which it sums in f32; a quarter "
-               "of f32's bytes). The norm, clipping and the optimizer see what the reduction gave",
-       .expected = "none or int8"},
-      kWeightQuantization));
+       .help = "stages 2-3: reduce each unit's gradient as int8 or int4 blocks (ZeRO++'s quantized gradients: each rank "
+               "quantizes every rank's block of its gradient, an all-to-all sends each its own, which it sums in f32; "
+               "a quarter of f32's bytes with int8, an eighth with int4, DeepSpeed's). The norm, clipping and the "
+               "optimizer see what the reduction gave",
+       .expected = "none, int8 or int4"},
+      kGradientQuantization));
   t.push_back(integer<&T::quantize_gradients_block>(
       {.name = "quantize_gradients_block", .flag = "--quantize-gradients-block",
-       .help = "the elements one f32 scale covers in a quantized gradient reduction",
+       .help = "the elements one f32 scale covers in a quantized gradient reduction (even for int4)",
        .expected = "a whole number from 8 to 2^30"},
       8, std::int64_t{1} << 30));
   t.push_back(secondary_partition_setting());

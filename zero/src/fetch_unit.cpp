@@ -78,13 +78,14 @@ Result<async::Event> FetchUnit::gather_secondary_into(const UnitIo& io, FetchMod
   return gather_blocks(io, mode, *secondary, whole, secondary_elements(), secondary_block.data(), true, gather_purpose);
 }
 
-Result<FetchUnit::Int8Plan> FetchUnit::plan_int8(const UnitIo& io, std::int64_t block) const {
-  using modules::detail::Int8Segment;
-  using modules::detail::int8_block_count;
-  using modules::detail::int8_packed_bytes;
+Result<FetchUnit::BlockPlan> FetchUnit::plan_blocks(const UnitIo& io, std::int64_t block,
+                                                    modules::detail::BlockBits bits) const {
+  using modules::detail::QuantSegment;
+  using modules::detail::quant_block_count;
+  using modules::detail::quant_packed_bytes;
   const int ranks = info.shard_ranks;
   // Each piece's segments, its values counted from the piece's start and its bytes from its own.
-  std::vector<std::vector<Int8Segment>> pieces(static_cast<std::size_t>(ranks));
+  std::vector<std::vector<QuantSegment>> pieces(static_cast<std::size_t>(ranks));
   std::int64_t piece_bytes = 0;
   std::vector<std::int64_t> piece_sizes;
   for (int q = 0; q < ranks; ++q) {
@@ -100,39 +101,40 @@ Result<FetchUnit::Int8Plan> FetchUnit::plan_int8(const UnitIo& io, std::int64_t 
     for (std::size_t i = 0; i + 1 < cuts.size(); ++i) {
       const std::int64_t n = cuts[i + 1] - cuts[i];
       piece.push_back({cuts[i] - lo, n, bytes, blocks});
-      bytes += int8_packed_bytes(n, block);
-      blocks += int8_block_count(n, block);
+      bytes += quant_packed_bytes(n, block, bits);
+      blocks += quant_block_count(n, block);
     }
     piece_bytes = std::max(piece_bytes, bytes);
     piece_sizes.push_back(bytes);
   }
-  std::vector<Int8Segment> tables = pieces[static_cast<std::size_t>(group->rank)];
-  Int8Plan int8;
-  int8.block = block;
-  int8.piece_bytes = piece_bytes;
-  int8.uneven = std::any_of(piece_sizes.begin(), piece_sizes.end(), [&](std::int64_t b) { return b < piece_bytes; });
-  int8.own_segments = static_cast<std::int64_t>(tables.size());
-  int8.own_blocks = tables.empty() ? 0 : tables.back().first_block + int8_block_count(tables.back().count, block);
-  int8.own_bytes = tables.empty() ? 0 : tables.back().packed + int8_packed_bytes(tables.back().count, block);
+  std::vector<QuantSegment> tables = pieces[static_cast<std::size_t>(group->rank)];
+  BlockPlan plan;
+  plan.block = block;
+  plan.bits = bits;
+  plan.piece_bytes = piece_bytes;
+  plan.uneven = std::any_of(piece_sizes.begin(), piece_sizes.end(), [&](std::int64_t b) { return b < piece_bytes; });
+  plan.own_segments = static_cast<std::int64_t>(tables.size());
+  plan.own_blocks = tables.empty() ? 0 : tables.back().first_block + quant_block_count(tables.back().count, block);
+  plan.own_bytes = tables.empty() ? 0 : tables.back().packed + quant_packed_bytes(tables.back().count, block, bits);
   std::int64_t blocks = 0;
   for (int q = 0; q < ranks; ++q)
     for (const auto& g : pieces[static_cast<std::size_t>(q)]) {
       tables.push_back({q * info.shard + g.value, g.count, q * piece_bytes + g.packed, blocks});
-      blocks += int8_block_count(g.count, block);
+      blocks += quant_block_count(g.count, block);
     }
-  int8.all_segments = static_cast<std::int64_t>(tables.size()) - int8.own_segments;
-  int8.all_blocks = blocks;
+  plan.all_segments = static_cast<std::int64_t>(tables.size()) - plan.own_segments;
+  plan.all_blocks = blocks;
   // The tables on the device, written on the communication stream (every gather is enqueued there
   // after this), from a host copy that goes once the stream has passed the copy.
   auto& cs = io.world.stream();
-  const std::size_t table_bytes = tables.size() * sizeof(Int8Segment);
-  COSHARD_TRY_ASSIGN(int8.tables_block, io.ctx.allocator().allocate(table_bytes, cs));
-  auto host = std::make_shared<std::vector<Int8Segment>>(std::move(tables));
-  COSHARD_TRY(cs.copy(int8.tables_block.data(), host->data(), table_bytes));
+  const std::size_t table_bytes = tables.size() * sizeof(QuantSegment);
+  COSHARD_TRY_ASSIGN(plan.tables_block, io.ctx.allocator().allocate(table_bytes, cs));
+  auto host = std::make_shared<std::vector<QuantSegment>>(std::move(tables));
+  COSHARD_TRY(cs.copy(plan.tables_block.data(), host->data(), table_bytes));
   COSHARD_TRY(cs.launch([host = std::move(host)] {}));
-  int8.own = static_cast<const Int8Segment*>(int8.tables_block.data());
-  int8.all = int8.own + int8.own_segments;
-  return int8;
+  plan.own = static_cast<const QuantSegment*>(plan.tables_block.data());
+  plan.all = plan.own + plan.own_segments;
+  return plan;
 }
 
 Result<async::Event> FetchUnit::gather_int8_into(const UnitIo& io, const Tensor& whole, const void* source,
@@ -140,6 +142,7 @@ Result<async::Event> FetchUnit::gather_int8_into(const UnitIo& io, const Tensor&
   auto& cs = io.world.stream();
   const auto& kernels = io.ctx.kernels();
   const std::int64_t n = info.shard;
+  const BlockPlan& int8 = weight_blocks;
   const auto piece = static_cast<std::size_t>(int8.piece_bytes);
   auto* mine = static_cast<std::byte*>(staging) + static_cast<std::size_t>(group->rank) * piece;
   if (!source_on_device) {  // (host memory: into its place in `whole` first, quantized from there)
@@ -147,13 +150,14 @@ Result<async::Event> FetchUnit::gather_int8_into(const UnitIo& io, const Tensor&
     COSHARD_TRY(cs.copy(place, source, static_cast<std::size_t>(n) * io.element_size()));
     source = place;
   }
-  COSHARD_TRY(kernels.quantize_int8(cs, io.dtype, source, mine, int8.own, int8.own_segments, int8.own_blocks, int8.block));
+  COSHARD_TRY(kernels.quantize_blocks(cs, int8.bits, io.dtype, source, mine, int8.own, int8.own_segments, int8.own_blocks,
+                                      int8.block));
   // (a piece shorter than the longest: its tail zeroed, so the bytes sent follow the shard alone)
   if (int8.own_bytes < int8.piece_bytes)
     COSHARD_TRY(cs.fill(mine + int8.own_bytes, 0, static_cast<std::size_t>(int8.piece_bytes - int8.own_bytes)));
   COSHARD_TRY(launch_in_group(io.world, Coalesced{}.all_gather(mine, staging, piece, DataType::u8).purpose(gather_purpose)));
-  COSHARD_TRY(kernels.dequantize_int8(cs, staging, io.dtype, whole.data(), int8.all, int8.all_segments, int8.all_blocks,
-                                      int8.block));
+  COSHARD_TRY(kernels.dequantize_blocks(cs, int8.bits, staging, io.dtype, whole.data(), int8.all, int8.all_segments,
+                                        int8.all_blocks, int8.block));
   return cs.record();
 }
 
@@ -165,24 +169,25 @@ Result<async::Event> FetchUnit::all_reduce_gradient(const UnitIo& io) const {
 Result<async::Event> FetchUnit::reduce_scatter_gradient(const UnitIo& io, const Tensor& mine) const {
   const auto n = static_cast<std::size_t>(info.shard);
   Result<async::Event> done = fail(ErrorCode::internal, "gradients of unit ", info.name, " not reduced");
-  if (int8_grads.block > 0) {
-    // Each rank's blocks of its whole gradient as int8 (block q for rank q), exchanged, and the
-    // pieces of this rank's block summed in f32: the reduce-scatter in int8's bytes.
+  if (grad_blocks.block > 0) {
+    // Each rank's blocks of its whole gradient as int8 or int4 (block q for rank q), exchanged, and
+    // the pieces of this rank's block summed in f32: the reduce-scatter in the format's bytes.
     auto& cs = io.world.stream();
     const auto& kernels = io.ctx.kernels();
-    const Int8Plan& p = int8_grads;
+    const BlockPlan& p = grad_blocks;
     const std::size_t bytes = p.gather_bytes(info.shard_ranks);
     COSHARD_TRY_ASSIGN(auto pieces, io.ctx.allocator().allocate(2 * bytes, cs));
     auto* send = static_cast<std::byte*>(pieces.data());
     auto* recv = send + bytes;
     // (pieces shorter than the longest: zeroed first, so the bytes sent follow the gradient alone)
     if (p.uneven) COSHARD_TRY(cs.fill(send, 0, bytes));
-    COSHARD_TRY(kernels.quantize_int8(cs, io.dtype, grad_full.data(), send, p.all, p.all_segments, p.all_blocks, p.block));
+    COSHARD_TRY(
+        kernels.quantize_blocks(cs, p.bits, io.dtype, grad_full.data(), send, p.all, p.all_segments, p.all_blocks, p.block));
     COSHARD_TRY(launch_in_group(
         io.world, Coalesced{}.all_to_all(send, recv, static_cast<std::size_t>(p.piece_bytes), DataType::u8).purpose(reduce_purpose)));
-    COSHARD_TRY(kernels.dequantize_sum_int8(cs, recv, info.shard_ranks, p.piece_bytes, io.dtype, mine.data(), p.own,
-                                            p.own_segments, p.own_blocks, p.block,
-                                            1.0f / static_cast<float>(info.shard_ranks)));
+    COSHARD_TRY(kernels.dequantize_sum_blocks(cs, p.bits, recv, info.shard_ranks, p.piece_bytes, io.dtype, mine.data(),
+                                              p.own, p.own_segments, p.own_blocks, p.block,
+                                              1.0f / static_cast<float>(info.shard_ranks)));
     done = cs.record();
   } else {
     done = launch_in_group(

@@ -101,20 +101,21 @@ class FetchUnit {
   // Where this rank's block starts in a whole buffer: its place in its shard group x shard when
   // sharded; 0 unsharded (stage 0: the block is the whole unit on every rank). Set at create.
   std::int64_t block_offset = 0;
-  // Int8 blocks over the unit's buffer (plan_int8): 0 `block` for none.
-  struct Int8Plan {
+  // Quantized blocks over the unit's buffer (plan_blocks): 0 `block` for none.
+  struct BlockPlan {
     std::int64_t block = 0;
+    modules::detail::BlockBits bits = modules::detail::BlockBits::int8;
     std::int64_t piece_bytes = 0;  // every rank's piece padded to the largest
     std::int64_t own_bytes = 0;    // what this rank's segments fill of its piece
     bool uneven = false;           // some rank's piece is shorter than piece_bytes
     std::int64_t own_segments = 0, own_blocks = 0, all_segments = 0, all_blocks = 0;
     async::Block tables_block;     // this rank's segments (values from its shard's start), then every piece's
-    const modules::detail::Int8Segment* own = nullptr;
-    const modules::detail::Int8Segment* all = nullptr;
+    const modules::detail::QuantSegment* own = nullptr;
+    const modules::detail::QuantSegment* all = nullptr;
     std::size_t gather_bytes(int ranks) const noexcept {
       return static_cast<std::size_t>(piece_bytes) * static_cast<std::size_t>(ranks);
     }
-    // What a collective over the whole unit carries: its int8 pieces where planned, else the
+    // What a collective over the whole unit carries: its quantized pieces where planned, else the
     // unit's own bytes (the stats' gathered and reduce-scattered bytes).
     std::size_t carried_bytes(const FetchUnitInfo& info) const noexcept {
       return block > 0 ? gather_bytes(info.shard_ranks) : info.padded_bytes;
@@ -122,10 +123,10 @@ class FetchUnit {
   };
   // Stage 3 with quantized gathers for it (EngineOptions::quantize_weights, or
   // quantize_frozen_weights and frozen): its gathers for compute carry int8 blocks.
-  Int8Plan int8;
+  BlockPlan weight_blocks;
   // Stages 2-3 with quantized gradients (EngineOptions::quantize_gradients), a unit that trains:
-  // its reduce-scatter carries int8 blocks.
-  Int8Plan int8_grads;
+  // its reduce-scatter carries int8 or int4 blocks.
+  BlockPlan grad_blocks;
 
   // Its parameters bound to `values` (a whole buffer of the unit), each with its view of
   // `grad_full` where the unit has one.
@@ -138,23 +139,23 @@ class FetchUnit {
   // the device, or in host memory: copied into its place first, then gathered in place).
   Result<async::Event> gather_into(const UnitIo& io, FetchMode mode, const Tensor& whole, const void* source,
                                    bool source_on_device) const;
-  // The same with the shards carried as int8 blocks (quantize_weights; `int8` planned): this
-  // rank's quantized into its piece of `staging` (int8.gather_bytes()), the pieces gathered, and
+  // The same with the shards carried as int8 blocks (quantize_weights; `weight_blocks` planned):
+  // this rank's quantized into its piece of `staging` (weight_blocks.gather_bytes()), the pieces gathered, and
   // every piece (this rank's too) dequantized into `whole`, so every rank holds the same values.
   // The event marks the dequantization's end.
   Result<async::Event> gather_int8_into(const UnitIo& io, const Tensor& whole, const void* source, bool source_on_device,
                                         void* staging) const;
-  // Plans int8 blocks of `block` elements over its whole buffer (its quantized gathers, or its
-  // gradients' quantized reduction): each rank's piece cut where a parameter begins or ends (no
+  // Plans blocks of `block` elements in `bits`' format over its whole buffer (its quantized
+  // gathers, or its gradients' quantized reduction): each rank's piece cut where a parameter begins or ends (no
   // block mixes two parameters' magnitudes: a norm's weights near 1 and its bias near 0), the
   // segments' tables on the device (written on the communication stream, which every collective
   // follows).
-  struct Int8Plan;
-  Result<Int8Plan> plan_int8(const UnitIo& io, std::int64_t block) const;
+  struct BlockPlan;
+  Result<BlockPlan> plan_blocks(const UnitIo& io, std::int64_t block, modules::detail::BlockBits bits) const;
   // Its whole gradient averaged over every rank, in place (stage 0).
   Result<async::Event> all_reduce_gradient(const UnitIo& io) const;
   // Its whole gradient averaged into this rank's block `mine`: reduce-scattered within its shard
-  // group (with int8_grads planned, as ZeRO++'s qgZ: each rank quantizes every rank's block of its
+  // group (with grad_blocks planned, as ZeRO++'s qgZ: each rank quantizes every rank's block of its
   // gradient, an all-to-all sends each its own, and each sums the pieces it received in f32), then
   // all-reduced across the copies of the block (exactly).
   Result<async::Event> reduce_scatter_gradient(const UnitIo& io, const Tensor& mine) const;

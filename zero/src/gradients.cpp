@@ -66,7 +66,7 @@ class PerUnit : public GradientReduction {
     Tensor mine = u.grad_full.slice(u.block_offset, Shape{u.info.shard});
     auto reduced_launch = reduce(w, u, mine);
     // (what the reduction carried: int8 blocks where quantized)
-    w.stats.reduce_scattered_bytes += u.int8_grads.carried_bytes(u.info);
+    w.stats.reduce_scattered_bytes += u.grad_blocks.carried_bytes(u.info);
     if (!reduced_launch)
       return fail(std::move(reduced_launch).error().with_context("reducing the gradients of unit " + u.info.name));
     // Into the fp32 shard (bf16/f16 compute reduces in its own dtype, accumulates in fp32).

@@ -64,29 +64,37 @@ struct LossScaleArgs {
   float max_scale = 16777216.0f;  // 2^24
 };
 
-// Blocks of int8 (ZeRO++'s quantized weight gathers): runs of values ("segments": a parameter's
-// slice of a rank's shard, so no block mixes two parameters' magnitudes), each in blocks of
-// `block` elements (a segment's last block may be shorter), each block symmetric with one f32
-// scale, max|x| / 127, and its values round-to-nearest-even(x / scale) in [-127, 127] (a block of
-// zeros: scale 0, values 0; a block holding inf or NaN: scale NaN, so every value of it comes back
-// NaN, never a quiet finite one). A value comes back as q * scale in f32, rounded once to the
-// storage dtype. A segment of n values is packed as its n int8 values, then its scales, each part
-// at a multiple of 16 bytes (int8_packed_bytes), its padding zeroed.
-inline std::int64_t int8_block_count(std::int64_t n, std::int64_t block) { return (n + block - 1) / block; }
-inline std::int64_t int8_scales_offset(std::int64_t n) { return (n + 15) / 16 * 16; }
-inline std::int64_t int8_packed_bytes(std::int64_t n, std::int64_t block) {
-  return int8_scales_offset(n) + (int8_block_count(n, block) * 4 + 15) / 16 * 16;
+// Blocks of int8 or int4 (ZeRO++'s quantized weight gathers and gradient reduction): runs of values
+// ("segments": a parameter's slice of a rank's shard, so no block mixes two parameters'
+// magnitudes), each in blocks of `block` elements (a segment's last block may be shorter), each
+// block symmetric with one f32 scale, max|x| / qmax (127 for int8, 7 for int4), and its values
+// round-to-nearest-even(x / scale) in [-qmax, qmax] (a block of zeros: scale 0, values 0; a block
+// holding inf or NaN: scale NaN, so every value of it comes back NaN, never a quiet finite one). A
+// value comes back as q * scale in f32, rounded once to the storage dtype. A segment of n values
+// is packed as its values (int8: a byte each; int4: two a byte, the first in the low nibble, so
+// int4's blocks hold an even count and no byte holds two blocks' values), then its scales, each
+// part at a multiple of 16 bytes (quant_packed_bytes), its padding zeroed.
+enum class BlockBits : std::uint8_t { int8 = 8, int4 = 4 };
+inline constexpr float quant_max(BlockBits bits) { return bits == BlockBits::int8 ? 127.0f : 7.0f; }
+inline std::int64_t quant_block_count(std::int64_t n, std::int64_t block) { return (n + block - 1) / block; }
+inline std::int64_t quant_values_bytes(std::int64_t n, BlockBits bits) { return bits == BlockBits::int8 ? n : (n + 1) / 2; }
+inline std::int64_t quant_scales_offset(std::int64_t n, BlockBits bits) { return (quant_values_bytes(n, bits) + 15) / 16 * 16; }
+inline std::int64_t quant_packed_bytes(std::int64_t n, std::int64_t block, BlockBits bits) {
+  return quant_scales_offset(n, bits) + (quant_block_count(n, block) * 4 + 15) / 16 * 16;
 }
+// (int8's, the weights' format)
+inline std::int64_t int8_scales_offset(std::int64_t n) { return quant_scales_offset(n, BlockBits::int8); }
+inline std::int64_t int8_packed_bytes(std::int64_t n, std::int64_t block) { return quant_packed_bytes(n, block, BlockBits::int8); }
 
 // One segment: values [value, value + count) of the values' buffer, packed at byte `packed` of
 // the packed buffer; its blocks are numbered from first_block (the blocks of the segments before
 // it), so a kernel finds a block's segment by a search.
-struct Int8Segment {
+struct QuantSegment {
   std::int64_t value = 0;
   std::int64_t count = 0;
   std::int64_t packed = 0;
   std::int64_t first_block = 0;
 };
-static_assert(sizeof(Int8Segment) == 32);
+static_assert(sizeof(QuantSegment) == 32);
 
 }  // namespace coshard::modules::detail

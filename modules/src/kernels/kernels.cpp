@@ -34,11 +34,17 @@ AttentionBuffers Kernels::attention_buffers(DataType dt, std::int64_t B, std::in
   return {.saved = Shape{B, H, T, T}, .saved_dtype = dt, .scratch = Shape{B, H, T, T}, .scratch_dtype = dt};
 }
 
-Result<void> check_int8_blocks(std::int64_t segment_count, std::int64_t blocks, std::int64_t block) {
+Result<void> check_quant_blocks(BlockBits bits, std::int64_t segment_count, std::int64_t blocks, std::int64_t block) {
+  const char* name = bits == BlockBits::int8 ? "int8" : "int4";
+  if (bits != BlockBits::int8 && bits != BlockBits::int4)
+    return fail(ErrorCode::invalid_argument, "quantized blocks of ", static_cast<int>(bits), " bits: expected 8 or 4");
   if (segment_count < 0 || blocks < 0)
-    return fail(ErrorCode::invalid_argument, "int8 blocks: ", segment_count, " segments of ", blocks,
+    return fail(ErrorCode::invalid_argument, name, " blocks: ", segment_count, " segments of ", blocks,
                 " blocks: expected 0 or more");
-  if (block < 1) return fail(ErrorCode::invalid_argument, "int8 blocks of ", block, " values: expected 1 or more");
+  if (block < 1) return fail(ErrorCode::invalid_argument, name, " blocks of ", block, " values: expected 1 or more");
+  if (bits == BlockBits::int4 && block % 2 != 0)
+    return fail(ErrorCode::invalid_argument, "int4 blocks of ", block,
+                " values: expected an even count (two values a byte; no byte holds two blocks' values)");
   return {};
 }
 

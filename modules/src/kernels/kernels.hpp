@@ -207,24 +207,24 @@ class Kernels {
   virtual Result<void> cast(async::Stream& s, DataType from, const void* src, DataType to, void* dst,
                             std::int64_t n) const = 0;
 
-  // Block int8 quantization (kernel_args.hpp: the format and Int8Segment): each of `segments`
-  // (in memory the kernels read: the device's, or the host's for the CPU) quantizes its values of
-  // x (dt) into its place in `packed`; dequantize_int8 turns each segment's packed values back into
-  // its values of out (dt). `blocks` is the segments' blocks together (the last one's first_block
-  // plus its own). Every backend gives the same bits for the same input.
-  virtual Result<void> quantize_int8(async::Stream& s, DataType dt, const void* x, void* packed,
-                                     const Int8Segment* segments, std::int64_t segment_count, std::int64_t blocks,
-                                     std::int64_t block) const = 0;
-  virtual Result<void> dequantize_int8(async::Stream& s, const void* packed, DataType dt, void* out,
-                                       const Int8Segment* segments, std::int64_t segment_count, std::int64_t blocks,
+  // Block quantization, int8 or int4 (kernel_args.hpp: the formats and QuantSegment): each of
+  // `segments` (in memory the kernels read: the device's, or the host's for the CPU) quantizes its
+  // values of x (dt) into its place in `packed`; dequantize_blocks turns each segment's packed
+  // values back into its values of out (dt). `blocks` is the segments' blocks together (the last
+  // one's first_block plus its own). Every backend gives the same bits for the same input.
+  virtual Result<void> quantize_blocks(async::Stream& s, BlockBits bits, DataType dt, const void* x, void* packed,
+                                       const QuantSegment* segments, std::int64_t segment_count, std::int64_t blocks,
                                        std::int64_t block) const = 0;
+  virtual Result<void> dequantize_blocks(async::Stream& s, BlockBits bits, const void* packed, DataType dt, void* out,
+                                         const QuantSegment* segments, std::int64_t segment_count, std::int64_t blocks,
+                                         std::int64_t block) const = 0;
   // The quantized reduction's end (ZeRO++'s quantized gradients): `pieces` packed pieces `stride`
   // bytes apart, each holding the same segments (one rank's quantization of this rank's block),
   // dequantized and summed in f32 in piece order, times `factor`, rounded once into out (dt).
-  virtual Result<void> dequantize_sum_int8(async::Stream& s, const void* packed, std::int64_t pieces, std::int64_t stride,
-                                           DataType dt, void* out, const Int8Segment* segments,
-                                           std::int64_t segment_count, std::int64_t blocks, std::int64_t block,
-                                           float factor) const = 0;
+  virtual Result<void> dequantize_sum_blocks(async::Stream& s, BlockBits bits, const void* packed, std::int64_t pieces,
+                                             std::int64_t stride, DataType dt, void* out, const QuantSegment* segments,
+                                             std::int64_t segment_count, std::int64_t blocks, std::int64_t block,
+                                             float factor) const = 0;
 
   // Optimizer kernels: fp32 master weights and state; grads in `gdt`; `param_out` (in `pdt`) gets
   // the updated weights cast down, or is null when the parameters are the master weights.
@@ -259,8 +259,9 @@ const Kernels* cuda_kernels_cudnn_attention() noexcept;
 // "cuDNN 9.19.0 (path)", or why cuDNN's attention cannot run in this process.
 Result<std::string> cudnn_attention_library();
 
-// quantize_int8's and dequantize_int8's sizes: counts >= 0, blocks of block >= 1.
-Result<void> check_int8_blocks(std::int64_t segment_count, std::int64_t blocks, std::int64_t block);
+// The block kernels' sizes: counts >= 0, blocks of block >= 1 (int4: an even count, so no byte holds
+// two blocks' values).
+Result<void> check_quant_blocks(BlockBits bits, std::int64_t segment_count, std::int64_t blocks, std::int64_t block);
 
 // "f32 is not served by the cuda kernels" style check used by every layer.
 Result<void> check_supported(const Kernels& k, DataType dt, async::Device device, std::string_view what);

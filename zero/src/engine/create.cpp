@@ -251,10 +251,10 @@ Result<void> Engine::State::give_units_storage() {
   for (auto& up : units) {
     FetchUnit& u = *up;
     if (const std::int64_t block = int8_block_for(o, u.info); block > 0) {
-      COSHARD_TRY_ASSIGN(u.int8, u.plan_int8(io(), block));
+      COSHARD_TRY_ASSIGN(u.weight_blocks, u.plan_blocks(io(), block, modules::detail::BlockBits::int8));
     }
     if (const std::int64_t block = int8_gradient_block_for(o, u.info); block > 0) {
-      COSHARD_TRY_ASSIGN(u.int8_grads, u.plan_int8(io(), block));
+      COSHARD_TRY_ASSIGN(u.grad_blocks, u.plan_blocks(io(), block, gradient_block_bits(o)));
     }
     COSHARD_TRY(shard_placement->allocate(shard_wiring(), u));
     COSHARD_TRY(reduction->allocate(gradient_wiring(), u));

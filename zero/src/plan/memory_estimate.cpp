@@ -147,8 +147,11 @@ MemoryEstimate detail::estimate_for_units(std::span<const FetchUnitInfo> units, 
               (o.quantize_weights != Quantization::none ? "quantize_weights" : "quantize_frozen_weights") + ")",
           int8_staging_bytes(o.quantize_weights_block, o.dtype, std::min(quantized_whole, o.max_live_bytes)));
   if (largest_quantized_trained > 0)  // (each reduction's pieces sent and received, two units' reductions in flight)
-    m.add(P::device, "quantized reduction's int8 pieces (quantize_gradients, two largest units)",
-          int8_staging_bytes(o.quantize_gradients_block, o.dtype, 2 * 2 * largest_quantized_trained));
+    m.add(P::device,
+          std::string("quantized reduction's ") + std::string(to_string(o.quantize_gradients)) +
+              " pieces (quantize_gradients, two largest units)",
+          int8_staging_bytes(o.quantize_gradients_block, o.dtype, 2 * 2 * largest_quantized_trained,
+                             gradient_block_bits(o)));
   if (const std::size_t slices = secondary_partition_bytes(o, units); slices > 0)
     m.add(P::device,
           "secondary partition (1/" + std::to_string(o.secondary_partition_ranks) + " of its units)", slices);

@@ -42,14 +42,18 @@ Result<void> check_quantized_gathers(const EngineOptions& o) {
     COSHARD_TRY(check_block("quantize_weights_block", o.quantize_weights_block));
   }
   if (o.quantize_gradients != Quantization::none) {
-    if (o.quantize_gradients != Quantization::int8)
-      return fail(ErrorCode::invalid_argument, "quantize_gradients=", to_string(o.quantize_gradients),
-                  ": the gradients' reduction is quantized to int8 blocks only in this build (expected none or int8)");
+    const std::string q(to_string(o.quantize_gradients));
+    if (o.quantize_gradients != Quantization::int8 && o.quantize_gradients != Quantization::int4)
+      return fail(ErrorCode::invalid_argument, "quantize_gradients=", q, ": expected none, int8 or int4");
     if (o.zero_stage != 2 && o.zero_stage != 3)
-      return fail(ErrorCode::invalid_argument, "quantize_gradients=int8 with zero_stage=", o.zero_stage,
+      return fail(ErrorCode::invalid_argument, "quantize_gradients=", q, " with zero_stage=", o.zero_stage,
                   ": the quantized reduction replaces the reduce-scatter of each unit as its backward ends, which stages 2 "
                   "and 3 do (stage 0 all-reduces, stage 1 reduces once after backward; expected zero_stage 2 or 3)");
     COSHARD_TRY(check_block("quantize_gradients_block", o.quantize_gradients_block));
+    if (o.quantize_gradients == Quantization::int4 && o.quantize_gradients_block % 2 != 0)
+      return fail(ErrorCode::invalid_argument, "quantize_gradients_block=", o.quantize_gradients_block,
+                  " with quantize_gradients=int4: expected an even count (two values a byte; no byte holds two "
+                  "blocks' values)");
   }
   return {};
 }
@@ -64,14 +68,19 @@ std::int64_t int8_block_for(const EngineOptions& o, const FetchUnitInfo& info) {
 }
 
 std::int64_t int8_gradient_block_for(const EngineOptions& o, const FetchUnitInfo& info) {
-  const bool quantized = o.quantize_gradients == Quantization::int8 && !info.frozen;
+  const bool quantized = o.quantize_gradients != Quantization::none && !info.frozen;
   return quantized && (o.zero_stage == 2 || o.zero_stage == 3) && info.shard_ranks > 1 ? o.quantize_gradients_block : 0;
 }
 
-std::size_t int8_staging_bytes(std::int64_t block, DataType dtype, std::size_t bytes) {
-  // A value of size_of(dtype) bytes travels as one byte and a share of its block's scale; each
-  // rank's piece rounds both parts up to 16 bytes (a little slack for that).
-  const double per_byte = (1.0 + 4.0 / static_cast<double>(block)) / static_cast<double>(modules::size_of(dtype));
+modules::detail::BlockBits gradient_block_bits(const EngineOptions& o) {
+  return o.quantize_gradients == Quantization::int4 ? modules::detail::BlockBits::int4 : modules::detail::BlockBits::int8;
+}
+
+std::size_t int8_staging_bytes(std::int64_t block, DataType dtype, std::size_t bytes, modules::detail::BlockBits bits) {
+  // A value of size_of(dtype) bytes travels as one byte (int4: half of one) and a share of its
+  // block's scale; each rank's piece rounds both parts up to 16 bytes (a little slack for that).
+  const double value_bytes = bits == modules::detail::BlockBits::int8 ? 1.0 : 0.5;
+  const double per_byte = (value_bytes + 4.0 / static_cast<double>(block)) / static_cast<double>(modules::size_of(dtype));
   return static_cast<std::size_t>(static_cast<double>(bytes) * per_byte) + (std::size_t{64} << 10);
 }
 

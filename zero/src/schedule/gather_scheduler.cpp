@@ -52,10 +52,10 @@ Result<async::Event> GatherScheduler::gather_unit(FetchUnit& u, const Tensor& wh
     if (done) COSHARD_TRY(w_.shards.gathered(u, *done));
     return done;
   }
-  if (u.int8.block > 0 && for_compute) {
+  if (u.weight_blocks.block > 0 && for_compute) {
     // The int8 pieces live on the communication stream until their dequantization has run there.
     auto& cs = w_.io.world.stream();
-    COSHARD_TRY_ASSIGN(auto pieces, w_.io.ctx.allocator().allocate(u.int8.gather_bytes(u.info.shard_ranks), cs));
+    COSHARD_TRY_ASSIGN(auto pieces, w_.io.ctx.allocator().allocate(u.weight_blocks.gather_bytes(u.info.shard_ranks), cs));
     done = u.gather_int8_into(w_.io, whole, source, w_.shards.on_device(u), pieces.data());
   } else {
     done = u.gather_into(w_.io, w_.o.fetch_mode, whole, source, w_.shards.on_device(u));
@@ -98,7 +98,7 @@ Result<void> GatherScheduler::issue_gather(FetchUnit& u, async::Semaphore::Permi
     ++w_.stats.secondary_gathers;
     w_.stats.secondary_gathered_bytes += u.info.padded_bytes;
   } else {
-    w_.stats.gathered_bytes += u.int8.carried_bytes(u.info);
+    w_.stats.gathered_bytes += u.weight_blocks.carried_bytes(u.info);
   }
   return {};
 }

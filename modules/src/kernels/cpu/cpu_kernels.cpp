@@ -356,26 +356,31 @@ class CpuKernels final : public Kernels {
     });
   }
 
-  Result<void> quantize_int8(Stream& s, DataType dt, const void* x, void* packed, const Int8Segment* segments,
-                             std::int64_t segment_count, std::int64_t blocks, std::int64_t block) const override {
+  Result<void> quantize_blocks(Stream& s, BlockBits bits, DataType dt, const void* x, void* packed,
+                               const QuantSegment* segments, std::int64_t segment_count, std::int64_t blocks,
+                               std::int64_t block) const override {
     COSHARD_TRY(check_dtype(dt));
-    COSHARD_TRY(check_int8_blocks(segment_count, blocks, block));
-    return s.launch([=] { cpu::quantize_int8(dt, x, packed, segments, segment_count, block); });
+    COSHARD_TRY(check_quant_blocks(bits, segment_count, blocks, block));
+    return s.launch([=] { cpu::quantize_blocks(bits, dt, x, packed, segments, segment_count, block); });
   }
 
-  Result<void> dequantize_int8(Stream& s, const void* packed, DataType dt, void* out, const Int8Segment* segments,
-                               std::int64_t segment_count, std::int64_t blocks, std::int64_t block) const override {
+  Result<void> dequantize_blocks(Stream& s, BlockBits bits, const void* packed, DataType dt, void* out,
+                                 const QuantSegment* segments, std::int64_t segment_count, std::int64_t blocks,
+                                 std::int64_t block) const override {
     COSHARD_TRY(check_dtype(dt));
-    COSHARD_TRY(check_int8_blocks(segment_count, blocks, block));
-    return s.launch([=] { cpu::dequantize_int8(packed, dt, out, segments, segment_count, block); });
+    COSHARD_TRY(check_quant_blocks(bits, segment_count, blocks, block));
+    return s.launch([=] { cpu::dequantize_sum_blocks(bits, packed, 1, 0, dt, out, segments, segment_count, block, 1.0f); });
   }
 
-  Result<void> dequantize_sum_int8(Stream& s, const void* packed, std::int64_t pieces, std::int64_t stride, DataType dt,
-                                   void* out, const Int8Segment* segments, std::int64_t segment_count,
-                                   std::int64_t blocks, std::int64_t block, float factor) const override {
+  Result<void> dequantize_sum_blocks(Stream& s, BlockBits bits, const void* packed, std::int64_t pieces,
+                                     std::int64_t stride, DataType dt, void* out, const QuantSegment* segments,
+                                     std::int64_t segment_count, std::int64_t blocks, std::int64_t block,
+                                     float factor) const override {
     COSHARD_TRY(check_dtype(dt));
-    COSHARD_TRY(check_int8_blocks(segment_count, blocks, block));
-    return s.launch([=] { cpu::dequantize_sum_int8(packed, pieces, stride, dt, out, segments, segment_count, block, factor); });
+    COSHARD_TRY(check_quant_blocks(bits, segment_count, blocks, block));
+    return s.launch([=] {
+      cpu::dequantize_sum_blocks(bits, packed, pieces, stride, dt, out, segments, segment_count, block, factor);
+    });
   }
 
   // The optimizer's kernels (optimizer.cpp), once their dtypes are checked.

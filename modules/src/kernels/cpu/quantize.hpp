@@ -1,6 +1,6 @@
-// The CPU's block int8 quantization (kernel_args.hpp: the format), in f32 arithmetic as CUDA's
-// (quantize.cu) so both give the same bits: a value read as f32, scale = max|x| / 127 in f32, the
-// quotient rounded to nearest even, the value back as q * scale rounded once to the dtype.
+// The CPU's block quantization, int8 and int4 (kernel_args.hpp: the formats), in f32 arithmetic as
+// CUDA's (quantize.cu) so both give the same bits: a value read as f32, scale = max|x| / qmax in
+// f32, the quotient rounded to nearest even, the value back as q * scale rounded once to the dtype.
 #pragma once
 
 #include <algorithm>
@@ -31,15 +31,40 @@ void with_f32_reader(DataType dt, const void* p, Fn&& fn) {
   }
 }
 
+// A format's packed values: int8 a byte each; int4 two a byte, the first in the low nibble.
+template <BlockBits Bits>
+struct PackedValues {
+  static void put(std::byte* values, std::int64_t i, int q) {
+    if constexpr (Bits == BlockBits::int8) {
+      values[i] = static_cast<std::byte>(static_cast<std::int8_t>(q));
+    } else {  // (the bytes were zeroed: each nibble ORed in)
+      const auto nibble = static_cast<unsigned>(q) & 0xFu;
+      values[i / 2] |= static_cast<std::byte>(i % 2 == 0 ? nibble : nibble << 4);
+    }
+  }
+  static int get(const std::byte* values, std::int64_t i) {
+    if constexpr (Bits == BlockBits::int8) {
+      return static_cast<std::int8_t>(values[i]);
+    } else {  // (the nibble's sign extended: shifted to the top of a signed byte and back)
+      const auto byte = static_cast<unsigned>(values[i / 2]);
+      const auto top = static_cast<std::int8_t>(static_cast<std::uint8_t>(i % 2 == 0 ? byte << 4 : byte & 0xF0u));
+      return top >> 4;
+    }
+  }
+};
+
 // One segment's n values of x (dt) into its packed bytes.
-inline void quantize_int8_segment(DataType dt, const void* x, std::int64_t first, std::byte* bytes, std::int64_t n,
-                                  std::int64_t block) {
-  auto* q = reinterpret_cast<std::int8_t*>(bytes);
-  auto* scales = reinterpret_cast<float*>(bytes + int8_scales_offset(n));
-  const std::int64_t blocks = int8_block_count(n, block);
-  // The padding travels with the segment: zeroed, so the bytes sent are a function of the input.
-  std::memset(bytes + n, 0, static_cast<std::size_t>(int8_scales_offset(n) - n));
-  std::memset(scales + blocks, 0, static_cast<std::size_t>(int8_packed_bytes(n, block) - int8_scales_offset(n)) -
+template <BlockBits Bits>
+void quantize_segment(DataType dt, const void* x, std::int64_t first, std::byte* bytes, std::int64_t n,
+                      std::int64_t block) {
+  constexpr float qmax = quant_max(Bits);
+  auto* scales = reinterpret_cast<float*>(bytes + quant_scales_offset(n, Bits));
+  const std::int64_t blocks = quant_block_count(n, block);
+  // The padding travels with the segment: zeroed, so the bytes sent are a function of the input
+  // (int4's value bytes zeroed whole: its nibbles are ORed in).
+  const std::int64_t written = Bits == BlockBits::int8 ? n : 0;
+  std::memset(bytes + written, 0, static_cast<std::size_t>(quant_scales_offset(n, Bits) - written));
+  std::memset(scales + blocks, 0, static_cast<std::size_t>(quant_packed_bytes(n, block, Bits) - quant_scales_offset(n, Bits)) -
                                       static_cast<std::size_t>(blocks) * sizeof(float));
   with_f32_reader(dt, x, [&](auto read) {
     auto value = [&](std::int64_t i) { return read(first + i); };
@@ -52,48 +77,52 @@ inline void quantize_int8_segment(DataType dt, const void* x, std::int64_t first
         finite = finite && a <= std::numeric_limits<float>::max();
         amax = std::max(amax, a);
       }
-      const float scale = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+      const float scale = finite ? amax / qmax : std::numeric_limits<float>::quiet_NaN();
       scales[b] = scale;
       for (std::int64_t i = begin; i < end; ++i)
-        q[i] = scale > 0 ? static_cast<std::int8_t>(std::clamp(std::nearbyint(value(i) / scale), -127.0f, 127.0f)) : 0;
+        PackedValues<Bits>::put(bytes, i, scale > 0 ? static_cast<int>(std::clamp(std::nearbyint(value(i) / scale), -qmax, qmax)) : 0);
     }
   });
 }
 
-inline void quantize_int8(DataType dt, const void* x, void* packed, const Int8Segment* segments, std::int64_t count,
-                          std::int64_t block) {
+template <BlockBits Bits>
+void dequantize_sum_segments(const void* packed, std::int64_t pieces, std::int64_t stride, DataType dt, void* out,
+                             const QuantSegment* segments, std::int64_t count, std::int64_t block, float factor) {
   for (std::int64_t k = 0; k < count; ++k) {
-    const Int8Segment& g = segments[k];
-    quantize_int8_segment(dt, x, g.value, static_cast<std::byte*>(packed) + g.packed, g.count, block);
-  }
-}
-
-inline void dequantize_int8(const void* packed, DataType dt, void* out, const Int8Segment* segments, std::int64_t count,
-                            std::int64_t block) {
-  for (std::int64_t k = 0; k < count; ++k) {
-    const Int8Segment& g = segments[k];
-    const auto* base = static_cast<const std::byte*>(packed) + g.packed;
-    const auto* q = reinterpret_cast<const std::int8_t*>(base);
-    const auto* scales = reinterpret_cast<const float*>(base + int8_scales_offset(g.count));
-    for (std::int64_t i = 0; i < g.count; ++i)
-      store(dt, out, g.value + i, static_cast<float>(q[i]) * scales[i / block]);
-  }
-}
-
-inline void dequantize_sum_int8(const void* packed, std::int64_t pieces, std::int64_t stride, DataType dt, void* out,
-                                const Int8Segment* segments, std::int64_t count, std::int64_t block, float factor) {
-  for (std::int64_t k = 0; k < count; ++k) {
-    const Int8Segment& g = segments[k];
+    const QuantSegment& g = segments[k];
     for (std::int64_t i = 0; i < g.count; ++i) {
       float sum = 0;
       for (std::int64_t p = 0; p < pieces; ++p) {
         const auto* base = static_cast<const std::byte*>(packed) + p * stride + g.packed;
-        const auto q = reinterpret_cast<const std::int8_t*>(base)[i];
-        sum += static_cast<float>(q) * reinterpret_cast<const float*>(base + int8_scales_offset(g.count))[i / block];
+        const auto* scales = reinterpret_cast<const float*>(base + quant_scales_offset(g.count, Bits));
+        sum += static_cast<float>(PackedValues<Bits>::get(base, i)) * scales[i / block];
       }
+      // (one piece and a factor of 1: q * scale itself, as 0 + x and x * 1 are x for every x it can be)
       store(dt, out, g.value + i, sum * factor);
     }
   }
+}
+
+inline void quantize_blocks(BlockBits bits, DataType dt, const void* x, void* packed, const QuantSegment* segments,
+                            std::int64_t count, std::int64_t block) {
+  for (std::int64_t k = 0; k < count; ++k) {
+    const QuantSegment& g = segments[k];
+    auto* bytes = static_cast<std::byte*>(packed) + g.packed;
+    if (bits == BlockBits::int8)
+      quantize_segment<BlockBits::int8>(dt, x, g.value, bytes, g.count, block);
+    else
+      quantize_segment<BlockBits::int4>(dt, x, g.value, bytes, g.count, block);
+  }
+}
+
+// The pieces' values summed in f32 in piece order, times `factor` (dequantizing: one piece, 1).
+inline void dequantize_sum_blocks(BlockBits bits, const void* packed, std::int64_t pieces, std::int64_t stride,
+                                  DataType dt, void* out, const QuantSegment* segments, std::int64_t count,
+                                  std::int64_t block, float factor) {
+  if (bits == BlockBits::int8)
+    dequantize_sum_segments<BlockBits::int8>(packed, pieces, stride, dt, out, segments, count, block, factor);
+  else
+    dequantize_sum_segments<BlockBits::int4>(packed, pieces, stride, dt, out, segments, count, block, factor);
 }
 
 }  // namespace coshard::modules::detail::cpu

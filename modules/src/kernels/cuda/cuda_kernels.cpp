@@ -356,30 +356,34 @@ class CudaKernels final : public Kernels {
     return check_launch(cuda::cast(s.native_handle(), code(from), src, code(to), dst, n), "cast", s);
   }
 
-  Result<void> quantize_int8(Stream& s, DataType dt, const void* x, void* packed, const Int8Segment* segments,
-                             std::int64_t segment_count, std::int64_t blocks, std::int64_t block) const override {
+  Result<void> quantize_blocks(Stream& s, BlockBits bits, DataType dt, const void* x, void* packed,
+                               const QuantSegment* segments, std::int64_t segment_count, std::int64_t blocks,
+                               std::int64_t block) const override {
     COSHARD_TRY(check(dt));
-    COSHARD_TRY(check_int8_blocks(segment_count, blocks, block));
-    return check_launch(cuda::quantize_int8(s.native_handle(), code(dt), x, packed, segments, segment_count, blocks, block),
-                        "quantize_int8", s);
+    COSHARD_TRY(check_quant_blocks(bits, segment_count, blocks, block));
+    return check_launch(cuda::quantize_blocks(s.native_handle(), static_cast<int>(bits), code(dt), x, packed, segments,
+                                              segment_count, blocks, block),
+                        "quantize_blocks", s);
   }
-  Result<void> dequantize_int8(Stream& s, const void* packed, DataType dt, void* out, const Int8Segment* segments,
-                               std::int64_t segment_count, std::int64_t blocks, std::int64_t block) const override {
+  Result<void> dequantize_blocks(Stream& s, BlockBits bits, const void* packed, DataType dt, void* out,
+                                 const QuantSegment* segments, std::int64_t segment_count, std::int64_t blocks,
+                                 std::int64_t block) const override {
     COSHARD_TRY(check(dt));
-    COSHARD_TRY(check_int8_blocks(segment_count, blocks, block));
-    return check_launch(
-        cuda::dequantize_int8(s.native_handle(), packed, code(dt), out, segments, segment_count, blocks, block),
-        "dequantize_int8", s);
+    COSHARD_TRY(check_quant_blocks(bits, segment_count, blocks, block));
+    return check_launch(cuda::dequantize_blocks(s.native_handle(), static_cast<int>(bits), packed, code(dt), out,
+                                                segments, segment_count, blocks, block),
+                        "dequantize_blocks", s);
   }
 
-  Result<void> dequantize_sum_int8(Stream& s, const void* packed, std::int64_t pieces, std::int64_t stride, DataType dt,
-                                   void* out, const Int8Segment* segments, std::int64_t segment_count,
-                                   std::int64_t blocks, std::int64_t block, float factor) const override {
+  Result<void> dequantize_sum_blocks(Stream& s, BlockBits bits, const void* packed, std::int64_t pieces,
+                                     std::int64_t stride, DataType dt, void* out, const QuantSegment* segments,
+                                     std::int64_t segment_count, std::int64_t blocks, std::int64_t block,
+                                     float factor) const override {
     COSHARD_TRY(check(dt));
-    COSHARD_TRY(check_int8_blocks(segment_count, blocks, block));
-    return check_launch(cuda::dequantize_sum_int8(s.native_handle(), packed, pieces, stride, code(dt), out, segments,
-                                                  segment_count, blocks, block, factor),
-                        "dequantize_sum_int8", s);
+    COSHARD_TRY(check_quant_blocks(bits, segment_count, blocks, block));
+    return check_launch(cuda::dequantize_sum_blocks(s.native_handle(), static_cast<int>(bits), packed, pieces, stride,
+                                                    code(dt), out, segments, segment_count, blocks, block, factor),
+                        "dequantize_sum_blocks", s);
   }
 
   Result<void> step_begin(Stream& s, StepState* state) const override {

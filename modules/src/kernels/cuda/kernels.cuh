@@ -95,14 +95,14 @@ int mse_forward(void* stream, int dt, const void* pred, const void* target, floa
 int mse_backward(void* stream, int dt, const void* pred, const void* target, const float* seed, void* dpred,
                  std::int64_t n);
 int cast(void* stream, int from, const void* src, int to, void* dst, std::int64_t n);
-// Block int8 (kernel_args.hpp: the format and its segments, in device memory).
-int quantize_int8(void* stream, int dt, const void* x, void* packed, const detail::Int8Segment* segments,
-                  std::int64_t count, std::int64_t blocks, std::int64_t block);
-int dequantize_int8(void* stream, const void* packed, int dt, void* out, const detail::Int8Segment* segments,
+// Block int8 or int4, `bits` 8 or 4 (kernel_args.hpp: the formats and their segments, in device memory).
+int quantize_blocks(void* stream, int bits, int dt, const void* x, void* packed, const detail::QuantSegment* segments,
                     std::int64_t count, std::int64_t blocks, std::int64_t block);
-int dequantize_sum_int8(void* stream, const void* packed, std::int64_t pieces, std::int64_t stride, int dt, void* out,
-                        const detail::Int8Segment* segments, std::int64_t count, std::int64_t blocks,
-                        std::int64_t block, float factor);
+int dequantize_blocks(void* stream, int bits, const void* packed, int dt, void* out, const detail::QuantSegment* segments,
+                      std::int64_t count, std::int64_t blocks, std::int64_t block);
+int dequantize_sum_blocks(void* stream, int bits, const void* packed, std::int64_t pieces, std::int64_t stride, int dt,
+                          void* out, const detail::QuantSegment* segments, std::int64_t count, std::int64_t blocks,
+                          std::int64_t block, float factor);
 
 int step_begin(void* stream, detail::StepState* state);
 int grad_stats(void* stream, int gdt, const void* grad, std::int64_t n, detail::StepState* state);

@@ -1,12 +1,14 @@
-// The block int8 format of ZeRO++'s quantized gathers (modules/src/kernels/kernel_args.hpp),
-// written plainly from its definition for the kernels' tests, CPU and emulated CUDA alike: both
-// must give these bits, so they give each other's. Also the cases the tests run: random values,
-// and the adversarial blocks (all equal, one outlier, zeros, denormals, ties, inf and NaN).
-// Nothing of coshard's, so the emulated-kernel test uses it too.
+// The block int8 and int4 formats of ZeRO++'s quantized gathers and reduction
+// (modules/src/kernels/kernel_args.hpp), written plainly from their definition for the kernels'
+// tests, CPU and emulated CUDA alike: both must give these bits, so they give each other's. Also
+// the cases the tests run: random values, and the adversarial blocks (all equal, one outlier,
+// zeros, denormals, ties, inf and NaN). Nothing of coshard's, so the emulated-kernel test uses it
+// too. `bits`: 8 or 4.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -16,16 +18,33 @@
 
 namespace coshard::testing {
 
-struct Int8Blocks {
+struct QuantBlocks {
   std::vector<std::int8_t> q;
   std::vector<float> scales;
 };
 
-// x read as f32: each block's scale max|x| / 127 (NaN where it holds inf or NaN), its values
-// round-to-nearest-even(x / scale) clamped to [-127, 127], 0 where the scale is 0 or NaN.
-inline Int8Blocks int8_blocks_reference(const std::vector<float>& x, std::int64_t block) {
+inline float quant_max(int bits) { return bits == 8 ? 127.0f : 7.0f; }
+// A segment of n values: its values' bytes (int4: two a byte, the first in the low nibble), where
+// its scales start, its packed bytes.
+inline std::int64_t quant_values_bytes(std::int64_t n, int bits) { return bits == 8 ? n : (n + 1) / 2; }
+inline std::int64_t quant_scales_at(std::int64_t n, int bits) { return (quant_values_bytes(n, bits) + 15) / 16 * 16; }
+inline std::int64_t quant_packed(std::int64_t n, std::int64_t block, int bits) {
+  return quant_scales_at(n, bits) + ((n + block - 1) / block * 4 + 15) / 16 * 16;
+}
+// Value i of packed values.
+inline int packed_q(const std::byte* values, std::int64_t i, int bits) {
+  if (bits == 8) return static_cast<std::int8_t>(values[i]);
+  const int nibble = (static_cast<int>(values[i / 2]) >> (i % 2 == 0 ? 0 : 4)) & 0xF;
+  return nibble >= 8 ? nibble - 16 : nibble;
+}
+
+// x read as f32: each block's scale max|x| / qmax (127, or 7 for int4; NaN where it holds inf or
+// NaN), its values round-to-nearest-even(x / scale) clamped to [-qmax, qmax], 0 where the scale is
+// 0 or NaN.
+inline QuantBlocks quant_blocks_reference(const std::vector<float>& x, std::int64_t block, int bits = 8) {
+  const float qmax = quant_max(bits);
   const auto n = static_cast<std::int64_t>(x.size());
-  Int8Blocks r{std::vector<std::int8_t>(x.size()), {}};
+  QuantBlocks r{std::vector<std::int8_t>(x.size()), {}};
   for (std::int64_t begin = 0; begin < n; begin += block) {
     const std::int64_t end = std::min(n, begin + block);
     float amax = 0;
@@ -34,20 +53,20 @@ inline Int8Blocks int8_blocks_reference(const std::vector<float>& x, std::int64_
       finite = finite && std::isfinite(x[i]);
       amax = std::max(amax, std::fabs(x[i]));
     }
-    const float scale = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+    const float scale = finite ? amax / qmax : std::numeric_limits<float>::quiet_NaN();
     r.scales.push_back(scale);
     for (std::int64_t i = begin; i < end; ++i) {
       if (!(scale > 0)) continue;
       const float quotient = x[i] / scale;
       const float even = quotient - std::floor(quotient) == 0.5f ? 2 * std::round(quotient / 2) : std::round(quotient);
-      r.q[i] = static_cast<std::int8_t>(std::clamp(even, -127.0f, 127.0f));
+      r.q[i] = static_cast<std::int8_t>(std::clamp(even, -qmax, qmax));
     }
   }
   return r;
 }
 
 // The values as they come back, in f32 (before rounding to a storage dtype): q * scale.
-inline std::vector<float> int8_blocks_values(const Int8Blocks& b, std::int64_t block) {
+inline std::vector<float> quant_blocks_values(const QuantBlocks& b, std::int64_t block) {
   std::vector<float> out(b.q.size());
   for (std::size_t i = 0; i < out.size(); ++i)
     out[i] = static_cast<float>(b.q[i]) * b.scales[i / static_cast<std::size_t>(block)];
@@ -55,20 +74,21 @@ inline std::vector<float> int8_blocks_values(const Int8Blocks& b, std::int64_t b
 }
 
 // The format's bound for a finite block: |x - q * scale| <= scale / 2 (the rounding of the
-// quotient) and f32's roundings of it, or (a scale below f32's smallest normal / 127, where the
+// quotient) and f32's roundings of it, or (a scale below f32's smallest normal / qmax, where the
 // division loses digits) a few of f32's smallest steps.
-inline double int8_blocks_bound(float amax) {
-  return static_cast<double>(amax) / 254.0 * (1 + 1e-6) + 254.0 * std::numeric_limits<float>::denorm_min();
+inline double quant_blocks_bound(float amax, int bits = 8) {
+  const double steps = 2.0 * quant_max(bits);
+  return static_cast<double>(amax) / steps * (1 + 1e-6) + steps * std::numeric_limits<float>::denorm_min();
 }
 
 // Segments of these counts laid side by side (values and packed bytes), as kernel_args.hpp's
-// Int8Segment: {value, count, packed, first_block}.
-struct Int8SegmentPlan {
+// QuantSegment: {value, count, packed, first_block}.
+struct QuantSegmentPlan {
   std::int64_t value, count, packed, first_block;
 };
-inline std::vector<Int8SegmentPlan> int8_segments(const std::vector<std::int64_t>& counts, std::int64_t block,
-                                                  std::int64_t& packed_bytes, std::int64_t& blocks) {
-  std::vector<Int8SegmentPlan> out;
+inline std::vector<QuantSegmentPlan> quant_segments(const std::vector<std::int64_t>& counts, std::int64_t block,
+                                                    std::int64_t& packed_bytes, std::int64_t& blocks, int bits = 8) {
+  std::vector<QuantSegmentPlan> out;
   std::int64_t value = 0;
   packed_bytes = 0;
   blocks = 0;
@@ -76,26 +96,28 @@ inline std::vector<Int8SegmentPlan> int8_segments(const std::vector<std::int64_t
     out.push_back({value, n, packed_bytes, blocks});
     value += n;
     const std::int64_t count = (n + block - 1) / block;
-    packed_bytes += (n + 15) / 16 * 16 + (count * 4 + 15) / 16 * 16;
+    packed_bytes += quant_packed(n, block, bits);
     blocks += count;
   }
   return out;
 }
 // A case's values, then the same negated, as segments: the first its whole, the second cut in
 // three uneven runs where it is long enough (so a kernel must find each block's own segment).
-inline std::vector<std::int64_t> int8_case_counts(std::int64_t n) {
+inline std::vector<std::int64_t> quant_case_counts(std::int64_t n) {
   if (n < 3) return {n, n};
   return {n, n / 3, n / 2 - n / 3, n - n / 2};
 }
 
-struct Int8Case {
+struct QuantCase {
   std::string name;
   std::vector<float> values;
   std::int64_t block;
 };
 
-inline std::vector<Int8Case> int8_block_cases() {
-  std::vector<Int8Case> cases;
+// (int4: its blocks of an even count, and its own ties: a block whose largest is 7 has scale 1)
+inline std::vector<QuantCase> quant_block_cases(int bits = 8) {
+  const float qmax = quant_max(bits);
+  std::vector<QuantCase> cases;
   auto from = [](const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); };
   cases.push_back({"random_last_block_short", from(random_values(1000, 7, 0.05)), 64});
   cases.push_back({"random_one_block_per_thread_stride", from(random_values(4096, 8, 3.0)), 2048});
@@ -113,12 +135,12 @@ inline std::vector<Int8Case> int8_block_cases() {
   std::vector<float> tiny;  // around f32's smallest normal
   for (int i = 0; i < 64; ++i) tiny.push_back(std::numeric_limits<float>::min() * static_cast<float>(i % 7 - 3));
   cases.push_back({"smallest_normals", tiny, 64});
-  std::vector<float> ties;  // max 127: scale 1, so k + 0.5 is a tie (to even)
-  for (int i = 0; i < 64; ++i) ties.push_back(static_cast<float>(i - 32) + 0.5f);
-  ties[0] = 127.0f;
+  std::vector<float> ties;  // max qmax: scale 1, so k + 0.5 is a tie (to even)
+  for (int i = 0; i < 64; ++i) ties.push_back(static_cast<float>(i % 14 - 7) + 0.5f);
+  ties[0] = qmax;
   cases.push_back({"ties_to_even", ties, 64});
   cases.push_back({"one_value", {0.123f}, 2048});
-  cases.push_back({"blocks_of_one", from(random_values(33, 10, 5.0)), 1});
+  cases.push_back({bits == 8 ? "blocks_of_one" : "blocks_of_two", from(random_values(33, 10, 5.0)), bits == 8 ? 1 : 2});
   cases.push_back({"large_values", from(random_values(256, 11, 3e38)), 64});
   std::vector<float> with_inf = from(random_values(192, 12, 1.0));
   with_inf[70] = std::numeric_limits<float>::infinity();  // the second block goes NaN, the others not
