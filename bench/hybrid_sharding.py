@@ -9,7 +9,8 @@ one run:
 For each link rate and each mode (full: stage 3 over the whole world; hybrid: stage 3 sharded
 within each node, --shard-group-size local; stage0: plain data parallelism; qweights: full with int8 weight gathers;
 qgrads: full with an int8 gradient reduction; qboth: both; hpz: full with the secondary partition
-within each node, --secondary-partition local; all3: qboth and hpz together; tensor, for a Llama
+within each node, --secondary-partition local; all3: qboth and hpz together; qgrads4 and all3i4: the
+same with int4 gradients; tensor, for a Llama
 shape: the model split over each node's ranks, --tensor-parallel ranks-per-node, and ZeRO-3 over
 the data ranks across the nodes), coshard-train runs
 twice, for --steps and for twice as many: the bytes each node sent over its link per step are the
@@ -49,10 +50,14 @@ MODES = {
     "hpz": ["--zero-stage", "3", "--secondary-partition", "local"],
     "all3": ["--zero-stage", "3", "--quantize-weights", "int8", "--quantize-gradients", "int8",
              "--secondary-partition", "local"],
+    # int4 gradients (DeepSpeed's qgZ format), alone and with the other two
+    "qgrads4": ["--zero-stage", "3", "--quantize-gradients", "int4"],
+    "all3i4": ["--zero-stage", "3", "--quantize-weights", "int8", "--quantize-gradients", "int4",
+               "--secondary-partition", "local"],
 }
 # Modes that train on other values than full sharding (quantized): their losses are compared, not
 # required to agree.
-APPROXIMATE = {"qweights", "qgrads", "qboth", "all3"}
+APPROXIMATE = {"qweights", "qgrads", "qboth", "all3", "qgrads4", "all3i4"}
 # Each rank under getrusage: its peak resident set, written where the rank's number says.
 RSS_WRAPPER = (
     "import os, resource, subprocess, sys\n"

@@ -510,6 +510,27 @@ TEST(DeepSpeedJson, QuantizedWeightsAreTheQuantizedGathers) {
   auto int8_grads = TrainerConfig::from_json(R"({"quantize_gradients": "int8"})", TrainerConfig{});
   ASSERT_TRUE(int8_grads) << int8_grads.error().message();
   EXPECT_EQ(int8_grads->quantize_gradients, zero::Quantization::int8);
+  // DeepSpeed's flag and coshard's name for one setting must agree, as every pair of names must.
+  auto both = TrainerConfig::from_json(
+      R"({"zero_optimization": {"stage": 3, "zero_quantized_gradients": true}, "quantize_gradients": "int8"})",
+      TrainerConfig{});
+  ASSERT_FALSE(both);
+  EXPECT_NE(both.error().message().find("(two names for quantize_gradients"), std::string::npos) << both.error().message();
+  auto off = TrainerConfig::from_json(
+      R"({"zero_optimization": {"stage": 3, "zero_quantized_weights": false}, "quantize_weights": "int8"})", TrainerConfig{});
+  ASSERT_FALSE(off);
+  EXPECT_NE(off.error().message().find("(two names for quantize_weights"), std::string::npos) << off.error().message();
+  auto agree = TrainerConfig::from_json(
+      R"({"zero_optimization": {"stage": 3, "zero_quantized_gradients": true}, "quantize_gradients": "int4"})",
+      TrainerConfig{});
+  ASSERT_TRUE(agree) << agree.error().message();
+  // A value that is no whole number says what the setting takes (local too).
+  for (const char* bad : {R"({"secondary_partition_ranks": 2.5})", R"({"secondary_partition_ranks": "abc"})",
+                          R"({"zero_optimization": {"zero_hpz_partition_size": true}})"}) {
+    auto refused = TrainerConfig::from_json(bad, TrainerConfig{});
+    ASSERT_FALSE(refused) << bad;
+    EXPECT_NE(refused.error().message().find("1 (none) or local)"), std::string::npos) << refused.error().message();
+  }
   auto odd = TrainerConfig::from_json(R"({"quantize_gradients": "int4", "quantize_gradients_block": 255})", TrainerConfig{});
   ASSERT_FALSE(odd);
   EXPECT_NE(odd.error().message().find("quantize_gradients_block=255 with quantize_gradients=int4: expected an even count"),

@@ -259,6 +259,12 @@ TEST(CoshardTrainQuantizedGathers, TheSecondaryPartitionGivesFullShardingsBits) 
   EXPECT_NE(local.output.find("secondary partition: groups of 4 (local: the ranks of a node): none"), std::string::npos)
       << local.output;
   EXPECT_EQ(column(dir / "local.jsonl", "loss"), column(dir / "world4_full.jsonl", "loss"));
+  // Shard groups of one rank: nothing crosses a wire, and the header says so instead of a format.
+  const auto alone = train({"--world-size", "2", "--shard-group-size", "1", "--quantize-gradients", "int4"}, "alone");
+  ASSERT_EQ(alone.code, 0) << alone.output;
+  EXPECT_NE(alone.output.find("quantized gradient reduction: none (every trained unit sharded over one rank"),
+            std::string::npos)
+      << alone.output;
 }
 
 TEST(CoshardTrainQuantizedGathers, BadFlagsAreRefusedByName) {
@@ -283,6 +289,11 @@ TEST(CoshardTrainQuantizedGathers, BadFlagsAreRefusedByName) {
       {{"--secondary-partition", "two"}, "(given 'two')"},
       {{"--world-size", "8", "--shard-group-size", "4", "--secondary-partition", "3"},
        "secondary_partition_ranks=3 with shard_group_size=4: expected a divisor of the shard group size"},
+      {{"--world-size", "8", "--tensor-parallel", "2", "--secondary-partition", "8"},
+       "secondary_partition_ranks=8: expected a divisor of the data ranks 4 (world 8 / tensor 2)"},
+      // (--print-config's output is one the run takes)
+      {{"--world-size", "4", "--secondary-partition", "3", "--print-config"},
+       "secondary_partition_ranks=3: expected a divisor of the world size 4"},
   };
   for (const auto& [flags, message] : cases) {
     const auto r = run(with(with(kLlama, {"--steps", "1"}), flags), dir);

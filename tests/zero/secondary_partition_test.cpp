@@ -101,7 +101,7 @@ TEST(SecondaryPartition, BadSizesAreRefusedByName) {
     std::string message;
   };
   const std::vector<Bad> cases = {
-      {with(0, [](EngineOptions&) {}), 4, "secondary_partition_ranks=0: expected 1 (none) or the ranks of a node"},
+      {with(0, [](EngineOptions&) {}), 4, "secondary_partition_ranks=0: expected 1 (none) or a whole number that divides the world size"},
       {with(-2, [](EngineOptions&) {}), 4, "secondary_partition_ranks=-2"},
       {with(2, [](EngineOptions& o) { o.zero_stage = 2; }), 4, "secondary_partition_ranks=2 with zero_stage=2"},
       {with(3, [](EngineOptions&) {}), 4, "secondary_partition_ranks=3: expected a divisor of the world size 4"},
@@ -161,6 +161,28 @@ TEST(SecondaryPartition, TheEstimateCountsTheSlices) {
   EXPECT_EQ(secondary->bytes(MemoryPlace::device) - full->bytes(MemoryPlace::device), slices);
   EXPECT_NE(secondary->describe().find("secondary partition (1/2 of its units)"), std::string::npos)
       << secondary->describe();
+  // A frozen unit stays gathered through the step (keep_frozen_gathered): no slice of it; gathered
+  // again after each use, it has one.
+  auto frozen = make_model(true);
+  ASSERT_TRUE(frozen);
+  auto frozen_units = plan_units(**frozen, 8, o);
+  ASSERT_TRUE(frozen_units);
+  std::size_t kept = 0;
+  for (const auto& u : *frozen_units) {
+    EXPECT_EQ(u.secondary_ranks, u.frozen ? 0 : 2) << u.name;
+    kept += u.frozen ? 0 : u.padded_bytes / 2;
+  }
+  auto without_frozen = estimate_engine_memory(**frozen, 8, o, 2);
+  ASSERT_TRUE(without_frozen);
+  o.secondary_partition_ranks = 1;
+  auto frozen_full = estimate_engine_memory(**frozen, 8, o, 2);
+  ASSERT_TRUE(frozen_full);
+  EXPECT_EQ(without_frozen->bytes(MemoryPlace::device) - frozen_full->bytes(MemoryPlace::device), kept);
+  o.secondary_partition_ranks = 2;
+  o.keep_frozen_gathered = false;
+  auto regathered = plan_units(**frozen, 8, o);
+  ASSERT_TRUE(regathered);
+  for (const auto& u : *regathered) EXPECT_EQ(u.secondary_ranks, 2) << u.name;
 }
 
 }  // namespace

@@ -289,6 +289,12 @@ std::optional<int> parse_command_line(int argc, char** argv, Options& o) {
   // (one rank of several under a launcher prints once every rank agreed to: main)
   const auto launch = collectives::read_launch_env();
   const bool with_others = launch && launch->launcher != collectives::Launcher::none && launch->world_size > 1;
+  const bool launched = launch && launch->launcher != collectives::Launcher::none;
+  const int world = launched ? launch->world_size : cl.world_option->count() > 0 ? o.world_size : 0;  // (0: not known yet)
+  if (auto ok = c.validate_for_world(world); !ok) {
+    std::fprintf(stderr, "coshard-train: %s\n", ok.error().message().c_str());
+    return 2;
+  }
   if (o.print_config && !with_others) {
     std::printf("%s\n", trainer::settings_json(c).c_str());
     return 0;

@@ -146,7 +146,10 @@ void add_setting_options(CLI::App& app, CommandLine& cl) {
     }
     auto* option = app.add_option_function<std::string>(flag, take, std::string(s->help));
     if (const auto shown = s->value(TrainerConfig{}); !shown.empty()) option->default_str(shown);
-    option->type_name(s->kind == trainer::SettingKind::integer ? "INT"
+    // (a count that also takes the word local, the ranks of a node: INT|local)
+    const bool or_local = s->kind == trainer::SettingKind::integer && s->expected.ends_with("or local");
+    option->type_name(or_local ? "INT|local"
+                      : s->kind == trainer::SettingKind::integer ? "INT"
                       : s->kind == trainer::SettingKind::bytes ? "SIZE"
                       : s->kind == trainer::SettingKind::real  ? "FLOAT"
                                                                : "TEXT");

@@ -54,12 +54,15 @@ void print_less_on_the_wire(const Options& o, trainer::Trainer& t, int data_rank
                                                                       : "the frozen ones sharded over more than one rank");
   }
   const bool gradients_quantized = quantize.zero_stage == 2 || quantize.zero_stage == 3;
-  if (gradients_quantized && quantize.quantize_gradients != zero::Quantization::none && data_ranks == 1) {
-    std::printf("  quantized gradient reduction: none (one data rank: nothing crosses a wire)\n");
+  const auto reduced_quantized = std::count_if(units_info.begin(), units_info.end(),
+                                               [](const auto& u) { return u.reduce_quant_block > 0; });
+  if (gradients_quantized && quantize.quantize_gradients != zero::Quantization::none && reduced_quantized == 0) {
+    std::printf("  quantized gradient reduction: none (%s: nothing crosses a wire)\n",
+                data_ranks == 1 ? "one data rank" : "every trained unit sharded over one rank");
   } else if (gradients_quantized && quantize.quantize_gradients != zero::Quantization::none) {
     const double value_bytes = quantize.quantize_gradients == zero::Quantization::int4 ? 0.5 : 1.0;
     std::printf("  quantized gradient reduction: %s blocks of %lld with an f32 scale, each rank's block summed in f32 "
-                "from an all-to-all (%.3f bytes a gradient value against %zu)%s\n",
+                "from an all-to-all (%.4g bytes a gradient value against %zu)%s\n",
                 std::string(zero::to_string(quantize.quantize_gradients)).c_str(),
                 static_cast<long long>(quantize.quantize_gradients_block),
                 value_bytes + 4.0 / static_cast<double>(quantize.quantize_gradients_block),
@@ -67,7 +70,8 @@ void print_less_on_the_wire(const Options& o, trainer::Trainer& t, int data_rank
                 data_ranks > 1 && o.train.shard_group_size > 0 ? "; across the copies exact" : "");
   }
   // The secondary partition: its groups, its units, the device memory of its slices.
-  if (const int n = t.engine().options().secondary_partition_ranks; quantize.zero_stage == 3 && n > 1) {
+  if (const int n = t.engine().options().secondary_partition_ranks;
+      quantize.zero_stage == 3 && (n > 1 || quantize.secondary_partition_local)) {
     std::size_t units = 0, slice_bytes = 0;
     for (const auto& u : units_info)
       if (u.secondary_ranks > 0) {
@@ -75,8 +79,9 @@ void print_less_on_the_wire(const Options& o, trainer::Trainer& t, int data_rank
         slice_bytes += u.padded_bytes / static_cast<std::size_t>(u.secondary_ranks);
       }
     if (units == 0)
-      std::printf("  secondary partition: groups of %d%s: none (no unit is sharded over more ranks; it gathers as it "
-                  "did)\n", n, quantize.secondary_partition_local ? " (local: the ranks of a node)" : "");
+      std::printf("  secondary partition: groups of %d%s: none (no unit is gathered again within a step over more "
+                  "ranks: each is sharded over %d or fewer, persistent, or frozen and kept gathered)\n",
+                  n, quantize.secondary_partition_local ? " (local: the ranks of a node)" : "", n);
     else
       std::printf("  secondary partition: groups of %d consecutive %srank(s)%s: %zu of %zu units gather a step's later "
                   "uses within them, from slices of %s a rank (1/%d of them)\n",

@@ -115,6 +115,10 @@ Result<zero::EngineOptions> TrainerConfig::engine_options_for(modules::Module& m
   o.expected_micro_batches = gradient_accumulation_steps;
   COSHARD_TRY_ASSIGN(o.shard_group_size, shard_group_size_for(world_size));
   COSHARD_TRY_ASSIGN(o.secondary_partition_ranks, secondary_partition_ranks_for(world_size));
+  if (const int n = o.secondary_partition_ranks; tensor_parallel_size > 1 && n > 0 && world_size % n != 0)
+    return fail(ErrorCode::invalid_argument, "secondary_partition_ranks=", n, secondary_partition_local ? " (local)" : "",
+                ": expected a divisor of the data ranks ", world_size, " (world ", world_size * tensor_parallel_size,
+                " / tensor ", tensor_parallel_size, ")");
   COSHARD_TRY(zero::check_secondary_partition(o, world_size));
   if (!max_live_follows_model || zero_stage != 3) return o;
   zero::EngineOptions unbounded = o;
@@ -142,6 +146,19 @@ Result<int> data_ranks_per_node(int data_ranks, int tensor_parallel_size) {
 Result<int> TrainerConfig::shard_group_size_for(int data_ranks) const {
   if (!shard_group_local) return shard_group_size;
   return data_ranks_per_node(data_ranks, tensor_parallel_size);
+}
+
+Result<void> TrainerConfig::validate_for_world(int world) const {
+  if (world < 1 || tensor_parallel_size < 1 || world % tensor_parallel_size != 0) return {};  // (named elsewhere)
+  const int data_ranks = world / tensor_parallel_size;
+  if (const int n = secondary_partition_ranks; !secondary_partition_local && n > 1 && data_ranks % n != 0) {
+    if (tensor_parallel_size > 1)
+      return fail(ErrorCode::invalid_argument, "secondary_partition_ranks=", n, ": expected a divisor of the data ranks ",
+                  data_ranks, " (world ", world, " / tensor ", tensor_parallel_size, ")");
+    return fail(ErrorCode::invalid_argument, "secondary_partition_ranks=", n, ": expected a divisor of the world size ",
+                world);
+  }
+  return {};
 }
 
 Result<int> TrainerConfig::secondary_partition_ranks_for(int data_ranks) const {

@@ -85,6 +85,15 @@ void ConfigReader::setting(const Setting& s, const json& v, const std::string& k
         text = v.dump();
         break;
       }
+      // Not a number, nor a word it takes (2.5, true, null, "abc"): what the setting expects.
+      const bool whole = v.is_number_float() && std::floor(v.get<double>()) == v.get<double>();
+      const bool numeric_text = v.is_string() && !v.get<std::string>().empty() &&
+                                (std::isdigit(static_cast<unsigned char>(v.get<std::string>()[0])) ||
+                                 v.get<std::string>()[0] == '-');
+      if (!whole && !numeric_text && !s.expected.empty()) {
+        bad.push_back(key + "=" + async::bounded_echo(v.dump()) + " (expected " + std::string(s.expected) + ")");
+        return;
+      }
       auto n = count(v, key);
       if (!n) return;
       text = std::to_string(*n);
@@ -132,6 +141,10 @@ void ConfigReader::setting(const Setting& s, const json& v, const std::string& k
       break;
     }
   }
+  give(s, key, text, c);
+}
+
+void ConfigReader::give(const Setting& s, const std::string& key, const std::string& text, TrainerConfig& c) {
   if (auto [it, first] = given.try_emplace(std::string(s.name), key, text); !first) {
     if (it->second.second != text)
       bad.push_back(it->second.first + "=" + async::bounded_echo(it->second.second, 64) + " and " + key + "=" +

@@ -38,6 +38,9 @@ struct ConfigReader {
   // coshard's own names), DeepSpeed's element counts turned into bytes of `element` each.
   void setting(const Setting& s, const nlohmann::json& v, const std::string& key, TrainerConfig& c,
                std::size_t element, bool in_elements);
+  // The setting `s` given `text` (its own form) by `key` (a DeepSpeed flag that means a value of
+  // it: zero_quantized_gradients true, int4), agreeing with any other name for it.
+  void give(const Setting& s, const std::string& key, const std::string& text, TrainerConfig& c);
 };
 
 }  // namespace coshard::trainer::detail

@@ -138,12 +138,11 @@ void read_zero_optimization(ConfigReader& r, const json& section, bool whole, Tr
         r.notes.push_back(name + ": accepted, no effect (a shard group's gather is one collective within the group)");
     } else if (key == "zero_quantized_weights" || key == "zero_quantized_nontrainable_weights") {
       // ZeRO++'s qwZ: int8 blocks in the weights' gathers (of every unit, or of frozen ones).
-      if (auto b = r.boolean(v, name)) {
-        auto& q = key == "zero_quantized_weights" ? c.quantize_weights : c.quantize_frozen_weights;
-        q = *b ? zero::Quantization::int8 : zero::Quantization::none;
-      }
+      if (auto b = r.boolean(v, name))
+        r.give(*setting_named(key == "zero_quantized_weights" ? "quantize_weights" : "quantize_frozen_weights"), name,
+               *b ? "int8" : "none", c);
     } else if (key == "zero_quantized_gradients") {  // ZeRO++'s qgZ: int4 blocks, as DeepSpeed's all-to-all carries
-      if (auto b = r.boolean(v, name)) c.quantize_gradients = *b ? zero::Quantization::int4 : zero::Quantization::none;
+      if (auto b = r.boolean(v, name)) r.give(*setting_named("quantize_gradients"), name, *b ? "int4" : "none", c);
     } else if (key == "stage3_use_all_reduce_for_fetch_params") {
       if (auto b = r.boolean(v, name)) c.fetch_mode = *b ? zero::FetchMode::all_reduce : zero::FetchMode::all_gather;
     } else if (key == "offload_optimizer") {

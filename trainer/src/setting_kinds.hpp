@@ -123,7 +123,10 @@ inline Result<void> no_check(const Setting&, const TrainerConfig&, std::string_v
 template <auto Member>
 std::string get_choice(const Setting& s, const TrainerConfig& c) {
   const auto i = static_cast<std::size_t>(c.*Member);
-  return i < s.choices.size() ? std::string(s.choices[i]) : std::to_string(i);
+  if (i < s.choices.size()) return std::string(s.choices[i]);
+  // (a value the setting does not take, set in code: its own name where its type has one)
+  if constexpr (requires { to_string(c.*Member); }) return std::string(to_string(c.*Member));
+  return std::to_string(i);
 }
 template <auto Member>
 Result<void> parse_choice(const Setting& s, TrainerConfig& c, std::string_view text) {

@@ -229,20 +229,21 @@ void add_parallelism_settings(std::vector<Setting>& t) {
       kWeightQuantization));
   t.push_back(integer<&T::quantize_weights_block>(
       {.name = "quantize_weights_block", .flag = "--quantize-weights-block",
-       .help = "the elements one f32 scale covers in a quantized gather (smaller: closer weights, more scales)",
+       .help = "the elements one f32 scale covers in a quantized gather (8 or more; smaller: closer weights, more "
+               "scales)",
        .expected = "a whole number from 8 to 2^30"},
       8, std::int64_t{1} << 30));
   t.push_back(choice<&T::quantize_gradients>(
       {.name = "quantize_gradients", .flag = "--quantize-gradients",
        .help = "stages 2-3: reduce each unit's gradient as int8 or int4 blocks (ZeRO++'s quantized gradients: each rank "
                "quantizes every rank's block of its gradient, an all-to-all sends each its own, which it sums in f32; "
-               "a quarter of f32's bytes with int8, an eighth with int4, DeepSpeed's). The norm, clipping and the "
-               "optimizer see what the reduction gave",
+               "a quarter of f32's bytes with int8, an eighth with int4, DeepSpeed's format). The norm, clipping and "
+               "the optimizer see what the reduction gave",
        .expected = "none, int8 or int4"},
       kGradientQuantization));
   t.push_back(integer<&T::quantize_gradients_block>(
       {.name = "quantize_gradients_block", .flag = "--quantize-gradients-block",
-       .help = "the elements one f32 scale covers in a quantized gradient reduction (even for int4)",
+       .help = "the elements one f32 scale covers in a quantized gradient reduction (8 or more; even for int4)",
        .expected = "a whole number from 8 to 2^30"},
       8, std::int64_t{1} << 30));
   t.push_back(secondary_partition_setting());

@@ -157,6 +157,7 @@ Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOp
     u.info.padded_bytes = static_cast<std::size_t>(u.info.padded) * element_size;
     u.info.persistent = stage3 && u.info.padded_bytes < o.persistence_threshold_bytes;
     u.info.gather_int8_block = int8_block_for(o, u.info);
+    u.info.reduce_quant_block = int8_gradient_block_for(o, u.info);
     u.info.secondary_ranks = secondary_ranks_for(o, u.info);
     plan.largest_unit_bytes = std::max(plan.largest_unit_bytes, u.info.padded_bytes);
     plan.units.push_back(std::move(u));

@@ -143,13 +143,11 @@ MemoryEstimate detail::estimate_for_units(std::span<const FetchUnitInfo> units, 
   make_parameter_residence(o.zero_stage)->estimate(m, {whole, shards_on_device}, o);
   if (quantized_whole > 0)
     m.add(P::device,
-          std::string("quantized gathers' int8 pieces (") +
-              (o.quantize_weights != Quantization::none ? "quantize_weights" : "quantize_frozen_weights") + ")",
+          std::string(o.quantize_weights != Quantization::none ? "int8 weight pieces" : "int8 frozen weight pieces"),
           int8_staging_bytes(o.quantize_weights_block, o.dtype, std::min(quantized_whole, o.max_live_bytes)));
   if (largest_quantized_trained > 0)  // (each reduction's pieces sent and received, two units' reductions in flight)
     m.add(P::device,
-          std::string("quantized reduction's ") + std::string(to_string(o.quantize_gradients)) +
-              " pieces (quantize_gradients, two largest units)",
+          std::string(to_string(o.quantize_gradients)) + " gradient pieces (two largest units)",
           int8_staging_bytes(o.quantize_gradients_block, o.dtype, 2 * 2 * largest_quantized_trained,
                              gradient_block_bits(o)));
   if (const std::size_t slices = secondary_partition_bytes(o, units); slices > 0)

@@ -197,6 +197,10 @@ struct TrainerConfig : zero::EngineOptions {
   // The same for the secondary partition: secondary_partition_ranks, or for "local" the ranks of
   // one node by that rule.
   Result<int> secondary_partition_ranks_for(int data_ranks) const;
+  // The rules that need the world's size (`world` ranks, tensor parallelism's included), checked
+  // before a model is made (--print-config's output is one the run takes): the secondary partition
+  // divides the data ranks.
+  Result<void> validate_for_world(int world) const;
   // The optimizer's clipping and loss scaling, as the trainer builds it.
   modules::StepControlOptions step_control() const;
   // The learning rate of step `step` (0-based) under the schedule.

@@ -111,6 +111,9 @@ struct FetchUnitInfo {
   // Stage 3: its gathers for compute carry int8 blocks of this many elements (quantize_weights,
   // or quantize_frozen_weights and frozen); 0: exact.
   std::int64_t gather_int8_block = 0;
+  // Stages 2-3: its gradient's reduction carries quantized blocks of this many elements
+  // (quantize_gradients, int8 or int4, for a unit that trains over more than one rank); 0: exact.
+  std::int64_t reduce_quant_block = 0;
   // Stage 3: the step's later gathers of it go within groups of this many ranks from the slices
   // kept at its first (secondary_partition_ranks); 0: none (its group is no larger).
   int secondary_ranks = 0;
