@@ -116,16 +116,9 @@ pid_t fork_train(std::vector<std::string> args, const fs::path& out, BeforeExec 
   return pid;
 }
 
-// Like run(), with a resource limit set in the child: RLIMIT_FSIZE (a full disk, as the process
-// sees it: writes past it fail with EFBIG) or RLIMIT_AS (too little memory).
-inline Exit run_with_limit(std::vector<std::string> args, const fs::path& dir, int resource, rlim_t value) {
-  const fs::path out = dir / "output.txt";
-  const pid_t pid = fork_train(std::move(args), out, [&] {
-    ::signal(SIGXFSZ, SIG_IGN);  // a write past the limit fails with EFBIG instead of killing
-    rlimit limit{value, value};
-    ::setrlimit(resource, &limit);
-  });
-  // Bounded: a run that hangs is killed after 10 minutes and reported as exit -2.
+// A forked run's exit and output. Bounded: a run that hangs is killed after 10 minutes and
+// reported as exit -2.
+inline Exit wait_for_train(pid_t pid, const fs::path& out) {
   int status = 0;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(10);
   while (::waitpid(pid, &status, WNOHANG) == 0) {
@@ -137,6 +130,24 @@ inline Exit run_with_limit(std::vector<std::string> args, const fs::path& dir, i
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   return {WIFEXITED(status) ? WEXITSTATUS(status) : (WIFSIGNALED(status) ? 128 + WTERMSIG(status) : -1), slurp(out)};
+}
+
+// Like run(), with a resource limit set in the child: RLIMIT_FSIZE (a full disk, as the process
+// sees it: writes past it fail with EFBIG) or RLIMIT_AS (too little memory).
+inline Exit run_with_limit(std::vector<std::string> args, const fs::path& dir, int resource, rlim_t value) {
+  const fs::path out = dir / "output.txt";
+  const pid_t pid = fork_train(std::move(args), out, [&] {
+    ::signal(SIGXFSZ, SIG_IGN);  // a write past the limit fails with EFBIG instead of killing
+    rlimit limit{value, value};
+    ::setrlimit(resource, &limit);
+  });
+  return wait_for_train(pid, out);
+}
+
+// Like run(), with the environment variable `name` set to `value` in the child.
+inline Exit run_with_env(std::vector<std::string> args, const fs::path& dir, const char* name, const char* value) {
+  const fs::path out = dir / "output.txt";
+  return wait_for_train(fork_train(std::move(args), out, [&] { ::setenv(name, value, 1); }), out);
 }
 
 // The peak address space (VmPeak, bytes) of coshard-train run with `args`, as run_with_limit

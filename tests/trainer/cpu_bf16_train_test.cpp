@@ -83,4 +83,25 @@ TEST(CpuBf16, TheMainJobAndASmallLlamaTrackTheirF32Runs) {
   }
 }
 
+// A COSHARD_CPU_ISA that names no instructions is refused by name before anything runs, --estimate
+// included (which makes no engine, and reported on a run that could not start), and the run
+// header names the compute dtype.
+TEST(CpuBf16, ABadIsaCapIsRefusedEvenByTheEstimate) {
+  const fs::path dir = scratch("cpu_bf16_bad_isa");
+  for (const auto& flags : {std::vector<std::string>{"--estimate"}, std::vector<std::string>{"--steps", "1"}}) {
+    auto args = std::vector<std::string>{"--model", "llama", "--preset", "llama-tiny", "--world-size", "1", "--dtype",
+                                         "bf16"};
+    args.insert(args.end(), flags.begin(), flags.end());
+    const auto r = run_with_env(args, dir, "COSHARD_CPU_ISA", "avx1024");
+    EXPECT_EQ(r.code, 2) << r.output;
+    EXPECT_NE(r.output.find("COSHARD_CPU_ISA=avx1024: expected one of"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("fits"), std::string::npos) << r.output;
+  }
+  const auto header = run({"--model", "llama", "--preset", "llama-tiny", "--world-size", "1", "--dtype", "bf16",
+                           "--steps", "1"},
+                          dir);
+  ASSERT_EQ(header.code, 0) << header.output;
+  EXPECT_NE(header.output.find("ZeRO-3, bf16, 1 rank(s) on cpu"), std::string::npos) << header.output;
+}
+
 }  // namespace

@@ -269,7 +269,10 @@ static int run_main(int argc, char** argv) {
   // natively on several threads (a restart, once: libgomp reads OMP_WAIT_POLICY when it loads).
   if (o.device == "cpu") {
     const auto products = modules::cpu_half_products();
-    if (train_app::rank_math_threads(o) > 1 && products && products->native(o.train.engine_options().dtype))
+    // (a COSHARD_CPU_ISA that names no instructions: refused here, before --estimate reports on a
+    // run that could not start)
+    if (!products) return usage(products.error().message());
+    if (train_app::rank_math_threads(o) > 1 && products->native(o.train.engine_options().dtype))
       modules::restart_with_passive_openmp(argv);
   }
   std::int64_t vocab_of_bytes = 0;

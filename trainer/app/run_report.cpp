@@ -136,8 +136,9 @@ void print_run_header(const Options& o, trainer::Trainer& t, const collectives::
     auto nccl = collectives::nccl_library();
     ranks += "; " + (nccl ? *nccl : nccl.error().message());
   }
-  std::printf("  ZeRO-%d, %d rank(s) on %s, %s backend (%s), global batch %lld x %lld tokens, %zu fetch units%s\n",
-              o.train.zero_stage, world, o.device.c_str(), std::string(comm.backend()).c_str(), ranks.c_str(),
+  std::printf("  ZeRO-%d, %s, %d rank(s) on %s, %s backend (%s), global batch %lld x %lld tokens, %zu fetch units%s\n",
+              o.train.zero_stage, std::string(collectives::to_string(o.train.engine_options().dtype)).c_str(), world,
+              o.device.c_str(), std::string(comm.backend()).c_str(), ranks.c_str(),
               static_cast<long long>(o.batch),
               static_cast<long long>(o.seq), t.engine().units().size(),
               first > 0 ? (", resumed at step " + std::to_string(first)).c_str() : "");
