@@ -206,4 +206,28 @@ Setting choice(Setting s, std::span<const std::string_view> choices) {
   return s;
 }
 
+// A count of ranks, or local: the ranks of one node (the launcher's ranks per node, known when the
+// engine is made; `Local` says so, and `Unset` is the count it leaves).
+template <auto Size, auto Local, int Unset>
+Setting ranks_or_local_setting(Setting meta, int lowest) {
+  Setting s = integer<Size>(std::move(meta), lowest, 1 << 24);
+  s.get = [](const Setting& self, const TrainerConfig& c) {
+    return c.*Local ? std::string("local") : get_value<Size>(self, c);
+  };
+  s.parse = [](const Setting& self, TrainerConfig& c, std::string_view text) -> Result<void> {
+    if (text == "local") {
+      c.*Local = true;
+      c.*Size = Unset;
+      return {};
+    }
+    COSHARD_TRY(parse_number<Size>(self, c, text));  // (a negative one is refused by the range)
+    c.*Local = false;
+    return {};
+  };
+  return s;
+}
+
+// ZeRO++'s settings (settings_wire.cpp), where the table's parallelism puts them.
+void add_less_on_the_wire_settings(std::vector<Setting>& t);
+
 }  // namespace coshard::trainer::detail

@@ -24,11 +24,10 @@ using detail::get_value;
 using detail::integer;
 using detail::no_check;
 using detail::parse_number;
+using detail::ranks_or_local_setting;
 using detail::real;
 
 constexpr std::string_view kFetchModes[] = {"all_gather", "all_reduce"};
-constexpr std::string_view kWeightQuantization[] = {"none", "int8"};  // (zero::Quantization's first two)
-constexpr std::string_view kGradientQuantization[] = {"none", "int8", "int4"};  // (zero::Quantization's order)
 constexpr std::string_view kDtypes[] = {"f32", "bf16", "f16"};
 constexpr std::string_view kLossScaling[] = {"none", "fixed", "dynamic"};
 constexpr std::string_view kAttention[] = {"fused", "materialized", "cudnn"};
@@ -89,27 +88,6 @@ Setting max_live_setting() {
   return s;
 }
 
-// A count of ranks, or local: the ranks of one node (the launcher's ranks per node, known when the
-// engine is made; `Local` says so, and `Unset` is the count it leaves).
-template <auto Size, auto Local, int Unset>
-Setting ranks_or_local_setting(Setting meta, int lowest) {
-  Setting s = integer<Size>(std::move(meta), lowest, 1 << 24);
-  s.get = [](const Setting& self, const TrainerConfig& c) {
-    return c.*Local ? std::string("local") : get_value<Size>(self, c);
-  };
-  s.parse = [](const Setting& self, TrainerConfig& c, std::string_view text) -> Result<void> {
-    if (text == "local") {
-      c.*Local = true;
-      c.*Size = Unset;
-      return {};
-    }
-    COSHARD_TRY(parse_number<Size>(self, c, text));  // (a negative one is refused by the range)
-    c.*Local = false;
-    return {};
-  };
-  return s;
-}
-
 Setting shard_group_setting() {
   return ranks_or_local_setting<&T::shard_group_size, &T::shard_group_local, 0>(
       {.name = "shard_group_size", .flag = "--shard-group-size",
@@ -117,18 +95,6 @@ Setting shard_group_setting() {
                "across the groups; local: the ranks of one node; 0: the whole world (full sharding)",
        .expected = "a whole number that divides the world size, 0 (the whole world) or local"},
       0);
-}
-
-Setting secondary_partition_setting() {
-  return ranks_or_local_setting<&T::secondary_partition_ranks, &T::secondary_partition_local, 1>(
-      {.name = "secondary_partition_ranks", .flag = "--secondary-partition",
-       .deepspeed = "zero_optimization.zero_hpz_partition_size",
-       .help = "stage 3: keep each rank's 1/N slice of a unit's first gather of a step, and gather the step's later "
-               "uses (backward, checkpointing's replay, the next micro-batch) within groups of N consecutive ranks "
-               "(ZeRO++'s hpZ: across nodes only once a step; the same values, bit for bit; 1/N of the gathered "
-               "model more on the device); local: the ranks of one node; 1: none",
-       .expected = "a whole number that divides the world size (the ranks of a node), 1 (none) or local"},
-      1);
 }
 
 // f32, bf16 or f16, through set_compute_dtype (f16 turns on dynamic loss scaling unless it is set).
@@ -214,39 +180,7 @@ void add_parallelism_settings(std::vector<Setting>& t) {
   t.push_back(choice<&T::fetch_mode>({.name = "fetch_mode", .flag = "--fetch-mode", .help = "stage-3 fetch collective",
                                       .expected = "all_gather or all_reduce"},
                                      kFetchModes));
-  t.push_back(choice<&T::quantize_weights>(
-      {.name = "quantize_weights", .flag = "--quantize-weights",
-       .help = "stage 3: gather the weights as int8 blocks (ZeRO++'s quantized weights: each rank quantizes its shard, "
-               "every rank dequantizes every piece into the compute dtype; a quarter of f32's bytes on the wire, half "
-               "of bf16's). The masters, the optimizer, checkpoints and exports stay exact",
-       .expected = "none or int8"},
-      kWeightQuantization));
-  t.push_back(choice<&T::quantize_frozen_weights>(
-      {.name = "quantize_frozen_weights", .flag = "--quantize-frozen-weights",
-       .help = "stage 3: the same for frozen units alone (a fine-tuned base, LoRA's); the units that train gather "
-               "exactly",
-       .expected = "none or int8"},
-      kWeightQuantization));
-  t.push_back(integer<&T::quantize_weights_block>(
-      {.name = "quantize_weights_block", .flag = "--quantize-weights-block",
-       .help = "the elements one f32 scale covers in a quantized gather (8 or more; smaller: closer weights, more "
-               "scales)",
-       .expected = "a whole number from 8 to 2^30"},
-      8, std::int64_t{1} << 30));
-  t.push_back(choice<&T::quantize_gradients>(
-      {.name = "quantize_gradients", .flag = "--quantize-gradients",
-       .help = "stages 2-3: reduce each unit's gradient as int8 or int4 blocks (ZeRO++'s quantized gradients: each rank "
-               "quantizes every rank's block of its gradient, an all-to-all sends each its own, which it sums in f32; "
-               "a quarter of f32's bytes with int8, an eighth with int4, DeepSpeed's format). The norm, clipping and "
-               "the optimizer see what the reduction gave",
-       .expected = "none, int8 or int4"},
-      kGradientQuantization));
-  t.push_back(integer<&T::quantize_gradients_block>(
-      {.name = "quantize_gradients_block", .flag = "--quantize-gradients-block",
-       .help = "the elements one f32 scale covers in a quantized gradient reduction (8 or more; even for int4)",
-       .expected = "a whole number from 8 to 2^30"},
-      8, std::int64_t{1} << 30));
-  t.push_back(secondary_partition_setting());
+  detail::add_less_on_the_wire_settings(t);
   t.push_back(prefetch_bucket_setting());
   t.push_back(boolean<&T::adaptive_prefetch>(
       {.name = "adaptive_prefetch",

@@ -34,6 +34,18 @@ AttentionBuffers Kernels::attention_buffers(DataType dt, std::int64_t B, std::in
   return {.saved = Shape{B, H, T, T}, .saved_dtype = dt, .scratch = Shape{B, H, T, T}, .scratch_dtype = dt};
 }
 
+Result<void> check_moe_routing(std::int64_t tokens, std::int64_t experts, std::int64_t k) {
+  constexpr std::int64_t kI32 = std::int64_t{1} << 31;
+  if (experts < 1 || experts >= kI32)
+    return fail(ErrorCode::invalid_argument, "routing over ", experts, " experts: expected 1 to 2^31 - 1");
+  if (k < 1 || k > experts)
+    return fail(ErrorCode::invalid_argument, "routing to the top ", k, " of ", experts, " experts: expected 1 to ", experts);
+  if (tokens < 0 || tokens >= kI32 / k)
+    return fail(ErrorCode::invalid_argument, "routing ", tokens, " tokens to ", k,
+                " experts each: expected 0 or more, fewer than 2^31 slots");
+  return {};
+}
+
 Result<void> check_quant_blocks(BlockBits bits, std::int64_t segment_count, std::int64_t blocks, std::int64_t block) {
   const char* name = bits == BlockBits::int8 ? "int8" : "int4";
   if (bits != BlockBits::int8 && bits != BlockBits::int4)

@@ -207,6 +207,31 @@ class Kernels {
   virtual Result<void> cast(async::Stream& s, DataType from, const void* src, DataType to, void* dst,
                             std::int64_t n) const = 0;
 
+  // Mixture-of-experts routing, as transformers' Qwen3-MoE and Mixtral routers compute it: per
+  // token t, its router logits[t, 0..experts) (dt) read as f32, the softmax in f32 (the max
+  // subtracted, exp, summed in expert order) into probs[t, :] (f32, kept for backward), the k most
+  // probable experts (ties to the lower one) into chosen[t, 0..k) in descending order (i32), their
+  // probabilities into weights[t, :] (f32), divided by their sum when `renormalize`
+  // (norm_topk_prob; Mixtral always). CPU and emulated CUDA give the same bits; a GPU's exp may
+  // differ in the last place.
+  virtual Result<void> moe_route(async::Stream& s, DataType dt, const void* logits, std::int64_t tokens,
+                                 std::int64_t experts, std::int64_t k, bool renormalize, float* probs,
+                                 std::int32_t* chosen, float* weights) const = 0;
+  // Its backward: dlogits[t, :] (dt) from dweights[t, :] (f32), through the renormalisation onto
+  // the chosen probabilities ((dw_j - sum_l dw_l w_l) / their sum), plus dprob_extra[e] (f32, an
+  // auxiliary loss's gradient on every token's probability of e; null for none), through the
+  // softmax (p_e (g_e - sum_e' p_e' g_e')).
+  virtual Result<void> moe_route_backward(async::Stream& s, const float* probs, const std::int32_t* chosen,
+                                          const float* weights, const float* dweights, const float* dprob_extra,
+                                          std::int64_t tokens, std::int64_t experts, std::int64_t k, bool renormalize,
+                                          DataType dt, void* dlogits) const = 0;
+  // The slots s = t * k + j of `chosen` ordered by expert, stably: counts[e] (i32), order[pos] = s
+  // and inverse[s] = pos (i32 each, `slots` of them): expert e's tokens are order's run from the
+  // sum of the counts before e, in token order.
+  virtual Result<void> moe_dispatch_plan(async::Stream& s, const std::int32_t* chosen, std::int64_t slots,
+                                         std::int64_t experts, std::int32_t* counts, std::int32_t* order,
+                                         std::int32_t* inverse) const = 0;
+
   // Block quantization, int8 or int4 (kernel_args.hpp: the formats and QuantSegment): each of
   // `segments` (in memory the kernels read: the device's, or the host's for the CPU) quantizes its
   // values of x (dt) into its place in `packed`; dequantize_blocks turns each segment's packed
@@ -259,6 +284,9 @@ const Kernels* cuda_kernels_cudnn_attention() noexcept;
 // "cuDNN 9.19.0 (path)", or why cuDNN's attention cannot run in this process.
 Result<std::string> cudnn_attention_library();
 
+// The routing kernels' sizes: tokens >= 0, 1 <= k <= experts, experts < 2^31, tokens * k < 2^31
+// (i32 slots), named.
+Result<void> check_moe_routing(std::int64_t tokens, std::int64_t experts, std::int64_t k);
 // The block kernels' sizes: counts >= 0, blocks of block >= 1 (int4: an even count, so no byte holds
 // two blocks' values).
 Result<void> check_quant_blocks(BlockBits bits, std::int64_t segment_count, std::int64_t blocks, std::int64_t block);

@@ -10,6 +10,7 @@
 #include "kernels/cpu/blas.hpp"
 #include "kernels/cpu/half_products.hpp"
 #include "kernels/cpu/loss.hpp"
+#include "kernels/cpu/moe_routing.hpp"
 #include "kernels/cpu/norm.hpp"
 #include "kernels/cpu/operands.hpp"
 #include "kernels/cpu/optimizer.hpp"
@@ -354,6 +355,31 @@ class CpuKernels final : public Kernels {
     return s.launch([=] {
       for (std::int64_t i = 0; i < n; ++i) store(to, dst, i, load(from, src, i));
     });
+  }
+
+  Result<void> moe_route(Stream& s, DataType dt, const void* logits, std::int64_t tokens, std::int64_t experts,
+                         std::int64_t k, bool renormalize, float* probs, std::int32_t* chosen,
+                         float* weights) const override {
+    COSHARD_TRY(check_dtype(dt));
+    COSHARD_TRY(check_moe_routing(tokens, experts, k));
+    return s.launch([=] { cpu::moe_route(dt, logits, tokens, experts, k, renormalize, probs, chosen, weights); });
+  }
+
+  Result<void> moe_route_backward(Stream& s, const float* probs, const std::int32_t* chosen, const float* weights,
+                                  const float* dweights, const float* dprob_extra, std::int64_t tokens,
+                                  std::int64_t experts, std::int64_t k, bool renormalize, DataType dt,
+                                  void* dlogits) const override {
+    COSHARD_TRY(check_dtype(dt));
+    COSHARD_TRY(check_moe_routing(tokens, experts, k));
+    return s.launch([=] {
+      cpu::moe_route_backward(probs, chosen, weights, dweights, dprob_extra, tokens, experts, k, renormalize, dt, dlogits);
+    });
+  }
+
+  Result<void> moe_dispatch_plan(Stream& s, const std::int32_t* chosen, std::int64_t slots, std::int64_t experts,
+                                 std::int32_t* counts, std::int32_t* order, std::int32_t* inverse) const override {
+    COSHARD_TRY(check_moe_routing(slots, experts, 1));
+    return s.launch([=] { cpu::moe_dispatch_plan(chosen, slots, experts, counts, order, inverse); });
   }
 
   Result<void> quantize_blocks(Stream& s, BlockBits bits, DataType dt, const void* x, void* packed,

@@ -15,6 +15,8 @@
 #include "kernels/cuda/blas.hpp"
 #include "kernels/cuda/cudnn/attention.hpp"
 #include "kernels/cuda/kernels.cuh"
+#include "kernels/cuda/launch_check.hpp"
+#include "kernels/cuda/routing_launch.hpp"
 #include "kernels/kernels.hpp"
 
 namespace coshard::modules::detail {
@@ -22,12 +24,6 @@ namespace {
 
 using async::Stream;
 
-Result<void> check_launch(int code, std::string_view what, const Stream& s) {
-  const auto e = static_cast<cudaError_t>(code);
-  if (e == cudaSuccess) return {};
-  return fail(ErrorCode::device, what, " on stream '", s.name(), "': ", cudaGetErrorName(e), " (",
-              cudaGetErrorString(e), ")");
-}
 
 // p + elements, for pointers to elements of a runtime size.
 struct ElementOffset {
@@ -356,34 +352,39 @@ class CudaKernels final : public Kernels {
     return check_launch(cuda::cast(s.native_handle(), code(from), src, code(to), dst, n), "cast", s);
   }
 
+  // Mixture-of-experts routing and quantized blocks: checked and launched by routing_launch.cpp.
+  Result<void> moe_route(Stream& s, DataType dt, const void* logits, std::int64_t tokens, std::int64_t experts,
+                         std::int64_t k, bool renormalize, float* probs, std::int32_t* chosen,
+                         float* weights) const override {
+    return cuda_launch::moe_route(s, dt, logits, tokens, experts, k, renormalize, probs, chosen, weights);
+  }
+  Result<void> moe_route_backward(Stream& s, const float* probs, const std::int32_t* chosen, const float* weights,
+                                  const float* dweights, const float* dprob_extra, std::int64_t tokens,
+                                  std::int64_t experts, std::int64_t k, bool renormalize, DataType dt,
+                                  void* dlogits) const override {
+    return cuda_launch::moe_route_backward(s, probs, chosen, weights, dweights, dprob_extra, tokens, experts, k,
+                                           renormalize, dt, dlogits);
+  }
+  Result<void> moe_dispatch_plan(Stream& s, const std::int32_t* chosen, std::int64_t slots, std::int64_t experts,
+                                 std::int32_t* counts, std::int32_t* order, std::int32_t* inverse) const override {
+    return cuda_launch::moe_dispatch_plan(s, chosen, slots, experts, counts, order, inverse);
+  }
   Result<void> quantize_blocks(Stream& s, BlockBits bits, DataType dt, const void* x, void* packed,
                                const QuantSegment* segments, std::int64_t segment_count, std::int64_t blocks,
                                std::int64_t block) const override {
-    COSHARD_TRY(check(dt));
-    COSHARD_TRY(check_quant_blocks(bits, segment_count, blocks, block));
-    return check_launch(cuda::quantize_blocks(s.native_handle(), static_cast<int>(bits), code(dt), x, packed, segments,
-                                              segment_count, blocks, block),
-                        "quantize_blocks", s);
+    return cuda_launch::quantize_blocks(s, bits, dt, x, packed, segments, segment_count, blocks, block);
   }
   Result<void> dequantize_blocks(Stream& s, BlockBits bits, const void* packed, DataType dt, void* out,
                                  const QuantSegment* segments, std::int64_t segment_count, std::int64_t blocks,
                                  std::int64_t block) const override {
-    COSHARD_TRY(check(dt));
-    COSHARD_TRY(check_quant_blocks(bits, segment_count, blocks, block));
-    return check_launch(cuda::dequantize_blocks(s.native_handle(), static_cast<int>(bits), packed, code(dt), out,
-                                                segments, segment_count, blocks, block),
-                        "dequantize_blocks", s);
+    return cuda_launch::dequantize_blocks(s, bits, packed, dt, out, segments, segment_count, blocks, block);
   }
-
   Result<void> dequantize_sum_blocks(Stream& s, BlockBits bits, const void* packed, std::int64_t pieces,
                                      std::int64_t stride, DataType dt, void* out, const QuantSegment* segments,
                                      std::int64_t segment_count, std::int64_t blocks, std::int64_t block,
                                      float factor) const override {
-    COSHARD_TRY(check(dt));
-    COSHARD_TRY(check_quant_blocks(bits, segment_count, blocks, block));
-    return check_launch(cuda::dequantize_sum_blocks(s.native_handle(), static_cast<int>(bits), packed, pieces, stride,
-                                                    code(dt), out, segments, segment_count, blocks, block, factor),
-                        "dequantize_sum_blocks", s);
+    return cuda_launch::dequantize_sum_blocks(s, bits, packed, pieces, stride, dt, out, segments, segment_count, blocks,
+                                              block, factor);
   }
 
   Result<void> step_begin(Stream& s, StepState* state) const override {
@@ -466,12 +467,7 @@ class CudaKernels final : public Kernels {
   AttentionKernels form_;
   mutable std::mutex cudnn_mutex_;
   mutable std::map<std::pair<int, cudnn::SdpaShape>, cudnn::SdpaPlans> cudnn_answers_;
-  Result<void> check(DataType dt) const {
-    if (!supports(dt))
-      return fail(ErrorCode::unsupported, "dtype ", async::to_string(dt),
-                  ": the CUDA kernels serve f32, bf16 and f16 (f64 runs on the CPU backend)");
-    return {};
-  }
+  Result<void> check(DataType dt) const { return check_cuda_dtype(dt); }
 };
 
 static_assert(static_cast<int>(DataType::f32) == 0 && static_cast<int>(DataType::f64) == 1 &&

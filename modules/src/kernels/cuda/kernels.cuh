@@ -95,6 +95,14 @@ int mse_forward(void* stream, int dt, const void* pred, const void* target, floa
 int mse_backward(void* stream, int dt, const void* pred, const void* target, const float* seed, void* dpred,
                  std::int64_t n);
 int cast(void* stream, int from, const void* src, int to, void* dst, std::int64_t n);
+// Mixture-of-experts routing (kernels.hpp: moe_route and the rest).
+int moe_route(void* stream, int dt, const void* logits, std::int64_t tokens, std::int64_t experts, std::int64_t k,
+              bool renormalize, float* probs, std::int32_t* chosen, float* weights);
+int moe_route_backward(void* stream, const float* probs, const std::int32_t* chosen, const float* weights,
+                       const float* dweights, const float* dprob_extra, std::int64_t tokens, std::int64_t experts,
+                       std::int64_t k, bool renormalize, int dt, void* dlogits);
+int moe_dispatch_plan(void* stream, const std::int32_t* chosen, std::int64_t slots, std::int64_t experts,
+                      std::int32_t* counts, std::int32_t* order, std::int32_t* inverse);
 // Block int8 or int4, `bits` 8 or 4 (kernel_args.hpp: the formats and their segments, in device memory).
 int quantize_blocks(void* stream, int bits, int dt, const void* x, void* packed, const detail::QuantSegment* segments,
                     std::int64_t count, std::int64_t blocks, std::int64_t block);

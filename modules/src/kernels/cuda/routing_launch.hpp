@@ -1,0 +1,30 @@
+// The launches of the CUDA kernels of mixture-of-experts routing and quantized blocks, for
+// CudaKernels (cuda_kernels.cpp): the Kernels entries of the same names (kernels.hpp). Private.
+#pragma once
+
+#include <cstdint>
+
+#include "coshard/async/stream.hpp"
+#include "kernels/kernel_args.hpp"
+#include "kernels/kernels.hpp"
+
+namespace coshard::modules::detail::cuda_launch {
+
+Result<void> moe_route(async::Stream& s, DataType dt, const void* logits, std::int64_t tokens, std::int64_t experts,
+                       std::int64_t k, bool renormalize, float* probs, std::int32_t* chosen, float* weights);
+Result<void> moe_route_backward(async::Stream& s, const float* probs, const std::int32_t* chosen, const float* weights,
+                                const float* dweights, const float* dprob_extra, std::int64_t tokens,
+                                std::int64_t experts, std::int64_t k, bool renormalize, DataType dt, void* dlogits);
+Result<void> moe_dispatch_plan(async::Stream& s, const std::int32_t* chosen, std::int64_t slots, std::int64_t experts,
+                               std::int32_t* counts, std::int32_t* order, std::int32_t* inverse);
+Result<void> quantize_blocks(async::Stream& s, BlockBits bits, DataType dt, const void* x, void* packed,
+                             const QuantSegment* segments, std::int64_t segment_count, std::int64_t blocks,
+                             std::int64_t block);
+Result<void> dequantize_blocks(async::Stream& s, BlockBits bits, const void* packed, DataType dt, void* out,
+                               const QuantSegment* segments, std::int64_t segment_count, std::int64_t blocks,
+                               std::int64_t block);
+Result<void> dequantize_sum_blocks(async::Stream& s, BlockBits bits, const void* packed, std::int64_t pieces,
+                                   std::int64_t stride, DataType dt, void* out, const QuantSegment* segments,
+                                   std::int64_t segment_count, std::int64_t blocks, std::int64_t block, float factor);
+
+}  // namespace coshard::modules::detail::cuda_launch
