@@ -70,6 +70,71 @@ INSTANTIATE_TEST_SUITE_P(Forms, EmulatedMoeRouting, ::testing::Combine(::testing
                                   (std::get<1>(info.param) ? "_renormalized" : "_raw");
                          });
 
+// Dispatch, combine and their backward: the reference's bits (which the CPU's kernels give).
+class EmulatedMoeRows : public ::testing::TestWithParam<int> {};
+
+TEST_P(EmulatedMoeRows, DispatchAndCombineGiveTheReferencesBits) {
+  const int dt = GetParam();
+  const std::int64_t tokens = 13, experts = 5, top = 3, width = 7, slots = tokens * top;
+  const auto chosen = coshard::testing::distinct_choices(tokens, experts, top, 11);
+  const auto plan = coshard::testing::dispatch_reference(chosen, experts);
+  std::mt19937 rng(1);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  auto values = [&](std::int64_t n) {
+    std::vector<double> v(static_cast<std::size_t>(n));
+    for (auto& x : v) x = normal(rng);
+    return v;
+  };
+  auto round = [dt](float v) { return static_cast<float>(Stored(dt, {v}).values()[0]); };
+  Stored x(dt, values(tokens * width)), rows(dt, values(slots * width)), dy(dt, values(tokens * width));
+  std::vector<float> weights(static_cast<std::size_t>(slots));
+  for (auto& w : weights) w = static_cast<float>(normal(rng) * 0.5);
+  Stored gathered(dt, std::vector<double>(static_cast<std::size_t>(slots * width), 0.0));
+  Stored combined(dt, std::vector<double>(static_cast<std::size_t>(tokens * width), 0.0));
+  Stored summed(dt, std::vector<double>(static_cast<std::size_t>(tokens * width), 0.0));
+  Stored d_rows(dt, std::vector<double>(static_cast<std::size_t>(slots * width), 0.0));
+  std::vector<float> dweights(static_cast<std::size_t>(slots));
+  ASSERT_EQ(cu::moe_gather_rows(nullptr, dt, x.data(), plan.order.data(), slots, top, width, gathered.data()), 0);
+  ASSERT_EQ(cu::moe_combine_rows(nullptr, dt, rows.data(), plan.inverse.data(), weights.data(), tokens, top, width,
+                                 combined.data()),
+            0);
+  ASSERT_EQ(cu::moe_combine_rows(nullptr, dt, rows.data(), plan.inverse.data(), nullptr, tokens, top, width,
+                                 summed.data()),
+            0);
+  ASSERT_EQ(cu::moe_combine_backward(nullptr, dt, dy.data(), rows.data(), plan.inverse.data(), weights.data(), tokens,
+                                     top, width, d_rows.data(), dweights.data()),
+            0);
+  const auto xs = x.values(), got = gathered.values();
+  for (std::int64_t i = 0; i < slots; ++i)
+    for (std::int64_t c = 0; c < width; ++c)
+      EXPECT_EQ(got[static_cast<std::size_t>(i * width + c)],
+                xs[static_cast<std::size_t>(plan.order[static_cast<std::size_t>(i)] / top * width + c)]);
+  const auto held = rows.values();
+  const std::vector<float> rows_f(held.begin(), held.end());
+  auto stored = [dt](const std::vector<float>& v) { return Stored(dt, std::vector<double>(v.begin(), v.end())).values(); };
+  EXPECT_EQ(combined.values(),
+            stored(coshard::testing::combine_reference(rows_f, plan.inverse, &weights, tokens, top, width, round)));
+  EXPECT_EQ(summed.values(),
+            stored(coshard::testing::combine_reference(rows_f, plan.inverse, nullptr, tokens, top, width, round)));
+  const auto g = dy.values();
+  std::vector<float> want_d(static_cast<std::size_t>(slots * width));
+  for (std::int64_t t = 0; t < tokens; ++t)
+    for (std::int64_t j = 0; j < top; ++j) {
+      const std::int64_t place = plan.inverse[static_cast<std::size_t>(t * top + j)];
+      float dot = 0;
+      for (std::int64_t c = 0; c < width; ++c) {
+        const auto gv = static_cast<float>(g[static_cast<std::size_t>(t * width + c)]);
+        dot += gv * rows_f[static_cast<std::size_t>(place * width + c)];
+        want_d[static_cast<std::size_t>(place * width + c)] = round(weights[static_cast<std::size_t>(t * top + j)]) * gv;
+      }
+      EXPECT_EQ(dweights[static_cast<std::size_t>(t * top + j)], dot);
+    }
+  EXPECT_EQ(d_rows.values(), stored(want_d));
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, EmulatedMoeRows, ::testing::Values(kF32, kBF16, kF16),
+                         [](const auto& info) { return std::string(dtype_name(info.param)); });
+
 TEST(EmulatedMoeRoutingPlan, TheDispatchPlanIsAStableSortByExpert) {
   std::mt19937 rng(3);
   for (const std::int64_t experts : {1, 5, 64}) {

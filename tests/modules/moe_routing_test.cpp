@@ -163,6 +163,61 @@ TEST(MoeRouting, TheDispatchPlanIsAStableSortByExpert) {
   }
 }
 
+// Dispatch, combine and their backward: the reference's bits in every dtype (rows held in dt,
+// the weights rounded to it, f32 sums in the experts' order, rounded once).
+TEST_P(MoeRoutingCpu, DispatchAndCombineGiveTheReferencesBits) {
+  const auto [dt, unused] = GetParam();
+  (void)unused;
+  const Kernels& k = cpu_kernels();
+  auto stream = async::Stream::create(async::Device::cpu(), {.name = "moe"});
+  ASSERT_TRUE(stream);
+  const std::int64_t tokens = 13, experts = 5, top = 3, width = 7, slots = tokens * top;
+  const auto chosen = testing::distinct_choices(tokens, experts, top, 11);
+  const auto plan = testing::dispatch_reference(chosen, experts);
+  auto [x_bytes, x] = hold(dt, random_logits(tokens * width, 1, 1.0f));
+  auto round = [dt = dt](float v) { return hold(dt, {v}).second[0]; };
+  // Dispatch: each token's row at each of its places.
+  std::vector<std::byte> gathered(static_cast<std::size_t>(slots * width) * size_of(dt));
+  ASSERT_TRUE(k.moe_gather_rows(*stream, dt, x_bytes.data(), plan.order.data(), slots, top, width, gathered.data()));
+  // The experts' rows (some values), combined with weights, and dispatch's backward (no weights).
+  auto [rows_bytes, rows] = hold(dt, random_logits(slots * width, 2, 1.0f));
+  const auto weights = random_logits(slots, 3, 0.5f);
+  std::vector<std::byte> combined(x_bytes.size()), summed(x_bytes.size());
+  ASSERT_TRUE(k.moe_combine_rows(*stream, dt, rows_bytes.data(), plan.inverse.data(), weights.data(), tokens, top, width,
+                                 combined.data()));
+  ASSERT_TRUE(k.moe_combine_rows(*stream, dt, rows_bytes.data(), plan.inverse.data(), nullptr, tokens, top, width,
+                                 summed.data()));
+  auto [dy_bytes, dy] = hold(dt, random_logits(tokens * width, 4, 1.0f));
+  std::vector<std::byte> d_rows(rows_bytes.size());
+  std::vector<float> dweights(static_cast<std::size_t>(slots));
+  ASSERT_TRUE(k.moe_combine_backward(*stream, dt, dy_bytes.data(), rows_bytes.data(), plan.inverse.data(),
+                                     weights.data(), tokens, top, width, d_rows.data(), dweights.data()));
+  ASSERT_TRUE(stream->synchronize());
+  const std::size_t e = size_of(dt);
+  for (std::int64_t i = 0; i < slots; ++i)
+    EXPECT_EQ(0, std::memcmp(gathered.data() + static_cast<std::size_t>(i * width) * e,
+                             x_bytes.data() + static_cast<std::size_t>(plan.order[static_cast<std::size_t>(i)] / top * width) * e,
+                             static_cast<std::size_t>(width) * e))
+        << "dispatched row " << i;
+  const auto want = testing::combine_reference(rows, plan.inverse, &weights, tokens, top, width, round);
+  const auto want_sum = testing::combine_reference(rows, plan.inverse, nullptr, tokens, top, width, round);
+  EXPECT_EQ(combined, hold(dt, want).first);
+  EXPECT_EQ(summed, hold(dt, want_sum).first);
+  std::vector<float> want_d_rows(static_cast<std::size_t>(slots * width));
+  for (std::int64_t t = 0; t < tokens; ++t)
+    for (std::int64_t j = 0; j < top; ++j) {
+      const std::int64_t place = plan.inverse[static_cast<std::size_t>(t * top + j)];
+      float dot = 0;
+      for (std::int64_t c = 0; c < width; ++c) {
+        const float g = dy[static_cast<std::size_t>(t * width + c)];
+        dot += g * rows[static_cast<std::size_t>(place * width + c)];
+        want_d_rows[static_cast<std::size_t>(place * width + c)] = round(weights[static_cast<std::size_t>(t * top + j)]) * g;
+      }
+      EXPECT_EQ(dweights[static_cast<std::size_t>(t * top + j)], dot) << "dweight " << t << ", " << j;
+    }
+  EXPECT_EQ(d_rows, hold(dt, want_d_rows).first);
+}
+
 TEST(MoeRouting, BadSizesAreRefusedByName) {
   const Kernels& k = cpu_kernels();
   auto stream = async::Stream::create(async::Device::cpu(), {.name = "moe"});
@@ -181,6 +236,10 @@ TEST(MoeRouting, BadSizesAreRefusedByName) {
   EXPECT_NE(no_experts.error().message().find("routing over 0 experts"), std::string::npos) << no_experts.error().message();
   EXPECT_FALSE(k.moe_route(*stream, DataType::i32, x, 2, 4, 2, true, p, c, w));
   EXPECT_FALSE(k.moe_dispatch_plan(*stream, c, -1, 4, c, c, c));
+  auto no_k = k.moe_gather_rows(*stream, DataType::f32, x, c, 2, 0, 4, p);
+  ASSERT_FALSE(no_k);
+  EXPECT_NE(no_k.error().message().find("expert rows: 2 rows of 4 for 0 experts a token"), std::string::npos)
+      << no_k.error().message();
 }
 
 }  // namespace

@@ -99,4 +99,47 @@ inline DispatchPlan dispatch_reference(const std::vector<std::int32_t>& chosen, 
   return d;
 }
 
+// The combine in f32: out[t, c] = the sum over t's places in ascending order of round(w[t, j])
+// (or 1 without weights) * rows[place, c]; `round` is the rows' dtype's rounding of a weight.
+template <class Round>
+std::vector<float> combine_reference(const std::vector<float>& rows, const std::vector<std::int32_t>& inverse,
+                                     const std::vector<float>* weights, std::int64_t tokens, std::int64_t k,
+                                     std::int64_t width, Round round) {
+  std::vector<float> out(static_cast<std::size_t>(tokens * width));
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    std::vector<std::int64_t> slots(static_cast<std::size_t>(k));
+    std::iota(slots.begin(), slots.end(), 0);
+    std::sort(slots.begin(), slots.end(), [&](std::int64_t a, std::int64_t b) {
+      return inverse[static_cast<std::size_t>(t * k + a)] < inverse[static_cast<std::size_t>(t * k + b)];
+    });
+    for (std::int64_t c = 0; c < width; ++c) {
+      float sum = 0;
+      for (const auto j : slots) {
+        const float w = weights ? round((*weights)[static_cast<std::size_t>(t * k + j)]) : 1.0f;
+        sum += w * rows[static_cast<std::size_t>(inverse[static_cast<std::size_t>(t * k + j)] * width + c)];
+      }
+      out[static_cast<std::size_t>(t * width + c)] = sum;
+    }
+  }
+  return out;
+}
+
+// Chosen experts, k distinct ones a token, from a seed.
+inline std::vector<std::int32_t> distinct_choices(std::int64_t tokens, std::int64_t experts, std::int64_t k,
+                                                  unsigned seed) {
+  std::vector<std::int32_t> chosen;
+  std::uint64_t state = seed;
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    std::vector<std::int32_t> all(static_cast<std::size_t>(experts));
+    std::iota(all.begin(), all.end(), 0);
+    for (std::int64_t j = 0; j < k; ++j) {
+      state = state * 6364136223846793005ull + 1442695040888963407ull;
+      const auto pick = static_cast<std::size_t>(j + static_cast<std::int64_t>((state >> 33) % static_cast<std::uint64_t>(experts - j)));
+      std::swap(all[static_cast<std::size_t>(j)], all[pick]);
+      chosen.push_back(all[static_cast<std::size_t>(j)]);
+    }
+  }
+  return chosen;
+}
+
 }  // namespace coshard::testing

@@ -46,6 +46,13 @@ Result<void> check_moe_routing(std::int64_t tokens, std::int64_t experts, std::i
   return {};
 }
 
+Result<void> check_moe_rows(std::int64_t rows, std::int64_t k, std::int64_t width) {
+  if (k < 1 || rows < 0 || rows >= (std::int64_t{1} << 31) || width < 0)
+    return fail(ErrorCode::invalid_argument, "expert rows: ", rows, " rows of ", width, " for ", k,
+                " experts a token: expected k >= 1, 0 to 2^31 - 1 rows, a width >= 0");
+  return {};
+}
+
 Result<void> check_quant_blocks(BlockBits bits, std::int64_t segment_count, std::int64_t blocks, std::int64_t block) {
   const char* name = bits == BlockBits::int8 ? "int8" : "int4";
   if (bits != BlockBits::int8 && bits != BlockBits::int4)

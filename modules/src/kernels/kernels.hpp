@@ -231,6 +231,22 @@ class Kernels {
   virtual Result<void> moe_dispatch_plan(async::Stream& s, const std::int32_t* chosen, std::int64_t slots,
                                          std::int64_t experts, std::int32_t* counts, std::int32_t* order,
                                          std::int32_t* inverse) const = 0;
+  // Dispatch: out[i, :] = x[order[i] / k, :] for the plan's `rows` places (each token's row once
+  // for each of its experts, grouped by expert; dt rows of `width`).
+  virtual Result<void> moe_gather_rows(async::Stream& s, DataType dt, const void* x, const std::int32_t* order,
+                                       std::int64_t rows, std::int64_t k, std::int64_t width, void* out) const = 0;
+  // The combine, and dispatch's backward (weights null): out[t, :] = the sum over token t's k
+  // places (inverse[t * k + j]) in ascending place, its experts' order as transformers adds them, of
+  // weights[t, j] rounded to dt (or 1) times rows[place, :], in f32, rounded once into dt.
+  virtual Result<void> moe_combine_rows(async::Stream& s, DataType dt, const void* rows, const std::int32_t* inverse,
+                                        const float* weights, std::int64_t tokens, std::int64_t k, std::int64_t width,
+                                        void* out) const = 0;
+  // The combine's backward: d_rows[place, :] = weights[t, j] (rounded to dt) * dy[t, :], and
+  // dweights[t, j] (f32) = the f32 sum over the width of dy[t, c] * rows[place, c] in c order.
+  virtual Result<void> moe_combine_backward(async::Stream& s, DataType dt, const void* dy, const void* rows,
+                                            const std::int32_t* inverse, const float* weights, std::int64_t tokens,
+                                            std::int64_t k, std::int64_t width, void* d_rows,
+                                            float* dweights) const = 0;
 
   // Block quantization, int8 or int4 (kernel_args.hpp: the formats and QuantSegment): each of
   // `segments` (in memory the kernels read: the device's, or the host's for the CPU) quantizes its
@@ -287,6 +303,8 @@ Result<std::string> cudnn_attention_library();
 // The routing kernels' sizes: tokens >= 0, 1 <= k <= experts, experts < 2^31, tokens * k < 2^31
 // (i32 slots), named.
 Result<void> check_moe_routing(std::int64_t tokens, std::int64_t experts, std::int64_t k);
+// The dispatch and combine kernels' sizes: rows (tokens x k) >= 0 and < 2^31, k >= 1, width >= 0.
+Result<void> check_moe_rows(std::int64_t rows, std::int64_t k, std::int64_t width);
 // The block kernels' sizes: counts >= 0, blocks of block >= 1 (int4: an even count, so no byte holds
 // two blocks' values).
 Result<void> check_quant_blocks(BlockBits bits, std::int64_t segment_count, std::int64_t blocks, std::int64_t block);

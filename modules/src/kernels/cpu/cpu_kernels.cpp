@@ -10,12 +10,12 @@
 #include "kernels/cpu/blas.hpp"
 #include "kernels/cpu/half_products.hpp"
 #include "kernels/cpu/loss.hpp"
-#include "kernels/cpu/moe_routing.hpp"
 #include "kernels/cpu/norm.hpp"
 #include "kernels/cpu/operands.hpp"
 #include "kernels/cpu/optimizer.hpp"
 #include "kernels/cpu/pointwise.hpp"
-#include "kernels/cpu/quantize.hpp"
+#include "kernels/cpu/routing_launch.hpp"
+#include "kernels/routing_entries.hpp"
 #include "kernels/kernels.hpp"
 
 namespace coshard::modules::detail {
@@ -31,7 +31,8 @@ Result<void> check_ids(const std::int32_t* ids, std::int64_t n, std::int64_t lim
   return {};
 }
 
-class CpuKernels final : public Kernels {
+// (routing and quantized blocks: RoutingEntries, launched by routing_launch.cpp)
+class CpuKernels final : public RoutingEntries<cpu_launch::Launch> {
  public:
   // bf16/f16: matrix products natively where the CPU has the instructions (oneDNN), everything
   // else in f32 on copies (Operands), each output rounded once.
@@ -354,58 +355,6 @@ class CpuKernels final : public Kernels {
     COSHARD_TRY(check_dtype(to));
     return s.launch([=] {
       for (std::int64_t i = 0; i < n; ++i) store(to, dst, i, load(from, src, i));
-    });
-  }
-
-  Result<void> moe_route(Stream& s, DataType dt, const void* logits, std::int64_t tokens, std::int64_t experts,
-                         std::int64_t k, bool renormalize, float* probs, std::int32_t* chosen,
-                         float* weights) const override {
-    COSHARD_TRY(check_dtype(dt));
-    COSHARD_TRY(check_moe_routing(tokens, experts, k));
-    return s.launch([=] { cpu::moe_route(dt, logits, tokens, experts, k, renormalize, probs, chosen, weights); });
-  }
-
-  Result<void> moe_route_backward(Stream& s, const float* probs, const std::int32_t* chosen, const float* weights,
-                                  const float* dweights, const float* dprob_extra, std::int64_t tokens,
-                                  std::int64_t experts, std::int64_t k, bool renormalize, DataType dt,
-                                  void* dlogits) const override {
-    COSHARD_TRY(check_dtype(dt));
-    COSHARD_TRY(check_moe_routing(tokens, experts, k));
-    return s.launch([=] {
-      cpu::moe_route_backward(probs, chosen, weights, dweights, dprob_extra, tokens, experts, k, renormalize, dt, dlogits);
-    });
-  }
-
-  Result<void> moe_dispatch_plan(Stream& s, const std::int32_t* chosen, std::int64_t slots, std::int64_t experts,
-                                 std::int32_t* counts, std::int32_t* order, std::int32_t* inverse) const override {
-    COSHARD_TRY(check_moe_routing(slots, experts, 1));
-    return s.launch([=] { cpu::moe_dispatch_plan(chosen, slots, experts, counts, order, inverse); });
-  }
-
-  Result<void> quantize_blocks(Stream& s, BlockBits bits, DataType dt, const void* x, void* packed,
-                               const QuantSegment* segments, std::int64_t segment_count, std::int64_t blocks,
-                               std::int64_t block) const override {
-    COSHARD_TRY(check_dtype(dt));
-    COSHARD_TRY(check_quant_blocks(bits, segment_count, blocks, block));
-    return s.launch([=] { cpu::quantize_blocks(bits, dt, x, packed, segments, segment_count, block); });
-  }
-
-  Result<void> dequantize_blocks(Stream& s, BlockBits bits, const void* packed, DataType dt, void* out,
-                                 const QuantSegment* segments, std::int64_t segment_count, std::int64_t blocks,
-                                 std::int64_t block) const override {
-    COSHARD_TRY(check_dtype(dt));
-    COSHARD_TRY(check_quant_blocks(bits, segment_count, blocks, block));
-    return s.launch([=] { cpu::dequantize_sum_blocks(bits, packed, 1, 0, dt, out, segments, segment_count, block, 1.0f); });
-  }
-
-  Result<void> dequantize_sum_blocks(Stream& s, BlockBits bits, const void* packed, std::int64_t pieces,
-                                     std::int64_t stride, DataType dt, void* out, const QuantSegment* segments,
-                                     std::int64_t segment_count, std::int64_t blocks, std::int64_t block,
-                                     float factor) const override {
-    COSHARD_TRY(check_dtype(dt));
-    COSHARD_TRY(check_quant_blocks(bits, segment_count, blocks, block));
-    return s.launch([=] {
-      cpu::dequantize_sum_blocks(bits, packed, pieces, stride, dt, out, segments, segment_count, block, factor);
     });
   }
 

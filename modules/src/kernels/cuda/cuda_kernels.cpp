@@ -17,6 +17,7 @@
 #include "kernels/cuda/kernels.cuh"
 #include "kernels/cuda/launch_check.hpp"
 #include "kernels/cuda/routing_launch.hpp"
+#include "kernels/routing_entries.hpp"
 #include "kernels/kernels.hpp"
 
 namespace coshard::modules::detail {
@@ -36,7 +37,8 @@ struct ElementOffset {
   }
 };
 
-class CudaKernels final : public Kernels {
+// (routing and quantized blocks: RoutingEntries, launched by routing_launch.cpp)
+class CudaKernels final : public RoutingEntries<cuda_launch::Launch> {
  public:
   bool supports(DataType dt) const noexcept override {
     return dt == DataType::f32 || dt == DataType::bf16 || dt == DataType::f16;
@@ -350,41 +352,6 @@ class CudaKernels final : public Kernels {
     COSHARD_TRY(check(from));
     COSHARD_TRY(check(to));
     return check_launch(cuda::cast(s.native_handle(), code(from), src, code(to), dst, n), "cast", s);
-  }
-
-  // Mixture-of-experts routing and quantized blocks: checked and launched by routing_launch.cpp.
-  Result<void> moe_route(Stream& s, DataType dt, const void* logits, std::int64_t tokens, std::int64_t experts,
-                         std::int64_t k, bool renormalize, float* probs, std::int32_t* chosen,
-                         float* weights) const override {
-    return cuda_launch::moe_route(s, dt, logits, tokens, experts, k, renormalize, probs, chosen, weights);
-  }
-  Result<void> moe_route_backward(Stream& s, const float* probs, const std::int32_t* chosen, const float* weights,
-                                  const float* dweights, const float* dprob_extra, std::int64_t tokens,
-                                  std::int64_t experts, std::int64_t k, bool renormalize, DataType dt,
-                                  void* dlogits) const override {
-    return cuda_launch::moe_route_backward(s, probs, chosen, weights, dweights, dprob_extra, tokens, experts, k,
-                                           renormalize, dt, dlogits);
-  }
-  Result<void> moe_dispatch_plan(Stream& s, const std::int32_t* chosen, std::int64_t slots, std::int64_t experts,
-                                 std::int32_t* counts, std::int32_t* order, std::int32_t* inverse) const override {
-    return cuda_launch::moe_dispatch_plan(s, chosen, slots, experts, counts, order, inverse);
-  }
-  Result<void> quantize_blocks(Stream& s, BlockBits bits, DataType dt, const void* x, void* packed,
-                               const QuantSegment* segments, std::int64_t segment_count, std::int64_t blocks,
-                               std::int64_t block) const override {
-    return cuda_launch::quantize_blocks(s, bits, dt, x, packed, segments, segment_count, blocks, block);
-  }
-  Result<void> dequantize_blocks(Stream& s, BlockBits bits, const void* packed, DataType dt, void* out,
-                                 const QuantSegment* segments, std::int64_t segment_count, std::int64_t blocks,
-                                 std::int64_t block) const override {
-    return cuda_launch::dequantize_blocks(s, bits, packed, dt, out, segments, segment_count, blocks, block);
-  }
-  Result<void> dequantize_sum_blocks(Stream& s, BlockBits bits, const void* packed, std::int64_t pieces,
-                                     std::int64_t stride, DataType dt, void* out, const QuantSegment* segments,
-                                     std::int64_t segment_count, std::int64_t blocks, std::int64_t block,
-                                     float factor) const override {
-    return cuda_launch::dequantize_sum_blocks(s, bits, packed, pieces, stride, dt, out, segments, segment_count, blocks,
-                                              block, factor);
   }
 
   Result<void> step_begin(Stream& s, StepState* state) const override {

@@ -103,6 +103,13 @@ int moe_route_backward(void* stream, const float* probs, const std::int32_t* cho
                        std::int64_t k, bool renormalize, int dt, void* dlogits);
 int moe_dispatch_plan(void* stream, const std::int32_t* chosen, std::int64_t slots, std::int64_t experts,
                       std::int32_t* counts, std::int32_t* order, std::int32_t* inverse);
+int moe_gather_rows(void* stream, int dt, const void* x, const std::int32_t* order, std::int64_t rows, std::int64_t k,
+                    std::int64_t width, void* out);
+int moe_combine_rows(void* stream, int dt, const void* rows, const std::int32_t* inverse, const float* weights,
+                     std::int64_t tokens, std::int64_t k, std::int64_t width, void* out);
+int moe_combine_backward(void* stream, int dt, const void* dy, const void* rows, const std::int32_t* inverse,
+                         const float* weights, std::int64_t tokens, std::int64_t k, std::int64_t width, void* d_rows,
+                         float* dweights);
 // Block int8 or int4, `bits` 8 or 4 (kernel_args.hpp: the formats and their segments, in device memory).
 int quantize_blocks(void* stream, int bits, int dt, const void* x, void* packed, const detail::QuantSegment* segments,
                     std::int64_t count, std::int64_t blocks, std::int64_t block);

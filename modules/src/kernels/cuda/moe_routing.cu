@@ -1,5 +1,5 @@
 // CUDA kernels of mixture-of-experts routing (kernels.hpp: moe_route, moe_route_backward,
-// moe_dispatch_plan): a thread a token for the router (its experts' softmax, top k and
+// moe_dispatch_plan, and the dispatch and combine of the rows): a thread a token for the router (its experts' softmax, top k and
 // renormalisation in the CPU's order, cpu/moe_routing.hpp: the emulation gives its bits; a GPU's
 // expf may differ in the last place), and a thread an expert for the dispatch plan's stable order
 // (a pass over the slots each: no atomics, no order to depend on).
@@ -96,6 +96,58 @@ __global__ void moe_place_kernel(const std::int32_t* chosen, std::int64_t slots,
   }
 }
 
+// A thread an element of the rows (dispatch: a token's row once for each of its experts).
+template <class T>
+__global__ void moe_gather_rows_kernel(const T* x, const std::int32_t* order, std::int64_t rows, std::int64_t k,
+                                       std::int64_t width, T* out) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < rows * width;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t r = i / width, c = i % width;
+    out[i] = x[(order[r] / k) * width + c];
+  }
+}
+
+// A thread an element of the tokens' rows: its k places in ascending place (its experts' order),
+// each weight as T holds it (or 1), summed in f32, rounded once (the CPU's order: its bits).
+template <class T>
+__global__ void moe_combine_rows_kernel(const T* rows, const std::int32_t* inverse, const float* weights,
+                                        std::int64_t tokens, std::int64_t k, std::int64_t width, T* out) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < tokens * width;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t t = i / width, c = i % width;
+    float sum = 0;
+    std::int64_t last = -1;
+    for (std::int64_t n = 0; n < k; ++n) {  // (the next place above `last`: k is small)
+      std::int64_t j = -1;
+      for (std::int64_t l = 0; l < k; ++l)
+        if (inverse[t * k + l] > last && (j < 0 || inverse[t * k + l] < inverse[t * k + j])) j = l;
+      last = inverse[t * k + j];
+      const float w = weights ? rounded<T>(weights[t * k + j]) : 1.0f;
+      sum += w * load(rows, last * width + c);
+    }
+    store(out, i, sum);
+  }
+}
+
+// A thread a (token, expert) slot: its rows' gradient and its weight's, the dot in c order.
+template <class T>
+__global__ void moe_combine_backward_kernel(const T* dy, const T* rows, const std::int32_t* inverse,
+                                            const float* weights, std::int64_t tokens, std::int64_t k,
+                                            std::int64_t width, T* d_rows, float* dweights) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < tokens * k;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t t = i / k, place = inverse[i];
+    const float w = rounded<T>(weights[i]);
+    float dot = 0;
+    for (std::int64_t c = 0; c < width; ++c) {
+      const float g = load(dy, t * width + c);
+      dot += g * load(rows, place * width + c);
+      store(d_rows, place * width + c, w * g);
+    }
+    dweights[i] = dot;
+  }
+}
+
 }  // namespace
 
 int moe_route(void* s, int dt, const void* logits, std::int64_t tokens, std::int64_t experts, std::int64_t k,
@@ -122,6 +174,35 @@ int moe_dispatch_plan(void* s, const std::int32_t* chosen, std::int64_t slots, s
   if (experts == 0) return static_cast<int>(cudaSuccess);
   moe_place_kernel<<<grid_for(experts), kThreads, 0, as_stream(s)>>>(chosen, slots, experts, counts, order, inverse);
   return static_cast<int>(cudaGetLastError());
+}
+
+int moe_gather_rows(void* s, int dt, const void* x, const std::int32_t* order, std::int64_t rows, std::int64_t k,
+                    std::int64_t width, void* out) {
+  if (rows * width == 0) return static_cast<int>(cudaSuccess);
+  return with_type(dt, [&]<class E>() {
+    moe_gather_rows_kernel<E><<<grid_for(rows * width), kThreads, 0, as_stream(s)>>>(static_cast<const E*>(x), order,
+                                                                                     rows, k, width, static_cast<E*>(out));
+  });
+}
+
+int moe_combine_rows(void* s, int dt, const void* rows, const std::int32_t* inverse, const float* weights,
+                     std::int64_t tokens, std::int64_t k, std::int64_t width, void* out) {
+  if (tokens * width == 0) return static_cast<int>(cudaSuccess);
+  return with_type(dt, [&]<class E>() {
+    moe_combine_rows_kernel<E><<<grid_for(tokens * width), kThreads, 0, as_stream(s)>>>(
+        static_cast<const E*>(rows), inverse, weights, tokens, k, width, static_cast<E*>(out));
+  });
+}
+
+int moe_combine_backward(void* s, int dt, const void* dy, const void* rows, const std::int32_t* inverse,
+                         const float* weights, std::int64_t tokens, std::int64_t k, std::int64_t width, void* d_rows,
+                         float* dweights) {
+  if (tokens * k == 0) return static_cast<int>(cudaSuccess);
+  return with_type(dt, [&]<class E>() {
+    moe_combine_backward_kernel<E><<<grid_for(tokens * k), kThreads, 0, as_stream(s)>>>(
+        static_cast<const E*>(dy), static_cast<const E*>(rows), inverse, weights, tokens, k, width,
+        static_cast<E*>(d_rows), dweights);
+  });
 }
 
 }  // namespace coshard::modules::cuda
