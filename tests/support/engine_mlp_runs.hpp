@@ -89,6 +89,7 @@ struct RunResult {
   std::uint64_t gathered_bytes = 0;                              // rank 0's, over the steps
   std::uint64_t reduced_bytes = 0;                               // rank 0's reduce_scattered_bytes, over the steps
   std::uint64_t gathers = 0, secondary_gathers = 0, secondary_gathered_bytes = 0;  // rank 0's, over the steps
+  std::uint64_t nvme_read_bytes = 0;                             // rank 0's reads from its NVMe store, over the steps
   std::map<std::string, std::vector<std::byte>> first, final;   // gathered exactly, before and after
 };
 
@@ -162,6 +163,7 @@ inline Result<RunResult> train(const RunPlan& k) {
         run.gathers += stats.gathers;
         run.secondary_gathers += stats.secondary_gathers;
         run.secondary_gathered_bytes += stats.secondary_gathered_bytes;
+        run.nvme_read_bytes += stats.time_split.nvme_read_bytes;
       }
     }
     if (!k.save.empty()) {

@@ -109,7 +109,8 @@ Result<void> ShardsOnNvme::read_ahead(const ShardWiring& w) {
   const auto order = w.trace.order();
   for (std::size_t i = w.trace.pos(); i < order.size(); ++i) {
     FetchUnit& v = *w.units[order[i]];
-    if (v.gather != Gather::released || v.read_block || v.read.valid()) continue;
+    // (a unit holding its secondary slice gathers from it: its shard is not read this step)
+    if (v.gather != Gather::released || v.read_block || v.read.valid() || v.secondary_holds) continue;
     auto slot = read_slots_->semaphore().try_acquire(1);
     if (!slot) break;
     COSHARD_TRY(start_read(w, v, std::move(*slot)));

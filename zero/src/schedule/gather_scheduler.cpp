@@ -43,15 +43,11 @@ void GatherScheduler::settle_prefetch(FetchUnit& u) {
 }
 
 Result<async::Event> GatherScheduler::gather_unit(FetchUnit& u, const Tensor& whole, Exactness exactness) {
+  const bool for_compute = exactness == Exactness::as_configured;
+  // (from the secondary slices: the shard is not read, nor made ready for it)
+  if (for_compute && u.secondary_holds) return u.gather_secondary_into(w_.io, w_.o.fetch_mode, whole);
   COSHARD_TRY_ASSIGN(const void* source, w_.shards.source(u));
   Result<async::Event> done = fail(ErrorCode::internal, "gather of unit ", u.info.name, " not issued");
-  const bool for_compute = exactness == Exactness::as_configured;
-  if (for_compute && u.secondary_holds) {
-    // (the shard placement still hears of a gather: an NVMe read made ready for it goes back)
-    done = u.gather_secondary_into(w_.io, w_.o.fetch_mode, whole);
-    if (done) COSHARD_TRY(w_.shards.gathered(u, *done));
-    return done;
-  }
   if (u.weight_blocks.block > 0 && for_compute) {
     // The int8 pieces live on the communication stream until their dequantization has run there.
     auto& cs = w_.io.world.stream();
@@ -133,7 +129,9 @@ async::Task<Result<void>> GatherScheduler::fetch(FetchUnit& u) {
   settle_prefetch(u);
   if (u.gather == Gather::released) {
     const ShardWiring wiring = w_.shard_wiring();  // (named: an aggregate temporary in co_await, GCC 12)
-    COSHARD_CO_TRY(co_await w_.shards.make_ready(wiring, u));
+    if (!u.secondary_holds) {
+      COSHARD_CO_TRY(co_await w_.shards.make_ready(wiring, u));
+    }
     COSHARD_CO_TRY_ASSIGN(auto permit, co_await budget_->semaphore().acquire(u.info.padded_bytes));
     COSHARD_CO_TRY(issue_gather(u, std::move(permit), false));
   }
@@ -183,7 +181,7 @@ Result<GatherScheduler::Awaiting> GatherScheduler::prefetch_ahead() {
     if (v.gather != Gather::released) continue;
     if (prefetched_bytes_ + v.info.padded_bytes > cap) break;
     if (logical_live_ + v.info.padded_bytes > w_.o.max_live_bytes) break;
-    if (!w_.shards.ready(v)) return Awaiting{0, &v};
+    if (!v.secondary_holds && !w_.shards.ready(v)) return Awaiting{0, &v};
     std::optional<async::Semaphore::Permit> permit;
     if (prefetch_permit_ && prefetch_permit_->count() == v.info.padded_bytes) {
       permit = std::move(prefetch_permit_);
