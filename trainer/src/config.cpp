@@ -110,15 +110,29 @@ modules::StepControlOptions TrainerConfig::step_control() const {
   return control;
 }
 
+namespace {
+
+// Whether a secondary partition of n ranks (`local`: as resolved) divides the data ranks, in the
+// trainer's words: with tensor parallelism the data ranks are named with the world they come from.
+Result<void> check_secondary_divides(int n, bool local, int data_ranks, int tensor) {
+  if (n <= 1 || data_ranks % n == 0) return {};
+  if (tensor > 1)
+    return fail(ErrorCode::invalid_argument, "secondary_partition_ranks=", n, local ? " (local)" : "",
+                ": expected a divisor of the data ranks ", data_ranks, " (world ", data_ranks * tensor, " / tensor ",
+                tensor, ")");
+  return fail(ErrorCode::invalid_argument, "secondary_partition_ranks=", n, local ? " (local)" : "",
+              ": expected a divisor of the world size ", data_ranks);
+}
+
+}  // namespace
+
 Result<zero::EngineOptions> TrainerConfig::engine_options_for(modules::Module& model, int world_size) const {
   zero::EngineOptions o = engine_options();
   o.expected_micro_batches = gradient_accumulation_steps;
   COSHARD_TRY_ASSIGN(o.shard_group_size, shard_group_size_for(world_size));
   COSHARD_TRY_ASSIGN(o.secondary_partition_ranks, secondary_partition_ranks_for(world_size));
-  if (const int n = o.secondary_partition_ranks; tensor_parallel_size > 1 && n > 0 && world_size % n != 0)
-    return fail(ErrorCode::invalid_argument, "secondary_partition_ranks=", n, secondary_partition_local ? " (local)" : "",
-                ": expected a divisor of the data ranks ", world_size, " (world ", world_size * tensor_parallel_size,
-                " / tensor ", tensor_parallel_size, ")");
+  COSHARD_TRY(check_secondary_divides(o.secondary_partition_ranks, secondary_partition_local, world_size,
+                                      tensor_parallel_size));
   COSHARD_TRY(zero::check_secondary_partition(o, world_size));
   if (!max_live_follows_model || zero_stage != 3) return o;
   zero::EngineOptions unbounded = o;
@@ -148,17 +162,11 @@ Result<int> TrainerConfig::shard_group_size_for(int data_ranks) const {
   return data_ranks_per_node(data_ranks, tensor_parallel_size);
 }
 
+
 Result<void> TrainerConfig::validate_for_world(int world) const {
   if (world < 1 || tensor_parallel_size < 1 || world % tensor_parallel_size != 0) return {};  // (named elsewhere)
-  const int data_ranks = world / tensor_parallel_size;
-  if (const int n = secondary_partition_ranks; !secondary_partition_local && n > 1 && data_ranks % n != 0) {
-    if (tensor_parallel_size > 1)
-      return fail(ErrorCode::invalid_argument, "secondary_partition_ranks=", n, ": expected a divisor of the data ranks ",
-                  data_ranks, " (world ", world, " / tensor ", tensor_parallel_size, ")");
-    return fail(ErrorCode::invalid_argument, "secondary_partition_ranks=", n, ": expected a divisor of the world size ",
-                world);
-  }
-  return {};
+  if (secondary_partition_local) return {};  // (resolved when the engine's options are made)
+  return check_secondary_divides(secondary_partition_ranks, false, world / tensor_parallel_size, tensor_parallel_size);
 }
 
 Result<int> TrainerConfig::secondary_partition_ranks_for(int data_ranks) const {

@@ -68,13 +68,16 @@ void ConfigReader::setting(const Setting& s, const json& v, const std::string& k
   std::string text;
   switch (s.kind) {
     case SettingKind::integer: {
-      if (v.is_string()) {
+      // (a string that starts as a number is one: "5e7", as DeepSpeed allows)
+      const bool numeric_text = v.is_string() && !v.get<std::string>().empty() &&
+                                (std::isdigit(static_cast<unsigned char>(v.get<std::string>()[0])) ||
+                                 v.get<std::string>()[0] == '-');
+      if (v.is_string() && !numeric_text) {
         // A word the setting takes for a number ("local" for shard_group_size); a number must
         // be written as one.
         TrainerConfig scratch = c;
         const auto given = v.get<std::string>();
-        const bool numeric = !given.empty() && (std::isdigit(static_cast<unsigned char>(given[0])) || given[0] == '-');
-        if (!numeric && s.parse(s, scratch, given)) {
+        if (s.parse(s, scratch, given)) {
           text = given;
           break;
         }
@@ -87,9 +90,6 @@ void ConfigReader::setting(const Setting& s, const json& v, const std::string& k
       }
       // Not a number, nor a word it takes (2.5, true, null, "abc"): what the setting expects.
       const bool whole = v.is_number_float() && std::floor(v.get<double>()) == v.get<double>();
-      const bool numeric_text = v.is_string() && !v.get<std::string>().empty() &&
-                                (std::isdigit(static_cast<unsigned char>(v.get<std::string>()[0])) ||
-                                 v.get<std::string>()[0] == '-');
       if (!whole && !numeric_text && !s.expected.empty()) {
         bad.push_back(key + "=" + async::bounded_echo(v.dump()) + " (expected " + std::string(s.expected) + ")");
         return;

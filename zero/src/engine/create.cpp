@@ -215,7 +215,6 @@ Result<void> Engine::State::choose_strategies(std::span<const FetchUnitInfo> inf
   // (a setup collective: a rank asking for none skips it, as it makes no groups); then the shard
   // groups' communicators, before anything is allocated.
   if (o.shard_group_size != 0 || o.shard_group_size_of) COSHARD_TRY(detail::check_ranks_agree(*comm, infos));
-  COSHARD_TRY(detail::check_secondary_groups(o, infos));
   COSHARD_TRY_ASSIGN(shard_groups,
                      detail::ShardGroups::create(*comm, infos, o.zero_stage != 0, o.secondary_partition_ranks));
   for (auto& u : units) {
@@ -278,7 +277,6 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, collectives::Commun
   if (o.zero_stage < 0 || o.zero_stage > 3)
     return fail(ErrorCode::invalid_argument, "zero_stage=", o.zero_stage, ": expected 0, 1, 2 or 3");
   COSHARD_TRY(check_offload_placement(o));  // (before anything is planned)
-  COSHARD_TRY(check_secondary_partition(o, comm.size()));
   if (o.dtype != DataType::f32 && o.dtype != DataType::bf16 && o.dtype != DataType::f16)
     return fail(ErrorCode::invalid_argument, "Engine dtype ", collectives::to_string(o.dtype),
                 ": expected f32, bf16 or f16");

@@ -126,6 +126,7 @@ std::vector<std::vector<Candidate>> group_candidates(const std::vector<Candidate
 }  // namespace
 
 Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOptions& o, std::size_t optimizer_states) {
+  COSHARD_TRY(check_secondary_partition(o, world_size));  // (Engine::create and the estimates plan here)
   FetchPlan plan;
   const std::size_t element_size = size_of(o.dtype);
   model.for_each_parameter([&](const std::string& name, Parameter& p) { plan.names.emplace(&p, name); });
@@ -159,6 +160,7 @@ Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOp
     u.info.gather_int8_block = int8_block_for(o, u.info);
     u.info.reduce_quant_block = int8_gradient_block_for(o, u.info);
     u.info.secondary_ranks = secondary_ranks_for(o, u.info);
+    COSHARD_TRY(check_secondary_group(o, u.info));
     plan.largest_unit_bytes = std::max(plan.largest_unit_bytes, u.info.padded_bytes);
     plan.units.push_back(std::move(u));
   }

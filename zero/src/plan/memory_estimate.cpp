@@ -90,9 +90,7 @@ Result<MemoryEstimate> estimate_engine_memory(Module& model, int world_size, con
                                               std::size_t optimizer_states) {
   if (o.zero_stage < 0 || o.zero_stage > 3)
     return fail(ErrorCode::invalid_argument, "memory estimate: zero_stage=", o.zero_stage, ": expected 0, 1, 2 or 3");
-  COSHARD_TRY(check_secondary_partition(o, world_size));
   COSHARD_TRY_ASSIGN(const auto units, plan_units(model, world_size, o, optimizer_states));
-  COSHARD_TRY(detail::check_secondary_groups(o, units));
   return detail::estimate_for_units(units, o, optimizer_states);
 }
 

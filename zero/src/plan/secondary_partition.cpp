@@ -39,12 +39,11 @@ std::size_t secondary_partition_bytes(const EngineOptions& o, std::span<const Fe
   return bytes;
 }
 
-Result<void> check_secondary_groups(const EngineOptions& o, std::span<const FetchUnitInfo> units) {
-  for (const auto& u : units)
-    if (const int n = secondary_ranks_for(o, u); n > 0 && u.shard_ranks % n != 0)
-      return fail(ErrorCode::invalid_argument, "secondary_partition_ranks=", n, ": unit ", u.name, " is sharded over ",
-                  u.shard_ranks, " ranks (shard_group_size_of), which ", n,
-                  " does not divide (expected a divisor of every shard group larger than it)");
+Result<void> check_secondary_group(const EngineOptions& o, const FetchUnitInfo& u) {
+  if (const int n = secondary_ranks_for(o, u); n > 0 && u.shard_ranks % n != 0)
+    return fail(ErrorCode::invalid_argument, "secondary_partition_ranks=", n, ": unit ", u.name, " is sharded over ",
+                u.shard_ranks, " ranks (shard_group_size_of), which ", n,
+                " does not divide (expected a divisor of every shard group larger than it)");
   return {};
 }
 

@@ -17,7 +17,8 @@ namespace coshard::zero::detail {
 int secondary_ranks_for(const EngineOptions& o, const FetchUnitInfo& info);
 // The bytes every rank's slices take (each such unit's padded bytes / N), on the device.
 std::size_t secondary_partition_bytes(const EngineOptions& o, std::span<const FetchUnitInfo> units);
-// Every unit's group nests the secondary groups (N divides it), or the first that does not, named.
-Result<void> check_secondary_groups(const EngineOptions& o, std::span<const FetchUnitInfo> units);
+// A unit's group nests the secondary groups (N divides it), or the unit is named (plan_fetch_units
+// checks every unit as it plans it).
+Result<void> check_secondary_group(const EngineOptions& o, const FetchUnitInfo& u);
 
 }  // namespace coshard::zero::detail

@@ -36,9 +36,7 @@ class CpuKernels final : public RoutingEntries<cpu_launch::Launch> {
  public:
   // bf16/f16: matrix products natively where the CPU has the instructions (oneDNN), everything
   // else in f32 on copies (Operands), each output rounded once.
-  bool supports(DataType dt) const noexcept override {
-    return dt == DataType::f32 || dt == DataType::f64 || is_half(dt);
-  }
+  bool supports(DataType dt) const noexcept override { return cpu_serves(dt); }
 
   Result<void> gemm(Stream& s, DataType dt, const GemmArgs& g) const override {
     // bf16/f16 natively where the CPU multiplies them (oneDNN: half_products.hpp), else on copies.
@@ -386,12 +384,7 @@ class CpuKernels final : public RoutingEntries<cpu_launch::Launch> {
   }
 
  private:
-  Result<void> check_dtype(DataType dt) const {
-    if (!supports(dt))
-      return fail(ErrorCode::unsupported, "dtype ", async::to_string(dt),
-                  ": the CPU kernels serve f32, f64, bf16 and f16");
-    return {};
-  }
+  Result<void> check_dtype(DataType dt) const { return check_cpu_dtype(dt); }
   // `fn` on the operands in the type the kernel computes in (f64, else f32); bf16/f16 outputs
   // are rounded back when it returns.
   template <class Fn>

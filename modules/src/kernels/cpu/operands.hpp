@@ -19,6 +19,13 @@ namespace coshard::modules::detail {
 
 inline bool is_half(DataType dt) noexcept { return dt == DataType::bf16 || dt == DataType::f16; }
 
+// The dtypes the CPU kernels serve, and the error that names another.
+inline bool cpu_serves(DataType dt) noexcept { return dt == DataType::f32 || dt == DataType::f64 || is_half(dt); }
+inline Result<void> check_cpu_dtype(DataType dt) {
+  if (cpu_serves(dt)) return {};
+  return fail(ErrorCode::unsupported, "dtype ", async::to_string(dt), ": the CPU kernels serve f32, f64, bf16 and f16");
+}
+
 // f32/f64/bf16/f16 element access for the optimizer and casts. bf16/f16 round to nearest even,
 // as the CUDA conversions do, from the f32 value (a double is rounded to f32 first: the values
 // stored this way are f32 masters).

@@ -8,19 +8,10 @@
 
 namespace coshard::modules::detail::cpu_launch {
 
-namespace {
-
-Result<void> check_dtype(DataType dt) {
-  if (dt == DataType::f32 || dt == DataType::f64 || dt == DataType::bf16 || dt == DataType::f16) return {};
-  return fail(ErrorCode::unsupported, "dtype ", async::to_string(dt), ": the CPU kernels serve f32, f64, bf16 and f16");
-}
-
-}  // namespace
-
 Result<void> Launch::moe_route(async::Stream& s, DataType dt, const void* logits, std::int64_t tokens,
                                std::int64_t experts, std::int64_t k, bool renormalize, float* probs,
                                std::int32_t* chosen, float* weights) {
-  COSHARD_TRY(check_dtype(dt));
+  COSHARD_TRY(check_cpu_dtype(dt));
   COSHARD_TRY(check_moe_routing(tokens, experts, k));
   return s.launch([=] { cpu::moe_route(dt, logits, tokens, experts, k, renormalize, probs, chosen, weights); });
 }
@@ -29,7 +20,7 @@ Result<void> Launch::moe_route_backward(async::Stream& s, const float* probs, co
                                         const float* weights, const float* dweights, const float* dprob_extra,
                                         std::int64_t tokens, std::int64_t experts, std::int64_t k, bool renormalize,
                                         DataType dt, void* dlogits) {
-  COSHARD_TRY(check_dtype(dt));
+  COSHARD_TRY(check_cpu_dtype(dt));
   COSHARD_TRY(check_moe_routing(tokens, experts, k));
   return s.launch([=] {
     cpu::moe_route_backward(probs, chosen, weights, dweights, dprob_extra, tokens, experts, k, renormalize, dt,
@@ -46,7 +37,7 @@ Result<void> Launch::moe_dispatch_plan(async::Stream& s, const std::int32_t* cho
 
 Result<void> Launch::moe_gather_rows(async::Stream& s, DataType dt, const void* x, const std::int32_t* order,
                                      std::int64_t rows, std::int64_t k, std::int64_t width, void* out) {
-  COSHARD_TRY(check_dtype(dt));
+  COSHARD_TRY(check_cpu_dtype(dt));
   COSHARD_TRY(check_moe_rows(rows, k, width));
   return s.launch([=] { cpu::moe_gather_rows(dt, x, order, rows, k, width, out); });
 }
@@ -54,7 +45,7 @@ Result<void> Launch::moe_gather_rows(async::Stream& s, DataType dt, const void* 
 Result<void> Launch::moe_combine_rows(async::Stream& s, DataType dt, const void* rows, const std::int32_t* inverse,
                                       const float* weights, std::int64_t tokens, std::int64_t k, std::int64_t width,
                                       void* out) {
-  COSHARD_TRY(check_dtype(dt));
+  COSHARD_TRY(check_cpu_dtype(dt));
   COSHARD_TRY(check_moe_rows(tokens * k, k, width));
   return s.launch([=] { cpu::moe_combine_rows(dt, rows, inverse, weights, tokens, k, width, out); });
 }
@@ -62,7 +53,7 @@ Result<void> Launch::moe_combine_rows(async::Stream& s, DataType dt, const void*
 Result<void> Launch::moe_combine_backward(async::Stream& s, DataType dt, const void* dy, const void* rows,
                                           const std::int32_t* inverse, const float* weights, std::int64_t tokens,
                                           std::int64_t k, std::int64_t width, void* d_rows, float* dweights) {
-  COSHARD_TRY(check_dtype(dt));
+  COSHARD_TRY(check_cpu_dtype(dt));
   COSHARD_TRY(check_moe_rows(tokens * k, k, width));
   return s.launch(
       [=] { cpu::moe_combine_backward(dt, dy, rows, inverse, weights, tokens, k, width, d_rows, dweights); });
@@ -71,7 +62,7 @@ Result<void> Launch::moe_combine_backward(async::Stream& s, DataType dt, const v
 Result<void> Launch::quantize_blocks(async::Stream& s, BlockBits bits, DataType dt, const void* x, void* packed,
                                      const QuantSegment* segments, std::int64_t segment_count, std::int64_t blocks,
                                      std::int64_t block) {
-  COSHARD_TRY(check_dtype(dt));
+  COSHARD_TRY(check_cpu_dtype(dt));
   COSHARD_TRY(check_quant_blocks(bits, segment_count, blocks, block));
   return s.launch([=] { cpu::quantize_blocks(bits, dt, x, packed, segments, segment_count, block); });
 }
@@ -79,7 +70,7 @@ Result<void> Launch::quantize_blocks(async::Stream& s, BlockBits bits, DataType 
 Result<void> Launch::dequantize_blocks(async::Stream& s, BlockBits bits, const void* packed, DataType dt, void* out,
                                        const QuantSegment* segments, std::int64_t segment_count, std::int64_t blocks,
                                        std::int64_t block) {
-  COSHARD_TRY(check_dtype(dt));
+  COSHARD_TRY(check_cpu_dtype(dt));
   COSHARD_TRY(check_quant_blocks(bits, segment_count, blocks, block));
   return s.launch(
       [=] { cpu::dequantize_sum_blocks(bits, packed, 1, 0, dt, out, segments, segment_count, block, 1.0f); });
@@ -89,7 +80,7 @@ Result<void> Launch::dequantize_sum_blocks(async::Stream& s, BlockBits bits, con
                                            std::int64_t stride, DataType dt, void* out, const QuantSegment* segments,
                                            std::int64_t segment_count, std::int64_t blocks, std::int64_t block,
                                            float factor) {
-  COSHARD_TRY(check_dtype(dt));
+  COSHARD_TRY(check_cpu_dtype(dt));
   COSHARD_TRY(check_quant_blocks(bits, segment_count, blocks, block));
   return s.launch([=] {
     cpu::dequantize_sum_blocks(bits, packed, pieces, stride, dt, out, segments, segment_count, block, factor);

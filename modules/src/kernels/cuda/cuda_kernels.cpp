@@ -40,9 +40,7 @@ struct ElementOffset {
 // (routing and quantized blocks: RoutingEntries, launched by routing_launch.cpp)
 class CudaKernels final : public RoutingEntries<cuda_launch::Launch> {
  public:
-  bool supports(DataType dt) const noexcept override {
-    return dt == DataType::f32 || dt == DataType::bf16 || dt == DataType::f16;
-  }
+  bool supports(DataType dt) const noexcept override { return cuda_serves(dt); }
 
   Result<void> gemm(Stream& s, DataType dt, const GemmArgs& g) const override {
     COSHARD_TRY(check(dt));

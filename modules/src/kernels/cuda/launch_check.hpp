@@ -20,9 +20,10 @@ inline Result<void> check_launch(int code, std::string_view what, const async::S
               cudaGetErrorString(e), ")");
 }
 
-// The dtypes the CUDA kernels serve.
+// The dtypes the CUDA kernels serve, and the error that names another.
+inline bool cuda_serves(DataType dt) noexcept { return dt == DataType::f32 || dt == DataType::bf16 || dt == DataType::f16; }
 inline Result<void> check_cuda_dtype(DataType dt) {
-  if (dt == DataType::f32 || dt == DataType::bf16 || dt == DataType::f16) return {};
+  if (cuda_serves(dt)) return {};
   return fail(ErrorCode::unsupported, "dtype ", async::to_string(dt),
               ": the CUDA kernels serve f32, bf16 and f16 (f64 runs on the CPU backend)");
 }
