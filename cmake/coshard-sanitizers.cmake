@@ -42,3 +42,12 @@ elseif(COSHARD_FUZZ)
 elseif(NOT COSHARD_SANITIZE STREQUAL "")
   message(FATAL_ERROR "COSHARD_SANITIZE=${COSHARD_SANITIZE}: expected '', 'thread', 'address' or 'fuzz'")
 endif()
+
+# coshard_sanitizer_hooks(target): a program's share of the sanitizer build's settings that must be
+# compiled into the program itself (TSan reads its default suppressions from a function the
+# program defines: cmake/tsan_suppressions.cpp says which and why).
+function(coshard_sanitizer_hooks target)
+  if(COSHARD_SANITIZE STREQUAL "thread")
+    target_sources(${target} PRIVATE ${PROJECT_SOURCE_DIR}/cmake/tsan_suppressions.cpp)
+  endif()
+endfunction()
