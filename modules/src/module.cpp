@@ -166,6 +166,10 @@ Result<void> ModuleHooks::wait_for_collective(Context& ctx, const async::Event& 
   return ctx.stream().wait(done);
 }
 
+async::Task<Result<void>> ModuleHooks::agree_on_union(Context&, std::span<double>, const std::string&) {
+  co_return Result<void>{};
+}
+
 Result<void> Parameter::bind(Tensor value, Tensor grad) {
   if (!(value.shape() == shape_))
     return fail(ErrorCode::invalid_argument, "parameter ", name_, ": value shape ", value.shape().to_string(),

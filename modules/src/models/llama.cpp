@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "models/config_checks.hpp"
+#include "models/llama_mlp.hpp"
 
 #include "coshard/modules/layers.hpp"
 #include "coshard/modules/tensor_parallel.hpp"
@@ -19,7 +20,15 @@ constexpr RopeScaling kLlama31Scaling{.factor = 8, .low_freq_factor = 1, .high_f
 constexpr RopeScaling kLlama32Scaling{.factor = 32, .low_freq_factor = 1, .high_freq_factor = 4,
                                       .original_max_positions = 8192};
 
-const std::array<LlamaPreset, 5> kPresets{{
+// Mixtral's shape: every layer a SparseMoe of `experts` experts of the MLP's width, top 2.
+constexpr LlamaConfig mixtral(LlamaConfig c, std::int64_t experts) {
+  c.moe.experts = experts;
+  c.moe.top_k = 2;
+  c.family = HfFamily::mixtral;
+  return c;
+}
+
+const std::array<LlamaPreset, 8> kPresets{{
     {"llama-tiny", "for tests: 2 layers, dim 64",
      LlamaConfig{.vocab = 256, .max_seq = 64, .dim = 64, .layers = 2, .heads = 4, .kv_heads = 2, .head_dim = 16,
                  .intermediate = 128, .rope_theta = 10000.0}},
@@ -37,6 +46,18 @@ const std::array<LlamaPreset, 5> kPresets{{
     {"Llama-3.1-8B", "meta-llama/Llama-3.1-8B's shape",
      LlamaConfig{.vocab = 128256, .max_seq = 131072, .dim = 4096, .layers = 32, .heads = 32, .kv_heads = 8,
                  .head_dim = 128, .intermediate = 14336, .rope_theta = 500000.0, .rope_scaling = kLlama31Scaling}},
+    {"mixtral-tiny", "for tests: Mixtral's layout, 2 layers, dim 64, 4 experts of 64, top 2",
+     mixtral(LlamaConfig{.vocab = 256, .max_seq = 64, .dim = 64, .layers = 2, .heads = 4, .kv_heads = 2, .head_dim = 16,
+                         .intermediate = 64, .rope_theta = 1000000.0},
+             4)},
+    {"mixtral-50m", "a CPU-sized Mixtral: 8 layers, dim 512, 8 experts of 512, top 2, vocabulary 32000",
+     mixtral(LlamaConfig{.vocab = 32000, .max_seq = 1024, .dim = 512, .layers = 8, .heads = 8, .kv_heads = 4,
+                         .head_dim = 64, .intermediate = 512, .rope_theta = 1000000.0},
+             8)},
+    {"Mixtral-8x7B", "mistralai/Mixtral-8x7B-v0.1's shape (8 experts, top 2)",
+     mixtral(LlamaConfig{.vocab = 32000, .max_seq = 32768, .dim = 4096, .layers = 32, .heads = 32, .kv_heads = 8,
+                         .head_dim = 128, .intermediate = 14336, .rope_theta = 1000000.0},
+             8)},
 }};
 
 bool same_name(std::string_view a, std::string_view b) {
@@ -77,6 +98,7 @@ Result<void> LlamaConfig::validate() const {
     if (total > 1e15)
       return fail(ErrorCode::invalid_argument, "LlamaConfig: ", total, " parameters (expected at most 1e15)");
   }
+  COSHARD_TRY(validate_moe());
   if (!(norm_eps > 0) || !std::isfinite(norm_eps))
     return fail(ErrorCode::invalid_argument, "LlamaConfig.norm_eps=", norm_eps, ": expected a finite value > 0");
   if (!(init_std >= 0) || !std::isfinite(init_std))
@@ -85,19 +107,49 @@ Result<void> LlamaConfig::validate() const {
   return RotaryEmbedding(heads, kv_heads, resolved_head_dim(), rope_theta, rope_scaling).check();
 }
 
+bool LlamaConfig::moe_layer(std::int64_t l) const noexcept {
+  if (!moe.enabled() || moe.sparse_step < 1 || (l + 1) % moe.sparse_step != 0) return false;
+  return std::find(moe.dense_layers.begin(), moe.dense_layers.end(), l) == moe.dense_layers.end();
+}
+
+std::int64_t LlamaConfig::moe_layers() const noexcept {
+  std::int64_t n = 0;
+  for (std::int64_t l = 0; l < layers; ++l) n += moe_layer(l) ? 1 : 0;
+  return n;
+}
+
+namespace {
+
+// The parameters of everything but the MLPs, and of one dense MLP and one expert.
+std::int64_t attention_and_ends(const LlamaConfig& c) {
+  const std::int64_t hd = c.resolved_head_dim();
+  const std::int64_t block = 2 * c.dim                                  // two RMSNorms
+                             + c.dim * (c.heads + 2 * c.kv_heads) * hd  // q, k, v
+                             + c.heads * hd * c.dim;                    // o
+  return c.vocab * c.dim + c.layers * block + c.dim + (c.tie_embeddings ? 0 : c.dim * c.vocab);
+}
+
+}  // namespace
+
 std::int64_t LlamaConfig::parameter_count() const noexcept {
-  const std::int64_t hd = resolved_head_dim();
-  const std::int64_t block = 2 * dim                                  // two RMSNorms
-                             + dim * (heads + 2 * kv_heads) * hd      // q, k, v
-                             + heads * hd * dim                       // o
-                             + 3 * dim * intermediate;                // gate, up, down
-  return vocab * dim + layers * block + dim + (tie_embeddings ? 0 : dim * vocab);
+  const std::int64_t sparse = moe_layers(), dense = layers - sparse;
+  return attention_and_ends(*this) + dense * 3 * dim * intermediate +
+         sparse * (dim * moe.experts + moe.experts * 3 * dim * expert_width());
+}
+
+std::int64_t LlamaConfig::active_parameter_count() const noexcept {
+  const std::int64_t sparse = moe_layers(), dense = layers - sparse;
+  return attention_and_ends(*this) + dense * 3 * dim * intermediate +
+         sparse * (dim * moe.experts + moe.top_k * 3 * dim * expert_width());
 }
 
 std::string LlamaConfig::describe() const {
   std::string s = std::to_string(layers) + " layers, dim " + std::to_string(dim) + ", " + std::to_string(heads) +
                   " heads (" + std::to_string(kv_heads) + " key/value) of " + std::to_string(resolved_head_dim()) +
                   ", MLP " + std::to_string(intermediate) + ", vocabulary " + std::to_string(vocab);
+  if (moe.enabled())
+    s += ", " + std::to_string(moe.experts) + " experts of " + std::to_string(expert_width()) + " (top " +
+         std::to_string(moe.top_k) + ") in " + std::to_string(moe_layers()) + " layers";
   if (tie_embeddings) s += ", tied embeddings";
   return s;
 }
@@ -146,6 +198,7 @@ Result<std::unique_ptr<Sequential>> make_llama(const LlamaConfig& c) {
   const std::int64_t hd = c.resolved_head_dim();
   const auto eps = static_cast<float>(c.norm_eps);
   auto model = std::make_unique<Sequential>();
+  const auto balance = detail::make_router_balance(c);
   auto& embed = model->add("embed", std::make_unique<TokenEmbedding>(c.vocab, c.dim, weight));
   for (std::int64_t l = 0; l < c.layers; ++l) {
     auto attn = std::make_unique<Sequential>();
@@ -154,14 +207,10 @@ Result<std::unique_ptr<Sequential>> make_llama(const LlamaConfig& c) {
     attn->add("rope", std::make_unique<RotaryEmbedding>(c.heads, c.kv_heads, hd, c.rope_theta, c.rope_scaling));
     attn->add("core", std::make_unique<CausalSelfAttention>(AttentionHeads{c.heads, c.kv_heads, hd}));
     attn->add("proj", std::make_unique<Linear>(c.heads * hd, c.dim, false, weight));
-    auto mlp = std::make_unique<Sequential>();
-    mlp->add("norm", std::make_unique<RmsNorm>(c.dim, eps));
-    mlp->add("gate_up", std::make_unique<Linear>(c.dim, 2 * c.intermediate, false, weight));
-    mlp->add("swiglu", std::make_unique<SwiGlu>());
-    mlp->add("down", std::make_unique<Linear>(c.intermediate, c.dim, false, weight));
+    COSHARD_TRY_ASSIGN(auto mlp, detail::make_llama_mlp(c, l, balance));
     auto block = std::make_unique<Sequential>();
     block->add("attn", std::make_unique<Residual>(std::move(attn)));
-    block->add("mlp", std::make_unique<Residual>(std::move(mlp)));
+    block->add("mlp", std::move(mlp));
     model->add("h" + std::to_string(l), std::move(block));
   }
   model->add("norm", std::make_unique<RmsNorm>(c.dim, eps));
@@ -176,6 +225,9 @@ Result<std::unique_ptr<Sequential>> make_llama(const LlamaConfig& c) {
 Result<void> check_tensor_parallel(const LlamaConfig& c, std::int64_t tensor) {
   COSHARD_TRY(c.validate());
   if (tensor < 1) return fail(ErrorCode::invalid_argument, "tensor-parallel size ", tensor, ": expected at least 1");
+  if (tensor > 1 && c.moe.enabled())
+    return fail(ErrorCode::unsupported, "tensor-parallel size ", tensor, ": a mixture of experts (", c.moe.experts,
+                " experts) is not split over tensor ranks (use data parallelism: tensor size 1)");
   COSHARD_TRY(check_divides(c.heads, tensor, "the attention heads"));
   COSHARD_TRY(check_divides(c.kv_heads, tensor, "the key/value heads"));
   COSHARD_TRY(check_divides(c.intermediate, tensor, "the MLP width"));

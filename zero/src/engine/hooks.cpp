@@ -170,6 +170,15 @@ Result<void> Engine::wait_for_collective(Context& ctx, const async::Event& done,
   return s_->timeline.wait(ctx.stream(), done, what);
 }
 
+// One all-reduce of the flags over the engine's ranks, awaited (with one rank: nothing).
+async::Task<Result<void>> Engine::agree_on_union(Context&, std::span<double> chosen, const std::string& what) {
+  State& s = *s_;
+  if (s.ranks_agree.size() <= 1 || chosen.empty()) co_return Result<void>{};
+  COSHARD_CO_TRY_ASSIGN(const auto agreed, co_await s.ranks_agree.all_reduce_values(chosen, collectives::ReduceOp::max, what));
+  for (std::size_t i = 0; i < chosen.size(); ++i) chosen[i] = agreed[i] != 0.0 ? 1.0 : 0.0;
+  co_return Result<void>{};
+}
+
 Error Engine::explain_failure(Module& module, Error error) {
   State& s = *s_;
   // Parameters asked for while not gathered: the module's own, another's; another's gradient

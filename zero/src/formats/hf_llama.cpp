@@ -10,6 +10,8 @@
 #include "coshard/async/json_limits.hpp"
 #include "coshard/async/runtime.hpp"
 #include "coshard/zero/peft.hpp"
+#include "formats/hf_format.hpp"
+#include "formats/hf_moe.hpp"
 #include "formats/parameter_decode.hpp"
 
 namespace coshard::zero {
@@ -20,20 +22,9 @@ using json = nlohmann::json;
 
 namespace {
 
-// One coshard parameter and the transformers tensors it stacks, rows in order.
-struct Piece {
-  std::string hf_name;
-  std::int64_t rows;  // 0: the whole parameter (no split)
-};
-struct Mapping {
-  std::string name;
-  Shape shape;  // coshard's
-  std::vector<Piece> pieces;
-};
-
-std::vector<Mapping> llama_mappings(const LlamaConfig& c) {
+std::vector<detail::Mapping> llama_mappings(const LlamaConfig& c) {
   const std::int64_t D = c.dim, hd = c.resolved_head_dim(), H = c.heads, K = c.kv_heads, I = c.intermediate;
-  std::vector<Mapping> m;
+  std::vector<detail::Mapping> m;
   m.push_back({"embed.weight", Shape{c.vocab, D}, {{"model.embed_tokens.weight", 0}}});
   for (std::int64_t l = 0; l < c.layers; ++l) {
     const std::string h = "h" + std::to_string(l) + ".", hf = "model.layers." + std::to_string(l) + ".";
@@ -43,6 +34,10 @@ std::vector<Mapping> llama_mappings(const LlamaConfig& c) {
                   {hf + "self_attn.v_proj.weight", K * hd}}});
     m.push_back({h + "attn.proj.weight", Shape{D, H * hd}, {{hf + "self_attn.o_proj.weight", 0}}});
     m.push_back({h + "mlp.norm.weight", Shape{D}, {{hf + "post_attention_layernorm.weight", 0}}});
+    if (c.moe_layer(l)) {
+      detail::add_moe_mappings(m, c, h + "mlp.moe.", hf);
+      continue;
+    }
     m.push_back({h + "mlp.gate_up.weight", Shape{2 * I, D}, {{hf + "mlp.gate_proj.weight", I}, {hf + "mlp.up_proj.weight", I}}});
     m.push_back({h + "mlp.down.weight", Shape{D, I}, {{hf + "mlp.down_proj.weight", 0}}});
   }
@@ -51,42 +46,10 @@ std::vector<Mapping> llama_mappings(const LlamaConfig& c) {
   return m;
 }
 
-Shape piece_shape(const Mapping& m, const Piece& p) {
+Shape piece_shape(const detail::Mapping& m, const detail::Piece& p) {
   if (p.rows == 0) return m.shape;
   return Shape{p.rows, m.shape[1]};
 }
-
-// Readers of the JSON fields, each failure naming the file and the key.
-struct Fields {
-  const json& doc;
-  std::string_view source;
-  Result<std::int64_t> integer(const char* key, std::optional<std::int64_t> fallback = std::nullopt) const {
-    if (!doc.contains(key) || doc[key].is_null()) {
-      if (fallback) return *fallback;
-      return fail(ErrorCode::invalid_argument, source, ": \"", key, "\" is missing (expected a whole number)");
-    }
-    const json& v = doc[key];
-    if (!v.is_number_integer() || v.get<std::int64_t>() < 0)
-      return fail(ErrorCode::invalid_argument, source, ": \"", key, "\"=", async::bounded_echo(v.dump()), " (expected a whole number >= 0)");
-    return v.get<std::int64_t>();
-  }
-  Result<double> number(const json& obj, const char* key, std::optional<double> fallback) const {
-    if (!obj.contains(key) || obj[key].is_null()) {
-      if (fallback) return *fallback;
-      return fail(ErrorCode::invalid_argument, source, ": \"", key, "\" is missing (expected a number)");
-    }
-    const json& v = obj[key];
-    if (!v.is_number())
-      return fail(ErrorCode::invalid_argument, source, ": \"", key, "\"=", async::bounded_echo(v.dump()), " (expected a number)");
-    return v.get<double>();
-  }
-  Result<bool> boolean(const char* key, bool fallback) const {
-    if (!doc.contains(key) || doc[key].is_null()) return fallback;
-    if (!doc[key].is_boolean())
-      return fail(ErrorCode::invalid_argument, source, ": \"", key, "\"=", async::bounded_echo(doc[key].dump()), " (expected true or false)");
-    return doc[key].get<bool>();
-  }
-};
 
 std::string_view torch_dtype_name(DataType dt) {
   switch (dt) {
@@ -103,14 +66,15 @@ Result<LlamaConfig> parse_hf_llama_config(std::string_view text, std::string_vie
   COSHARD_TRY(async::check_json_nesting(text, source));
   const json doc = json::parse(text, nullptr, false);
   if (doc.is_discarded() || !doc.is_object()) return fail(ErrorCode::invalid_argument, source, ": not a JSON object");
-  const Fields f{doc, source};
+  const detail::Fields f{doc, source};
   const std::string model_type = doc.contains("model_type") && doc["model_type"].is_string() ? doc["model_type"].get<std::string>() : "";
   bool llama_architecture = false;
   if (doc.contains("architectures") && doc["architectures"].is_array())
     for (const auto& a : doc["architectures"]) llama_architecture = llama_architecture || a == "LlamaForCausalLM";
-  if (model_type != "llama" && !llama_architecture)
+  const bool mixtral = detail::names_mixtral(doc);
+  if (model_type != "llama" && !llama_architecture && !mixtral)
     return fail(ErrorCode::unsupported, source, ": model_type \"", model_type,
-                "\" (expected \"llama\", transformers' LlamaForCausalLM: the Llama family is what coshard reads)");
+                "\" (expected \"llama\" or \"mixtral\", transformers' LlamaForCausalLM or MixtralForCausalLM)");
   for (const char* bias : {"attention_bias", "mlp_bias"}) {
     COSHARD_TRY_ASSIGN(const bool on, f.boolean(bias, false));
     if (on) return fail(ErrorCode::unsupported, source, ": \"", bias, "\"=true (coshard's Llama has no biases)");
@@ -129,6 +93,7 @@ Result<LlamaConfig> parse_hf_llama_config(std::string_view text, std::string_vie
   COSHARD_TRY_ASSIGN(c.norm_eps, f.number(doc, "rms_norm_eps", 1e-6));
   COSHARD_TRY_ASSIGN(c.init_std, f.number(doc, "initializer_range", 0.02));
   COSHARD_TRY_ASSIGN(c.tie_embeddings, f.boolean("tie_word_embeddings", false));
+  if (mixtral) COSHARD_TRY(detail::read_mixtral_fields(f, c));
   // The rotary base and scaling: rope_theta and rope_scaling, or (newer transformers)
   // rope_parameters holding both.
   const json* rope = nullptr;
@@ -197,6 +162,7 @@ std::string hf_llama_config_json(const LlamaConfig& c, DataType dtype) {
   doc["pretraining_tp"] = 1;
   doc["use_cache"] = true;
   doc["torch_dtype"] = torch_dtype_name(dtype);
+  detail::write_moe_fields(doc, c);
   return doc.dump(2) + "\n";
 }
 

@@ -14,6 +14,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "coshard/modules/llama_layers.hpp"
 #include "coshard/modules/module.hpp"
@@ -23,6 +24,25 @@ class Communicator;
 }
 
 namespace coshard::modules {
+
+// Mixture of experts in the decoder's MLPs (transformers' Mixtral and Qwen3-MoE, moe.hpp):
+// none with 0 experts. Layer l has a SparseMoe block when it is not in dense_layers and
+// (l + 1) % sparse_step == 0 (Qwen3-MoE's decoder_sparse_step; Mixtral: every layer), a dense
+// MLP of the config's intermediate width otherwise.
+struct MoeConfig {
+  std::int64_t experts = 0;                // num_local_experts (Mixtral), num_experts (Qwen3-MoE)
+  std::int64_t top_k = 2;                  // num_experts_per_tok
+  std::int64_t intermediate = 0;           // each expert's width (moe_intermediate_size); 0: the MLP's
+  bool renormalize = true;                 // norm_topk_prob (Mixtral renormalises always)
+  std::int64_t sparse_step = 1;            // decoder_sparse_step
+  std::vector<std::int64_t> dense_layers;  // mlp_only_layers
+  double aux_loss_coef = 0;                // router_aux_loss_coef when output_router_logits; 0: none
+
+  bool enabled() const noexcept { return experts > 0; }
+};
+
+// Which transformers architecture a config names (its tensors' names and config.json's keys).
+enum class HfFamily : std::uint8_t { llama, mixtral };
 
 struct LlamaConfig {
   std::int64_t vocab = 256;
@@ -38,12 +58,23 @@ struct LlamaConfig {
   double norm_eps = 1e-5;          // rms_norm_eps
   bool tie_embeddings = false;     // tie_word_embeddings
   double init_std = 0.02;          // initializer_range
+  MoeConfig moe{};                 // mixture of experts (none by default)
+  HfFamily family = HfFamily::llama;
 
   std::int64_t resolved_head_dim() const noexcept { return head_dim > 0 ? head_dim : heads > 0 ? dim / heads : 0; }
+  // Whether layer l's MLP is a SparseMoe block, and each expert's width.
+  bool moe_layer(std::int64_t l) const noexcept;
+  std::int64_t expert_width() const noexcept { return moe.intermediate > 0 ? moe.intermediate : intermediate; }
+  std::int64_t moe_layers() const noexcept;
+  // The parameters one token runs through (the router's top k experts of each MoE layer, not all).
+  std::int64_t active_parameter_count() const noexcept;
   // The first bad value, named with what was expected.
   Result<void> validate() const;
+  Result<void> validate_moe() const;  // (the MoE part of validate)
   std::int64_t parameter_count() const noexcept;
-  std::string describe() const;  // "16 layers, dim 2048, 32 heads (8 key/value), MLP 8192, tied embeddings"
+  // "16 layers, dim 2048, 32 heads (8 key/value) of 64, MLP 8192, vocabulary 128256, tied embeddings"
+  // (and "8 experts of 14336 (top 2) in 32 layers" with a mixture of experts)
+  std::string describe() const;
 };
 
 // Named shapes: those of Meta's Llama 3 releases (vocabulary, rotary base and scaling as
@@ -68,7 +99,8 @@ Result<std::unique_ptr<Sequential>> make_llama(const LlamaConfig& config);
 // Refused by name when the group's size does not divide the heads, the key/value heads, the
 // MLP's width or the vocabulary.
 Result<std::unique_ptr<Sequential>> make_llama(const LlamaConfig& config, collectives::Communicator& tensor_group);
-// The checks of that make_llama without a group: whether `tensor` ranks can split `config`.
+// The checks of that make_llama without a group: whether `tensor` ranks can split `config` (a
+// mixture of experts is refused: its experts are not split over tensor ranks).
 Result<void> check_tensor_parallel(const LlamaConfig& config, std::int64_t tensor);
 
 // Device bytes one forward and backward of `rows` sequences of `seq` tokens take in `dtype`

@@ -166,6 +166,12 @@ class ModuleHooks {
   // stream (tensor parallelism's sums): an engine times the wait as exposed communication. `what`
   // names it and must outlive the step. The default: the stream waits.
   virtual Result<void> wait_for_collective(Context& ctx, const async::Event& done, const std::string& what);
+  // The ranks that train the model together agree on a choice a module made from its own data (a
+  // mixture-of-experts layer's routed experts: `chosen[i]` nonzero where this rank chose i): on
+  // return each flag is set where any rank's was, so every rank runs the same modules in the same
+  // order and their collectives match. Every rank calls it at the same point of a pass. `what`
+  // names it in errors. The default (one rank, no engine): unchanged.
+  virtual async::Task<Result<void>> agree_on_union(Context& ctx, std::span<double> chosen, const std::string& what);
 };
 
 namespace detail {

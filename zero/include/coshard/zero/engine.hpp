@@ -336,6 +336,7 @@ class Engine final : public ModuleHooks {
   Error explain_failure(Module& module, Error error) override;
   // A tensor-parallel layer's sum: the compute stream's wait, timed as exposed communication.
   Result<void> wait_for_collective(Context& ctx, const async::Event& done, const std::string& what) override;
+  async::Task<Result<void>> agree_on_union(Context& ctx, std::span<double> chosen, const std::string& what) override;
 
   struct State;
 
