@@ -217,6 +217,7 @@ std::optional<int> choose_model(Options& o, const CommandLine& cl) {
   if (cl.head_dim->count()) flags.head_dim = cl.llama_flags.head_dim;
   if (cl.intermediate->count()) flags.intermediate = cl.llama_flags.intermediate;
   if (cl.rope_theta->count()) flags.rope_theta = cl.llama_flags.rope_theta;
+  if (cl.router_aux_loss_coef->count()) flags.router_aux_loss_coef = cl.llama_flags.moe.aux_loss_coef;
   if (cl.tie_option->count()) flags.tie_embeddings = cl.tie;
   if (cl.untie_option->count()) flags.tie_embeddings = !cl.untie;
   auto resolved = resolve_model(flags);

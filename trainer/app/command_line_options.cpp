@@ -103,6 +103,13 @@ void add_shape_options(CLI::App& app, Options& o, CommandLine& cl) {
                       ->check(kFinite)
                       ->check(CLI::Range(1.0 + 1e-9, 1e12))
                       ->default_str("");
+  cl.router_aux_loss_coef =
+      app.add_option("--router-aux-loss-coef", cl.llama_flags.moe.aux_loss_coef,
+                     "mixture of experts: the load-balancing loss's weight (transformers' router_aux_loss_coef; "
+                     "default: the folder's when its output_router_logits is true, else 0, or the preset's)")
+          ->check(kFinite)
+          ->check(CLI::Range(0.0, 1e6))
+          ->default_str("");
   cl.tie_option = app.add_flag("--tie-embeddings", cl.tie, "llama: the output layer uses the embedding table");
   cl.untie_option = app.add_flag("--untie-embeddings", cl.untie, "llama: an output layer of its own")->excludes(cl.tie_option);
   cl.vocab = app.add_option("--vocab", o.vocab,

@@ -46,6 +46,7 @@ struct CommandLine {
   CLI::Option* head_dim = nullptr;
   CLI::Option* intermediate = nullptr;
   CLI::Option* rope_theta = nullptr;
+  CLI::Option* router_aux_loss_coef = nullptr;
   CLI::Option* tie_option = nullptr;
   CLI::Option* untie_option = nullptr;
   CLI::Option* vocab = nullptr;

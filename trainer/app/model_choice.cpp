@@ -17,6 +17,17 @@ std::string millions(std::int64_t n) {
   return text;
 }
 
+// The mixture of experts' routing (the experts' shapes are the parameters'; the auxiliary loss's
+// weight may change on a resume).
+std::string moe_identity(const modules::LlamaConfig& l) {
+  if (!l.moe.enabled()) return "";
+  std::string dense;
+  for (const std::int64_t d : l.moe.dense_layers) dense += (dense.empty() ? "" : ",") + std::to_string(d);
+  return " experts " + std::to_string(l.moe.experts) + " top " + std::to_string(l.moe.top_k) +
+         (l.moe.renormalize ? " renormalized" : "") + " sparse_step " + std::to_string(l.moe.sparse_step) +
+         (dense.empty() ? "" : " dense " + dense);
+}
+
 }  // namespace
 
 std::int64_t ModelChoice::parameter_count() const noexcept {
@@ -42,7 +53,7 @@ std::string ModelChoice::identity(std::int64_t seq) const {
   return "llama layers " + std::to_string(l.layers) + " dim " + std::to_string(l.dim) + " heads " +
          std::to_string(l.heads) + " kv_heads " + std::to_string(l.kv_heads) + " head_dim " +
          std::to_string(l.resolved_head_dim()) + " intermediate " + std::to_string(l.intermediate) +
-         (l.tie_embeddings ? " tied" : "") + rope + " seq " + std::to_string(seq);
+         (l.tie_embeddings ? " tied" : "") + rope + moe_identity(l) + " seq " + std::to_string(seq);
 }
 
 Result<std::unique_ptr<modules::Sequential>> ModelChoice::build() const {
@@ -74,7 +85,9 @@ std::size_t ModelChoice::activation_bytes(std::int64_t rows, std::int64_t seq, m
                                          logits_chunk_bytes);
 }
 
-Result<ModelChoice> resolve_model(const ModelFlags& f) {
+namespace {
+
+Result<ModelChoice> resolve_shape(const ModelFlags& f) {
   ModelChoice m;
   const bool llama_shape_given = f.kv_heads || f.head_dim || f.intermediate || f.rope_theta || f.tie_embeddings;
   if (!f.init_folder.empty()) {
@@ -140,6 +153,19 @@ Result<ModelChoice> resolve_model(const ModelFlags& f) {
                        f.vocab_given || f.rope_theta || f.tie_embeddings;
   if (changed && !m.preset.empty()) m.preset += " (changed)";
   if (auto ok = l.validate(); !ok) return fail(std::move(ok).error().with_context("--model llama"));
+  return m;
+}
+
+}  // namespace
+
+Result<ModelChoice> resolve_model(const ModelFlags& f) {
+  COSHARD_TRY_ASSIGN(ModelChoice m, resolve_shape(f));
+  if (f.router_aux_loss_coef) {
+    if (m.kind != ModelChoice::Kind::llama || !m.llama.moe.enabled())
+      return fail(ErrorCode::invalid_argument, "--router-aux-loss-coef ", *f.router_aux_loss_coef, ": ", m.describe(),
+                  " has no experts (expected a mixture-of-experts model: a Mixtral folder or a mixtral preset)");
+    m.llama.moe.aux_loss_coef = *f.router_aux_loss_coef;
+  }
   return m;
 }
 

@@ -52,6 +52,7 @@ struct ModelFlags {
   bool vocab_given = false, layers_given = false, dim_given = false, heads_given = false;
   std::optional<std::int64_t> kv_heads, head_dim, intermediate;
   std::optional<double> rope_theta;
+  std::optional<double> router_aux_loss_coef;  // a mixture of experts' (with --init too)
   std::optional<bool> tie_embeddings;
 };
 

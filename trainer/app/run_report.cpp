@@ -35,6 +35,27 @@ std::string omp_wait(int threads) {
 
 // ZeRO++'s lines: the quantized gathers and reduction, the secondary partition (which units, what
 // a collective carries, what the slices hold).
+std::string load_balancing(double coef) {
+  char text[96];
+  std::snprintf(text, sizeof text, "load-balancing loss x %g (each rank's micro-batch its own)", coef);
+  return text;
+}
+
+// A mixture of experts: its shape, what a token runs through, and the load-balancing loss.
+void print_experts(const Options& o) {
+  const auto& l = o.model.llama;
+  if (o.model.kind != ModelChoice::Kind::llama || !l.moe.enabled()) return;
+  const double coef = l.moe.aux_loss_coef;
+  std::printf("  mixture of experts: %lld experts of %lld in %lld of %lld layers, top %lld%s; %.1fM of %.1fM parameters "
+              "active a token; %s\n",
+              static_cast<long long>(l.moe.experts), static_cast<long long>(l.expert_width()),
+              static_cast<long long>(l.moe_layers()), static_cast<long long>(l.layers), static_cast<long long>(l.moe.top_k),
+              l.moe.renormalize ? " renormalised" : "", static_cast<double>(l.active_parameter_count()) / 1e6,
+              static_cast<double>(l.parameter_count()) / 1e6,
+              coef > 0 ? load_balancing(coef).c_str()
+                       : "no load-balancing loss (--router-aux-loss-coef to add it)");
+}
+
 void print_less_on_the_wire(const Options& o, trainer::Trainer& t, int data_ranks, int tensor) {
   const auto units_info = t.engine().units();
   // Quantized weight gathers: which units, and what a gather carries.
@@ -157,6 +178,7 @@ void print_run_header(const Options& o, trainer::Trainer& t, const collectives::
                 static_cast<long long>(trained), o.train.tensor_parallel_size > 1 ? " (this tensor rank's part)" : "",
                 o.adapter.empty() ? "" : ", from ", o.adapter.c_str());
   }
+  print_experts(o);
   const int tensor = o.train.tensor_parallel_size, data_ranks = world / tensor;
   if (tensor > 1)
     std::printf("  tensor parallelism: data %d x tensor %d (heads, MLP and vocabulary split over %d consecutive ranks; "

@@ -343,6 +343,7 @@ async::Task<Result<Trainer>> TrainerBuilder::build(modules::Module& model) const
     COSHARD_LOG_INFO(trainer, "freeze '{}': {} parameters frozen", pattern, *frozen);
   }
   COSHARD_CO_TRY(impl->choose_loss(model, loss_ != nullptr, tensor));
+  impl->add_router_aux_loss(model);
   // Before the engine's first collective: every rank with the same model and settings.
   // (over the whole mesh: the tensor ranks of one data group must agree too)
   COSHARD_CO_TRY(co_await detail::check_ranks_agree(*impl->ctx, mesh_ ? mesh_->world() : *comm_,

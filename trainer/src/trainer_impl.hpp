@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "coshard/modules/fused_cross_entropy.hpp"
+#include "coshard/modules/moe.hpp"
 #include "coshard/trainer/tensorboard.hpp"
 #include "coshard/trainer/trainer.hpp"
 
@@ -30,6 +31,7 @@ struct Trainer::Impl {
   modules::CrossEntropyLoss own_loss;      // the default
   std::unique_ptr<modules::Loss> own_split_loss;  // the default over a mesh with tensor parallelism
   std::unique_ptr<modules::FusedCrossEntropyLoss> own_chunked_loss;  // cross_entropy chunked (or auto on CUDA)
+  std::unique_ptr<modules::RouterAuxLoss> own_aux_loss;  // a mixture of experts' load balancing around it
   modules::Loss* loss = &own_loss;         // or the builder's
   int skipped_in_a_row = 0;  // steps skipped for inf/NaN gradients, up to this one
   std::optional<TensorBoardWriter> tensorboard;  // rank 0, with config.tensorboard_dir
@@ -54,6 +56,15 @@ struct Trainer::Impl {
     own_chunked_loss = std::move(chunked);
     loss = own_chunked_loss.get();
     return {};
+  }
+
+  // A model with mixture-of-experts layers trains with their load-balancing loss added (as
+  // transformers' MoE models add it to theirs), unless the loss given already adds it.
+  void add_router_aux_loss(modules::Module& model) {
+    auto balance = modules::find_router_balance(model);
+    if (!balance || dynamic_cast<modules::RouterAuxLoss*>(loss)) return;
+    own_aux_loss = std::make_unique<modules::RouterAuxLoss>(*loss, std::move(balance));
+    loss = own_aux_loss.get();
   }
 
   ~Impl() {
