@@ -37,7 +37,8 @@ constexpr float kLr = 1e-3f;
 
 enum class Variant {
   mixtral,  // every layer sparse, top 2 renormalised, experts of the MLP's width
-  qwen,     // a dense layer between sparse ones, top 2 not renormalised, narrower experts
+  qwen,     // Qwen3-MoE: a dense layer between sparse ones, top 2 not renormalised, narrower
+            // experts, the query and key head norms
 };
 
 modules::LlamaConfig moe_llama(Variant v) {
@@ -57,6 +58,8 @@ modules::LlamaConfig moe_llama(Variant v) {
     c.family = modules::HfFamily::mixtral;
   } else {
     c.layers = 3;
+    c.family = modules::HfFamily::qwen3_moe;
+    c.qk_norm = true;
     c.moe.dense_layers = {1};
     c.moe.intermediate = 16;
     c.moe.renormalize = false;

@@ -28,7 +28,19 @@ constexpr LlamaConfig mixtral(LlamaConfig c, std::int64_t experts) {
   return c;
 }
 
-const std::array<LlamaPreset, 8> kPresets{{
+// Qwen3-MoE's shape: head norms, `experts` experts of `width`, top k, renormalised or not.
+constexpr LlamaConfig qwen3_moe(LlamaConfig c, std::int64_t experts, std::int64_t top_k, std::int64_t width,
+                                bool renormalize) {
+  c.qk_norm = true;
+  c.moe.experts = experts;
+  c.moe.top_k = top_k;
+  c.moe.intermediate = width;
+  c.moe.renormalize = renormalize;
+  c.family = HfFamily::qwen3_moe;
+  return c;
+}
+
+const std::array<LlamaPreset, 11> kPresets{{
     {"llama-tiny", "for tests: 2 layers, dim 64",
      LlamaConfig{.vocab = 256, .max_seq = 64, .dim = 64, .layers = 2, .heads = 4, .kv_heads = 2, .head_dim = 16,
                  .intermediate = 128, .rope_theta = 10000.0}},
@@ -58,6 +70,19 @@ const std::array<LlamaPreset, 8> kPresets{{
      mixtral(LlamaConfig{.vocab = 32000, .max_seq = 32768, .dim = 4096, .layers = 32, .heads = 32, .kv_heads = 8,
                          .head_dim = 128, .intermediate = 14336, .rope_theta = 1000000.0},
              8)},
+    {"qwen3-moe-tiny", "for tests: Qwen3-MoE's layout, 2 layers, dim 64, 8 experts of 32, top 2, head norms",
+     qwen3_moe(LlamaConfig{.vocab = 256, .max_seq = 64, .dim = 64, .layers = 2, .heads = 4, .kv_heads = 2,
+                           .head_dim = 16, .intermediate = 128, .rope_theta = 1000000.0, .norm_eps = 1e-6},
+               8, 2, 32, true)},
+    {"Qwen3-30B-A3B", "Qwen/Qwen3-30B-A3B's shape (128 experts of 768, top 8, head norms)",
+     qwen3_moe(LlamaConfig{.vocab = 151936, .max_seq = 40960, .dim = 2048, .layers = 48, .heads = 32, .kv_heads = 4,
+                           .head_dim = 128, .intermediate = 6144, .rope_theta = 1000000.0, .norm_eps = 1e-6},
+               128, 8, 768, true)},
+    {"OLMoE-1B-7B", "allenai/OLMoE-1B-7B-0924's shape in Qwen3-MoE's layout (64 experts of 1024, top 8; OLMoE's "
+                    "own query and key norms span the whole projection: for --estimate)",
+     qwen3_moe(LlamaConfig{.vocab = 50304, .max_seq = 4096, .dim = 2048, .layers = 16, .heads = 16, .kv_heads = 16,
+                           .head_dim = 128, .intermediate = 1024, .rope_theta = 10000.0},
+               64, 8, 1024, false)},
 }};
 
 bool same_name(std::string_view a, std::string_view b) {
@@ -124,6 +149,7 @@ namespace {
 std::int64_t attention_and_ends(const LlamaConfig& c) {
   const std::int64_t hd = c.resolved_head_dim();
   const std::int64_t block = 2 * c.dim                                  // two RMSNorms
+                             + (c.qk_norm ? 2 * hd : 0)                 // the head norms
                              + c.dim * (c.heads + 2 * c.kv_heads) * hd  // q, k, v
                              + c.heads * hd * c.dim;                    // o
   return c.vocab * c.dim + c.layers * block + c.dim + (c.tie_embeddings ? 0 : c.dim * c.vocab);
@@ -178,8 +204,16 @@ std::size_t llama_activation_bytes(const LlamaConfig& c, std::int64_t rows, std:
                        (fused_attention ? 4.0 / e : static_cast<double>(seq));
   const double stats = N * 4;  // an RMSNorm's rstd, f32 a row
   // A block saves its input, the norm's output, qkv (before and after rotation), attention's
-  // output and probabilities, the residual's output, the norm's output, gate | up and SwiGLU's.
-  const double block = (4 * D + 2 * qkv + attn + 3 * I) * N * e + probs * e + 2 * stats;
+  // output and probabilities, the residual's output, the norm's output, gate | up and SwiGLU's;
+  // a MoE block instead the router's logits, its probabilities, weights and places (f32, i32),
+  // and for each of a token's k experts its row, gate | up, SwiGLU's and the output (the mean
+  // over the layers here).
+  const double Ex = static_cast<double>(c.moe.experts), k = static_cast<double>(c.moe.top_k);
+  const double W = static_cast<double>(c.expert_width());
+  const double moe_mlp = Ex + k * (2 * D + 3 * W) + (4 * Ex + 12 * k) / e;
+  const double sparse = c.layers > 0 ? static_cast<double>(c.moe_layers()) / static_cast<double>(c.layers) : 0;
+  const double mlp = (1 - sparse) * 3 * I + sparse * moe_mlp;
+  const double block = (4 * D + 2 * qkv + attn + mlp) * N * e + probs * e + 2 * stats;
   const double kept = D * N * e;  // a checkpointed block keeps its input only
   const auto L = static_cast<double>(c.layers), K = static_cast<double>(std::clamp<std::int64_t>(checkpointed_blocks, 0, c.layers));
   // The logits held and their gradient beside the head input's (or one chunk of them, its rows'
@@ -188,7 +222,8 @@ std::size_t llama_activation_bytes(const LlamaConfig& c, std::int64_t rows, std:
   const double logits = logits_chunk_bytes > 0 ? 3 * N * 4 : V * N * e;
   const double head_grad = logits_chunk_bytes > 0 ? chunk + D * N * (4 + e) : (V + D) * N * e;
   const double saved = (L - K) * block + K * kept + (K > 0 ? block : 0) + 2 * D * N * e + logits + stats;
-  const double working = std::max({head_grad, (2 * probs + 2 * qkv * N) * e, (4 * I + 2 * D) * N * e});
+  const double working = std::max({head_grad, (2 * probs + 2 * qkv * N) * e, (4 * I + 2 * D) * N * e,
+                                   sparse > 0 ? (k * (4 * W + 3 * D) + D) * N * e : 0.0});
   return static_cast<std::size_t>(saved + working);
 }
 
@@ -204,6 +239,7 @@ Result<std::unique_ptr<Sequential>> make_llama(const LlamaConfig& c) {
     auto attn = std::make_unique<Sequential>();
     attn->add("norm", std::make_unique<RmsNorm>(c.dim, eps));
     attn->add("qkv", std::make_unique<Linear>(c.dim, (c.heads + 2 * c.kv_heads) * hd, false, weight));
+    if (c.qk_norm) attn->add("qk_norm", std::make_unique<HeadNorms>(c.heads, c.kv_heads, hd, eps));
     attn->add("rope", std::make_unique<RotaryEmbedding>(c.heads, c.kv_heads, hd, c.rope_theta, c.rope_scaling));
     attn->add("core", std::make_unique<CausalSelfAttention>(AttentionHeads{c.heads, c.kv_heads, hd}));
     attn->add("proj", std::make_unique<Linear>(c.heads * hd, c.dim, false, weight));
@@ -225,6 +261,9 @@ Result<std::unique_ptr<Sequential>> make_llama(const LlamaConfig& c) {
 Result<void> check_tensor_parallel(const LlamaConfig& c, std::int64_t tensor) {
   COSHARD_TRY(c.validate());
   if (tensor < 1) return fail(ErrorCode::invalid_argument, "tensor-parallel size ", tensor, ": expected at least 1");
+  if (tensor > 1 && c.qk_norm)
+    return fail(ErrorCode::unsupported, "tensor-parallel size ", tensor, ": the query and key head norms (Qwen3's ",
+                "q_norm and k_norm) are not split over tensor ranks (use data parallelism: tensor size 1)");
   if (tensor > 1 && c.moe.enabled())
     return fail(ErrorCode::unsupported, "tensor-parallel size ", tensor, ": a mixture of experts (", c.moe.experts,
                 " experts) is not split over tensor ranks (use data parallelism: tensor size 1)");

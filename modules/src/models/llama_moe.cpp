@@ -11,8 +11,12 @@ namespace coshard::modules {
 
 Result<void> LlamaConfig::validate_moe() const {
   const MoeConfig& m = moe;
-  if (family == HfFamily::mixtral && !m.enabled())
-    return fail(ErrorCode::invalid_argument, "LlamaConfig.moe.experts=0: a Mixtral has experts (num_local_experts >= 1)");
+  if ((family == HfFamily::mixtral || family == HfFamily::qwen3_moe) && !m.enabled())
+    return fail(ErrorCode::invalid_argument, "LlamaConfig.moe.experts=0: a ",
+                family == HfFamily::mixtral ? "Mixtral" : "Qwen3-MoE", " has experts (expected at least 1)");
+  if ((family == HfFamily::llama || family == HfFamily::qwen3) && m.enabled())
+    return fail(ErrorCode::invalid_argument, "LlamaConfig.moe.experts=", m.experts, ": the family (",
+                family == HfFamily::llama ? "Llama" : "Qwen3", ") has no experts: name a Mixtral or Qwen3-MoE family");
   if (!m.enabled()) {
     if (m.experts < 0) return fail(ErrorCode::invalid_argument, "LlamaConfig.moe.experts=", m.experts, ": expected >= 0");
     return {};

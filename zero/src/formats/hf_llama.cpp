@@ -11,7 +11,7 @@
 #include "coshard/async/runtime.hpp"
 #include "coshard/zero/peft.hpp"
 #include "formats/hf_format.hpp"
-#include "formats/hf_moe.hpp"
+#include "formats/hf_families.hpp"
 #include "formats/parameter_decode.hpp"
 
 namespace coshard::zero {
@@ -32,6 +32,7 @@ std::vector<detail::Mapping> llama_mappings(const LlamaConfig& c) {
     m.push_back({h + "attn.qkv.weight", Shape{(H + 2 * K) * hd, D},
                  {{hf + "self_attn.q_proj.weight", H * hd}, {hf + "self_attn.k_proj.weight", K * hd},
                   {hf + "self_attn.v_proj.weight", K * hd}}});
+    detail::add_head_norm_mappings(m, c, h + "attn.", hf);
     m.push_back({h + "attn.proj.weight", Shape{D, H * hd}, {{hf + "self_attn.o_proj.weight", 0}}});
     m.push_back({h + "mlp.norm.weight", Shape{D}, {{hf + "post_attention_layernorm.weight", 0}}});
     if (c.moe_layer(l)) {
@@ -68,13 +69,11 @@ Result<LlamaConfig> parse_hf_llama_config(std::string_view text, std::string_vie
   if (doc.is_discarded() || !doc.is_object()) return fail(ErrorCode::invalid_argument, source, ": not a JSON object");
   const detail::Fields f{doc, source};
   const std::string model_type = doc.contains("model_type") && doc["model_type"].is_string() ? doc["model_type"].get<std::string>() : "";
-  bool llama_architecture = false;
-  if (doc.contains("architectures") && doc["architectures"].is_array())
-    for (const auto& a : doc["architectures"]) llama_architecture = llama_architecture || a == "LlamaForCausalLM";
-  const bool mixtral = detail::names_mixtral(doc);
-  if (model_type != "llama" && !llama_architecture && !mixtral)
+  const auto family = detail::family_named(doc);
+  if (!family)
     return fail(ErrorCode::unsupported, source, ": model_type \"", model_type,
-                "\" (expected \"llama\" or \"mixtral\", transformers' LlamaForCausalLM or MixtralForCausalLM)");
+                "\" (expected \"llama\", \"mixtral\", \"qwen3\" or \"qwen3_moe\": transformers' LlamaForCausalLM, "
+                "MixtralForCausalLM, Qwen3ForCausalLM or Qwen3MoeForCausalLM)");
   for (const char* bias : {"attention_bias", "mlp_bias"}) {
     COSHARD_TRY_ASSIGN(const bool on, f.boolean(bias, false));
     if (on) return fail(ErrorCode::unsupported, source, ": \"", bias, "\"=true (coshard's Llama has no biases)");
@@ -93,7 +92,7 @@ Result<LlamaConfig> parse_hf_llama_config(std::string_view text, std::string_vie
   COSHARD_TRY_ASSIGN(c.norm_eps, f.number(doc, "rms_norm_eps", 1e-6));
   COSHARD_TRY_ASSIGN(c.init_std, f.number(doc, "initializer_range", 0.02));
   COSHARD_TRY_ASSIGN(c.tie_embeddings, f.boolean("tie_word_embeddings", false));
-  if (mixtral) COSHARD_TRY(detail::read_mixtral_fields(f, c));
+  COSHARD_TRY(detail::read_family_fields(f, *family, c));
   // The rotary base and scaling: rope_theta and rope_scaling, or (newer transformers)
   // rope_parameters holding both.
   const json* rope = nullptr;
@@ -162,7 +161,7 @@ std::string hf_llama_config_json(const LlamaConfig& c, DataType dtype) {
   doc["pretraining_tp"] = 1;
   doc["use_cache"] = true;
   doc["torch_dtype"] = torch_dtype_name(dtype);
-  detail::write_moe_fields(doc, c);
+  detail::write_family_fields(doc, c);
   return doc.dump(2) + "\n";
 }
 

@@ -41,8 +41,9 @@ struct MoeConfig {
   bool enabled() const noexcept { return experts > 0; }
 };
 
-// Which transformers architecture a config names (its tensors' names and config.json's keys).
-enum class HfFamily : std::uint8_t { llama, mixtral };
+// Which transformers architecture a config names (its tensors' names and config.json's keys):
+// LlamaForCausalLM, MixtralForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM.
+enum class HfFamily : std::uint8_t { llama, mixtral, qwen3, qwen3_moe };
 
 struct LlamaConfig {
   std::int64_t vocab = 256;
@@ -58,6 +59,7 @@ struct LlamaConfig {
   double norm_eps = 1e-5;          // rms_norm_eps
   bool tie_embeddings = false;     // tie_word_embeddings
   double init_std = 0.02;          // initializer_range
+  bool qk_norm = false;            // Qwen3's RMSNorm of each query and key head (HeadNorms)
   MoeConfig moe{};                 // mixture of experts (none by default)
   HfFamily family = HfFamily::llama;
 
@@ -100,7 +102,7 @@ Result<std::unique_ptr<Sequential>> make_llama(const LlamaConfig& config);
 // MLP's width or the vocabulary.
 Result<std::unique_ptr<Sequential>> make_llama(const LlamaConfig& config, collectives::Communicator& tensor_group);
 // The checks of that make_llama without a group: whether `tensor` ranks can split `config` (a
-// mixture of experts is refused: its experts are not split over tensor ranks).
+// mixture of experts and Qwen3's head norms are refused: neither is split over tensor ranks).
 Result<void> check_tensor_parallel(const LlamaConfig& config, std::int64_t tensor);
 
 // Device bytes one forward and backward of `rows` sequences of `seq` tokens take in `dtype`

@@ -101,6 +101,36 @@ class SwiGlu final : public Module {
   SavedPerCall<Tensor> input_;
 };
 
+// Qwen3's RMSNorm of each query and key head (transformers' q_norm and k_norm, one gain of
+// head_dim each, shared by the heads) on the fused projection qkv [..., (n_heads + 2 n_kv_heads)
+// * head_dim], before the rotary embedding; the value heads pass unchanged. Its children "q" and
+// "k" are RmsNorms over rows of head_dim: the heads are gathered into rows of theirs, normed
+// through the hooks, and put back.
+class HeadNorms final : public Module {
+ public:
+  HeadNorms(std::int64_t n_heads, std::int64_t n_kv_heads, std::int64_t head_dim, float eps);
+  std::string_view type_name() const override { return "HeadNorms"; }
+  async::Task<Result<Tensor>> forward(Context& ctx, Tensor input) override;
+  async::Task<Result<Tensor>> backward(Context& ctx, Tensor grad_output) override;
+  void clear_saved() override { saved_.clear(); }
+
+ private:
+  // Head rows of `rows` tokens, queries first, then keys, then values: the place of each (order,
+  // and its inverse), uploaded.
+  struct Places {
+    Tensor order, inverse;
+  };
+  Result<Places> places(Context& ctx, std::int64_t rows);
+  std::int64_t n_heads_, n_kv_heads_, head_dim_;
+  Module* q_ = nullptr;
+  Module* k_ = nullptr;
+  struct Saved {
+    Shape shape;
+    Places places;
+  };
+  SavedPerCall<Saved> saved_;
+};
+
 // Llama 3's scaling of the rotary frequencies (transformers' rope_scaling with rope_type "llama3"):
 // wavelengths longer than original_max_positions / low_freq_factor are stretched by `factor`,
 // shorter than original_max_positions / high_freq_factor are kept, and those between are blended.
