@@ -52,6 +52,10 @@ std::vector<std::pair<std::string, double>> tensorboard_scalars(const StepStats&
     if (value.is_null()) continue;  // absent: timing off, a step that does not evaluate
     out.emplace_back(std::string(m.tag), value.get<double>());
   }
+  for (std::size_t l = 0; l < s.experts_used.size(); ++l)
+    out.emplace_back("moe/experts_used/layer" + std::to_string(l), static_cast<double>(s.experts_used[l]));
+  for (std::size_t l = 0; l < s.largest_expert_share.size(); ++l)
+    out.emplace_back("moe/largest_expert_share/layer" + std::to_string(l), s.largest_expert_share[l]);
   return out;
 }
 

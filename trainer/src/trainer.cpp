@@ -12,6 +12,7 @@
 #include "coshard/modules/tensor_parallel.hpp"
 #include "coshard/async/log.hpp"
 #include "rank_agreement.hpp"
+#include "moe_metrics.hpp"
 #include "step_metrics.hpp"
 #include "coshard/trainer/settings.hpp"
 #include "trainer_impl.hpp"
@@ -74,6 +75,13 @@ std::span<const StepMetric> step_metrics() noexcept {
       {"loss_scale", "train/loss_scale", false, [](const StepStats& s) { return json(s.optimizer.loss_scale); }},
       {"skipped", "", false, [](const StepStats& s) { return json(s.optimizer.last_skipped); }},
       {"trace_changed", "", false, [](const StepStats& s) { return json(s.trace_changed); }},
+      // A mixture of experts' (absent for a dense model): the per-layer lists in the file alone,
+      // each layer a TensorBoard scalar of its own (tensorboard_scalars).
+      {"aux_loss", "train/aux_loss", false, [](const StepStats& s) { return s.aux_loss ? json(*s.aux_loss) : json(); }},
+      {"experts_used", "", false,
+       [](const StepStats& s) { return s.experts_used.empty() ? json() : json(s.experts_used); }},
+      {"largest_expert_share", "", false,
+       [](const StepStats& s) { return s.largest_expert_share.empty() ? json() : json(s.largest_expert_share); }},
       // (only on the steps that evaluate)
       {"val_loss", "val/loss", false, [](const StepStats& s) { return s.val_loss ? json(*s.val_loss) : json(); }},
   };
@@ -185,6 +193,7 @@ async::Task<Result<StepStats>> Trainer::Impl::step(std::span<const modules::Batc
                                                    std::optional<std::pair<std::int64_t, std::int64_t>> eval_shape) {
   Impl& s = *this;
   const float lr = s.config.lr_at(s.engine->steps_done());
+  if (s.own_aux_loss) s.own_aux_loss->reset_totals();
   COSHARD_CO_TRY_ASSIGN(auto e, co_await s.engine->step(*s.loss, micro, lr));
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   StepStats out;
@@ -196,6 +205,7 @@ async::Task<Result<StepStats>> Trainer::Impl::step(std::span<const modules::Batc
   out.lr = lr;
   out.peak_memory_bytes = s.allocator->stats().peak_in_use_bytes;
   out.blocking_waits = async::blocking_waits() - s.blocking_waits_at_start;
+  if (s.own_aux_loss) COSHARD_CO_TRY(co_await detail::add_moe_stats(*s.ctx, *s.comm, *s.own_aux_loss, out));
   const bool due = (s.config.eval_every > 0 && out.step % s.config.eval_every == 0) || s.validation_requested;
   if (s.validation && eval_shape && due) {
     s.validation_requested = false;

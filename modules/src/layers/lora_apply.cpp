@@ -2,6 +2,7 @@
 // rule, a Llama's fused projections one adapter each) and where each sits in its layer, whole or
 // split with a tensor-parallel one.
 #include "coshard/modules/lora.hpp"
+#include "coshard/modules/moe.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -142,9 +143,10 @@ Result<std::vector<LoraAdapterInfo>> adapt_by_glob(Module& model, const LoraOpti
 }
 
 // make_llama's blocks, as found in a model: h{l}.attn.rope (its heads), .attn.qkv, .attn.proj,
-// .mlp.gate_up and .mlp.down, for every l from 0.
+// and .mlp.gate_up and .mlp.down or a mixture of experts (.mlp.moe), for every l from 0.
 struct LlamaLayout {
   std::int64_t layers = 0, dim = 0, heads = 0, kv_heads = 0, head_dim = 0, intermediate = 0;
+  std::vector<bool> experts;  // per layer: its MLP is a mixture of experts
 };
 
 std::optional<LlamaLayout> llama_layout(Module& model) {
@@ -159,17 +161,19 @@ std::optional<LlamaLayout> llama_layout(Module& model) {
       return by_path.contains(h + name) ? dynamic_cast<Linear*>(by_path[h + name]) : nullptr;
     };
     Linear *qkv = linear("attn.qkv"), *proj = linear("attn.proj"), *gate_up = linear("mlp.gate_up"), *down = linear("mlp.down");
-    if (!qkv || !proj || !gate_up || !down) return std::nullopt;
-    const LlamaLayout here{0, proj->out_features(), rope->n_heads(), rope->n_kv_heads(), rope->head_dim(),
-                           gate_up->out_features() / 2};
-    if (qkv->out_features() != (here.heads + 2 * here.kv_heads) * here.head_dim || down->out_features() != here.dim)
+    const bool experts = by_path.contains(h + "mlp.moe") && dynamic_cast<SparseMoe*>(by_path[h + "mlp.moe"]) != nullptr;
+    if (!qkv || !proj || (!experts && (!gate_up || !down))) return std::nullopt;
+    LlamaLayout here{0, proj->out_features(), rope->n_heads(), rope->n_kv_heads(), rope->head_dim(),
+                     experts ? c.intermediate : gate_up->out_features() / 2, {}};
+    if (qkv->out_features() != (here.heads + 2 * here.kv_heads) * here.head_dim || (!experts && down->out_features() != here.dim))
       return std::nullopt;
     if (c.layers > 0 && (here.dim != c.dim || here.heads != c.heads || here.kv_heads != c.kv_heads ||
-                         here.head_dim != c.head_dim || here.intermediate != c.intermediate))
+                         here.head_dim != c.head_dim || (c.intermediate > 0 && here.intermediate != c.intermediate)))
       return std::nullopt;
-    const std::int64_t layers = c.layers;
-    c = here;
-    c.layers = layers;
+    here.layers = c.layers;
+    here.experts = std::move(c.experts);
+    here.experts.push_back(experts);
+    c = std::move(here);
   }
   if (c.layers == 0) return std::nullopt;
   return c;
@@ -184,6 +188,7 @@ Result<std::vector<LoraAdapterInfo>> adapt_llama(Module& model, const LlamaLayou
     const char* linear;  // under h{l}
     std::int64_t begin, end;
   };
+  constexpr std::size_t kFirstMlpProjection = 4;  // gate_proj, up_proj, down_proj from here
   const Projection projections[] = {{"q_proj", "attn.qkv", 0, q},           {"k_proj", "attn.qkv", q, q + kv},
                                     {"v_proj", "attn.qkv", q + kv, q + 2 * kv}, {"o_proj", "attn.proj", 0, c.dim},
                                     {"gate_proj", "mlp.gate_up", 0, I},        {"up_proj", "mlp.gate_up", I, 2 * I},
@@ -205,6 +210,10 @@ Result<std::vector<LoraAdapterInfo>> adapt_llama(Module& model, const LlamaLayou
     for (std::int64_t l = 0; l < c.layers; ++l)
       for (std::size_t j = 0; j < std::size(projections); ++j)
         if (peft_list_matches(bare, llama_module_name(l, projections[j].hf))) {
+          if (j >= kFirstMlpProjection && c.experts[static_cast<std::size_t>(l)])
+            return fail(ErrorCode::unsupported, "LoRA target \"", target, "\": layer ", l, "'s MLP is a mixture of ",
+                        "experts (adapters on the experts by their Hugging Face names are not built: target the ",
+                        "attention's projections, or the experts' layers by path, e.g. 'h*.mlp.moe.experts.*.down')");
           matched = true;
           wanted[static_cast<std::size_t>(l)][j] = true;
         }

@@ -39,7 +39,8 @@ Result<void> RouterBalance::add_layer(Context& ctx, bool first_layer, std::span<
     largest = std::max(largest, chosen_per_expert[e]);
     total += chosen_per_expert[e];
   }
-  loads_.push_back({static_cast<std::int64_t>(used), total > 0 ? largest / total : 0.0});
+  loads_.push_back({static_cast<std::int64_t>(used), total > 0 ? largest / total : 0.0,
+                    std::vector<double>(chosen_per_expert.begin(), chosen_per_expert.end())});
   rows_ += tokens;
   return ctx.kernels().add(ctx.stream(), DataType::f32, prob_sums_.data(), probs.data(), prob_sums_.data(), experts_);
 }
@@ -80,6 +81,7 @@ Result<void> RouterBalance::set_seed(Context& ctx, const Tensor& seed) {
 async::Task<Result<Tensor>> RouterAuxLoss::forward(Context& ctx, Tensor input) {
   COSHARD_CO_TRY_ASSIGN(Tensor value, co_await ctx.forward(*inner_, std::move(input)));
   COSHARD_CO_TRY_ASSIGN(last_aux_, balance_->loss(ctx));
+  COSHARD_CO_TRY(add_to_totals(ctx));
   if (balance_->coef() == 0) co_return value;
   const DataType dt = value.dtype();
   COSHARD_CO_TRY_ASSIGN(Tensor term, ctx.empty(Shape{1}, dt));
@@ -97,6 +99,21 @@ async::Task<Result<Tensor>> RouterAuxLoss::forward(Context& ctx, Tensor input) {
 async::Task<Result<Tensor>> RouterAuxLoss::backward(Context& ctx, Tensor seed) {
   COSHARD_CO_TRY(balance_->set_seed(ctx, seed));
   co_return co_await ctx.backward(*inner_, std::move(seed));
+}
+
+Result<void> RouterAuxLoss::add_to_totals(Context& ctx) {
+  const auto& loads = balance_->layer_loads();
+  if (totals_.chosen.size() != loads.size()) totals_.chosen.assign(loads.size(), {});
+  for (std::size_t l = 0; l < loads.size(); ++l) {
+    auto& sum = totals_.chosen[l];
+    if (sum.size() != loads[l].chosen.size()) sum.assign(loads[l].chosen.size(), 0.0);
+    for (std::size_t e = 0; e < sum.size(); ++e) sum[e] += loads[l].chosen[e];
+  }
+  ++totals_.forwards;
+  if (!totals_.aux_sum) {
+    COSHARD_TRY_ASSIGN(totals_.aux_sum, ctx.zeros(Shape{1}, DataType::f32));
+  }
+  return ctx.kernels().add(ctx.stream(), DataType::f32, totals_.aux_sum.data(), last_aux_.data(), totals_.aux_sum.data(), 1);
 }
 
 void RouterAuxLoss::clear_saved() {

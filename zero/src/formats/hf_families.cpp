@@ -73,6 +73,15 @@ Result<void> read_qwen3_moe(const Fields& f, LlamaConfig& c) {
 
 }  // namespace
 
+std::string_view family_title(HfFamily family) {
+  switch (family) {
+    case HfFamily::mixtral: return "Mixtral";
+    case HfFamily::qwen3: return "Qwen3";
+    case HfFamily::qwen3_moe: return "Qwen3-MoE";
+    default: return "Llama";
+  }
+}
+
 std::optional<HfFamily> family_named(const json& doc) {
   for (const auto& n : kFamilies) {
     if (doc.contains("model_type") && doc["model_type"] == n.model_type) return n.family;

@@ -13,6 +13,8 @@
 
 namespace coshard::zero::detail {
 
+// "Llama", "Mixtral", "Qwen3", "Qwen3-MoE": what errors call the model.
+std::string_view family_title(modules::HfFamily family);
 // The family config.json names (model_type, or its architectures), or none of the four.
 std::optional<modules::HfFamily> family_named(const json& doc);
 // The family's own keys into c (after the Llama keys): Mixtral's num_local_experts and

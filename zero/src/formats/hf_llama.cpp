@@ -208,10 +208,10 @@ Result<std::vector<GatheredParameter>> from_hf_llama(const LlamaConfig& c, std::
       const Shape shape = piece_shape(m, piece);
       if (it == by_name.end())
         return fail(ErrorCode::invalid_argument, "tensor ", piece.hf_name, " is missing (expected ", shape.to_string(),
-                    " for the config's Llama)");
+                    " for the config's ", detail::family_title(c.family), ")");
       if (!(it->second->shape == shape))
         return fail(ErrorCode::invalid_argument, "tensor ", piece.hf_name, " is ", it->second->shape.to_string(),
-                    " (expected ", shape.to_string(), " for the config's Llama)");
+                    " (expected ", shape.to_string(), " for the config's ", detail::family_title(c.family), ")");
       p.bytes.insert(p.bytes.end(), it->second->bytes.begin(), it->second->bytes.end());
       by_name.erase(it);
     }
@@ -230,7 +230,7 @@ Result<std::vector<GatheredParameter>> from_hf_llama(const LlamaConfig& c, std::
   for (auto it = by_name.begin(); it != by_name.end();)
     it = it->first.ends_with("rotary_emb.inv_freq") ? by_name.erase(it) : std::next(it);
   if (!by_name.empty())
-    return fail(ErrorCode::invalid_argument, "tensor ", by_name.begin()->first, " is not part of the config's Llama (",
+    return fail(ErrorCode::invalid_argument, "tensor ", by_name.begin()->first, " is not part of the config's ", detail::family_title(c.family), " (",
                 by_name.size(), " such tensor", by_name.size() == 1 ? "" : "s", ")");
   return out;
 }

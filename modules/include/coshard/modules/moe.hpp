@@ -63,6 +63,7 @@ class RouterBalance {
   struct LayerLoad {
     std::int64_t experts_used = 0;  // experts this rank routed a token to
     double largest_share = 0;       // the largest expert's share of the layer's choices
+    std::vector<double> chosen;     // the choices of each expert
   };
   const std::vector<LayerLoad>& layer_loads() const noexcept { return loads_; }
 
@@ -141,10 +142,23 @@ class RouterAuxLoss final : public Loss {
   const Tensor& last_aux_loss() const noexcept { return last_aux_; }
   RouterBalance& balance() const noexcept { return *balance_; }
 
+  // What the forwards since the last reset_totals routed (a step's micro-batches, say): the sum of
+  // their load-balancing losses (f32 [1] on the device; empty before one), how many, and each
+  // MoE layer's choices of each expert, summed.
+  struct Totals {
+    Tensor aux_sum;
+    std::int64_t forwards = 0;
+    std::vector<std::vector<double>> chosen;  // [layer][expert]
+  };
+  const Totals& totals() const noexcept { return totals_; }
+  void reset_totals() noexcept { totals_ = {}; }
+
  private:
+  Result<void> add_to_totals(Context& ctx);
   Loss* inner_;
   std::shared_ptr<RouterBalance> balance_;
   Tensor last_aux_;
+  Totals totals_;
 };
 
 // The balance the MoE layers of `model` share (null when it has none).

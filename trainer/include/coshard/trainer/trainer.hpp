@@ -47,6 +47,12 @@ struct StepStats : zero::EngineStepStats {
   std::uint64_t blocking_waits = 0;     // the runtime's counter, process-wide, since the engine was made
   // The validation loss after this step (TrainerConfig::eval_every): absent on other steps.
   std::optional<double> val_loss;
+  // A mixture of experts' (absent, empty for a dense model): the load-balancing loss (without its
+  // weight), the mean over ranks and micro-batches; per MoE layer, the experts any rank routed a
+  // token to in the step, and the largest expert's share of the step's choices.
+  std::optional<double> aux_loss;
+  std::vector<std::int64_t> experts_used;
+  std::vector<double> largest_expert_share;
 };
 
 // One JSON object (one line, no newline) with the keys of StepStats (not the timeline).

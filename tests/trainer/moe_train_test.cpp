@@ -1,0 +1,181 @@
+// coshard-train with mixture-of-experts models (#62), the user's path: a Qwen3-MoE and a Mixtral
+// Hugging Face folder fine-tuned with --init at world 2, ZeRO-3, offload and accumulation, the
+// load-balancing loss on, exported, and the export read back bit for bit; the step metrics of the
+// routing; a resume continuing the uninterrupted run; LoRA on the attention of a MoE model leaving
+// the experts as they were; bad folders and flags refused by name before anything runs.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "binary_harness.hpp"
+
+namespace coshard::testing {
+namespace {
+
+std::vector<nlohmann::json> lines(const fs::path& metrics) {
+  std::ifstream in(metrics);
+  std::string line;
+  std::vector<nlohmann::json> out;
+  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+// A folder a user starts from: the preset's model exported as Hugging Face's, nothing trained.
+fs::path make_folder(const fs::path& dir, const std::string& preset) {
+  const auto made = run({"--model", "llama", "--preset", preset, "--world-size", "1", "--seq", "16", "--batch", "2",
+                         "--steps", "1", "--lr", "1e-30", "--seed", "5", "--quiet", "--export", (dir / preset).string()},
+                        dir);
+  EXPECT_EQ(made.code, 0) << made.output;
+  return dir / preset;
+}
+
+std::vector<std::string> from(const fs::path& folder, const std::string& steps) {
+  return {"--init", folder.string(), "--seq", "16", "--batch", "8", "--lr", "0.003", "--steps", steps, "--world-size", "2"};
+}
+
+TEST(CoshardTrainMoe, FoldersFineTuneExportAndReadBackBitForBit) {
+  const fs::path dir = scratch("moe_folders");
+  for (const std::string preset : {"qwen3-moe-tiny", "mixtral-tiny"}) {
+    const fs::path base = make_folder(dir, preset);
+    const auto config = nlohmann::json::parse(slurp(base / "config.json"));
+    EXPECT_EQ(config["model_type"], preset == "mixtral-tiny" ? "mixtral" : "qwen3_moe") << config.dump();
+    const fs::path metrics = dir / (preset + ".jsonl"), tuned = dir / (preset + "_tuned");
+    const auto trained = run(with(from(base, "6"), {"--router-aux-loss-coef", "0.01", "--grad-accum", "2",
+                                                    "--offload-optimizer", "cpu", "--metrics", metrics.string(),
+                                                    "--export", tuned.string()}),
+                             dir);
+    ASSERT_EQ(trained.code, 0) << trained.output;
+    EXPECT_NE(trained.output.find("mixture of experts:"), std::string::npos) << trained.output;
+    EXPECT_NE(trained.output.find("load-balancing loss x 0.01"), std::string::npos) << trained.output;
+    const auto steps = lines(metrics);
+    ASSERT_EQ(steps.size(), 6u);
+    EXPECT_LT(steps.back()["loss"].get<double>(), steps.front()["loss"].get<double>()) << preset << ": nothing learned";
+    const int experts = preset == "mixtral-tiny" ? 4 : 8;
+    for (const auto& s : steps) {
+      // Top 2: the pooled loss is near 2 for a balanced router (transformers' formula), never 0.
+      EXPECT_GT(s["aux_loss"].get<double>(), 1.0) << s.dump();
+      EXPECT_LT(s["aux_loss"].get<double>(), static_cast<double>(experts)) << s.dump();
+      ASSERT_EQ(s["experts_used"].size(), 2u) << s.dump();
+      for (const auto& used : s["experts_used"]) EXPECT_TRUE(used.get<int>() >= 2 && used.get<int>() <= experts) << s.dump();
+      for (const auto& share : s["largest_expert_share"]) {
+        EXPECT_GE(share.get<double>(), 1.0 / experts) << s.dump();
+        EXPECT_LE(share.get<double>(), 1.0) << s.dump();
+      }
+    }
+    // Read back: a step at lr 1e-30 changes nothing in f32, so its export is the same file.
+    const fs::path again = dir / (preset + "_again");
+    const auto read = run({"--init", tuned.string(), "--seq", "16", "--batch", "2", "--lr", "1e-30", "--steps", "1",
+                           "--world-size", "2", "--quiet", "--export", again.string()},
+                          dir);
+    ASSERT_EQ(read.code, 0) << read.output;
+    EXPECT_EQ(slurp(tuned / "model.safetensors"), slurp(again / "model.safetensors")) << preset;
+    EXPECT_EQ(nlohmann::json::parse(slurp(tuned / "config.json")), nlohmann::json::parse(slurp(again / "config.json")));
+    EXPECT_NE(slurp(base / "model.safetensors"), slurp(tuned / "model.safetensors")) << preset << ": nothing trained";
+  }
+}
+
+TEST(CoshardTrainMoe, AResumeContinuesTheUninterruptedRun) {
+  const fs::path dir = scratch("moe_resume");
+  const std::vector<std::string> job = {"--model", "llama", "--preset", "qwen3-moe-tiny", "--seq", "16", "--batch", "4",
+                                        "--world-size", "2", "--router-aux-loss-coef", "0.01", "--checkpoint-dir",
+                                        (dir / "ckpt").string(), "--checkpoint-every", "2"};
+  const auto whole = run(with(job, {"--steps", "4", "--metrics", (dir / "whole.jsonl").string()}), dir);
+  ASSERT_EQ(whole.code, 0) << whole.output;
+  fs::remove_all(dir / "ckpt");
+  const auto first = run(with(job, {"--steps", "2", "--metrics", (dir / "first.jsonl").string()}), dir);
+  ASSERT_EQ(first.code, 0) << first.output;
+  const auto rest = run(with(job, {"--steps", "4", "--resume", "--metrics", (dir / "rest.jsonl").string()}), dir);
+  ASSERT_EQ(rest.code, 0) << rest.output;
+  auto got = losses_in(dir / "first.jsonl");
+  const auto more = losses_in(dir / "rest.jsonl");
+  got.insert(got.end(), more.begin(), more.end());
+  EXPECT_EQ(got, losses_in(dir / "whole.jsonl"));
+}
+
+TEST(CoshardTrainMoe, LoraOnTheAttentionLeavesTheExpertsAsTheyWere) {
+  const fs::path dir = scratch("moe_lora");
+  const fs::path base = make_folder(dir, "mixtral-tiny");
+  const auto tuned = run(with(from(base, "3"), {"--lora-rank", "4", "--export", (dir / "merged").string()}), dir);
+  ASSERT_EQ(tuned.code, 0) << tuned.output;
+  // The merged export: the adapted q and v projections changed, every expert and router kept.
+  const auto read = [](const fs::path& file) {
+    std::ifstream in(file, std::ios::binary);
+    std::uint64_t n = 0;
+    in.read(reinterpret_cast<char*>(&n), 8);
+    std::string header(n, '\0');
+    in.read(header.data(), static_cast<std::streamsize>(n));
+    const std::string data{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+    std::map<std::string, std::string> out;
+    const auto parsed = nlohmann::json::parse(header);  // (named: items() of a temporary dangles)
+    for (const auto& [name, t] : parsed.items()) {
+      if (name == "__metadata__") continue;
+      const auto b = t["data_offsets"][0].get<std::size_t>(), e = t["data_offsets"][1].get<std::size_t>();
+      out[name] = data.substr(b, e - b);
+    }
+    return out;
+  };
+  const auto before = read(base / "model.safetensors"), after = read(dir / "merged" / "model.safetensors");
+  ASSERT_EQ(before.size(), after.size());
+  int changed = 0;
+  for (const auto& [name, bytes] : before) {
+    const bool adapted = name.find("q_proj") != std::string::npos || name.find("v_proj") != std::string::npos;
+    EXPECT_EQ(after.at(name) != bytes, adapted) << name;
+    changed += after.at(name) != bytes ? 1 : 0;
+  }
+  EXPECT_EQ(changed, 4);  // q and v of 2 layers
+}
+
+TEST(CoshardTrainMoe, BadFoldersAndFlagsAreRefusedByName) {
+  const fs::path dir = scratch("moe_refusals");
+  const fs::path base = make_folder(dir, "qwen3-moe-tiny");
+  const auto config = nlohmann::json::parse(slurp(base / "config.json"));
+  auto refused = [&](const std::string& name, nlohmann::json changed, const std::string& expected) {
+    const fs::path folder = dir / name;
+    fs::create_directories(folder);
+    fs::copy_file(base / "model.safetensors", folder / "model.safetensors", fs::copy_options::overwrite_existing);
+    std::ofstream(folder / "config.json") << changed.dump();
+    const auto r = run(from(folder, "1"), dir);
+    EXPECT_NE(r.code, 0) << name << ": " << r.output;
+    EXPECT_EQ(r.output.find("step 1"), std::string::npos) << name << ": trained: " << r.output;
+    EXPECT_NE(r.output.find(expected), std::string::npos) << name << ": " << r.output;
+  };
+  auto c = config;
+  c["num_experts_per_tok"] = 0;
+  refused("top0", c, "top_k=0");
+  c = config;
+  c["num_experts_per_tok"] = 9;
+  refused("top9", c, "top_k=9");
+  c = config;
+  c["mlp_only_layers"] = {5};
+  refused("dense5", c, "layer 5");
+  c = config;
+  c["num_experts"] = 0;
+  refused("experts0", c, "has experts");
+  c = config;
+  c["num_experts"] = 7;  // the file holds 8 experts: the eighth is extra
+  refused("experts7", c, "mlp.gate.weight is [8, 64] (expected [7, 64] for the config's Qwen3-MoE)");
+  c = config;
+  c["num_experts"] = 9;  // one missing
+  refused("experts9", c, "mlp.gate.weight is [8, 64] (expected [9, 64]");
+  c = config;
+  c["moe_intermediate_size"] = 16;  // the router is right, the experts' matrices are not
+  refused("width16", c, "experts.0.gate_proj.weight is [32, 64] (expected [16, 64]");
+  c = config;
+  c["use_sliding_window"] = true;
+  refused("sliding", c, "use_sliding_window");
+  const auto dense = run({"--model", "llama", "--preset", "llama-tiny", "--router-aux-loss-coef", "0.1", "--steps", "1"}, dir);
+  EXPECT_EQ(dense.code, 2);
+  EXPECT_NE(dense.output.find("has no experts"), std::string::npos) << dense.output;
+  const auto tp = run(with(from(base, "1"), {"--tensor-parallel", "2"}), dir);
+  EXPECT_EQ(tp.code, 2);
+  EXPECT_NE(tp.output.find("not split over tensor ranks"), std::string::npos) << tp.output;
+}
+
+}  // namespace
+}  // namespace coshard::testing
