@@ -170,6 +170,8 @@ async::Task<Result<void>> ModuleHooks::agree_on_union(Context&, std::span<double
   co_return Result<void>{};
 }
 
+void ModuleHooks::announce_next(Context&, std::span<Module* const>) {}
+
 Result<void> Parameter::bind(Tensor value, Tensor grad) {
   if (!(value.shape() == shape_))
     return fail(ErrorCode::invalid_argument, "parameter ", name_, ": value shape ", value.shape().to_string(),

@@ -77,6 +77,7 @@ struct Layout {
   OffloadTarget optimizer = OffloadTarget::none;
   OffloadTarget params = OffloadTarget::none;
   bool disjoint = false;  // each rank's tokens routed to experts of its own
+  bool every_expert = false;  // SparseMoe's every_expert_runs: every expert gathered each pass
   int steps = 3;
   std::string name() const {
     return "world " + std::to_string(world) + ", stage " + std::to_string(stage) + ", " +
@@ -92,6 +93,8 @@ struct TrainedRun {
   Values whole;
   Values initial;  // after initialize (and the disjoint routing's weights)
   std::int64_t most_experts_used = 0;  // rank 0's, in any layer of any micro-batch
+  std::vector<std::size_t> gathered_bytes;  // per step
+  std::vector<FetchUnitInfo> units;
 };
 
 // Sequence s of step `step`. Disjoint routing: the first half of the sequences (rank 0's at world
@@ -156,7 +159,8 @@ void steer(std::vector<GatheredParameter>& params) {
 
 Result<TrainedRun> train(const Layout& k) {
   const auto swap = fs::current_path() / "moe_scratch" / ::testing::UnitTest::GetInstance()->current_test_info()->name();
-  const auto config = moe_llama(k.variant);
+  auto config = moe_llama(k.variant);
+  config.moe.every_expert_runs = k.every_expert;
   TrainedRun run;
   std::mutex mutex;
   const auto errors = ::coshard::testing::on_ranks(k.world, [&](int r, collectives::Communicator& world)
@@ -205,12 +209,16 @@ Result<TrainedRun> train(const Layout& k) {
         COSHARD_CO_TRY(engine->add_loss(value));
       }
       COSHARD_CO_TRY_ASSIGN(auto stats, co_await engine->finish_step());
-      if (r == 0) run.losses.push_back(stats.loss);
+      if (r == 0) {
+        run.losses.push_back(stats.loss);
+        run.gathered_bytes.push_back(stats.gathered_bytes);
+      }
     }
     COSHARD_CO_TRY_ASSIGN(auto gathered, co_await engine->gather_parameters());
     if (r == 0) {
       std::lock_guard lock(mutex);
       run.whole = to_values(gathered);
+      run.units = engine->units();
     }
     engine.reset();
     COSHARD_CO_TRY(stream.synchronize());
@@ -315,6 +323,37 @@ TEST(MixtureOfExperts, RanksRoutingToDisjointExpertsAgreeAndLeaveUnusedExpertsUn
         EXPECT_EQ(same, unused) << k.name() << ": " << name << (unused ? " changed, though no rank routed to it" : " did not train");
       }
     }
+}
+
+// At stage 3 the experts nobody routed to are never gathered: every step gathers exactly their
+// bytes (both layers' experts 4 and 5, in forward and in backward) fewer than the same run with
+// every expert running; each expert is a unit of its own, coalesced or not (a unit spanning two
+// experts would be gathered for either).
+TEST(MixtureOfExperts, AtStageThreeOnlyTheRoutedExpertsAreGathered) {
+  for (bool coalesced : {false, true}) {
+    const Layout routed{.world = 2, .stage = 3, .coalesced = coalesced, .disjoint = true};
+    Layout every = routed;
+    every.every_expert = true;
+    auto a = train(routed), b = train(every);
+    ASSERT_TRUE(a) << a.error().message();
+    ASSERT_TRUE(b) << b.error().message();
+    std::size_t unused = 0;
+    for (const auto& u : a->units) {
+      const bool expert = u.name.find(".experts.") != std::string::npos;
+      EXPECT_EQ(u.routed, expert) << u.name;
+      for (const auto& p : u.parameters)
+        if (expert) {
+          EXPECT_EQ(p.substr(0, p.find(".experts.") + 10), u.name.substr(0, u.name.find(".experts.") + 10))
+              << u.name << " holds " << p << ": a unit spans two experts";
+        }
+      if (u.name.find(".experts.4.") != std::string::npos || u.name.find(".experts.5.") != std::string::npos)
+        unused += u.padded_bytes;
+    }
+    ASSERT_GT(unused, 0u);
+    ASSERT_EQ(a->gathered_bytes.size(), b->gathered_bytes.size());
+    for (std::size_t i = 0; i < a->gathered_bytes.size(); ++i)
+      EXPECT_EQ(a->gathered_bytes[i] + 2 * unused, b->gathered_bytes[i]) << routed.name() << ": step " << i;
+  }
 }
 
 TEST(MixtureOfExperts, BadSettingsAreRefusedByName) {

@@ -218,6 +218,10 @@ std::optional<int> choose_model(Options& o, const CommandLine& cl) {
   if (cl.intermediate->count()) flags.intermediate = cl.llama_flags.intermediate;
   if (cl.rope_theta->count()) flags.rope_theta = cl.llama_flags.rope_theta;
   if (cl.router_aux_loss_coef->count()) flags.router_aux_loss_coef = cl.llama_flags.moe.aux_loss_coef;
+  if (cl.experts->count()) flags.experts = cl.llama_flags.moe.experts;
+  flags.expert_fetch = cl.expert_fetch;
+  if (cl.experts_per_token->count()) flags.experts_per_token = cl.llama_flags.moe.top_k;
+  if (cl.expert_width->count()) flags.expert_width = cl.llama_flags.moe.intermediate;
   if (cl.tie_option->count()) flags.tie_embeddings = cl.tie;
   if (cl.untie_option->count()) flags.tie_embeddings = !cl.untie;
   auto resolved = resolve_model(flags);

@@ -103,6 +103,24 @@ void add_shape_options(CLI::App& app, Options& o, CommandLine& cl) {
                       ->check(kFinite)
                       ->check(CLI::Range(1.0 + 1e-9, 1e12))
                       ->default_str("");
+  cl.experts = app.add_option("--experts", cl.llama_flags.moe.experts,
+                               "llama: a mixture of experts in every layer's MLP, of this many experts (Qwen3-MoE's "
+                               "layout: head norms; default: none, or the preset's)")
+                   ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 16))
+                   ->default_str("");
+  cl.experts_per_token = app.add_option("--experts-per-token", cl.llama_flags.moe.top_k,
+                                        "llama: the experts each token is routed to (top k; default 2, or the preset's)")
+                             ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 16))
+                             ->default_str("");
+  cl.expert_width = app.add_option("--expert-width", cl.llama_flags.moe.intermediate,
+                                   "llama: each expert's hidden width (default: the MLP's, or the preset's)")
+                        ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 24))
+                        ->default_str("");
+  app.add_option("--expert-fetch", cl.expert_fetch,
+                 "mixture of experts at ZeRO-3: routed (gather and reduce only the experts some rank routed a token to) "
+                 "or all (every expert every pass, as FSDP2 and DeepSpeed do; an expert nobody chose then gets a "
+                 "zero gradient, so weight decay and the moments move it)")
+      ->check(CLI::IsMember({"routed", "all"}));
   cl.router_aux_loss_coef =
       app.add_option("--router-aux-loss-coef", cl.llama_flags.moe.aux_loss_coef,
                      "mixture of experts: the load-balancing loss's weight (transformers' router_aux_loss_coef; "

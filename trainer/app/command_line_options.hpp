@@ -27,6 +27,7 @@ struct CommandLine {
   std::string model = "gpt", preset;
   modules::LlamaConfig llama_flags;  // the Llama shape flags given (each counted on its option)
   bool tie = false, untie = false;
+  std::string expert_fetch = "routed";
   // The trainer's settings given, in order, with their text: applied over --config.
   std::vector<std::pair<const trainer::Setting*, std::string>> given;
   std::vector<std::string> freeze, lora_targets;
@@ -47,6 +48,9 @@ struct CommandLine {
   CLI::Option* intermediate = nullptr;
   CLI::Option* rope_theta = nullptr;
   CLI::Option* router_aux_loss_coef = nullptr;
+  CLI::Option* experts = nullptr;
+  CLI::Option* experts_per_token = nullptr;
+  CLI::Option* expert_width = nullptr;
   CLI::Option* tie_option = nullptr;
   CLI::Option* untie_option = nullptr;
   CLI::Option* vocab = nullptr;

@@ -87,9 +87,28 @@ std::size_t ModelChoice::activation_bytes(std::int64_t rows, std::int64_t seq, m
 
 namespace {
 
+// --experts, --experts-per-token, --expert-width over a preset or the flags' Llama: a Llama
+// without experts takes Qwen3-MoE's layout (head norms, experts of their own width); a Mixtral
+// keeps its own.
+Result<void> apply_expert_flags(const ModelFlags& f, modules::LlamaConfig& l) {
+  if (f.experts) l.moe.experts = *f.experts;
+  if (!l.moe.enabled())
+    return fail(ErrorCode::invalid_argument, f.experts_per_token ? "--experts-per-token" : "--expert-width",
+                ": the model has no experts (give --experts N, or a mixture-of-experts preset)");
+  if (f.experts_per_token) l.moe.top_k = *f.experts_per_token;
+  if (f.expert_width) l.moe.intermediate = *f.expert_width;
+  if (l.family == modules::HfFamily::llama || l.family == modules::HfFamily::qwen3) {
+    l.family = modules::HfFamily::qwen3_moe;
+    l.qk_norm = true;
+  }
+  return {};
+}
+
 Result<ModelChoice> resolve_shape(const ModelFlags& f) {
   ModelChoice m;
-  const bool llama_shape_given = f.kv_heads || f.head_dim || f.intermediate || f.rope_theta || f.tie_embeddings;
+  const bool moe_shape_given = f.experts || f.experts_per_token || f.expert_width;
+  const bool llama_shape_given = f.kv_heads || f.head_dim || f.intermediate || f.rope_theta || f.tie_embeddings ||
+                                 moe_shape_given;
   if (!f.init_folder.empty()) {
     // A Hugging Face folder gives the architecture and the shape itself.
     const std::pair<bool, const char*> shape_flags[] = {
@@ -97,7 +116,8 @@ Result<ModelChoice> resolve_shape(const ModelFlags& f) {
         {f.dim_given, "--dim"}, {f.heads_given, "--heads"}, {f.kv_heads.has_value(), "--kv-heads"},
         {f.head_dim.has_value(), "--head-dim"}, {f.intermediate.has_value(), "--intermediate"},
         {f.rope_theta.has_value(), "--rope-theta"}, {f.tie_embeddings.has_value(), "--tie-embeddings/--untie-embeddings"},
-        {f.vocab_given, "--vocab"}};
+        {f.vocab_given, "--vocab"}, {f.experts.has_value(), "--experts"},
+        {f.experts_per_token.has_value(), "--experts-per-token"}, {f.expert_width.has_value(), "--expert-width"}};
     for (const auto& [given, name] : shape_flags)
       if (given)
         return fail(ErrorCode::invalid_argument, name, " with --init ", f.init_folder,
@@ -116,7 +136,7 @@ Result<ModelChoice> resolve_shape(const ModelFlags& f) {
   if (f.model == "gpt" && f.preset.empty()) {
     if (llama_shape_given) {
       const char* name = f.kv_heads ? "--kv-heads" : f.head_dim ? "--head-dim" : f.intermediate ? "--intermediate"
-                         : f.rope_theta ? "--rope-theta" : "--tie-embeddings/--untie-embeddings";
+                         : f.rope_theta ? "--rope-theta" : moe_shape_given ? "--experts" : "--tie-embeddings/--untie-embeddings";
       return fail(ErrorCode::invalid_argument, name, " is an option of --model llama");
     }
     m.kind = ModelChoice::Kind::gpt;
@@ -147,10 +167,11 @@ Result<ModelChoice> resolve_shape(const ModelFlags& f) {
   if (f.rope_theta) l.rope_theta = *f.rope_theta;
   if (f.tie_embeddings) l.tie_embeddings = *f.tie_embeddings;
   if (f.vocab_given) l.vocab = f.vocab;
+  if (moe_shape_given) COSHARD_TRY(apply_expert_flags(f, l));
   l.max_seq = std::max(l.max_seq, f.seq);
   m.vocab_fixed = !f.preset.empty() || f.vocab_given;
   const bool changed = f.layers_given || f.dim_given || f.heads_given || f.kv_heads || f.head_dim || f.intermediate ||
-                       f.vocab_given || f.rope_theta || f.tie_embeddings;
+                       f.vocab_given || f.rope_theta || f.tie_embeddings || moe_shape_given;
   if (changed && !m.preset.empty()) m.preset += " (changed)";
   if (auto ok = l.validate(); !ok) return fail(std::move(ok).error().with_context("--model llama"));
   return m;
@@ -165,6 +186,11 @@ Result<ModelChoice> resolve_model(const ModelFlags& f) {
       return fail(ErrorCode::invalid_argument, "--router-aux-loss-coef ", *f.router_aux_loss_coef, ": ", m.describe(),
                   " has no experts (expected a mixture-of-experts model: a Mixtral folder or a mixtral preset)");
     m.llama.moe.aux_loss_coef = *f.router_aux_loss_coef;
+  }
+  if (f.expert_fetch != "routed") {
+    if (m.kind != ModelChoice::Kind::llama || !m.llama.moe.enabled())
+      return fail(ErrorCode::invalid_argument, "--expert-fetch ", f.expert_fetch, ": ", m.describe(), " has no experts");
+    m.llama.moe.every_expert_runs = true;
   }
   return m;
 }

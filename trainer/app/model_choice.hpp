@@ -53,6 +53,8 @@ struct ModelFlags {
   std::optional<std::int64_t> kv_heads, head_dim, intermediate;
   std::optional<double> rope_theta;
   std::optional<double> router_aux_loss_coef;  // a mixture of experts' (with --init too)
+  std::optional<std::int64_t> experts, experts_per_token, expert_width;  // a mixture of experts' shape
+  std::string expert_fetch = "routed";  // or "all": every expert runs each pass (with --init too)
   std::optional<bool> tie_embeddings;
 };
 

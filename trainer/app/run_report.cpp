@@ -47,13 +47,15 @@ void print_experts(const Options& o) {
   if (o.model.kind != ModelChoice::Kind::llama || !l.moe.enabled()) return;
   const double coef = l.moe.aux_loss_coef;
   std::printf("  mixture of experts: %lld experts of %lld in %lld of %lld layers, top %lld%s; %.1fM of %.1fM parameters "
-              "active a token; %s\n",
+              "active a token; %s; %s\n",
               static_cast<long long>(l.moe.experts), static_cast<long long>(l.expert_width()),
               static_cast<long long>(l.moe_layers()), static_cast<long long>(l.layers), static_cast<long long>(l.moe.top_k),
               l.moe.renormalize ? " renormalised" : "", static_cast<double>(l.active_parameter_count()) / 1e6,
               static_cast<double>(l.parameter_count()) / 1e6,
               coef > 0 ? load_balancing(coef).c_str()
-                       : "no load-balancing loss (--router-aux-loss-coef to add it)");
+                       : "no load-balancing loss (--router-aux-loss-coef to add it)",
+              l.moe.every_expert_runs ? "every expert gathered and reduced every pass (--expert-fetch all)"
+                                      : "experts gathered and reduced where some rank routed a token");
 }
 
 void print_less_on_the_wire(const Options& o, trainer::Trainer& t, int data_ranks, int tensor) {

@@ -100,7 +100,7 @@ async::Task<Result<Tensor>> SparseMoe::forward(Context& ctx, Tensor input) {
   // The counts reach the host (an awaited copy), then the ranks' union of the experts to run.
   COSHARD_CO_TRY_ASSIGN(const std::vector<double> host_counts, co_await ctx.read(counts));
   std::vector<double> runs(host_counts.size());
-  for (std::size_t e = 0; e < runs.size(); ++e) runs[e] = host_counts[e] > 0 ? 1.0 : 0.0;
+  for (std::size_t e = 0; e < runs.size(); ++e) runs[e] = host_counts[e] > 0 || o_.every_expert_runs ? 1.0 : 0.0;
   if (ctx.hooks()) {
     const std::string what = "the experts routed to by SparseMoe layer " + std::to_string(layer_index_);
     COSHARD_CO_TRY(co_await ctx.hooks()->agree_on_union(ctx, runs, what));
@@ -114,6 +114,12 @@ async::Task<Result<Tensor>> SparseMoe::forward(Context& ctx, Tensor input) {
                              .c = prob_sums.data(), .ldc = E};
     COSHARD_CO_TRY(kern.gemm(s, DataType::f32, g));
     COSHARD_CO_TRY(balance_->add_layer(ctx, layer_index_ == 0, host_counts, prob_sums, N));
+  }
+  if (ctx.hooks()) {  // (an engine gathers them ahead)
+    std::vector<Module*> next;
+    for (std::size_t e = 0; e < runs.size(); ++e)
+      if (runs[e] != 0.0) next.push_back(experts_[e]);
+    ctx.hooks()->announce_next(ctx, next);
   }
   // Dispatch: each token's row once for each of its experts, grouped by expert.
   COSHARD_CO_TRY_ASSIGN(Tensor rows, ctx.empty(Shape{N * k, D}, dt));
@@ -153,6 +159,12 @@ async::Task<Result<Tensor>> SparseMoe::backward(Context& ctx, Tensor grad_output
                                            d_rows.data(), d_weights.data_as<float>()));
   saved.expert_out = {};
   // The experts in reverse order of their forwards, each one's input gradient into its rows.
+  if (ctx.hooks()) {
+    std::vector<Module*> next;
+    for (std::int64_t e = E - 1; e >= 0; --e)
+      if (saved.runs[static_cast<std::size_t>(e)]) next.push_back(experts_[static_cast<std::size_t>(e)]);
+    ctx.hooks()->announce_next(ctx, next);
+  }
   COSHARD_CO_TRY_ASSIGN(Tensor d_dispatched, ctx.empty(Shape{N * k, D}, dt));
   std::int64_t end = N * k;
   for (std::int64_t e = E - 1; e >= 0; --e) {

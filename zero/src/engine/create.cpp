@@ -1,6 +1,7 @@
 // Building an engine: options checked, fetch units planned and sharded, the memory estimate
 // checked, the optimizer offload's stream, pinned pool and swap files made, each unit's storage
 // (shard, full copy, gradients) placed, and the engine installed as the context's hooks.
+#include <unordered_set>
 #include <limits>
 #include <mutex>
 #include <new>
@@ -10,6 +11,7 @@
 #include "coshard/zero/memory_estimate.hpp"
 #include "engine/state.hpp"
 #include "plan/fetch_units.hpp"
+#include "coshard/modules/moe.hpp"
 #include "plan/quantized_gathers.hpp"
 #include "plan/secondary_partition.hpp"
 
@@ -189,6 +191,21 @@ void Engine::State::adopt_units(detail::FetchPlan plan) {
     }
     units.push_back(std::move(u));
   }
+  mark_routed_units();
+}
+
+// Units made of mixture-of-experts layers' experts alone (FetchUnitInfo::routed): which of them
+// run follows the routing, so they are never recorded in the trace nor gathered along it.
+void Engine::State::mark_routed_units() {
+  std::unordered_set<const Module*> experts;
+  model->for_each_module([&](const std::string&, Module& m) {
+    if (auto* moe = dynamic_cast<modules::SparseMoe*>(&m))
+      for (std::int64_t e = 0; e < moe->options().experts; ++e)
+        moe->expert(e).for_each_module([&](const std::string&, Module& x) { experts.insert(&x); });
+  });
+  for (auto& u : units)
+    u->info.routed = !u->modules.empty() && std::all_of(u->modules.begin(), u->modules.end(),
+                                                   [&](const Module* m) { return experts.contains(m); });
 }
 
 Result<void> Engine::State::note_borrowed_units() {

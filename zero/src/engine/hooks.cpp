@@ -179,6 +179,19 @@ async::Task<Result<void>> Engine::agree_on_union(Context&, std::span<double> cho
   co_return Result<void>{};
 }
 
+// The routed units of `modules` (and their submodules), in order, gathered ahead at stage 3.
+void Engine::announce_next(Context&, std::span<Module* const> modules) {
+  State& s = *s_;
+  if (!s.gathers || !s.residence->sharded() || s.o.zero_stage != 3) return;
+  std::vector<FetchUnit*> next;
+  for (Module* m : modules)
+    m->for_each_module([&](const std::string&, Module& x) {
+      FetchUnit* u = s.unit_for(x);
+      if (u && u->info.routed && std::find(next.begin(), next.end(), u) == next.end()) next.push_back(u);
+    });
+  s.gathers->announce(std::move(next));
+}
+
 Error Engine::explain_failure(Module& module, Error error) {
   State& s = *s_;
   // Parameters asked for while not gathered: the module's own, another's; another's gradient

@@ -73,6 +73,7 @@ struct Engine::State : GradientShardsOut {
   // storage from them.
   void adopt_units(detail::FetchPlan plan);
   Result<void> note_borrowed_units();
+  void mark_routed_units();
   Result<void> choose_strategies(std::span<const FetchUnitInfo> infos);
   Result<void> give_units_storage();
 

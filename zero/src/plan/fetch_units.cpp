@@ -3,6 +3,7 @@
 #include "plan/secondary_partition.hpp"
 
 #include "coshard/modules/checkpointing.hpp"
+#include "coshard/modules/moe.hpp"
 #include "coshard/offload/pinned_pool.hpp"
 
 #include <algorithm>
@@ -40,13 +41,22 @@ struct Candidate {
 
 // A unit never spans two checkpointed blocks, or one and the rest of the model: a recompute
 // runs the block's modules alone, and must meet each of its units' first and last module. The
-// same holds for a container that runs more than once a pass: each use meets its units whole.
+// same holds for a container that runs more than once a pass: each use meets its units whole,
+// and for a mixture-of-experts layer's experts (below).
 // Each module's region (0: none).
 std::unordered_map<const Module*, int> regions_of(Module& model) {
   std::unordered_map<const Module*, int> region;
   int regions = 0;
+  // Each expert of a mixture-of-experts layer too: it runs only where tokens are routed to it, so
+  // a unit holding a part of two experts (or of one and its router) would be gathered for either.
+  std::unordered_set<const Module*> experts;
+  model.for_each_module([&](const std::string&, Module& m) {
+    if (auto* moe = dynamic_cast<const SparseMoe*>(&m))
+      for (std::int64_t e = 0; e < moe->options().experts; ++e) experts.insert(&moe->expert(e));
+  });
   std::function<void(Module&, int)> mark = [&](Module& m, int r) {
-    if (dynamic_cast<const Checkpointed*>(&m) || (!m.children().empty() && m.runs_more_than_once_per_pass()))
+    if (dynamic_cast<const Checkpointed*>(&m) || (!m.children().empty() && m.runs_more_than_once_per_pass()) ||
+        experts.contains(&m))
       r = ++regions;
     region[&m] = r;
     for (const auto& c : m.children()) mark(*c.module, r);

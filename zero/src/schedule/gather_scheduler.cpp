@@ -32,6 +32,7 @@ void GatherScheduler::begin_pass(std::string_view name) {
   // later gathers to save)
   keep_secondaries_ = name == "train";
   for (auto& u : w_.units) u->secondary_holds = false;
+  announced_.clear();
 }
 
 bool GatherScheduler::end_pass() { return trace_.end(); }
@@ -120,9 +121,14 @@ Result<void> GatherScheduler::release(FetchUnit& u) {
 
 async::Task<Result<void>> GatherScheduler::fetch(FetchUnit& u) {
   ++w_.stats.fetches;
-  bool on_trace = true;
-  u.fetch_pos = trace_.record(u.index, on_trace);
-  if (!on_trace) COSHARD_CO_TRY(abandon_trace());
+  if (u.info.routed) {  // (off the trace: where it runs follows the routing)
+    u.fetch_pos = StepTimeline::kNone;
+    std::erase(announced_, &u);
+  } else {
+    bool on_trace = true;
+    u.fetch_pos = trace_.record(u.index, on_trace);
+    if (!on_trace) COSHARD_CO_TRY(abandon_trace());
+  }
   if (u.gather != Gather::released) ++w_.stats.prefetch_hits;
   COSHARD_LOG_DEBUG(zero, "fetch unit {} ({}) in {}: {}", u.index, u.info.name, trace_.phase(),
                     u.gather == Gather::released ? "not resident, gathering now" : "resident (prefetched or kept)");
@@ -167,9 +173,17 @@ Result<void> GatherScheduler::abandon_trace() {
 }
 
 Result<GatherScheduler::Awaiting> GatherScheduler::prefetch_ahead() {
-  if (!trace_.following() || (w_.o.prefetch_bucket_bytes == 0 && !w_.o.adaptive_prefetch)) return Awaiting{};
-  const auto order = trace_.order();
+  if (w_.o.prefetch_bucket_bytes == 0 && !w_.o.adaptive_prefetch) return Awaiting{};
   const std::size_t cap = w_.o.prefetch_bucket_bytes == 0 ? std::numeric_limits<std::size_t>::max() : w_.o.prefetch_bucket_bytes;
+  Awaiting need;
+  // The experts a layer announced run next: first in line.
+  for (FetchUnit* v : announced_) {
+    COSHARD_TRY_ASSIGN(const Ahead a, gather_ahead(*v, cap, need));
+    if (a == Ahead::wait) return need;
+    if (a == Ahead::stop) return Awaiting{};
+  }
+  if (!trace_.following()) return Awaiting{};
+  const auto order = trace_.order();
   // Adaptive: as far ahead as the measured gathers and compute need (prefetch_horizon.hpp).
   // Measured one step behind; before there are measurements, the bucket alone decides.
   const auto measured = w_.timeline.compute_ms.find(trace_.phase());
@@ -177,29 +191,39 @@ Result<GatherScheduler::Awaiting> GatherScheduler::prefetch_ahead() {
                         measured->second.size() >= order.size() && !w_.timeline.gather_ms.empty();
   const std::size_t end = adaptive ? prefetch_horizon(order, trace_.pos(), w_.timeline.gather_ms, measured->second) : order.size();
   for (std::size_t i = trace_.pos(); i < end; ++i) {
-    FetchUnit& v = *w_.units[order[i]];
-    if (v.gather != Gather::released) continue;
-    if (prefetched_bytes_ + v.info.padded_bytes > cap) break;
-    if (logical_live_ + v.info.padded_bytes > w_.o.max_live_bytes) break;
-    if (!v.secondary_holds && !w_.shards.ready(v)) return Awaiting{0, &v};
-    std::optional<async::Semaphore::Permit> permit;
-    if (prefetch_permit_ && prefetch_permit_->count() == v.info.padded_bytes) {
-      permit = std::move(prefetch_permit_);
-      prefetch_permit_.reset();
-    } else {
-      permit = budget_->semaphore().try_acquire(v.info.padded_bytes);
-    }
-    if (!permit) {
-      COSHARD_LOG_DEBUG(zero, "prefetch unit {} ({}): waits for {} budget bytes (live {}, {} pending release)", v.index,
-                        v.info.name, v.info.padded_bytes, logical_live_, budget_->pending());
-      return Awaiting{v.info.padded_bytes, nullptr};  // free once released units' last uses pass
-    }
-    COSHARD_TRY(issue_gather(v, std::move(*permit), true));
-    v.prefetched = true;
-    prefetched_bytes_ += v.info.padded_bytes;
-    w_.stats.peak_prefetched_bytes = std::max(w_.stats.peak_prefetched_bytes, prefetched_bytes_);
+    COSHARD_TRY_ASSIGN(const Ahead a, gather_ahead(*w_.units[order[i]], cap, need));
+    if (a == Ahead::wait) return need;
+    if (a == Ahead::stop) break;
   }
   return Awaiting{};
+}
+
+Result<GatherScheduler::Ahead> GatherScheduler::gather_ahead(FetchUnit& v, std::size_t cap, Awaiting& need) {
+  if (v.gather != Gather::released) return Ahead::issued;
+  if (prefetched_bytes_ + v.info.padded_bytes > cap) return Ahead::stop;
+  if (logical_live_ + v.info.padded_bytes > w_.o.max_live_bytes) return Ahead::stop;
+  if (!v.secondary_holds && !w_.shards.ready(v)) {
+    need = Awaiting{0, &v};
+    return Ahead::wait;
+  }
+  std::optional<async::Semaphore::Permit> permit;
+  if (prefetch_permit_ && prefetch_permit_->count() == v.info.padded_bytes) {
+    permit = std::move(prefetch_permit_);
+    prefetch_permit_.reset();
+  } else {
+    permit = budget_->semaphore().try_acquire(v.info.padded_bytes);
+  }
+  if (!permit) {
+    COSHARD_LOG_DEBUG(zero, "prefetch unit {} ({}): waits for {} budget bytes (live {}, {} pending release)", v.index,
+                      v.info.name, v.info.padded_bytes, logical_live_, budget_->pending());
+    need = Awaiting{v.info.padded_bytes, nullptr};  // free once released units' last uses pass
+    return Ahead::wait;
+  }
+  COSHARD_TRY(issue_gather(v, std::move(*permit), true));
+  v.prefetched = true;
+  prefetched_bytes_ += v.info.padded_bytes;
+  w_.stats.peak_prefetched_bytes = std::max(w_.stats.peak_prefetched_bytes, prefetched_bytes_);
+  return Ahead::issued;
 }
 
 bool GatherScheduler::keep_after_use(const FetchUnit& u) const {

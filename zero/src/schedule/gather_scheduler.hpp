@@ -54,6 +54,11 @@ class GatherScheduler final : public UnitGathers {
   enum class Exactness : std::uint8_t { as_configured, exact };
   Result<async::Event> gather_unit(FetchUnit& u, const Tensor& whole, Exactness exactness);
 
+  // Routed units (FetchUnitInfo::routed: never in the trace, as which of them run follows the
+  // routing) about to be fetched, in order: gathered ahead as the trace's units are, before them
+  // (they come next), each until it is fetched. Replaces the last list.
+  void announce(std::vector<FetchUnit*> next) { announced_ = std::move(next); }
+
   // A pass (a step's forward and backward, or an inference pass) starts: its trace chosen. Ends:
   // its order recorded for the next; whether it changed.
   void begin_pass(std::string_view name);
@@ -73,6 +78,9 @@ class GatherScheduler final : public UnitGathers {
   // on-demand fetch never waits for budget held by a unit used after it. (A plain function: the
   // common path costs no coroutine frame.)
   Result<Awaiting> prefetch_ahead();
+  // One unit of prefetch_ahead's: gathered ahead (or already), or what stops the walk there.
+  enum class Ahead : std::uint8_t { issued, stop, wait };
+  Result<Ahead> gather_ahead(FetchUnit& v, std::size_t cap, Awaiting& need);
   Result<void> issue_gather(FetchUnit& u, async::Semaphore::Permit permit, bool ahead);
   // The order departed from the trace: fetch on demand from here on, and give back what was
   // gathered ahead for the old order (it may never be used this step).
@@ -89,6 +97,7 @@ class GatherScheduler final : public UnitGathers {
   // once): the same on every rank, unlike the device-paced budget.
   std::size_t logical_live_ = 0;
   bool keep_secondaries_ = false;  // a training pass: units keep their secondary slices
+  std::vector<FetchUnit*> announced_;  // routed units to gather ahead, in order
 };
 
 }  // namespace coshard::zero::detail

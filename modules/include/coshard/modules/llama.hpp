@@ -37,6 +37,7 @@ struct MoeConfig {
   std::int64_t sparse_step = 1;            // decoder_sparse_step
   std::vector<std::int64_t> dense_layers;  // mlp_only_layers
   double aux_loss_coef = 0;                // router_aux_loss_coef when output_router_logits; 0: none
+  bool every_expert_runs = false;          // SparseMoe::Options::every_expert_runs (FSDP2's fetches)
 
   bool enabled() const noexcept { return experts > 0; }
 };

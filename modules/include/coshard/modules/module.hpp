@@ -172,6 +172,9 @@ class ModuleHooks {
   // order and their collectives match. Every rank calls it at the same point of a pass. `what`
   // names it in errors. The default (one rank, no engine): unchanged.
   virtual async::Task<Result<void>> agree_on_union(Context& ctx, std::span<double> chosen, const std::string& what);
+  // `modules` run next, in this order, though the model's past passes do not say so (the experts
+  // a mixture-of-experts layer routed to): an engine may gather them ahead. The default: nothing.
+  virtual void announce_next(Context& ctx, std::span<Module* const> modules);
 };
 
 namespace detail {

@@ -91,6 +91,10 @@ class SparseMoe final : public Module {
     std::int64_t intermediate = 0;  // each expert's width
     bool renormalize = true;        // norm_topk_prob
     Init init = Init::normal(0.02);
+    // Every expert runs in every pass, those no rank routed a token to on no rows: every expert
+    // gathered and reduced each time, as FSDP2 and DeepSpeed's MoE leaf do (a fixed fetch order;
+    // an expert nobody chose then gets a zero gradient, so AdamW decays it and moves its moments).
+    bool every_expert_runs = false;
   };
   // Refused by name: sizes below 1, top_k above the experts.
   static Result<std::unique_ptr<SparseMoe>> create(const Options& options, std::shared_ptr<RouterBalance> balance = nullptr);

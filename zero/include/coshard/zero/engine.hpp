@@ -117,6 +117,9 @@ struct FetchUnitInfo {
   // Stage 3: the step's later gathers of it go within groups of this many ranks from the slices
   // kept at its first (secondary_partition_ranks); 0: none (its group is no larger).
   int secondary_ranks = 0;
+  // Made of a mixture-of-experts layer's experts alone (modules::SparseMoe): gathered and reduced
+  // only in the passes some rank routes a token to it, off the trace, ahead once announced.
+  bool routed = false;
 };
 
 // This rank's share of one unit, as views of the engine's state (valid while a visit_shards
@@ -337,6 +340,7 @@ class Engine final : public ModuleHooks {
   // A tensor-parallel layer's sum: the compute stream's wait, timed as exposed communication.
   Result<void> wait_for_collective(Context& ctx, const async::Event& done, const std::string& what) override;
   async::Task<Result<void>> agree_on_union(Context& ctx, std::span<double> chosen, const std::string& what) override;
+  void announce_next(Context& ctx, std::span<Module* const> modules) override;
 
   struct State;
 
