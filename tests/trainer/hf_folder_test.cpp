@@ -270,6 +270,20 @@ TEST(HfLlamaFolder, RoundTripsSingleAndShardedAtAnotherWorldSizeAndStage) {
         << entry.path();
 }
 
+// A folder holding both model.safetensors and an index with its shards (as some uploads do) is
+// read as transformers reads it: model.safetensors, the index ignored.
+TEST(HfLlamaFolder, ASingleFileBesideAnIndexIsTheOneRead) {
+  const fs::path single = scratch("both_single"), both = scratch("both");
+  train_and_export(single, std::size_t{1} << 30);
+  train_and_export(both, 8 << 10);
+  fs::copy_file(single / "model.safetensors", both / "model.safetensors");
+  ASSERT_TRUE(fs::exists(both / "model.safetensors.index.json"));
+  auto files = modules::SafetensorsFolder::load(both);
+  ASSERT_TRUE(files) << files.error().message();
+  ASSERT_EQ(files->files().size(), 1u);
+  EXPECT_EQ(files->files().front().filename(), "model.safetensors");
+}
+
 TEST(HfLlamaFolder, DamagedFoldersAreRefusedBeforeAnythingChanges) {
   const fs::path dir = scratch("damaged");
   train_and_export(dir, 8 << 10);

@@ -43,8 +43,16 @@ TEST(CoshardTrainMoe, FoldersFineTuneExportAndReadBackBitForBit) {
   const fs::path dir = scratch("moe_folders");
   for (const std::string preset : {"qwen3-moe-tiny", "mixtral-tiny"}) {
     const fs::path base = make_folder(dir, preset);
-    const auto config = nlohmann::json::parse(slurp(base / "config.json"));
+    auto config = nlohmann::json::parse(slurp(base / "config.json"));
     EXPECT_EQ(config["model_type"], preset == "mixtral-tiny" ? "mixtral" : "qwen3_moe") << config.dump();
+    // Keys coshard does not model, and the loss's weight while output_router_logits is false, as
+    // a published folder has them: an export carries them through.
+    config["bos_token_id"] = 1;
+    config["eos_token_id"] = 2;
+    config["use_cache"] = false;
+    config["max_window_layers"] = 28;
+    config["router_aux_loss_coef"] = 0.02;
+    std::ofstream(base / "config.json") << config.dump(2);
     const fs::path metrics = dir / (preset + ".jsonl"), tuned = dir / (preset + "_tuned");
     const auto trained = run(with(from(base, "6"), {"--router-aux-loss-coef", "0.01", "--grad-accum", "2",
                                                     "--offload-optimizer", "cpu", "--metrics", metrics.string(),
@@ -75,7 +83,12 @@ TEST(CoshardTrainMoe, FoldersFineTuneExportAndReadBackBitForBit) {
                           dir);
     ASSERT_EQ(read.code, 0) << read.output;
     EXPECT_EQ(slurp(tuned / "model.safetensors"), slurp(again / "model.safetensors")) << preset;
-    EXPECT_EQ(nlohmann::json::parse(slurp(tuned / "config.json")), nlohmann::json::parse(slurp(again / "config.json")));
+    const auto written = nlohmann::json::parse(slurp(tuned / "config.json"));
+    EXPECT_EQ(written, nlohmann::json::parse(slurp(again / "config.json")));
+    for (const char* key : {"bos_token_id", "eos_token_id", "use_cache", "max_window_layers"})
+      EXPECT_EQ(written[key], config[key]) << preset << ": " << key;
+    EXPECT_EQ(written["router_aux_loss_coef"], 0.01) << "the run's weight (--router-aux-loss-coef 0.01)";
+    EXPECT_EQ(written["output_router_logits"], true);
     EXPECT_NE(slurp(base / "model.safetensors"), slurp(tuned / "model.safetensors")) << preset << ": nothing trained";
   }
 }
@@ -96,6 +109,27 @@ TEST(CoshardTrainMoe, AResumeContinuesTheUninterruptedRun) {
   const auto more = losses_in(dir / "rest.jsonl");
   got.insert(got.end(), more.begin(), more.end());
   EXPECT_EQ(got, losses_in(dir / "whole.jsonl"));
+  // Another load-balancing weight trains another objective: refused, naming both.
+  std::vector<std::string> other = job;
+  other[other.size() - 5] = "0.05";  // (--router-aux-loss-coef's value)
+  ASSERT_EQ(job[job.size() - 6], "--router-aux-loss-coef");
+  const auto changed = run(with(other, {"--steps", "5", "--resume"}), dir);
+  EXPECT_NE(changed.code, 0) << changed.output;
+  EXPECT_NE(changed.output.find("router_aux_loss_coef 0.01"), std::string::npos) << changed.output;
+  EXPECT_NE(changed.output.find("router_aux_loss_coef 0.05"), std::string::npos) << changed.output;
+}
+
+// A folder of a vocabulary below the synthetic task's 256 trains on the task within it.
+TEST(CoshardTrainMoe, AFolderOfASmallVocabularyTrainsOnTheSyntheticTask) {
+  const fs::path dir = scratch("moe_small_vocabulary");
+  const auto made = run({"--model", "llama", "--preset", "qwen3-moe-tiny", "--vocab", "32", "--steps", "1", "--quiet",
+                         "--export", (dir / "v32").string()},
+                        dir);
+  ASSERT_EQ(made.code, 0) << made.output;
+  const auto trained = run({"--init", (dir / "v32").string(), "--steps", "2", "--seq", "16", "--batch", "2", "--prompt-ids",
+                            "1,2", "--sample-tokens", "4"},
+                           dir);
+  EXPECT_EQ(trained.code, 0) << trained.output;
 }
 
 TEST(CoshardTrainMoe, LoraOnTheAttentionLeavesTheExpertsAsTheyWere) {
@@ -129,6 +163,19 @@ TEST(CoshardTrainMoe, LoraOnTheAttentionLeavesTheExpertsAsTheyWere) {
     changed += after.at(name) != bytes ? 1 : 0;
   }
   EXPECT_EQ(changed, 4);  // q and v of 2 layers
+  // Adapters on the experts by path: the merged export takes them; a PEFT folder could not name
+  // them for transformers (nor --adapter read it back), so --export-adapter is refused before
+  // training, and writes nothing into it.
+  const auto experts = run(with(from(base, "2"), {"--lora-rank", "4", "--lora-targets", "h*.mlp.moe.experts.*.down",
+                                                  "--export-adapter", (dir / "experts_adapter").string()}),
+                           dir);
+  EXPECT_NE(experts.code, 0) << experts.output;
+  EXPECT_NE(experts.output.find("--export-adapter"), std::string::npos) << experts.output;
+  EXPECT_NE(experts.output.find("h0.mlp.moe.experts.0.down has no module of transformers'"), std::string::npos)
+      << experts.output;
+  EXPECT_EQ(experts.output.find("step 1"), std::string::npos) << experts.output;
+  // (the run's output folders are made, empty, when the paths are checked at start)
+  EXPECT_TRUE(!fs::exists(dir / "experts_adapter") || fs::is_empty(dir / "experts_adapter"));
 }
 
 TEST(CoshardTrainMoe, BadFoldersAndFlagsAreRefusedByName) {
@@ -169,6 +216,14 @@ TEST(CoshardTrainMoe, BadFoldersAndFlagsAreRefusedByName) {
   c = config;
   c["use_sliding_window"] = true;
   refused("sliding", c, "use_sliding_window");
+  c = config;
+  c["num_experts"] = 4;
+  c.erase("num_experts_per_tok");
+  refused("no_top_k", c, "\"num_experts_per_tok\" is missing, and transformers' default 8 exceeds the 4 experts");
+  const auto width = run({"--model", "llama", "--preset", "mixtral-tiny", "--expert-width", "16", "--steps", "1"}, dir);
+  EXPECT_EQ(width.code, 2);
+  EXPECT_NE(width.output.find("a Mixtral's experts have the MLP's width, intermediate=64"), std::string::npos)
+      << width.output;
   const auto dense = run({"--model", "llama", "--preset", "llama-tiny", "--router-aux-loss-coef", "0.1", "--steps", "1"}, dir);
   EXPECT_EQ(dense.code, 2);
   EXPECT_NE(dense.output.find("has no experts"), std::string::npos) << dense.output;

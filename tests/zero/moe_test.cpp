@@ -382,7 +382,7 @@ TEST(MixtureOfExperts, BadSettingsAreRefusedByName) {
   refused(c, "aux_loss_coef=-1");
   c = moe_llama(Variant::mixtral);
   c.moe.renormalize = false;
-  refused(c, "a Mixtral renormalises");
+  refused(c, "renormalize=false: a Mixtral renormalises");
   c = moe_llama(Variant::mixtral);
   c.moe.experts = 0;
   refused(c, "a Mixtral has experts");

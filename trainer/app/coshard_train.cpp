@@ -104,6 +104,8 @@ std::optional<int> settle_vocabulary(Options& o, std::int64_t& vocab_of_bytes) {
   if (o.model.vocab_fixed) {
     if (!o.data.empty() && !bytes) o.vocab = o.model.vocab();
     else if (bytes) o.vocab = 256;
+    // The synthetic task within a smaller vocabulary than its default 256 (a folder's of 32, say).
+    else if (!o.vocab_given) o.vocab = std::min(o.vocab, o.model.vocab());
     if (o.vocab > o.model.vocab())
       return usage((bytes ? std::string("--data as bytes (vocabulary 256)") : "--vocab " + std::to_string(o.vocab)) +
                    ": more tokens than the model's vocabulary of " + std::to_string(o.model.vocab()));

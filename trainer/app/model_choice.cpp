@@ -17,15 +17,18 @@ std::string millions(std::int64_t n) {
   return text;
 }
 
-// The mixture of experts' routing (the experts' shapes are the parameters'; the auxiliary loss's
-// weight may change on a resume).
+// The mixture of experts' routing and its objective (the experts' shapes are the parameters'): a
+// resume with another load-balancing weight, or another fetch of the experts (which moves the
+// unused experts), is refused naming both.
 std::string moe_identity(const modules::LlamaConfig& l) {
   if (!l.moe.enabled()) return "";
   std::string dense;
   for (const std::int64_t d : l.moe.dense_layers) dense += (dense.empty() ? "" : ",") + std::to_string(d);
+  char coef[64];
+  std::snprintf(coef, sizeof coef, " router_aux_loss_coef %.17g", l.moe.aux_loss_coef);
   return " experts " + std::to_string(l.moe.experts) + " top " + std::to_string(l.moe.top_k) +
          (l.moe.renormalize ? " renormalized" : "") + " sparse_step " + std::to_string(l.moe.sparse_step) +
-         (dense.empty() ? "" : " dense " + dense);
+         (dense.empty() ? "" : " dense " + dense) + coef + (l.moe.every_expert_runs ? " expert_fetch all" : "");
 }
 
 }  // namespace
@@ -127,7 +130,7 @@ Result<ModelChoice> resolve_shape(const ModelFlags& f) {
     m.kind = ModelChoice::Kind::llama;
     m.llama = *config;
     m.llama.max_seq = std::max(m.llama.max_seq, f.seq);
-    m.preset = "Llama from " + f.init_folder;
+    m.preset = std::string(modules::to_string(m.llama.family)) + " from " + f.init_folder;
     m.vocab_fixed = true;
     return m;
   }
@@ -184,7 +187,7 @@ Result<ModelChoice> resolve_model(const ModelFlags& f) {
   if (f.router_aux_loss_coef) {
     if (m.kind != ModelChoice::Kind::llama || !m.llama.moe.enabled())
       return fail(ErrorCode::invalid_argument, "--router-aux-loss-coef ", *f.router_aux_loss_coef, ": ", m.describe(),
-                  " has no experts (expected a mixture-of-experts model: a Mixtral folder or a mixtral preset)");
+                  " has no experts (expected a mixture of experts: a Mixtral or Qwen3-MoE folder or preset, or --experts N)");
     m.llama.moe.aux_loss_coef = *f.router_aux_loss_coef;
   }
   if (f.expert_fetch != "routed") {

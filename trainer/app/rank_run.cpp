@@ -274,6 +274,10 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
   }
   describe_run(builder, o, data, val);
   COSHARD_CO_TRY_ASSIGN(auto t, co_await builder.build(*model));
+  // An adapter folder the end could not write is refused before the training it would follow.
+  if (!o.export_adapter.empty())
+    if (auto writable = zero::peft_config_of(*model, o.model.kind == ModelChoice::Kind::llama, o.init); !writable)
+      co_return fail(std::move(writable).error().with_context("--export-adapter " + o.export_adapter));
   if (shared.epoch.recorded()) COSHARD_CO_TRY(t.set_timeline_epoch(shared.epoch));
   COSHARD_CO_TRY(co_await load_weights(o, t, *model));
   const std::int64_t first = t.steps_done();

@@ -46,12 +46,18 @@ void print_experts(const Options& o) {
   const auto& l = o.model.llama;
   if (o.model.kind != ModelChoice::Kind::llama || !l.moe.enabled()) return;
   const double coef = l.moe.aux_loss_coef;
-  std::printf("  mixture of experts: %lld experts of %lld in %lld of %lld layers, top %lld%s; %.1fM of %.1fM parameters "
+  auto count = [](std::int64_t n) {
+    char text[32];
+    if (n < 1'000'000) std::snprintf(text, sizeof text, "%lld", static_cast<long long>(n));
+    else std::snprintf(text, sizeof text, "%.1fM", static_cast<double>(n) / 1e6);
+    return std::string(text);
+  };
+  std::printf("  mixture of experts: %lld expert%s of %lld in %lld of %lld layer%s, top %lld%s; %s of %s parameters "
               "active a token; %s; %s\n",
-              static_cast<long long>(l.moe.experts), static_cast<long long>(l.expert_width()),
-              static_cast<long long>(l.moe_layers()), static_cast<long long>(l.layers), static_cast<long long>(l.moe.top_k),
-              l.moe.renormalize ? " renormalised" : "", static_cast<double>(l.active_parameter_count()) / 1e6,
-              static_cast<double>(l.parameter_count()) / 1e6,
+              static_cast<long long>(l.moe.experts), l.moe.experts == 1 ? "" : "s", static_cast<long long>(l.expert_width()),
+              static_cast<long long>(l.moe_layers()), static_cast<long long>(l.layers), l.layers == 1 ? "" : "s",
+              static_cast<long long>(l.moe.top_k), l.moe.renormalize ? " renormalised" : "",
+              count(l.active_parameter_count()).c_str(), count(l.parameter_count()).c_str(),
               coef > 0 ? load_balancing(coef).c_str()
                        : "no load-balancing loss (--router-aux-loss-coef to add it)",
               l.moe.every_expert_runs ? "every expert gathered and reduced every pass (--expert-fetch all)"

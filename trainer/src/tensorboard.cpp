@@ -52,10 +52,12 @@ std::vector<std::pair<std::string, double>> tensorboard_scalars(const StepStats&
     if (value.is_null()) continue;  // absent: timing off, a step that does not evaluate
     out.emplace_back(std::string(m.tag), value.get<double>());
   }
+  // (each MoE layer by its block's name, "h2", or its place among the MoE layers)
+  auto layer = [&](std::size_t l) { return l < s.moe_layers.size() ? s.moe_layers[l] : "moe" + std::to_string(l); };
   for (std::size_t l = 0; l < s.experts_used.size(); ++l)
-    out.emplace_back("moe/experts_used/layer" + std::to_string(l), static_cast<double>(s.experts_used[l]));
+    out.emplace_back("moe/experts_used/" + layer(l), static_cast<double>(s.experts_used[l]));
   for (std::size_t l = 0; l < s.largest_expert_share.size(); ++l)
-    out.emplace_back("moe/largest_expert_share/layer" + std::to_string(l), s.largest_expert_share[l]);
+    out.emplace_back("moe/largest_expert_share/" + layer(l), s.largest_expert_share[l]);
   return out;
 }
 

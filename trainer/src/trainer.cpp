@@ -78,6 +78,7 @@ std::span<const StepMetric> step_metrics() noexcept {
       // A mixture of experts' (absent for a dense model): the per-layer lists in the file alone,
       // each layer a TensorBoard scalar of its own (tensorboard_scalars).
       {"aux_loss", "train/aux_loss", false, [](const StepStats& s) { return s.aux_loss ? json(*s.aux_loss) : json(); }},
+      {"moe_layers", "", false, [](const StepStats& s) { return s.moe_layers.empty() ? json() : json(s.moe_layers); }},
       {"experts_used", "", false,
        [](const StepStats& s) { return s.experts_used.empty() ? json() : json(s.experts_used); }},
       {"largest_expert_share", "", false,
@@ -205,7 +206,10 @@ async::Task<Result<StepStats>> Trainer::Impl::step(std::span<const modules::Batc
   out.lr = lr;
   out.peak_memory_bytes = s.allocator->stats().peak_in_use_bytes;
   out.blocking_waits = async::blocking_waits() - s.blocking_waits_at_start;
-  if (s.own_aux_loss) COSHARD_CO_TRY(co_await detail::add_moe_stats(*s.ctx, *s.comm, *s.own_aux_loss, out));
+  if (s.own_aux_loss) {
+    COSHARD_CO_TRY(co_await detail::add_moe_stats(*s.ctx, *s.comm, *s.own_aux_loss, out));
+    if (out.experts_used.size() == s.moe_layer_names.size()) out.moe_layers = s.moe_layer_names;
+  }
   const bool due = (s.config.eval_every > 0 && out.step % s.config.eval_every == 0) || s.validation_requested;
   if (s.validation && eval_shape && due) {
     s.validation_requested = false;

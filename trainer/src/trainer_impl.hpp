@@ -65,7 +65,12 @@ struct Trainer::Impl {
     if (!balance || dynamic_cast<modules::RouterAuxLoss*>(loss)) return;
     own_aux_loss = std::make_unique<modules::RouterAuxLoss>(*loss, std::move(balance));
     loss = own_aux_loss.get();
+    // The metrics name each MoE layer by its block ("h2" of "h2.mlp.moe"), in the order they run.
+    model.for_each_module([&](const std::string& path, modules::Module& m) {
+      if (dynamic_cast<modules::SparseMoe*>(&m)) moe_layer_names.push_back(path.substr(0, path.find('.')));
+    });
   }
+  std::vector<std::string> moe_layer_names;
 
   ~Impl() {
     engine.reset();  // a checkpoint write in flight runs on; it owns its data

@@ -42,7 +42,9 @@ Result<FolderLayout> read_layout(const fs::path& folder) {
   if (!fs::is_directory(folder, ec)) return fail(ErrorCode::invalid_argument, folder.string(), ": not a folder");
   FolderLayout layout;
   const fs::path path = folder / kSafetensorsIndexName;
-  if (!fs::exists(path, ec)) {
+  // transformers reads model.safetensors when the folder has one, its index otherwise: the same
+  // weights here.
+  if (!fs::exists(path, ec) || fs::exists(folder / kSafetensorsSingleName, ec)) {
     if (!fs::exists(folder / kSafetensorsSingleName, ec))
       return fail(ErrorCode::invalid_argument, folder.string(), ": holds neither ", kSafetensorsSingleName, " nor ",
                   kSafetensorsIndexName);

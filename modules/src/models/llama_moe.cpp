@@ -12,11 +12,11 @@ namespace coshard::modules {
 Result<void> LlamaConfig::validate_moe() const {
   const MoeConfig& m = moe;
   if ((family == HfFamily::mixtral || family == HfFamily::qwen3_moe) && !m.enabled())
-    return fail(ErrorCode::invalid_argument, "LlamaConfig.moe.experts=0: a ",
-                family == HfFamily::mixtral ? "Mixtral" : "Qwen3-MoE", " has experts (expected at least 1)");
+    return fail(ErrorCode::invalid_argument, "LlamaConfig.moe.experts=0: a ", to_string(family),
+                " has experts (expected at least 1)");
   if ((family == HfFamily::llama || family == HfFamily::qwen3) && m.enabled())
-    return fail(ErrorCode::invalid_argument, "LlamaConfig.moe.experts=", m.experts, ": the family (",
-                family == HfFamily::llama ? "Llama" : "Qwen3", ") has no experts: name a Mixtral or Qwen3-MoE family");
+    return fail(ErrorCode::invalid_argument, "LlamaConfig.moe.experts=", m.experts, ": the family (", to_string(family),
+                ") has no experts: name a Mixtral or Qwen3-MoE family");
   if (!m.enabled()) {
     if (m.experts < 0) return fail(ErrorCode::invalid_argument, "LlamaConfig.moe.experts=", m.experts, ": expected >= 0");
     return {};
@@ -48,17 +48,31 @@ Result<void> LlamaConfig::validate_moe() const {
                 " (router_aux_loss_coef): expected a finite value >= 0");
   if (family == HfFamily::mixtral) {
     // Mixtral's block has no such settings: a config with them is not a Mixtral.
-    if (!m.renormalize || m.sparse_step != 1 || !m.dense_layers.empty() ||
-        (m.intermediate != 0 && m.intermediate != intermediate))
-      return fail(ErrorCode::invalid_argument, "LlamaConfig.moe: a Mixtral renormalises its top k, has experts in every ",
-                  "layer and experts of the MLP's width (renormalize=", m.renormalize, ", sparse_step=", m.sparse_step,
-                  ", ", m.dense_layers.size(), " dense layers, intermediate=", m.intermediate, ")");
+    if (!m.renormalize)
+      return fail(ErrorCode::invalid_argument, "LlamaConfig.moe.renormalize=false: a Mixtral renormalises its top k ",
+                  "(a Qwen3-MoE need not: norm_topk_prob)");
+    if (m.sparse_step != 1 || !m.dense_layers.empty())
+      return fail(ErrorCode::invalid_argument, "LlamaConfig.moe: sparse_step=", m.sparse_step, " and ",
+                  m.dense_layers.size(), " dense layers: a Mixtral has experts in every layer (a Qwen3-MoE need not)");
+    if (m.intermediate != 0 && m.intermediate != intermediate)
+      return fail(ErrorCode::invalid_argument, "LlamaConfig.moe.intermediate=", m.intermediate,
+                  ": a Mixtral's experts have the MLP's width, intermediate=", intermediate,
+                  " (set the MLP's width instead, --intermediate, or take a Qwen3-MoE, whose experts have their own)");
   }
   const double total = static_cast<double>(moe_layers()) * static_cast<double>(m.experts) * 3.0 *
                        static_cast<double>(dim) * static_cast<double>(expert_width());
   if (total > 1e15)
     return fail(ErrorCode::invalid_argument, "LlamaConfig.moe: ", total, " expert parameters (expected at most 1e15)");
   return {};
+}
+
+std::string_view to_string(HfFamily family) noexcept {
+  switch (family) {
+    case HfFamily::mixtral: return "Mixtral";
+    case HfFamily::qwen3: return "Qwen3";
+    case HfFamily::qwen3_moe: return "Qwen3-MoE";
+    default: return "Llama";
+  }
 }
 
 namespace detail {

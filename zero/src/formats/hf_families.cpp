@@ -49,9 +49,18 @@ Result<void> refuse_sliding_window(const Fields& f, const LlamaConfig& c) {
   return {};
 }
 
+// num_experts_per_tok, or transformers' default when absent (refused by name where the experts
+// are fewer: the key was needed).
+Result<std::int64_t> experts_per_token(const Fields& f, std::int64_t experts, std::int64_t fallback) {
+  if ((!f.doc.contains("num_experts_per_tok") || f.doc["num_experts_per_tok"].is_null()) && fallback > experts)
+    return fail(ErrorCode::invalid_argument, f.source, ": \"num_experts_per_tok\" is missing, and transformers' default ",
+                fallback, " exceeds the ", experts, " experts (expected it set, 1 to ", experts, ")");
+  return f.integer("num_experts_per_tok", fallback);
+}
+
 Result<void> read_qwen3_moe(const Fields& f, LlamaConfig& c) {
   COSHARD_TRY_ASSIGN(c.moe.experts, f.integer("num_experts"));
-  COSHARD_TRY_ASSIGN(c.moe.top_k, f.integer("num_experts_per_tok", std::int64_t{8}));
+  COSHARD_TRY_ASSIGN(c.moe.top_k, experts_per_token(f, c.moe.experts, 8));
   COSHARD_TRY_ASSIGN(c.moe.intermediate, f.integer("moe_intermediate_size"));
   COSHARD_TRY_ASSIGN(c.moe.renormalize, f.boolean("norm_topk_prob", false));
   COSHARD_TRY_ASSIGN(c.moe.sparse_step, f.integer("decoder_sparse_step", std::int64_t{1}));
@@ -73,14 +82,7 @@ Result<void> read_qwen3_moe(const Fields& f, LlamaConfig& c) {
 
 }  // namespace
 
-std::string_view family_title(HfFamily family) {
-  switch (family) {
-    case HfFamily::mixtral: return "Mixtral";
-    case HfFamily::qwen3: return "Qwen3";
-    case HfFamily::qwen3_moe: return "Qwen3-MoE";
-    default: return "Llama";
-  }
-}
+std::string_view family_title(HfFamily family) { return modules::to_string(family); }
 
 std::optional<HfFamily> family_named(const json& doc) {
   for (const auto& n : kFamilies) {
@@ -98,7 +100,7 @@ Result<void> read_family_fields(const Fields& f, HfFamily family, LlamaConfig& c
   if (family != HfFamily::llama) COSHARD_TRY(refuse_sliding_window(f, c));
   if (family == HfFamily::mixtral) {
     COSHARD_TRY_ASSIGN(c.moe.experts, f.integer("num_local_experts"));
-    COSHARD_TRY_ASSIGN(c.moe.top_k, f.integer("num_experts_per_tok", std::int64_t{2}));
+    COSHARD_TRY_ASSIGN(c.moe.top_k, experts_per_token(f, c.moe.experts, 2));
     c.moe.renormalize = true;
     COSHARD_TRY_ASSIGN(const double jitter, f.number(f.doc, "router_jitter_noise", 0.0));
     if (jitter != 0)
@@ -117,14 +119,14 @@ void write_family_fields(json& doc, const LlamaConfig& c) {
   doc["architectures"] = {n.architecture};
   doc["model_type"] = n.model_type;
   for (const char* llama_only : {"mlp_bias", "pretraining_tp"}) doc.erase(llama_only);
+  // (a window the folder gives is kept: read, it is no shorter than the positions or not used)
+  if (!doc.contains("sliding_window")) doc["sliding_window"] = nullptr;
   if (c.family == HfFamily::mixtral) {
     doc.erase("attention_bias");
     doc["num_local_experts"] = c.moe.experts;
     doc["router_jitter_noise"] = 0.0;
-    doc["sliding_window"] = nullptr;
   } else {
     doc["use_sliding_window"] = false;
-    doc["sliding_window"] = nullptr;
   }
   if (c.family == HfFamily::qwen3_moe) {
     doc["num_experts"] = c.moe.experts;
@@ -136,7 +138,9 @@ void write_family_fields(json& doc, const LlamaConfig& c) {
   if (is_moe(c.family)) {
     doc["num_experts_per_tok"] = c.moe.top_k;
     doc["output_router_logits"] = c.moe.aux_loss_coef > 0;
-    doc["router_aux_loss_coef"] = c.moe.aux_loss_coef > 0 ? c.moe.aux_loss_coef : 0.001;
+    // Without the loss the weight is the folder's (unused while output_router_logits is false).
+    if (c.moe.aux_loss_coef > 0 || !doc.contains("router_aux_loss_coef"))
+      doc["router_aux_loss_coef"] = c.moe.aux_loss_coef > 0 ? c.moe.aux_loss_coef : 0.001;
   }
 }
 

@@ -121,6 +121,7 @@ Result<LlamaConfig> parse_hf_llama_config(std::string_view text, std::string_vie
     }
   }
   if (auto ok = c.validate(); !ok) return fail(std::move(ok).error().with_context(std::string(source)));
+  c.hf_config = doc.dump();
   return c;
 }
 
@@ -131,7 +132,14 @@ Result<LlamaConfig> read_hf_llama_config(const fs::path& folder) {
 }
 
 std::string hf_llama_config_json(const LlamaConfig& c, DataType dtype) {
-  json doc;
+  // The keys of the folder it was read from, under the ones the model sets.
+  json doc = c.hf_config.empty() ? json::object() : json::parse(c.hf_config, nullptr, false);
+  if (!doc.is_object()) doc = json::object();
+  const json read = doc;
+  // Keys the model has no say in keep the folder's value.
+  auto unless_read = [&](const char* key, json value) {
+    if (!read.contains(key)) doc[key] = std::move(value);
+  };
   doc["architectures"] = {"LlamaForCausalLM"};
   doc["model_type"] = "llama";
   doc["vocab_size"] = c.vocab;
@@ -154,12 +162,12 @@ std::string hf_llama_config_json(const LlamaConfig& c, DataType dtype) {
     doc["rope_scaling"] = nullptr;
   doc["tie_word_embeddings"] = c.tie_embeddings;
   doc["attention_bias"] = false;
-  doc["attention_dropout"] = 0.0;
+  unless_read("attention_dropout", 0.0);
   doc["mlp_bias"] = false;
   doc["hidden_act"] = "silu";
   doc["initializer_range"] = c.init_std;
-  doc["pretraining_tp"] = 1;
-  doc["use_cache"] = true;
+  unless_read("pretraining_tp", 1);
+  unless_read("use_cache", true);
   doc["torch_dtype"] = torch_dtype_name(dtype);
   detail::write_family_fields(doc, c);
   return doc.dump(2) + "\n";

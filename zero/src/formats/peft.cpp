@@ -106,6 +106,12 @@ Result<PeftAdapterConfig> peft_config_of(Module& model, bool llama, std::string 
                                           n.a.size() - std::string_view("base_model.model.").size() - std::string_view(".lora_A.weight").size());
     if (llama && module.starts_with("model.layers."))
       blocks_of_projection[module.substr(module.rfind('.') + 1)].push_back(module);
+    else if (llama && module != "lm_head")
+      // (PEFT would look for coshard's path in transformers' model, and --adapter for a
+      // transformers name: neither could load the folder)
+      return fail(ErrorCode::unsupported, "PEFT adapter: the adapter on ", module, " has no module of transformers' ",
+                  "model to name (adapt the attention's or a dense MLP's projections, q_proj ... down_proj, or lm_head; ",
+                  "or export the merged model with --export alone)");
     else
       targets.insert(module);
   }

@@ -45,6 +45,8 @@ struct MoeConfig {
 // Which transformers architecture a config names (its tensors' names and config.json's keys):
 // LlamaForCausalLM, MixtralForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM.
 enum class HfFamily : std::uint8_t { llama, mixtral, qwen3, qwen3_moe };
+// "Llama", "Mixtral", "Qwen3", "Qwen3-MoE".
+std::string_view to_string(HfFamily family) noexcept;
 
 struct LlamaConfig {
   std::int64_t vocab = 256;
@@ -63,6 +65,9 @@ struct LlamaConfig {
   bool qk_norm = false;            // Qwen3's RMSNorm of each query and key head (HeadNorms)
   MoeConfig moe{};                 // mixture of experts (none by default)
   HfFamily family = HfFamily::llama;
+  // The config.json it was read from (zero::parse_hf_llama_config), as JSON text: an export writes
+  // its keys back (bos_token_id, use_cache, max_window_layers, ...) under the ones the model sets.
+  std::string hf_config{};
 
   std::int64_t resolved_head_dim() const noexcept { return head_dim > 0 ? head_dim : heads > 0 ? dim / heads : 0; }
   // Whether layer l's MLP is a SparseMoe block, and each expert's width.

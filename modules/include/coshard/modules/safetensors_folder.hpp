@@ -27,7 +27,8 @@ inline constexpr std::string_view kSafetensorsSingleName = "model.safetensors";
 
 class SafetensorsFolder {
  public:
-  // The folder's weights: the index and its shards when there is an index, else model.safetensors.
+  // The folder's weights: model.safetensors when there is one (as transformers reads a folder),
+  // else the index and its shards.
   static Result<SafetensorsFolder> load(const std::filesystem::path& folder);
   // The weight files `load` would read (the shards the index names, or model.safetensors), the
   // index checked, without reading any of them.

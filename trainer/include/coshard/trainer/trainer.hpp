@@ -51,6 +51,7 @@ struct StepStats : zero::EngineStepStats {
   // weight), the mean over ranks and micro-batches; per MoE layer, the experts any rank routed a
   // token to in the step, and the largest expert's share of the step's choices.
   std::optional<double> aux_loss;
+  std::vector<std::string> moe_layers;  // each MoE layer's block ("h2"), the order of the lists
   std::vector<std::int64_t> experts_used;
   std::vector<double> largest_expert_share;
 };
