@@ -2,7 +2,8 @@
 // Hugging Face folder fine-tuned with --init at world 2, ZeRO-3, offload and accumulation, the
 // load-balancing loss on, exported, and the export read back bit for bit; the step metrics of the
 // routing; a resume continuing the uninterrupted run; LoRA on the attention of a MoE model leaving
-// the experts as they were; bad folders and flags refused by name before anything runs.
+// the experts as they were, and on the experts through a PEFT folder; bad folders and flags refused
+// by name before anything runs.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -163,19 +164,32 @@ TEST(CoshardTrainMoe, LoraOnTheAttentionLeavesTheExpertsAsTheyWere) {
     changed += after.at(name) != bytes ? 1 : 0;
   }
   EXPECT_EQ(changed, 4);  // q and v of 2 layers
-  // Adapters on the experts by path: the merged export takes them; a PEFT folder could not name
-  // them for transformers (nor --adapter read it back), so --export-adapter is refused before
-  // training, and writes nothing into it.
-  const auto experts = run(with(from(base, "2"), {"--lora-rank", "4", "--lora-targets", "h*.mlp.moe.experts.*.down",
-                                                  "--export-adapter", (dir / "experts_adapter").string()}),
+  // Adapters on the experts, by transformers' names (Mixtral's w1) and by path (their down): a PEFT
+  // folder names them as transformers does, and --adapter alone reads it back: the merged model
+  // it gives is the first run's, bit for bit.
+  const auto experts = run(with(from(base, "2"), {"--lora-rank", "4", "--lora-targets", "w1", "--lora-targets",
+                                                  "h*.mlp.moe.experts.*.down", "--export-adapter",
+                                                  (dir / "experts_adapter").string(), "--export", (dir / "experts_merged").string()}),
                            dir);
-  EXPECT_NE(experts.code, 0) << experts.output;
-  EXPECT_NE(experts.output.find("--export-adapter"), std::string::npos) << experts.output;
-  EXPECT_NE(experts.output.find("h0.mlp.moe.experts.0.down has no module of transformers'"), std::string::npos)
-      << experts.output;
-  EXPECT_EQ(experts.output.find("step 1"), std::string::npos) << experts.output;
+  ASSERT_EQ(experts.code, 0) << experts.output;
+  const auto adapter_config = nlohmann::json::parse(slurp(dir / "experts_adapter" / "adapter_config.json"));
+  EXPECT_EQ(adapter_config["target_modules"], (nlohmann::json{"w1", "w2"})) << adapter_config.dump();
+  const auto merged_again = run({"--init", base.string(), "--adapter", (dir / "experts_adapter").string(), "--seq", "16",
+                                 "--batch", "2", "--lr", "1e-30", "--steps", "1", "--quiet", "--export",
+                                 (dir / "experts_merged_again").string()},
+                                dir);
+  ASSERT_EQ(merged_again.code, 0) << merged_again.output;
+  EXPECT_EQ(slurp(dir / "experts_merged" / "model.safetensors"), slurp(dir / "experts_merged_again" / "model.safetensors"));
+  EXPECT_NE(slurp(dir / "experts_merged" / "model.safetensors"), slurp(base / "model.safetensors"));
+  // One transformers has no name for (the router, by path): refused before training, writing nothing.
+  const auto router = run(with(from(base, "2"), {"--lora-rank", "4", "--lora-targets", "h*.mlp.moe.router",
+                                                 "--export-adapter", (dir / "router_adapter").string()}),
+                          dir);
+  EXPECT_NE(router.code, 0) << router.output;
+  EXPECT_NE(router.output.find("h0.mlp.moe.router has no module of transformers'"), std::string::npos) << router.output;
+  EXPECT_EQ(router.output.find("step 1"), std::string::npos) << router.output;
   // (the run's output folders are made, empty, when the paths are checked at start)
-  EXPECT_TRUE(!fs::exists(dir / "experts_adapter") || fs::is_empty(dir / "experts_adapter"));
+  EXPECT_TRUE(!fs::exists(dir / "router_adapter") || fs::is_empty(dir / "router_adapter"));
 }
 
 TEST(CoshardTrainMoe, BadFoldersAndFlagsAreRefusedByName) {

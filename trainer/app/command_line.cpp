@@ -239,7 +239,7 @@ std::optional<int> choose_model(Options& o, const CommandLine& cl) {
 std::optional<int> take_adapter_targets(const Options& o, const zero::PeftAdapterConfig& adapter_config, TrainerConfig& c) {
   const std::string source = (std::filesystem::path(o.adapter) / zero::kPeftConfigName).string();
   if (o.model.kind == ModelChoice::Kind::llama) {
-    auto targets = zero::peft_llama_targets(adapter_config, o.model.llama.layers, !o.model.llama.tie_embeddings);
+    auto targets = zero::peft_llama_targets(adapter_config, o.model.llama);
     if (!targets) {
       std::fprintf(stderr, "coshard-train: --adapter %s: %s\n", source.c_str(), targets.error().message().c_str());
       return 2;

@@ -5,6 +5,10 @@
 #include "coshard/modules/moe.hpp"
 
 #include <algorithm>
+#include <array>
+#include <functional>
+#include <set>
+#include <tuple>
 #include <cmath>
 #include <map>
 #include <optional>
@@ -146,7 +150,7 @@ Result<std::vector<LoraAdapterInfo>> adapt_by_glob(Module& model, const LoraOpti
 // and .mlp.gate_up and .mlp.down or a mixture of experts (.mlp.moe), for every l from 0.
 struct LlamaLayout {
   std::int64_t layers = 0, dim = 0, heads = 0, kv_heads = 0, head_dim = 0, intermediate = 0;
-  std::vector<bool> experts;  // per layer: its MLP is a mixture of experts
+  std::vector<SparseMoe*> moe;  // per layer: its mixture of experts (null: a dense MLP)
 };
 
 std::optional<LlamaLayout> llama_layout(Module& model) {
@@ -161,7 +165,8 @@ std::optional<LlamaLayout> llama_layout(Module& model) {
       return by_path.contains(h + name) ? dynamic_cast<Linear*>(by_path[h + name]) : nullptr;
     };
     Linear *qkv = linear("attn.qkv"), *proj = linear("attn.proj"), *gate_up = linear("mlp.gate_up"), *down = linear("mlp.down");
-    const bool experts = by_path.contains(h + "mlp.moe") && dynamic_cast<SparseMoe*>(by_path[h + "mlp.moe"]) != nullptr;
+    auto* moe = by_path.contains(h + "mlp.moe") ? dynamic_cast<SparseMoe*>(by_path[h + "mlp.moe"]) : nullptr;
+    const bool experts = moe != nullptr;
     if (!qkv || !proj || (!experts && (!gate_up || !down))) return std::nullopt;
     LlamaLayout here{0, proj->out_features(), rope->n_heads(), rope->n_kv_heads(), rope->head_dim(),
                      experts ? c.intermediate : gate_up->out_features() / 2, {}};
@@ -171,12 +176,68 @@ std::optional<LlamaLayout> llama_layout(Module& model) {
                          here.head_dim != c.head_dim || (c.intermediate > 0 && here.intermediate != c.intermediate)))
       return std::nullopt;
     here.layers = c.layers;
-    here.experts = std::move(c.experts);
-    here.experts.push_back(experts);
+    here.moe = std::move(c.moe);
+    here.moe.push_back(moe);
     c = std::move(here);
   }
   if (c.layers == 0) return std::nullopt;
   return c;
+}
+
+// A MoE layer's experts by transformers' names (Qwen3-MoE's gate_proj, up_proj, down_proj under
+// mlp.experts.E; Mixtral's w1, w3, w2 under block_sparse_moe.experts.E): gate and up are the rows
+// of coshard's fused gate_up, down its down.
+struct ExpertProjection {
+  std::string hf;
+  const char* linear;  // under h{l}.mlp.moe.experts.{e}
+  std::int64_t begin, end;
+};
+std::array<ExpertProjection, 3> expert_projections(const SparseMoe& moe) {
+  const bool mixtral = moe.options().mixtral_names;
+  const std::int64_t W = moe.options().intermediate, D = moe.options().dim;
+  return {{{mixtral ? "w1" : "gate_proj", "gate_up", 0, W},
+           {mixtral ? "w3" : "up_proj", "gate_up", W, 2 * W},
+           {mixtral ? "w2" : "down_proj", "down", 0, D}}};
+}
+
+// (layer, expert, projection) triples a target names: by transformers' name, or by the path of an
+// expert's linear layer (each projection it holds).
+using ExpertsWanted = std::set<std::tuple<std::int64_t, std::int64_t, std::size_t>>;
+bool match_experts(const LlamaLayout& c, std::string_view bare, const std::string& target, ExpertsWanted& wanted) {
+  bool matched = false;
+  for (std::int64_t l = 0; l < c.layers; ++l) {
+    const SparseMoe* moe = c.moe[static_cast<std::size_t>(l)];
+    if (!moe) continue;
+    const auto projections = expert_projections(*moe);
+    for (std::int64_t e = 0; e < moe->options().experts; ++e) {
+      const std::string path = "h" + std::to_string(l) + ".mlp.moe.experts." + std::to_string(e) + ".";
+      for (std::size_t j = 0; j < projections.size(); ++j)
+        if (peft_list_matches(bare, llama_expert_module_name(l, e, projections[j].hf)) ||
+            glob_matches(target, path + projections[j].linear)) {
+          wanted.emplace(l, e, j);
+          matched = true;
+        }
+    }
+  }
+  return matched;
+}
+
+Result<void> plan_experts(const LlamaLayout& c, std::int64_t l, const ExpertsWanted& wanted,
+                          const std::function<Linear*(const std::string&)>& find, std::vector<Planned>& plan) {
+  const SparseMoe* moe = c.moe[static_cast<std::size_t>(l)];
+  if (!moe) return {};
+  const auto projections = expert_projections(*moe);
+  for (std::int64_t e = 0; e < moe->options().experts; ++e)
+    for (std::size_t j = 0; j < projections.size(); ++j) {
+      if (!wanted.contains({l, e, j})) continue;
+      const ExpertProjection& p = projections[j];
+      const std::string path = "h" + std::to_string(l) + ".mlp.moe.experts." + std::to_string(e) + "." + p.linear;
+      Linear* layer = find(path);
+      if (!layer || layer->out_features() < p.end)
+        return fail(ErrorCode::internal, "apply_lora: no linear layer ", path, " of at least ", p.end, " outputs");
+      plan.push_back({path, layer, "lora_" + p.hf, p.hf, l, p.begin, p.end});
+    }
+  return {};
 }
 
 // make_llama's model: Hugging Face's projection names, one adapter per projection of a fused layer.
@@ -194,11 +255,12 @@ Result<std::vector<LoraAdapterInfo>> adapt_llama(Module& model, const LlamaLayou
                                     {"gate_proj", "mlp.gate_up", 0, I},        {"up_proj", "mlp.gate_up", I, 2 * I},
                                     {"down_proj", "mlp.down", 0, c.dim}};
   const auto linears = linears_of(model);
-  auto find = [&](const std::string& path) -> Linear* {
+  const std::function<Linear*(const std::string&)> find = [&](const std::string& path) -> Linear* {
     for (const auto& [p, l] : linears)
       if (p == path) return l;
     return nullptr;
   };
+  ExpertsWanted experts;
   // Every (layer, projection) a target asks for, then in model order.
   std::vector<std::vector<bool>> wanted(static_cast<std::size_t>(c.layers), std::vector<bool>(std::size(projections)));
   std::vector<std::pair<std::string, Linear*>> other;  // non-block layers (an untied head), by glob
@@ -209,14 +271,12 @@ Result<std::vector<LoraAdapterInfo>> adapt_llama(Module& model, const LlamaLayou
     // "model.layers.3.self_attn.q_proj" (that block's alone), "lm_head".
     for (std::int64_t l = 0; l < c.layers; ++l)
       for (std::size_t j = 0; j < std::size(projections); ++j)
-        if (peft_list_matches(bare, llama_module_name(l, projections[j].hf))) {
-          if (j >= kFirstMlpProjection && c.experts[static_cast<std::size_t>(l)])
-            return fail(ErrorCode::unsupported, "LoRA target \"", target, "\": layer ", l, "'s MLP is a mixture of ",
-                        "experts (adapters on the experts by their Hugging Face names are not built: target the ",
-                        "attention's projections, or the experts' layers by path, e.g. 'h*.mlp.moe.experts.*.down')");
+        if (!(j >= kFirstMlpProjection && c.moe[static_cast<std::size_t>(l)]) &&  // (a MoE layer: its experts')
+            peft_list_matches(bare, llama_module_name(l, projections[j].hf))) {
           matched = true;
           wanted[static_cast<std::size_t>(l)][j] = true;
         }
+    matched = match_experts(c, bare, target, experts) || matched;
     if (peft_list_matches(bare, "lm_head"))
       if (Linear* head = find("head")) {
         matched = true;
@@ -241,6 +301,7 @@ Result<std::vector<LoraAdapterInfo>> adapt_llama(Module& model, const LlamaLayou
   std::vector<Planned> plan;
   for (std::int64_t l = 0; l < c.layers; ++l)
     for (std::size_t j = 0; j < std::size(projections); ++j) {
+      if (j == kFirstMlpProjection) COSHARD_TRY(plan_experts(c, l, experts, find, plan));  // (after the attention's)
       if (!wanted[static_cast<std::size_t>(l)][j]) continue;
       const Projection& p = projections[j];
       const std::string path = "h" + std::to_string(l) + "." + p.linear;
@@ -257,6 +318,12 @@ Result<std::vector<LoraAdapterInfo>> adapt_llama(Module& model, const LlamaLayou
 
 bool peft_list_matches(std::string_view entry, std::string_view name) noexcept {
   return name == entry || (name.size() > entry.size() && name.ends_with(entry) && name[name.size() - entry.size() - 1] == '.');
+}
+
+std::string llama_expert_module_name(std::int64_t layer, std::int64_t expert, std::string_view projection) {
+  const bool mixtral = projection == "w1" || projection == "w2" || projection == "w3";
+  return "model.layers." + std::to_string(layer) + (mixtral ? ".block_sparse_moe" : ".mlp") + ".experts." +
+         std::to_string(expert) + "." + std::string(projection);
 }
 
 std::string llama_module_name(std::int64_t layer, std::string_view projection) {

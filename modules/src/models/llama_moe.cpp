@@ -85,7 +85,8 @@ Result<std::unique_ptr<Module>> make_llama_mlp(const LlamaConfig& c, std::int64_
   if (c.moe_layer(layer)) {
     const SparseMoe::Options o{.dim = c.dim, .experts = c.moe.experts, .top_k = c.moe.top_k,
                                .intermediate = c.expert_width(), .renormalize = c.moe.renormalize, .init = weight,
-                               .every_expert_runs = c.moe.every_expert_runs};
+                               .every_expert_runs = c.moe.every_expert_runs,
+                               .mixtral_names = c.family == HfFamily::mixtral};
     COSHARD_TRY_ASSIGN(auto moe, SparseMoe::create(o, balance));
     mlp->add("moe", std::move(moe));
   } else {

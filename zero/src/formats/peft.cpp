@@ -2,6 +2,7 @@
 #include "coshard/zero/peft.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <map>
 #include <optional>
@@ -12,6 +13,7 @@
 
 #include "coshard/async/files.hpp"
 #include "coshard/async/json_limits.hpp"
+#include "coshard/modules/moe.hpp"
 #include "coshard/modules/safetensors.hpp"
 #include "formats/parameter_decode.hpp"
 
@@ -47,7 +49,32 @@ std::string peft_module(const std::string& adapter_path, const std::string& chil
   const std::string projection = child.starts_with("lora_") ? child.substr(5) : "";
   const std::int64_t l = block_of(linear);
   if (l < 0 || projection.empty()) return linear;
+  // An expert's: h{l}.mlp.moe.experts.{e}.gate_up or .down.
+  if (const auto at = linear.find(".mlp.moe.experts."); at != std::string::npos) {
+    const std::string rest = linear.substr(at + std::string_view(".mlp.moe.experts.").size());
+    return modules::llama_expert_module_name(l, std::stoll(rest.substr(0, rest.find('.'))), projection);
+  }
   return modules::llama_module_name(l, projection);
+}
+
+// How many modules of the model each projection name has (q_proj in every block, gate_proj in
+// every dense MLP and every Qwen3-MoE expert, w1 in every Mixtral expert, ...): a projection
+// adapted in all of them is named bare in target_modules.
+std::map<std::string, std::int64_t> projection_counts(Module& model) {
+  std::map<std::string, std::int64_t> count;
+  model.for_each_module([&](const std::string& path, Module& m) {
+    if (block_of(path) < 0) return;
+    if (path.ends_with(".attn.qkv"))
+      for (const char* p : {"q_proj", "k_proj", "v_proj"}) ++count[p];
+    if (path.ends_with(".attn.proj")) ++count["o_proj"];
+    if (path.ends_with(".mlp.gate_up")) ++count["gate_proj"], ++count["up_proj"];
+    if (path.ends_with(".mlp.down")) ++count["down_proj"];
+    if (auto* moe = dynamic_cast<modules::SparseMoe*>(&m))
+      for (const char* p : moe->options().mixtral_names ? std::array{"w1", "w3", "w2"}
+                                                        : std::array{"gate_proj", "up_proj", "down_proj"})
+        count[p] += moe->options().experts;
+  });
+  return count;
 }
 
 // The whole values by name.
@@ -91,10 +118,9 @@ Result<PeftAdapterConfig> peft_config_of(Module& model, bool llama, std::string 
   c.lora_dropout = names.front().adapter->dropout();
   c.base_model_name_or_path = std::move(base_model_name_or_path);
   std::set<std::string> targets;
-  // A projection adapted in some blocks only is named block by block (PEFT adapts every block a
-  // bare name matches).
-  std::int64_t blocks = 0;
-  model.for_each_module([&](const std::string& path, Module&) { blocks = std::max(blocks, block_of(path) + 1); });
+  // A projection adapted in some of its modules only is named module by module (PEFT adapts every
+  // module a bare name matches).
+  const auto counts = projection_counts(model);
   std::map<std::string, std::vector<std::string>> blocks_of_projection;  // "q_proj" -> its full names
   for (const auto& n : names) {
     if (n.adapter->rank() != c.r || n.adapter->alpha() != c.lora_alpha)
@@ -110,13 +136,14 @@ Result<PeftAdapterConfig> peft_config_of(Module& model, bool llama, std::string 
       // (PEFT would look for coshard's path in transformers' model, and --adapter for a
       // transformers name: neither could load the folder)
       return fail(ErrorCode::unsupported, "PEFT adapter: the adapter on ", module, " has no module of transformers' ",
-                  "model to name (adapt the attention's or a dense MLP's projections, q_proj ... down_proj, or lm_head; ",
-                  "or export the merged model with --export alone)");
+                  "model to name (adapt the attention's, the MLPs' or the experts' projections, or lm_head; or export ",
+                  "the merged model with --export alone)");
     else
       targets.insert(module);
   }
   for (auto& [projection, modules] : blocks_of_projection) {
-    if (static_cast<std::int64_t>(modules.size()) == blocks) targets.insert(projection);
+    const auto it = counts.find(projection);
+    if (it != counts.end() && static_cast<std::int64_t>(modules.size()) == it->second) targets.insert(projection);
     else targets.insert(modules.begin(), modules.end());
   }
   c.target_modules.assign(targets.begin(), targets.end());
@@ -290,13 +317,30 @@ bool peft_targets_module(const PeftAdapterConfig& c, std::string_view key) {
 }
 
 Result<std::vector<std::string>> peft_llama_targets(const PeftAdapterConfig& c, std::int64_t layers, bool untied_head) {
+  modules::LlamaConfig dense;
+  dense.layers = layers;
+  dense.tie_embeddings = !untied_head;
+  return peft_llama_targets(c, dense);
+}
+
+Result<std::vector<std::string>> peft_llama_targets(const PeftAdapterConfig& c, const modules::LlamaConfig& model) {
+  const std::int64_t layers = model.layers;
   std::vector<std::string> out;
-  for (std::int64_t l = 0; l < layers; ++l)
-    for (const char* projection : {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}) {
-      std::string key = modules::llama_module_name(l, projection);
-      if (peft_targets_module(c, key)) out.push_back(std::move(key));
+  auto take = [&](std::string key) {
+    if (peft_targets_module(c, key)) out.push_back(std::move(key));
+  };
+  for (std::int64_t l = 0; l < layers; ++l) {
+    for (const char* projection : {"q_proj", "k_proj", "v_proj", "o_proj"}) take(modules::llama_module_name(l, projection));
+    if (!model.moe_layer(l)) {
+      for (const char* projection : {"gate_proj", "up_proj", "down_proj"}) take(modules::llama_module_name(l, projection));
+      continue;
     }
-  if (untied_head && peft_targets_module(c, "lm_head")) out.push_back("lm_head");
+    const bool mixtral = model.family == modules::HfFamily::mixtral;
+    for (std::int64_t e = 0; e < model.moe.experts; ++e)
+      for (const char* projection : mixtral ? std::array{"w1", "w3", "w2"} : std::array{"gate_proj", "up_proj", "down_proj"})
+        take(modules::llama_expert_module_name(l, e, projection));
+  }
+  if (!model.tie_embeddings && peft_targets_module(c, "lm_head")) out.push_back("lm_head");
   if (out.empty()) {
     std::string given;
     for (const auto& t : c.target_modules) given += (given.empty() ? "" : ", ") + async::bounded_echo(t);

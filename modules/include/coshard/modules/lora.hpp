@@ -149,6 +149,10 @@ bool peft_list_matches(std::string_view entry, std::string_view name) noexcept;
 // transformers' name of a Llama block's projection: "model.layers.3.self_attn.q_proj" for q, k, v
 // and o, "model.layers.3.mlp.up_proj" for gate, up and down.
 std::string llama_module_name(std::int64_t layer, std::string_view projection);
+// transformers' name of a mixture-of-experts layer's expert projection: Qwen3-MoE's
+// "model.layers.3.mlp.experts.5.gate_proj" (gate_proj, up_proj, down_proj), Mixtral's
+// "model.layers.3.block_sparse_moe.experts.5.w1" (w1, w3, w2).
+std::string llama_expert_module_name(std::int64_t layer, std::int64_t expert, std::string_view projection);
 
 // PEFT's default targets for a model: q_proj and v_proj for one make_llama built, every
 // attention's fused qkv ("*.attn.qkv", GPT-2's c_attn) for one make_gpt built; empty otherwise.

@@ -95,6 +95,9 @@ class SparseMoe final : public Module {
     // gathered and reduced each time, as FSDP2 and DeepSpeed's MoE leaf do (a fixed fetch order;
     // an expert nobody chose then gets a zero gradient, so AdamW decays it and moves its moments).
     bool every_expert_runs = false;
+    // How transformers names the experts' projections (LoRA's targets, PEFT folders): Mixtral's
+    // w1, w3, w2 under block_sparse_moe, else Qwen3-MoE's gate_proj, up_proj, down_proj under mlp.
+    bool mixtral_names = false;
   };
   // Refused by name: sizes below 1, top_k above the experts.
   static Result<std::unique_ptr<SparseMoe>> create(const Options& options, std::shared_ptr<RouterBalance> balance = nullptr);

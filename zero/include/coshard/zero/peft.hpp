@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "coshard/modules/lora.hpp"
+#include "coshard/modules/llama.hpp"
 #include "coshard/zero/engine.hpp"
 
 namespace coshard::zero {
@@ -49,6 +50,9 @@ bool peft_targets_module(const PeftAdapterConfig& config, std::string_view key);
 // Llama of `layers` blocks (with an untied output layer, lm_head): the targets that make the same
 // adapters in coshard (modules::LoraOptions::targets). An error when it selects none.
 Result<std::vector<std::string>> peft_llama_targets(const PeftAdapterConfig& config, std::int64_t layers, bool untied_head);
+// The same for the Llama `model` describes: its mixture-of-experts layers' experts by their names
+// (modules::llama_expert_module_name) where their MLP is one.
+Result<std::vector<std::string>> peft_llama_targets(const PeftAdapterConfig& config, const modules::LlamaConfig& model);
 
 // The model's adapters, in model order, with the PEFT name of their A and B (`llama`: the model is
 // make_llama's, named as transformers' modules).
