@@ -131,7 +131,9 @@ async::Task<Result<Tensor>> SparseMoe::forward(Context& ctx, Tensor input) {
     saved.counts.push_back(count);
     saved.runs.push_back(runs[static_cast<std::size_t>(e)] != 0.0);
     if (!saved.runs.back()) continue;
-    COSHARD_CO_TRY_ASSIGN(Tensor y, co_await ctx.forward(*experts_[static_cast<std::size_t>(e)], row_range(rows, first, count, D)));
+    // (named: GCC 12 destroys a class-type temporary argument of a coroutine in co_await twice)
+    const Tensor expert_rows = row_range(rows, first, count, D);
+    COSHARD_CO_TRY_ASSIGN(Tensor y, co_await ctx.forward(*experts_[static_cast<std::size_t>(e)], expert_rows));
     if (!(y.shape() == Shape{count, D}) || y.dtype() != dt)
       co_return fail(ErrorCode::invalid_argument, "SparseMoe: expert ", e, " gave ", y.describe(), " for ", count,
                      " rows of ", D, " (expected ", async::to_string(dt), Shape{count, D}.to_string(), ")");
@@ -170,7 +172,8 @@ async::Task<Result<Tensor>> SparseMoe::backward(Context& ctx, Tensor grad_output
   for (std::int64_t e = E - 1; e >= 0; --e) {
     if (!saved.runs[static_cast<std::size_t>(e)]) continue;
     const std::int64_t count = saved.counts[static_cast<std::size_t>(e)], first = end - count;
-    COSHARD_CO_TRY_ASSIGN(Tensor dx, co_await ctx.backward(*experts_[static_cast<std::size_t>(e)], row_range(d_rows, first, count, D)));
+    const Tensor expert_grads = row_range(d_rows, first, count, D);  // (named, as in forward)
+    COSHARD_CO_TRY_ASSIGN(Tensor dx, co_await ctx.backward(*experts_[static_cast<std::size_t>(e)], expert_grads));
     if (!(dx.shape() == Shape{count, D}) || dx.dtype() != dt)
       co_return fail(ErrorCode::invalid_argument, "SparseMoe: expert ", e, "'s backward gave ", dx.describe(),
                      " (expected ", async::to_string(dt), Shape{count, D}.to_string(), ")");
