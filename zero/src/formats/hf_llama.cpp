@@ -121,7 +121,8 @@ Result<LlamaConfig> parse_hf_llama_config(std::string_view text, std::string_vie
     }
   }
   if (auto ok = c.validate(); !ok) return fail(std::move(ok).error().with_context(std::string(source)));
-  c.hf_config = doc.dump();
+  const std::string kept = doc.dump();
+  c.hf_config.assign(kept.begin(), kept.end());
   return c;
 }
 
@@ -133,7 +134,8 @@ Result<LlamaConfig> read_hf_llama_config(const fs::path& folder) {
 
 std::string hf_llama_config_json(const LlamaConfig& c, DataType dtype) {
   // The keys of the folder it was read from, under the ones the model sets.
-  json doc = c.hf_config.empty() ? json::object() : json::parse(c.hf_config, nullptr, false);
+  json doc = c.hf_config.empty() ? json::object()
+                                 : json::parse(std::string_view(c.hf_config.data(), c.hf_config.size()), nullptr, false);
   if (!doc.is_object()) doc = json::object();
   const json read = doc;
   // Keys the model has no say in keep the folder's value.

@@ -67,7 +67,9 @@ struct LlamaConfig {
   HfFamily family = HfFamily::llama;
   // The config.json it was read from (zero::parse_hf_llama_config), as JSON text: an export writes
   // its keys back (bos_token_id, use_cache, max_window_layers, ...) under the ones the model sets.
-  std::string hf_config{};
+  // (Characters in a vector, not a std::string: a LlamaConfig stays usable in constexpr, which
+  // clang with libstdc++ 12 refuses for a std::string member.)
+  std::vector<char> hf_config{};
 
   std::int64_t resolved_head_dim() const noexcept { return head_dim > 0 ? head_dim : heads > 0 ? dim / heads : 0; }
   // Whether layer l's MLP is a SparseMoe block, and each expert's width.
