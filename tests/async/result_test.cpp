@@ -84,6 +84,24 @@ TEST(Result, MovesOnlyValuesAndConvertsThem) {
   EXPECT_EQ(*copy, "xxx");
 }
 
+// What a stream does when memory runs out mid-message: it stops writing and sets badbit.
+struct StreamThatRunsOutOfMemory {};
+std::ostream& operator<<(std::ostream& out, StreamThatRunsOutOfMemory) {
+  out.setstate(std::ios::badbit);
+  return out;
+}
+
+// A cut message ("worker thre") named nothing (CI's address-space test): such an error says that
+// memory ran out instead, through fail() and detail::concat alike.
+TEST(Result, AMessageCutForWantOfMemorySaysSo) {
+  const Result<int> r = fail(ErrorCode::out_of_memory, "worker thre", StreamThatRunsOutOfMemory{}, "ad died");
+  ASSERT_FALSE(r);
+  EXPECT_EQ(r.error().code(), ErrorCode::out_of_memory);
+  EXPECT_EQ(r.error().message(), *detail::message_lost_for_memory());
+  EXPECT_EQ(detail::concat("a", StreamThatRunsOutOfMemory{}, "b"), *detail::message_lost_for_memory());
+  EXPECT_EQ(detail::concat("a", 1, "b"), "a1b");
+}
+
 #if !defined(COSHARD_TEST_TSAN)
 TEST(ResultDeathTest, ValueOfAnErrorAbortsNamingIt) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");

@@ -54,6 +54,8 @@ const std::string& empty_message() noexcept;
 class Error {
  public:
   Error(ErrorCode code, std::string message) noexcept : code_(code), message_(share(std::move(message))) {}
+  // An error whose message could not be built for want of memory: it says so instead.
+  static Error message_lost_for_memory(ErrorCode code) noexcept { return Error(code, detail::message_lost_for_memory()); }
 
   ErrorCode code() const noexcept { return code_; }
   const std::string& message() const noexcept { return message_ ? *message_ : detail::empty_message(); }
@@ -72,6 +74,8 @@ class Error {
   }
 
  private:
+  Error(ErrorCode code, std::shared_ptr<const std::string> message) noexcept
+      : code_(code), message_(std::move(message)) {}
   static std::shared_ptr<const std::string> share(std::string&& message) noexcept {
     try {
       return std::make_shared<const std::string>(std::move(message));
@@ -217,15 +221,21 @@ template <class... Parts>
 std::string concat(const Parts&... parts) {
   std::ostringstream out;
   (out << ... << parts);
+  if (!out) return *message_lost_for_memory();  // a cut message would name nothing (see fail())
   return std::move(out).str();
 }
 }  // namespace detail
 
 // fail(ErrorCode::invalid_argument, "max_live_bytes=", n, ": must be at least ", m)
 // builds the message from its parts only when an error actually happens.
+// A stream that runs out of memory mid-message stops writing without a word (its bad_alloc is
+// caught), which would leave a cut message that names nothing: that error says memory ran out.
 template <class... Parts>
 Unexpected fail(ErrorCode code, const Parts&... parts) {
-  return Unexpected(Error(code, detail::concat(parts...)));
+  std::ostringstream out;
+  (out << ... << parts);
+  if (!out) return Unexpected(Error::message_lost_for_memory(code));
+  return Unexpected(Error(code, std::move(out).str()));
 }
 
 inline Unexpected fail(Error error) { return Unexpected(std::move(error)); }
