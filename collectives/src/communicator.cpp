@@ -23,6 +23,7 @@ std::string_view to_string(CollectiveKind kind) noexcept {
     case CollectiveKind::broadcast: return "broadcast";
     case CollectiveKind::barrier: return "barrier";
     case CollectiveKind::all_to_all: return "all_to_all";
+    case CollectiveKind::all_to_allv: return "all_to_allv";
   }
   return "unknown-collective";
 }
@@ -30,6 +31,9 @@ std::string_view to_string(CollectiveKind kind) noexcept {
 std::string CollectiveOp::signature() const {
   std::string s(to_string(kind));
   if (kind == CollectiveKind::barrier) return s + "()";
+  if (kind == CollectiveKind::all_to_allv)
+    return s + "(send=" + std::to_string(sent_elements()) + ", recv=" + std::to_string(received_elements()) + ", " +
+           std::string(to_string(dtype)) + ")";
   s += "(count=" + std::to_string(count) + ", " + std::string(to_string(dtype));
   if (kind == CollectiveKind::reduce_scatter || kind == CollectiveKind::all_reduce) s += ", " + std::string(to_string(op));
   if (kind == CollectiveKind::broadcast) s += ", root=" + std::to_string(root);
@@ -66,6 +70,28 @@ Coalesced& Coalesced::all_to_all(const void* send, void* recv, std::size_t count
   return *this;
 }
 
+Coalesced& Coalesced::all_to_allv(const void* send, std::span<const std::size_t> send_counts, void* recv,
+                                  std::span<const std::size_t> recv_counts, DataType dtype) {
+  ops_.push_back({CollectiveKind::all_to_allv, send, recv, 0, dtype, ReduceOp::sum, 0});
+  auto& counts = ops_.back().counts;
+  counts.assign(send_counts.begin(), send_counts.end());
+  counts.insert(counts.end(), recv_counts.begin(), recv_counts.end());
+  // (a size that is not twice the communicator's is refused by validate, naming both)
+  ops_.back().count = send_counts.size() == recv_counts.size() ? 0 : 1;
+  return *this;
+}
+
+std::size_t CollectiveOp::sent_elements() const noexcept {
+  std::size_t n = 0;
+  for (std::size_t q = 0; q < counts.size() / 2; ++q) n += counts[q];
+  return n;
+}
+std::size_t CollectiveOp::received_elements() const noexcept {
+  std::size_t n = 0;
+  for (std::size_t q = counts.size() / 2; q < counts.size(); ++q) n += counts[q];
+  return n;
+}
+
 Coalesced& Coalesced::barrier() {
   ops_.push_back({CollectiveKind::barrier, nullptr, nullptr, 0, DataType::u8, ReduceOp::sum, 0});
   return *this;
@@ -83,6 +109,34 @@ Result<void> label_split(const Communicator& parent, Communicator& child, std::s
   return child.set_flight_label(above.empty() ? std::string(name) : above + "-" + std::string(name));
 }
 
+namespace {
+
+Result<void> validate_all_to_allv(const CollectiveOp& op, int rank, int size) {
+  const auto n = static_cast<std::size_t>(size);
+  if (op.count != 0 || op.counts.size() != 2 * n)
+    return fail(ErrorCode::invalid_argument, "all_to_allv on rank ", rank, ": ",
+                op.count != 0 ? "send_counts and recv_counts differ in length" : "counts for ", op.counts.size() / 2,
+                " ranks on a communicator of ", size, " (expected one send and one receive count per rank)");
+  const std::size_t limit = std::numeric_limits<std::size_t>::max() / size_of(op.dtype) / 2;
+  std::size_t sent = 0, received = 0;
+  for (std::size_t q = 0; q < n; ++q) {
+    if (op.counts[q] > limit - sent || op.counts[n + q] > limit - received)
+      return fail(ErrorCode::invalid_argument, op.signature(), " on rank ", rank, ": counts overflow the address space");
+    sent += op.counts[q];
+    received += op.counts[n + q];
+  }
+  if ((sent > 0 && op.send == nullptr) || (received > 0 && op.recv == nullptr))
+    return fail(ErrorCode::invalid_argument, op.signature(), " on rank ", rank, ": send and recv must not be null");
+  const auto es = size_of(op.dtype);
+  const auto send = reinterpret_cast<std::uintptr_t>(op.send), recv = reinterpret_cast<std::uintptr_t>(op.recv);
+  if (sent > 0 && received > 0 && send < recv + received * es && recv < send + sent * es)
+    return fail(ErrorCode::invalid_argument, op.signature(), " on rank ", rank,
+                ": send and recv overlap (all_to_allv is never in place)");
+  return {};
+}
+
+}  // namespace
+
 Result<void> validate(const CollectiveOp& op, int rank, int size) {
   if (size_of(op.dtype) == 0) {
     return fail(ErrorCode::invalid_argument, op.signature(), ": unknown data type ", static_cast<int>(op.dtype));
@@ -90,6 +144,7 @@ Result<void> validate(const CollectiveOp& op, int rank, int size) {
   if (static_cast<int>(op.op) > static_cast<int>(ReduceOp::min)) {
     return fail(ErrorCode::invalid_argument, op.signature(), ": unknown reduce op ", static_cast<int>(op.op));
   }
+  if (op.kind == CollectiveKind::all_to_allv) return validate_all_to_allv(op, rank, size);
   if (op.kind == CollectiveKind::barrier || op.count == 0) return {};
   const std::size_t limit = std::numeric_limits<std::size_t>::max() / size_of(op.dtype) / static_cast<std::size_t>(size);
   if (op.count > limit) {

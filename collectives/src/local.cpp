@@ -171,8 +171,9 @@ class LocalGroup {
       const std::size_t es = size_of(op.dtype);
       const bool whole_send = op.kind == CollectiveKind::reduce_scatter || op.kind == CollectiveKind::all_to_all;
       const bool whole_recv = op.kind == CollectiveKind::all_gather || op.kind == CollectiveKind::all_to_all;
-      const std::size_t send_bytes = whole_send ? op.count * es * size_ : op.count * es;
-      const std::size_t recv_bytes = whole_recv ? op.count * es * size_ : op.count * es;
+      const bool v = op.kind == CollectiveKind::all_to_allv;
+      const std::size_t send_bytes = v ? op.sent_elements() * es : whole_send ? op.count * es * size_ : op.count * es;
+      const std::size_t recv_bytes = v ? op.received_elements() * es : whole_recv ? op.count * es * size_ : op.count * es;
       const bool sends = op.kind != CollectiveKind::barrier && (op.kind != CollectiveKind::broadcast || op.root == rank);
       if (sends) COSHARD_TRY(detail::check_device_buffer(stream.device(), op.send, send_bytes, "send", rank, op));
       if (op.kind != CollectiveKind::barrier) {
@@ -278,7 +279,41 @@ class LocalGroup {
                     describe(other));
       }
     }
+    return pairs_agree();
+  }
+
+  // all_to_allv: what each rank sends to each other rank is what that rank expects from it.
+  Result<void> pairs_agree() const {
+    const auto& first = *posted_[0];
+    const auto n = static_cast<std::size_t>(size_);
+    for (std::size_t i = 0; i < first.size(); ++i) {
+      if (first[i].kind != CollectiveKind::all_to_allv) continue;
+      for (std::size_t p = 0; p < n; ++p)
+        for (std::size_t q = 0; q < n; ++q) {
+          const std::size_t sent = (*posted_[p])[i].counts[q], expected = (*posted_[q])[i].counts[n + p];
+          if (sent != expected)
+            return fail(ErrorCode::invalid_argument, "collective group #", posted_seq_[0], " ",
+                        describe(std::span(&first[i], 1)), ": rank ", p, " sends ", sent, " elements to rank ", q,
+                        ", which expects ", expected, " from it");
+        }
+    }
     return {};
+  }
+
+  // Rank `rank` copies in what each rank sends it (pairs_agree checked the sizes).
+  void execute_all_to_allv(int rank, const CollectiveOp& mine, std::size_t index) {
+    const auto n = static_cast<std::size_t>(size_), me = static_cast<std::size_t>(rank);
+    const std::size_t es = size_of(mine.dtype);
+    auto* recv = static_cast<std::byte*>(mine.recv);
+    std::size_t at = 0;
+    for (std::size_t q = 0; q < n; ++q) {
+      const CollectiveOp& theirs = op_of(static_cast<int>(q), index);
+      std::size_t from = 0;
+      for (std::size_t t = 0; t < me; ++t) from += theirs.counts[t];
+      const std::size_t count = mine.counts[n + q];
+      if (count > 0) std::memcpy(recv + at * es, static_cast<const std::byte*>(theirs.send) + from * es, count * es);
+      at += count;
+    }
   }
 
   const CollectiveOp& op_of(int rank, std::size_t index) const {
@@ -288,11 +323,13 @@ class LocalGroup {
   void execute(int rank, std::size_t index) {
     const CollectiveOp& mine = op_of(rank, index);
     const std::size_t es = size_of(mine.dtype);
+    if (mine.kind == CollectiveKind::all_to_allv) return execute_all_to_allv(rank, mine, index);
     const std::size_t block_bytes = mine.count * es;
     if (block_bytes == 0) return;
     auto* recv = static_cast<std::byte*>(mine.recv);
     switch (mine.kind) {
       case CollectiveKind::barrier:
+      case CollectiveKind::all_to_allv:  // (execute_all_to_allv)
         return;
       case CollectiveKind::broadcast: {
         const void* src = op_of(mine.root, index).send;

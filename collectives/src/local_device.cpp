@@ -3,6 +3,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
+#include <span>
 #include <string>
 
 #include "cuda/local_kernels.cuh"
@@ -12,6 +14,28 @@ namespace {
 
 Unexpected cuda_error(cudaError_t e, std::string_view what) {
   return fail(ErrorCode::device, what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
+}
+
+// Every rank's blocks as copies on one stream (the ranks share the GPU): rank r's block from q
+// is what q sends to r.
+Result<void> all_to_allv_on_device(void* s, std::span<const CollectiveOp* const> per_rank) {
+  const std::size_t n = per_rank.size(), es = size_of(per_rank[0]->dtype);
+  for (std::size_t r = 0; r < n; ++r) {
+    std::size_t at = 0;
+    for (std::size_t q = 0; q < n; ++q) {
+      std::size_t from = 0;
+      for (std::size_t t = 0; t < r; ++t) from += per_rank[q]->counts[t];
+      const std::size_t bytes = per_rank[r]->counts[n + q] * es;
+      if (bytes > 0) {
+        const auto e = cudaMemcpyAsync(static_cast<std::byte*>(per_rank[r]->recv) + at * es,
+                                       static_cast<const std::byte*>(per_rank[q]->send) + from * es, bytes,
+                                       cudaMemcpyDefault, static_cast<cudaStream_t>(s));
+        if (e != cudaSuccess) return cuda_error(e, "cudaMemcpyAsync for " + per_rank[0]->signature());
+      }
+      at += per_rank[r]->counts[n + q];
+    }
+  }
+  return {};
 }
 
 }  // namespace
@@ -60,9 +84,11 @@ Result<void> enqueue_on_device(async::Stream& stream, std::span<const Collective
   }
   if (auto e = cudaSetDevice(stream.device().index()); e != cudaSuccess) return cuda_error(e, "cudaSetDevice");
   void* s = stream.native_handle();
+  if (first.kind == CollectiveKind::all_to_allv) return all_to_allv_on_device(s, per_rank);
   int launched = cudaSuccess;
   switch (first.kind) {
-    case CollectiveKind::barrier: return {};
+    case CollectiveKind::barrier:
+    case CollectiveKind::all_to_allv: return {};
     case CollectiveKind::all_gather: launched = cuda::all_gather(s, buffers, world, first.count * es); break;
     case CollectiveKind::all_to_all: launched = cuda::all_to_all(s, buffers, world, first.count * es); break;
     case CollectiveKind::broadcast: launched = cuda::broadcast(s, buffers, world, first.root, first.count * es); break;

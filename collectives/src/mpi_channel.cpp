@@ -216,6 +216,24 @@ Result<void> MpiChannel::post_first_phase(Group& g, const CollectiveOp& op, std:
       if (send != own) std::memcpy(own, send, block);
       return {};
     }
+    case CollectiveKind::all_to_allv: {  // (blocks packed in rank order on each side)
+      const auto n = static_cast<std::size_t>(size_), me = static_cast<std::size_t>(rank_);
+      std::size_t sent = 0, received = 0, own_from = 0, own_to = 0;
+      for (std::size_t q = 0; q < n; ++q) {
+        const std::size_t out = op.counts[q] * es, in = op.counts[n + q] * es;
+        if (q == me) {
+          own_from = sent;
+          own_to = received;
+        } else {
+          if (in > 0) COSHARD_TRY(post_receive(g, recv + received, in, static_cast<int>(q), Message::Kind::receive));
+          if (out > 0) COSHARD_TRY(post_send(g, send + sent, out, static_cast<int>(q)));
+        }
+        sent += out;
+        received += in;
+      }
+      if (op.counts[me] > 0) std::memcpy(recv + own_to, send + own_from, op.counts[me] * es);
+      return {};
+    }
     case CollectiveKind::all_to_all: {
       if (block == 0) return {};
       for (int q = 0; q < size_; ++q) {

@@ -218,6 +218,22 @@ class NcclCommunicator final : public Communicator {
         case CollectiveKind::barrier:
           r = nccl_.all_reduce(barrier_word_, barrier_word_, 1, ncclFloat32, ncclSum, comm_, s);
           break;
+        case CollectiveKind::all_to_allv: {  // (as all_to_all: the pairs' sends and receives in one group)
+          const auto n = static_cast<std::size_t>(size_);
+          const std::size_t es = size_of(op.dtype);
+          std::size_t sent = 0, received = 0;
+          for (std::size_t q = 0; q < n && r == ncclSuccess; ++q) {
+            if (op.counts[q] > 0)
+              r = nccl_.send(static_cast<const std::byte*>(op.send) + sent * es, op.counts[q], type, static_cast<int>(q),
+                             comm_, s);
+            if (r == ncclSuccess && op.counts[n + q] > 0)
+              r = nccl_.recv(static_cast<std::byte*>(op.recv) + received * es, op.counts[n + q], type,
+                             static_cast<int>(q), comm_, s);
+            sent += op.counts[q];
+            received += op.counts[n + q];
+          }
+          break;
+        }
         case CollectiveKind::all_to_all: {  // (within the launch's group: one kernel for all the pairs)
           const std::size_t block = op.count * size_of(op.dtype);
           for (int q = 0; q < size_ && r == ncclSuccess; ++q) {

@@ -115,6 +115,13 @@ TEST_P(EveryCollectiveOnGpu, MatchesTheReferenceForEveryTypeOpAndSize) {
           void* recv = mem.upload({}, world * n * es);
           check(c.all_to_all(send, recv, n, t), recv, exchanged(t, world, r, n), "all_to_all " + tag);
         }
+        {  // all_to_allv: uneven blocks, some empty
+          const Bytes want = exchanged_v(t, world, r, n);
+          void* send = mem.upload(v_send(t, world, r, n));
+          void* recv = mem.upload({}, want.size() + es);  // (a byte at least: an empty receive is still a buffer)
+          check(c.all_to_allv(send, v_send_counts(world, r, n), recv, v_recv_counts(world, r, n), t), recv, want,
+                "all_to_allv " + tag);
+        }
         {
           const int root = case_index++ % world;
           void* send = mem.upload(values(t, r, 0, n));

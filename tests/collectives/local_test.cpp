@@ -62,6 +62,11 @@ TEST_P(EveryCollective, MatchesADirectComputationForEveryTypeOpAndSize) {
           Bytes send = values(t, r, 0, world * n), recv(world * n * es);
           check(c.all_to_all(send.data(), recv.data(), n, t), recv, exchanged(t, world, r, n), "all_to_all " + tag);
         }
+        {  // all_to_allv: uneven blocks, some empty
+          Bytes send = v_send(t, world, r, n), recv(exchanged_v(t, world, r, n).size());
+          const auto out = v_send_counts(world, r, n), in = v_recv_counts(world, r, n);
+          check(c.all_to_allv(send.data(), out, recv.data(), in, t), recv, exchanged_v(t, world, r, n), "all_to_allv " + tag);
+        }
         {  // broadcast from a rotating root; non-roots pass no send buffer
           const int root = case_index++ % world;
           Bytes send = values(t, r, 0, n), recv(n * es);
@@ -340,7 +345,35 @@ TEST(LocalCollectives, BadArgumentsAreRejectedBeforeAnythingIsEnqueued) {
   ASSERT_FALSE(in_place.has_value());
   EXPECT_NE(in_place.error().message().find("send and recv overlap (all_to_all is never in place)"), std::string::npos)
       << in_place.error().message();
+  const std::size_t one[1] = {1}, two[2] = {1, 1};
+  auto short_counts = comms[0]->all_to_allv(pair, one, pair + 2, one, DataType::f32);
+  ASSERT_FALSE(short_counts.has_value());
+  EXPECT_NE(short_counts.error().message().find("counts for 1 ranks on a communicator of 2"), std::string::npos)
+      << short_counts.error().message();
+  auto uneven = comms[0]->all_to_allv(pair, two, pair + 2, one, DataType::f32);
+  ASSERT_FALSE(uneven.has_value());
+  EXPECT_NE(uneven.error().message().find("send_counts and recv_counts differ in length"), std::string::npos)
+      << uneven.error().message();
+  auto v_in_place = comms[0]->all_to_allv(pair, two, pair + 1, two, DataType::f32);
+  ASSERT_FALSE(v_in_place.has_value());
+  EXPECT_NE(v_in_place.error().message().find("never in place"), std::string::npos) << v_in_place.error().message();
   EXPECT_EQ(comms[0]->launches(), 0u);
+}
+
+// all_to_allv's pairs must agree: rank 0 sending 2 elements where rank 1 expects 1 fails on every
+// rank, naming both, instead of reading past a buffer.
+TEST(LocalCollectives, AllToAllvWithPairsThatDisagreeFailsNamingThem) {
+  Comms comms = make(2);
+  std::vector<std::string> errors(2);
+  run_ranks(comms, [&](Communicator& c) {
+    float send[4] = {1, 2, 3, 4}, recv[4] = {};
+    const std::size_t out[2] = {1, c.rank() == 0 ? 2u : 1u}, in[2] = {1, 1};
+    auto e = c.all_to_allv(send, out, recv, in, DataType::f32, "routed tokens");
+    if (!e) errors[static_cast<std::size_t>(c.rank())] = e.error().message();
+    else if (auto done = e->synchronize(); !done) errors[static_cast<std::size_t>(c.rank())] = done.error().message();
+  });
+  for (const auto& e : errors)
+    EXPECT_NE(e.find("rank 0 sends 2 elements to rank 1, which expects 1 from it"), std::string::npos) << e;
 }
 
 TEST(LocalCollectives, AwaitingCollectivesFromTasksNeverBlocksTheHost) {

@@ -71,6 +71,11 @@ TEST(Mpi, EveryCollectiveMatchesTheReferenceForEveryTypeOpAndSize) {
         Bytes send = values(t, r, 0, world * n), recv(world * n * es);
         check(c->all_to_all(send.data(), recv.data(), n, t), recv, exchanged(t, world, r, n), "all_to_all " + tag);
       }
+      {  // all_to_allv: uneven blocks, some empty
+        Bytes send = v_send(t, world, r, n), recv(exchanged_v(t, world, r, n).size());
+        const auto out = v_send_counts(world, r, n), in = v_recv_counts(world, r, n);
+        check(c->all_to_allv(send.data(), out, recv.data(), in, t), recv, exchanged_v(t, world, r, n), "all_to_allv " + tag);
+      }
       {
         const int root = case_index++ % world;
         Bytes send = values(t, r, 0, n), recv(n * es);

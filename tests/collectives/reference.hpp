@@ -54,6 +54,38 @@ inline Bytes exchanged(DataType t, int world, int r, std::size_t n) {
   return out;
 }
 
+// all_to_allv's counts: what rank p sends rank q (zero for some pairs, uneven for the others).
+inline std::size_t v_count(int p, int q, std::size_t n) {
+  return static_cast<std::size_t>((p * 7 + q * 3) % 5) * n / 2;
+}
+inline std::vector<std::size_t> v_send_counts(int world, int p, std::size_t n) {
+  std::vector<std::size_t> c;
+  for (int q = 0; q < world; ++q) c.push_back(v_count(p, q, n));
+  return c;
+}
+inline std::vector<std::size_t> v_recv_counts(int world, int r, std::size_t n) {
+  std::vector<std::size_t> c;
+  for (int q = 0; q < world; ++q) c.push_back(v_count(q, r, n));
+  return c;
+}
+// Rank r's receive: from each rank q, q's block for r (values(t, q, ...) laid end to end).
+inline Bytes exchanged_v(DataType t, int world, int r, std::size_t n) {
+  Bytes out;
+  for (int q = 0; q < world; ++q) {
+    std::size_t from = 0;
+    for (int s = 0; s < r; ++s) from += v_count(q, s, n);
+    Bytes b = values(t, q, from, v_count(q, r, n));
+    out.insert(out.end(), b.begin(), b.end());
+  }
+  return out;
+}
+// Rank p's send for all_to_allv.
+inline Bytes v_send(DataType t, int world, int p, std::size_t n) {
+  std::size_t total = 0;
+  for (int q = 0; q < world; ++q) total += v_count(p, q, n);
+  return values(t, p, 0, total);
+}
+
 template <class Acc>
 Acc combine(ReduceOp op, Acc a, Acc b) {
   switch (op) {

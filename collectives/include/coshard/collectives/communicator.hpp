@@ -10,6 +10,9 @@
 //   broadcast(send[count] on root    -> recv[count] on every rank; non-roots may pass send=null)
 //   all_to_all(send[size*count]      -> recv[size*count]: block q of send goes to rank q, and
 //                                       block q of recv came from rank q; never in place)
+//   all_to_allv(send, send_counts[size] -> recv, recv_counts[size]: send_counts[q] elements go
+//               to rank q and recv_counts[q] come from it, each side packed in rank order;
+//               rank p's send_counts[q] must be rank q's recv_counts[p]; never in place)
 //   barrier()
 //
 // Several collectives can be issued as one Coalesced group: one launch (one NCCL group; one
@@ -40,14 +43,15 @@
 
 namespace coshard::collectives {
 
-enum class CollectiveKind : std::uint8_t { all_gather, reduce_scatter, all_reduce, broadcast, barrier, all_to_all };
+enum class CollectiveKind : std::uint8_t { all_gather, reduce_scatter, all_reduce, broadcast, barrier, all_to_all, all_to_allv };
 std::string_view to_string(CollectiveKind kind) noexcept;
 
 struct CollectiveOp {
   CollectiveKind kind = CollectiveKind::barrier;
   const void* send = nullptr;
   void* recv = nullptr;
-  std::size_t count = 0;  // elements per rank (see the table above)
+  std::size_t count = 0;  // elements per rank (see the table above; all_to_allv: 0, or 1 where
+                          // its send and receive counts differ in length, which validate refuses)
   DataType dtype = DataType::u8;
   ReduceOp op = ReduceOp::sum;
   int root = 0;
@@ -55,6 +59,13 @@ struct CollectiveOp {
   // each rank's, so ranks that took different paths (a rank-dependent branch) are named by what
   // they were doing, not only by sizes. Not part of the signature. Cut to fit; copied with the op.
   std::array<char, 48> purpose{};
+  // all_to_allv: the elements sent to each rank, then those received from each (2 * size entries;
+  // `count` is unused). Their sum may differ between ranks: only each pair must agree.
+  std::vector<std::size_t> counts{};
+
+  // all_to_allv: the elements this rank sends in all, and receives in all.
+  std::size_t sent_elements() const noexcept;
+  std::size_t received_elements() const noexcept;
 
   void set_purpose(std::string_view text) noexcept {
     const std::size_t n = std::min(text.size(), purpose.size() - 1);
@@ -84,6 +95,9 @@ class Coalesced {
   Coalesced& all_reduce(const void* send, void* recv, std::size_t count, DataType dtype, ReduceOp op);
   Coalesced& broadcast(const void* send, void* recv, std::size_t count, DataType dtype, int root);
   Coalesced& all_to_all(const void* send, void* recv, std::size_t count, DataType dtype);
+  // send_counts and recv_counts have one entry per rank of the communicator it launches on.
+  Coalesced& all_to_allv(const void* send, std::span<const std::size_t> send_counts, void* recv,
+                         std::span<const std::size_t> recv_counts, DataType dtype);
   Coalesced& barrier();
   // What the op added last is for (CollectiveOp::purpose).
   Coalesced& purpose(std::string_view text) noexcept {
@@ -164,6 +178,11 @@ class Communicator {
   Result<async::Event> all_to_all(const void* send, void* recv, std::size_t count, DataType dtype,
                                   std::string_view purpose = {}) {
     return launch(Coalesced{}.all_to_all(send, recv, count, dtype).purpose(purpose));
+  }
+  Result<async::Event> all_to_allv(const void* send, std::span<const std::size_t> send_counts, void* recv,
+                                   std::span<const std::size_t> recv_counts, DataType dtype,
+                                   std::string_view purpose = {}) {
+    return launch(Coalesced{}.all_to_allv(send, send_counts, recv, recv_counts, dtype).purpose(purpose));
   }
   Result<async::Event> barrier() { return launch(Coalesced{}.barrier()); }
 };
