@@ -14,6 +14,9 @@ Result<void> validate(const MeshShape& shape, int world) {
     return fail(ErrorCode::invalid_argument, "mesh: shard group size ", shape.shard, " does not divide the ", data,
                 " data-parallel ranks (world ", world, " / tensor ", shape.tensor, "; expected 0 or a divisor of ", data,
                 ")");
+  if (shape.expert < 1 || data % shape.expert != 0)
+    return fail(ErrorCode::invalid_argument, "mesh: expert-parallel size ", shape.expert, " does not divide the ", data,
+                " data-parallel ranks (world ", world, " / tensor ", shape.tensor, "; expected a divisor of ", data, ")");
   return {};
 }
 
@@ -34,19 +37,36 @@ Result<Mesh> Mesh::create(Communicator& world, MeshShape shape) {
   }
   COSHARD_TRY_ASSIGN(mesh.owned_tensor_, world.split(data_index, tensor_index));
   mesh.tensor_ = mesh.owned_tensor_.get();
-  if (!mesh.data_ || !mesh.tensor_)
+  if (shape.expert == 1) {
+    COSHARD_TRY_ASSIGN(mesh.owned_expert_, world.split(world.rank(), 0));  // (a group of one; split on every rank alike)
+  } else {
+    // Within this rank's data group: data ranks d with the same d % run, ranked by d.
+    const int run = mesh.data_size() / shape.expert;
+    COSHARD_TRY_ASSIGN(mesh.owned_expert_, world.split(tensor_index * run + data_index % run, data_index));
+  }
+  mesh.expert_ = mesh.owned_expert_.get();
+  if (!mesh.data_ || !mesh.tensor_ || !mesh.expert_)
     return fail(ErrorCode::internal, "mesh: a split gave no communicator (rank ", world.rank(), ")");
   // Named apart in the flight recorder: the data group of tensor index t, the tensor group of
   // data index d (their ranks' dumps would otherwise share the world's file names).
   if (mesh.owned_data_) COSHARD_TRY(label_split(world, *mesh.owned_data_, "data" + std::to_string(tensor_index)));
   COSHARD_TRY(label_split(world, *mesh.owned_tensor_, "tensor" + std::to_string(data_index)));
+  if (shape.expert > 1) {
+    const int run = mesh.data_size() / shape.expert;
+    COSHARD_TRY(label_split(world, *mesh.owned_expert_, "expert" + std::to_string(tensor_index * run + data_index % run)));
+  }
   return mesh;
 }
 
 std::string Mesh::describe() const {
   std::ostringstream s;
   s << "data " << data_size() << " x tensor " << tensor_size();
-  if (shard_group_size() > 0) s << " (shards over " << shard_group_size() << " data ranks)";
+  if (shard_group_size() > 0 && shape_.expert > 1)
+    s << " (shards over " << shard_group_size() << " data ranks; experts over " << shape_.expert << ")";
+  else if (shard_group_size() > 0)
+    s << " (shards over " << shard_group_size() << " data ranks)";
+  else if (shape_.expert > 1)
+    s << " (experts over " << shape_.expert << " data ranks)";
   return s.str();
 }
 

@@ -154,6 +154,16 @@ Result<void> Parameter::set_split(TensorSplit split) {
   return {};
 }
 
+Result<void> Parameter::set_expert_parallel(int group_size) {
+  if (group_size < 1)
+    return fail(ErrorCode::invalid_argument, "parameter ", name_, ": expert-parallel size ", group_size, ", expected >= 1");
+  if (bound())
+    return fail(ErrorCode::invalid_argument, "parameter ", name_, ": set_expert_parallel while bound (set it before a "
+                "ParameterStore or engine is made)");
+  expert_parallel_ = group_size;
+  return {};
+}
+
 void initial_values(const Parameter& parameter, std::string_view full_name, std::uint64_t seed, std::span<double> out) {
   const TensorSplit* split = parameter.split();
   if (!split) return initial_values(parameter.init(), full_name, seed, out);

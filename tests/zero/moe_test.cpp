@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "coshard/collectives/mesh.hpp"
 #include "coshard/modules/checkpointing.hpp"
 #include "coshard/modules/llama.hpp"
 #include "coshard/modules/moe.hpp"
@@ -78,13 +79,20 @@ struct Layout {
   OffloadTarget params = OffloadTarget::none;
   bool disjoint = false;  // each rank's tokens routed to experts of its own
   bool every_expert = false;  // SparseMoe's every_expert_runs: every expert gathered each pass
+  int expert_parallel = 1;    // the experts partitioned over this many ranks (a Mesh's expert groups)
+  std::int64_t experts = 6;
+  bool sgd = false;  // SGD with momentum (lr 0.05) instead of AdamW (lr 1e-3)
   int steps = 3;
+  fs::path export_to;  // export_safetensors after training (and try a sharded checkpoint)
+  fs::path init_from;  // load_safetensors after initialize
   std::string name() const {
     return "world " + std::to_string(world) + ", stage " + std::to_string(stage) + ", " +
            std::to_string(micro_batches) + " micro-batches, " + (variant == Variant::mixtral ? "mixtral" : "qwen-style") +
            (coalesced ? ", coalesced experts" : "") + (checkpointed ? ", checkpointed" : "") + ", optimizer " +
            std::string(to_string(optimizer)) + ", parameters " + std::string(to_string(params)) +
-           (disjoint ? ", disjoint routing" : "");
+           (disjoint ? ", disjoint routing" : "") +
+           (expert_parallel > 1 ? ", expert-parallel " + std::to_string(expert_parallel) : std::string()) +
+           (experts != 6 ? ", " + std::to_string(experts) + " experts" : std::string()) + (sgd ? ", SGD" : "");
   }
 };
 
@@ -95,6 +103,7 @@ struct TrainedRun {
   std::int64_t most_experts_used = 0;  // rank 0's, in any layer of any micro-batch
   std::vector<std::size_t> gathered_bytes;  // per step
   std::vector<FetchUnitInfo> units;
+  std::string checkpoint_error;  // (export_to) what save_checkpoint said
 };
 
 // Sequence s of step `step`. Disjoint routing: the first half of the sequences (rank 0's at world
@@ -161,6 +170,7 @@ Result<TrainedRun> train(const Layout& k) {
   const auto swap = fs::current_path() / "moe_scratch" / ::testing::UnitTest::GetInstance()->current_test_info()->name();
   auto config = moe_llama(k.variant);
   config.moe.every_expert_runs = k.every_expert;
+  config.moe.experts = k.experts;
   TrainedRun run;
   std::mutex mutex;
   const auto errors = ::coshard::testing::on_ranks(k.world, [&](int r, collectives::Communicator& world)
@@ -168,9 +178,11 @@ Result<TrainedRun> train(const Layout& k) {
     COSHARD_CO_TRY_ASSIGN(auto stream, async::Stream::create(async::Device::cpu()));
     COSHARD_CO_TRY_ASSIGN(auto allocator, async::CachingAllocator::create(async::Device::cpu()));
     COSHARD_CO_TRY_ASSIGN(auto ctx, Context::create(stream, *allocator));
-    COSHARD_CO_TRY_ASSIGN(auto model, modules::make_llama(config));
+    COSHARD_CO_TRY_ASSIGN(auto mesh, collectives::Mesh::create(world, {.expert = k.expert_parallel}));
+    COSHARD_CO_TRY_ASSIGN(auto model, modules::make_llama_expert_parallel(config, mesh.expert()));
     if (k.checkpointed) modules::apply_activation_checkpointing(*model, {.every = 1});
-    COSHARD_CO_TRY_ASSIGN(auto opt, Optimizer::adamw({.weight_decay = 0.1f}));
+    COSHARD_CO_TRY_ASSIGN(auto opt, k.sgd ? Optimizer::sgd({.momentum = 0.9f}) : Optimizer::adamw({.weight_decay = 0.1f}));
+    const float lr = k.sgd ? 0.05f : kLr;
     EngineOptions o;
     o.zero_stage = k.stage;
     o.max_live_bytes = 48 << 10;  // stage 3: fewer units at once than the model has
@@ -180,15 +192,17 @@ Result<TrainedRun> train(const Layout& k) {
     o.offload_optimizer.nvme_path = swap / ("rank" + std::to_string(r));
     COSHARD_CO_TRY_ASSIGN(auto engine, Engine::create(ctx, world, *model, *opt, o));
     COSHARD_CO_TRY(co_await engine->initialize(7));
+    if (!k.init_from.empty()) COSHARD_CO_TRY(co_await engine->load_safetensors(k.init_from));
     if (k.disjoint) {
       COSHARD_CO_TRY_ASSIGN(auto params, co_await engine->gather_parameters());
       steer(params);
       const Engine::ParameterReader read = [params]() -> Result<std::vector<GatheredParameter>> { return params; };
       COSHARD_CO_TRY(co_await engine->load_parameters_from("steering the routers", read));
     }
-    {
+    {  // (with expert parallelism each run of ranks gathers its own experts: merged by name)
       COSHARD_CO_TRY_ASSIGN(auto initial, co_await engine->gather_parameters());
-      if (r == 0) run.initial = to_values(initial);
+      std::lock_guard lock(mutex);
+      run.initial.merge(to_values(initial));
     }
     auto balance = modules::find_router_balance(*model);
     if (!balance) co_return fail(ErrorCode::internal, "the MoE model has no router balance");
@@ -196,7 +210,7 @@ Result<TrainedRun> train(const Layout& k) {
     modules::RouterAuxLoss loss(cross_entropy, balance);
     const std::int64_t rows = kSequences / k.world / k.micro_batches;
     for (int step = 0; step < k.steps; ++step) {
-      COSHARD_CO_TRY(co_await engine->begin_step(k.micro_batches, kLr));
+      COSHARD_CO_TRY(co_await engine->begin_step(k.micro_batches, lr));
       for (int m = 0; m < k.micro_batches; ++m) {
         COSHARD_CO_TRY_ASSIGN(auto mb, batch(ctx, step, (r * k.micro_batches + m) * rows, rows, k.disjoint));
         COSHARD_CO_TRY_ASSIGN(Tensor out, co_await ctx.forward(*model, mb.inputs));
@@ -214,11 +228,16 @@ Result<TrainedRun> train(const Layout& k) {
         run.gathered_bytes.push_back(stats.gathered_bytes);
       }
     }
+    if (!k.export_to.empty()) {
+      COSHARD_CO_TRY(co_await engine->export_safetensors(k.export_to));
+      auto saved = co_await engine->save_checkpoint(swap / "checkpoint");
+      if (r == 0) run.checkpoint_error = saved ? "saved" : saved.error().message();
+    }
     COSHARD_CO_TRY_ASSIGN(auto gathered, co_await engine->gather_parameters());
-    if (r == 0) {
+    {
       std::lock_guard lock(mutex);
-      run.whole = to_values(gathered);
-      run.units = engine->units();
+      run.whole.merge(to_values(gathered));
+      if (r == 0) run.units = engine->units();
     }
     engine.reset();
     COSHARD_CO_TRY(stream.synchronize());
@@ -263,10 +282,11 @@ const TrainedRun& reference(const Layout& k) {
   static std::map<std::string, TrainedRun> runs;
   const int micro = k.world * k.micro_batches;
   const std::string key = std::to_string(micro) + "|" + std::to_string(static_cast<int>(k.variant)) + "|" +
-                          std::to_string(k.disjoint);
+                          std::to_string(k.disjoint) + "|" + std::to_string(k.experts) + "|" + std::to_string(k.sgd);
   auto it = runs.find(key);
   if (it == runs.end()) {
-    auto run = train({.world = 1, .stage = 0, .micro_batches = micro, .variant = k.variant, .disjoint = k.disjoint});
+    auto run = train({.world = 1, .stage = 0, .micro_batches = micro, .variant = k.variant, .disjoint = k.disjoint,
+                      .experts = k.experts, .sgd = k.sgd});
     EXPECT_TRUE(run) << run.error().message();
     it = runs.emplace(key, run ? std::move(*run) : TrainedRun{}).first;
   }
@@ -354,6 +374,55 @@ TEST(MixtureOfExperts, AtStageThreeOnlyTheRoutedExpertsAreGathered) {
     for (std::size_t i = 0; i < a->gathered_bytes.size(); ++i)
       EXPECT_EQ(a->gathered_bytes[i] + 2 * unused, b->gathered_bytes[i]) << routed.name() << ": step " << i;
   }
+}
+
+// Expert parallelism: each rank holds 1/P of every MoE layer's experts, the routed rows go to their
+// experts' ranks and back (all_to_allv), the ranks holding the same experts shard them: the same
+// losses and weights as the unsharded single-rank run, at every stage, worlds 2 and 4, P 2 and 4,
+// with accumulation, activation checkpointing (the exchanges replayed), coalesced experts and
+// offload. With SGD: AdamW divides each element by its own magnitude, which would hide an expert
+// gradient's wrong scale (each expert sees P ranks' tokens) and magnify the rounding of elements
+// whose gradient nearly cancels (the rows reach an expert in another order than on one rank).
+TEST(MixtureOfExperts, ExpertParallelRanksTrainTheUnshardedModel) {
+  std::vector<Layout> cases;
+  for (int stage = 0; stage <= 3; ++stage) {
+    cases.push_back({.world = 2, .stage = stage, .expert_parallel = 2, .sgd = true});
+    cases.push_back({.world = 4, .stage = stage, .expert_parallel = 4, .experts = 8, .sgd = true});
+  }
+  cases.push_back({.world = 4, .stage = 3, .expert_parallel = 2, .sgd = true});
+  cases.push_back({.world = 4, .stage = 1, .variant = Variant::qwen, .expert_parallel = 2, .sgd = true});
+  cases.push_back({.world = 4, .stage = 3, .micro_batches = 2, .checkpointed = true, .expert_parallel = 2, .sgd = true});
+  cases.push_back({.world = 4, .stage = 3, .variant = Variant::qwen, .coalesced = true, .expert_parallel = 4, .experts = 8, .sgd = true});
+  cases.push_back({.world = 2, .stage = 3, .optimizer = OffloadTarget::cpu, .params = OffloadTarget::cpu, .expert_parallel = 2, .sgd = true});
+  cases.push_back({.world = 2, .stage = 2, .micro_batches = 2, .optimizer = OffloadTarget::nvme, .expert_parallel = 2, .sgd = true});
+  for (const auto& k : cases) {
+    auto got = train(k);
+    ASSERT_TRUE(got) << k.name() << ": " << got.error().message();
+    expect_close(*got, reference(k), k.name());
+    std::size_t experts = 0;
+    for (const auto& u : got->units) experts += u.expert_parallel == k.expert_parallel ? 1 : 0;
+    EXPECT_GT(experts, 0u) << k.name() << ": no unit is expert-parallel";
+  }
+}
+
+// An expert-parallel run's export holds every expert (each run of ranks its own, put together),
+// and reads back bit for bit on one rank without experts split and at another expert-parallel
+// size; a sharded checkpoint, which does not handle them yet, is refused by name.
+TEST(MixtureOfExperts, AnExpertParallelExportHoldsEveryExpertAndLoadsAtAnySize) {
+  const fs::path file = fs::current_path() / "moe_scratch" / "expert_parallel_export.safetensors";
+  fs::create_directories(file.parent_path());
+  auto trained = train({.world = 4, .stage = 3, .expert_parallel = 2, .sgd = true, .export_to = file});
+  ASSERT_TRUE(trained) << trained.error().message();
+  EXPECT_NE(trained->checkpoint_error.find("expert-parallel ranks, which sharded checkpoints do not handle yet"),
+            std::string::npos) << trained->checkpoint_error;
+  for (const Layout& k : {Layout{.world = 1, .stage = 0, .steps = 0, .init_from = file},
+                          Layout{.world = 3, .stage = 3, .expert_parallel = 3, .steps = 0, .init_from = file},
+                          Layout{.world = 2, .stage = 1, .expert_parallel = 2, .steps = 0, .init_from = file}}) {
+    auto loaded = train(k);
+    ASSERT_TRUE(loaded) << k.name() << ": " << loaded.error().message();
+    EXPECT_EQ(loaded->whole, trained->whole) << k.name() << ": the export did not read back bit for bit";
+  }
+  fs::remove(file);
 }
 
 TEST(MixtureOfExperts, BadSettingsAreRefusedByName) {

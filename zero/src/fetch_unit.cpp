@@ -162,8 +162,17 @@ Result<async::Event> FetchUnit::gather_int8_into(const UnitIo& io, const Tensor&
 }
 
 Result<async::Event> FetchUnit::all_reduce_gradient(const UnitIo& io) const {
-  return io.world.all_reduce(grad_full.data(), grad_full.data(), static_cast<std::size_t>(info.padded), io.dtype,
-                             ReduceOp::avg, reduce_purpose);
+  return launch_within(io.world, *group->holders,
+                       Coalesced{}
+                           .all_reduce(grad_full.data(), grad_full.data(), static_cast<std::size_t>(info.padded),
+                                       io.dtype, ReduceOp::avg)
+                           .purpose(reduce_purpose));
+}
+
+Result<void> FetchUnit::scale_expert_gradient(const UnitIo& io) const {
+  if (info.expert_parallel == 1) return {};
+  return io.ctx.kernels().scale(io.world.stream(), io.dtype, grad_full.data(),
+                                1.0f / static_cast<float>(info.expert_parallel), info.padded);
 }
 
 Result<async::Event> FetchUnit::reduce_scatter_gradient(const UnitIo& io, const Tensor& mine) const {

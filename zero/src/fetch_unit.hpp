@@ -152,8 +152,12 @@ class FetchUnit {
   // follows).
   struct BlockPlan;
   Result<BlockPlan> plan_blocks(const UnitIo& io, std::int64_t block, modules::detail::BlockBits bits) const;
-  // Its whole gradient averaged over every rank, in place (stage 0).
+  // Its whole gradient averaged over every rank holding it, in place (stage 0).
   Result<async::Event> all_reduce_gradient(const UnitIo& io) const;
+  // An expert-parallel unit's whole gradient is the sum over its expert-parallel group's tokens:
+  // divided by that group's size here (on the communication stream, before its reduction), the
+  // average over the run of ranks holding it becomes the world's average. Nothing for another unit.
+  Result<void> scale_expert_gradient(const UnitIo& io) const;
   // Its whole gradient averaged into this rank's block `mine`: reduce-scattered within its shard
   // group (with grad_blocks planned, as ZeRO++'s qgZ: each rank quantizes every rank's block of its
   // gradient, an all-to-all sends each its own, and each sums the pieces it received in f32), then
@@ -233,10 +237,16 @@ class FetchUnit {
 template <class Add>
 Result<void> launch_by_group(collectives::Communicator& world, const ShardGroups& groups,
                              const std::vector<std::unique_ptr<FetchUnit>>& units, bool across_copies, Add add) {
-  std::map<int, collectives::Coalesced> by_size;  // (the groups' order: their size, alike on every rank)
-  for (auto& u : units) add(*u, by_size[u->info.shard_ranks]);
-  for (const auto& [size, group] : by_size) {
-    const auto& g = groups.of(size);
+  // (the groups' order: expert-parallel size, then shard size, alike on every rank)
+  std::map<std::pair<int, int>, std::pair<const FetchUnitInfo*, collectives::Coalesced>> by_size;
+  for (auto& u : units) {
+    auto& [info, group] = by_size[{u->info.expert_parallel, u->info.shard_ranks}];
+    info = &u->info;
+    add(*u, group);
+  }
+  for (const auto& [key, unit_group] : by_size) {
+    const auto& [info, group] = unit_group;
+    const auto& g = groups.of(*info);
     collectives::Communicator* over = across_copies ? g.replicate : g.shard;
     if (over && !group.empty()) COSHARD_TRY(launch_within(world, *over, group));
   }

@@ -64,6 +64,7 @@ class PerUnit : public GradientReduction {
       COSHARD_TRY_ASSIGN(started, cs.record_timed());
     }
     Tensor mine = u.grad_full.slice(u.block_offset, Shape{u.info.shard});
+    COSHARD_TRY(u.scale_expert_gradient(w.io));
     auto reduced_launch = reduce(w, u, mine);
     // (what the reduction carried: int8 blocks where quantized)
     w.stats.reduce_scattered_bytes += u.grad_blocks.carried_bytes(u.info);
@@ -180,6 +181,8 @@ class CoalescedAfterBackward final : public GradientReduction {
   async::Task<Result<void>> finish(const GradientWiring& w) override {
     auto& cs = w.io.world.stream();
     COSHARD_CO_TRY_ASSIGN(auto started, w.timeline.mark(cs));
+    for (auto& u : w.units)
+      if (!u->info.frozen) COSHARD_CO_TRY(u->scale_expert_gradient(w.io));
     // Within each shard group, then (hybrid sharding) across the copies of each block.
     COSHARD_CO_TRY(launch_by_group(w.io.world, w.groups, w.units, false, [&](FetchUnit& u, Coalesced& group) {
       if (u.info.frozen) return;

@@ -8,6 +8,8 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "coshard/collectives/communicator.hpp"
@@ -22,6 +24,12 @@ struct ShardGroup {
   int replica = 0;   // this rank's copy: copy 0 is the one a checkpoint writes and the norm counts
   collectives::Communicator* shard = nullptr;      // the group (the world itself when it is the world)
   collectives::Communicator* replicate = nullptr;  // the holders of the same block; null with one copy
+  // Every rank holding the unit: the world, or an expert-parallel unit's run of world /
+  // expert_parallel consecutive ranks (stage 0's all-reduce goes over it).
+  collectives::Communicator* holders = nullptr;
+  // FetchUnitInfo::expert_parallel: the copies above are within the run; the other runs hold
+  // other experts, never reduced with these.
+  int expert_parallel = 1;
 };
 
 class ShardGroups {
@@ -36,7 +44,8 @@ class ShardGroups {
   static Result<std::unique_ptr<ShardGroups>> create(collectives::Communicator& world,
                                                      std::span<const FetchUnitInfo> units, bool sharded,
                                                      int secondary_ranks = 1);
-  const ShardGroup& of(int ranks) const { return groups_.at(ranks); }
+  // A unit's groups (by its shard_ranks and expert_parallel).
+  const ShardGroup& of(const FetchUnitInfo& unit) const { return groups_.at({unit.expert_parallel, unit.shard_ranks}); }
   // The secondary partition's group (its `shard`), null without one.
   const ShardGroup* secondary() const noexcept { return secondary_ ? &*secondary_ : nullptr; }
   // Groups launched on the split communicators so far (the world's own are the world's).
@@ -47,8 +56,11 @@ class ShardGroups {
   }
 
  private:
+  // The world split by `color` once (the same colors give the same communicator).
+  Result<collectives::Communicator*> split_once(collectives::Communicator& world, const std::string& name, int color);
   std::vector<std::unique_ptr<collectives::Communicator>> split_;
-  std::map<int, ShardGroup> groups_;
+  std::map<std::string, collectives::Communicator*> by_name_;
+  std::map<std::pair<int, int>, ShardGroup> groups_;  // by (expert_parallel, shard ranks)
   std::optional<ShardGroup> secondary_;
 };
 

@@ -25,16 +25,15 @@ class ExpertList final : public Module {
 Result<void> check_options(const SparseMoe::Options& o) {
   if (auto ok = detail::check_moe_routing(1, o.experts, o.top_k); !ok)
     return fail(std::move(ok).error().with_context("SparseMoe"));
+  if (o.expert_group && (o.expert_group->size() < 1 || o.experts % o.expert_group->size() != 0))
+    return fail(ErrorCode::invalid_argument, "SparseMoe: experts=", o.experts, " over an expert group of ",
+                o.expert_group->size(), " ranks: expected a number of experts the group's size divides");
   if (o.dim < 1 || o.intermediate < 1)
     return fail(ErrorCode::invalid_argument, "SparseMoe: dim=", o.dim, " intermediate=", o.intermediate,
                 ": expected both >= 1");
   return {};
 }
 
-// rows [first, first + count) of a [rows, width] tensor.
-Tensor row_range(const Tensor& t, std::int64_t first, std::int64_t count, std::int64_t width) {
-  return t.slice(first * width, Shape{count, width});
-}
 
 }  // namespace
 
@@ -52,26 +51,42 @@ SparseMoe::SparseMoe(const Options& options, std::shared_ptr<RouterBalance> bala
 Result<std::unique_ptr<SparseMoe>> SparseMoe::create(const Options& o, std::shared_ptr<RouterBalance> balance) {
   COSHARD_TRY(check_options(o));
   std::vector<std::unique_ptr<Module>> experts;
-  for (std::int64_t e = 0; e < o.experts; ++e) experts.push_back(make_swiglu_expert(o.dim, o.intermediate, o.init));
+  const std::int64_t local = o.experts / (o.expert_group ? o.expert_group->size() : 1);
+  for (std::int64_t e = 0; e < local; ++e) experts.push_back(make_swiglu_expert(o.dim, o.intermediate, o.init));
   return create(o, std::move(experts), std::move(balance));
 }
 
 Result<std::unique_ptr<SparseMoe>> SparseMoe::create(const Options& o, std::vector<std::unique_ptr<Module>> experts,
                                                      std::shared_ptr<RouterBalance> balance) {
   COSHARD_TRY(check_options(o));
-  if (static_cast<std::int64_t>(experts.size()) != o.experts)
-    return fail(ErrorCode::invalid_argument, "SparseMoe: ", experts.size(), " expert modules for experts=", o.experts);
+  const int group = o.expert_group ? o.expert_group->size() : 1;
+  const std::int64_t local = o.experts / group;
+  if (static_cast<std::int64_t>(experts.size()) != local)
+    return fail(ErrorCode::invalid_argument, "SparseMoe: ", experts.size(), " expert modules for experts=", o.experts,
+                group > 1 ? " over an expert group of " + std::to_string(group) + " ranks (expected " + std::to_string(local) + " here)"
+                          : std::string());
   if (balance && (balance->experts() != o.experts || balance->top_k() != o.top_k))
     return fail(ErrorCode::invalid_argument, "SparseMoe: a RouterBalance of ", balance->experts(), " experts, top ",
                 balance->top_k(), " for a layer of ", o.experts, ", top ", o.top_k);
   std::unique_ptr<SparseMoe> moe(new SparseMoe(o, std::move(balance)));
   if (moe->balance_) moe->layer_index_ = moe->balance_->add_layer_index();
   moe->router_ = &moe->register_child("router", std::make_unique<Linear>(o.dim, o.experts, false, o.init));
+  moe->first_local_ = group > 1 ? o.expert_group->rank() * local : 0;
+  moe->local_ = local;
+  moe->experts_.assign(static_cast<std::size_t>(o.experts), nullptr);
   auto list = std::make_unique<ExpertList>();
-  for (std::int64_t e = 0; e < o.experts; ++e) {
-    if (!experts[static_cast<std::size_t>(e)])
-      return fail(ErrorCode::invalid_argument, "SparseMoe: expert ", e, " is null");
-    moe->experts_.push_back(&list->add(std::to_string(e), std::move(experts[static_cast<std::size_t>(e)])));
+  for (std::int64_t j = 0; j < local; ++j) {
+    auto& expert = experts[static_cast<std::size_t>(j)];
+    const std::int64_t e = moe->first_local_ + j;
+    if (!expert) return fail(ErrorCode::invalid_argument, "SparseMoe: expert ", e, " is null");
+    if (group > 1) {
+      Result<void> marked;
+      expert->for_each_parameter([&](const std::string&, Parameter& p) {
+        if (auto r = p.set_expert_parallel(group); !r && marked) marked = std::move(r);
+      });
+      COSHARD_TRY(marked);
+    }
+    moe->experts_[static_cast<std::size_t>(e)] = &list->add(std::to_string(e), std::move(expert));
   }
   moe->register_child("experts", std::move(list));
   return moe;
@@ -115,30 +130,19 @@ async::Task<Result<Tensor>> SparseMoe::forward(Context& ctx, Tensor input) {
     COSHARD_CO_TRY(kern.gemm(s, DataType::f32, g));
     COSHARD_CO_TRY(balance_->add_layer(ctx, layer_index_ == 0, host_counts, prob_sums, N));
   }
-  if (ctx.hooks()) {  // (an engine gathers them ahead)
-    std::vector<Module*> next;
-    for (std::size_t e = 0; e < runs.size(); ++e)
-      if (runs[e] != 0.0) next.push_back(experts_[e]);
-    ctx.hooks()->announce_next(ctx, next);
+  for (std::int64_t e = 0; e < E; ++e) {
+    saved.counts.push_back(static_cast<std::int64_t>(host_counts[static_cast<std::size_t>(e)]));
+    saved.runs.push_back(runs[static_cast<std::size_t>(e)] != 0.0);
   }
   // Dispatch: each token's row once for each of its experts, grouped by expert.
   COSHARD_CO_TRY_ASSIGN(Tensor rows, ctx.empty(Shape{N * k, D}, dt));
   COSHARD_CO_TRY(kern.moe_gather_rows(s, dt, input.data(), order.data_as<std::int32_t>(), N * k, k, D, rows.data()));
   COSHARD_CO_TRY_ASSIGN(saved.expert_out, ctx.empty(Shape{N * k, D}, dt));
-  std::int64_t first = 0;
-  for (std::int64_t e = 0; e < E; ++e) {
-    const auto count = static_cast<std::int64_t>(host_counts[static_cast<std::size_t>(e)]);
-    saved.counts.push_back(count);
-    saved.runs.push_back(runs[static_cast<std::size_t>(e)] != 0.0);
-    if (!saved.runs.back()) continue;
-    // (named: GCC 12 destroys a class-type temporary argument of a coroutine in co_await twice)
-    const Tensor expert_rows = row_range(rows, first, count, D);
-    COSHARD_CO_TRY_ASSIGN(Tensor y, co_await ctx.forward(*experts_[static_cast<std::size_t>(e)], expert_rows));
-    if (!(y.shape() == Shape{count, D}) || y.dtype() != dt)
-      co_return fail(ErrorCode::invalid_argument, "SparseMoe: expert ", e, " gave ", y.describe(), " for ", count,
-                     " rows of ", D, " (expected ", async::to_string(dt), Shape{count, D}.to_string(), ")");
-    COSHARD_CO_TRY(s.copy(row_range(saved.expert_out, first, count, D).data(), y.data(), y.bytes()));
-    first += count;
+  if (expert_parallel() > 1) {
+    COSHARD_CO_TRY(co_await exchange_counts(ctx, saved));
+    COSHARD_CO_TRY(co_await run_exchanged(ctx, true, rows, saved.expert_out, saved));
+  } else {
+    COSHARD_CO_TRY(co_await run_local_experts(ctx, true, rows, saved.expert_out, saved.counts, saved.runs));
   }
   COSHARD_CO_TRY_ASSIGN(Tensor out, ctx.empty(input.shape(), dt));
   COSHARD_CO_TRY(kern.moe_combine_rows(s, dt, saved.expert_out.data(), saved.inverse.data_as<std::int32_t>(),
@@ -161,24 +165,11 @@ async::Task<Result<Tensor>> SparseMoe::backward(Context& ctx, Tensor grad_output
                                            d_rows.data(), d_weights.data_as<float>()));
   saved.expert_out = {};
   // The experts in reverse order of their forwards, each one's input gradient into its rows.
-  if (ctx.hooks()) {
-    std::vector<Module*> next;
-    for (std::int64_t e = E - 1; e >= 0; --e)
-      if (saved.runs[static_cast<std::size_t>(e)]) next.push_back(experts_[static_cast<std::size_t>(e)]);
-    ctx.hooks()->announce_next(ctx, next);
-  }
   COSHARD_CO_TRY_ASSIGN(Tensor d_dispatched, ctx.empty(Shape{N * k, D}, dt));
-  std::int64_t end = N * k;
-  for (std::int64_t e = E - 1; e >= 0; --e) {
-    if (!saved.runs[static_cast<std::size_t>(e)]) continue;
-    const std::int64_t count = saved.counts[static_cast<std::size_t>(e)], first = end - count;
-    const Tensor expert_grads = row_range(d_rows, first, count, D);  // (named, as in forward)
-    COSHARD_CO_TRY_ASSIGN(Tensor dx, co_await ctx.backward(*experts_[static_cast<std::size_t>(e)], expert_grads));
-    if (!(dx.shape() == Shape{count, D}) || dx.dtype() != dt)
-      co_return fail(ErrorCode::invalid_argument, "SparseMoe: expert ", e, "'s backward gave ", dx.describe(),
-                     " (expected ", async::to_string(dt), Shape{count, D}.to_string(), ")");
-    COSHARD_CO_TRY(s.copy(row_range(d_dispatched, first, count, D).data(), dx.data(), dx.bytes()));
-    end = first;
+  if (expert_parallel() > 1) {
+    COSHARD_CO_TRY(co_await run_exchanged(ctx, false, d_rows, d_dispatched, saved));
+  } else {
+    COSHARD_CO_TRY(co_await run_local_experts(ctx, false, d_rows, d_dispatched, saved.counts, saved.runs));
   }
   // Dispatch's backward: each token's rows summed.
   COSHARD_CO_TRY_ASSIGN(Tensor dx, ctx.empty(saved.shape, dt));

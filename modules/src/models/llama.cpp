@@ -227,7 +227,14 @@ std::size_t llama_activation_bytes(const LlamaConfig& c, std::int64_t rows, std:
   return static_cast<std::size_t>(saved + working);
 }
 
-Result<std::unique_ptr<Sequential>> make_llama(const LlamaConfig& c) {
+Result<std::unique_ptr<Sequential>> make_llama(const LlamaConfig& c) { return detail::build_llama(c, nullptr); }
+
+Result<std::unique_ptr<Sequential>> make_llama_expert_parallel(const LlamaConfig& c, collectives::Communicator& group) {
+  COSHARD_TRY(check_expert_parallel(c, group.size()));
+  return detail::build_llama(c, group.size() > 1 ? &group : nullptr);
+}
+
+Result<std::unique_ptr<Sequential>> detail::build_llama(const LlamaConfig& c, collectives::Communicator* expert_group) {
   COSHARD_TRY(c.validate());
   const Init weight = Init::normal(c.init_std);
   const std::int64_t hd = c.resolved_head_dim();
@@ -243,7 +250,7 @@ Result<std::unique_ptr<Sequential>> make_llama(const LlamaConfig& c) {
     attn->add("rope", std::make_unique<RotaryEmbedding>(c.heads, c.kv_heads, hd, c.rope_theta, c.rope_scaling));
     attn->add("core", std::make_unique<CausalSelfAttention>(AttentionHeads{c.heads, c.kv_heads, hd}));
     attn->add("proj", std::make_unique<Linear>(c.heads * hd, c.dim, false, weight));
-    COSHARD_TRY_ASSIGN(auto mlp, detail::make_llama_mlp(c, l, balance));
+    COSHARD_TRY_ASSIGN(auto mlp, detail::make_llama_mlp(c, l, balance, expert_group));
     auto block = std::make_unique<Sequential>();
     block->add("attn", std::make_unique<Residual>(std::move(attn)));
     block->add("mlp", std::move(mlp));

@@ -66,6 +66,19 @@ Result<void> LlamaConfig::validate_moe() const {
   return {};
 }
 
+Result<void> check_expert_parallel(const LlamaConfig& c, std::int64_t ranks) {
+  COSHARD_TRY(c.validate());
+  if (ranks < 1) return fail(ErrorCode::invalid_argument, "expert-parallel size ", ranks, ": expected at least 1");
+  if (ranks == 1) return {};
+  if (!c.moe.enabled())
+    return fail(ErrorCode::invalid_argument, "expert-parallel size ", ranks,
+                ": the model has no experts (a dense model: use data parallelism, expert-parallel size 1)");
+  if (c.moe.experts % ranks != 0)
+    return fail(ErrorCode::invalid_argument, "expert-parallel size ", ranks, " does not divide the experts (",
+                c.moe.experts, "): expected a divisor of ", c.moe.experts);
+  return {};
+}
+
 std::string_view to_string(HfFamily family) noexcept {
   switch (family) {
     case HfFamily::mixtral: return "Mixtral";
@@ -78,7 +91,8 @@ std::string_view to_string(HfFamily family) noexcept {
 namespace detail {
 
 Result<std::unique_ptr<Module>> make_llama_mlp(const LlamaConfig& c, std::int64_t layer,
-                                               const std::shared_ptr<RouterBalance>& balance) {
+                                               const std::shared_ptr<RouterBalance>& balance,
+                                               collectives::Communicator* expert_group) {
   const Init weight = Init::normal(c.init_std);
   auto mlp = std::make_unique<Sequential>();
   mlp->add("norm", std::make_unique<RmsNorm>(c.dim, static_cast<float>(c.norm_eps)));
@@ -86,7 +100,7 @@ Result<std::unique_ptr<Module>> make_llama_mlp(const LlamaConfig& c, std::int64_
     const SparseMoe::Options o{.dim = c.dim, .experts = c.moe.experts, .top_k = c.moe.top_k,
                                .intermediate = c.expert_width(), .renormalize = c.moe.renormalize, .init = weight,
                                .every_expert_runs = c.moe.every_expert_runs,
-                               .mixtral_names = c.family == HfFamily::mixtral};
+                               .mixtral_names = c.family == HfFamily::mixtral, .expert_group = expert_group};
     COSHARD_TRY_ASSIGN(auto moe, SparseMoe::create(o, balance));
     mlp->add("moe", std::move(moe));
   } else {

@@ -112,6 +112,7 @@ async::Task<Result<void>> Engine::load_checkpoint(const fs::path& given, const C
   const int tensor = tensor_size(s.o);
   const fs::path dir = tensor_checkpoint_dir(given, s.o);  // (tensor parallelism: this rank's folder)
   COSHARD_CO_TRY(s.outside_loop("load_checkpoint"));
+  COSHARD_CO_TRY(s.no_expert_parallel("load_checkpoint"));
   COSHARD_CO_TRY(co_await finish_checkpoint());
   async::Runtime* rt = async::Runtime::current();
   if (!rt) co_return fail(ErrorCode::invalid_argument, "load_checkpoint: must be awaited on a coshard Runtime");

@@ -259,6 +259,7 @@ async::Task<Result<void>> Engine::save_checkpoint(const fs::path& given, Checkpo
   // Tensor parallelism: each tensor rank's data group saves and publishes a folder of its own.
   const fs::path dir = tensor_checkpoint_dir(given, s.o);
   COSHARD_CO_TRY(s.outside_loop("save_checkpoint"));
+  COSHARD_CO_TRY(s.no_expert_parallel("save_checkpoint"));
   if (options.keep < 0)
     co_return fail(ErrorCode::invalid_argument, "save_checkpoint: keep=", options.keep,
                    ": expected >= 0 (0 keeps every checkpoint)");

@@ -201,7 +201,8 @@ void Engine::State::mark_routed_units() {
   model->for_each_module([&](const std::string&, Module& m) {
     if (auto* moe = dynamic_cast<modules::SparseMoe*>(&m))
       for (std::int64_t e = 0; e < moe->options().experts; ++e)
-        moe->expert(e).for_each_module([&](const std::string&, Module& x) { experts.insert(&x); });
+        if (Module* expert = moe->expert(e))
+          expert->for_each_module([&](const std::string&, Module& x) { experts.insert(&x); });
   });
   for (auto& u : units)
     u->info.routed = !u->modules.empty() && std::all_of(u->modules.begin(), u->modules.end(),
@@ -235,7 +236,7 @@ Result<void> Engine::State::choose_strategies(std::span<const FetchUnitInfo> inf
   COSHARD_TRY_ASSIGN(shard_groups,
                      detail::ShardGroups::create(*comm, infos, o.zero_stage != 0, o.secondary_partition_ranks));
   for (auto& u : units) {
-    u->group = &shard_groups->of(u->info.shard_ranks);
+    u->group = &shard_groups->of(u->info);
     if (detail::secondary_ranks_for(o, u->info) > 0) u->secondary = shard_groups->secondary();
   }
   optimizer_placement = make_optimizer_placement(o.offload_optimizer);  // chosen here once: the engine asks it
@@ -280,8 +281,13 @@ Result<void> Engine::State::give_units_storage() {
     // across ranks counts it once: on its copy 0.
     // A parameter every tensor rank holds whole (replicated beside tensor parallelism) counts on
     // tensor rank 0 only.
+    // With expert parallelism the norm is summed over the ranks at stage 0 too: there each unit
+    // counts on its copy 0 as well (rank 0 for the rest, each run's first rank for its experts).
     const bool tensor_copy = o.tensor_parallel && o.tensor_parallel->rank() != 0 && !u.info.tensor_split;
-    if ((residence->sharded() && u.group->replica != 0) || tensor_copy) {
+    const bool summed = residence->sharded() || std::any_of(units.begin(), units.end(), [](const auto& x) {
+                          return x->info.expert_parallel > 1;
+                        });
+    if ((summed && u.group->replica != 0) || tensor_copy) {
       const auto group = settings().group_of(u);
       COSHARD_TRY(group.optimizer.set_group_in_norm(group.index, false));
     }

@@ -8,6 +8,7 @@
 
 #include "engine/state.hpp"
 #include "formats/parameter_decode.hpp"
+#include "expert_parts.hpp"
 #include "tensor_parts.hpp"
 
 namespace coshard::zero {
@@ -90,6 +91,8 @@ async::Task<Result<void>> Engine::export_parameters(std::string what, ParameterW
   async::Runtime* rt = async::Runtime::current();
   if (!rt) co_return fail(ErrorCode::invalid_argument, what, ": must be awaited on a coshard Runtime");
   COSHARD_CO_TRY_ASSIGN(auto params, co_await gather_parameters());
+  // Expert parallelism: the other runs' experts too (the file holds every expert).
+  COSHARD_CO_TRY_ASSIGN(params, co_await with_every_expert(s.ranks_agree, s.rank, *s.model, std::move(params)));
   const bool split = tensor_size(s.o) > 1;  // tensor parallelism: the files hold whole parameters
   if (split) {
     COSHARD_CO_TRY_ASSIGN(params, co_await whole_parameters(s.tensor_agree, s.by_name(), std::move(params), s.o.dtype));
@@ -153,6 +156,11 @@ async::Task<Result<void>> Engine::load_parameters_from(std::string what, Paramet
   auto values = co_await rt->spawn_blocking([&read]() { return read(); });
   // Tensor parallelism: the files hold whole parameters, this rank takes its parts.
   if (values && tensor_size(s.o) > 1) values = parts_of_whole(s.by_name(), std::move(*values), s.o.dtype, what);
+  // Expert parallelism: the file holds every expert, this rank takes its own.
+  if (values) {
+    if (const auto elsewhere = experts_elsewhere(*s.model); !elsewhere.empty())
+      std::erase_if(*values, [&](const GatheredParameter& v) { return elsewhere.contains(v.name); });
+  }
   if (values && !kept_values.empty()) {
     values->reserve(values->size() + kept_values.size());  // (no reallocation below: `given` views the names)
     std::unordered_set<std::string_view> given;

@@ -12,6 +12,8 @@
 // flag summed over ranks on the device and brought back): HostOptimizer::exchange_grad_stats.
 #pragma once
 
+#include <algorithm>
+
 #include <memory>
 #include <span>
 #include <vector>
@@ -100,7 +102,8 @@ struct OptimizerWiring {
   // communication stream's order; then the compute stream waits for the sums.
   Result<void> sum_grad_stats(void* stats, bool over_data) const {
     COSHARD_TRY(detail::order(ctx().stream(), comm().stream()));
-    if (over_data)
+    // (expert-parallel units: other ranks hold other experts, at stage 0 too)
+    if (over_data || std::any_of(units.begin(), units.end(), [](const auto& u) { return u->info.expert_parallel > 1; }))
       COSHARD_TRY(comm().all_reduce(stats, stats, 2, modules::DataType::f32, collectives::ReduceOp::sum,
                                     "the gradients' norm"));
     if (collectives::Communicator* tensor = o.tensor_parallel; tensor && tensor->size() > 1) {

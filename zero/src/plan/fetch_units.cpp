@@ -37,7 +37,25 @@ struct Candidate {
   int region;  // the checkpointed block it lies in (0: none)
   int shard_ranks;  // its shard group's size
   bool split;       // its parameters are tensor-parallel parts
+  int expert_parallel = 1;  // its parameters' Parameter::expert_parallel
 };
+
+// An expert-parallel module's shard group: within its run of world / expert_parallel consecutive
+// ranks (the ranks holding the same experts), hybrid sharding's size where it divides the run.
+Result<int> expert_shard_group_size(const EngineOptions& o, int world_size, int expert_parallel,
+                                    std::string_view module_path) {
+  if (world_size % expert_parallel != 0)
+    return fail(ErrorCode::invalid_argument, "Engine: module ", module_path, " is expert-parallel over ", expert_parallel,
+                " ranks, which does not divide the world size ", world_size, " (expected a divisor of ", world_size, ")");
+  const int run = world_size / expert_parallel;
+  const int asked = o.shard_group_size_of ? o.shard_group_size_of(module_path) : 0;
+  if (asked != 0 && (asked < 1 || run % asked != 0))
+    return fail(ErrorCode::invalid_argument, "shard_group_size_of(\"", module_path, "\")=", asked,
+                ": expected a divisor of ", run, ", the ranks holding this expert (world ", world_size,
+                " / expert-parallel ", expert_parallel, ")");
+  if (asked != 0) return asked;
+  return o.shard_group_size != 0 && run % o.shard_group_size == 0 ? o.shard_group_size : run;
+}
 
 // A unit never spans two checkpointed blocks, or one and the rest of the model: a recompute
 // runs the block's modules alone, and must meet each of its units' first and last module. The
@@ -52,7 +70,8 @@ std::unordered_map<const Module*, int> regions_of(Module& model) {
   std::unordered_set<const Module*> experts;
   model.for_each_module([&](const std::string&, Module& m) {
     if (auto* moe = dynamic_cast<const SparseMoe*>(&m))
-      for (std::int64_t e = 0; e < moe->options().experts; ++e) experts.insert(&moe->expert(e));
+      for (std::int64_t e = 0; e < moe->options().experts; ++e)
+        if (const Module* expert = moe->expert(e)) experts.insert(expert);
   });
   std::function<void(Module&, int)> mark = [&](Module& m, int r) {
     if (dynamic_cast<const Checkpointed*>(&m) || (!m.children().empty() && m.runs_more_than_once_per_pass()) ||
@@ -97,14 +116,24 @@ Result<std::vector<Candidate>> candidates_of(Module& model, int world_size, cons
       }
       return;
     }
-    auto ranks = shard_group_size(o, world_size, path);
+    const int expert_parallel = m.parameters().front()->expert_parallel();
+    for (const auto& p : m.parameters())
+      if (p->expert_parallel() != expert_parallel) {
+        if (sized)
+          sized = fail(ErrorCode::invalid_argument, "Engine: module ", path.empty() ? "(the model)" : path,
+                       " mixes expert-parallel parameters (over ", expert_parallel, " and ", p->expert_parallel(),
+                       " ranks): give each its own module");
+        return;
+      }
+    auto ranks = expert_parallel > 1 ? expert_shard_group_size(o, world_size, expert_parallel, path)
+                                     : shard_group_size(o, world_size, path);
     if (!ranks) {
       if (sized) sized = fail(std::move(ranks).error());
       return;
     }
     candidates.push_back({path.empty() ? m.type_name().data() : path, &m, static_cast<std::size_t>(n) * element_size,
                           m.children().empty(), m.runs_more_than_once_per_pass() || borrowed.contains(&m),
-                          region.at(&m), o.zero_stage == 0 ? 1 : *ranks, split != 0});
+                          region.at(&m), o.zero_stage == 0 ? 1 : *ranks, split != 0, expert_parallel});
   });
   COSHARD_TRY(sized);
   if (candidates.empty()) return fail(ErrorCode::invalid_argument, "Engine: the model has no parameters");
@@ -120,7 +149,7 @@ std::vector<std::vector<Candidate>> group_candidates(const std::vector<Candidate
     const bool small = c.leaf && !c.alone && c.bytes < o.module_granularity_bytes;
     const bool open = !groups.empty() && groups.back().back().leaf && !groups.back().back().alone &&
                       groups.back().back().region == c.region && groups.back().back().shard_ranks == c.shard_ranks &&
-                      groups.back().back().split == c.split &&
+                      groups.back().back().split == c.split && groups.back().back().expert_parallel == c.expert_parallel &&
                       groups.back().back().bytes < o.module_granularity_bytes && group_bytes < o.module_granularity_bytes;
     if (small && open) {
       groups.back().push_back(c);
@@ -150,6 +179,7 @@ Result<FetchPlan> plan_fetch_units(Module& model, int world_size, const EngineOp
     u.info.name = g.front().path;
     u.info.shard_ranks = g.front().shard_ranks;
     u.info.tensor_split = g.front().split;
+    u.info.expert_parallel = g.front().expert_parallel;
     const std::int64_t W = u.info.shard_ranks;
     std::int64_t offset = 0;
     for (const auto& c : g) {

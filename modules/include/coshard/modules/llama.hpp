@@ -109,6 +109,17 @@ Result<std::unique_ptr<Sequential>> make_llama(const LlamaConfig& config);
 // Refused by name when the group's size does not divide the heads, the key/value heads, the
 // MLP's width or the vocabulary.
 Result<std::unique_ptr<Sequential>> make_llama(const LlamaConfig& config, collectives::Communicator& tensor_group);
+// This rank's part of a mixture-of-experts Llama whose experts are partitioned over
+// `expert_group` (SparseMoe::Options::expert_group): rank q of P holds experts [q E / P, (q + 1)
+// E / P) of each MoE layer under their own names, everything else whole. Train it under an
+// engine whose world holds the group's ranks at a stride of world / P (collectives::Mesh's
+// expert groups): the ranks holding the same experts, world / P consecutive ones, shard them. A
+// group of one rank gives make_llama(config). Refused by name when P does not divide the experts
+// or the model has none.
+Result<std::unique_ptr<Sequential>> make_llama_expert_parallel(const LlamaConfig& config,
+                                                              collectives::Communicator& expert_group);
+// The checks of make_llama_expert_parallel without a group, for `ranks` expert-parallel ranks.
+Result<void> check_expert_parallel(const LlamaConfig& config, std::int64_t ranks);
 // The checks of that make_llama without a group: whether `tensor` ranks can split `config` (a
 // mixture of experts and Qwen3's head norms are refused: neither is split over tensor ranks).
 Result<void> check_tensor_parallel(const LlamaConfig& config, std::int64_t tensor);

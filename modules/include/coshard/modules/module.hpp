@@ -127,6 +127,12 @@ class Parameter {
   // The whole parameter's shape: the split's, else this one's.
   const Shape& whole_shape() const noexcept { return split_ ? split_->whole : shape_; }
 
+  // Expert parallelism: the size of the expert-parallel group of which one rank holds this
+  // parameter (an expert of a SparseMoe whose experts are partitioned over that many ranks), or 1:
+  // every rank of the engine's world holds it. Set by the layer that made it, before an engine.
+  int expert_parallel() const noexcept { return expert_parallel_; }
+  Result<void> set_expert_parallel(int group_size);
+
  private:
   std::string name_;
   Shape shape_;
@@ -137,6 +143,7 @@ class Parameter {
   Tensor value_;
   Tensor grad_;
   std::shared_ptr<const TensorSplit> split_;
+  int expert_parallel_ = 1;
 };
 
 // Fills `out` (parameter.numel()) with the parameter's initial values: initial_values of the

@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "coshard/collectives/communicator.hpp"
 #include "coshard/modules/layers.hpp"
 #include "coshard/modules/module.hpp"
 
@@ -98,10 +99,18 @@ class SparseMoe final : public Module {
     // How transformers names the experts' projections (LoRA's targets, PEFT folders): Mixtral's
     // w1, w3, w2 under block_sparse_moe, else Qwen3-MoE's gate_proj, up_proj, down_proj under mlp.
     bool mixtral_names = false;
+    // Expert parallelism (null or a group of one: none): the experts partitioned over this
+    // group's ranks, rank q holding experts [q E / P, (q + 1) E / P) under their own indices
+    // ("experts.5" on rank 1 of 2 for 8 experts; each Parameter::expert_parallel says P). Each
+    // rank's routed rows go to their experts' ranks and back through all_to_allv on this group,
+    // after one exchange of the counts: the same sums as every expert on every rank. The group's
+    // ranks must build the same layer; it must outlive the module. E must divide by P.
+    collectives::Communicator* expert_group = nullptr;
   };
   // Refused by name: sizes below 1, top_k above the experts.
   static Result<std::unique_ptr<SparseMoe>> create(const Options& options, std::shared_ptr<RouterBalance> balance = nullptr);
-  // Your own experts: any modules mapping [rows, dim] to [rows, dim] (one per expert).
+  // Your own experts: any modules mapping [rows, dim] to [rows, dim] (one per expert; with an
+  // expert_group, this rank's E / P experts).
   static Result<std::unique_ptr<SparseMoe>> create(const Options& options, std::vector<std::unique_ptr<Module>> experts,
                                                    std::shared_ptr<RouterBalance> balance = nullptr);
 
@@ -112,7 +121,14 @@ class SparseMoe final : public Module {
 
   const Options& options() const noexcept { return o_; }
   Linear& router() const noexcept { return *router_; }
-  Module& expert(std::int64_t e) const noexcept { return *experts_[static_cast<std::size_t>(e)]; }
+  // Expert e (of all E), or null where another rank of the expert group holds it.
+  Module* expert(std::int64_t e) const noexcept { return experts_[static_cast<std::size_t>(e)]; }
+  // The experts this rank holds: [first_local_expert(), + local_experts()) (all of them without
+  // expert parallelism).
+  std::int64_t first_local_expert() const noexcept { return first_local_; }
+  std::int64_t local_experts() const noexcept { return local_; }
+  // The expert group's size (1: none).
+  int expert_parallel() const noexcept { return o_.expert_group ? o_.expert_group->size() : 1; }
   const std::shared_ptr<RouterBalance>& balance() const noexcept { return balance_; }
   // This layer's place among the layers sharing its balance, in the order they were made (the
   // first one's forward starts the balance's pool: make them in the order they run).
@@ -125,12 +141,25 @@ class SparseMoe final : public Module {
     Tensor probs, chosen, weights, inverse, expert_out;
     std::vector<std::int64_t> counts;  // tokens per expert, this rank
     std::vector<bool> runs;            // experts run (the ranks' union)
+    // Expert parallelism: the rows each rank of the group sends here for each local expert
+    // ([rank][local expert]), and the rows this rank sends to each rank.
+    std::vector<std::int64_t> received, sent;
   };
+  // The local experts on their rows, forward or backward (in reverse), `rows` grouped by expert
+  // as `counts` says; the outputs into `out` at the same rows.
+  async::Task<Result<void>> run_local_experts(Context& ctx, bool forward, const Tensor& rows, const Tensor& out,
+                                              const std::vector<std::int64_t>& counts, const std::vector<bool>& runs);
+  // Expert parallelism: the dispatched rows (grouped by expert, all E) to their experts' ranks,
+  // run there (forward or backward), and back, into `out` at the same rows.
+  async::Task<Result<void>> run_exchanged(Context& ctx, bool forward, const Tensor& rows, const Tensor& out, Saved& saved);
+  // The counts of rows each rank of the group sends this one for each local expert (saved.received).
+  async::Task<Result<void>> exchange_counts(Context& ctx, Saved& saved);
   Options o_;
   std::shared_ptr<RouterBalance> balance_;
   std::int64_t layer_index_ = 0;
   Linear* router_ = nullptr;
-  std::vector<Module*> experts_;
+  std::vector<Module*> experts_;  // all E; null where another rank holds it
+  std::int64_t first_local_ = 0, local_ = 0;
   SavedPerCall<Saved> saved_;
 };
 

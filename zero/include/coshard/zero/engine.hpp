@@ -120,6 +120,11 @@ struct FetchUnitInfo {
   // Made of a mixture-of-experts layer's experts alone (modules::SparseMoe): gathered and reduced
   // only in the passes some rank routes a token to it, off the trace, ahead once announced.
   bool routed = false;
+  // Expert parallelism: its parameters are experts one rank of every `expert_parallel` holds
+  // (Parameter::expert_parallel): the runs of world / expert_parallel consecutive ranks hold other
+  // experts, each run shards its own over shard_ranks of its ranks, and their gradients are
+  // reduced within the run alone. 1: every rank's plan holds it.
+  int expert_parallel = 1;
 };
 
 // This rank's share of one unit, as views of the engine's state (valid while a visit_shards

@@ -1,0 +1,74 @@
+// Expert parallelism's whole model (expert_parts.hpp).
+#include "expert_parts.hpp"
+
+#include <cstring>
+#include <unordered_map>
+
+#include "coshard/modules/moe.hpp"
+
+namespace coshard::zero::detail {
+
+std::vector<ExpertParameter> expert_parameters(modules::Module& model) {
+  std::vector<ExpertParameter> out;
+  model.for_each_module([&](const std::string& path, modules::Module& m) {
+    auto* moe = dynamic_cast<modules::SparseMoe*>(&m);
+    if (!moe || moe->expert_parallel() == 1) return;
+    const std::string prefix = (path.empty() ? "" : path + ".") + "experts.";
+    const std::int64_t first = moe->first_local_expert(), local = moe->local_experts();
+    for (std::int64_t j = 0; j < local; ++j)
+      moe->expert(first + j)->for_each_parameter([&](const std::string& sub, modules::Parameter& p) {
+        ExpertParameter e{.name = prefix + std::to_string(first + j) + "." + sub, .numel = p.numel(), .names_by_rank = {}};
+        for (int q = 0; q < moe->expert_parallel(); ++q)
+          e.names_by_rank.push_back(prefix + std::to_string(q * local + j) + "." + sub);
+        out.push_back(std::move(e));
+      });
+  });
+  return out;
+}
+
+std::unordered_set<std::string> experts_elsewhere(modules::Module& model) {
+  std::unordered_set<std::string> out;
+  for (const auto& e : expert_parameters(model))
+    for (const auto& name : e.names_by_rank)
+      if (name != e.name) out.insert(name);
+  return out;
+}
+
+async::Task<Result<std::vector<GatheredParameter>>> with_every_expert(RankExchange& world, int rank, modules::Module& model,
+                                                                      std::vector<GatheredParameter> mine) {
+  const auto experts = expert_parameters(model);
+  if (experts.empty()) co_return mine;
+  std::unordered_map<std::string_view, const GatheredParameter*> by_name;
+  for (const auto& p : mine) by_name.emplace(p.name, &p);
+  // This rank's experts' bytes, one after another (the same sizes on every rank: the experts of a
+  // layer share their structure), as the exchange's int64 words.
+  std::vector<std::pair<Shape, std::size_t>> own;  // (copied: `mine` grows below)
+  std::vector<std::byte> bytes;
+  for (const auto& e : experts) {
+    const auto it = by_name.find(e.name);
+    if (it == by_name.end()) co_return fail(ErrorCode::internal, "export: expert parameter ", e.name, " was not gathered");
+    own.emplace_back(it->second->shape, it->second->bytes.size());
+    bytes.insert(bytes.end(), it->second->bytes.begin(), it->second->bytes.end());
+  }
+  std::vector<std::int64_t> words((bytes.size() + 7) / 8, 0);
+  if (!bytes.empty()) std::memcpy(words.data(), bytes.data(), bytes.size());
+  const std::size_t per_rank = words.size();
+  COSHARD_CO_TRY_ASSIGN(const auto all, co_await world.all_ranks(std::move(words)));
+  const int groups = static_cast<int>(experts.front().names_by_rank.size()), run = world.size() / groups;
+  const int own_group = rank / run;
+  for (int q = 0; q < groups; ++q) {
+    if (q == own_group) continue;
+    // (the first rank of run q holds expert rank q's experts, as every rank of that run does)
+    const auto* from = reinterpret_cast<const std::byte*>(all.data() + static_cast<std::size_t>(q * run) * per_rank);
+    std::size_t at = 0;
+    for (std::size_t i = 0; i < experts.size(); ++i) {
+      const auto& [shape, n] = own[i];
+      mine.push_back({experts[i].names_by_rank[static_cast<std::size_t>(q)], shape,
+                      std::vector<std::byte>(from + at, from + at + n)});
+      at += n;
+    }
+  }
+  co_return mine;
+}
+
+}  // namespace coshard::zero::detail

@@ -1,0 +1,36 @@
+// Expert parallelism's whole model (Engine's export and load): each run of ranks holds other
+// experts of every SparseMoe (their Parameter::expert_parallel), under their own names
+// ("h0.mlp.moe.experts.5.down.weight"). An export puts every run's experts together; a load from a
+// whole model's file takes this rank's. Private: not installed.
+#pragma once
+
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "coshard/modules/module.hpp"
+#include "coshard/zero/engine.hpp"
+#include "rank_exchange.hpp"
+
+namespace coshard::zero::detail {
+
+// This rank's expert-parallel parameters, in the model's order, with what names the same place of
+// each expert group's other ranks holds: their experts share this one's structure.
+struct ExpertParameter {
+  std::string name;  // this rank's
+  std::int64_t numel = 0;
+  std::vector<std::string> names_by_rank;  // [expert-parallel rank q]: the name rank q holds here
+};
+std::vector<ExpertParameter> expert_parameters(modules::Module& model);
+
+// The names of the experts other expert-parallel ranks hold (in a whole model's file, not this
+// rank's model): empty without expert parallelism.
+std::unordered_set<std::string> experts_elsewhere(modules::Module& model);
+
+// `mine` (this rank's gathered parameters: the dense ones and its run's experts) with every other
+// run's experts added (the run of world / P consecutive ranks q holds expert rank q's): one
+// all-gather of the expert bytes over `world`. Unchanged without expert parallelism.
+async::Task<Result<std::vector<GatheredParameter>>> with_every_expert(RankExchange& world, int rank, modules::Module& model,
+                                                                      std::vector<GatheredParameter> mine);
+
+}  // namespace coshard::zero::detail
