@@ -76,6 +76,23 @@ std::optional<int> check_options_together(Options& o, bool processes, int world)
   if ((o.resume || o.checkpoint_every > 0) && o.checkpoint_dir.empty())
     return usage("--resume and --checkpoint-every need --checkpoint-dir");
   if (o.start_over && o.checkpoint_dir.empty()) return usage("--start-over needs --checkpoint-dir");
+  if (c.expert_parallel_size > 1 && (o.resume || o.checkpoint_every > 0))
+    return usage("--expert-parallel " + std::to_string(c.expert_parallel_size) + " with " +
+                 (o.resume ? "--resume" : "--checkpoint-every") +
+                 ": sharded checkpoints do not handle expert-parallel experts yet (--export writes the whole model, "
+                 "every expert; --init reads it back at any --expert-parallel)");
+  if (c.expert_parallel_size > 1) {
+    const int data = world / std::max(1, c.tensor_parallel_size);
+    if (data % c.expert_parallel_size != 0)
+      return usage("--expert-parallel " + std::to_string(c.expert_parallel_size) + " does not divide the " +
+                   std::to_string(data) + " data-parallel ranks (expected a divisor of " + std::to_string(data) + ")");
+    if (o.model.kind != train_app::ModelChoice::Kind::llama || !o.model.llama.moe.enabled())
+      return usage("--expert-parallel " + std::to_string(c.expert_parallel_size) +
+                   ": the model has no experts (expected a mixture of experts: --experts, a Mixtral or Qwen3-MoE "
+                   "preset or folder; or --expert-parallel 1)");
+    if (auto fits = modules::check_expert_parallel(o.model.llama, c.expert_parallel_size); !fits)
+      return usage(fits.error().message());
+  }
   return std::nullopt;
 }
 

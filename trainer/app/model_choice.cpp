@@ -73,6 +73,17 @@ Result<std::unique_ptr<modules::Sequential>> ModelChoice::build(collectives::Com
   return model;
 }
 
+Result<std::unique_ptr<modules::Sequential>> ModelChoice::build_expert_parallel(collectives::Communicator& expert_group) const {
+  if (expert_group.size() == 1) return build();
+  if (kind == Kind::gpt)
+    return fail(ErrorCode::invalid_argument, "--expert-parallel ", expert_group.size(),
+                " with --model gpt: the GPT has no experts (expected a mixture of experts: --experts, a Mixtral or "
+                "Qwen3-MoE preset or folder)");
+  auto model = modules::make_llama_expert_parallel(llama, expert_group);
+  if (!model) return fail(std::move(model).error().with_context("--expert-parallel"));
+  return model;
+}
+
 std::int64_t ModelChoice::head_dim() const noexcept {
   return kind == Kind::gpt ? gpt.dim / gpt.heads : llama.resolved_head_dim();
 }

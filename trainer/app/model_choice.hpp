@@ -33,6 +33,9 @@ struct ModelChoice {
   Result<std::unique_ptr<modules::Sequential>> build() const;
   // This rank's part of the model split over `tensor_group` (a Llama only).
   Result<std::unique_ptr<modules::Sequential>> build(collectives::Communicator& tensor_group) const;
+  // This rank's part of a mixture of experts whose experts are partitioned over `expert_group`
+  // (make_llama_expert_parallel); a group of one rank gives build().
+  Result<std::unique_ptr<modules::Sequential>> build_expert_parallel(collectives::Communicator& expert_group) const;
   std::int64_t head_dim() const noexcept;
   // One micro-batch's activations on `device` (modules' estimates), with `policy`'s blocks
   // checkpointed and attention fused where it runs fused; the logits in chunks of at most

@@ -52,10 +52,21 @@ Result<std::optional<collectives::Mesh>> make_mesh(const Options& o, collectives
                   o.train.tensor_parallel_size, ", and only ", *same ? (*same)->size() : 0, " of the ", comm.size(),
                   " ranks give the same (every rank of a run must give the same --tensor-parallel)");
   }
-  if (o.train.tensor_parallel_size <= 1) return std::nullopt;
+  if (!threads && comm.size() > 1) {  // (--expert-parallel alike)
+    auto same = comm.split(o.train.expert_parallel_size, comm.rank());
+    if (!same) return fail(std::move(same).error().with_context("agreeing on --expert-parallel"));
+    if (!*same || (*same)->size() != comm.size())
+      return fail(ErrorCode::invalid_argument, "--expert-parallel: rank ", comm.rank(), " gives ",
+                  o.train.expert_parallel_size, ", and only ", *same ? (*same)->size() : 0, " of the ", comm.size(),
+                  " ranks give the same (every rank of a run must give the same --expert-parallel)");
+  }
+  if (o.train.tensor_parallel_size <= 1 && o.train.expert_parallel_size <= 1) return std::nullopt;
   COSHARD_TRY_ASSIGN(const int shard, o.train.shard_group_size_for(comm.size() / o.train.tensor_parallel_size));
-  auto made = collectives::Mesh::create(comm, {.tensor = o.train.tensor_parallel_size, .shard = shard});
-  if (!made) return fail(std::move(made).error().with_context("--tensor-parallel"));
+  auto made = collectives::Mesh::create(
+      comm, {.tensor = o.train.tensor_parallel_size, .shard = shard, .expert = o.train.expert_parallel_size});
+  if (!made)
+    return fail(std::move(made).error().with_context(o.train.tensor_parallel_size > 1 ? "--tensor-parallel"
+                                                                                       : "--expert-parallel"));
   return std::move(*made);
 }
 
@@ -261,11 +272,13 @@ async::Task<Result<void>> run_rank(const Options& o, collectives::Communicator& 
   std::optional<FlightDumps::Registration> data_dumped, tensor_dumped;
   if (mesh && shared.flight) {
     if (&mesh->data() != &comm) data_dumped.emplace(*shared.flight, mesh->data());
-    tensor_dumped.emplace(*shared.flight, mesh->tensor());
+    tensor_dumped.emplace(*shared.flight, mesh->expert_size() > 1 ? mesh->expert() : mesh->tensor());
   }
   const RankRun run{o, comm, data, val, shared, threads, lead, mesh ? mesh->data_rank() : comm.rank(),
                     mesh ? mesh->data_size() : comm.size()};
-  COSHARD_CO_TRY_ASSIGN(auto model, mesh ? o.model.build(mesh->tensor()) : o.model.build());
+  COSHARD_CO_TRY_ASSIGN(auto model, !mesh                        ? o.model.build()
+                                     : mesh->expert_size() > 1 ? o.model.build_expert_parallel(mesh->expert())
+                                                               : o.model.build(mesh->tensor()));
   trainer::TrainerBuilder builder(o.train);
   if (mesh) {
     builder.mesh(*mesh);

@@ -42,7 +42,7 @@ std::string load_balancing(double coef) {
 }
 
 // A mixture of experts: its shape, what a token runs through, and the load-balancing loss.
-void print_experts(const Options& o) {
+void print_experts(const Options& o, int world) {
   const auto& l = o.model.llama;
   if (o.model.kind != ModelChoice::Kind::llama || !l.moe.enabled()) return;
   const double coef = l.moe.aux_loss_coef;
@@ -62,6 +62,13 @@ void print_experts(const Options& o) {
                        : "no load-balancing loss (--router-aux-loss-coef to add it)",
               l.moe.every_expert_runs ? "every expert gathered and reduced every pass (--expert-fetch all)"
                                       : "experts gathered and reduced where some rank routed a token");
+  if (const int p = o.train.expert_parallel_size; p > 1) {
+    const int holders = world / std::max(1, o.train.tensor_parallel_size) / p;
+    const std::string held = holders > 1 ? "sharded over the " + std::to_string(holders) + " ranks holding them"
+                                         : std::string("each rank's whole");
+    std::printf("  expert parallel: each layer's experts over %d ranks (%lld each, %s), routed tokens by all-to-all\n", p,
+                static_cast<long long>(l.moe.experts / p), held.c_str());
+  }
 }
 
 void print_less_on_the_wire(const Options& o, trainer::Trainer& t, int data_ranks, int tensor) {
@@ -186,7 +193,7 @@ void print_run_header(const Options& o, trainer::Trainer& t, const collectives::
                 static_cast<long long>(trained), o.train.tensor_parallel_size > 1 ? " (this tensor rank's part)" : "",
                 o.adapter.empty() ? "" : ", from ", o.adapter.c_str());
   }
-  print_experts(o);
+  print_experts(o, world);
   const int tensor = o.train.tensor_parallel_size, data_ranks = world / tensor;
   if (tensor > 1)
     std::printf("  tensor parallelism: data %d x tensor %d (heads, MLP and vocabulary split over %d consecutive ranks; "
@@ -196,7 +203,7 @@ void print_run_header(const Options& o, trainer::Trainer& t, const collectives::
   // Hybrid sharding: the groups the units are sharded over (each a copy of every block).
   std::set<int> groups;
   for (const auto& u : units_info)
-    if (o.train.zero_stage > 0 && u.shard_ranks < data_ranks) groups.insert(u.shard_ranks);
+    if (o.train.zero_stage > 0 && u.shard_ranks < data_ranks / u.expert_parallel) groups.insert(u.shard_ranks);
   for (const int g : groups)
     std::printf("  hybrid sharding: units sharded over groups of %d consecutive %srank(s), %d copies (across them: one "
                 "all-reduce of each gradient shard)\n", g, tensor > 1 ? "data " : "", data_ranks / g);

@@ -59,6 +59,10 @@ Result<void> TrainerConfig::validate() const {
     if (!(min_lr <= lr))
       return fail(ErrorCode::invalid_argument, "min_lr=", min_lr, ": expected in [0, lr=", lr, "]");
   }
+  if (tensor_parallel_size > 1 && expert_parallel_size > 1)
+    return fail(ErrorCode::unsupported, "expert_parallel_size=", expert_parallel_size, " with tensor_parallel_size=",
+                tensor_parallel_size, ": expert and tensor parallelism are not combined yet (a mixture of experts is "
+                "not split over tensor ranks: use tensor_parallel_size 1)");
   if (tensor_parallel_size > 1 && cross_entropy == CrossEntropyKind::chunked)
     return fail(ErrorCode::unsupported, "cross_entropy=chunked with tensor_parallel_size=", tensor_parallel_size,
                 ": the output layer is split over the tensor ranks, whose vocabulary-parallel loss keeps only their "

@@ -38,7 +38,9 @@ std::vector<std::pair<std::string, std::string>> agreement_fields(const TrainerC
   std::size_t count = 0;
   model.for_each_parameter([&](const std::string& name, modules::Parameter& p) {
     ++count;
-    params += name + " " + p.shape().to_string() + (p.trainable() ? "" : " frozen");
+    // (an expert another expert-parallel rank holds under another name: its place, not its name)
+    params += (p.expert_parallel() > 1 ? "expert/" + std::to_string(p.expert_parallel()) : name) + " " +
+              p.shape().to_string() + (p.trainable() ? "" : " frozen");
     for (std::size_t g = 0; g < groups.size(); ++g)
       if (groups[g].matches && groups[g].matches(name, p)) {
         params += " group " + std::to_string(g);

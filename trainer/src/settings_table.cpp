@@ -216,6 +216,12 @@ void add_parallelism_settings(std::vector<Setting>& t) {
        .expected = "a whole number from 1 that divides the world size and the model's heads, key/value heads, MLP "
                    "width and vocabulary"},
       1, 1 << 16));
+  t.push_back(integer<&T::expert_parallel_size>(
+      {.name = "expert_parallel_size", .flag = "--expert-parallel",
+       .help = "partition a mixture of experts' experts over N data ranks (at a stride: the world / N consecutive "
+               "ranks holding the same experts shard them; the routed tokens travel by all-to-all)",
+       .expected = "a whole number from 1 that divides the data-parallel ranks and the experts"},
+      1, 1 << 16));
 }
 
 // The compute: precision, loss scaling, activation checkpointing, attention, the loss's kernels.

@@ -291,6 +291,11 @@ async::Task<Result<Trainer>> TrainerBuilder::build(modules::Module& model) const
     co_return fail(ErrorCode::invalid_argument, "tensor_parallel_size=", c_.tensor_parallel_size, ": ",
                    mesh_ ? "the mesh splits over " + std::to_string(tensor) + " tensor ranks"
                          : std::string("no mesh (call .mesh(mesh) with a collectives::Mesh of that tensor size)"));
+  const int experts = mesh_ ? mesh_->expert_size() : 1;
+  if (experts != c_.expert_parallel_size)
+    co_return fail(ErrorCode::invalid_argument, "expert_parallel_size=", c_.expert_parallel_size, ": ",
+                   mesh_ ? "the mesh's expert groups have " + std::to_string(experts) + " ranks"
+                         : std::string("no mesh (call .mesh(mesh) with a collectives::Mesh of that expert size)"));
   auto impl = std::make_unique<Trainer::Impl>();
   impl->config = c_;
   impl->comm = comm_;

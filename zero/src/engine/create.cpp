@@ -158,6 +158,14 @@ Result<std::unique_ptr<Engine>> Engine::create(Context& ctx, const collectives::
   if (o.tensor_parallel && o.tensor_parallel != &mesh.tensor())
     return fail(ErrorCode::invalid_argument, "EngineOptions::tensor_parallel is another communicator than the mesh's "
                 "tensor group (leave it null)");
+  Result<void> experts_agree;
+  model.for_each_parameter([&](const std::string& name, modules::Parameter& p) {
+    if (experts_agree && p.expert_parallel() != 1 && p.expert_parallel() != mesh.expert_size())
+      experts_agree = fail(ErrorCode::invalid_argument, "Engine: parameter ", name, " is an expert partitioned over ",
+                           p.expert_parallel(), " ranks, but the mesh's expert groups (", mesh.describe(), ") have ",
+                           mesh.expert_size(), " (build the model over mesh.expert())");
+  });
+  COSHARD_TRY(experts_agree);
   o.shard_group_size = mesh.shard_group_size();
   o.tensor_parallel = &mesh.tensor();
   return create(ctx, mesh.data(), model, optimizer, std::move(o));

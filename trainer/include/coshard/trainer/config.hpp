@@ -73,6 +73,10 @@ struct TrainerConfig : zero::EngineOptions {
   // tensor mesh, collectives/mesh.hpp; the trainer is then built over the mesh, and ZeRO shards
   // over each data group). 1: none.
   int tensor_parallel_size = 1;
+  // Expert parallelism: a mixture of experts' experts partitioned over this many data ranks (at a
+  // stride: collectives::MeshShape::expert; the model is built with
+  // modules::make_llama_expert_parallel over the mesh's expert group). 1: none.
+  int expert_parallel_size = 1;
 
   // Precision: parameters, activations and gradients in `dtype` (EngineOptions; fp32 masters in
   // the optimizer); gradients are reduced in `reduce_dtype`, which must be `dtype` for now.

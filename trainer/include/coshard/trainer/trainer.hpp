@@ -146,12 +146,14 @@ class TrainerBuilder {
   // A data x tensor mesh instead (collectives/mesh.hpp): the model given to build() is this
   // rank's part of a tensor-parallel model (modules::make_llama with mesh.tensor()), ZeRO shards
   // over the rank's data group, and the default loss is a VocabParallelCrossEntropyLoss over the
-  // tensor group. It sets the config's tensor_parallel_size (a config set after it must agree);
+  // tensor group. It sets the config's tensor_parallel_size and expert_parallel_size (a model made
+  // with modules::make_llama_expert_parallel over mesh.expert(); a config set after it must agree);
   // rank() and world_size() are then the data group's. The mesh must outlive the trainer.
   TrainerBuilder& mesh(const collectives::Mesh& mesh) {
     mesh_ = &mesh;
     comm_ = &mesh.data();
     c_.tensor_parallel_size = mesh.tensor_size();
+    c_.expert_parallel_size = mesh.expert_size();
     return *this;
   }
   // The loss of every step (default: a CrossEntropyLoss of the trainer's own); it must outlive
