@@ -12,7 +12,9 @@ qgrads: full with an int8 gradient reduction; qboth: both; hpz: full with the se
 within each node, --secondary-partition local; all3: qboth and hpz together; qgrads4 and all3i4: the
 same with int4 gradients; tensor, for a Llama
 shape: the model split over each node's ranks, --tensor-parallel ranks-per-node, and ZeRO-3 over
-the data ranks across the nodes), coshard-train runs
+the data ranks across the nodes; expert, for a mixture-of-experts shape: each layer's experts
+partitioned over the nodes, --expert-parallel nodes, each node's ranks sharding its own, so that only
+the routed tokens cross the link), coshard-train runs
 twice, for --steps and for twice as many: the bytes each node sent over its link per step are the
 difference over the extra steps (launch, setup and the first steps cancel), and the step time is
 the median over the longer run's steps after --warmup. The peak resident memory of a node is
@@ -36,12 +38,16 @@ SHAPES = {
     # a Llama of the same size (grouped-query attention): every mode, tensor parallelism too
     "llama": ["--model", "llama", "--layers", "4", "--dim", "256", "--heads", "8", "--kv-heads", "4", "--seq", "64",
               "--batch", "8", "--vocab", "256"],
+    # a mixture of experts of that size: 16 experts of 256 a layer, top 2 (Qwen3-MoE's layout)
+    "moe": ["--model", "llama", "--layers", "4", "--dim", "256", "--heads", "8", "--kv-heads", "4", "--seq", "64",
+            "--batch", "8", "--vocab", "256", "--experts", "16", "--experts-per-token", "2", "--expert-width", "256"],
 }
 MODES = {
     "full": ["--zero-stage", "3"],
     "hybrid": ["--zero-stage", "3", "--shard-group-size", "local"],
     "stage0": ["--zero-stage", "0"],
     "tensor": ["--zero-stage", "3"],  # (+ --tensor-parallel ranks-per-node; Llama shapes only)
+    "expert": ["--zero-stage", "3"],  # (+ --expert-parallel nodes; mixture-of-experts shapes only)
     # ZeRO++ (#63): full sharding with the weights' gathers as int8 blocks
     "qweights": ["--zero-stage", "3", "--quantize-weights", "int8"],
     "qgrads": ["--zero-stage", "3", "--quantize-gradients", "int8"],
@@ -78,6 +84,7 @@ def run(a, mode, rate, steps, work):
     cmd = ["/bin/bash", a.cluster, "--nodes", str(a.nodes), "--ranks-per-node", str(a.ranks_per_node), "--rate", rate,
            "--bytes", sent, "--", sys.executable, wrapper, rss_dir, a.coshard] + SHAPES[a.shape] + MODES[mode] + \
           (["--tensor-parallel", str(a.ranks_per_node)] if mode == "tensor" else []) + \
+          (["--expert-parallel", str(a.nodes)] if mode == "expert" else []) + \
           ["--steps", str(steps), "--quiet", "--metrics", metrics] + a.extra
     done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
@@ -103,6 +110,7 @@ def main():
     p.add_argument("--shape", choices=sorted(SHAPES), default="small")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
+    p.add_argument("--modes", default=",".join(MODES), help="the modes to run, comma-separated (full always runs)")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("extra", nargs="*", help="more coshard-train flags (after --)")
     a = p.parse_args()
@@ -117,9 +125,14 @@ def main():
             f.write(RSS_WRAPPER)
         for rate in a.rates.split(","):
             losses = {}
+            wanted = set(a.modes.split(",")) | {"full"}
             for mode in MODES:
-                if mode == "tensor" and "llama" not in SHAPES[a.shape]:
-                    continue  # (tensor parallelism splits a Llama)
+                if mode not in wanted:
+                    continue
+                if mode == "tensor" and ("llama" not in SHAPES[a.shape] or "--experts" in SHAPES[a.shape]):
+                    continue  # (tensor parallelism splits a dense Llama)
+                if mode == "expert" and "--experts" not in SHAPES[a.shape]:
+                    continue  # (expert parallelism partitions a mixture of experts)
                 short, short_bytes, _ = run(a, mode, rate, a.steps, work)
                 rows, long_bytes, rss = run(a, mode, rate, 2 * a.steps, work)
                 per_step = [(l - s) / a.steps for l, s in zip(long_bytes, short_bytes)]

@@ -103,21 +103,26 @@ TEST(CoshardTrainMoe, ExpertParallelRanksTrainTheDataParallelRunFromAFolder) {
   // expert in another order) and hide a wrong scale of the experts' gradients.
   std::ofstream(dir / "sgd.json") << R"({"optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}})";
   std::map<int, std::vector<double>> losses;
+  std::map<int, std::string> samples;  // (the key/value cache's passes route as training's)
   for (const int ep : {1, 2, 4}) {
     const std::string tag = "ep" + std::to_string(ep);
     const auto trained = run({"--init", base.string(), "--config", (dir / "sgd.json").string(), "--seq", "16", "--batch",
                               "8", "--steps", "4",
                               "--world-size", "4", "--zero-stage", "3", "--router-aux-loss-coef", "0.01",
                               "--expert-parallel", std::to_string(ep), "--metrics", (dir / (tag + ".jsonl")).string(),
-                              "--export", (dir / tag).string()},
+                              "--export", (dir / tag).string(), "--sample-every", "4", "--sample-tokens", "6"},
                              dir);
     ASSERT_EQ(trained.code, 0) << trained.output;
+    const auto sample = trained.output.find("sample after step 4");
+    ASSERT_NE(sample, std::string::npos) << trained.output;
+    samples[ep] = trained.output.substr(sample, trained.output.find('\n', sample) - sample);
     if (ep > 1)
       EXPECT_NE(trained.output.find("expert parallel: each layer's experts over " + std::to_string(ep) + " ranks"),
                 std::string::npos) << trained.output;
     losses[ep] = losses_in(dir / (tag + ".jsonl"));
   }
   for (const int ep : {2, 4}) {
+    EXPECT_EQ(samples[ep], samples[1]);
     ASSERT_EQ(losses[ep].size(), losses[1].size());
     for (std::size_t i = 0; i < losses[1].size(); ++i)
       EXPECT_NEAR(losses[ep][i], losses[1][i], 1e-6 * std::abs(losses[1][i])) << "--expert-parallel " << ep << ", step " << i;
