@@ -64,6 +64,13 @@ MODES = {
 # Modes that train on other values than full sharding (quantized): their losses are compared, not
 # required to agree.
 APPROXIMATE = {"qweights", "qgrads", "qboth", "all3", "qgrads4", "all3i4"}
+# Modes that add the same numbers in another order: expert parallelism's rows reach each expert
+# grouped by the rank they came from. AdamW's first steps move each element by about lr whatever
+# its gradient's size, so the last bits of a gradient that nearly cancels flip an update, and the
+# drift grows (1e-7 at step 2, 1e-5 at step 4, 7e-4 at step 10 on the moe shape here): checked
+# within 2e-3 here. With SGD the same runs give the same losses bit for bit over 10 steps, as the
+# trainer's test checks; the engine's tests check the weights within 1.2e-7.
+REORDERED = {"expert": 2e-3}
 # Each rank under getrusage: its peak resident set, written where the rank's number says.
 RSS_WRAPPER = (
     "import os, resource, subprocess, sys\n"
@@ -151,8 +158,9 @@ def main():
                     print(f"{rate:>7} {mode:>7}: losses within {drift:.1e} of full sharding's over {len(l)} steps "
                           f"(final {l[-1]:.4f} against {losses['full'][-1]:.4f})", flush=True)
                     continue
+                bound = REORDERED.get(mode, 1e-5)
                 for i, (x, y) in enumerate(zip(l[:a.steps], losses["full"])):
-                    if abs(x - y) > 1e-5 * max(abs(y), 1e-3):
+                    if abs(x - y) > bound * max(abs(y), 1e-3):
                         sys.exit(f"hybrid_sharding: {mode} step {i + 1} loss {x}, full sharding {y}: the modes disagree")
                 drift = max(abs(x - y) / max(abs(y), 1e-3) for x, y in zip(l, losses["full"]))
                 print(f"{rate:>7} {mode:>7}: losses within {drift:.1e} of full sharding's over {len(l)} steps", flush=True)
