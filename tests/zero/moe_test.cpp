@@ -83,8 +83,8 @@ struct Layout {
   std::int64_t experts = 6;
   bool sgd = false;  // SGD with momentum (lr 0.05) instead of AdamW (lr 1e-3)
   int steps = 3;
-  fs::path export_to;  // export_safetensors after training (and try a sharded checkpoint)
-  fs::path init_from;  // load_safetensors after initialize
+  fs::path export_to{};  // export_safetensors after training (and try a sharded checkpoint)
+  fs::path init_from{};  // load_safetensors after initialize
   std::string name() const {
     return "world " + std::to_string(world) + ", stage " + std::to_string(stage) + ", " +
            std::to_string(micro_batches) + " micro-batches, " + (variant == Variant::mixtral ? "mixtral" : "qwen-style") +

@@ -143,7 +143,7 @@ class SparseMoe final : public Module {
     std::vector<bool> runs;            // experts run (the ranks' union)
     // Expert parallelism: the rows each rank of the group sends here for each local expert
     // ([rank][local expert]), and the rows this rank sends to each rank.
-    std::vector<std::int64_t> received, sent;
+    std::vector<std::int64_t> received{}, sent{};
   };
   // The local experts on their rows, forward or backward (in reverse), `rows` grouped by expert
   // as `counts` says; the outputs into `out` at the same rows.
