@@ -83,8 +83,10 @@ struct Layout {
   std::int64_t experts = 6;
   bool sgd = false;  // SGD with momentum (lr 0.05) instead of AdamW (lr 1e-3)
   int steps = 3;
-  fs::path export_to{};  // export_safetensors after training (and try a sharded checkpoint)
+  fs::path export_to{};  // export_safetensors after training
   fs::path init_from{};  // load_safetensors after initialize
+  fs::path checkpoint_dir{};  // save a checkpoint after the last step, or with `resume` load one first
+  bool resume = false;
   std::string name() const {
     return "world " + std::to_string(world) + ", stage " + std::to_string(stage) + ", " +
            std::to_string(micro_batches) + " micro-batches, " + (variant == Variant::mixtral ? "mixtral" : "qwen-style") +
@@ -103,7 +105,6 @@ struct TrainedRun {
   std::int64_t most_experts_used = 0;  // rank 0's, in any layer of any micro-batch
   std::vector<std::size_t> gathered_bytes;  // per step
   std::vector<FetchUnitInfo> units;
-  std::string checkpoint_error;  // (export_to) what save_checkpoint said
 };
 
 // Sequence s of step `step`. Disjoint routing: the first half of the sequences (rank 0's at world
@@ -193,6 +194,7 @@ Result<TrainedRun> train(const Layout& k) {
     COSHARD_CO_TRY_ASSIGN(auto engine, Engine::create(ctx, world, *model, *opt, o));
     COSHARD_CO_TRY(co_await engine->initialize(7));
     if (!k.init_from.empty()) COSHARD_CO_TRY(co_await engine->load_safetensors(k.init_from));
+    if (k.resume) COSHARD_CO_TRY(co_await engine->load_checkpoint(k.checkpoint_dir));
     if (k.disjoint) {
       COSHARD_CO_TRY_ASSIGN(auto params, co_await engine->gather_parameters());
       steer(params);
@@ -209,7 +211,7 @@ Result<TrainedRun> train(const Layout& k) {
     modules::CrossEntropyLoss cross_entropy;
     modules::RouterAuxLoss loss(cross_entropy, balance);
     const std::int64_t rows = kSequences / k.world / k.micro_batches;
-    for (int step = 0; step < k.steps; ++step) {
+    for (int step = static_cast<int>(engine->steps_done()); step < k.steps; ++step) {
       COSHARD_CO_TRY(co_await engine->begin_step(k.micro_batches, lr));
       for (int m = 0; m < k.micro_batches; ++m) {
         COSHARD_CO_TRY_ASSIGN(auto mb, batch(ctx, step, (r * k.micro_batches + m) * rows, rows, k.disjoint));
@@ -228,10 +230,10 @@ Result<TrainedRun> train(const Layout& k) {
         run.gathered_bytes.push_back(stats.gathered_bytes);
       }
     }
-    if (!k.export_to.empty()) {
-      COSHARD_CO_TRY(co_await engine->export_safetensors(k.export_to));
-      auto saved = co_await engine->save_checkpoint(swap / "checkpoint");
-      if (r == 0) run.checkpoint_error = saved ? "saved" : saved.error().message();
+    if (!k.export_to.empty()) COSHARD_CO_TRY(co_await engine->export_safetensors(k.export_to));
+    if (!k.checkpoint_dir.empty() && !k.resume) {
+      COSHARD_CO_TRY(co_await engine->save_checkpoint(k.checkpoint_dir));
+      COSHARD_CO_TRY(co_await engine->finish_checkpoint());
     }
     COSHARD_CO_TRY_ASSIGN(auto gathered, co_await engine->gather_parameters());
     {
@@ -407,14 +409,12 @@ TEST(MixtureOfExperts, ExpertParallelRanksTrainTheUnshardedModel) {
 
 // An expert-parallel run's export holds every expert (each run of ranks its own, put together),
 // and reads back bit for bit on one rank without experts split and at another expert-parallel
-// size; a sharded checkpoint, which does not handle them yet, is refused by name.
+// size.
 TEST(MixtureOfExperts, AnExpertParallelExportHoldsEveryExpertAndLoadsAtAnySize) {
   const fs::path file = fs::current_path() / "moe_scratch" / "expert_parallel_export.safetensors";
   fs::create_directories(file.parent_path());
   auto trained = train({.world = 4, .stage = 3, .expert_parallel = 2, .sgd = true, .export_to = file});
   ASSERT_TRUE(trained) << trained.error().message();
-  EXPECT_NE(trained->checkpoint_error.find("expert-parallel ranks, which sharded checkpoints do not handle yet"),
-            std::string::npos) << trained->checkpoint_error;
   for (const Layout& k : {Layout{.world = 1, .stage = 0, .steps = 0, .init_from = file},
                           Layout{.world = 3, .stage = 3, .expert_parallel = 3, .steps = 0, .init_from = file},
                           Layout{.world = 2, .stage = 1, .expert_parallel = 2, .steps = 0, .init_from = file}}) {
@@ -423,6 +423,37 @@ TEST(MixtureOfExperts, AnExpertParallelExportHoldsEveryExpertAndLoadsAtAnySize) 
     EXPECT_EQ(loaded->whole, trained->whole) << k.name() << ": the export did not read back bit for bit";
   }
   fs::remove(file);
+}
+
+// A sharded checkpoint of an expert-parallel run (each run of ranks saving its own experts, the
+// manifest listing every expert) resumes at any expert-parallel size, world and stage, and without
+// expert parallelism: the resumed steps give the uninterrupted run's losses and weights.
+TEST(MixtureOfExperts, AnExpertParallelCheckpointResumesAtAnySize) {
+  const fs::path dir = fs::current_path() / "moe_scratch" / "expert_parallel_checkpoint";
+  fs::remove_all(dir);
+  const Layout whole{.world = 4, .stage = 3, .expert_parallel = 2, .experts = 8, .sgd = true, .steps = 4};
+  auto uninterrupted = train(whole);
+  ASSERT_TRUE(uninterrupted) << uninterrupted.error().message();
+  Layout first = whole;
+  first.steps = 2;
+  first.checkpoint_dir = dir;
+  auto saved = train(first);
+  ASSERT_TRUE(saved) << saved.error().message();
+  std::vector<Layout> resumes = {whole, {.world = 4, .stage = 2, .expert_parallel = 4, .experts = 8, .sgd = true, .steps = 4},
+                                 {.world = 2, .stage = 3, .micro_batches = 2, .experts = 8, .sgd = true, .steps = 4},
+                                 {.world = 1, .stage = 0, .micro_batches = 4, .experts = 8, .sgd = true, .steps = 4},
+                                 {.world = 2, .stage = 1, .micro_batches = 2, .expert_parallel = 2, .experts = 8,
+                                  .sgd = true, .steps = 4}};
+  for (Layout k : resumes) {
+    k.checkpoint_dir = dir;
+    k.resume = true;
+    auto rest = train(k);
+    ASSERT_TRUE(rest) << k.name() << ": " << rest.error().message();
+    TrainedRun both = *rest;
+    both.losses.insert(both.losses.begin(), saved->losses.begin(), saved->losses.end());
+    expect_close(both, *uninterrupted, "resumed at " + k.name());
+  }
+  fs::remove_all(dir);
 }
 
 TEST(MixtureOfExperts, BadSettingsAreRefusedByName) {

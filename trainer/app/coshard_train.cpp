@@ -76,11 +76,6 @@ std::optional<int> check_options_together(Options& o, bool processes, int world)
   if ((o.resume || o.checkpoint_every > 0) && o.checkpoint_dir.empty())
     return usage("--resume and --checkpoint-every need --checkpoint-dir");
   if (o.start_over && o.checkpoint_dir.empty()) return usage("--start-over needs --checkpoint-dir");
-  if (c.expert_parallel_size > 1 && (o.resume || o.checkpoint_every > 0))
-    return usage("--expert-parallel " + std::to_string(c.expert_parallel_size) + " with " +
-                 (o.resume ? "--resume" : "--checkpoint-every") +
-                 ": sharded checkpoints do not handle expert-parallel experts yet (--export writes the whole model, "
-                 "every expert; --init reads it back at any --expert-parallel)");
   if (c.expert_parallel_size > 1) {
     const int data = world / std::max(1, c.tensor_parallel_size);
     if (data % c.expert_parallel_size != 0)

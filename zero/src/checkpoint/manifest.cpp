@@ -216,6 +216,11 @@ std::string parse_unit(const json& u, Fields& f, int world, int tensor_size, Che
     if (!ranks) return f.error;
     unit.shard_ranks = static_cast<int>(*ranks);
   }
+  if (u.contains("first_file")) {  // (absent before expert parallelism: 0)
+    const auto first = f.integer(u, "first_file", 0, world - unit.shard_ranks);
+    if (!first) return f.error;
+    unit.first_file = static_cast<int>(*first);
+  }
   if (auto error = parse_shapes_and_splits(u, tensor_size, unit); !error.empty())
     return "unit " + async::bounded_echo(unit.name) + ": " + error;
   if (unit.shard * unit.shard_ranks < unit.numel)

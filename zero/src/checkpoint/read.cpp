@@ -152,7 +152,7 @@ Result<const SafetensorsFile*> SavedFolder::file(int rank) {
 
 Result<bool> SavedFolder::has(std::size_t unit, std::string_view kind, std::int64_t at) {
   const auto& mu = m_.units[unit];
-  COSHARD_TRY_ASSIGN(const auto* f, file(static_cast<int>(at / mu.shard)));
+  COSHARD_TRY_ASSIGN(const auto* f, file(mu.first_file + static_cast<int>(at / mu.shard)));
   return f->find(block_tensor_name(unit, kind)) != nullptr;
 }
 
@@ -160,17 +160,18 @@ Result<void> SavedFolder::read(std::size_t unit, std::string_view kind, DataType
                                std::int64_t lo, std::int64_t hi, std::byte* dst) {
   const std::int64_t shard = m_.units[unit].shard;
   for (std::int64_t at = lo; at < hi;) {
-    const int rank = static_cast<int>(at / shard);
-    const std::int64_t upto = std::min(hi, (rank + 1) * shard);
-    COSHARD_TRY(read_from(rank, unit, kind, {}, expect, size, at, upto, dst + static_cast<std::size_t>(at - lo) * size));
+    const int block = static_cast<int>(at / shard);
+    const std::int64_t upto = std::min(hi, (block + 1) * shard);
+    COSHARD_TRY(read_from(block, unit, kind, {}, expect, size, at, upto, dst + static_cast<std::size_t>(at - lo) * size));
     at = upto;
   }
   return {};
 }
 
-Result<void> SavedFolder::read_from(int rank, std::size_t unit, std::string_view kind, std::string_view fallback,
+Result<void> SavedFolder::read_from(int block, std::size_t unit, std::string_view kind, std::string_view fallback,
                                     DataType expect, std::size_t size, std::int64_t lo, std::int64_t hi, std::byte* dst) {
   const auto& mu = m_.units[unit];
+  const int rank = mu.first_file + block;
   COSHARD_TRY_ASSIGN(const auto* f, file(rank));
   std::string name = block_tensor_name(unit, kind);
   const auto* t = f->find(name);
@@ -178,7 +179,7 @@ Result<void> SavedFolder::read_from(int rank, std::size_t unit, std::string_view
   if (!t || float_dtype_of(t->dtype) != expect || t->shape.size() != 1 || t->shape[0] != mu.shard)
     return fail(ErrorCode::invalid_argument, where_, ": ", m_.files[static_cast<std::size_t>(rank)].name, " lacks ", name,
                 " as ", to_string(expect), "[", mu.shard, "]");
-  const std::int64_t rank_lo = rank * mu.shard;
+  const std::int64_t rank_lo = block * mu.shard;
   const auto data = f->data(*t);
   std::memcpy(dst, data.data() + static_cast<std::size_t>(lo - rank_lo) * size, static_cast<std::size_t>(hi - lo) * size);
   return {};

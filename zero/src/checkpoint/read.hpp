@@ -11,6 +11,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "checkpoint/files.hpp"
@@ -30,6 +31,9 @@ struct Loader {
   std::map<std::string, std::string> run;
   std::unordered_map<std::string, const Parameter*> parameters;  // by full name (their shapes and splits)
   int tensor_size = 1, tensor_rank = 0;                           // EngineOptions::tensor_parallel's
+  // Expert parallelism: the names of the experts other expert ranks hold (in the checkpoint, not in
+  // this rank's model), passed over by a load parameter by parameter.
+  std::unordered_set<std::string> elsewhere{};
 };
 
 // Everything one rank needs from a checkpoint, read and checked, in host memory.
@@ -79,9 +83,10 @@ class SavedFolder {
   // `size` bytes each, into dst, from whichever rank files hold them.
   Result<void> read(std::size_t unit, std::string_view kind, DataType expect, std::size_t size, std::int64_t lo,
                     std::int64_t hi, std::byte* dst);
-  // The same from saved rank `rank`'s file alone ([lo, hi) within its block); `fallback`, unless
-  // empty, is read where the file holds no `kind` (an f32 run's master: its parameters).
-  Result<void> read_from(int rank, std::size_t unit, std::string_view kind, std::string_view fallback, DataType expect,
+  // The same from the file of the unit's block `block` alone (rank first_file + block; [lo, hi)
+  // within that block); `fallback`, unless empty, is read where the file holds no `kind` (an f32
+  // run's master: its parameters).
+  Result<void> read_from(int block, std::size_t unit, std::string_view kind, std::string_view fallback, DataType expect,
                          std::size_t size, std::int64_t lo, std::int64_t hi, std::byte* dst);
   // Drops a rank file read into memory (read and checked again if asked for again).
   void release(int rank) { files_.erase(rank); }

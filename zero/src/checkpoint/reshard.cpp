@@ -50,6 +50,10 @@ Result<SavedIndex> index_folder(const SavedFolder& f, const Loader& l, int size,
     for (std::size_t k = 0; k < u.parameters.size(); ++k) {
       const std::string& name = u.parameters[k];
       const auto it = l.parameters.find(name);
+      if (it == l.parameters.end() && l.elsewhere.contains(name) && !u.shapes.empty()) {
+        offset += Shape::from(u.shapes[k]).numel();  // (another expert rank's expert)
+        continue;
+      }
       if (it == l.parameters.end())
         return fail(ErrorCode::invalid_argument, f.where(), ": it holds ", name,
                     ", which this model does not have (another model?)");
@@ -149,6 +153,7 @@ struct Resharder {
   Result<void> read_staged() {
     struct Copy {
       std::size_t unit;
+      int block;  // the unit's block the file holds
       std::string_view kind;
       DataType dtype;
       std::int64_t lo, hi;  // the unit's elements, within the file's block
@@ -159,12 +164,14 @@ struct Resharder {
       const std::size_t size = size_of(st.dtype);
       for (std::size_t t = 0; t < st.parts.size(); ++t) {
         const SavedPart& part = indexes[t].at(key.first);
-        const std::int64_t shard = folders[t].manifest().units[part.unit].shard;
+        const auto& saved_unit = folders[t].manifest().units[part.unit];
+        const std::int64_t shard = saved_unit.shard;
         for (std::int64_t at = part.offset; at < part.offset + part.numel;) {
-          const int rank = static_cast<int>(at / shard);
-          const std::int64_t upto = std::min(part.offset + part.numel, (rank + 1) * shard);
-          by_file[t][rank].push_back({part.unit, key.second, st.dtype, at, upto,
-                                      st.parts[t].data() + static_cast<std::size_t>(at - part.offset) * size});
+          const int block = static_cast<int>(at / shard);
+          const std::int64_t upto = std::min(part.offset + part.numel, (block + 1) * shard);
+          by_file[t][saved_unit.first_file + block].push_back(
+              {part.unit, block, key.second, st.dtype, at, upto,
+               st.parts[t].data() + static_cast<std::size_t>(at - part.offset) * size});
           at = upto;
         }
       }
@@ -174,7 +181,7 @@ struct Resharder {
         for (const Copy& c : copies) {
           // An f32 run's master is its parameters: a checkpoint of a run that kept none gives them.
           const std::string_view fallback = c.kind == "master" && l.dtype == DataType::f32 ? "param" : "";
-          COSHARD_TRY(folders[t].read_from(rank, c.unit, c.kind, fallback, c.dtype, size_of(c.dtype), c.lo, c.hi, c.dst));
+          COSHARD_TRY(folders[t].read_from(c.block, c.unit, c.kind, fallback, c.dtype, size_of(c.dtype), c.lo, c.hi, c.dst));
         }
         folders[t].release(rank);
       }

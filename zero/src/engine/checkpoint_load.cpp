@@ -13,6 +13,7 @@
 #include "checkpoint/read.hpp"
 #include "checkpoint/tensor_folders.hpp"
 #include "engine/state.hpp"
+#include "expert_parts.hpp"
 #include "tensor_parts.hpp"
 
 namespace coshard::zero {
@@ -112,7 +113,6 @@ async::Task<Result<void>> Engine::load_checkpoint(const fs::path& given, const C
   const int tensor = tensor_size(s.o);
   const fs::path dir = tensor_checkpoint_dir(given, s.o);  // (tensor parallelism: this rank's folder)
   COSHARD_CO_TRY(s.outside_loop("load_checkpoint"));
-  COSHARD_CO_TRY(s.no_expert_parallel("load_checkpoint"));
   COSHARD_CO_TRY(co_await finish_checkpoint());
   async::Runtime* rt = async::Runtime::current();
   if (!rt) co_return fail(ErrorCode::invalid_argument, "load_checkpoint: must be awaited on a coshard Runtime");
@@ -123,13 +123,15 @@ async::Task<Result<void>> Engine::load_checkpoint(const fs::path& given, const C
   for (const auto& u : s.units) block_offsets.push_back(u->block_offset);
   const int tensor_rank = tensor > 1 ? s.o.tensor_parallel->rank() : 0;
   Loader loader{units(), shard_layout(), std::move(block_offsets), s.o.dtype, std::string(s.optimizer->name()),
-                options.run, s.by_name(), tensor, tensor_rank};
+                options.run, s.by_name(), tensor, tensor_rank, experts_elsewhere(*s.model)};
   COSHARD_LOG_DEBUG(zero, "load_checkpoint {}: reading and checking this rank's part", dir.string());
   auto read = [&given, &loader, tensor, tensor_rank]() -> Result<Loaded> {
     // The tensor size saved there (the newest, if several): this rank's own folder at this size,
     // else every folder of that size, resharded.
     COSHARD_TRY_ASSIGN(const SavedTensorLayout layout, saved_tensor_layout(given, tensor));
-    if (layout.size == tensor) {
+    // (expert parallelism: the checkpoint lists every expert rank's experts, this rank takes its
+    // own parameter by parameter, whatever expert-parallel size saved it)
+    if (layout.size == tensor && loader.elsewhere.empty()) {
       COSHARD_TRY_ASSIGN(auto folder, SavedFolder::open(layout.dirs[static_cast<std::size_t>(tensor_rank)]));
       return read_checkpoint(folder, loader);
     }

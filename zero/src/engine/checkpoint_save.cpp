@@ -12,9 +12,11 @@
 #include <charconv>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 
 #include "coshard/async/files.hpp"
 #include "checkpoint/tensor_folders.hpp"
+#include "checkpoint/saved_units.hpp"
 #include "engine/state.hpp"
 #include "tensor_parts.hpp"
 
@@ -196,6 +198,25 @@ json unit_record(const FetchUnitInfo& info, bool saved, const std::unordered_map
   return record;
 }
 
+// The manifest's unit records (checkpoint/saved_units.hpp): an expert-parallel unit under the
+// names of each expert rank it is listed for, with the first file holding its blocks.
+json listed_records(const SavedUnits& listed, std::span<const FetchUnitInfo> units,
+                    const std::function<bool(std::size_t)>& left_out,
+                    const std::unordered_map<std::string, const Parameter*>& parameters, bool tensor_parallel) {
+  json records = json::array();
+  for (const auto& entry : listed.entries) {
+    const FetchUnitInfo& info = units[entry.unit];
+    json record = unit_record(info, !left_out(entry.unit), parameters, tensor_parallel);
+    if (info.expert_parallel > 1) {
+      record["name"] = entry.name;
+      record["parameters"] = entry.parameters;
+      record["first_file"] = entry.first_file;
+    }
+    records.push_back(std::move(record));
+  }
+  return records;
+}
+
 // The steps each parameter missed (no gradient), by name; empty when none did.
 json steps_missed(const std::vector<std::unique_ptr<FetchUnit>>& units,
                   const std::unordered_map<const Parameter*, std::string>& names) {
@@ -204,6 +225,16 @@ json steps_missed(const std::vector<std::unique_ptr<FetchUnit>>& units,
     for (const auto& p : u->params)
       if (p.steps_missed > 0) missed[names.at(p.parameter)] = p.steps_missed;
   return missed;
+}
+
+// `missed` with, under expert parallelism (`experts`), the steps every other expert rank's experts
+// missed: rank 0's manifest names every expert (one exchange over the ranks).
+async::Task<Result<json>> every_steps_missed(RankExchange& world, int rank, Module& model, json missed, bool experts) {
+  if (!experts) co_return missed;
+  COSHARD_CO_TRY_ASSIGN(const auto elsewhere,
+                        co_await steps_missed_elsewhere(world, rank, model, missed.get<std::map<std::string, std::int64_t>>()));
+  for (const auto& [name, n] : elsewhere) missed[name] = n;
+  co_return missed;
 }
 
 // The store the rank files are written through (io_uring; O_DIRECT where `dir`'s filesystem allows),
@@ -259,7 +290,6 @@ async::Task<Result<void>> Engine::save_checkpoint(const fs::path& given, Checkpo
   // Tensor parallelism: each tensor rank's data group saves and publishes a folder of its own.
   const fs::path dir = tensor_checkpoint_dir(given, s.o);
   COSHARD_CO_TRY(s.outside_loop("save_checkpoint"));
-  COSHARD_CO_TRY(s.no_expert_parallel("save_checkpoint"));
   if (options.keep < 0)
     co_return fail(ErrorCode::invalid_argument, "save_checkpoint: keep=", options.keep,
                    ": expected >= 0 (0 keeps every checkpoint)");
@@ -285,8 +315,9 @@ async::Task<Result<void>> Engine::save_checkpoint(const fs::path& given, Checkpo
   const auto kinds = block_kinds(shard_layout());
   const auto units_info = units();
   std::vector<SafeTensorLayout> layout;
-  json unit_records = json::array();
   const auto parameters = s.by_name();
+  // (expert parallelism: every expert rank's experts listed, this rank's saved under their entry)
+  const SavedUnits listed = saved_units(units_info, *s.model, s.rank, s.world);
   // Each block is written once: by the ranks holding copy 0 of it (the first shard group; rank 0
   // alone at stage 0, where every rank holds the whole unit), so rank i's file holds block i.
   auto written = [&](std::size_t i) { return s.units[i]->group->replica == 0; };
@@ -299,11 +330,13 @@ async::Task<Result<void>> Engine::save_checkpoint(const fs::path& given, Checkpo
       if (!written(i) || left_out(i)) break;
       const bool param = k == BlockKind::param;
       if (info.frozen && !param) continue;  // a frozen unit: its parameters only
-      layout.push_back({block_tensor_name(i, name_of(k)), param ? param_dtype : SafeDType::f32, {info.shard},
-                        n * (param ? s.element_size : sizeof(float))});
+      layout.push_back({block_tensor_name(listed.key_of[i], name_of(k)), param ? param_dtype : SafeDType::f32,
+                        {info.shard}, n * (param ? s.element_size : sizeof(float))});
     }
-    unit_records.push_back(unit_record(info, !left_out(i), parameters, tensor_size(s.o) > 1));
   }
+  json unit_records = listed_records(listed, units_info, left_out, parameters, tensor_size(s.o) > 1);
+  COSHARD_CO_TRY_ASSIGN(json missed, co_await every_steps_missed(s.ranks_agree, s.rank, *s.model, steps_missed(s.units, s.names),
+                                                                  listed.entries.size() != units_info.size()));
   const std::string file_name = checkpoint_rank_file(s.rank);
   const std::map<std::string, std::string> file_metadata{{"format", std::string(CheckpointManifest::kFormat)},
                                                          {"rank", std::to_string(s.rank)}};
@@ -338,10 +371,8 @@ async::Task<Result<void>> Engine::save_checkpoint(const fs::path& given, Checkpo
   if (at != total)
     co_return fail(ErrorCode::internal, "checkpoint: staged ", at, " bytes of a ", total, "-byte layout");
 
-  PendingSave pending;
-  pending.dir = dir;
-  pending.name = checkpoint_folder_name(s.steps_done);
-  pending.keep = options.keep;
+  PendingSave pending{
+      .dir = dir, .name = checkpoint_folder_name(s.steps_done), .manifest = {}, .keep = options.keep, .write = {}, .steps_left = 2};
   if (s.rank == 0) {
     COSHARD_CO_TRY_ASSIGN(auto state, co_await s.ctx->read_bytes(s.optimizer->step_state()));
     json m = {{"format", CheckpointManifest::kFormat},        {"version", CheckpointManifest::kVersion},
@@ -352,7 +383,7 @@ async::Task<Result<void>> Engine::save_checkpoint(const fs::path& given, Checkpo
       m["tensor_parallel"] = {{"size", tensor_size(s.o)}, {"rank", s.o.tensor_parallel->rank()}};
     m["run"] = std::move(options.run);
     m["units"] = std::move(unit_records);
-    if (json missed = steps_missed(s.units, s.names); !missed.empty()) m["steps_missed"] = std::move(missed);
+    if (!missed.empty()) m["steps_missed"] = std::move(missed);
     pending.manifest = m.dump(1);
   }
   // The file is written behind training (io_uring on this runtime); the staged buffer moves there.

@@ -117,16 +117,6 @@ struct Engine::State : GradientShardsOut {
     return detail::shard_reduced(optimizer_wiring(), *optimizer_placement, u);
   }
   bool offloaded() const noexcept { return o.offload_optimizer != OptimizerOffload::none; }
-  // Refused by name where units are expert-parallel: `what` does not handle them yet (each run of
-  // ranks holds other experts; a checkpoint would keep one run's).
-  Result<void> no_expert_parallel(std::string_view what) const {
-    for (const auto& u : units)
-      if (u->info.expert_parallel > 1)
-        return fail(ErrorCode::unsupported, what, ": the experts are partitioned over ", u->info.expert_parallel,
-                    " expert-parallel ranks, which sharded checkpoints do not handle yet (export_safetensors writes "
-                    "the whole model, every expert; load_safetensors reads it back at any expert-parallel size)");
-    return {};
-  }
 
   // ---- the hooks (hooks.cpp): units acquired and given back as their modules run ----
   FetchUnit* unit_for(const Module& m) {

@@ -15,6 +15,8 @@
 // together whole from the old parts and cuts the new ones.
 // Rank i's file holds elements [i * shard, (i + 1) * shard) of each padded unit, for the ranks i of
 // the unit's first shard group (every rank, unless hybrid sharding shards it over fewer; rank 0
+// (expert parallelism: the experts each run of ranks holds are listed for every run, under their
+// own names, their blocks in that run's files: Unit::first_file)
 // alone at stage 0), so a load at another world size, stage or shard group size reads, for each
 // unit, the elements of its new block from whichever old files hold them.
 //
@@ -76,6 +78,11 @@ struct CheckpointManifest {
     // The ranks whose files hold its blocks, [0, shard_ranks): its shard group's size when saved
     // (hybrid sharding writes each block once, from the first group; 1 at stage 0).
     int shard_ranks = 0;
+    // The first rank file holding its blocks: its blocks are in the files of ranks [first_file,
+    // first_file + shard_ranks). 0 but for an expert-parallel unit (FetchUnitInfo::expert_parallel),
+    // saved once for each expert rank q under that rank's names, by the run of world / P ranks
+    // holding those experts (first_file = q * world / P). Absent in older manifests: 0.
+    int first_file = 0;
     // Every parameter frozen: the files hold its parameters only (no master, no state), so a run
     // that trains it cannot resume from here (a run that freezes a unit saved trained can).
     bool frozen = false;
