@@ -168,6 +168,54 @@ TEST(CoshardTrainMoe, ExpertParallelSettingsItCannotTakeAreRefusedByName) {
           "expert and tensor parallelism are not combined yet");
 }
 
+// LoRA on every expert and --freeze of every expert's projection under --expert-parallel train as
+// without it, the adapter folder holding every expert's adapters; a pattern of some experts is
+// refused by name (each expert rank holds other experts in the same places).
+TEST(CoshardTrainMoe, ExpertParallelLoraAndFreezeSelectEveryExpertOrNone) {
+  const fs::path dir = scratch("moe_expert_parallel_lora");
+  const fs::path base = make_folder(dir, "qwen3-moe-tiny");
+  std::ofstream(dir / "sgd.json") << R"({"optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}})";
+  const std::vector<std::string> job = {"--init", base.string(), "--config", (dir / "sgd.json").string(), "--seq", "16",
+                                        "--batch", "8", "--steps", "3", "--world-size", "4", "--zero-stage", "3"};
+  std::map<int, std::vector<double>> lora, frozen;
+  for (const int ep : {1, 2}) {
+    const std::string tag = std::to_string(ep);
+    const auto adapted = run(with(job, {"--expert-parallel", tag, "--lora-rank", "4", "--lora-targets", "gate_proj",
+                                        "down_proj", "--metrics", (dir / ("lora" + tag + ".jsonl")).string(),
+                                        "--export-adapter", (dir / ("adapter" + tag)).string()}),
+                             dir);
+    ASSERT_EQ(adapted.code, 0) << adapted.output;
+    lora[ep] = losses_in(dir / ("lora" + tag + ".jsonl"));
+    const auto still = run(with(job, {"--expert-parallel", tag, "--freeze", "h*.mlp.moe.experts.*.down.*", "--metrics",
+                                      (dir / ("freeze" + tag + ".jsonl")).string()}),
+                           dir);
+    ASSERT_EQ(still.code, 0) << still.output;
+    frozen[ep] = losses_in(dir / ("freeze" + tag + ".jsonl"));
+  }
+  for (std::size_t i = 0; i < lora[1].size(); ++i) {
+    EXPECT_NEAR(lora[2][i], lora[1][i], 1e-6 * std::abs(lora[1][i])) << "LoRA, step " << i + 1;
+    EXPECT_NEAR(frozen[2][i], frozen[1][i], 1e-6 * std::abs(frozen[1][i])) << "freeze, step " << i + 1;
+  }
+  EXPECT_NE(slurp(dir / "adapter2" / "adapter_model.safetensors").find("experts.7.down_proj"), std::string::npos)
+      << "the adapter folder lacks the other expert rank's adapters";
+  // The expert-parallel run's adapters read back at 1 and at 2.
+  for (const char* ep : {"1", "2"}) {
+    const auto read = run({"--init", base.string(), "--world-size", "4", "--seq", "16", "--batch", "8", "--steps", "0",
+                           "--prompt-ids", "1,2,3", "--sample-tokens", "4", "--expert-parallel", ep, "--adapter",
+                           (dir / "adapter2").string()},
+                          dir);
+    EXPECT_EQ(read.code, 0) << read.output;
+  }
+  auto refused = [&](std::vector<std::string> args, const std::string& expected) {
+    const auto r = run(with(job, args), dir);
+    EXPECT_NE(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find(expected), std::string::npos) << r.output;
+  };
+  refused({"--expert-parallel", "2", "--freeze", "h0.mlp.moe.experts.5.*"}, "must select every expert of a layer or none");
+  refused({"--expert-parallel", "2", "--lora-rank", "4", "--lora-targets", "model.layers.0.mlp.experts.5.gate_proj"},
+          "adapt every expert of a layer or none");
+}
+
 TEST(CoshardTrainMoe, AResumeContinuesTheUninterruptedRun) {
   const fs::path dir = scratch("moe_resume");
   const std::vector<std::string> job = {"--model", "llama", "--preset", "qwen3-moe-tiny", "--seq", "16", "--batch", "4",

@@ -64,8 +64,10 @@ void print_experts(const Options& o, int world) {
                                       : "experts gathered and reduced where some rank routed a token");
   if (const int p = o.train.expert_parallel_size; p > 1) {
     const int holders = world / std::max(1, o.train.tensor_parallel_size) / p;
-    const std::string held = holders > 1 ? "sharded over the " + std::to_string(holders) + " ranks holding them"
-                                         : std::string("each rank's whole");
+    const std::string held = holders == 1                ? std::string("held whole by one rank each")
+                             : o.train.zero_stage == 3 ? "sharded over the " + std::to_string(holders) + " ranks holding them"
+                                                       : "ZeRO-" + std::to_string(o.train.zero_stage) + " among the " +
+                                                             std::to_string(holders) + " ranks holding them";
     std::printf("  expert parallel: each layer's experts over %d ranks (%lld each, %s), routed tokens by all-to-all\n", p,
                 static_cast<long long>(l.moe.experts / p), held.c_str());
   }

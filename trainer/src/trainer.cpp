@@ -12,6 +12,7 @@
 #include "coshard/modules/tensor_parallel.hpp"
 #include "coshard/async/log.hpp"
 #include "rank_agreement.hpp"
+#include "coshard/modules/moe.hpp"
 #include "moe_metrics.hpp"
 #include "step_metrics.hpp"
 #include "coshard/trainer/settings.hpp"
@@ -357,6 +358,8 @@ async::Task<Result<Trainer>> TrainerBuilder::build(modules::Module& model) const
   groups.insert(groups.end(), c_.parameter_groups.begin(), c_.parameter_groups.end());
   COSHARD_CO_TRY(impl->optimizer->set_parameter_groups(std::move(groups)));
   for (const auto& pattern : c_.freeze) {
+    // (expert parallelism: a pattern of one expert would freeze it on one run of ranks alone)
+    COSHARD_CO_TRY(modules::check_same_on_every_expert_rank(model, pattern, "freeze"));
     auto frozen = model.set_trainable_matching(pattern, false);
     if (!frozen) co_return fail(std::move(frozen).error().with_context("freeze"));
     COSHARD_LOG_INFO(trainer, "freeze '{}': {} parameters frozen", pattern, *frozen);

@@ -8,24 +8,6 @@
 
 namespace coshard::zero::detail {
 
-std::vector<ExpertParameter> expert_parameters(modules::Module& model) {
-  std::vector<ExpertParameter> out;
-  model.for_each_module([&](const std::string& path, modules::Module& m) {
-    auto* moe = dynamic_cast<modules::SparseMoe*>(&m);
-    if (!moe || moe->expert_parallel() == 1) return;
-    const std::string prefix = (path.empty() ? "" : path + ".") + "experts.";
-    const std::int64_t first = moe->first_local_expert(), local = moe->local_experts();
-    for (std::int64_t j = 0; j < local; ++j)
-      moe->expert(first + j)->for_each_parameter([&](const std::string& sub, modules::Parameter& p) {
-        ExpertParameter e{.name = prefix + std::to_string(first + j) + "." + sub, .numel = p.numel(), .names_by_rank = {}};
-        for (int q = 0; q < moe->expert_parallel(); ++q)
-          e.names_by_rank.push_back(prefix + std::to_string(q * local + j) + "." + sub);
-        out.push_back(std::move(e));
-      });
-  });
-  return out;
-}
-
 std::unordered_set<std::string> experts_elsewhere(modules::Module& model) {
   std::unordered_set<std::string> out;
   for (const auto& e : expert_parameters(model))

@@ -8,20 +8,16 @@
 #include <unordered_set>
 #include <vector>
 
-#include "coshard/modules/module.hpp"
+#include "coshard/modules/moe.hpp"
 #include "coshard/zero/engine.hpp"
 #include "rank_exchange.hpp"
 
 namespace coshard::zero::detail {
 
-// This rank's expert-parallel parameters, in the model's order, with what names the same place of
-// each expert group's other ranks holds: their experts share this one's structure.
-struct ExpertParameter {
-  std::string name;  // this rank's
-  std::int64_t numel = 0;
-  std::vector<std::string> names_by_rank;  // [expert-parallel rank q]: the name rank q holds here
-};
-std::vector<ExpertParameter> expert_parameters(modules::Module& model);
+// This rank's expert-parallel parameters with the name each expert rank holds in their place
+// (modules::expert_places).
+using ExpertParameter = modules::ExpertPlace;
+inline std::vector<ExpertParameter> expert_parameters(modules::Module& model) { return modules::expert_places(model); }
 
 // The names of the experts other expert-parallel ranks hold (in a whole model's file, not this
 // rank's model): empty without expert parallelism.

@@ -98,6 +98,9 @@ Result<std::vector<LoraAdapterInfo>> make_adapters(Module& model, const std::vec
     own.seed = detail::SplitMix64{o.seed ^ detail::fnv1a(path)}.next();
     COSHARD_TRY_ASSIGN(const LoraPlacement where, placement_of(p, o));
     COSHARD_TRY_ASSIGN(LoraAdapter * adapter, p.layer->add_lora(p.name, where, own));
+    // (an adapter on an expert-parallel expert is that expert's: held by its expert rank alone)
+    if (const int experts = p.layer->parameters().front()->expert_parallel(); experts > 1)
+      for (const auto& param : adapter->parameters()) COSHARD_TRY(param->set_expert_parallel(experts));
     made.push_back({path, p.linear, p.hf_projection, p.layer_index, adapter});
   }
   return made;
@@ -227,9 +230,20 @@ Result<void> plan_experts(const LlamaLayout& c, std::int64_t l, const ExpertsWan
   const SparseMoe* moe = c.moe[static_cast<std::size_t>(l)];
   if (!moe) return {};
   const auto projections = expert_projections(*moe);
+  // Expert parallelism: each expert rank holds other experts in the same places, so an adapter goes
+  // on every expert of the layer or on none (a few would make the ranks' models differ).
+  for (std::size_t j = 0; j < projections.size() && moe->expert_parallel() > 1; ++j) {
+    std::int64_t count = 0;
+    for (std::int64_t e = 0; e < moe->options().experts; ++e) count += wanted.contains({l, e, j}) ? 1 : 0;
+    if (count != 0 && count != moe->options().experts)
+      return fail(ErrorCode::invalid_argument, "LoRA targets: ", count, " of the ", moe->options().experts,
+                  " experts' ", projections[j].hf, " in layer h", l, " with the experts over ", moe->expert_parallel(),
+                  " expert-parallel ranks: each rank holds other experts in the same places, so adapt every expert of a ",
+                  "layer or none (", projections[j].hf, " alone adapts every expert's)");
+  }
   for (std::int64_t e = 0; e < moe->options().experts; ++e)
     for (std::size_t j = 0; j < projections.size(); ++j) {
-      if (!wanted.contains({l, e, j})) continue;
+      if (!wanted.contains({l, e, j}) || !moe->expert(e)) continue;  // (another expert rank's)
       const ExpertProjection& p = projections[j];
       const std::string path = "h" + std::to_string(l) + ".mlp.moe.experts." + std::to_string(e) + "." + p.linear;
       Linear* layer = find(path);

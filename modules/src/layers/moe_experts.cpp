@@ -4,6 +4,8 @@
 
 #include <numeric>
 
+#include "coshard/async/json_limits.hpp"
+
 namespace coshard::modules {
 namespace {
 
@@ -147,6 +149,41 @@ async::Task<Result<void>> SparseMoe::run_exchanged(Context& ctx, bool forward, c
   COSHARD_CO_TRY(regroup(ctx, results, by_rank, saved.received, P, L, D, true));
   COSHARD_CO_TRY(exchange_rows(ctx, group, by_rank, from, out, saved.sent, D, forward ? kRowsBack : kRowsOut));
   co_return Result<void>{};
+}
+
+std::vector<ExpertPlace> expert_places(Module& model) {
+  std::vector<ExpertPlace> out;
+  model.for_each_module([&](const std::string& path, Module& m) {
+    auto* moe = dynamic_cast<SparseMoe*>(&m);
+    if (!moe || moe->expert_parallel() == 1) return;
+    const std::string prefix = (path.empty() ? "" : path + ".") + "experts.";
+    const std::int64_t first = moe->first_local_expert(), local = moe->local_experts();
+    for (std::int64_t j = 0; j < local; ++j)
+      moe->expert(first + j)->for_each_parameter([&](const std::string& sub, Parameter& p) {
+        ExpertPlace e{.name = prefix + std::to_string(first + j) + "." + sub, .numel = p.numel(), .names_by_rank = {}};
+        for (int q = 0; q < moe->expert_parallel(); ++q)
+          e.names_by_rank.push_back(prefix + std::to_string(q * local + j) + "." + sub);
+        out.push_back(std::move(e));
+      });
+  });
+  return out;
+}
+
+Result<void> check_same_on_every_expert_rank(Module& model, std::string_view pattern, std::string_view what) {
+  for (const auto& place : expert_places(model)) {
+    std::size_t matched = 0;
+    for (const auto& name : place.names_by_rank) matched += glob_matches(pattern, name) ? 1 : 0;
+    if (matched != 0 && matched != place.names_by_rank.size()) {
+      std::string others;
+      for (const auto& name : place.names_by_rank)
+        if (!glob_matches(pattern, name)) others += (others.empty() ? "" : ", ") + name;
+      return fail(ErrorCode::invalid_argument, what, " '", async::bounded_echo(pattern, 256), "' selects ", matched, " of the ",
+                  place.names_by_rank.size(), " experts' parameters in one place (not ", others,
+                  "): with expert parallelism each expert rank holds other experts in the same places, so a pattern "
+                  "must select every expert of a layer or none (a projection of every expert: 'h*.mlp.moe.experts.*.down.*')");
+    }
+  }
+  return {};
 }
 
 }  // namespace coshard::modules

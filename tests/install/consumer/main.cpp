@@ -2,6 +2,8 @@
 #include <coshard/coshard.hpp>
 
 #include <cstdio>
+#include <string>
+#include <thread>
 #include <vector>
 
 int main() {
@@ -69,6 +71,47 @@ int main() {
   }(*comms->front()));
   if (!trained || !(*trained > 0)) {
     std::fprintf(stderr, "consumer: trainer step failed: %s\n", trained ? "no loss" : trained.error().message().c_str());
+    return 1;
+  }
+  // A mixture of experts with its experts over 2 ranks (threads, each its own runtime): the mesh's
+  // expert groups, make_llama_expert_parallel and the trainer over the mesh, from the installed headers.
+  auto pair = coshard::collectives::make_local_communicators(2);
+  if (!pair) return 1;
+  std::vector<double> moe_losses(2, 0.0);
+  std::vector<std::string> moe_errors(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r)
+    ranks.emplace_back([&, r] {
+      Runtime own;
+      auto done = own.block_on([](coshard::collectives::Communicator& comm) -> Task<coshard::Result<double>> {
+        COSHARD_CO_TRY_ASSIGN(auto mesh, coshard::collectives::Mesh::create(comm, {.expert = 2}));
+        m::LlamaConfig config;
+        config.vocab = 32;
+        config.max_seq = 8;
+        config.dim = 16;
+        config.heads = 2;
+        config.kv_heads = 1;
+        config.intermediate = 16;
+        config.family = m::HfFamily::qwen3_moe;
+        config.moe.experts = 4;
+        config.moe.top_k = 2;
+        COSHARD_CO_TRY_ASSIGN(auto model, m::make_llama_expert_parallel(config, mesh.expert()));
+        t::TrainerConfig c;
+        c.zero_stage = 3;
+        t::TrainerBuilder builder(c);
+        builder.mesh(mesh);
+        COSHARD_CO_TRY_ASSIGN(t::Trainer trainer, co_await builder.build(*model));
+        const t::SyntheticTask task(config.vocab, 1);
+        const auto global = task.batch(0, 4, 8);
+        COSHARD_CO_TRY_ASSIGN(auto stats, co_await trainer.step(global.rank_rows(mesh.data_rank(), mesh.data_size())));
+        co_return stats.loss;
+      }(*(*pair)[static_cast<std::size_t>(r)]));
+      if (done) moe_losses[static_cast<std::size_t>(r)] = *done;
+      else moe_errors[static_cast<std::size_t>(r)] = done.error().message();
+    });
+  for (auto& t : ranks) t.join();
+  if (!moe_errors[0].empty() || !moe_errors[1].empty() || !(moe_losses[0] > 0)) {
+    std::fprintf(stderr, "consumer: expert-parallel step failed: %s %s\n", moe_errors[0].c_str(), moe_errors[1].c_str());
     return 1;
   }
   std::printf("consumer: ok (C++ %ld)\n", static_cast<long>(__cplusplus));

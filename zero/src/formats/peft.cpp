@@ -99,12 +99,21 @@ std::regex outside_regex(const std::string& pattern) {
 
 std::vector<PeftTensorNames> peft_names(Module& model, bool llama) {
   std::vector<PeftTensorNames> out;
+  // Expert parallelism: the adapters of the experts other expert ranks hold, in the same places as
+  // this rank's (the same adapter settings and shapes): the folder and the merged export hold them all.
+  std::map<std::string, std::vector<std::string>> places;
+  for (auto& place : modules::expert_places(model)) places.emplace(place.name, std::move(place.names_by_rank));
   model.for_each_module([&](const std::string& path, Module& m) {
     auto* adapter = dynamic_cast<LoraAdapter*>(&m);
     if (!adapter) return;
     const std::string child = path.substr(path.rfind('.') + 1);
-    const std::string module = "base_model.model." + peft_module(path, child, llama);
-    out.push_back({path, module + ".lora_A.weight", module + ".lora_B.weight", adapter});
+    const auto it = places.find(path + ".A");
+    const std::vector<std::string> own{path + ".A"};
+    for (const std::string& a : it == places.end() ? own : it->second) {
+      const std::string at = a.substr(0, a.size() - 2);
+      const std::string module = "base_model.model." + peft_module(at, child, llama);
+      out.push_back({at, module + ".lora_A.weight", module + ".lora_B.weight", adapter});
+    }
   });
   return out;
 }

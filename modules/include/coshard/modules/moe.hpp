@@ -200,4 +200,18 @@ class RouterAuxLoss final : public Loss {
 // The balance the MoE layers of `model` share (null when it has none).
 std::shared_ptr<RouterBalance> find_router_balance(Module& model);
 
+// Expert parallelism: each parameter of this rank's experts (an expert_group's SparseMoe layers,
+// in model order, adapters on them included) with the name the same place holds on each expert
+// rank q ("h0.mlp.moe.experts.5.down.weight" on rank 1 of 2 for 8 experts is "experts.1..." on
+// rank 0): the whole model's expert names. Empty without expert parallelism.
+struct ExpertPlace {
+  std::string name;  // this rank's
+  std::int64_t numel = 0;
+  std::vector<std::string> names_by_rank{};  // [expert rank q]
+};
+std::vector<ExpertPlace> expert_places(Module& model);
+// Whether `pattern` (glob_matches) selects the same places on every expert rank: every name of a
+// place or none of them. An error names the first place it splits; fine without expert parallelism.
+Result<void> check_same_on_every_expert_rank(Module& model, std::string_view pattern, std::string_view what);
+
 }  // namespace coshard::modules

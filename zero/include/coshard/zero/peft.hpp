@@ -61,6 +61,8 @@ struct PeftTensorNames {
   std::string a, b;  // "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", ...lora_B.weight
   modules::LoraAdapter* adapter = nullptr;
 };
+// Each adapter of `model` (under expert parallelism also those of the experts other expert ranks
+// hold, in the same places: `adapter` is this rank's in that place, of the same settings and shapes).
 std::vector<PeftTensorNames> peft_names(modules::Module& model, bool llama);
 
 // The config a folder of `model`'s adapters says: its rank and alpha (every adapter's: an error
