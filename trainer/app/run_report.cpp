@@ -88,7 +88,7 @@ void print_less_on_the_wire(const Options& o, trainer::Trainer& t, int data_rank
                 modules::size_of(quantize.engine_options().dtype),
                 std::string(collectives::to_string(quantize.engine_options().dtype)).c_str(), units,
                 t.engine().units().size(),
-                quantize.quantize_weights != zero::Quantization::none ? "every unit sharded over more than one rank"
+                quantize.quantize_weights != zero::Quantization::none ? "those sharded over more than one rank"
                                                                       : "the frozen ones sharded over more than one rank");
   }
   const bool gradients_quantized = quantize.zero_stage == 2 || quantize.zero_stage == 3;
