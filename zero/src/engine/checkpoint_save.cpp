@@ -227,12 +227,15 @@ json steps_missed(const std::vector<std::unique_ptr<FetchUnit>>& units,
   return missed;
 }
 
-// `missed` with, under expert parallelism (`experts`), the steps every other expert rank's experts
-// missed: rank 0's manifest names every expert (one exchange over the ranks).
-async::Task<Result<json>> every_steps_missed(RankExchange& world, int rank, Module& model, json missed, bool experts) {
+// The steps this rank's parameters missed with, under expert parallelism (`experts`), those every
+// other expert rank's experts missed: rank 0's manifest names every expert (one exchange).
+async::Task<Result<json>> every_steps_missed(RankExchange& world, int rank, Module& model,
+                                             const std::vector<std::unique_ptr<FetchUnit>>& units,
+                                             const std::unordered_map<const Parameter*, std::string>& names, bool experts) {
+  json missed = steps_missed(units, names);
   if (!experts) co_return missed;
-  COSHARD_CO_TRY_ASSIGN(const auto elsewhere,
-                        co_await steps_missed_elsewhere(world, rank, model, missed.get<std::map<std::string, std::int64_t>>()));
+  auto own = missed.get<std::map<std::string, std::int64_t>>();  // (named: GCC 12, as above)
+  COSHARD_CO_TRY_ASSIGN(const auto elsewhere, co_await steps_missed_elsewhere(world, rank, model, std::move(own)));
   for (const auto& [name, n] : elsewhere) missed[name] = n;
   co_return missed;
 }
@@ -335,7 +338,7 @@ async::Task<Result<void>> Engine::save_checkpoint(const fs::path& given, Checkpo
     }
   }
   json unit_records = listed_records(listed, units_info, left_out, parameters, tensor_size(s.o) > 1);
-  COSHARD_CO_TRY_ASSIGN(json missed, co_await every_steps_missed(s.ranks_agree, s.rank, *s.model, steps_missed(s.units, s.names),
+  COSHARD_CO_TRY_ASSIGN(json missed, co_await every_steps_missed(s.ranks_agree, s.rank, *s.model, s.units, s.names,
                                                                   listed.entries.size() != units_info.size()));
   const std::string file_name = checkpoint_rank_file(s.rank);
   const std::map<std::string, std::string> file_metadata{{"format", std::string(CheckpointManifest::kFormat)},
