@@ -271,6 +271,9 @@ Result<void> Engine::State::choose_strategies(std::span<const FetchUnitInfo> inf
 }
 
 Result<void> Engine::State::give_units_storage() {
+  norm_summed_over_ranks = residence->sharded() || std::any_of(units.begin(), units.end(), [](const auto& u) {
+                             return u->info.expert_parallel > 1;
+                           });
   // Storage: each placement makes its own, in this order (the host optimizer's pinned buffer may
   // become the shard).
   for (auto& up : units) {
@@ -292,10 +295,7 @@ Result<void> Engine::State::give_units_storage() {
     // With expert parallelism the norm is summed over the ranks at stage 0 too: there each unit
     // counts on its copy 0 as well (rank 0 for the rest, each run's first rank for its experts).
     const bool tensor_copy = o.tensor_parallel && o.tensor_parallel->rank() != 0 && !u.info.tensor_split;
-    const bool summed = residence->sharded() || std::any_of(units.begin(), units.end(), [](const auto& x) {
-                          return x->info.expert_parallel > 1;
-                        });
-    if ((summed && u.group->replica != 0) || tensor_copy) {
+    if ((norm_summed_over_ranks && u.group->replica != 0) || tensor_copy) {
       const auto group = settings().group_of(u);
       COSHARD_TRY(group.optimizer.set_group_in_norm(group.index, false));
     }

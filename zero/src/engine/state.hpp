@@ -83,6 +83,10 @@ struct Engine::State : GradientShardsOut {
   std::unique_ptr<GradientReduction> reduction;             // by stage
   std::unique_ptr<ParameterResidence> residence;            // unsharded, gathered after steps, or on use
   std::unique_ptr<detail::ShardGroups> shard_groups;        // hybrid sharding's communicators
+  // The gradient norm's sum of squares is summed over the ranks (each unit counted on its copy 0):
+  // sharded, or with expert-parallel units (other ranks hold other experts, at stage 0 too).
+  // Decided once at create (give_units_storage).
+  bool norm_summed_over_ranks = false;
   std::unique_ptr<detail::GatherScheduler> gathers;         // stage 3: fetch, prefetch, release
   detail::HostSide host;  // an offloaded optimizer's stream, context and pinned memory
   detail::SwapFiles swap;  // its swap files on nvme
@@ -105,8 +109,9 @@ struct Engine::State : GradientShardsOut {
             host.pinned, swap.store, swap.files, host.stream.get(), static_cast<int>(o.offload_params.buffer_count), shard_values};
   }
   OptimizerWiring optimizer_wiring() noexcept {
-    return {io(),       units,      *optimizer, settings(), o,    rank, world, stats, timeline, *reduction,
-            *residence, host,       swap,       pass,       mode, shard_values};
+    return {io(),       units,      *optimizer, settings(), o,    rank,         world,
+            stats,      timeline,   *reduction, *residence, host, swap,         pass,
+            mode,       shard_values, norm_summed_over_ranks};
   }
   detail::ParameterSettings settings() const noexcept {
     return {units, names, *optimizer, first_group, host.device_optimizer.get(), planned_trainable};

@@ -28,9 +28,9 @@ class OptimizerOnDevice final : public OptimizerPlacement {
   async::Task<Result<void>> step(const OptimizerWiring& w, float lr) override {
     COSHARD_CO_TRY(w.optimizer.compute_grad_stats(w.ctx()));
     const Tensor grad_stats = w.optimizer.grad_stats();
-    // Sharded: each rank's part of the norm, summed. Unsharded: every data rank holds the whole
-    // gradient (the tensor ranks still hold other parts).
-    COSHARD_CO_TRY(w.sum_grad_stats(grad_stats.data(), w.residence.sharded()));
+    // Sharded (or with expert-parallel units): each rank's part of the norm, summed. Otherwise
+    // every data rank holds the whole gradient (the tensor ranks still hold other parts).
+    COSHARD_CO_TRY(w.sum_grad_stats(grad_stats.data(), w.norm_summed_over_ranks));
     co_return w.optimizer.apply(w.ctx(), lr);
   }
 

@@ -12,8 +12,6 @@
 // flag summed over ranks on the device and brought back): HostOptimizer::exchange_grad_stats.
 #pragma once
 
-#include <algorithm>
-
 #include <memory>
 #include <span>
 #include <vector>
@@ -70,6 +68,8 @@ struct OptimizerWiring {
   // initialize/load_parameters as masters_from_shards writes the file (there is no shard to copy
   // from), one unit at a time.
   ShardPlacement::BlockSource& shard_values;
+  // Engine::State::norm_summed_over_ranks: the device step sums the norm over the ranks.
+  bool norm_summed_over_ranks = false;
 
   modules::Context& ctx() const noexcept { return io.ctx; }
   collectives::Communicator& comm() const noexcept { return io.world; }
@@ -98,12 +98,11 @@ struct OptimizerWiring {
   }
   // The step's gradient statistics (f32[2] on the compute device: the sum of squares, the
   // overflow flag) summed over the ranks that hold other elements: the data ranks when
-  // `over_data` (sharded), then the tensor ranks (EngineOptions::tensor_parallel), all in the
-  // communication stream's order; then the compute stream waits for the sums.
+  // `over_data` (norm_summed_over_ranks), then the tensor ranks (EngineOptions::tensor_parallel),
+  // all in the communication stream's order; then the compute stream waits for the sums.
   Result<void> sum_grad_stats(void* stats, bool over_data) const {
     COSHARD_TRY(detail::order(ctx().stream(), comm().stream()));
-    // (expert-parallel units: other ranks hold other experts, at stage 0 too)
-    if (over_data || std::any_of(units.begin(), units.end(), [](const auto& u) { return u->info.expert_parallel > 1; }))
+    if (over_data)
       COSHARD_TRY(comm().all_reduce(stats, stats, 2, modules::DataType::f32, collectives::ReduceOp::sum,
                                     "the gradients' norm"));
     if (collectives::Communicator* tensor = o.tensor_parallel; tensor && tensor->size() > 1) {
