@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "coshard/async/json_limits.hpp"
+#include "layers/collective_order.hpp"
 
 namespace coshard::modules {
 namespace {
@@ -18,12 +19,6 @@ const std::string kCounts = "the rows each rank sends each expert (expert parall
 const std::string kRowsOut = "the routed rows to their experts' ranks";
 const std::string kRowsBack = "the experts' rows back to their tokens' ranks";
 
-// The compute stream after a collective's event: through the hooks (an engine times it).
-Result<void> compute_waits(Context& ctx, const async::Event& done, const std::string& purpose) {
-  if (ModuleHooks* hooks = ctx.hooks()) return hooks->wait_for_collective(ctx, done, purpose);
-  return ctx.stream().wait(done);
-}
-
 // `send`'s rows to the group's ranks (send_rows[q] to rank q, in rank order) and theirs into
 // `recv` (recv_rows[q] from rank q), ordered between the compute stream's work before and after.
 Result<void> exchange_rows(Context& ctx, collectives::Communicator& group, const Tensor& send,
@@ -32,10 +27,9 @@ Result<void> exchange_rows(Context& ctx, collectives::Communicator& group, const
   std::vector<std::size_t> out, in;
   for (const auto r : send_rows) out.push_back(static_cast<std::size_t>(r * width));
   for (const auto r : recv_rows) in.push_back(static_cast<std::size_t>(r * width));
-  COSHARD_TRY_ASSIGN(const auto ready, ctx.stream().record());
-  COSHARD_TRY(group.stream().wait(ready));
-  COSHARD_TRY_ASSIGN(const auto done, group.all_to_allv(send.data(), out, recv.data(), in, send.dtype(), purpose));
-  return compute_waits(ctx, done, purpose);
+  return detail::collective_between(ctx, group, purpose, [&] {
+    return group.all_to_allv(send.data(), out, recv.data(), in, send.dtype(), purpose);
+  });
 }
 
 // Rows laid out [rank][expert] (as they arrive) into [expert][rank] (each expert's rows
@@ -114,11 +108,9 @@ async::Task<Result<void>> SparseMoe::exchange_counts(Context& ctx, Saved& saved)
   std::vector<std::int32_t> mine(saved.counts.begin(), saved.counts.end());  // block q: rank q's experts
   COSHARD_CO_TRY_ASSIGN(Tensor send, ctx.upload(std::as_bytes(std::span<const std::int32_t>(mine)), Shape{P * L}, DataType::i32));
   COSHARD_CO_TRY_ASSIGN(Tensor recv, ctx.empty(Shape{P * L}, DataType::i32));
-  COSHARD_CO_TRY_ASSIGN(const auto ready, ctx.stream().record());
-  COSHARD_CO_TRY(group.stream().wait(ready));
-  COSHARD_CO_TRY_ASSIGN(const auto done, group.all_to_all(send.data(), recv.data(), static_cast<std::size_t>(L),
-                                                          DataType::i32, kCounts));
-  COSHARD_CO_TRY(compute_waits(ctx, done, kCounts));
+  COSHARD_CO_TRY(detail::collective_between(ctx, group, kCounts, [&] {
+    return group.all_to_all(send.data(), recv.data(), static_cast<std::size_t>(L), DataType::i32, kCounts);
+  }));
   COSHARD_CO_TRY_ASSIGN(const std::vector<double> received, co_await ctx.read(recv));
   saved.received.assign(received.begin(), received.end());
   saved.sent.assign(static_cast<std::size_t>(P), 0);

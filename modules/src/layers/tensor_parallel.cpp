@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "kernels/kernels.hpp"
+#include "layers/collective_order.hpp"
 #include "layers/layer_checks.hpp"
 
 namespace coshard::modules {
@@ -13,21 +14,13 @@ namespace {
 using collectives::Communicator;
 using collectives::ReduceOp;
 
-// The compute stream after a collective's event: through the hooks (an engine times it).
-Result<void> compute_waits(Context& ctx, const async::Event& done, const std::string& purpose) {
-  if (ModuleHooks* hooks = ctx.hooks()) return hooks->wait_for_collective(ctx, done, purpose);
-  return ctx.stream().wait(done);
-}
-
 // `input` reduced over the group into `out` (the same tensor: in place), ordered between ctx's
 // stream's work before and after.
 Result<void> all_reduce_between(Context& ctx, Communicator& group, const Tensor& input, const Tensor& out, ReduceOp op,
                                 const std::string& purpose) {
-  COSHARD_TRY_ASSIGN(const auto ready, ctx.stream().record());
-  COSHARD_TRY(group.stream().wait(ready));
-  COSHARD_TRY_ASSIGN(const auto done, group.all_reduce(input.data(), out.data(), static_cast<std::size_t>(input.numel()),
-                                                       input.dtype(), op, purpose));
-  return compute_waits(ctx, done, purpose);
+  return detail::collective_between(ctx, group, purpose, [&] {
+    return group.all_reduce(input.data(), out.data(), static_cast<std::size_t>(input.numel()), input.dtype(), op, purpose);
+  });
 }
 
 Result<void> reduce_in_place(Context& ctx, Communicator& group, const Tensor& t, ReduceOp op, const std::string& purpose) {
@@ -59,11 +52,9 @@ Result<Tensor> gather_over_tensor_ranks(Context& ctx, Communicator& group, const
   std::vector<std::int64_t> dims(input.shape().dims().begin(), input.shape().dims().end());
   dims.front() *= group.size();
   COSHARD_TRY_ASSIGN(Tensor out, ctx.empty(Shape::from(dims), input.dtype()));
-  COSHARD_TRY_ASSIGN(const auto ready, ctx.stream().record());
-  COSHARD_TRY(group.stream().wait(ready));
-  COSHARD_TRY_ASSIGN(const auto done, group.all_gather(input.data(), out.data(), static_cast<std::size_t>(input.numel()),
-                                                       input.dtype(), purpose));
-  COSHARD_TRY(compute_waits(ctx, done, purpose));
+  COSHARD_TRY(detail::collective_between(ctx, group, purpose, [&] {
+    return group.all_gather(input.data(), out.data(), static_cast<std::size_t>(input.numel()), input.dtype(), purpose);
+  }));
   return out;
 }
 
