@@ -10,15 +10,30 @@ namespace coshard::zero::detail {
 
 std::unordered_set<std::string> experts_elsewhere(modules::Module& model) {
   std::unordered_set<std::string> out;
-  for (const auto& e : expert_parameters(model))
+  for (const auto& e : modules::expert_places(model))
     for (const auto& name : e.names_by_rank)
       if (name != e.name) out.insert(name);
   return out;
 }
 
+async::Task<Result<std::vector<std::vector<std::int64_t>>>> from_every_expert_rank(RankExchange& world, int rank,
+                                                                                   int expert_ranks,
+                                                                                   std::vector<std::int64_t> mine) {
+  const std::size_t per_rank = mine.size();
+  COSHARD_CO_TRY_ASSIGN(const auto all, co_await world.all_ranks(std::move(mine)));
+  const int run = world.size() / expert_ranks;
+  std::vector<std::vector<std::int64_t>> out(static_cast<std::size_t>(expert_ranks));
+  for (int q = 0; q < expert_ranks; ++q) {
+    if (q == rank / run) continue;
+    const auto first = all.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(q * run) * per_rank);
+    out[static_cast<std::size_t>(q)].assign(first, first + static_cast<std::ptrdiff_t>(per_rank));
+  }
+  co_return out;
+}
+
 async::Task<Result<std::vector<GatheredParameter>>> with_every_expert(RankExchange& world, int rank, modules::Module& model,
                                                                       std::vector<GatheredParameter> mine) {
-  const auto experts = expert_parameters(model);
+  const auto experts = modules::expert_places(model);
   if (experts.empty()) co_return mine;
   std::unordered_map<std::string_view, const GatheredParameter*> by_name;
   for (const auto& p : mine) by_name.emplace(p.name, &p);
@@ -34,14 +49,11 @@ async::Task<Result<std::vector<GatheredParameter>>> with_every_expert(RankExchan
   }
   std::vector<std::int64_t> words((bytes.size() + 7) / 8, 0);
   if (!bytes.empty()) std::memcpy(words.data(), bytes.data(), bytes.size());
-  const std::size_t per_rank = words.size();
-  COSHARD_CO_TRY_ASSIGN(const auto all, co_await world.all_ranks(std::move(words)));
-  const int groups = static_cast<int>(experts.front().names_by_rank.size()), run = world.size() / groups;
-  const int own_group = rank / run;
+  const int groups = static_cast<int>(experts.front().names_by_rank.size());
+  COSHARD_CO_TRY_ASSIGN(const auto theirs, co_await from_every_expert_rank(world, rank, groups, std::move(words)));
   for (int q = 0; q < groups; ++q) {
-    if (q == own_group) continue;
-    // (the first rank of run q holds expert rank q's experts, as every rank of that run does)
-    const auto* from = reinterpret_cast<const std::byte*>(all.data() + static_cast<std::size_t>(q * run) * per_rank);
+    if (q == rank / (world.size() / groups)) continue;  // (this rank's own)
+    const auto* from = reinterpret_cast<const std::byte*>(theirs[static_cast<std::size_t>(q)].data());
     std::size_t at = 0;
     for (std::size_t i = 0; i < experts.size(); ++i) {
       const auto& [shape, n] = own[i];

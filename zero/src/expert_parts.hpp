@@ -14,10 +14,12 @@
 
 namespace coshard::zero::detail {
 
-// This rank's expert-parallel parameters with the name each expert rank holds in their place
-// (modules::expert_places).
-using ExpertParameter = modules::ExpertPlace;
-inline std::vector<ExpertParameter> expert_parameters(modules::Module& model) { return modules::expert_places(model); }
+// Each expert rank's `mine` (the same length on every rank), as the first rank of its run of
+// world / `expert_ranks` consecutive ranks gave it (every rank of a run holds the same experts): one
+// all-gather over `world`. [q]: expert rank q's; this rank's own entry is empty.
+async::Task<Result<std::vector<std::vector<std::int64_t>>>> from_every_expert_rank(RankExchange& world, int rank,
+                                                                                   int expert_ranks,
+                                                                                   std::vector<std::int64_t> mine);
 
 // The names of the experts other expert-parallel ranks hold (in a whole model's file, not this
 // rank's model): empty without expert parallelism.

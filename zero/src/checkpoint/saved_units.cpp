@@ -33,7 +33,7 @@ SavedUnits saved_units(std::span<const FetchUnitInfo> units, modules::Module& mo
   SavedUnits out;
   out.key_of.assign(units.size(), 0);
   std::unordered_map<std::string, std::vector<std::string>> names;  // own name -> [expert rank q]'s
-  for (auto& e : expert_parameters(model)) names.emplace(e.name, std::move(e.names_by_rank));
+  for (auto& e : modules::expert_places(model)) names.emplace(e.name, std::move(e.names_by_rank));
   for (std::size_t i = 0; i < units.size();) {
     const FetchUnitInfo& u = units[i];
     if (u.expert_parallel == 1) {
@@ -67,21 +67,20 @@ SavedUnits saved_units(std::span<const FetchUnitInfo> units, modules::Module& mo
 async::Task<Result<std::map<std::string, std::int64_t>>> steps_missed_elsewhere(
     RankExchange& world, int rank, modules::Module& model, std::map<std::string, std::int64_t> own) {
   std::map<std::string, std::int64_t> out;
-  const auto experts = expert_parameters(model);
+  const auto experts = modules::expert_places(model);
   if (experts.empty()) co_return out;
   std::vector<std::int64_t> mine;
   for (const auto& e : experts) {
     const auto it = own.find(e.name);
     mine.push_back(it == own.end() ? 0 : it->second);
   }
-  COSHARD_CO_TRY_ASSIGN(const auto all, co_await world.all_ranks(std::move(mine)));
-  const int groups = static_cast<int>(experts.front().names_by_rank.size()), run = world.size() / groups;
+  const int groups = static_cast<int>(experts.front().names_by_rank.size());
+  COSHARD_CO_TRY_ASSIGN(const auto theirs, co_await from_every_expert_rank(world, rank, groups, std::move(mine)));
   for (int q = 0; q < groups; ++q) {
-    if (q == rank / run) continue;
-    for (std::size_t i = 0; i < experts.size(); ++i) {
-      const std::int64_t n = all[static_cast<std::size_t>(q * run) * experts.size() + i];
-      if (n > 0) out[experts[i].names_by_rank[static_cast<std::size_t>(q)]] = n;
-    }
+    if (q == rank / (world.size() / groups)) continue;  // (this rank's own)
+    for (std::size_t i = 0; i < experts.size(); ++i)
+      if (const std::int64_t n = theirs[static_cast<std::size_t>(q)][i]; n > 0)
+        out[experts[i].names_by_rank[static_cast<std::size_t>(q)]] = n;
   }
   co_return out;
 }
