@@ -23,6 +23,7 @@
 #include "coshard/modules/moe.hpp"
 #include "coshard/zero/engine.hpp"
 #include "../support/on_ranks.hpp"
+#include "../support/value_differences.hpp"
 
 namespace coshard::zero::moe_testing {
 // (each test file its own copy: the reference runs are cached per file)
@@ -254,27 +255,14 @@ Result<TrainedRun> train(const Layout& k) {
   return run;
 }
 
-double relative(double a, double b) { return std::abs(a - b) / std::max({std::abs(a), std::abs(b), 1e-2}); }
+using ::coshard::testing::relative;
 
 void expect_close(const TrainedRun& got, const TrainedRun& want, const std::string& what) {
   ASSERT_EQ(got.losses.size(), want.losses.size()) << what;
   for (std::size_t i = 0; i < got.losses.size(); ++i)
     EXPECT_LE(relative(got.losses[i], want.losses[i]), 1e-6)
         << what << ": step " << i << " loss " << got.losses[i] << ", expected " << want.losses[i];
-  ASSERT_EQ(got.whole.size(), want.whole.size()) << what;
-  double most = 0;
-  std::string where;
-  for (const auto& [name, values] : want.whole) {
-    const auto& mine = got.whole.at(name);
-    ASSERT_EQ(mine.size(), values.size()) << what << ": " << name;
-    for (std::size_t i = 0; i < values.size(); ++i) {
-      const double d = std::abs(mine[i] - values[i]) / std::max({std::abs(values[i]), 1.0});
-      if (d > most) {
-        most = d;
-        where = name + "[" + std::to_string(i) + "]";
-      }
-    }
-  }
+  const auto [most, where] = ::coshard::testing::largest_difference(got.whole, want.whole, what);
   EXPECT_LE(most, 1e-6) << what << ": the parameters differ by " << most << " at " << where;
   std::printf("%s: losses and parameters within %.2g\n", what.c_str(), most);
 }

@@ -28,6 +28,7 @@
 #include "coshard/zero/checkpoint.hpp"
 #include "coshard/zero/engine.hpp"
 #include "../support/on_ranks.hpp"
+#include "../support/value_differences.hpp"
 
 namespace coshard::zero {
 namespace {
@@ -209,7 +210,7 @@ Result<TrainedRun> train(const Layout& k) {
   return run;
 }
 
-double relative(double a, double b) { return std::abs(a - b) / std::max({std::abs(a), std::abs(b), 1e-2}); }
+using ::coshard::testing::relative;
 
 // `got` ran steps [first, first + its losses) of `want`'s.
 void expect_close(const TrainedRun& got, const TrainedRun& want, const std::string& what, std::size_t first = 0) {
@@ -224,20 +225,7 @@ void expect_close(const TrainedRun& got, const TrainedRun& want, const std::stri
     EXPECT_LE(relative(got.norms[i], want.norms[first + i]), 1e-5)
         << what << ": step " << first + i << " gradient norm " << got.norms[i] << ", expected " << want.norms[first + i];
   }
-  ASSERT_EQ(got.whole.size(), want.whole.size()) << what;
-  double most = 0;
-  std::string where;
-  for (const auto& [name, values] : want.whole) {
-    const auto& mine = got.whole.at(name);
-    ASSERT_EQ(mine.size(), values.size()) << what << ": " << name;
-    for (std::size_t i = 0; i < values.size(); ++i) {
-      const double d = std::abs(mine[i] - values[i]) / std::max({std::abs(values[i]), 1.0});
-      if (d > most) {
-        most = d;
-        where = name + "[" + std::to_string(i) + "]";
-      }
-    }
-  }
+  const auto [most, where] = ::coshard::testing::largest_difference(got.whole, want.whole, what);
   EXPECT_LE(most, 1e-5) << what << ": the whole parameters differ by " << most << " at " << where;
   std::printf("%s: losses and parameters within %.2g\n", what.c_str(), most);
 }
