@@ -81,11 +81,12 @@ Coalesced& Coalesced::all_to_allv(const void* send, std::span<const std::size_t>
   return *this;
 }
 
-std::size_t CollectiveOp::sent_elements() const noexcept {
+std::size_t CollectiveOp::send_offset(std::size_t to) const noexcept {
   std::size_t n = 0;
-  for (std::size_t q = 0; q < counts.size() / 2; ++q) n += counts[q];
+  for (std::size_t q = 0; q < to && q < counts.size() / 2; ++q) n += counts[q];
   return n;
 }
+std::size_t CollectiveOp::sent_elements() const noexcept { return send_offset(counts.size() / 2); }
 std::size_t CollectiveOp::received_elements() const noexcept {
   std::size_t n = 0;
   for (std::size_t q = counts.size() / 2; q < counts.size(); ++q) n += counts[q];

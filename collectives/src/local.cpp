@@ -221,8 +221,7 @@ class LocalGroup {
     std::size_t at = 0;
     for (std::size_t q = 0; q < n; ++q) {
       const CollectiveOp& theirs = op_of(static_cast<int>(q), index);
-      std::size_t from = 0;
-      for (std::size_t t = 0; t < me; ++t) from += theirs.counts[t];
+      const std::size_t from = theirs.send_offset(me);
       const std::size_t count = mine.counts[n + q];
       if (count > 0) std::memcpy(recv + at * es, static_cast<const std::byte*>(theirs.send) + from * es, count * es);
       at += count;

@@ -23,8 +23,7 @@ Result<void> all_to_allv_on_device(void* s, std::span<const CollectiveOp* const>
   for (std::size_t r = 0; r < n; ++r) {
     std::size_t at = 0;
     for (std::size_t q = 0; q < n; ++q) {
-      std::size_t from = 0;
-      for (std::size_t t = 0; t < r; ++t) from += per_rank[q]->counts[t];
+      const std::size_t from = per_rank[q]->send_offset(r);
       const std::size_t bytes = per_rank[r]->counts[n + q] * es;
       if (bytes > 0) {
         const auto e = cudaMemcpyAsync(static_cast<std::byte*>(per_rank[r]->recv) + at * es,

@@ -66,6 +66,8 @@ struct CollectiveOp {
   // all_to_allv: the elements this rank sends in all, and receives in all.
   std::size_t sent_elements() const noexcept;
   std::size_t received_elements() const noexcept;
+  // all_to_allv: where the elements for rank `to` start in send (the counts before it).
+  std::size_t send_offset(std::size_t to) const noexcept;
 
   void set_purpose(std::string_view text) noexcept {
     const std::size_t n = std::min(text.size(), purpose.size() - 1);
