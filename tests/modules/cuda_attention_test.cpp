@@ -20,6 +20,7 @@
 #ifdef COSHARD_TEST_CUDNN
 #include "kernels/cuda/cudnn/attention.hpp"
 #endif
+#include "attention_shape.hpp"
 #include "module_fixture.hpp"
 
 namespace coshard::modules {
@@ -28,12 +29,7 @@ namespace {
 using testing::normwise_error;
 using testing::random_values;
 
-struct AttentionShape {
-  std::int64_t B, T, H, KVH, hd;
-  friend std::ostream& operator<<(std::ostream& os, const AttentionShape& s) {
-    return os << "B" << s.B << "_T" << s.T << "_H" << s.H << "_KVH" << s.KVH << "_hd" << s.hd;
-  }
-};
+using testing::AttentionShape;
 
 struct AttentionRun {
   std::vector<double> out, dqkv;

@@ -14,6 +14,21 @@
 
 namespace coshard::modules::detail {
 
+// Row i of a head's scores, in place: its causal softmax over columns 0..i, zeros after them.
+template <class T>
+void causal_softmax_row(T* row, std::int64_t i, std::int64_t T_) {
+  T mx = row[0];
+  for (std::int64_t j = 1; j <= i; ++j) mx = std::max(mx, row[j]);
+  T sum = 0;
+  for (std::int64_t j = 0; j <= i; ++j) {
+    row[j] = std::exp(row[j] - mx);
+    sum += row[j];
+  }
+  const T inv = T(1) / sum;
+  for (std::int64_t j = 0; j <= i; ++j) row[j] *= inv;
+  for (std::int64_t j = i + 1; j < T_; ++j) row[j] = 0;
+}
+
 // Grouped-query attention (KVH = H: multi-head). Row stride W = (H + 2 KVH) hd; query head h
 // uses key/value head h / (H / KVH).
 template <class T>
@@ -32,20 +47,7 @@ void attention_fwd(const T* qkv, T* out, T* probs, std::int64_t B, std::int64_t 
   }
   // Each row's causal softmax: row i of a head keeps columns 0..i.
   parallel_rows(B * H * T_, 2 * T_, [&](std::int64_t begin, std::int64_t end) {
-    for (std::int64_t r = begin; r < end; ++r) {
-      const std::int64_t i = r % T_;
-      T* row = probs + r * T_;
-      T mx = row[0];
-      for (std::int64_t j = 1; j <= i; ++j) mx = std::max(mx, row[j]);
-      T sum = 0;
-      for (std::int64_t j = 0; j <= i; ++j) {
-        row[j] = std::exp(row[j] - mx);
-        sum += row[j];
-      }
-      const T inv = T(1) / sum;
-      for (std::int64_t j = 0; j <= i; ++j) row[j] *= inv;
-      for (std::int64_t j = i + 1; j < T_; ++j) row[j] = 0;
-    }
+    for (std::int64_t r = begin; r < end; ++r) causal_softmax_row(probs + r * T_, r % T_, T_);
   });
   // O = P V, written into the head's columns of out.
   for (std::int64_t b = 0; b < B; ++b) {

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "kernels/cpu/attention.hpp"
+#include "kernels/cpu/attention_half.hpp"
 #include "kernels/cpu/blas.hpp"
 #include "kernels/cpu/half_products.hpp"
 #include "kernels/cpu/loss.hpp"
@@ -232,6 +233,8 @@ class CpuKernels final : public RoutingEntries<cpu_launch::Launch> {
 
   Result<void> attention_forward(Stream& s, DataType dt, const void* qkv, void* out, void* probs, std::int64_t B,
                                  std::int64_t T_, std::int64_t H, std::int64_t KVH, std::int64_t hd) const override {
+    if (is_half(dt) && native_half_products(dt))  // (oneDNN's products on the operands themselves)
+      return s.launch_fallible([=] { return attention_fwd_half(dt, qkv, out, probs, B, T_, H, KVH, hd); });
     return dispatch_blas(s, dt, [=]<class T>(Operands<T>& io) {
       const std::int64_t C = H * hd, W = (H + 2 * KVH) * hd;
       attention_fwd<T>(io.in(qkv, B * T_ * W), io.out(out, B * T_ * C), io.out(probs, B * H * T_ * T_), B, T_,
@@ -252,6 +255,9 @@ class CpuKernels final : public RoutingEntries<cpu_launch::Launch> {
   Result<void> attention_backward(Stream& s, DataType dt, const void* dout, const void* qkv, const void* /*out*/,
                                   const void* probs, void* dqkv, void* scratch, std::int64_t B, std::int64_t T_,
                                   std::int64_t H, std::int64_t KVH, std::int64_t hd) const override {
+    if (is_half(dt) && native_half_products(dt))
+      return s.launch_fallible(
+          [=] { return attention_bwd_half(dt, dout, qkv, probs, dqkv, scratch, B, T_, H, KVH, hd); });
     return dispatch_blas(s, dt, [=]<class T>(Operands<T>& io) {
       const std::int64_t C = H * hd, W = (H + 2 * KVH) * hd;
       attention_bwd<T>(io.in(dout, B * T_ * C), io.in(qkv, B * T_ * W), io.in(probs, B * H * T_ * T_),
