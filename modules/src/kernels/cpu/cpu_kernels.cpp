@@ -9,6 +9,7 @@
 #include "kernels/cpu/attention.hpp"
 #include "kernels/cpu/attention_half.hpp"
 #include "kernels/cpu/blas.hpp"
+#include "kernels/cpu/elements.hpp"
 #include "kernels/cpu/half_products.hpp"
 #include "kernels/cpu/loss.hpp"
 #include "kernels/cpu/norm.hpp"
@@ -35,8 +36,11 @@ Result<void> check_ids(const std::int32_t* ids, std::int64_t n, std::int64_t lim
 // (routing and quantized blocks: RoutingEntries, launched by routing_launch.cpp)
 class CpuKernels final : public RoutingEntries<cpu_launch::Launch> {
  public:
-  // bf16/f16: matrix products natively where the CPU has the instructions (oneDNN), everything
-  // else in f32 on copies (Operands), each output rounded once.
+  // bf16/f16: matrix products and attention natively where the CPU has the instructions
+  // (oneDNN), the element-wise kernels (norms, activations, rotary, sums, biases, the embedding's
+  // lookup) on the tensors in place (Direct: f32 math, each value rounded once), the rest in f32
+  // on copies (Operands: products without the instructions, the embedding's and the vocabulary-
+  // parallel cross-entropy's accumulations), each output rounded once.
   bool supports(DataType dt) const noexcept override { return cpu_serves(dt); }
 
   Result<void> gemm(Stream& s, DataType dt, const GemmArgs& g) const override {
@@ -62,22 +66,22 @@ class CpuKernels final : public RoutingEntries<cpu_launch::Launch> {
     COSHARD_TRY(check_dtype(dt));
     return s.launch_fallible([=]() -> Result<void> {
       COSHARD_TRY(check_ids(tokens, B * T_, vocab, "tokens"));
-      with_type(dt, [&]<class T>(Operands<T>& io) {
-        const T* we = io.in(wte, rows * C);
-        const T* wp = wpe ? io.in(wpe, T_ * C) : nullptr;
-        T* po = io.out(out, B * T_ * C);
+      with_storage(dt, [&]<class S>(Direct<S>& io) {
+        const S* we = io.in(wte, rows * C);
+        const S* wp = wpe ? io.in(wpe, T_ * C) : nullptr;
+        S* po = io.out(out, B * T_ * C);
         for (std::int64_t b = 0; b < B; ++b)
           for (std::int64_t t = 0; t < T_; ++t) {
             const std::int64_t row = tokens[b * T_ + t] - first;
-            T* o = po + (b * T_ + t) * C;
+            S* o = po + (b * T_ + t) * C;
             if (row < 0 || row >= rows) {  // another rank's row of a vocabulary-parallel table
-              for (std::int64_t c = 0; c < C; ++c) o[c] = wp ? wp[t * C + c] : T(0);
+              for (std::int64_t c = 0; c < C; ++c) o[c] = wp ? wp[t * C + c] : narrow<S>(0);
               continue;
             }
-            const T* e = we + row * C;
+            const S* e = we + row * C;
             if (wp) {
-              const T* p = wp + t * C;
-              for (std::int64_t c = 0; c < C; ++c) o[c] = e[c] + p[c];
+              const S* p = wp + t * C;
+              for (std::int64_t c = 0; c < C; ++c) o[c] = narrow<S>(widen(e[c]) + widen(p[c]));
             } else {
               for (std::int64_t c = 0; c < C; ++c) o[c] = e[c];
             }
@@ -117,8 +121,8 @@ class CpuKernels final : public RoutingEntries<cpu_launch::Launch> {
 
   Result<void> layernorm_forward(Stream& s, DataType dt, const void* x, const void* w, const void* b, void* out,
                                  void* mean, void* rstd, std::int64_t N, std::int64_t C, float eps) const override {
-    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
-      layernorm_fwd<T>(io.in(x, N * C), io.in(w, C), io.in(b, C), io.out(out, N * C), io.stat(mean),
+    return dispatch_direct(s, dt, [=]<class S>(Direct<S>& io) {
+      layernorm_fwd<S>(io.in(x, N * C), io.in(w, C), io.in(b, C), io.out(out, N * C), io.stat(mean),
                        io.stat(rstd), N, C, eps);
     });
   }
@@ -126,50 +130,50 @@ class CpuKernels final : public RoutingEntries<cpu_launch::Launch> {
   Result<void> layernorm_backward(Stream& s, DataType dt, const void* dout, const void* x, const void* w,
                                   const void* mean, const void* rstd, void* dx, void* dw, void* db, void* /*scratch*/,
                                   std::int64_t N, std::int64_t C) const override {
-    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
-      layernorm_bwd<T>(io.in(dout, N * C), io.in(x, N * C), io.in(w, C), io.stat(mean), io.stat(rstd),
+    return dispatch_direct(s, dt, [=]<class S>(Direct<S>& io) {
+      layernorm_bwd<S>(io.in(dout, N * C), io.in(x, N * C), io.in(w, C), io.stat(mean), io.stat(rstd),
                        io.out(dx, N * C), io.inout(dw, C), io.inout(db, C), N, C);
     });
   }
 
   Result<void> rmsnorm_forward(Stream& s, DataType dt, const void* x, const void* w, void* out, void* rstd,
                                std::int64_t N, std::int64_t C, float eps) const override {
-    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
-      rmsnorm_fwd<T>(io.in(x, N * C), io.in(w, C), io.out(out, N * C), io.stat(rstd), N, C, eps);
+    return dispatch_direct(s, dt, [=]<class S>(Direct<S>& io) {
+      rmsnorm_fwd<S>(io.in(x, N * C), io.in(w, C), io.out(out, N * C), io.stat(rstd), N, C, eps);
     });
   }
 
   Result<void> rmsnorm_backward(Stream& s, DataType dt, const void* dout, const void* x, const void* w,
                                 const void* rstd, void* dx, void* dw, void* /*scratch*/, std::int64_t N,
                                 std::int64_t C) const override {
-    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
-      rmsnorm_bwd<T>(io.in(dout, N * C), io.in(x, N * C), io.in(w, C), io.stat(rstd), io.out(dx, N * C),
+    return dispatch_direct(s, dt, [=]<class S>(Direct<S>& io) {
+      rmsnorm_bwd<S>(io.in(dout, N * C), io.in(x, N * C), io.in(w, C), io.stat(rstd), io.out(dx, N * C),
                      io.inout(dw, C), N, C);
     });
   }
 
   Result<void> gelu_forward(Stream& s, DataType dt, const void* x, void* out, std::int64_t n) const override {
-    return dispatch(s, dt, [=]<class T>(Operands<T>& io) { gelu_fwd<T>(io.in(x, n), io.out(out, n), n); });
+    return dispatch_direct(s, dt, [=]<class S>(Direct<S>& io) { gelu_fwd<S>(io.in(x, n), io.out(out, n), n); });
   }
 
   Result<void> gelu_backward(Stream& s, DataType dt, const void* x, const void* dout, void* dx,
                              std::int64_t n) const override {
-    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
-      gelu_bwd<T>(io.in(x, n), io.in(dout, n), io.out(dx, n), n);
+    return dispatch_direct(s, dt, [=]<class S>(Direct<S>& io) {
+      gelu_bwd<S>(io.in(x, n), io.in(dout, n), io.out(dx, n), n);
     });
   }
 
   Result<void> swiglu_forward(Stream& s, DataType dt, const void* gate_up, void* out, std::int64_t N,
                               std::int64_t I) const override {
-    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
-      swiglu_fwd<T>(io.in(gate_up, N * 2 * I), io.out(out, N * I), N, I);
+    return dispatch_direct(s, dt, [=]<class S>(Direct<S>& io) {
+      swiglu_fwd<S>(io.in(gate_up, N * 2 * I), io.out(out, N * I), N, I);
     });
   }
 
   Result<void> swiglu_backward(Stream& s, DataType dt, const void* gate_up, const void* dout, void* dgate_up,
                                std::int64_t N, std::int64_t I) const override {
-    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
-      swiglu_bwd<T>(io.in(gate_up, N * 2 * I), io.in(dout, N * I), io.out(dgate_up, N * 2 * I), N, I);
+    return dispatch_direct(s, dt, [=]<class S>(Direct<S>& io) {
+      swiglu_bwd<S>(io.in(gate_up, N * 2 * I), io.in(dout, N * I), io.out(dgate_up, N * 2 * I), N, I);
     });
   }
 
@@ -177,59 +181,60 @@ class CpuKernels final : public RoutingEntries<cpu_launch::Launch> {
                     std::int64_t T, std::int64_t heads, std::int64_t rotated, std::int64_t hd, bool inverse,
                     std::int64_t first) const override {
     const std::int64_t n = B * T * heads * hd;
-    return dispatch(s, dt, [=]<class E>(Operands<E>& io) {
-      rope_apply<E>(io.in(x, n), io.out(out, n), inv_freq, B, T, heads, rotated, hd, inverse, first);
+    return dispatch_direct(s, dt, [=]<class S>(Direct<S>& io) {
+      rope_apply<S>(io.in(x, n), io.out(out, n), inv_freq, B, T, heads, rotated, hd, inverse, first);
     });
   }
 
   Result<void> add(Stream& s, DataType dt, const void* a, const void* b, void* out, std::int64_t n) const override {
-    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
-      const T* pa = io.in(a, n);
-      const T* pb = io.in(b, n);
-      T* po = io.out(out, n);
-      for (std::int64_t i = 0; i < n; ++i) po[i] = pa[i] + pb[i];
+    return dispatch_direct(s, dt, [=]<class S>(Direct<S>& io) {
+      const S* pa = io.in(a, n);
+      const S* pb = io.in(b, n);
+      S* po = io.out(out, n);
+      for (std::int64_t i = 0; i < n; ++i) po[i] = narrow<S>(widen(pa[i]) + widen(pb[i]));
     });
   }
 
   Result<void> mul(Stream& s, DataType dt, const void* a, const void* b, void* out, std::int64_t n) const override {
-    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
-      const T* pa = io.in(a, n);
-      const T* pb = io.in(b, n);
-      T* po = io.out(out, n);
-      for (std::int64_t i = 0; i < n; ++i) po[i] = pa[i] * pb[i];
+    return dispatch_direct(s, dt, [=]<class S>(Direct<S>& io) {
+      const S* pa = io.in(a, n);
+      const S* pb = io.in(b, n);
+      S* po = io.out(out, n);
+      for (std::int64_t i = 0; i < n; ++i) po[i] = narrow<S>(widen(pa[i]) * widen(pb[i]));
     });
   }
 
   Result<void> scale(Stream& s, DataType dt, void* x, float factor, std::int64_t n) const override {
-    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
-      T* p = io.inout(x, n);
-      for (std::int64_t i = 0; i < n; ++i) p[i] *= static_cast<T>(factor);
+    return dispatch_direct(s, dt, [=]<class S>(Direct<S>& io) {
+      S* p = io.inout(x, n);
+      using T = compute_t<S>;
+      for (std::int64_t i = 0; i < n; ++i) p[i] = narrow<S>(widen(p[i]) * static_cast<T>(factor));
     });
   }
 
   Result<void> bias_add(Stream& s, DataType dt, void* out, const void* bias, std::int64_t N,
                         std::int64_t C) const override {
-    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
-      const T* pb = io.in(bias, C);
-      T* po = io.inout(out, N * C);
+    return dispatch_direct(s, dt, [=]<class S>(Direct<S>& io) {
+      const S* pb = io.in(bias, C);
+      S* po = io.inout(out, N * C);
       for (std::int64_t i = 0; i < N; ++i) {
-        T* row = po + i * C;
-        for (std::int64_t j = 0; j < C; ++j) row[j] += pb[j];
+        S* row = po + i * C;
+        for (std::int64_t j = 0; j < C; ++j) row[j] = narrow<S>(widen(row[j]) + widen(pb[j]));
       }
     });
   }
 
   Result<void> bias_grad(Stream& s, DataType dt, const void* dout, void* dbias, std::int64_t N,
                          std::int64_t C) const override {
-    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
-      const T* pg = io.in(dout, N * C);
-      T* db = io.inout(dbias, C);
-      for (std::int64_t i = 0; i < N; ++i) {
-        const T* row = pg + i * C;
-        for (std::int64_t j = 0; j < C; ++j) db[j] += row[j];
-      }
+    return dispatch_direct(s, dt, [=]<class S>(Direct<S>& io) {
+      const S* pg = io.in(dout, N * C);
+      S* const grads[1] = {io.inout(dbias, C)};
+      column_sums(grads, N, 0, C, [&](std::int64_t i, std::int64_t j, auto& acc, std::int64_t at) {
+        acc[0][at] += widen(pg[i * C + j]);
+      });
     });
   }
+
 
   Result<void> attention_forward(Stream& s, DataType dt, const void* qkv, void* out, void* probs, std::int64_t B,
                                  std::int64_t T_, std::int64_t H, std::int64_t KVH, std::int64_t hd) const override {
@@ -407,6 +412,34 @@ class CpuKernels final : public RoutingEntries<cpu_launch::Launch> {
   Result<void> dispatch(Stream& s, DataType dt, Fn fn) const {
     COSHARD_TRY(check_dtype(dt));
     return s.launch([dt, fn = std::move(fn)]() mutable { with_type(dt, fn); });
+  }
+  // `fn` on the tensors themselves in their storage type (elements.hpp: bf16/f16 widened where
+  // read and rounded where written, no copies).
+  template <class Fn>
+  static void with_storage(DataType dt, Fn&& fn) {
+    switch (dt) {
+      case DataType::f64: {
+        Direct<double> io;
+        return fn(io);
+      }
+      case DataType::bf16: {
+        Direct<Bf16> io;
+        return fn(io);
+      }
+      case DataType::f16: {
+        Direct<F16> io;
+        return fn(io);
+      }
+      default: {
+        Direct<float> io;
+        return fn(io);
+      }
+    }
+  }
+  template <class Fn>
+  Result<void> dispatch_direct(Stream& s, DataType dt, Fn fn) const {
+    COSHARD_TRY(check_dtype(dt));
+    return s.launch([dt, fn = std::move(fn)]() mutable { with_storage(dt, fn); });
   }
   // The same for kernels that call OpenBLAS: its buffers' room is checked first (blas.hpp).
   template <class Fn>

@@ -1,6 +1,7 @@
 // The CPU kernels of the element-wise layers (private): GELU (GPT), SwiGLU and rotary position
-// embeddings (Llama), in the element type T of the Operands (f32 or f64). Rows (elements, for
-// GELU) split across the rank's math threads: parallel_rows, each element's bits as one loop's.
+// embeddings (Llama), on tensors of storage type S (elements.hpp: f32, f64, or bf16/f16 read
+// into f32 and rounded once a value), computed in compute_t<S>. Rows (elements, for GELU) split
+// across the rank's math threads: parallel_rows, each element's bits as one loop's.
 #pragma once
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels/cpu/elements.hpp"
 #include "kernels/cpu/parallel.hpp"
 
 namespace coshard::modules::detail {
@@ -45,26 +47,28 @@ inline T tanh_of(T u) {
     return std::tanh(u);
 }
 
-template <class T>
-void gelu_fwd(const T* x, T* out, std::int64_t n) {
+template <class S>
+void gelu_fwd(const S* x, S* out, std::int64_t n) {
+  using T = compute_t<S>;
   parallel_rows(n, 1, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t i = begin; i < end; ++i) {
-      const T v = x[i];
+      const T v = widen(x[i]);
       const T u = static_cast<T>(kGeluScale) * (v + static_cast<T>(kGeluCube) * v * v * v);
-      out[i] = T(0.5) * v * (T(1) + tanh_of(u));
+      out[i] = narrow<S>(T(0.5) * v * (T(1) + tanh_of(u)));
     }
   });
 }
 
-template <class T>
-void gelu_bwd(const T* x, const T* dout, T* dx, std::int64_t n) {
+template <class S>
+void gelu_bwd(const S* x, const S* dout, S* dx, std::int64_t n) {
+  using T = compute_t<S>;
   parallel_rows(n, 2, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t i = begin; i < end; ++i) {
-      const T v = x[i];
+      const T v = widen(x[i]);
       const T u = static_cast<T>(kGeluScale) * (v + static_cast<T>(kGeluCube) * v * v * v);
       const T th = tanh_of(u);
       const T du = static_cast<T>(kGeluScale) * (T(1) + T(3) * static_cast<T>(kGeluCube) * v * v);
-      dx[i] = dout[i] * (T(0.5) * (T(1) + th) + T(0.5) * v * (T(1) - th * th) * du);
+      dx[i] = narrow<S>(widen(dout[i]) * (T(0.5) * (T(1) + th) + T(0.5) * v * (T(1) - th * th) * du));
     }
   });
 }
@@ -74,32 +78,37 @@ inline T sigmoid_of(T v) {
   return T(1) / (T(1) + std::exp(-v));
 }
 
-template <class T>
-void swiglu_fwd(const T* gate_up, T* out, std::int64_t N, std::int64_t I) {
+template <class S>
+void swiglu_fwd(const S* gate_up, S* out, std::int64_t N, std::int64_t I) {
   parallel_rows(N, 2 * I, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t i = begin; i < end; ++i) {
-      const T* g = gate_up + i * 2 * I;
-      const T* u = g + I;
-      T* o = out + i * I;
-      for (std::int64_t j = 0; j < I; ++j) o[j] = g[j] * sigmoid_of(g[j]) * u[j];
+      const S* g = gate_up + i * 2 * I;
+      const S* u = g + I;
+      S* o = out + i * I;
+      for (std::int64_t j = 0; j < I; ++j) {
+        const auto gj = widen(g[j]);
+        o[j] = narrow<S>(gj * sigmoid_of(gj) * widen(u[j]));
+      }
     }
   });
 }
 
 // d gate = dout * up * silu'(gate), silu'(g) = s (1 + g (1 - s)); d up = dout * silu(gate).
-template <class T>
-void swiglu_bwd(const T* gate_up, const T* dout, T* dgate_up, std::int64_t N, std::int64_t I) {
+template <class S>
+void swiglu_bwd(const S* gate_up, const S* dout, S* dgate_up, std::int64_t N, std::int64_t I) {
+  using T = compute_t<S>;
   parallel_rows(N, 3 * I, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t i = begin; i < end; ++i) {
-      const T* g = gate_up + i * 2 * I;
-      const T* u = g + I;
-      const T* d = dout + i * I;
-      T* dg = dgate_up + i * 2 * I;
-      T* du = dg + I;
+      const S* g = gate_up + i * 2 * I;
+      const S* u = g + I;
+      const S* d = dout + i * I;
+      S* dg = dgate_up + i * 2 * I;
+      S* du = dg + I;
       for (std::int64_t j = 0; j < I; ++j) {
-        const T sg = sigmoid_of(g[j]);
-        dg[j] = d[j] * u[j] * sg * (T(1) + g[j] * (T(1) - sg));
-        du[j] = d[j] * g[j] * sg;
+        const T gj = widen(g[j]), uj = widen(u[j]), dj = widen(d[j]);
+        const T sg = sigmoid_of(gj);
+        dg[j] = narrow<S>(dj * uj * sg * (T(1) + gj * (T(1) - sg)));
+        du[j] = narrow<S>(dj * gj * sg);
       }
     }
   });
@@ -107,9 +116,10 @@ void swiglu_bwd(const T* gate_up, const T* dout, T* dgate_up, std::int64_t N, st
 
 // Angles in f32 as transformers computes them (position * inv_freq), in double for f64 models;
 // a position's cosines and sines once for all its heads (the same values each head computed).
-template <class T>
-void rope_apply(const T* x, T* out, const float* inv_freq, std::int64_t B, std::int64_t T_, std::int64_t heads,
+template <class S>
+void rope_apply(const S* x, S* out, const float* inv_freq, std::int64_t B, std::int64_t T_, std::int64_t heads,
                 std::int64_t rotated, std::int64_t hd, bool inverse, std::int64_t first) {
+  using T = compute_t<S>;
   using Angle = std::conditional_t<std::is_same_v<T, double>, double, float>;
   const std::int64_t half = hd / 2;
   parallel_rows(B * T_, heads * hd * 4, [&](std::int64_t begin, std::int64_t end) {
@@ -131,8 +141,8 @@ void rope_apply(const T* x, T* out, const float* inv_freq, std::int64_t B, std::
       if (kept && rotated > 0)
         for (std::int64_t i = 0; i < half; ++i) angle(i, cos_sin[2 * i], cos_sin[2 * i + 1]);
       for (std::int64_t h = 0; h < heads; ++h) {
-        const T* xi = x + base + h * hd;
-        T* oi = out + base + h * hd;
+        const S* xi = x + base + h * hd;
+        S* oi = out + base + h * hd;
         if (h >= rotated) {
           for (std::int64_t i = 0; i < hd; ++i) oi[i] = xi[i];
           continue;
@@ -145,9 +155,9 @@ void rope_apply(const T* x, T* out, const float* inv_freq, std::int64_t B, std::
           } else {
             angle(i, c, sn);
           }
-          const T x1 = xi[i], x2 = xi[i + half];
-          oi[i] = x1 * c - x2 * sn;
-          oi[i + half] = x2 * c + x1 * sn;
+          const T x1 = widen(xi[i]), x2 = widen(xi[i + half]);
+          oi[i] = narrow<S>(x1 * c - x2 * sn);
+          oi[i + half] = narrow<S>(x2 * c + x1 * sn);
         }
       }
     }
