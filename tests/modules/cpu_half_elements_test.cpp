@@ -162,13 +162,20 @@ TEST_P(CpuHalfElements, SumsProductsBiasesAndEmbeddingsHaveTheF32KernelsBitsRoun
   // Token and position embeddings, rows [first, first + rows) of a vocabulary-parallel table.
   constexpr std::int64_t B = 2, T = 17, vocab = 50, first = 10, rows = 25;
   std::vector<std::int32_t> tokens(B * T);
-  for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>((i * 7) % vocab);
+  for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>((i * 7) % 23 + 5);  // repeats; some below `first`
   Held wte = random_held(dt, rows * C, 27), wpe = random_held(dt, T * C, 28), emb = zeros(dt, B * T * C);
   both([&](DataType as) -> Result<void> {
     return k_.embedding_forward(*stream_, as, tokens.data(), wte.at(as), wpe.at(as), emb.at(as), B, T, C, vocab, first,
                                 rows);
   });
   expect_rounded(emb, "embedding");
+  // Their gradients, accumulated into (a row its tokens' sum in token order, rounded once).
+  Held g = random_held(dt, B * T * C, 29), dwte = random_held(dt, rows * C, 30), dwpe = random_held(dt, T * C, 31);
+  both([&](DataType as) -> Result<void> {
+    return k_.embedding_backward(*stream_, as, tokens.data(), g.at(as), dwte.at(as), dwpe.at(as), B, T, C, first, rows);
+  });
+  expect_rounded(dwte, "embedding's table gradient");
+  expect_rounded(dwpe, "embedding's position gradient");
 }
 
 INSTANTIATE_TEST_SUITE_P(HalfTypes, CpuHalfElements, ::testing::Values(DataType::bf16, DataType::f16),

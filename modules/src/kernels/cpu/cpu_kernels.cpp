@@ -10,6 +10,7 @@
 #include "kernels/cpu/attention_half.hpp"
 #include "kernels/cpu/blas.hpp"
 #include "kernels/cpu/elements.hpp"
+#include "kernels/cpu/embedding.hpp"
 #include "kernels/cpu/half_products.hpp"
 #include "kernels/cpu/loss.hpp"
 #include "kernels/cpu/norm.hpp"
@@ -37,10 +38,10 @@ Result<void> check_ids(const std::int32_t* ids, std::int64_t n, std::int64_t lim
 class CpuKernels final : public RoutingEntries<cpu_launch::Launch> {
  public:
   // bf16/f16: matrix products and attention natively where the CPU has the instructions
-  // (oneDNN), the element-wise kernels (norms, activations, rotary, sums, biases, the embedding's
-  // lookup) on the tensors in place (Direct: f32 math, each value rounded once), the rest in f32
-  // on copies (Operands: products without the instructions, the embedding's and the vocabulary-
-  // parallel cross-entropy's accumulations), each output rounded once.
+  // (oneDNN), the element-wise kernels (norms, activations, rotary, sums, biases, the embeddings
+  // and their gradients) on the tensors in place (Direct: f32 math, each value rounded once), the rest in f32
+  // on copies (Operands: products without the instructions, the vocabulary-parallel and chunked
+  // cross-entropy), each output rounded once.
   bool supports(DataType dt) const noexcept override { return cpu_serves(dt); }
 
   Result<void> gemm(Stream& s, DataType dt, const GemmArgs& g) const override {
@@ -67,25 +68,8 @@ class CpuKernels final : public RoutingEntries<cpu_launch::Launch> {
     return s.launch_fallible([=]() -> Result<void> {
       COSHARD_TRY(check_ids(tokens, B * T_, vocab, "tokens"));
       with_storage(dt, [&]<class S>(Direct<S>& io) {
-        const S* we = io.in(wte, rows * C);
-        const S* wp = wpe ? io.in(wpe, T_ * C) : nullptr;
-        S* po = io.out(out, B * T_ * C);
-        for (std::int64_t b = 0; b < B; ++b)
-          for (std::int64_t t = 0; t < T_; ++t) {
-            const std::int64_t row = tokens[b * T_ + t] - first;
-            S* o = po + (b * T_ + t) * C;
-            if (row < 0 || row >= rows) {  // another rank's row of a vocabulary-parallel table
-              for (std::int64_t c = 0; c < C; ++c) o[c] = wp ? wp[t * C + c] : narrow<S>(0);
-              continue;
-            }
-            const S* e = we + row * C;
-            if (wp) {
-              const S* p = wp + t * C;
-              for (std::int64_t c = 0; c < C; ++c) o[c] = narrow<S>(widen(e[c]) + widen(p[c]));
-            } else {
-              for (std::int64_t c = 0; c < C; ++c) o[c] = e[c];
-            }
-          }
+        embedding_fwd<S>(tokens, io.in(wte, rows * C), wpe ? io.in(wpe, T_ * C) : nullptr, io.out(out, B * T_ * C), B,
+                         T_, C, first, rows);
       });
       return {};
     });
@@ -94,28 +78,9 @@ class CpuKernels final : public RoutingEntries<cpu_launch::Launch> {
   Result<void> embedding_backward(Stream& s, DataType dt, const std::int32_t* tokens, const void* dout, void* dwte,
                                   void* dwpe, std::int64_t B, std::int64_t T_, std::int64_t C, std::int64_t first,
                                   std::int64_t rows) const override {
-    return dispatch(s, dt, [=]<class T>(Operands<T>& io) {
-      // (the rows of dwte the tokens touch: up to the largest of this table's, read in stream order)
-      std::int64_t touched = 0;
-      for (std::int64_t i = 0; i < B * T_; ++i)
-        if (tokens[i] - first >= 0 && tokens[i] - first < rows)
-          touched = std::max<std::int64_t>(touched, tokens[i] - first + 1);
-      const T* pg = io.in(dout, B * T_ * C);
-      T* pe = io.inout(dwte, touched * C);
-      T* pp = dwpe ? io.inout(dwpe, T_ * C) : nullptr;
-      for (std::int64_t b = 0; b < B; ++b)
-        for (std::int64_t t = 0; t < T_; ++t) {
-          const T* g = pg + (b * T_ + t) * C;
-          const std::int64_t row = tokens[b * T_ + t] - first;
-          if (row >= 0 && row < rows) {
-            T* e = pe + row * C;
-            for (std::int64_t c = 0; c < C; ++c) e[c] += g[c];
-          }
-          if (pp) {
-            T* p = pp + t * C;
-            for (std::int64_t c = 0; c < C; ++c) p[c] += g[c];
-          }
-        }
+    return dispatch_direct(s, dt, [=]<class S>(Direct<S>& io) {
+      embedding_bwd<S>(tokens, io.in(dout, B * T_ * C), io.inout(dwte, rows * C), dwpe ? io.inout(dwpe, T_ * C) : nullptr,
+                       B, T_, C, first, rows);
     });
   }
 
