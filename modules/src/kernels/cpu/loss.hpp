@@ -111,14 +111,19 @@ void for_widened_rows(DataType dt, const std::uint16_t* logits, std::int64_t N, 
   if (no_memory.load(std::memory_order_relaxed)) throw std::bad_alloc();
 }
 
+// A bf16/f16 row widened to f32: its term of the loss (e: V floats of scratch), and its gradient
+// g (softmax - onehot) (loss_half.cpp: the exponentials vectorised, for the CPU's widest vectors).
+double cross_entropy_half_row(const float* row, std::int32_t target, float* e, std::int64_t V) noexcept;
+void cross_entropy_half_row_grad(const float* row, std::int32_t target, float g, float* drow, std::int64_t V) noexcept;
+
 // The cross-entropy of bf16/f16 logits without copying the whole logits or their gradient (a
-// vocabulary's rows are hundreds of megabytes, past what the copies' buffers keep): the bits of
-// the copies, the gradient rounded once a row into the output.
+// vocabulary's rows are hundreds of megabytes, past what the copies' buffers keep): each row
+// widened into a buffer, the gradient rounded once a row into the output.
 inline void cross_entropy_fwd_half(DataType dt, const std::uint16_t* logits, const std::int32_t* targets, float* loss,
                                    std::int64_t N, std::int64_t V) {
   std::vector<double> terms(static_cast<std::size_t>(N));
-  for_widened_rows(dt, logits, N, V, 2 * V, false, [&](std::int64_t i, const float* row, float*) {
-    terms[static_cast<std::size_t>(i)] = cross_entropy_row(row, targets[i], V);
+  for_widened_rows(dt, logits, N, V, V, true, [&](std::int64_t i, const float* row, float* e) {
+    terms[static_cast<std::size_t>(i)] = cross_entropy_half_row(row, targets[i], e, V);
   });
   double total = 0;
   for (const double t : terms) total += t;
@@ -128,8 +133,8 @@ inline void cross_entropy_fwd_half(DataType dt, const std::uint16_t* logits, con
 inline void cross_entropy_bwd_half(DataType dt, const std::uint16_t* logits, const std::int32_t* targets,
                                    const float* seed, std::uint16_t* dlogits, std::int64_t N, std::int64_t V) {
   const float g = seed[0] / static_cast<float>(N);
-  for_widened_rows(dt, logits, N, V, 3 * V, true, [&](std::int64_t i, const float* row, float* drow) {
-    cross_entropy_bwd_row(row, targets[i], g, drow, V);
+  for_widened_rows(dt, logits, N, V, 2 * V, true, [&](std::int64_t i, const float* row, float* drow) {
+    cross_entropy_half_row_grad(row, targets[i], g, drow, V);
     narrow_half(dt, drow, dlogits + i * V, static_cast<std::size_t>(V));
   });
 }

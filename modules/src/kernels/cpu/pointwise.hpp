@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kernels/cpu/elements.hpp"
+#include "kernels/cpu/exp_approx.hpp"
 #include "kernels/cpu/parallel.hpp"
 
 namespace coshard::modules::detail {
@@ -20,22 +21,6 @@ namespace coshard::modules::detail {
 // GPT-2's tanh approximation of GELU.
 constexpr double kGeluScale = 0.7978845608028654;  // sqrt(2 / pi)
 constexpr double kGeluCube = 0.044715;
-
-// exp for floats, branch-free so that loops over it vectorise (std::exp/std::tanh are library
-// calls the compiler cannot vectorise without -ffast-math). Range reduction x = n ln2 + r with
-// the round-to-nearest done by the 1.5 * 2^23 trick, a degree-6 Taylor polynomial on
-// |r| <= ln2 / 2 (relative error ~2e-7), and 2^n built in the exponent bits. x is clamped to
-// [-80, 80], where the result stays a normal float.
-inline float exp_approx(float x) {
-  x = std::min(80.0f, std::max(-80.0f, x));
-  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
-  const float n = (x * 1.44269504088896341f + kRound) - kRound;
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  const float p =
-      1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
-  const auto bits = static_cast<std::uint32_t>(static_cast<std::int32_t>(n) + 127) << 23;
-  return p * std::bit_cast<float>(bits);
-}
 
 // tanh through exp: 1 - 2 / (1 + e^(2u)). Absolute error ~2e-7, which is what GELU's
 // 1 + tanh and 1 - tanh^2 need (its relative error near 0 is larger; nothing here uses that).
