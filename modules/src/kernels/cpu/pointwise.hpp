@@ -100,31 +100,51 @@ void swiglu_bwd(const S* gate_up, const S* dout, S* dgate_up, std::int64_t N, st
 }
 
 // Angles in f32 as transformers computes them (position * inv_freq), in double for f64 models;
-// a position's cosines and sines once for all its heads (the same values each head computed).
+// a position's cosines and sines once for all its rows and heads (the same values each computed).
 template <class S>
 void rope_apply(const S* x, S* out, const float* inv_freq, std::int64_t B, std::int64_t T_, std::int64_t heads,
                 std::int64_t rotated, std::int64_t hd, bool inverse, std::int64_t first) {
   using T = compute_t<S>;
   using Angle = std::conditional_t<std::is_same_v<T, double>, double, float>;
   const std::int64_t half = hd / 2;
+  auto angle = [&](std::int64_t t, std::int64_t i, T& c, T& sn) {
+    const Angle a = static_cast<Angle>(first + t) * static_cast<Angle>(inv_freq[i]);
+    c = static_cast<T>(std::cos(a));
+    sn = static_cast<T>(inverse ? -std::sin(a) : std::sin(a));
+  };
+  // Each position's cosines and sines once for every row and head at it (the batch's rows share
+  // them), unless there is no room: then a row's once for its heads, or each head its own.
+  std::vector<T> table;
+  try {
+    if (rotated > 0) table.resize(static_cast<std::size_t>(T_ * 2 * half));
+  } catch (const std::bad_alloc&) {
+    table.clear();
+  }
+  if (!table.empty())
+    parallel_rows(T_, 8 * half, [&](std::int64_t begin, std::int64_t end) {
+      for (std::int64_t t = begin; t < end; ++t)
+        for (std::int64_t i = 0; i < half; ++i) angle(t, i, table[static_cast<std::size_t>((t * half + i) * 2)],
+                                                      table[static_cast<std::size_t>((t * half + i) * 2 + 1)]);
+    });
   parallel_rows(B * T_, heads * hd * 4, [&](std::int64_t begin, std::int64_t end) {
-    std::vector<T> cos_sin;
-    try {
-      cos_sin.resize(static_cast<std::size_t>(2 * half));
-    } catch (const std::bad_alloc&) {
-      cos_sin.clear();  // no room: each head computes its own, as before
+    std::vector<T> row_cos_sin;
+    if (table.empty() && rotated > 0) {
+      try {
+        row_cos_sin.resize(static_cast<std::size_t>(2 * half));
+      } catch (const std::bad_alloc&) {
+        row_cos_sin.clear();  // no room: each head computes its own
+      }
     }
     for (std::int64_t row = begin; row < end; ++row) {
       const std::int64_t t = row % T_;
       const std::int64_t base = row * heads * hd;
-      auto angle = [&](std::int64_t i, T& c, T& sn) {
-        const Angle a = static_cast<Angle>(first + t) * static_cast<Angle>(inv_freq[i]);
-        c = static_cast<T>(std::cos(a));
-        sn = static_cast<T>(inverse ? -std::sin(a) : std::sin(a));
-      };
-      const bool kept = !cos_sin.empty();
-      if (kept && rotated > 0)
-        for (std::int64_t i = 0; i < half; ++i) angle(i, cos_sin[2 * i], cos_sin[2 * i + 1]);
+      const T* cos_sin = nullptr;
+      if (!table.empty()) {
+        cos_sin = table.data() + t * 2 * half;
+      } else if (!row_cos_sin.empty()) {
+        for (std::int64_t i = 0; i < half; ++i) angle(t, i, row_cos_sin[2 * i], row_cos_sin[2 * i + 1]);
+        cos_sin = row_cos_sin.data();
+      }
       for (std::int64_t h = 0; h < heads; ++h) {
         const S* xi = x + base + h * hd;
         S* oi = out + base + h * hd;
@@ -134,11 +154,11 @@ void rope_apply(const S* x, S* out, const float* inv_freq, std::int64_t B, std::
         }
         for (std::int64_t i = 0; i < half; ++i) {
           T c, sn;
-          if (kept) {
+          if (cos_sin != nullptr) {
             c = cos_sin[2 * i];
             sn = cos_sin[2 * i + 1];
           } else {
-            angle(i, c, sn);
+            angle(t, i, c, sn);
           }
           const T x1 = widen(xi[i]), x2 = widen(xi[i + half]);
           oi[i] = narrow<S>(x1 * c - x2 * sn);
