@@ -12,10 +12,12 @@ One Hugging Face Llama folder (--folder; else one coshard-train exports, of the 
   coshard bf16     the same with --dtype bf16 (native products where the CPU has the instructions)
 each a step of AdamW over random tokens, the median step after --warmup. It prints each mode's step
 time, its ratio to PyTorch's autocast (higher is faster), and its fraction of this machine's product
-rate: the step's dense work (6 x parameters x tokens, plus attention's 12 x layers x sequence x
-width a token) over the step time, against the rate of the same dtype's products at the step's
-shapes (cpu_product_rates: f32 through OpenBLAS, bf16 through oneDNN; every core). --json writes
-it all.
+rate: the step's product work (6 x the multiplying parameters x tokens, the input embedding and
+the norms not counted, plus attention's 12 x layers x sequence x width a token) over the step
+time, against the rate of the same dtype's products at the step's shapes (cpu_product_rates: f32
+through OpenBLAS, bf16 through oneDNN; every core). --json writes it all. PyTorch 1.13 (Debian
+12's python3-torch, run by /usr/bin/python3) has no fused attention: its causal attention is then
+written out (bench/gpu_vs_fsdp.py's causal_attention).
 """
 import argparse
 import json
@@ -28,10 +30,18 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_vs_fsdp import llama_params, model_flops_per_token, torch_llama  # noqa: E402
+from gpu_vs_fsdp import model_flops_per_token, torch_llama  # noqa: E402
 
 SHAPE = {"--layers": 8, "--dim": 512, "--heads": 8, "--kv-heads": 2, "--intermediate": 1536, "--vocab": 32000}
 SEQ, BATCH = 256, 8
+
+
+def product_params(c):
+    """The parameters that multiply: every linear layer and the output layer (the input embedding is a
+    lookup, the norms element-wise), as bench/cpu_step_profile.py counts them."""
+    hd = c["head_dim"]
+    block = c["dim"] * (c["heads"] + 2 * c["kv_heads"]) * hd + c["heads"] * hd * c["dim"] + 3 * c["dim"] * c["inter"]
+    return c["layers"] * block + c["dim"] * c["vocab"]
 
 
 def export_folder(a, path):
@@ -186,7 +196,7 @@ def main():
                 step, products = run_coshard(a, folder, dtype, ranks, os.path.join(tmp, "m.jsonl"))
                 results.append({"mode": f"coshard {dtype}, {ranks} rank(s)", "dtype": dtype, "step_s": step,
                                 "products": products})
-    flops = model_flops_per_token(c["layers"], c["heads"] * c["head_dim"], SEQ, llama_params(c)) * SEQ * BATCH
+    flops = model_flops_per_token(c["layers"], c["heads"] * c["head_dim"], SEQ, product_params(c)) * SEQ * BATCH
     autocast = next((r["step_s"] for r in results if r["mode"] == "torch autocast bf16"), None)
     print(f"machine: {os.cpu_count()} cores; Llama dim {c['dim']}, {c['layers']} layers, heads {c['heads']}/"
           f"{c['kv_heads']}, MLP {c['inter']}, vocabulary {c['vocab']}; sequence {SEQ}, batch {BATCH}; "

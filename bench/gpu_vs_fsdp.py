@@ -77,6 +77,20 @@ def llama_params(c):
     return c["vocab"] * c["dim"] + c["layers"] * block + c["dim"] + (0 if c["tied"] else c["dim"] * c["vocab"])
 
 
+def causal_attention(q, k, v):
+    """PyTorch's fused attention where it has one (2.0 and later), else the same product written out
+    (Debian 12's PyTorch is 1.13)."""
+    import math
+    import torch
+    import torch.nn.functional as F
+    if hasattr(F, "scaled_dot_product_attention"):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    t = q.shape[-2]
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+    return torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1) @ v
+
+
 def torch_llama(c, seq):
     """The Llama of coshard's make_llama in plain PyTorch, as torchtitan writes it."""
     import math
@@ -130,7 +144,7 @@ def torch_llama(c, seq):
             k = rotate(self.k(y).view(b, t, kv, hd).transpose(1, 2), cos, sin)
             v = self.v(y).view(b, t, kv, hd).transpose(1, 2)
             k, v = k.repeat_interleave(h // kv, dim=1), v.repeat_interleave(h // kv, dim=1)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            a = causal_attention(q, k, v)
             x = x + self.o(a.transpose(1, 2).reshape(b, t, h * hd))
             y = self.mlp_norm(x)
             return x + self.down(F.silu(self.gate(y)) * self.up(y))
@@ -189,7 +203,7 @@ def run_torch(args, layers, dim, heads, vocab, seq, batch, compiled, llama=None)
             b, t, c = x.shape
             q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
             q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2) for z in (q, k, v))
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = causal_attention(q, k, v)
             x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
             return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
 
