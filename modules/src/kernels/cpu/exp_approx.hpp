@@ -12,9 +12,10 @@ namespace coshard::modules::detail {
 // calls the compiler cannot vectorise without -ffast-math). Range reduction x = n ln2 + r with
 // the round-to-nearest done by the 1.5 * 2^23 trick, a degree-6 Taylor polynomial on
 // |r| <= ln2 / 2 (relative error ~2e-7), and 2^n built in the exponent bits. x is clamped to
-// [-80, 80], where the result stays a normal float.
+// [-80, 80], where the result stays a normal float (a NaN gives a NaN).
 inline float exp_approx(float x) {
-  x = std::min(80.0f, std::max(-80.0f, x));
+  x = x < -80.0f ? -80.0f : x;  // (selects, which vectorise; a NaN stays one)
+  x = x > 80.0f ? 80.0f : x;
   constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
   const float n = (x * 1.44269504088896341f + kRound) - kRound;
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
