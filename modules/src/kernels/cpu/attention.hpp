@@ -15,15 +15,21 @@
 namespace coshard::modules::detail {
 
 // Row i of a head's scores, in place: its causal softmax over columns 0..i, zeros after them.
-template <class T>
-void causal_softmax_row(T* row, std::int64_t i, std::int64_t T_) {
+// `exp` is libm's (the f32 and f64 kernels: PyTorch's bits to the last units) or exp_approx (the
+// half types', whose probabilities are rounded to 2^-9 anyway: then the loop vectorises).
+struct LibmExp {
+  template <class T>
+  T operator()(T x) const {
+    return std::exp(x);
+  }
+};
+template <class T, class Exp = LibmExp>
+void causal_softmax_row(T* row, std::int64_t i, std::int64_t T_, Exp exp = {}) {
   T mx = row[0];
   for (std::int64_t j = 1; j <= i; ++j) mx = std::max(mx, row[j]);
+  for (std::int64_t j = 0; j <= i; ++j) row[j] = exp(row[j] - mx);
   T sum = 0;
-  for (std::int64_t j = 0; j <= i; ++j) {
-    row[j] = std::exp(row[j] - mx);
-    sum += row[j];
-  }
+  for (std::int64_t j = 0; j <= i; ++j) sum += row[j];
   const T inv = T(1) / sum;
   for (std::int64_t j = 0; j <= i; ++j) row[j] *= inv;
   for (std::int64_t j = i + 1; j < T_; ++j) row[j] = 0;

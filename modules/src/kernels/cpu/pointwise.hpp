@@ -63,6 +63,17 @@ inline T sigmoid_of(T v) {
   return T(1) / (T(1) + std::exp(-v));
 }
 
+// SwiGLU's sigmoid for storage S: libm's exp for f32 and f64 (their bits match PyTorch's to the
+// last few units), exp_approx for bf16/f16, whose loops then vectorise (its ~2e-7 is far under
+// their rounding).
+template <class S>
+inline compute_t<S> sigmoid_for(compute_t<S> v) {
+  if constexpr (std::is_same_v<S, compute_t<S>>)
+    return sigmoid_of(v);
+  else
+    return 1.0f / (1.0f + exp_approx(-v));
+}
+
 template <class S>
 void swiglu_fwd(const S* gate_up, S* out, std::int64_t N, std::int64_t I) {
   parallel_rows(N, 2 * I, [&](std::int64_t begin, std::int64_t end) {
@@ -72,7 +83,7 @@ void swiglu_fwd(const S* gate_up, S* out, std::int64_t N, std::int64_t I) {
       S* o = out + i * I;
       for (std::int64_t j = 0; j < I; ++j) {
         const auto gj = widen(g[j]);
-        o[j] = narrow<S>(gj * sigmoid_of(gj) * widen(u[j]));
+        o[j] = narrow<S>(gj * sigmoid_for<S>(gj) * widen(u[j]));
       }
     }
   });
@@ -91,7 +102,7 @@ void swiglu_bwd(const S* gate_up, const S* dout, S* dgate_up, std::int64_t N, st
       S* du = dg + I;
       for (std::int64_t j = 0; j < I; ++j) {
         const T gj = widen(g[j]), uj = widen(u[j]), dj = widen(d[j]);
-        const T sg = sigmoid_of(gj);
+        const T sg = sigmoid_for<S>(gj);
         dg[j] = narrow<S>(dj * uj * sg * (T(1) + gj * (T(1) - sg)));
         du[j] = narrow<S>(dj * gj * sg);
       }
