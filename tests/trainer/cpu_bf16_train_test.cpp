@@ -75,8 +75,10 @@ TEST(CpuBf16, TheMainJobAndASmallLlamaTrackTheirF32Runs) {
       std::printf("%s, world %s, stage %s: the last 50 steps' mean loss %.4f in bf16, %.4f in f32 (%+.2f%%)\n",
                   name.c_str(), l.world.c_str(), l.stage.c_str(), got, want, 100.0 * (got - want) / want);
       // Within 3%: at this size bf16's rounding moves the trajectory by up to about 2% either way
-      // (measured here: -1.7% to +1.3%; the f32 copies of before: -1.6% on the main job), where a
-      // wrong product would not learn at all. (Issue 64 asks 1%: not met at this scale yet.)
+      // (measured on a Zen 5 EPYC with the native products and kernels of #64: -0.01% to +0.89%,
+      // inside the issue's 1%; with the first native products -1.7% to +1.3%; the f32 copies
+      // -1.6% on the main job), where a wrong product would not learn at all. The bound leaves room
+      // for the other CPUs CI runs on (AMX's products, the copies), whose trajectories differ.
       EXPECT_LT(std::abs(got - want), 0.03 * want);
       EXPECT_LT(got, 0.8 * reference.front()) << "it learns";
     }
