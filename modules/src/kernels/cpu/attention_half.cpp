@@ -60,6 +60,8 @@ Result<void> out_of_memory(const char* what, std::int64_t B, std::int64_t T, std
 
 }  // namespace
 
+bool native_half_attention(DataType dt) noexcept { return dt == DataType::bf16 && native_half_products(dt); }
+
 Result<void> attention_fwd_half(DataType dt, const void* qkv_, void* out_, void* probs_, std::int64_t B, std::int64_t T,
                                 std::int64_t H, std::int64_t KVH, std::int64_t hd) noexcept {
   const auto* qkv = static_cast<const Half*>(qkv_);

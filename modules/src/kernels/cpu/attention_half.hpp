@@ -10,6 +10,11 @@
 
 namespace coshard::modules::detail {
 
+// Whether attention runs here for dt: bf16 where its products are native. (f16's, native only
+// with AMX, would take f16 operands into f32 results, which no machine here has shown oneDNN
+// to have kernels for: f16 attention stays on the f32 copies.)
+bool native_half_attention(DataType dt) noexcept;
+
 // As attention_fwd (attention.hpp): qkv rows of W = (H + 2 KVH) hd, out B x T x H hd, probs
 // B x H x T x T (the softmax rounded once to dt, what the product with V reads and the backward
 // keeps). Only where native_half_products(dt).

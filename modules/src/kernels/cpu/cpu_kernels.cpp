@@ -203,7 +203,7 @@ class CpuKernels final : public RoutingEntries<cpu_launch::Launch> {
 
   Result<void> attention_forward(Stream& s, DataType dt, const void* qkv, void* out, void* probs, std::int64_t B,
                                  std::int64_t T_, std::int64_t H, std::int64_t KVH, std::int64_t hd) const override {
-    if (is_half(dt) && native_half_products(dt))  // (oneDNN's products on the operands themselves)
+    if (native_half_attention(dt))  // (oneDNN's products on the operands themselves)
       return s.launch_fallible([=] { return attention_fwd_half(dt, qkv, out, probs, B, T_, H, KVH, hd); });
     return dispatch_blas(s, dt, [=]<class T>(Operands<T>& io) {
       const std::int64_t C = H * hd, W = (H + 2 * KVH) * hd;
@@ -225,7 +225,7 @@ class CpuKernels final : public RoutingEntries<cpu_launch::Launch> {
   Result<void> attention_backward(Stream& s, DataType dt, const void* dout, const void* qkv, const void* /*out*/,
                                   const void* probs, void* dqkv, void* scratch, std::int64_t B, std::int64_t T_,
                                   std::int64_t H, std::int64_t KVH, std::int64_t hd) const override {
-    if (is_half(dt) && native_half_products(dt))
+    if (native_half_attention(dt))
       return s.launch_fallible(
           [=] { return attention_bwd_half(dt, dout, qkv, probs, dqkv, scratch, B, T_, H, KVH, hd); });
     return dispatch_blas(s, dt, [=]<class T>(Operands<T>& io) {
