@@ -170,7 +170,8 @@ TEST_F(CpuIsaCap, UnsetTheCpusRuleChoosesNativeBf16) {
       ::testing::ExitedWithCode(0), "rule kept");
 }
 
-// (a build without oneDNN says so instead, with or without the cap)
+// The header names the cap, not the CPU, as the reason (a build without oneDNN says so instead,
+// with or without the cap).
 TEST_F(CpuIsaCap, AvxTwoMultipliesBf16OnF32CopiesAndSaysSo) {
   EXPECT_EXIT(
       {
@@ -181,7 +182,7 @@ TEST_F(CpuIsaCap, AvxTwoMultipliesBf16OnF32CopiesAndSaysSo) {
         std::exit(0);
       },
       ::testing::ExitedWithCode(0),
-      "bf16 on f32 copies through OpenBLAS \\((oneDNN runs avx2 here, without native bf16 products|this build has no "
+      "bf16 on f32 copies through OpenBLAS \\((oneDNN runs avx2 under COSHARD_CPU_ISA=avx2, without native bf16 products|this build has no "
       "oneDNN)\\)\\|copies");
 }
 

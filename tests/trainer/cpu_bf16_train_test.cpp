@@ -4,6 +4,7 @@
 // 200 steps each: the mean of the last 50 losses within 3% of f32's, at world 1 stage 0 and world 2 stage 3.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -104,6 +105,28 @@ TEST(CpuBf16, ABadIsaCapIsRefusedEvenByTheEstimate) {
                           dir);
   ASSERT_EQ(header.code, 0) << header.output;
   EXPECT_NE(header.output.find("ZeRO-3, bf16, 1 rank(s) on cpu"), std::string::npos) << header.output;
+}
+
+// The header names a rank's math threads, and warns where --blas-threads asks more than the cores
+// (a new user's 1000 on 2 cores: 1075 threads, steps a hundred times slower, and no word of it).
+TEST(CpuBf16, TheHeaderNamesTheMathThreadsAndWarnsOfTooMany) {
+  const fs::path dir = scratch("cpu_bf16_threads");
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  const auto plain = run({"--model", "llama", "--preset", "llama-tiny", "--world-size", "1", "--steps", "1"}, dir);
+  ASSERT_EQ(plain.code, 0) << plain.output;
+  EXPECT_NE(plain.output.find("  math threads: " + std::to_string(cores) + " a rank (products, element-wise kernels, "
+                              "optimizer), 1 rank(s) on this machine's " + std::to_string(cores) + " cores\n"),
+            std::string::npos)
+      << plain.output;
+  const std::string many = std::to_string(2 * cores);
+  const auto over = run({"--model", "llama", "--preset", "llama-tiny", "--world-size", "2", "--steps", "1",
+                         "--blas-threads", many},
+                        dir);
+  ASSERT_EQ(over.code, 0) << over.output;
+  EXPECT_NE(over.output.find("--blas-threads " + many + " puts " + std::to_string(4 * cores) + " threads on " +
+                             std::to_string(cores) + " cores, which slows every step"),
+            std::string::npos)
+      << over.output;
 }
 
 }  // namespace

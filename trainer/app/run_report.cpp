@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <set>
 #include <string>
+#include <thread>
 
 #include "coshard/collectives/nccl.hpp"
 #include "coshard/modules/cpu_blas_kernels.hpp"
@@ -31,6 +32,20 @@ std::string omp_wait(int threads) {
     return " (OMP_WAIT_POLICY=ACTIVE: OpenMP's idle threads spin, taking cores from the element-wise kernels; "
            "PASSIVE or unset is faster)";
   return {};
+}
+
+// A CPU rank's math threads, and a warning where the threads asked for oversubscribe the cores.
+std::string math_threads(const Options& o) {
+  const int threads = modules::cpu_math_threads();
+  const int ranks = o.launch.launcher != collectives::Launcher::none ? o.launch.local_size : o.world_size;
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  std::string line = std::to_string(threads) + " a rank (products, element-wise kernels, optimizer), " +
+                     std::to_string(ranks) + " rank(s) on this machine's " + std::to_string(cores) + " cores";
+  if (o.blas_threads > 0 && static_cast<long long>(threads) * ranks > cores)
+    line += ": --blas-threads " + std::to_string(o.blas_threads) + " puts " +
+            std::to_string(static_cast<long long>(threads) * ranks) + " threads on " + std::to_string(cores) +
+            " cores, which slows every step (--blas-threads 0 gives each rank the cores over the ranks)";
+  return line;
 }
 
 // ZeRO++'s lines: the quantized gathers and reduction, the secondary partition (which units, what
@@ -166,6 +181,7 @@ void print_run_header(const Options& o, trainer::Trainer& t, const collectives::
       products = half->describe(dt) + (half->native(dt) ? omp_wait(modules::cpu_math_threads()) + "; f32 on " + products
                                                          : "; " + products);
     std::printf("  matrix products: %s\n", products.c_str());
+    std::printf("  math threads: %s\n", math_threads(o).c_str());
   }
   std::string ranks = o.launch.launcher == collectives::Launcher::none
                           ? "threads of this process"

@@ -102,7 +102,8 @@ Setting dtype_setting() {
   Setting s{.name = "dtype", .flag = "--dtype",
             .help = "compute dtype (bf16/f16 on the CPU: matrix products and attention through oneDNN where the CPU "
                     "has AMX, and bf16's on AMD's AVX512-BF16, else on f32 copies; the other kernels read and write "
-                    "bf16/f16 with f32 math; the run header names the products); f16 turns on dynamic loss scaling",
+                    "bf16/f16 with f32 math; the run header names the products; COSHARD_CPU_ISA caps oneDNN's "
+                    "instructions); f16 turns on dynamic loss scaling",
             .expected = "f32, bf16 or f16", .kind = SettingKind::choice, .choices = kDtypes};
   s.get = [](const Setting&, const TrainerConfig& c) { return std::string(to_string(c.dtype)); };
   s.parse = [](const Setting&, TrainerConfig& c, std::string_view text) -> Result<void> {

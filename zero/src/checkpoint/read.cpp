@@ -63,7 +63,8 @@ Result<void> check_run(const CheckpointManifest& m, const Loader& l, const std::
                   "); these define a run and cannot change on resume (docs/reliability.md lists what can)");
   }
   if (m.dtype != to_string(l.dtype))
-    return fail(ErrorCode::invalid_argument, where, ": saved in ", m.dtype, ", this run trains in ", to_string(l.dtype));
+    return fail(ErrorCode::invalid_argument, where, ": saved in ", m.dtype, ", this run trains in ", to_string(l.dtype),
+                ": resume it in ", m.dtype);
   if (m.optimizer != l.optimizer)
     return fail(ErrorCode::invalid_argument, where, ": optimizer ", m.optimizer, ", this run uses ", l.optimizer);
   return {};

@@ -22,6 +22,7 @@ struct CpuHalfProducts {
   bool bf16 = false;   // bf16 products native (through oneDNN): with AMX, on AMD's AVX512-BF16, or where
                        // COSHARD_CPU_ISA asks
   bool f16 = false;    // f16 products native
+  std::string cap{};   // COSHARD_CPU_ISA's value where it caps oneDNN's instructions (empty: unset)
   bool native(DataType dt) const noexcept { return (dt == DataType::bf16 && bf16) || (dt == DataType::f16 && f16); }
   // For a run's header: what multiplies `dt` matrices ("oneDNN avx512_core_bf16 bf16 with f32
   // accumulation"), or, for bf16/f16 without them, that f32 copies do and why.

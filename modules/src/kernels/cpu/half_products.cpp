@@ -111,6 +111,7 @@ Result<CpuHalfProducts> probe() noexcept {
         return fail(ErrorCode::invalid_argument, "COSHARD_CPU_ISA=", want.substr(0, 64),
                     ": expected one of all, avx2, avx512_core, avx512_core_bf16, avx512_core_amx");
       asked = found->isa != dnnl::cpu_isa::all && has(found->isa, dnnl::cpu_isa::avx512_core_bf16);
+      p.cap = std::string(want);
       if (dnnl::set_max_cpu_isa(found->isa) != dnnl::status::success)
         return fail(ErrorCode::internal, "COSHARD_CPU_ISA=", want, ": oneDNN had chosen its instructions already");
     }
@@ -143,13 +144,15 @@ Result<CpuHalfProducts> probe() noexcept {
 
 std::string CpuHalfProducts::describe(DataType dt) const {
   const std::string name(to_string(dt));
+  // (where COSHARD_CPU_ISA capped the instructions, the header says so rather than "here")
+  const std::string runs = "oneDNN runs " + isa + (cap.empty() ? " here" : " under COSHARD_CPU_ISA=" + cap);
   if (native(dt)) return "oneDNN " + isa + " " + name + " with f32 accumulation";
   if (dt != DataType::bf16 && dt != DataType::f16) return {};
   if (!built) return name + " on f32 copies through OpenBLAS (this build has no oneDNN)";
   // (f16 is native with AMX or where asked, and only where oneDNN has its own kernels for it: not
   // on AVX512-BF16 alone, whatever COSHARD_CPU_ISA says)
   if (dt == DataType::f16 && !amx)
-    return name + " on f32 copies through OpenBLAS (oneDNN runs " + isa + " here, without native f16 products)";
+    return name + " on f32 copies through OpenBLAS (" + runs + ", without native f16 products)";
   if (kThreadSanitizer && (amx || isa.starts_with("avx512_core_bf16")))
     return name + " on f32 copies through OpenBLAS (under ThreadSanitizer, which cannot see into oneDNN; "
                   "COSHARD_CPU_ISA=avx512_core_bf16 takes its products)";
@@ -157,7 +160,7 @@ std::string CpuHalfProducts::describe(DataType dt) const {
     return name + " on f32 copies through OpenBLAS (oneDNN's " + isa + " " + name +
            " products measured slower than f32 on Intel CPUs without AMX; COSHARD_CPU_ISA=avx512_core_bf16 takes "
            "them)";
-  return name + " on f32 copies through OpenBLAS (oneDNN runs " + isa + " here, without native " + name + " products)";
+  return name + " on f32 copies through OpenBLAS (" + runs + ", without native " + name + " products)";
 }
 
 Result<CpuHalfProducts> cpu_half_products() noexcept {
