@@ -21,7 +21,9 @@ inline float exp_approx(float x) {
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
   const float p =
       1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
-  const auto bits = static_cast<std::uint32_t>(static_cast<std::int32_t>(n) + 127) << 23;
+  // (a NaN's n converted to an integer would be undefined: any exponent does, p is a NaN already)
+  const float whole = n == n ? n : 0.0f;
+  const auto bits = static_cast<std::uint32_t>(static_cast<std::int32_t>(whole) + 127) << 23;
   return p * std::bit_cast<float>(bits);
 }
 
