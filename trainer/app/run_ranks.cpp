@@ -210,10 +210,12 @@ int run_ranks(const Options& o) {
   return report_outcome(o, shared);
 }
 
+int ranks_on_this_machine(const Options& o) {
+  return o.launch.launcher != collectives::Launcher::none ? o.launch.local_size : o.world_size;
+}
+
 int rank_math_threads(const Options& o) {
-  const bool processes = o.launch.launcher != collectives::Launcher::none;
-  return o.blas_threads > 0 ? o.blas_threads
-                            : modules::default_cpu_math_threads(processes ? o.launch.local_size : o.world_size);
+  return o.blas_threads > 0 ? o.blas_threads : modules::default_cpu_math_threads(ranks_on_this_machine(o));
 }
 
 }  // namespace coshard::train_app

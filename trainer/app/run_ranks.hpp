@@ -12,6 +12,9 @@ namespace coshard::train_app {
 // stop signal).
 int run_ranks(const Options& o);
 
+// The ranks on this machine: this process's threads, or the launcher's local processes.
+int ranks_on_this_machine(const Options& o);
+
 // Each rank's CPU math threads: --blas-threads, else the machine's cores divided by its ranks
 // (this process's threads, or the launcher's local processes).
 int rank_math_threads(const Options& o);

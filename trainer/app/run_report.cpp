@@ -14,6 +14,7 @@
 #include "coshard/modules/cpu_threads.hpp"
 #include "coshard/modules/layers.hpp"
 #include "coshard/zero/memory_estimate.hpp"
+#include "run_ranks.hpp"
 
 namespace coshard::train_app {
 
@@ -37,7 +38,7 @@ std::string omp_wait(int threads) {
 // A CPU rank's math threads, and a warning where the threads asked for oversubscribe the cores.
 std::string math_threads(const Options& o) {
   const int threads = modules::cpu_math_threads();
-  const int ranks = o.launch.launcher != collectives::Launcher::none ? o.launch.local_size : o.world_size;
+  const int ranks = ranks_on_this_machine(o);
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   std::string line = std::to_string(threads) + " a rank (products, element-wise kernels, optimizer), " +
                      std::to_string(ranks) + " rank(s) on this machine's " + std::to_string(cores) + " cores";

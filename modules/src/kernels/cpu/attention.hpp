@@ -35,6 +35,16 @@ void causal_softmax_row(T* row, std::int64_t i, std::int64_t T_, Exp exp = {}) {
   for (std::int64_t j = i + 1; j < T_; ++j) row[j] = 0;
 }
 
+// Row i of dP, in place: dS = P * (dP - rowsum(P * dP)) over columns 0..i, zeros after them (P
+// is zero there).
+template <class T>
+void causal_softmax_backward_row(const T* p, T* dp, std::int64_t i, std::int64_t T_) {
+  T dot = 0;
+  for (std::int64_t j = 0; j <= i; ++j) dot += p[j] * dp[j];
+  for (std::int64_t j = 0; j <= i; ++j) dp[j] = p[j] * (dp[j] - dot);
+  for (std::int64_t j = i + 1; j < T_; ++j) dp[j] = 0;
+}
+
 // Grouped-query attention (KVH = H: multi-head). Row stride W = (H + 2 KVH) hd; query head h
 // uses key/value head h / (H / KVH).
 template <class T>
@@ -130,15 +140,7 @@ void attention_bwd(const T* dout, const T* qkv, const T* probs, T* dqkv, T* scra
   }
   // dS = P * (dP - rowsum(P * dP)), zero above the diagonal (P is zero there).
   parallel_rows(B * H * T_, 2 * T_, [&](std::int64_t begin, std::int64_t end) {
-    for (std::int64_t r = begin; r < end; ++r) {
-      const std::int64_t i = r % T_;
-      const T* pr = probs + r * T_;
-      T* dr = scratch + r * T_;
-      T dot = 0;
-      for (std::int64_t j = 0; j <= i; ++j) dot += pr[j] * dr[j];
-      for (std::int64_t j = 0; j <= i; ++j) dr[j] = pr[j] * (dr[j] - dot);
-      for (std::int64_t j = i + 1; j < T_; ++j) dr[j] = 0;
-    }
+    for (std::int64_t r = begin; r < end; ++r) causal_softmax_backward_row(probs + r * T_, scratch + r * T_, r % T_, T_);
   });
   for (std::int64_t b = 0; b < B; ++b) {
     for (std::int64_t h = 0; h < H; ++h) {

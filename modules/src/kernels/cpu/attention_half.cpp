@@ -5,10 +5,8 @@
 #include "kernels/cpu/attention_half.hpp"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <new>
-#include <vector>
 
 #include "kernels/cpu/attention.hpp"
 #include "kernels/cpu/exp_approx.hpp"
@@ -34,24 +32,6 @@ class F32Buffer {
  private:
   CopyBuffers::Buffer buffer_;
 };
-
-// Rows [0, rows) split as parallel_rows does, each chunk with a buffer of `width` floats; throws
-// std::bad_alloc on the calling thread where a chunk's buffer cannot be had.
-template <class Fn>
-void rows_with_buffer(std::int64_t rows, std::int64_t width, std::int64_t work_per_row, Fn&& fn) {
-  std::atomic<bool> no_memory{false};
-  parallel_rows(rows, work_per_row, [&](std::int64_t begin, std::int64_t end) {
-    std::vector<float> buffer;
-    try {
-      buffer.resize(static_cast<std::size_t>(std::max<std::int64_t>(width, 1)));
-    } catch (const std::bad_alloc&) {
-      no_memory.store(true, std::memory_order_relaxed);
-      return;
-    }
-    for (std::int64_t r = begin; r < end; ++r) fn(r, buffer.data());
-  });
-  if (no_memory.load(std::memory_order_relaxed)) throw std::bad_alloc();
-}
 
 Result<void> out_of_memory(const char* what, std::int64_t B, std::int64_t T, std::int64_t H) {
   return fail(ErrorCode::out_of_memory, "attention ", what, " (batch ", B, ", sequence ", T, ", ", H,
@@ -132,10 +112,7 @@ Result<void> attention_bwd_half(DataType dt, const void* dout_, const void* qkv_
           const std::int64_t at = (b * H + h) * TT + i * T;
           widen_half(dt, probs + at, p, static_cast<std::size_t>(i + 1));
           float* dr = dpp + r * T;
-          float dot = 0;
-          for (std::int64_t c = 0; c <= i; ++c) dot += p[c] * dr[c];
-          for (std::int64_t c = 0; c <= i; ++c) dr[c] = p[c] * (dr[c] - dot);
-          for (std::int64_t c = i + 1; c < T; ++c) dr[c] = 0;
+          causal_softmax_backward_row(p, dr, i, T);
           narrow_half(dt, dr, ds + at, static_cast<std::size_t>(T));
         });
         // dQ = scale dS K (written in dt); dK (+)= scale dS^T Q (f32).

@@ -5,7 +5,6 @@
 #pragma once
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <new>
@@ -93,22 +92,10 @@ void cross_entropy_bwd(const T* logits, const std::int32_t* targets, const T* se
 template <class Fn>
 void for_widened_rows(DataType dt, const std::uint16_t* logits, std::int64_t N, std::int64_t V,
                       std::int64_t work_per_row, bool with_scratch, Fn&& fn) {
-  std::atomic<bool> no_memory{false};
-  parallel_rows(N, work_per_row, [&](std::int64_t begin, std::int64_t end) {
-    std::vector<float> row, scratch;
-    try {
-      row.resize(static_cast<std::size_t>(V));
-      if (with_scratch) scratch.resize(static_cast<std::size_t>(V));
-    } catch (const std::bad_alloc&) {
-      no_memory.store(true, std::memory_order_relaxed);
-      return;
-    }
-    for (std::int64_t i = begin; i < end; ++i) {
-      widen_half(dt, logits + i * V, row.data(), row.size());
-      fn(i, row.data(), scratch.data());
-    }
+  rows_with_buffer(N, with_scratch ? 2 * V : V, work_per_row, [&](std::int64_t i, float* row) {
+    widen_half(dt, logits + i * V, row, static_cast<std::size_t>(V));
+    fn(i, row, row + V);
   });
-  if (no_memory.load(std::memory_order_relaxed)) throw std::bad_alloc();
 }
 
 // A bf16/f16 row widened to f32: its term of the loss (e: V floats of scratch), and its gradient

@@ -2,10 +2,14 @@
 // shard, its gradient statistics) split across cores. Private: not installed.
 #pragma once
 
+#include <algorithm>
+#include <atomic>
 #include <concepts>
 #include <cstdint>
 #include <memory>
 #include <type_traits>
+#include <new>
+#include <vector>
 
 namespace coshard::modules::detail {
 
@@ -50,6 +54,24 @@ inline constexpr std::int64_t kRowChunkWork = std::int64_t{1} << 15;
 inline void parallel_rows(std::int64_t rows, std::int64_t work_per_row, RangeFn fn) {
   const std::int64_t per_row = work_per_row > 0 ? work_per_row : 1;
   parallel_for(rows, per_row >= kRowChunkWork ? 1 : kRowChunkWork / per_row, fn);
+}
+
+// parallel_rows with fn(row, buffer) given a buffer of `width` floats of its chunk's (not zeroed).
+// Throws std::bad_alloc on the calling thread where a chunk's buffer cannot be had.
+template <class Fn>
+void rows_with_buffer(std::int64_t rows, std::int64_t width, std::int64_t work_per_row, Fn&& fn) {
+  std::atomic<bool> no_memory{false};
+  parallel_rows(rows, work_per_row, [&](std::int64_t begin, std::int64_t end) {
+    std::vector<float> buffer;
+    try {
+      buffer.resize(static_cast<std::size_t>(std::max<std::int64_t>(width, 1)));
+    } catch (const std::bad_alloc&) {
+      no_memory.store(true, std::memory_order_relaxed);
+      return;
+    }
+    for (std::int64_t r = begin; r < end; ++r) fn(r, buffer.data());
+  });
+  if (no_memory.load(std::memory_order_relaxed)) throw std::bad_alloc();
 }
 
 }  // namespace coshard::modules::detail
