@@ -28,6 +28,7 @@
 #include "coshard/zero/checkpoint.hpp"
 #include "coshard/zero/engine.hpp"
 #include "../support/on_ranks.hpp"
+#include "../support/token_batch.hpp"
 #include "../support/value_differences.hpp"
 
 namespace coshard::zero {
@@ -105,16 +106,7 @@ std::vector<std::int32_t> sequence(int step, std::int64_t s, std::int64_t vocab)
 }
 
 Result<modules::Batch> batch(Context& ctx, int step, std::int64_t first, std::int64_t rows, std::int64_t vocab) {
-  std::vector<std::int32_t> inputs, targets;
-  for (std::int64_t s = first; s < first + rows; ++s) {
-    const auto t = sequence(step, s, vocab);
-    inputs.insert(inputs.end(), t.begin(), t.end() - 1);
-    targets.insert(targets.end(), t.begin() + 1, t.end());
-  }
-  modules::Batch b;
-  COSHARD_TRY_ASSIGN(b.inputs, ctx.upload(std::as_bytes(std::span(inputs)), Shape{rows, kSeq}, DataType::i32));
-  COSHARD_TRY_ASSIGN(b.targets, ctx.upload(std::as_bytes(std::span(targets)), Shape{rows * kSeq}, DataType::i32));
-  return b;
+  return ::coshard::testing::token_batch(ctx, first, rows, kSeq, [&](std::int64_t s) { return sequence(step, s, vocab); });
 }
 
 Result<TrainedRun> train(const Layout& k) {
